@@ -1,0 +1,110 @@
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+use crate::{Edge, EdgeKey, EdgeKind, Node, NodeId, NodeKind};
+
+/// A node's embedding, with the model it came from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Embedding {
+    /// The embedded node.
+    pub node_id: NodeId,
+    /// Model id (manifest name + revision).
+    pub model_id: String,
+    /// SHA-256 of the exact text that was embedded (the embedding cache key with the model).
+    pub text_sha256: String,
+    /// The vector; its length is the model's dimension.
+    pub vector: Vec<f32>,
+}
+
+/// Node and edge counts, as `fluxmem stats` prints them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct GraphStats {
+    /// Semantic nodes.
+    pub semantic: usize,
+    /// Episodic nodes.
+    pub episodic: usize,
+    /// Procedural nodes.
+    pub procedural: usize,
+    /// Ground edges (active ones only).
+    pub ground: usize,
+    /// Distill edges (active ones only).
+    pub distill: usize,
+    /// Link edges (active ones only).
+    pub link: usize,
+    /// Nodes with at least one embedding.
+    pub embedded: usize,
+}
+
+/// The in-memory memory graph: nodes by id, edges by key, embeddings by (node, model).
+///
+/// Ordered maps keep iteration (and so everything written from a graph) deterministic.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Graph {
+    /// Nodes by id.
+    pub nodes: BTreeMap<NodeId, Node>,
+    /// Edges by key.
+    pub edges: BTreeMap<EdgeKey, Edge>,
+    /// Embeddings by (node id, model id).
+    pub embeddings: BTreeMap<(NodeId, String), Embedding>,
+}
+
+impl Graph {
+    /// Inserts a node; returns false (and keeps the existing one) if the id is already present.
+    pub fn insert_node(&mut self, node: Node) -> bool {
+        if self.nodes.contains_key(&node.id) {
+            return false;
+        }
+        self.nodes.insert(node.id.clone(), node);
+        true
+    }
+
+    /// Inserts or replaces a node.
+    pub fn upsert_node(&mut self, node: Node) {
+        self.nodes.insert(node.id.clone(), node);
+    }
+
+    /// Inserts or replaces an edge.
+    pub fn upsert_edge(&mut self, edge: Edge) {
+        self.edges.insert(edge.key(), edge);
+    }
+
+    /// Inserts or replaces an embedding.
+    pub fn upsert_embedding(&mut self, embedding: Embedding) {
+        self.embeddings.insert((embedding.node_id.clone(), embedding.model_id.clone()), embedding);
+    }
+
+    /// Applies every node, edge and embedding of `other` on top of this graph (later wins).
+    pub fn apply(&mut self, other: Graph) {
+        self.nodes.extend(other.nodes);
+        self.edges.extend(other.edges);
+        self.embeddings.extend(other.embeddings);
+    }
+
+    /// True when there is nothing in the graph.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty() && self.edges.is_empty() && self.embeddings.is_empty()
+    }
+
+    /// Counts per node kind, per active edge kind, and embedded nodes.
+    pub fn stats(&self) -> GraphStats {
+        let mut stats = GraphStats::default();
+        for node in self.nodes.values() {
+            match node.kind() {
+                NodeKind::Semantic => stats.semantic += 1,
+                NodeKind::Episodic => stats.episodic += 1,
+                NodeKind::Procedural => stats.procedural += 1,
+            }
+        }
+        for edge in self.edges.values().filter(|edge| edge.active) {
+            match edge.kind {
+                EdgeKind::Ground => stats.ground += 1,
+                EdgeKind::Distill => stats.distill += 1,
+                EdgeKind::Link => stats.link += 1,
+            }
+        }
+        let mut embedded: Vec<&NodeId> = self.embeddings.keys().map(|(id, _)| id).collect();
+        embedded.dedup();
+        stats.embedded = embedded.len();
+        stats
+    }
+}

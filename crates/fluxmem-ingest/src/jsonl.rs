@@ -1,0 +1,227 @@
+//! fluxmem's own JSONL trajectory format: one episode (or fact) per line.
+//! The schema is documented in `docs/trajectory-schema.md`.
+
+use fluxmem_graph::{Episode, NodeBody, Outcome, Semantic, Step, ToolCall};
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+use crate::source::{parse_at, timestamp_ms, Source};
+use crate::{Parsed, Record};
+
+#[derive(Deserialize)]
+struct Probe {
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct EpisodeRecord {
+    task: String,
+    #[serde(default)]
+    tenant: Option<String>,
+    #[serde(default)]
+    agent_id: Option<String>,
+    #[serde(default)]
+    episode_id: Option<String>,
+    #[serde(default)]
+    started_at: Option<Value>,
+    #[serde(default)]
+    steps: Vec<StepRecord>,
+    #[serde(default)]
+    outcome: OutcomeRecord,
+    #[serde(default)]
+    metadata: BTreeMap<String, Value>,
+    #[serde(flatten)]
+    extra: BTreeMap<String, Value>,
+}
+
+#[derive(Deserialize)]
+struct StepRecord {
+    #[serde(default)]
+    observation: String,
+    #[serde(default)]
+    action: String,
+    #[serde(default)]
+    tool_calls: Vec<ToolCallRecord>,
+    #[serde(default)]
+    feedback: Option<String>,
+    #[serde(default)]
+    timestamp: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct ToolCallRecord {
+    name: String,
+    #[serde(default)]
+    arguments: Value,
+    #[serde(default)]
+    result: Option<Value>,
+}
+
+#[derive(Deserialize, Default)]
+struct OutcomeRecord {
+    #[serde(default)]
+    success: Option<bool>,
+    #[serde(default)]
+    reward: Option<f64>,
+    #[serde(default)]
+    feedback: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct FactRecord {
+    text: String,
+    #[serde(default)]
+    tenant: Option<String>,
+    #[serde(default)]
+    agent_id: Option<String>,
+    #[serde(default)]
+    source: Option<String>,
+    #[serde(default)]
+    position: Option<i64>,
+    #[serde(default)]
+    time: Option<String>,
+    #[serde(default)]
+    section: Option<String>,
+    #[serde(default)]
+    metadata: BTreeMap<String, Value>,
+    #[serde(flatten)]
+    extra: BTreeMap<String, Value>,
+}
+
+/// Parses a JSONL file, one record per non-blank line.
+pub(crate) fn parse(source: &Source, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
+    let mut offset = 0;
+    for (index, raw_line) in source.bytes.split(|&b| b == b'\n').enumerate() {
+        let line_no = index + 1;
+        let start = offset;
+        offset += raw_line.len() + 1;
+        let raw_line = raw_line.strip_suffix(b"\r").unwrap_or(raw_line);
+        if raw_line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let locator = format!("line {line_no}");
+        if let Some(rejected) = source.check_size(line_no, &locator, raw_line) {
+            emit(rejected)?;
+            continue;
+        }
+        let parsed = match std::str::from_utf8(raw_line) {
+            Err(e) => Parsed::Rejected(source.reject(
+                line_no,
+                &locator,
+                format!("invalid UTF-8 at byte {} of the line", e.valid_up_to()),
+                raw_line,
+            )),
+            Ok(text) => parse_line(source, line_no, text).unwrap_or_else(|(field, reason)| {
+                Parsed::Rejected(source.reject(line_no, &locator, reason, raw_line).field(field))
+            }),
+        };
+        debug_assert!(start <= source.bytes.len());
+        emit(parsed)?;
+    }
+    Ok(())
+}
+
+fn parse_line(source: &Source, line_no: usize, text: &str) -> Result<Parsed, (String, String)> {
+    let value: Value = parse_at(text)?;
+    if !value.is_object() {
+        return Err((String::new(), format!("a record must be a JSON object, got {}", type_name(&value))));
+    }
+    let probe: Probe = parse_at(text)?;
+    let canonical = value.to_string();
+    match probe.kind.as_deref().unwrap_or("episode") {
+        "episode" => episode(source, line_no, text, &canonical),
+        "fact" => fact(source, line_no, text),
+        other => Err(("type".into(), format!("unknown record type `{other}` (expected `episode` or `fact`)"))),
+    }
+}
+
+fn episode(source: &Source, line_no: usize, text: &str, canonical: &str) -> Result<Parsed, (String, String)> {
+    let mut record: EpisodeRecord = parse_at(text)?;
+    let started_at = record.started_at.as_ref().map(timestamp_ms).transpose().map_err(|e| ("started_at".into(), e))?;
+    let mut steps = Vec::with_capacity(record.steps.len());
+    for (index, step) in record.steps.into_iter().enumerate() {
+        let timestamp = step
+            .timestamp
+            .as_ref()
+            .map(timestamp_ms)
+            .transpose()
+            .map_err(|e| (format!("steps[{index}].timestamp"), e))?;
+        steps.push(Step {
+            observation: step.observation,
+            action: step.action,
+            tool_calls: step
+                .tool_calls
+                .into_iter()
+                .map(|call| ToolCall {
+                    name: call.name,
+                    arguments: json_text(call.arguments),
+                    result: call.result.map(json_text),
+                })
+                .collect(),
+            feedback: step.feedback,
+            timestamp,
+        });
+    }
+    record.metadata.remove("type");
+    record.extra.remove("type");
+    let mut metadata = record.metadata;
+    metadata.extend(record.extra);
+    let outcome = Outcome { success: record.outcome.success, reward: record.outcome.reward, feedback: record.outcome.feedback };
+    let episode_id = record.episode_id.unwrap_or_default();
+    if !episode_id.is_empty() {
+        metadata.insert("episode_id".into(), Value::String(episode_id.clone()));
+    }
+    let mut node = source.node_of(
+        record.tenant.as_deref(),
+        record.agent_id.as_deref(),
+        NodeBody::Episodic(Episode { steps, outcome }),
+        &record.task,
+        &["episode", &episode_id, canonical],
+        format!("line {line_no}"),
+        started_at,
+    );
+    node.metadata = metadata;
+    Ok(Parsed::Record(Record { nodes: vec![node] }))
+}
+
+fn fact(source: &Source, line_no: usize, text: &str) -> Result<Parsed, (String, String)> {
+    let mut record: FactRecord = parse_at(text)?;
+    record.extra.remove("type");
+    let name = source.path.rsplit('/').next().unwrap_or(&source.path).to_string();
+    let origin = record.source.unwrap_or(name);
+    let position = record.position.unwrap_or(line_no as i64 - 1);
+    let mut metadata = record.metadata;
+    metadata.extend(record.extra);
+    let mut node = source.node_of(
+        record.tenant.as_deref(),
+        record.agent_id.as_deref(),
+        NodeBody::Semantic(Semantic { source: origin.clone(), position, time: record.time, group: record.section }),
+        &record.text,
+        &[&origin, &position.to_string(), &record.text],
+        format!("line {line_no}"),
+        None,
+    );
+    node.metadata = metadata;
+    Ok(Parsed::Record(Record { nodes: vec![node] }))
+}
+
+fn json_text(value: Value) -> String {
+    match value {
+        Value::String(s) => s,
+        Value::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
+pub(crate) fn type_name(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}

@@ -1,0 +1,349 @@
+//! Ingestion: agent logs and knowledge files in, graph nodes out, bad records quarantined.
+//!
+//! Formats ([`Format`]): fluxmem's own JSONL trajectory schema (`docs/trajectory-schema.md`),
+//! knowledge documents (text/Markdown, chunked), LoCoMo conversations, tau-bench runs and
+//! ALFWorld transcripts. [`ingest`] drives a whole batch into a store:
+//!
+//! - every record read is counted exactly once: `read = ingested + duplicates + quarantined`;
+//! - a bad record (bad JSON, wrong type, missing field, invalid UTF-8, oversize) goes to the
+//!   run's quarantine file with its file, line, field and reason, and the batch goes on;
+//! - node ids are content-addressed, so a record already stored is a duplicate and adds nothing;
+//! - commits happen per file and every [`IngestOptions::batch_records`] records, at points that
+//!   depend only on the input, so a killed run started again ends with the same store.
+//!
+//! ```no_run
+//! use fluxmem_ingest::{ingest, IngestOptions, NoProgress};
+//! let mut writer = fluxmem_store::Writer::open("fluxmem-store").unwrap();
+//! let report = ingest(&mut writer, &["data/".into()], &IngestOptions::default(), "run-1", &mut NoProgress).unwrap();
+//! assert_eq!(report.read, report.ingested + report.duplicates + report.quarantined);
+//! ```
+
+mod alfworld;
+mod docs;
+mod error;
+mod jsonl;
+mod locomo;
+mod record;
+mod source;
+mod tau;
+
+pub use docs::{chunk, Chunk};
+pub use error::{Error, Result};
+pub use record::{Parsed, Record, Rejected};
+
+use fluxmem_graph::{Graph, NodeId};
+use fluxmem_store::{CommitInfo, Writer};
+use serde::Serialize;
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use source::Source;
+
+/// Input formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// fluxmem's JSONL trajectory schema.
+    Jsonl,
+    /// Text / Markdown knowledge documents.
+    Docs,
+    /// LoCoMo conversations.
+    Locomo,
+    /// tau-bench run results.
+    TauBench,
+    /// ALFWorld transcripts.
+    Alfworld,
+}
+
+impl Format {
+    /// Parses a `--format` value (`auto` is `None`).
+    pub fn parse(value: &str) -> Result<Option<Format>> {
+        Ok(Some(match value {
+            "auto" => return Ok(None),
+            "jsonl" => Format::Jsonl,
+            "docs" => Format::Docs,
+            "locomo" => Format::Locomo,
+            "tau-bench" => Format::TauBench,
+            "alfworld" => Format::Alfworld,
+            other => {
+                return Err(Error::Usage(format!(
+                    "unknown format `{other}` (expected auto, jsonl, docs, locomo, tau-bench or alfworld)"
+                )))
+            }
+        }))
+    }
+
+    /// Guesses the format of `path` from its extension and first bytes.
+    pub fn detect(path: &Path, bytes: &[u8]) -> Option<Format> {
+        let extension = path.extension().and_then(|e| e.to_str()).unwrap_or_default().to_ascii_lowercase();
+        match extension.as_str() {
+            "jsonl" | "ndjson" => return Some(Format::Jsonl),
+            "md" | "markdown" | "txt" | "text" | "rst" => return Some(Format::Docs),
+            "json" => {}
+            _ => return None,
+        }
+        let head = String::from_utf8_lossy(&bytes[..bytes.len().min(1 << 16)]);
+        let trimmed = head.trim_start();
+        if trimmed.starts_with('[') && head.contains("\"conversation\"") && head.contains("\"speaker_a\"") {
+            Some(Format::Locomo)
+        } else if trimmed.starts_with('[') && head.contains("\"traj\"") {
+            Some(Format::TauBench)
+        } else if trimmed.starts_with('{') && head.contains("Your task is to:") {
+            Some(Format::Alfworld)
+        } else {
+            None
+        }
+    }
+}
+
+/// How to ingest.
+#[derive(Debug, Clone)]
+pub struct IngestOptions {
+    /// Force a format; `None` detects it per file.
+    pub format: Option<Format>,
+    /// Tenant of records that do not name one.
+    pub tenant: String,
+    /// Agent id of records that do not name one.
+    pub agent_id: Option<String>,
+    /// Records larger than this are quarantined.
+    pub max_record_bytes: usize,
+    /// Maximum words per document chunk.
+    pub chunk_words: usize,
+    /// Commit at least every this many records.
+    pub batch_records: usize,
+}
+
+impl Default for IngestOptions {
+    fn default() -> Self {
+        IngestOptions {
+            format: None,
+            tenant: "default".into(),
+            agent_id: None,
+            max_record_bytes: 8 << 20,
+            chunk_words: 120,
+            batch_records: 5000,
+        }
+    }
+}
+
+/// Counts of one ingestion run, as `fluxmem ingest --json` prints them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct IngestReport {
+    /// Records read.
+    pub read: u64,
+    /// Records stored for the first time.
+    pub ingested: u64,
+    /// Records already stored (or seen earlier in this run).
+    pub duplicates: u64,
+    /// Records sent to the quarantine file.
+    pub quarantined: u64,
+    /// The quarantine file, if anything was quarantined.
+    pub quarantine_file: Option<PathBuf>,
+    /// Nodes added (a record can add several, e.g. a tau-bench run and its policy chunks).
+    pub nodes_added: u64,
+    /// Input files read.
+    pub files: u64,
+    /// Commits made.
+    pub commits: u64,
+}
+
+/// Progress callbacks; the CLI draws a bar from them, tests ignore them.
+pub trait Progress {
+    /// The batch holds `total_bytes` bytes of input.
+    fn start(&mut self, _total_bytes: u64) {}
+    /// `bytes` more bytes are done; `file` is being read.
+    fn advance(&mut self, _bytes: u64, _file: &str) {}
+    /// A record was quarantined.
+    fn quarantined(&mut self, _rejected: &Rejected) {}
+}
+
+/// A [`Progress`] that shows nothing.
+pub struct NoProgress;
+impl Progress for NoProgress {}
+
+/// Ingests every file under `inputs` into the store of `writer`.
+pub fn ingest(
+    writer: &mut Writer,
+    inputs: &[PathBuf],
+    options: &IngestOptions,
+    run_id: &str,
+    progress: &mut dyn Progress,
+) -> Result<IngestReport> {
+    let manifest = writer.manifest().clone();
+    let known = writer.store().node_ids(&manifest)?;
+    let quarantine_path = writer.store().dir().join("quarantine").join(format!("{run_id}.jsonl"));
+    let mut run = Run {
+        writer,
+        options,
+        run_id,
+        known,
+        pending: Graph::default(),
+        pending_records: 0,
+        report: IngestReport::default(),
+        quarantine_path,
+        quarantine: None,
+    };
+    let (files, missing) = expand(inputs);
+    for rejected in missing {
+        run.quarantine(rejected, progress)?;
+    }
+    let total: u64 = files.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)).sum();
+    progress.start(total);
+    for file in &files {
+        run.file(file, progress)?;
+        run.commit()?;
+    }
+    run.commit()?;
+    if let Some(file) = run.quarantine.as_mut() {
+        file.flush().map_err(|source| Error::Quarantine { path: run.quarantine_path.clone(), source })?;
+    }
+    Ok(run.report)
+}
+
+/// Files under `inputs` (directories walked in name order, hidden entries skipped), and a
+/// rejection for each input that does not exist.
+fn expand(inputs: &[PathBuf]) -> (Vec<PathBuf>, Vec<Rejected>) {
+    let mut files = Vec::new();
+    let mut missing = Vec::new();
+    for input in inputs {
+        if input.is_dir() {
+            walk(input, &mut files);
+        } else if input.is_file() {
+            files.push(input.clone());
+        } else {
+            let path = input.display().to_string();
+            missing.push(Rejected::new(&path, 0, "file", "input does not exist or is not a regular file", b"", 0));
+        }
+    }
+    (files, missing)
+}
+
+fn walk(dir: &Path, files: &mut Vec<PathBuf>) {
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|entries| entries.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    entries.sort();
+    for path in entries {
+        if path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.')) {
+            continue;
+        }
+        if path.is_dir() {
+            walk(&path, files);
+        } else {
+            files.push(path);
+        }
+    }
+}
+
+struct Run<'a> {
+    writer: &'a mut Writer,
+    options: &'a IngestOptions,
+    run_id: &'a str,
+    known: BTreeSet<NodeId>,
+    pending: Graph,
+    pending_records: usize,
+    report: IngestReport,
+    quarantine_path: PathBuf,
+    quarantine: Option<std::io::BufWriter<std::fs::File>>,
+}
+
+impl Run<'_> {
+    fn file(&mut self, path: &Path, progress: &mut dyn Progress) -> Result<()> {
+        let shown = path.display().to_string();
+        self.report.files += 1;
+        let bytes = match std::fs::read(path) {
+            Ok(bytes) => bytes,
+            Err(e) => return self.quarantine(Rejected::new(&shown, 0, "file", format!("cannot read: {e}"), b"", 0), progress),
+        };
+        let mtime = std::fs::metadata(path)
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_millis() as i64);
+        let Some(format) = self.options.format.or_else(|| Format::detect(path, &bytes)) else {
+            let reason = "cannot tell the format from the name and content; pass --format";
+            let rejected = Rejected::new(&shown, 0, "file", reason, &bytes, self.options.max_record_bytes);
+            progress.advance(bytes.len() as u64, &shown);
+            return self.quarantine(rejected, progress);
+        };
+        let source = Source { path: shown.clone(), mtime, options: self.options, bytes: &bytes };
+        let mut emit = |parsed: Parsed| self.accept(parsed, progress);
+        match format {
+            Format::Jsonl => jsonl::parse(&source, &mut emit)?,
+            Format::Docs => docs::parse(&source, &mut emit)?,
+            Format::Locomo | Format::TauBench | Format::Alfworld => match std::str::from_utf8(&bytes) {
+                Err(e) => {
+                    let reason = format!("invalid UTF-8 at byte {} (the whole file is quarantined)", e.valid_up_to());
+                    emit(Parsed::Rejected(source.reject(source.line_at(e.valid_up_to()), "file", reason, &bytes)))?;
+                }
+                Ok(text) => match format {
+                    Format::Locomo => locomo::parse(&source, text, &mut emit)?,
+                    Format::TauBench => tau::parse(&source, text, &mut emit)?,
+                    _ => alfworld::parse(&source, text, &mut emit)?,
+                },
+            },
+        }
+        progress.advance(bytes.len() as u64, &shown);
+        Ok(())
+    }
+
+    fn accept(&mut self, parsed: Parsed, progress: &mut dyn Progress) -> Result<()> {
+        match parsed {
+            Parsed::Rejected(rejected) => self.quarantine(rejected, progress),
+            Parsed::Record(record) => {
+                self.report.read += 1;
+                let Some(own) = record.nodes.first() else { return Ok(()) };
+                if self.known.contains(&own.id) {
+                    self.report.duplicates += 1;
+                    return Ok(());
+                }
+                self.report.ingested += 1;
+                for node in record.nodes {
+                    if self.known.insert(node.id.clone()) {
+                        self.report.nodes_added += 1;
+                        self.pending.insert_node(node);
+                    }
+                }
+                self.pending_records += 1;
+                if self.pending_records >= self.options.batch_records {
+                    self.commit()?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn quarantine(&mut self, rejected: Rejected, progress: &mut dyn Progress) -> Result<()> {
+        self.report.read += 1;
+        self.report.quarantined += 1;
+        progress.quarantined(&rejected);
+        let path = self.quarantine_path.clone();
+        let io = |source| Error::Quarantine { path: path.clone(), source };
+        if self.quarantine.is_none() {
+            std::fs::create_dir_all(path.parent().expect("quarantine file has a parent")).map_err(io)?;
+            self.quarantine = Some(std::io::BufWriter::new(std::fs::File::create(&path).map_err(io)?));
+            self.report.quarantine_file = Some(path.clone());
+        }
+        let file = self.quarantine.as_mut().expect("just opened");
+        let line = serde_json::to_string(&rejected).expect("a rejection always serializes");
+        writeln!(file, "{line}").map_err(io)?;
+        Ok(())
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        // Quarantined records must be on disk before the commit that counts past them.
+        if let Some(file) = self.quarantine.as_mut() {
+            file.flush().map_err(|source| Error::Quarantine { path: self.quarantine_path.clone(), source })?;
+        }
+        let summary = serde_json::json!({ "nodes": self.pending.nodes.len(), "records": self.pending_records });
+        let info = CommitInfo { stage: "ingest".into(), run_id: self.run_id.to_string(), summary, progress: Default::default() };
+        self.writer.commit(&self.pending, info)?;
+        self.pending = Graph::default();
+        self.pending_records = 0;
+        self.report.commits += 1;
+        Ok(())
+    }
+}

@@ -1,0 +1,65 @@
+use fluxmem_graph::Node;
+use serde::Serialize;
+
+/// One input record turned into nodes. The first node is the record's own (its id decides
+/// whether the record is a duplicate); the rest are derived from it (for example the policy
+/// chunks of a tau-bench system prompt) and are added when not yet stored.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// The record's nodes, own node first.
+    pub nodes: Vec<Node>,
+}
+
+/// A record that could not be ingested, with everything needed to find and fix it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Rejected {
+    /// The input file.
+    pub file: String,
+    /// 1-based line where the record starts (0 when unknown).
+    pub line: usize,
+    /// The record inside the file (`conv-26/D1:3`, `runs[4]`), when more precise than a line.
+    pub locator: String,
+    /// The offending field (`steps[2].observation`), when one field is to blame.
+    pub field: Option<String>,
+    /// What is wrong.
+    pub reason: String,
+    /// The record as read (lossy UTF-8, capped at the record size limit).
+    pub raw: String,
+    /// The exact bytes in hex when they are not valid UTF-8, so nothing is lost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub raw_hex: Option<String>,
+}
+
+/// What a parser hands to the ingestion driver for each record it reads.
+#[derive(Debug, Clone)]
+pub enum Parsed {
+    /// A good record.
+    Record(Record),
+    /// A bad record, to quarantine.
+    Rejected(Rejected),
+}
+
+impl Rejected {
+    /// A rejection of `raw` at `file`:`line`.
+    pub fn new(file: &str, line: usize, locator: impl Into<String>, reason: impl Into<String>, raw: &[u8], cap: usize) -> Self {
+        let capped = &raw[..raw.len().min(cap)];
+        let (raw, raw_hex) = match std::str::from_utf8(capped) {
+            Ok(text) => (text.to_string(), None),
+            Err(_) => (String::from_utf8_lossy(capped).into_owned(), Some(hex(capped))),
+        };
+        Rejected { file: file.into(), line, locator: locator.into(), field: None, reason: reason.into(), raw, raw_hex }
+    }
+
+    /// The same rejection, blaming `field`.
+    pub fn field(mut self, field: impl Into<String>) -> Self {
+        let field = field.into();
+        if !field.is_empty() && field != "." {
+            self.field = Some(field);
+        }
+        self
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

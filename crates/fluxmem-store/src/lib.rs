@@ -1,0 +1,46 @@
+//! The embedded fluxmem store: a local directory of Parquet shards plus a manifest.
+//!
+//! Layout:
+//! ```text
+//! <store>/manifest.json          the commit: schema version, shard list with rows + sha256
+//! <store>/shards/<table>-<commit>-<part>-<sha>.parquet
+//! <store>/LOCK                   the writer lock (OS advisory lock + holder description)
+//! ```
+//! A commit writes and syncs its new shards, then replaces `manifest.json` by atomic rename
+//! (tantivy's `meta.json` pattern). Readers ([`Store`]) take no lock and see either the old
+//! commit or the new one. Every shard is verified against the manifest's checksum, table tag,
+//! schema version and row count when read; a mismatch is [`Error::Corrupt`] naming the file.
+//! One [`Writer`] at a time: a second one gets [`Error::Locked`]; a lock left by a crashed
+//! writer is taken over and reported through [`Writer::stale_lock`].
+//!
+//! Shards are append-only: a later commit's row replaces an earlier row with the same key
+//! (node `id`, edge `src,dst,kind`, embedding `node_id,model_id`). [`Writer::replace`] compacts
+//! everything into one commit.
+//!
+//! ```
+//! use fluxmem_graph::{Graph, Node, NodeBody, Semantic};
+//! use fluxmem_store::{CommitInfo, Store, Writer};
+//!
+//! let dir = tempfile::tempdir().unwrap();
+//! let mut graph = Graph::default();
+//! graph.insert_node(Node::new(
+//!     NodeBody::Semantic(Semantic { source: "doc".into(), position: 0, time: None, group: None }),
+//!     "default", "The sky is blue.", &["doc", "0"],
+//! ));
+//! let mut writer = Writer::open(dir.path()).unwrap();
+//! writer.commit(&graph, CommitInfo { stage: "ingest".into(), ..Default::default() }).unwrap();
+//! drop(writer);
+//! let loaded = Store::open(dir.path()).unwrap().load().unwrap();
+//! assert_eq!(loaded, graph);
+//! ```
+
+mod error;
+mod lock;
+mod manifest;
+mod shard;
+mod store;
+
+pub use error::{Error, Result};
+pub use lock::WriterLock;
+pub use manifest::{CommitRecord, EmbeddingModel, Manifest, ShardEntry, FORMAT, SCHEMA_VERSION};
+pub use store::{CommitInfo, Store, Writer};

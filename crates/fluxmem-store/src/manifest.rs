@@ -1,0 +1,107 @@
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::error::IoContext;
+use crate::{Error, Result};
+
+/// The store format name written in every manifest.
+pub const FORMAT: &str = "fluxmem-store";
+/// The schema version this build writes and reads.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// The manifest: the one file that says what a commit of the store contains.
+///
+/// It is written last, by atomic rename, so a reader sees either the previous commit or the new
+/// one. Shards not listed here are leftovers of an interrupted commit and are ignored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// Schema version of the shards.
+    pub schema_version: u32,
+    /// Commit counter: 0 for an empty store, +1 per commit.
+    pub version: u64,
+    /// The embedding model of every stored embedding, once there is one.
+    pub embedding_model: Option<EmbeddingModel>,
+    /// Every live shard, in commit order (later rows win for the same key).
+    pub shards: Vec<ShardEntry>,
+    /// One record per commit.
+    pub commits: Vec<CommitRecord>,
+    /// Per-stage progress markers (what each stage has finished), for incremental runs.
+    #[serde(default)]
+    pub progress: BTreeMap<String, Value>,
+}
+
+/// The model behind the stored embeddings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EmbeddingModel {
+    /// Model id.
+    pub id: String,
+    /// Vector dimension.
+    pub dim: usize,
+}
+
+/// One shard file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardEntry {
+    /// `nodes`, `steps`, `edges` or `embeddings`.
+    pub table: String,
+    /// Path relative to the store directory.
+    pub file: String,
+    /// Rows in the file.
+    pub rows: u64,
+    /// Bytes in the file.
+    pub bytes: u64,
+    /// SHA-256 of the file.
+    pub sha256: String,
+    /// The commit that wrote it.
+    pub commit: u64,
+}
+
+/// What a commit was.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CommitRecord {
+    /// The manifest version it produced.
+    pub version: u64,
+    /// The stage that committed (`ingest`, `embed`...).
+    pub stage: String,
+    /// The run id.
+    pub run_id: String,
+    /// When (RFC 3339, UTC).
+    pub at: String,
+    /// Stage-specific counts.
+    pub summary: Value,
+}
+
+impl Manifest {
+    /// The manifest of a store with nothing in it.
+    pub fn empty() -> Manifest {
+        Manifest {
+            format: FORMAT.into(),
+            schema_version: SCHEMA_VERSION,
+            version: 0,
+            embedding_model: None,
+            shards: Vec::new(),
+            commits: Vec::new(),
+            progress: BTreeMap::new(),
+        }
+    }
+
+    /// Reads and checks the manifest at `path`.
+    pub fn read(path: &Path) -> Result<Manifest> {
+        let text = std::fs::read(path).at(path)?;
+        let value: Value = serde_json::from_slice(&text)
+            .map_err(|e| Error::Corrupt { path: path.into(), reason: format!("manifest is not JSON: {e}") })?;
+        if value.get("format").and_then(Value::as_str) != Some(FORMAT) {
+            return Err(Error::Corrupt { path: path.into(), reason: format!("not a {FORMAT} manifest") });
+        }
+        let found = value.get("schema_version").and_then(Value::as_u64).unwrap_or(0) as u32;
+        if found != SCHEMA_VERSION {
+            return Err(Error::UnsupportedVersion { path: path.into(), found, supported: SCHEMA_VERSION });
+        }
+        serde_json::from_value(value)
+            .map_err(|e| Error::Corrupt { path: path.into(), reason: format!("bad manifest: {e}") })
+    }
+}

@@ -1,0 +1,46 @@
+use anyhow::Context;
+use fluxmem_ingest::{Format, IngestOptions};
+use std::process::ExitCode;
+
+use super::{open_writer, run_id};
+use crate::cli::{IngestArgs, Settings};
+use crate::progress::IngestBar;
+
+pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let options = IngestOptions {
+        format: Format::parse(&args.format)?,
+        tenant: args.tenant,
+        agent_id: args.agent,
+        max_record_bytes: args.max_record_bytes,
+        chunk_words: args.chunk_words,
+        batch_records: args.batch_records.max(1),
+    };
+    let mut writer = open_writer(settings)?;
+    let mut bar = IngestBar::new(settings.progress);
+    let run = run_id("ingest");
+    let report = fluxmem_ingest::ingest(&mut writer, &args.paths, &options, &run, &mut bar)
+        .with_context(|| format!("ingesting into {}", settings.store.display()))?;
+    bar.finish();
+    if args.json {
+        let json = serde_json::json!({
+            "read": report.read,
+            "ingested": report.ingested,
+            "duplicates": report.duplicates,
+            "quarantined": report.quarantined,
+            "quarantine_file": report.quarantine_file,
+            "nodes_added": report.nodes_added,
+        });
+        println!("{json}");
+    } else {
+        println!(
+            "read {} records from {} files: {} ingested, {} duplicates, {} quarantined ({} nodes added, {} commits)",
+            report.read, report.files, report.ingested, report.duplicates, report.quarantined, report.nodes_added, report.commits
+        );
+        if let Some(path) = &report.quarantine_file {
+            println!("quarantine file: {}", path.display());
+        }
+        let (stats, manifest) = writer.store().stats()?;
+        super::stats::print_table(&stats, manifest.version, &settings.store);
+    }
+    Ok(if report.quarantined > 0 { ExitCode::from(crate::EXIT_QUARANTINED) } else { ExitCode::SUCCESS })
+}

@@ -1,0 +1,30 @@
+//! One module per subcommand.
+
+mod ingest;
+mod stats;
+
+use std::process::ExitCode;
+
+use crate::cli::{Command, Settings};
+
+/// Runs a subcommand, returning the exit status it earned.
+pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Ingest(args) => ingest::run(args, settings),
+        Command::Stats(args) => stats::run(args, settings),
+    }
+}
+
+/// A run id: the stage, the UTC time and the process id.
+pub fn run_id(stage: &str) -> String {
+    format!("{stage}-{}-{}", chrono::Utc::now().format("%Y%m%dT%H%M%S%.3fZ"), std::process::id())
+}
+
+/// Opens the store for writing and warns about a recovered stale lock.
+pub fn open_writer(settings: &Settings) -> anyhow::Result<fluxmem_store::Writer> {
+    let writer = fluxmem_store::Writer::open(&settings.store)?;
+    if let Some(holder) = writer.stale_lock() {
+        eprintln!("warning: recovered a stale store lock left by {holder} (it did not exit cleanly)");
+    }
+    Ok(writer)
+}

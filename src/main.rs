@@ -1,0 +1,29 @@
+//! `fluxmem`: the command-line front end. Everything user-facing (argument parsing, progress
+//! bars, exit codes, human output) lives here; the work is done by the library crates.
+
+mod cli;
+mod commands;
+mod progress;
+
+use clap::Parser;
+use std::process::ExitCode;
+
+/// Exit status when the command did its work but quarantined bad input records.
+pub const EXIT_QUARANTINED: u8 = 3;
+/// Exit status of a fatal error.
+pub const EXIT_FATAL: u8 = 1;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    let settings = cli::Settings::from(&cli);
+    match commands::run(cli.command, &settings) {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {error}");
+            for cause in error.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            ExitCode::from(EXIT_FATAL)
+        }
+    }
+}

@@ -1,0 +1,45 @@
+//! Progress bars on stderr (indicatif), hidden when disabled.
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// A byte-count bar for ingestion.
+pub struct IngestBar {
+    bar: ProgressBar,
+    quarantined: u64,
+}
+
+impl IngestBar {
+    pub fn new(enabled: bool) -> IngestBar {
+        let bar = ProgressBar::with_draw_target(Some(0), if enabled { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} ingest [{bar:30}] {bytes}/{total_bytes} {msg}")
+                .expect("static template is valid")
+                .progress_chars("=> "),
+        );
+        IngestBar { bar, quarantined: 0 }
+    }
+
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+impl fluxmem_ingest::Progress for IngestBar {
+    fn start(&mut self, total_bytes: u64) {
+        self.bar.set_length(total_bytes);
+    }
+
+    fn advance(&mut self, bytes: u64, file: &str) {
+        self.bar.inc(bytes);
+        let name = file.rsplit('/').next().unwrap_or(file);
+        self.bar.set_message(format!("{name} ({} quarantined)", self.quarantined));
+    }
+
+    fn quarantined(&mut self, rejected: &fluxmem_ingest::Rejected) {
+        self.quarantined += 1;
+        let field = rejected.field.as_deref().map(|f| format!(", field {f}")).unwrap_or_default();
+        self.bar.suspend(|| {
+            eprintln!("quarantined: {}:{} ({}{}): {}", rejected.file, rejected.line, rejected.locator, field, rejected.reason)
+        });
+    }
+}
