@@ -53,7 +53,7 @@ impl Rejected {
     /// The same rejection, blaming `field`.
     pub fn field(mut self, field: impl Into<String>) -> Self {
         let field = field.into();
-        if !field.is_empty() && field != "." {
+        if !field.is_empty() && field != "." && field != "?" {
             self.field = Some(field);
         }
         self

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Runs the whole fluxmem test suite. First installs what a fresh machine lacks (idempotent,
+# quick when everything is there): the Python packages the shard-reading test uses.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! .venv/bin/python -c "import pyarrow, duckdb" 2>/dev/null; then
+  echo "setting up .venv for the Python shard-reading test" >&2
+  python3 -m venv .venv
+  .venv/bin/pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+fi
+
+cargo test --workspace "$@"
