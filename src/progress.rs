@@ -43,3 +43,34 @@ impl fluxmem_ingest::Progress for IngestBar {
         });
     }
 }
+
+/// A count bar for stages that process items.
+pub struct CountBar {
+    bar: ProgressBar,
+}
+
+impl CountBar {
+    pub fn new(enabled: bool, stage: &str) -> CountBar {
+        let bar = ProgressBar::with_draw_target(Some(0), if enabled { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
+        bar.set_style(
+            ProgressStyle::with_template(&format!("{{spinner}} {stage} [{{bar:30}}] {{pos}}/{{len}} ({{per_sec}}, eta {{eta}})"))
+                .expect("template is valid")
+                .progress_chars("=> "),
+        );
+        CountBar { bar }
+    }
+
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+impl fluxmem_embed::Progress for CountBar {
+    fn start(&mut self, total: u64) {
+        self.bar.set_length(total);
+    }
+
+    fn advance(&mut self, done: u64) {
+        self.bar.inc(done);
+    }
+}

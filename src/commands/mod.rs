@@ -1,6 +1,8 @@
 //! One module per subcommand.
 
+mod embed;
 mod ingest;
+mod models;
 mod stats;
 
 use std::process::ExitCode;
@@ -12,6 +14,8 @@ pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
     match command {
         Command::Ingest(args) => ingest::run(args, settings),
         Command::Stats(args) => stats::run(args, settings),
+        Command::Embed(args) => embed::run(args, settings),
+        Command::Models(command) => models::run(command),
     }
 }
 

@@ -195,3 +195,29 @@ impl Node {
         }
     }
 }
+
+impl Node {
+    /// The text the embed stage embeds for this node: the fact (semantic), the task followed by
+    /// the actions taken (episodic), the skill (procedural). The embedder truncates it at its
+    /// maximum length, so the task always comes first.
+    pub fn embedding_text(&self) -> String {
+        match &self.body {
+            NodeBody::Episodic(episode) => {
+                let mut text = self.text.clone();
+                for step in &episode.steps {
+                    let action = step.action.trim();
+                    let tools: Vec<&str> = step.tool_calls.iter().map(|c| c.name.as_str()).collect();
+                    if !action.is_empty() || !tools.is_empty() {
+                        text.push_str("\n- ");
+                        text.push_str(action);
+                        if !tools.is_empty() {
+                            text.push_str(&format!(" [{}]", tools.join(", ")));
+                        }
+                    }
+                }
+                text
+            }
+            _ => self.text.clone(),
+        }
+    }
+}

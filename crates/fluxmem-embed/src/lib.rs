@@ -1,0 +1,202 @@
+//! The embed stage: gives every node a vector from the configured [`Embedder`].
+//!
+//! - Only nodes without an embedding for the model are embedded, in a deterministic order (by
+//!   id), committed every [`EmbedOptions::commit_every`] nodes: an interrupted run keeps what it
+//!   committed and a re-run does only the rest.
+//! - An embedding cache keyed by (model, SHA-256 of the text): a node whose text was already
+//!   embedded by the model (another node, an earlier version) reuses that vector.
+//! - A store never mixes models: another model or dimension is [`Error::ModelMismatch`], unless
+//!   [`EmbedOptions::reembed`] migrates the whole store (one commit replacing every embedding).
+//!
+//! ```
+//! use fluxmem_embed::{embed_store, EmbedOptions, NoProgress};
+//! use fluxmem_models::HashEmbedder;
+//! let dir = tempfile::tempdir().unwrap();
+//! let mut writer = fluxmem_store::Writer::open(dir.path()).unwrap();
+//! let report = embed_store(&mut writer, &HashEmbedder::new(16), &EmbedOptions::default(), "run", &mut NoProgress).unwrap();
+//! assert_eq!(report.embedded, 0);
+//! ```
+
+use fluxmem_graph::{sha256_hex, Embedding, Graph, NodeId};
+use fluxmem_models::Embedder;
+use fluxmem_store::{CommitInfo, Writer};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Errors of the embed stage.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] fluxmem_store::Error),
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] fluxmem_models::Error),
+    /// The store holds embeddings of another model.
+    #[error(
+        "the store holds embeddings of `{store_model}` ({store_dim} dims), not `{model}` ({dim} dims); \
+         run `fluxmem embed --reembed` to migrate it to `{model}`"
+    )]
+    ModelMismatch {
+        /// The store's model.
+        store_model: String,
+        /// Its dimension.
+        store_dim: usize,
+        /// The configured model.
+        model: String,
+        /// Its dimension.
+        dim: usize,
+    },
+    /// The embedder returned a vector of the wrong size or count (a bug in the embedder).
+    #[error("embedder `{model}` returned {got}, expected {expected}")]
+    BadOutput {
+        /// The model.
+        model: String,
+        /// What came back.
+        got: String,
+        /// What was expected.
+        expected: String,
+    },
+}
+
+/// Result with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// How to embed.
+#[derive(Debug, Clone)]
+pub struct EmbedOptions {
+    /// Texts per embedder call.
+    pub batch_size: usize,
+    /// Commit after this many newly embedded nodes.
+    pub commit_every: usize,
+    /// Replace every embedding of the store with the configured model's.
+    pub reembed: bool,
+}
+
+impl Default for EmbedOptions {
+    fn default() -> Self {
+        EmbedOptions { batch_size: 256, commit_every: 2048, reembed: false }
+    }
+}
+
+/// What the stage did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct EmbedReport {
+    /// Nodes in the store.
+    pub nodes: usize,
+    /// Nodes that already had an embedding of this model.
+    pub already: usize,
+    /// Nodes embedded by running the model.
+    pub embedded: usize,
+    /// Nodes whose vector came from the text-hash cache.
+    pub cached: usize,
+    /// Commits made.
+    pub commits: usize,
+}
+
+/// Progress callbacks.
+pub trait Progress {
+    /// `total` nodes need a vector.
+    fn start(&mut self, _total: u64) {}
+    /// `done` more nodes have one.
+    fn advance(&mut self, _done: u64) {}
+}
+
+/// A [`Progress`] that shows nothing.
+pub struct NoProgress;
+impl Progress for NoProgress {}
+
+/// Embeds every node of the store that lacks a vector for `embedder`'s model.
+pub fn embed_store(
+    writer: &mut Writer,
+    embedder: &dyn Embedder,
+    options: &EmbedOptions,
+    run_id: &str,
+    progress: &mut dyn Progress,
+) -> Result<EmbedReport> {
+    let model = embedder.model_id().to_string();
+    let dim = embedder.dim();
+    if let Some(stored) = writer.manifest().embedding_model.clone() {
+        if (stored.id != model || stored.dim != dim) && !options.reembed {
+            return Err(Error::ModelMismatch { store_model: stored.id, store_dim: stored.dim, model, dim });
+        }
+    }
+    let mut graph = writer.store().load()?;
+    if options.reembed {
+        graph.embeddings.retain(|(_, m), _| m == &model);
+    }
+    let mut report = EmbedReport { nodes: graph.nodes.len(), ..EmbedReport::default() };
+    let mut cache: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+    for embedding in graph.embeddings.values().filter(|e| e.model_id == model) {
+        cache.insert(embedding.text_sha256.clone(), embedding.vector.clone());
+    }
+    let todo: Vec<(NodeId, String)> = graph
+        .nodes
+        .values()
+        .filter(|node| !graph.embeddings.contains_key(&(node.id.clone(), model.clone())))
+        .map(|node| (node.id.clone(), node.embedding_text()))
+        .collect();
+    report.already = report.nodes - todo.len();
+    progress.start(todo.len() as u64);
+    let mut fresh = Graph::default();
+    for chunk in todo.chunks(options.commit_every.max(1)) {
+        let mut delta = Graph::default();
+        // Texts not in the cache, each once (the first node with the text owns it).
+        let mut missing: Vec<(&str, String)> = Vec::new();
+        let mut pending: BTreeSet<String> = BTreeSet::new();
+        let mut waiting: Vec<(&NodeId, String)> = Vec::new();
+        for (id, text) in chunk {
+            let hash = sha256_hex(text.as_bytes());
+            if cache.contains_key(&hash) || !pending.insert(hash.clone()) {
+                report.cached += 1;
+            } else {
+                missing.push((text.as_str(), hash.clone()));
+                report.embedded += 1;
+            }
+            waiting.push((id, hash));
+        }
+        for batch in missing.chunks(options.batch_size.max(1)) {
+            let texts: Vec<&str> = batch.iter().map(|(text, _)| *text).collect();
+            let vectors = embedder.embed(&texts)?;
+            check_output(&model, dim, texts.len(), &vectors)?;
+            for ((_, hash), vector) in batch.iter().zip(vectors) {
+                cache.insert(hash.clone(), vector);
+            }
+            progress.advance(batch.len() as u64);
+        }
+        progress.advance((chunk.len() - missing.len()) as u64);
+        for (id, hash) in waiting {
+            let vector = cache.get(&hash).expect("every waiting text was embedded or cached").clone();
+            delta.upsert_embedding(Embedding { node_id: id.clone(), model_id: model.clone(), text_sha256: hash, vector });
+        }
+        if options.reembed {
+            fresh.apply(delta);
+        } else if !delta.is_empty() {
+            writer.commit(&delta, commit_info(run_id, &report, &model))?;
+            report.commits += 1;
+        }
+    }
+    if options.reembed {
+        // Other models' vectors were dropped above; this model's kept ones stay.
+        graph.apply(fresh);
+        writer.replace(&graph, commit_info(run_id, &report, &model))?;
+        report.commits += 1;
+    }
+    Ok(report)
+}
+
+fn commit_info(run_id: &str, report: &EmbedReport, model: &str) -> CommitInfo {
+    let summary = serde_json::json!({ "model": model, "embedded": report.embedded, "cached": report.cached });
+    CommitInfo { stage: "embed".into(), run_id: run_id.into(), summary, progress: Default::default() }
+}
+
+fn check_output(model: &str, dim: usize, count: usize, vectors: &[Vec<f32>]) -> Result<()> {
+    let bad = |got: String, expected: String| Error::BadOutput { model: model.into(), got, expected };
+    if vectors.len() != count {
+        return Err(bad(format!("{} vectors", vectors.len()), format!("{count}")));
+    }
+    match vectors.iter().find(|v| v.len() != dim) {
+        Some(v) => Err(bad(format!("a vector of {} floats", v.len()), format!("{dim}"))),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,109 @@
+//! The embed stage against a real store, with weight-free embedders.
+
+use fluxmem_embed::{embed_store, EmbedOptions, Error, NoProgress};
+use fluxmem_graph::{Graph, Node, NodeBody, Semantic};
+use fluxmem_models::{Embedder, HashEmbedder};
+use fluxmem_store::{CommitInfo, Store, Writer};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Counts texts embedded and fails once a budget of calls is spent (a simulated crash).
+struct Counting {
+    inner: HashEmbedder,
+    texts: AtomicUsize,
+    calls: AtomicUsize,
+    fail_after_calls: usize,
+}
+
+impl Counting {
+    fn new(fail_after_calls: usize) -> Counting {
+        Counting { inner: HashEmbedder::new(16), texts: AtomicUsize::new(0), calls: AtomicUsize::new(0), fail_after_calls }
+    }
+}
+
+impl Embedder for Counting {
+    fn model_id(&self) -> &str {
+        self.inner.model_id()
+    }
+    fn dim(&self) -> usize {
+        self.inner.dim()
+    }
+    fn embed(&self, texts: &[&str]) -> fluxmem_models::Result<Vec<Vec<f32>>> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) >= self.fail_after_calls {
+            return Err(fluxmem_models::Error::Tokenizer("simulated crash".into()));
+        }
+        self.texts.fetch_add(texts.len(), Ordering::SeqCst);
+        self.inner.embed(texts)
+    }
+    fn count_tokens(&self, text: &str) -> fluxmem_models::Result<usize> {
+        self.inner.count_tokens(text)
+    }
+}
+
+fn store_with(texts: &[&str]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let mut graph = Graph::default();
+    for (i, text) in texts.iter().enumerate() {
+        let body = NodeBody::Semantic(Semantic { source: "doc".into(), position: i as i64, time: None, group: None });
+        graph.insert_node(Node::new(body, "default", text, &["doc", &i.to_string(), text]));
+    }
+    Writer::open(dir.path()).unwrap().commit(&graph, CommitInfo { stage: "ingest".into(), ..Default::default() }).unwrap();
+    dir
+}
+
+const TEXTS: [&str; 7] = ["alpha beta", "gamma", "alpha beta", "delta epsilon", "zeta", "eta theta", "gamma"];
+
+#[test]
+fn embeds_every_node_once_and_reuses_vectors_of_identical_text() {
+    let dir = store_with(&TEXTS);
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let embedder = Counting::new(usize::MAX);
+    let options = EmbedOptions { batch_size: 2, commit_every: 100, reembed: false };
+    let report = embed_store(&mut writer, &embedder, &options, "r1", &mut NoProgress).unwrap();
+    assert_eq!((report.nodes, report.embedded, report.cached, report.already), (7, 5, 2, 0));
+    assert_eq!(embedder.texts.load(Ordering::SeqCst), 5, "identical texts are embedded once");
+    let graph = writer.store().load().unwrap();
+    assert_eq!(graph.stats().embedded, 7);
+    let again = embed_store(&mut writer, &embedder, &options, "r2", &mut NoProgress).unwrap();
+    assert_eq!((again.embedded, again.cached, again.already, again.commits), (0, 0, 7, 0));
+}
+
+#[test]
+fn interrupted_run_keeps_its_commits_and_a_rerun_finishes_identically() {
+    let reference_dir = store_with(&TEXTS);
+    let options = EmbedOptions { batch_size: 1, commit_every: 2, reembed: false };
+    let mut reference = Writer::open(reference_dir.path()).unwrap();
+    embed_store(&mut reference, &Counting::new(usize::MAX), &options, "r", &mut NoProgress).unwrap();
+    let expected = reference.store().load().unwrap();
+
+    let dir = store_with(&TEXTS);
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let crashing = Counting::new(3);
+    assert!(embed_store(&mut writer, &crashing, &options, "r1", &mut NoProgress).is_err());
+    let partial = writer.store().load().unwrap().stats().embedded;
+    assert!(partial > 0 && partial < 7, "some chunks were committed before the crash ({partial})");
+    let resumed = Counting::new(usize::MAX);
+    let report = embed_store(&mut writer, &resumed, &options, "r2", &mut NoProgress).unwrap();
+    assert_eq!(report.already, partial);
+    assert_eq!(writer.store().load().unwrap().embeddings, expected.embeddings);
+}
+
+#[test]
+fn another_model_is_refused_until_reembed_migrates_the_store() {
+    let dir = store_with(&TEXTS);
+    let mut writer = Writer::open(dir.path()).unwrap();
+    embed_store(&mut writer, &HashEmbedder::new(16), &EmbedOptions::default(), "r1", &mut NoProgress).unwrap();
+    let other = HashEmbedder::new(32);
+    let error = embed_store(&mut writer, &other, &EmbedOptions::default(), "r2", &mut NoProgress).unwrap_err();
+    assert!(matches!(error, Error::ModelMismatch { .. }));
+    assert!(error.to_string().contains("--reembed"), "{error}");
+    let options = EmbedOptions { reembed: true, ..EmbedOptions::default() };
+    let report = embed_store(&mut writer, &other, &options, "r3", &mut NoProgress).unwrap();
+    assert_eq!(report.embedded, 5);
+    let store = Store::open(dir.path()).unwrap();
+    let manifest = store.manifest().unwrap();
+    assert_eq!(manifest.embedding_model.unwrap().dim, 32);
+    let graph = store.load().unwrap();
+    assert_eq!(graph.embeddings.len(), 7);
+    assert!(graph.embeddings.values().all(|e| e.model_id == "hash-32" && e.vector.len() == 32));
+    assert_eq!(graph.nodes.len(), 7, "migration keeps every node");
+}

@@ -1,0 +1,185 @@
+//! Sentence-transformers BERT-family embedders (all-MiniLM-L6-v2 and kin) on candle.
+//!
+//! Loads `config.json` + `model.safetensors` + `tokenizer.json`, the pooling mode from
+//! `1_Pooling/config.json`, the maximum sequence length from `sentence_bert_config.json` and
+//! whether to L2-normalise from `modules.json`, as the sentence-transformers library does.
+//! The tokenizer's own fixed padding/truncation is replaced: texts are truncated at the model's
+//! max length and padded only to the longest text of their batch, and batches are formed from
+//! texts of similar length (sorted by token count), which cuts padding work.
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::bert::{BertModel, Config};
+use std::path::Path;
+use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
+
+use crate::embedder::{normalize, Embedder};
+use crate::error::IoContext;
+use crate::{Error, Result};
+
+/// How token vectors become one sentence vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    /// Mean of the non-padding token vectors.
+    Mean,
+    /// The first (`[CLS]`) token vector.
+    Cls,
+}
+
+/// A BERT sentence embedder.
+pub struct SentenceEmbedder {
+    model: BertModel,
+    tokenizer: Tokenizer,
+    /// The same tokenizer without truncation, for counting tokens.
+    counter: Tokenizer,
+    device: Device,
+    model_id: String,
+    dim: usize,
+    max_len: usize,
+    pooling: Pooling,
+    normalize: bool,
+    batch_size: usize,
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).at(path)?;
+    serde_json::from_str(&text).map_err(|e| Error::Format { path: path.into(), reason: e.to_string() })
+}
+
+impl SentenceEmbedder {
+    /// Loads the checkpoint in `dir` on `device`; `model_id` is recorded with every vector.
+    pub fn load(dir: &Path, model_id: &str, device: &Device) -> Result<SentenceEmbedder> {
+        let config_path = dir.join("config.json");
+        let config: Config = serde_json::from_value(read_json(&config_path)?)
+            .map_err(|e| Error::Format { path: config_path.clone(), reason: e.to_string() })?;
+        let pooling_path = dir.join("1_Pooling/config.json");
+        let pooling = if pooling_path.exists() {
+            let value = read_json(&pooling_path)?;
+            if value["pooling_mode_mean_tokens"].as_bool() == Some(true) {
+                Pooling::Mean
+            } else if value["pooling_mode_cls_token"].as_bool() == Some(true) {
+                Pooling::Cls
+            } else {
+                return Err(Error::Format { path: pooling_path, reason: "only mean and CLS pooling are supported".into() });
+            }
+        } else {
+            Pooling::Mean
+        };
+        let st_config = dir.join("sentence_bert_config.json");
+        let max_len = if st_config.exists() { read_json(&st_config)?["max_seq_length"].as_u64() } else { None }
+            .map(|n| n as usize)
+            .unwrap_or(config.max_position_embeddings)
+            .min(config.max_position_embeddings);
+        let modules = dir.join("modules.json");
+        let normalize = modules.exists() && read_json(&modules)?.to_string().contains("Normalize");
+        let tokenizer_path = dir.join("tokenizer.json");
+        let mut tokenizer = Tokenizer::from_file(&tokenizer_path)
+            .map_err(|e| Error::Format { path: tokenizer_path.clone(), reason: e.to_string() })?;
+        tokenizer.with_padding(None);
+        let mut counter = tokenizer.clone();
+        counter.with_truncation(None).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        tokenizer
+            .with_truncation(Some(TruncationParams {
+                max_length: max_len,
+                strategy: TruncationStrategy::LongestFirst,
+                stride: 0,
+                direction: TruncationDirection::Right,
+            }))
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let weights = dir.join("model.safetensors");
+        // Safety: the file is memory-mapped read-only; the cache is not modified while in use.
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, device)? };
+        let model = BertModel::load(vb, &config)?;
+        Ok(SentenceEmbedder {
+            model,
+            tokenizer,
+            counter,
+            device: device.clone(),
+            model_id: model_id.to_string(),
+            dim: config.hidden_size,
+            max_len,
+            pooling,
+            normalize,
+            batch_size: 32,
+        })
+    }
+
+    /// Sets how many texts go through the model at once (default 32).
+    pub fn with_batch_size(mut self, batch_size: usize) -> Self {
+        self.batch_size = batch_size.max(1);
+        self
+    }
+
+    /// Maximum tokens per text; longer texts are truncated.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Token ids of every text (truncated), in order.
+    pub fn tokenize(&self, texts: &[&str]) -> Result<Vec<Vec<u32>>> {
+        let encodings = self.tokenizer.encode_batch(texts.to_vec(), true).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        Ok(encodings.into_iter().map(|e| e.get_ids().to_vec()).collect())
+    }
+
+    /// Embeds one batch of tokenized texts, padded to the longest.
+    fn embed_batch(&self, batch: &[&Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        let longest = batch.iter().map(|ids| ids.len()).max().unwrap_or(0).max(1);
+        let mut ids = Vec::with_capacity(batch.len() * longest);
+        let mut mask = Vec::with_capacity(batch.len() * longest);
+        for tokens in batch {
+            ids.extend(tokens.iter().copied());
+            ids.extend(std::iter::repeat_n(0u32, longest - tokens.len()));
+            mask.extend(std::iter::repeat_n(1u32, tokens.len()));
+            mask.extend(std::iter::repeat_n(0u32, longest - tokens.len()));
+        }
+        let shape = (batch.len(), longest);
+        let ids = Tensor::from_vec(ids, shape, &self.device)?;
+        let mask = Tensor::from_vec(mask, shape, &self.device)?;
+        let token_types = ids.zeros_like()?;
+        let hidden = self.model.forward(&ids, &token_types, Some(&mask))?;
+        let pooled = match self.pooling {
+            Pooling::Cls => hidden.narrow(1, 0, 1)?.squeeze(1)?,
+            Pooling::Mean => {
+                let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
+                let summed = hidden.broadcast_mul(&mask)?.sum(1)?;
+                let counts = mask.sum(1)?.clamp(1e-9f32, f32::MAX)?;
+                summed.broadcast_div(&counts)?
+            }
+        };
+        let mut vectors: Vec<Vec<f32>> = pooled.to_dtype(DType::F32)?.to_vec2()?;
+        if self.normalize {
+            vectors.iter_mut().for_each(|v| normalize(v));
+        }
+        Ok(vectors)
+    }
+}
+
+impl Embedder for SentenceEmbedder {
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+
+    fn dim(&self) -> usize {
+        self.dim
+    }
+
+    fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>> {
+        let tokenized = self.tokenize(texts)?;
+        // Longest first, so batches hold texts of similar length and padding stays small.
+        let mut order: Vec<usize> = (0..texts.len()).collect();
+        order.sort_by_key(|&i| (std::cmp::Reverse(tokenized[i].len()), i));
+        let mut out = vec![Vec::new(); texts.len()];
+        for chunk in order.chunks(self.batch_size) {
+            let batch: Vec<&Vec<u32>> = chunk.iter().map(|&i| &tokenized[i]).collect();
+            for (&index, vector) in chunk.iter().zip(self.embed_batch(&batch)?) {
+                out[index] = vector;
+            }
+        }
+        Ok(out)
+    }
+
+    fn count_tokens(&self, text: &str) -> Result<usize> {
+        let encoding = self.counter.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        Ok(encoding.get_ids().len())
+    }
+}

@@ -1,0 +1,54 @@
+//! The candle embedder against vectors from the Python reference (sentence-transformers),
+//! committed in `tests/data/golden/`. Needs the model installed: `fluxmem models fetch
+//! all-minilm-l6-v2` (scripts/test.sh does it); a missing model fails with that command.
+
+use fluxmem_models::{cosine, DeviceChoice, Embedder, SentenceEmbedder};
+use serde_json::Value;
+
+fn golden() -> (Vec<String>, Vec<Vec<f32>>) {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/data/golden/all-minilm-l6-v2.json");
+    let data: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let sentences = data["sentences"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect();
+    let vectors = data["vectors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
+        .collect();
+    (sentences, vectors)
+}
+
+fn embedder(batch_size: usize) -> SentenceEmbedder {
+    let device = std::env::var("FLUXMEM_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+    fluxmem_models::load_embedder(fluxmem_models::DEFAULT_EMBEDDER, &device.parse::<DeviceChoice>().unwrap())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_batch_size(batch_size)
+}
+
+#[test]
+fn matches_sentence_transformers_reference() {
+    let (sentences, expected) = golden();
+    let refs: Vec<&str> = sentences.iter().map(String::as_str).collect();
+    for batch_size in [1, 5, 32] {
+        let got = embedder(batch_size).embed(&refs).unwrap();
+        assert_eq!(got.len(), expected.len());
+        for ((sentence, got), want) in sentences.iter().zip(&got).zip(&expected) {
+            assert_eq!(got.len(), 384);
+            let similarity = cosine(got, want);
+            assert!(similarity >= 0.9999, "cosine {similarity} for {sentence:?} at batch size {batch_size}");
+            let max_diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(max_diff < 1e-4, "max abs diff {max_diff} for {sentence:?}");
+        }
+    }
+}
+
+#[test]
+fn counts_tokens_without_truncation_and_truncates_embedding_input() {
+    let embedder = embedder(32);
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(60);
+    assert!(embedder.count_tokens(&long).unwrap() > 500);
+    assert_eq!(embedder.count_tokens("hello world").unwrap(), 2);
+    let ids = embedder.tokenize(&[&long]).unwrap();
+    assert_eq!(ids[0].len(), embedder.max_len(), "input truncated at the model's max length");
+    assert_eq!(embedder.max_len(), 256);
+}
