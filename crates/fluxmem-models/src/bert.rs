@@ -39,6 +39,7 @@ pub struct SentenceEmbedder {
     pooling: Pooling,
     normalize: bool,
     batch_size: usize,
+    workers: usize,
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
@@ -101,12 +102,21 @@ impl SentenceEmbedder {
             pooling,
             normalize,
             batch_size: 32,
+            workers: 1,
         })
     }
 
     /// Sets how many texts go through the model at once (default 32).
     pub fn with_batch_size(mut self, batch_size: usize) -> Self {
         self.batch_size = batch_size.max(1);
+        self
+    }
+
+    /// Runs whole batches on `workers` threads at once (CPU only). Each worker should then
+    /// use one thread for its matrix products: set `RAYON_NUM_THREADS=1` (the CLI does when
+    /// `--embed-workers` is above 1); otherwise the workers fight over the cores.
+    pub fn with_workers(mut self, workers: usize) -> Self {
+        self.workers = if self.device.is_cpu() { workers.max(1) } else { 1 };
         self
     }
 
@@ -168,10 +178,34 @@ impl Embedder for SentenceEmbedder {
         // Longest first, so batches hold texts of similar length and padding stays small.
         let mut order: Vec<usize> = (0..texts.len()).collect();
         order.sort_by_key(|&i| (std::cmp::Reverse(tokenized[i].len()), i));
+        let batches: Vec<Vec<usize>> = order.chunks(self.batch_size).map(<[usize]>::to_vec).collect();
+        let run = |batch: &Vec<usize>| -> Result<Vec<Vec<f32>>> {
+            let tokens: Vec<&Vec<u32>> = batch.iter().map(|&i| &tokenized[i]).collect();
+            self.embed_batch(&tokens)
+        };
+        let results: Vec<Result<Vec<Vec<f32>>>> = if self.workers > 1 && batches.len() > 1 {
+            let workers = self.workers.min(batches.len());
+            let mut per_worker: Vec<Vec<(usize, Result<Vec<Vec<f32>>>)>> = std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..workers)
+                    .map(|worker| {
+                        let batches = &batches;
+                        let run = &run;
+                        scope.spawn(move || {
+                            (worker..batches.len()).step_by(workers).map(|b| (b, run(&batches[b]))).collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().expect("embedding worker panicked")).collect()
+            });
+            let mut flat: Vec<(usize, Result<Vec<Vec<f32>>>)> = per_worker.drain(..).flatten().collect();
+            flat.sort_by_key(|(b, _)| *b);
+            flat.into_iter().map(|(_, r)| r).collect()
+        } else {
+            batches.iter().map(run).collect()
+        };
         let mut out = vec![Vec::new(); texts.len()];
-        for chunk in order.chunks(self.batch_size) {
-            let batch: Vec<&Vec<u32>> = chunk.iter().map(|&i| &tokenized[i]).collect();
-            for (&index, vector) in chunk.iter().zip(self.embed_batch(&batch)?) {
+        for (batch, vectors) in batches.iter().zip(results) {
+            for (&index, vector) in batch.iter().zip(vectors?) {
                 out[index] = vector;
             }
         }
