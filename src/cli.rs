@@ -86,6 +86,48 @@ pub enum ModelsCommand {
         /// Models to fetch (default: all).
         names: Vec<String>,
     },
+    /// Generate a reply to PROMPT with a local chat model (prints the text on stdout).
+    Generate {
+        /// Generator model.
+        #[arg(long, default_value = fluxmem_models::DEFAULT_GENERATOR)]
+        model: String,
+        /// Device: auto, cpu, cuda, cuda:N or metal.
+        #[arg(long, default_value = "auto")]
+        device: String,
+        /// Weights as stored (`quantized`) or expanded to f32 at load (`dequantized`, faster
+        /// prompt processing on CPU).
+        #[arg(long, default_value = "dequantized")]
+        weights: String,
+        /// Maximum new tokens.
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// Sampling temperature; 0 is greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        /// Sampling seed.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Optional system message.
+        #[arg(long)]
+        system: Option<String>,
+        /// The user message.
+        prompt: String,
+    },
+    /// Score how useful each PASSAGE is for QUERY with the LLM judge (prints a JSON array in [0, 1]).
+    Judge {
+        /// Generator model behind the judge.
+        #[arg(long, default_value = fluxmem_models::DEFAULT_GENERATOR)]
+        model: String,
+        /// Device: auto, cpu, cuda, cuda:N or metal.
+        #[arg(long, default_value = "auto")]
+        device: String,
+        /// The query.
+        #[arg(long)]
+        query: String,
+        /// Passages to score.
+        #[arg(required = true)]
+        passages: Vec<String>,
+    },
     /// Print one JSON array of vectors, one per TEXT, in order.
     Embed {
         /// Embedding model.

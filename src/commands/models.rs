@@ -1,4 +1,4 @@
-use fluxmem_models::{cache_dir, DeviceChoice, Embedder, ModelManifest};
+use fluxmem_models::{cache_dir, ChatMessage, DeviceChoice, Embedder, GenerateParams, Generator, Judge, LlmJudge, ModelManifest, WeightPath};
 use std::process::ExitCode;
 
 use crate::cli::ModelsCommand;
@@ -39,6 +39,31 @@ pub fn run(command: ModelsCommand) -> anyhow::Result<ExitCode> {
                 manifest.get(name)?.fetch(&cache, &mut |line| eprintln!("{line}"))?;
             }
         }
+        ModelsCommand::Generate { model, device, weights, max_tokens, temperature, seed, system, prompt } => {
+            let mut generator = fluxmem_models::load_generator(&model, &device.parse::<DeviceChoice>()?, weight_path(&weights)?)?;
+            let mut messages = Vec::new();
+            if let Some(system) = system {
+                messages.push(ChatMessage::new("system", system));
+            }
+            messages.push(ChatMessage::new("user", prompt));
+            let params = GenerateParams { max_tokens, temperature, seed, ..GenerateParams::default() };
+            let started = std::time::Instant::now();
+            let generation = generator.generate(&messages, &params)?;
+            println!("{}", generation.text);
+            eprintln!(
+                "{} prompt tokens, {} generated ({}), {:.2}s",
+                generation.prompt_tokens,
+                generation.generated_tokens,
+                generation.finish,
+                started.elapsed().as_secs_f64()
+            );
+        }
+        ModelsCommand::Judge { model, device, query, passages } => {
+            let generator = fluxmem_models::load_generator(&model, &device.parse::<DeviceChoice>()?, WeightPath::Dequantized)?;
+            let mut judge = LlmJudge::new(generator);
+            let refs: Vec<&str> = passages.iter().map(String::as_str).collect();
+            println!("{}", serde_json::to_string(&judge.score(&query, &refs)?)?);
+        }
         ModelsCommand::Embed { model, device, texts } => {
             let embedder = fluxmem_models::load_embedder(&model, &device.parse::<DeviceChoice>()?)?;
             let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
@@ -47,4 +72,12 @@ pub fn run(command: ModelsCommand) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn weight_path(value: &str) -> anyhow::Result<WeightPath> {
+    match value {
+        "quantized" => Ok(WeightPath::Quantized),
+        "dequantized" => Ok(WeightPath::Dequantized),
+        other => anyhow::bail!("--weights `{other}`: expected quantized or dequantized"),
+    }
 }

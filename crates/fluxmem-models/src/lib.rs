@@ -2,6 +2,9 @@
 //!
 //! - [`Embedder`]: texts to vectors. [`SentenceEmbedder`] loads sentence-transformers BERT
 //!   checkpoints (default all-MiniLM-L6-v2); [`HashEmbedder`] is a weight-free fake for tests.
+//! - [`Generator`]: chat generation and next-token scoring; [`GgufGenerator`] runs GGUF models
+//!   (llama, Gemma 3) with quantized or dequantized-at-load weights ([`WeightPath`]).
+//! - [`Judge`]: passage usefulness and context sufficiency in [0, 1]; [`LlmJudge`] on any generator.
 //! - [`DeviceChoice`]: `auto|cpu|cuda[:N]|metal`, resolved at run time; the `cuda` and `metal`
 //!   cargo features compile the backends in.
 //! - [`ModelManifest`] / [`ModelSpec`]: the model manifest (`models/models.toml`) and the cache
@@ -18,13 +21,21 @@ mod bert;
 mod device;
 mod embedder;
 mod error;
+mod generator;
+mod gguf;
+mod gguf_tokenizer;
+mod judge;
 mod provision;
 
 pub use bert::{Pooling, SentenceEmbedder};
 pub use device::DeviceChoice;
 pub use embedder::{cosine, normalize, Embedder, HashEmbedder};
 pub use error::{Error, Result};
-pub use provision::{cache_dir, FileSpec, ModelManifest, ModelSpec, BUILTIN_MANIFEST, DEFAULT_EMBEDDER};
+pub use generator::{ChatMessage, GenerateParams, Generation, Generator, Usage};
+pub use gguf::{GgufGenerator, WeightPath};
+pub use gguf_tokenizer::tokenizer_from_gguf;
+pub use judge::{Judge, LlmJudge};
+pub use provision::{cache_dir, FileSpec, ModelManifest, ModelSpec, BUILTIN_MANIFEST, DEFAULT_EMBEDDER, DEFAULT_GENERATOR};
 
 /// Loads the embedder called `name` from the cache on `device`.
 pub fn load_embedder(name: &str, device: &DeviceChoice) -> Result<SentenceEmbedder> {
@@ -35,4 +46,15 @@ pub fn load_embedder(name: &str, device: &DeviceChoice) -> Result<SentenceEmbedd
     }
     let dir = spec.require(&cache_dir())?;
     SentenceEmbedder::load(&dir, &spec.model_id(), &device.device()?)
+}
+
+/// Loads the GGUF generator called `name` from the cache on `device`.
+pub fn load_generator(name: &str, device: &DeviceChoice, path: WeightPath) -> Result<GgufGenerator> {
+    let manifest = ModelManifest::load()?;
+    let spec = manifest.get(name)?;
+    if spec.kind != "generator" {
+        return Err(Error::Unknown { name: format!("{name} (not a generator)"), known: String::new() });
+    }
+    let dir = spec.require(&cache_dir())?;
+    GgufGenerator::load(&dir, &spec.model_id(), &device.device()?, path)
 }

@@ -12,6 +12,8 @@ use crate::{Error, Result};
 pub const BUILTIN_MANIFEST: &str = include_str!("../../../models/models.toml");
 /// The default embedding model.
 pub const DEFAULT_EMBEDDER: &str = "all-minilm-l6-v2";
+/// The default generator (and judge) model.
+pub const DEFAULT_GENERATOR: &str = "smollm2-135m-instruct-q4_1";
 /// Marker written after a model's files were verified.
 const VERIFIED: &str = ".fluxmem-verified";
 

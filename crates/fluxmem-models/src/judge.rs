@@ -1,0 +1,164 @@
+//! The `Judge` trait and its implementation on a [`Generator`] through the next-token
+//! probabilities of "yes" and "no".
+
+use crate::generator::{ChatMessage, Generator, Usage};
+use crate::Result;
+
+/// Scores how useful memory items are for a query, and whether a context suffices.
+pub trait Judge {
+    /// For each passage, a score in [0, 1]: does it help answer / act on `query`?
+    fn score(&mut self, query: &str, passages: &[&str]) -> Result<Vec<f32>>;
+    /// A score in [0, 1]: is `context` sufficient to answer / act on `query`?
+    fn sufficient(&mut self, query: &str, context: &str) -> Result<f32>;
+    /// Model calls and tokens so far.
+    fn usage(&self) -> Usage;
+    /// The model behind the judge.
+    fn model_id(&self) -> &str;
+}
+
+const SYSTEM: &str = "You judge whether a piece of memory is useful. Answer with one word: yes or no.";
+const YES: [&str; 4] = ["yes", "Yes", " yes", " Yes"];
+const NO: [&str; 4] = ["no", "No", " no", " No"];
+
+/// A judge built on a generator: P(yes) / (P(yes) + P(no)) for the first answer token, where
+/// each side sums the case and leading-space variants. The query part of the prompt is shared,
+/// so it runs once per query, not once per passage.
+pub struct LlmJudge<G: Generator> {
+    generator: G,
+    /// Characters of a passage shown to the model (long passages are cut).
+    pub max_passage_chars: usize,
+}
+
+impl<G: Generator> LlmJudge<G> {
+    /// A judge on `generator`.
+    pub fn new(generator: G) -> Self {
+        LlmJudge { generator, max_passage_chars: 1200 }
+    }
+
+    /// The generator back.
+    pub fn into_inner(self) -> G {
+        self.generator
+    }
+
+    fn yes_probability(&mut self, prefix: &str, suffixes: &[String]) -> Result<Vec<f32>> {
+        let options: Vec<&str> = YES.iter().chain(NO.iter()).copied().collect();
+        let log_probs = self.generator.next_token_logprobs(prefix, suffixes, &options)?;
+        Ok(log_probs
+            .iter()
+            .map(|lp| {
+                let yes = log_sum_exp(&lp[..YES.len()]);
+                let no = log_sum_exp(&lp[YES.len()..]);
+                1.0 / (1.0 + (no - yes).exp())
+            })
+            .collect())
+    }
+
+    /// The prompt split where the per-item text starts: (shared prefix, per-item suffixes).
+    fn split_prompt(&self, head: &str, items: &[String], tail: &str) -> (String, Vec<String>) {
+        let marker = "\u{1}ITEM\u{1}";
+        let prompt = self
+            .generator
+            .chat_prompt(&[ChatMessage::new("system", SYSTEM), ChatMessage::new("user", format!("{head}{marker}{tail}"))]);
+        let (prefix, rest) = prompt.split_once(marker).expect("the marker is in the prompt");
+        (prefix.to_string(), items.iter().map(|item| format!("{item}{rest}")).collect())
+    }
+
+    fn clip(&self, text: &str) -> String {
+        match text.char_indices().nth(self.max_passage_chars) {
+            Some((at, _)) => format!("{}...", &text[..at]),
+            None => text.to_string(),
+        }
+    }
+}
+
+fn log_sum_exp(values: &[f32]) -> f32 {
+    let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return max;
+    }
+    max + values.iter().map(|v| (v - max).exp()).sum::<f32>().ln()
+}
+
+impl<G: Generator> Judge for LlmJudge<G> {
+    fn score(&mut self, query: &str, passages: &[&str]) -> Result<Vec<f32>> {
+        if passages.is_empty() {
+            return Ok(Vec::new());
+        }
+        let items: Vec<String> = passages.iter().map(|p| self.clip(p)).collect();
+        let head = format!("Question: {query}\nPassage: ");
+        let tail = "\nDoes this passage help answer the question? Answer yes or no.";
+        let (prefix, suffixes) = self.split_prompt(&head, &items, tail);
+        self.yes_probability(&prefix, &suffixes)
+    }
+
+    fn sufficient(&mut self, query: &str, context: &str) -> Result<f32> {
+        let head = format!("Question: {query}\nContext:\n");
+        let tail = "\nIs this context enough to answer the question? Answer yes or no.";
+        let (prefix, suffixes) = self.split_prompt(&head, &[self.clip(context)], tail);
+        Ok(self.yes_probability(&prefix, &suffixes)?[0])
+    }
+
+    fn usage(&self) -> Usage {
+        self.generator.usage()
+    }
+
+    fn model_id(&self) -> &str {
+        self.generator.model_id()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generator::{GenerateParams, Generation};
+
+    /// A generator whose "model" says yes exactly when the suffix mentions the word `refund`.
+    struct Scripted {
+        usage: Usage,
+    }
+
+    impl Generator for Scripted {
+        fn model_id(&self) -> &str {
+            "scripted"
+        }
+        fn chat_prompt(&self, messages: &[ChatMessage]) -> String {
+            messages.iter().map(|m| format!("[{}] {}\n", m.role, m.content)).collect::<String>() + "[assistant] "
+        }
+        fn generate(&mut self, _: &[ChatMessage], _: &GenerateParams) -> Result<Generation> {
+            unreachable!("the judge only scores")
+        }
+        fn next_token_logprobs(&mut self, prefix: &str, suffixes: &[String], options: &[&str]) -> Result<Vec<Vec<f32>>> {
+            assert!(prefix.contains("Question: how do refunds work?"), "query is in the shared prefix: {prefix}");
+            self.usage.calls += suffixes.len();
+            Ok(suffixes
+                .iter()
+                .map(|s| {
+                    let yes = s.split("Does this").next().unwrap_or("").contains("refund");
+                    options.iter().map(|o| if o.to_lowercase().contains("yes") == yes { -0.1 } else { -5.0 }).collect()
+                })
+                .collect())
+        }
+        fn count_tokens(&self, text: &str) -> Result<usize> {
+            Ok(text.split_whitespace().count())
+        }
+        fn usage(&self) -> Usage {
+            self.usage
+        }
+    }
+
+    #[test]
+    fn yes_probability_ranks_passages_and_query_is_shared() {
+        let mut judge = LlmJudge::new(Scripted { usage: Usage::default() });
+        let scores = judge.score("how do refunds work?", &["refund within 30 days", "the weather is nice"]).unwrap();
+        assert!(scores[0] > 0.9 && scores[1] < 0.1, "{scores:?}");
+        assert_eq!(judge.usage().calls, 2);
+        assert!(judge.score("q", &[]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn log_sum_exp_is_stable() {
+        assert!((log_sum_exp(&[0.0, 0.0]) - 2f32.ln()).abs() < 1e-6);
+        assert_eq!(log_sum_exp(&[f32::NEG_INFINITY]), f32::NEG_INFINITY);
+        assert!((log_sum_exp(&[-1000.0, -1000.0]) - (-1000.0 + 2f32.ln())).abs() < 1e-3);
+    }
+}
