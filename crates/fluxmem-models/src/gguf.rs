@@ -117,6 +117,11 @@ impl GgufGenerator {
         })
     }
 
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let encoding = self.tokenizer.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())

@@ -85,7 +85,7 @@ impl<G: Generator> Judge for LlmJudge<G> {
             return Ok(Vec::new());
         }
         let items: Vec<String> = passages.iter().map(|p| self.clip(p)).collect();
-        let head = format!("Question: {query}\nPassage: ");
+        let head = format!("Question: {query}\nPassage:\n");
         let tail = "\nDoes this passage help answer the question? Answer yes or no.";
         let (prefix, suffixes) = self.split_prompt(&head, &items, tail);
         self.yes_probability(&prefix, &suffixes)
