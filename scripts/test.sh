@@ -13,6 +13,6 @@ fi
 
 # Models the real-model tests use (cached in FLUXMEM_MODELS, default ~/.cache/fluxmem/models;
 # a no-op when already installed and verified).
-cargo run --quiet -- models fetch all-minilm-l6-v2 smollm2-135m-instruct-q4_1
+cargo run --quiet -- models fetch all-minilm-l6-v2 smollm2-135m-instruct-q4_1 gemma3-270m-q4_k_m
 
 cargo test --workspace "$@"

@@ -95,3 +95,20 @@ fn judge_prefers_the_passage_that_answers() {
     assert!(usage.cached_tokens > 0, "the query prefix is shared");
 }
 
+
+#[test]
+fn gemma3_sentencepiece_tokenizer_from_gguf() {
+    let generator = fluxmem_models::load_generator("gemma3-270m-q4_k_m", &DeviceChoice::Cpu, WeightPath::Quantized)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let prompt = generator.chat_prompt(&[ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "hi")]);
+    assert_eq!(prompt, "<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\n");
+    for special in ["<bos>", "<start_of_turn>", "<end_of_turn>"] {
+        assert_eq!(generator.count_tokens(special).unwrap(), 1, "{special} is one token");
+    }
+    assert_eq!(generator.count_tokens("Hello world").unwrap(), 2, "`Hello` `▁world`");
+    let tokenizer = generator.tokenizer();
+    for text in [prompt.as_str(), "Émojis 🚀, café and 東京 at 10:45!", "  two  spaces\n\ttab"] {
+        let ids = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
+        assert_eq!(tokenizer.decode(&ids, false).unwrap(), text, "SentencePiece round trip");
+    }
+}
