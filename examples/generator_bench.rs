@@ -16,7 +16,7 @@ fn main() -> anyhow::Result<()> {
     let prefill_prompt = format!("{}\nSummarise the conversation above.", passage.repeat(6));
     println!("{model}");
     println!("{:<14} {:>8} {:>14} {:>14} {:>12}", "weights", "load s", "prefill tok/s", "decode tok/s", "prompt tok");
-    for (name, path) in [("quantized", WeightPath::Quantized), ("dequantized", WeightPath::Dequantized)] {
+    for (name, path) in [("as stored", WeightPath::Quantized), ("f32 at load", WeightPath::Dequantized), ("Q8_0 at load", WeightPath::Q8)] {
         let started = Instant::now();
         let mut generator = fluxmem_models::load_generator(model, &DeviceChoice::Cpu, path)?;
         let load = started.elapsed().as_secs_f64();

@@ -1,7 +1,7 @@
 //! How well the LLM judge separates LoCoMo evidence turns from other turns of the same
 //! conversation among the top dense candidates, next to plain MiniLM cosine (ROC AUC).
 //!
-//! cargo run --example judge_auc -- LOCOMO_JSON [--questions N] [--candidates K] [--seed S] [--weights dequantized|quantized]
+//! cargo run --example judge_auc -- LOCOMO_JSON [--questions N] [--candidates K] [--seed S] [--weights dequantized|quantized] [--model NAME]
 //!
 //! Questions of categories 1-4 with resolvable evidence are sampled with a seeded shuffle; for
 //! each, the K turns of its conversation with the highest cosine to the question are the
@@ -24,7 +24,8 @@ fn main() -> anyhow::Result<()> {
     let data: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(path)?)?;
 
     let embedder = fluxmem_models::load_embedder(fluxmem_models::DEFAULT_EMBEDDER, &DeviceChoice::Cpu)?;
-    let generator = fluxmem_models::load_generator(fluxmem_models::DEFAULT_GENERATOR, &DeviceChoice::Cpu, weights)?;
+    let model_name = flag("--model", fluxmem_models::DEFAULT_GENERATOR);
+    let generator = fluxmem_models::load_generator(&model_name, &DeviceChoice::Cpu, weights)?;
     let model = fluxmem_models::Generator::model_id(&generator).to_string();
     let mut judge = LlmJudge::new(generator);
 

@@ -94,9 +94,9 @@ pub enum ModelsCommand {
         /// Device: auto, cpu, cuda, cuda:N or metal.
         #[arg(long, default_value = "auto")]
         device: String,
-        /// Weights as stored (`quantized`) or expanded to f32 at load (`dequantized`, faster
-        /// prompt processing on CPU).
-        #[arg(long, default_value = "dequantized")]
+        /// Weights as stored (`quantized`), expanded to f32 at load (`dequantized`: fastest
+        /// prompt processing on CPU) or re-quantized to Q8_0 at load (`q8`: fastest decoding).
+        #[arg(long, default_value = "q8")]
         weights: String,
         /// Maximum new tokens.
         #[arg(long, default_value_t = 128)]

@@ -78,6 +78,7 @@ fn weight_path(value: &str) -> anyhow::Result<WeightPath> {
     match value {
         "quantized" => Ok(WeightPath::Quantized),
         "dequantized" => Ok(WeightPath::Dequantized),
-        other => anyhow::bail!("--weights `{other}`: expected quantized or dequantized"),
+        "q8" => Ok(WeightPath::Q8),
+        other => anyhow::bail!("--weights `{other}`: expected quantized, dequantized or q8"),
     }
 }

@@ -26,6 +26,9 @@ pub enum WeightPath {
     Quantized,
     /// Expanded to f32 at load time.
     Dequantized,
+    /// Re-quantized to Q8_0 at load time (candle has SIMD kernels for it: a middle ground for
+    /// decode-heavy work).
+    Q8,
 }
 
 #[derive(Clone)]
@@ -85,8 +88,9 @@ impl GgufGenerator {
             .unwrap_or(2048) as usize;
         let (content, mut reader): (gguf_file::Content, Box<dyn ReadSeek>) = match path {
             WeightPath::Quantized => (content, Box::new(file)),
-            WeightPath::Dequantized => {
-                let bytes = dequantized_gguf(&content, &mut file, &file_path)?;
+            WeightPath::Dequantized | WeightPath::Q8 => {
+                let target = if path == WeightPath::Q8 { GgmlDType::Q8_0 } else { GgmlDType::F32 };
+                let bytes = requantized_gguf(&content, &mut file, &file_path, target)?;
                 let mut cursor = std::io::Cursor::new(bytes);
                 let content = gguf_file::Content::read(&mut cursor)?;
                 (content, Box::new(cursor))
@@ -148,8 +152,10 @@ fn metadata_string(content: &gguf_file::Content, key: &str) -> Option<String> {
     content.metadata.get(key).and_then(|v| v.to_string().ok()).cloned()
 }
 
-/// The GGUF file re-encoded with every quantized matrix expanded to f32 (in memory).
-fn dequantized_gguf(content: &gguf_file::Content, file: &mut std::fs::File, path: &Path) -> Result<Vec<u8>> {
+/// The GGUF file re-encoded (in memory) with every quantized matrix converted to `target`
+/// (f32: dense matmuls; Q8_0: fast quantized kernels). Tensors whose row length does not fit
+/// the target's block size stay as they are.
+fn requantized_gguf(content: &gguf_file::Content, file: &mut std::fs::File, path: &Path, target: GgmlDType) -> Result<Vec<u8>> {
     let mut tensors: Vec<(String, QTensor)> = Vec::with_capacity(content.tensor_infos.len());
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
@@ -157,7 +163,15 @@ fn dequantized_gguf(content: &gguf_file::Content, file: &mut std::fs::File, path
         let tensor = content.tensor(file, name, &Device::Cpu)?;
         let tensor = match tensor.dtype() {
             GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => tensor,
-            _ => QTensor::quantize(&tensor.dequantize(&Device::Cpu)?, GgmlDType::F32)?,
+            dtype if dtype == target => tensor,
+            _ => {
+                let row = tensor.shape().dims().last().copied().unwrap_or(0);
+                if row % target.block_size() == 0 {
+                    QTensor::quantize(&tensor.dequantize(&Device::Cpu)?, target)?
+                } else {
+                    tensor
+                }
+            }
         };
         tensors.push((name.clone(), tensor));
     }
@@ -240,15 +254,16 @@ impl Generator for GgufGenerator {
             .collect::<Result<_>>()?;
         let prefix_ids = self.encode(prefix)?;
         let mut base = self.model.clone();
-        if !prefix_ids.is_empty() {
-            self.run(&mut base, &prefix_ids, 0)?;
-        }
+        let prefix_logits = if prefix_ids.is_empty() { None } else { Some(self.run(&mut base, &prefix_ids, 0)?) };
         self.usage.prompt_tokens += prefix_ids.len();
         let mut out = Vec::with_capacity(suffixes.len());
         for suffix in suffixes {
             let ids = self.encode(suffix)?;
-            let mut model = base.clone();
-            let logits = self.run(&mut model, &ids, prefix_ids.len())?;
+            let logits = match (&prefix_logits, ids.is_empty()) {
+                (Some(logits), true) => logits.clone(),
+                (None, true) => return Err(Error::Tokenizer("nothing to score: empty prefix and suffix".into())),
+                (_, false) => self.run(&mut base.clone(), &ids, prefix_ids.len())?,
+            };
             let log_probs = candle_nn::ops::log_softmax(&logits, 0)?.to_vec1::<f32>()?;
             out.push(option_ids.iter().map(|&id| log_probs[id as usize]).collect());
             self.usage.calls += 1;
