@@ -38,6 +38,13 @@ enum Model {
 }
 
 impl Model {
+    /// Whether a prompt can continue from a cloned KV cache with several tokens at once.
+    /// candle 0.11's quantized Gemma 3 builds a mismatched mask (f32 vs u32) when
+    /// `index_pos > 0` and more than one token is fed, so Gemma prompts run whole.
+    fn continues_from_cache(&self) -> bool {
+        matches!(self, Model::Llama(_))
+    }
+
     fn forward(&mut self, input: &Tensor, position: usize) -> candle_core::Result<Tensor> {
         match self {
             Model::Llama(model) => model.forward(input, position),
@@ -143,6 +150,12 @@ impl GgufGenerator {
         let input = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
         Ok(model.forward(&input, position)?.squeeze(0)?.to_dtype(candle_core::DType::F32)?)
     }
+}
+
+/// Log-probabilities of `ids` under the next-token `logits`.
+fn option_logprobs(logits: &Tensor, ids: &[u32]) -> Result<Vec<f32>> {
+    let log_probs = candle_nn::ops::log_softmax(logits, 0)?.to_vec1::<f32>()?;
+    Ok(ids.iter().map(|&id| log_probs[id as usize]).collect())
 }
 
 trait ReadSeek: std::io::Read + std::io::Seek {}
@@ -252,6 +265,18 @@ impl Generator for GgufGenerator {
             .iter()
             .map(|o| self.encode(o)?.first().copied().ok_or_else(|| Error::Tokenizer(format!("option `{o}` has no tokens"))))
             .collect::<Result<_>>()?;
+        if !self.model.continues_from_cache() {
+            let whole: Vec<String> = suffixes.iter().map(|suffix| format!("{prefix}{suffix}")).collect();
+            let mut out = Vec::with_capacity(whole.len());
+            for prompt in &whole {
+                let ids = self.encode(prompt)?;
+                let logits = self.run(&mut self.model.clone(), &ids, 0)?;
+                out.push(option_logprobs(&logits, &option_ids)?);
+                self.usage.calls += 1;
+                self.usage.prompt_tokens += ids.len();
+            }
+            return Ok(out);
+        }
         let prefix_ids = self.encode(prefix)?;
         let mut base = self.model.clone();
         let prefix_logits = if prefix_ids.is_empty() { None } else { Some(self.run(&mut base, &prefix_ids, 0)?) };
@@ -264,8 +289,7 @@ impl Generator for GgufGenerator {
                 (None, true) => return Err(Error::Tokenizer("nothing to score: empty prefix and suffix".into())),
                 (_, false) => self.run(&mut base.clone(), &ids, prefix_ids.len())?,
             };
-            let log_probs = candle_nn::ops::log_softmax(&logits, 0)?.to_vec1::<f32>()?;
-            out.push(option_ids.iter().map(|&id| log_probs[id as usize]).collect());
+            out.push(option_logprobs(&logits, &option_ids)?);
             self.usage.calls += 1;
             self.usage.prompt_tokens += ids.len();
             self.usage.cached_tokens += prefix_ids.len();
