@@ -40,6 +40,60 @@ pub enum Command {
     /// List, fetch and try the local models.
     #[command(subcommand)]
     Models(ModelsCommand),
+    /// Evaluate retrieval against benchmark data.
+    #[command(subcommand)]
+    Eval(EvalCommand),
+}
+
+/// `fluxmem eval ...`.
+#[derive(Debug, Subcommand)]
+pub enum EvalCommand {
+    /// Recall of LoCoMo evidence turns for bm25, dense, hybrid and fluxmem, per category.
+    ///
+    /// Each conversation goes into a fresh temporary store (turns as semantic nodes) and is
+    /// embedded; questions are answered from their text alone and scored against the evidence ids.
+    Locomo(LocomoArgs),
+}
+
+/// `fluxmem eval locomo`.
+#[derive(Debug, Args)]
+pub struct LocomoArgs {
+    /// The LoCoMo JSON file.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Conversation ids to evaluate, comma-separated (default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub conversations: Vec<String>,
+    /// Judge for the fluxmem system: none or llm (the default generator scores the top candidates).
+    #[arg(long, default_value = "none")]
+    pub judge: String,
+    /// How many of the best fused candidates the judge scores.
+    #[arg(long, default_value_t = 20)]
+    pub judge_top: usize,
+    /// Fusion of the hybrid score: weighted (reference code) or sum (paper).
+    #[arg(long, default_value = "weighted")]
+    pub fusion: String,
+    /// Context budgets in tokens, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048")]
+    pub budgets: Vec<usize>,
+    /// Also evaluate category 5 (adversarial) questions.
+    #[arg(long)]
+    pub include_adversarial: bool,
+    /// Evaluate a seeded sample of N questions (the same N for the same seed).
+    #[arg(long)]
+    pub sample: Option<usize>,
+    /// Seed of --sample.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Embedding model.
+    #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
+    pub model: String,
+    /// Device: auto, cpu, cuda, cuda:N or metal.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Also write the report as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 /// `fluxmem embed`.

@@ -63,6 +63,12 @@ impl CountBar {
     pub fn finish(&self) {
         self.bar.finish_and_clear();
     }
+
+    /// `done` of `total` items are finished.
+    pub fn set(&self, done: u64, total: u64) {
+        self.bar.set_length(total);
+        self.bar.set_position(done);
+    }
 }
 
 impl fluxmem_embed::Progress for CountBar {

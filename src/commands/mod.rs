@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 mod embed;
+mod eval;
 mod ingest;
 mod models;
 mod stats;
@@ -16,6 +17,7 @@ pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
         Command::Stats(args) => stats::run(args, settings),
         Command::Embed(args) => embed::run(args, settings),
         Command::Models(command) => models::run(command),
+        Command::Eval(crate::cli::EvalCommand::Locomo(args)) => eval::locomo(args, settings),
     }
 }
 

@@ -1,0 +1,115 @@
+//! Okapi BM25 over node texts.
+
+use std::collections::HashMap;
+
+/// BM25 parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bm25Params {
+    /// Term-frequency saturation.
+    pub k1: f32,
+    /// Length normalisation.
+    pub b: f32,
+}
+
+impl Default for Bm25Params {
+    fn default() -> Self {
+        Bm25Params { k1: 1.5, b: 0.75 }
+    }
+}
+
+/// Words that carry no retrieval signal.
+const STOPWORDS: &[&str] = &[
+    "a", "an", "and", "are", "as", "at", "be", "by", "did", "do", "does", "for", "from", "had", "has", "have", "he", "her",
+    "his", "i", "in", "is", "it", "its", "me", "my", "of", "on", "or", "she", "that", "the", "their", "them", "they",
+    "this", "to", "was", "we", "were", "what", "when", "where", "which", "who", "why", "how", "will", "with", "you", "your",
+];
+
+/// Lower-cased alphanumeric terms of `text`, stopwords removed.
+pub fn terms(text: &str) -> Vec<String> {
+    text.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_lowercase)
+        .filter(|w| !STOPWORDS.contains(&w.as_str()))
+        .collect()
+}
+
+/// An inverted index over documents `0..n`.
+#[derive(Debug, Clone)]
+pub struct Bm25 {
+    params: Bm25Params,
+    postings: HashMap<String, Vec<(u32, u32)>>,
+    lengths: Vec<f32>,
+    average_length: f32,
+}
+
+impl Bm25 {
+    /// Indexes `documents` (document `i` is `documents[i]`).
+    pub fn new<S: AsRef<str>>(documents: &[S], params: Bm25Params) -> Bm25 {
+        let mut postings: HashMap<String, Vec<(u32, u32)>> = HashMap::new();
+        let mut lengths = Vec::with_capacity(documents.len());
+        for (doc, text) in documents.iter().enumerate() {
+            let words = terms(text.as_ref());
+            lengths.push(words.len() as f32);
+            let mut counts: HashMap<String, u32> = HashMap::new();
+            for word in words {
+                *counts.entry(word).or_default() += 1;
+            }
+            for (word, count) in counts {
+                postings.entry(word).or_default().push((doc as u32, count));
+            }
+        }
+        let average_length = if lengths.is_empty() { 0.0 } else { lengths.iter().sum::<f32>() / lengths.len() as f32 };
+        Bm25 { params, postings, lengths, average_length }
+    }
+
+    /// Number of indexed documents.
+    pub fn len(&self) -> usize {
+        self.lengths.len()
+    }
+
+    /// True when nothing is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.lengths.is_empty()
+    }
+
+    /// The BM25 score of every document for `query` (0 for documents sharing no term).
+    pub fn scores(&self, query: &str) -> Vec<f32> {
+        let mut scores = vec![0f32; self.lengths.len()];
+        let n = self.lengths.len() as f32;
+        let mut seen = std::collections::HashSet::new();
+        for term in terms(query) {
+            if !seen.insert(term.clone()) {
+                continue;
+            }
+            let Some(postings) = self.postings.get(&term) else { continue };
+            let df = postings.len() as f32;
+            let idf = (1.0 + (n - df + 0.5) / (df + 0.5)).ln();
+            for &(doc, tf) in postings {
+                let tf = tf as f32;
+                let norm = 1.0 - self.params.b + self.params.b * self.lengths[doc as usize] / self.average_length.max(1e-9);
+                scores[doc as usize] += idf * tf * (self.params.k1 + 1.0) / (tf + self.params.k1 * norm);
+            }
+        }
+        scores
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matches_hand_computed_scores() {
+        let docs = ["refund the order", "order a pizza", "restart the export job"];
+        let index = Bm25::new(&docs, Bm25Params::default());
+        let scores = index.scores("refund order");
+        // N = 3, avgdl = (2 + 2 + 3) / 3; doc 0 has "refund" (df 1) and "order" (df 2), length 2.
+        let idf = |df: f32| (1.0f32 + (3.0 - df + 0.5) / (df + 0.5)).ln();
+        let norm = 1.0 - 0.75 + 0.75 * 2.0 / (7.0 / 3.0);
+        let term = |df: f32| idf(df) * 2.5 / (1.0 + 1.5 * norm);
+        assert!((scores[0] - (term(1.0) + term(2.0))).abs() < 1e-5, "{scores:?}");
+        assert!((scores[1] - term(2.0)).abs() < 1e-5);
+        assert_eq!(scores[2], 0.0);
+        assert_eq!(index.scores("the of and"), vec![0.0; 3], "stopwords only");
+    }
+}

@@ -1,0 +1,109 @@
+//! Serialising the retrieved subgraph into a context string under a token budget.
+
+use fluxmem_graph::{Graph, NodeBody, NodeId};
+use serde::Serialize;
+
+use crate::fusion::Signals;
+use crate::Result;
+
+/// One item of a context, with why it is there.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ContextItem {
+    /// The node.
+    pub node_id: NodeId,
+    /// `semantic`, `episodic` or `procedural`.
+    pub kind: String,
+    /// Where it came from (source file and locator).
+    pub source: String,
+    /// Its time, as the source writes it.
+    pub time: Option<String>,
+    /// Rank in the candidate list it was taken from (0-based).
+    pub rank: usize,
+    /// Raw signals.
+    pub signals: Signals,
+    /// Fused score.
+    pub score: f32,
+    /// Why it was included.
+    pub why: String,
+    /// Its line in the context.
+    pub line: String,
+    /// Tokens of that line.
+    pub tokens: usize,
+}
+
+/// A packed context.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Context {
+    /// The budget it was packed under.
+    pub budget: usize,
+    /// Tokens used.
+    pub tokens: usize,
+    /// The items, in rank order.
+    pub items: Vec<ContextItem>,
+}
+
+impl Context {
+    /// The context string given to an agent.
+    pub fn text(&self) -> String {
+        self.items.iter().map(|item| item.line.as_str()).collect::<Vec<_>>().join("\n")
+    }
+}
+
+/// The line a node contributes to a context.
+pub fn line(graph: &Graph, id: &NodeId) -> String {
+    let Some(node) = graph.nodes.get(id) else { return String::new() };
+    match &node.body {
+        NodeBody::Semantic(s) => match &s.time {
+            Some(time) => format!("[{time}] {}", node.text),
+            None => node.text.clone(),
+        },
+        NodeBody::Episodic(e) => {
+            let outcome = match e.outcome.success {
+                Some(true) => "succeeded",
+                Some(false) => "failed",
+                None => "outcome unknown",
+            };
+            format!("[past task, {outcome}] {}", node.text)
+        }
+        NodeBody::Procedural(_) => format!("[skill] {}", node.text),
+    }
+}
+
+/// Packs ranked `(node, signals, score, why)` entries greedily in rank order: an item that does
+/// not fit in what is left of `budget` is skipped and smaller later items may still fit. Tokens
+/// are counted by `count_tokens` on each line plus one for the newline between lines.
+pub fn pack(
+    graph: &Graph,
+    ranked: &[(NodeId, Signals, f32, String)],
+    budget: usize,
+    count_tokens: &dyn Fn(&str) -> Result<usize>,
+) -> Result<Context> {
+    let mut items = Vec::new();
+    let mut used = 0;
+    for (rank, (id, signals, score, why)) in ranked.iter().enumerate() {
+        let Some(node) = graph.nodes.get(id) else { continue };
+        let text = line(graph, id);
+        let tokens = count_tokens(&text)? + usize::from(!items.is_empty());
+        if used + tokens > budget {
+            continue;
+        }
+        used += tokens;
+        let time = match &node.body {
+            NodeBody::Semantic(s) => s.time.clone(),
+            _ => None,
+        };
+        items.push(ContextItem {
+            node_id: id.clone(),
+            kind: node.kind().as_str().to_string(),
+            source: format!("{} {}", node.source_file, node.source_locator),
+            time,
+            rank,
+            signals: *signals,
+            score: *score,
+            why: why.clone(),
+            line: text,
+            tokens,
+        });
+    }
+    Ok(Context { budget, tokens: used, items })
+}

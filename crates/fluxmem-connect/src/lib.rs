@@ -1,0 +1,51 @@
+//! Stage I of FluxMem: initial connection formation.
+//!
+//! - [`Bm25`]: lexical scores over semantic nodes (k1 1.5, b 0.75 by default);
+//! - [`DenseIndex`]: exact cosine search by blocked matrix products on a candle device;
+//! - [`fuse`]: the hybrid score, either the paper's plain sum or the reference code's weighted
+//!   sum of min-max normalised signals over the candidate pool ([`FusionMode`]);
+//! - [`SemanticIndex`]: BM25 + dense (+ optional [`fluxmem_models::Judge`]) retrieval;
+//! - [`pack`]: the retrieved items serialised into a context under a token budget, each item
+//!   carrying its id, source, time, signals and why it was included.
+//!
+//! ```
+//! use fluxmem_connect::{Bm25, Bm25Params};
+//! let index = Bm25::new(&["refund the order", "restart the job"], Bm25Params::default());
+//! let scores = index.scores("refund");
+//! assert!(scores[0] > 0.0 && scores[1] == 0.0);
+//! ```
+
+mod bm25;
+mod context;
+mod dense;
+mod fusion;
+mod retrieve;
+
+pub use bm25::{terms, Bm25, Bm25Params};
+pub use context::{line, pack, Context, ContextItem};
+pub use dense::{top_k, DenseIndex, BLOCK_ROWS};
+pub use fusion::{fuse, min_max, FusionMode, FusionWeights, Signals};
+pub use retrieve::{Candidate, RetrievalConfig, SemanticIndex};
+
+/// Errors of Stage I.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A tensor operation failed.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// The judge or the embedder failed.
+    #[error(transparent)]
+    Model(#[from] fluxmem_models::Error),
+    /// A node to retrieve over has no embedding of the model.
+    #[error("node {node} has no `{model}` embedding; run `fluxmem embed` first")]
+    NotEmbedded {
+        /// The node.
+        node: String,
+        /// The model.
+        model: String,
+    },
+}
+
+/// Result with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,165 @@
+//! Stage I semantic retrieval: BM25 + dense candidates fused into one ranking, optionally
+//! reranked with the judge.
+
+use candle_core::Device;
+use fluxmem_graph::{Graph, Node, NodeId, NodeKind};
+use fluxmem_models::Judge;
+use serde::Serialize;
+
+use crate::bm25::{Bm25, Bm25Params};
+use crate::dense::{top_k, DenseIndex};
+use crate::fusion::{fuse, FusionMode, FusionWeights, Signals};
+use crate::{Error, Result};
+
+/// Stage I settings.
+#[derive(Debug, Clone, Serialize)]
+pub struct RetrievalConfig {
+    /// Fusion mode.
+    pub fusion: FusionMode,
+    /// Weights of the weighted mode.
+    pub weights: FusionWeights,
+    /// Dense candidates in the pool (the reference code uses 3,000).
+    pub dense_pool: usize,
+    /// BM25 candidates added to the pool, so lexical-only matches can enter.
+    pub bm25_pool: usize,
+    /// How many of the best fused candidates the judge scores (0: no judge).
+    pub judge_top: usize,
+    /// BM25 parameters.
+    #[serde(skip)]
+    pub bm25: Bm25Params,
+}
+
+impl Default for RetrievalConfig {
+    fn default() -> Self {
+        RetrievalConfig {
+            fusion: FusionMode::Weighted,
+            weights: FusionWeights::default(),
+            dense_pool: 3000,
+            bm25_pool: 100,
+            judge_top: 0,
+            bm25: Bm25Params::default(),
+        }
+    }
+}
+
+/// A ranked semantic candidate with every signal, for explanation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Candidate {
+    /// Position in the index.
+    pub index: usize,
+    /// The node.
+    pub node_id: NodeId,
+    /// Raw signals.
+    pub signals: Signals,
+    /// Fused score.
+    pub score: f32,
+}
+
+/// Indexes over the semantic nodes of a graph that have embeddings of one model.
+pub struct SemanticIndex {
+    ids: Vec<NodeId>,
+    texts: Vec<String>,
+    bm25: Bm25,
+    dense: DenseIndex,
+}
+
+impl SemanticIndex {
+    /// Indexes the semantic nodes of `graph` (in id order) with their `model` embeddings.
+    /// A semantic node without an embedding of `model` is an error naming the fix.
+    pub fn build(graph: &Graph, model: &str, device: &Device) -> Result<SemanticIndex> {
+        let nodes: Vec<&Node> = graph.nodes.values().filter(|n| n.kind() == NodeKind::Semantic).collect();
+        let mut vectors = Vec::with_capacity(nodes.len());
+        for node in &nodes {
+            let embedding = graph
+                .embeddings
+                .get(&(node.id.clone(), model.to_string()))
+                .ok_or_else(|| Error::NotEmbedded { node: node.id.to_string(), model: model.to_string() })?;
+            vectors.push(embedding.vector.clone());
+        }
+        let dim = vectors.first().map_or(0, Vec::len);
+        let texts: Vec<String> = nodes.iter().map(|n| n.text.clone()).collect();
+        Ok(SemanticIndex {
+            ids: nodes.iter().map(|n| n.id.clone()).collect(),
+            bm25: Bm25::new(&texts, Bm25Params::default()),
+            texts,
+            dense: DenseIndex::new(&vectors, dim, device)?,
+        })
+    }
+
+    /// Number of indexed nodes.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// True when nothing is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The node id at `index`.
+    pub fn id(&self, index: usize) -> &NodeId {
+        &self.ids[index]
+    }
+
+    /// BM25 ranking (best first, zero scores dropped).
+    pub fn bm25(&self, query: &str, k: usize) -> Vec<Candidate> {
+        let scores = self.bm25.scores(query);
+        top_k(&scores, k)
+            .into_iter()
+            .filter(|(_, s)| *s > 0.0)
+            .map(|(index, score)| self.candidate(index, Signals { dense: 0.0, bm25: score, judge: None }, score))
+            .collect()
+    }
+
+    /// Dense ranking (best first).
+    pub fn dense(&self, query_vector: &[f32], k: usize) -> Result<Vec<Candidate>> {
+        let ranked = self.dense.top_k(&[query_vector.to_vec()], k)?.remove(0);
+        Ok(ranked.into_iter().map(|(index, cos)| self.candidate(index, Signals { dense: cos, bm25: 0.0, judge: None }, cos)).collect())
+    }
+
+    /// Hybrid ranking of the pool (dense top `dense_pool` plus BM25 top `bm25_pool`), fused;
+    /// with a judge, the best `judge_top` are scored by it and everything is fused again.
+    pub fn hybrid<'judge>(
+        &self,
+        query: &str,
+        query_vector: &[f32],
+        config: &RetrievalConfig,
+        judge: Option<&mut (dyn Judge + 'judge)>,
+    ) -> Result<Vec<Candidate>> {
+        if self.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dense_scores = self.dense.scores(&[query_vector.to_vec()])?.remove(0);
+        let bm25_scores = self.bm25.scores(query);
+        let mut pool: Vec<usize> = top_k(&dense_scores, config.dense_pool).into_iter().map(|(i, _)| i).collect();
+        pool.extend(top_k(&bm25_scores, config.bm25_pool).into_iter().filter(|(_, s)| *s > 0.0).map(|(i, _)| i));
+        pool.sort_unstable();
+        pool.dedup();
+        let mut signals: Vec<Signals> =
+            pool.iter().map(|&i| Signals { dense: dense_scores[i], bm25: bm25_scores[i], judge: None }).collect();
+        let mut ranked = self.rank(&pool, &signals, config);
+        if let (Some(judge), true) = (judge, config.judge_top > 0) {
+            let top: Vec<usize> = ranked.iter().take(config.judge_top).map(|c| c.index).collect();
+            let passages: Vec<&str> = top.iter().map(|&i| self.texts[i].as_str()).collect();
+            let scores = judge.score(query, &passages)?;
+            for (index, score) in top.iter().zip(scores) {
+                let slot = pool.binary_search(index).expect("judged candidates come from the pool");
+                signals[slot].judge = Some(score);
+            }
+            ranked = self.rank(&pool, &signals, config);
+        }
+        Ok(ranked)
+    }
+
+    fn rank(&self, pool: &[usize], signals: &[Signals], config: &RetrievalConfig) -> Vec<Candidate> {
+        let fused = fuse(config.fusion, &config.weights, signals);
+        let mut ranked: Vec<Candidate> =
+            pool.iter().zip(signals).zip(fused).map(|((&i, s), score)| self.candidate(i, *s, score)).collect();
+        ranked.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.index.cmp(&b.index)));
+        ranked
+    }
+
+    fn candidate(&self, index: usize, signals: Signals, score: f32) -> Candidate {
+        Candidate { index, node_id: self.ids[index].clone(), signals, score }
+    }
+}

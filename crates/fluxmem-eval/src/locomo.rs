@@ -1,0 +1,339 @@
+//! `fluxmem eval locomo`: retrieval recall on LoCoMo conversations.
+//!
+//! Each conversation is ingested into a fresh temporary store (its turns become semantic
+//! nodes) and embedded. Every question is then answered by each system from the question text
+//! alone: retrieval never sees the answer or the evidence ids, which are read separately
+//! ([`Gold`]) and used only to score the ranking afterwards.
+
+use candle_core::Device;
+use fluxmem_connect::{pack, Candidate, RetrievalConfig, SemanticIndex, Signals};
+use fluxmem_graph::{Graph, NodeId};
+use fluxmem_models::{Embedder, Judge};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::metrics::{recall, QuestionResult, Summary, KS};
+use crate::{Error, Result};
+
+/// The systems evaluated side by side.
+pub const SYSTEMS: [&str; 4] = ["bm25", "dense", "hybrid", "fluxmem"];
+
+/// What to evaluate.
+#[derive(Debug, Clone)]
+pub struct LocomoOptions {
+    /// Conversations to use (all when empty).
+    pub conversations: Vec<String>,
+    /// Include category 5 (adversarial) questions.
+    pub include_adversarial: bool,
+    /// Context budgets (tokens of the default embedder's tokenizer).
+    pub budgets: Vec<usize>,
+    /// Evaluate a seeded sample of this many questions (all when `None`).
+    pub sample: Option<usize>,
+    /// Seed of the sample.
+    pub seed: u64,
+    /// Stage I settings of the `fluxmem` system (`hybrid` is the same without the judge).
+    pub retrieval: RetrievalConfig,
+}
+
+impl Default for LocomoOptions {
+    fn default() -> Self {
+        LocomoOptions {
+            conversations: Vec::new(),
+            include_adversarial: false,
+            budgets: vec![256, 512, 1024, 2048],
+            sample: None,
+            seed: 0,
+            retrieval: RetrievalConfig::default(),
+        }
+    }
+}
+
+/// A question as retrieval sees it: its text (and its category, for grouping results).
+#[derive(Debug, Clone)]
+pub struct Question {
+    /// Conversation id.
+    pub conversation: String,
+    /// The question text.
+    pub text: String,
+    /// LoCoMo category (1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop, 5 adversarial).
+    pub category: u64,
+}
+
+/// What scoring needs and retrieval must never see.
+#[derive(Debug, Clone)]
+pub struct Gold {
+    /// Evidence dialogue ids, as written in the data.
+    pub evidence: Vec<String>,
+}
+
+/// Counts of evidence ids.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EvidenceCounts {
+    /// Evidence ids in the evaluated questions.
+    pub total: usize,
+    /// Ids that name a turn as written.
+    pub resolved: usize,
+    /// Malformed ids that name a turn once normalised (`D30:05` -> `D30:5`).
+    pub normalized: usize,
+    /// Ids that name no turn (reported, not fatal).
+    pub unresolved: Vec<String>,
+    /// Questions left out because none of their evidence resolves.
+    pub questions_without_evidence: usize,
+}
+
+/// The report, as `--json` writes it.
+#[derive(Debug, Clone, Serialize)]
+pub struct LocomoReport {
+    /// Questions scored.
+    pub questions: usize,
+    /// Results per system.
+    pub systems: BTreeMap<String, SystemReport>,
+    /// Tokens of each full conversation (every turn's context line), for reference.
+    pub conversation_tokens: BTreeMap<String, usize>,
+    /// Evidence id resolution.
+    pub evidence: EvidenceCounts,
+    /// The judge and generator calls of the `fluxmem` system.
+    pub judge_calls: usize,
+    /// Prompt tokens the judge ran.
+    pub judge_prompt_tokens: usize,
+}
+
+/// One system's results.
+#[derive(Debug, Clone, Serialize)]
+pub struct SystemReport {
+    /// Overall averages.
+    #[serde(flatten)]
+    pub overall: Summary,
+    /// Averages per category.
+    pub by_category: BTreeMap<String, Summary>,
+}
+
+/// Reads a LoCoMo file into conversations (raw JSON), questions and their gold evidence.
+pub fn read(path: &Path, options: &LocomoOptions) -> Result<(Vec<Value>, Vec<(Question, Gold)>)> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.into(), source })?;
+    let data: Vec<Value> =
+        serde_json::from_str(&text).map_err(|e| Error::Data { path: path.into(), reason: format!("not a LoCoMo array: {e}") })?;
+    let wanted = |id: &str| options.conversations.is_empty() || options.conversations.iter().any(|c| c == id);
+    let conversations: Vec<Value> =
+        data.into_iter().filter(|c| c["sample_id"].as_str().is_some_and(wanted)).collect();
+    for id in &options.conversations {
+        if !conversations.iter().any(|c| c["sample_id"].as_str() == Some(id)) {
+            return Err(Error::Data { path: path.into(), reason: format!("no conversation `{id}`") });
+        }
+    }
+    let mut questions = Vec::new();
+    for conversation in &conversations {
+        let id = conversation["sample_id"].as_str().unwrap_or_default().to_string();
+        for qa in conversation["qa"].as_array().into_iter().flatten() {
+            let category = qa["category"].as_u64().unwrap_or(0);
+            if !(1..=4).contains(&category) && !(options.include_adversarial && category == 5) {
+                continue;
+            }
+            let evidence = qa["evidence"].as_array().into_iter().flatten().filter_map(|e| e.as_str().map(str::to_string)).collect();
+            let question = Question { conversation: id.clone(), text: qa["question"].as_str().unwrap_or_default().to_string(), category };
+            questions.push((question, Gold { evidence }));
+        }
+    }
+    if let Some(n) = options.sample {
+        questions = seeded_sample(questions, n, options.seed);
+    }
+    Ok((conversations, questions))
+}
+
+/// The same `n` items for the same seed: a seeded Fisher-Yates shuffle, then the first `n`,
+/// returned in their original order.
+pub fn seeded_sample<T>(items: Vec<T>, n: usize, seed: u64) -> Vec<T> {
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
+    for i in (1..order.len()).rev() {
+        state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        order.swap(i, (state >> 33) as usize % (i + 1));
+    }
+    let mut keep: Vec<usize> = order.into_iter().take(n).collect();
+    keep.sort_unstable();
+    let mut slots: Vec<Option<T>> = items.into_iter().map(Some).collect();
+    keep.into_iter().filter_map(|i| slots[i].take()).collect()
+}
+
+/// Normalises a malformed dialogue id (`D:11:26` -> `D11:26`, `D30:05` -> `D30:5`).
+fn normalize_dia_id(id: &str) -> Option<String> {
+    let numbers: Vec<u32> = id.trim_start_matches('D').split(':').filter(|p| !p.is_empty()).map(|p| p.parse().ok()).collect::<Option<_>>()?;
+    match numbers.as_slice() {
+        [session, turn] => Some(format!("D{session}:{turn}")),
+        _ => None,
+    }
+}
+
+/// Runs the evaluation. `progress` is called once per question scored.
+pub fn evaluate(
+    path: &Path,
+    options: &LocomoOptions,
+    embedder: &dyn Embedder,
+    mut judge: Option<&mut dyn Judge>,
+    device: &Device,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<LocomoReport> {
+    let (conversations, questions) = read(path, options)?;
+    let total = questions.len();
+    let mut evidence = EvidenceCounts::default();
+    let mut results: BTreeMap<&str, Vec<(u64, QuestionResult)>> = SYSTEMS.iter().map(|s| (*s, Vec::new())).collect();
+    let mut conversation_tokens = BTreeMap::new();
+    let mut done = 0;
+    for conversation in &conversations {
+        let id = conversation["sample_id"].as_str().unwrap_or_default();
+        let (graph, dia_ids) = build_store(conversation, embedder)?;
+        let index = SemanticIndex::build(&graph, embedder.model_id(), device)?;
+        // Every ranking packs the same lines again and again: count each line's tokens once.
+        let memo: std::cell::RefCell<std::collections::HashMap<String, usize>> = Default::default();
+        let count = |text: &str| -> fluxmem_connect::Result<usize> {
+            if let Some(&n) = memo.borrow().get(text) {
+                return Ok(n);
+            }
+            let n = embedder.count_tokens(text)?;
+            memo.borrow_mut().insert(text.to_string(), n);
+            Ok(n)
+        };
+        let all_lines: Vec<String> = (0..index.len()).map(|i| fluxmem_connect::line(&graph, index.id(i))).collect();
+        conversation_tokens.insert(id.to_string(), embedder.count_tokens(&all_lines.join("\n"))?);
+        for (question, gold) in questions.iter().filter(|(q, _)| q.conversation == id) {
+            // Retrieval: the question text only.
+            let query_vector = embedder.embed(&[question.text.as_str()])?.remove(0);
+            let all = index.len();
+            let hybrid_config = RetrievalConfig { judge_top: 0, ..options.retrieval.clone() };
+            let rankings: [(&str, Vec<Candidate>); 4] = [
+                ("bm25", index.bm25(&question.text, all)),
+                ("dense", index.dense(&query_vector, all)?),
+                ("hybrid", index.hybrid(&question.text, &query_vector, &hybrid_config, None)?),
+                ("fluxmem", index.hybrid(&question.text, &query_vector, &options.retrieval, judge.as_deref_mut())?),
+            ];
+            // Scoring: only now is the gold evidence read.
+            let Some(evidence_ids) = resolve(&gold.evidence, &dia_ids, &mut evidence) else {
+                evidence.questions_without_evidence += 1;
+                continue;
+            };
+            for (system, ranking) in rankings {
+                let result = score(&graph, &ranking, &evidence_ids, &options.budgets, &count)?;
+                results.get_mut(system).expect("every system has a slot").push((question.category, result));
+            }
+            done += 1;
+            progress(done, total);
+        }
+    }
+    let usage = judge.as_ref().map(|j| j.usage()).unwrap_or_default();
+    let systems = results
+        .into_iter()
+        .map(|(system, per_question)| {
+            let all: Vec<&QuestionResult> = per_question.iter().map(|(_, r)| r).collect();
+            let mut by_category = BTreeMap::new();
+            for category in 1..=5u64 {
+                let of: Vec<&QuestionResult> = per_question.iter().filter(|(c, _)| *c == category).map(|(_, r)| r).collect();
+                if !of.is_empty() {
+                    by_category.insert(category.to_string(), Summary::of(&of));
+                }
+            }
+            (system.to_string(), SystemReport { overall: Summary::of(&all), by_category })
+        })
+        .collect();
+    Ok(LocomoReport {
+        questions: done,
+        systems,
+        conversation_tokens,
+        evidence,
+        judge_calls: usage.calls,
+        judge_prompt_tokens: usage.prompt_tokens,
+    })
+}
+
+/// Node ids of `evidence`, or `None` when none resolves.
+fn resolve(evidence: &[String], dia_ids: &BTreeMap<String, NodeId>, counts: &mut EvidenceCounts) -> Option<Vec<NodeId>> {
+    let mut ids = Vec::new();
+    for raw in evidence {
+        counts.total += 1;
+        if let Some(id) = dia_ids.get(raw) {
+            counts.resolved += 1;
+            ids.push(id.clone());
+        } else if let Some(id) = normalize_dia_id(raw).and_then(|n| dia_ids.get(&n)) {
+            counts.normalized += 1;
+            ids.push(id.clone());
+        } else {
+            counts.unresolved.push(raw.clone());
+        }
+    }
+    ids.dedup();
+    (!ids.is_empty()).then_some(ids)
+}
+
+fn score(
+    graph: &Graph,
+    ranking: &[Candidate],
+    evidence: &[NodeId],
+    budgets: &[usize],
+    count: &dyn Fn(&str) -> fluxmem_connect::Result<usize>,
+) -> Result<QuestionResult> {
+    let ids: Vec<NodeId> = ranking.iter().map(|c| c.node_id.clone()).collect();
+    let mut result = QuestionResult::default();
+    for (i, k) in KS.iter().enumerate() {
+        result.recall_at_k[i] = recall(&ids[..ids.len().min(*k)], evidence);
+    }
+    let entries: Vec<(NodeId, Signals, f32, String)> =
+        ranking.iter().map(|c| (c.node_id.clone(), c.signals, c.score, String::new())).collect();
+    for &budget in budgets {
+        let context = pack(graph, &entries, budget, count)?;
+        let packed: Vec<NodeId> = context.items.iter().map(|item| item.node_id.clone()).collect();
+        result.recall_at_budget.insert(budget, recall(&packed, evidence));
+        result.context_tokens.insert(budget, context.tokens);
+    }
+    Ok(result)
+}
+
+/// Ingests one conversation into a fresh temporary store and embeds it; returns the graph and
+/// the map from dialogue id to node id.
+fn build_store(conversation: &Value, embedder: &dyn Embedder) -> Result<(Graph, BTreeMap<String, NodeId>)> {
+    let dir = tempfile::tempdir().map_err(|source| Error::Io { path: std::env::temp_dir(), source })?;
+    let input = dir.path().join("conversation.json");
+    let mut sole = conversation.clone();
+    if let Some(object) = sole.as_object_mut() {
+        // QA items are not memory: they never enter the store.
+        object.remove("qa");
+    }
+    std::fs::write(&input, serde_json::to_vec(&vec![sole]).expect("JSON serialises"))
+        .map_err(|source| Error::Io { path: input.clone(), source })?;
+    let mut writer = fluxmem_store::Writer::open(dir.path().join("store"))?;
+    let options = fluxmem_ingest::IngestOptions { format: Some(fluxmem_ingest::Format::Locomo), ..Default::default() };
+    let report = fluxmem_ingest::ingest(&mut writer, &[input], &options, "eval", &mut fluxmem_ingest::NoProgress)?;
+    if report.quarantined > 0 {
+        return Err(Error::Data { path: "conversation".into(), reason: format!("{} turns could not be ingested", report.quarantined) });
+    }
+    fluxmem_embed::embed_store(&mut writer, embedder, &Default::default(), "eval", &mut fluxmem_embed::NoProgress)?;
+    let graph = writer.store().load()?;
+    let dia_ids = graph
+        .nodes
+        .values()
+        .filter_map(|n| n.metadata.get("dia_id").and_then(Value::as_str).map(|d| (d.to_string(), n.id.clone())))
+        .collect();
+    Ok((graph, dia_ids))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malformed_dialogue_ids_normalise() {
+        assert_eq!(normalize_dia_id("D30:05").as_deref(), Some("D30:5"));
+        assert_eq!(normalize_dia_id("D:11:26").as_deref(), Some("D11:26"));
+        assert_eq!(normalize_dia_id("D1"), None);
+        assert_eq!(normalize_dia_id("Dx:1"), None);
+    }
+
+    #[test]
+    fn seeded_sample_is_stable_and_ordered() {
+        let a = seeded_sample((0..100).collect(), 10, 3);
+        assert_eq!(a, seeded_sample((0..100).collect(), 10, 3));
+        assert_ne!(a, seeded_sample((0..100).collect(), 10, 4));
+        assert!(a.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(seeded_sample((0..5).collect::<Vec<i32>>(), 10, 1).len(), 5);
+    }
+}

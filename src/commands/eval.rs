@@ -1,0 +1,91 @@
+use anyhow::Context;
+use fluxmem_connect::{FusionMode, RetrievalConfig};
+use fluxmem_eval::locomo::{evaluate, LocomoOptions, LocomoReport, SYSTEMS};
+use fluxmem_models::{DeviceChoice, LlmJudge, WeightPath};
+use std::process::ExitCode;
+
+use crate::cli::{LocomoArgs, Settings};
+use crate::progress::CountBar;
+
+pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let device_choice: DeviceChoice = args.device.parse()?;
+    let device = device_choice.device()?;
+    let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
+    let fusion: FusionMode = args.fusion.parse().map_err(anyhow::Error::msg)?;
+    let mut judge = match args.judge.as_str() {
+        "none" => None,
+        "llm" => Some(LlmJudge::new(fluxmem_models::load_generator(
+            fluxmem_models::DEFAULT_GENERATOR,
+            &device_choice,
+            WeightPath::Dequantized,
+        )?)),
+        other => anyhow::bail!("--judge `{other}`: expected none or llm"),
+    };
+    let options = LocomoOptions {
+        conversations: args.conversations,
+        include_adversarial: args.include_adversarial,
+        budgets: args.budgets,
+        sample: args.sample,
+        seed: args.seed,
+        retrieval: RetrievalConfig { fusion, judge_top: if judge.is_some() { args.judge_top } else { 0 }, ..RetrievalConfig::default() },
+    };
+    let bar = CountBar::new(settings.progress, "eval");
+    let mut progress = |done: usize, total: usize| bar.set(done as u64, total as u64);
+    let report = evaluate(
+        &args.data,
+        &options,
+        &embedder,
+        judge.as_mut().map(|j| j as &mut dyn fluxmem_models::Judge),
+        &device,
+        &mut progress,
+    )
+    .with_context(|| format!("evaluating {}", args.data.display()))?;
+    bar.finish();
+    print_table(&report, &options.budgets);
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_table(report: &LocomoReport, budgets: &[usize]) {
+    let evidence = &report.evidence;
+    println!(
+        "{} questions; evidence ids: {} resolved, {} normalised, {} unresolved; {} questions without resolvable evidence",
+        report.questions,
+        evidence.resolved,
+        evidence.normalized,
+        evidence.unresolved.len(),
+        evidence.questions_without_evidence
+    );
+    for (id, tokens) in &report.conversation_tokens {
+        println!("conversation {id}: {tokens} tokens in full");
+    }
+    let mut header = format!("{:<8} {:<8}", "system", "category");
+    for k in fluxmem_eval::metrics::KS {
+        header.push_str(&format!(" {:>7}", format!("R@{k}")));
+    }
+    for budget in budgets {
+        header.push_str(&format!(" {:>7}", format!("R@{budget}t")));
+    }
+    header.push_str(&format!(" {:>7} {:>5}", "tokens", "n"));
+    println!("{header}");
+    for system in SYSTEMS {
+        let Some(result) = report.systems.get(system) else { continue };
+        let rows = std::iter::once(("all".to_string(), &result.overall)).chain(result.by_category.iter().map(|(c, s)| (c.clone(), s)));
+        for (category, summary) in rows {
+            let mut line = format!("{system:<8} {category:<8}");
+            for k in fluxmem_eval::metrics::KS {
+                line.push_str(&format!(" {:>7.3}", summary.recall_at_k[&format!("recall@{k}")]));
+            }
+            for budget in budgets {
+                line.push_str(&format!(" {:>7.3}", summary.recall_at_budget[&budget.to_string()]));
+            }
+            line.push_str(&format!(" {:>7.0} {:>5}", summary.mean_context_tokens, summary.questions));
+            println!("{line}");
+        }
+    }
+    if report.judge_calls > 0 {
+        println!("judge: {} calls, {} prompt tokens", report.judge_calls, report.judge_prompt_tokens);
+    }
+}
