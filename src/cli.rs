@@ -40,9 +40,75 @@ pub enum Command {
     /// List, fetch and try the local models.
     #[command(subcommand)]
     Models(ModelsCommand),
+    /// Stage I in batch: ground every new episode in the semantic nodes its steps retrieve and
+    /// link it to its nearest episodes.
+    Connect(ConnectArgs),
+    /// Print the memory context for a query: skills, similar episodes and facts, packed under
+    /// a token budget (or, with --json, the items with their scores and why each is there).
+    Query(QueryArgs),
     /// Evaluate retrieval against benchmark data.
     #[command(subcommand)]
     Eval(EvalCommand),
+}
+
+/// `fluxmem connect`.
+#[derive(Debug, Args)]
+pub struct ConnectArgs {
+    /// One retrieval per task instead of one per step (the paper does per step).
+    #[arg(long)]
+    pub per_task: bool,
+    /// Ground edges per retrieval.
+    #[arg(long, default_value_t = 2)]
+    pub ground_k: usize,
+    /// Link edges to the nearest episodes, per episode.
+    #[arg(long, default_value_t = 5)]
+    pub link_k: usize,
+    /// Fusion of the hybrid score: weighted or sum.
+    #[arg(long, default_value = "weighted")]
+    pub fusion: String,
+    /// Commit after this many episodes.
+    #[arg(long, default_value_t = 500)]
+    pub commit_every: usize,
+    /// Embedding model (must be the store's).
+    #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
+    pub model: String,
+    /// Device: auto, cpu, cuda, cuda:N or metal.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Print one JSON object with the counts.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `fluxmem query`.
+#[derive(Debug, Args)]
+pub struct QueryArgs {
+    /// Token budget of the context (tokens of the embedding model's tokenizer).
+    #[arg(long, default_value_t = 1024)]
+    pub budget: usize,
+    /// Print the items as JSON with their scores and why each was included.
+    #[arg(long)]
+    pub json: bool,
+    /// Fusion of the hybrid score: weighted (reference code) or sum (paper).
+    #[arg(long, default_value = "weighted")]
+    pub fusion: String,
+    /// Judge: none or llm (the default generator scores the top candidates).
+    #[arg(long, default_value = "none")]
+    pub judge: String,
+    /// How many of the best fused candidates the judge scores.
+    #[arg(long, default_value_t = 20)]
+    pub judge_top: usize,
+    /// Similar past episodes to include.
+    #[arg(long, default_value_t = 3)]
+    pub episodes: usize,
+    /// Embedding model (must be the store's).
+    #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
+    pub model: String,
+    /// Device: auto, cpu, cuda, cuda:N or metal.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// The query.
+    pub text: String,
 }
 
 /// `fluxmem eval ...`.

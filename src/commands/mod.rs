@@ -1,9 +1,11 @@
 //! One module per subcommand.
 
+mod connect;
 mod embed;
 mod eval;
 mod ingest;
 mod models;
+mod query;
 mod stats;
 
 use std::process::ExitCode;
@@ -17,6 +19,8 @@ pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
         Command::Stats(args) => stats::run(args, settings),
         Command::Embed(args) => embed::run(args, settings),
         Command::Models(command) => models::run(command),
+        Command::Query(args) => query::run(args, settings),
+        Command::Connect(args) => connect::run(args, settings),
         Command::Eval(crate::cli::EvalCommand::Locomo(args)) => eval::locomo(args, settings),
     }
 }

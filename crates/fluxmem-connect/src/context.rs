@@ -107,3 +107,40 @@ pub fn pack(
     }
     Ok(Context { budget, tokens: used, items })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fluxmem_graph::{Node, Semantic};
+
+    fn graph_of(texts: &[&str]) -> (Graph, Vec<NodeId>) {
+        let mut graph = Graph::default();
+        let mut ids = Vec::new();
+        for (i, text) in texts.iter().enumerate() {
+            let body = NodeBody::Semantic(Semantic { source: "s".into(), position: i as i64, time: None, group: None });
+            let node = Node::new(body, "t", text, &[text]);
+            ids.push(node.id.clone());
+            graph.insert_node(node);
+        }
+        (graph, ids)
+    }
+
+    #[test]
+    fn packs_in_rank_order_skipping_what_does_not_fit() {
+        // Word counts: 3, 5, 2, 1 tokens; newline between lines costs 1.
+        let (graph, ids) = graph_of(&["one two three", "a b c d e", "x y", "z"]);
+        let ranked: Vec<(NodeId, Signals, f32, String)> =
+            ids.iter().enumerate().map(|(i, id)| (id.clone(), Signals::default(), 1.0 - i as f32 / 10.0, "test".into())).collect();
+        let words = |text: &str| -> Result<usize> { Ok(text.split_whitespace().count()) };
+        let context = pack(&graph, &ranked, 8, &words).unwrap();
+        let texts: Vec<&str> = context.items.iter().map(|i| i.line.as_str()).collect();
+        // 3 fits (3); 5+1 would make 9 > 8, skipped; 2+1 fits (6); 1+1 fits (8).
+        assert_eq!(texts, vec!["one two three", "x y", "z"]);
+        assert_eq!(context.tokens, 8);
+        assert_eq!(context.text(), "one two three\nx y\nz");
+        assert_eq!(context.items[1].rank, 2);
+        assert!(pack(&graph, &ranked, 0, &words).unwrap().items.is_empty());
+        let all = pack(&graph, &ranked, 100, &words).unwrap();
+        assert_eq!(all.tokens, 3 + 6 + 3 + 2);
+    }
+}

@@ -5,6 +5,8 @@
 //! - [`fuse`]: the hybrid score, either the paper's plain sum or the reference code's weighted
 //!   sum of min-max normalised signals over the candidate pool ([`FusionMode`]);
 //! - [`SemanticIndex`]: BM25 + dense (+ optional [`fluxmem_models::Judge`]) retrieval;
+//! - [`Retriever`]: the whole Stage I ranking: skills inherited through `distill` edges from
+//!   the closest episodes, those episodes, then semantic nodes;
 //! - [`pack`]: the retrieved items serialised into a context under a token budget, each item
 //!   carrying its id, source, time, signals and why it was included.
 //!
@@ -16,16 +18,20 @@
 //! ```
 
 mod bm25;
+mod connect;
 mod context;
 mod dense;
 mod fusion;
 mod retrieve;
+mod retriever;
 
 pub use bm25::{terms, Bm25, Bm25Params};
+pub use connect::{connect_store, ConnectOptions, ConnectReport, NoProgress, Progress};
 pub use context::{line, pack, Context, ContextItem};
 pub use dense::{top_k, DenseIndex, BLOCK_ROWS};
 pub use fusion::{fuse, min_max, FusionMode, FusionWeights, Signals};
 pub use retrieve::{Candidate, RetrievalConfig, SemanticIndex};
+pub use retriever::{Entry, Retriever};
 
 /// Errors of Stage I.
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +40,9 @@ pub enum Error {
     /// A tensor operation failed.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] fluxmem_store::Error),
     /// The judge or the embedder failed.
     #[error(transparent)]
     Model(#[from] fluxmem_models::Error),

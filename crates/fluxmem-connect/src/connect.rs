@@ -1,0 +1,178 @@
+//! The `connect` stage: Stage I run in batch over logged episodes, written as edges.
+//!
+//! For every episode not yet connected (no `ground` edge into it and no `link` edge out of it
+//! written by this stage), each step's observation (or, with `per_step = false`, the task) is a
+//! query to the semantic retrieval; the `ground_k` best semantic nodes per query get a `ground`
+//! edge to the episode (evidence = how many queries retrieved it, weight = the best fused
+//! score). Each episode also gets `link` edges to its `link_k` nearest episodes by cosine
+//! (exact kNN in blocks). Edges are committed every `commit_every` episodes.
+
+use candle_core::Device;
+use fluxmem_graph::{Edge, EdgeKind, Graph, NodeId, NodeKind};
+use fluxmem_models::Embedder;
+use fluxmem_store::{CommitInfo, Writer};
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::dense::{top_k, DenseIndex};
+use crate::retrieve::{RetrievalConfig, SemanticIndex};
+use crate::{Error, Result};
+
+/// How to connect.
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    /// One query per step (the paper) or one per task.
+    pub per_step: bool,
+    /// Ground edges per query.
+    pub ground_k: usize,
+    /// Link edges per episode.
+    pub link_k: usize,
+    /// Commit after this many episodes.
+    pub commit_every: usize,
+    /// Stage I settings.
+    pub retrieval: RetrievalConfig,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions { per_step: true, ground_k: 2, link_k: 5, commit_every: 500, retrieval: RetrievalConfig::default() }
+    }
+}
+
+/// What the stage did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct ConnectReport {
+    /// Episodes in the store.
+    pub episodes: usize,
+    /// Episodes connected by this run.
+    pub connected: usize,
+    /// Episodes connected by an earlier run.
+    pub already: usize,
+    /// Ground edges written.
+    pub ground_edges: usize,
+    /// Link edges written.
+    pub link_edges: usize,
+    /// Commits made.
+    pub commits: usize,
+}
+
+/// Progress callbacks.
+pub trait Progress {
+    /// `total` episodes to connect.
+    fn start(&mut self, _total: u64) {}
+    /// `done` more are connected.
+    fn advance(&mut self, _done: u64) {}
+}
+
+/// A [`Progress`] that shows nothing.
+pub struct NoProgress;
+impl Progress for NoProgress {}
+
+/// Connects every episode of the store that is not connected yet.
+pub fn connect_store(
+    writer: &mut Writer,
+    embedder: &dyn Embedder,
+    options: &ConnectOptions,
+    run_id: &str,
+    device: &Device,
+    progress: &mut dyn Progress,
+) -> Result<ConnectReport> {
+    let graph = writer.store().load()?;
+    let model = embedder.model_id();
+    let semantic = SemanticIndex::build(&graph, model, device)?;
+    let episodes: Vec<NodeId> = graph.nodes.values().filter(|n| n.kind() == NodeKind::Episodic).map(|n| n.id.clone()).collect();
+    let mut vectors = Vec::with_capacity(episodes.len());
+    for id in &episodes {
+        let embedding = graph
+            .embeddings
+            .get(&(id.clone(), model.to_string()))
+            .ok_or_else(|| Error::NotEmbedded { node: id.to_string(), model: model.to_string() })?;
+        vectors.push(embedding.vector.clone());
+    }
+    let dim = vectors.first().map_or(0, Vec::len);
+    let episode_index = DenseIndex::new(&vectors, dim, device)?;
+    let connected: BTreeSet<&NodeId> = graph
+        .edges
+        .values()
+        .filter(|e| e.stage == "connect")
+        .flat_map(|e| match e.kind {
+            EdgeKind::Ground => Some(&e.dst),
+            EdgeKind::Link => Some(&e.src),
+            EdgeKind::Distill => None,
+        })
+        .collect();
+    let todo: Vec<usize> = (0..episodes.len()).filter(|&i| !connected.contains(&episodes[i])).collect();
+    let mut report = ConnectReport { episodes: episodes.len(), already: episodes.len() - todo.len(), ..Default::default() };
+    progress.start(todo.len() as u64);
+    for chunk in todo.chunks(options.commit_every.max(1)) {
+        let mut delta = Graph::default();
+        let chunk_vectors: Vec<Vec<f32>> = chunk.iter().map(|&i| vectors[i].clone()).collect();
+        // k + 1 neighbours: the episode itself comes back first.
+        let neighbours = episode_index.scores(&chunk_vectors)?;
+        for (&i, scores) in chunk.iter().zip(neighbours) {
+            let episode = &episodes[i];
+            for (j, cosine) in top_k(&scores, options.link_k + 1).into_iter().filter(|(j, _)| *j != i).take(options.link_k) {
+                delta.upsert_edge(edge(&graph, episode, &episodes[j], EdgeKind::Link, cosine, 1, run_id));
+                report.link_edges += 1;
+            }
+            for (node, (weight, evidence)) in ground(&graph, &semantic, embedder, episode, options)? {
+                delta.upsert_edge(edge(&graph, &node, episode, EdgeKind::Ground, weight, evidence, run_id));
+                report.ground_edges += 1;
+            }
+            report.connected += 1;
+        }
+        let summary = serde_json::json!({ "connected": report.connected, "ground_edges": report.ground_edges, "link_edges": report.link_edges });
+        writer.commit(&delta, CommitInfo { stage: "connect".into(), run_id: run_id.into(), summary, progress: Default::default() })?;
+        report.commits += 1;
+        progress.advance(chunk.len() as u64);
+    }
+    Ok(report)
+}
+
+/// The semantic nodes that support `episode`: node -> (best fused score, queries retrieving it).
+fn ground(
+    graph: &Graph,
+    semantic: &SemanticIndex,
+    embedder: &dyn Embedder,
+    episode: &NodeId,
+    options: &ConnectOptions,
+) -> Result<BTreeMap<NodeId, (f32, i64)>> {
+    let node = &graph.nodes[episode];
+    let mut queries: Vec<&str> = Vec::new();
+    if options.per_step {
+        queries.extend(node.episode().into_iter().flat_map(|e| &e.steps).map(|s| s.observation.as_str()).filter(|o| !o.trim().is_empty()));
+    }
+    if queries.is_empty() {
+        queries.push(node.text.as_str());
+    }
+    let mut support: BTreeMap<NodeId, (f32, i64)> = BTreeMap::new();
+    if semantic.is_empty() {
+        return Ok(support);
+    }
+    let query_vectors = embedder.embed(&queries)?;
+    for (query, vector) in queries.iter().zip(&query_vectors) {
+        for candidate in semantic.hybrid(query, vector, &options.retrieval, None)?.into_iter().take(options.ground_k) {
+            let entry = support.entry(candidate.node_id).or_insert((candidate.score, 0));
+            entry.0 = entry.0.max(candidate.score);
+            entry.1 += 1;
+        }
+    }
+    Ok(support)
+}
+
+/// An edge of this stage. Its time is the later `created_at` of its two nodes (the moment the
+/// connection became possible), not the wall clock, so the same store always gives the same shards.
+fn edge(graph: &Graph, src: &NodeId, dst: &NodeId, kind: EdgeKind, weight: f32, evidence: i64, run_id: &str) -> Edge {
+    let time = |id: &NodeId| graph.nodes.get(id).and_then(|n| n.created_at).unwrap_or(0);
+    Edge {
+        src: src.clone(),
+        dst: dst.clone(),
+        kind,
+        weight,
+        evidence,
+        stage: "connect".into(),
+        run_id: run_id.into(),
+        created_at: time(src).max(time(dst)),
+        active: true,
+        metadata: Default::default(),
+    }
+}

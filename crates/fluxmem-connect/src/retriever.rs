@@ -1,0 +1,85 @@
+//! The whole Stage I context for a query: semantic retrieval, episodic retrieval and procedural
+//! inheritance, as ranked entries ready for [`crate::pack`].
+
+use candle_core::Device;
+use fluxmem_graph::{EdgeKind, Graph, NodeId, NodeKind};
+use fluxmem_models::Judge;
+
+use crate::dense::DenseIndex;
+use crate::fusion::Signals;
+use crate::retrieve::{RetrievalConfig, SemanticIndex};
+use crate::{Error, Result};
+
+/// A ranked entry: node, signals, score, and why it is included.
+pub type Entry = (NodeId, Signals, f32, String);
+
+/// Indexes of one graph for Stage I.
+pub struct Retriever {
+    semantic: SemanticIndex,
+    episodes: Vec<NodeId>,
+    episode_index: DenseIndex,
+}
+
+impl Retriever {
+    /// Indexes the semantic and episodic nodes of `graph` with their `model` embeddings.
+    pub fn build(graph: &Graph, model: &str, device: &Device) -> Result<Retriever> {
+        let semantic = SemanticIndex::build(graph, model, device)?;
+        let mut episodes = Vec::new();
+        let mut vectors = Vec::new();
+        for node in graph.nodes.values().filter(|n| n.kind() == NodeKind::Episodic) {
+            let embedding = graph
+                .embeddings
+                .get(&(node.id.clone(), model.to_string()))
+                .ok_or_else(|| Error::NotEmbedded { node: node.id.to_string(), model: model.to_string() })?;
+            episodes.push(node.id.clone());
+            vectors.push(embedding.vector.clone());
+        }
+        let dim = vectors.first().map_or(0, Vec::len);
+        Ok(Retriever { semantic, episodes, episode_index: DenseIndex::new(&vectors, dim, device)? })
+    }
+
+    /// The semantic index.
+    pub fn semantic(&self) -> &SemanticIndex {
+        &self.semantic
+    }
+
+    /// The `k` episodes closest to the query vector (cosine, best first).
+    pub fn episodes(&self, query_vector: &[f32], k: usize) -> Result<Vec<(NodeId, f32)>> {
+        let ranked = self.episode_index.top_k(&[query_vector.to_vec()], k)?.remove(0);
+        Ok(ranked.into_iter().map(|(i, cos)| (self.episodes[i].clone(), cos)).collect())
+    }
+
+    /// Ranked entries for `query`: skills inherited from the retrieved episodes first (every
+    /// procedural node a `distill` edge leads to), then the `episodes_k` closest episodes, then
+    /// the semantic nodes in hybrid order.
+    pub fn retrieve<'judge>(
+        &self,
+        graph: &Graph,
+        query: &str,
+        query_vector: &[f32],
+        config: &RetrievalConfig,
+        judge: Option<&mut (dyn Judge + 'judge)>,
+        episodes_k: usize,
+    ) -> Result<Vec<Entry>> {
+        let episodes = self.episodes(query_vector, episodes_k)?;
+        let mut skills: Vec<Entry> = Vec::new();
+        for (episode, cosine) in &episodes {
+            for edge in graph.edges.values().filter(|e| e.active && e.kind == EdgeKind::Distill && &e.src == episode) {
+                if graph.nodes.contains_key(&edge.dst) && !skills.iter().any(|(id, ..)| id == &edge.dst) {
+                    let why = format!("skill distilled from retrieved episode {episode}");
+                    skills.push((edge.dst.clone(), Signals { dense: *cosine, bm25: 0.0, judge: None }, *cosine, why));
+                }
+            }
+        }
+        let episodic = episodes.into_iter().map(|(id, cosine)| {
+            let why = format!("similar past episode (cosine {cosine:.3})");
+            (id, Signals { dense: cosine, bm25: 0.0, judge: None }, cosine, why)
+        });
+        let semantic = self.semantic.hybrid(query, query_vector, config, judge)?.into_iter().map(|c| {
+            let judge = c.signals.judge.map(|j| format!(", judge {j:.2}")).unwrap_or_default();
+            let why = format!("semantic match: cosine {:.3}, bm25 {:.2}{judge}, fused {:.3}", c.signals.dense, c.signals.bm25, c.score);
+            (c.node_id, c.signals, c.score, why)
+        });
+        Ok(skills.into_iter().chain(episodic).chain(semantic).collect())
+    }
+}

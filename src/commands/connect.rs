@@ -1,0 +1,39 @@
+use anyhow::Context;
+use fluxmem_connect::{connect_store, ConnectOptions, FusionMode, RetrievalConfig};
+use fluxmem_models::DeviceChoice;
+use std::process::ExitCode;
+
+use super::open_writer;
+use crate::cli::{ConnectArgs, Settings};
+use crate::progress::CountBar;
+
+pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let device_choice: DeviceChoice = args.device.parse()?;
+    let device = device_choice.device()?;
+    let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
+    let fusion: FusionMode = args.fusion.parse().map_err(anyhow::Error::msg)?;
+    let options = ConnectOptions {
+        per_step: !args.per_task,
+        ground_k: args.ground_k,
+        link_k: args.link_k,
+        commit_every: args.commit_every,
+        retrieval: RetrievalConfig { fusion, ..RetrievalConfig::default() },
+    };
+    let mut writer = open_writer(settings)?;
+    // Edges record the run that wrote them; the id depends only on the store state it started
+    // from, so the same store and options always give the same shards.
+    let run_id = format!("connect@v{}", writer.manifest().version);
+    let mut bar = CountBar::new(settings.progress, "connect");
+    let report = connect_store(&mut writer, &embedder, &options, &run_id, &device, &mut bar)
+        .with_context(|| format!("connecting the store {}", settings.store.display()))?;
+    bar.finish();
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "{} episodes: {} connected now, {} already; {} ground and {} link edges ({} commits)",
+            report.episodes, report.connected, report.already, report.ground_edges, report.link_edges, report.commits
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
