@@ -14,6 +14,12 @@ pub const EXIT_QUARANTINED: u8 = 3;
 pub const EXIT_FATAL: u8 = 1;
 
 fn main() -> ExitCode {
+    // Like other Unix tools, stop quietly when the reader of stdout goes away (`| head`).
+    #[cfg(unix)]
+    // Safety: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = cli::Cli::parse();
     let settings = cli::Settings::from(&cli);
     match commands::run(cli.command, &settings) {

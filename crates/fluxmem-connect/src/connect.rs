@@ -10,6 +10,7 @@
 use candle_core::Device;
 use fluxmem_graph::{Edge, EdgeKind, Graph, NodeId, NodeKind};
 use fluxmem_models::Embedder;
+
 use fluxmem_store::{CommitInfo, Writer};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -106,15 +107,20 @@ pub fn connect_store(
     for chunk in todo.chunks(options.commit_every.max(1)) {
         let mut delta = Graph::default();
         let chunk_vectors: Vec<Vec<f32>> = chunk.iter().map(|&i| vectors[i].clone()).collect();
+        // All the chunk's step queries in one embedder call (sorted by length inside).
+        let queries: Vec<Vec<&str>> = chunk.iter().map(|&i| ground_queries(&graph, &episodes[i], options.per_step)).collect();
+        let flat: Vec<&str> = queries.iter().flatten().copied().collect();
+        let mut flat_vectors = embedder.embed(&flat)?.into_iter();
         // k + 1 neighbours: the episode itself comes back first.
         let neighbours = episode_index.scores(&chunk_vectors)?;
-        for (&i, scores) in chunk.iter().zip(neighbours) {
+        for ((&i, scores), episode_queries) in chunk.iter().zip(neighbours).zip(&queries) {
+            let query_vectors: Vec<Vec<f32>> = flat_vectors.by_ref().take(episode_queries.len()).collect();
             let episode = &episodes[i];
             for (j, cosine) in top_k(&scores, options.link_k + 1).into_iter().filter(|(j, _)| *j != i).take(options.link_k) {
                 delta.upsert_edge(edge(&graph, episode, &episodes[j], EdgeKind::Link, cosine, 1, run_id));
                 report.link_edges += 1;
             }
-            for (node, (weight, evidence)) in ground(&graph, &semantic, embedder, episode, options)? {
+            for (node, (weight, evidence)) in ground(&semantic, episode_queries, &query_vectors, options)? {
                 delta.upsert_edge(edge(&graph, &node, episode, EdgeKind::Ground, weight, evidence, run_id));
                 report.ground_edges += 1;
             }
@@ -128,28 +134,31 @@ pub fn connect_store(
     Ok(report)
 }
 
-/// The semantic nodes that support `episode`: node -> (best fused score, queries retrieving it).
-fn ground(
-    graph: &Graph,
-    semantic: &SemanticIndex,
-    embedder: &dyn Embedder,
-    episode: &NodeId,
-    options: &ConnectOptions,
-) -> Result<BTreeMap<NodeId, (f32, i64)>> {
+/// The retrieval queries of an episode: its step observations, or its task.
+fn ground_queries<'g>(graph: &'g Graph, episode: &NodeId, per_step: bool) -> Vec<&'g str> {
     let node = &graph.nodes[episode];
     let mut queries: Vec<&str> = Vec::new();
-    if options.per_step {
+    if per_step {
         queries.extend(node.episode().into_iter().flat_map(|e| &e.steps).map(|s| s.observation.as_str()).filter(|o| !o.trim().is_empty()));
     }
     if queries.is_empty() {
         queries.push(node.text.as_str());
     }
+    queries
+}
+
+/// The semantic nodes that support an episode: node -> (best fused score, queries retrieving it).
+fn ground(
+    semantic: &SemanticIndex,
+    queries: &[&str],
+    vectors: &[Vec<f32>],
+    options: &ConnectOptions,
+) -> Result<BTreeMap<NodeId, (f32, i64)>> {
     let mut support: BTreeMap<NodeId, (f32, i64)> = BTreeMap::new();
     if semantic.is_empty() {
         return Ok(support);
     }
-    let query_vectors = embedder.embed(&queries)?;
-    for (query, vector) in queries.iter().zip(&query_vectors) {
+    for (query, vector) in queries.iter().zip(vectors) {
         for candidate in semantic.hybrid(query, vector, &options.retrieval, None)?.into_iter().take(options.ground_k) {
             let entry = support.entry(candidate.node_id).or_insert((candidate.score, 0));
             entry.0 = entry.0.max(candidate.score);
