@@ -66,6 +66,9 @@ pub struct ConnectArgs {
     /// Fusion of the hybrid score: weighted or sum.
     #[arg(long, default_value = "weighted")]
     pub fusion: String,
+    /// Weights of the dense, BM25 and judge signals in weighted fusion.
+    #[arg(long, value_delimiter = ',', default_value = "1.0,0.5,0.3")]
+    pub weights: Vec<f32>,
     /// Commit after this many episodes.
     #[arg(long, default_value_t = 500)]
     pub commit_every: usize,
@@ -92,6 +95,9 @@ pub struct QueryArgs {
     /// Fusion of the hybrid score: weighted (reference code) or sum (paper).
     #[arg(long, default_value = "weighted")]
     pub fusion: String,
+    /// Weights of the dense, BM25 and judge signals in weighted fusion.
+    #[arg(long, value_delimiter = ',', default_value = "1.0,0.5,0.3")]
+    pub weights: Vec<f32>,
     /// Judge: none or llm (the default generator scores the top candidates).
     #[arg(long, default_value = "none")]
     pub judge: String,
@@ -139,6 +145,9 @@ pub struct LocomoArgs {
     /// Fusion of the hybrid score: weighted (reference code) or sum (paper).
     #[arg(long, default_value = "weighted")]
     pub fusion: String,
+    /// Weights of the dense, BM25 and judge signals in weighted fusion.
+    #[arg(long, value_delimiter = ',', default_value = "1.0,0.5,0.3")]
+    pub weights: Vec<f32>,
     /// Context budgets in tokens, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048")]
     pub budgets: Vec<usize>,

@@ -1,5 +1,5 @@
 use anyhow::Context;
-use fluxmem_connect::{connect_store, ConnectOptions, FusionMode, RetrievalConfig};
+use fluxmem_connect::{connect_store, ConnectOptions};
 use fluxmem_models::DeviceChoice;
 use std::process::ExitCode;
 
@@ -11,13 +11,12 @@ pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
-    let fusion: FusionMode = args.fusion.parse().map_err(anyhow::Error::msg)?;
     let options = ConnectOptions {
         per_step: !args.per_task,
         ground_k: args.ground_k,
         link_k: args.link_k,
         commit_every: args.commit_every,
-        retrieval: RetrievalConfig { fusion, ..RetrievalConfig::default() },
+        retrieval: super::retrieval_config(&args.fusion, &args.weights, 0)?,
     };
     let mut writer = open_writer(settings)?;
     // Edges record the run that wrote them; the id depends only on the store state it started

@@ -1,5 +1,4 @@
 use anyhow::Context;
-use fluxmem_connect::{FusionMode, RetrievalConfig};
 use fluxmem_eval::locomo::{evaluate, LocomoOptions, LocomoReport, SYSTEMS};
 use fluxmem_models::{DeviceChoice, LlmJudge, WeightPath};
 use std::process::ExitCode;
@@ -11,7 +10,6 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
-    let fusion: FusionMode = args.fusion.parse().map_err(anyhow::Error::msg)?;
     let mut judge = match args.judge.as_str() {
         "none" => None,
         "llm" => Some(LlmJudge::new(fluxmem_models::load_generator(
@@ -27,7 +25,7 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         budgets: args.budgets,
         sample: args.sample,
         seed: args.seed,
-        retrieval: RetrievalConfig { fusion, judge_top: if judge.is_some() { args.judge_top } else { 0 }, ..RetrievalConfig::default() },
+        retrieval: super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?,
     };
     let bar = CountBar::new(settings.progress, "eval");
     let mut progress = |done: usize, total: usize| bar.set(done as u64, total as u64);

@@ -38,3 +38,13 @@ pub fn open_writer(settings: &Settings) -> anyhow::Result<fluxmem_store::Writer>
     }
     Ok(writer)
 }
+
+/// Stage I settings from the `--fusion`, `--weights` and judge flags.
+pub fn retrieval_config(fusion: &str, weights: &[f32], judge_top: usize) -> anyhow::Result<fluxmem_connect::RetrievalConfig> {
+    let fusion: fluxmem_connect::FusionMode = fusion.parse().map_err(anyhow::Error::msg)?;
+    let [dense, bm25, judge] = weights else {
+        anyhow::bail!("--weights takes three numbers (dense, BM25, judge), got {}", weights.len());
+    };
+    let weights = fluxmem_connect::FusionWeights { dense: *dense, bm25: *bm25, judge: *judge };
+    Ok(fluxmem_connect::RetrievalConfig { fusion, weights, judge_top, ..Default::default() })
+}

@@ -1,4 +1,4 @@
-use fluxmem_connect::{pack, FusionMode, RetrievalConfig, Retriever};
+use fluxmem_connect::{pack, Retriever};
 use fluxmem_models::{DeviceChoice, Embedder, Judge, LlmJudge, WeightPath};
 use std::process::ExitCode;
 
@@ -11,7 +11,6 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let graph = store.load()?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
     let retriever = Retriever::build(&graph, embedder.model_id(), &device)?;
-    let fusion: FusionMode = args.fusion.parse().map_err(anyhow::Error::msg)?;
     let mut judge = match args.judge.as_str() {
         "none" => None,
         "llm" => Some(LlmJudge::new(fluxmem_models::load_generator(
@@ -21,7 +20,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         )?)),
         other => anyhow::bail!("--judge `{other}`: expected none or llm"),
     };
-    let config = RetrievalConfig { fusion, judge_top: if judge.is_some() { args.judge_top } else { 0 }, ..RetrievalConfig::default() };
+    let config = super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?;
     let query_vector = embedder.embed(&[args.text.as_str()])?.remove(0);
     let entries = retriever.retrieve(
         &graph,
