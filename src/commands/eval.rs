@@ -1,6 +1,6 @@
 use anyhow::Context;
 use fluxmem_eval::locomo::{evaluate, LocomoOptions, LocomoReport, SYSTEMS};
-use fluxmem_models::{DeviceChoice, LlmJudge, WeightPath};
+use fluxmem_models::DeviceChoice;
 use std::process::ExitCode;
 
 use crate::cli::{LocomoArgs, Settings};
@@ -10,15 +10,7 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
-    let mut judge = match args.judge.as_str() {
-        "none" => None,
-        "llm" => Some(LlmJudge::new(fluxmem_models::load_generator(
-            fluxmem_models::DEFAULT_GENERATOR,
-            &device_choice,
-            WeightPath::Dequantized,
-        )?)),
-        other => anyhow::bail!("--judge `{other}`: expected none or llm"),
-    };
+    let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
     let options = LocomoOptions {
         conversations: args.conversations,
         include_adversarial: args.include_adversarial,

@@ -48,3 +48,20 @@ pub fn retrieval_config(fusion: &str, weights: &[f32], judge_top: usize) -> anyh
     let weights = fluxmem_connect::FusionWeights { dense: *dense, bm25: *bm25, judge: *judge };
     Ok(fluxmem_connect::RetrievalConfig { fusion, weights, judge_top, ..Default::default() })
 }
+
+/// The judge named by `--judge`: `none`, or `llm` (the default generator with f32 weights,
+/// since judging is prompt processing).
+pub fn judge_from_flag(
+    name: &str,
+    device: &fluxmem_models::DeviceChoice,
+) -> anyhow::Result<Option<fluxmem_models::LlmJudge<fluxmem_models::GgufGenerator>>> {
+    match name {
+        "none" => Ok(None),
+        "llm" => Ok(Some(fluxmem_models::LlmJudge::new(fluxmem_models::load_generator(
+            fluxmem_models::DEFAULT_GENERATOR,
+            device,
+            fluxmem_models::WeightPath::Dequantized,
+        )?))),
+        other => anyhow::bail!("--judge `{other}`: expected none or llm"),
+    }
+}

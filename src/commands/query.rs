@@ -1,5 +1,5 @@
 use fluxmem_connect::{pack, Retriever};
-use fluxmem_models::{DeviceChoice, Embedder, Judge, LlmJudge, WeightPath};
+use fluxmem_models::{DeviceChoice, Embedder, Judge};
 use std::process::ExitCode;
 
 use crate::cli::{QueryArgs, Settings};
@@ -11,15 +11,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let graph = store.load()?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
     let retriever = Retriever::build(&graph, embedder.model_id(), &device)?;
-    let mut judge = match args.judge.as_str() {
-        "none" => None,
-        "llm" => Some(LlmJudge::new(fluxmem_models::load_generator(
-            fluxmem_models::DEFAULT_GENERATOR,
-            &device_choice,
-            WeightPath::Dequantized,
-        )?)),
-        other => anyhow::bail!("--judge `{other}`: expected none or llm"),
-    };
+    let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
     let config = super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?;
     let query_vector = embedder.embed(&[args.text.as_str()])?.remove(0);
     let entries = retriever.retrieve(
