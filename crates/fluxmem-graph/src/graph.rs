@@ -1,7 +1,7 @@
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-use crate::{Edge, EdgeKey, EdgeKind, Node, NodeId, NodeKind};
+use crate::{Edge, EdgeKey, EdgeKind, Edit, Node, NodeId, NodeKind};
 
 /// A node's embedding, with the model it came from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -46,6 +46,8 @@ pub struct Graph {
     pub edges: BTreeMap<EdgeKey, Edge>,
     /// Embeddings by (node id, model id).
     pub embeddings: BTreeMap<(NodeId, String), Embedding>,
+    /// The edit log, oldest first (append-only).
+    pub edits: Vec<Edit>,
 }
 
 impl Graph {
@@ -78,11 +80,12 @@ impl Graph {
         self.nodes.extend(other.nodes);
         self.edges.extend(other.edges);
         self.embeddings.extend(other.embeddings);
+        self.edits.extend(other.edits);
     }
 
     /// True when there is nothing in the graph.
     pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty() && self.edges.is_empty() && self.embeddings.is_empty()
+        self.nodes.is_empty() && self.edges.is_empty() && self.embeddings.is_empty() && self.edits.is_empty()
     }
 
     /// Counts per node kind, per active edge kind, and embedded nodes.

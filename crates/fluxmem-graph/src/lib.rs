@@ -28,6 +28,7 @@
 //! ```
 
 mod edge;
+mod edit;
 mod error;
 mod graph;
 mod id;
@@ -35,6 +36,7 @@ mod node;
 pub mod schema;
 
 pub use edge::{Edge, EdgeKey, EdgeKind};
+pub use edit::{Changed, Edit};
 pub use error::{Error, Result};
 pub use graph::{Embedding, Graph, GraphStats};
 pub use id::{sha256_hex, NodeId};

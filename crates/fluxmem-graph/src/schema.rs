@@ -6,6 +6,7 @@
 //! | `steps` | step of an episodic node | (`episode_id`, `step_index`) |
 //! | `edges` | edge | (`src`, `dst`, `kind`) |
 //! | `embeddings` | (node, model) pair; `vector` is `FixedSizeList<Float32, dim>` | (`node_id`, `model_id`) |
+//! | `edits` | recorded change (the edit log; append-only, rows kept in commit order) | `id` |
 //!
 //! Free-form maps (`metadata`, `tool_calls`) are JSON text so every Parquet reader can load
 //! them; timestamps are `Timestamp(Millisecond, "UTC")`.
@@ -23,11 +24,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::{
-    Edge, EdgeKind, Embedding, Episode, Error, Node, NodeBody, NodeId, NodeKind, Outcome, Result, Semantic, Skill, Step,
+    Edge, EdgeKind, Edit, Embedding, Episode, Error, Node, NodeBody, NodeId, NodeKind, Outcome, Result, Semantic, Skill, Step,
 };
 
 /// Names of the stored tables, in the order a commit writes them.
-pub const TABLES: [&str; 4] = ["nodes", "steps", "edges", "embeddings"];
+pub const TABLES: [&str; 5] = ["nodes", "steps", "edges", "embeddings", "edits"];
 
 fn timestamp() -> DataType {
     DataType::Timestamp(TimeUnit::Millisecond, Some("UTC".into()))
@@ -518,4 +519,58 @@ pub fn embeddings_from_batch(batch: &RecordBatch) -> Result<Vec<Embedding>> {
         });
     }
     Ok(embeddings)
+}
+
+/// Schema of the `edits` table (the edit log).
+pub fn edits_schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Utf8, false),
+        Field::new("run_id", DataType::Utf8, false),
+        Field::new("stage", DataType::Utf8, false),
+        Field::new("kind", DataType::Utf8, false),
+        Field::new("target", DataType::Utf8, false),
+        Field::new("before", DataType::Utf8, true),
+        Field::new("after", DataType::Utf8, true),
+        Field::new("reason", DataType::Utf8, false),
+        Field::new("at", timestamp(), false),
+    ]))
+}
+
+/// The `edits` batch of `edits`.
+pub fn edits_to_batch<'a>(edits: impl IntoIterator<Item = &'a Edit>) -> Result<RecordBatch> {
+    let mut columns: Vec<StringBuilder> = (0..8).map(|_| StringBuilder::new()).collect();
+    let mut at = TimestampMillisecondBuilder::new();
+    for edit in edits {
+        let values = [&edit.id, &edit.run_id, &edit.stage, &edit.kind, &edit.target];
+        for (builder, value) in columns.iter_mut().zip(values) {
+            builder.append_value(value);
+        }
+        columns[5].append_option(edit.before.as_deref());
+        columns[6].append_option(edit.after.as_deref());
+        columns[7].append_value(&edit.reason);
+        at.append_value(edit.at);
+    }
+    let mut arrays: Vec<ArrayRef> = columns.iter_mut().map(|b| Arc::new(b.finish()) as ArrayRef).collect();
+    arrays.push(Arc::new(at.finish().with_timezone("UTC")));
+    Ok(RecordBatch::try_new(edits_schema(), arrays)?)
+}
+
+/// Edits from an `edits` batch, in row order.
+pub fn edits_from_batch(batch: &RecordBatch) -> Result<Vec<Edit>> {
+    let c = Columns::new(batch, &edits_schema())?;
+    let mut edits = Vec::with_capacity(batch.num_rows());
+    for row in 0..batch.num_rows() {
+        edits.push(Edit {
+            id: c.req_str("id", row)?.to_string(),
+            run_id: c.req_str("run_id", row)?.to_string(),
+            stage: c.req_str("stage", row)?.to_string(),
+            kind: c.req_str("kind", row)?.to_string(),
+            target: c.req_str("target", row)?.to_string(),
+            before: c.str("before", row).map(str::to_string),
+            after: c.str("after", row).map(str::to_string),
+            reason: c.req_str("reason", row)?.to_string(),
+            at: c.timestamp("at", row).unwrap_or_default(),
+        });
+    }
+    Ok(edits)
 }

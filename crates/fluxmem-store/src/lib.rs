@@ -14,7 +14,8 @@
 //! writer is taken over and reported through [`Writer::stale_lock`].
 //!
 //! Shards are append-only: a later commit's row replaces an earlier row with the same key
-//! (node `id`, edge `src,dst,kind`, embedding `node_id,model_id`). [`Writer::replace`] compacts
+//! (node `id`, edge `src,dst,kind`, embedding `node_id,model_id`); the `edits` table (the edit
+//! log) only grows, in commit order. [`Writer::replace`] compacts
 //! everything into one commit.
 //!
 //! ```

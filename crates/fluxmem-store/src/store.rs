@@ -71,7 +71,7 @@ impl Store {
             for entry in shards {
                 let batches = match entry.table.as_str() {
                     "steps" => continue,
-                    "nodes" | "edges" | "embeddings" => shard::read(&self.dir, entry, None)?,
+                    "nodes" | "edges" | "embeddings" | "edits" => shard::read(&self.dir, entry, None)?,
                     other => {
                         return Err(Error::Corrupt {
                             path: self.dir.join(MANIFEST),
@@ -83,6 +83,7 @@ impl Store {
                     let mapped = match entry.table.as_str() {
                         "nodes" => schema::nodes_from_batch(batch, &steps).map(|n| n.into_iter().for_each(|n| graph.upsert_node(n))),
                         "edges" => schema::edges_from_batch(batch).map(|e| e.into_iter().for_each(|e| graph.upsert_edge(e))),
+                        "edits" => schema::edits_from_batch(batch).map(|e| graph.edits.extend(e)),
                         _ => schema::embeddings_from_batch(batch)
                             .map(|e| e.into_iter().for_each(|e| graph.upsert_embedding(e))),
                     };
@@ -211,6 +212,10 @@ impl Writer {
         if !delta.edges.is_empty() {
             let edges = schema::edges_to_batch(delta.edges.values()).map_err(|e| graph_error(&dir, e))?;
             new_shards.push(shard::write(&dir, "edges", version, 0, &edges)?);
+        }
+        if !delta.edits.is_empty() {
+            let edits = schema::edits_to_batch(&delta.edits).map_err(|e| graph_error(&dir, e))?;
+            new_shards.push(shard::write(&dir, "edits", version, 0, &edits)?);
         }
         for (part, (model, embeddings)) in by_model.iter().enumerate() {
             let dim = embeddings[0].vector.len();

@@ -1,6 +1,6 @@
 //! Store behaviour: round trip, upserts, corruption detection, locking, model checks.
 
-use fluxmem_graph::{Edge, EdgeKind, Embedding, Episode, Graph, Node, NodeBody, NodeId, Outcome, Semantic, Skill, Step, ToolCall};
+use fluxmem_graph::{Changed, Edge, EdgeKind, Edit, Embedding, Episode, Graph, Node, NodeBody, NodeId, Outcome, Semantic, Skill, Step, ToolCall};
 use fluxmem_store::{CommitInfo, Error, Store, Writer};
 use proptest::prelude::*;
 use serde_json::Value;
@@ -89,6 +89,15 @@ fn graph() -> impl Strategy<Value = Graph> {
                         active,
                         metadata,
                     });
+                }
+                let first_edge = graph.edges.values().next().cloned();
+                if let Some(edge) = first_edge {
+                    let mut pruned = edge.clone();
+                    pruned.active = false;
+                    let reason = format!("weight {}", edge.weight);
+                    graph.edits.push(Edit::new("refine", "r1", "link_prune", Changed::Edge(Some(&edge), Some(&pruned)), &reason, 7));
+                    let node = graph.nodes.values().next().expect("ids is not empty");
+                    graph.edits.push(Edit::new("refine", "r1", "node_reshape", Changed::Node(None, Some(node)), "finer", 8));
                 }
                 for (i, id) in ids.iter().enumerate().step_by(2) {
                     let vector = base_vector.iter().map(|v| v * (i as f32 + 1.0)).collect();

@@ -1,0 +1,127 @@
+use serde::{Deserialize, Serialize};
+
+use crate::{sha256_hex, Edge, Graph, Node, Result};
+
+/// One recorded change to the graph (Stage II edits, credit assignment, consolidation), kept in
+/// the store's `edits` table so any change can be explained and undone.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Edit {
+    /// Content hash of the record.
+    pub id: String,
+    /// The run that made the change.
+    pub run_id: String,
+    /// The stage that made it.
+    pub stage: String,
+    /// What kind of edit: `link_expand`, `link_prune`, `node_reshape`, `credit`...
+    pub kind: String,
+    /// What changed: `edge:<src>><dst>:<kind>` or `node:<id>`.
+    pub target: String,
+    /// The target before, as JSON (`None`: it did not exist).
+    pub before: Option<String>,
+    /// The target after, as JSON (`None`: it was removed).
+    pub after: Option<String>,
+    /// Why: the feedback and its attribution.
+    pub reason: String,
+    /// When (ms since the Unix epoch).
+    pub at: i64,
+}
+
+/// The record of an edge or node change.
+pub enum Changed<'a> {
+    /// An edge, before and after.
+    Edge(Option<&'a Edge>, Option<&'a Edge>),
+    /// A node, before and after.
+    Node(Option<&'a Node>, Option<&'a Node>),
+}
+
+impl Edit {
+    /// An edit record of `changed`.
+    pub fn new(stage: &str, run_id: &str, kind: &str, changed: Changed<'_>, reason: &str, at: i64) -> Edit {
+        let (target, before, after) = match changed {
+            Changed::Edge(before, after) => {
+                let edge = before.or(after).expect("an edge edit names an edge");
+                (
+                    format!("edge:{}>{}:{}", edge.src, edge.dst, edge.kind.as_str()),
+                    before.map(|e| json(e)),
+                    after.map(|e| json(e)),
+                )
+            }
+            Changed::Node(before, after) => {
+                let node = before.or(after).expect("a node edit names a node");
+                (format!("node:{}", node.id), before.map(|n| json(n)), after.map(|n| json(n)))
+            }
+        };
+        let identity = format!("{stage}\0{run_id}\0{kind}\0{target}\0{before:?}\0{after:?}\0{reason}\0{at}");
+        Edit {
+            id: sha256_hex(identity.as_bytes())[..32].to_string(),
+            run_id: run_id.into(),
+            stage: stage.into(),
+            kind: kind.into(),
+            target,
+            before,
+            after,
+            reason: reason.into(),
+            at,
+        }
+    }
+
+    /// The delta that undoes this edit: the target as it was before. An edge that did not exist
+    /// before comes back inactive (edges are never deleted); a node that did not exist is kept
+    /// (nodes are immutable; undoing its creation means undoing the edges that use it).
+    pub fn undo(&self) -> Result<Graph> {
+        let mut delta = Graph::default();
+        let parse_error = |e: serde_json::Error| crate::Error::Value { row: 0, column: "before".into(), reason: e.to_string() };
+        if self.target.starts_with("edge:") {
+            match (&self.before, &self.after) {
+                (Some(before), _) => delta.upsert_edge(serde_json::from_str(before).map_err(parse_error)?),
+                (None, Some(after)) => {
+                    let mut edge: Edge = serde_json::from_str(after).map_err(parse_error)?;
+                    edge.active = false;
+                    delta.upsert_edge(edge);
+                }
+                (None, None) => {}
+            }
+        } else if let Some(before) = &self.before {
+            delta.upsert_node(serde_json::from_str(before).map_err(parse_error)?);
+        }
+        Ok(delta)
+    }
+}
+
+fn json<T: Serialize>(value: &T) -> String {
+    serde_json::to_string(value).expect("graph values always serialise")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{EdgeKind, NodeId};
+
+    fn edge(weight: f32, active: bool) -> Edge {
+        Edge {
+            src: NodeId("sem-a".into()),
+            dst: NodeId("epi-b".into()),
+            kind: EdgeKind::Ground,
+            weight,
+            evidence: 1,
+            stage: "connect".into(),
+            run_id: "r".into(),
+            created_at: 5,
+            active,
+            metadata: Default::default(),
+        }
+    }
+
+    #[test]
+    fn undo_restores_the_edge_before_the_edit() {
+        let (before, after) = (edge(0.5, true), edge(0.1, false));
+        let prune = Edit::new("refine", "r2", "link_prune", Changed::Edge(Some(&before), Some(&after)), "distractor", 9);
+        assert_eq!(prune.target, "edge:sem-a>epi-b:ground");
+        let undo = prune.undo().unwrap();
+        assert_eq!(undo.edges.values().next(), Some(&before));
+        let expand = Edit::new("refine", "r2", "link_expand", Changed::Edge(None, Some(&before)), "under-connected", 9);
+        assert!(!expand.undo().unwrap().edges.values().next().unwrap().active, "an added edge is deactivated");
+        assert_ne!(prune.id, expand.id);
+        assert_eq!(prune.id, Edit::new("refine", "r2", "link_prune", Changed::Edge(Some(&before), Some(&after)), "distractor", 9).id);
+    }
+}
