@@ -7,8 +7,9 @@ use std::path::PathBuf;
 /// fluxmem turns agent logs into an evolving memory graph and distilled, versioned skills,
 /// with local models only.
 ///
-/// Exit status: 0 success; 1 fatal error; 2 usage error; 3 the work was done but some input
-/// records were quarantined (see the quarantine file named in the output).
+/// Exit status: 0 success; 1 error (including invalid flag values); 2 command-line syntax error;
+/// 3 the work was done but some input records were quarantined (see the quarantine file named
+/// in the output).
 #[derive(Debug, Parser)]
 #[command(name = "fluxmem", version, about, long_about)]
 pub struct Cli {

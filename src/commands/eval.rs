@@ -65,11 +65,12 @@ fn print_table(report: &LocomoReport, budgets: &[usize]) {
         let rows = std::iter::once(("all".to_string(), &result.overall)).chain(result.by_category.iter().map(|(c, s)| (c.clone(), s)));
         for (category, summary) in rows {
             let mut line = format!("{system:<8} {category:<8}");
+            let cell = |value: Option<&f64>| value.map_or_else(|| format!(" {:>7}", "-"), |v| format!(" {v:>7.3}"));
             for k in fluxmem_eval::metrics::KS {
-                line.push_str(&format!(" {:>7.3}", summary.recall_at_k[&format!("recall@{k}")]));
+                line.push_str(&cell(summary.recall_at_k.get(&format!("recall@{k}"))));
             }
             for budget in budgets {
-                line.push_str(&format!(" {:>7.3}", summary.recall_at_budget[&budget.to_string()]));
+                line.push_str(&cell(summary.recall_at_budget.get(&budget.to_string())));
             }
             line.push_str(&format!(" {:>7.0} {:>5}", summary.mean_context_tokens, summary.questions));
             println!("{line}");

@@ -126,9 +126,11 @@ pub fn connect_store(
             }
             report.connected += 1;
         }
-        let summary = serde_json::json!({ "connected": report.connected, "ground_edges": report.ground_edges, "link_edges": report.link_edges });
-        writer.commit(&delta, CommitInfo { stage: "connect".into(), run_id: run_id.into(), summary, progress: Default::default() })?;
-        report.commits += 1;
+        if !delta.is_empty() {
+            let summary = serde_json::json!({ "connected": report.connected, "ground_edges": report.ground_edges, "link_edges": report.link_edges });
+            writer.commit(&delta, CommitInfo { stage: "connect".into(), run_id: run_id.into(), summary, progress: Default::default() })?;
+            report.commits += 1;
+        }
         progress.advance(chunk.len() as u64);
     }
     Ok(report)

@@ -180,7 +180,7 @@ pub fn evaluate(
     let mut evidence = EvidenceCounts::default();
     let mut results: BTreeMap<&str, Vec<(u64, QuestionResult)>> = SYSTEMS.iter().map(|s| (*s, Vec::new())).collect();
     let mut conversation_tokens = BTreeMap::new();
-    let mut done = 0;
+    let (mut done, mut skipped) = (0, 0);
     for conversation in &conversations {
         let id = conversation["sample_id"].as_str().unwrap_or_default();
         let (graph, dia_ids) = build_store(conversation, embedder)?;
@@ -211,6 +211,8 @@ pub fn evaluate(
             // Scoring: only now is the gold evidence read.
             let Some(evidence_ids) = resolve(&gold.evidence, &dia_ids, &mut evidence) else {
                 evidence.questions_without_evidence += 1;
+                skipped += 1;
+                progress(done + skipped, total);
                 continue;
             };
             for (system, ranking) in rankings {
@@ -218,7 +220,7 @@ pub fn evaluate(
                 results.get_mut(system).expect("every system has a slot").push((question.category, result));
             }
             done += 1;
-            progress(done, total);
+            progress(done + skipped, total);
         }
     }
     let usage = judge.as_ref().map(|j| j.usage()).unwrap_or_default();
@@ -249,18 +251,22 @@ pub fn evaluate(
 /// Node ids of `evidence`, or `None` when none resolves.
 fn resolve(evidence: &[String], dia_ids: &BTreeMap<String, NodeId>, counts: &mut EvidenceCounts) -> Option<Vec<NodeId>> {
     let mut ids = Vec::new();
-    for raw in evidence {
+    // A few entries hold several ids in one string (`D8:6; D9:17`).
+    let split = evidence.iter().flat_map(|e| e.split(|c: char| c == ';' || c == ',' || c.is_whitespace())).filter(|e| !e.is_empty());
+    for raw in split {
+        let raw = raw.to_string();
         counts.total += 1;
-        if let Some(id) = dia_ids.get(raw) {
+        if let Some(id) = dia_ids.get(&raw) {
             counts.resolved += 1;
             ids.push(id.clone());
-        } else if let Some(id) = normalize_dia_id(raw).and_then(|n| dia_ids.get(&n)) {
+        } else if let Some(id) = normalize_dia_id(&raw).and_then(|n| dia_ids.get(&n)) {
             counts.normalized += 1;
             ids.push(id.clone());
         } else {
-            counts.unresolved.push(raw.clone());
+            counts.unresolved.push(raw);
         }
     }
+    ids.sort();
     ids.dedup();
     (!ids.is_empty()).then_some(ids)
 }
@@ -326,6 +332,18 @@ mod tests {
         assert_eq!(normalize_dia_id("D:11:26").as_deref(), Some("D11:26"));
         assert_eq!(normalize_dia_id("D1"), None);
         assert_eq!(normalize_dia_id("Dx:1"), None);
+    }
+
+    #[test]
+    fn evidence_strings_with_several_ids_resolve_and_repeats_count_once() {
+        let dia_ids: BTreeMap<String, NodeId> =
+            [("D1:1", "sem-a"), ("D2:1", "sem-b")].into_iter().map(|(d, n)| (d.to_string(), NodeId::from(n))).collect();
+        let mut counts = EvidenceCounts::default();
+        let evidence = vec!["D1:1; D2:1".to_string(), "D2:01".to_string(), "D7:7".to_string()];
+        let ids = resolve(&evidence, &dia_ids, &mut counts).unwrap();
+        assert_eq!(ids, vec![NodeId::from("sem-a"), NodeId::from("sem-b")]);
+        assert_eq!((counts.total, counts.resolved, counts.normalized), (4, 2, 1));
+        assert_eq!(counts.unresolved, vec!["D7:7".to_string()]);
     }
 
     #[test]

@@ -47,6 +47,9 @@ impl Summary {
     pub fn of(results: &[&QuestionResult]) -> Summary {
         let n = results.len().max(1) as f64;
         let mut summary = Summary { questions: results.len(), ..Summary::default() };
+        if results.is_empty() {
+            return summary;
+        }
         for (i, k) in KS.iter().enumerate() {
             summary.recall_at_k.insert(format!("recall@{k}"), results.iter().map(|r| r.recall_at_k[i]).sum::<f64>() / n);
         }

@@ -27,10 +27,14 @@ pub fn chunk(text: &str, max_words: usize) -> Vec<Chunk> {
     let mut section: Option<String> = None;
     let mut current = Pending::default();
     let mut paragraph = Pending::default();
+    let mut in_fence = false;
     for (index, line) in text.lines().enumerate() {
         let line_no = index + 1;
         let trimmed = line.trim();
-        if trimmed.starts_with('#') {
+        if trimmed.starts_with("```") || trimmed.starts_with("~~~") {
+            in_fence = !in_fence;
+        }
+        if !in_fence && is_heading(trimmed) {
             current.absorb(std::mem::take(&mut paragraph), max_words, &section, &mut chunks);
             current.flush(&section, &mut chunks);
             section = Some(trimmed.trim_start_matches('#').trim().to_string()).filter(|s| !s.is_empty());
@@ -43,6 +47,12 @@ pub fn chunk(text: &str, max_words: usize) -> Vec<Chunk> {
     current.absorb(paragraph, max_words, &section, &mut chunks);
     current.flush(&section, &mut chunks);
     chunks
+}
+
+/// A Markdown ATX heading: 1-6 `#` then a space (or nothing).
+fn is_heading(line: &str) -> bool {
+    let hashes = line.chars().take_while(|&c| c == '#').count();
+    (1..=6).contains(&hashes) && line[hashes..].chars().next().is_none_or(char::is_whitespace)
 }
 
 #[derive(Default)]
@@ -139,6 +149,15 @@ mod tests {
         assert_eq!(chunks[3].text, "eleven");
         assert_eq!(chunks[3].section.as_deref(), Some("Baggage"));
         assert_eq!(chunks[2].line, 10);
+    }
+
+    #[test]
+    fn hashes_in_code_fences_and_hashtags_are_not_headings() {
+        let text = "# Title\n\n```sh\n# a shell comment\n```\n\n#hashtag text\n";
+        let chunks = chunk(text, 100);
+        assert_eq!(chunks.len(), 1, "{chunks:?}");
+        assert_eq!(chunks[0].section.as_deref(), Some("Title"));
+        assert!(chunks[0].text.contains("# a shell comment") && chunks[0].text.contains("#hashtag"));
     }
 
     #[test]

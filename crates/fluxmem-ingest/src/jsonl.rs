@@ -164,10 +164,9 @@ fn episode(source: &Source, line_no: usize, text: &str, canonical: &str) -> Resu
             timestamp,
         });
     }
-    record.metadata.remove("type");
     record.extra.remove("type");
     let mut metadata = record.metadata;
-    metadata.extend(record.extra);
+    merge_extra(&mut metadata, record.extra);
     let outcome = Outcome { success: record.outcome.success, reward: record.outcome.reward, feedback: record.outcome.feedback };
     let episode_id = record.episode_id.unwrap_or_default();
     if !episode_id.is_empty() {
@@ -193,7 +192,7 @@ fn fact(source: &Source, line_no: usize, text: &str) -> Result<Parsed, (String, 
     let origin = record.source.unwrap_or(name);
     let position = record.position.unwrap_or(line_no as i64 - 1);
     let mut metadata = record.metadata;
-    metadata.extend(record.extra);
+    merge_extra(&mut metadata, record.extra);
     let mut node = source.node_of(
         record.tenant.as_deref(),
         record.agent_id.as_deref(),
@@ -205,6 +204,15 @@ fn fact(source: &Source, line_no: usize, text: &str) -> Result<Parsed, (String, 
     );
     node.metadata = metadata;
     Ok(Parsed::Record(Record { nodes: vec![node] }))
+}
+
+/// Adds unknown top-level fields to the metadata; a name the metadata already uses is kept
+/// under `field:<name>` so neither value is lost.
+fn merge_extra(metadata: &mut BTreeMap<String, Value>, extra: BTreeMap<String, Value>) {
+    for (key, value) in extra {
+        let key = if metadata.contains_key(&key) { format!("field:{key}") } else { key };
+        metadata.insert(key, value);
+    }
 }
 
 fn json_text(value: Value) -> String {

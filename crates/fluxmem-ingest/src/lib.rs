@@ -84,7 +84,8 @@ impl Format {
         }
         let head = String::from_utf8_lossy(&bytes[..bytes.len().min(1 << 16)]);
         let trimmed = head.trim_start();
-        if trimmed.starts_with('[') && head.contains("\"conversation\"") && head.contains("\"speaker_a\"") {
+        let locomo = head.contains("\"speaker_a\"") || (head.contains("\"qa\"") && head.contains("\"evidence\""));
+        if trimmed.starts_with('[') && locomo {
             Some(Format::Locomo)
         } else if trimmed.starts_with('[') && head.contains("\"traj\"") {
             Some(Format::TauBench)
@@ -207,7 +208,7 @@ fn expand(inputs: &[PathBuf]) -> (Vec<PathBuf>, Vec<Rejected>) {
     let mut missing = Vec::new();
     for input in inputs {
         if input.is_dir() {
-            walk(input, &mut files);
+            walk(input, &mut files, &mut missing);
         } else if input.is_file() {
             files.push(input.clone());
         } else {
@@ -218,19 +219,29 @@ fn expand(inputs: &[PathBuf]) -> (Vec<PathBuf>, Vec<Rejected>) {
     (files, missing)
 }
 
-fn walk(dir: &Path, files: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map(|entries| entries.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
+/// Walks `dir` in name order. Symbolic links to directories are not followed (no loops);
+/// unreadable directories and entries that are not regular files are reported, not skipped.
+fn walk(dir: &Path, files: &mut Vec<PathBuf>, rejected: &mut Vec<Rejected>) {
+    let reject = |path: &Path, reason: String| Rejected::new(&path.display().to_string(), 0, "file", reason, b"", 0);
+    let mut entries: Vec<PathBuf> = match std::fs::read_dir(dir) {
+        Ok(entries) => entries.flatten().map(|e| e.path()).collect(),
+        Err(e) => return rejected.push(reject(dir, format!("cannot read directory: {e}"))),
+    };
     entries.sort();
     for path in entries {
         if path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.')) {
             continue;
         }
-        if path.is_dir() {
-            walk(&path, files);
-        } else {
+        let Ok(link) = std::fs::symlink_metadata(&path) else {
+            rejected.push(reject(&path, "cannot read file metadata".into()));
+            continue;
+        };
+        if link.is_dir() {
+            walk(&path, files, rejected);
+        } else if path.is_file() {
             files.push(path);
+        } else {
+            rejected.push(reject(&path, "not a regular file (directory link, pipe or device); not read".into()));
         }
     }
 }

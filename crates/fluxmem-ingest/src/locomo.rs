@@ -87,6 +87,9 @@ impl Turn<'_> {
     fn parse(&self, source: &Source, raw: &RawValue) -> Parsed {
         let line = source.line_of(raw);
         let fallback = format!("{}/{}[{}]", self.sample_id, self.session_key, self.turn_index);
+        if let Some(rejected) = source.check_size(line, &fallback, raw.get().as_bytes()) {
+            return rejected;
+        }
         let reject = |field: &str, reason: String| {
             Parsed::Rejected(source.reject(line, &fallback, reason, raw.get().as_bytes()).field(field))
         };

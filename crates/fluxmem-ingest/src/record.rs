@@ -42,7 +42,12 @@ pub enum Parsed {
 impl Rejected {
     /// A rejection of `raw` at `file`:`line`.
     pub fn new(file: &str, line: usize, locator: impl Into<String>, reason: impl Into<String>, raw: &[u8], cap: usize) -> Self {
-        let capped = &raw[..raw.len().min(cap)];
+        let mut end = raw.len().min(cap);
+        // Do not cut a UTF-8 character in half (that would make valid input look invalid).
+        while end < raw.len() && end > 0 && (raw[end] & 0b1100_0000) == 0b1000_0000 {
+            end -= 1;
+        }
+        let capped = &raw[..end];
         let (raw, raw_hex) = match std::str::from_utf8(capped) {
             Ok(text) => (text.to_string(), None),
             Err(_) => (String::from_utf8_lossy(capped).into_owned(), Some(hex(capped))),

@@ -174,26 +174,31 @@ fn policy_nodes(source: &Source, locator: &str, policy: &str) -> Vec<fluxmem_gra
         .collect()
 }
 
-/// Puts a tool result on the call that asked for it (by id, else the last call of that name).
+/// Puts a tool result on the call that asked for it: the latest open call with the same
+/// `tool_call_id`, else (when the log has no id) the latest open call of the same tool name.
 fn attach_result(steps: &mut [Step], traj: &[Message], message: &Message, content: &str) {
-    let wanted_id = message.tool_call_id.as_deref();
-    let name = message.name.as_deref();
-    let ids_of = |step_index: usize| -> Vec<Option<String>> {
-        let assistant = traj.iter().filter(|m| m.role == "assistant").nth(step_index);
-        assistant.map(|m| m.tool_calls.iter().flatten().map(|c| c.id.clone()).collect()).unwrap_or_default()
+    // Call ids per step, in the order of the assistant messages the steps came from.
+    let ids: Vec<Vec<Option<&str>>> = traj
+        .iter()
+        .filter(|m| m.role == "assistant")
+        .map(|m| m.tool_calls.iter().flatten().map(|c| c.id.as_deref()).collect())
+        .collect();
+    let open_call = |by_id: bool, steps: &[Step]| -> Option<(usize, usize)> {
+        (0..steps.len()).rev().find_map(|s| {
+            steps[s].tool_calls.iter().enumerate().rev().find_map(|(c, call)| {
+                let matches = if by_id {
+                    message.tool_call_id.is_some() && ids.get(s).and_then(|i| i.get(c)).copied().flatten() == message.tool_call_id.as_deref()
+                } else {
+                    message.tool_call_id.is_none() && Some(call.name.as_str()) == message.name.as_deref()
+                };
+                (call.result.is_none() && matches).then_some((s, c))
+            })
+        })
     };
-    for step_index in (0..steps.len()).rev() {
-        let ids = ids_of(step_index);
-        let step = &mut steps[step_index];
-        let position = step.tool_calls.iter().enumerate().position(|(i, call)| {
-            call.result.is_none() && (ids.get(i).cloned().flatten().as_deref() == wanted_id || Some(call.name.as_str()) == name)
-        });
-        if let Some(position) = position {
-            step.tool_calls[position].result = Some(content.to_string());
-            if content.starts_with("Error") {
-                step.feedback = Some(content.to_string());
-            }
-            return;
+    if let Some((s, c)) = open_call(true, steps).or_else(|| open_call(false, steps)) {
+        steps[s].tool_calls[c].result = Some(content.to_string());
+        if content.starts_with("Error") {
+            steps[s].feedback = Some(content.to_string());
         }
     }
 }

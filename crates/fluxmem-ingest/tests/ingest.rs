@@ -63,6 +63,20 @@ fn malformed_corpus_is_quarantined_with_file_line_field_and_reason() {
 }
 
 #[test]
+fn directory_walk_survives_symlink_loops_and_reports_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("logs");
+    std::fs::create_dir(&input).unwrap();
+    std::fs::write(input.join("a.jsonl"), "{\"task\":\"one\"}\n").unwrap();
+    std::os::unix::fs::symlink(&input, input.join("loop")).unwrap();
+    let report = run(&dir.path().join("store"), &[input], &IngestOptions::default());
+    assert_eq!((report.ingested, report.quarantined), (1, 1));
+    let rejected = quarantined(&report);
+    assert!(rejected[0]["file"].as_str().unwrap().ends_with("loop"));
+    assert!(rejected[0]["reason"].as_str().unwrap().contains("not a regular file"));
+}
+
+#[test]
 fn oversize_records_are_quarantined() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("big.jsonl");

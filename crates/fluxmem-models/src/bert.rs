@@ -113,8 +113,8 @@ impl SentenceEmbedder {
     }
 
     /// Runs whole batches on `workers` threads at once (CPU only). Each worker should then
-    /// use one thread for its matrix products: set `RAYON_NUM_THREADS=1` (the CLI does when
-    /// `--embed-workers` is above 1); otherwise the workers fight over the cores.
+    /// use one thread for its matrix products: set `RAYON_NUM_THREADS=1` (as
+    /// `benches/embed_vs_python.py` does); otherwise the workers fight over the cores.
     pub fn with_workers(mut self, workers: usize) -> Self {
         self.workers = if self.device.is_cpu() { workers.max(1) } else { 1 };
         self

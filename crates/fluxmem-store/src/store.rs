@@ -139,7 +139,12 @@ impl Writer {
         let manifest_path = dir.join(MANIFEST);
         if !manifest_path.exists() {
             let foreign = std::fs::read_dir(&dir)
-                .map(|entries| entries.flatten().any(|e| !matches!(e.file_name().to_str(), Some("LOCK" | SHARDS | "quarantine"))))
+                .map(|entries| {
+                    entries.flatten().any(|e| {
+                        let name = e.file_name().to_string_lossy().into_owned();
+                        !matches!(name.as_str(), "LOCK" | SHARDS | "quarantine") && !name.starts_with("manifest.json.tmp")
+                    })
+                })
                 .unwrap_or(false);
             if foreign {
                 return Err(Error::Corrupt {

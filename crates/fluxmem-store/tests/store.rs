@@ -319,6 +319,16 @@ fn replace_compacts_into_one_commit() {
 }
 
 #[test]
+fn a_crash_during_the_first_manifest_write_does_not_block_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("shards")).unwrap();
+    std::fs::write(dir.path().join("manifest.json.tmp-99"), b"{").unwrap();
+    let writer = Writer::open(dir.path()).unwrap();
+    assert_eq!(writer.manifest().version, 0);
+    assert!(!dir.path().join("manifest.json.tmp-99").exists());
+}
+
+#[test]
 fn refuses_to_create_a_store_in_a_non_empty_foreign_directory() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("thesis.tex"), "precious").unwrap();
