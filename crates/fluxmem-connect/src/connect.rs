@@ -14,9 +14,9 @@ use fluxmem_models::Embedder;
 use fluxmem_store::{CommitInfo, Writer};
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::dense::{top_k, DenseIndex};
+use crate::dense::{embedded, top_k, DenseIndex};
 use crate::retrieve::{RetrievalConfig, SemanticIndex};
-use crate::{Error, Result};
+use crate::Result;
 
 /// How to connect.
 #[derive(Debug, Clone)]
@@ -80,17 +80,8 @@ pub fn connect_store(
     let graph = writer.store().load()?;
     let model = embedder.model_id();
     let semantic = SemanticIndex::build(&graph, model, device)?;
-    let episodes: Vec<NodeId> = graph.nodes.values().filter(|n| n.kind() == NodeKind::Episodic).map(|n| n.id.clone()).collect();
-    let mut vectors = Vec::with_capacity(episodes.len());
-    for id in &episodes {
-        let embedding = graph
-            .embeddings
-            .get(&(id.clone(), model.to_string()))
-            .ok_or_else(|| Error::NotEmbedded { node: id.to_string(), model: model.to_string() })?;
-        vectors.push(embedding.vector.clone());
-    }
-    let dim = vectors.first().map_or(0, Vec::len);
-    let episode_index = DenseIndex::new(&vectors, dim, device)?;
+    let (episodes, vectors) = embedded(&graph, NodeKind::Episodic, model)?;
+    let episode_index = DenseIndex::from_vectors(&vectors, device)?;
     let connected: BTreeSet<&NodeId> = graph
         .edges
         .values()

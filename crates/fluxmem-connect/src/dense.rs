@@ -1,8 +1,9 @@
 //! Exact dense search: cosine by blocked matrix products on a candle device (CPU or GPU).
 
 use candle_core::{DType, Device, Tensor};
+use fluxmem_graph::{Graph, NodeId, NodeKind};
 
-use crate::Result;
+use crate::{Error, Result};
 
 /// Rows of the matrix scored per block (bounds the score matrix kept in memory).
 pub const BLOCK_ROWS: usize = 8192;
@@ -33,6 +34,11 @@ impl DenseIndex {
             Some(Tensor::from_vec(flat, (rows, dim), device)?)
         };
         Ok(DenseIndex { matrix, rows, dim, device: device.clone() })
+    }
+
+    /// Indexes `vectors`, taking the dimension from the first (an empty index has none).
+    pub fn from_vectors(vectors: &[Vec<f32>], device: &Device) -> Result<DenseIndex> {
+        DenseIndex::new(vectors, vectors.first().map_or(0, Vec::len), device)
     }
 
     /// Number of indexed vectors.
@@ -71,6 +77,22 @@ impl DenseIndex {
     pub fn top_k(&self, queries: &[Vec<f32>], k: usize) -> Result<Vec<Vec<(usize, f32)>>> {
         Ok(self.scores(queries)?.into_iter().map(|scores| top_k(&scores, k)).collect())
     }
+}
+
+/// The nodes of `kind` in `graph`, in id order, with their `model` vectors. A node without an
+/// embedding of `model` is [`Error::NotEmbedded`], which names the fix.
+pub fn embedded(graph: &Graph, kind: NodeKind, model: &str) -> Result<(Vec<NodeId>, Vec<Vec<f32>>)> {
+    let mut ids = Vec::new();
+    let mut vectors = Vec::new();
+    for node in graph.nodes.values().filter(|n| n.kind() == kind) {
+        let embedding = graph
+            .embeddings
+            .get(&(node.id.clone(), model.to_string()))
+            .ok_or_else(|| Error::NotEmbedded { node: node.id.to_string(), model: model.to_string() })?;
+        ids.push(node.id.clone());
+        vectors.push(embedding.vector.clone());
+    }
+    Ok((ids, vectors))
 }
 
 /// The `k` highest (index, score) pairs, best first, ties broken by the lower index.

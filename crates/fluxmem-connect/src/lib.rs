@@ -28,7 +28,7 @@ mod retriever;
 pub use bm25::{terms, Bm25, Bm25Params};
 pub use connect::{connect_store, ConnectOptions, ConnectReport, NoProgress, Progress};
 pub use context::{line, pack, Context, ContextItem};
-pub use dense::{top_k, DenseIndex, BLOCK_ROWS};
+pub use dense::{embedded, top_k, DenseIndex, BLOCK_ROWS};
 pub use fusion::{fuse, min_max, FusionMode, FusionWeights, Signals};
 pub use retrieve::{Candidate, RetrievalConfig, SemanticIndex};
 pub use retriever::{Entry, Retriever};

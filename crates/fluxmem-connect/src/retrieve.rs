@@ -2,14 +2,14 @@
 //! reranked with the judge.
 
 use candle_core::Device;
-use fluxmem_graph::{Graph, Node, NodeId, NodeKind};
+use fluxmem_graph::{Graph, NodeId, NodeKind};
 use fluxmem_models::Judge;
 use serde::Serialize;
 
 use crate::bm25::{Bm25, Bm25Params};
-use crate::dense::{top_k, DenseIndex};
+use crate::dense::{embedded, top_k, DenseIndex};
 use crate::fusion::{fuse, FusionMode, FusionWeights, Signals};
-use crate::{Error, Result};
+use crate::Result;
 
 /// Stage I settings.
 #[derive(Debug, Clone, Serialize)]
@@ -67,22 +67,13 @@ impl SemanticIndex {
     /// Indexes the semantic nodes of `graph` (in id order) with their `model` embeddings.
     /// A semantic node without an embedding of `model` is an error naming the fix.
     pub fn build(graph: &Graph, model: &str, device: &Device) -> Result<SemanticIndex> {
-        let nodes: Vec<&Node> = graph.nodes.values().filter(|n| n.kind() == NodeKind::Semantic).collect();
-        let mut vectors = Vec::with_capacity(nodes.len());
-        for node in &nodes {
-            let embedding = graph
-                .embeddings
-                .get(&(node.id.clone(), model.to_string()))
-                .ok_or_else(|| Error::NotEmbedded { node: node.id.to_string(), model: model.to_string() })?;
-            vectors.push(embedding.vector.clone());
-        }
-        let dim = vectors.first().map_or(0, Vec::len);
-        let texts: Vec<String> = nodes.iter().map(|n| n.text.clone()).collect();
+        let (ids, vectors) = embedded(graph, NodeKind::Semantic, model)?;
+        let texts: Vec<String> = ids.iter().map(|id| graph.nodes[id].text.clone()).collect();
         Ok(SemanticIndex {
-            ids: nodes.iter().map(|n| n.id.clone()).collect(),
+            ids,
             bm25: Bm25::new(&texts, Bm25Params::default()),
             texts,
-            dense: DenseIndex::new(&vectors, dim, device)?,
+            dense: DenseIndex::from_vectors(&vectors, device)?,
         })
     }
 

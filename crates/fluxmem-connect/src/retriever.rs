@@ -5,10 +5,10 @@ use candle_core::Device;
 use fluxmem_graph::{EdgeKind, Graph, NodeId, NodeKind};
 use fluxmem_models::Judge;
 
-use crate::dense::DenseIndex;
+use crate::dense::{embedded, DenseIndex};
 use crate::fusion::Signals;
 use crate::retrieve::{RetrievalConfig, SemanticIndex};
-use crate::{Error, Result};
+use crate::Result;
 
 /// A ranked entry: node, signals, score, and why it is included.
 pub type Entry = (NodeId, Signals, f32, String);
@@ -24,18 +24,8 @@ impl Retriever {
     /// Indexes the semantic and episodic nodes of `graph` with their `model` embeddings.
     pub fn build(graph: &Graph, model: &str, device: &Device) -> Result<Retriever> {
         let semantic = SemanticIndex::build(graph, model, device)?;
-        let mut episodes = Vec::new();
-        let mut vectors = Vec::new();
-        for node in graph.nodes.values().filter(|n| n.kind() == NodeKind::Episodic) {
-            let embedding = graph
-                .embeddings
-                .get(&(node.id.clone(), model.to_string()))
-                .ok_or_else(|| Error::NotEmbedded { node: node.id.to_string(), model: model.to_string() })?;
-            episodes.push(node.id.clone());
-            vectors.push(embedding.vector.clone());
-        }
-        let dim = vectors.first().map_or(0, Vec::len);
-        Ok(Retriever { semantic, episodes, episode_index: DenseIndex::new(&vectors, dim, device)? })
+        let (episodes, vectors) = embedded(graph, NodeKind::Episodic, model)?;
+        Ok(Retriever { semantic, episodes, episode_index: DenseIndex::from_vectors(&vectors, device)? })
     }
 
     /// The semantic index.

@@ -181,6 +181,8 @@ pub fn evaluate(
     let mut results: BTreeMap<&str, Vec<(u64, QuestionResult)>> = SYSTEMS.iter().map(|s| (*s, Vec::new())).collect();
     let mut conversation_tokens = BTreeMap::new();
     let (mut done, mut skipped) = (0, 0);
+    // `hybrid` is the configured retrieval without the judge.
+    let hybrid_config = RetrievalConfig { judge_top: 0, ..options.retrieval.clone() };
     for conversation in &conversations {
         let id = conversation["sample_id"].as_str().unwrap_or_default();
         let (graph, dia_ids) = build_store(conversation, embedder)?;
@@ -201,7 +203,6 @@ pub fn evaluate(
             // Retrieval: the question text only.
             let query_vector = embedder.embed(&[question.text.as_str()])?.remove(0);
             let all = index.len();
-            let hybrid_config = RetrievalConfig { judge_top: 0, ..options.retrieval.clone() };
             let rankings: [(&str, Vec<Candidate>); 4] = [
                 ("bm25", index.bm25(&question.text, all)),
                 ("dense", index.dense(&query_vector, all)?),
