@@ -1,0 +1,561 @@
+//! The `consolidate` stage: cluster, match clusters to existing skills, mature, commit.
+
+use candle_core::Device;
+use fluxmem_graph::{sha256_hex, Changed, Edge, EdgeKind, Edit, Embedding, Graph, Node, NodeBody, NodeId, NodeKind, Skill};
+use fluxmem_models::Usage;
+use fluxmem_store::{CommitInfo, Writer};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::kmeans::{kmeans, KMeansOptions};
+use crate::mature::{mature, Attempt, Job, Matured, Models, Round};
+use crate::pems::{PemsOptions, PemsScore};
+use crate::{Error, Result};
+
+/// The stage name written on nodes, edges, edits and commits.
+pub const STAGE: &str = "consolidate";
+
+/// How to consolidate.
+#[derive(Debug, Clone)]
+pub struct ConsolidateOptions {
+    /// Clustering (number of clusters, seed).
+    pub kmeans: KMeansOptions,
+    /// Cluster only episodes logged as successful (default: all, outcomes shown to the generator).
+    pub successful_only: bool,
+    /// PEMS switches.
+    pub pems: PemsOptions,
+    /// Scored versions per skill at most (round 1 is the induced version).
+    pub max_rounds: usize,
+    /// Stop when |PEMS_k - PEMS_(k-1)| < epsilon.
+    pub epsilon: f64,
+    /// Generator tokens of episodes shown in the induction prompt.
+    pub prompt_budget: usize,
+    /// Generated tokens per answer at most.
+    pub max_tokens: usize,
+    /// Episodes the judge replays per version (most representative first).
+    pub judge_episodes: usize,
+    /// Judge probability at which a skill counts as consistent with an episode.
+    pub judge_threshold: f32,
+    /// Only this tenant (default: every tenant, each clustered on its own).
+    pub tenant: Option<String>,
+    /// A cluster updates an existing skill when at least this share of the skill's source
+    /// episodes is in it ...
+    pub match_overlap: f64,
+    /// ... or when its centroid has at least this cosine to the skill's embedding.
+    pub match_similarity: f32,
+    /// Try again clusters that failed in an earlier run with the same episodes.
+    pub retry_failed: bool,
+}
+
+impl Default for ConsolidateOptions {
+    fn default() -> Self {
+        ConsolidateOptions {
+            kmeans: KMeansOptions::default(),
+            successful_only: false,
+            pems: PemsOptions::default(),
+            max_rounds: 5,
+            epsilon: 0.01,
+            prompt_budget: 1500,
+            max_tokens: 320,
+            judge_episodes: 8,
+            judge_threshold: 0.5,
+            tenant: None,
+            match_overlap: 0.5,
+            match_similarity: 0.9,
+            retry_failed: false,
+        }
+    }
+}
+
+/// Token counts of one model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct TokenUsage {
+    /// Model calls.
+    pub calls: usize,
+    /// Prompt tokens run.
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from a shared-prefix cache.
+    pub cached_tokens: usize,
+    /// Tokens generated.
+    pub generated_tokens: usize,
+}
+
+impl TokenUsage {
+    fn between(before: Usage, after: Usage) -> TokenUsage {
+        TokenUsage {
+            calls: after.calls - before.calls,
+            prompt_tokens: after.prompt_tokens - before.prompt_tokens,
+            cached_tokens: after.cached_tokens - before.cached_tokens,
+            generated_tokens: after.generated_tokens - before.generated_tokens,
+        }
+    }
+}
+
+/// One matured skill of the run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SkillReport {
+    /// The new node.
+    pub id: NodeId,
+    /// Tenant.
+    pub tenant: String,
+    /// Skill name.
+    pub name: String,
+    /// `new` or `updated`.
+    pub status: String,
+    /// Version of the new node.
+    pub version: i64,
+    /// Source episodes.
+    pub support: usize,
+    /// Every round's score, in order.
+    pub rounds: Vec<PemsScore>,
+    /// The kept round (1-based).
+    pub best_round: usize,
+    /// The round at which the score converged, if it did.
+    pub converged_round: Option<usize>,
+    /// Generator use for this skill.
+    pub generator: TokenUsage,
+    /// Judge use for this skill.
+    pub judge: TokenUsage,
+    /// Wall time for this skill.
+    pub seconds: f64,
+}
+
+/// A cluster without a readable skill, with every answer kept verbatim.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FailedCluster {
+    /// Tenant.
+    pub tenant: String,
+    /// `cluster:<hash of its episode ids>`, the edit-log target.
+    pub target: String,
+    /// The cluster's episodes.
+    pub episodes: Vec<NodeId>,
+    /// The rejected answers.
+    pub attempts: Vec<Attempt>,
+}
+
+/// One cluster and what became of it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ClusterReport {
+    /// Tenant.
+    pub tenant: String,
+    /// Its episodes, most representative first.
+    pub episodes: Vec<NodeId>,
+    /// `new`, `updated`, `unchanged`, `failed` or `failed_earlier`.
+    pub status: String,
+    /// The skill node it maps to (the new version, or the unchanged one).
+    pub skill: Option<NodeId>,
+}
+
+/// What the stage did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ConsolidateReport {
+    /// Episodes clustered.
+    pub episodes: usize,
+    /// Clusters formed.
+    pub clusters: usize,
+    /// Skills created.
+    pub skills_new: usize,
+    /// Skills given a new version.
+    pub skills_updated: usize,
+    /// Clusters whose skill already covers exactly their episodes.
+    pub skills_unchanged: usize,
+    /// Clusters that failed in this run.
+    pub failed: usize,
+    /// Clusters skipped because the same episodes failed in an earlier run.
+    pub failed_earlier: usize,
+    /// `judge` or `logged success rate (no judge)`.
+    pub eta_source: String,
+    /// The generator.
+    pub generator_model: String,
+    /// The judge, if any.
+    pub judge_model: Option<String>,
+    /// The embedding model.
+    pub embedding_model: String,
+    /// Generator use of the whole run.
+    pub generator: TokenUsage,
+    /// Judge use of the whole run.
+    pub judge: TokenUsage,
+    /// Commits made (0 or 1).
+    pub commits: usize,
+    /// Matured skills.
+    pub skills: Vec<SkillReport>,
+    /// Failed clusters.
+    pub failures: Vec<FailedCluster>,
+    /// Every cluster.
+    pub cluster_list: Vec<ClusterReport>,
+}
+
+/// Progress callbacks.
+pub trait Progress {
+    /// `total` clusters to handle.
+    fn start(&mut self, _total: u64) {}
+    /// `done` more are handled.
+    fn advance(&mut self, _done: u64) {}
+}
+
+/// A [`Progress`] that shows nothing.
+pub struct NoProgress;
+impl Progress for NoProgress {}
+
+/// Consolidates the store's episodes into skills and commits them in one commit.
+pub fn consolidate_store(
+    writer: &mut Writer,
+    models: &mut Models<'_>,
+    options: &ConsolidateOptions,
+    run_id: &str,
+    device: &Device,
+    progress: &mut dyn Progress,
+) -> Result<ConsolidateReport> {
+    let graph = writer.store().load()?;
+    let model = models.embedder.model_id().to_string();
+    if let Some(stored) = &writer.manifest().embedding_model {
+        if stored.id != model {
+            return Err(Error::ModelMismatch { store_model: stored.id.clone(), model });
+        }
+    }
+    let judge_model = models.judge.as_ref().map(|j| j.model_id().to_string());
+    let mut report = ConsolidateReport {
+        eta_source: if judge_model.is_some() { "judge".into() } else { "logged success rate (no judge)".into() },
+        generator_model: models.generator.model_id().to_string(),
+        judge_model,
+        embedding_model: model.clone(),
+        ..Default::default()
+    };
+    let generator_start = models.generator.usage();
+    let judge_start = models.judge.as_ref().map(|j| j.usage()).unwrap_or_default();
+    let tenants = episodes_by_tenant(&graph, options, &model)?;
+    let latest = latest_skills(&graph);
+    let failed_before: BTreeSet<&str> =
+        graph.edits.iter().filter(|e| e.stage == STAGE && e.kind == "skill_failed").map(|e| e.target.as_str()).collect();
+    let mut delta = Graph::default();
+    let mut plans = Vec::new();
+    for (tenant, (ids, vectors)) in &tenants {
+        let clustering = kmeans(vectors, &options.kmeans, device)?;
+        let members = clustering.members();
+        report.episodes += ids.len();
+        report.clusters += members.len();
+        let existing: Vec<&Node> = latest.iter().copied().filter(|n| &n.tenant == tenant).collect();
+        let matches = match_skills(&members, ids, &clustering.centroids, &existing, &graph, &model, options);
+        for (index, rows) in members.iter().enumerate() {
+            let episodes: Vec<NodeId> = rows.iter().map(|&r| ids[r].clone()).collect();
+            let weights: Vec<f32> = rows.iter().map(|&r| clustering.similarity[r]).collect();
+            plans.push(Plan { tenant: tenant.clone(), index, episodes, weights, previous: matches[index], skills: members.len() });
+        }
+    }
+    progress.start(plans.len() as u64);
+    for plan in plans {
+        let cluster = handle(&plan, &graph, models, options, run_id, &failed_before, &mut delta, &mut report)?;
+        report.cluster_list.push(cluster);
+        progress.advance(1);
+    }
+    report.generator = TokenUsage::between(generator_start, models.generator.usage());
+    report.judge = models.judge.as_ref().map(|j| TokenUsage::between(judge_start, j.usage())).unwrap_or_default();
+    if !delta.is_empty() {
+        let summary = json!({
+            "skills_new": report.skills_new, "skills_updated": report.skills_updated,
+            "failed": report.failed, "generator": report.generator_model, "judge": report.judge_model,
+        });
+        writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress: Default::default() })?;
+        report.commits = 1;
+    }
+    Ok(report)
+}
+
+/// One cluster to handle.
+struct Plan<'g> {
+    tenant: String,
+    index: usize,
+    episodes: Vec<NodeId>,
+    weights: Vec<f32>,
+    previous: Option<&'g Node>,
+    skills: usize,
+}
+
+type TenantEpisodes = BTreeMap<String, (Vec<NodeId>, Vec<Vec<f32>>)>;
+
+/// The episodes to cluster, per tenant, in id order, with their vectors.
+fn episodes_by_tenant(graph: &Graph, options: &ConsolidateOptions, model: &str) -> Result<TenantEpisodes> {
+    let mut tenants: TenantEpisodes = BTreeMap::new();
+    for node in graph.nodes.values().filter(|n| n.kind() == NodeKind::Episodic) {
+        if options.tenant.as_ref().is_some_and(|t| t != &node.tenant) {
+            continue;
+        }
+        if options.successful_only && node.episode().and_then(|e| e.outcome.success) != Some(true) {
+            continue;
+        }
+        let embedding = graph
+            .embeddings
+            .get(&(node.id.clone(), model.to_string()))
+            .ok_or_else(|| Error::NotEmbedded { node: node.id.to_string(), model: model.to_string() })?;
+        let entry = tenants.entry(node.tenant.clone()).or_default();
+        entry.0.push(node.id.clone());
+        entry.1.push(embedding.vector.clone());
+    }
+    Ok(tenants)
+}
+
+/// The latest version of every skill: procedural nodes no other node lists as a previous version.
+pub fn latest_skills(graph: &Graph) -> Vec<&Node> {
+    let superseded: BTreeSet<&NodeId> = graph
+        .nodes
+        .values()
+        .filter_map(|n| match &n.body {
+            NodeBody::Procedural(skill) => Some(skill.previous_versions.iter()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    graph.nodes.values().filter(|n| n.kind() == NodeKind::Procedural && !superseded.contains(&n.id)).collect()
+}
+
+fn skill_of(node: &Node) -> &Skill {
+    match &node.body {
+        NodeBody::Procedural(skill) => skill,
+        _ => unreachable!("only procedural nodes are skills"),
+    }
+}
+
+/// For each cluster, the existing skill it updates: candidates pass the overlap or the
+/// similarity threshold; pairs are taken best first (overlap + cosine, ties by cluster, skill id),
+/// each skill and cluster at most once.
+fn match_skills<'g>(
+    members: &[Vec<usize>],
+    ids: &[NodeId],
+    centroids: &[Vec<f32>],
+    existing: &[&'g Node],
+    graph: &Graph,
+    model: &str,
+    options: &ConsolidateOptions,
+) -> Vec<Option<&'g Node>> {
+    let mut candidates: Vec<(f64, usize, usize)> = Vec::new();
+    for (c, rows) in members.iter().enumerate() {
+        let cluster: BTreeSet<&NodeId> = rows.iter().map(|&r| &ids[r]).collect();
+        for (s, node) in existing.iter().enumerate() {
+            let sources = &skill_of(node).source_episodes;
+            let shared = sources.iter().filter(|id| cluster.contains(id)).count();
+            let overlap = if sources.is_empty() { 0.0 } else { shared as f64 / sources.len() as f64 };
+            let cosine = graph
+                .embeddings
+                .get(&(node.id.clone(), model.to_string()))
+                .map_or(0.0, |e| fluxmem_models::cosine(&e.vector, &centroids[c]));
+            if overlap >= options.match_overlap || cosine >= options.match_similarity {
+                candidates.push((overlap + cosine as f64, c, s));
+            }
+        }
+    }
+    candidates.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(existing[a.2].id.cmp(&existing[b.2].id)));
+    let mut matched = vec![None; members.len()];
+    let mut used = BTreeSet::new();
+    for (_, c, s) in candidates {
+        if matched[c].is_none() && used.insert(s) {
+            matched[c] = Some(existing[s]);
+        }
+    }
+    matched
+}
+
+#[allow(clippy::too_many_arguments)]
+fn handle(
+    plan: &Plan<'_>,
+    graph: &Graph,
+    models: &mut Models<'_>,
+    options: &ConsolidateOptions,
+    run_id: &str,
+    failed_before: &BTreeSet<&str>,
+    delta: &mut Graph,
+    report: &mut ConsolidateReport,
+) -> Result<ClusterReport> {
+    let mut cluster = ClusterReport { tenant: plan.tenant.clone(), episodes: plan.episodes.clone(), status: String::new(), skill: None };
+    let sorted: BTreeSet<&NodeId> = plan.episodes.iter().collect();
+    if let Some(previous) = plan.previous {
+        let sources: BTreeSet<&NodeId> = skill_of(previous).source_episodes.iter().collect();
+        if sources == sorted {
+            report.skills_unchanged += 1;
+            cluster.status = "unchanged".into();
+            cluster.skill = Some(previous.id.clone());
+            return Ok(cluster);
+        }
+    }
+    let key: Vec<&str> = sorted.iter().map(|id| id.as_str()).collect();
+    let target = format!("cluster:{}", &sha256_hex(key.join("\n").as_bytes())[..32]);
+    if plan.previous.is_none() && !options.retry_failed && failed_before.contains(target.as_str()) {
+        report.failed_earlier += 1;
+        cluster.status = "failed_earlier".into();
+        return Ok(cluster);
+    }
+    let episodes: Vec<&Node> = plan.episodes.iter().map(|id| &graph.nodes[id]).collect();
+    let previous = match plan.previous {
+        Some(node) => {
+            let vector = graph.embeddings.get(&(node.id.clone(), models.embedder.model_id().to_string())).map(|e| e.vector.clone());
+            Some((node.text.clone(), vector.unwrap_or_default()))
+        }
+        None => None,
+    };
+    let job = Job { episodes, previous };
+    let generator_before = models.generator.usage();
+    let judge_before = models.judge.as_ref().map(|j| j.usage()).unwrap_or_default();
+    let started = std::time::Instant::now();
+    let matured = mature(&job, models, options, plan.skills)?;
+    let created_at = job.episodes.iter().filter_map(|n| n.created_at).max().unwrap_or(0);
+    match matured {
+        Matured::Failed { attempts } => {
+            let after = json!({ "tenant": plan.tenant, "episodes": plan.episodes, "attempts": attempts });
+            let reason = format!("no readable skill from the generator for a cluster of {} episodes", plan.episodes.len());
+            let after = serde_json::to_string(&after).expect("JSON values serialise");
+            let identity = format!("{STAGE}\0{run_id}\0skill_failed\0{target}\0{after}");
+            delta.edits.push(Edit {
+                id: sha256_hex(identity.as_bytes())[..32].to_string(),
+                run_id: run_id.into(),
+                stage: STAGE.into(),
+                kind: "skill_failed".into(),
+                target: target.clone(),
+                before: None,
+                after: Some(after),
+                reason,
+                at: created_at,
+            });
+            report.failed += 1;
+            report.failures.push(FailedCluster { tenant: plan.tenant.clone(), target, episodes: plan.episodes.clone(), attempts });
+            cluster.status = "failed".into();
+        }
+        Matured::Skill { rounds, best, converged, rejected } => {
+            let node = skill_node(plan, &rounds, best, converged, &rejected, models, options, run_id, created_at, &key);
+            let status = if plan.previous.is_some() { "updated" } else { "new" };
+            record(delta, graph, plan, &node, &rounds[best], models.embedder.model_id(), run_id);
+            if plan.previous.is_some() {
+                report.skills_updated += 1;
+            } else {
+                report.skills_new += 1;
+            }
+            report.skills.push(SkillReport {
+                id: node.id.clone(),
+                tenant: plan.tenant.clone(),
+                name: rounds[best].skill.name.clone(),
+                status: status.into(),
+                version: skill_of(&node).version,
+                support: plan.episodes.len(),
+                rounds: rounds.iter().map(|r| r.score).collect(),
+                best_round: best + 1,
+                converged_round: converged,
+                generator: TokenUsage::between(generator_before, models.generator.usage()),
+                judge: models.judge.as_ref().map(|j| TokenUsage::between(judge_before, j.usage())).unwrap_or_default(),
+                seconds: started.elapsed().as_secs_f64(),
+            });
+            cluster.status = status.into();
+            cluster.skill = Some(node.id.clone());
+            delta.upsert_node(node);
+        }
+    }
+    Ok(cluster)
+}
+
+/// The skill node of a matured cluster: its id depends only on the lineage and version (or, for
+/// a first version, on the source episodes), so the same store and seed give the same ids.
+#[allow(clippy::too_many_arguments)]
+fn skill_node(
+    plan: &Plan<'_>,
+    rounds: &[Round],
+    best: usize,
+    converged: Option<usize>,
+    rejected: &[Attempt],
+    models: &Models<'_>,
+    options: &ConsolidateOptions,
+    run_id: &str,
+    created_at: i64,
+    key: &[&str],
+) -> Node {
+    let kept = &rounds[best];
+    let (version, previous_versions, mut history, lineage) = match plan.previous {
+        Some(previous) => {
+            let skill = skill_of(previous);
+            let lineage = previous.metadata.get("lineage").and_then(Value::as_str).unwrap_or(previous.id.as_str()).to_string();
+            let mut versions = skill.previous_versions.clone();
+            versions.push(previous.id.clone());
+            (skill.version + 1, versions, skill.pems_history.clone(), Some(lineage))
+        }
+        None => (1, Vec::new(), Vec::new(), None),
+    };
+    history.extend(rounds.iter().map(|r| r.score.pems));
+    let body = NodeBody::Procedural(Skill { version, previous_versions, source_episodes: plan.episodes.clone(), pems_history: history });
+    let version_text = version.to_string();
+    let joined = key.join("\n");
+    let identity: Vec<&str> = match &lineage {
+        Some(lineage) => vec!["skill", lineage.as_str(), version_text.as_str()],
+        None => vec!["skill", "v1", joined.as_str()],
+    };
+    let mut node = Node::new(body, &plan.tenant, &kept.text, &identity);
+    let lineage = lineage.unwrap_or_else(|| node.id.to_string());
+    node.source_file = STAGE.into();
+    node.source_locator = format!("{run_id}/cluster {}", plan.index);
+    node.created_at = Some(plan.previous.and_then(|p| p.created_at).unwrap_or(0).max(created_at));
+    let metadata = [
+        ("name", json!(kept.skill.name)),
+        ("description", json!(kept.skill.description)),
+        ("steps", json!(kept.skill.steps)),
+        ("lineage", json!(lineage)),
+        ("rounds", serde_json::to_value(rounds).expect("rounds serialise")),
+        ("best_round", json!(best + 1)),
+        ("converged_round", json!(converged)),
+        ("rejected_rewrites", serde_json::to_value(rejected).expect("attempts serialise")),
+        ("eta_source", json!(if models.judge.is_some() { "judge" } else { "logged_success_rate" })),
+        ("generator", json!(models.generator.model_id())),
+        ("judge", json!(models.judge.as_ref().map(|j| j.model_id().to_string()))),
+        ("embedding_model", json!(models.embedder.model_id())),
+        ("length_unit", json!(options.pems.length)),
+        ("divide_by_skills", json!(options.pems.divide_by_skills)),
+        ("seed", json!(options.kmeans.seed)),
+    ];
+    node.metadata.extend(metadata.into_iter().map(|(k, v)| (k.to_string(), v)));
+    node
+}
+
+/// The node's distill edges, its embedding, the retired edges of the previous version, and the
+/// edit records of all of them.
+fn record(delta: &mut Graph, graph: &Graph, plan: &Plan<'_>, node: &Node, kept: &Round, model: &str, run_id: &str) {
+    let at = node.created_at.unwrap_or(0);
+    let kind = if plan.previous.is_some() { "skill_version" } else { "skill_induce" };
+    let reason = format!(
+        "distilled from {} episodes; PEMS {:.4} (eta {:.3}, length {}, delta {:.3})",
+        plan.episodes.len(),
+        kept.score.pems,
+        kept.score.eta,
+        kept.score.length,
+        kept.score.delta
+    );
+    delta.edits.push(Edit::new(STAGE, run_id, kind, Changed::Node(None, Some(node)), &reason, at));
+    if let Some(previous) = plan.previous {
+        for edge in graph.edges.values().filter(|e| e.kind == EdgeKind::Distill && e.dst == previous.id && e.active) {
+            let mut retired = edge.clone();
+            retired.active = false;
+            retired.run_id = run_id.into();
+            retired.stage = STAGE.into();
+            let why = format!("superseded by version {} ({})", skill_of(node).version, node.id);
+            delta.edits.push(Edit::new(STAGE, run_id, "distill_retire", Changed::Edge(Some(edge), Some(&retired)), &why, at));
+            delta.upsert_edge(retired);
+        }
+    }
+    for (episode, weight) in plan.episodes.iter().zip(&plan.weights) {
+        let episode_time = graph.nodes.get(episode).and_then(|n| n.created_at).unwrap_or(0);
+        let edge = Edge {
+            src: episode.clone(),
+            dst: node.id.clone(),
+            kind: EdgeKind::Distill,
+            weight: *weight,
+            evidence: 1,
+            stage: STAGE.into(),
+            run_id: run_id.into(),
+            created_at: episode_time.max(at),
+            active: true,
+            metadata: Default::default(),
+        };
+        delta.edits.push(Edit::new(STAGE, run_id, "distill", Changed::Edge(None, Some(&edge)), "source episode of the skill", at));
+        delta.upsert_edge(edge);
+    }
+    delta.upsert_embedding(Embedding {
+        node_id: node.id.clone(),
+        model_id: model.into(),
+        text_sha256: sha256_hex(node.embedding_text().as_bytes()),
+        vector: kept.vector.clone(),
+    });
+}

@@ -1,0 +1,217 @@
+//! One skill's life in a run: induction from its cluster (with a repair retry), then the PEMS
+//! loop (score, rewrite, re-embed, re-score) until |delta PEMS| < epsilon or the round limit.
+
+use fluxmem_graph::Node;
+use fluxmem_models::{Embedder, GenerateParams, Generator, Judge};
+use serde::Serialize;
+
+use crate::parse::{parse_skill, SkillText};
+use crate::pems::{delta, pems, word_count, LengthUnit, PemsScore};
+use crate::prompt;
+use crate::{ConsolidateOptions, Result};
+
+/// One unreadable generator answer, kept verbatim.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Attempt {
+    /// What the generator wrote.
+    pub raw: String,
+    /// Why it was rejected.
+    pub problem: String,
+}
+
+/// One scored version of a skill inside a run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Round {
+    /// 1-based round number.
+    pub round: usize,
+    /// The version's text.
+    pub text: String,
+    /// The parsed version.
+    #[serde(skip)]
+    pub skill: SkillText,
+    /// Its embedding.
+    #[serde(skip)]
+    pub vector: Vec<f32>,
+    /// Its score.
+    pub score: PemsScore,
+}
+
+/// The result of maturing one cluster.
+#[derive(Debug, Clone)]
+pub enum Matured {
+    /// A skill with every round.
+    Skill {
+        /// The rounds, in order.
+        rounds: Vec<Round>,
+        /// Index of the kept round (highest PEMS, earliest on ties).
+        best: usize,
+        /// The round at which |delta PEMS| < epsilon, if it happened.
+        converged: Option<usize>,
+        /// Rewrites that could not be read (the loop stopped there).
+        rejected: Vec<Attempt>,
+    },
+    /// No readable skill: every answer, verbatim.
+    Failed {
+        /// The rejected answers (or the model error).
+        attempts: Vec<Attempt>,
+    },
+}
+
+/// The models a run uses.
+pub struct Models<'a> {
+    /// The store's embedding model.
+    pub embedder: &'a dyn Embedder,
+    /// Writes and rewrites skills.
+    pub generator: &'a mut dyn Generator,
+    /// Replays skills against episodes; `None`: eta is the logged success rate.
+    pub judge: Option<&'a mut dyn Judge>,
+}
+
+/// What a cluster brings to the loop.
+pub(crate) struct Job<'g> {
+    /// Episodes, most representative first.
+    pub episodes: Vec<&'g Node>,
+    /// The previous version's text and vector, when this run updates a skill.
+    pub previous: Option<(String, Vec<f32>)>,
+}
+
+pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &ConsolidateOptions, skills: usize) -> Result<Matured> {
+    let params = GenerateParams { max_tokens: options.max_tokens, temperature: 0.0, top_p: None, seed: options.kmeans.seed, stop: Vec::new() };
+    let (episodes, _) = match prompt::serialize_episodes(&job.episodes, options.prompt_budget, true, &*models.generator) {
+        Ok(serialized) => serialized,
+        Err(error) => return Ok(Matured::Failed { attempts: vec![model_error(error)] }),
+    };
+    let messages = match &job.previous {
+        None => prompt::induce(&episodes),
+        Some((text, _)) => prompt::update(text, &episodes),
+    };
+    let mut attempts = Vec::new();
+    let Some(mut current) = generate_skill(models.generator, messages, &params, &mut attempts) else {
+        return Ok(Matured::Failed { attempts });
+    };
+    let mut rejected = Vec::new();
+    let mut rounds: Vec<Round> = Vec::new();
+    let mut converged = None;
+    let mut previous_vector = job.previous.as_ref().map(|(_, v)| v.clone());
+    for round in 1..=options.max_rounds.max(1) {
+        let text = current.render();
+        let vector = models.embedder.embed(&[text.as_str()])?.remove(0);
+        let (eta, disagreeing) = eta(&text, &job.episodes, models.judge.as_deref_mut(), options)?;
+        let length = match options.pems.length {
+            LengthUnit::Tokens => models.generator.count_tokens(&text)?,
+            LengthUnit::Words => word_count(&text),
+        };
+        let score = pems(eta, length, delta(&vector, previous_vector.as_deref()), skills, &options.pems);
+        let change = rounds.last().map(|r| (score.pems - r.score.pems).abs());
+        rounds.push(Round { round, text, skill: current.clone(), vector: vector.clone(), score });
+        if change.is_some_and(|c| c < options.epsilon) {
+            converged = Some(round);
+            break;
+        }
+        if round == options.max_rounds {
+            break;
+        }
+        let shown: Vec<&Node> = disagreeing.iter().take(2).map(|&i| job.episodes[i]).collect();
+        let evidence = match prompt::serialize_episodes(&shown, options.prompt_budget / 2, true, &*models.generator) {
+            Ok((text, _)) if !shown.is_empty() => text,
+            _ => String::new(),
+        };
+        let last = rounds.last().expect("a round was just pushed");
+        let messages = prompt::rewrite(&last.text, eta, length, &evidence);
+        match generate_skill(models.generator, messages, &params, &mut rejected) {
+            Some(next) => current = next,
+            None => break,
+        }
+        previous_vector = Some(vector);
+    }
+    let best = best_round(&rounds);
+    Ok(Matured::Skill { rounds, best, converged, rejected })
+}
+
+/// The highest PEMS, the earliest on ties.
+pub(crate) fn best_round(rounds: &[Round]) -> usize {
+    let mut best = 0;
+    for (i, round) in rounds.iter().enumerate() {
+        if round.score.pems > rounds[best].score.pems {
+            best = i;
+        }
+    }
+    best
+}
+
+fn model_error(error: impl std::fmt::Display) -> Attempt {
+    Attempt { raw: String::new(), problem: format!("model error: {error}") }
+}
+
+/// One generation, parsed; on unreadable output one repair prompt; `None` when both fail
+/// (each rejected answer is pushed to `attempts`). Model errors count as failed attempts.
+fn generate_skill(
+    generator: &mut dyn Generator,
+    messages: Vec<fluxmem_models::ChatMessage>,
+    params: &GenerateParams,
+    attempts: &mut Vec<Attempt>,
+) -> Option<SkillText> {
+    let raw = match generator.generate(&messages, params) {
+        Ok(generation) => generation.text,
+        Err(error) => {
+            attempts.push(model_error(error));
+            return None;
+        }
+    };
+    let problem = match parse_skill(&raw) {
+        Ok(skill) => return Some(skill),
+        Err(problem) => problem,
+    };
+    attempts.push(Attempt { raw: raw.clone(), problem: problem.clone() });
+    let repaired = match generator.generate(&prompt::repair(messages, &raw, &problem), params) {
+        Ok(generation) => generation.text,
+        Err(error) => {
+            attempts.push(model_error(error));
+            return None;
+        }
+    };
+    match parse_skill(&repaired) {
+        Ok(skill) => Some(skill),
+        Err(problem) => {
+            attempts.push(Attempt { raw: repaired, problem });
+            None
+        }
+    }
+}
+
+/// eta of `skill` over the episodes and the indexes of the episodes it disagrees with.
+///
+/// With a judge: the first `judge_episodes` episodes are replayed; an episode agrees when it
+/// succeeded and the judge finds the skill consistent with it (P >= threshold), or it failed
+/// and the judge does not. Episodes without a logged outcome count as successes. Without a
+/// judge: the logged success rate (episodes without an outcome left out; 1 if none has one),
+/// and the failed episodes are the disagreements.
+fn eta<'j>(skill: &str, episodes: &[&Node], judge: Option<&mut (dyn Judge + 'j)>, options: &ConsolidateOptions) -> Result<(f64, Vec<usize>)> {
+    let success = |node: &Node| node.episode().and_then(|e| e.outcome.success);
+    match judge {
+        Some(judge) => {
+            let judged: Vec<&Node> = episodes.iter().copied().take(options.judge_episodes.max(1)).collect();
+            let passages: Vec<String> = judged.iter().map(|n| prompt::episode_text(n)).collect();
+            let passage_refs: Vec<&str> = passages.iter().map(String::as_str).collect();
+            let scores = judge.score(&prompt::judge_query(skill), &passage_refs)?;
+            let mut disagreeing = Vec::new();
+            for (i, (node, p)) in judged.iter().zip(&scores).enumerate() {
+                let consistent = *p >= options.judge_threshold;
+                if consistent != success(node).unwrap_or(true) {
+                    disagreeing.push(i);
+                }
+            }
+            let n = judged.len().max(1) as f64;
+            Ok(((judged.len() - disagreeing.len()) as f64 / n, disagreeing))
+        }
+        None => {
+            let known: Vec<(usize, bool)> = episodes.iter().enumerate().filter_map(|(i, n)| success(n).map(|s| (i, s))).collect();
+            if known.is_empty() {
+                return Ok((1.0, Vec::new()));
+            }
+            let wins = known.iter().filter(|(_, s)| *s).count();
+            let failed = known.iter().filter(|(_, s)| !*s).map(|(i, _)| *i).collect();
+            Ok((wins as f64 / known.len() as f64, failed))
+        }
+    }
+}
