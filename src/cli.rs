@@ -50,6 +50,12 @@ pub enum Command {
     /// Evaluate retrieval against benchmark data.
     #[command(subcommand)]
     Eval(EvalCommand),
+    /// Stage III: cluster episodes, induce one skill per cluster with the generator, and mature
+    /// each skill with the PEMS loop; re-running updates matched skills with a new version.
+    Consolidate(ConsolidateArgs),
+    /// Export the latest version of every skill.
+    #[command(subcommand)]
+    Export(ExportCommand),
 }
 
 /// `fluxmem connect`.
@@ -313,6 +319,97 @@ pub struct IngestArgs {
 #[derive(Debug, Args)]
 pub struct StatsArgs {
     /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `fluxmem consolidate`.
+#[derive(Debug, Args)]
+pub struct ConsolidateArgs {
+    /// Number of clusters per tenant, or auto: max(1, floor(sqrt(episodes / 2))).
+    #[arg(long, default_value = "auto")]
+    pub clusters: String,
+    /// Seed of the k-means++ draws and of the generator.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Cluster only episodes logged as successful (default: all, outcomes shown to the generator).
+    #[arg(long)]
+    pub successful_only: bool,
+    /// How eta is measured: none (logged success rate of the source episodes) or llm (the
+    /// default generator judges each source episode against the skill).
+    #[arg(long, default_value = "none")]
+    pub judge: String,
+    /// Generator that writes and rewrites skills.
+    #[arg(long, default_value = fluxmem_models::DEFAULT_GENERATOR)]
+    pub generator: String,
+    /// Generator weights: quantized, dequantized or q8 (see `fluxmem models generate --help`).
+    #[arg(long, default_value = "q8")]
+    pub weights: String,
+    /// Scored versions per skill at most (round 1 is the induced skill).
+    #[arg(long, default_value_t = 5)]
+    pub max_rounds: usize,
+    /// Stop a skill's loop when its PEMS changes by less than this.
+    #[arg(long, default_value_t = 0.01)]
+    pub epsilon: f64,
+    /// Skill length for PEMS: tokens (of the generator) or words (reference code).
+    #[arg(long, default_value = "tokens")]
+    pub length: String,
+    /// Divide PEMS by the number of skills (reference code).
+    #[arg(long)]
+    pub divide_by_skills: bool,
+    /// Generator tokens of episodes shown when inducing a skill.
+    #[arg(long, default_value_t = 1500)]
+    pub prompt_budget: usize,
+    /// Generated tokens per answer at most.
+    #[arg(long, default_value_t = 320)]
+    pub max_tokens: usize,
+    /// Episodes the judge replays per skill version.
+    #[arg(long, default_value_t = 8)]
+    pub judge_episodes: usize,
+    /// Only this tenant.
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Try again clusters that failed in an earlier run with the same episodes.
+    #[arg(long)]
+    pub retry_failed: bool,
+    /// Embedding model (must be the store's).
+    #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
+    pub model: String,
+    /// Device: auto, cpu, cuda, cuda:N or metal.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Print the whole report as JSON (every skill's rounds, failures with raw outputs, clusters).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `fluxmem export ...`.
+#[derive(Debug, Subcommand)]
+pub enum ExportCommand {
+    /// Write the latest version of every skill with a release manifest (`release.json`);
+    /// the same store always gives byte-identical files.
+    Skills(ExportSkillsArgs),
+}
+
+/// `fluxmem export skills`.
+#[derive(Debug, Args)]
+pub struct ExportSkillsArgs {
+    /// skill-md (a folder with a SKILL.md per skill), jsonl or parquet.
+    #[arg(long, default_value = "skill-md")]
+    pub format: String,
+    /// Output directory (created; an earlier export there is replaced).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Only this tenant.
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Only skills whose PEMS is at least this.
+    #[arg(long)]
+    pub min_pems: Option<f64>,
+    /// Only skills distilled from at least this many episodes.
+    #[arg(long, default_value_t = 0)]
+    pub min_support: usize,
+    /// Print one JSON object with the counts.
     #[arg(long)]
     pub json: bool,
 }

@@ -1,8 +1,10 @@
 //! One module per subcommand.
 
 mod connect;
+mod consolidate;
 mod embed;
 mod eval;
+mod export;
 mod ingest;
 mod models;
 mod query;
@@ -22,6 +24,8 @@ pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
         Command::Query(args) => query::run(args, settings),
         Command::Connect(args) => connect::run(args, settings),
         Command::Eval(crate::cli::EvalCommand::Locomo(args)) => eval::locomo(args, settings),
+        Command::Consolidate(args) => consolidate::run(args, settings),
+        Command::Export(crate::cli::ExportCommand::Skills(args)) => export::skills(args, settings),
     }
 }
 

@@ -74,7 +74,7 @@ pub fn run(command: ModelsCommand) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn weight_path(value: &str) -> anyhow::Result<WeightPath> {
+pub(super) fn weight_path(value: &str) -> anyhow::Result<WeightPath> {
     match value {
         "quantized" => Ok(WeightPath::Quantized),
         "dequantized" => Ok(WeightPath::Dequantized),

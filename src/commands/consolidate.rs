@@ -1,0 +1,109 @@
+use anyhow::Context;
+use fluxmem_consolidate::{consolidate_store, ConsolidateOptions, ConsolidateReport, KMeansOptions, Models, PemsOptions};
+use fluxmem_models::{DeviceChoice, Generator, Judge};
+use std::process::ExitCode;
+
+use super::open_writer;
+use crate::cli::{ConsolidateArgs, Settings};
+use crate::progress::CountBar;
+
+pub fn run(args: ConsolidateArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let options = options(&args)?;
+    let device_choice: DeviceChoice = args.device.parse()?;
+    let device = device_choice.device()?;
+    let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
+    let mut generator = fluxmem_models::load_generator(&args.generator, &device_choice, super::models::weight_path(&args.weights)?)?;
+    let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
+    let mut writer = open_writer(settings)?;
+    // Nodes, edges and edits record the run; the id depends only on the store state it started
+    // from, so the same store and options always give the same shards.
+    let run_id = format!("consolidate@v{}", writer.manifest().version);
+    let mut models = Models {
+        embedder: &embedder,
+        generator: &mut generator as &mut dyn Generator,
+        judge: judge.as_mut().map(|j| j as &mut dyn Judge),
+    };
+    let mut bar = CountBar::new(settings.progress, "consolidate");
+    let started = std::time::Instant::now();
+    let report = consolidate_store(&mut writer, &mut models, &options, &run_id, &device, &mut bar)
+        .with_context(|| format!("consolidating the store {}", settings.store.display()))?;
+    bar.finish();
+    let seconds = started.elapsed().as_secs_f64();
+    if args.json {
+        let mut json = serde_json::to_value(&report)?;
+        json["seconds"] = serde_json::Value::from((seconds * 1000.0).round() / 1000.0);
+        println!("{json}");
+    } else {
+        print_human(&report, seconds);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
+    let clusters = match args.clusters.as_str() {
+        "auto" => None,
+        value => match value.parse::<usize>() {
+            Ok(n) if n > 0 => Some(n),
+            _ => anyhow::bail!("--clusters `{value}`: expected auto or a positive number"),
+        },
+    };
+    if args.max_rounds == 0 {
+        anyhow::bail!("--max-rounds must be at least 1");
+    }
+    let length = args.length.parse().map_err(anyhow::Error::msg)?;
+    Ok(ConsolidateOptions {
+        kmeans: KMeansOptions { clusters, seed: args.seed, ..Default::default() },
+        successful_only: args.successful_only,
+        pems: PemsOptions { length, divide_by_skills: args.divide_by_skills },
+        max_rounds: args.max_rounds,
+        epsilon: args.epsilon,
+        prompt_budget: args.prompt_budget,
+        max_tokens: args.max_tokens,
+        judge_episodes: args.judge_episodes,
+        tenant: args.tenant.clone(),
+        retry_failed: args.retry_failed,
+        ..Default::default()
+    })
+}
+
+fn print_human(report: &ConsolidateReport, seconds: f64) {
+    println!(
+        "{} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} failed ({} failed earlier); {} commit(s), {:.1}s",
+        report.episodes,
+        report.clusters,
+        report.skills_new,
+        report.skills_updated,
+        report.skills_unchanged,
+        report.failed,
+        report.failed_earlier,
+        report.commits,
+        seconds
+    );
+    println!(
+        "generator {}: {} calls, {} prompt + {} generated tokens; eta from {}{}",
+        report.generator_model,
+        report.generator.calls,
+        report.generator.prompt_tokens,
+        report.generator.generated_tokens,
+        report.eta_source,
+        report.judge_model.as_ref().map(|j| format!(" ({j}, {} judged episodes)", report.judge.calls)).unwrap_or_default()
+    );
+    for skill in &report.skills {
+        let history: Vec<String> = skill.rounds.iter().map(|r| format!("{:.4}", r.pems)).collect();
+        let converged = skill.converged_round.map(|r| format!("converged at round {r}")).unwrap_or_else(|| "round limit".into());
+        println!(
+            "  {} v{} {:?}: {} episodes, PEMS [{}] ({converged}, kept round {}), {:.1}s",
+            skill.id,
+            skill.version,
+            skill.name,
+            skill.support,
+            history.join(", "),
+            skill.best_round,
+            skill.seconds
+        );
+    }
+    for failure in &report.failures {
+        let problem = failure.attempts.last().map(|a| a.problem.as_str()).unwrap_or("");
+        println!("  failed {} ({} episodes): {problem}; raw output kept in the edit log", failure.target, failure.episodes.len());
+    }
+}

@@ -1,0 +1,24 @@
+use anyhow::Context;
+use fluxmem_consolidate::{export_skills, ExportOptions};
+use std::process::ExitCode;
+
+use crate::cli::{ExportSkillsArgs, Settings};
+
+pub fn skills(args: ExportSkillsArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let format = args.format.parse().map_err(anyhow::Error::msg)?;
+    let store = fluxmem_store::Store::open(&settings.store)?;
+    let options = ExportOptions { format, tenant: args.tenant, min_pems: args.min_pems, min_support: args.min_support };
+    let report = export_skills(&store, &args.out, &options).with_context(|| format!("exporting skills to {}", args.out.display()))?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "{} skills exported to {} ({} left out by the filters); release manifest {}",
+            report.skills,
+            args.out.display(),
+            report.filtered_out,
+            report.release.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
