@@ -44,6 +44,12 @@ pub enum Command {
     /// Stage I in batch: ground every new episode in the semantic nodes its steps retrieve and
     /// link it to its nearest episodes.
     Connect(ConnectArgs),
+    /// Stage II in batch: credit assignment from logged outcomes. Edge weights and evidence
+    /// rise for what successful episodes had and fall for what failures had; edges with low
+    /// credit are pruned and failed episodes are linked to successes of the same task. Every
+    /// change goes to the edit log in one atomic commit; a re-run over the same store changes
+    /// nothing.
+    Refine(RefineArgs),
     /// Print the memory context for a query: skills, similar episodes and facts, packed under
     /// a token budget (or, with --json, the items with their scores and why each is there).
     Query(QueryArgs),
@@ -120,8 +126,51 @@ pub struct QueryArgs {
     /// Device: auto, cpu, cuda, cuda:N or metal.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Stage II: with --refine-rounds, edits that end in a sufficient context are committed
+    /// to the store (edit log included).
+    #[command(flatten)]
+    pub refine: LoopArgs,
     /// The query.
     pub text: String,
+}
+
+/// `fluxmem refine`.
+#[derive(Debug, Args)]
+pub struct RefineArgs {
+    /// Prior strength: pseudo-outcomes at the base success rate behind every credit.
+    #[arg(long, default_value_t = 2.0)]
+    pub prior: f64,
+    /// Prune edges whose credit falls below this...
+    #[arg(long, default_value_t = 0.5)]
+    pub prune_below: f64,
+    /// ...once at least this many outcomes are behind them.
+    #[arg(long, default_value_t = 3)]
+    pub min_evidence: usize,
+    /// Do not link failed episodes to successful episodes of the same task.
+    #[arg(long)]
+    pub no_failure_links: bool,
+    /// Print one JSON object with the counts.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The query-time Stage II loop flags of `query` and `eval locomo`.
+#[derive(Debug, Args)]
+pub struct LoopArgs {
+    /// Self-verification rounds T of Stage II (0: Stage I only). Verifier: the judge when
+    /// --judge llm, else key-term coverage.
+    #[arg(long, default_value_t = 0)]
+    pub refine_rounds: usize,
+    /// Node Reshape rewrites with this generator (a name from `fluxmem models list`); by
+    /// default it joins the item with the one before it, without a model.
+    #[arg(long)]
+    pub reshape_generator: Option<String>,
+    /// Items brought in per Link Expand.
+    #[arg(long, default_value_t = 3)]
+    pub expand_k: usize,
+    /// Useful items shorter than this many tokens are reshaped (0: never).
+    #[arg(long, default_value_t = 12)]
+    pub reshape_below: usize,
 }
 
 /// `fluxmem eval ...`.
@@ -173,6 +222,12 @@ pub struct LocomoArgs {
     /// Device: auto, cpu, cuda, cuda:N or metal.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Stage II.
+    #[command(flatten)]
+    pub refine: LoopArgs,
+    /// Budget the Stage II loop packs under (the other budgets pack its final ranking).
+    #[arg(long, default_value_t = 1024)]
+    pub refine_budget: usize,
     /// Also write the report as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,

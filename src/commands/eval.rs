@@ -18,7 +18,9 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         sample: args.sample,
         seed: args.seed,
         retrieval: super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?,
+        refine: super::loop_options(&args.refine, args.refine_budget),
     };
+    let mut generator = super::reshape_generator(&args.refine, &device_choice)?;
     let bar = CountBar::new(settings.progress, "eval");
     let mut progress = |done: usize, total: usize| bar.set(done as u64, total as u64);
     let report = evaluate(
@@ -26,6 +28,7 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         &options,
         &embedder,
         judge.as_mut().map(|j| j as &mut dyn fluxmem_models::Judge),
+        generator.as_mut().map(|g| g as &mut dyn fluxmem_models::Generator),
         &device,
         &mut progress,
     )
@@ -75,6 +78,24 @@ fn print_table(report: &LocomoReport, budgets: &[usize]) {
             line.push_str(&format!(" {:>7.0} {:>5}", summary.mean_context_tokens, summary.questions));
             println!("{line}");
         }
+    }
+    let refine = &report.refine;
+    if refine.rounds > 0 {
+        println!(
+            "refine: T={} at {} tokens, verifier {}{}; {} of {} questions sufficient, {:.2} edit rounds each; attributions {:?}; edits {:?} ({} persisted); verifier {:.1} calls and {:.0} prompt tokens per question",
+            refine.rounds,
+            refine.budget,
+            refine.verifier,
+            refine.generator.as_deref().map(|g| format!(", reshape generator {g} ({} calls, {} tokens)", refine.generator_calls, refine.generator_tokens)).unwrap_or_default(),
+            refine.sufficient,
+            refine.questions,
+            refine.mean_edit_rounds,
+            refine.attributions,
+            refine.edits_attempted,
+            refine.edits_persisted,
+            refine.verifier_calls_per_question,
+            refine.verifier_tokens_per_question,
+        );
     }
     if report.judge_calls > 0 {
         println!("judge: {} calls, {} prompt tokens", report.judge_calls, report.judge_prompt_tokens);

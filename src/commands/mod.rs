@@ -8,6 +8,7 @@ mod export;
 mod ingest;
 mod models;
 mod query;
+mod refine;
 mod stats;
 
 use std::process::ExitCode;
@@ -23,6 +24,7 @@ pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
         Command::Models(command) => models::run(command),
         Command::Query(args) => query::run(args, settings),
         Command::Connect(args) => connect::run(args, settings),
+        Command::Refine(args) => refine::run(args, settings),
         Command::Eval(crate::cli::EvalCommand::Locomo(args)) => eval::locomo(args, settings),
         Command::Consolidate(args) => consolidate::run(args, settings),
         Command::Export(crate::cli::ExportCommand::Skills(args)) => export::skills(args, settings),
@@ -67,5 +69,27 @@ pub fn judge_from_flag(
             fluxmem_models::WeightPath::Dequantized,
         )?))),
         other => anyhow::bail!("--judge `{other}`: expected none or llm"),
+    }
+}
+
+/// Stage II loop settings from the `--refine-*` flags.
+pub fn loop_options(args: &crate::cli::LoopArgs, budget: usize) -> fluxmem_refine::LoopOptions {
+    fluxmem_refine::LoopOptions {
+        rounds: args.refine_rounds,
+        budget,
+        expand_k: args.expand_k,
+        reshape_below: args.reshape_below,
+        ..Default::default()
+    }
+}
+
+/// The generator of Node Reshape named by `--reshape-generator`, loaded with Q8_0 weights.
+pub fn reshape_generator(
+    args: &crate::cli::LoopArgs,
+    device: &fluxmem_models::DeviceChoice,
+) -> anyhow::Result<Option<fluxmem_models::GgufGenerator>> {
+    match &args.reshape_generator {
+        None => Ok(None),
+        Some(name) => Ok(Some(fluxmem_models::load_generator(name, device, fluxmem_models::WeightPath::Q8)?)),
     }
 }

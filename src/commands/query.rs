@@ -1,5 +1,8 @@
-use fluxmem_connect::{pack, Retriever};
-use fluxmem_models::{DeviceChoice, Embedder, Judge};
+use anyhow::Context as _;
+use fluxmem_connect::{pack, semantic_entry, Entry, Retriever};
+use fluxmem_models::{DeviceChoice, Embedder, Generator, Judge};
+use fluxmem_refine::{refine_query, CoverageVerifier, JudgeVerifier, LoopModels, Neighbours, Verifier};
+use fluxmem_store::CommitInfo;
 use std::process::ExitCode;
 
 use crate::cli::{QueryArgs, Settings};
@@ -8,13 +11,13 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
     let store = fluxmem_store::Store::open(&settings.store)?;
-    let graph = store.load()?;
+    let mut graph = store.load()?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
     let retriever = Retriever::build(&graph, embedder.model_id(), &device)?;
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
     let config = super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?;
     let query_vector = embedder.embed(&[args.text.as_str()])?.remove(0);
-    let entries = retriever.retrieve(
+    let (head, semantic) = retriever.retrieve_split(
         &graph,
         &args.text,
         &query_vector,
@@ -23,6 +26,63 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         args.episodes,
     )?;
     let count = |text: &str| embedder.count_tokens(text).map_err(fluxmem_connect::Error::from);
+    let entries: Vec<Entry> = if args.refine.refine_rounds == 0 {
+        head.into_iter().chain(semantic.iter().map(semantic_entry)).collect()
+    } else {
+        // Skills and episodes first; the loop refines the facts under what is left of the budget.
+        let head_tokens = pack(&graph, &head, args.budget, &count)?.tokens;
+        let options = super::loop_options(&args.refine, args.budget.saturating_sub(head_tokens + 1));
+        let mut generator = super::reshape_generator(&args.refine, &device_choice)?;
+        let neighbours = Neighbours::build(&graph);
+        let mut coverage;
+        let mut judged;
+        let verifier: &mut dyn Verifier = match judge.as_mut() {
+            Some(judge) => {
+                judged = JudgeVerifier::new(judge);
+                &mut judged
+            }
+            None => {
+                coverage = CoverageVerifier::new(retriever.semantic());
+                &mut coverage
+            }
+        };
+        let mut models = LoopModels {
+            verifier,
+            embedder: &embedder,
+            generator: generator.as_mut().map(|g| g as &mut dyn Generator),
+            count_tokens: &count,
+        };
+        let manifest = store.manifest()?;
+        let run_id = format!("query@v{}", manifest.version);
+        let at = chrono::Utc::now().timestamp_millis();
+        let outcome = refine_query(&graph, retriever.semantic(), &neighbours, &args.text, &semantic, &mut models, &options, &run_id, at)?;
+        for (t, round) in outcome.rounds.iter().enumerate() {
+            eprintln!(
+                "refine round {t}: sufficiency {:.2} over {} items -> {}{}",
+                round.sufficiency,
+                round.items,
+                round.attribution,
+                round.edit.as_deref().map(|e| format!(", {e}")).unwrap_or_default()
+            );
+        }
+        let usage = models.verifier.usage();
+        eprintln!("refine: verifier {} ({} calls, {} prompt tokens)", models.verifier.name(), usage.calls, usage.prompt_tokens);
+        if !outcome.delta.is_empty() {
+            let mut writer = super::open_writer(settings)?;
+            let summary = serde_json::json!({ "query": args.text, "edits": outcome.delta.edits.len() });
+            writer
+                .commit(&outcome.delta, CommitInfo { stage: "refine".into(), run_id, summary, progress: Default::default() })
+                .with_context(|| format!("committing the refinement to {}", settings.store.display()))?;
+            eprintln!("refine: {} edits committed to the store", outcome.delta.edits.len());
+        } else if !outcome.attempted.is_empty() {
+            eprintln!("refine: the context stayed insufficient; {} attempted edits were not kept", outcome.attempted.len());
+        }
+        for node in outcome.new_nodes {
+            graph.insert_node(node);
+        }
+        head.into_iter().chain(outcome.ranking).collect()
+    };
+    // Reshaped nodes may live only in the loop's delta: pack against the graph with it.
     let context = pack(&graph, &entries, args.budget, &count)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&context)?);

@@ -72,6 +72,11 @@ impl Bm25 {
         self.lengths.is_empty()
     }
 
+    /// How many documents contain `term` (a term as [`terms`] produces it).
+    pub fn document_frequency(&self, term: &str) -> usize {
+        self.postings.get(term).map_or(0, Vec::len)
+    }
+
     /// The BM25 score of every document for `query` (0 for documents sharing no term).
     pub fn scores(&self, query: &str) -> Vec<f32> {
         let mut scores = vec![0f32; self.lengths.len()];

@@ -31,7 +31,7 @@ pub use context::{line, pack, Context, ContextItem};
 pub use dense::{embedded, top_k, DenseIndex, BLOCK_ROWS};
 pub use fusion::{fuse, min_max, FusionMode, FusionWeights, Signals};
 pub use retrieve::{Candidate, RetrievalConfig, SemanticIndex};
-pub use retriever::{Entry, Retriever};
+pub use retriever::{semantic_entry, Entry, Retriever};
 
 /// Errors of Stage I.
 #[derive(Debug, thiserror::Error)]

@@ -24,6 +24,10 @@ pub struct RetrievalConfig {
     pub bm25_pool: usize,
     /// How many of the best fused candidates the judge scores (0: no judge).
     pub judge_top: usize,
+    /// Weight of graph support in [`crate::Retriever`]: a semantic node's score gains
+    /// `ground_support * sum(cosine(episode) * weight(node -> episode))` over the retrieved
+    /// episodes it has an active `ground` edge to (weights that Stage II credit assignment moves).
+    pub ground_support: f32,
     /// BM25 parameters.
     #[serde(skip)]
     pub bm25: Bm25Params,
@@ -37,6 +41,7 @@ impl Default for RetrievalConfig {
             dense_pool: 3000,
             bm25_pool: 100,
             judge_top: 0,
+            ground_support: 0.3,
             bm25: Bm25Params::default(),
         }
     }
@@ -90,6 +95,16 @@ impl SemanticIndex {
     /// The node id at `index`.
     pub fn id(&self, index: usize) -> &NodeId {
         &self.ids[index]
+    }
+
+    /// The indexed text at `index`.
+    pub fn text(&self, index: usize) -> &str {
+        &self.texts[index]
+    }
+
+    /// How many indexed nodes contain `term` (for key-term selection).
+    pub fn document_frequency(&self, term: &str) -> usize {
+        self.bm25.document_frequency(term)
     }
 
     /// BM25 ranking (best first, zero scores dropped).

@@ -7,7 +7,8 @@ use fluxmem_models::Judge;
 
 use crate::dense::{embedded, DenseIndex};
 use crate::fusion::Signals;
-use crate::retrieve::{RetrievalConfig, SemanticIndex};
+use crate::retrieve::{Candidate, RetrievalConfig, SemanticIndex};
+use std::collections::BTreeMap;
 use crate::Result;
 
 /// A ranked entry: node, signals, score, and why it is included.
@@ -51,6 +52,22 @@ impl Retriever {
         judge: Option<&mut (dyn Judge + 'judge)>,
         episodes_k: usize,
     ) -> Result<Vec<Entry>> {
+        let (head, semantic) = self.retrieve_split(graph, query, query_vector, config, judge, episodes_k)?;
+        Ok(head.into_iter().chain(semantic.iter().map(semantic_entry)).collect())
+    }
+
+    /// [`Retriever::retrieve`] in two parts: the skill and episode entries, and the semantic
+    /// candidates (for Stage II, which rearranges them). Semantic scores include the graph
+    /// support of the retrieved episodes ([`RetrievalConfig::ground_support`]).
+    pub fn retrieve_split<'judge>(
+        &self,
+        graph: &Graph,
+        query: &str,
+        query_vector: &[f32],
+        config: &RetrievalConfig,
+        judge: Option<&mut (dyn Judge + 'judge)>,
+        episodes_k: usize,
+    ) -> Result<(Vec<Entry>, Vec<Candidate>)> {
         let episodes = self.episodes(query_vector, episodes_k)?;
         let mut skills: Vec<Entry> = Vec::new();
         for (episode, cosine) in &episodes {
@@ -61,15 +78,33 @@ impl Retriever {
                 }
             }
         }
+        let mut semantic = self.semantic.hybrid(query, query_vector, config, judge)?;
+        if config.ground_support != 0.0 && !episodes.is_empty() {
+            let retrieved: BTreeMap<&NodeId, f32> = episodes.iter().map(|(id, cos)| (id, *cos)).collect();
+            let mut support: BTreeMap<&NodeId, f32> = BTreeMap::new();
+            for edge in graph.edges.values().filter(|e| e.active && e.kind == EdgeKind::Ground) {
+                if let Some(cos) = retrieved.get(&edge.dst) {
+                    *support.entry(&edge.src).or_default() += cos * edge.weight;
+                }
+            }
+            for candidate in &mut semantic {
+                if let Some(s) = support.get(&candidate.node_id) {
+                    candidate.score += config.ground_support * s;
+                }
+            }
+            semantic.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.index.cmp(&b.index)));
+        }
         let episodic = episodes.into_iter().map(|(id, cosine)| {
             let why = format!("similar past episode (cosine {cosine:.3})");
             (id, Signals { dense: cosine, bm25: 0.0, judge: None }, cosine, why)
         });
-        let semantic = self.semantic.hybrid(query, query_vector, config, judge)?.into_iter().map(|c| {
-            let judge = c.signals.judge.map(|j| format!(", judge {j:.2}")).unwrap_or_default();
-            let why = format!("semantic match: cosine {:.3}, bm25 {:.2}{judge}, fused {:.3}", c.signals.dense, c.signals.bm25, c.score);
-            (c.node_id, c.signals, c.score, why)
-        });
-        Ok(skills.into_iter().chain(episodic).chain(semantic).collect())
+        Ok((skills.into_iter().chain(episodic).collect(), semantic))
     }
+}
+
+/// The entry of a semantic candidate, with why it is there.
+pub fn semantic_entry(c: &Candidate) -> Entry {
+    let judge = c.signals.judge.map(|j| format!(", judge {j:.2}")).unwrap_or_default();
+    let why = format!("semantic match: cosine {:.3}, bm25 {:.2}{judge}, fused {:.3}", c.signals.dense, c.signals.bm25, c.score);
+    (c.node_id.clone(), c.signals, c.score, why)
 }

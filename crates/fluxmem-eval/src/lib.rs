@@ -40,6 +40,9 @@ pub enum Error {
     /// Retrieval failed.
     #[error(transparent)]
     Connect(#[from] fluxmem_connect::Error),
+    /// Stage II failed.
+    #[error(transparent)]
+    Refine(#[from] fluxmem_refine::Error),
 }
 
 /// Result with this crate's [`Error`].

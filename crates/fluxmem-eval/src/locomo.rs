@@ -6,9 +6,11 @@
 //! ([`Gold`]) and used only to score the ranking afterwards.
 
 use candle_core::Device;
-use fluxmem_connect::{pack, Candidate, RetrievalConfig, SemanticIndex, Signals};
+use fluxmem_connect::{pack, Candidate, Entry, RetrievalConfig, SemanticIndex};
 use fluxmem_graph::{Graph, NodeId};
-use fluxmem_models::{Embedder, Judge};
+use fluxmem_models::{Embedder, Generator, Judge};
+use fluxmem_refine::{refine_query, CoverageVerifier, JudgeVerifier, LoopModels, LoopOptions, Neighbours, Verifier};
+use sha2::{Digest, Sha256};
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -35,6 +37,9 @@ pub struct LocomoOptions {
     pub seed: u64,
     /// Stage I settings of the `fluxmem` system (`hybrid` is the same without the judge).
     pub retrieval: RetrievalConfig,
+    /// Stage II of the `fluxmem` system: the self-verification loop (`rounds` 0: Stage I only).
+    /// The loop packs under `refine.budget`; the other budgets pack its final ranking.
+    pub refine: LoopOptions,
 }
 
 impl Default for LocomoOptions {
@@ -46,6 +51,7 @@ impl Default for LocomoOptions {
             sample: None,
             seed: 0,
             retrieval: RetrievalConfig::default(),
+            refine: LoopOptions { rounds: 0, ..LoopOptions::default() },
         }
     }
 }
@@ -98,6 +104,48 @@ pub struct LocomoReport {
     pub judge_calls: usize,
     /// Prompt tokens the judge ran.
     pub judge_prompt_tokens: usize,
+    /// What Stage II did in the `fluxmem` system.
+    pub refine: RefineSummary,
+    /// SHA-256 of every system's ranking (top 50 node ids) of every question and of the edit
+    /// log: equal fingerprints mean equal retrieval. Scoring data does not enter it.
+    pub fingerprint: String,
+}
+
+/// Stage II in the evaluation: rounds, edits and what they cost.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RefineSummary {
+    /// Maximum rounds T.
+    pub rounds: usize,
+    /// Budget the loop packs under.
+    pub budget: usize,
+    /// `coverage` or `judge:<model>`.
+    pub verifier: String,
+    /// The generator used by Node Reshape, if any.
+    pub generator: Option<String>,
+    /// Questions the loop ran on.
+    pub questions: usize,
+    /// Questions whose final context the verifier found sufficient.
+    pub sufficient: usize,
+    /// Mean edit rounds per question.
+    pub mean_edit_rounds: f64,
+    /// Edits applied in loops, by kind (including those of loops that failed and were dropped).
+    pub edits_attempted: BTreeMap<String, usize>,
+    /// Edit records persisted into the conversation graphs.
+    pub edits_persisted: usize,
+    /// Attributions made, by cause.
+    pub attributions: BTreeMap<String, usize>,
+    /// Verifier calls (judge prompts; for the coverage verifier, checks without a model).
+    pub verifier_calls: usize,
+    /// Prompt tokens the verifier ran.
+    pub verifier_prompt_tokens: usize,
+    /// Generator calls of Node Reshape.
+    pub generator_calls: usize,
+    /// Generator prompt + generated tokens.
+    pub generator_tokens: usize,
+    /// Verifier calls per question.
+    pub verifier_calls_per_question: f64,
+    /// Verifier prompt tokens per question.
+    pub verifier_tokens_per_question: f64,
 }
 
 /// One system's results.
@@ -172,6 +220,7 @@ pub fn evaluate(
     options: &LocomoOptions,
     embedder: &dyn Embedder,
     mut judge: Option<&mut dyn Judge>,
+    mut generator: Option<&mut dyn Generator>,
     device: &Device,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<LocomoReport> {
@@ -183,10 +232,19 @@ pub fn evaluate(
     let (mut done, mut skipped) = (0, 0);
     // `hybrid` is the configured retrieval without the judge.
     let hybrid_config = RetrievalConfig { judge_top: 0, ..options.retrieval.clone() };
+    let mut refine = RefineSummary {
+        rounds: options.refine.rounds,
+        budget: options.refine.budget,
+        generator: generator.as_ref().map(|g| g.model_id().to_string()),
+        ..Default::default()
+    };
+    let mut fingerprint = Sha256::new();
+    let mut verifier_usage = fluxmem_models::Usage::default();
     for conversation in &conversations {
         let id = conversation["sample_id"].as_str().unwrap_or_default();
-        let (graph, dia_ids) = build_store(conversation, embedder)?;
+        let (mut graph, dia_ids) = build_store(conversation, embedder)?;
         let index = SemanticIndex::build(&graph, embedder.model_id(), device)?;
+        let neighbours = Neighbours::build(&graph);
         // Every ranking packs the same lines again and again: count each line's tokens once.
         let memo: std::cell::RefCell<std::collections::HashMap<String, usize>> = Default::default();
         let count = |text: &str| -> fluxmem_connect::Result<usize> {
@@ -199,16 +257,66 @@ pub fn evaluate(
         };
         let all_lines: Vec<String> = (0..index.len()).map(|i| fluxmem_connect::line(&graph, index.id(i))).collect();
         conversation_tokens.insert(id.to_string(), embedder.count_tokens(&all_lines.join("\n"))?);
-        for (question, gold) in questions.iter().filter(|(q, _)| q.conversation == id) {
+        // Questions run in their order against one evolving graph: links that earlier questions'
+        // loops persisted are there for later ones.
+        for (position, (question, gold)) in questions.iter().filter(|(q, _)| q.conversation == id).enumerate() {
             // Retrieval: the question text only.
             let query_vector = embedder.embed(&[question.text.as_str()])?.remove(0);
             let all = index.len();
-            let rankings: [(&str, Vec<Candidate>); 4] = [
-                ("bm25", index.bm25(&question.text, all)),
-                ("dense", index.dense(&query_vector, all)?),
-                ("hybrid", index.hybrid(&question.text, &query_vector, &hybrid_config, None)?),
-                ("fluxmem", index.hybrid(&question.text, &query_vector, &options.retrieval, judge.as_deref_mut())?),
+            let stage1 = index.hybrid(&question.text, &query_vector, &options.retrieval, judge.as_deref_mut())?;
+            let fluxmem: Vec<Entry> = if options.refine.rounds == 0 {
+                entries(&stage1)
+            } else {
+                let mut coverage;
+                let mut judged;
+                let verifier: &mut dyn Verifier = match judge.as_deref_mut() {
+                    Some(judge) => {
+                        judged = JudgeVerifier::new(judge);
+                        &mut judged
+                    }
+                    None => {
+                        coverage = CoverageVerifier::new(&index);
+                        &mut coverage
+                    }
+                };
+                let before = verifier.usage();
+                refine.verifier = verifier.name();
+                let mut models = LoopModels { verifier, embedder, generator: generator.as_deref_mut().map(|g| g as &mut dyn Generator), count_tokens: &count };
+                let run_id = format!("eval-refine@{id}");
+                let outcome = refine_query(&graph, &index, &neighbours, &question.text, &stage1, &mut models, &options.refine, &run_id, position as i64)?;
+                let after = models.verifier.usage();
+                verifier_usage.calls += after.calls - before.calls;
+                verifier_usage.prompt_tokens += after.prompt_tokens - before.prompt_tokens;
+                refine.questions += 1;
+                refine.sufficient += usize::from(outcome.sufficient);
+                refine.mean_edit_rounds += outcome.rounds.iter().filter(|r| r.edit.is_some()).count() as f64;
+                for round in &outcome.rounds {
+                    *refine.attributions.entry(round.attribution.clone()).or_default() += 1;
+                }
+                for edit in &outcome.attempted {
+                    *refine.edits_attempted.entry(edit.kind.clone()).or_default() += 1;
+                }
+                refine.edits_persisted += outcome.delta.edits.len();
+                graph.apply(outcome.delta);
+                // Nodes of a dropped loop stay without edges: its last context may show them.
+                for node in outcome.new_nodes {
+                    graph.insert_node(node);
+                }
+                outcome.ranking
+            };
+            let rankings: [(&str, Vec<Entry>); 4] = [
+                ("bm25", entries(&index.bm25(&question.text, all))),
+                ("dense", entries(&index.dense(&query_vector, all)?)),
+                ("hybrid", entries(&index.hybrid(&question.text, &query_vector, &hybrid_config, None)?)),
+                ("fluxmem", fluxmem),
             ];
+            for (system, ranking) in &rankings {
+                fingerprint.update(format!("{id}\0{position}\0{system}\0").as_bytes());
+                for (node, ..) in ranking.iter().take(50) {
+                    fingerprint.update(node.as_str().as_bytes());
+                    fingerprint.update(b"\0");
+                }
+            }
             // Scoring: only now is the gold evidence read.
             let Some(evidence_ids) = resolve(&gold.evidence, &dia_ids, &mut evidence) else {
                 evidence.questions_without_evidence += 1;
@@ -223,6 +331,21 @@ pub fn evaluate(
             done += 1;
             progress(done + skipped, total);
         }
+        for edit in &graph.edits {
+            fingerprint.update(format!("{}\0{}\0{}\0", edit.kind, edit.target, edit.after.as_deref().unwrap_or("")).as_bytes());
+        }
+    }
+    if let Some(generator) = generator.as_ref() {
+        let usage = generator.usage();
+        refine.generator_calls = usage.calls;
+        refine.generator_tokens = usage.prompt_tokens + usage.generated_tokens;
+    }
+    if refine.questions > 0 {
+        refine.mean_edit_rounds /= refine.questions as f64;
+        refine.verifier_calls = verifier_usage.calls;
+        refine.verifier_prompt_tokens = verifier_usage.prompt_tokens;
+        refine.verifier_calls_per_question = verifier_usage.calls as f64 / refine.questions as f64;
+        refine.verifier_tokens_per_question = verifier_usage.prompt_tokens as f64 / refine.questions as f64;
     }
     let usage = judge.as_ref().map(|j| j.usage()).unwrap_or_default();
     let systems = results
@@ -246,6 +369,8 @@ pub fn evaluate(
         evidence,
         judge_calls: usage.calls,
         judge_prompt_tokens: usage.prompt_tokens,
+        refine,
+        fingerprint: fingerprint.finalize().iter().map(|b| format!("{b:02x}")).collect(),
     })
 }
 
@@ -272,24 +397,38 @@ fn resolve(evidence: &[String], dia_ids: &BTreeMap<String, NodeId>, counts: &mut
     (!ids.is_empty()).then_some(ids)
 }
 
+fn entries(candidates: &[Candidate]) -> Vec<Entry> {
+    candidates.iter().map(|c| (c.node_id.clone(), c.signals, c.score, String::new())).collect()
+}
+
+/// The turns a retrieved node holds: itself, or for a reshaped node the turns it `covers`.
+fn turns(graph: &Graph, ids: &[NodeId]) -> Vec<NodeId> {
+    let mut out = Vec::new();
+    for id in ids {
+        match graph.nodes.get(id).and_then(|n| n.metadata.get("covers")).and_then(Value::as_array) {
+            Some(covers) => out.extend(covers.iter().filter_map(Value::as_str).map(NodeId::from)),
+            None => out.push(id.clone()),
+        }
+    }
+    out
+}
+
 fn score(
     graph: &Graph,
-    ranking: &[Candidate],
+    ranking: &[Entry],
     evidence: &[NodeId],
     budgets: &[usize],
     count: &dyn Fn(&str) -> fluxmem_connect::Result<usize>,
 ) -> Result<QuestionResult> {
-    let ids: Vec<NodeId> = ranking.iter().map(|c| c.node_id.clone()).collect();
+    let ids: Vec<NodeId> = ranking.iter().map(|(id, ..)| id.clone()).collect();
     let mut result = QuestionResult::default();
     for (i, k) in KS.iter().enumerate() {
-        result.recall_at_k[i] = recall(&ids[..ids.len().min(*k)], evidence);
+        result.recall_at_k[i] = recall(&turns(graph, &ids[..ids.len().min(*k)]), evidence);
     }
-    let entries: Vec<(NodeId, Signals, f32, String)> =
-        ranking.iter().map(|c| (c.node_id.clone(), c.signals, c.score, String::new())).collect();
     for &budget in budgets {
-        let context = pack(graph, &entries, budget, count)?;
+        let context = pack(graph, ranking, budget, count)?;
         let packed: Vec<NodeId> = context.items.iter().map(|item| item.node_id.clone()).collect();
-        result.recall_at_budget.insert(budget, recall(&packed, evidence));
+        result.recall_at_budget.insert(budget, recall(&turns(graph, &packed), evidence));
         result.context_tokens.insert(budget, context.tokens);
     }
     Ok(result)

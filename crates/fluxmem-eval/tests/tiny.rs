@@ -24,11 +24,46 @@ const DATA: &str = r#"[{"sample_id": "tiny",
    {"question": "Adversarial", "adversarial_answer": "x", "evidence": ["D1:1"], "category": 5}]}]"#;
 
 fn run(budgets: Vec<usize>) -> fluxmem_eval::locomo::LocomoReport {
+    run_on(DATA, LocomoOptions { budgets, ..LocomoOptions::default() })
+}
+
+fn run_on(data: &str, options: LocomoOptions) -> fluxmem_eval::locomo::LocomoReport {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.json");
-    std::fs::write(&path, DATA).unwrap();
-    let options = LocomoOptions { budgets, ..LocomoOptions::default() };
-    evaluate(&path, &options, &HashEmbedder::new(64), None, &Device::Cpu, &mut |_, _| {}).unwrap()
+    std::fs::write(&path, data).unwrap();
+    evaluate(&path, &options, &HashEmbedder::new(64), None, None, &Device::Cpu, &mut |_, _| {}).unwrap()
+}
+
+/// The retrieval path never reads answers or evidence: with every answer and evidence id
+/// changed, every system (Stage II included, whose loop edits the graph) retrieves exactly the
+/// same items for every question; only the scores move.
+#[test]
+fn retrieval_never_reads_answers_or_evidence() {
+    let poisoned = DATA
+        .replace(r#""answer": "shelter""#, r#""answer": "D2:1 violin case Biscuit""#)
+        .replace(r#""answer": "violin""#, r#""answer": "puppy shelter adopted""#)
+        .replace(r#""evidence": ["D1:1"], "category": 4"#, r#""evidence": ["D2:2"], "category": 4"#)
+        .replace(r#""evidence": ["D2:1"]"#, r#""evidence": ["D1:2"]"#)
+        .replace(r#""evidence": ["D1:3", "D2:02"]"#, r#""evidence": ["D1:1"]"#);
+    assert_ne!(poisoned, DATA);
+    let options = || LocomoOptions {
+        budgets: vec![16, 64],
+        refine: fluxmem_refine::LoopOptions { rounds: 3, budget: 16, ..Default::default() },
+        ..LocomoOptions::default()
+    };
+    let clean = run_on(DATA, options());
+    let dirty = run_on(&poisoned, options());
+    // Four questions: retrieval runs before the gold is read, so the one without resolvable
+    // evidence is retrieved for too (and then left out of the scores).
+    assert_eq!(clean.refine.questions, 4, "the Stage II loop ran on every question");
+    assert!(clean.refine.verifier_calls > 0);
+    assert_eq!(clean.fingerprint, dirty.fingerprint, "rankings and edits are independent of the gold data");
+    let recall = |r: &fluxmem_eval::locomo::LocomoReport| r.systems["fluxmem"].overall.recall_at_budget["64"];
+    assert_ne!(recall(&clean), recall(&dirty), "the scores do read the gold data");
+    // And the fingerprint does see retrieval: other fusion weights change it.
+    let mut reweighted = options();
+    reweighted.retrieval.weights = fluxmem_connect::FusionWeights { dense: 0.0, bm25: 1.0, judge: 0.0 };
+    assert_ne!(run_on(DATA, reweighted).fingerprint, clean.fingerprint);
 }
 
 #[test]

@@ -1,0 +1,268 @@
+//! Batch Stage II: credit assignment from logged outcomes (`fluxmem refine`).
+//!
+//! Every episode with a logged outcome contributes `r = 1` (success) or `r = 0` (failure); an
+//! episode with only a reward uses the reward clamped to [0, 1]. Per tenant, with `p` the base
+//! success rate (clamped to [0.05, 0.95]) and `alpha` the prior strength:
+//!
+//! - a semantic node `s` grounded in `n_s` episodes with outcomes summing to `S_s` has the
+//!   smoothed lift `credit(s) = ((S_s + alpha * p) / (n_s + alpha)) / p`: above 1 when the
+//!   episodes it supported succeed more often than usual, below 1 when they fail more often.
+//!   Each ground edge `s -> e` gets `weight = w1 * credit(s)`, where `w1` is the edge's Stage I
+//!   weight (kept in `metadata.stage1_weight`), and `evidence = e1 + n_s` (Stage I evidence plus
+//!   the outcomes that were counted);
+//! - a link edge `a -> b` between episodes gets `weight = w1 * credit(b)`,
+//!   `credit(b) = ((r_b + alpha * p) / (1 + alpha)) / p`: links lead to successes more strongly;
+//! - **Link Prune**: an edge whose credit is below `prune_below` with at least `min_evidence`
+//!   outcomes behind it is deactivated (re-activated by a later run if its credit recovers);
+//! - **Link Expand**: a failed episode gets a link (`relation: success_of_same_task`) to each
+//!   successful episode of the same task (same `task_id` metadata and source file, or the same
+//!   task text): under-connection, the failure lacked what the success had.
+//!
+//! Weights are recomputed from all outcomes in the store on every run, so the update is
+//! idempotent (a second run over the same store changes nothing) and incremental (new
+//! episodes move the credits). Every change is an [`Edit`] in the same atomic commit.
+
+use fluxmem_graph::{Changed, Edge, EdgeKey, EdgeKind, Edit, Graph, Node, NodeId};
+use fluxmem_store::{CommitInfo, Writer};
+use serde::Serialize;
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::query::STAGE;
+use crate::Result;
+
+/// Settings of the batch credit assignment.
+#[derive(Debug, Clone, Serialize)]
+pub struct CreditOptions {
+    /// Prior strength `alpha` (pseudo-outcomes at the base rate).
+    pub prior: f64,
+    /// Edges whose credit falls below this are pruned...
+    pub prune_below: f64,
+    /// ...once at least this many outcomes are behind them.
+    pub min_evidence: usize,
+    /// Link failed episodes to successful episodes of the same task.
+    pub link_failures: bool,
+}
+
+impl Default for CreditOptions {
+    fn default() -> Self {
+        CreditOptions { prior: 2.0, prune_below: 0.5, min_evidence: 3, link_failures: true }
+    }
+}
+
+/// What a refine run did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct CreditReport {
+    /// Episodes in the store.
+    pub episodes: usize,
+    /// Episodes with a logged outcome.
+    pub with_outcome: usize,
+    /// Base success rate per tenant.
+    pub base_rate: BTreeMap<String, f64>,
+    /// Edges whose weight or evidence changed.
+    pub reweighted: usize,
+    /// Edges pruned by this run.
+    pub pruned: usize,
+    /// Edges re-activated by this run.
+    pub reactivated: usize,
+    /// Links added from failures to successes of the same task.
+    pub expanded: usize,
+    /// Edit records written.
+    pub edits: usize,
+    /// Commits made (0 when nothing changed).
+    pub commits: usize,
+}
+
+/// Progress callbacks.
+pub trait Progress {
+    /// `total` edges to assess.
+    fn start(&mut self, _total: u64) {}
+    /// `done` more are assessed.
+    fn advance(&mut self, _done: u64) {}
+}
+
+/// A [`Progress`] that shows nothing.
+pub struct NoProgress;
+impl Progress for NoProgress {}
+
+/// The outcome of an episode in [0, 1], if logged.
+pub fn outcome(node: &Node) -> Option<f64> {
+    let episode = node.episode()?;
+    match (episode.outcome.success, episode.outcome.reward) {
+        (Some(true), _) => Some(1.0),
+        (Some(false), _) => Some(0.0),
+        (None, Some(reward)) if reward.is_finite() => Some(reward.clamp(0.0, 1.0)),
+        _ => None,
+    }
+}
+
+/// The new state of every edge the outcomes speak to, and the links to add; the graph is not
+/// changed. Returns (changed edges with their edit kind and reason, report counts).
+pub fn assign(graph: &Graph, options: &CreditOptions, run_id: &str) -> (Vec<(Edge, &'static str, String)>, CreditReport) {
+    let outcomes: BTreeMap<&NodeId, f64> = graph.nodes.values().filter_map(|n| outcome(n).map(|r| (&n.id, r))).collect();
+    let mut report = CreditReport {
+        episodes: graph.nodes.values().filter(|n| n.episode().is_some()).count(),
+        with_outcome: outcomes.len(),
+        ..Default::default()
+    };
+    let mut per_tenant: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
+    for (id, r) in &outcomes {
+        let entry = per_tenant.entry(graph.nodes[*id].tenant.as_str()).or_default();
+        entry.0 += r;
+        entry.1 += 1;
+    }
+    let base: BTreeMap<&str, f64> = per_tenant.iter().map(|(t, (sum, n))| (*t, (sum / *n as f64).clamp(0.05, 0.95))).collect();
+    report.base_rate = base.iter().map(|(t, p)| (t.to_string(), *p)).collect();
+    let rate = |id: &NodeId| graph.nodes.get(id).and_then(|n| base.get(n.tenant.as_str())).copied();
+    // Outcomes behind each semantic node, through its ground edges (stage-1 or refine, active or
+    // pruned by credit: the credit is about the node, not about which edges are active now).
+    let mut behind: BTreeMap<&NodeId, (f64, usize)> = BTreeMap::new();
+    for edge in graph.edges.values().filter(|e| e.kind == EdgeKind::Ground && counts(e)) {
+        if let Some(r) = outcomes.get(&edge.dst) {
+            let entry = behind.entry(&edge.src).or_default();
+            entry.0 += r;
+            entry.1 += 1;
+        }
+    }
+    let mut changes = Vec::new();
+    for edge in graph.edges.values() {
+        let (credit, evidence) = match edge.kind {
+            EdgeKind::Ground if counts(edge) => match (behind.get(&edge.src), rate(&edge.dst)) {
+                (Some(&(sum, n)), Some(p)) if outcomes.contains_key(&edge.dst) => (((sum + options.prior * p) / (n as f64 + options.prior)) / p, n),
+                _ => continue,
+            },
+            EdgeKind::Link if counts(edge) && graph.nodes.get(&edge.src).is_some_and(|n| n.episode().is_some()) => {
+                match (outcomes.get(&edge.dst), rate(&edge.dst)) {
+                    (Some(r), Some(p)) => (((r + options.prior * p) / (1.0 + options.prior)) / p, 1),
+                    _ => continue,
+                }
+            }
+            _ => continue,
+        };
+        let mut next = edge.clone();
+        let stage1_weight = edge.metadata.get("stage1_weight").and_then(Value::as_f64).unwrap_or(edge.weight as f64);
+        let stage1_evidence = edge.metadata.get("stage1_evidence").and_then(Value::as_i64).unwrap_or(edge.evidence);
+        next.metadata.insert("stage1_weight".into(), stage1_weight.into());
+        next.metadata.insert("stage1_evidence".into(), stage1_evidence.into());
+        next.metadata.insert("credit".into(), round6(credit).into());
+        next.metadata.insert("outcomes".into(), evidence.into());
+        next.weight = (stage1_weight * credit) as f32;
+        next.evidence = stage1_evidence + evidence as i64;
+        let pruned_by_credit = edge.metadata.get("pruned_by").and_then(Value::as_str) == Some("credit");
+        let (kind, reason) = if credit < options.prune_below && evidence >= options.min_evidence {
+            next.active = false;
+            next.metadata.insert("pruned_by".into(), "credit".into());
+            if edge.active {
+                report.pruned += 1;
+            }
+            ("link_prune", format!("credit {credit:.3} < {} over {evidence} outcomes: present in failures", options.prune_below))
+        } else if !edge.active && pruned_by_credit {
+            next.active = true;
+            next.metadata.remove("pruned_by");
+            report.reactivated += 1;
+            ("credit", format!("credit {credit:.3} recovered over {evidence} outcomes"))
+        } else {
+            ("credit", format!("credit {credit:.3} over {evidence} outcomes (base rate {:.3})", rate(&edge.dst).unwrap_or_default()))
+        };
+        if !same(edge, &next) {
+            next.stage = STAGE.into();
+            next.run_id = run_id.into();
+            if kind == "credit" {
+                report.reweighted += 1;
+            }
+            changes.push((next, kind, reason));
+        }
+    }
+    if options.link_failures {
+        let task_key = |n: &Node| -> String {
+            match n.metadata.get("task_id") {
+                Some(task) => format!("{}\0{}\0{task}", n.tenant, n.source_file),
+                None => format!("{}\0text\0{}", n.tenant, n.text),
+            }
+        };
+        let mut tasks: BTreeMap<String, (Vec<&NodeId>, Vec<&NodeId>)> = BTreeMap::new();
+        for (id, r) in &outcomes {
+            let entry = tasks.entry(task_key(&graph.nodes[*id])).or_default();
+            if *r >= 0.5 {
+                entry.0.push(id);
+            } else {
+                entry.1.push(id);
+            }
+        }
+        let existing: BTreeSet<EdgeKey> = graph.edges.keys().cloned().collect();
+        for (successes, failures) in tasks.values() {
+            for failure in failures {
+                for success in successes {
+                    let key = EdgeKey { src: (*failure).clone(), dst: (*success).clone(), kind: EdgeKind::Link };
+                    if existing.contains(&key) {
+                        continue;
+                    }
+                    let time = |id: &NodeId| graph.nodes[id].created_at.unwrap_or(0);
+                    let mut metadata = BTreeMap::new();
+                    metadata.insert("relation".into(), Value::from("success_of_same_task"));
+                    changes.push((
+                        Edge {
+                            src: key.src,
+                            dst: key.dst,
+                            kind: EdgeKind::Link,
+                            weight: 1.0,
+                            evidence: 1,
+                            stage: STAGE.into(),
+                            run_id: run_id.into(),
+                            created_at: time(failure).max(time(success)),
+                            active: true,
+                            metadata,
+                        },
+                        "link_expand",
+                        "under-connection: this failed episode had no link to a success of the same task".into(),
+                    ));
+                    report.expanded += 1;
+                }
+            }
+        }
+    }
+    (changes, report)
+}
+
+/// Runs credit assignment over the store and commits the changes (edges and edit log) in one
+/// atomic commit; nothing is written when nothing changes.
+pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, progress: &mut dyn Progress) -> Result<CreditReport> {
+    let graph = writer.store().load()?;
+    progress.start(graph.edges.len() as u64);
+    let (changes, mut report) = assign(&graph, options, run_id);
+    progress.advance(graph.edges.len() as u64);
+    if changes.is_empty() {
+        return Ok(report);
+    }
+    // The edit time is the data's: the newest episode, so reruns write the same shards.
+    let at = graph.nodes.values().filter(|n| n.episode().is_some()).filter_map(|n| n.created_at).max().unwrap_or(0);
+    let mut delta = Graph::default();
+    for (edge, kind, reason) in changes {
+        let before = graph.edges.get(&edge.key());
+        delta.edits.push(Edit::new(STAGE, run_id, kind, Changed::Edge(before, Some(&edge)), &reason, at));
+        delta.upsert_edge(edge);
+    }
+    report.edits = delta.edits.len();
+    let summary = serde_json::to_value(&report).expect("the report serialises");
+    writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress: Default::default() })?;
+    report.commits = 1;
+    Ok(report)
+}
+
+/// Edges whose credit is computed: Stage I edges and those credit assignment manages, not the
+/// links of the query loop or of failure-success expansion.
+fn counts(edge: &Edge) -> bool {
+    edge.metadata.get("relation").is_none()
+}
+
+fn round6(value: f64) -> f64 {
+    (value * 1e6).round() / 1e6
+}
+
+/// True when `next` says the same as `edge` (weights to 1e-6), ignoring who wrote it last.
+fn same(edge: &Edge, next: &Edge) -> bool {
+    (edge.weight - next.weight).abs() <= 1e-6
+        && edge.evidence == next.evidence
+        && edge.active == next.active
+        && edge.metadata == next.metadata
+}

@@ -1,0 +1,147 @@
+//! Credit assignment on synthetic successful and failed episodes: the numbers of the documented
+//! update rule, pruning, failure-to-success links, idempotence and incremental updates.
+
+use fluxmem_graph::{Edge, EdgeKind, Episode, Graph, Node, NodeBody, NodeId, Outcome, Semantic};
+use fluxmem_refine::{assign, refine_store, CreditOptions, NoProgress};
+use fluxmem_store::{CommitInfo, Writer};
+use serde_json::Value;
+
+fn episode(name: &str, task: &str, success: bool) -> Node {
+    let body = NodeBody::Episodic(Episode { steps: Vec::new(), outcome: Outcome { success: Some(success), reward: None, feedback: None } });
+    let mut node = Node::new(body, "t", &format!("task {task}"), &[name]);
+    node.metadata.insert("task_id".into(), Value::from(task));
+    node.source_file = "runs.json".into();
+    node.created_at = Some(1000);
+    node
+}
+
+fn fact(name: &str) -> Node {
+    let body = NodeBody::Semantic(Semantic { source: "policy".into(), position: 0, time: None, group: None });
+    Node::new(body, "t", name, &[name])
+}
+
+fn edge(src: &NodeId, dst: &NodeId, kind: EdgeKind, weight: f32) -> Edge {
+    Edge {
+        src: src.clone(),
+        dst: dst.clone(),
+        kind,
+        weight,
+        evidence: 1,
+        stage: "connect".into(),
+        run_id: "connect@v1".into(),
+        created_at: 1000,
+        active: true,
+        metadata: Default::default(),
+    }
+}
+
+struct World {
+    graph: Graph,
+    good: Node,
+    bad: Node,
+    e: Vec<Node>,
+}
+
+/// Task t1: e0, e1 succeed, e2, e3 fail; task t2: e4 succeeds, e5 fails. Base rate 0.5.
+/// `good` grounds e0, e1, e4 (all successes); `bad` grounds e2, e3, e5 (all failures).
+fn world() -> World {
+    let e = vec![
+        episode("e0", "t1", true),
+        episode("e1", "t1", true),
+        episode("e2", "t1", false),
+        episode("e3", "t1", false),
+        episode("e4", "t2", true),
+        episode("e5", "t2", false),
+    ];
+    let (good, bad) = (fact("good"), fact("bad"));
+    let mut graph = Graph::default();
+    for node in e.iter().chain([&good, &bad]) {
+        graph.insert_node(node.clone());
+    }
+    for i in [0, 1, 4] {
+        graph.upsert_edge(edge(&good.id, &e[i].id, EdgeKind::Ground, 0.5));
+    }
+    for i in [2, 3, 5] {
+        graph.upsert_edge(edge(&bad.id, &e[i].id, EdgeKind::Ground, 0.5));
+    }
+    // Episode links from connect: e2 -> e0 (to a success), e0 -> e2 (to a failure).
+    graph.upsert_edge(edge(&e[2].id, &e[0].id, EdgeKind::Link, 0.9));
+    graph.upsert_edge(edge(&e[0].id, &e[2].id, EdgeKind::Link, 0.9));
+    World { graph, good, bad, e }
+}
+
+fn find<'a>(changes: &'a [(Edge, &'static str, String)], src: &NodeId, dst: &NodeId) -> &'a (Edge, &'static str, String) {
+    changes.iter().find(|(e, ..)| &e.src == src && &e.dst == dst).expect("a change for the edge")
+}
+
+#[test]
+fn credit_follows_the_documented_rule() {
+    let w = world();
+    let (changes, report) = assign(&w.graph, &CreditOptions::default(), "refine@v2");
+    assert_eq!(report.with_outcome, 6);
+    assert_eq!(report.base_rate["t"], 0.5);
+    // good: ((3 + 2 * 0.5) / (3 + 2)) / 0.5 = 1.6; bad: ((0 + 1) / 5) / 0.5 = 0.4.
+    let (up, kind, _) = find(&changes, &w.good.id, &w.e[0].id);
+    assert!((up.weight - 0.8).abs() < 1e-6, "0.5 * 1.6: {}", up.weight);
+    assert_eq!((up.evidence, up.active, *kind), (1 + 3, true, "credit"));
+    assert_eq!(up.metadata["stage1_weight"], Value::from(0.5));
+    let (down, kind, reason) = find(&changes, &w.bad.id, &w.e[2].id);
+    assert!((down.weight - 0.2).abs() < 1e-6, "0.5 * 0.4: {}", down.weight);
+    assert_eq!((down.active, *kind), (false, "link_prune"), "credit 0.4 < 0.5 over 3 outcomes: pruned");
+    assert!(reason.contains("present in failures"));
+    assert_eq!(report.pruned, 3);
+    // Links: to a success ((1 + 1) / 3) / 0.5 = 4/3; to a failure (1 / 3) / 0.5 = 2/3.
+    let (to_success, ..) = find(&changes, &w.e[2].id, &w.e[0].id);
+    let (to_failure, ..) = find(&changes, &w.e[0].id, &w.e[2].id);
+    assert!((to_success.weight - 0.9 * 4.0 / 3.0).abs() < 1e-5);
+    assert!((to_failure.weight - 0.9 * 2.0 / 3.0).abs() < 1e-5);
+    assert!(to_failure.active, "one outcome is below min_evidence: not pruned");
+    // Failures get links to the successes of their task: e2 -> e1, e3 -> e0, e3 -> e1 (e2 -> e0
+    // exists already) and e5 -> e4.
+    let expanded: Vec<(&NodeId, &NodeId)> =
+        changes.iter().filter(|(_, kind, _)| *kind == "link_expand").map(|(e, ..)| (&e.src, &e.dst)).collect();
+    assert_eq!(expanded.len(), 4);
+    for (f, s) in [(2, 1), (3, 0), (3, 1), (5, 4)] {
+        assert!(expanded.contains(&(&w.e[f].id, &w.e[s].id)), "e{f} -> e{s}");
+    }
+    assert_eq!(report.expanded, 4);
+}
+
+#[test]
+fn refine_commits_once_is_idempotent_and_updates_incrementally() {
+    let w = world();
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path().join("store")).unwrap();
+    let info = CommitInfo { stage: "connect".into(), run_id: "c".into(), summary: Value::Null, progress: Default::default() };
+    writer.commit(&w.graph, info.clone()).unwrap();
+    let first = refine_store(&mut writer, &CreditOptions::default(), "refine@v2", &mut NoProgress).unwrap();
+    assert_eq!(first.commits, 1);
+    assert_eq!(first.edits, 8 + 4, "8 reweighted or pruned edges + 4 links");
+    let stored = writer.store().load().unwrap();
+    assert_eq!(stored.edits.len(), 12);
+    assert!(stored.edits.iter().all(|e| e.stage == "refine" && e.run_id == "refine@v2"));
+    let pruned = stored.edges.values().filter(|e| e.kind == EdgeKind::Ground && !e.active).count();
+    assert_eq!(pruned, 3);
+
+    // Same store, same outcomes: nothing changes, nothing is written.
+    let version = writer.manifest().version;
+    let again = refine_store(&mut writer, &CreditOptions::default(), "refine@v3", &mut NoProgress).unwrap();
+    assert_eq!((again.commits, again.edits, again.reweighted, again.pruned, again.expanded), (0, 0, 0, 0, 0));
+    assert_eq!(writer.manifest().version, version);
+
+    // A new night: `bad` grounds a new success. Its credit recovers above the prune mark
+    // (p = 4/7, ((1 + 8/7) / 6) / (4/7) = 0.625), so its edges come back.
+    let mut delta = Graph::default();
+    let e6 = episode("e6", "t3", true);
+    delta.insert_node(e6.clone());
+    delta.upsert_edge(edge(&w.bad.id, &e6.id, EdgeKind::Ground, 0.5));
+    writer.commit(&delta, info).unwrap();
+    let third = refine_store(&mut writer, &CreditOptions::default(), "refine@v4", &mut NoProgress).unwrap();
+    assert_eq!(third.commits, 1);
+    assert_eq!(third.reactivated, 3);
+    let graph = writer.store().load().unwrap();
+    let bad_edge = &graph.edges.values().find(|e| e.src == w.bad.id && e.dst == w.e[2].id).unwrap();
+    assert!(bad_edge.active);
+    assert!((bad_edge.weight - 0.5 * 0.625).abs() < 1e-5, "{}", bad_edge.weight);
+    assert_eq!(bad_edge.evidence, 1 + 4);
+}

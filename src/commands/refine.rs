@@ -1,0 +1,44 @@
+use anyhow::Context;
+use fluxmem_refine::{refine_store, CreditOptions};
+use std::process::ExitCode;
+
+use super::open_writer;
+use crate::cli::{RefineArgs, Settings};
+use crate::progress::CountBar;
+
+pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    if !(args.prior > 0.0) {
+        anyhow::bail!("--prior must be positive, got {}", args.prior);
+    }
+    let options = CreditOptions {
+        prior: args.prior,
+        prune_below: args.prune_below,
+        min_evidence: args.min_evidence,
+        link_failures: !args.no_failure_links,
+    };
+    let mut writer = open_writer(settings)?;
+    // The run id depends only on the store state it started from: same store, same shards.
+    let run_id = format!("refine@v{}", writer.manifest().version);
+    let mut bar = CountBar::new(settings.progress, "refine");
+    let report = refine_store(&mut writer, &options, &run_id, &mut bar)
+        .with_context(|| format!("refining the store {}", settings.store.display()))?;
+    bar.finish();
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        let rates: Vec<String> = report.base_rate.iter().map(|(t, p)| format!("{t} {p:.3}")).collect();
+        println!(
+            "{} episodes ({} with outcomes; base success rate {}): {} edges reweighted, {} pruned, {} re-activated, {} failure->success links; {} edits ({} commits)",
+            report.episodes,
+            report.with_outcome,
+            if rates.is_empty() { "-".to_string() } else { rates.join(", ") },
+            report.reweighted,
+            report.pruned,
+            report.reactivated,
+            report.expanded,
+            report.edits,
+            report.commits
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
