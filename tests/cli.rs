@@ -216,3 +216,43 @@ fn help_explains_every_flag() {
     let output = run(Command::new(env!("CARGO_BIN_EXE_fluxmem")).arg("--help"));
     assert!(String::from_utf8_lossy(&output.stdout).contains("Exit status"));
 }
+
+#[test]
+fn export_skills_twice_is_byte_identical_and_bad_flags_exit_1() {
+    use fluxmem_graph::{Node, NodeBody, Skill};
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let mut graph = Graph::default();
+    let body = NodeBody::Procedural(Skill { version: 1, previous_versions: vec![], source_episodes: vec!["epi-a".into()], pems_history: vec![0.3, 0.31] });
+    let mut node = Node::new(body, "default", "Name: Clean \"it\"\nDescription: d\nSteps:\n1. wash\n", &["skill", "v1", "epi-a"]);
+    for (key, value) in [("name", serde_json::json!("Clean \"it\"")), ("description", serde_json::json!("d: when\ndirty")), ("steps", serde_json::json!(["wash"]))] {
+        node.metadata.insert(key.into(), value);
+    }
+    graph.upsert_node(node);
+    let mut writer = fluxmem_store::Writer::open(&store).unwrap();
+    writer.commit(&graph, fluxmem_store::CommitInfo { stage: "test".into(), ..Default::default() }).unwrap();
+    drop(writer);
+    let read_all = |out: &Path| {
+        let mut files: Vec<(String, Vec<u8>)> = Vec::new();
+        for path in [out.join("release.json"), out.join("clean-it/SKILL.md")] {
+            files.push((path.display().to_string(), std::fs::read(&path).unwrap()));
+        }
+        files.into_iter().map(|(_, bytes)| bytes).collect::<Vec<_>>()
+    };
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    for out in [&a, &b] {
+        let output = run(fluxmem(&store).args(["export", "skills", "--format", "skill-md", "--json", "--out"]).arg(out));
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        assert_eq!(stdout_json(&output)["skills"], 1);
+    }
+    assert_eq!(read_all(&a), read_all(&b));
+    let skill_md = String::from_utf8(read_all(&a)[1].clone()).unwrap();
+    assert!(skill_md.contains("title: \"Clean \\\"it\\\"\"\ndescription: ") || skill_md.contains("description: \"d: when\\ndirty\""), "{skill_md}");
+    assert!(skill_md.contains("pems: 0.31\n"), "{skill_md}");
+    let bad = run(fluxmem(&store).args(["export", "skills", "--format", "yaml", "--out"]).arg(dir.path().join("c")));
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("expected skill-md, jsonl or parquet"));
+    let bad = run(fluxmem(&store).args(["consolidate", "--clusters", "zero"]));
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--clusters `zero`"));
+}
