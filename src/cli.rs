@@ -28,6 +28,15 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run a pipeline file: ingest -> embed -> connect -> refine -> consolidate -> export, each
+    /// stage committed atomically, then `run.json` and `report.html` in the report directory.
+    ///
+    /// A run killed at any point and started again resumes: stages already done for the same
+    /// run id are skipped, the others redo only what is missing. A second night over new logs
+    /// processes only the new records. For distributed runs, `--stage S --shard I/N` runs 1/N
+    /// of a map stage (ingest, embed, connect) into its own staging store and
+    /// `--stage S --merge N` merges the N shards; see ARCHITECTURE.md.
+    Run(RunArgs),
     /// Ingest agent logs and knowledge files into the store.
     ///
     /// Bad records never stop the batch: each goes to `<store>/quarantine/<run>.jsonl` with its
@@ -132,6 +141,29 @@ pub struct QueryArgs {
     pub refine: LoopArgs,
     /// The query.
     pub text: String,
+}
+
+/// `fluxmem run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The pipeline file (TOML; see pipelines/demo.toml).
+    pub pipeline: PathBuf,
+    /// Run only this stage (ingest, embed, connect, refine, consolidate, export).
+    #[arg(long)]
+    pub stage: Option<String>,
+    /// With --stage of a map stage: run shard I of N (0-based, e.g. 0/4) into its staging store.
+    #[arg(long)]
+    pub shard: Option<String>,
+    /// With --stage of a map stage: merge its N finished shards into the store.
+    #[arg(long, value_name = "N")]
+    pub merge: Option<usize>,
+    /// The run id (default: the pipeline name and a hash of the pipeline file and the inputs'
+    /// paths, sizes and times; the same id resumes a killed run).
+    #[arg(long)]
+    pub run_id: Option<String>,
+    /// Print the run record (or, with --stage, the stage record) as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `fluxmem refine`.

@@ -3,6 +3,7 @@
 
 mod cli;
 mod commands;
+mod pipeline;
 mod progress;
 
 use clap::Parser;

@@ -17,6 +17,7 @@ pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         link_k: args.link_k,
         commit_every: args.commit_every,
         retrieval: super::retrieval_config(&args.fusion, &args.weights, 0)?,
+        ..Default::default()
     };
     let mut writer = open_writer(settings)?;
     // Edges record the run that wrote them; the id depends only on the store state it started

@@ -14,6 +14,7 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         max_record_bytes: args.max_record_bytes,
         chunk_words: args.chunk_words,
         batch_records: args.batch_records.max(1),
+        shard: fluxmem_store::Shard::ALL,
     };
     let mut writer = open_writer(settings)?;
     let mut bar = IngestBar::new(settings.progress);

@@ -9,8 +9,10 @@ mod ingest;
 mod models;
 mod query;
 mod refine;
+mod run;
 mod stats;
 
+pub(crate) use models::weight_path;
 use std::process::ExitCode;
 
 use crate::cli::{Command, Settings};
@@ -25,6 +27,7 @@ pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
         Command::Query(args) => query::run(args, settings),
         Command::Connect(args) => connect::run(args, settings),
         Command::Refine(args) => refine::run(args, settings),
+        Command::Run(args) => run::run(args, settings),
         Command::Eval(crate::cli::EvalCommand::Locomo(args)) => eval::locomo(args, settings),
         Command::Consolidate(args) => consolidate::run(args, settings),
         Command::Export(crate::cli::ExportCommand::Skills(args)) => export::skills(args, settings),

@@ -74,7 +74,7 @@ pub fn run(command: ModelsCommand) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-pub(super) fn weight_path(value: &str) -> anyhow::Result<WeightPath> {
+pub(crate) fn weight_path(value: &str) -> anyhow::Result<WeightPath> {
     match value {
         "quantized" => Ok(WeightPath::Quantized),
         "dequantized" => Ok(WeightPath::Dequantized),

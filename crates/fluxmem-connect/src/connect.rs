@@ -11,7 +11,7 @@ use candle_core::Device;
 use fluxmem_graph::{Edge, EdgeKind, Graph, NodeId, NodeKind};
 use fluxmem_models::Embedder;
 
-use fluxmem_store::{CommitInfo, Writer};
+use fluxmem_store::{CommitInfo, Shard, Writer};
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::dense::{embedded, top_k, DenseIndex};
@@ -31,11 +31,20 @@ pub struct ConnectOptions {
     pub commit_every: usize,
     /// Stage I settings.
     pub retrieval: RetrievalConfig,
+    /// The episodes this run connects (sharded runs, by episode id); all by default.
+    pub shard: Shard,
 }
 
 impl Default for ConnectOptions {
     fn default() -> Self {
-        ConnectOptions { per_step: true, ground_k: 2, link_k: 5, commit_every: 500, retrieval: RetrievalConfig::default() }
+        ConnectOptions {
+            per_step: true,
+            ground_k: 2,
+            link_k: 5,
+            commit_every: 500,
+            retrieval: RetrievalConfig::default(),
+            shard: Shard::ALL,
+        }
     }
 }
 
@@ -46,7 +55,7 @@ pub struct ConnectReport {
     pub episodes: usize,
     /// Episodes connected by this run.
     pub connected: usize,
-    /// Episodes connected by an earlier run.
+    /// Episodes connected by an earlier run (in a sharded run, also those of other shards).
     pub already: usize,
     /// Ground edges written.
     pub ground_edges: usize,
@@ -92,7 +101,8 @@ pub fn connect_store(
             EdgeKind::Distill => None,
         })
         .collect();
-    let todo: Vec<usize> = (0..episodes.len()).filter(|&i| !connected.contains(&episodes[i])).collect();
+    let todo: Vec<usize> =
+        (0..episodes.len()).filter(|&i| !connected.contains(&episodes[i]) && options.shard.owns(episodes[i].as_str())).collect();
     let mut report = ConnectReport { episodes: episodes.len(), already: episodes.len() - todo.len(), ..Default::default() };
     progress.start(todo.len() as u64);
     for chunk in todo.chunks(options.commit_every.max(1)) {

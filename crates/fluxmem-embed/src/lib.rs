@@ -19,7 +19,7 @@
 
 use fluxmem_graph::{sha256_hex, Embedding, Graph, NodeId};
 use fluxmem_models::Embedder;
-use fluxmem_store::{CommitInfo, Writer};
+use fluxmem_store::{CommitInfo, Shard, Writer};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Errors of the embed stage.
@@ -71,11 +71,13 @@ pub struct EmbedOptions {
     pub commit_every: usize,
     /// Replace every embedding of the store with the configured model's.
     pub reembed: bool,
+    /// The nodes this run owns (sharded runs, by node id); [`Shard::ALL`] by default.
+    pub shard: Shard,
 }
 
 impl Default for EmbedOptions {
     fn default() -> Self {
-        EmbedOptions { batch_size: 256, commit_every: 2048, reembed: false }
+        EmbedOptions { batch_size: 256, commit_every: 2048, reembed: false, shard: Shard::ALL }
     }
 }
 
@@ -84,7 +86,8 @@ impl Default for EmbedOptions {
 pub struct EmbedReport {
     /// Nodes in the store.
     pub nodes: usize,
-    /// Nodes that already had an embedding of this model.
+    /// Nodes that already had an embedding of this model (in a sharded run, also the nodes of
+    /// other shards).
     pub already: usize,
     /// Nodes embedded by running the model.
     pub embedded: usize,
@@ -134,6 +137,7 @@ pub fn embed_store(
         .nodes
         .values()
         .filter(|node| !graph.embeddings.contains_key(&(node.id.clone(), model.clone())))
+        .filter(|node| options.shard.owns(node.id.as_str()))
         .map(|node| (node.id.clone(), node.embedding_text()))
         .collect();
     report.already = report.nodes - todo.len();

@@ -57,7 +57,7 @@ fn embeds_every_node_once_and_reuses_vectors_of_identical_text() {
     let dir = store_with(&TEXTS);
     let mut writer = Writer::open(dir.path()).unwrap();
     let embedder = Counting::new(usize::MAX);
-    let options = EmbedOptions { batch_size: 2, commit_every: 100, reembed: false };
+    let options = EmbedOptions { batch_size: 2, commit_every: 100, reembed: false, ..Default::default() };
     let report = embed_store(&mut writer, &embedder, &options, "r1", &mut NoProgress).unwrap();
     assert_eq!((report.nodes, report.embedded, report.cached, report.already), (7, 5, 2, 0));
     assert_eq!(embedder.texts.load(Ordering::SeqCst), 5, "identical texts are embedded once");
@@ -70,7 +70,7 @@ fn embeds_every_node_once_and_reuses_vectors_of_identical_text() {
 #[test]
 fn interrupted_run_keeps_its_commits_and_a_rerun_finishes_identically() {
     let reference_dir = store_with(&TEXTS);
-    let options = EmbedOptions { batch_size: 1, commit_every: 2, reembed: false };
+    let options = EmbedOptions { batch_size: 1, commit_every: 2, reembed: false, ..Default::default() };
     let mut reference = Writer::open(reference_dir.path()).unwrap();
     embed_store(&mut reference, &Counting::new(usize::MAX), &options, "r", &mut NoProgress).unwrap();
     let expected = reference.store().load().unwrap();

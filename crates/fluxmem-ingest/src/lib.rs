@@ -4,7 +4,10 @@
 //! knowledge documents (text/Markdown, chunked), LoCoMo conversations, tau-bench runs and
 //! ALFWorld transcripts. [`ingest`] drives a whole batch into a store:
 //!
-//! - every record read is counted exactly once: `read = ingested + duplicates + quarantined`;
+//! - every record read is counted exactly once:
+//!   `read = ingested + duplicates + quarantined + other_shards`;
+//! - with [`IngestOptions::shard`], only the records the shard owns are stored or quarantined
+//!   (records by their node id, rejections by file and line), the rest counted as `other_shards`;
 //! - a bad record (bad JSON, wrong type, missing field, invalid UTF-8, oversize) goes to the
 //!   run's quarantine file with its file, line, field and reason, and the batch goes on;
 //! - node ids are content-addressed, so a record already stored is a duplicate and adds nothing;
@@ -15,7 +18,7 @@
 //! use fluxmem_ingest::{ingest, IngestOptions, NoProgress};
 //! let mut writer = fluxmem_store::Writer::open("fluxmem-store").unwrap();
 //! let report = ingest(&mut writer, &["data/".into()], &IngestOptions::default(), "run-1", &mut NoProgress).unwrap();
-//! assert_eq!(report.read, report.ingested + report.duplicates + report.quarantined);
+//! assert_eq!(report.read, report.ingested + report.duplicates + report.quarantined + report.other_shards);
 //! ```
 
 mod alfworld;
@@ -32,7 +35,7 @@ pub use error::{Error, Result};
 pub use record::{Parsed, Record, Rejected};
 
 use fluxmem_graph::{Graph, NodeId};
-use fluxmem_store::{CommitInfo, Writer};
+use fluxmem_store::{CommitInfo, Shard, Writer};
 use serde::Serialize;
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -112,6 +115,8 @@ pub struct IngestOptions {
     pub chunk_words: usize,
     /// Commit at least every this many records.
     pub batch_records: usize,
+    /// The part of the input this run owns (sharded runs); [`Shard::ALL`] by default.
+    pub shard: Shard,
 }
 
 impl Default for IngestOptions {
@@ -123,6 +128,7 @@ impl Default for IngestOptions {
             max_record_bytes: 8 << 20,
             chunk_words: 120,
             batch_records: 5000,
+            shard: Shard::ALL,
         }
     }
 }
@@ -138,6 +144,8 @@ pub struct IngestReport {
     pub duplicates: u64,
     /// Records sent to the quarantine file.
     pub quarantined: u64,
+    /// Records (and rejections) left to other shards of a sharded run.
+    pub other_shards: u64,
     /// The quarantine file, if anything was quarantined.
     pub quarantine_file: Option<PathBuf>,
     /// Nodes added (a record can add several, e.g. a tau-bench run and its policy chunks).
@@ -186,7 +194,7 @@ pub fn ingest(
     };
     let (files, missing) = expand(inputs);
     for rejected in missing {
-        run.quarantine(rejected, progress)?;
+        run.accept(Parsed::Rejected(rejected), progress)?;
     }
     let total: u64 = files.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)).sum();
     progress.start(total);
@@ -264,7 +272,10 @@ impl Run<'_> {
         self.report.files += 1;
         let bytes = match std::fs::read(path) {
             Ok(bytes) => bytes,
-            Err(e) => return self.quarantine(Rejected::new(&shown, 0, "file", format!("cannot read: {e}"), b"", 0), progress),
+            Err(e) => {
+                let rejected = Rejected::new(&shown, 0, "file", format!("cannot read: {e}"), b"", 0);
+                return self.accept(Parsed::Rejected(rejected), progress);
+            }
         };
         let mtime = std::fs::metadata(path)
             .and_then(|m| m.modified())
@@ -275,7 +286,7 @@ impl Run<'_> {
             let reason = "cannot tell the format from the name and content; pass --format";
             let rejected = Rejected::new(&shown, 0, "file", reason, &bytes, self.options.max_record_bytes);
             progress.advance(bytes.len() as u64, &shown);
-            return self.quarantine(rejected, progress);
+            return self.accept(Parsed::Rejected(rejected), progress);
         };
         let source = Source { path: shown.clone(), mtime, options: self.options, bytes: &bytes };
         let mut emit = |parsed: Parsed| self.accept(parsed, progress);
@@ -300,10 +311,19 @@ impl Run<'_> {
 
     fn accept(&mut self, parsed: Parsed, progress: &mut dyn Progress) -> Result<()> {
         match parsed {
+            Parsed::Rejected(rejected) if !self.options.shard.owns(&format!("{}\0{}", rejected.file, rejected.line)) => {
+                self.report.read += 1;
+                self.report.other_shards += 1;
+                Ok(())
+            }
             Parsed::Rejected(rejected) => self.quarantine(rejected, progress),
             Parsed::Record(record) => {
                 self.report.read += 1;
                 let Some(own) = record.nodes.first() else { return Ok(()) };
+                if !self.options.shard.owns(own.id.as_str()) {
+                    self.report.other_shards += 1;
+                    return Ok(());
+                }
                 if self.known.contains(&own.id) {
                     self.report.duplicates += 1;
                     return Ok(());

@@ -60,6 +60,22 @@ pub enum Error {
         /// The committed dimension.
         dim: usize,
     },
+    /// A sharded run's staging stores cannot be merged (missing, unfinished or stale shard).
+    #[error("{path}: {reason}")]
+    Staging {
+        /// The staging store.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+    /// A `--shard` value is not `I/N` with I < N.
+    #[error("shard `{value}`: {reason}")]
+    BadShard {
+        /// The value given.
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// Mapping a shard to the graph model failed.
     #[error("{path}: {source}")]
     Graph {

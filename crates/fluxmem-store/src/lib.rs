@@ -5,6 +5,7 @@
 //! <store>/manifest.json          the commit: schema version, shard list with rows + sha256
 //! <store>/shards/<table>-<commit>-<part>-<sha>.parquet
 //! <store>/LOCK                   the writer lock (OS advisory lock + holder description)
+//! <store>/staging/<stage>-<I>-of-<N>/   a shard's staging store (sharded runs, see below)
 //! ```
 //! A commit writes and syncs its new shards, then replaces `manifest.json` by atomic rename
 //! (tantivy's `meta.json` pattern). Readers ([`Store`]) take no lock and see either the old
@@ -17,6 +18,12 @@
 //! (node `id`, edge `src,dst,kind`, embedding `node_id,model_id`); the `edits` table (the edit
 //! log) only grows, in commit order. [`Writer::replace`] compacts
 //! everything into one commit.
+//!
+//! Sharded runs: [`Writer::open_staging`] opens the staging store of shard I of N of a stage.
+//! It reads as the main store plus its own commits (its manifest lists the main store's shards
+//! by relative path) and writes only its own shards, so N shards can run at once, anywhere the
+//! store directory is mounted. [`Writer::merge_staging`] then commits the union of the N
+//! shards' own data to the main store in one atomic commit and removes the staging stores.
 //!
 //! ```
 //! use fluxmem_graph::{Graph, Node, NodeBody, Semantic};
@@ -39,9 +46,11 @@ mod error;
 mod lock;
 mod manifest;
 mod shard;
+mod staging;
 mod store;
 
 pub use error::{Error, Result};
 pub use lock::WriterLock;
 pub use manifest::{CommitRecord, EmbeddingModel, Manifest, ShardEntry, FORMAT, SCHEMA_VERSION};
+pub use staging::{staging_dir, MergeReport, Shard, STAGING};
 pub use store::{CommitInfo, Store, Writer};

@@ -9,14 +9,14 @@ use crate::lock::WriterLock;
 use crate::manifest::{CommitRecord, EmbeddingModel, Manifest, ShardEntry};
 use crate::{shard, Error, Result};
 
-const MANIFEST: &str = "manifest.json";
-const SHARDS: &str = "shards";
+pub(crate) const MANIFEST: &str = "manifest.json";
+pub(crate) const SHARDS: &str = "shards";
 
 /// A read handle on a store directory. Readers take no lock: they read one manifest and the
 /// immutable shards it lists.
 #[derive(Debug, Clone)]
 pub struct Store {
-    dir: PathBuf,
+    pub(crate) dir: PathBuf,
 }
 
 /// What a commit is, for the manifest's commit log.
@@ -142,7 +142,7 @@ impl Writer {
                 .map(|entries| {
                     entries.flatten().any(|e| {
                         let name = e.file_name().to_string_lossy().into_owned();
-                        !matches!(name.as_str(), "LOCK" | SHARDS | "quarantine") && !name.starts_with("manifest.json.tmp")
+                        !matches!(name.as_str(), "LOCK" | SHARDS | "quarantine" | crate::STAGING) && !name.starts_with("manifest.json.tmp")
                     })
                 })
                 .unwrap_or(false);
@@ -294,7 +294,7 @@ fn graph_error(dir: &Path, source: fluxmem_graph::Error) -> Error {
 }
 
 /// Writes `manifest` as `<dir>/manifest.json` atomically: temp file, fsync, rename, fsync dir.
-fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<()> {
+pub(crate) fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<()> {
     use std::io::Write;
     let path = dir.join(MANIFEST);
     let tmp = dir.join(format!("{MANIFEST}.tmp-{}", std::process::id()));

@@ -1,0 +1,624 @@
+//! `fluxmem run PIPELINE.toml`: the nightly job, and the shard/merge contract a distributed
+//! engine drives.
+
+use anyhow::{bail, Context};
+use fluxmem_graph::Graph;
+use fluxmem_models::{DeviceChoice, Generator, Judge, SentenceEmbedder};
+use fluxmem_report::{PemsSummary, QuarantineSample, QuarantineSummary, RunRecord, SkillSummary, StageRecord, UsageRecord};
+use fluxmem_store::{CommitInfo, Shard, Store, Writer};
+use serde_json::{json, Value};
+use sha2::Digest;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use crate::cli::{RunArgs, Settings};
+use crate::pipeline::{self, Input, Loaded, MAP_STAGES, STAGES};
+use crate::progress::{CountBar, IngestBar};
+
+pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let loaded = pipeline::load(&args.pipeline)?;
+    let p = &loaded.pipeline;
+    if let Some(stage) = &args.stage {
+        if !STAGES.contains(&stage.as_str()) {
+            bail!("--stage `{stage}`: expected one of {}", STAGES.join(", "));
+        }
+    }
+    let shard: Option<Shard> = args.shard.as_deref().map(str::parse).transpose()?;
+    if shard.is_some() || args.merge.is_some() {
+        match args.stage.as_deref() {
+            Some(stage) if MAP_STAGES.contains(&stage) => {}
+            Some(stage) => bail!("--shard and --merge apply to the map stages ({}), not `{stage}`, which runs once", MAP_STAGES.join(", ")),
+            None => bail!("--shard and --merge need --stage (one of {})", MAP_STAGES.join(", ")),
+        }
+        if shard.is_some() && args.merge.is_some() {
+            bail!("--shard and --merge are separate steps: run every shard, then merge once");
+        }
+    }
+    let store_dir = p.store.as_ref().map(|s| loaded.resolve(s)).unwrap_or_else(|| settings.store.clone());
+    // Inputs are resolved before any work, so a missing input stops the run up front.
+    let mut groups: Vec<(&Input, Vec<PathBuf>)> = Vec::new();
+    let mut warnings = Vec::new();
+    for (i, input) in p.inputs.iter().enumerate() {
+        let (files, unmatched) = pipeline::expand(&loaded, input)?;
+        for pattern in unmatched {
+            if input.required {
+                bail!("{}: key `inputs[{i}].paths`: `{pattern}` matches no file (set `required = false` to allow)", loaded.path.display());
+            }
+            warnings.push(format!("inputs[{i}]: `{pattern}` matches no file"));
+        }
+        groups.push((input, files));
+    }
+    for warning in &warnings {
+        eprintln!("warning: {warning}");
+    }
+    let run_id = match &args.run_id {
+        Some(id) => id.clone(),
+        None => default_run_id(&loaded, &groups),
+    };
+    let device_choice: DeviceChoice = p.models.device.parse()?;
+    let mut ctx = Ctx {
+        loaded: &loaded,
+        settings,
+        run_id: run_id.clone(),
+        device_choice,
+        embedder: None,
+        usage: BTreeMap::new(),
+        pems: None,
+        quarantine_files: Vec::new(),
+        outputs: Vec::new(),
+        quarantined: 0,
+    };
+    if let Some(count) = args.merge {
+        let stage = args.stage.as_deref().expect("checked above");
+        let mut writer = open_main(&store_dir)?;
+        let started = Instant::now();
+        let info = CommitInfo { stage: format!("merge-{stage}"), run_id: format!("{stage}@{run_id}"), ..Default::default() };
+        let report = writer.merge_staging(stage, count, info).with_context(|| format!("merging the {count} shards of `{stage}`"))?;
+        mark_done(&mut writer, stage, &run_id, &json!({ "shards": count }))?;
+        let record = StageRecord {
+            name: stage.into(),
+            status: if report.committed { "merged".into() } else { "merged earlier (cleanup only)".into() },
+            seconds: started.elapsed().as_secs_f64(),
+            counts_out: counts(&[("shards", count), ("nodes", report.nodes), ("edges", report.edges), ("embeddings", report.embeddings), ("edits", report.edits)]),
+            details: serde_json::to_value(&report)?,
+            ..Default::default()
+        };
+        println!("{}", serde_json::to_string(&record)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(shard) = shard {
+        let stage = args.stage.as_deref().expect("checked above");
+        let mut writer = Writer::open_staging(&store_dir, stage, shard)?;
+        eprintln!("fluxmem run: {stage}, shard {shard}, staging store {}", writer.store().dir().display());
+        let record = ctx.stage(stage, &mut writer, &groups, shard)?;
+        writer.finish_staging(&format!("{stage}@{run_id}"))?;
+        println!("{}", serde_json::to_string(&record)?);
+        return Ok(if ctx.quarantined > 0 { ExitCode::from(crate::EXIT_QUARANTINED) } else { ExitCode::SUCCESS });
+    }
+    let stages: Vec<&str> = match args.stage.as_deref() {
+        Some(stage) => vec![stage],
+        None => STAGES.to_vec(),
+    };
+    let started_at = now();
+    let mut writer = open_main(&store_dir)?;
+    let version_before = writer.manifest().version;
+    let mut record = RunRecord {
+        pipeline: loaded.path.display().to_string(),
+        run_id: run_id.clone(),
+        started_at,
+        store: store_dir.display().to_string(),
+        manifest_version_before: version_before,
+        ..Default::default()
+    };
+    record.models.insert("embedder".into(), model_id(&p.models.embedder));
+    if p.consolidate.enabled && stages.contains(&"consolidate") {
+        record.models.insert("generator".into(), model_id(&p.models.generator));
+        if p.models.judge == "llm" {
+            record.models.insert("judge".into(), model_id(fluxmem_models::DEFAULT_GENERATOR));
+        }
+    }
+    let mut failure = None;
+    for (i, stage) in stages.iter().enumerate() {
+        eprintln!("fluxmem run: [{}/{}] {stage}", i + 1, stages.len());
+        let done = writer.manifest().progress.get(&format!("pipeline.{stage}")).and_then(|m| m.get("run_id")).and_then(Value::as_str)
+            == Some(run_id.as_str());
+        if done {
+            record.stages.push(StageRecord {
+                name: stage.to_string(),
+                status: "done earlier in this run (resumed)".into(),
+                ..Default::default()
+            });
+            continue;
+        }
+        match ctx.stage(stage, &mut writer, &groups, Shard::ALL) {
+            Ok(stage_record) => {
+                mark_done(&mut writer, stage, &run_id, &json!(stage_record.counts_out))?;
+                record.stages.push(stage_record);
+            }
+            Err(error) => {
+                record.stages.push(StageRecord { name: stage.to_string(), status: format!("failed: {error:#}"), ..Default::default() });
+                failure = Some(error.context(format!("stage `{stage}`")));
+                break;
+            }
+        }
+    }
+    record.manifest_version_after = writer.manifest().version;
+    drop(writer);
+    record.model_usage = ctx.usage.clone();
+    record.pems = ctx.pems.take();
+    record.quarantine = quarantine_summary(&ctx.quarantine_files)?;
+    record.outputs = ctx.outputs.clone();
+    record.status = match &failure {
+        Some(error) => format!("failed: {error:#}"),
+        None if record.quarantine.records > 0 => "partial".into(),
+        None => "ok".into(),
+    };
+    record.finished_at = now();
+    let report_dir = loaded.resolve(&p.report.dir).join(&run_id);
+    record.outputs.push(report_dir.join(fluxmem_report::RUN_JSON).display().to_string());
+    record.outputs.push(report_dir.join(fluxmem_report::REPORT_HTML).display().to_string());
+    let (json_path, html_path) = fluxmem_report::write_report(&report_dir, &record)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&record)?);
+    } else {
+        print_summary(&record);
+        println!("run report: {} ({})", html_path.display(), json_path.display());
+    }
+    if let Some(error) = failure {
+        return Err(error);
+    }
+    Ok(if record.quarantine.records > 0 { ExitCode::from(crate::EXIT_QUARANTINED) } else { ExitCode::SUCCESS })
+}
+
+struct Ctx<'a> {
+    loaded: &'a Loaded,
+    settings: &'a Settings,
+    run_id: String,
+    device_choice: DeviceChoice,
+    embedder: Option<SentenceEmbedder>,
+    usage: BTreeMap<String, UsageRecord>,
+    pems: Option<PemsSummary>,
+    quarantine_files: Vec<PathBuf>,
+    outputs: Vec<String>,
+    quarantined: u64,
+}
+
+impl Ctx<'_> {
+    fn embedder(&mut self) -> anyhow::Result<&SentenceEmbedder> {
+        if self.embedder.is_none() {
+            let p = &self.loaded.pipeline;
+            ensure_model(&p.models.embedder)?;
+            let embedder = fluxmem_models::load_embedder(&p.models.embedder, &self.device_choice)?.with_batch_size(p.embed.batch_size);
+            self.embedder = Some(embedder);
+        }
+        Ok(self.embedder.as_ref().expect("just loaded"))
+    }
+
+    fn stage(&mut self, stage: &str, writer: &mut Writer, groups: &[(&Input, Vec<PathBuf>)], shard: Shard) -> anyhow::Result<StageRecord> {
+        let started = Instant::now();
+        let mut record = match stage {
+            "ingest" => self.ingest(writer, groups, shard)?,
+            "embed" => self.embed(writer, shard)?,
+            "connect" => self.connect(writer, shard)?,
+            "refine" => self.refine(writer)?,
+            "consolidate" => self.consolidate(writer)?,
+            "export" => self.export(writer)?,
+            other => bail!("unknown stage `{other}`"),
+        };
+        record.name = stage.into();
+        record.seconds = started.elapsed().as_secs_f64();
+        Ok(record)
+    }
+
+    fn ingest(&mut self, writer: &mut Writer, groups: &[(&Input, Vec<PathBuf>)], shard: Shard) -> anyhow::Result<StageRecord> {
+        let p = &self.loaded.pipeline;
+        if groups.is_empty() {
+            return Ok(StageRecord { status: "no inputs".into(), ..Default::default() });
+        }
+        let mut total = fluxmem_ingest::IngestReport::default();
+        let mut reports = Vec::new();
+        for (i, (input, files)) in groups.iter().enumerate() {
+            if files.is_empty() {
+                continue;
+            }
+            let options = fluxmem_ingest::IngestOptions {
+                format: fluxmem_ingest::Format::parse(&input.format)?,
+                tenant: input.tenant.clone(),
+                agent_id: input.agent.clone(),
+                max_record_bytes: p.ingest.max_record_bytes,
+                chunk_words: p.ingest.chunk_words,
+                batch_records: p.ingest.batch_records,
+                shard,
+            };
+            let mut bar = IngestBar::new(self.settings.progress);
+            let run = format!("{}-inputs{i}", quarantine_name(&self.run_id));
+            let report = fluxmem_ingest::ingest(writer, files, &options, &run, &mut bar)
+                .with_context(|| format!("ingesting inputs[{i}] into {}", writer.store().dir().display()))?;
+            bar.finish();
+            total.read += report.read;
+            total.ingested += report.ingested;
+            total.duplicates += report.duplicates;
+            total.quarantined += report.quarantined;
+            total.other_shards += report.other_shards;
+            total.nodes_added += report.nodes_added;
+            total.files += report.files;
+            total.commits += report.commits;
+            if let Some(file) = &report.quarantine_file {
+                self.quarantine_files.push(file.clone());
+            }
+            reports.push(json!({ "input": i, "files": files.len(), "report": report }));
+        }
+        self.quarantined += total.quarantined;
+        eprintln!(
+            "  read {} records from {} files: {} ingested, {} duplicates, {} quarantined{}",
+            total.read,
+            total.files,
+            total.ingested,
+            total.duplicates,
+            total.quarantined,
+            if shard.count > 1 { format!(", {} left to other shards", total.other_shards) } else { String::new() }
+        );
+        Ok(StageRecord {
+            status: if total.ingested == 0 && total.quarantined == 0 { "nothing new".into() } else { "done".into() },
+            counts_in: counts64(&[("files", total.files), ("records", total.read)]),
+            counts_out: counts64(&[
+                ("ingested", total.ingested),
+                ("duplicates", total.duplicates),
+                ("quarantined", total.quarantined),
+                ("other_shards", total.other_shards),
+                ("nodes_added", total.nodes_added),
+                ("commits", total.commits),
+            ]),
+            details: json!(reports),
+            ..Default::default()
+        })
+    }
+
+    fn embed(&mut self, writer: &mut Writer, shard: Shard) -> anyhow::Result<StageRecord> {
+        let commit_every = self.loaded.pipeline.embed.commit_every;
+        let run_id = format!("embed@{}", self.run_id);
+        let mut bar = CountBar::new(self.settings.progress, "embed");
+        let embedder = self.embedder()?;
+        let options = fluxmem_embed::EmbedOptions { batch_size: 256, commit_every, shard, ..Default::default() };
+        let report = fluxmem_embed::embed_store(writer, embedder, &options, &run_id, &mut bar)?;
+        bar.finish();
+        eprintln!("  {} nodes: {} embedded, {} from the cache, {} already had a vector", report.nodes, report.embedded, report.cached, report.already);
+        Ok(StageRecord {
+            status: if report.embedded + report.cached == 0 { "nothing new".into() } else { "done".into() },
+            counts_in: counts(&[("nodes", report.nodes), ("already", report.already)]),
+            counts_out: counts(&[("embedded", report.embedded), ("cached", report.cached), ("commits", report.commits)]),
+            details: serde_json::to_value(&report)?,
+            ..Default::default()
+        })
+    }
+
+    fn connect(&mut self, writer: &mut Writer, shard: Shard) -> anyhow::Result<StageRecord> {
+        let c = self.loaded.pipeline.connect.clone();
+        if !c.enabled {
+            return Ok(disabled());
+        }
+        let device = self.device_choice.device()?;
+        let run_id = format!("connect@{}", self.run_id);
+        let progress = self.settings.progress;
+        let embedder = self.embedder()?;
+        let options = fluxmem_connect::ConnectOptions {
+            per_step: c.per_step,
+            ground_k: c.ground_k,
+            link_k: c.link_k,
+            commit_every: c.commit_every,
+            shard,
+            ..Default::default()
+        };
+        let mut bar = CountBar::new(progress, "connect");
+        let report = fluxmem_connect::connect_store(writer, embedder, &options, &run_id, &device, &mut bar)?;
+        bar.finish();
+        eprintln!("  {} episodes: {} connected now; {} ground and {} link edges", report.episodes, report.connected, report.ground_edges, report.link_edges);
+        Ok(StageRecord {
+            status: if report.connected == 0 { "nothing new".into() } else { "done".into() },
+            counts_in: counts(&[("episodes", report.episodes), ("already", report.already)]),
+            counts_out: counts(&[("connected", report.connected), ("ground_edges", report.ground_edges), ("link_edges", report.link_edges), ("commits", report.commits)]),
+            details: serde_json::to_value(&report)?,
+            ..Default::default()
+        })
+    }
+
+    fn refine(&mut self, writer: &mut Writer) -> anyhow::Result<StageRecord> {
+        let r = &self.loaded.pipeline.refine;
+        if !r.enabled {
+            return Ok(disabled());
+        }
+        let options = fluxmem_refine::CreditOptions {
+            prior: r.prior,
+            prune_below: r.prune_below,
+            min_evidence: r.min_evidence,
+            link_failures: r.failure_links,
+        };
+        let mut bar = CountBar::new(self.settings.progress, "refine");
+        let report = fluxmem_refine::refine_store(writer, &options, &format!("refine@{}", self.run_id), &mut bar)?;
+        bar.finish();
+        eprintln!("  {} edges reweighted, {} pruned, {} re-activated, {} failure->success links", report.reweighted, report.pruned, report.reactivated, report.expanded);
+        Ok(StageRecord {
+            status: if report.edits == 0 { "nothing new".into() } else { "done".into() },
+            counts_in: counts(&[("episodes", report.episodes), ("with_outcome", report.with_outcome)]),
+            counts_out: counts(&[
+                ("reweighted", report.reweighted),
+                ("pruned", report.pruned),
+                ("reactivated", report.reactivated),
+                ("expanded", report.expanded),
+                ("edits", report.edits),
+            ]),
+            details: serde_json::to_value(&report)?,
+            ..Default::default()
+        })
+    }
+
+    fn consolidate(&mut self, writer: &mut Writer) -> anyhow::Result<StageRecord> {
+        let c = self.loaded.pipeline.consolidate.clone();
+        if !c.enabled {
+            return Ok(disabled());
+        }
+        let models = self.loaded.pipeline.models.clone();
+        let device = self.device_choice.device()?;
+        ensure_model(&models.generator)?;
+        let mut generator = fluxmem_models::load_generator(&models.generator, &self.device_choice, super::weight_path(&models.generator_weights)?)?;
+        if models.judge == "llm" {
+            ensure_model(fluxmem_models::DEFAULT_GENERATOR)?;
+        }
+        let mut judge = super::judge_from_flag(&models.judge, &self.device_choice)?;
+        let options = fluxmem_consolidate::ConsolidateOptions {
+            kmeans: fluxmem_consolidate::KMeansOptions {
+                clusters: pipeline::clusters(&c.clusters)?,
+                seed: self.loaded.pipeline.seed,
+                ..Default::default()
+            },
+            successful_only: c.successful_only,
+            pems: fluxmem_consolidate::PemsOptions { length: c.length.parse().map_err(anyhow::Error::msg)?, divide_by_skills: c.divide_by_skills },
+            max_rounds: c.max_rounds,
+            epsilon: c.epsilon,
+            prompt_budget: c.prompt_budget,
+            max_tokens: c.max_tokens,
+            judge_episodes: c.judge_episodes,
+            ..Default::default()
+        };
+        let run_id = format!("consolidate@{}", self.run_id);
+        let progress = self.settings.progress;
+        let embedder = self.embedder()?;
+        let mut stage_models = fluxmem_consolidate::Models {
+            embedder,
+            generator: &mut generator as &mut dyn Generator,
+            judge: judge.as_mut().map(|j| j as &mut dyn Judge),
+        };
+        let mut bar = CountBar::new(progress, "consolidate");
+        let report = fluxmem_consolidate::consolidate_store(writer, &mut stage_models, &options, &run_id, &device, &mut bar)?;
+        bar.finish();
+        eprintln!(
+            "  {} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} failed",
+            report.episodes, report.clusters, report.skills_new, report.skills_updated, report.skills_unchanged, report.failed
+        );
+        let usage = |u: &fluxmem_consolidate::TokenUsage| UsageRecord {
+            calls: u.calls as u64,
+            prompt_tokens: u.prompt_tokens as u64,
+            generated_tokens: u.generated_tokens as u64,
+        };
+        self.usage.insert("generator".into(), usage(&report.generator));
+        if report.judge.calls > 0 {
+            self.usage.insert("judge".into(), usage(&report.judge));
+        }
+        self.pems = Some(pems_summary(&report, &writer.store().load()?));
+        Ok(StageRecord {
+            status: if report.skills_new + report.skills_updated + report.failed == 0 { "nothing new".into() } else { "done".into() },
+            counts_in: counts(&[("episodes", report.episodes), ("clusters", report.clusters)]),
+            counts_out: counts(&[
+                ("skills_new", report.skills_new),
+                ("skills_updated", report.skills_updated),
+                ("skills_unchanged", report.skills_unchanged),
+                ("failed", report.failed),
+                ("commits", report.commits),
+            ]),
+            details: serde_json::to_value(&report)?,
+            ..Default::default()
+        })
+    }
+
+    fn export(&mut self, writer: &mut Writer) -> anyhow::Result<StageRecord> {
+        let e = self.loaded.pipeline.export.clone();
+        if !e.enabled {
+            return Ok(disabled());
+        }
+        let out = self.loaded.resolve(&e.out);
+        let options = fluxmem_consolidate::ExportOptions {
+            format: e.format.parse().map_err(anyhow::Error::msg)?,
+            tenant: e.tenant.clone(),
+            min_pems: e.min_pems,
+            min_support: e.min_support,
+        };
+        let store = Store::open(writer.store().dir())?;
+        let report = fluxmem_consolidate::export_skills(&store, &out, &options).with_context(|| format!("exporting skills to {}", out.display()))?;
+        eprintln!("  {} skills exported to {} ({} filtered out)", report.skills, out.display(), report.filtered_out);
+        self.outputs.push(out.display().to_string());
+        Ok(StageRecord {
+            status: "done".into(),
+            counts_out: counts(&[("skills", report.skills), ("filtered_out", report.filtered_out), ("files", report.files.len())]),
+            details: serde_json::to_value(&report)?,
+            ..Default::default()
+        })
+    }
+}
+
+fn disabled() -> StageRecord {
+    StageRecord { status: "skipped (disabled)".into(), ..Default::default() }
+}
+
+fn counts(pairs: &[(&str, usize)]) -> BTreeMap<String, u64> {
+    pairs.iter().map(|(k, v)| (k.to_string(), *v as u64)).collect()
+}
+
+fn counts64(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {
+    pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+fn open_main(dir: &Path) -> anyhow::Result<Writer> {
+    let writer = Writer::open(dir).with_context(|| format!("opening the store {}", dir.display()))?;
+    if let Some(holder) = writer.stale_lock() {
+        eprintln!("warning: recovered a stale store lock left by {holder} (it did not exit cleanly)");
+    }
+    Ok(writer)
+}
+
+/// Records in the manifest that `stage` finished for `run_id`, so a resumed run skips it.
+fn mark_done(writer: &mut Writer, stage: &str, run_id: &str, counts: &Value) -> anyhow::Result<()> {
+    let progress = [(format!("pipeline.{stage}"), json!({ "run_id": run_id, "counts": counts }))].into_iter().collect();
+    let info = CommitInfo { stage: format!("{stage}-done"), run_id: run_id.into(), summary: Value::Null, progress };
+    writer.commit(&Graph::default(), info)?;
+    Ok(())
+}
+
+/// The default run id: the pipeline name and a hash of the pipeline file and of every input
+/// file's path, size and modification time. Same inputs and config, same id: a re-run resumes.
+fn default_run_id(loaded: &Loaded, groups: &[(&Input, Vec<PathBuf>)]) -> String {
+    let mut hash = sha2::Sha256::new();
+    hash.update(&loaded.bytes);
+    let mut files: Vec<PathBuf> = Vec::new();
+    for (_, paths) in groups {
+        for path in paths {
+            collect_files(path, &mut files);
+        }
+    }
+    for file in files {
+        let meta = std::fs::metadata(&file).ok();
+        let mtime = meta.as_ref().and_then(|m| m.modified().ok()).and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+        hash.update(format!("{}\0{}\0{:?}\n", file.display(), meta.map(|m| m.len()).unwrap_or(0), mtime).as_bytes());
+    }
+    let digest: String = hash.finalize().iter().take(6).map(|b| format!("{b:02x}")).collect();
+    format!("{}-{digest}", loaded.pipeline.name)
+}
+
+fn collect_files(path: &Path, out: &mut Vec<PathBuf>) {
+    if path.is_dir() {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(path).map(|e| e.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+        entries.sort();
+        for entry in entries {
+            if !std::fs::symlink_metadata(&entry).map(|m| m.file_type().is_symlink()).unwrap_or(true) {
+                collect_files(&entry, out);
+            }
+        }
+    } else {
+        out.push(path.to_path_buf());
+    }
+}
+
+/// Quarantine file names are made from run ids; keep them to safe characters.
+fn quarantine_name(run_id: &str) -> String {
+    run_id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.@".contains(c) { c } else { '_' }).collect()
+}
+
+fn model_id(name: &str) -> String {
+    fluxmem_models::ModelManifest::load()
+        .ok()
+        .and_then(|m| m.get(name).ok().map(|s| s.model_id()))
+        .unwrap_or_else(|| name.to_string())
+}
+
+/// Fetches a model into the cache on first use.
+fn ensure_model(name: &str) -> anyhow::Result<()> {
+    let manifest = fluxmem_models::ModelManifest::load()?;
+    let spec = manifest.get(name)?;
+    let cache = fluxmem_models::cache_dir();
+    if !spec.is_installed(&cache) {
+        eprintln!("fluxmem run: model `{name}` is not in {}; fetching it (first use)", cache.display());
+        spec.fetch(&cache, &mut |line| eprintln!("  {line}"))?;
+    }
+    Ok(())
+}
+
+fn now() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+}
+
+fn pems_summary(report: &fluxmem_consolidate::ConsolidateReport, graph: &Graph) -> PemsSummary {
+    let rounds = report.skills.iter().map(|s| s.rounds.len()).max().unwrap_or(0);
+    // A skill that stopped early keeps its last score in later rounds.
+    let mean_by_round = (0..rounds)
+        .map(|r| {
+            let scores: Vec<f64> = report.skills.iter().filter_map(|s| s.rounds.get(r.min(s.rounds.len().saturating_sub(1))).map(|x| x.pems)).collect();
+            if scores.is_empty() {
+                0.0
+            } else {
+                scores.iter().sum::<f64>() / scores.len() as f64
+            }
+        })
+        .collect();
+    let converged_by_round = (1..=rounds).map(|r| report.skills.iter().filter(|s| s.converged_round.is_some_and(|c| c <= r)).count() as u64).collect();
+    let mut top: Vec<SkillSummary> = fluxmem_consolidate::skill_records(graph)
+        .into_iter()
+        .map(|s| SkillSummary {
+            id: s.id.clone(),
+            name: s.name.clone(),
+            description: s.description.clone(),
+            version: s.version,
+            pems: s.pems,
+            support: s.support as u64,
+            pems_history: s.pems_history.clone(),
+            source_episodes: s.source_episodes.clone(),
+        })
+        .collect();
+    top.sort_by(|a, b| b.pems.total_cmp(&a.pems).then(a.id.cmp(&b.id)));
+    top.truncate(10);
+    PemsSummary {
+        skills: report.skills.len() as u64,
+        mean_by_round,
+        converged_by_round,
+        cluster_sizes: report.cluster_list.iter().map(|c| c.episodes.len() as u64).collect(),
+        top_skills: top,
+    }
+}
+
+/// Reads this run's quarantine files: counts by reason and the first samples.
+fn quarantine_summary(files: &[PathBuf]) -> anyhow::Result<QuarantineSummary> {
+    let mut summary = QuarantineSummary::default();
+    for file in files {
+        summary.files.push(file.display().to_string());
+        let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let value: Value = serde_json::from_str(line).with_context(|| format!("{}: not a quarantine record", file.display()))?;
+            summary.records += 1;
+            let reason = value["reason"].as_str().unwrap_or_default().to_string();
+            // Group by the reason's first clause (reasons carry record-specific details after it).
+            let key = reason.split([':', '(']).next().unwrap_or_default().trim().to_string();
+            *summary.by_reason.entry(key).or_default() += 1;
+            if summary.samples.len() < 20 {
+                summary.samples.push(QuarantineSample {
+                    file: value["file"].as_str().unwrap_or_default().to_string(),
+                    line: value["line"].as_u64(),
+                    field: value["field"].as_str().unwrap_or_default().to_string(),
+                    reason,
+                });
+            }
+        }
+    }
+    Ok(summary)
+}
+
+fn print_summary(record: &RunRecord) {
+    println!("run {} of {}: {}", record.run_id, record.pipeline, record.status);
+    for stage in &record.stages {
+        let out: Vec<String> = stage.counts_out.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k} {v}")).collect();
+        println!("  {:<12} {:>7.1}s  {:<34} {}", stage.name, stage.seconds, stage.status, out.join(", "));
+    }
+    if record.quarantine.records > 0 {
+        println!("  {} records quarantined: {}", record.quarantine.records, record.quarantine.files.join(", "));
+    }
+    println!("store {} at version {} (was {})", record.store, record.manifest_version_after, record.manifest_version_before);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quarantine_names_are_safe() {
+        assert_eq!(quarantine_name("demo-ab12/x y"), "demo-ab12_x_y");
+    }
+}
