@@ -4,7 +4,7 @@
 //! - [`kmeans`]: spherical k-means (k-means++ seeding, cosine on normalised vectors, seeded,
 //!   blocked matrix products on a candle device); M defaults to max(1, floor(sqrt(n / 2))).
 //! - [`consolidate_store`]: clusters each tenant's episodes, induces one skill per cluster with
-//!   a [`fluxmem_models::Generator`] (robust parsing, one repair prompt, failed clusters kept
+//!   a [`fluxmem_models::Generator`] (one-shot prompt, lenient parsing, one retry prompt, failed clusters kept
 //!   with the raw output), matures it with the PEMS loop ([`pems()`]: score, rewrite,
 //!   re-embed, re-score until |delta PEMS| < epsilon or the round limit), and commits procedural
 //!   nodes, `distill` edges, skill embeddings and edit records in one store commit. Re-running on
@@ -36,10 +36,10 @@ pub use consolidate::{
 };
 pub use export::{export_skills, skill_records, ExportFormat, ExportOptions, ExportReport, SkillRecord, RELEASE_FILE};
 pub use kmeans::{auto_clusters, kmeans, Clustering, KMeansOptions, SplitMix64, KMEANS_BLOCK_ROWS};
-pub use mature::{Attempt, Matured, Models, Round};
+pub use mature::{induce_skill, Attempt, Matured, Models, Round};
 pub use parse::{parse_skill, SkillText};
 pub use pems::{delta, pems, word_count, LengthUnit, PemsOptions, PemsScore};
-pub use prompt::{episode_text, outcome_label};
+pub use prompt::{episode_brief, episode_text, outcome_label, EXAMPLE_NAME};
 
 use std::path::PathBuf;
 

@@ -75,18 +75,73 @@ pub(crate) struct Job<'g> {
     pub previous: Option<(String, Vec<f32>)>,
 }
 
-pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &ConsolidateOptions, skills: usize) -> Result<Matured> {
-    let params = GenerateParams { max_tokens: options.max_tokens, temperature: 0.0, top_p: None, seed: options.kmeans.seed, stop: Vec::new() };
-    let (episodes, _) = match prompt::serialize_episodes(&job.episodes, options.prompt_budget, true, &*models.generator) {
-        Ok(serialized) => serialized,
-        Err(error) => return Ok(Matured::Failed { attempts: vec![model_error(error)] }),
-    };
-    let messages = match &job.previous {
-        None => prompt::induce(&episodes),
-        Some((text, _)) => prompt::update(text, &episodes),
-    };
+/// Stop strings: the model inventing more logs instead of ending its answer.
+const STOP: [&str; 4] = ["\nTask:", "\nLogs:", "<|im_start|>", "<start_of_turn>"];
+
+fn params(options: &ConsolidateOptions) -> GenerateParams {
+    GenerateParams {
+        max_tokens: options.max_tokens,
+        temperature: 0.0,
+        top_p: None,
+        seed: options.kmeans.seed,
+        stop: STOP.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
+/// One induction (no PEMS loop): the skill `generator` writes for `episodes` (most
+/// representative first; at most `options.prompt_budget` tokens of them shown), with the
+/// retry prompt on unreadable output, or every rejected answer verbatim. `previous`: the
+/// text of the version to update, if any.
+pub fn induce_skill(
+    episodes: &[&Node],
+    previous: Option<&str>,
+    generator: &mut dyn Generator,
+    options: &ConsolidateOptions,
+) -> Result<std::result::Result<SkillText, Vec<Attempt>>> {
     let mut attempts = Vec::new();
-    let Some(mut current) = generate_skill(models.generator, messages, &params, &mut attempts) else {
+    let skill = induce_with(episodes, previous, generator, options, &mut attempts)?;
+    Ok(skill.ok_or(attempts))
+}
+
+fn induce_with(
+    episodes: &[&Node],
+    previous: Option<&str>,
+    generator: &mut dyn Generator,
+    options: &ConsolidateOptions,
+    attempts: &mut Vec<Attempt>,
+) -> Result<Option<SkillText>> {
+    let params = params(options);
+    let (shown, _) = match prompt::serialize_episodes(episodes, options.prompt_budget, true, &*generator) {
+        Ok(serialized) => serialized,
+        Err(error) => {
+            attempts.push(model_error(error));
+            return Ok(None);
+        }
+    };
+    let messages = match previous {
+        None => prompt::induce(&shown),
+        Some(text) => prompt::update(text, &shown),
+    };
+    if let Some(skill) = generate_skill(generator, &messages, &params, attempts) {
+        return Ok(Some(skill));
+    }
+    // The retry: a different, shorter prompt over the two most representative episodes.
+    let few = &episodes[..episodes.len().min(2)];
+    let (shown, _) = match prompt::serialize_episodes(few, options.prompt_budget / 2, true, &*generator) {
+        Ok(serialized) => serialized,
+        Err(error) => {
+            attempts.push(model_error(error));
+            return Ok(None);
+        }
+    };
+    Ok(generate_skill(generator, &prompt::retry(&shown), &params, attempts))
+}
+
+pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &ConsolidateOptions, skills: usize) -> Result<Matured> {
+    let params = params(options);
+    let mut attempts = Vec::new();
+    let previous_text = job.previous.as_ref().map(|(text, _)| text.as_str());
+    let Some(mut current) = induce_with(&job.episodes, previous_text, models.generator, options, &mut attempts)? else {
         return Ok(Matured::Failed { attempts });
     };
     let mut rejected = Vec::new();
@@ -118,7 +173,8 @@ pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &Consolida
         };
         let last = rounds.last().expect("a round was just pushed");
         let messages = prompt::rewrite(&last.text, eta, length, &evidence);
-        match generate_skill(models.generator, messages, &params, &mut rejected) {
+        // No retry for a rewrite: on unreadable output the loop stops and keeps the best round.
+        match generate_skill(models.generator, &messages, &params, &mut rejected) {
             Some(next) => current = next,
             None => break,
         }
@@ -143,37 +199,25 @@ fn model_error(error: impl std::fmt::Display) -> Attempt {
     Attempt { raw: String::new(), problem: format!("model error: {error}") }
 }
 
-/// One generation, parsed; on unreadable output one repair prompt; `None` when both fail
-/// (each rejected answer is pushed to `attempts`). Model errors count as failed attempts.
+/// One generation, parsed; `None` when it is unreadable (the answer is pushed to `attempts`).
+/// Model errors count as failed attempts.
 fn generate_skill(
     generator: &mut dyn Generator,
-    messages: Vec<fluxmem_models::ChatMessage>,
+    messages: &[fluxmem_models::ChatMessage],
     params: &GenerateParams,
     attempts: &mut Vec<Attempt>,
 ) -> Option<SkillText> {
-    let raw = match generator.generate(&messages, params) {
+    let raw = match generator.generate(messages, params) {
         Ok(generation) => generation.text,
         Err(error) => {
             attempts.push(model_error(error));
             return None;
         }
     };
-    let problem = match parse_skill(&raw) {
-        Ok(skill) => return Some(skill),
-        Err(problem) => problem,
-    };
-    attempts.push(Attempt { raw: raw.clone(), problem: problem.clone() });
-    let repaired = match generator.generate(&prompt::repair(messages, &raw, &problem), params) {
-        Ok(generation) => generation.text,
-        Err(error) => {
-            attempts.push(model_error(error));
-            return None;
-        }
-    };
-    match parse_skill(&repaired) {
+    match parse_skill(&raw) {
         Ok(skill) => Some(skill),
         Err(problem) => {
-            attempts.push(Attempt { raw: repaired, problem });
+            attempts.push(Attempt { raw, problem });
             None
         }
     }

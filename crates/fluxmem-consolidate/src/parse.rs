@@ -32,8 +32,37 @@ impl SkillText {
     }
 }
 
-/// Why an output is not a skill.
+/// Steps kept at most (small models loop; the rest is noise).
+const MAX_STEPS: usize = 10;
+
+/// The skill in a generator's output, or why there is none. Besides the format checks, a
+/// skill needs a name and at least 2 distinct steps that are not template placeholders
+/// (`[1]`, `<first step>`, `1. 2. 3.`), and must not be a copy of the prompt's one-shot
+/// example ([`crate::prompt::EXAMPLE_NAME`]).
 pub fn parse_skill(output: &str) -> Result<SkillText, String> {
+    let mut skill = parse_skill_text(output)?;
+    if copies_example(&skill) {
+        return Err("copied the prompt's example skill".into());
+    }
+    // A single step lifted from the example is dropped; what is left must still be a skill.
+    let example = example_steps();
+    skill.steps.retain(|step| !example.contains(&normalized(step)));
+    if skill.steps.len() < 2 {
+        return Err("fewer than 2 steps besides the one copied from the prompt's example".into());
+    }
+    Ok(skill)
+}
+
+fn normalized(text: &str) -> String {
+    text.chars().filter(|c| c.is_alphanumeric()).collect::<String>().to_lowercase()
+}
+
+fn example_steps() -> Vec<String> {
+    parse_skill_text(crate::prompt::EXAMPLE_SKILL).map(|e| e.steps.iter().map(|s| normalized(s)).collect()).unwrap_or_default()
+}
+
+/// [`parse_skill`] without the example-copy check.
+pub(crate) fn parse_skill_text(output: &str) -> Result<SkillText, String> {
     let text = strip_fences(output);
     if let Some(skill) = parse_json(&text) {
         return validate(skill);
@@ -41,26 +70,82 @@ pub fn parse_skill(output: &str) -> Result<SkillText, String> {
     validate(parse_keyed(&text)?)
 }
 
+/// The name of the example, or at least two of its steps, reproduced.
+fn copies_example(skill: &SkillText) -> bool {
+    let example = example_steps();
+    let copied_steps = skill.steps.iter().filter(|s| example.contains(&normalized(s))).count();
+    normalized(&skill.name) == normalized(crate::prompt::EXAMPLE_NAME) || copied_steps >= 2
+}
+
 fn validate(mut skill: SkillText) -> Result<SkillText, String> {
     skill.name = clean(&skill.name).chars().take(MAX_NAME_CHARS).collect::<String>().trim().to_string();
     skill.description = clean(&skill.description);
-    skill.steps = skill.steps.iter().map(|s| clean(s)).filter(|s| !s.is_empty()).collect();
-    dedup_consecutive(&mut skill.steps);
     if skill.name.is_empty() {
         return Err("no `Name:` line".into());
+    }
+    if is_placeholder(&skill.name) {
+        return Err(format!("the name `{}` is a template placeholder", skill.name));
     }
     if skill.steps.is_empty() {
         return Err("no steps".into());
     }
-    if skill.description.is_empty() {
+    let mut steps: Vec<String> = Vec::new();
+    for step in skill.steps.iter().map(|s| clip_step(&clean(s))) {
+        if step.is_empty() || is_placeholder(&step) {
+            continue;
+        }
+        // A step seen before: the model is looping; what follows is not the skill.
+        if steps.iter().any(|s| s.eq_ignore_ascii_case(&step)) {
+            break;
+        }
+        steps.push(step);
+        if steps.len() == MAX_STEPS {
+            break;
+        }
+    }
+    if steps.len() < 2 {
+        return Err(format!("{} real step(s) (at least 2 distinct steps that are not placeholders needed)", steps.len()));
+    }
+    skill.steps = steps;
+    if skill.description.is_empty() || is_placeholder(&skill.description) {
         skill.description = skill.name.clone();
     }
     Ok(skill)
 }
 
-/// Small models loop: a step repeated back to back is kept once.
-fn dedup_consecutive(steps: &mut Vec<String>) {
-    steps.dedup_by(|a, b| a.eq_ignore_ascii_case(b));
+/// Characters of a step; longer ones are where a small model looped inside a line.
+const MAX_STEP_CHARS: usize = 200;
+
+/// A step over [`MAX_STEP_CHARS`] cut to its first clause (`;`), or at a word boundary.
+fn clip_step(step: &str) -> String {
+    if step.chars().count() <= MAX_STEP_CHARS {
+        return step.to_string();
+    }
+    if let Some((first, _)) = step.split_once(';') {
+        if first.chars().count() <= MAX_STEP_CHARS {
+            return first.trim().to_string();
+        }
+    }
+    let cut: String = step.chars().take(MAX_STEP_CHARS).collect();
+    match cut.rfind(' ') {
+        Some(at) => cut[..at].to_string(),
+        None => cut,
+    }
+}
+
+/// Template debris rather than content: fewer than 3 letters (`[1]`, `1. 2. 3.`, `...`), a
+/// bracketed placeholder (`<first step>`, `[step]`), or a bare template word.
+fn is_placeholder(text: &str) -> bool {
+    let text = text.trim();
+    if text.chars().filter(|c| c.is_alphabetic()).count() < 3 {
+        return true;
+    }
+    let bracketed = |open: char, close: char| text.contains(open) && text.contains(close) && text.find(open) < text.rfind(close);
+    if bracketed('<', '>') || (text.starts_with('[') && text.ends_with(']')) || (text.starts_with('{') && text.ends_with('}')) {
+        return true;
+    }
+    let lower = text.trim_end_matches('.').to_lowercase();
+    ["name", "skill name", "description", "step", "steps", "first step", "next step", "a short name for the skill"].contains(&lower.as_str())
 }
 
 /// Removes Markdown decoration and surrounding quotes, collapses whitespace.
@@ -116,18 +201,33 @@ enum Section {
     Steps,
 }
 
+/// The first skill block of the text. Lenient about what small models write: keys in any case
+/// with Markdown decoration; an empty `Name:` followed by the name on the next line; no
+/// `Name:` key at all when the first line is a short plain line followed by a list (the answer
+/// to a prompt ending in `Name:`); unnumbered lines under `Steps:`. The block ends at a second
+/// `Name:`, or at a plain paragraph after a blank line once steps have started (trailing
+/// chatter); looping steps are cut in validation.
 fn parse_keyed(text: &str) -> Result<SkillText, String> {
     let mut skill = SkillText { name: String::new(), description: String::new(), steps: Vec::new() };
     let mut section = Section::None;
+    let mut first_plain: Option<String> = None;
+    let mut expect_name = false;
+    let mut after_blank = false;
     for raw in text.lines() {
         let line = raw.trim();
         if line.is_empty() {
+            after_blank = true;
             continue;
         }
+        let blank_before = std::mem::take(&mut after_blank);
         if let Some((key, value)) = key_value(line) {
             match key.as_str() {
-                "name" | "skill" | "skill name" | "title" if skill.name.is_empty() => {
+                "name" | "skill" | "skill name" | "title" => {
+                    if !skill.name.is_empty() || !skill.steps.is_empty() {
+                        break;
+                    }
                     skill.name = value.to_string();
+                    expect_name = value.is_empty();
                     section = Section::None;
                     continue;
                 }
@@ -148,9 +248,17 @@ fn parse_keyed(text: &str) -> Result<SkillText, String> {
         }
         let marker = strip_marker(line);
         let is_item = marker.len() < line.len();
+        if expect_name && !is_item {
+            skill.name = line.to_string();
+            expect_name = false;
+            continue;
+        }
+        if blank_before && !is_item && !skill.steps.is_empty() {
+            break;
+        }
         match section {
             Section::Steps => skill.steps.push(marker.to_string()),
-            _ if is_item && !skill.name.is_empty() => {
+            _ if is_item && (!skill.name.is_empty() || first_plain.is_some()) => {
                 section = Section::Steps;
                 skill.steps.push(marker.to_string());
             }
@@ -158,7 +266,17 @@ fn parse_keyed(text: &str) -> Result<SkillText, String> {
                 skill.description.push(' ');
                 skill.description.push_str(line);
             }
-            Section::None => {}
+            Section::None => {
+                if skill.name.is_empty() && first_plain.is_none() && !is_item {
+                    first_plain = Some(line.to_string());
+                }
+            }
+        }
+    }
+    if skill.name.is_empty() {
+        // Not a lead-in such as `Here is the skill:`.
+        if let Some(line) = first_plain.filter(|l| l.chars().count() <= MAX_NAME_CHARS && !l.ends_with(':')) {
+            skill.name = line;
         }
     }
     Ok(skill)
@@ -250,5 +368,66 @@ mod tests {
         let skill = parse_skill("Skill name: Heat food\nDescription: Use the microwave\nto heat.\nStep 1: open it\nStep 2: heat it").unwrap();
         assert_eq!(skill.description, "Use the microwave to heat.");
         assert_eq!(skill.steps, vec!["open it", "heat it"]);
+    }
+
+    /// What SmolLM2-135M answered to the old placeholder-template prompt (kept in the failed
+    /// clusters of the first ALFWorld run).
+    #[test]
+    fn recorded_small_model_junk_is_rejected() {
+        let copied = "1. [1]\n2. [2]\n3. [3]\n4. [4]\n5. [5]\n6. [6]\n7. [7]\n8. [8]\n\nThis skill is a general skill that can be applied to any task, and it is a step-by-step process that can be applied to any task.";
+        assert!(parse_skill(copied).is_err());
+        let counted = "1. 1. 2. 3. 4. 5. 6. 7. 8.\n\nEpisode 1:\n1. 1. 2. 3. 4. 5. 6. 7. 8.\n\nEpisode 2:\n1. 1. 2. 3. 4.";
+        assert!(parse_skill(counted).is_err());
+        let template = "Name: <a short name for the skill>\nDescription: <one sentence: when to use this skill>\nSteps:\n1. <first step>\n2. <next step>";
+        assert!(parse_skill(template).unwrap_err().contains("placeholder"));
+        let bracket_steps = "Name: Put things away\nSteps:\n1. [1]\n2. [2]\n3. Go to the shelf.";
+        assert!(parse_skill(bracket_steps).unwrap_err().contains("1 real step"), "one real step is not a skill");
+        let one_step = "Name: Heat it\nSteps:\n1. Heat it in the microwave.\n2. Heat it in the microwave.";
+        assert!(parse_skill(one_step).is_err(), "a looped step is one step");
+    }
+
+    #[test]
+    fn a_copy_of_the_prompt_example_is_rejected() {
+        let example = crate::prompt::EXAMPLE_SKILL;
+        assert_eq!(parse_skill(example).unwrap_err(), "copied the prompt's example skill");
+        // Renamed, but the example's steps.
+        let renamed = example.replace(crate::prompt::EXAMPLE_NAME, "Put a clean lettuce on the table");
+        assert!(parse_skill(&renamed).is_err());
+        // Same name, other steps.
+        let same_name = format!("Name: {}\nSteps:\n1. Go to the sink.\n2. Wash the lettuce.", crate::prompt::EXAMPLE_NAME.to_lowercase());
+        assert!(parse_skill(&same_name).is_err());
+        // One step lifted from the example is dropped, the rest kept.
+        let one_shared = "Name: Clean the lettuce\nSteps:\n1. Open the mail app and start a new message.\n2. Take the lettuce.\n3. Rinse it in the sink.";
+        assert_eq!(parse_skill(one_shared).unwrap().steps, vec!["Take the lettuce.", "Rinse it in the sink."]);
+        let one_left = "Name: Clean the lettuce\nSteps:\n1. Attach the file.\n2. Rinse it in the sink.";
+        assert!(parse_skill(one_left).is_err(), "one real step left");
+    }
+
+    #[test]
+    fn lenient_about_what_small_models_write() {
+        // The answer to a prompt ending in `Name:`: the name comes without its key.
+        let skill = parse_skill(" Heat and place an object\nDescription: Use to heat food.\nSteps:\n1. Find the object.\n2. Heat it with the microwave.\n3. Put it in place.").unwrap();
+        assert_eq!(skill.name, "Heat and place an object");
+        assert_eq!(skill.steps.len(), 3);
+        // An empty `Name:` with the name on the next line; steps without numbers.
+        let skill = parse_skill("Name:\nCool a drink\nSteps:\nOpen the fridge.\nPut the drink inside.").unwrap();
+        assert_eq!((skill.name.as_str(), skill.steps.len()), ("Cool a drink", 2));
+        // A bare name line followed by a list, then chatter after a blank line.
+        let skill = parse_skill("Find and examine an object\n1. Go to the desk.\n2. Take the book.\n3. Turn on the lamp.\n\nThis skill helps the agent in many situations.\nIt is very useful.").unwrap();
+        assert_eq!(skill.name, "Find and examine an object");
+        assert_eq!(skill.steps, vec!["Go to the desk.", "Take the book.", "Turn on the lamp."]);
+        assert_eq!(skill.description, skill.name);
+        // A loop: the block ends at the second `Name:` and at the first repeated step.
+        let skill = parse_skill("Name: Clean a thing\nSteps:\n1. Take it.\n2. Rinse it in the sink.\n3. Take it.\n4. Rinse it in the sink.\nName: Clean a thing\nSteps:\n1. Take it.").unwrap();
+        assert_eq!(skill.steps, vec!["Take it.", "Rinse it in the sink."]);
+        // A lead-in line is not a name.
+        assert!(parse_skill("Here is the skill:\n1. Go to the desk.\n2. Take the book.").is_err());
+        // At most ten steps.
+        let long: String = (1..=30).map(|i| format!("{i}. Do thing number {i}.\n")).collect();
+        assert_eq!(parse_skill(&format!("Name: Long one\nSteps:\n{long}")).unwrap().steps.len(), MAX_STEPS);
+        // A step looping inside its line is cut to its first clause.
+        let looping: Vec<String> = (1..40).map(|i| format!("open the sinkbasin {i}")).collect();
+        let skill = parse_skill(&format!("Name: Wash\nSteps:\n1. Go to the sink.\n2. {}", looping.join("; "))).unwrap();
+        assert_eq!(skill.steps[1], "open the sinkbasin 1");
     }
 }

@@ -1,24 +1,50 @@
 //! The prompts of Stage III and the serialisation of episodes under a token budget.
+//!
+//! Written for small local generators (135M-270M parameters), which copy templates instead of
+//! filling them: no `<placeholder>` or `[1]` templates anywhere. The answer format is shown by a
+//! one-shot example instead: an invented skill from another domain given as an earlier
+//! assistant turn, so the model answers the real logs the way "it" answered the example. The
+//! parser rejects a copy of that example ([`EXAMPLE_NAME`]). Episodes are serialised compactly
+//! (task, outcome, actions; observations dropped): prefill dominates the cost on a CPU.
 
 use fluxmem_graph::Node;
 use fluxmem_models::{ChatMessage, Generator};
 
 use crate::Result;
 
-/// Characters of a single action or tool argument shown to the model.
+/// Characters of a single action or tool argument shown to the model (judge passages).
 const MAX_ACTION_CHARS: usize = 160;
-/// Actions shown per episode at most.
+/// Actions shown per episode at most (judge passages).
 const MAX_ACTIONS: usize = 30;
+/// Characters of the task shown in a compact episode.
+const BRIEF_TASK_CHARS: usize = 200;
+/// Characters of one action (or tool call) in a compact episode.
+const BRIEF_ACTION_CHARS: usize = 90;
+/// Actions shown per compact episode at most.
+const BRIEF_ACTIONS: usize = 12;
 
-pub(crate) const SYSTEM: &str = "You write reusable skills for AI agents: short, general step-by-step procedures learned from past task logs.";
+pub(crate) const SYSTEM: &str = "You write short, reusable skills for AI agents from logs of past tasks.";
 
-const FORMAT: &str = "Answer in exactly this format and nothing else:\n\
-Name: <a short name for the skill>\n\
-Description: <one sentence: when to use this skill>\n\
+/// The one-shot example's logs (an invented task from an unrelated domain).
+const EXAMPLE_LOGS: &str = "Task: send the weekly report to the sales team (success)\n\
+Actions: open mail app; new message; attach report.pdf; add sales-team@corp.example; type subject \"Weekly report\"; send\n\n\
+Task: send the budget sheet to Dana (success)\n\
+Actions: open mail app; new message; add dana@corp.example; attach budget.xlsx; send";
+
+/// The name of the one-shot example skill; an answer with this name is a copy.
+pub const EXAMPLE_NAME: &str = "Email a file to people";
+
+/// The one-shot example skill, in the exact answer format.
+pub(crate) const EXAMPLE_SKILL: &str = "Name: Email a file to people\n\
+Description: Use when a document has to be sent to one person or a group.\n\
 Steps:\n\
-1. <first step>\n\
-2. <next step>\n\
-(3 to 8 steps; general, without object numbers or ids)";
+1. Open the mail app and start a new message.\n\
+2. Attach the file.\n\
+3. Add the address of every recipient.\n\
+4. Write a short subject, then send the message.";
+
+/// The instruction after the logs (the real ones and the example's).
+const ASK: &str = "Write one reusable skill for tasks like these: a name, one sentence on when to use it, and 3 to 6 short general steps (no object numbers or ids).";
 
 /// The outcome label shown to the model.
 pub fn outcome_label(node: &Node) -> &'static str {
@@ -29,7 +55,7 @@ pub fn outcome_label(node: &Node) -> &'static str {
     }
 }
 
-/// An episode as the model sees it: the task, then the actions and tool calls.
+/// An episode as the judge sees it: the task, then the actions and tool calls.
 pub fn episode_text(node: &Node) -> String {
     let mut text = format!("Task: {}\nActions:", clip(node.text.trim(), 600));
     let mut shown = 0;
@@ -38,17 +64,7 @@ pub fn episode_text(node: &Node) -> String {
             text.push_str("\n- ...");
             break;
         }
-        let action = step.action.trim();
-        let mut line = String::new();
-        if !action.is_empty() {
-            line.push_str(&clip(action, MAX_ACTION_CHARS));
-        }
-        for call in &step.tool_calls {
-            if !line.is_empty() {
-                line.push_str("; ");
-            }
-            line.push_str(&format!("{}({})", call.name, clip(&call.arguments, MAX_ACTION_CHARS)));
-        }
+        let line = action_line(step, MAX_ACTION_CHARS);
         if !line.is_empty() {
             text.push_str("\n- ");
             text.push_str(&line);
@@ -58,29 +74,80 @@ pub fn episode_text(node: &Node) -> String {
     text
 }
 
-/// The episodes, most representative first, as numbered blocks with their outcomes, while
-/// they fit in `budget` tokens of `generator` (the first one is always shown, cut if needed).
+/// An episode as the generator sees it, on two lines: `Task: ... (outcome)` and
+/// `Actions: a; b; c` (at most [`BRIEF_ACTIONS`] actions, each clipped, standalone numbers
+/// dropped, back-to-back repeats shown once, observations dropped).
+pub fn episode_brief(node: &Node, show_outcome: bool) -> String {
+    let task = clip(&node.text.split_whitespace().collect::<Vec<_>>().join(" "), BRIEF_TASK_CHARS);
+    let outcome = if show_outcome { format!(" ({})", outcome_label(node)) } else { String::new() };
+    let mut actions: Vec<String> = Vec::new();
+    let mut more = false;
+    for step in node.episode().into_iter().flat_map(|e| &e.steps) {
+        let line = without_numbers(&action_line(step, BRIEF_ACTION_CHARS));
+        if line.is_empty() || actions.last() == Some(&line) {
+            continue;
+        }
+        if actions.len() == BRIEF_ACTIONS {
+            more = true;
+            break;
+        }
+        actions.push(line);
+    }
+    let mut text = format!("Task: {task}{outcome}\nActions: {}", if actions.is_empty() { "none logged".to_string() } else { actions.join("; ") });
+    if more {
+        text.push_str("; ...");
+    }
+    text
+}
+
+/// Standalone small numbers dropped (`take lettuce 1 from diningtable 1` -> `take lettuce from
+/// diningtable`): object instance numbers make a tiny model write instance-specific steps,
+/// and a skill should be general. Ids inside words or quotes (`u1`, `"ABC123"`) are kept.
+fn without_numbers(line: &str) -> String {
+    line.split(' ')
+        .filter(|word| !(word.len() <= 3 && !word.is_empty() && word.chars().all(|c| c.is_ascii_digit())))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A step's action and tool calls on one line, whitespace collapsed, each part clipped.
+fn action_line(step: &fluxmem_graph::Step, max_chars: usize) -> String {
+    let mut parts = Vec::new();
+    let action = step.action.split_whitespace().collect::<Vec<_>>().join(" ");
+    if !action.is_empty() {
+        parts.push(clip(&action, max_chars));
+    }
+    for call in &step.tool_calls {
+        let arguments = call.arguments.split_whitespace().collect::<Vec<_>>().join(" ");
+        parts.push(format!("{}({})", call.name, clip(&arguments, max_chars)));
+    }
+    // `;` separates actions in a compact episode.
+    parts.join(", ").replace(';', ",")
+}
+
+/// The episodes, most representative first, as compact blocks with their outcomes, while they
+/// fit in `budget` tokens of `generator` (the first one is always shown, cut if needed).
+/// Returns the text and the number of episodes shown.
 pub fn serialize_episodes(episodes: &[&Node], budget: usize, show_outcome: bool, generator: &dyn Generator) -> Result<(String, usize)> {
     let mut out = String::new();
     let mut used = 0;
     let mut shown = 0;
-    for (i, node) in episodes.iter().enumerate() {
-        let outcome = if show_outcome { format!(" ({})", outcome_label(node)) } else { String::new() };
-        let mut block = format!("Episode {}{}:\n{}\n\n", i + 1, outcome, episode_text(node));
+    for node in episodes {
+        let mut block = format!("{}\n\n", episode_brief(node, show_outcome));
         let mut tokens = generator.count_tokens(&block)?;
         if used + tokens > budget {
             if shown > 0 {
                 break;
             }
             // Cut the first episode to the budget (by characters, a safe over-estimate of tokens).
-            block = format!("{}\n...\n\n", clip(&block, budget.saturating_mul(3)));
+            block = format!("{}\n\n", clip(&block, budget.saturating_mul(3)));
             tokens = generator.count_tokens(&block)?;
         }
         out.push_str(&block);
         used += tokens;
         shown += 1;
     }
-    Ok((out, shown))
+    Ok((out.trim_end().to_string(), shown))
 }
 
 fn clip(text: &str, max_chars: usize) -> String {
@@ -90,33 +157,41 @@ fn clip(text: &str, max_chars: usize) -> String {
     }
 }
 
-/// First induction of a skill from a cluster.
+/// The system turn and the one-shot example as an earlier user / assistant exchange.
+fn one_shot() -> Vec<ChatMessage> {
+    vec![
+        ChatMessage::new("system", SYSTEM),
+        ChatMessage::new("user", format!("Logs:\n{EXAMPLE_LOGS}\n\n{ASK}")),
+        ChatMessage::new("assistant", EXAMPLE_SKILL),
+    ]
+}
+
+/// First induction of a skill from a cluster: the one-shot exchange, then the real logs.
 pub fn induce(episodes: &str) -> Vec<ChatMessage> {
-    let user = format!(
-        "Here are logs of similar tasks done by an agent, with their outcomes.\n\n{episodes}\
-         Write one reusable skill that would help the agent do tasks like these: follow what the successful \
-         episodes did and avoid what the failed ones did.\n{FORMAT}"
-    );
-    vec![ChatMessage::new("system", SYSTEM), ChatMessage::new("user", user)]
+    let mut messages = one_shot();
+    messages.push(ChatMessage::new("user", format!("Logs:\n{episodes}\n\n{ASK}")));
+    messages
 }
 
 /// A new version of an existing skill from the cluster's episodes (old and new).
 pub fn update(previous: &str, episodes: &str) -> Vec<ChatMessage> {
-    let user = format!(
-        "An agent has this skill:\n\n{previous}\n\nHere are logs of tasks of this kind, including new ones, with their outcomes.\n\n\
-         {episodes}Update the skill so it covers these tasks: keep what still holds, fix what the logs contradict.\n{FORMAT}"
-    );
-    vec![ChatMessage::new("system", SYSTEM), ChatMessage::new("user", user)]
-}
-
-/// The repair prompt after unparseable output.
-pub fn repair(mut messages: Vec<ChatMessage>, raw: &str, problem: &str) -> Vec<ChatMessage> {
-    messages.push(ChatMessage::new("assistant", raw));
+    let mut messages = one_shot();
     messages.push(ChatMessage::new(
         "user",
-        format!("That answer could not be read ({problem}). Write the skill again.\n{FORMAT}"),
+        format!("Logs:\n{episodes}\n\nThe current skill for these tasks is:\n{previous}\n\n{ASK} Keep what still holds, fix what the logs contradict."),
     ));
     messages
+}
+
+/// The second try after unreadable output. Greedy decoding would repeat the first answer to
+/// the same prompt, and showing the bad answer back invites copying it, so this is a different,
+/// shorter prompt: one user turn with the example inline, fewer episodes, and the text ending
+/// where the answer starts (`Name:`); the parser takes a first line without a key as the name.
+pub fn retry(episodes: &str) -> Vec<ChatMessage> {
+    let user = format!(
+        "Write one skill for these logs, in the same format as this example.\n\nExample:\n{EXAMPLE_SKILL}\n\nLogs:\n{episodes}\n\n{ASK}\n\nName:"
+    );
+    vec![ChatMessage::new("system", SYSTEM), ChatMessage::new("user", user)]
 }
 
 /// A rewrite of the current version for the next PEMS round.
@@ -124,11 +199,12 @@ pub fn rewrite(current: &str, eta: f64, length: usize, disagreements: &str) -> V
     let evidence = if disagreements.is_empty() {
         String::new()
     } else {
-        format!("It does not fit these logged episodes well:\n\n{disagreements}")
+        format!("It does not fit these logs well:\n{disagreements}\n\n")
     };
     let user = format!(
-        "Here is a skill for an agent:\n\n{current}\n\nIt agrees with {:.0}% of the episodes it was learned from and is {length} tokens long. \
-         {evidence}Rewrite it to be more accurate and more concise: keep the steps that matter, drop the rest.\n{FORMAT}",
+        "Here is a skill for an agent:\n\n{current}\n\nIt fits {:.0}% of the logs it was learned from and is {length} tokens long. \
+         {evidence}Rewrite it to be more accurate and shorter: keep the steps that matter, drop the rest. Answer with the skill only, \
+         as Name, Description and numbered Steps.",
         eta * 100.0
     );
     vec![ChatMessage::new("system", SYSTEM), ChatMessage::new("user", user)]
@@ -137,4 +213,66 @@ pub fn rewrite(current: &str, eta: f64, length: usize, disagreements: &str) -> V
 /// The judge's query for replaying `skill` against one episode.
 pub fn judge_query(skill: &str) -> String {
     format!("Would an agent following this skill act as in the episode below?\nSkill:\n{skill}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fluxmem_graph::{Episode, NodeBody, Outcome, Step, ToolCall};
+
+    fn node() -> Node {
+        let mut steps = vec![
+            Step { observation: "a very long observation ".repeat(50), action: "go to fridge 1".into(), ..Default::default() },
+            Step { action: "go to fridge 2".into(), ..Default::default() },
+            Step { action: "open; fridge 1".into(), ..Default::default() },
+            Step {
+                tool_calls: vec![ToolCall { name: "get_user".into(), arguments: "{\"id\": \"u1\"}".into(), ..Default::default() }],
+                ..Default::default()
+            },
+        ];
+        steps.extend((0..20).map(|i| Step { action: format!("step s{i}"), ..Default::default() }));
+        let outcome = Outcome { success: Some(false), reward: None, feedback: None };
+        Node::new(NodeBody::Episodic(Episode { steps, outcome }), "default", "put a   clean\nlettuce in diningtable", &["t"])
+    }
+
+    #[test]
+    fn brief_is_compact() {
+        let brief = episode_brief(&node(), true);
+        assert_eq!(brief.lines().count(), 2, "{brief}");
+        assert!(brief.starts_with("Task: put a clean lettuce in diningtable (failure)\nActions: go to fridge; open, fridge; get_user({\"id\": \"u1\"}); step s0"));
+        assert!(!brief.contains("observation"), "observations dropped");
+        assert_eq!(brief.matches("go to fridge").count(), 1, "back-to-back repeat (up to numbers) shown once");
+        assert_eq!(without_numbers("take lettuce 1 from diningtable 12 for user u1 at 2024"), "take lettuce from diningtable for user u1 at 2024");
+        assert!(brief.ends_with("; ..."), "capped at {BRIEF_ACTIONS} actions: {brief}");
+        assert_eq!(brief.split("; ").count(), BRIEF_ACTIONS + 1);
+    }
+
+    /// Placeholder templates are what tiny models copy (`1. [1]`, `<first step>`).
+    fn assert_no_placeholders(messages: &[ChatMessage]) {
+        for message in messages {
+            let text = &message.content;
+            assert!(!text.contains('<') && !text.contains('>'), "angle brackets in {text}");
+            for i in 0..10 {
+                assert!(!text.contains(&format!("[{i}]")), "[{i}] in {text}");
+            }
+            assert!(!text.contains("..."), "ellipsis in {text}");
+        }
+    }
+
+    #[test]
+    fn prompts_have_no_placeholder_templates() {
+        let episodes = "Task: put a clean lettuce in diningtable (success)\nActions: go to sinkbasin 1; clean lettuce 1";
+        assert_no_placeholders(&induce(episodes));
+        assert_no_placeholders(&update(EXAMPLE_SKILL, episodes));
+        assert_no_placeholders(&retry(episodes));
+        assert_no_placeholders(&rewrite(EXAMPLE_SKILL, 0.5, 40, episodes));
+        // The example is an earlier assistant turn in the exact format and parses.
+        let messages = induce(episodes);
+        assert_eq!(messages.iter().map(|m| m.role.as_str()).collect::<Vec<_>>(), ["system", "user", "assistant", "user"]);
+        assert!(messages[3].content.contains(episodes));
+        let example = crate::parse::parse_skill_text(EXAMPLE_SKILL).unwrap();
+        assert_eq!(example.name, EXAMPLE_NAME);
+        assert_eq!(example.steps.len(), 4);
+        assert!(retry(episodes).last().unwrap().content.ends_with("Name:"));
+    }
 }

@@ -220,7 +220,7 @@ fn pems_loop_stops_on_convergence_or_at_the_round_limit() {
     let store = dir.path().join("store");
     add_episodes(&store, three_families(3));
     // The same skill every time: delta 0, same eta and length, |delta PEMS| = 0 at round 2.
-    let fixed = "Name: Do it\nDescription: d\nSteps:\n1. a b\n2. c d\n".to_string();
+    let fixed = "Name: Do it\nDescription: d\nSteps:\n1. open the box\n2. close the box\n".to_string();
     let mut generator = Scripted::new(move |_| fixed.clone());
     let report = run(&store, &mut generator, None, &options(1));
     let skill = &report.skills[0];
@@ -235,7 +235,7 @@ fn pems_loop_stops_on_convergence_or_at_the_round_limit() {
     let mut generator = Scripted::new(move |_| {
         count += 1;
         let words: Vec<String> = (0..count * 7).map(|w| format!("w{}x{}", count, w)).collect();
-        format!("Name: Skill {count}\nDescription: d\nSteps:\n1. {}\n", words.join(" "))
+        format!("Name: Skill {count}\nDescription: d\nSteps:\n1. {}\n2. stop here\n", words.join(" "))
     });
     let report = run(&store, &mut generator, None, &options(1));
     let skill = &report.skills[0];
@@ -256,7 +256,7 @@ fn malformed_output_is_repaired_or_kept_as_a_failed_cluster() {
     add_episodes(&store, three_families(2));
     // Junk first, a good answer to the repair prompt.
     let mut generator = Scripted::new(|messages| {
-        if messages.last().unwrap().content.starts_with("That answer could not be read") {
+        if messages.last().unwrap().content.starts_with("Write one skill for these logs") {
             "```\n**Name:** Fixed\nSteps:\n- one\n- two\n```".into()
         } else if messages.last().unwrap().content.starts_with("Here is a skill") {
             "**Name:** Fixed\nSteps:\n- one\n- two".into()
@@ -276,7 +276,7 @@ fn malformed_output_is_repaired_or_kept_as_a_failed_cluster() {
     let report = run(&store, &mut generator, None, &options(2));
     assert_eq!((report.skills_new, report.failed, report.commits), (0, 2, 1));
     let failure = &report.failures[0];
-    assert_eq!(failure.attempts.len(), 2, "the answer and the repaired answer");
+    assert_eq!(failure.attempts.len(), 2, "the answer and the retried answer");
     assert!(failure.attempts.iter().all(|a| a.raw == "Name: only a name, no steps" && a.problem == "no steps"));
     let graph = load(&store);
     assert_eq!(graph.stats().procedural, 0);
