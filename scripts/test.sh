@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the whole fluxmem test suite. First installs what a fresh machine lacks (idempotent,
 # quick when everything is there): the Python packages the shard-reading test uses and the
-# local models the model tests use.
+# local models the model tests use, and Ray for the Ray integration's test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,9 +10,17 @@ if ! .venv/bin/python -c "import pyarrow, duckdb" 2>/dev/null; then
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
 fi
+if ! .venv/bin/python -c "import ray.data, pytest" 2>/dev/null; then
+  echo "installing Ray into .venv for the Ray integration test (integrations/ray)" >&2
+  .venv/bin/pip install --quiet --disable-pip-version-check -r integrations/ray/requirements.txt
+fi
 
 # Models the real-model tests use (cached in FLUXMEM_MODELS, default ~/.cache/fluxmem/models;
 # a no-op when already installed and verified).
 cargo run --quiet -- models fetch all-minilm-l6-v2 smollm2-135m-instruct-q4_1 gemma3-270m-q4_k_m
 
 cargo test --workspace "$@"
+
+# The Ray integration: the pipeline through Ray (2 shards, a logical GPU) gives the same store
+# as the single-machine run. Uses the binary cargo test just built.
+PYTHONDONTWRITEBYTECODE=1 FLUXMEM_BIN="$PWD/target/debug/fluxmem" .venv/bin/python -m pytest -q -rA -p no:cacheprovider integrations/ray/tests

@@ -1,0 +1,223 @@
+"""The Ray path gives the same store as the single-machine run (the oracle).
+
+Runs the samples in data/ through `fluxmem_ray.run_pipeline` on a local Ray with a logical GPU
+(`ray.init(num_cpus=2, num_gpus=1)`, 2 shards, half a GPU per actor so both shards can run at
+once) and through `fluxmem run` on another store with the same run id, then compares the two
+stores table by table with pyarrow.
+
+Needs FLUXMEM_BIN (the built binary; scripts/test.sh sets it to target/debug/fluxmem) and the
+embedding model in FLUXMEM_MODELS (scripts/test.sh fetches it).
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fluxmem_ray  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+RUN_ID = "ray-equivalence-1"
+SHARDS = 2
+# Embeddings of the same text from different batches may differ in the last float bits
+# (padding and batch composition change the reduction order). Edge weights are cosines and
+# fused scores of those vectors, so they (and the copies of them in edge metadata and edit
+# records) carry the same noise: both are compared with this absolute tolerance, every other
+# value exactly.
+TOLERANCE = 1e-6
+
+PIPELINE = """\
+name = "ray-test"
+store = "store"
+seed = 7
+
+[models]
+device = "cpu"
+
+[[inputs]]
+paths = ["{data}/trajectories.jsonl", "{data}/knowledge/*.md"]
+
+[[inputs]]
+paths = ["{data}/tau-bench/*.json"]
+format = "tau-bench"
+tenant = "airline"
+
+[[inputs]]
+paths = ["{data}/alfworld/*.json"]
+format = "alfworld"
+tenant = "alfworld"
+
+# Skill induction with the real generator costs minutes per cluster in a debug build; it is a
+# global stage that runs once on the merged store either way.
+[consolidate]
+enabled = false
+
+[export]
+format = "jsonl"
+out = "out/skills"
+
+[report]
+dir = "out/runs"
+"""
+
+KEYS = {
+    "nodes": ("id",),
+    "steps": ("episode_id", "step_index"),
+    "edges": ("src", "dst", "kind"),
+    "embeddings": ("node_id", "model_id"),
+}
+
+
+def binary() -> str:
+    path = os.environ.get("FLUXMEM_BIN")
+    if not path or not os.access(path, os.X_OK):
+        raise RuntimeError(f"FLUXMEM_BIN must name the built fluxmem binary (got {path!r}); run scripts/test.sh")
+    return path
+
+
+def live_rows(store: Path, table: str) -> dict:
+    """The store's rows of `table` by key: for a key in several shards the highest commit wins."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    rows = {}
+    for shard in sorted((s for s in manifest["shards"] if s["table"] == table), key=lambda s: s["commit"]):
+        for row in pq.read_table(store / shard["file"]).to_pylist():
+            rows[tuple(row[k] for k in KEYS[table])] = row
+    return rows
+
+
+def edit_log(store: Path) -> dict:
+    """The edit records by (stage, kind, target); each key appears once in these runs."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    files = [store / s["file"] for s in manifest["shards"] if s["table"] == "edits"]
+    rows = pa.concat_tables([pq.read_table(f) for f in files]).to_pylist() if files else []
+    log = {}
+    for row in rows:
+        key = (row["stage"], row["kind"], row["target"])
+        assert key not in log, f"edit {key} recorded twice in {store}"
+        log[key] = {k: row[k] for k in ("run_id", "before", "after", "reason")}
+    return log
+
+
+def assert_close(expected, actual, where):
+    """Equal JSON-like values, floats within TOLERANCE."""
+    if isinstance(expected, float) or isinstance(actual, float):
+        assert isinstance(actual, (int, float)) and isinstance(expected, (int, float)), (where, expected, actual)
+        assert math.isclose(expected, actual, rel_tol=0, abs_tol=TOLERANCE), (where, expected, actual)
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and sorted(expected) == sorted(actual), (where, expected, actual)
+        for key in expected:
+            assert_close(expected[key], actual[key], f"{where}.{key}")
+    elif isinstance(expected, list):
+        assert isinstance(actual, list) and len(expected) == len(actual), (where, expected, actual)
+        for i, (a, b) in enumerate(zip(expected, actual)):
+            assert_close(a, b, f"{where}[{i}]")
+    else:
+        assert expected == actual, (where, expected, actual)
+
+
+def parsed(value):
+    return json.loads(value) if isinstance(value, str) and value[:1] in "{[" else value
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray-equivalence")
+    text = PIPELINE.format(data=REPO / "data")
+    pipelines = {}
+    for name in ("single", "ray"):
+        (root / name).mkdir()
+        pipelines[name] = root / name / "pipeline.toml"
+        pipelines[name].write_text(text)
+    env = {"FLUXMEM_MODELS": os.environ.get("FLUXMEM_MODELS", str(Path.home() / ".cache/fluxmem/models"))}
+
+    single = subprocess.run(
+        [binary(), "run", str(pipelines["single"]), "--run-id", RUN_ID, "--no-progress", "--json"],
+        capture_output=True, text=True, env={**os.environ, **env},
+    )
+    assert single.returncode == 0, f"single-machine run failed ({single.returncode}):\n{single.stderr}"
+    single_record = json.loads(single.stdout.splitlines()[-1])
+
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        summary = fluxmem_ray.run_pipeline(
+            str(pipelines["ray"]), RUN_ID, fluxmem_ray.Options(shards=SHARDS, gpus_per_worker=0.5), binary=binary(), env=env
+        )
+    finally:
+        ray.shutdown()
+    print()
+    print("single machine:", ", ".join(f"{s['name']} {s['seconds']:.1f}s" for s in single_record["stages"]))
+    print(summary.table())
+    return {"single": root / "single" / "store", "ray": root / "ray" / "store", "summary": summary, "single_record": single_record}
+
+
+def test_map_stages_fanned_out_on_gpu_actors(stores):
+    summary = stores["summary"]
+    assert [s["name"] for s in summary.stages] == list(fluxmem_ray.STAGES)
+    assert summary.gpus_per_worker == 0.5
+    for stage in summary.stages:
+        if stage["name"] in fluxmem_ray.MAP_STAGES:
+            assert stage["mode"] == "map"
+            assert [s["shard"] for s in stage["shards"]] == list(range(SHARDS))
+            for shard in stage["shards"]:
+                assert shard["gpu_ids"], f"{stage['name']} shard {shard['shard']} ran on an actor without a GPU"
+            assert stage["merge"]["record"]["status"] == "merged", stage["merge"]
+        else:
+            assert stage["mode"] == "global"
+            assert stage["gpu_ids"], f"global stage {stage['name']} ran without a GPU"
+            assert stage["record"]["status"] in ("done", "skipped (disabled)", "nothing new"), stage["record"]
+    # Each ingest shard really did a part: together they ingested what the single run did.
+    ingest = summary.stages[0]["shards"]
+    single_ingest = stores["single_record"]["stages"][0]["counts_out"]
+    assert all(0 < s["record"]["counts_out"]["ingested"] < single_ingest["ingested"] for s in ingest), ingest
+    assert sum(s["record"]["counts_out"]["ingested"] for s in ingest) == single_ingest["ingested"]
+    assert not (stores["ray"] / "staging").exists() or not any((stores["ray"] / "staging").iterdir())
+
+
+@pytest.mark.parametrize("table", ["nodes", "steps"])
+def test_same_rows(stores, table):
+    single, sharded = live_rows(stores["single"], table), live_rows(stores["ray"], table)
+    assert len(single) > 0
+    assert sorted(single) == sorted(sharded)
+    for key, row in single.items():
+        assert sharded[key] == row, key
+
+
+def test_same_edges(stores):
+    single, sharded = live_rows(stores["single"], "edges"), live_rows(stores["ray"], "edges")
+    assert {row["kind"] for row in single.values()} >= {"ground", "link"}
+    assert sorted(single) == sorted(sharded)
+    assert {row["run_id"] for row in single.values()} <= {f"connect@{RUN_ID}", f"refine@{RUN_ID}"}
+    for key, row in single.items():
+        other = sharded[key]
+        for column in ("run_id", "active", "evidence", "stage", "created_at"):
+            assert other[column] == row[column], (key, column)
+        assert_close(row["weight"], other["weight"], f"{key} weight")
+        assert_close(parsed(row["metadata"]), parsed(other["metadata"]), f"{key} metadata")
+
+
+def test_same_embeddings(stores):
+    single, sharded = live_rows(stores["single"], "embeddings"), live_rows(stores["ray"], "embeddings")
+    assert len(single) == len(live_rows(stores["single"], "nodes"))
+    assert sorted(single) == sorted(sharded)
+    worst = 0.0
+    for key, row in single.items():
+        assert sharded[key]["text_sha256"] == row["text_sha256"], key
+        worst = max(worst, max(abs(a - b) for a, b in zip(row["vector"], sharded[key]["vector"])))
+    print(f"largest embedding difference: {worst:.2e}")
+    assert worst <= TOLERANCE
+
+
+def test_same_refine_edits(stores):
+    single, sharded = edit_log(stores["single"]), edit_log(stores["ray"])
+    assert any(stage == "refine" for stage, _, _ in single)
+    assert sorted(single) == sorted(sharded)
+    for key, edit in single.items():
+        assert_close({k: parsed(v) for k, v in edit.items()}, {k: parsed(v) for k, v in sharded[key].items()}, str(key))
