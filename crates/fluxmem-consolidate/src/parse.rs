@@ -77,7 +77,16 @@ fn copies_example(skill: &SkillText) -> bool {
     normalized(&skill.name) == normalized(crate::prompt::EXAMPLE_NAME) || copied_steps >= 2
 }
 
+/// The outcome labels of the prompt's episodes, which small models copy into names.
+const OUTCOME_LABELS: [&str; 3] = ["(success)", "(failure)", "(outcome unknown)"];
+
+fn without_labels(text: &str) -> String {
+    OUTCOME_LABELS.iter().fold(text.to_string(), |text, label| text.replace(label, "")).trim().to_string()
+}
+
 fn validate(mut skill: SkillText) -> Result<SkillText, String> {
+    skill.name = without_labels(&skill.name);
+    skill.description = without_labels(&skill.description);
     skill.name = clean(&skill.name).chars().take(MAX_NAME_CHARS).collect::<String>().trim().to_string();
     skill.description = clean(&skill.description);
     if skill.name.is_empty() {
@@ -420,6 +429,9 @@ mod tests {
         // A loop: the block ends at the second `Name:` and at the first repeated step.
         let skill = parse_skill("Name: Clean a thing\nSteps:\n1. Take it.\n2. Rinse it in the sink.\n3. Take it.\n4. Rinse it in the sink.\nName: Clean a thing\nSteps:\n1. Take it.").unwrap();
         assert_eq!(skill.steps, vec!["Take it.", "Rinse it in the sink."]);
+        // Outcome labels copied from the prompt are dropped.
+        let skill = parse_skill("Name: Clean the kitchen (success)\nDescription: Clean it (success)\nSteps:\n1. Go to the sink.\n2. Rinse it.").unwrap();
+        assert_eq!((skill.name.as_str(), skill.description.as_str()), ("Clean the kitchen", "Clean it"));
         // A lead-in line is not a name.
         assert!(parse_skill("Here is the skill:\n1. Go to the desk.\n2. Take the book.").is_err());
         // At most ten steps.

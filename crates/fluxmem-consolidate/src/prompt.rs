@@ -76,7 +76,7 @@ pub fn episode_text(node: &Node) -> String {
 
 /// An episode as the generator sees it, on two lines: `Task: ... (outcome)` and
 /// `Actions: a; b; c` (at most [`BRIEF_ACTIONS`] actions, each clipped, standalone numbers
-/// dropped, back-to-back repeats shown once, observations dropped).
+/// dropped, back-to-back repeats shown once; observations and `think:` thoughts dropped).
 pub fn episode_brief(node: &Node, show_outcome: bool) -> String {
     let task = clip(&node.text.split_whitespace().collect::<Vec<_>>().join(" "), BRIEF_TASK_CHARS);
     let outcome = if show_outcome { format!(" ({})", outcome_label(node)) } else { String::new() };
@@ -84,7 +84,7 @@ pub fn episode_brief(node: &Node, show_outcome: bool) -> String {
     let mut more = false;
     for step in node.episode().into_iter().flat_map(|e| &e.steps) {
         let line = without_numbers(&action_line(step, BRIEF_ACTION_CHARS));
-        if line.is_empty() || actions.last() == Some(&line) {
+        if line.is_empty() || is_thought(&line) || actions.last() == Some(&line) {
             continue;
         }
         if actions.len() == BRIEF_ACTIONS {
@@ -98,6 +98,13 @@ pub fn episode_brief(node: &Node, show_outcome: bool) -> String {
         text.push_str("; ...");
     }
     text
+}
+
+/// A ReAct thought logged as an action (`think: ...`): not something the agent did, and a
+/// tiny model copies the `Think:` prefix into the steps.
+fn is_thought(line: &str) -> bool {
+    let lower = line.trim_start().to_lowercase();
+    lower.starts_with("think:") || lower.starts_with("thought:")
 }
 
 /// Standalone small numbers dropped (`take lettuce 1 from diningtable 1` -> `take lettuce from
@@ -224,6 +231,7 @@ mod tests {
         let mut steps = vec![
             Step { observation: "a very long observation ".repeat(50), action: "go to fridge 1".into(), ..Default::default() },
             Step { action: "go to fridge 2".into(), ..Default::default() },
+            Step { action: "think: now I open it".into(), ..Default::default() },
             Step { action: "open; fridge 1".into(), ..Default::default() },
             Step {
                 tool_calls: vec![ToolCall { name: "get_user".into(), arguments: "{\"id\": \"u1\"}".into(), ..Default::default() }],
@@ -241,6 +249,7 @@ mod tests {
         assert_eq!(brief.lines().count(), 2, "{brief}");
         assert!(brief.starts_with("Task: put a clean lettuce in diningtable (failure)\nActions: go to fridge; open, fridge; get_user({\"id\": \"u1\"}); step s0"));
         assert!(!brief.contains("observation"), "observations dropped");
+        assert!(!brief.contains("think"), "thoughts dropped");
         assert_eq!(brief.matches("go to fridge").count(), 1, "back-to-back repeat (up to numbers) shown once");
         assert_eq!(without_numbers("take lettuce 1 from diningtable 12 for user u1 at 2024"), "take lettuce from diningtable for user u1 at 2024");
         assert!(brief.ends_with("; ..."), "capped at {BRIEF_ACTIONS} actions: {brief}");
