@@ -74,12 +74,27 @@ def _call(invocation: Invocation, command: list[str]) -> tuple[dict, float, int]
     return record, seconds, done.returncode
 
 
+# A shard that finds no main store creates it, holding the main store's writer lock for that
+# moment; a second shard starting at the same instant fails with this error. Nothing was
+# written by the failed shard, so it is retried after a short wait (the store exists by then).
+LOCKED = "store is locked by another writer"
+LOCK_RETRIES = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
 def run_shard(invocation: Invocation, stage: str, index: int, count: int) -> dict:
     """Runs shard ``index`` of ``count`` of a map stage; returns its stage record and timing."""
     if stage not in MAP_STAGES:
         raise ValueError(f"stage {stage!r} is not a map stage ({', '.join(MAP_STAGES)})")
-    record, seconds, code = _call(invocation, invocation.command(stage, "--shard", f"{index}/{count}"))
-    return {"shard": index, "seconds": seconds, "exit_code": code, "record": record}
+    command = invocation.command(stage, "--shard", f"{index}/{count}")
+    for wait in LOCK_RETRIES + (None,):
+        try:
+            record, seconds, code = _call(invocation, command)
+            return {"shard": index, "seconds": seconds, "exit_code": code, "record": record}
+        except FluxmemError as error:
+            if wait is None or LOCKED not in str(error):
+                raise
+            time.sleep(wait)
+    raise AssertionError("unreachable")
 
 
 def run_merge(invocation: Invocation, stage: str, count: int) -> dict:
