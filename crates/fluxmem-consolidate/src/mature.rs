@@ -4,8 +4,9 @@
 use fluxmem_graph::Node;
 use fluxmem_models::{Embedder, GenerateParams, Generator, Judge};
 use serde::Serialize;
+use std::collections::BTreeSet;
 
-use crate::parse::{parse_skill, SkillText};
+use crate::parse::{content_words, grounded_words, parse_skill, SkillText};
 use crate::pems::{delta, pems, word_count, LengthUnit, PemsScore};
 use crate::prompt;
 use crate::{ConsolidateOptions, Result};
@@ -75,6 +76,14 @@ pub(crate) struct Job<'g> {
     pub previous: Option<(String, Vec<f32>)>,
 }
 
+/// Distinct episode words (see [`grounded_words`]) a skill must use to be about its episodes.
+const MIN_GROUNDED_WORDS: usize = 2;
+
+/// The vocabulary of the episodes as the generator sees them.
+fn vocabulary(episodes: &[&Node]) -> BTreeSet<String> {
+    episodes.iter().flat_map(|node| content_words(&prompt::episode_brief(node, false))).collect()
+}
+
 /// Stop strings: the model inventing more logs instead of ending its answer.
 const STOP: [&str; 4] = ["\nTask:", "\nLogs:", "<|im_start|>", "<start_of_turn>"];
 
@@ -111,6 +120,7 @@ fn induce_with(
     attempts: &mut Vec<Attempt>,
 ) -> Result<Option<SkillText>> {
     let params = params(options);
+    let vocabulary = vocabulary(episodes);
     let (shown, _) = match prompt::serialize_episodes(episodes, options.prompt_budget, true, &*generator) {
         Ok(serialized) => serialized,
         Err(error) => {
@@ -122,7 +132,7 @@ fn induce_with(
         None => prompt::induce(&shown),
         Some(text) => prompt::update(text, &shown),
     };
-    if let Some(skill) = generate_skill(generator, &messages, &params, attempts) {
+    if let Some(skill) = generate_skill(generator, &messages, &params, &vocabulary, attempts) {
         return Ok(Some(skill));
     }
     // The retry: a different, shorter prompt over the two most representative episodes.
@@ -134,11 +144,12 @@ fn induce_with(
             return Ok(None);
         }
     };
-    Ok(generate_skill(generator, &prompt::retry(&shown), &params, attempts))
+    Ok(generate_skill(generator, &prompt::retry(&shown), &params, &vocabulary, attempts))
 }
 
 pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &ConsolidateOptions, skills: usize) -> Result<Matured> {
     let params = params(options);
+    let vocabulary = vocabulary(&job.episodes);
     let mut attempts = Vec::new();
     let previous_text = job.previous.as_ref().map(|(text, _)| text.as_str());
     let Some(mut current) = induce_with(&job.episodes, previous_text, models.generator, options, &mut attempts)? else {
@@ -174,7 +185,7 @@ pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &Consolida
         let last = rounds.last().expect("a round was just pushed");
         let messages = prompt::rewrite(&last.text, eta, length, &evidence);
         // No retry for a rewrite: on unreadable output the loop stops and keeps the best round.
-        match generate_skill(models.generator, &messages, &params, &mut rejected) {
+        match generate_skill(models.generator, &messages, &params, &vocabulary, &mut rejected) {
             Some(next) => current = next,
             None => break,
         }
@@ -199,12 +210,14 @@ fn model_error(error: impl std::fmt::Display) -> Attempt {
     Attempt { raw: String::new(), problem: format!("model error: {error}") }
 }
 
-/// One generation, parsed; `None` when it is unreadable (the answer is pushed to `attempts`).
-/// Model errors count as failed attempts.
+/// One generation, parsed; `None` when it is unreadable or uses fewer than
+/// [`MIN_GROUNDED_WORDS`] words of the episodes (the answer is pushed to `attempts`). Model
+/// errors count as failed attempts.
 fn generate_skill(
     generator: &mut dyn Generator,
     messages: &[fluxmem_models::ChatMessage],
     params: &GenerateParams,
+    vocabulary: &BTreeSet<String>,
     attempts: &mut Vec<Attempt>,
 ) -> Option<SkillText> {
     let raw = match generator.generate(messages, params) {
@@ -214,7 +227,19 @@ fn generate_skill(
             return None;
         }
     };
-    match parse_skill(&raw) {
+    let parsed = parse_skill(&raw).and_then(|skill| {
+        let grounded = grounded_words(&skill, vocabulary);
+        if grounded.len() >= MIN_GROUNDED_WORDS {
+            Ok(skill)
+        } else {
+            Err(format!(
+                "not about its episodes: {} of their words ({}) where {MIN_GROUNDED_WORDS} are needed",
+                grounded.len(),
+                grounded.join(", ")
+            ))
+        }
+    });
+    match parsed {
         Ok(skill) => Some(skill),
         Err(problem) => {
             attempts.push(Attempt { raw, problem });

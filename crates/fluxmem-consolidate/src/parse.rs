@@ -122,6 +122,32 @@ fn validate(mut skill: SkillText) -> Result<SkillText, String> {
     Ok(skill)
 }
 
+/// Words too common to show that a skill is about its episodes.
+const STOPWORDS: [&str; 44] = [
+    "about", "after", "again", "also", "before", "each", "every", "from", "have", "into", "just", "make", "more", "most", "need",
+    "only", "other", "over", "same", "some", "step", "steps", "skill", "sure", "task", "tasks", "than", "that", "their", "them",
+    "then", "there", "they", "this", "under", "until", "used", "user", "using", "very", "want", "what", "when", "with",
+];
+
+/// The content words of `text`: lowercase alphabetic runs of at least 4 letters, no stopwords.
+pub(crate) fn content_words(text: &str) -> std::collections::BTreeSet<String> {
+    text.split(|c: char| !c.is_alphabetic())
+        .filter(|w| w.chars().count() >= 4)
+        .map(str::to_lowercase)
+        .filter(|w| !STOPWORDS.contains(&w.as_str()))
+        .collect()
+}
+
+/// The distinct content words of the skill's name, description and steps that occur in
+/// `source` (the words of its episodes) and not in the prompt's example. A skill about its
+/// episodes shares some of their vocabulary; one that does not is the example's domain or
+/// invented (small models write "Use a phone to make a phone call" for kitchen tasks).
+pub(crate) fn grounded_words(skill: &SkillText, source: &std::collections::BTreeSet<String>) -> Vec<String> {
+    let example = content_words(&format!("{}\n{}", crate::prompt::EXAMPLE_SKILL, crate::prompt::EXAMPLE_LOGS));
+    let text = format!("{}\n{}\n{}", skill.name, skill.description, skill.steps.join("\n"));
+    content_words(&text).into_iter().filter(|w| source.contains(w) && !example.contains(w)).collect()
+}
+
 /// Characters of a step; longer ones are where a small model looped inside a line.
 const MAX_STEP_CHARS: usize = 200;
 
@@ -441,5 +467,15 @@ mod tests {
         let looping: Vec<String> = (1..40).map(|i| format!("open the sinkbasin {i}")).collect();
         let skill = parse_skill(&format!("Name: Wash\nSteps:\n1. Go to the sink.\n2. {}", looping.join("; "))).unwrap();
         assert_eq!(skill.steps[1], "open the sinkbasin 1");
+    }
+
+    #[test]
+    fn grounding_counts_episode_words_outside_the_example() {
+        let source = content_words("Task: put a clean lettuce in diningtable (success)\nActions: go to fridge; take lettuce from fridge; clean lettuce with sinkbasin; open drawer");
+        let grounded = parse_skill("Name: Clean lettuce\nSteps:\n1. Take the lettuce from the fridge.\n2. Rinse it in the sinkbasin.").unwrap();
+        assert_eq!(grounded_words(&grounded, &source), vec!["clean", "fridge", "lettuce", "sinkbasin", "take"]);
+        // The example's domain: "open" and "message" are the example's words, "phone" is nobody's.
+        let invented = parse_skill("Name: Use a phone to make a phone call\nSteps:\n1. Open the phone app and start a new message.\n2. Use the phone to make a call.").unwrap();
+        assert!(grounded_words(&invented, &source).is_empty());
     }
 }

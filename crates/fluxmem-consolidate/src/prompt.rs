@@ -26,7 +26,7 @@ const BRIEF_ACTIONS: usize = 12;
 pub(crate) const SYSTEM: &str = "You write short, reusable skills for AI agents from logs of past tasks.";
 
 /// The one-shot example's logs (an invented task from an unrelated domain).
-const EXAMPLE_LOGS: &str = "Task: send the weekly report to the sales team (success)\n\
+pub(crate) const EXAMPLE_LOGS: &str = "Task: send the weekly report to the sales team (success)\n\
 Actions: open mail app; new message; attach report.pdf; add sales-team@corp.example; type subject \"Weekly report\"; send\n\n\
 Task: send the budget sheet to Dana (success)\n\
 Actions: open mail app; new message; add dana@corp.example; attach budget.xlsx; send";

@@ -127,7 +127,8 @@ fn family_skill(messages: &[ChatMessage]) -> String {
     };
     let mut text = format!("Name: Handle {family} tasks\nDescription: Use for {family} work.\nSteps:\n");
     for s in 0..steps {
-        text.push_str(&format!("{}. do the {family} thing number {s}\n", s + 1));
+        let word = family_words(family).split(' ').nth(s % 6).unwrap();
+        text.push_str(&format!("{}. do the {family} {word} thing number {s}\n", s + 1));
     }
     text
 }
@@ -220,7 +221,7 @@ fn pems_loop_stops_on_convergence_or_at_the_round_limit() {
     let store = dir.path().join("store");
     add_episodes(&store, three_families(3));
     // The same skill every time: delta 0, same eta and length, |delta PEMS| = 0 at round 2.
-    let fixed = "Name: Do it\nDescription: d\nSteps:\n1. open the box\n2. close the box\n".to_string();
+    let fixed = "Name: Do it\nDescription: d\nSteps:\n1. wash the lettuce\n2. rinse the basin\n".to_string();
     let mut generator = Scripted::new(move |_| fixed.clone());
     let report = run(&store, &mut generator, None, &options(1));
     let skill = &report.skills[0];
@@ -235,7 +236,7 @@ fn pems_loop_stops_on_convergence_or_at_the_round_limit() {
     let mut generator = Scripted::new(move |_| {
         count += 1;
         let words: Vec<String> = (0..count * 7).map(|w| format!("w{}x{}", count, w)).collect();
-        format!("Name: Skill {count}\nDescription: d\nSteps:\n1. {}\n2. stop here\n", words.join(" "))
+        format!("Name: Skill {count}\nDescription: d\nSteps:\n1. {}\n2. rinse the lettuce\n", words.join(" "))
     });
     let report = run(&store, &mut generator, None, &options(1));
     let skill = &report.skills[0];
@@ -257,9 +258,9 @@ fn malformed_output_is_repaired_or_kept_as_a_failed_cluster() {
     // Junk first, a good answer to the repair prompt.
     let mut generator = Scripted::new(|messages| {
         if messages.last().unwrap().content.starts_with("Write one skill for these logs") {
-            "```\n**Name:** Fixed\nSteps:\n- one\n- two\n```".into()
+            "```\n**Name:** Fixed\nSteps:\n- wash the lettuce\n- book the flight\n```".into()
         } else if messages.last().unwrap().content.starts_with("Here is a skill") {
-            "**Name:** Fixed\nSteps:\n- one\n- two".into()
+            "**Name:** Fixed\nSteps:\n- wash the lettuce\n- book the flight".into()
         } else {
             "I am a small model and I like turtles.".into()
         }
