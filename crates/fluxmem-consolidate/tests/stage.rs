@@ -287,6 +287,16 @@ fn malformed_output_is_repaired_or_kept_as_a_failed_cluster() {
     let episodes_in_failures: usize = report.failures.iter().map(|f| f.episodes.len()).sum();
     assert_eq!(episodes_in_failures, 6, "no episode lost");
 
+    // Readable but about something else (the example's domain): rejected, kept as failed.
+    let dir2 = tempfile::tempdir().unwrap();
+    let other = dir2.path().join("store");
+    add_episodes(&other, three_families(2));
+    let invented = "Name: Use a phone to make a phone call\nSteps:\n1. Open the phone app and start a new message.\n2. Make the phone call.";
+    let mut phone = Scripted::new(move |_| invented.into());
+    let report_other = run(&other, &mut phone, None, &options(1));
+    assert_eq!((report_other.skills_new, report_other.failed), (0, 1));
+    assert!(report_other.failures[0].attempts.iter().all(|a| a.problem.starts_with("not about its episodes: 0 of their words")));
+
     // A second run does not retry the same clusters (nothing to commit) unless asked.
     let version = Store::open(&store).unwrap().manifest().unwrap().version;
     let again = run(&store, &mut generator, None, &options(2));
