@@ -437,6 +437,19 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_pipelines_are_valid() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let demo = load(&root.join("pipelines/demo.toml")).unwrap();
+        assert_eq!(demo.pipeline.name, "demo");
+        assert_eq!(demo.resolve(demo.pipeline.store.as_ref().unwrap()), root.join("pipelines/../fluxmem-store"));
+        let (files, unmatched) = expand(&demo, &demo.pipeline.inputs[0]).unwrap();
+        assert!(unmatched.is_empty() && files.len() == 2, "{files:?}");
+        let nightly = load(&root.join("pipelines/nightly.toml")).unwrap();
+        assert_eq!(nightly.pipeline.consolidate.max_rounds, 5);
+        assert_eq!(nightly.pipeline.models.judge, "llm");
+    }
+
+    #[test]
     fn clusters_accept_auto_or_a_positive_number() {
         assert_eq!(clusters(&toml::Value::String("auto".into())).unwrap(), None);
         assert_eq!(clusters(&toml::Value::Integer(4)).unwrap(), Some(4));

@@ -85,6 +85,7 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             details: serde_json::to_value(&report)?,
             ..Default::default()
         };
+        add_stage_to_report(&loaded, &run_id, &store_dir, &record)?;
         println!("{}", serde_json::to_string(&record)?);
         return Ok(ExitCode::SUCCESS);
     }
@@ -157,8 +158,13 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     };
     record.finished_at = now();
     let report_dir = loaded.resolve(&p.report.dir).join(&run_id);
-    record.outputs.push(report_dir.join(fluxmem_report::RUN_JSON).display().to_string());
-    record.outputs.push(report_dir.join(fluxmem_report::REPORT_HTML).display().to_string());
+    accumulate(&mut record, &report_dir.join(fluxmem_report::RUN_JSON), args.stage.is_some());
+    for file in [fluxmem_report::RUN_JSON, fluxmem_report::REPORT_HTML] {
+        let path = report_dir.join(file).display().to_string();
+        if !record.outputs.contains(&path) {
+            record.outputs.push(path);
+        }
+    }
     let (json_path, html_path) = fluxmem_report::write_report(&report_dir, &record)?;
     if args.json {
         println!("{}", serde_json::to_string(&record)?);
@@ -445,6 +451,81 @@ impl Ctx<'_> {
             ..Default::default()
         })
     }
+}
+
+/// One run id, one report: a run started again, or run stage by stage (a distributed run:
+/// merges and global stages one call each), adds to the `run.json` already written for the run
+/// id. Stages this call did not run (or skipped as done earlier) keep their earlier records;
+/// the first start time and the first store version are kept.
+fn accumulate(record: &mut RunRecord, path: &Path, stage_only: bool) {
+    let Ok(bytes) = std::fs::read(path) else { return };
+    let Ok(earlier) = serde_json::from_slice::<RunRecord>(&bytes) else {
+        eprintln!("warning: {} is not a run record; writing a new one", path.display());
+        return;
+    };
+    if earlier.run_id != record.run_id {
+        return;
+    }
+    let mut stages: Vec<StageRecord> = Vec::new();
+    for name in STAGES {
+        let now = record.stages.iter().find(|s| s.name == name);
+        let before = earlier.stages.iter().find(|s| s.name == name);
+        let resumed = now.is_some_and(|s| s.status.starts_with("done earlier"));
+        match (now, before) {
+            (Some(_), Some(before)) if resumed => stages.push(before.clone()),
+            (Some(now), _) => stages.push(now.clone()),
+            (None, Some(before)) => stages.push(before.clone()),
+            (None, None) => {}
+        }
+    }
+    record.stages = stages;
+    record.started_at = earlier.started_at.clone();
+    record.manifest_version_before = record.manifest_version_before.min(earlier.manifest_version_before);
+    for (role, model) in earlier.models {
+        record.models.entry(role).or_insert(model);
+    }
+    for (role, usage) in earlier.model_usage {
+        record.model_usage.entry(role).or_insert(usage);
+    }
+    if record.pems.is_none() {
+        record.pems = earlier.pems;
+    }
+    if stage_only || record.quarantine.records == 0 {
+        let mut files = earlier.quarantine.files.clone();
+        files.extend(record.quarantine.files.iter().filter(|f| !earlier.quarantine.files.contains(f)).cloned());
+        if record.quarantine.records == 0 {
+            record.quarantine = earlier.quarantine;
+        }
+        record.quarantine.files = files;
+    }
+    for output in earlier.outputs {
+        if !record.outputs.contains(&output) {
+            record.outputs.push(output);
+        }
+    }
+}
+
+/// A merge's stage record joins the run's report.
+fn add_stage_to_report(loaded: &Loaded, run_id: &str, store_dir: &Path, stage: &StageRecord) -> anyhow::Result<()> {
+    let dir = loaded.resolve(&loaded.pipeline.report.dir).join(run_id);
+    let mut record = RunRecord {
+        pipeline: loaded.path.display().to_string(),
+        run_id: run_id.into(),
+        started_at: now(),
+        finished_at: now(),
+        status: "ok".into(),
+        stages: vec![stage.clone()],
+        ..Default::default()
+    };
+    if let Ok(store) = Store::open(store_dir) {
+        let version = store.manifest()?.version;
+        record.store = store.dir().display().to_string();
+        record.manifest_version_before = version;
+        record.manifest_version_after = version;
+    }
+    accumulate(&mut record, &dir.join(fluxmem_report::RUN_JSON), true);
+    fluxmem_report::write_report(&dir, &record)?;
+    Ok(())
 }
 
 fn disabled() -> StageRecord {

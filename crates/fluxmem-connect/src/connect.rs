@@ -1,7 +1,7 @@
 //! The `connect` stage: Stage I run in batch over logged episodes, written as edges.
 //!
-//! For every episode not yet connected (no `ground` edge into it and no `link` edge out of it
-//! written by this stage), each step's observation (or, with `per_step = false`, the task) is a
+//! For every episode not yet connected (no `ground` edge into it and no Stage I `link` edge out
+//! of it, i.e. one without a Stage II `relation`), each step's observation (or, with `per_step = false`, the task) is a
 //! query to the semantic retrieval; the `ground_k` best semantic nodes per query get a `ground`
 //! edge to the episode (evidence = how many queries retrieved it, weight = the best fused
 //! score). Each episode also gets `link` edges to its `link_k` nearest episodes by cosine
@@ -94,7 +94,9 @@ pub fn connect_store(
     let connected: BTreeSet<&NodeId> = graph
         .edges
         .values()
-        .filter(|e| e.stage == "connect")
+        // Stage I edges, whoever updated them last (credit assignment re-weights them); links
+        // with a `relation` come from Stage II and do not make an episode connected.
+        .filter(|e| !e.metadata.contains_key("relation"))
         .flat_map(|e| match e.kind {
             EdgeKind::Ground => Some(&e.dst),
             EdgeKind::Link => Some(&e.src),

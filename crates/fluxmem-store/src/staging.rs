@@ -101,14 +101,29 @@ fn base_version(manifest: &Manifest) -> Option<u64> {
     staging_marker(manifest).and_then(|s| s.get("base_version")).and_then(Value::as_u64)
 }
 
+/// Creates the main store if it has no manifest yet. Shards started at the same moment on a
+/// fresh store race for its writer lock: the losers wait (up to a minute) for the winner's
+/// manifest instead of failing.
+fn create_main(main: &Path) -> Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !main.join(MANIFEST).is_file() {
+        match Writer::open(main) {
+            Ok(writer) => drop(writer),
+            Err(Error::Locked { .. }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 impl Writer {
     /// Opens (creating if needed) the staging store of `shard` of `stage` over the store at
     /// `main` (created empty if missing). A staging store left by a killed run over the same
     /// main commit is resumed; one over an older commit is stale and started afresh.
     pub fn open_staging(main: &Path, stage: &str, shard: Shard) -> Result<Writer> {
-        if !main.join(MANIFEST).is_file() {
-            drop(Writer::open(main)?);
-        }
+        create_main(main)?;
         let main_manifest = Store::open(main)?.manifest()?;
         let dir = staging_dir(main, stage, shard);
         if dir.join(MANIFEST).is_file() {

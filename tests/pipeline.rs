@@ -1,0 +1,268 @@
+//! `fluxmem run`: the pipeline end to end, a second night that only processes what is new, a run
+//! killed inside each stage that resumes to exactly the uninterrupted store, and sharded map
+//! stages that merge to the same store as the unsharded run.
+
+use fluxmem_graph::Graph;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn fluxmem() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_fluxmem"));
+    command.arg("--no-progress").env_remove("FLUXMEM_FAULT");
+    command
+}
+
+fn run(command: &mut Command) -> Output {
+    command.output().expect("the fluxmem binary runs")
+}
+
+fn ok(output: Output) -> Output {
+    assert!(
+        output.status.success(),
+        "status {:?}\nstdout: {}\nstderr: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+fn json_line(output: &Output) -> Value {
+    let text = String::from_utf8_lossy(&output.stdout);
+    let line = text.lines().last().unwrap_or_default();
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+/// A pipeline file in `dir` over `logs/` (everything in it) and the knowledge sample, with
+/// consolidation cut down to one cluster and short answers so the real generator stays quick.
+fn pipeline(dir: &Path, consolidate: bool) -> PathBuf {
+    let knowledge = repo().join("data/knowledge");
+    let text = format!(
+        r#"name = "test"
+store = "store"
+seed = 7
+
+[[inputs]]
+paths = ["logs/*.jsonl", "{knowledge}/*.md"]
+
+[[inputs]]
+paths = ["logs/*.json"]
+format = "alfworld"
+tenant = "alfworld"
+required = false
+
+[connect]
+ground_k = 2
+link_k = 3
+
+[consolidate]
+enabled = {consolidate}
+clusters = 1
+max_rounds = 1
+prompt_budget = 160
+max_tokens = 40
+
+[export]
+enabled = {consolidate}
+format = "jsonl"
+out = "skills"
+
+[report]
+dir = "runs"
+"#,
+        knowledge = knowledge.display()
+    );
+    std::fs::create_dir_all(dir.join("logs")).unwrap();
+    let path = dir.join("pipeline.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn add_log(dir: &Path, name: &str) {
+    std::fs::copy(repo().join("data").join(name), dir.join("logs").join(Path::new(name).file_name().unwrap())).unwrap();
+}
+
+fn stage<'a>(record: &'a Value, name: &str) -> &'a Value {
+    record["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap_or_else(|| panic!("no stage {name} in {record}"))
+}
+
+fn shard_list(store: &Path) -> Vec<(String, u64, String)> {
+    let manifest = fluxmem_store::Store::open(store).unwrap().manifest().unwrap();
+    manifest.shards.iter().map(|s| (s.file.clone(), s.rows, s.sha256.clone())).collect()
+}
+
+#[test]
+fn pipeline_runs_end_to_end_and_the_second_night_is_incremental() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = pipeline(dir.path(), true);
+    add_log(dir.path(), "trajectories.jsonl");
+    let night1 = json_line(&ok(run(fluxmem().arg("run").arg(&file).arg("--json"))));
+    assert_eq!(night1["status"], "ok", "{night1}");
+    for name in ["ingest", "embed", "connect", "refine", "consolidate", "export"] {
+        assert!(stage(&night1, name)["status"].as_str().unwrap().starts_with("done"), "{name}: {}", stage(&night1, name));
+    }
+    let nodes1 = stage(&night1, "ingest")["counts_out"]["nodes_added"].as_u64().unwrap();
+    assert_eq!(stage(&night1, "embed")["counts_out"]["embedded"].as_u64().unwrap(), nodes1, "night 1 embeds every node");
+    let run_dir = dir.path().join("runs").join(night1["run_id"].as_str().unwrap());
+    let html = std::fs::read_to_string(run_dir.join("report.html")).unwrap();
+    assert!(html.contains("<svg") && html.contains("consolidate"), "the report has charts and stages");
+    let on_disk: Value = serde_json::from_slice(&std::fs::read(run_dir.join("run.json")).unwrap()).unwrap();
+    assert_eq!(on_disk["run_id"], night1["run_id"]);
+    assert!(dir.path().join("skills/release.json").is_file(), "export ran");
+    let clusters = &stage(&night1, "consolidate")["details"]["cluster_list"];
+    assert_eq!(clusters.as_array().map(Vec::len), Some(2), "one cluster per tenant (acme, globex) as configured: {clusters}");
+
+    // Night 2: one more log file. Only its records are ingested, embedded and connected.
+    add_log(dir.path(), "alfworld/react_sample.json");
+    let night2 = json_line(&ok(run(fluxmem().arg("run").arg(&file).arg("--json"))));
+    assert_ne!(night2["run_id"], night1["run_id"], "new inputs, new run id");
+    let ingest = &stage(&night2, "ingest")["counts_out"];
+    assert_eq!(ingest["ingested"], 6, "the 6 ALFWorld transcripts are new: {ingest}");
+    let nodes2 = ingest["nodes_added"].as_u64().unwrap();
+    assert_eq!(stage(&night2, "embed")["counts_out"]["embedded"].as_u64().unwrap(), nodes2, "night 2 embeds only night 2's nodes");
+    let skills1 = stage(&night1, "consolidate")["counts_out"]["skills_new"].as_u64().unwrap();
+    assert_eq!(stage(&night2, "embed")["counts_in"]["already"].as_u64().unwrap(), nodes1 + skills1, "night 1's nodes and skills");
+    assert_eq!(stage(&night2, "connect")["counts_out"]["connected"], 6, "only the new episodes are connected");
+    // A third tenant now: the ALFWorld tenant gets its own cluster; night 1's clusters are
+    // matched to what night 1 made (unchanged skills, or failures not retried), not redone.
+    let consolidate = &stage(&night2, "consolidate")["details"];
+    let statuses: Vec<&str> = consolidate["cluster_list"].as_array().unwrap().iter().map(|c| c["status"].as_str().unwrap()).collect();
+    assert_eq!(statuses.len(), 3, "{consolidate}");
+    let kept = statuses.iter().filter(|s| **s == "unchanged" || **s == "failed_earlier").count();
+    assert_eq!(kept, 2, "night 1's clusters are not consolidated from scratch again: {statuses:?}");
+
+    // The same inputs again: the same run id, every stage already done, nothing written.
+    let version = fluxmem_store::Store::open(dir.path().join("store")).unwrap().manifest().unwrap().version;
+    let again = json_line(&ok(run(fluxmem().arg("run").arg(&file).arg("--json"))));
+    assert_eq!(again["run_id"], night2["run_id"]);
+    assert!(again["stages"].as_array().unwrap().iter().all(|s| s["status"] == "done earlier in this run (resumed)"), "{again}");
+    assert_eq!(fluxmem_store::Store::open(dir.path().join("store")).unwrap().manifest().unwrap().version, version);
+}
+
+/// The export's release manifest without `created_at` (the time of the store's last commit,
+/// which a resumed run makes at another moment).
+fn release(dir: &Path) -> Option<Value> {
+    let mut value: Value = serde_json::from_slice(&std::fs::read(dir.join("skills/release.json")).ok()?).unwrap();
+    value.as_object_mut().unwrap().remove("created_at").expect("release.json has created_at");
+    Some(value)
+}
+
+/// Removes what a run made, keeping the pipeline file and the logs (same paths, same file
+/// times: the same input).
+fn reset(dir: &Path) {
+    for made in ["store", "skills", "runs"] {
+        let _ = std::fs::remove_dir_all(dir.join(made));
+    }
+}
+
+#[test]
+fn a_run_killed_inside_each_stage_resumes_to_exactly_the_uninterrupted_store() {
+    // Two settings: without consolidation for the early stages (fast), with it for the last two.
+    for consolidate in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let file = pipeline(dir.path(), consolidate);
+        add_log(dir.path(), "trajectories.jsonl");
+        ok(run(fluxmem().arg("run").arg(&file).args(["--run-id", "night"])));
+        let expected = shard_list(&dir.path().join("store"));
+        let release = release(dir.path());
+        let manifest = fluxmem_store::Store::open(dir.path().join("store")).unwrap().manifest().unwrap();
+        let first = |stage: &str| manifest.commits.iter().find(|c| c.stage == stage).unwrap_or_else(|| panic!("no {stage} commit")).version;
+        // Killed between writing a stage's shards and its manifest, or (for the export) right
+        // after the last commit before it.
+        let faults: Vec<String> = if consolidate {
+            vec![format!("before-manifest:{}", first("consolidate")), format!("after-manifest:{}", first("consolidate-done"))]
+        } else {
+            ["ingest", "embed", "connect", "refine"].iter().map(|s| format!("before-manifest:{}", first(s))).collect()
+        };
+        for fault in faults {
+            reset(dir.path());
+            let killed = run(fluxmem().arg("run").arg(&file).args(["--run-id", "night"]).env("FLUXMEM_FAULT", &fault));
+            assert!(!killed.status.success(), "{fault}: the run was aborted");
+            ok(run(fluxmem().arg("run").arg(&file).args(["--run-id", "night"])));
+            assert_eq!(shard_list(&dir.path().join("store")), expected, "{fault}: the resumed store is the uninterrupted one");
+            assert_eq!(self::release(dir.path()), release, "{fault}: same export");
+        }
+    }
+}
+
+fn graph(store: &Path) -> Graph {
+    fluxmem_store::Store::open(store).unwrap().load().unwrap()
+}
+
+#[test]
+fn sharded_map_stages_merge_to_the_unsharded_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = pipeline(dir.path(), false);
+    add_log(dir.path(), "trajectories.jsonl");
+    add_log(dir.path(), "alfworld/react_sample.json");
+    ok(run(fluxmem().arg("run").arg(&file).args(["--run-id", "night"])));
+    let whole = graph(&dir.path().join("store"));
+
+    // The same pipeline, each map stage as 3 shards run one by one, then merged.
+    let sharded_file = dir.path().join("sharded.toml");
+    std::fs::write(&sharded_file, std::fs::read_to_string(&file).unwrap().replace("store = \"store\"", "store = \"sharded\"").replace("dir = \"runs\"", "dir = \"sharded-runs\"")).unwrap();
+    for stage in ["ingest", "embed", "connect"] {
+        for i in 0..3 {
+            let shard = format!("{i}/3");
+            let record = json_line(&ok(run(fluxmem().arg("run").arg(&sharded_file).args(["--run-id", "night", "--stage", stage, "--shard", &shard]))));
+            assert_eq!(record["name"], stage);
+        }
+        let merged = json_line(&ok(run(fluxmem().arg("run").arg(&sharded_file).args(["--run-id", "night", "--stage", stage, "--merge", "3"]))));
+        assert_eq!(merged["status"], "merged", "{merged}");
+        assert!(!dir.path().join("sharded/staging").join(format!("{stage}-0-of-3")).exists(), "staging removed");
+    }
+    ok(run(fluxmem().arg("run").arg(&sharded_file).args(["--run-id", "night", "--stage", "refine"])));
+    let sharded = graph(&dir.path().join("sharded"));
+    // The stage-by-stage calls add up to one report for the run id.
+    let record: Value = serde_json::from_slice(&std::fs::read(dir.path().join("sharded-runs/night/run.json")).unwrap()).unwrap();
+    let statuses: Vec<(&str, &str)> =
+        record["stages"].as_array().unwrap().iter().map(|s| (s["name"].as_str().unwrap(), s["status"].as_str().unwrap())).collect();
+    assert_eq!(statuses, [("ingest", "merged"), ("embed", "merged"), ("connect", "merged"), ("refine", "done")], "{record}");
+
+    assert_eq!(whole.nodes, sharded.nodes, "same nodes");
+    assert_eq!(whole.embeddings.keys().collect::<Vec<_>>(), sharded.embeddings.keys().collect::<Vec<_>>());
+    for (key, a) in &whole.embeddings {
+        let b = &sharded.embeddings[key];
+        let worst = a.vector.iter().zip(&b.vector).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-6, "{key:?}: embeddings differ by {worst}");
+    }
+    assert_eq!(whole.edges.keys().collect::<Vec<_>>(), sharded.edges.keys().collect::<Vec<_>>(), "same edge set");
+    for (key, a) in &whole.edges {
+        let b = &sharded.edges[key];
+        assert!((a.weight - b.weight).abs() <= 1e-5, "{key:?}: weight {} vs {}", a.weight, b.weight);
+        assert_eq!((a.active, a.evidence, &a.run_id, a.created_at), (b.active, b.evidence, &b.run_id, b.created_at), "{key:?}");
+    }
+    let edits = |g: &Graph| g.edits.iter().map(|e| (e.kind.clone(), e.target.clone(), e.run_id.clone())).collect::<Vec<_>>();
+    assert_eq!(edits(&whole), edits(&sharded), "same edit log");
+    assert!(!whole.edges.is_empty() && !whole.edits.is_empty());
+}
+
+#[test]
+fn bad_pipelines_and_flags_are_clear_errors_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = pipeline(dir.path(), false);
+    let text = std::fs::read_to_string(&file).unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, text.replace("link_k = 3", "link_k = 3\nlink_kk = 4")).unwrap();
+    let output = run(fluxmem().arg("run").arg(&bad));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(stderr.contains("bad.toml") && stderr.contains("link_kk"), "{stderr}");
+    assert!(!dir.path().join("store").exists(), "nothing was started");
+    // A required input that matches nothing names the key.
+    std::fs::write(&bad, text.replace("logs/*.jsonl", "missing/*.jsonl")).unwrap();
+    let stderr = String::from_utf8_lossy(&run(fluxmem().arg("run").arg(&bad)).stderr).into_owned();
+    assert!(stderr.contains("inputs[0].paths") && stderr.contains("missing/*.jsonl"), "{stderr}");
+    // --shard only on map stages; merge of shards that never ran names the fix.
+    let stderr = String::from_utf8_lossy(&run(fluxmem().arg("run").arg(&file).args(["--stage", "refine", "--shard", "0/2"])).stderr).into_owned();
+    assert!(stderr.contains("map stages"), "{stderr}");
+    add_log(dir.path(), "trajectories.jsonl");
+    let output = run(fluxmem().arg("run").arg(&file).args(["--stage", "ingest", "--merge", "2"]));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("--shard 0/2"), "{stderr}");
+}
