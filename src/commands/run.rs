@@ -126,6 +126,7 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         let done = writer.manifest().progress.get(&format!("pipeline.{stage}")).and_then(|m| m.get("run_id")).and_then(Value::as_str)
             == Some(run_id.as_str());
         if done {
+            eprintln!("  already done for this run id ({run_id}); skipped");
             record.stages.push(StageRecord {
                 name: stage.to_string(),
                 status: "done earlier in this run (resumed)".into(),
