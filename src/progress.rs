@@ -91,16 +91,6 @@ impl fluxmem_connect::Progress for CountBar {
     }
 }
 
-impl fluxmem_refine::Progress for CountBar {
-    fn start(&mut self, total: u64) {
-        self.bar.set_length(total);
-    }
-
-    fn advance(&mut self, done: u64) {
-        self.bar.inc(done);
-    }
-}
-
 impl fluxmem_consolidate::Progress for CountBar {
     fn start(&mut self, total: u64) {
         self.bar.set_length(total);

@@ -1,7 +1,7 @@
 use anyhow::Context as _;
 use fluxmem_connect::{pack, semantic_entry, Entry, Retriever};
 use fluxmem_models::{DeviceChoice, Embedder, Generator, Judge};
-use fluxmem_refine::{refine_query, CoverageVerifier, JudgeVerifier, LoopModels, Neighbours, Verifier};
+use fluxmem_refine::{refine_query, LoopModels, Neighbours};
 use fluxmem_store::CommitInfo;
 use std::process::ExitCode;
 
@@ -34,20 +34,9 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         let options = super::loop_options(&args.refine, args.budget.saturating_sub(head_tokens + 1));
         let mut generator = super::reshape_generator(&args.refine, &device_choice)?;
         let neighbours = Neighbours::build(&graph);
-        let mut coverage;
-        let mut judged;
-        let verifier: &mut dyn Verifier = match judge.as_mut() {
-            Some(judge) => {
-                judged = JudgeVerifier::new(judge);
-                &mut judged
-            }
-            None => {
-                coverage = CoverageVerifier::new(retriever.semantic());
-                &mut coverage
-            }
-        };
+        let mut verifier = fluxmem_refine::verifier(judge.as_mut().map(|j| j as &mut dyn Judge), retriever.semantic());
         let mut models = LoopModels {
-            verifier,
+            verifier: &mut *verifier,
             embedder: &embedder,
             generator: generator.as_mut().map(|g| g as &mut dyn Generator),
             count_tokens: &count,

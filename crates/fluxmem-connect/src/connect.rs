@@ -65,11 +65,12 @@ pub struct ConnectReport {
     pub commits: usize,
 }
 
-/// Progress callbacks.
+/// Progress callbacks of a stage that works through countable items (episodes to connect;
+/// Stage II's edges to assess).
 pub trait Progress {
-    /// `total` episodes to connect.
+    /// `total` items to do.
     fn start(&mut self, _total: u64) {}
-    /// `done` more are connected.
+    /// `done` more are done.
     fn advance(&mut self, _done: u64) {}
 }
 

@@ -9,7 +9,7 @@ use candle_core::Device;
 use fluxmem_connect::{pack, Candidate, Entry, RetrievalConfig, SemanticIndex};
 use fluxmem_graph::{Graph, NodeId};
 use fluxmem_models::{Embedder, Generator, Judge};
-use fluxmem_refine::{refine_query, CoverageVerifier, JudgeVerifier, LoopModels, LoopOptions, Neighbours, Verifier};
+use fluxmem_refine::{refine_query, LoopModels, LoopOptions, Neighbours, Verifier};
 use sha2::{Digest, Sha256};
 use serde::Serialize;
 use serde_json::Value;
@@ -267,18 +267,8 @@ pub fn evaluate(
             let fluxmem: Vec<Entry> = if options.refine.rounds == 0 {
                 entries(&stage1)
             } else {
-                let mut coverage;
-                let mut judged;
-                let verifier: &mut dyn Verifier = match judge.as_deref_mut() {
-                    Some(judge) => {
-                        judged = JudgeVerifier::new(judge);
-                        &mut judged
-                    }
-                    None => {
-                        coverage = CoverageVerifier::new(&index);
-                        &mut coverage
-                    }
-                };
+                let mut boxed = fluxmem_refine::verifier(judge.as_deref_mut().map(|j| j as &mut dyn Judge), &index);
+                let verifier: &mut dyn Verifier = &mut *boxed;
                 let before = verifier.usage();
                 refine.verifier = verifier.name();
                 let mut models = LoopModels { verifier, embedder, generator: generator.as_deref_mut().map(|g| g as &mut dyn Generator), count_tokens: &count };

@@ -29,6 +29,8 @@ use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::query::STAGE;
+// Stage I's progress callbacks serve here too (counted in edges assessed).
+use fluxmem_connect::Progress;
 use crate::Result;
 
 /// Settings of the batch credit assignment.
@@ -72,18 +74,6 @@ pub struct CreditReport {
     /// Commits made (0 when nothing changed).
     pub commits: usize,
 }
-
-/// Progress callbacks.
-pub trait Progress {
-    /// `total` edges to assess.
-    fn start(&mut self, _total: u64) {}
-    /// `done` more are assessed.
-    fn advance(&mut self, _done: u64) {}
-}
-
-/// A [`Progress`] that shows nothing.
-pub struct NoProgress;
-impl Progress for NoProgress {}
 
 /// The outcome of an episode in [0, 1], if logged.
 pub fn outcome(node: &Node) -> Option<f64> {

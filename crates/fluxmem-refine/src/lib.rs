@@ -18,9 +18,11 @@ pub mod credit;
 pub mod query;
 mod verify;
 
-pub use credit::{assign, outcome, refine_store, CreditOptions, CreditReport, NoProgress, Progress};
+pub use credit::{assign, outcome, refine_store, CreditOptions, CreditReport};
+/// Progress of [`refine_store`] (edges assessed): Stage I's callbacks, shared.
+pub use fluxmem_connect::{NoProgress, Progress};
 pub use query::{refine_query, LoopModels, LoopOptions, LoopOutcome, Neighbours, Round, STAGE};
-pub use verify::{CoverageVerifier, JudgeVerifier, Verifier};
+pub use verify::{verifier, CoverageVerifier, JudgeVerifier, Verifier};
 
 /// Errors of Stage II.
 #[derive(Debug, thiserror::Error)]

@@ -28,6 +28,14 @@ pub trait Verifier {
     fn name(&self) -> String;
 }
 
+/// The verifier of a loop: the judge when there is one, else the coverage fallback over `index`.
+pub fn verifier<'a>(judge: Option<&'a mut dyn Judge>, index: &'a SemanticIndex) -> Box<dyn Verifier + 'a> {
+    match judge {
+        Some(judge) => Box::new(JudgeVerifier::new(judge)),
+        None => Box::new(CoverageVerifier::new(index)),
+    }
+}
+
 /// The judge model as the verifier.
 pub struct JudgeVerifier<'a> {
     judge: &'a mut dyn Judge,
