@@ -9,7 +9,10 @@ use std::path::PathBuf;
 ///
 /// Exit status: 0 success; 1 error (including invalid flag values); 2 command-line syntax error;
 /// 3 the work was done but some input records were quarantined (see the quarantine file named
-/// in the output).
+/// in the output); 4 (`run`) the run finished degraded: a stage meant to produce something
+/// produced nothing (every consolidate cluster failed, an enabled export wrote no skill, every
+/// record read was quarantined), with the reasons in run.json and the report. When several
+/// apply, 1 wins over 4, and 4 over 3.
 #[derive(Debug, Parser)]
 #[command(name = "fluxmem", version, about, long_about)]
 pub struct Cli {
@@ -71,6 +74,27 @@ pub enum Command {
     /// Export the latest version of every skill.
     #[command(subcommand)]
     Export(ExportCommand),
+    /// Inspect and repair the store itself.
+    #[command(subcommand)]
+    Store(StoreCommand),
+}
+
+/// `fluxmem store ...`.
+#[derive(Debug, Subcommand)]
+pub enum StoreCommand {
+    /// Rebuild a lost or unreadable manifest.json from the shard files (their names carry table,
+    /// commit and checksum; their Parquet metadata the table tag and row count). Verifies every
+    /// shard, adopts a complete temporary manifest if one was left, deletes nothing, and says
+    /// what it could not prove. Takes the writer lock.
+    Recover(RecoverArgs),
+}
+
+/// `fluxmem store recover`.
+#[derive(Debug, Args)]
+pub struct RecoverArgs {
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `fluxmem connect`.
@@ -129,6 +153,10 @@ pub struct QueryArgs {
     /// Similar past episodes to include.
     #[arg(long, default_value_t = 3)]
     pub episodes: usize,
+    /// The tenant to answer from (only its nodes are retrieved); required when the store
+    /// holds several tenants, the store's only tenant otherwise.
+    #[arg(long)]
+    pub tenant: Option<String>,
     /// Embedding model (must be the store's).
     #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
     pub model: String,
@@ -158,7 +186,9 @@ pub struct RunArgs {
     #[arg(long, value_name = "N")]
     pub merge: Option<usize>,
     /// The run id (default: the pipeline name and a hash of the pipeline file and the inputs'
-    /// paths, sizes and times; the same id resumes a killed run).
+    /// paths, sizes and times; the same id resumes a killed run). It names the report directory
+    /// `<report.dir>/<run id>`: 1 to 128 ASCII letters, digits, `.`, `_` or `-`, not starting
+    /// with `.` or `-`.
     #[arg(long)]
     pub run_id: Option<String>,
     /// Print the run record (or, with --stage, the stage record) as JSON on stdout.
@@ -397,6 +427,12 @@ pub struct IngestArgs {
     #[arg(long, default_value_t = 5000)]
     pub batch_records: usize,
 
+    /// Read symbolic links to files. Without it a directory walk skips them (each reported on
+    /// stderr) and a link named as an input is quarantined. Links to directories are never
+    /// followed inside a walk.
+    #[arg(long)]
+    pub follow_symlinks: bool,
+
     /// Print one JSON object with the counts instead of the human summary.
     #[arg(long)]
     pub json: bool,
@@ -426,7 +462,8 @@ pub struct ConsolidateArgs {
     /// default generator judges each source episode against the skill).
     #[arg(long, default_value = "none")]
     pub judge: String,
-    /// Generator that writes and rewrites skills.
+    /// Generator that words skills (name and description around the procedure mined from the
+    /// logs); `none`: template skills, no model.
     #[arg(long, default_value = fluxmem_models::DEFAULT_GENERATOR)]
     pub generator: String,
     /// Generator weights: quantized, dequantized or q8 (see `fluxmem models generate --help`).
@@ -514,4 +551,56 @@ impl From<&Cli> for Settings {
     fn from(cli: &Cli) -> Self {
         Settings { store: cli.store.clone(), progress: !cli.no_progress && std::io::stderr().is_terminal() }
     }
+}
+
+/// What a number given on the command line or in a pipeline file must be, checked before any
+/// work: a NaN or an infinity would turn every edge weight or score it reaches into NaN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bound {
+    /// Any finite number.
+    Finite,
+    /// A finite number, zero or more.
+    NonNegative,
+    /// A finite number greater than zero.
+    Positive,
+}
+
+impl Bound {
+    /// `Err` with the value and the rule (`` `inf`: must be a finite number greater than zero ``)
+    /// when `value` breaks the rule.
+    pub fn check(self, value: f64) -> Result<(), String> {
+        let ok = value.is_finite()
+            && match self {
+                Bound::Finite => true,
+                Bound::NonNegative => value >= 0.0,
+                Bound::Positive => value > 0.0,
+            };
+        if ok {
+            Ok(())
+        } else {
+            Err(format!("`{value}`: must be {}", self.rule()))
+        }
+    }
+
+    fn rule(self) -> &'static str {
+        match self {
+            Bound::Finite => "a finite number",
+            Bound::NonNegative => "a finite number, zero or more",
+            Bound::Positive => "a finite number greater than zero",
+        }
+    }
+}
+
+/// Checks the number given to `flag` (`--prior`), naming the flag. An error, not a usage error:
+/// exit status 1, like every flag value that is not valid.
+pub fn check_flag(flag: &str, value: f64, bound: Bound) -> anyhow::Result<()> {
+    bound.check(value).map_err(|rule| anyhow::anyhow!("{flag} {rule}"))
+}
+
+/// Checks the `--weights` of weighted fusion: each a finite number, zero or more.
+pub fn check_weights(weights: &[f32]) -> anyhow::Result<()> {
+    for weight in weights {
+        check_flag("--weights", f64::from(*weight), Bound::NonNegative)?;
+    }
+    Ok(())
 }

@@ -13,6 +13,11 @@ use std::process::ExitCode;
 pub const EXIT_QUARANTINED: u8 = 3;
 /// Exit status of a fatal error.
 pub const EXIT_FATAL: u8 = 1;
+/// Exit status of a `run` that finished but is degraded: a stage that was meant to produce
+/// something produced nothing (every consolidate cluster failed, an enabled export wrote no
+/// skill, every record read was quarantined). Precedence: 1 (error) over 4 over 3 (quarantined)
+/// over 0.
+pub const EXIT_DEGRADED: u8 = 4;
 
 fn main() -> ExitCode {
     // Like other Unix tools, stop quietly when the reader of stdout goes away (`| head`).

@@ -8,6 +8,8 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+use crate::cli::Bound;
+
 /// A whole pipeline file.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -64,7 +66,8 @@ pub struct Models {
     pub embedder: String,
     /// Generator (skill induction and rewriting).
     pub generator: String,
-    /// Weights of the generator: quantized, f32 or q8.
+    /// Weights of the generator: quantized, f32 or q8. (`generator = "none"`: skills are worded
+    /// from the mined procedure by a template, no model.)
     pub generator_weights: String,
     /// Judge: none or llm (the default generator scores).
     pub judge: String,
@@ -314,8 +317,10 @@ pub fn load(path: &Path) -> anyhow::Result<Loaded> {
 
 /// The value checks, each naming its key.
 fn check(p: &Pipeline) -> anyhow::Result<()> {
-    if p.name.trim().is_empty() || !p.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-        bail!("key `name`: `{}` must be non-empty letters, digits, `-`, `_` or `.`", p.name);
+    // The default run id is `<name>-<12 hex>`: a name that keeps to the run id rule gives a
+    // valid run id.
+    if p.name.len() > NAME_MAX || check_run_id(&p.name).is_err() {
+        bail!("key `name`: `{}`: must be 1 to {NAME_MAX} {RUN_ID_CHARS} (run ids start with it)", p.name);
     }
     for (i, input) in p.inputs.iter().enumerate() {
         if input.paths.is_empty() {
@@ -351,20 +356,48 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     crate::commands::weight_path(&p.models.generator_weights).map_err(|e| anyhow::anyhow!("key `models.generator_weights`: {e}"))?;
     let manifest = fluxmem_models::ModelManifest::load().map_err(|e| anyhow::anyhow!("the model manifest: {e}"))?;
     for (key, name) in [("models.embedder", &p.models.embedder), ("models.generator", &p.models.generator)] {
+        if key == "models.generator" && name == "none" {
+            continue;
+        }
         if let Err(e) = manifest.get(name) {
             bail!("key `{key}`: {e}");
         }
     }
-    if !(p.refine.prior > 0.0) {
-        bail!("key `refine.prior`: must be positive");
-    }
+    // A NaN or an infinity in any of these would turn every edge weight or score it reaches
+    // into NaN.
+    let number = |key: &str, value: f64, bound: Bound| bound.check(value).map_err(|rule| anyhow::anyhow!("key `{key}`: {rule}"));
+    number("refine.prior", p.refine.prior, Bound::Positive)?;
+    number("refine.prune_below", p.refine.prune_below, Bound::NonNegative)?;
     clusters(&p.consolidate.clusters)?;
-    if !(p.consolidate.epsilon >= 0.0) {
-        bail!("key `consolidate.epsilon`: must be zero or positive");
+    number("consolidate.epsilon", p.consolidate.epsilon, Bound::NonNegative)?;
+    if let Some(min_pems) = p.export.min_pems {
+        number("export.min_pems", min_pems, Bound::Finite)?;
     }
     p.consolidate.length.parse::<fluxmem_consolidate::LengthUnit>().map_err(|e| anyhow::anyhow!("key `consolidate.length`: {e}"))?;
     p.export.format.parse::<fluxmem_consolidate::ExportFormat>().map_err(|e| anyhow::anyhow!("key `export.format`: {e}"))?;
     Ok(())
+}
+
+/// What a run id may hold, after "1 to 128": run ids name a directory under `report.dir`
+/// (`<report.dir>/<run id>/run.json`) and quarantine files, so they keep to one plain file name.
+pub const RUN_ID_CHARS: &str = "ASCII letters, digits, `.`, `_` or `-`, not starting with `.` or `-`";
+/// The longest run id.
+pub const RUN_ID_MAX: usize = 128;
+/// The longest pipeline name: `<name>-<12 hex>`, the default run id, stays within [`RUN_ID_MAX`].
+const NAME_MAX: usize = RUN_ID_MAX - 13;
+
+/// Checks a run id (`--run-id`, or the default one): 1 to [`RUN_ID_MAX`] ASCII letters, digits,
+/// `.`, `_` or `-`, not starting with `.` or `-`; so never a path (`../x`, `/tmp/x`), `.` or `..`.
+/// `Err` says the rule.
+pub fn check_run_id(id: &str) -> Result<(), String> {
+    let ok = (1..=RUN_ID_MAX).contains(&id.len())
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        && !id.starts_with(['.', '-']);
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("`{id}`: a run id must be 1 to {RUN_ID_MAX} {RUN_ID_CHARS}"))
+    }
 }
 
 /// `consolidate.clusters`: `None` for auto.
@@ -378,6 +411,150 @@ pub fn clusters(value: &toml::Value) -> anyhow::Result<Option<usize>> {
         },
         other => bail!("key `consolidate.clusters`: `{other}`: expected auto or a positive number"),
     }
+}
+
+/// Checks, before any work, that `dir` can be made a directory this process writes into: it is
+/// a directory we may write into, or it does not exist and its nearest existing ancestor is
+/// one (the writer creates it, with its parents). `Err` names the path at fault.
+pub fn check_output_dir(dir: &Path) -> Result<(), String> {
+    for ancestor in dir.ancestors() {
+        let at = if ancestor.as_os_str().is_empty() { Path::new(".") } else { ancestor };
+        match std::fs::metadata(at) {
+            Ok(meta) if meta.is_dir() => {
+                return if writable(at) {
+                    Ok(())
+                } else if at == dir {
+                    Err(format!("{}: a directory this process may not write into", dir.display()))
+                } else {
+                    Err(format!("{}: cannot be created: {} is a directory this process may not write into", dir.display(), at.display()))
+                };
+            }
+            Ok(_) if at == dir => return Err(format!("{}: exists and is not a directory", dir.display())),
+            Ok(_) => return Err(format!("{}: cannot be created: {} exists and is not a directory", dir.display(), at.display())),
+            Err(e) if missing(&e) => {
+                // A link to nothing: `create_dir_all` cannot make a directory there.
+                if std::fs::symlink_metadata(at).is_ok_and(|m| m.file_type().is_symlink()) {
+                    return Err(format!("{}: {} is a symbolic link to nothing", dir.display(), at.display()));
+                }
+            }
+            Err(e) => return Err(format!("{}: {e}", at.display())),
+        }
+    }
+    Ok(())
+}
+
+/// Checks `out`, the export directory, before any work, with the cheap checks of
+/// `fluxmem_consolidate::export_skills` (which replaces only a missing or empty directory or an
+/// earlier export): it needs a name of its own, its parent must be a directory we can write
+/// into (or be creatable), and if it exists it must be a directory that is empty or an earlier
+/// fluxmem export (a `release.json` with `"format": "fluxmem-skills"` listing every other
+/// entry). `Err` names the path at fault.
+pub fn check_export_out(out: &Path) -> Result<(), String> {
+    use fluxmem_consolidate::RELEASE_FILE;
+    let dir = match std::fs::canonicalize(out) {
+        Ok(real) => real,
+        Err(e) if missing(&e) => out.to_path_buf(),
+        Err(e) => return Err(format!("{}: {e}", out.display())),
+    };
+    if dir.file_name().is_none() {
+        return Err(format!("{}: the export directory needs a name of its own (not `..` or a root)", out.display()));
+    }
+    let parent = match dir.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    // The release is written into a sibling of `out` and renamed into place.
+    check_output_dir(parent)?;
+    match std::fs::metadata(&dir) {
+        Err(e) if missing(&e) => return Ok(()),
+        Err(e) => return Err(format!("{}: {e}", out.display())),
+        Ok(meta) if !meta.is_dir() => return Err(format!("{}: exists and is not a directory", out.display())),
+        Ok(_) => {}
+    }
+    let mut entries = std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", out.display()))?;
+    if entries.next().is_none() {
+        return Ok(());
+    }
+    let listed = std::fs::read(dir.join(RELEASE_FILE)).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+    let Some(listed) = listed else {
+        return Err(format!(
+            "{}: the directory is not empty and holds no {RELEASE_FILE} (it is not an earlier fluxmem export); refusing to write into it",
+            out.display()
+        ));
+    };
+    if listed.get("format").and_then(serde_json::Value::as_str) != Some("fluxmem-skills") {
+        return Err(format!("{}: its {RELEASE_FILE} is not a fluxmem skill release; refusing to replace the directory", out.display()));
+    }
+    let mut files = std::collections::BTreeSet::from([RELEASE_FILE.to_string()]);
+    let mut folders = std::collections::BTreeSet::new();
+    for file in listed.get("files").and_then(serde_json::Value::as_array).into_iter().flatten().filter_map(serde_json::Value::as_str) {
+        let parts: Vec<&str> = file.split('/').collect();
+        if parts.iter().any(|part| part.is_empty() || *part == "." || *part == "..") {
+            continue;
+        }
+        for end in 1..parts.len() {
+            folders.insert(parts[..end].join("/"));
+        }
+        files.insert(file.to_string());
+    }
+    let mut unlisted = Vec::new();
+    find_unlisted(&dir, "", &files, &folders, &mut unlisted)?;
+    if let Some(first) = unlisted.first() {
+        let more = if unlisted.len() > 1 { format!(" and {} more", unlisted.len() - 1) } else { String::new() };
+        return Err(format!(
+            "{}: the earlier export here also holds entries its {RELEASE_FILE} does not list ({first}{more}); refusing to replace it \
+             (they would be lost): move them away or export elsewhere",
+            out.display()
+        ));
+    }
+    Ok(())
+}
+
+/// The entries under `dir` (at `prefix` in the release) that are neither a listed regular file
+/// nor a folder of one, as `export_skills` finds them (links are not followed).
+fn find_unlisted(
+    dir: &Path,
+    prefix: &str,
+    files: &std::collections::BTreeSet<String>,
+    folders: &std::collections::BTreeSet<String>,
+    unlisted: &mut Vec<String>,
+) -> Result<(), String> {
+    let mut entries = std::fs::read_dir(dir)
+        .and_then(|entries| entries.collect::<std::io::Result<Vec<_>>>())
+        .map_err(|e| format!("{}: {e}", dir.display()))?;
+    entries.sort_by_key(|entry| entry.file_name());
+    for entry in entries {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let relative = if prefix.is_empty() { name } else { format!("{prefix}/{name}") };
+        let kind = entry.file_type().map_err(|e| format!("{}: {e}", entry.path().display()))?;
+        if kind.is_dir() && folders.contains(&relative) {
+            find_unlisted(&entry.path(), &relative, files, folders, unlisted)?;
+        } else if !(kind.is_file() && files.contains(&relative)) {
+            unlisted.push(if kind.is_dir() { format!("{relative}/") } else { relative });
+        }
+    }
+    Ok(())
+}
+
+/// A path that is not there: missing, or below something that is not a directory.
+fn missing(error: &std::io::Error) -> bool {
+    matches!(error.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory)
+}
+
+/// Whether this process may create entries in the directory `dir`.
+#[cfg(unix)]
+fn writable(dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(path) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else { return false };
+    // Safety: `path` is a NUL-terminated string that lives across the call; access(2) only reads it.
+    unsafe { libc::access(path.as_ptr(), libc::W_OK | libc::X_OK) == 0 }
+}
+
+/// Whether this process may create entries in the directory `dir` (not known here: the write
+/// will tell).
+#[cfg(not(unix))]
+fn writable(_dir: &Path) -> bool {
+    true
 }
 
 /// The files of one input: each pattern resolved against `base`; directories as given
@@ -447,6 +624,95 @@ mod tests {
         let nightly = load(&root.join("pipelines/nightly.toml")).unwrap();
         assert_eq!(nightly.pipeline.consolidate.max_rounds, 5);
         assert_eq!(nightly.pipeline.models.judge, "llm");
+    }
+
+    #[test]
+    fn numbers_must_be_finite_and_in_range() {
+        for (text, key) in [
+            ("[refine]\nprior = inf\n", "refine.prior"),
+            ("[refine]\nprior = 0.0\n", "refine.prior"),
+            ("[refine]\nprune_below = nan\n", "refine.prune_below"),
+            ("[refine]\nprune_below = -0.5\n", "refine.prune_below"),
+            ("[consolidate]\nepsilon = inf\n", "consolidate.epsilon"),
+            ("[consolidate]\nepsilon = -1.0\n", "consolidate.epsilon"),
+            ("[export]\nmin_pems = -inf\n", "export.min_pems"),
+            ("[export]\nmin_pems = nan\n", "export.min_pems"),
+        ] {
+            let error = parse(&format!("name = \"x\"\n{text}")).unwrap_err().to_string();
+            assert!(error.contains("p.toml") && error.contains(&format!("key `{key}`")) && error.contains("must be a finite number"), "{text}: {error}");
+        }
+        assert!(parse("name = \"x\"\n[refine]\nprune_below = 0.0\n[export]\nmin_pems = -0.25\n").is_ok());
+    }
+
+    #[test]
+    fn run_ids_and_names_are_plain_file_names() {
+        let longest = "x".repeat(RUN_ID_MAX);
+        for good in ["night", "demo-0123456789ab", "nightly-2026-11-29", "a.b_c-d", "0", longest.as_str()] {
+            assert!(check_run_id(good).is_ok(), "{good}");
+        }
+        let too_long = "x".repeat(RUN_ID_MAX + 1);
+        for bad in ["", "../../x", "/tmp/x", "..", ".", ".hidden", "-x", "a/b", "a\\b", "a b", "a:b", "caf\u{e9}", too_long.as_str()] {
+            let error = check_run_id(bad).unwrap_err();
+            assert!(error.contains("a run id must be 1 to 128 ASCII letters"), "{bad}: {error}");
+        }
+        // The default run id `<name>-<12 hex>` keeps to the rule.
+        assert!(parse(&format!("name = \"{}\"\n", "n".repeat(NAME_MAX))).is_ok());
+        for name in ["n".repeat(NAME_MAX + 1), ".x".into(), "-x".into(), "a/b".into(), String::new()] {
+            let error = parse(&format!("name = \"{name}\"\n")).unwrap_err().to_string();
+            assert!(error.contains("key `name`"), "{name}: {error}");
+        }
+    }
+
+    #[test]
+    fn output_targets_are_checked_up_front() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("file");
+        std::fs::write(&file, "x").unwrap();
+        assert!(check_output_dir(dir.path()).is_ok());
+        assert!(check_output_dir(&dir.path().join("new/deeper")).is_ok(), "created with its parents");
+        let error = check_output_dir(&file).unwrap_err();
+        assert!(error.contains("exists and is not a directory") && error.contains(&file.display().to_string()), "{error}");
+        let error = check_output_dir(&file.join("run")).unwrap_err();
+        assert!(error.contains("cannot be created") && error.contains(&format!("{} exists and is not a directory", file.display())), "{error}");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let locked = dir.path().join("locked");
+            std::fs::create_dir(&locked).unwrap();
+            std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o555)).unwrap();
+            // Root writes anywhere: then there is nothing to refuse.
+            if std::fs::create_dir(locked.join("probe")).is_err() {
+                let error = check_output_dir(&locked.join("runs")).unwrap_err();
+                assert!(error.contains("may not write into"), "{error}");
+                assert!(check_export_out(&locked.join("skills")).is_err());
+            }
+            std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+
+        // The export directory: what `export_skills` would refuse.
+        assert!(check_export_out(&dir.path().join("skills")).is_ok(), "missing: created");
+        let empty = dir.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        assert!(check_export_out(&empty).is_ok(), "empty: replaced");
+        assert!(check_export_out(&file).unwrap_err().contains("exists and is not a directory"));
+        assert!(check_export_out(&file.join("skills")).unwrap_err().contains("is not a directory"));
+        let busy = dir.path().join("busy");
+        std::fs::create_dir(&busy).unwrap();
+        std::fs::write(busy.join("notes.txt"), "mine").unwrap();
+        assert!(check_export_out(&busy).unwrap_err().contains("holds no release.json"));
+        let other = dir.path().join("other");
+        std::fs::create_dir(&other).unwrap();
+        std::fs::write(other.join("release.json"), r#"{"format": "something-else"}"#).unwrap();
+        assert!(check_export_out(&other).unwrap_err().contains("not a fluxmem skill release"));
+        let earlier = dir.path().join("earlier");
+        std::fs::create_dir_all(earlier.join("a")).unwrap();
+        std::fs::write(earlier.join("a/SKILL.md"), "skill").unwrap();
+        std::fs::write(earlier.join("release.json"), r#"{"format": "fluxmem-skills", "files": ["a/SKILL.md"]}"#).unwrap();
+        assert!(check_export_out(&earlier).is_ok(), "an earlier export: replaced");
+        std::fs::write(earlier.join("a/notes.txt"), "mine").unwrap();
+        let error = check_export_out(&earlier).unwrap_err();
+        assert!(error.contains("a/notes.txt") && error.contains("does not list"), "{error}");
+        assert!(check_export_out(Path::new("/")).unwrap_err().contains("a name of its own"));
     }
 
     #[test]

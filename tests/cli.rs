@@ -10,12 +10,6 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-fn shared_data() -> PathBuf {
-    let dir = repo().join("../shared/data");
-    assert!(dir.is_dir(), "the dev data is expected at {} (the project's shared/ folder beside the repo)", dir.display());
-    dir
-}
-
 fn fluxmem(store: &Path) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_fluxmem"));
     command.arg("--store").arg(store).arg("--no-progress").env_remove("FLUXMEM_FAULT");
@@ -93,20 +87,15 @@ fn a_held_lock_is_a_clear_error() {
     assert!(run(fluxmem(&store).arg("ingest").arg(repo().join("data/trajectories.jsonl"))).status.success());
 }
 
-/// Inputs that take several commits: every dev file plus the samples, 300 records a commit.
+/// Inputs that take several commits: the samples in every format plus a tiny LoCoMo
+/// conversation (all in the repo), 3 records a commit.
 fn resume_inputs() -> Vec<PathBuf> {
-    let data = shared_data();
-    vec![
-        repo().join("data"),
-        data.join("locomo/locomo10_dev.json"),
-        data.join("tau-bench/gpt-4o-airline_dev.json"),
-        data.join("alfworld/alfworld_3prompts_dev.json"),
-    ]
+    vec![repo().join("data"), repo().join("tests/data/locomo/tiny_locomo.json")]
 }
 
 fn ingest_cmd(store: &Path) -> Command {
     let mut command = fluxmem(store);
-    command.args(["ingest", "--batch-records", "300"]).args(resume_inputs());
+    command.args(["ingest", "--batch-records", "3"]).args(resume_inputs());
     command
 }
 
@@ -144,7 +133,7 @@ fn killed_ingest_resumes_to_exactly_the_uninterrupted_store() {
     }
 
     // SIGKILL at arbitrary moments.
-    for delay_ms in [20u64, 60, 120, 250, 400] {
+    for delay_ms in [5u64, 15, 30, 60, 120] {
         let store = dir.path().join(format!("kill-{delay_ms}"));
         let mut child = ingest_cmd(&store).spawn().unwrap();
         std::thread::sleep(std::time::Duration::from_millis(delay_ms));
@@ -174,8 +163,7 @@ fn python() -> PathBuf {
 fn shards_are_plain_parquet_for_pyarrow_and_duckdb() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
-    let data = shared_data();
-    let output = run(fluxmem(&store).arg("ingest").arg(data.join("locomo/locomo10_dev.json")).arg(repo().join("data")));
+    let output = run(fluxmem(&store).arg("ingest").arg(repo().join("tests/data/locomo/tiny_locomo.json")).arg(repo().join("data")));
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     // Embeddings come from the embed stage; here a few known vectors exercise the column type.
     let mut writer = fluxmem_store::Writer::open(&store).unwrap();
@@ -194,7 +182,7 @@ fn shards_are_plain_parquet_for_pyarrow_and_duckdb() {
         "embedding_dim": 8,
         "embeddings": 10,
         "first_vector_value": first_vector_value,
-        "probe": {"locator": "conv-26/D1:1", "text": "Caroline: Hey Mel! Good to see you! How have you been?"},
+        "probe": {"locator": "tiny-1/D1:1", "text": "Alice: I adopted a puppy from the shelter last week"},
     });
     let output = run(Command::new(python()).arg(repo().join("tests/python/read_shards.py")).arg(&store).arg(expected.to_string()));
     assert!(
@@ -247,12 +235,167 @@ fn export_skills_twice_is_byte_identical_and_bad_flags_exit_1() {
     }
     assert_eq!(read_all(&a), read_all(&b));
     let skill_md = String::from_utf8(read_all(&a)[1].clone()).unwrap();
-    assert!(skill_md.contains("title: \"Clean \\\"it\\\"\"\ndescription: ") || skill_md.contains("description: \"d: when\\ndirty\""), "{skill_md}");
-    assert!(skill_md.contains("pems: 0.31\n"), "{skill_md}");
+    assert!(skill_md.contains("description: \"d: when\\ndirty\"\n"), "{skill_md}");
+    assert!(skill_md.contains("\nmetadata:\n  title: \"Clean \\\"it\\\"\"\n"), "{skill_md}");
+    assert!(skill_md.contains("\n  pems: \"0.31\"\n"), "{skill_md}");
     let bad = run(fluxmem(&store).args(["export", "skills", "--format", "yaml", "--out"]).arg(dir.path().join("c")));
     assert_eq!(bad.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("expected skill-md, jsonl or parquet"));
     let bad = run(fluxmem(&store).args(["consolidate", "--clusters", "zero"]));
     assert_eq!(bad.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--clusters `zero`"));
+}
+
+/// The embedder gives the same bits with one thread as with two: the matrix-product kernels
+/// split rows and columns over threads, never the reduced dimension.
+#[test]
+fn embeddings_are_the_same_bits_at_any_thread_count() {
+    let texts = ["get_reservation_details then cancel_reservation", "ok", "The refund goes to the original payment method within 7 days."];
+    let embed = |threads: &str| {
+        let output = run(Command::new(env!("CARGO_BIN_EXE_fluxmem")).args(["models", "embed"]).args(texts).env("RAYON_NUM_THREADS", threads));
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        output.stdout
+    };
+    let one = embed("1");
+    assert!(one.len() > 1000, "vectors printed");
+    assert_eq!(one, embed("2"), "1 thread and 2 threads give identical vectors");
+}
+
+/// Greedy generation gives the same text with one thread as with two, with the weights the
+/// demo uses (`q8`) and with the f32 path: the logits are the same bits (the quantized dot
+/// products run whole rows per thread; the f32 kernels never split a reduction).
+#[test]
+fn generation_is_the_same_at_any_thread_count() {
+    let prompt = "List three steps to cancel a flight reservation.";
+    for weights in ["q8", "dequantized"] {
+        let generate = |threads: &str| {
+            let output = run(Command::new(env!("CARGO_BIN_EXE_fluxmem"))
+                .args(["models", "generate", "--device", "cpu", "--max-tokens", "48", "--weights", weights, prompt])
+                .env("RAYON_NUM_THREADS", threads));
+            assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+            String::from_utf8(output.stdout).unwrap()
+        };
+        let one = generate("1");
+        assert!(one.split_whitespace().count() > 5, "a real answer: {one:?}");
+        assert_eq!(one, generate("2"), "{weights}: 1 thread and 2 threads give the same text");
+    }
+}
+
+#[test]
+fn non_finite_and_out_of_range_numbers_are_refused_before_the_store_is_touched() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    assert!(run(fluxmem(&store).arg("ingest").arg(repo().join("data/trajectories.jsonl"))).status.success());
+    let before = shard_list(&store);
+    let out = dir.path().join("out");
+    let out_flag = format!("--out={}", out.display());
+    let cases: [(&[&str], &str); 11] = [
+        (&["refine", "--prior", "inf"], "--prior `inf`: must be a finite number greater than zero"),
+        (&["refine", "--prior", "0"], "--prior `0`: must be a finite number greater than zero"),
+        (&["refine", "--prune-below", "nan"], "--prune-below `NaN`: must be a finite number"),
+        (&["refine", "--prune-below=-0.5"], "--prune-below `-0.5`: must be a finite number, zero or more"),
+        (&["connect", "--weights", "1,NaN,0.3"], "--weights `NaN`: must be a finite number"),
+        (&["connect", "--weights", "1,0.5,inf"], "--weights `inf`: must be a finite number"),
+        (&["connect", "--weights=1,-0.5,0.3"], "--weights `-0.5`: must be a finite number, zero or more"),
+        (&["consolidate", "--epsilon", "inf"], "--epsilon `inf`: must be a finite number"),
+        (&["consolidate", "--epsilon=-0.01"], "--epsilon `-0.01`: must be a finite number, zero or more"),
+        (&["export", "skills", "--min-pems", "nan", out_flag.as_str()], "--min-pems `NaN`: must be a finite number"),
+        (&["export", "skills", "--min-pems=-inf", out_flag.as_str()], "--min-pems `-inf`: must be a finite number"),
+    ];
+    for (args, message) in cases {
+        let output = run(fluxmem(&store).args(args));
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: a flag value that is not valid is exit status 1: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+        assert_eq!(shard_list(&store), before, "{args:?}: the store is untouched");
+        assert!(!out.exists(), "{args:?}: nothing exported");
+    }
+    // A store that does not exist is not created either.
+    let missing = dir.path().join("missing");
+    let output = run(fluxmem(&missing).args(["refine", "--prior", "inf"]));
+    assert_eq!(output.status.code(), Some(1));
+    assert!(!missing.exists(), "refine --prior inf created no store");
+}
+
+#[test]
+fn export_skills_checks_the_output_directory_before_loading_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    // No store at all: the output directory is what is wrong, and it is said first.
+    let store = dir.path().join("no-store");
+    let file = dir.path().join("file");
+    std::fs::write(&file, "x").unwrap();
+    let busy = dir.path().join("busy");
+    std::fs::create_dir(&busy).unwrap();
+    std::fs::write(busy.join("notes.txt"), "mine").unwrap();
+    for (out, why) in [(&file, "exists and is not a directory"), (&busy, "holds no release.json")] {
+        let output = run(fluxmem(&store).args(["export", "skills", "--out"]).arg(out));
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("--out") && stderr.contains(&out.display().to_string()) && stderr.contains(why), "{stderr}");
+        assert!(!stderr.contains("fluxmem ingest"), "not the missing-store error: {stderr}");
+    }
+    assert_eq!(std::fs::read_to_string(busy.join("notes.txt")).unwrap(), "mine");
+    assert!(!store.exists());
+}
+
+/// Two tenants' episodes and facts whose texts overlap; globex holds a secret.
+const TWO_TENANTS: &str = r#"{"type":"fact","tenant":"acme","text":"Refunds of damaged orders go back to the original card within 30 days."}
+{"type":"fact","tenant":"acme","text":"An address can be changed while the order is still processing."}
+{"type":"fact","tenant":"globex","text":"Tenant B secret: refund damaged orders to card 4111 1111 1111 1111."}
+{"type":"fact","tenant":"globex","text":"Globex ships every order from the Springfield warehouse."}
+{"tenant":"acme","episode_id":"a1","task":"Refund damaged order 1042 to the card","steps":[{"observation":"User: my order arrived damaged, refund it to my card","action":"Issuing the refund."}],"outcome":{"success":true}}
+{"tenant":"acme","episode_id":"a2","task":"Change the address of order 1100","steps":[{"observation":"User: please change the address of my order","action":"Address updated."}],"outcome":{"success":false}}
+{"tenant":"globex","episode_id":"b1","task":"Refund damaged order 77 to card 4111","steps":[{"observation":"User: my order arrived damaged, refund it to card 4111","action":"Issuing the refund."}],"outcome":{"success":true}}
+{"tenant":"globex","episode_id":"b2","task":"Refund damaged order 78 to the card","steps":[{"observation":"User: refund my damaged order to my card","action":"Issuing the refund."}],"outcome":{"success":false}}
+"#;
+
+/// Tenants never mix: connect and refine write no cross-tenant edge, `query` needs `--tenant`
+/// on a store with two tenants (naming both), answers only from that tenant, and answers from
+/// what is embedded when some node is not, saying how many it left out.
+#[test]
+fn query_answers_from_one_tenant_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let input = dir.path().join("two.jsonl");
+    std::fs::write(&input, TWO_TENANTS).unwrap();
+    let stderr = |output: &Output| String::from_utf8_lossy(&output.stderr).to_string();
+    for args in [vec!["ingest", input.to_str().unwrap()], vec!["embed", "--device", "cpu"], vec!["connect", "--device", "cpu"], vec!["refine"]] {
+        let output = run(fluxmem(&store).args(&args));
+        assert!(output.status.success(), "{args:?}: {}", stderr(&output));
+    }
+    let graph = fluxmem_store::Store::open(&store).unwrap().load().unwrap();
+    assert!(graph.edges.values().any(|e| e.kind == fluxmem_graph::EdgeKind::Ground));
+    for edge in graph.edges.values() {
+        let (src, dst) = (&graph.nodes[&edge.src], &graph.nodes[&edge.dst]);
+        assert_eq!(src.tenant, dst.tenant, "{:?} edge {:?} -> {:?} joins two tenants", edge.kind, src.text, dst.text);
+    }
+
+    let question = "refund my damaged order to my card";
+    let unnamed = run(fluxmem(&store).args(["query", "--device", "cpu", question]));
+    assert_eq!(unnamed.status.code(), Some(1), "{}", stderr(&unnamed));
+    let message = stderr(&unnamed);
+    assert!(message.contains("acme, globex") && message.contains("--tenant"), "{message}");
+    let unknown = run(fluxmem(&store).args(["query", "--device", "cpu", "--tenant", "initech", question]));
+    assert_eq!(unknown.status.code(), Some(1));
+    assert!(stderr(&unknown).contains("initech") && stderr(&unknown).contains("acme, globex"), "{}", stderr(&unknown));
+
+    let answer = run(fluxmem(&store).args(["query", "--device", "cpu", "--tenant", "acme", "--json", question]));
+    assert!(answer.status.success(), "{}", stderr(&answer));
+    assert!(!String::from_utf8_lossy(&answer.stdout).contains("4111"), "tenant B's secret leaked");
+    let context = stdout_json(&answer);
+    assert_eq!((&context["tenant"], &context["not_embedded"]), (&Value::from("acme"), &Value::from(0)));
+    let items = context["items"].as_array().unwrap();
+    assert_eq!(items.len(), 4, "acme's two episodes and two facts: {context}");
+    assert!(items.iter().all(|item| item["tenant"] == "acme"), "{context}");
+
+    // A fact ingested after embedding: the query answers from the rest and says so.
+    let late = dir.path().join("late.jsonl");
+    std::fs::write(&late, "{\"type\":\"fact\",\"tenant\":\"acme\",\"text\":\"Refunds over 500 need a manager.\"}\n").unwrap();
+    assert!(run(fluxmem(&store).arg("ingest").arg(&late)).status.success());
+    let partial = run(fluxmem(&store).args(["query", "--device", "cpu", "--tenant", "acme", "--json", question]));
+    assert!(partial.status.success(), "{}", stderr(&partial));
+    assert!(stderr(&partial).contains("1 nodes of tenant `acme`") && stderr(&partial).contains("fluxmem embed"), "{}", stderr(&partial));
+    let context = stdout_json(&partial);
+    assert_eq!(context["not_embedded"], 1);
+    assert_eq!(context["items"].as_array().unwrap().len(), 4, "the embedded items only");
 }

@@ -8,6 +8,9 @@ use crate::cli::{ConnectArgs, Settings};
 use crate::progress::CountBar;
 
 pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    // Flag values first, before a model is loaded or the store opened.
+    crate::cli::check_weights(&args.weights)?;
+    let retrieval = super::retrieval_config(&args.fusion, &args.weights, 0)?;
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
@@ -16,7 +19,7 @@ pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         ground_k: args.ground_k,
         link_k: args.link_k,
         commit_every: args.commit_every,
-        retrieval: super::retrieval_config(&args.fusion, &args.weights, 0)?,
+        retrieval,
         ..Default::default()
     };
     let mut writer = open_writer(settings)?;

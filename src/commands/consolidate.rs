@@ -12,7 +12,10 @@ pub fn run(args: ConsolidateArgs, settings: &Settings) -> anyhow::Result<ExitCod
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
-    let mut generator = fluxmem_models::load_generator(&args.generator, &device_choice, super::models::weight_path(&args.weights)?)?;
+    let mut generator = match args.generator.as_str() {
+        "none" => None,
+        name => Some(fluxmem_models::load_generator(name, &device_choice, super::models::weight_path(&args.weights)?)?),
+    };
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
     let mut writer = open_writer(settings)?;
     // Nodes, edges and edits record the run; the id depends only on the store state it started
@@ -20,7 +23,7 @@ pub fn run(args: ConsolidateArgs, settings: &Settings) -> anyhow::Result<ExitCod
     let run_id = format!("consolidate@v{}", writer.manifest().version);
     let mut models = Models {
         embedder: &embedder,
-        generator: &mut generator as &mut dyn Generator,
+        generator: generator.as_mut().map(|g| g as &mut dyn Generator),
         judge: judge.as_mut().map(|j| j as &mut dyn Judge),
     };
     let mut bar = CountBar::new(settings.progress, "consolidate");
@@ -50,6 +53,7 @@ fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
     if args.max_rounds == 0 {
         anyhow::bail!("--max-rounds must be at least 1");
     }
+    crate::cli::check_flag("--epsilon", args.epsilon, crate::cli::Bound::NonNegative)?;
     let length = args.length.parse().map_err(anyhow::Error::msg)?;
     Ok(ConsolidateOptions {
         kmeans: KMeansOptions { clusters, seed: args.seed, ..Default::default() },
@@ -68,13 +72,14 @@ fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
 
 fn print_human(report: &ConsolidateReport, seconds: f64) {
     println!(
-        "{} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} failed ({} failed earlier); {} commit(s), {:.1}s",
+        "{} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} failed ({} sharing no procedure, {} failed earlier); {} commit(s), {:.1}s",
         report.episodes,
         report.clusters,
         report.skills_new,
         report.skills_updated,
         report.skills_unchanged,
         report.failed,
+        report.no_procedure,
         report.failed_earlier,
         report.commits,
         seconds

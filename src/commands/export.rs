@@ -6,6 +6,11 @@ use crate::cli::{ExportSkillsArgs, Settings};
 
 pub fn skills(args: ExportSkillsArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let format = args.format.parse().map_err(anyhow::Error::msg)?;
+    if let Some(min_pems) = args.min_pems {
+        crate::cli::check_flag("--min-pems", min_pems, crate::cli::Bound::Finite)?;
+    }
+    // The cheap checks of the export directory, before the store is loaded.
+    crate::pipeline::check_export_out(&args.out).map_err(|e| anyhow::anyhow!("--out {e}"))?;
     let store = fluxmem_store::Store::open(&settings.store)?;
     let options = ExportOptions { format, tenant: args.tenant, min_pems: args.min_pems, min_support: args.min_support };
     let report = export_skills(&store, &args.out, &options).with_context(|| format!("exporting skills to {}", args.out.display()))?;

@@ -15,6 +15,7 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         chunk_words: args.chunk_words,
         batch_records: args.batch_records.max(1),
         shard: fluxmem_store::Shard::ALL,
+        follow_symlinks: args.follow_symlinks,
     };
     let mut writer = open_writer(settings)?;
     let mut bar = IngestBar::new(settings.progress);
@@ -22,6 +23,10 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let report = fluxmem_ingest::ingest(&mut writer, &args.paths, &options, &run, &mut bar)
         .with_context(|| format!("ingesting into {}", settings.store.display()))?;
     bar.finish();
+    // Left out on purpose (fluxmem's own output, links not followed): said, never silent.
+    for skipped in &report.skipped {
+        eprintln!("skipped: {}: {}", skipped.path.display(), skipped.reason);
+    }
     if args.json {
         let json = serde_json::json!({
             "read": report.read,

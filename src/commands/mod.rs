@@ -11,6 +11,7 @@ mod query;
 mod refine;
 mod run;
 mod stats;
+mod store;
 
 pub(crate) use models::weight_path;
 use std::process::ExitCode;
@@ -31,6 +32,7 @@ pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
         Command::Eval(crate::cli::EvalCommand::Locomo(args)) => eval::locomo(args, settings),
         Command::Consolidate(args) => consolidate::run(args, settings),
         Command::Export(crate::cli::ExportCommand::Skills(args)) => export::skills(args, settings),
+        Command::Store(crate::cli::StoreCommand::Recover(args)) => store::recover(args, settings),
     }
 }
 

@@ -1,5 +1,5 @@
 use anyhow::Context as _;
-use fluxmem_connect::{pack, semantic_entry, Entry, Retriever};
+use fluxmem_connect::{pack, resolve_tenant, semantic_entry, Entry, Retriever, Unembedded};
 use fluxmem_models::{DeviceChoice, Embedder, Generator, Judge};
 use fluxmem_refine::{refine_query, LoopModels, Neighbours};
 use fluxmem_store::CommitInfo;
@@ -12,8 +12,14 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device = device_choice.device()?;
     let store = fluxmem_store::Store::open(&settings.store)?;
     let mut graph = store.load()?;
+    let tenant = resolve_tenant(&graph, args.tenant.as_deref())?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
-    let retriever = Retriever::build(&graph, embedder.model_id(), &device)?;
+    // Only the tenant's nodes; those not embedded yet are left out and counted.
+    let retriever = Retriever::build_with(&graph, &tenant, embedder.model_id(), &device, Unembedded::Skip)?;
+    let not_embedded = retriever.not_embedded();
+    if not_embedded > 0 {
+        eprintln!("warning: {not_embedded} nodes of tenant `{tenant}` have no `{}` embedding and were left out; run `fluxmem embed`", embedder.model_id());
+    }
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
     let config = super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?;
     let query_vector = embedder.embed(&[args.text.as_str()])?.remove(0);
@@ -33,7 +39,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         let head_tokens = pack(&graph, &head, args.budget, &count)?.tokens;
         let options = super::loop_options(&args.refine, args.budget.saturating_sub(head_tokens + 1));
         let mut generator = super::reshape_generator(&args.refine, &device_choice)?;
-        let neighbours = Neighbours::build(&graph);
+        let neighbours = Neighbours::build(&graph, &tenant);
         let mut verifier = fluxmem_refine::verifier(judge.as_mut().map(|j| j as &mut dyn Judge), retriever.semantic());
         let mut models = LoopModels {
             verifier: &mut *verifier,
@@ -74,7 +80,12 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     // Reshaped nodes may live only in the loop's delta: pack against the graph with it.
     let context = pack(&graph, &entries, args.budget, &count)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&context)?);
+        let mut report = serde_json::to_value(&context)?;
+        if let Some(object) = report.as_object_mut() {
+            object.insert("tenant".into(), tenant.clone().into());
+            object.insert("not_embedded".into(), not_embedded.into());
+        }
+        println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         println!("{}", context.text());
         eprintln!("{} items, {} of {} tokens", context.items.len(), context.tokens, context.budget);

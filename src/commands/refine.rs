@@ -3,13 +3,13 @@ use fluxmem_refine::{refine_store, CreditOptions};
 use std::process::ExitCode;
 
 use super::open_writer;
-use crate::cli::{RefineArgs, Settings};
+use crate::cli::{check_flag, Bound, RefineArgs, Settings};
 use crate::progress::CountBar;
 
 pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
-    if !(args.prior > 0.0) {
-        anyhow::bail!("--prior must be positive, got {}", args.prior);
-    }
+    // Before the store is opened: a NaN or an infinity here makes every edge weight NaN.
+    check_flag("--prior", args.prior, Bound::Positive)?;
+    check_flag("--prune-below", args.prune_below, Bound::NonNegative)?;
     let options = CreditOptions {
         prior: args.prior,
         prune_below: args.prune_below,

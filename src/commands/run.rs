@@ -36,6 +36,10 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             bail!("--shard and --merge are separate steps: run every shard, then merge once");
         }
     }
+    // Run ids name a directory under `report.dir` and quarantine files: never a path.
+    if let Some(id) = &args.run_id {
+        pipeline::check_run_id(id).map_err(|e| anyhow::anyhow!("--run-id {e}"))?;
+    }
     let store_dir = p.store.as_ref().map(|s| loaded.resolve(s)).unwrap_or_else(|| settings.store.clone());
     // Inputs are resolved before any work, so a missing input stops the run up front.
     let mut groups: Vec<(&Input, Vec<PathBuf>)> = Vec::new();
@@ -55,8 +59,13 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     }
     let run_id = match &args.run_id {
         Some(id) => id.clone(),
-        None => default_run_id(&loaded, &groups),
+        None => {
+            let id = default_run_id(&loaded, &groups);
+            pipeline::check_run_id(&id).map_err(|e| anyhow::anyhow!("{}: key `name`: the default run id {e}", loaded.path.display()))?;
+            id
+        }
     };
+    check_outputs(&loaded, &args, &run_id, shard.is_some())?;
     let device_choice: DeviceChoice = p.models.device.parse()?;
     let mut ctx = Ctx {
         loaded: &loaded,
@@ -96,7 +105,13 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         let record = ctx.stage(stage, &mut writer, &groups, shard)?;
         writer.finish_staging(&format!("{stage}@{run_id}"))?;
         println!("{}", serde_json::to_string(&record)?);
-        return Ok(if ctx.quarantined > 0 { ExitCode::from(crate::EXIT_QUARANTINED) } else { ExitCode::SUCCESS });
+        return Ok(if record.status.starts_with(DEGRADED) {
+            ExitCode::from(crate::EXIT_DEGRADED)
+        } else if ctx.quarantined > 0 {
+            ExitCode::from(crate::EXIT_QUARANTINED)
+        } else {
+            ExitCode::SUCCESS
+        });
     }
     let stages: Vec<&str> = match args.stage.as_deref() {
         Some(stage) => vec![stage],
@@ -152,14 +167,12 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     record.pems = ctx.pems.take();
     record.quarantine = quarantine_summary(&ctx.quarantine_files)?;
     record.outputs = ctx.outputs.clone();
-    record.status = match &failure {
-        Some(error) => format!("failed: {error:#}"),
-        None if record.quarantine.records > 0 => "partial".into(),
-        None => "ok".into(),
-    };
     record.finished_at = now();
     let report_dir = loaded.resolve(&p.report.dir).join(&run_id);
     accumulate(&mut record, &report_dir.join(fluxmem_report::RUN_JSON), args.stage.is_some());
+    // After `accumulate`: a resumed run (or one stage of a distributed run) is judged on every
+    // stage record of the run id, not only on the stages this call ran.
+    settle(&mut record, failure.as_ref());
     for file in [fluxmem_report::RUN_JSON, fluxmem_report::REPORT_HTML] {
         let path = report_dir.join(file).display().to_string();
         if !record.outputs.contains(&path) {
@@ -176,7 +189,85 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     if let Some(error) = failure {
         return Err(error);
     }
-    Ok(if record.quarantine.records > 0 { ExitCode::from(crate::EXIT_QUARANTINED) } else { ExitCode::SUCCESS })
+    Ok(if record.status == DEGRADED {
+        ExitCode::from(crate::EXIT_DEGRADED)
+    } else if record.quarantine.records > 0 {
+        ExitCode::from(crate::EXIT_QUARANTINED)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// Checks the output targets of this call before any work (before the store is opened or
+/// created), so that a report or export directory that cannot be written is not found only
+/// after the stages ran: `<report.dir>/<run id>` (written by every call but a shard's) and,
+/// when the export stage runs, `export.out`. Errors name the file, the key and the path.
+fn check_outputs(loaded: &Loaded, args: &RunArgs, run_id: &str, shard: bool) -> anyhow::Result<()> {
+    let p = &loaded.pipeline;
+    let fail = |key: &str, error: String| anyhow::anyhow!("{}: key `{key}`: {error}", loaded.path.display());
+    if !shard {
+        pipeline::check_output_dir(&loaded.resolve(&p.report.dir).join(run_id)).map_err(|e| fail("report.dir", e))?;
+    }
+    let exports = p.export.enabled && !shard && args.merge.is_none() && args.stage.as_deref().is_none_or(|stage| stage == "export");
+    if exports {
+        pipeline::check_export_out(&loaded.resolve(&p.export.out)).map_err(|e| fail("export.out", e))?;
+    }
+    Ok(())
+}
+
+/// The status word of a run (and the prefix of a stage status) when a stage that was meant to
+/// produce something produced nothing.
+const DEGRADED: &str = "degraded";
+/// The status word of a run (and the prefix of a stage status) when a stage produced only part
+/// of what it was meant to, or records were quarantined.
+const PARTIAL: &str = "partial";
+
+/// Sets the run's `status` and `reasons` from its stage records, its quarantine and the error
+/// that stopped it, if any:
+/// - a stage status `degraded: <detail>` gives the reason `<stage>: <detail>` and makes the run
+///   `degraded`; `partial: <detail>` gives the same kind of reason and makes it `partial`;
+/// - quarantined records give the reason `ingest: N records quarantined` (unless ingest is
+///   already degraded for it: every record read was quarantined) and make the run `partial`;
+/// - precedence: `failed: <error>` over `degraded` over `partial` over `ok`. The reasons are
+///   kept with a failure too (what had gone wrong before the run stopped).
+fn settle(record: &mut RunRecord, failure: Option<&anyhow::Error>) {
+    let mut reasons = Vec::new();
+    let (mut degraded, mut partial, mut ingest_degraded) = (false, false, false);
+    for stage in &record.stages {
+        if let Some(detail) = stage_detail(&stage.status, DEGRADED) {
+            degraded = true;
+            ingest_degraded |= stage.name == "ingest";
+            reasons.push(format!("{}: {detail}", stage.name));
+        } else if let Some(detail) = stage_detail(&stage.status, PARTIAL) {
+            partial = true;
+            reasons.push(format!("{}: {detail}", stage.name));
+        }
+    }
+    let quarantined = record.quarantine.records;
+    if quarantined > 0 {
+        partial = true;
+        if !ingest_degraded {
+            reasons.push(format!("ingest: {quarantined} record{} quarantined", if quarantined == 1 { "" } else { "s" }));
+        }
+    }
+    record.status = match failure {
+        Some(error) => format!("failed: {error:#}"),
+        None if degraded => DEGRADED.into(),
+        None if partial => PARTIAL.into(),
+        None => "ok".into(),
+    };
+    record.reasons = reasons;
+}
+
+/// `<word>: <detail>` -> `<detail>` (a bare `<word>` -> the word itself); `None` for other
+/// statuses.
+fn stage_detail<'s>(status: &'s str, word: &'s str) -> Option<&'s str> {
+    let rest = status.strip_prefix(word)?;
+    if rest.is_empty() {
+        Some(word)
+    } else {
+        rest.strip_prefix(':').map(str::trim)
+    }
 }
 
 struct Ctx<'a> {
@@ -238,6 +329,7 @@ impl Ctx<'_> {
                 chunk_words: p.ingest.chunk_words,
                 batch_records: p.ingest.batch_records,
                 shard,
+                follow_symlinks: false,
             };
             let mut bar = IngestBar::new(self.settings.progress);
             let run = format!("{}-inputs{i}", quarantine_name(&self.run_id));
@@ -267,8 +359,16 @@ impl Ctx<'_> {
             total.quarantined,
             if shard.count > 1 { format!(", {} left to other shards", total.other_shards) } else { String::new() }
         );
+        // Every record this run (or shard) read and owned went to quarantine: nothing came in.
+        let status = if total.quarantined > 0 && total.ingested + total.duplicates == 0 {
+            format!("{DEGRADED}: all {} record{} read were quarantined", total.quarantined, if total.quarantined == 1 { "" } else { "s" })
+        } else if total.ingested == 0 && total.quarantined == 0 {
+            "nothing new".into()
+        } else {
+            "done".into()
+        };
         Ok(StageRecord {
-            status: if total.ingested == 0 && total.quarantined == 0 { "nothing new".into() } else { "done".into() },
+            status,
             counts_in: counts64(&[("files", total.files), ("records", total.read)]),
             counts_out: counts64(&[
                 ("ingested", total.ingested),
@@ -368,8 +468,12 @@ impl Ctx<'_> {
         }
         let models = self.loaded.pipeline.models.clone();
         let device = self.device_choice.device()?;
-        ensure_model(&models.generator)?;
-        let mut generator = fluxmem_models::load_generator(&models.generator, &self.device_choice, super::weight_path(&models.generator_weights)?)?;
+        let mut generator = if models.generator == "none" {
+            None
+        } else {
+            ensure_model(&models.generator)?;
+            Some(fluxmem_models::load_generator(&models.generator, &self.device_choice, super::weight_path(&models.generator_weights)?)?)
+        };
         if models.judge == "llm" {
             ensure_model(fluxmem_models::DEFAULT_GENERATOR)?;
         }
@@ -394,15 +498,15 @@ impl Ctx<'_> {
         let embedder = self.embedder()?;
         let mut stage_models = fluxmem_consolidate::Models {
             embedder,
-            generator: &mut generator as &mut dyn Generator,
+            generator: generator.as_mut().map(|g| g as &mut dyn Generator),
             judge: judge.as_mut().map(|j| j as &mut dyn Judge),
         };
         let mut bar = CountBar::new(progress, "consolidate");
         let report = fluxmem_consolidate::consolidate_store(writer, &mut stage_models, &options, &run_id, &device, &mut bar)?;
         bar.finish();
         eprintln!(
-            "  {} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} failed",
-            report.episodes, report.clusters, report.skills_new, report.skills_updated, report.skills_unchanged, report.failed
+            "  {} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} failed ({} sharing no procedure)",
+            report.episodes, report.clusters, report.skills_new, report.skills_updated, report.skills_unchanged, report.failed, report.no_procedure
         );
         let usage = |u: &fluxmem_consolidate::TokenUsage| UsageRecord {
             calls: u.calls as u64,
@@ -415,7 +519,7 @@ impl Ctx<'_> {
         }
         self.pems = Some(pems_summary(&report, &writer.store().load()?));
         Ok(StageRecord {
-            status: if report.skills_new + report.skills_updated + report.failed == 0 { "nothing new".into() } else { "done".into() },
+            status: consolidate_status(&report),
             counts_in: counts(&[("episodes", report.episodes), ("clusters", report.clusters)]),
             counts_out: counts(&[
                 ("skills_new", report.skills_new),
@@ -445,8 +549,22 @@ impl Ctx<'_> {
         let report = fluxmem_consolidate::export_skills(&store, &out, &options).with_context(|| format!("exporting skills to {}", out.display()))?;
         eprintln!("  {} skills exported to {} ({} filtered out)", report.skills, out.display(), report.filtered_out);
         self.outputs.push(out.display().to_string());
+        // An enabled export that wrote no skill gave the user an empty release.
+        let status = if report.skills == 0 {
+            let why = if report.filtered_out > 0 {
+                format!("{} left out by min_pems / min_support", report.filtered_out)
+            } else {
+                match &e.tenant {
+                    Some(tenant) => format!("the store has no skill of tenant `{tenant}`"),
+                    None => "the store has no skill".to_string(),
+                }
+            };
+            format!("{DEGRADED}: 0 skills exported ({why})")
+        } else {
+            "done".into()
+        };
         Ok(StageRecord {
-            status: "done".into(),
+            status,
             counts_out: counts(&[("skills", report.skills), ("filtered_out", report.filtered_out), ("files", report.files.len())]),
             details: serde_json::to_value(&report)?,
             ..Default::default()
@@ -514,7 +632,6 @@ fn add_stage_to_report(loaded: &Loaded, run_id: &str, store_dir: &Path, stage: &
         run_id: run_id.into(),
         started_at: now(),
         finished_at: now(),
-        status: "ok".into(),
         stages: vec![stage.clone()],
         ..Default::default()
     };
@@ -525,8 +642,37 @@ fn add_stage_to_report(loaded: &Loaded, run_id: &str, store_dir: &Path, stage: &
         record.manifest_version_after = version;
     }
     accumulate(&mut record, &dir.join(fluxmem_report::RUN_JSON), true);
+    settle(&mut record, None);
     fluxmem_report::write_report(&dir, &record)?;
     Ok(())
+}
+
+/// The consolidate stage's status from its counts. A cluster gave a skill when it got a new
+/// skill, a new version or kept an unchanged one; it gave none when induction failed this run
+/// or failed in an earlier run and was not retried (`failed_earlier`).
+/// - some clusters gave none, none gave one: `degraded: 0 of N clusters gave a skill (...)`;
+/// - some gave none, some gave one: `partial: K of N clusters gave a skill (...)`;
+/// - every cluster gave one: `done`, or `nothing new` when every skill was unchanged (or there
+///   were no clusters).
+fn consolidate_status(report: &fluxmem_consolidate::ConsolidateReport) -> String {
+    let gave = report.skills_new + report.skills_updated + report.skills_unchanged;
+    let none = report.failed + report.failed_earlier;
+    if none > 0 {
+        let mut why = Vec::new();
+        if report.failed > 0 {
+            why.push(format!("{} failed", report.failed));
+        }
+        if report.failed_earlier > 0 {
+            why.push(format!("{} failed in an earlier run, not retried", report.failed_earlier));
+        }
+        let word = if gave == 0 { DEGRADED } else { PARTIAL };
+        return format!("{word}: {gave} of {} clusters gave a skill ({})", gave + none, why.join(", "));
+    }
+    if report.skills_new + report.skills_updated == 0 {
+        "nothing new".into()
+    } else {
+        "done".into()
+    }
 }
 
 fn disabled() -> StageRecord {
@@ -685,6 +831,9 @@ fn quarantine_summary(files: &[PathBuf]) -> anyhow::Result<QuarantineSummary> {
 
 fn print_summary(record: &RunRecord) {
     println!("run {} of {}: {}", record.run_id, record.pipeline, record.status);
+    for reason in &record.reasons {
+        println!("  - {reason}");
+    }
     for stage in &record.stages {
         let out: Vec<String> = stage.counts_out.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k} {v}")).collect();
         println!("  {:<12} {:>7.1}s  {:<34} {}", stage.name, stage.seconds, stage.status, out.join(", "));
@@ -702,5 +851,79 @@ mod tests {
     #[test]
     fn quarantine_names_are_safe() {
         assert_eq!(quarantine_name("demo-ab12/x y"), "demo-ab12_x_y");
+    }
+
+    fn consolidate_report(new: usize, updated: usize, unchanged: usize, failed: usize, failed_earlier: usize) -> fluxmem_consolidate::ConsolidateReport {
+        fluxmem_consolidate::ConsolidateReport {
+            clusters: new + updated + unchanged + failed + failed_earlier,
+            skills_new: new,
+            skills_updated: updated,
+            skills_unchanged: unchanged,
+            failed,
+            failed_earlier,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn consolidate_status_says_how_many_clusters_gave_a_skill() {
+        assert_eq!(consolidate_status(&consolidate_report(0, 0, 0, 6, 0)), "degraded: 0 of 6 clusters gave a skill (6 failed)");
+        assert_eq!(consolidate_status(&consolidate_report(1, 0, 0, 5, 0)), "partial: 1 of 6 clusters gave a skill (5 failed)");
+        assert_eq!(
+            consolidate_status(&consolidate_report(0, 0, 1, 1, 2)),
+            "partial: 1 of 4 clusters gave a skill (1 failed, 2 failed in an earlier run, not retried)"
+        );
+        assert_eq!(consolidate_status(&consolidate_report(0, 0, 0, 0, 2)), "degraded: 0 of 2 clusters gave a skill (2 failed in an earlier run, not retried)");
+        assert_eq!(consolidate_status(&consolidate_report(2, 1, 0, 0, 0)), "done");
+        assert_eq!(consolidate_status(&consolidate_report(0, 0, 3, 0, 0)), "nothing new");
+        assert_eq!(consolidate_status(&consolidate_report(0, 0, 0, 0, 0)), "nothing new");
+    }
+
+    fn stage(name: &str, status: &str) -> StageRecord {
+        StageRecord { name: name.into(), status: status.into(), ..Default::default() }
+    }
+
+    #[test]
+    fn settle_ranks_failed_over_degraded_over_partial_over_ok() {
+        let mut record = RunRecord { stages: vec![stage("ingest", "done"), stage("export", "nothing new")], ..Default::default() };
+        settle(&mut record, None);
+        assert_eq!((record.status.as_str(), record.reasons.len()), ("ok", 0));
+
+        record.quarantine.records = 2;
+        settle(&mut record, None);
+        assert_eq!(record.status, "partial");
+        assert_eq!(record.reasons, ["ingest: 2 records quarantined"]);
+
+        record.stages.push(stage("consolidate", "degraded: 0 of 6 clusters gave a skill (6 failed)"));
+        record.stages.push(stage("export", "degraded: 0 skills exported (the store has no skill)"));
+        settle(&mut record, None);
+        assert_eq!(record.status, "degraded");
+        assert_eq!(
+            record.reasons,
+            [
+                "consolidate: 0 of 6 clusters gave a skill (6 failed)",
+                "export: 0 skills exported (the store has no skill)",
+                "ingest: 2 records quarantined",
+            ]
+        );
+
+        settle(&mut record, Some(&anyhow::anyhow!("disk full")));
+        assert_eq!(record.status, "failed: disk full");
+        assert_eq!(record.reasons.len(), 3, "the reasons stay with a failure");
+
+        // Every record was quarantined: one reason, from the ingest stage.
+        let mut record = RunRecord { stages: vec![stage("ingest", "degraded: all 3 records read were quarantined")], ..Default::default() };
+        record.quarantine.records = 3;
+        settle(&mut record, None);
+        assert_eq!(record.status, "degraded");
+        assert_eq!(record.reasons, ["ingest: all 3 records read were quarantined"]);
+
+        // A partial stage and nothing else.
+        let mut record = RunRecord { stages: vec![stage("consolidate", "partial: 1 of 6 clusters gave a skill (5 failed)")], ..Default::default() };
+        settle(&mut record, None);
+        assert_eq!(record.status, "partial");
+        assert_eq!(record.reasons, ["consolidate: 1 of 6 clusters gave a skill (5 failed)"]);
+        assert_eq!(stage_detail("degraded", DEGRADED), Some("degraded"));
+        assert_eq!(stage_detail("degradedness", DEGRADED), None);
     }
 }

@@ -5,7 +5,8 @@
 //! query to the semantic retrieval; the `ground_k` best semantic nodes per query get a `ground`
 //! edge to the episode (evidence = how many queries retrieved it, weight = the best fused
 //! score). Each episode also gets `link` edges to its `link_k` nearest episodes by cosine
-//! (exact kNN in blocks). Edges are committed every `commit_every` episodes.
+//! (exact kNN in blocks). Edges are committed every `commit_every` episodes. Both searches
+//! run inside the episode's tenant: per-tenant indexes, so no edge joins two tenants.
 
 use candle_core::Device;
 use fluxmem_graph::{Edge, EdgeKind, Graph, NodeId, NodeKind};
@@ -14,8 +15,9 @@ use fluxmem_models::Embedder;
 use fluxmem_store::{CommitInfo, Shard, Writer};
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::dense::{embedded, top_k, DenseIndex};
+use crate::dense::{embedded_in, top_k, DenseIndex, Unembedded};
 use crate::retrieve::{RetrievalConfig, SemanticIndex};
+use crate::tenant::tenants;
 use crate::Result;
 
 /// How to connect.
@@ -78,7 +80,21 @@ pub trait Progress {
 pub struct NoProgress;
 impl Progress for NoProgress {}
 
-/// Connects every episode of the store that is not connected yet.
+/// One tenant's Stage I indexes: its semantic nodes, and its episodes with their vectors.
+struct TenantIndex {
+    semantic: SemanticIndex,
+    episodes: Vec<NodeId>,
+    vectors: Vec<Vec<f32>>,
+    dense: DenseIndex,
+}
+
+/// An episode to connect: its id, its tenant, and its row in the tenant's episode index.
+type Todo<'g> = (&'g NodeId, &'g str, usize);
+
+/// Connects every episode of the store that is not connected yet. Tenants never mix: an
+/// episode's ground candidates are the semantic nodes of its own tenant (BM25 statistics are
+/// the tenant's), its link neighbours the episodes of its own tenant. Every node must be
+/// embedded (a node without a vector would silently never become a candidate).
 pub fn connect_store(
     writer: &mut Writer,
     embedder: &dyn Embedder,
@@ -88,43 +104,33 @@ pub fn connect_store(
     progress: &mut dyn Progress,
 ) -> Result<ConnectReport> {
     let graph = writer.store().load()?;
-    let model = embedder.model_id();
-    let semantic = SemanticIndex::build(&graph, model, device)?;
-    let (episodes, vectors) = embedded(&graph, NodeKind::Episodic, model)?;
-    let episode_index = DenseIndex::from_vectors(&vectors, device)?;
-    let connected: BTreeSet<&NodeId> = graph
-        .edges
-        .values()
-        // Stage I edges, whoever updated them last (credit assignment re-weights them); links
-        // with a `relation` come from Stage II and do not make an episode connected.
-        .filter(|e| !e.metadata.contains_key("relation"))
-        .flat_map(|e| match e.kind {
-            EdgeKind::Ground => Some(&e.dst),
-            EdgeKind::Link => Some(&e.src),
-            EdgeKind::Distill => None,
-        })
+    let indexes = tenant_indexes(&graph, embedder.model_id(), device)?;
+    let connected = connected_episodes(&graph);
+    // Every episode in id order (commit boundaries depend only on the data).
+    let mut episodes: Vec<Todo<'_>> = indexes
+        .iter()
+        .flat_map(|(tenant, index)| index.episodes.iter().enumerate().map(move |(row, id)| (id, tenant.as_str(), row)))
         .collect();
-    let todo: Vec<usize> =
-        (0..episodes.len()).filter(|&i| !connected.contains(&episodes[i]) && options.shard.owns(episodes[i].as_str())).collect();
+    episodes.sort_by(|a, b| a.0.cmp(b.0));
+    let todo: Vec<Todo<'_>> =
+        episodes.iter().copied().filter(|(id, ..)| !connected.contains(id) && options.shard.owns(id.as_str())).collect();
     let mut report = ConnectReport { episodes: episodes.len(), already: episodes.len() - todo.len(), ..Default::default() };
     progress.start(todo.len() as u64);
     for chunk in todo.chunks(options.commit_every.max(1)) {
         let mut delta = Graph::default();
-        let chunk_vectors: Vec<Vec<f32>> = chunk.iter().map(|&i| vectors[i].clone()).collect();
         // All the chunk's step queries in one embedder call (sorted by length inside).
-        let queries: Vec<Vec<&str>> = chunk.iter().map(|&i| ground_queries(&graph, &episodes[i], options.per_step)).collect();
+        let queries: Vec<Vec<&str>> = chunk.iter().map(|(id, ..)| ground_queries(&graph, id, options.per_step)).collect();
         let flat: Vec<&str> = queries.iter().flatten().copied().collect();
         let mut flat_vectors = embedder.embed(&flat)?.into_iter();
-        // k + 1 neighbours: the episode itself comes back first.
-        let neighbours = episode_index.scores(&chunk_vectors)?;
-        for ((&i, scores), episode_queries) in chunk.iter().zip(neighbours).zip(&queries) {
+        let links = link_neighbours(&indexes, chunk, options.link_k)?;
+        for ((&(episode, tenant, _), neighbours), episode_queries) in chunk.iter().zip(links).zip(&queries) {
             let query_vectors: Vec<Vec<f32>> = flat_vectors.by_ref().take(episode_queries.len()).collect();
-            let episode = &episodes[i];
-            for (j, cosine) in top_k(&scores, options.link_k + 1).into_iter().filter(|(j, _)| *j != i).take(options.link_k) {
-                delta.upsert_edge(edge(&graph, episode, &episodes[j], EdgeKind::Link, cosine, 1, run_id));
+            let Some(index) = indexes.get(tenant) else { continue };
+            for (j, cosine) in neighbours {
+                delta.upsert_edge(edge(&graph, episode, &index.episodes[j], EdgeKind::Link, cosine, 1, run_id));
                 report.link_edges += 1;
             }
-            for (node, (weight, evidence)) in ground(&semantic, episode_queries, &query_vectors, options)? {
+            for (node, (weight, evidence)) in ground(&index.semantic, episode_queries, &query_vectors, options)? {
                 delta.upsert_edge(edge(&graph, &node, episode, EdgeKind::Ground, weight, evidence, run_id));
                 report.ground_edges += 1;
             }
@@ -138,6 +144,55 @@ pub fn connect_store(
         progress.advance(chunk.len() as u64);
     }
     Ok(report)
+}
+
+/// A [`TenantIndex`] per tenant of the graph's nodes.
+fn tenant_indexes(graph: &Graph, model: &str, device: &Device) -> Result<BTreeMap<String, TenantIndex>> {
+    let mut out = BTreeMap::new();
+    for tenant in tenants(graph) {
+        let semantic = SemanticIndex::build(graph, &tenant, model, device)?;
+        let selected = embedded_in(graph, NodeKind::Episodic, &tenant, model, Unembedded::Fail)?;
+        let dense = DenseIndex::from_vectors(&selected.vectors, device)?;
+        out.insert(tenant, TenantIndex { semantic, episodes: selected.ids, vectors: selected.vectors, dense });
+    }
+    Ok(out)
+}
+
+/// Episodes this stage connected before: a `ground` edge into them or a Stage I `link` out.
+fn connected_episodes(graph: &Graph) -> BTreeSet<&NodeId> {
+    graph
+        .edges
+        .values()
+        // Stage I edges, whoever updated them last (credit assignment re-weights them); links
+        // with a `relation` come from Stage II and do not make an episode connected.
+        .filter(|e| !e.metadata.contains_key("relation"))
+        .flat_map(|e| match e.kind {
+            EdgeKind::Ground => Some(&e.dst),
+            EdgeKind::Link => Some(&e.src),
+            EdgeKind::Distill => None,
+        })
+        .collect()
+}
+
+/// The `link_k` nearest episodes of the same tenant (rows of its index, the episode itself
+/// left out) of each episode of `chunk`, in chunk order. Each tenant's episodes are scored in
+/// one batch against that tenant's index (a score does not depend on its batch mates).
+fn link_neighbours(indexes: &BTreeMap<String, TenantIndex>, chunk: &[Todo<'_>], link_k: usize) -> Result<Vec<Vec<(usize, f32)>>> {
+    let mut out = vec![Vec::new(); chunk.len()];
+    let mut by_tenant: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    for (slot, (_, tenant, _)) in chunk.iter().enumerate() {
+        by_tenant.entry(*tenant).or_default().push(slot);
+    }
+    for (tenant, slots) in by_tenant {
+        let Some(index) = indexes.get(tenant) else { continue };
+        let vectors: Vec<Vec<f32>> = slots.iter().map(|&slot| index.vectors[chunk[slot].2].clone()).collect();
+        for (&slot, scores) in slots.iter().zip(index.dense.scores(&vectors)?) {
+            let own = chunk[slot].2;
+            // k + 1 neighbours: the episode itself comes back first.
+            out[slot] = top_k(&scores, link_k + 1).into_iter().filter(|(j, _)| *j != own).take(link_k).collect();
+        }
+    }
+    Ok(out)
 }
 
 /// The retrieval queries of an episode: its step observations, or its task.

@@ -13,6 +13,8 @@ pub struct ContextItem {
     pub node_id: NodeId,
     /// `semantic`, `episodic` or `procedural`.
     pub kind: String,
+    /// The node's tenant.
+    pub tenant: String,
     /// Where it came from (source file and locator).
     pub source: String,
     /// Its time, as the source writes it.
@@ -95,6 +97,7 @@ pub fn pack(
         items.push(ContextItem {
             node_id: id.clone(),
             kind: node.kind().as_str().to_string(),
+            tenant: node.tenant.clone(),
             source: format!("{} {}", node.source_file, node.source_locator),
             time,
             rank,

@@ -8,6 +8,13 @@ use crate::{Error, Result};
 /// Rows of the matrix scored per block (bounds the score matrix kept in memory).
 pub const BLOCK_ROWS: usize = 8192;
 
+/// Longest inner dimension one matrix product reduces; see [`DenseIndex::scores`].
+pub const REDUCE_CHUNK: usize = 512;
+
+/// Fewest rows either side of a matrix product has (one more than the CPU kernels'
+/// small-matrix limit of 64); see [`DenseIndex::scores`].
+pub const MIN_ROWS: usize = 65;
+
 /// L2-normalised vectors in one matrix.
 #[derive(Debug, Clone)]
 pub struct DenseIndex {
@@ -52,25 +59,62 @@ impl DenseIndex {
     }
 
     /// Cosine of every indexed vector with each query: one row of scores per query.
+    ///
+    /// A score is a function of its query and row alone, bit for bit, whatever else is scored
+    /// with it (so a sharded connect equals the single run). The CPU matrix kernels keep each
+    /// output's reduction order fixed for a given inner length, except on paths this avoids:
+    /// one or two queries or rows go through matrix-vector kernels, and products with both
+    /// sides at most 64 rows through a small-matrix path, each with another order (so both
+    /// sides are padded to at least [`MIN_ROWS`] rows by repeating their last row: cheap, a
+    /// few hundred extra dot products at most), and an inner length over 512 is blocked by a
+    /// cache-size rule that depends on the shape (so longer vectors are reduced here, in fixed
+    /// chunks of [`REDUCE_CHUNK`] whose partial products are added in order).
     pub fn scores(&self, queries: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
         let Some(matrix) = &self.matrix else { return Ok(vec![Vec::new(); queries.len()]) };
         if queries.is_empty() {
             return Ok(Vec::new());
         }
-        let flat: Vec<f32> = queries.iter().flat_map(|q| normalized(q)).collect();
-        let query = Tensor::from_vec(flat, (queries.len(), self.dim), &self.device)?;
+        let mut flat: Vec<f32> = queries.iter().flat_map(|q| normalized(q)).collect();
+        let query_rows = queries.len().max(MIN_ROWS);
+        let last = flat.len() - self.dim;
+        for _ in queries.len()..query_rows {
+            flat.extend_from_within(last..last + self.dim);
+        }
+        let query = Tensor::from_vec(flat, (query_rows, self.dim), &self.device)?;
         let mut out = vec![Vec::with_capacity(self.rows); queries.len()];
         let mut start = 0;
         while start < self.rows {
             let len = BLOCK_ROWS.min(self.rows - start);
-            let block = matrix.narrow(0, start, len)?;
-            let scores: Vec<Vec<f32>> = query.matmul(&block.t()?)?.to_dtype(DType::F32)?.to_vec2()?;
+            let mut block = matrix.narrow(0, start, len)?;
+            if len < MIN_ROWS {
+                let last = block.narrow(0, len - 1, 1)?;
+                let mut parts = vec![block.clone()];
+                parts.extend(std::iter::repeat_n(last, MIN_ROWS - len));
+                block = Tensor::cat(&parts, 0)?;
+            }
+            let scores: Vec<Vec<f32>> = self.block_scores(&query, &block)?.to_dtype(DType::F32)?.to_vec2()?;
             for (row, block_scores) in out.iter_mut().zip(scores) {
-                row.extend(block_scores);
+                row.extend(block_scores.into_iter().take(len));
             }
             start += len;
         }
         Ok(out)
+    }
+
+    /// `query x block^T`, the inner dimension reduced in chunks of at most [`REDUCE_CHUNK`].
+    fn block_scores(&self, query: &Tensor, block: &Tensor) -> Result<Tensor> {
+        let mut total: Option<Tensor> = None;
+        let mut offset = 0;
+        while offset < self.dim {
+            let width = REDUCE_CHUNK.min(self.dim - offset);
+            let part = query.narrow(1, offset, width)?.contiguous()?.matmul(&block.narrow(1, offset, width)?.contiguous()?.t()?)?;
+            total = Some(match total {
+                None => part,
+                Some(sum) => (sum + part)?,
+            });
+            offset += width;
+        }
+        Ok(total.expect("an index has a dimension of at least 1"))
     }
 
     /// The `k` best (index, cosine) per query, best first, ties by index.
@@ -79,20 +123,55 @@ impl DenseIndex {
     }
 }
 
+/// What building an index does with a node that has no embedding of the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Unembedded {
+    /// [`Error::NotEmbedded`], which names the fix (`connect`: every node must be a candidate).
+    #[default]
+    Fail,
+    /// Leave the node out and count it (`query`: answer from what is embedded).
+    Skip,
+}
+
+/// Nodes of one kind and tenant with their vectors, in id order, and how many were left out.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Embedded {
+    /// The nodes.
+    pub ids: Vec<NodeId>,
+    /// Their vectors, in the same order.
+    pub vectors: Vec<Vec<f32>>,
+    /// Nodes left out for lack of an embedding ([`Unembedded::Skip`]).
+    pub skipped: usize,
+}
+
 /// The nodes of `kind` in `graph`, in id order, with their `model` vectors. A node without an
-/// embedding of `model` is [`Error::NotEmbedded`], which names the fix.
+/// embedding of `model` is [`Error::NotEmbedded`], which names the fix. All tenants: use
+/// [`embedded_in`] for an index that serves one tenant.
 pub fn embedded(graph: &Graph, kind: NodeKind, model: &str) -> Result<(Vec<NodeId>, Vec<Vec<f32>>)> {
-    let mut ids = Vec::new();
-    let mut vectors = Vec::new();
-    for node in graph.nodes.values().filter(|n| n.kind() == kind) {
-        let embedding = graph
-            .embeddings
-            .get(&(node.id.clone(), model.to_string()))
-            .ok_or_else(|| Error::NotEmbedded { node: node.id.to_string(), model: model.to_string() })?;
-        ids.push(node.id.clone());
-        vectors.push(embedding.vector.clone());
+    let all = select(graph, kind, None, model, Unembedded::Fail)?;
+    Ok((all.ids, all.vectors))
+}
+
+/// The nodes of `kind` and `tenant` in `graph`, in id order, with their `model` vectors; a node
+/// without one fails or is skipped and counted, as `unembedded` says.
+pub fn embedded_in(graph: &Graph, kind: NodeKind, tenant: &str, model: &str, unembedded: Unembedded) -> Result<Embedded> {
+    select(graph, kind, Some(tenant), model, unembedded)
+}
+
+fn select(graph: &Graph, kind: NodeKind, tenant: Option<&str>, model: &str, unembedded: Unembedded) -> Result<Embedded> {
+    let mut out = Embedded::default();
+    let wanted = graph.nodes.values().filter(|n| n.kind() == kind && tenant.is_none_or(|t| n.tenant == t));
+    for node in wanted {
+        match graph.embeddings.get(&(node.id.clone(), model.to_string())) {
+            Some(embedding) => {
+                out.ids.push(node.id.clone());
+                out.vectors.push(embedding.vector.clone());
+            }
+            None if unembedded == Unembedded::Skip => out.skipped += 1,
+            None => return Err(Error::NotEmbedded { node: node.id.to_string(), model: model.to_string() }),
+        }
     }
-    Ok((ids, vectors))
+    Ok(out)
 }
 
 /// The `k` highest (index, score) pairs, best first, ties broken by the lower index.
@@ -121,6 +200,39 @@ mod tests {
             assert!((g.1 - e.1).abs() < 1e-5);
         }
         assert!(DenseIndex::new(&[], 3, &Device::Cpu).unwrap().top_k(&[query], 3).unwrap()[0].is_empty());
+    }
+
+    /// A score depends on its query and row alone, bit for bit, not on how many other queries
+    /// are scored at once or how many rows the index has: a sharded connect (each shard
+    /// scoring its own episodes) must give the same weights as the single run.
+    #[test]
+    fn a_score_does_not_depend_on_the_other_queries_or_rows() {
+        for dim in [384, 1100] {
+            scores_are_independent_of_batch_mates(dim, 150);
+            scores_are_independent_of_batch_mates(dim, 30);
+        }
+    }
+
+    fn scores_are_independent_of_batch_mates(dim: usize, row_count: usize) {
+        let vector = |i: usize| -> Vec<f32> { (0..dim).map(|j| ((i * 7919 + j * 104729) % 1000) as f32 / 1000.0 - 0.5).collect() };
+        let rows: Vec<Vec<f32>> = (0..row_count).map(vector).collect();
+        let queries: Vec<Vec<f32>> = (1000..1100).map(vector).collect();
+        let index = DenseIndex::new(&rows, dim, &Device::Cpu).unwrap();
+        let all = index.scores(&queries).unwrap();
+        for count in [1, 2, 3, 4, 5, 17, 64, 65] {
+            let some = index.scores(&queries[..count]).unwrap();
+            for (q, (a, b)) in all.iter().zip(&some).enumerate() {
+                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "dim {dim}, {row_count} rows: query {q} scored among {count} queries differs from among 100");
+            }
+        }
+        for count in [1, 2, 3, 4, 5, 29, 31, 64, 65].into_iter().filter(|&c| c <= row_count) {
+            let small = DenseIndex::new(&rows[..count], dim, &Device::Cpu).unwrap().scores(&queries).unwrap();
+            for (q, (a, b)) in all.iter().zip(&small).enumerate() {
+                let same = a[..count].iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "dim {dim}: query {q} against an index of {count} rows differs from {row_count} rows");
+            }
+        }
     }
 
     #[test]

@@ -7,6 +7,8 @@
 //! - [`SemanticIndex`]: BM25 + dense (+ optional [`fluxmem_models::Judge`]) retrieval;
 //! - [`Retriever`]: the whole Stage I ranking: skills inherited through `distill` edges from
 //!   the closest episodes, those episodes, then semantic nodes;
+//! - tenants ([`tenants`], [`resolve_tenant`]): every index serves one tenant; connect and
+//!   retrieval never see another tenant's nodes;
 //! - [`pack`]: the retrieved items serialised into a context under a token budget, each item
 //!   carrying its id, source, time, signals and why it was included.
 //!
@@ -24,14 +26,16 @@ mod dense;
 mod fusion;
 mod retrieve;
 mod retriever;
+mod tenant;
 
 pub use bm25::{terms, Bm25, Bm25Params};
 pub use connect::{connect_store, ConnectOptions, ConnectReport, NoProgress, Progress};
 pub use context::{line, pack, Context, ContextItem};
-pub use dense::{embedded, top_k, DenseIndex, BLOCK_ROWS};
+pub use dense::{embedded, embedded_in, top_k, DenseIndex, Embedded, Unembedded, BLOCK_ROWS};
 pub use fusion::{fuse, min_max, FusionMode, FusionWeights, Signals};
 pub use retrieve::{Candidate, RetrievalConfig, SemanticIndex};
 pub use retriever::{semantic_entry, Entry, Retriever};
+pub use tenant::{resolve_tenant, tenants, DEFAULT_TENANT};
 
 /// Errors of Stage I.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +57,20 @@ pub enum Error {
         node: String,
         /// The model.
         model: String,
+    },
+    /// The store holds several tenants and the caller named none.
+    #[error("the store holds {} tenants ({}); choose one with --tenant", .tenants.len(), .tenants.join(", "))]
+    TenantRequired {
+        /// The store's tenants, sorted.
+        tenants: Vec<String>,
+    },
+    /// The named tenant has no node in the store.
+    #[error("tenant `{tenant}` has no nodes in the store (its tenants: {})", .tenants.join(", "))]
+    UnknownTenant {
+        /// The tenant asked for.
+        tenant: String,
+        /// The store's tenants, sorted.
+        tenants: Vec<String>,
     },
 }
 

@@ -7,7 +7,7 @@ use fluxmem_models::Judge;
 use serde::Serialize;
 
 use crate::bm25::{Bm25, Bm25Params};
-use crate::dense::{embedded, top_k, DenseIndex};
+use crate::dense::{embedded_in, top_k, DenseIndex, Unembedded};
 use crate::fusion::{fuse, FusionMode, FusionWeights, Signals};
 use crate::Result;
 
@@ -60,26 +60,48 @@ pub struct Candidate {
     pub score: f32,
 }
 
-/// Indexes over the semantic nodes of a graph that have embeddings of one model.
+/// Indexes over the semantic nodes of one tenant of a graph that have embeddings of one model.
+/// BM25 statistics (document frequencies, lengths) are the tenant's own: another tenant's
+/// documents never move a score.
 pub struct SemanticIndex {
+    tenant: String,
     ids: Vec<NodeId>,
     texts: Vec<String>,
     bm25: Bm25,
     dense: DenseIndex,
+    not_embedded: usize,
 }
 
 impl SemanticIndex {
-    /// Indexes the semantic nodes of `graph` (in id order) with their `model` embeddings.
-    /// A semantic node without an embedding of `model` is an error naming the fix.
-    pub fn build(graph: &Graph, model: &str, device: &Device) -> Result<SemanticIndex> {
-        let (ids, vectors) = embedded(graph, NodeKind::Semantic, model)?;
-        let texts: Vec<String> = ids.iter().map(|id| graph.nodes[id].text.clone()).collect();
+    /// Indexes the semantic nodes of `tenant` in `graph` (in id order) with their `model`
+    /// embeddings. A semantic node without an embedding of `model` is an error naming the fix.
+    pub fn build(graph: &Graph, tenant: &str, model: &str, device: &Device) -> Result<SemanticIndex> {
+        SemanticIndex::build_with(graph, tenant, model, device, Unembedded::Fail)
+    }
+
+    /// [`SemanticIndex::build`], with `unembedded` saying what a node without an embedding
+    /// does: fail, or stay out of the index and count ([`SemanticIndex::not_embedded`]).
+    pub fn build_with(graph: &Graph, tenant: &str, model: &str, device: &Device, unembedded: Unembedded) -> Result<SemanticIndex> {
+        let selected = embedded_in(graph, NodeKind::Semantic, tenant, model, unembedded)?;
+        let texts: Vec<String> = selected.ids.iter().map(|id| graph.nodes.get(id).map(|n| n.text.clone()).unwrap_or_default()).collect();
         Ok(SemanticIndex {
-            ids,
+            tenant: tenant.to_string(),
+            ids: selected.ids,
             bm25: Bm25::new(&texts, Bm25Params::default()),
             texts,
-            dense: DenseIndex::from_vectors(&vectors, device)?,
+            dense: DenseIndex::from_vectors(&selected.vectors, device)?,
+            not_embedded: selected.skipped,
         })
+    }
+
+    /// The tenant this index serves.
+    pub fn tenant(&self) -> &str {
+        &self.tenant
+    }
+
+    /// Semantic nodes of the tenant left out for lack of an embedding.
+    pub fn not_embedded(&self) -> usize {
+        self.not_embedded
     }
 
     /// Number of indexed nodes.

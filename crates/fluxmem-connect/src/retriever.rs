@@ -5,28 +5,51 @@ use candle_core::Device;
 use fluxmem_graph::{EdgeKind, Graph, NodeId, NodeKind};
 use fluxmem_models::Judge;
 
-use crate::dense::{embedded, DenseIndex};
+use crate::dense::{embedded_in, DenseIndex, Unembedded};
 use crate::fusion::Signals;
 use crate::retrieve::{Candidate, RetrievalConfig, SemanticIndex};
-use std::collections::BTreeMap;
 use crate::Result;
+use std::collections::BTreeMap;
 
 /// A ranked entry: node, signals, score, and why it is included.
 pub type Entry = (NodeId, Signals, f32, String);
 
-/// Indexes of one graph for Stage I.
+/// Indexes of one tenant of a graph for Stage I: everything it returns is that tenant's.
 pub struct Retriever {
     semantic: SemanticIndex,
     episodes: Vec<NodeId>,
     episode_index: DenseIndex,
+    not_embedded: usize,
 }
 
 impl Retriever {
-    /// Indexes the semantic and episodic nodes of `graph` with their `model` embeddings.
-    pub fn build(graph: &Graph, model: &str, device: &Device) -> Result<Retriever> {
-        let semantic = SemanticIndex::build(graph, model, device)?;
-        let (episodes, vectors) = embedded(graph, NodeKind::Episodic, model)?;
-        Ok(Retriever { semantic, episodes, episode_index: DenseIndex::from_vectors(&vectors, device)? })
+    /// Indexes the semantic and episodic nodes of `tenant` in `graph` with their `model`
+    /// embeddings; a node without one is an error naming the fix.
+    pub fn build(graph: &Graph, tenant: &str, model: &str, device: &Device) -> Result<Retriever> {
+        Retriever::build_with(graph, tenant, model, device, Unembedded::Fail)
+    }
+
+    /// [`Retriever::build`], with `unembedded` saying what a node without an embedding does:
+    /// fail, or stay out and count ([`Retriever::not_embedded`]).
+    pub fn build_with(graph: &Graph, tenant: &str, model: &str, device: &Device, unembedded: Unembedded) -> Result<Retriever> {
+        let semantic = SemanticIndex::build_with(graph, tenant, model, device, unembedded)?;
+        let episodes = embedded_in(graph, NodeKind::Episodic, tenant, model, unembedded)?;
+        Ok(Retriever {
+            not_embedded: semantic.not_embedded() + episodes.skipped,
+            semantic,
+            episode_index: DenseIndex::from_vectors(&episodes.vectors, device)?,
+            episodes: episodes.ids,
+        })
+    }
+
+    /// The tenant this retriever serves.
+    pub fn tenant(&self) -> &str {
+        self.semantic.tenant()
+    }
+
+    /// Semantic and episodic nodes of the tenant left out for lack of an embedding.
+    pub fn not_embedded(&self) -> usize {
+        self.not_embedded
     }
 
     /// The semantic index.
@@ -40,9 +63,9 @@ impl Retriever {
         Ok(ranked.into_iter().map(|(i, cos)| (self.episodes[i].clone(), cos)).collect())
     }
 
-    /// Ranked entries for `query`: skills inherited from the retrieved episodes first (every
-    /// procedural node a `distill` edge leads to), then the `episodes_k` closest episodes, then
-    /// the semantic nodes in hybrid order.
+    /// Ranked entries for `query`, all of the retriever's tenant: skills inherited from the
+    /// retrieved episodes first (every procedural node of the tenant a `distill` edge leads
+    /// to), then the `episodes_k` closest episodes, then the semantic nodes in hybrid order.
     pub fn retrieve<'judge>(
         &self,
         graph: &Graph,
@@ -72,7 +95,8 @@ impl Retriever {
         let mut skills: Vec<Entry> = Vec::new();
         for (episode, cosine) in &episodes {
             for edge in graph.edges.values().filter(|e| e.active && e.kind == EdgeKind::Distill && &e.src == episode) {
-                if graph.nodes.contains_key(&edge.dst) && !skills.iter().any(|(id, ..)| id == &edge.dst) {
+                let own = graph.nodes.get(&edge.dst).is_some_and(|n| n.tenant == self.tenant());
+                if own && !skills.iter().any(|(id, ..)| id == &edge.dst) {
                     let why = format!("skill distilled from retrieved episode {episode}");
                     skills.push((edge.dst.clone(), Signals { dense: *cosine, bm25: 0.0, judge: None }, *cosine, why));
                 }
@@ -81,6 +105,8 @@ impl Retriever {
         let mut semantic = self.semantic.hybrid(query, query_vector, config, judge)?;
         if config.ground_support != 0.0 && !episodes.is_empty() {
             let retrieved: BTreeMap<&NodeId, f32> = episodes.iter().map(|(id, cos)| (id, *cos)).collect();
+            // Only the tenant's semantic nodes are candidates, so a ground edge from another
+            // tenant (an old store's) supports nothing.
             let mut support: BTreeMap<&NodeId, f32> = BTreeMap::new();
             for edge in graph.edges.values().filter(|e| e.active && e.kind == EdgeKind::Ground) {
                 if let Some(cos) = retrieved.get(&edge.dst) {

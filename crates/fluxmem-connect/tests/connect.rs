@@ -1,8 +1,10 @@
 //! The connect stage and the retriever on the tau-bench sample, with the weight-free embedder.
 
 use candle_core::Device;
-use fluxmem_connect::{connect_store, pack, ConnectOptions, NoProgress, RetrievalConfig, Retriever};
-use fluxmem_graph::{EdgeKind, Graph, NodeKind};
+use fluxmem_connect::{
+    connect_store, pack, resolve_tenant, ConnectOptions, Error, NoProgress, RetrievalConfig, Retriever, SemanticIndex, Unembedded,
+};
+use fluxmem_graph::{EdgeKind, Graph, NodeId, NodeKind};
 use fluxmem_models::{Embedder, HashEmbedder};
 use fluxmem_store::Writer;
 use std::path::Path;
@@ -49,7 +51,8 @@ fn retriever_returns_related_episodes_and_policy_for_a_task() {
     let writer = prepared_store(dir.path());
     let graph = writer.store().load().unwrap();
     let embedder = HashEmbedder::new(64);
-    let retriever = Retriever::build(&graph, embedder.model_id(), &Device::Cpu).unwrap();
+    let tenant = resolve_tenant(&graph, None).unwrap();
+    let retriever = Retriever::build(&graph, &tenant, embedder.model_id(), &Device::Cpu).unwrap();
     let task = graph.nodes.values().find(|n| n.kind() == NodeKind::Episodic).unwrap().text.clone();
     let vector = embedder.embed(&[task.as_str()]).unwrap().remove(0);
     let entries = retriever.retrieve(&graph, &task, &vector, &RetrievalConfig::default(), None, 2).unwrap();
@@ -63,4 +66,90 @@ fn retriever_returns_related_episodes_and_policy_for_a_task() {
     let first = pack(&graph, &entries, 300, &words).unwrap();
     assert!(first.tokens <= 300 && !first.items.is_empty());
     assert_eq!(first, pack(&graph, &entries, 300, &words).unwrap(), "same query, same context");
+}
+
+/// Two tenants whose texts overlap: without isolation, tenant acme's refund episode would be
+/// grounded in globex's secret and linked to globex's episodes.
+const TWO_TENANTS: &str = r#"{"type":"fact","tenant":"acme","text":"Refunds of damaged orders are issued to the original card within 30 days."}
+{"type":"fact","tenant":"acme","text":"Address changes are possible while an order is processing."}
+{"type":"fact","tenant":"globex","text":"Tenant B secret: refund orders to card 4111 1111 1111 1111 within 30 days."}
+{"type":"fact","tenant":"globex","text":"Globex ships orders from the Springfield warehouse."}
+{"tenant":"acme","episode_id":"a1","task":"Refund damaged order 1042 to the card","steps":[{"observation":"User: refund my damaged order to my card","action":"refund"}],"outcome":{"success":true}}
+{"tenant":"acme","episode_id":"a2","task":"Change the address of order 1100","steps":[{"observation":"User: change the address of my order","action":"update_address"}],"outcome":{"success":false}}
+{"tenant":"globex","episode_id":"b1","task":"Refund order 77 to card 4111","steps":[{"observation":"User: refund my order to card 4111","action":"refund"}],"outcome":{"success":true}}
+{"tenant":"globex","episode_id":"b2","task":"Refund damaged order 78 to the card","steps":[{"observation":"User: refund my damaged order to my card","action":"refund"}],"outcome":{"success":false}}
+"#;
+
+fn two_tenant_store(dir: &Path, lines: &str) -> Writer {
+    let input = dir.join("two.jsonl");
+    std::fs::write(&input, lines).unwrap();
+    let mut writer = Writer::open(dir.join("store")).unwrap();
+    let report = fluxmem_ingest::ingest(&mut writer, &[input], &Default::default(), "t", &mut fluxmem_ingest::NoProgress).unwrap();
+    assert_eq!(report.quarantined, 0);
+    fluxmem_embed::embed_store(&mut writer, &HashEmbedder::new(64), &Default::default(), "t", &mut fluxmem_embed::NoProgress).unwrap();
+    writer
+}
+
+#[test]
+fn connect_never_joins_two_tenants() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = two_tenant_store(dir.path(), TWO_TENANTS);
+    let options = ConnectOptions { ground_k: 3, link_k: 5, ..Default::default() };
+    let report = connect_store(&mut writer, &HashEmbedder::new(64), &options, "connect@test", &Device::Cpu, &mut NoProgress).unwrap();
+    assert_eq!((report.episodes, report.connected), (4, 4));
+    // Each episode links to the one other episode of its tenant, not to the other tenant's two.
+    assert_eq!(report.link_edges, 4, "{report:?}");
+    let graph = writer.store().load().unwrap();
+    assert!(!graph.edges.is_empty());
+    for edge in graph.edges.values() {
+        let (src, dst) = (&graph.nodes[&edge.src], &graph.nodes[&edge.dst]);
+        assert_eq!(src.tenant, dst.tenant, "{:?} edge {} -> {} joins two tenants", edge.kind, src.text, dst.text);
+    }
+    let secret = graph.nodes.values().find(|n| n.text.contains("4111 1111")).unwrap();
+    assert!(graph.edges.values().filter(|e| e.src == secret.id).all(|e| graph.nodes[&e.dst].tenant == "globex"));
+}
+
+/// BM25 statistics are per tenant: another tenant's documents do not move a score.
+#[test]
+fn a_tenants_scores_do_not_depend_on_other_tenants() {
+    let acme_only: String = TWO_TENANTS.lines().filter(|l| l.contains("\"acme\"")).map(|l| format!("{l}\n")).collect();
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let both = two_tenant_store(a.path(), TWO_TENANTS).store().load().unwrap();
+    let alone = two_tenant_store(b.path(), &acme_only).store().load().unwrap();
+    let embedder = HashEmbedder::new(64);
+    let query = "refund my damaged order to my card";
+    let vector = embedder.embed(&[query]).unwrap().remove(0);
+    let ranked = |graph: &Graph| {
+        let index = SemanticIndex::build(graph, "acme", embedder.model_id(), &Device::Cpu).unwrap();
+        let hits = index.hybrid(query, &vector, &RetrievalConfig::default(), None).unwrap();
+        hits.into_iter().map(|c| (c.node_id, c.signals.dense.to_bits(), c.signals.bm25.to_bits(), c.score.to_bits())).collect::<Vec<_>>()
+    };
+    assert_eq!(ranked(&both), ranked(&alone));
+    assert_eq!(ranked(&both).len(), 2, "only acme's facts");
+}
+
+/// Query-time retrieval answers from what is embedded and counts what it left out; connect
+/// (strict) still names the fix.
+#[test]
+fn retrieval_skips_and_counts_nodes_without_an_embedding() {
+    let dir = tempfile::tempdir().unwrap();
+    let writer = two_tenant_store(dir.path(), TWO_TENANTS);
+    let mut graph = writer.store().load().unwrap();
+    let embedder = HashEmbedder::new(64);
+    let model = embedder.model_id().to_string();
+    let dropped: NodeId = graph.nodes.values().find(|n| n.tenant == "acme" && n.text.starts_with("Refunds")).unwrap().id.clone();
+    graph.embeddings.remove(&(dropped.clone(), model.clone()));
+    assert!(matches!(Retriever::build(&graph, "acme", &model, &Device::Cpu), Err(Error::NotEmbedded { .. })));
+    let retriever = Retriever::build_with(&graph, "acme", &model, &Device::Cpu, Unembedded::Skip).unwrap();
+    assert_eq!(retriever.not_embedded(), 1);
+    assert_eq!(retriever.tenant(), "acme");
+    let query = "refund my damaged order";
+    let vector = embedder.embed(&[query]).unwrap().remove(0);
+    let entries = retriever.retrieve(&graph, query, &vector, &RetrievalConfig::default(), None, 5).unwrap();
+    let ids: Vec<&NodeId> = entries.iter().map(|(id, ..)| id).collect();
+    assert_eq!(ids.len(), 3, "two acme episodes and the one embedded acme fact: {ids:?}");
+    assert!(!ids.contains(&&dropped));
+    assert!(ids.iter().all(|id| graph.nodes[*id].tenant == "acme"));
+    let other = Retriever::build_with(&graph, "globex", &model, &Device::Cpu, Unembedded::Skip).unwrap();
+    assert_eq!(other.not_embedded(), 0, "counted per tenant");
 }

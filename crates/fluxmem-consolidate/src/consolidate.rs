@@ -46,6 +46,8 @@ pub struct ConsolidateOptions {
     pub match_similarity: f32,
     /// Try again clusters that failed in an earlier run with the same episodes.
     pub retry_failed: bool,
+    /// Procedure mining thresholds (a step's minimum support, branches, critical steps).
+    pub mine: crate::mine::MineOptions,
 }
 
 impl Default for ConsolidateOptions {
@@ -64,6 +66,7 @@ impl Default for ConsolidateOptions {
             match_overlap: 0.5,
             match_similarity: 0.9,
             retry_failed: false,
+            mine: crate::mine::MineOptions::default(),
         }
     }
 }
@@ -164,6 +167,8 @@ pub struct ConsolidateReport {
     pub failed: usize,
     /// Clusters skipped because the same episodes failed in an earlier run.
     pub failed_earlier: usize,
+    /// Clusters whose successes share no procedure (no skill to write; also counted in `failed`).
+    pub no_procedure: usize,
     /// `judge` or `logged success rate (no judge)`.
     pub eta_source: String,
     /// The generator.
@@ -216,13 +221,13 @@ pub fn consolidate_store(
     }
     let judge_model = models.judge.as_ref().map(|j| j.model_id().to_string());
     let mut report = ConsolidateReport {
-        eta_source: if judge_model.is_some() { "judge".into() } else { "logged success rate (no judge)".into() },
-        generator_model: models.generator.model_id().to_string(),
+        eta_source: if judge_model.is_some() { "judge".into() } else { "sequence coverage of kept-back episodes (no judge)".into() },
+        generator_model: generator_id(models),
         judge_model,
         embedding_model: model.clone(),
         ..Default::default()
     };
-    let generator_start = models.generator.usage();
+    let generator_start = generator_usage(models);
     let judge_start = models.judge.as_ref().map(|j| j.usage()).unwrap_or_default();
     let tenants = episodes_by_tenant(&graph, options, &model)?;
     let latest = latest_skills(&graph);
@@ -249,7 +254,7 @@ pub fn consolidate_store(
         report.cluster_list.push(cluster);
         progress.advance(1);
     }
-    report.generator = TokenUsage::between(generator_start, models.generator.usage());
+    report.generator = TokenUsage::between(generator_start, generator_usage(models));
     report.judge = models.judge.as_ref().map(|j| TokenUsage::between(judge_start, j.usage())).unwrap_or_default();
     if !delta.is_empty() {
         let summary = json!({
@@ -260,6 +265,15 @@ pub fn consolidate_store(
         report.commits = 1;
     }
     Ok(report)
+}
+
+fn generator_usage(models: &Models<'_>) -> Usage {
+    models.generator.as_ref().map(|g| g.usage()).unwrap_or_default()
+}
+
+/// The generator's model id, or `none` for template skills.
+fn generator_id(models: &Models<'_>) -> String {
+    models.generator.as_ref().map_or_else(|| "none".to_string(), |g| g.model_id().to_string())
 }
 
 /// One cluster to handle.
@@ -393,15 +407,24 @@ fn handle(
         None => None,
     };
     let job = Job { episodes, previous };
-    let generator_before = models.generator.usage();
+    let generator_before = generator_usage(models);
     let judge_before = models.judge.as_ref().map(|j| j.usage()).unwrap_or_default();
     let started = std::time::Instant::now();
     let matured = mature(&job, models, options, plan.skills)?;
     let created_at = job.episodes.iter().filter_map(|n| n.created_at).max().unwrap_or(0);
+    let no_procedure = matches!(matured, Matured::NoProcedure { .. });
+    let matured = match matured {
+        Matured::NoProcedure { reason } => Matured::Failed { attempts: vec![Attempt { raw: String::new(), problem: reason }] },
+        other => other,
+    };
     match matured {
+        Matured::NoProcedure { .. } => unreachable!("mapped to Failed above"),
         Matured::Failed { attempts } => {
             let after = json!({ "tenant": plan.tenant, "episodes": plan.episodes, "attempts": attempts });
-            let reason = format!("no readable skill from the generator for a cluster of {} episodes", plan.episodes.len());
+            let reason = match attempts.first() {
+                Some(attempt) if no_procedure => format!("no skill for a cluster of {} episodes: {}", plan.episodes.len(), attempt.problem),
+                _ => format!("no readable skill for a cluster of {} episodes", plan.episodes.len()),
+            };
             let after = serde_json::to_string(&after).expect("JSON values serialise");
             let identity = format!("{STAGE}\0{run_id}\0skill_failed\0{target}\0{after}");
             delta.edits.push(Edit {
@@ -416,11 +439,13 @@ fn handle(
                 at: created_at,
             });
             report.failed += 1;
+            report.no_procedure += usize::from(no_procedure);
             report.failures.push(FailedCluster { tenant: plan.tenant.clone(), target, episodes: plan.episodes.clone(), attempts });
-            cluster.status = "failed".into();
+            cluster.status = if no_procedure { "no_procedure".into() } else { "failed".into() };
         }
-        Matured::Skill { rounds, best, converged, rejected } => {
-            let node = skill_node(plan, &rounds, best, converged, &rejected, models, options, run_id, created_at, &key);
+        Matured::Skill { rounds, best, converged, rejected, skeleton, wording, eta_scope, measured_on } => {
+            let mined = Mined { skeleton: &skeleton, wording: &wording, eta_scope: &eta_scope, measured_on: &measured_on };
+            let node = skill_node(plan, &rounds, best, converged, &rejected, &mined, models, options, run_id, created_at, &key);
             let status = if plan.previous.is_some() { "updated" } else { "new" };
             record(delta, graph, plan, &node, &rounds[best], models.embedder.model_id(), run_id);
             if plan.previous.is_some() {
@@ -438,7 +463,7 @@ fn handle(
                 rounds: rounds.iter().map(|r| r.score).collect(),
                 best_round: best + 1,
                 converged_round: converged,
-                generator: TokenUsage::between(generator_before, models.generator.usage()),
+                generator: TokenUsage::between(generator_before, generator_usage(models)),
                 judge: models.judge.as_ref().map(|j| TokenUsage::between(judge_before, j.usage())).unwrap_or_default(),
                 seconds: started.elapsed().as_secs_f64(),
             });
@@ -450,6 +475,14 @@ fn handle(
     Ok(cluster)
 }
 
+/// What mining gave a matured cluster, for the skill node's metadata.
+struct Mined<'a> {
+    skeleton: &'a crate::mine::Skeleton,
+    wording: &'a crate::mature::Wording,
+    eta_scope: &'a str,
+    measured_on: &'a [NodeId],
+}
+
 /// The skill node of a matured cluster: its id depends only on the lineage and version (or, for
 /// a first version, on the source episodes), so the same store and seed give the same ids.
 #[allow(clippy::too_many_arguments)]
@@ -459,6 +492,7 @@ fn skill_node(
     best: usize,
     converged: Option<usize>,
     rejected: &[Attempt],
+    mined: &Mined<'_>,
     models: &Models<'_>,
     options: &ConsolidateOptions,
     run_id: &str,
@@ -497,9 +531,13 @@ fn skill_node(
         ("rounds", serde_json::to_value(rounds).expect("rounds serialise")),
         ("best_round", json!(best + 1)),
         ("converged_round", json!(converged)),
-        ("rejected_rewrites", serde_json::to_value(rejected).expect("attempts serialise")),
-        ("eta_source", json!(if models.judge.is_some() { "judge" } else { "logged_success_rate" })),
-        ("generator", json!(models.generator.model_id())),
+        ("rejected_answers", serde_json::to_value(rejected).expect("attempts serialise")),
+        ("measured_on", json!(mined.measured_on)),
+        ("pitfalls", json!(kept.skill.pitfalls)),
+        ("skeleton", serde_json::to_value(mined.skeleton).expect("skeletons serialise")),
+        ("wording", serde_json::to_value(mined.wording).expect("wording serialises")),
+        ("eta_source", json!(if models.judge.is_some() { "judge" } else { mined.eta_scope })),
+        ("generator", json!(generator_id(models))),
         ("judge", json!(models.judge.as_ref().map(|j| j.model_id().to_string()))),
         ("embedding_model", json!(models.embedder.model_id())),
         ("length_unit", json!(options.pems.length)),

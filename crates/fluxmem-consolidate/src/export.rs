@@ -4,6 +4,10 @@
 //! Nothing in the output depends on the wall clock or on the export directory: the creation
 //! time is the store's last commit time, records and folders are in a fixed order, so
 //! exporting the same store twice gives byte-identical files.
+//!
+//! A release is written whole into a temporary sibling of the export directory, synced, and
+//! moved into place by rename (see [`export_skills`]), so no one ever sees a release without
+//! its [`RELEASE_FILE`].
 
 use arrow_array::builder::{Float64Builder, ListBuilder, StringBuilder};
 use arrow_array::{ArrayRef, Float64Array, Int64Array, RecordBatch, StringArray, UInt64Array};
@@ -11,8 +15,10 @@ use fluxmem_graph::{sha256_hex, Graph, Node, NodeBody};
 use fluxmem_store::Store;
 use serde::Serialize;
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::consolidate::latest_skills;
@@ -20,6 +26,9 @@ use crate::{Error, Result};
 
 /// The release manifest's file name, in the export directory.
 pub const RELEASE_FILE: &str = "release.json";
+
+/// The longest slug (the agent-skills limit on a skill's `name`).
+const MAX_SLUG: usize = 64;
 
 /// Output formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -77,6 +86,9 @@ pub struct SkillRecord {
     pub body: String,
     /// Steps.
     pub steps: Vec<String>,
+    /// Preconditions and pitfalls mined from the logs.
+    #[serde(default)]
+    pub pitfalls: Vec<String>,
     /// Version, from 1.
     pub version: i64,
     /// Current PEMS (the kept round's score).
@@ -130,9 +142,11 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
                 _ => skill.pems_history.last().copied().unwrap_or(0.0),
             };
             let name = Some(text(node, "name")).filter(|n| !n.is_empty()).unwrap_or_else(|| node.id.to_string());
-            let steps = node.metadata.get("steps").and_then(Value::as_array).map_or_else(Vec::new, |s| {
-                s.iter().filter_map(Value::as_str).map(str::to_string).collect()
-            });
+            let list = |key: &str| -> Vec<String> {
+                node.metadata.get(key).and_then(Value::as_array).map_or_else(Vec::new, |s| s.iter().filter_map(Value::as_str).map(str::to_string).collect())
+            };
+            let steps = list("steps");
+            let pitfalls = list("pitfalls");
             Some(SkillRecord {
                 id: node.id.to_string(),
                 lineage: Some(text(node, "lineage")).filter(|l| !l.is_empty()).unwrap_or_else(|| node.id.to_string()),
@@ -142,6 +156,7 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
                 name,
                 body: node.text.clone(),
                 steps,
+                pitfalls,
                 version: skill.version,
                 pems,
                 pems_history: skill.pems_history.clone(),
@@ -156,17 +171,41 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
         })
         .collect();
     records.sort_by(|a, b| (&a.tenant, &a.slug, &a.id).cmp(&(&b.tenant, &b.slug, &b.id)));
-    // Unique slugs inside the release: the second `foo` becomes `foo-2`.
-    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
-    for record in &mut records {
-        let count = seen.entry(record.slug.clone()).or_insert(0);
-        *count += 1;
-        if *count > 1 {
-            record.slug = format!("{}-{}", record.slug, count);
-        }
+    let bases: Vec<String> = records.iter().map(|r| r.slug.clone()).collect();
+    for (record, slug) in records.iter_mut().zip(unique_slugs(&bases)) {
+        record.slug = slug;
         record.content_sha256 = sha256_hex(serde_json::to_string(&*record).expect("records serialise").as_bytes());
     }
     records
+}
+
+/// Unique slugs for `bases` (in release order), deterministically: the first record with a base
+/// slug keeps it, and every base slug is reserved before any suffix is handed out, so a skill
+/// genuinely named `foo-2` keeps `foo-2`; a later duplicate `foo` gets the first of `foo-2`,
+/// `foo-3`, ... that no record holds yet (the stem shortened so the slug stays within
+/// [`MAX_SLUG`] characters).
+fn unique_slugs(bases: &[String]) -> Vec<String> {
+    let mut taken: BTreeSet<String> = BTreeSet::new();
+    let keeps: Vec<bool> = bases.iter().map(|base| taken.insert(base.clone())).collect();
+    let mut slugs = Vec::with_capacity(bases.len());
+    for (base, keep) in bases.iter().zip(keeps) {
+        if keep {
+            slugs.push(base.clone());
+            continue;
+        }
+        let mut n = 2usize;
+        loop {
+            let suffix = format!("-{n}");
+            let stem: String = base.chars().take(MAX_SLUG.saturating_sub(suffix.len())).collect();
+            let candidate = format!("{}{suffix}", stem.trim_end_matches('-'));
+            if taken.insert(candidate.clone()) {
+                slugs.push(candidate);
+                break;
+            }
+            n += 1;
+        }
+    }
+    slugs
 }
 
 /// Lower-case ASCII letters and digits joined by single hyphens, at most 64 characters.
@@ -179,7 +218,7 @@ fn slugify(name: &str) -> String {
             slug.push('-');
         }
     }
-    let mut slug: String = slug.trim_end_matches('-').chars().take(64).collect();
+    let mut slug: String = slug.trim_end_matches('-').chars().take(MAX_SLUG).collect();
     slug = slug.trim_end_matches('-').to_string();
     if slug.is_empty() {
         "skill".into()
@@ -206,8 +245,31 @@ fn yaml_string(value: &str) -> String {
     out
 }
 
-/// Exports the latest skills of the store to `out`. An existing earlier export there (a
-/// directory with a [`RELEASE_FILE`]) is replaced; any other non-empty directory is refused.
+/// Exports the latest skills of the store to `out`.
+///
+/// The release is written whole into a temporary sibling of `out` (`.<name>.tmp-<pid>-<n>`,
+/// same parent, so the same file system), every file and folder of it is fsynced, and it is
+/// then moved into place by rename; on any error the temporary directory is removed. So `out`
+/// never holds a release without its [`RELEASE_FILE`]: it holds the previous release or the
+/// new one (or, only if the process dies between the two renames of a replace, nothing, with
+/// the previous release still whole in `.<name>.old-<pid>-<n>`).
+///
+/// What `out` may be (a symbolic link is followed, and the directory it points to replaced):
+/// - missing: it is created, with its parents;
+/// - an empty directory: it is replaced by the release;
+/// - an earlier export (a directory with a fluxmem [`RELEASE_FILE`] whose `files` list every
+///   other file in it): it is renamed aside to `.<name>.old-<pid>-<n>`, the new release renamed
+///   into place, and the old directory deleted (it is provably ours: it held only what our
+///   release manifest lists);
+/// - anything else is refused and left as it is: a non-empty directory without a readable
+///   [`RELEASE_FILE`] ([`Error::OutputNotEmpty`]), and an earlier export that also holds files
+///   or folders its [`RELEASE_FILE`] does not list, or whose [`RELEASE_FILE`] is not a fluxmem
+///   skill release ([`Error::Io`] naming them). Unlisted files are neither deleted nor carried
+///   over into the new release: move them away, or export elsewhere.
+///
+/// Leftovers of a killed export (`.<name>.tmp-*`, `.<name>.old-*` next to `out`) are not
+/// removed by later exports, since another export may be using them; they are safe to delete.
+/// The temporary names never reach the output, which stays byte-identical across runs.
 pub fn export_skills(store: &Store, out: &Path, options: &ExportOptions) -> Result<ExportReport> {
     let manifest = store.manifest()?;
     let graph = store.load_at(&manifest)?;
@@ -219,99 +281,388 @@ pub fn export_skills(store: &Store, out: &Path, options: &ExportOptions) -> Resu
         .filter(|r| options.min_pems.is_none_or(|min| r.pems >= min))
         .filter(|r| r.support >= options.min_support)
         .collect();
-    prepare(out)?;
+    let target = Target::resolve(out)?;
+    let existing = inspect(&target.dir)?;
+    std::fs::create_dir_all(&target.parent).map_err(|e| io(&target.parent, e))?;
+    let scratch = Scratch::create(target.sibling("tmp"))?;
+    let files = write_release(&scratch.path, out, &manifest, &graph, &records, options)?;
+    target.install(scratch, existing)?;
+    Ok(ExportReport { skills: records.len(), filtered_out: total - records.len(), files, release: out.join(RELEASE_FILE) })
+}
+
+/// Writes the release's files and its manifest into `dir` (the temporary directory), each
+/// fsynced, then fsyncs every folder; returns the files, relative to the release. `out`, the
+/// final directory, only names files in error messages.
+fn write_release(
+    dir: &Path,
+    out: &Path,
+    manifest: &fluxmem_store::Manifest,
+    graph: &Graph,
+    records: &[SkillRecord],
+    options: &ExportOptions,
+) -> Result<Vec<String>> {
     let mut files = Vec::new();
     match options.format {
         ExportFormat::SkillMd => {
-            for record in &records {
-                let dir = out.join(&record.slug);
-                std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
-                write(&dir.join("SKILL.md"), skill_md(record).as_bytes())?;
+            for record in records {
+                let folder = dir.join(&record.slug);
+                // Slugs are unique, so a folder that already exists would be a bug: fail.
+                std::fs::create_dir(&folder).map_err(|e| io(&folder, e))?;
+                write(&folder.join("SKILL.md"), skill_md(record).as_bytes())?;
+                let provenance = serde_json::to_vec_pretty(&provenance(record)).expect("provenance serialises");
+                write(&folder.join(PROVENANCE_FILE), &provenance)?;
+                sync_dir(&folder)?;
                 files.push(format!("{}/SKILL.md", record.slug));
+                files.push(format!("{}/{PROVENANCE_FILE}", record.slug));
             }
         }
         ExportFormat::Jsonl => {
             let mut body = String::new();
-            for record in &records {
+            for record in records {
                 body.push_str(&serde_json::to_string(record).expect("records serialise"));
                 body.push('\n');
             }
-            write(&out.join("skills.jsonl"), body.as_bytes())?;
+            write(&dir.join("skills.jsonl"), body.as_bytes())?;
             files.push("skills.jsonl".into());
         }
         ExportFormat::Parquet => {
-            let path = out.join("skills.parquet");
-            write(&path, &parquet_bytes(&records, &path)?)?;
+            let bytes = parquet_bytes(records, &out.join("skills.parquet"))?;
+            write(&dir.join("skills.parquet"), &bytes)?;
             files.push("skills.parquet".into());
         }
     }
-    let release = release_manifest(&manifest, &graph, &records, options, &files);
-    let release_path = out.join(RELEASE_FILE);
+    let release = release_manifest(manifest, graph, records, options, &files);
     let mut bytes = serde_json::to_vec_pretty(&release).expect("JSON values serialise");
     bytes.push(b'\n');
-    write(&release_path, &bytes)?;
-    Ok(ExportReport { skills: records.len(), filtered_out: total - records.len(), files, release: release_path })
+    write(&dir.join(RELEASE_FILE), &bytes)?;
+    sync_dir(dir)?;
+    Ok(files)
 }
 
 fn io(path: &Path, source: std::io::Error) -> Error {
     Error::Io { path: path.to_path_buf(), source }
 }
 
-fn write(path: &Path, bytes: &[u8]) -> Result<()> {
-    std::fs::write(path, bytes).map_err(|e| io(path, e))
+/// An I/O error of our own, with `message`, on `path`.
+fn refused(path: &Path, message: String) -> Error {
+    io(path, std::io::Error::other(message))
 }
 
-/// Creates `out`, or clears the files an earlier export listed in its release manifest.
-fn prepare(out: &Path) -> Result<()> {
-    if !out.exists() {
-        return std::fs::create_dir_all(out).map_err(|e| io(out, e));
+/// Writes `bytes` to a new file at `path` and fsyncs it.
+fn write(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    injected_failure(path)?;
+    let mut file = std::fs::File::create(path).map_err(|e| io(path, e))?;
+    file.write_all(bytes).map_err(|e| io(path, e))?;
+    file.sync_all().map_err(|e| io(path, e))
+}
+
+/// Fsyncs the directory `dir`, so the entries created or renamed in it survive a crash. Only
+/// on Unix, where a directory opens as a file.
+fn sync_dir(dir: &Path) -> Result<()> {
+    if cfg!(unix) {
+        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io(dir, e))?;
     }
-    let entries: Vec<_> = std::fs::read_dir(out).map_err(|e| io(out, e))?.flatten().collect();
-    if entries.is_empty() {
-        return Ok(());
+    Ok(())
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Test hook: how many more files [`write`] writes before it fails (`None`: never fails).
+    static WRITES_BEFORE_FAILURE: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+#[cfg(test)]
+fn injected_failure(path: &Path) -> Result<()> {
+    WRITES_BEFORE_FAILURE.with(|left| match left.get() {
+        Some(0) => Err(refused(path, "injected write failure".into())),
+        Some(n) => {
+            left.set(Some(n - 1));
+            Ok(())
+        }
+        None => Ok(()),
+    })
+}
+
+#[cfg(not(test))]
+fn injected_failure(_: &Path) -> Result<()> {
+    Ok(())
+}
+
+/// Tells the temporary and the set-aside directories of concurrent exports of one process apart.
+static EXPORTS: AtomicU64 = AtomicU64::new(0);
+
+/// What the export directory holds before the export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Existing {
+    /// Nothing.
+    Missing,
+    /// An empty directory.
+    Empty,
+    /// An earlier export, every file of it listed in its release manifest.
+    Export,
+}
+
+/// Where a release goes: the export directory (links resolved), its parent and its name.
+struct Target {
+    dir: PathBuf,
+    parent: PathBuf,
+    name: OsString,
+    /// `<pid>-<n>`, unique to this export.
+    tag: String,
+}
+
+impl Target {
+    fn resolve(out: &Path) -> Result<Target> {
+        let dir = match std::fs::canonicalize(out) {
+            Ok(real) => real,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => out.to_path_buf(),
+            Err(e) => return Err(io(out, e)),
+        };
+        let Some(name) = dir.file_name().map(|n| n.to_os_string()) else {
+            return Err(refused(out, "the export directory needs a name of its own (not `..` or a root)".into()));
+        };
+        let parent = match dir.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let tag = format!("{}-{}", std::process::id(), EXPORTS.fetch_add(1, Ordering::Relaxed));
+        Ok(Target { dir, parent, name, tag })
     }
-    let release = out.join(RELEASE_FILE);
+
+    /// `<parent>/.<name>.<what>-<tag>`.
+    fn sibling(&self, what: &str) -> PathBuf {
+        let mut name = OsString::from(".");
+        name.push(&self.name);
+        name.push(format!(".{what}-{}", self.tag));
+        self.parent.join(name)
+    }
+
+    /// Moves the finished release in `scratch` to the export directory (see [`export_skills`]).
+    fn install(&self, scratch: Scratch, existing: Existing) -> Result<()> {
+        let old = self.sibling("old");
+        match existing {
+            Existing::Missing => {}
+            Existing::Empty => std::fs::remove_dir(&self.dir).map_err(|e| io(&self.dir, e))?,
+            Existing::Export => std::fs::rename(&self.dir, &old).map_err(|e| io(&self.dir, e))?,
+        }
+        if let Err(error) = std::fs::rename(&scratch.path, &self.dir) {
+            // Best effort: put back what was there; the error that matters is the rename's.
+            match existing {
+                Existing::Missing => {}
+                Existing::Empty => {
+                    let _ = std::fs::create_dir(&self.dir);
+                }
+                Existing::Export => {
+                    let _ = std::fs::rename(&old, &self.dir);
+                }
+            }
+            return Err(io(&self.dir, error));
+        }
+        scratch.installed();
+        sync_dir(&self.parent)?;
+        if existing == Existing::Export {
+            std::fs::remove_dir_all(&old).map_err(|e| io(&old, e))?;
+        }
+        Ok(())
+    }
+}
+
+/// The temporary directory a release is written into; removed when dropped, unless installed.
+struct Scratch {
+    path: PathBuf,
+    installed: bool,
+}
+
+impl Scratch {
+    fn create(path: PathBuf) -> Result<Scratch> {
+        if std::fs::symlink_metadata(&path).is_ok() {
+            // Same pid and counter: a leftover of a killed export of an earlier process.
+            std::fs::remove_dir_all(&path).map_err(|e| io(&path, e))?;
+        }
+        std::fs::create_dir(&path).map_err(|e| io(&path, e))?;
+        Ok(Scratch { path, installed: false })
+    }
+
+    fn installed(mut self) {
+        self.installed = true;
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !self.installed {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// What `dir` holds, refusing anything the export may not replace (see [`export_skills`]).
+fn inspect(dir: &Path) -> Result<Existing> {
+    match std::fs::metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Existing::Missing),
+        Err(e) => return Err(io(dir, e)),
+        Ok(metadata) if !metadata.is_dir() => return Err(refused(dir, "exists and is not a directory".into())),
+        Ok(_) => {}
+    }
+    if std::fs::read_dir(dir).map_err(|e| io(dir, e))?.next().is_none() {
+        return Ok(Existing::Empty);
+    }
+    let release = dir.join(RELEASE_FILE);
     let listed = std::fs::read(&release).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok());
-    let Some(listed) = listed else { return Err(Error::OutputNotEmpty { path: out.to_path_buf() }) };
-    let files: BTreeSet<&str> = listed["files"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
-    for file in files {
-        // Only plain relative paths an export writes (`slug/SKILL.md`, `skills.jsonl`).
-        if file.split('/').any(|part| part.is_empty() || part == "." || part == "..") {
+    let Some(listed) = listed else { return Err(Error::OutputNotEmpty { path: dir.to_path_buf() }) };
+    if listed.get("format").and_then(Value::as_str) != Some("fluxmem-skills") {
+        return Err(refused(dir, format!("its {RELEASE_FILE} is not a fluxmem skill release; refusing to replace the directory")));
+    }
+    let mut files: BTreeSet<String> = BTreeSet::from([RELEASE_FILE.to_string()]);
+    let mut folders: BTreeSet<String> = BTreeSet::new();
+    for file in listed.get("files").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str) {
+        let parts: Vec<&str> = file.split('/').collect();
+        // Only plain relative paths, as an export writes them (`slug/SKILL.md`, `skills.jsonl`).
+        if parts.iter().any(|part| part.is_empty() || *part == "." || *part == "..") {
             continue;
         }
-        let path = out.join(file);
-        if path.is_file() {
-            std::fs::remove_file(&path).map_err(|e| io(&path, e))?;
+        for end in 1..parts.len() {
+            folders.insert(parts[..end].join("/"));
         }
-        if let Some(parent) = path.parent().filter(|p| *p != out) {
-            let _ = std::fs::remove_dir(parent); // only if now empty
-        }
+        files.insert(file.to_string());
     }
-    std::fs::remove_file(&release).map_err(|e| io(&release, e))
+    let mut unlisted = Vec::new();
+    find_unlisted(dir, "", &files, &folders, &mut unlisted)?;
+    if unlisted.is_empty() {
+        return Ok(Existing::Export);
+    }
+    const SHOWN: usize = 5;
+    let more = if unlisted.len() > SHOWN { format!(" and {} more", unlisted.len() - SHOWN) } else { String::new() };
+    Err(refused(
+        dir,
+        format!(
+            "the earlier export here also holds {} that its {RELEASE_FILE} does not list ({}{more}); refusing to replace it \
+             (they would be lost): move them away or export elsewhere",
+            if unlisted.len() == 1 { "an entry".to_string() } else { format!("{} entries", unlisted.len()) },
+            unlisted[..unlisted.len().min(SHOWN)].join(", "),
+        ),
+    ))
 }
 
+/// Appends to `unlisted` the entries under `dir` (at `prefix` in the release) that are neither a
+/// listed regular file nor a folder of one; in name order, folders with a trailing `/`.
+fn find_unlisted(dir: &Path, prefix: &str, files: &BTreeSet<String>, folders: &BTreeSet<String>, unlisted: &mut Vec<String>) -> Result<()> {
+    let mut entries = std::fs::read_dir(dir)
+        .and_then(|entries| entries.collect::<std::io::Result<Vec<_>>>())
+        .map_err(|e| io(dir, e))?;
+    entries.sort_by_key(|entry| entry.file_name());
+    for entry in entries {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let relative = if prefix.is_empty() { name } else { format!("{prefix}/{name}") };
+        // Not followed: a link is never a listed file or folder.
+        let kind = entry.file_type().map_err(|e| io(&entry.path(), e))?;
+        if kind.is_dir() && folders.contains(&relative) {
+            find_unlisted(&entry.path(), &relative, files, folders, unlisted)?;
+        } else if !(kind.is_file() && files.contains(&relative)) {
+            unlisted.push(if kind.is_dir() { format!("{relative}/") } else { relative });
+        }
+    }
+    Ok(())
+}
+
+/// The provenance file next to each `SKILL.md`.
+pub const PROVENANCE_FILE: &str = "provenance.json";
+
+/// Longest description the Agent Skills format allows.
+const MAX_DESCRIPTION_CHARS: usize = 1024;
+
+/// Everything a service may want to trace a skill back to the logs.
+fn provenance(record: &SkillRecord) -> Value {
+    json!({
+        "id": record.id,
+        "lineage": record.lineage,
+        "version": record.version,
+        "tenant": record.tenant,
+        "pems": record.pems,
+        "pems_history": record.pems_history,
+        "support": record.support,
+        "source_episodes": record.source_episodes,
+        "previous_versions": record.previous_versions,
+        "eta_source": record.eta_source,
+        "generator": record.generator,
+        "judge": record.judge,
+        "content_sha256": record.content_sha256,
+    })
+}
+
+/// `SKILL.md` in the Agent Skills format: front matter with only `name` (the folder name),
+/// `description` (at most 1024 characters) and `metadata` (string values: our provenance in
+/// short; the whole of it is in `provenance.json`), then the body. Text from the logs or a
+/// model is escaped, so it cannot open a heading, a list, HTML or front matter.
 fn skill_md(record: &SkillRecord) -> String {
     let mut text = String::from("---\n");
     text.push_str(&format!("name: {}\n", yaml_string(&record.slug)));
-    text.push_str(&format!("description: {}\n", yaml_string(&record.description)));
-    text.push_str(&format!("title: {}\n", yaml_string(&record.name)));
-    text.push_str(&format!("version: {}\n", record.version));
-    text.push_str(&format!("pems: {}\n", yaml_number(record.pems)));
-    text.push_str(&format!("support: {}\n", record.support));
-    text.push_str("source_episodes:\n");
-    for id in &record.source_episodes {
-        text.push_str(&format!("  - {}\n", yaml_string(id)));
+    let description: String = if record.description.chars().count() > MAX_DESCRIPTION_CHARS {
+        record.description.chars().take(MAX_DESCRIPTION_CHARS - 1).collect::<String>() + "…"
+    } else {
+        record.description.clone()
+    };
+    text.push_str(&format!("description: {}\n", yaml_string(&description)));
+    text.push_str("metadata:\n");
+    let metadata = [
+        ("title", record.name.clone()),
+        ("id", record.id.clone()),
+        ("lineage", record.lineage.clone()),
+        ("version", record.version.to_string()),
+        ("tenant", record.tenant.clone()),
+        ("pems", yaml_number(record.pems)),
+        ("support", record.support.to_string()),
+        ("eta_source", record.eta_source.clone()),
+        ("generator", record.generator.clone()),
+        ("content_sha256", record.content_sha256.clone()),
+        ("provenance", PROVENANCE_FILE.to_string()),
+    ];
+    for (key, value) in metadata {
+        text.push_str(&format!("  {key}: {}\n", yaml_string(&value)));
     }
-    text.push_str(&format!("id: {}\n", yaml_string(&record.id)));
-    text.push_str(&format!("lineage: {}\n", yaml_string(&record.lineage)));
-    text.push_str(&format!("tenant: {}\n", yaml_string(&record.tenant)));
-    text.push_str(&format!("content_sha256: {}\n", yaml_string(&record.content_sha256)));
     text.push_str("---\n\n");
-    text.push_str(&format!("# {}\n\n{}\n\n## Steps\n\n", record.name, record.description));
+    text.push_str(&format!("# {}\n\n{}\n\n## Steps\n\n", markdown_inline(&record.name), markdown_inline(&record.description)));
     for (i, step) in record.steps.iter().enumerate() {
-        text.push_str(&format!("{}. {}\n", i + 1, step));
+        text.push_str(&format!("{}. {}\n", i + 1, markdown_inline(step)));
+    }
+    if !record.pitfalls.is_empty() {
+        text.push_str("\n## Pitfalls\n\n");
+        for pitfall in &record.pitfalls {
+            text.push_str(&format!("- {}\n", markdown_inline(pitfall)));
+        }
     }
     text
+}
+
+/// Text as one line of Markdown that renders as itself: line breaks become spaces, and the
+/// characters that open structure or markup (`\\ < > * _ [ ] #` and a leading `-`, `+`, `=`,
+/// `|`, digit-dot) are backslash-escaped. Backticks are kept (tool names are code spans), but an
+/// odd one out is escaped so a span cannot swallow the rest of the line.
+pub(crate) fn markdown_inline(text: &str) -> String {
+    let flat: String = text.split(['\n', '\r']).map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ");
+    let balanced = flat.matches('`').count() % 2 == 0;
+    let mut out = String::with_capacity(flat.len() + 8);
+    let mut in_code = false;
+    for (i, c) in flat.chars().enumerate() {
+        if c == '`' && balanced {
+            // Inside a code span nothing is markup, and a backslash would show.
+            in_code = !in_code;
+            out.push(c);
+            continue;
+        }
+        let structural = i == 0 && matches!(c, '-' | '+' | '=' | '|' | '>');
+        if !in_code && (matches!(c, '\\' | '<' | '>' | '*' | '_' | '[' | ']' | '#' | '`') || structural) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    // `12. text` or `3) text` would start an ordered list.
+    let digits = out.chars().take_while(char::is_ascii_digit).count();
+    if digits > 0 && (out[digits..].starts_with('.') || out[digits..].starts_with(')')) {
+        out.insert(digits, '\\');
+    }
+    out
 }
 
 /// A float as YAML reads it back exactly (Rust's shortest round-trip form; `.nan`/`.inf` spelled out).
@@ -449,5 +800,140 @@ mod tests {
         assert_eq!(yaml_number(f64::NAN), ".nan");
         assert_eq!("jsonl".parse::<ExportFormat>().unwrap(), ExportFormat::Jsonl);
         assert!("yaml".parse::<ExportFormat>().is_err());
+    }
+
+    /// A first-version skill named `name`, distilled from the episode `episode`.
+    fn skill(name: &str, episode: &str) -> Node {
+        let body = NodeBody::Procedural(fluxmem_graph::Skill {
+            version: 1,
+            previous_versions: Vec::new(),
+            source_episodes: vec![fluxmem_graph::NodeId::from(episode)],
+            pems_history: vec![0.5],
+        });
+        let mut node = Node::new(body, "default", &format!("Name: {name}\nSteps:\n1. one\n2. two\n"), &["test", name, episode]);
+        node.metadata.insert("name".into(), json!(name));
+        node.metadata.insert("description".into(), json!(format!("Use for {name}.")));
+        node.metadata.insert("steps".into(), json!(["one", "two"]));
+        node
+    }
+
+    fn graph_of(skills: &[(&str, &str)]) -> Graph {
+        let mut graph = Graph::default();
+        for (name, episode) in skills {
+            graph.upsert_node(skill(name, episode));
+        }
+        graph
+    }
+
+    fn slugs(records: &[SkillRecord]) -> BTreeSet<&str> {
+        records.iter().map(|r| r.slug.as_str()).collect()
+    }
+
+    #[test]
+    fn slugs_stay_unique_when_a_name_looks_like_a_suffix() {
+        let graph = graph_of(&[("Foo", "e1"), ("Foo", "e2"), ("Foo 2", "e3")]);
+        let records = skill_records(&graph);
+        assert_eq!(slugs(&records), BTreeSet::from(["foo", "foo-2", "foo-3"]), "{records:#?}");
+        assert_eq!(records.iter().find(|r| r.name == "Foo 2").unwrap().slug, "foo-2", "a genuine `foo-2` keeps its slug");
+        assert_eq!(skill_records(&graph), records, "deterministic");
+
+        let graph = graph_of(&[("Foo", "e1"), ("Foo", "e2"), ("foo-2", "e3"), ("Foo 2", "e4"), ("foo 3", "e5")]);
+        let records = skill_records(&graph);
+        assert_eq!(slugs(&records), BTreeSet::from(["foo", "foo-2", "foo-2-2", "foo-3", "foo-4"]), "{records:#?}");
+        assert_eq!(records.iter().find(|r| r.name == "foo 3").unwrap().slug, "foo-3");
+
+        // Suffixed slugs stay within the length limit, and unique.
+        let long = "a".repeat(80);
+        let records = skill_records(&graph_of(&[(long.as_str(), "e1"), (long.as_str(), "e2"), (long.as_str(), "e3")]));
+        assert_eq!(slugs(&records).len(), 3, "{records:#?}");
+        assert!(records.iter().all(|r| r.slug.len() <= MAX_SLUG), "{records:#?}");
+    }
+
+    /// Names in `dir`, sorted.
+    fn entries(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        names
+    }
+
+    /// Every file under `dir` with its bytes, sorted by relative path.
+    fn tree(dir: &Path) -> Vec<(String, Vec<u8>)> {
+        let mut out = Vec::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for entry in std::fs::read_dir(&d).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                } else {
+                    out.push((path.strip_prefix(dir).unwrap().display().to_string(), std::fs::read(&path).unwrap()));
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    fn fail_after(writes: Option<usize>) {
+        WRITES_BEFORE_FAILURE.with(|left| left.set(writes));
+    }
+
+    #[test]
+    fn a_failed_export_keeps_the_previous_release_and_leaves_no_temporary_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let store_dir = dir.path().join("store");
+        let mut writer = fluxmem_store::Writer::open(&store_dir).unwrap();
+        let graph = graph_of(&[("Wash lettuce", "e1"), ("Book a flight", "e2")]);
+        writer.commit(&graph, fluxmem_store::CommitInfo { stage: "test".into(), ..Default::default() }).unwrap();
+        drop(writer);
+        let store = Store::open(&store_dir).unwrap();
+        let parent = dir.path().join("exports");
+        let out = parent.join("skills");
+        let md = ExportOptions { format: ExportFormat::SkillMd, tenant: None, min_pems: None, min_support: 0 };
+
+        // A first export that fails half-way (the second SKILL.md) leaves nothing behind.
+        fail_after(Some(1));
+        let failed = export_skills(&store, &out, &md);
+        fail_after(None);
+        assert!(failed.is_err());
+        assert_eq!(entries(&parent), Vec::<String>::new(), "no partial release and no temporary directory");
+
+        let report = export_skills(&store, &out, &md).unwrap();
+        assert_eq!(report.skills, 2);
+        let before = tree(&out);
+        assert_eq!(before.len(), 5, "two SKILL.md, their provenance.json and the release manifest");
+        assert_eq!(entries(&parent), vec!["skills"]);
+
+        // A replacing export that fails before (0) or at (1) its release manifest: the
+        // previous release stays whole, with its release.json.
+        let jsonl = ExportOptions { format: ExportFormat::Jsonl, ..md.clone() };
+        for writes in 0..2 {
+            fail_after(Some(writes));
+            let failed = export_skills(&store, &out, &jsonl);
+            fail_after(None);
+            assert!(failed.is_err(), "failure after {writes} writes");
+            assert_eq!(tree(&out), before, "the previous release is untouched after {writes} writes");
+            assert_eq!(entries(&parent), vec!["skills"], "no temporary directory left after {writes} writes");
+        }
+
+        // And without a failure the replace goes through, leaving nothing next to it.
+        export_skills(&store, &out, &jsonl).unwrap();
+        assert_eq!(entries(&out), vec![RELEASE_FILE, "skills.jsonl"]);
+        assert_eq!(entries(&parent), vec!["skills"]);
+    }
+}
+
+#[cfg(test)]
+mod markdown_tests {
+    use super::markdown_inline;
+
+    #[test]
+    fn step_text_cannot_open_structure_and_code_spans_stay_literal() {
+        assert_eq!(markdown_inline("Call `get_order` with <order_id>."), "Call `get_order` with \\<order\\_id\\>.");
+        assert_eq!(markdown_inline("# heading\n---\nname: x"), "\\# heading --- name: x");
+        assert_eq!(markdown_inline("- item"), "\\- item");
+        assert_eq!(markdown_inline("12. not a list"), "12\\. not a list");
+        assert_eq!(markdown_inline("odd ` tick"), "odd \\` tick");
+        assert_eq!(markdown_inline("[link](x) *em*"), "\\[link\\](x) \\*em\\*");
     }
 }

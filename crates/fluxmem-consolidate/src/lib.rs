@@ -26,6 +26,7 @@ mod consolidate;
 mod export;
 mod kmeans;
 mod mature;
+mod mine;
 mod parse;
 mod pems;
 mod prompt;
@@ -36,7 +37,8 @@ pub use consolidate::{
 };
 pub use export::{export_skills, skill_records, ExportFormat, ExportOptions, ExportReport, SkillRecord, RELEASE_FILE};
 pub use kmeans::{auto_clusters, kmeans, Clustering, KMeansOptions, SplitMix64, KMEANS_BLOCK_ROWS};
-pub use mature::{induce_skill, Attempt, Matured, Models, Round};
+pub use mine::{coverage, lcs_len, mine, signatures, MineOptions, Signed, Skeleton, SkeletonStep};
+pub use mature::{induce_skill, Attempt, Matured, Models, Round, Wording};
 pub use parse::{parse_skill, SkillText};
 pub use pems::{delta, pems, word_count, LengthUnit, PemsOptions, PemsScore};
 pub use prompt::{episode_brief, episode_text, outcome_label, EXAMPLE_NAME};

@@ -48,8 +48,21 @@ pub enum Matured {
         best: usize,
         /// The round at which |delta PEMS| < epsilon, if it happened.
         converged: Option<usize>,
-        /// Rewrites that could not be read (the loop stopped there).
+        /// Generator answers that were not used (unreadable or failing the skeleton check).
         rejected: Vec<Attempt>,
+        /// The mined procedure.
+        skeleton: crate::mine::Skeleton,
+        /// Where the name and description came from.
+        wording: Wording,
+        /// How eta was measured.
+        eta_scope: String,
+        /// The episodes eta was measured on.
+        measured_on: Vec<fluxmem_graph::NodeId>,
+    },
+    /// The cluster's successes share no procedure, so there is no skill to write.
+    NoProcedure {
+        /// Why, with the numbers.
+        reason: String,
     },
     /// No readable skill: every answer, verbatim.
     Failed {
@@ -62,8 +75,8 @@ pub enum Matured {
 pub struct Models<'a> {
     /// The store's embedding model.
     pub embedder: &'a dyn Embedder,
-    /// Writes and rewrites skills.
-    pub generator: &'a mut dyn Generator,
+    /// Words skills (name, description); `None`: template skills from the mined procedure.
+    pub generator: Option<&'a mut dyn Generator>,
     /// Replays skills against episodes; `None`: eta is the logged success rate.
     pub judge: Option<&'a mut dyn Judge>,
 }
@@ -147,29 +160,90 @@ fn induce_with(
     Ok(generate_skill(generator, &prompt::retry(&shown), &params, &vocabulary, attempts))
 }
 
+/// Every `HOLDOUT_EVERY`-th episode (in representative order) is kept back from mining to
+/// measure the skill, when enough successes remain to mine from.
+pub(crate) const HOLDOUT_EVERY: usize = 3;
+
+/// Which episodes mine the skeleton and which measure it.
+struct Split<'g> {
+    successes: Vec<&'g Node>,
+    failures: Vec<&'g Node>,
+    held_out: Vec<&'g Node>,
+}
+
+fn succeeded(node: &Node) -> bool {
+    node.episode().and_then(|e| e.outcome.success).unwrap_or(true)
+}
+
+fn split<'g>(episodes: &[&'g Node]) -> Split<'g> {
+    let held: Vec<bool> = (0..episodes.len()).map(|i| i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1).collect();
+    let train_successes = episodes.iter().zip(&held).filter(|(n, h)| !**h && succeeded(n)).count();
+    let holdout = train_successes >= 2 && held.iter().any(|h| *h);
+    let mut out = Split { successes: Vec::new(), failures: Vec::new(), held_out: Vec::new() };
+    for (node, is_held) in episodes.iter().zip(&held) {
+        if holdout && *is_held {
+            out.held_out.push(node);
+        } else if succeeded(node) {
+            out.successes.push(node);
+        } else {
+            out.failures.push(node);
+        }
+    }
+    out
+}
+
+/// What a skill's words came from.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Wording {
+    /// `generator` (its name and description passed the checks) or `template`.
+    pub source: String,
+    /// Why the generator's words were not used, if it was asked.
+    pub problem: Option<String>,
+}
+
 pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &ConsolidateOptions, skills: usize) -> Result<Matured> {
-    let params = params(options);
-    let vocabulary = vocabulary(&job.episodes);
-    let mut attempts = Vec::new();
-    let previous_text = job.previous.as_ref().map(|(text, _)| text.as_str());
-    let Some(mut current) = induce_with(&job.episodes, previous_text, models.generator, options, &mut attempts)? else {
-        return Ok(Matured::Failed { attempts });
+    let split = split(&job.episodes);
+    let Some(skeleton) = crate::mine::mine(&split.successes, &split.failures, &options.mine) else {
+        let reason = format!(
+            "its {} successful episode(s) share no procedure: fewer than 2 steps are in at least {:.0}% of them",
+            split.successes.len(),
+            options.mine.min_support * 100.0
+        );
+        return Ok(Matured::NoProcedure { reason });
     };
-    let mut rejected = Vec::new();
+    let (held_out, eta_scope) = if split.held_out.is_empty() {
+        (job.episodes.clone(), "in-sample sequence coverage (too few successes to keep some back)")
+    } else {
+        (split.held_out.clone(), "held-out sequence coverage")
+    };
+    let mut attempts = Vec::new();
+    let (name, description, wording) = word(&skeleton, job, models, options, &mut attempts)?;
+    let pitfalls: Vec<String> = skeleton.preconditions.iter().chain(&skeleton.pitfalls).cloned().collect();
+    let mut kept: Vec<usize> = (0..skeleton.steps.len()).collect();
     let mut rounds: Vec<Round> = Vec::new();
     let mut converged = None;
     let mut previous_vector = job.previous.as_ref().map(|(_, v)| v.clone());
     for round in 1..=options.max_rounds.max(1) {
+        let current = SkillText {
+            name: name.clone(),
+            description: description.clone(),
+            steps: kept.iter().map(|&i| skeleton.steps[i].text.clone()).collect(),
+            pitfalls: pitfalls.clone(),
+        };
         let text = current.render();
         let vector = models.embedder.embed(&[text.as_str()])?.remove(0);
-        let (eta, disagreeing) = eta(&text, &job.episodes, models.judge.as_deref_mut(), options)?;
-        let length = match options.pems.length {
-            LengthUnit::Tokens => models.generator.count_tokens(&text)?,
-            LengthUnit::Words => word_count(&text),
+        let keys: Vec<&str> = kept.iter().map(|&i| skeleton.steps[i].key.as_str()).collect();
+        let eta = match models.judge.as_deref_mut() {
+            Some(judge) => judge_eta(&text, &job.episodes, judge, options)?,
+            None => coverage_eta(&keys, &held_out),
+        };
+        let length = match (options.pems.length, models.generator.as_deref()) {
+            (LengthUnit::Tokens, Some(generator)) => generator.count_tokens(&text)?,
+            _ => word_count(&text),
         };
         let score = pems(eta, length, delta(&vector, previous_vector.as_deref()), skills, &options.pems);
         let change = rounds.last().map(|r| (score.pems - r.score.pems).abs());
-        rounds.push(Round { round, text, skill: current.clone(), vector: vector.clone(), score });
+        rounds.push(Round { round, text, skill: current, vector: vector.clone(), score });
         if change.is_some_and(|c| c < options.epsilon) {
             converged = Some(round);
             break;
@@ -177,22 +251,160 @@ pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &Consolida
         if round == options.max_rounds {
             break;
         }
-        let shown: Vec<&Node> = disagreeing.iter().take(2).map(|&i| job.episodes[i]).collect();
-        let evidence = match prompt::serialize_episodes(&shown, options.prompt_budget / 2, true, &*models.generator) {
-            Ok((text, _)) if !shown.is_empty() => text,
-            _ => String::new(),
-        };
-        let last = rounds.last().expect("a round was just pushed");
-        let messages = prompt::rewrite(&last.text, eta, length, &evidence);
-        // No retry for a rewrite: on unreadable output the loop stops and keeps the best round.
-        match generate_skill(models.generator, &messages, &params, &vocabulary, &mut rejected) {
-            Some(next) => current = next,
-            None => break,
+        // The rewrite: drop the one non-critical step whose absence raises eta the most on the
+        // measuring episodes (never adds a step: every step stays proven by the logs).
+        match best_drop(&skeleton, &kept, &held_out) {
+            Some(position) if models.judge.is_none() => {
+                kept.remove(position);
+            }
+            _ => break,
         }
         previous_vector = Some(vector);
     }
     let best = best_round(&rounds);
-    Ok(Matured::Skill { rounds, best, converged, rejected })
+    let measured_on = held_out.iter().map(|n| n.id.clone()).collect();
+    Ok(Matured::Skill { rounds, best, converged, rejected: attempts, skeleton, wording, eta_scope: eta_scope.to_string(), measured_on })
+}
+
+/// The skill's name and description: the generator's when it writes readable ones that name
+/// no tool the procedure lacks, else the template's from the skeleton.
+fn word(
+    skeleton: &crate::mine::Skeleton,
+    job: &Job<'_>,
+    models: &mut Models<'_>,
+    options: &ConsolidateOptions,
+    attempts: &mut Vec<Attempt>,
+) -> Result<(String, String, Wording)> {
+    let (template_name, template_description) = template_words(skeleton);
+    let Some(generator) = models.generator.as_deref_mut() else {
+        return Ok((template_name, template_description, Wording { source: "template".into(), problem: None }));
+    };
+    let previous_text = job.previous.as_ref().map(|(text, _)| text.as_str());
+    let problem = match induce_with(&job.episodes, previous_text, generator, options, attempts)? {
+        Some(skill) => match foreign_tool(&skill, skeleton, &job.episodes) {
+            None => return Ok((skill.name, skill.description, Wording { source: "generator".into(), problem: None })),
+            Some(tool) => {
+                let problem = format!("names the tool `{tool}`, which the mined procedure does not use");
+                attempts.push(Attempt { raw: skill.render(), problem: problem.clone() });
+                problem
+            }
+        },
+        None => attempts.last().map(|a| a.problem.clone()).unwrap_or_else(|| "no readable answer".into()),
+    };
+    Ok((template_name, template_description, Wording { source: "template".into(), problem: Some(problem) }))
+}
+
+/// A tool the generator's skill names but the skeleton lacks: a tool of the cluster's episodes,
+/// or any `snake_case` identifier that is neither a skeleton tool nor one of its argument names
+/// (small models invent plausible tool names).
+fn foreign_tool(skill: &SkillText, skeleton: &crate::mine::Skeleton, episodes: &[&Node]) -> Option<String> {
+    let used: BTreeSet<&str> = skeleton.steps.iter().filter_map(|s| s.tool.as_deref()).collect();
+    let arguments: BTreeSet<&str> = skeleton
+        .steps
+        .iter()
+        .filter_map(|s| s.key.strip_prefix("call ").and_then(|k| k.split_once('(')).map(|(_, a)| a.trim_end_matches(')')))
+        .flat_map(|a| a.split(','))
+        .collect();
+    let text = format!("{} {} {}", skill.name, skill.description, skill.steps.join(" "));
+    let words: BTreeSet<&str> = text.split(|c: char| !(c.is_alphanumeric() || c == '_')).filter(|w| !w.is_empty()).collect();
+    let from_episodes = episodes
+        .iter()
+        .flat_map(|n| crate::mine::signatures(n))
+        .filter_map(|s| s.tool)
+        .find(|tool| !used.contains(tool.as_str()) && words.contains(tool.as_str()));
+    from_episodes.or_else(|| {
+        words
+            .iter()
+            .find(|w| w.contains('_') && w.chars().any(char::is_alphabetic) && !used.contains(*w) && !arguments.contains(*w))
+            .map(|w| w.to_string())
+    })
+}
+
+/// Tools that only read: a skill is named after what it changes.
+const READ_PREFIXES: [&str; 8] = ["get_", "search_", "list_", "find_", "lookup_", "read_", "calculate", "think"];
+
+/// Name and description written from the skeleton alone. The name is what the procedure
+/// changes (its tools that do more than read, `cancel_reservation` -> "Cancel reservation"),
+/// else what the successes' tasks share.
+fn template_words(skeleton: &crate::mine::Skeleton) -> (String, String) {
+    let pattern = skeleton.task_pattern.trim();
+    let mut acting: Vec<String> = Vec::new();
+    for tool in skeleton.steps.iter().filter_map(|s| s.tool.as_deref()) {
+        let human = tool.replace('_', " ");
+        if !READ_PREFIXES.iter().any(|p| tool.starts_with(p)) && !acting.contains(&human) {
+            acting.push(human);
+        }
+    }
+    let readable_pattern = pattern.split_whitespace().filter(|w| *w != "…").count() >= 2;
+    let name = if !acting.is_empty() {
+        acting.into_iter().take(2).collect::<Vec<_>>().join(" and ")
+    } else if readable_pattern {
+        pattern.to_string()
+    } else {
+        skeleton.steps.iter().take(2).map(|s| s.text.trim_end_matches('.').to_string()).collect::<Vec<_>>().join(", then ")
+    };
+    let mut chars = name.chars();
+    let name = chars.next().map(|c| c.to_uppercase().collect::<String>() + chars.as_str()).unwrap_or_default();
+    let contrast = match skeleton.failures {
+        0 => String::new(),
+        n => format!(", contrasted with {n} failed one(s)"),
+    };
+    let like = if pattern.is_empty() { String::new() } else { format!(" like \"{pattern}\"") };
+    let description = format!(
+        "Use for tasks{like}. Mined from {} successful episode(s){contrast}; each step is in at least {} of them.",
+        skeleton.successes,
+        min_share_words(skeleton)
+    );
+    (name, description)
+}
+
+/// "half", or the share as a percentage, of the lowest step support.
+fn min_share_words(skeleton: &crate::mine::Skeleton) -> String {
+    let lowest = skeleton.steps.iter().map(|s| s.support).fold(1.0, f64::min);
+    format!("{:.0}%", (lowest * 100.0).floor())
+}
+
+/// eta from sequence coverage: a success agrees as far as it follows the steps in order
+/// (longest common subsequence over the steps), a failure as far as it does not.
+fn coverage_eta(keys: &[&str], episodes: &[&Node]) -> f64 {
+    if episodes.is_empty() {
+        return 0.0;
+    }
+    let total: f64 = episodes
+        .iter()
+        .map(|node| {
+            let covered = crate::mine::coverage(keys, node);
+            if succeeded(node) {
+                covered
+            } else {
+                1.0 - covered
+            }
+        })
+        .sum();
+    total / episodes.len() as f64
+}
+
+/// The position in `kept` of the non-critical step whose removal raises eta the most (ties: the
+/// earliest), if any removal raises it and at least 2 steps remain.
+fn best_drop(skeleton: &crate::mine::Skeleton, kept: &[usize], episodes: &[&Node]) -> Option<usize> {
+    if kept.len() <= 2 {
+        return None;
+    }
+    let keys = |skip: Option<usize>| -> Vec<&str> {
+        kept.iter().enumerate().filter(|(p, _)| Some(*p) != skip).map(|(_, &i)| skeleton.steps[i].key.as_str()).collect()
+    };
+    let base = coverage_eta(&keys(None), episodes);
+    let mut best: Option<(usize, f64)> = None;
+    for (position, &index) in kept.iter().enumerate() {
+        if skeleton.steps[index].critical {
+            continue;
+        }
+        let eta = coverage_eta(&keys(Some(position)), episodes);
+        if eta > base + 1e-12 && best.is_none_or(|(_, b)| eta > b + 1e-12) {
+            best = Some((position, eta));
+        }
+    }
+    best.map(|(position, _)| position)
 }
 
 /// The highest PEMS, the earliest on ties.
@@ -248,39 +460,73 @@ fn generate_skill(
     }
 }
 
-/// eta of `skill` over the episodes and the indexes of the episodes it disagrees with.
-///
-/// With a judge: the first `judge_episodes` episodes are replayed; an episode agrees when it
-/// succeeded and the judge finds the skill consistent with it (P >= threshold), or it failed
-/// and the judge does not. Episodes without a logged outcome count as successes. Without a
-/// judge: the logged success rate (episodes without an outcome left out; 1 if none has one),
-/// and the failed episodes are the disagreements.
-fn eta<'j>(skill: &str, episodes: &[&Node], judge: Option<&mut (dyn Judge + 'j)>, options: &ConsolidateOptions) -> Result<(f64, Vec<usize>)> {
-    let success = |node: &Node| node.episode().and_then(|e| e.outcome.success);
-    match judge {
-        Some(judge) => {
-            let judged: Vec<&Node> = episodes.iter().copied().take(options.judge_episodes.max(1)).collect();
-            let passages: Vec<String> = judged.iter().map(|n| prompt::episode_text(n)).collect();
-            let passage_refs: Vec<&str> = passages.iter().map(String::as_str).collect();
-            let scores = judge.score(&prompt::judge_query(skill), &passage_refs)?;
-            let mut disagreeing = Vec::new();
-            for (i, (node, p)) in judged.iter().zip(&scores).enumerate() {
-                let consistent = *p >= options.judge_threshold;
-                if consistent != success(node).unwrap_or(true) {
-                    disagreeing.push(i);
-                }
-            }
-            let n = judged.len().max(1) as f64;
-            Ok(((judged.len() - disagreeing.len()) as f64 / n, disagreeing))
+/// eta with a judge: the first `judge_episodes` episodes are replayed; an episode agrees when
+/// it succeeded and the judge finds the skill consistent with it (P >= threshold), or it failed
+/// and the judge does not. Episodes without a logged outcome count as successes.
+fn judge_eta(skill: &str, episodes: &[&Node], judge: &mut dyn Judge, options: &ConsolidateOptions) -> Result<f64> {
+    let judged: Vec<&Node> = episodes.iter().copied().take(options.judge_episodes.max(1)).collect();
+    let passages: Vec<String> = judged.iter().map(|n| prompt::episode_text(n)).collect();
+    let passage_refs: Vec<&str> = passages.iter().map(String::as_str).collect();
+    let scores = judge.score(&prompt::judge_query(skill), &passage_refs)?;
+    let agreeing = judged.iter().zip(&scores).filter(|(node, p)| (**p >= options.judge_threshold) == succeeded(node)).count();
+    Ok(agreeing as f64 / judged.len().max(1) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mine::{Skeleton, SkeletonStep};
+    use fluxmem_graph::{Episode, NodeBody, Outcome, Step};
+
+    fn episode(actions: &[&str], success: bool) -> Node {
+        let steps = actions.iter().map(|a| Step { action: a.to_string(), ..Step::default() }).collect();
+        let body = NodeBody::Episodic(Episode { steps, outcome: Outcome { success: Some(success), reward: None, feedback: None } });
+        Node::new(body, "t", &actions.join(";"), &[&actions.join(";"), &success.to_string()])
+    }
+
+    fn step(key: &str, critical: bool) -> SkeletonStep {
+        SkeletonStep { key: key.into(), text: key.into(), tool: None, support: 1.0, failure_support: None, critical }
+    }
+
+    fn skeleton(critical_middle: bool) -> Skeleton {
+        Skeleton {
+            steps: vec![step("go to <1>", false), step("open <1>", critical_middle), step("take <1> from <2>", false)],
+            branches: Vec::new(),
+            preconditions: Vec::new(),
+            pitfalls: Vec::new(),
+            successes: 3,
+            failures: 0,
+            task_pattern: String::new(),
         }
-        None => {
-            let known: Vec<(usize, bool)> = episodes.iter().enumerate().filter_map(|(i, n)| success(n).map(|s| (i, s))).collect();
-            if known.is_empty() {
-                return Ok((1.0, Vec::new()));
-            }
-            let wins = known.iter().filter(|(_, s)| *s).count();
-            let failed = known.iter().filter(|(_, s)| !*s).map(|(i, _)| *i).collect();
-            Ok((wins as f64 / known.len() as f64, failed))
-        }
+    }
+
+    #[test]
+    fn a_rewrite_drops_the_step_that_kept_back_successes_skip_and_raises_eta() {
+        let held = [episode(&["go to fridge 1", "take apple 1 from fridge 1"], true), episode(&["go to shelf 1", "take cup 1 from shelf 1"], true)];
+        let held: Vec<&Node> = held.iter().collect();
+        let all = [0, 1, 2];
+        let before = coverage_eta(&["go to <1>", "open <1>", "take <1> from <2>"], &held);
+        assert!((before - 2.0 / 3.0).abs() < 1e-12);
+        assert_eq!(best_drop(&skeleton(false), &all, &held), Some(1), "the open goes");
+        assert_eq!(coverage_eta(&["go to <1>", "take <1> from <2>"], &held), 1.0, "eta rises to 1");
+        assert_eq!(best_drop(&skeleton(true), &all, &held), None, "a critical step is never dropped");
+        assert_eq!(best_drop(&skeleton(false), &[0, 2], &held), None, "two steps stay");
+    }
+
+    #[test]
+    fn a_failure_that_follows_the_steps_lowers_eta() {
+        let failure = episode(&["go to fridge 1", "open fridge 1", "take apple 1 from fridge 1"], false);
+        assert_eq!(coverage_eta(&["go to <1>", "open <1>", "take <1> from <2>"], &[&failure]), 0.0);
+    }
+
+    #[test]
+    fn holdout_keeps_every_third_episode_back_when_enough_successes_remain() {
+        let nodes: Vec<Node> = (0..6).map(|i| episode(&[&format!("look {i}")], i != 4)).collect();
+        let refs: Vec<&Node> = nodes.iter().collect();
+        let s = split(&refs);
+        assert_eq!(s.held_out.len(), 2);
+        assert_eq!((s.successes.len(), s.failures.len()), (3, 1));
+        let few = split(&refs[..2]);
+        assert!(few.held_out.is_empty(), "too few to keep any back");
     }
 }

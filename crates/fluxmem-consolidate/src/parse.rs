@@ -15,6 +15,9 @@ pub struct SkillText {
     pub description: String,
     /// The steps, in order.
     pub steps: Vec<String>,
+    /// Preconditions and pitfalls, from the logs (empty for a generator's own skill).
+    #[serde(default)]
+    pub pitfalls: Vec<String>,
 }
 
 /// Characters kept of a name.
@@ -27,6 +30,12 @@ impl SkillText {
         let mut text = format!("Name: {}\nDescription: {}\nSteps:\n", self.name, self.description);
         for (i, step) in self.steps.iter().enumerate() {
             text.push_str(&format!("{}. {}\n", i + 1, step));
+        }
+        if !self.pitfalls.is_empty() {
+            text.push_str("Pitfalls:\n");
+            for pitfall in &self.pitfalls {
+                text.push_str(&format!("- {pitfall}\n"));
+            }
         }
         text
     }
@@ -226,7 +235,7 @@ fn parse_json(text: &str) -> Option<SkillText> {
         Some(Value::String(s)) => s.lines().map(|l| strip_marker(l).to_string()).collect(),
         _ => Vec::new(),
     };
-    Some(SkillText { name: as_text(field(&["name", "Name", "title"])), description: as_text(field(&["description", "Description"])), steps })
+    Some(SkillText { name: as_text(field(&["name", "Name", "title"])), description: as_text(field(&["description", "Description"])), steps, pitfalls: Vec::new() })
 }
 
 #[derive(PartialEq)]
@@ -243,7 +252,7 @@ enum Section {
 /// `Name:`, or at a plain paragraph after a blank line once steps have started (trailing
 /// chatter); looping steps are cut in validation.
 fn parse_keyed(text: &str) -> Result<SkillText, String> {
-    let mut skill = SkillText { name: String::new(), description: String::new(), steps: Vec::new() };
+    let mut skill = SkillText { name: String::new(), description: String::new(), steps: Vec::new(), pitfalls: Vec::new() };
     let mut section = Section::None;
     let mut first_plain: Option<String> = None;
     let mut expect_name = false;

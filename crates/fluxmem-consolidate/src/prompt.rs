@@ -201,22 +201,6 @@ pub fn retry(episodes: &str) -> Vec<ChatMessage> {
     vec![ChatMessage::new("system", SYSTEM), ChatMessage::new("user", user)]
 }
 
-/// A rewrite of the current version for the next PEMS round.
-pub fn rewrite(current: &str, eta: f64, length: usize, disagreements: &str) -> Vec<ChatMessage> {
-    let evidence = if disagreements.is_empty() {
-        String::new()
-    } else {
-        format!("It does not fit these logs well:\n{disagreements}\n\n")
-    };
-    let user = format!(
-        "Here is a skill for an agent:\n\n{current}\n\nIt fits {:.0}% of the logs it was learned from and is {length} tokens long. \
-         {evidence}Rewrite it to be more accurate and shorter: keep the steps that matter, drop the rest. Answer with the skill only, \
-         as Name, Description and numbered Steps.",
-        eta * 100.0
-    );
-    vec![ChatMessage::new("system", SYSTEM), ChatMessage::new("user", user)]
-}
-
 /// The judge's query for replaying `skill` against one episode.
 pub fn judge_query(skill: &str) -> String {
     format!("Would an agent following this skill act as in the episode below?\nSkill:\n{skill}")
@@ -274,7 +258,6 @@ mod tests {
         assert_no_placeholders(&induce(episodes));
         assert_no_placeholders(&update(EXAMPLE_SKILL, episodes));
         assert_no_placeholders(&retry(episodes));
-        assert_no_placeholders(&rewrite(EXAMPLE_SKILL, 0.5, 40, episodes));
         // The example is an earlier assistant turn in the exact format and parses.
         let messages = induce(episodes);
         assert_eq!(messages.iter().map(|m| m.role.as_str()).collect::<Vec<_>>(), ["system", "user", "assistant", "user"]);

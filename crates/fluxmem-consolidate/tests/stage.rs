@@ -78,12 +78,43 @@ fn family_words(family: &str) -> &'static str {
     }
 }
 
+/// The actions of an episode of `family`: text commands for lettuce, tool calls for the others.
+/// A failure skips its family's second step.
+fn family_steps(family: &str, i: usize, success: bool) -> Vec<Step> {
+    let call = |name: &str, args: String| Step {
+        observation: format!("obs {name}"),
+        tool_calls: vec![fluxmem_graph::ToolCall { name: name.into(), arguments: args, result: Some("ok".into()) }],
+        ..Default::default()
+    };
+    let text = |action: String| Step { observation: format!("obs {i}"), action, ..Default::default() };
+    let mut steps = match family {
+        "lettuce" => vec![
+            text(format!("go to countertop {}", i % 3 + 1)),
+            text(format!("take lettuce {i} from countertop {}", i % 3 + 1)),
+            text("go to sinkbasin 1".into()),
+            text(format!("clean lettuce {i} with sinkbasin 1")),
+        ],
+        "flight" => vec![
+            call("search_flights", format!("{{\"origin\":\"A{i}\",\"destination\":\"B{i}\"}}")),
+            call("book_reservation", format!("{{\"flight\":\"F{i}\",\"cabin\":\"economy\"}}")),
+            call("send_confirmation", format!("{{\"user_id\":\"u{i}\"}}")),
+        ],
+        _ => vec![
+            call("get_invoice", format!("{{\"invoice_id\":\"I{i}\"}}")),
+            call("refund_payment", format!("{{\"invoice_id\":\"I{i}\",\"amount\":{i}}}")),
+            call("update_ledger", format!("{{\"account\":\"acc{i}\"}}")),
+        ],
+    };
+    if !success {
+        steps.remove(1);
+    }
+    steps
+}
+
 /// An episode of `family`; the last of each family fails.
 fn episode(family: &str, i: usize, success: bool) -> Node {
     let words = family_words(family);
-    let steps = (0..3)
-        .map(|s| Step { observation: format!("obs {s}"), action: format!("{family} step {s} {words}"), ..Default::default() })
-        .collect();
+    let steps = family_steps(family, i, success);
     let outcome = Outcome { success: Some(success), reward: None, feedback: None };
     let text = format!("Task {i}: {family} {words}");
     let mut node = Node::new(NodeBody::Episodic(Episode { steps, outcome }), "default", &text, &[family, &i.to_string()]);
@@ -142,7 +173,7 @@ fn run(store: &Path, generator: &mut dyn Generator, judge: Option<&mut dyn Judge
     let mut writer = Writer::open(store).unwrap();
     let run_id = format!("consolidate@v{}", writer.manifest().version);
     let judge = judge.map(|j| -> &mut dyn Judge { j });
-    let mut models = Models { embedder: &embedder, generator, judge };
+    let mut models = Models { embedder: &embedder, generator: Some(generator), judge };
     consolidate_store(&mut writer, &mut models, options, &run_id, &Device::Cpu, &mut NoProgress).unwrap()
 }
 
@@ -187,7 +218,7 @@ fn consolidation_commits_skills_edges_embeddings_and_edits_once() {
     let mut generator = Scripted::new(family_skill);
     let report = run(&store, &mut generator, None, &options(3));
     assert_eq!((report.episodes, report.clusters, report.skills_new, report.failed, report.commits), (12, 3, 3, 0, 1));
-    assert_eq!(report.eta_source, "logged success rate (no judge)");
+    assert_eq!(report.eta_source, "sequence coverage of kept-back episodes (no judge)");
     assert_eq!(Store::open(&store).unwrap().manifest().unwrap().version, before + 1, "one atomic commit");
     let graph = load(&store);
     let stats = graph.stats();
@@ -202,8 +233,22 @@ fn consolidation_commits_skills_edges_embeddings_and_edits_once() {
             assert!(graph.nodes[episode].text.contains(family), "cluster of one family");
         }
         assert_eq!(body.pems_history.len(), skill.rounds.len());
-        // eta without a judge is the logged success rate: 3 of 4 succeeded.
-        assert!(skill.rounds.iter().all(|r| (r.eta - 0.75).abs() < 1e-9), "{:?}", skill.rounds);
+        // eta without a judge: how well the kept-back episodes follow the steps (a success
+        // scores its in-order coverage, a failure one minus it), recomputed here.
+        let measured: Vec<&Node> = node.metadata["measured_on"].as_array().unwrap().iter().map(|id| &graph.nodes[&fluxmem_graph::NodeId::from(id.as_str().unwrap())]).collect();
+        assert!(!measured.is_empty());
+        let keys: Vec<String> = node.metadata["skeleton"]["steps"].as_array().unwrap().iter().map(|s| s["key"].as_str().unwrap().to_string()).collect();
+        let kept: Vec<&str> = node.metadata["steps"].as_array().unwrap().iter().map(|text| {
+            let i = node.metadata["skeleton"]["steps"].as_array().unwrap().iter().position(|s| &s["text"] == text).unwrap();
+            keys[i].as_str()
+        }).collect();
+        let expected: f64 = measured.iter().map(|e| {
+            let c = coverage(&kept, e);
+            if e.episode().unwrap().outcome.success == Some(false) { 1.0 - c } else { c }
+        }).sum::<f64>() / measured.len() as f64;
+        let best = &skill.rounds[skill.best_round - 1];
+        assert!((best.eta - expected).abs() < 1e-12, "eta {} vs recomputed {expected}", best.eta);
+        assert!(skill.rounds.windows(2).all(|w| w[1].eta > w[0].eta), "a round only drops a step when that raises eta: {:?}", skill.rounds);
         assert_eq!(skill.rounds[0].delta, 0.0, "a first version has no previous one");
         assert!(graph.embeddings.contains_key(&(node.id.clone(), "hash-64".to_string())));
         assert!(node.text.starts_with("Name: Handle"));
@@ -216,51 +261,73 @@ fn consolidation_commits_skills_edges_embeddings_and_edits_once() {
 }
 
 #[test]
-fn pems_loop_stops_on_convergence_or_at_the_round_limit() {
+fn pems_loop_keeps_every_round_and_stops_by_the_rule() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
-    add_episodes(&store, three_families(3));
-    // The same skill every time: delta 0, same eta and length, |delta PEMS| = 0 at round 2.
-    let fixed = "Name: Do it\nDescription: d\nSteps:\n1. wash the lettuce\n2. rinse the basin\n".to_string();
-    let mut generator = Scripted::new(move |_| fixed.clone());
-    let report = run(&store, &mut generator, None, &options(1));
-    let skill = &report.skills[0];
-    assert_eq!((skill.rounds.len(), skill.converged_round, skill.best_round), (2, Some(2), 1));
-    assert_eq!(report.generator.calls, 2, "induction + one rewrite");
-
-    // Ever-changing rewrites never converge: five rounds, then stop.
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
-    add_episodes(&store, three_families(3));
-    let mut count = 0;
-    let mut generator = Scripted::new(move |_| {
-        count += 1;
-        let words: Vec<String> = (0..count * 7).map(|w| format!("w{}x{}", count, w)).collect();
-        format!("Name: Skill {count}\nDescription: d\nSteps:\n1. {}\n2. rinse the lettuce\n", words.join(" "))
-    });
-    let report = run(&store, &mut generator, None, &options(1));
-    let skill = &report.skills[0];
-    assert_eq!((skill.rounds.len(), skill.converged_round), (5, None));
-    assert!(skill.rounds.windows(2).all(|w| (w[1].pems - w[0].pems).abs() >= 0.01));
-    let best = skill.rounds.iter().map(|r| r.pems).fold(f64::MIN, f64::max);
-    assert_eq!(skill.rounds[skill.best_round - 1].pems, best, "the best round is kept");
+    add_episodes(&store, three_families(6));
+    let embedder = HashEmbedder::new(64);
+    let mut writer = Writer::open(&store).unwrap();
+    let run_id = format!("consolidate@v{}", writer.manifest().version);
+    let mut models = Models { embedder: &embedder, generator: None, judge: None };
+    let options = ConsolidateOptions { max_rounds: 3, ..options(3) };
+    let report = consolidate_store(&mut writer, &mut models, &options, &run_id, &Device::Cpu, &mut NoProgress).unwrap();
+    drop(writer);
+    assert_eq!((report.skills_new, report.failed, report.generator_model.as_str()), (3, 0, "none"));
     let graph = load(&store);
-    let node = &graph.nodes[&skill.id];
-    assert_eq!(node.metadata["rounds"].as_array().unwrap().len(), 5, "every version kept");
-    assert_eq!(node.text, node.metadata["rounds"][skill.best_round - 1]["text"].as_str().unwrap());
+    for skill in &report.skills {
+        let rounds = &skill.rounds;
+        assert!(!rounds.is_empty() && rounds.len() <= 3);
+        let stopped_by_epsilon = rounds.len() >= 2 && (rounds[rounds.len() - 1].pems - rounds[rounds.len() - 2].pems).abs() < 0.01;
+        assert_eq!(skill.converged_round.is_some(), stopped_by_epsilon, "{rounds:?}");
+        assert!(rounds.windows(2).all(|w| w[1].eta > w[0].eta && w[1].length < w[0].length), "each round drops a step and raises eta");
+        let best = rounds.iter().map(|r| r.pems).fold(f64::MIN, f64::max);
+        assert_eq!(rounds[skill.best_round - 1].pems, best, "the best round is kept");
+        let node = &graph.nodes[&skill.id];
+        assert_eq!(node.metadata["rounds"].as_array().unwrap().len(), rounds.len(), "every version kept");
+        assert_eq!(node.text, node.metadata["rounds"][skill.best_round - 1]["text"].as_str().unwrap());
+        assert_eq!(node.metadata["wording"]["source"], "template");
+        assert_eq!(node.metadata["generator"], "none");
+    }
+}
+
+/// Inside the PEMS loop the only rewrite is dropping a step, and only when that raises eta: a
+/// step every episode has is never dropped (the unit tests of `mature` show a drop that does).
+#[test]
+fn a_step_every_episode_has_is_never_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    // Six successes that all also dry the lettuce. Without a generator the skill is the mined
+    // procedure.
+    let mut nodes = Vec::new();
+    for i in 0..6 {
+        let mut node = episode("lettuce", i, true);
+        if let NodeBody::Episodic(e) = &mut node.body {
+            e.steps.push(Step { action: format!("dry lettuce {i} with towel 1"), ..Default::default() });
+        }
+        nodes.push(node);
+    }
+    add_episodes(&store, nodes);
+    let embedder = HashEmbedder::new(64);
+    let mut writer = Writer::open(&store).unwrap();
+    let mut models = Models { embedder: &embedder, generator: None, judge: None };
+    let report = consolidate_store(&mut writer, &mut models, &options(1), "consolidate@t", &Device::Cpu, &mut NoProgress).unwrap();
+    drop(writer);
+    let skill = &report.skills[0];
+    // Every episode dries it, so nothing is dropped and eta is full coverage.
+    assert!(skill.rounds[0].eta > 0.999, "{:?}", skill.rounds);
+    assert_eq!(skill.rounds.len(), 1, "no step whose removal raises eta");
 }
 
 #[test]
-fn malformed_output_is_repaired_or_kept_as_a_failed_cluster() {
+fn unreadable_wording_falls_back_to_the_template_and_is_recorded() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
-    add_episodes(&store, three_families(2));
-    // Junk first, a good answer to the repair prompt.
+    let lettuce = || three_families(3).into_iter().filter(|n| n.text.contains("lettuce")).collect::<Vec<_>>();
+    add_episodes(&store, lettuce());
+    // Junk first, a good answer to the repair prompt: the generator's name is used.
     let mut generator = Scripted::new(|messages| {
         if messages.last().unwrap().content.starts_with("Write one skill for these logs") {
             "```\n**Name:** Fixed\nSteps:\n- wash the lettuce\n- book the flight\n```".into()
-        } else if messages.last().unwrap().content.starts_with("Here is a skill") {
-            "**Name:** Fixed\nSteps:\n- wash the lettuce\n- book the flight".into()
         } else {
             "I am a small model and I like turtles.".into()
         }
@@ -269,41 +336,97 @@ fn malformed_output_is_repaired_or_kept_as_a_failed_cluster() {
     assert_eq!((report.skills_new, report.failed), (1, 0));
     assert_eq!(report.skills[0].name, "Fixed");
 
-    // Junk always: the cluster is recorded as failed with every raw answer, nothing crashes.
+    // Junk always: the skill is still written, from the mined procedure, and every raw
+    // answer is kept with why it was not used.
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     add_episodes(&store, three_families(2));
     let mut generator = Scripted::new(|_| "Name: only a name, no steps".into());
-    let report = run(&store, &mut generator, None, &options(2));
-    assert_eq!((report.skills_new, report.failed, report.commits), (0, 2, 1));
-    let failure = &report.failures[0];
-    assert_eq!(failure.attempts.len(), 2, "the answer and the retried answer");
-    assert!(failure.attempts.iter().all(|a| a.raw == "Name: only a name, no steps" && a.problem == "no steps"));
+    let report = run(&store, &mut generator, None, &options(3));
+    assert_eq!((report.skills_new, report.failed, report.commits), (3, 0, 1));
     let graph = load(&store);
-    assert_eq!(graph.stats().procedural, 0);
-    let failed: Vec<_> = graph.edits.iter().filter(|e| e.kind == "skill_failed").collect();
-    assert_eq!(failed.len(), 2);
-    assert!(failed[0].after.as_ref().unwrap().contains("only a name, no steps"), "raw output kept in the edit log");
-    let episodes_in_failures: usize = report.failures.iter().map(|f| f.episodes.len()).sum();
-    assert_eq!(episodes_in_failures, 6, "no episode lost");
+    for skill in &report.skills {
+        let node = &graph.nodes[&skill.id];
+        assert_eq!(node.metadata["wording"]["source"], "template");
+        assert_eq!(node.metadata["wording"]["problem"], "no steps");
+        let rejected = node.metadata["rejected_answers"].as_array().unwrap();
+        assert_eq!(rejected.len(), 2, "the answer and the retried answer");
+        assert!(rejected.iter().all(|a| a["raw"] == "Name: only a name, no steps"));
+        assert!(node.metadata["steps"].as_array().unwrap().len() >= 2, "steps from the logs");
+    }
 
-    // Readable but about something else (the example's domain): rejected, kept as failed.
+    // Readable but about something else (the example's domain): rejected, template used.
     let dir2 = tempfile::tempdir().unwrap();
     let other = dir2.path().join("store");
-    add_episodes(&other, three_families(2));
+    add_episodes(&other, lettuce());
     let invented = "Name: Use a phone to make a phone call\nSteps:\n1. Open the phone app and start a new message.\n2. Make the phone call.";
     let mut phone = Scripted::new(move |_| invented.into());
     let report_other = run(&other, &mut phone, None, &options(1));
-    assert_eq!((report_other.skills_new, report_other.failed), (0, 1));
-    assert!(report_other.failures[0].attempts.iter().all(|a| a.problem.starts_with("not about its episodes: 0 of their words")));
+    assert_eq!((report_other.skills_new, report_other.failed), (1, 0));
+    let node = &load(&other).nodes[&report_other.skills[0].id];
+    assert!(node.metadata["wording"]["problem"].as_str().unwrap().starts_with("not about its episodes"), "{}", node.metadata["wording"]);
 
-    // A second run does not retry the same clusters (nothing to commit) unless asked.
-    let version = Store::open(&store).unwrap().manifest().unwrap().version;
-    let again = run(&store, &mut generator, None, &options(2));
-    assert_eq!((again.failed_earlier, again.commits), (2, 0));
-    assert_eq!(Store::open(&store).unwrap().manifest().unwrap().version, version);
-    let retried = run(&store, &mut generator, None, &ConsolidateOptions { retry_failed: true, ..options(2) });
-    assert_eq!(retried.failed, 2);
+    // A generator naming a tool the procedure does not use is not trusted either.
+    let dir3 = tempfile::tempdir().unwrap();
+    let third = dir3.path().join("store");
+    add_episodes(&third, three_families(3).into_iter().filter(|n| n.text.contains("flight")).collect());
+    let foreign = "Name: Book flights\nDescription: Use for flight booking.\nSteps:\n1. Call update_ledger for the flight.\n2. Book the flight seat.";
+    let mut liar = Scripted::new(move |_| foreign.into());
+    let report_third = run(&third, &mut liar, None, &options(1));
+    let node = &load(&third).nodes[&report_third.skills[0].id];
+    assert_eq!(node.metadata["wording"]["source"], "template", "{}", node.metadata["wording"]);
+}
+
+#[test]
+fn a_cluster_whose_successes_share_no_procedure_gets_no_skill_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let odd = |i: usize, action: &str| {
+        let steps = vec![Step { action: action.into(), ..Default::default() }];
+        let outcome = Outcome { success: Some(true), reward: None, feedback: None };
+        Node::new(NodeBody::Episodic(Episode { steps, outcome }), "default", &format!("odd task {i}"), &["odd", &i.to_string()])
+    };
+    add_episodes(&store, vec![odd(0, "inventory"), odd(1, "look"), odd(2, "examine book 1"), odd(3, "use desklamp 1")]);
+    let embedder = HashEmbedder::new(64);
+    let mut writer = Writer::open(&store).unwrap();
+    let mut models = Models { embedder: &embedder, generator: None, judge: None };
+    let report = consolidate_store(&mut writer, &mut models, &options(1), "consolidate@t", &Device::Cpu, &mut NoProgress).unwrap();
+    drop(writer);
+    assert_eq!((report.skills_new, report.failed, report.no_procedure), (0, 1, 1));
+    assert_eq!(report.cluster_list[0].status, "no_procedure");
+    assert!(report.failures[0].attempts[0].problem.contains("share no procedure"), "{:?}", report.failures);
+    let graph = load(&store);
+    let edit = graph.edits.iter().find(|e| e.kind == "skill_failed").expect("recorded in the edit log");
+    assert!(edit.reason.contains("share no procedure"), "{}", edit.reason);
+}
+
+/// The rule that keeps skills free of invented steps: every exported step is in at least the
+/// configured share of its skill's source successes (checked here from the raw episodes).
+#[test]
+fn no_exported_step_lacks_support_in_its_source_episodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    add_episodes(&store, three_families(7));
+    let mut generator = Scripted::new(family_skill);
+    run(&store, &mut generator, None, &options(3));
+    let graph = load(&store);
+    let records = skill_records(&graph);
+    assert_eq!(records.len(), 3);
+    for record in &records {
+        let node = &graph.nodes[&fluxmem_graph::NodeId::from(record.id.as_str())];
+        let skeleton = &node.metadata["skeleton"]["steps"];
+        let successes: Vec<&Node> = record
+            .source_episodes
+            .iter()
+            .map(|id| &graph.nodes[&fluxmem_graph::NodeId::from(id.as_str())])
+            .filter(|n| n.episode().unwrap().outcome.success != Some(false))
+            .collect();
+        for step in &record.steps {
+            let key = skeleton.as_array().unwrap().iter().find(|s| s["text"] == *step.as_str()).unwrap()["key"].as_str().unwrap().to_string();
+            let holding = successes.iter().filter(|n| signatures(n).iter().any(|s| s.key == key)).count();
+            assert!(holding * 2 >= successes.len(), "step {step:?} is in {holding} of {} successes", successes.len());
+        }
+    }
 }
 
 #[test]
@@ -341,7 +464,21 @@ fn reconsolidation_is_idempotent_and_a_grown_store_bumps_versions() {
     assert_eq!((body.version, body.previous_versions.clone(), body.source_episodes.len()), (2, vec![old.id.clone()], 6));
     assert_eq!(updated.metadata["lineage"], serde_json::json!(old.id.as_str()));
     assert!(body.pems_history.len() > old.rounds.len(), "history continues across versions");
-    assert!(third.skills[0].rounds[0].delta >= 0.0);
+    // The new version's first round's delta is 1 - cos(its text's embedding, the previous
+    // version's stored embedding), computed here independently in f64.
+    let round_text = updated.metadata["rounds"][0]["text"].as_str().unwrap();
+    let current = HashEmbedder::new(64).embed(&[round_text]).unwrap().remove(0);
+    let previous = &grown.embeddings[&(old.id.clone(), "hash-64".to_string())].vector;
+    let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    let dot: f64 = current.iter().zip(previous).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
+    let expected = (1.0 - dot / (norm(current.as_slice()) * norm(previous.as_slice()))).clamp(0.0, 1.0);
+    let reported = third.skills[0].rounds[0].delta;
+    assert!((reported - expected).abs() < 1e-6, "delta {reported}, but 1 - cos to the previous version is {expected}");
+    // And the function on known vectors: identical 0, orthogonal 1, 60 degrees 1 - cos = 0.5.
+    assert_eq!(delta(&[3.0, 4.0], Some(&[3.0, 4.0])), 0.0);
+    assert_eq!(delta(&[3.0, 4.0], Some(&[-4.0, 3.0])), 1.0);
+    assert!((delta(&[1.0, 0.0], Some(&[1.0, 3f32.sqrt()])) - 0.5).abs() < 1e-6);
+    assert_eq!(delta(&[3.0, 4.0], None), 0.0, "a first version");
     let active_into_old = grown.edges.values().filter(|e| e.dst == old.id && e.active).count();
     assert_eq!(active_into_old, 0, "the old version's distill edges are retired");
     assert_eq!(grown.edges.values().filter(|e| e.dst == updated.id && e.active).count(), 6);
@@ -417,12 +554,15 @@ fn export_is_byte_identical_and_filters() {
     let slug = release["skills"][0]["slug"].as_str().unwrap();
     let skill_md = std::fs::read_to_string(md.join(slug).join("SKILL.md")).unwrap();
     assert!(skill_md.starts_with(&format!("---\nname: \"{slug}\"\ndescription: \"Use for ")), "{skill_md}");
-    for key in ["\nversion: 1\n", "\npems: ", "\nsupport: 4\n", "\nsource_episodes:\n  - \"epi-", "\n---\n\n# Handle ", "## Steps\n\n1. "] {
+    for key in ["\nmetadata:\n  title: \"Handle ", "\n  version: \"1\"\n", "\n  pems: \"", "\n  support: \"4\"\n", "\n  provenance: \"provenance.json\"\n---\n\n# Handle ", "## Steps\n\n1. "] {
         assert!(skill_md.contains(key), "SKILL.md lacks {key:?}:\n{skill_md}");
     }
     let jsonl = std::fs::read_to_string(dir.path().join("Jsonl-a/skills.jsonl")).unwrap();
     let record: serde_json::Value = serde_json::from_str(jsonl.lines().next().unwrap()).unwrap();
     assert!(record["pems_history"].as_array().is_some_and(|h| !h.is_empty()));
+    let provenance: serde_json::Value = serde_json::from_slice(&std::fs::read(md.join(slug).join("provenance.json")).unwrap()).unwrap();
+    assert_eq!(provenance["source_episodes"].as_array().unwrap().len(), 4);
+    assert!(provenance["source_episodes"][0].as_str().unwrap().starts_with("epi-"));
 
     let none = ExportOptions { format: ExportFormat::Jsonl, tenant: None, min_pems: None, min_support: 5 };
     let report = export_skills(&handle, &dir.path().join("none"), &none).unwrap();
@@ -437,4 +577,90 @@ fn export_is_byte_identical_and_filters() {
     std::fs::write(foreign.join("notes.txt"), "mine").unwrap();
     let error = export_skills(&handle, &foreign, &ExportOptions { format: ExportFormat::Jsonl, tenant: None, min_pems: None, min_support: 0 });
     assert!(matches!(error, Err(Error::OutputNotEmpty { .. })), "{error:?}");
+}
+
+/// Names in `dir`, sorted.
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
+
+/// A store with the three family skills, consolidated.
+fn skill_store(dir: &Path) -> Store {
+    let store = dir.join("store");
+    add_episodes(&store, three_families(4));
+    run(&store, &mut Scripted::new(family_skill), None, &options(3));
+    Store::open(&store).unwrap()
+}
+
+#[test]
+fn export_writes_a_complete_release_and_leaves_no_temporary_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let handle = skill_store(dir.path());
+    // A parent that does not exist yet: it is created.
+    let parent = dir.path().join("exports").join("nested");
+    for format in [ExportFormat::SkillMd, ExportFormat::Jsonl, ExportFormat::Parquet] {
+        let out = parent.join(format!("{format:?}"));
+        let report = export_skills(&handle, &out, &ExportOptions { format, tenant: None, min_pems: None, min_support: 0 }).unwrap();
+        assert_eq!(report.release, out.join(RELEASE_FILE));
+        let release: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join(RELEASE_FILE)).unwrap()).unwrap();
+        assert_eq!(release["skills"].as_array().unwrap().len(), 3);
+        let mut listed: Vec<String> = release["files"].as_array().unwrap().iter().map(|f| f.as_str().unwrap().to_string()).collect();
+        assert_eq!(listed, report.files);
+        listed.push(RELEASE_FILE.to_string());
+        listed.sort();
+        let written: Vec<String> = files(&out).into_iter().map(|(path, _)| path).collect();
+        assert_eq!(written, listed, "{format:?}: exactly the listed files and the release manifest");
+    }
+    assert_eq!(entries(&parent), vec!["Jsonl", "Parquet", "SkillMd"], "no temporary or set-aside directory next to the exports");
+}
+
+#[test]
+fn export_replaces_an_earlier_export_and_refuses_files_it_did_not_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let handle = skill_store(dir.path());
+    let parent = dir.path().join("exports");
+    let out = parent.join("skills");
+    let md = ExportOptions { format: ExportFormat::SkillMd, tenant: None, min_pems: None, min_support: 0 };
+    let jsonl = ExportOptions { format: ExportFormat::Jsonl, ..md.clone() };
+    export_skills(&handle, &out, &md).unwrap();
+    let skill_md = files(&out);
+    assert_eq!(skill_md.len(), 7, "three SKILL.md, their provenance.json and the release manifest");
+    let slug = entries(&out).into_iter().find(|name| name != RELEASE_FILE).unwrap();
+    let _ = &slug;
+
+    // Replaced by an export of another layout: the skill folders go, nothing else is left.
+    export_skills(&handle, &out, &jsonl).unwrap();
+    assert_eq!(entries(&out), vec![RELEASE_FILE, "skills.jsonl"]);
+    let reference = dir.path().join("reference");
+    export_skills(&handle, &reference, &jsonl).unwrap();
+    assert_eq!(files(&out), files(&reference), "the same as an export into a fresh directory");
+    export_skills(&handle, &out, &md).unwrap();
+    assert_eq!(files(&out), skill_md, "and back");
+    assert_eq!(entries(&parent), vec!["skills"], "no temporary or set-aside directory left");
+
+    // A file the earlier export did not write is not deleted: the export is refused, and
+    // nothing changes.
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    let error = export_skills(&handle, &out, &jsonl);
+    let message = error.as_ref().map(|_| ()).unwrap_err().to_string();
+    assert!(matches!(error, Err(Error::Io { .. })), "{error:?}");
+    assert!(message.contains("notes.txt") && message.contains("does not list"), "{message}");
+    let mut expected = skill_md.clone();
+    expected.push(("notes.txt".to_string(), b"mine".to_vec()));
+    expected.sort();
+    assert_eq!(files(&out), expected, "the earlier export and the foreign file are untouched");
+    assert_eq!(entries(&parent), vec!["skills"]);
+    std::fs::remove_file(out.join("notes.txt")).unwrap();
+
+    // The same inside a skill folder.
+    std::fs::write(out.join(&slug).join("extra.md"), "mine").unwrap();
+    let error = export_skills(&handle, &out, &md);
+    assert!(error.as_ref().is_err_and(|e| e.to_string().contains(&format!("{slug}/extra.md"))), "{error:?}");
+    assert!(out.join(&slug).join("extra.md").is_file());
+    std::fs::remove_file(out.join(&slug).join("extra.md")).unwrap();
+    export_skills(&handle, &out, &md).unwrap();
+    assert_eq!(files(&out), skill_md);
+    assert_eq!(entries(&parent), vec!["skills"]);
 }

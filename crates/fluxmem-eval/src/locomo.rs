@@ -243,8 +243,10 @@ pub fn evaluate(
     for conversation in &conversations {
         let id = conversation["sample_id"].as_str().unwrap_or_default();
         let (mut graph, dia_ids) = build_store(conversation, embedder)?;
-        let index = SemanticIndex::build(&graph, embedder.model_id(), device)?;
-        let neighbours = Neighbours::build(&graph);
+        // One store per conversation, so one tenant; retrieval and the loop run in it.
+        let tenant = fluxmem_connect::resolve_tenant(&graph, None)?;
+        let index = SemanticIndex::build(&graph, &tenant, embedder.model_id(), device)?;
+        let neighbours = Neighbours::build(&graph, &tenant);
         // Every ranking packs the same lines again and again: count each line's tokens once.
         let memo: std::cell::RefCell<std::collections::HashMap<String, usize>> = Default::default();
         let count = |text: &str| -> fluxmem_connect::Result<usize> {

@@ -2,7 +2,7 @@
 
 use fluxmem_graph::{NodeBody, Semantic};
 
-use crate::source::Source;
+use crate::source::{str_lines, Source};
 use crate::{Parsed, Record};
 
 /// A chunk of a document.
@@ -20,7 +20,8 @@ pub struct Chunk {
 ///
 /// A Markdown heading starts a new chunk and names the section of the chunks under it;
 /// paragraphs (separated by blank lines) are packed whole while they fit; a paragraph longer
-/// than the limit is split at word boundaries. Blank chunks are never produced.
+/// than the limit is split at word boundaries. Blank chunks are never produced. Lines end at
+/// `\n`, `\r\n` or a lone `\r`.
 pub fn chunk(text: &str, max_words: usize) -> Vec<Chunk> {
     let max_words = max_words.max(1);
     let mut chunks = Vec::new();
@@ -28,7 +29,7 @@ pub fn chunk(text: &str, max_words: usize) -> Vec<Chunk> {
     let mut current = Pending::default();
     let mut paragraph = Pending::default();
     let mut in_fence = false;
-    for (index, line) in text.lines().enumerate() {
+    for (index, line) in str_lines(text).enumerate() {
         let line_no = index + 1;
         let trimmed = line.trim();
         if trimmed.starts_with("```") || trimmed.starts_with("~~~") {
@@ -158,6 +159,15 @@ mod tests {
         assert_eq!(chunks.len(), 1, "{chunks:?}");
         assert_eq!(chunks[0].section.as_deref(), Some("Title"));
         assert!(chunks[0].text.contains("# a shell comment") && chunks[0].text.contains("#hashtag"));
+    }
+
+    #[test]
+    fn cr_only_documents_are_read_as_lines() {
+        let chunks = chunk("# Title\r\rfirst\r\rsecond\r", 1);
+        assert_eq!(chunks.len(), 2, "{chunks:?}");
+        assert_eq!((chunks[0].text.as_str(), chunks[0].line), ("first", 3));
+        assert_eq!((chunks[1].text.as_str(), chunks[1].line), ("second", 5));
+        assert_eq!(chunks[1].section.as_deref(), Some("Title"));
     }
 
     #[test]

@@ -6,7 +6,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
 
-use crate::source::{parse_at, timestamp_ms, Source};
+use crate::source::{lines, parse_at, timestamp_ms, Source};
 use crate::{Parsed, Record};
 
 #[derive(Deserialize)]
@@ -90,14 +90,11 @@ struct FactRecord {
     extra: BTreeMap<String, Value>,
 }
 
-/// Parses a JSONL file, one record per non-blank line.
+/// Parses a JSONL file, one record per non-blank line. Lines end at `\n`, `\r\n` or a lone
+/// `\r`; a line must hold exactly one JSON value (content after it quarantines the line).
 pub(crate) fn parse(source: &Source, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
-    let mut offset = 0;
-    for (index, raw_line) in source.bytes.split(|&b| b == b'\n').enumerate() {
+    for (index, raw_line) in lines(source.bytes).enumerate() {
         let line_no = index + 1;
-        let start = offset;
-        offset += raw_line.len() + 1;
-        let raw_line = raw_line.strip_suffix(b"\r").unwrap_or(raw_line);
         if raw_line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
@@ -117,7 +114,6 @@ pub(crate) fn parse(source: &Source, emit: &mut dyn FnMut(Parsed) -> crate::Resu
                 Parsed::Rejected(source.reject(line_no, &locator, reason, raw_line).field(field))
             }),
         };
-        debug_assert!(start <= source.bytes.len());
         emit(parsed)?;
     }
     Ok(())
@@ -139,15 +135,10 @@ fn parse_line(source: &Source, line_no: usize, text: &str) -> Result<Parsed, (St
 
 fn episode(source: &Source, line_no: usize, text: &str, canonical: &str) -> Result<Parsed, (String, String)> {
     let mut record: EpisodeRecord = parse_at(text)?;
-    let started_at = record.started_at.as_ref().map(timestamp_ms).transpose().map_err(|e| ("started_at".into(), e))?;
+    let started_at = optional_timestamp("started_at".into(), record.started_at.as_ref())?;
     let mut steps = Vec::with_capacity(record.steps.len());
     for (index, step) in record.steps.into_iter().enumerate() {
-        let timestamp = step
-            .timestamp
-            .as_ref()
-            .map(timestamp_ms)
-            .transpose()
-            .map_err(|e| (format!("steps[{index}].timestamp"), e))?;
+        let timestamp = optional_timestamp(format!("steps[{index}].timestamp"), step.timestamp.as_ref())?;
         steps.push(Step {
             observation: step.observation,
             action: step.action,
@@ -204,6 +195,18 @@ fn fact(source: &Source, line_no: usize, text: &str) -> Result<Parsed, (String, 
     );
     node.metadata = metadata;
     Ok(Parsed::Record(Record { nodes: vec![node] }))
+}
+
+/// The timestamp in `field`, if the record has one; an error names the field (it must be in the
+/// years 1970..=9999, see [`timestamp_ms`]).
+fn optional_timestamp(field: String, value: Option<&Value>) -> Result<Option<i64>, (String, String)> {
+    match value {
+        None => Ok(None),
+        Some(value) => match timestamp_ms(&field, value) {
+            Ok(ms) => Ok(Some(ms)),
+            Err(reason) => Err((field, reason)),
+        },
+    }
 }
 
 /// Adds unknown top-level fields to the metadata; a name the metadata already uses is kept

@@ -11,6 +11,11 @@
 //! - a bad record (bad JSON, wrong type, missing field, invalid UTF-8, oversize) goes to the
 //!   run's quarantine file with its file, line, field and reason, and the batch goes on;
 //! - node ids are content-addressed, so a record already stored is a duplicate and adds nothing;
+//! - a line or file must hold exactly one JSON value (content after it quarantines the record);
+//!   lines end at `\n`, `\r\n` or a lone `\r`; timestamps must fall in the years 1970..=9999;
+//! - what fluxmem writes (the store being written, other stores, exports, run reports) is never
+//!   read back, and file links are read only with [`IngestOptions::follow_symlinks`]: what a walk
+//!   leaves out is listed in [`IngestReport::skipped`], never dropped silently;
 //! - commits happen per file and every [`IngestOptions::batch_records`] records, at points that
 //!   depend only on the input, so a killed run started again ends with the same store.
 //!
@@ -29,10 +34,12 @@ mod locomo;
 mod record;
 mod source;
 mod tau;
+mod walk;
 
 pub use docs::{chunk, Chunk};
 pub use error::{Error, Result};
 pub use record::{Parsed, Record, Rejected};
+pub use walk::Skipped;
 
 use fluxmem_graph::{Graph, NodeId};
 use fluxmem_store::{CommitInfo, Shard, Writer};
@@ -117,6 +124,10 @@ pub struct IngestOptions {
     pub batch_records: usize,
     /// The part of the input this run owns (sharded runs); [`Shard::ALL`] by default.
     pub shard: Shard,
+    /// Read symbolic links to files (`--follow-symlinks`); off by default, when a walk skips
+    /// them (listed in [`IngestReport::skipped`]) and a link named as an input is quarantined.
+    /// Links to directories are never followed inside a walk.
+    pub follow_symlinks: bool,
 }
 
 impl Default for IngestOptions {
@@ -129,6 +140,7 @@ impl Default for IngestOptions {
             chunk_words: 120,
             batch_records: 5000,
             shard: Shard::ALL,
+            follow_symlinks: false,
         }
     }
 }
@@ -154,6 +166,9 @@ pub struct IngestReport {
     pub files: u64,
     /// Commits made.
     pub commits: u64,
+    /// Directories and links the input walk left out on purpose (fluxmem stores, exports and
+    /// run reports; file links without `follow_symlinks`), with why. Not records: not in `read`.
+    pub skipped: Vec<Skipped>,
 }
 
 /// Progress callbacks; the CLI draws a bar from them, tests ignore them.
@@ -164,6 +179,8 @@ pub trait Progress {
     fn advance(&mut self, _bytes: u64, _file: &str) {}
     /// A record was quarantined.
     fn quarantined(&mut self, _rejected: &Rejected) {}
+    /// The input walk left a directory or link out (also listed in [`IngestReport::skipped`]).
+    fn skipped(&mut self, _skipped: &Skipped) {}
 }
 
 /// A [`Progress`] that shows nothing.
@@ -171,6 +188,9 @@ pub struct NoProgress;
 impl Progress for NoProgress {}
 
 /// Ingests every file under `inputs` into the store of `writer`.
+///
+/// Directories are walked in name order; nothing inside the store of `writer` (nor any other
+/// fluxmem store, export or run report) is read, see [`Skipped`].
 pub fn ingest(
     writer: &mut Writer,
     inputs: &[PathBuf],
@@ -181,6 +201,7 @@ pub fn ingest(
     let manifest = writer.manifest().clone();
     let known = writer.store().node_ids(&manifest)?;
     let quarantine_path = writer.store().dir().join("quarantine").join(format!("{run_id}.jsonl"));
+    let expanded = walk::expand(inputs, options, writer.store().dir());
     let mut run = Run {
         writer,
         options,
@@ -192,10 +213,14 @@ pub fn ingest(
         quarantine_path,
         quarantine: None,
     };
-    let (files, missing) = expand(inputs);
-    for rejected in missing {
+    for skipped in &expanded.skipped {
+        progress.skipped(skipped);
+    }
+    run.report.skipped = expanded.skipped;
+    for rejected in expanded.rejected {
         run.accept(Parsed::Rejected(rejected), progress)?;
     }
+    let files = expanded.files;
     let total: u64 = files.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)).sum();
     progress.start(total);
     for file in &files {
@@ -207,51 +232,6 @@ pub fn ingest(
         file.flush().map_err(|source| Error::Quarantine { path: run.quarantine_path.clone(), source })?;
     }
     Ok(run.report)
-}
-
-/// Files under `inputs` (directories walked in name order, hidden entries skipped), and a
-/// rejection for each input that does not exist.
-fn expand(inputs: &[PathBuf]) -> (Vec<PathBuf>, Vec<Rejected>) {
-    let mut files = Vec::new();
-    let mut missing = Vec::new();
-    for input in inputs {
-        if input.is_dir() {
-            walk(input, &mut files, &mut missing);
-        } else if input.is_file() {
-            files.push(input.clone());
-        } else {
-            let path = input.display().to_string();
-            missing.push(Rejected::new(&path, 0, "file", "input does not exist or is not a regular file", b"", 0));
-        }
-    }
-    (files, missing)
-}
-
-/// Walks `dir` in name order. Symbolic links to directories are not followed (no loops);
-/// unreadable directories and entries that are not regular files are reported, not skipped.
-fn walk(dir: &Path, files: &mut Vec<PathBuf>, rejected: &mut Vec<Rejected>) {
-    let reject = |path: &Path, reason: String| Rejected::new(&path.display().to_string(), 0, "file", reason, b"", 0);
-    let mut entries: Vec<PathBuf> = match std::fs::read_dir(dir) {
-        Ok(entries) => entries.flatten().map(|e| e.path()).collect(),
-        Err(e) => return rejected.push(reject(dir, format!("cannot read directory: {e}"))),
-    };
-    entries.sort();
-    for path in entries {
-        if path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.')) {
-            continue;
-        }
-        let Ok(link) = std::fs::symlink_metadata(&path) else {
-            rejected.push(reject(&path, "cannot read file metadata".into()));
-            continue;
-        };
-        if link.is_dir() {
-            walk(&path, files, rejected);
-        } else if path.is_file() {
-            files.push(path);
-        } else {
-            rejected.push(reject(&path, "not a regular file (directory link, pipe or device); not read".into()));
-        }
-    }
 }
 
 struct Run<'a> {
@@ -281,7 +261,9 @@ impl Run<'_> {
             .and_then(|m| m.modified())
             .ok()
             .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map(|d| d.as_millis() as i64);
+            .and_then(|d| i64::try_from(d.as_millis()).ok())
+            // An mtime outside the years 1970..=9999 is no time at all for the store.
+            .filter(|&ms| source::in_calendar(ms));
         let Some(format) = self.options.format.or_else(|| Format::detect(path, &bytes)) else {
             let reason = "cannot tell the format from the name and content; pass --format";
             let rejected = Rejected::new(&shown, 0, "file", reason, &bytes, self.options.max_record_bytes);

@@ -7,7 +7,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 
 use crate::jsonl::type_name;
-use crate::source::{parse_at, Source};
+use crate::source::{in_calendar, parse_at, Source};
 use crate::{Parsed, Record};
 
 /// Parses a LoCoMo file (a JSON array of conversations).
@@ -65,8 +65,20 @@ fn conversation(source: &Source, index: usize, raw: &RawValue, emit: &mut dyn Fn
             }
         };
         let created_at = date_time.as_deref().and_then(parse_session_time);
+        let bad_time = created_at.filter(|&ms| !in_calendar(ms)).map(|_| {
+            let shown = date_time.as_deref().unwrap_or_default();
+            format!("`conversation.{session_key}_date_time`: session time `{shown}` is outside the years 1970..=9999")
+        });
         for (turn_index, turn_raw) in turns.into_iter().enumerate() {
-            let turn = Turn { sample_id: &sample_id, session_key: &session_key, date_time: &date_time, created_at, turn_index, position };
+            let turn = Turn {
+                sample_id: &sample_id,
+                session_key: &session_key,
+                date_time: &date_time,
+                created_at,
+                bad_time: bad_time.as_deref(),
+                turn_index,
+                position,
+            };
             emit(turn.parse(source, turn_raw))?;
             position += 1;
         }
@@ -79,6 +91,9 @@ struct Turn<'a> {
     session_key: &'a str,
     date_time: &'a Option<String>,
     created_at: Option<i64>,
+    /// Why the session's time cannot be stored (outside the years 1970..=9999): every turn of
+    /// the session is quarantined with it.
+    bad_time: Option<&'a str>,
     turn_index: usize,
     position: i64,
 }
@@ -93,6 +108,9 @@ impl Turn<'_> {
         let reject = |field: &str, reason: String| {
             Parsed::Rejected(source.reject(line, &fallback, reason, raw.get().as_bytes()).field(field))
         };
+        if let Some(reason) = self.bad_time {
+            return reject(&format!("conversation.{}_date_time", self.session_key), reason.to_string());
+        }
         let object: BTreeMap<String, Value> = match parse_at(raw.get()) {
             Ok(object) => object,
             Err((_, reason)) => return reject("", format!("turn is not an object: {reason}")),
@@ -142,5 +160,6 @@ mod tests {
         let expected = chrono::NaiveDate::from_ymd_opt(2023, 5, 8).unwrap().and_hms_opt(13, 56, 0).unwrap();
         assert_eq!(ms, expected.and_utc().timestamp_millis());
         assert!(parse_session_time("yesterday").is_none());
+        assert!(!in_calendar(parse_session_time("1:56 pm on 8 May, 1969").expect("parses")), "before 1970");
     }
 }

@@ -18,9 +18,15 @@ pub(crate) struct Source<'a> {
 }
 
 impl<'a> Source<'a> {
-    /// 1-based line of `offset` in the file.
+    /// 1-based line of `offset` in the file, counting `\n`, `\r\n` and a lone `\r` as line
+    /// ends (the same lines [`lines`] yields).
     pub fn line_at(&self, offset: usize) -> usize {
-        1 + self.bytes[..offset.min(self.bytes.len())].iter().filter(|&&b| b == b'\n').count()
+        let end = offset.min(self.bytes.len());
+        let head = &self.bytes[..end];
+        if !head.contains(&b'\r') {
+            return 1 + head.iter().filter(|&&b| b == b'\n').count();
+        }
+        1 + (0..end).filter(|&i| ends_line(self.bytes, i)).count()
     }
 
     /// 1-based line where `raw` (a slice of this file's text) starts.
@@ -74,13 +80,28 @@ impl<'a> Source<'a> {
 }
 
 /// Parses `raw` as `T`, naming the offending field on failure.
+///
+/// `raw` must hold exactly one JSON value: anything but whitespace after it is an error
+/// (`trailing content after the JSON value at column N`, columns in bytes from 1), never
+/// dropped silently.
 pub(crate) fn parse_at<'de, T: serde::Deserialize<'de>>(raw: &'de str) -> Result<T, (String, String)> {
     let mut deserializer = serde_json::Deserializer::from_str(raw);
-    serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+    let value: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
         let field = e.path().to_string();
         let inner = e.into_inner();
         (field, strip_position(&inner.to_string()))
-    })
+    })?;
+    deserializer.end().map_err(|e| (String::new(), trailing_reason(&e)))?;
+    Ok(value)
+}
+
+/// The reason for content after the value; the line is named when the text has several.
+fn trailing_reason(error: &serde_json::Error) -> String {
+    let column = error.column();
+    match error.line() {
+        0 | 1 => format!("trailing content after the JSON value at column {column}"),
+        line => format!("trailing content after the JSON value at column {column} of line {line}"),
+    }
 }
 
 /// serde_json appends ` at line L column C` relative to the record; we report file lines.
@@ -91,13 +112,121 @@ fn strip_position(message: &str) -> String {
     }
 }
 
-/// Milliseconds since the epoch of an RFC 3339 timestamp or an integer (ms since epoch).
-pub(crate) fn timestamp_ms(value: &serde_json::Value) -> Result<i64, String> {
-    match value {
-        serde_json::Value::Number(n) => n.as_i64().ok_or_else(|| format!("timestamp {n} is not an integer of ms")),
-        serde_json::Value::String(s) => chrono::DateTime::parse_from_rfc3339(s)
-            .map(|t| t.timestamp_millis())
-            .map_err(|e| format!("timestamp `{s}` is not RFC 3339: {e}")),
-        other => Err(format!("timestamp must be an RFC 3339 string or ms integer, got {other}")),
+/// Whether `bytes[i]` ends a line: a `\n`, or a `\r` that is not the first half of `\r\n`.
+fn ends_line(bytes: &[u8], i: usize) -> bool {
+    match bytes[i] {
+        b'\n' => true,
+        b'\r' => bytes.get(i + 1) != Some(&b'\n'),
+        _ => false,
+    }
+}
+
+/// The byte ranges of the lines of `bytes`, without their terminators. Lines end at `\n`,
+/// `\r\n` or a lone `\r` (old Mac files); a terminator at the very end does not start another
+/// line and an empty input has no lines. The `i`-th range is line `i + 1` as
+/// [`Source::line_at`] counts.
+pub(crate) fn line_spans(bytes: &[u8]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let mut start = 0;
+    std::iter::from_fn(move || {
+        if start >= bytes.len() {
+            return None;
+        }
+        let rest = &bytes[start..];
+        let (len, terminator) = match rest.iter().position(|&b| b == b'\n' || b == b'\r') {
+            Some(at) if rest[at] == b'\r' && rest.get(at + 1) == Some(&b'\n') => (at, 2),
+            Some(at) => (at, 1),
+            None => (rest.len(), 0),
+        };
+        let span = start..start + len;
+        start += len + terminator;
+        Some(span)
+    })
+}
+
+/// The lines of `bytes` (see [`line_spans`]).
+pub(crate) fn lines(bytes: &[u8]) -> impl Iterator<Item = &[u8]> + '_ {
+    line_spans(bytes).map(move |span| &bytes[span])
+}
+
+/// The lines of `text` (see [`line_spans`]); like [`str::lines`], but a lone `\r` ends a line too.
+pub(crate) fn str_lines(text: &str) -> impl Iterator<Item = &str> + '_ {
+    // Spans end at ASCII bytes, so they always fall on character boundaries.
+    line_spans(text.as_bytes()).map(move |span| text.get(span).unwrap_or_default())
+}
+
+/// The last millisecond timestamps may have: 9999-12-31T23:59:59.999Z.
+pub(crate) const MAX_TIMESTAMP_MS: i64 = 253_402_300_799_999;
+
+/// Whether `ms` (since the epoch) falls in the years 1970..=9999, the range every timestamp
+/// the store writes must be in (DuckDB and Arrow readers reject the whole table otherwise).
+pub(crate) fn in_calendar(ms: i64) -> bool {
+    (0..=MAX_TIMESTAMP_MS).contains(&ms)
+}
+
+/// Milliseconds since the epoch of `field`, an RFC 3339 timestamp or an integer (ms since the
+/// epoch), in the years 1970..=9999. Errors name `field`.
+pub(crate) fn timestamp_ms(field: &str, value: &serde_json::Value) -> Result<i64, String> {
+    let out_of_range = |shown: String| {
+        format!("`{field}`: timestamp {shown} is outside the years 1970..=9999 (ms since the epoch must be in 0..={MAX_TIMESTAMP_MS})")
+    };
+    let ms = match value {
+        serde_json::Value::Number(n) => match n.as_i64() {
+            Some(ms) => ms,
+            None if n.is_u64() => return Err(out_of_range(n.to_string())),
+            None => return Err(format!("`{field}`: timestamp {n} is not an integer of ms")),
+        },
+        serde_json::Value::String(s) => match chrono::DateTime::parse_from_rfc3339(s) {
+            Ok(t) => t.timestamp_millis(),
+            Err(e) => return Err(format!("`{field}`: timestamp `{s}` is not RFC 3339: {e}")),
+        },
+        other => return Err(format!("`{field}`: timestamp must be an RFC 3339 string or ms integer, got {other}")),
+    };
+    if in_calendar(ms) {
+        Ok(ms)
+    } else {
+        Err(out_of_range(value.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_end_at_lf_crlf_and_lone_cr() {
+        let bytes = b"a\nb\r\nc\rd\r\re\n";
+        let got: Vec<&[u8]> = lines(bytes).collect();
+        let want: [&[u8]; 6] = [b"a", b"b", b"c", b"d", b"", b"e"];
+        assert_eq!(got, want);
+        assert_eq!(lines(b"").count(), 0);
+        let single: Vec<&[u8]> = lines(b"x").collect();
+        assert_eq!(single, [&b"x"[..]]);
+        assert_eq!(str_lines("one\rtwo\r").collect::<Vec<_>>(), ["one", "two"]);
+        let options = IngestOptions::default();
+        let source = Source { path: "f".into(), mtime: None, options: &options, bytes };
+        // Each line starts on the line `lines` numbers it.
+        let starts: Vec<usize> = line_spans(bytes).map(|span| source.line_at(span.start)).collect();
+        assert_eq!(starts, [1, 2, 3, 4, 5, 6]);
+    }
+
+    #[test]
+    fn trailing_content_after_a_value_is_an_error() {
+        let (_, reason) = parse_at::<serde_json::Value>(r#"{"task":"a"} {"task":"b"}"#).unwrap_err();
+        assert_eq!(reason, "trailing content after the JSON value at column 14");
+        let (_, reason) = parse_at::<serde_json::Value>("[1,\n2] x").unwrap_err();
+        assert_eq!(reason, "trailing content after the JSON value at column 4 of line 2");
+        assert!(parse_at::<serde_json::Value>("{\"a\":1}  \t\r\n").is_ok(), "trailing whitespace is fine");
+    }
+
+    #[test]
+    fn timestamps_outside_the_calendar_are_refused() {
+        use serde_json::json;
+        assert_eq!(timestamp_ms("t", &json!(0)), Ok(0));
+        assert_eq!(timestamp_ms("t", &json!(MAX_TIMESTAMP_MS)), Ok(MAX_TIMESTAMP_MS));
+        assert_eq!(timestamp_ms("t", &json!("1970-01-01T00:00:00Z")), Ok(0));
+        for bad in [json!(i64::MAX), json!(-1), json!(MAX_TIMESTAMP_MS + 1), json!(u64::MAX), json!("1969-12-31T23:59:59Z"), json!("9999-12-31T23:59:59-01:00")] {
+            let reason = timestamp_ms("started_at", &bad).unwrap_err();
+            assert!(reason.contains("`started_at`") && reason.contains("outside the years 1970..=9999"), "{bad}: {reason}");
+        }
     }
 }

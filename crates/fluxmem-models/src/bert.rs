@@ -4,8 +4,15 @@
 //! `1_Pooling/config.json`, the maximum sequence length from `sentence_bert_config.json` and
 //! whether to L2-normalise from `modules.json`, as the sentence-transformers library does.
 //! The tokenizer's own fixed padding/truncation is replaced: texts are truncated at the model's
-//! max length and padded only to the longest text of their batch, and batches are formed from
-//! texts of similar length (sorted by token count), which cuts padding work.
+//! max length and padded to a *bucket* length that depends on their own token count only (the
+//! next multiple of [`PAD_BUCKET`]), and a batch holds texts of one bucket. A text's vector is
+//! therefore a function of the text alone, bit for bit, whichever texts share its batch: the
+//! matrix shapes it goes through (sequence length, and so every reduction's length and order)
+//! never depend on its batch-mates. On the CPU the rows of a batch are computed independently
+//! (the matrix-product kernels split work over rows and columns, never over the reduced
+//! dimension), so the batch's row count does not matter; on a GPU, whose libraries may pick an
+//! algorithm by shape, every batch is padded to the full batch size with copies of its last
+//! text. This is what makes a sharded embed stage give the same vectors as an unsharded one.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -16,6 +23,15 @@ use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStr
 use crate::embedder::{normalize, Embedder};
 use crate::error::IoContext;
 use crate::{Error, Result};
+
+/// Padded sequence lengths are multiples of this (capped at the model's max length).
+pub const PAD_BUCKET: usize = 16;
+
+/// The padded length of a text of `tokens` tokens: its own length rounded up to the next
+/// multiple of [`PAD_BUCKET`], at most `max_len`.
+pub fn bucket_len(tokens: usize, max_len: usize) -> usize {
+    tokens.max(1).div_ceil(PAD_BUCKET).saturating_mul(PAD_BUCKET).min(max_len.max(tokens))
+}
 
 /// How token vectors become one sentence vector.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,9 +147,18 @@ impl SentenceEmbedder {
         Ok(encodings.into_iter().map(|e| e.get_ids().to_vec()).collect())
     }
 
-    /// Embeds one batch of tokenized texts, padded to the longest.
-    fn embed_batch(&self, batch: &[&Vec<u32>]) -> Result<Vec<Vec<f32>>> {
-        let longest = batch.iter().map(|ids| ids.len()).max().unwrap_or(0).max(1);
+    /// Embeds one batch of tokenized texts of one bucket, padded to `padded` tokens (and, on
+    /// a GPU, to `batch_size` rows).
+    fn embed_batch(&self, batch: &[&Vec<u32>], padded: usize) -> Result<Vec<Vec<f32>>> {
+        let longest = padded.max(1);
+        let real_rows = batch.len();
+        let mut rows: Vec<&Vec<u32>> = batch.to_vec();
+        if !self.device.is_cpu() {
+            if let Some(&last) = batch.last() {
+                rows.resize(self.batch_size.max(real_rows), last);
+            }
+        }
+        let batch = &rows[..];
         let mut ids = Vec::with_capacity(batch.len() * longest);
         let mut mask = Vec::with_capacity(batch.len() * longest);
         for tokens in batch {
@@ -157,6 +182,7 @@ impl SentenceEmbedder {
             }
         };
         let mut vectors: Vec<Vec<f32>> = pooled.to_dtype(DType::F32)?.to_vec2()?;
+        vectors.truncate(real_rows);
         if self.normalize {
             vectors.iter_mut().for_each(|v| normalize(v));
         }
@@ -175,13 +201,17 @@ impl Embedder for SentenceEmbedder {
 
     fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>> {
         let tokenized = self.tokenize(texts)?;
-        // Longest first, so batches hold texts of similar length and padding stays small.
+        let bucket = |i: usize| bucket_len(tokenized[i].len(), self.max_len);
+        // Longest bucket first; a batch never spans two buckets (see the module docs).
         let mut order: Vec<usize> = (0..texts.len()).collect();
-        order.sort_by_key(|&i| (std::cmp::Reverse(tokenized[i].len()), i));
-        let batches: Vec<Vec<usize>> = order.chunks(self.batch_size).map(<[usize]>::to_vec).collect();
+        order.sort_by_key(|&i| (std::cmp::Reverse(bucket(i)), i));
+        let mut batches: Vec<Vec<usize>> = Vec::new();
+        for group in order.chunk_by(|&a, &b| bucket(a) == bucket(b)) {
+            batches.extend(group.chunks(self.batch_size).map(<[usize]>::to_vec));
+        }
         let run = |batch: &Vec<usize>| -> Result<Vec<Vec<f32>>> {
             let tokens: Vec<&Vec<u32>> = batch.iter().map(|&i| &tokenized[i]).collect();
-            self.embed_batch(&tokens)
+            self.embed_batch(&tokens, bucket(batch[0]))
         };
         let results: Vec<Result<Vec<Vec<f32>>>> = if self.workers > 1 && batches.len() > 1 {
             let workers = self.workers.min(batches.len());

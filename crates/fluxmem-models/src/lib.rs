@@ -27,7 +27,7 @@ mod gguf_tokenizer;
 mod judge;
 mod provision;
 
-pub use bert::{Pooling, SentenceEmbedder};
+pub use bert::{bucket_len, Pooling, SentenceEmbedder, PAD_BUCKET};
 pub use device::DeviceChoice;
 pub use embedder::{cosine, normalize, Embedder, HashEmbedder};
 pub use error::{Error, Result};

@@ -52,3 +52,40 @@ fn counts_tokens_without_truncation_and_truncates_embedding_input() {
     assert_eq!(ids[0].len(), embedder.max_len(), "input truncated at the model's max length");
     assert_eq!(embedder.max_len(), 256);
 }
+
+/// A text's vector depends on the text alone, bit for bit: alone, among batch-mates of other
+/// lengths (which used to change its padding), at any batch size and position. This is what
+/// lets a sharded embed stage (each shard batching a different subset) equal the unsharded run.
+#[test]
+fn a_vector_does_not_depend_on_its_batch_mates() {
+    let (sentences, _) = golden();
+    let mut texts: Vec<String> = sentences.clone();
+    texts.push("A much longer text than the others, so that a batch padded to its longest member would pad every short text far beyond its own length, which changes the reduction lengths in attention and pooling.".into());
+    texts.push("ok".into());
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let alone: Vec<Vec<f32>> = refs.iter().map(|t| embedder(32).embed(&[t]).unwrap().remove(0)).collect();
+    for batch_size in [1, 3, 32] {
+        let together = embedder(batch_size).embed(&refs).unwrap();
+        for ((text, a), b) in refs.iter().zip(&alone).zip(&together) {
+            let same_bits = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same_bits, "{text:?} alone differs from its vector in a batch of {batch_size}");
+        }
+    }
+    let mut reversed = refs.clone();
+    reversed.reverse();
+    let back = embedder(4).embed(&reversed).unwrap();
+    for (a, b) in alone.iter().rev().zip(&back) {
+        assert_eq!(a, b, "order of the input does not matter");
+    }
+}
+
+#[test]
+fn bucket_lengths_depend_on_the_text_only() {
+    use fluxmem_models::{bucket_len, PAD_BUCKET};
+    assert_eq!(PAD_BUCKET, 16);
+    assert_eq!(bucket_len(1, 256), 16);
+    assert_eq!(bucket_len(16, 256), 16);
+    assert_eq!(bucket_len(17, 256), 32);
+    assert_eq!(bucket_len(256, 256), 256);
+    assert_eq!(bucket_len(250, 250), 250, "capped at the max length");
+}

@@ -15,8 +15,11 @@
 //! - **Link Prune**: an edge whose credit is below `prune_below` with at least `min_evidence`
 //!   outcomes behind it is deactivated (re-activated by a later run if its credit recovers);
 //! - **Link Expand**: a failed episode gets a link (`relation: success_of_same_task`) to each
-//!   successful episode of the same task (same `task_id` metadata and source file, or the same
-//!   task text): under-connection, the failure lacked what the success had.
+//!   successful episode of the same task (same tenant, and same `task_id` metadata and source
+//!   file, or the same task text): under-connection, the failure lacked what the success had.
+//! - **Isolation**: tenants never mix. Base rates, credit sums and links are per tenant; an
+//!   edge joining two tenants' nodes (left by an older store) gives and gets no credit and is
+//!   deactivated (`pruned_by: isolation`, reason `cross-tenant edge (isolation)`), for good.
 //!
 //! Weights are recomputed from all outcomes in the store on every run, so the update is
 //! idempotent (a second run over the same store changes nothing) and incremental (new
@@ -69,6 +72,10 @@ pub struct CreditReport {
     pub reactivated: usize,
     /// Links added from failures to successes of the same task.
     pub expanded: usize,
+    /// Edges joining two tenants' nodes (left by an older store): never credited.
+    pub cross_tenant: usize,
+    /// Cross-tenant edges this run deactivated.
+    pub isolated: usize,
     /// Edit records written.
     pub edits: usize,
     /// Commits made (0 when nothing changed).
@@ -106,8 +113,9 @@ pub fn assign(graph: &Graph, options: &CreditOptions, run_id: &str) -> (Vec<(Edg
     let rate = |id: &NodeId| graph.nodes.get(id).and_then(|n| base.get(n.tenant.as_str())).copied();
     // Outcomes behind each semantic node, through its ground edges (stage-1 or refine, active or
     // pruned by credit: the credit is about the node, not about which edges are active now).
+    // Only edges inside one tenant count: another tenant's outcomes never move a credit.
     let mut behind: BTreeMap<&NodeId, (f64, usize)> = BTreeMap::new();
-    for edge in graph.edges.values().filter(|e| e.kind == EdgeKind::Ground && counts(e)) {
+    for edge in graph.edges.values().filter(|e| e.kind == EdgeKind::Ground && counts(e) && within_tenant(graph, e)) {
         if let Some(r) = outcomes.get(&edge.dst) {
             let entry = behind.entry(&edge.src).or_default();
             entry.0 += r;
@@ -116,6 +124,14 @@ pub fn assign(graph: &Graph, options: &CreditOptions, run_id: &str) -> (Vec<(Edg
     }
     let mut changes = Vec::new();
     for edge in graph.edges.values() {
+        if !within_tenant(graph, edge) {
+            report.cross_tenant += 1;
+            if let Some(change) = isolate(edge, run_id) {
+                report.isolated += 1;
+                changes.push(change);
+            }
+            continue;
+        }
         let (credit, evidence) = match edge.kind {
             EdgeKind::Ground if counts(edge) => match (behind.get(&edge.src), rate(&edge.dst)) {
                 (Some(&(sum, n)), Some(p)) if outcomes.contains_key(&edge.dst) => (((sum + options.prior * p) / (n as f64 + options.prior)) / p, n),
@@ -164,6 +180,7 @@ pub fn assign(graph: &Graph, options: &CreditOptions, run_id: &str) -> (Vec<(Edg
         }
     }
     if options.link_failures {
+        // The tenant is part of the task: a failure is never linked to another tenant's success.
         let task_key = |n: &Node| -> String {
             match n.metadata.get("task_id") {
                 Some(task) => format!("{}\0{}\0{task}", n.tenant, n.source_file),
@@ -237,6 +254,29 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
     writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress: Default::default() })?;
     report.commits = 1;
     Ok(report)
+}
+
+/// False for an edge whose two nodes belong to different tenants (an edge to a node the graph
+/// lacks cannot be told, and counts as within).
+fn within_tenant(graph: &Graph, edge: &Edge) -> bool {
+    match (graph.nodes.get(&edge.src), graph.nodes.get(&edge.dst)) {
+        (Some(src), Some(dst)) => src.tenant == dst.tenant,
+        _ => true,
+    }
+}
+
+/// A cross-tenant edge deactivated for good (`pruned_by: isolation`; credit never re-activates
+/// it), or `None` when it already is.
+fn isolate(edge: &Edge, run_id: &str) -> Option<(Edge, &'static str, String)> {
+    let mut next = edge.clone();
+    next.active = false;
+    next.metadata.insert("pruned_by".into(), "isolation".into());
+    if same(edge, &next) {
+        return None;
+    }
+    next.stage = STAGE.into();
+    next.run_id = run_id.into();
+    Some((next, "link_prune", "cross-tenant edge (isolation)".into()))
 }
 
 /// Edges whose credit is computed: Stage I edges and those credit assignment manages, not the

@@ -129,19 +129,20 @@ pub struct LoopModels<'a> {
     pub count_tokens: &'a dyn Fn(&str) -> fluxmem_connect::Result<usize>,
 }
 
-/// Positions of semantic nodes in their source groups, for graph-neighbour expansion.
+/// Positions of one tenant's semantic nodes in their source groups, for graph-neighbour
+/// expansion (two tenants may hold sources of the same name: neither sees the other's).
 pub struct Neighbours {
     by_position: BTreeMap<(String, String, i64), NodeId>,
 }
 
 impl Neighbours {
-    /// Indexes the semantic nodes of `graph` by (source, group, position); reshaped nodes are
-    /// left out (they are not turns of their own).
-    pub fn build(graph: &Graph) -> Neighbours {
+    /// Indexes the semantic nodes of `tenant` in `graph` by (source, group, position);
+    /// reshaped nodes are left out (they are not turns of their own).
+    pub fn build(graph: &Graph, tenant: &str) -> Neighbours {
         let by_position = graph
             .nodes
             .values()
-            .filter(|n| !n.metadata.contains_key("reshaped_from"))
+            .filter(|n| n.tenant == tenant && !n.metadata.contains_key("reshaped_from"))
             .filter_map(|n| match &n.body {
                 NodeBody::Semantic(s) => Some(((s.source.clone(), s.group.clone().unwrap_or_default(), s.position), n.id.clone())),
                 _ => None,
@@ -161,11 +162,18 @@ impl Neighbours {
 struct View<'g> {
     base: &'g Graph,
     delta: Graph,
+    /// The tenant the loop runs in: nothing of another tenant enters a ranking or an edit.
+    tenant: &'g str,
 }
 
 impl View<'_> {
     fn node(&self, id: &NodeId) -> Option<&Node> {
         self.delta.nodes.get(id).or_else(|| self.base.nodes.get(id))
+    }
+
+    /// The node, when it exists and belongs to the loop's tenant.
+    fn own(&self, id: &NodeId) -> Option<&Node> {
+        self.node(id).filter(|n| n.tenant == self.tenant)
     }
 
     fn edge(&self, key: &EdgeKey) -> Option<&Edge> {
@@ -206,8 +214,10 @@ fn relation(edge: &Edge) -> Option<&str> {
     edge.metadata.get("relation").and_then(Value::as_str)
 }
 
-/// Runs the loop for one query. `stage1` is the Stage I ranking (best first); `graph` is not
-/// changed: apply [`LoopOutcome::delta`] to persist.
+/// Runs the loop for one query in the tenant of `index` (and of `neighbours`, built for the
+/// same tenant). `stage1` is the Stage I ranking (best first); candidates of another tenant in
+/// it, and edges to another tenant's nodes, are ignored. `graph` is not changed: apply
+/// [`LoopOutcome::delta`] to persist.
 #[allow(clippy::too_many_arguments)]
 pub fn refine_query(
     graph: &Graph,
@@ -220,7 +230,7 @@ pub fn refine_query(
     run_id: &str,
     at: i64,
 ) -> Result<LoopOutcome> {
-    let mut view = View { base: graph, delta: Graph::default() };
+    let mut view = View { base: graph, delta: Graph::default(), tenant: index.tenant() };
     let mut excluded: BTreeSet<NodeId> = BTreeSet::new();
     let mut rounds = Vec::new();
     let mut attempted = Vec::new();
@@ -304,7 +314,7 @@ fn arrange(view: &View<'_>, stage1: &[Candidate], excluded: &BTreeSet<NodeId>, a
         for _ in 0..8 {
             let next = view.edges_from(&current).into_iter().find(|e| e.active && relation(e) == Some("reshaped_into")).map(|e| e.dst.clone());
             match next {
-                Some(next) if view.node(&next).is_some() => {
+                Some(next) if view.own(&next).is_some() => {
                     from.get_or_insert_with(|| current.clone());
                     current = next;
                 }
@@ -321,7 +331,8 @@ fn arrange(view: &View<'_>, stage1: &[Candidate], excluded: &BTreeSet<NodeId>, a
         }
         (id, c.signals, c.score, why)
     };
-    let base: Vec<Entry> = stage1.iter().map(entry).filter(|(id, ..)| !excluded.contains(id)).collect();
+    let base: Vec<Entry> =
+        stage1.iter().map(entry).filter(|(id, ..)| !excluded.contains(id) && view.own(id).is_some()).collect();
     let anchor_ids: Vec<NodeId> = base.iter().take(anchors).map(|(id, ..)| id.clone()).collect();
     let mut pruned: BTreeSet<NodeId> = BTreeSet::new();
     let mut linked: BTreeMap<NodeId, Vec<(NodeId, f32)>> = BTreeMap::new();
@@ -332,7 +343,7 @@ fn arrange(view: &View<'_>, stage1: &[Candidate], excluded: &BTreeSet<NodeId>, a
                 (Some("prune"), true) | (Some("expand"), false) if (relation(edge) == Some("prune") || cut) && !anchor_ids.contains(&edge.dst) => {
                     pruned.insert(edge.dst.clone());
                 }
-                (Some("expand"), true) if !excluded.contains(&edge.dst) && view.node(&edge.dst).is_some() => {
+                (Some("expand"), true) if !excluded.contains(&edge.dst) && view.own(&edge.dst).is_some() => {
                     linked.entry(anchor.clone()).or_default().push((edge.dst.clone(), edge.weight));
                 }
                 _ => {}
@@ -437,7 +448,7 @@ fn expand(
     let Some(top) = context.items.first().map(|i| i.node_id.clone()) else { return Ok(Vec::new()) };
     let mut pool: Vec<(NodeId, NodeId, &'static str)> = Vec::new(); // (candidate, anchor, source)
     let add = |pool: &mut Vec<(NodeId, NodeId, &'static str)>, id: &NodeId, anchor: &NodeId, source: &'static str| {
-        if !in_context.contains(id) && !excluded.contains(id) && !pool.iter().any(|(c, ..)| c == id) && view.node(id).is_some() {
+        if !in_context.contains(id) && !excluded.contains(id) && !pool.iter().any(|(c, ..)| c == id) && view.own(id).is_some() {
             pool.push((id.clone(), anchor.clone(), source));
         }
     };
@@ -559,8 +570,13 @@ fn reshape_node(
     let reason = format!("granularity: a useful item of query {:?} is too short to stand alone; finer: {how}", clip(query));
     let mut edits = vec![Edit::new(STAGE, run_id, "node_reshape", Changed::Node(None, Some(&node)), &reason, at)];
     view.delta.upsert_node(node.clone());
-    // The new node keeps the old one's connections.
+    // The new node keeps the old one's connections (within the tenant: an old store's edge to
+    // another tenant is not copied).
     for edge in view.edges_touching(&old.id) {
+        let other = if edge.src == old.id { &edge.dst } else { &edge.src };
+        if view.node(other).is_some_and(|n| n.tenant != old.tenant) {
+            continue;
+        }
         let mut copy = edge.clone();
         if copy.src == old.id {
             copy.src = node.id.clone();

@@ -7,8 +7,12 @@ use fluxmem_store::{CommitInfo, Writer};
 use serde_json::Value;
 
 fn episode(name: &str, task: &str, success: bool) -> Node {
+    episode_in("t", name, task, success)
+}
+
+fn episode_in(tenant: &str, name: &str, task: &str, success: bool) -> Node {
     let body = NodeBody::Episodic(Episode { steps: Vec::new(), outcome: Outcome { success: Some(success), reward: None, feedback: None } });
-    let mut node = Node::new(body, "t", &format!("task {task}"), &[name]);
+    let mut node = Node::new(body, tenant, &format!("task {task}"), &[name]);
     node.metadata.insert("task_id".into(), Value::from(task));
     node.source_file = "runs.json".into();
     node.created_at = Some(1000);
@@ -144,4 +148,44 @@ fn refine_commits_once_is_idempotent_and_updates_incrementally() {
     assert!(bad_edge.active);
     assert!((bad_edge.weight - 0.5 * 0.625).abs() < 1e-5, "{}", bad_edge.weight);
     assert_eq!(bad_edge.evidence, 1 + 4);
+}
+
+/// Tenant u runs the same task, fails every time, and an older store grounded its episodes in
+/// tenant t's `good` fact and linked one to t's success: u's outcomes never move t's credit,
+/// the cross-tenant edges are deactivated for good, and u's failures get no link to t's
+/// successes of the "same" task.
+#[test]
+fn credit_never_crosses_tenants() {
+    let mut w = world();
+    let u: Vec<Node> = (0..3).map(|i| episode_in("u", &format!("u{i}"), "t1", false)).collect();
+    for node in &u {
+        w.graph.insert_node(node.clone());
+        w.graph.upsert_edge(edge(&w.good.id, &node.id, EdgeKind::Ground, 0.5));
+    }
+    w.graph.upsert_edge(edge(&u[0].id, &w.e[0].id, EdgeKind::Link, 0.9));
+    let (changes, report) = assign(&w.graph, &CreditOptions::default(), "refine@v2");
+    assert_eq!((report.base_rate["t"], report.base_rate["u"]), (0.5, 0.05), "per tenant, clamped");
+    // good's credit is tenant t's alone: 1.6, as without tenant u.
+    let (up, ..) = find(&changes, &w.good.id, &w.e[0].id);
+    assert!((up.weight - 0.8).abs() < 1e-6, "{}", up.weight);
+    assert_eq!(up.evidence, 1 + 3, "only t's outcomes are counted");
+    assert_eq!((report.cross_tenant, report.isolated), (4, 4));
+    for (src, dst) in u.iter().map(|n| (&w.good.id, &n.id)).chain([(&u[0].id, &w.e[0].id)]) {
+        let (isolated, kind, reason) = find(&changes, src, dst);
+        assert_eq!((isolated.active, *kind, reason.as_str()), (false, "link_prune", "cross-tenant edge (isolation)"));
+        assert_eq!(isolated.metadata["pruned_by"], Value::from("isolation"));
+        assert!(isolated.metadata.get("credit").is_none(), "no credit either way");
+    }
+    assert_eq!(report.expanded, 4, "the same links as tenant t alone");
+    assert!(changes.iter().filter(|(_, kind, _)| *kind == "link_expand").all(|(e, ..)| !u.iter().any(|n| n.id == e.src || n.id == e.dst)));
+
+    // Committed and run again: the isolated edges stay as they are (no edit, no re-activation).
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path().join("store")).unwrap();
+    let info = CommitInfo { stage: "connect".into(), run_id: "c".into(), summary: Value::Null, progress: Default::default() };
+    writer.commit(&w.graph, info).unwrap();
+    let first = refine_store(&mut writer, &CreditOptions::default(), "refine@v2", &mut NoProgress).unwrap();
+    assert_eq!(first.isolated, 4);
+    let again = refine_store(&mut writer, &CreditOptions::default(), "refine@v3", &mut NoProgress).unwrap();
+    assert_eq!((again.edits, again.isolated, again.cross_tenant), (0, 0, 4));
 }

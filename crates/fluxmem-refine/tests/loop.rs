@@ -80,8 +80,8 @@ fn words(text: &str) -> fluxmem_connect::Result<usize> {
 }
 
 fn run(graph: &Graph, stage1: &[Candidate], verifier: &mut Scripted, options: &LoopOptions, embedder: &HashEmbedder) -> LoopOutcome {
-    let index = SemanticIndex::build(graph, embedder.model_id(), &Device::Cpu).unwrap();
-    let neighbours = Neighbours::build(graph);
+    let index = SemanticIndex::build(graph, "t", embedder.model_id(), &Device::Cpu).unwrap();
+    let neighbours = Neighbours::build(graph, "t");
     let mut models = LoopModels { verifier, embedder, generator: None, count_tokens: &words };
     refine_query(graph, &index, &neighbours, "what is the puppy called", stage1, &mut models, options, "run-1", 7).unwrap()
 }

@@ -28,6 +28,7 @@ code { background: #f0f2f4; padding: 1px 4px; border-radius: 3px; overflow-wrap:
 .badge { display: inline-block; padding: 2px 10px; border-radius: 999px; font-size: 13px; font-weight: 600; border: 1px solid; }
 .badge.ok { background: #e6f4ea; color: #1e6b34; border-color: #9fd3ae; }
 .badge.warn { background: #fff4e0; color: #8a5300; border-color: #f0c67a; }
+.badge.degraded { background: #ffe08a; color: #5c3d00; border-color: #d4a000; }
 .badge.fail { background: #fde8e8; color: #a11d1d; border-color: #f0a3a3; }
 .badge.neutral { background: #eef0f3; color: #444a52; border-color: #cfd4da; }
 table { border-collapse: collapse; width: 100%; }
@@ -52,6 +53,13 @@ figcaption { font-size: 12px; color: #5b626b; margin-top: 4px; }
 details summary { cursor: pointer; color: #3b6ea8; }
 details pre { max-height: 320px; overflow: auto; background: #f7f8fa; border: 1px solid #e6e9ed; padding: 8px; margin: 6px 0 0; white-space: pre-wrap; overflow-wrap: anywhere; }
 .summary-line { margin: 0 0 8px; }
+.reasons { border: 1px solid #cfd4da; border-left-width: 5px; border-radius: 6px; background: #f7f8fa; padding: 8px 14px; margin: 0 0 14px; }
+.reasons.degraded { border-color: #d4a000; background: #fff8dc; }
+.reasons.warn { border-color: #f0c67a; background: #fffaf0; }
+.reasons.fail { border-color: #f0a3a3; background: #fff5f5; }
+.reasons p { margin: 0 0 4px; }
+.reasons ul { margin: 0; padding-left: 20px; }
+.reasons li { overflow-wrap: anywhere; }
 footer { color: #6b727b; font-size: 12px; text-align: center; }
 "#;
 
@@ -102,11 +110,15 @@ fn pems_value(value: f64) -> String {
     }
 }
 
-/// The badge class of a run or stage status (the status text is always shown too).
+/// The badge class of a run or stage status (the status text is always shown too, so the
+/// colour is never the only sign): green `ok`/`done`, red `failed`, amber `degraded` (a stage
+/// produced nothing of what it was meant to), light orange `partial` (part of it, or records
+/// quarantined), grey for the rest (`nothing new`, `skipped (disabled)`, `merged`).
 fn status_class(status: &str) -> &'static str {
     match status {
         "ok" | "done" => "ok",
         _ if status.starts_with("failed") => "fail",
+        _ if status.starts_with("degraded") => "degraded",
         _ if status.starts_with("partial") => "warn",
         _ => "neutral",
     }
@@ -165,9 +177,11 @@ pub fn render_html(run: &RunRecord) -> Result<String> {
 fn header(page: &mut String, run: &RunRecord) {
     let _ = write!(
         page,
-        "<header>\n<h1>fluxmem run {}</h1>\n<dl class=\"meta\">\n",
+        "<header>\n<h1>fluxmem run {}</h1>\n",
         badge(&run.status)
     );
+    reasons(page, run);
+    let _ = writeln!(page, "<dl class=\"meta\">");
     let mut item = |label: &str, value: String| {
         let _ = writeln!(page, "<dt>{label}</dt><dd>{value}</dd>");
     };
@@ -205,6 +219,26 @@ fn header(page: &mut String, run: &RunRecord) {
         item(&escape(role), format!("<code>{}</code>", escape(model)));
     }
     page.push_str("</dl>\n</header>\n");
+}
+
+/// Why the run is not `ok`, right under the title: the status word in text, then one line per
+/// reason (nothing when there is no reason).
+fn reasons(page: &mut String, run: &RunRecord) {
+    if run.reasons.is_empty() {
+        return;
+    }
+    let word = run.status.split(':').next().unwrap_or_default().trim();
+    let word = if word.is_empty() { "not recorded" } else { word };
+    let _ = writeln!(
+        page,
+        "<div class=\"reasons {}\" id=\"reasons\">\n<p><strong>Why the status is {}:</strong></p>\n<ul>",
+        status_class(&run.status),
+        escape(word)
+    );
+    for reason in &run.reasons {
+        let _ = writeln!(page, "<li>{}</li>", escape(reason));
+    }
+    page.push_str("</ul>\n</div>\n");
 }
 
 fn count_list(counts: &BTreeMap<String, u64>) -> String {
@@ -599,6 +633,9 @@ mod tests {
     fn report_status_badges_name_the_status() {
         assert!(badge("ok").contains("badge ok"));
         assert!(badge("partial").contains("badge warn"));
+        assert!(badge("partial: 1 of 6 clusters gave a skill").contains("badge warn"));
+        assert!(badge("degraded").contains("badge degraded"));
+        assert!(badge("degraded: 0 skills exported").contains(">degraded: 0 skills exported<"));
         assert!(badge("failed: <disk>").contains("badge fail"));
         assert!(badge("failed: <disk>").contains("failed: &lt;disk&gt;"));
     }

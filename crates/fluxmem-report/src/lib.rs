@@ -2,11 +2,13 @@
 //!
 //! - [`RunRecord`] (with [`StageRecord`], [`QuarantineSummary`], [`UsageRecord`],
 //!   [`PemsSummary`], [`SkillSummary`]): what the run did, serialised as `run.json`.
-//! - [`render_html`]: one self-contained HTML page of the record: header, stage table and timing
-//!   chart, PEMS curve, skills converged by round, cluster sizes, top skills with their
-//!   provenance, quarantine and model usage. Charts are SVG drawn by `plotters` and inlined; the
-//!   page has no script and references nothing outside itself. All record text is HTML-escaped
-//!   (skill names come from a generator). The same record always gives the same bytes.
+//! - [`render_html`]: one self-contained HTML page of the record: header (the status as a badge
+//!   that names it: green `ok`, amber `degraded`, orange `partial`, red `failed`, and under it
+//!   the record's `reasons`), stage table and timing chart, PEMS curve, skills converged by
+//!   round, cluster sizes, top skills with their provenance, quarantine and model usage. Charts
+//!   are SVG drawn by `plotters` and inlined; the page has no script and references nothing
+//!   outside itself. All record text is HTML-escaped (skill names come from a generator). The
+//!   same record always gives the same bytes.
 //! - [`write_report`]: writes `run.json` and `report.html` into a directory, each by atomic
 //!   rename of a temporary file in that directory.
 //!

@@ -14,8 +14,17 @@ pub struct RunRecord {
     pub started_at: String,
     /// When the run finished, RFC 3339 UTC.
     pub finished_at: String,
-    /// `ok`, `partial` (records were quarantined) or `failed: <message>`.
+    /// `ok`; `partial` (records were quarantined, or a stage gave only part of what it was
+    /// meant to: some consolidate clusters gave no skill); `degraded` (a stage that was meant
+    /// to produce something produced nothing: every cluster failed, an enabled export wrote no
+    /// skill, every record read was quarantined); or `failed: <message>` (a stage stopped the
+    /// run). `failed` wins over `degraded`, `degraded` over `partial`.
     pub status: String,
+    /// Why the status is not `ok`, one human-readable line each (`consolidate: 0 of 6 clusters
+    /// gave a skill (6 failed)`); empty for an `ok` run. Absent in run records written before
+    /// the field existed, which read as empty.
+    #[serde(default)]
+    pub reasons: Vec<String>,
     /// The store directory.
     pub store: String,
     /// The store's manifest version before the run.
@@ -41,7 +50,10 @@ pub struct RunRecord {
 pub struct StageRecord {
     /// `ingest`, `embed`, `connect`, `refine`, `consolidate` or `export`.
     pub name: String,
-    /// `done`, `skipped (disabled)`, `nothing new` or `failed: <message>`.
+    /// `done`, `skipped (disabled)`, `nothing new`, `partial: <numbers>` (part of what the
+    /// stage was meant to produce, e.g. `partial: 1 of 6 clusters gave a skill (5 failed)`),
+    /// `degraded: <numbers>` (nothing of it, e.g. `degraded: 0 skills exported`) or
+    /// `failed: <message>`. A distributed run's map stages also say `merged`.
     pub status: String,
     /// Wall time of the stage in seconds.
     pub seconds: f64,

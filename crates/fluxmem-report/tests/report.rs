@@ -1,4 +1,5 @@
-//! The report end to end: escaping, charts, empty records, run.json round trip, atomic writes.
+//! The report end to end: escaping, charts, empty records, degraded runs and their reasons,
+//! run.json round trip (and older run.json files), atomic writes.
 
 use fluxmem_report::{
     render_html, write_report, PemsSummary, QuarantineSample, QuarantineSummary, RunRecord,
@@ -38,6 +39,7 @@ fn realistic() -> RunRecord {
         started_at: "2026-05-01T02:00:00Z".into(),
         finished_at: "2026-05-01T02:05:30Z".into(),
         status: "partial".into(),
+        reasons: vec!["ingest: 21 records quarantined".into()],
         store: "store".into(),
         manifest_version_before: 3,
         manifest_version_after: 9,
@@ -208,6 +210,73 @@ fn report_realistic_record_renders_escaped_charts_and_counts() {
 }
 
 #[test]
+fn report_degraded_record_shows_an_amber_badge_and_its_reasons_first() {
+    let mut run = realistic();
+    run.status = "degraded".into();
+    run.reasons = vec![
+        "consolidate: 0 of 6 clusters gave a skill (6 failed)".into(),
+        format!("export: 0 skills exported ({HOSTILE})"),
+    ];
+    run.quarantine = QuarantineSummary::default();
+    run.stages[3].status = "degraded: 0 of 6 clusters gave a skill (6 failed)".into();
+    run.stages.push(StageRecord {
+        name: "export".into(),
+        status: "degraded: 0 skills exported".into(),
+        ..Default::default()
+    });
+    run.stages[0].status = "partial: 1 of 6 clusters gave a skill (5 failed)".into();
+    let html = render_html(&run).unwrap();
+
+    // The run's badge names the status in words, in its own colour class (not partial's).
+    assert!(
+        html.contains(r#"<h1>fluxmem run <span class="badge degraded">degraded</span></h1>"#),
+        "no degraded badge in the title"
+    );
+    assert!(html.contains(".badge.degraded {") && html.contains(".badge.warn {"));
+    // The reasons are text, escaped, under the title and before the stage table.
+    let reasons_at = html.find(r#"id="reasons""#).expect("no reasons block");
+    assert!(reasons_at < html.find(r#"<dl class="meta">"#).unwrap());
+    assert!(reasons_at < html.find(r#"<section id="stages">"#).unwrap());
+    assert!(html.contains("Why the status is degraded:"));
+    assert!(html.contains("<li>consolidate: 0 of 6 clusters gave a skill (6 failed)</li>"));
+    assert!(html.contains(
+        "<li>export: 0 skills exported (&lt;script&gt;alert(1)&lt;/script&gt; &amp; &quot;quotes&quot;)</li>"
+    ));
+    assert!(!html.contains("<script"), "raw script tag in the page");
+    // Stage badges: degraded stages amber, a partial stage stays distinct.
+    assert!(html.contains(
+        r#"<span class="badge degraded">degraded: 0 of 6 clusters gave a skill (6 failed)</span>"#
+    ));
+    assert!(
+        html.contains(r#"<span class="badge degraded">degraded: 0 skills exported</span>"#)
+    );
+    assert!(html.contains(
+        r#"<span class="badge warn">partial: 1 of 6 clusters gave a skill (5 failed)</span>"#
+    ));
+
+    // An ok run has no reasons block.
+    let ok = RunRecord {
+        status: "ok".into(),
+        ..Default::default()
+    };
+    let html = render_html(&ok).unwrap();
+    assert!(
+        html.contains(r#"<span class="badge ok">ok</span>"#)
+            && !html.contains(r#"id="reasons""#)
+    );
+}
+
+#[test]
+fn report_run_json_without_reasons_still_reads() {
+    // run.json files written before `reasons` existed.
+    let mut value = serde_json::to_value(realistic()).unwrap();
+    value.as_object_mut().unwrap().remove("reasons").expect("reasons is serialised");
+    let back: RunRecord = serde_json::from_value(value).unwrap();
+    assert!(back.reasons.is_empty());
+    assert_eq!(back.status, "partial");
+}
+
+#[test]
 fn report_empty_record_says_there_is_nothing() {
     let html = render_html(&RunRecord::default()).unwrap();
     assert!(html.contains("no skills this run"));
@@ -263,6 +332,7 @@ fn report_run_json_round_trips() {
     assert_eq!(value["pems"]["top_skills"][0]["name"], HOSTILE);
     assert_eq!(value["stages"][1]["counts_out"]["embeddings"], 4299);
     assert_eq!(value["quarantine"]["samples"][0]["line"], 42);
+    assert_eq!(value["reasons"][0], "ingest: 21 records quarantined");
 }
 
 #[test]

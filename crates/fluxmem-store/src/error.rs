@@ -37,6 +37,39 @@ pub enum Error {
         /// The directory.
         path: PathBuf,
     },
+    /// The directory holds shard files (or a temporary manifest) but no `manifest.json`: a
+    /// store whose manifest was lost. Nothing is written or deleted there until it is
+    /// recovered.
+    #[error(
+        "{path}: holds {shards} shard file(s) and {temporary} temporary manifest(s) but no manifest.json: \
+         this is a store whose manifest was lost, not a new store; nothing was changed. \
+         Run `fluxmem --store {path} store recover` to rebuild the manifest from the shards"
+    )]
+    NoManifest {
+        /// The store directory.
+        path: PathBuf,
+        /// Files in `shards/`.
+        shards: usize,
+        /// `manifest.json.tmp-*` files.
+        temporary: usize,
+    },
+    /// A commit found that the manifest it was about to replace is not the one it started
+    /// from: another writer committed meanwhile. The commit is abandoned; nothing is deleted.
+    #[error("{path}: commit refused: {reason}")]
+    Conflict {
+        /// The manifest.
+        path: PathBuf,
+        /// What was found.
+        reason: String,
+    },
+    /// `recover` was asked to rebuild the manifest of a store that has a readable one.
+    #[error("{path}: {reason}")]
+    Recover {
+        /// The store directory.
+        path: PathBuf,
+        /// Why recovery did not run.
+        reason: String,
+    },
     /// Another process holds the writer lock.
     #[error("{path}: store is locked by another writer ({holder}); wait for it to finish")]
     Locked {

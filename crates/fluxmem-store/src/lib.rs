@@ -14,6 +14,15 @@
 //! One [`Writer`] at a time: a second one gets [`Error::Locked`]; a lock left by a crashed
 //! writer is taken over and reported through [`Writer::stale_lock`].
 //!
+//! Safety: a commit replaces the manifest only if it is still the one the writer read or wrote
+//! last (compare and swap on its SHA-256), so a writer whose lock was lost fails with
+//! [`Error::Conflict`] instead of overwriting another writer's commit. On open, a writer
+//! deletes only what an interrupted commit on top of the current manifest left (shards whose
+//! commit number is above the manifest's version, temporary manifests); other unlisted files
+//! are kept ([`Writer::unlisted_shards`]). A directory with shards but no manifest is refused
+//! ([`Error::NoManifest`]); [`recover`] rebuilds its manifest from the shards and reports what
+//! it could not prove.
+//!
 //! Shards are append-only: a later commit's row replaces an earlier row with the same key
 //! (node `id`, edge `src,dst,kind`, embedding `node_id,model_id`); the `edits` table (the edit
 //! log) only grows, in commit order. [`Writer::replace`] compacts
@@ -45,6 +54,7 @@
 mod error;
 mod lock;
 mod manifest;
+mod recover;
 mod shard;
 mod staging;
 mod store;
@@ -52,5 +62,6 @@ mod store;
 pub use error::{Error, Result};
 pub use lock::WriterLock;
 pub use manifest::{CommitRecord, EmbeddingModel, Manifest, ShardEntry, FORMAT, SCHEMA_VERSION};
+pub use recover::{recover, RecoverReport};
 pub use staging::{staging_dir, MergeReport, Shard, STAGING};
 pub use store::{CommitInfo, Store, Writer};

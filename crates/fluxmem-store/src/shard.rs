@@ -15,9 +15,9 @@ use crate::manifest::{ShardEntry, SCHEMA_VERSION};
 use crate::{Error, Result};
 
 /// Key-value metadata key naming the table a shard belongs to.
-const TABLE_KEY: &str = "fluxmem.table";
+pub(crate) const TABLE_KEY: &str = "fluxmem.table";
 /// Key-value metadata key holding the schema version.
-const VERSION_KEY: &str = "fluxmem.schema_version";
+pub(crate) const VERSION_KEY: &str = "fluxmem.schema_version";
 
 /// Encodes `batch` as a Parquet file of `table` (in memory).
 fn encode(table: &str, batch: &RecordBatch) -> Result<Vec<u8>> {

@@ -142,7 +142,7 @@ impl Writer {
             "staging".into(),
             serde_json::json!({ "stage": stage, "shard": shard.to_string(), "base_version": main_manifest.version, "done": false }),
         );
-        write_manifest(&dir, &manifest)?;
+        write_manifest(&dir, &manifest, None)?;
         Writer::open(&dir)
     }
 

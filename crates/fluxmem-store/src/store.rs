@@ -37,6 +37,7 @@ impl Store {
     pub fn open(dir: impl Into<PathBuf>) -> Result<Store> {
         let dir = dir.into();
         if !dir.join(MANIFEST).is_file() {
+            check_no_manifest(&dir)?;
             return Err(Error::NotAStore { path: dir });
         }
         Ok(Store { dir })
@@ -129,15 +130,23 @@ pub struct Writer {
     store: Store,
     lock: WriterLock,
     manifest: Manifest,
+    /// SHA-256 of the `manifest.json` bytes this writer read or wrote last: a commit replaces
+    /// the manifest only if it is still this one (compare and swap).
+    manifest_sha256: String,
 }
 
 impl Writer {
     /// Opens (creating if needed) the store at `dir` for writing, taking the writer lock and
-    /// removing leftovers of interrupted commits.
+    /// removing leftovers of interrupted commits on top of the current manifest.
+    ///
+    /// A directory that holds shard files or a temporary manifest but no `manifest.json` is a
+    /// damaged store, not a new one: it is refused with [`Error::NoManifest`] (nothing is
+    /// touched) and [`crate::recover`] rebuilds its manifest.
     pub fn open(dir: impl Into<PathBuf>) -> Result<Writer> {
         let dir = dir.into();
         let manifest_path = dir.join(MANIFEST);
         if !manifest_path.exists() {
+            check_no_manifest(&dir)?;
             let foreign = std::fs::read_dir(&dir)
                 .map(|entries| {
                     entries.flatten().any(|e| {
@@ -155,15 +164,17 @@ impl Writer {
         }
         std::fs::create_dir_all(dir.join(SHARDS)).at(&dir.join(SHARDS))?;
         let lock = WriterLock::acquire(&dir)?;
-        let manifest = if manifest_path.exists() {
-            Manifest::read(&manifest_path)?
+        let (manifest, manifest_sha256) = if manifest_path.exists() {
+            read_manifest_with_hash(&manifest_path)?
         } else {
+            // Checked again under the lock: another writer may have created it meanwhile.
+            check_no_manifest(&dir)?;
             let empty = Manifest::empty();
-            write_manifest(&dir, &empty)?;
-            empty
+            let hash = write_manifest(&dir, &empty, None)?;
+            (empty, hash)
         };
-        let writer = Writer { store: Store { dir }, lock, manifest };
-        writer.remove_orphans()?;
+        let writer = Writer { store: Store { dir }, lock, manifest, manifest_sha256 };
+        writer.remove_interrupted()?;
         Ok(writer)
     }
 
@@ -192,14 +203,41 @@ impl Writer {
     }
 
     /// Replaces the whole stored graph by `graph` in one commit (compaction, model migration).
-    /// Shards of earlier commits are deleted once the new manifest is in place.
+    /// The shards the replaced manifest listed are deleted once the new manifest is in place
+    /// (they are provably garbage: this writer's compare-and-swap replaced that manifest).
     pub fn replace(&mut self, graph: &Graph, info: CommitInfo) -> Result<&Manifest> {
+        let old = self.manifest.shards.clone();
         let mut manifest = self.manifest.clone();
         manifest.shards.clear();
         manifest.embedding_model = None;
         self.write_commit(&mut manifest, graph, info)?;
-        self.remove_orphans()?;
+        let live: BTreeSet<&str> = self.manifest.shards.iter().map(|s| s.file.as_str()).collect();
+        for entry in old.iter().filter(|s| !live.contains(s.file.as_str()) && s.file.starts_with(SHARDS)) {
+            let path = self.store.dir.join(&entry.file);
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::Io { path, source: e }),
+                _ => {}
+            }
+        }
         Ok(&self.manifest)
+    }
+
+    /// Shard files in `shards/` that the manifest does not list and that are not leftovers of
+    /// an interrupted commit on top of it (their commit number is not above the manifest's
+    /// version). Nothing deletes them: they may be another writer's data (`fluxmem store
+    /// recover` can tell).
+    pub fn unlisted_shards(&self) -> Result<Vec<String>> {
+        let live: BTreeSet<&str> = self.manifest.shards.iter().map(|s| s.file.as_str()).collect();
+        let shards_dir = self.store.dir.join(SHARDS);
+        let mut unlisted = Vec::new();
+        for entry in std::fs::read_dir(&shards_dir).at(&shards_dir)?.flatten() {
+            let name = format!("{SHARDS}/{}", entry.file_name().to_string_lossy());
+            if !live.contains(name.as_str()) {
+                unlisted.push(name);
+            }
+        }
+        unlisted.sort();
+        Ok(unlisted)
     }
 
     fn write_commit(&mut self, manifest: &mut Manifest, delta: &Graph, info: CommitInfo) -> Result<()> {
@@ -228,6 +266,12 @@ impl Writer {
             new_shards.push(shard::write(&dir, "embeddings", version, part, &batch)?);
             manifest.embedding_model = Some(EmbeddingModel { id: model.clone(), dim });
         }
+        if !new_shards.is_empty() {
+            // The new shard files' directory entries must be durable before the manifest that
+            // lists them is: a crash after the rename must not leave a manifest naming files
+            // the directory lost.
+            sync_dir(&dir.join(SHARDS))?;
+        }
         fault_point("before-manifest", version);
         manifest.version = version;
         manifest.shards.extend(new_shards);
@@ -239,21 +283,25 @@ impl Writer {
             at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             summary: info.summary,
         });
-        write_manifest(&dir, manifest)?;
+        self.manifest_sha256 = write_manifest(&dir, manifest, Some(&self.manifest_sha256))?;
         self.manifest = manifest.clone();
         fault_point("after-manifest", version);
         Ok(())
     }
 
-    /// Deletes shard files the manifest does not list (left by an interrupted commit or
-    /// superseded by [`Writer::replace`]) and stray temporary manifests.
-    fn remove_orphans(&self) -> Result<()> {
+    /// Deletes what an interrupted commit on top of the current manifest left: shard files
+    /// whose commit number (in their name) is above the manifest's version, and temporary
+    /// manifests. Those are provably garbage: a commit's files are named after the version it
+    /// was about to write, and that version never landed. Any other unlisted file is kept.
+    fn remove_interrupted(&self) -> Result<()> {
         let dir = &self.store.dir;
-        let live: BTreeSet<&str> = self.manifest.shards.iter().map(|s| s.file.as_str()).collect();
         let shards_dir = dir.join(SHARDS);
+        let live: BTreeSet<&str> = self.manifest.shards.iter().map(|s| s.file.as_str()).collect();
         for entry in std::fs::read_dir(&shards_dir).at(&shards_dir)?.flatten() {
-            let name = format!("{SHARDS}/{}", entry.file_name().to_string_lossy());
-            if !live.contains(name.as_str()) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let listed = live.contains(format!("{SHARDS}/{name}").as_str());
+            let interrupted = crate::recover::parse_shard_name(&name).is_some_and(|parsed| parsed.commit > self.manifest.version);
+            if !listed && interrupted {
                 std::fs::remove_file(entry.path()).at(&entry.path())?;
             }
         }
@@ -264,6 +312,27 @@ impl Writer {
         }
         Ok(())
     }
+}
+
+/// Refuses a directory without `manifest.json` that still holds shard files or a temporary
+/// manifest: it is a store whose manifest was lost, and writing a new empty manifest there
+/// would orphan (and a later cleanup delete) all of its data.
+fn check_no_manifest(dir: &Path) -> Result<()> {
+    let shards = std::fs::read_dir(dir.join(SHARDS)).map(|entries| entries.flatten().count()).unwrap_or(0);
+    let temporary = std::fs::read_dir(dir)
+        .map(|entries| entries.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("manifest.json.tmp")).count())
+        .unwrap_or(0);
+    // A temporary manifest alone (a crash while creating a new store) holds no data.
+    if shards > 0 {
+        return Err(Error::NoManifest { path: dir.to_path_buf(), shards, temporary });
+    }
+    Ok(())
+}
+
+fn read_manifest_with_hash(path: &Path) -> Result<(Manifest, String)> {
+    let bytes = std::fs::read(path).at(path)?;
+    let manifest = Manifest::read(path)?;
+    Ok((manifest, fluxmem_graph::sha256_hex(&bytes)))
 }
 
 /// Groups the delta's embeddings by model, refusing a model or dimension other than the store's.
@@ -294,7 +363,13 @@ fn graph_error(dir: &Path, source: fluxmem_graph::Error) -> Error {
 }
 
 /// Writes `manifest` as `<dir>/manifest.json` atomically: temp file, fsync, rename, fsync dir.
-pub(crate) fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<()> {
+/// Returns the SHA-256 of the bytes written.
+///
+/// With `expected`, the manifest on disk must still be the one with that hash (the one this
+/// writer read or wrote last); otherwise another writer committed meanwhile (the lock was
+/// lost, e.g. its file deleted) and the write is refused with [`Error::Conflict`] before the
+/// rename, so neither writer's commit is overwritten and nothing is deleted.
+pub(crate) fn write_manifest(dir: &Path, manifest: &Manifest, expected: Option<&str>) -> Result<String> {
     use std::io::Write;
     let path = dir.join(MANIFEST);
     let tmp = dir.join(format!("{MANIFEST}.tmp-{}", std::process::id()));
@@ -302,9 +377,37 @@ pub(crate) fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<()> {
     let mut file = std::fs::File::create(&tmp).at(&tmp)?;
     file.write_all(&text).at(&tmp)?;
     file.sync_all().at(&tmp)?;
+    if let Some(expected) = expected {
+        let current = std::fs::read(&path).map(|bytes| fluxmem_graph::sha256_hex(&bytes));
+        let changed = match &current {
+            Ok(hash) => hash != expected,
+            Err(_) => true,
+        };
+        if changed {
+            let _ = std::fs::remove_file(&tmp);
+            let found = match current {
+                Ok(_) => Manifest::read(&path).map(|m| format!("version {}", m.version)).unwrap_or_else(|e| e.to_string()),
+                Err(e) => format!("unreadable: {e}"),
+            };
+            return Err(Error::Conflict {
+                path,
+                reason: format!(
+                    "the manifest changed under this writer (now {found}; this writer was about to write version {}): \
+                     another writer committed while this one held the lock (was the LOCK file deleted?); \
+                     this commit is abandoned and nothing was deleted",
+                    manifest.version
+                ),
+            });
+        }
+    }
     std::fs::rename(&tmp, &path).at(&path)?;
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).at(dir)?;
-    Ok(())
+    sync_dir(dir)?;
+    Ok(fluxmem_graph::sha256_hex(&text))
+}
+
+/// Fsyncs the directory `dir` itself, so the entries created or renamed in it survive a crash.
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).at(dir)
 }
 
 /// Test hook: `FLUXMEM_FAULT=<point>:<version>` aborts the process at that point of that commit

@@ -336,3 +336,87 @@ fn refuses_to_create_a_store_in_a_non_empty_foreign_directory() {
     assert!(error.to_string().contains("not empty"), "{error}");
     assert!(dir.path().join("thesis.tex").exists());
 }
+
+/// Issue 13.1: a lost manifest used to make the next writer create an empty store and delete
+/// every shard as an orphan.
+#[test]
+fn a_store_without_its_manifest_is_refused_not_recreated_and_recover_rebuilds_it() {
+    let (dir, graph) = committed_store();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let mut more = Graph::default();
+    let body = NodeBody::Semantic(Semantic { source: "doc".into(), position: 9, time: None, group: None });
+    more.insert_node(Node::new(body, "default", "a later fact", &["doc", "later"]));
+    writer.commit(&more, info("ingest")).unwrap();
+    drop(writer);
+    let expected = Store::open(dir.path()).unwrap().load().unwrap();
+    assert_eq!(expected.nodes.len(), graph.nodes.len() + 1);
+    let shard_count = || std::fs::read_dir(dir.path().join("shards")).unwrap().count();
+    let shards_before = shard_count();
+    std::fs::remove_file(dir.path().join("manifest.json")).unwrap();
+
+    let error = Writer::open(dir.path()).unwrap_err();
+    assert!(matches!(error, Error::NoManifest { shards, .. } if shards == shards_before), "{error}");
+    assert!(error.to_string().contains("store recover"), "{error}");
+    assert!(matches!(Store::open(dir.path()), Err(Error::NoManifest { .. })));
+    assert_eq!(shard_count(), shards_before, "nothing deleted");
+    assert!(!dir.path().join("manifest.json").exists(), "no empty manifest written");
+
+    let report = fluxmem_store::recover(dir.path()).unwrap();
+    assert_eq!(report.version, 2);
+    assert!(report.rejected.is_empty(), "{:?}", report.rejected);
+    assert!(report.unproven.iter().any(|u| u.contains("commit 2")), "{:?}", report.unproven);
+    assert_eq!(Store::open(dir.path()).unwrap().load().unwrap(), expected);
+    let writer = Writer::open(dir.path()).unwrap();
+    assert_eq!(writer.manifest().version, 2);
+    assert!(matches!(fluxmem_store::recover(dir.path()), Err(Error::Locked { .. })), "recover takes the writer lock");
+    drop(writer);
+    assert!(matches!(fluxmem_store::recover(dir.path()), Err(Error::Recover { .. })), "a readable manifest is not recovered over");
+}
+
+#[test]
+fn recover_adopts_a_complete_temporary_manifest_and_leaves_damaged_shards_in_place() {
+    let (dir, graph) = committed_store();
+    let original = Store::open(dir.path()).unwrap().manifest().unwrap();
+    std::fs::rename(dir.path().join("manifest.json"), dir.path().join("manifest.json.tmp-77")).unwrap();
+    assert!(matches!(Writer::open(dir.path()), Err(Error::NoManifest { .. })));
+    std::fs::write(dir.path().join("shards/nodes-00000003-000-0123456789ab.parquet"), b"torn write").unwrap();
+    let report = fluxmem_store::recover(dir.path()).unwrap();
+    assert!(report.adopted_temporary.is_some(), "{report:?}");
+    assert_eq!(report.rejected.len(), 1, "{:?}", report.rejected);
+    assert!(report.rejected[0].1.contains("does not match"), "{:?}", report.rejected);
+    assert!(dir.path().join("shards/nodes-00000003-000-0123456789ab.parquet").exists(), "nothing deleted");
+    let manifest = Store::open(dir.path()).unwrap().manifest().unwrap();
+    assert_eq!(manifest.shards, original.shards);
+    assert_eq!(manifest.commits, original.commits, "the adopted manifest's commit log is kept");
+    assert_eq!(Store::open(dir.path()).unwrap().load().unwrap(), graph);
+}
+
+/// Issue 13.3: with the LOCK file deleted, two writers both ran and the first one's manifest
+/// overwrote the second's commit, whose shards were later deleted as orphans.
+#[test]
+fn a_writer_whose_lock_was_lost_cannot_overwrite_another_writers_commit() {
+    let (dir, graph) = committed_store();
+    let mut first = Writer::open(dir.path()).unwrap();
+    std::fs::remove_file(dir.path().join("LOCK")).unwrap();
+    let mut second = Writer::open(dir.path()).unwrap();
+    let mut theirs = Graph::default();
+    let body = NodeBody::Semantic(Semantic { source: "doc".into(), position: 7, time: None, group: None });
+    theirs.insert_node(Node::new(body, "default", "the second writer's fact", &["doc", "second"]));
+    second.commit(&theirs, info("ingest")).unwrap();
+    let mut ours = Graph::default();
+    let body = NodeBody::Semantic(Semantic { source: "doc".into(), position: 8, time: None, group: None });
+    ours.insert_node(Node::new(body, "default", "the first writer's fact", &["doc", "first"]));
+    let error = first.commit(&ours, info("ingest")).unwrap_err();
+    assert!(matches!(error, Error::Conflict { .. }), "{error}");
+    assert!(error.to_string().contains("nothing was deleted"), "{error}");
+    drop(first);
+    drop(second);
+    let loaded = Store::open(dir.path()).unwrap().load().unwrap();
+    assert_eq!(loaded.nodes.len(), graph.nodes.len() + 1, "the second writer's commit survives");
+    assert!(loaded.nodes.values().any(|n| n.text == "the second writer's fact"));
+    // Reopening keeps every listed shard; the refused commit's files (same version as the
+    // second writer's commit, so not provably an interrupted commit on top of it) are kept too.
+    let writer = Writer::open(dir.path()).unwrap();
+    assert_eq!(writer.store().load().unwrap(), loaded);
+    assert_eq!(writer.unlisted_shards().unwrap().len(), 1, "the abandoned commit's shard is reported, not deleted");
+}

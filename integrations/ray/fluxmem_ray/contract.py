@@ -27,6 +27,9 @@ GLOBAL_STAGES = ("refine", "consolidate", "export")
 
 # `fluxmem` exit status for "done, but some input records were quarantined".
 EXIT_QUARANTINED = 3
+# `fluxmem` exit status for "done, but degraded": a stage produced nothing it was meant to (every
+# cluster failed, 0 skills exported...); the record's `status` and `reasons` say what.
+EXIT_DEGRADED = 4
 STDERR_TAIL = 4000
 
 
@@ -60,7 +63,7 @@ def _call(invocation: Invocation, command: list[str]) -> tuple[dict, float, int]
     except OSError as error:
         raise FluxmemError(f"cannot start {command[0]!r}: {error}") from error
     seconds = time.monotonic() - started
-    if done.returncode not in (0, EXIT_QUARANTINED):
+    if done.returncode not in (0, EXIT_QUARANTINED, EXIT_DEGRADED):
         raise FluxmemError(
             f"`{' '.join(command)}` exited with status {done.returncode}; stderr:\n{done.stderr[-STDERR_TAIL:]}"
         )

@@ -1,0 +1,570 @@
+//! Procedure mining: the steps a cluster's successful episodes share, proven by the logs, with
+//! no model.
+//!
+//! 1. Each episode becomes a sequence of **step signatures**. A tool call is its tool name and
+//!    sorted argument keys (`call get_order(order_id)`); its argument values become slots named
+//!    after their keys (`<order_id>`). A short text action (an ALFWorld command, a shell-like
+//!    command) is its verb and the shape of its arguments (`take <1> from <2>`): content words
+//!    between prepositions are slots, instance numbers are dropped. A long free-text turn (a
+//!    message to the user) is `message the user`; ReAct `think:` lines are not actions.
+//!    Consecutive repeats collapse into one signature.
+//! 2. The successes' sequences are aligned by **progressive multiple alignment over LCS**: the
+//!    first (most representative) sequence is the profile; each next one is aligned to it by a
+//!    longest common subsequence of signatures; matched columns count one more supporter,
+//!    unmatched elements become new columns in place. A column's **support** is the share of
+//!    successes aligned to it.
+//! 3. The **skeleton** is the profile's columns with support >= `min_support`, in profile order.
+//!    A skill never holds a step under that share: that rule is what keeps skills free of
+//!    invented steps. Columns between `branch_support` and `min_support` are **branches**
+//!    (reported, not steps).
+//! 4. Against the cluster's **failures**: a step whose success support exceeds its failure
+//!    support by `critical_gap` is **critical**; a pair A -> B that every success holding both
+//!    runs in that order, while some failure runs B without A before it, is a **precondition**
+//!    ("run A before B").
+//! 5. **Pitfalls** come from per-step feedback: tool results that are errors, step feedback, and
+//!    text actions answered by "Nothing happens".
+//!
+//! A slot whose value is the same in every supporting occurrence is shown as that value
+//! (`clean <object> with sinkbasin`); tool argument values are never shown (they are instance
+//! data: ids, names, amounts, possibly personal).
+
+use fluxmem_graph::Node;
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Thresholds of the miner.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct MineOptions {
+    /// A step needs at least this share of the successes (default 0.5) ...
+    pub min_support: f64,
+    /// ... and at least this many of them, when there are that many (default 2: with two
+    /// successes a step must be in both, so a skill is never the union of two stories).
+    pub min_count: usize,
+    /// Columns at least this share (and under `min_support`) are reported as branches.
+    pub branch_support: f64,
+    /// A step is critical when its success support minus its failure support is at least this.
+    pub critical_gap: f64,
+    /// Steps kept at most (the best supported, in order).
+    pub max_steps: usize,
+}
+
+impl Default for MineOptions {
+    fn default() -> Self {
+        MineOptions { min_support: 0.5, min_count: 2, branch_support: 0.25, critical_gap: 0.5, max_steps: 12 }
+    }
+}
+
+/// One step of an episode: its signature, its slot values and what went wrong, if anything.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Signed {
+    /// The signature (the alignment key).
+    pub key: String,
+    /// The tool, for a tool call.
+    pub tool: Option<String>,
+    /// Slot names, in order (argument keys, or `1`, `2`... for text actions).
+    pub slots: Vec<String>,
+    /// The words around the slots of a text action (`["take", "from"]`), empty for tools.
+    pub frame: Vec<String>,
+    /// Slot values, in slot order.
+    pub values: Vec<String>,
+    /// An error the step met (tool error, feedback, "Nothing happens").
+    pub error: Option<String>,
+}
+
+/// A step of a skeleton.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SkeletonStep {
+    /// The signature.
+    pub key: String,
+    /// The step as a skill shows it (`Call \`get_order\` with <order_id>.`).
+    pub text: String,
+    /// The tool, for a tool call.
+    pub tool: Option<String>,
+    /// Share of the successes aligned to it.
+    pub support: f64,
+    /// Share of the failures that contain it (`None` without failures).
+    pub failure_support: Option<f64>,
+    /// Successes have it and failures lack it.
+    pub critical: bool,
+}
+
+/// The procedure a cluster's successes share.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Skeleton {
+    /// The steps, in order.
+    pub steps: Vec<SkeletonStep>,
+    /// Less supported columns: (step text, support).
+    pub branches: Vec<(String, f64)>,
+    /// "Run A before B" rules.
+    pub preconditions: Vec<String>,
+    /// What went wrong at the skeleton's steps.
+    pub pitfalls: Vec<String>,
+    /// Successes aligned.
+    pub successes: usize,
+    /// Failures contrasted.
+    pub failures: usize,
+    /// What the successes' tasks share (other words as `…`).
+    pub task_pattern: String,
+}
+
+/// Words that separate the slots of a text action.
+const FRAME_WORDS: [&str; 12] = ["to", "from", "in", "on", "into", "onto", "with", "at", "under", "in/on", "for", "of"];
+/// The signature of a free-text turn.
+const MESSAGE: &str = "message the user";
+/// Text actions longer than this are free text (a message), not a command.
+const MAX_COMMAND_WORDS: usize = 10;
+
+/// The episode's steps as signatures, consecutive repeats collapsed.
+pub fn signatures(node: &Node) -> Vec<Signed> {
+    let Some(episode) = node.episode() else { return Vec::new() };
+    let mut out: Vec<Signed> = Vec::new();
+    for (index, step) in episode.steps.iter().enumerate() {
+        let next_observation = episode.steps.get(index + 1).map(|s| s.observation.as_str()).unwrap_or("");
+        let mut signed: Vec<Signed> = if step.tool_calls.is_empty() {
+            text_signature(&step.action, next_observation).into_iter().collect()
+        } else {
+            step.tool_calls.iter().map(tool_signature).collect()
+        };
+        if let (Some(feedback), Some(last)) = (&step.feedback, signed.last_mut()) {
+            last.error.get_or_insert_with(|| feedback.clone());
+        }
+        for item in signed.drain(..) {
+            match out.last_mut() {
+                Some(previous) if previous.key == item.key => {
+                    if previous.error.is_none() {
+                        previous.error = item.error;
+                    }
+                }
+                _ => out.push(item),
+            }
+        }
+    }
+    out
+}
+
+fn tool_signature(call: &fluxmem_graph::ToolCall) -> Signed {
+    let arguments: BTreeMap<String, serde_json::Value> = serde_json::from_str(&call.arguments).unwrap_or_default();
+    let slots: Vec<String> = arguments.keys().cloned().collect();
+    let values = arguments.values().map(|v| v.to_string()).collect();
+    let error = call.result.as_deref().filter(|r| is_error(r)).map(str::to_string);
+    Signed {
+        key: format!("call {}({})", call.name, slots.join(",")),
+        tool: Some(call.name.clone()),
+        slots,
+        frame: Vec::new(),
+        values,
+        error,
+    }
+}
+
+fn is_error(result: &str) -> bool {
+    let head: String = result.trim_start().chars().take(40).collect::<String>().to_lowercase();
+    head.starts_with("error") || head.contains("\"error\"") || head.starts_with("failed") || head.starts_with("exception")
+}
+
+fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
+    let action = action.trim();
+    let lower = action.to_lowercase();
+    if action.is_empty() || lower.starts_with("think:") || lower.starts_with("think ") {
+        return None;
+    }
+    let words: Vec<String> = lower
+        .split_whitespace()
+        .map(|w| w.trim_matches(|c: char| !c.is_alphanumeric() && c != '/' && c != '_').to_string())
+        .filter(|w| !w.is_empty())
+        .collect();
+    let sentence = action.contains(". ") || action.ends_with('?') || action.ends_with('!');
+    if words.is_empty() || words.len() > MAX_COMMAND_WORDS || sentence {
+        return Some(Signed {
+            key: MESSAGE.into(),
+            tool: None,
+            slots: Vec::new(),
+            frame: vec![MESSAGE.into()],
+            values: Vec::new(),
+            error: None,
+        });
+    }
+    let (verb, rest) = if words.len() > 1 && words[0] == "go" && words[1] == "to" { ("go to".to_string(), &words[2..]) } else { (words[0].clone(), &words[1..]) };
+    let mut frame = vec![verb];
+    let mut values: Vec<String> = Vec::new();
+    let mut current: Vec<&str> = Vec::new();
+    let flush = |current: &mut Vec<&str>, values: &mut Vec<String>, frame: &mut Vec<String>| {
+        if !current.is_empty() {
+            values.push(current.join(" "));
+            frame.push(String::new());
+            current.clear();
+        }
+    };
+    for word in rest {
+        if FRAME_WORDS.contains(&word.as_str()) {
+            flush(&mut current, &mut values, &mut frame);
+            frame.push(word.clone());
+        } else if word.chars().all(|c| c.is_ascii_digit()) {
+            // Instance numbers (`apple 1`) are not part of what the step does.
+        } else {
+            current.push(word);
+        }
+    }
+    flush(&mut current, &mut values, &mut frame);
+    let mut slot = 0;
+    let key: Vec<String> = frame
+        .iter()
+        .map(|w| {
+            if w.is_empty() {
+                slot += 1;
+                format!("<{slot}>")
+            } else {
+                w.clone()
+            }
+        })
+        .collect();
+    let error = next_observation.trim().to_lowercase().starts_with("nothing happens").then(|| "Nothing happens.".to_string());
+    Some(Signed { key: key.join(" "), tool: None, slots: (1..=values.len()).map(|i| i.to_string()).collect(), frame, values, error })
+}
+
+/// A column of the alignment profile.
+#[derive(Debug, Clone)]
+struct Column {
+    key: String,
+    /// The occurrences aligned to it (successes only), with their episode index.
+    occurrences: Vec<(usize, Signed)>,
+}
+
+/// Longest common subsequence of two key sequences: the matched (i, j) pairs, in order.
+pub(crate) fn lcs_pairs(a: &[&str], b: &[&str]) -> Vec<(usize, usize)> {
+    let (n, m) = (a.len(), b.len());
+    let mut table = vec![vec![0u32; m + 1]; n + 1];
+    for i in (0..n).rev() {
+        for j in (0..m).rev() {
+            table[i][j] = if a[i] == b[j] { table[i + 1][j + 1] + 1 } else { table[i + 1][j].max(table[i][j + 1]) };
+        }
+    }
+    let (mut i, mut j, mut pairs) = (0, 0, Vec::new());
+    while i < n && j < m {
+        if a[i] == b[j] {
+            pairs.push((i, j));
+            i += 1;
+            j += 1;
+        } else if table[i + 1][j] >= table[i][j + 1] {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    pairs
+}
+
+/// Length of the longest common subsequence of two key sequences.
+pub fn lcs_len(a: &[&str], b: &[&str]) -> usize {
+    lcs_pairs(a, b).len()
+}
+
+/// Aligns the sequences progressively into a profile of columns.
+fn align(sequences: &[Vec<Signed>]) -> Vec<Column> {
+    let mut profile: Vec<Column> = Vec::new();
+    for (episode, sequence) in sequences.iter().enumerate() {
+        let profile_keys: Vec<String> = profile.iter().map(|c| c.key.clone()).collect();
+        let profile_refs: Vec<&str> = profile_keys.iter().map(String::as_str).collect();
+        let keys: Vec<&str> = sequence.iter().map(|s| s.key.as_str()).collect();
+        let pairs = lcs_pairs(&profile_refs, &keys);
+        let mut merged: Vec<Column> = Vec::with_capacity(profile.len() + sequence.len());
+        let (mut i, mut j) = (0, 0);
+        let mut old = std::mem::take(&mut profile).into_iter();
+        for (pi, sj) in pairs.into_iter().chain(std::iter::once((usize::MAX, usize::MAX))) {
+            let profile_end = pi.min(profile_keys.len());
+            let sequence_end = sj.min(keys.len());
+            while i < profile_end {
+                merged.push(old.next().expect("profile column"));
+                i += 1;
+            }
+            while j < sequence_end {
+                merged.push(Column { key: sequence[j].key.clone(), occurrences: vec![(episode, sequence[j].clone())] });
+                j += 1;
+            }
+            if pi == usize::MAX {
+                break;
+            }
+            let mut column = old.next().expect("matched profile column");
+            column.occurrences.push((episode, sequence[sj].clone()));
+            merged.push(column);
+            i += 1;
+            j += 1;
+        }
+        profile = merged;
+    }
+    profile
+}
+
+/// The skeleton of `successes` (most representative first) contrasted with `failures`, or
+/// `None` when the successes share fewer than 2 steps.
+pub fn mine(successes: &[&Node], failures: &[&Node], options: &MineOptions) -> Option<Skeleton> {
+    let sequences: Vec<Vec<Signed>> = successes.iter().map(|n| signatures(n)).collect();
+    let failed: Vec<Vec<Signed>> = failures.iter().map(|n| signatures(n)).collect();
+    let n = successes.len();
+    if n == 0 {
+        return None;
+    }
+    let profile = align(&sequences);
+    let holders = |column: &Column| column.occurrences.iter().map(|(e, _)| *e).collect::<BTreeSet<_>>().len();
+    let support = |column: &Column| holders(column) as f64 / n as f64;
+    let min_count = options.min_count.min(n);
+    // A free-text turn to the user aligns (it keeps the order of what is around it) but is not
+    // a step: it says nothing a skill can follow.
+    let mut kept: Vec<(usize, f64)> = profile
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.key != MESSAGE && holders(c) >= min_count)
+        .map(|(i, c)| (i, support(c)))
+        .filter(|(_, s)| *s + 1e-12 >= options.min_support)
+        .collect();
+    if kept.len() > options.max_steps {
+        let mut by_support = kept.clone();
+        by_support.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let keep: BTreeSet<usize> = by_support.into_iter().take(options.max_steps).map(|(i, _)| i).collect();
+        kept.retain(|(i, _)| keep.contains(i));
+    }
+    let failure_share = |key: &str| {
+        (!failed.is_empty()).then(|| failed.iter().filter(|f| f.iter().any(|s| s.key == key)).count() as f64 / failed.len() as f64)
+    };
+    let steps: Vec<SkeletonStep> = kept
+        .iter()
+        .map(|&(i, share)| {
+            let column = &profile[i];
+            let failure_support = failure_share(&column.key);
+            SkeletonStep {
+                key: column.key.clone(),
+                text: render_step(column),
+                tool: column.occurrences[0].1.tool.clone(),
+                support: share,
+                failure_support,
+                critical: failure_support.is_some_and(|f| share - f >= options.critical_gap - 1e-12),
+            }
+        })
+        .collect();
+    if steps.len() < 2 {
+        return None;
+    }
+    let kept_set: BTreeSet<usize> = kept.iter().map(|(i, _)| *i).collect();
+    let branches = profile
+        .iter()
+        .enumerate()
+        .filter(|(i, c)| !kept_set.contains(i) && c.key != MESSAGE && support(c) + 1e-12 >= options.branch_support)
+        .map(|(_, c)| (render_step(c), support(c)))
+        .collect();
+    let preconditions = preconditions(&steps, &sequences, &failed);
+    let pitfalls = pitfalls(&steps, &sequences, &failed);
+    Some(Skeleton { steps, branches, preconditions, pitfalls, successes: n, failures: failures.len(), task_pattern: task_pattern(successes) })
+}
+
+/// How a column reads in a skill.
+fn render_step(column: &Column) -> String {
+    let first = &column.occurrences[0].1;
+    let constant = |slot: usize| -> Option<&str> {
+        let value = first.values.get(slot)?;
+        column.occurrences.iter().all(|(_, s)| s.values.get(slot) == Some(value)).then_some(value.as_str())
+    };
+    if let Some(tool) = &first.tool {
+        let slots: Vec<String> = first.slots.iter().map(|s| format!("<{s}>")).collect();
+        return if slots.is_empty() { format!("Call `{tool}`.") } else { format!("Call `{tool}` with {}.", slots.join(", ")) };
+    }
+    let mut slot = 0;
+    let mut words: Vec<String> = Vec::new();
+    for (position, word) in first.frame.iter().enumerate() {
+        if word.is_empty() {
+            let previous = first.frame[..position].iter().rev().find(|w| !w.is_empty()).map(String::as_str).unwrap_or("");
+            words.push(match constant(slot) {
+                Some(value) => value.to_string(),
+                None => format!("<{}>", slot_type(previous, position == 1)),
+            });
+            slot += 1;
+        } else {
+            words.push(word.clone());
+        }
+    }
+    let mut text = words.join(" ");
+    if let Some(first_char) = text.get(0..1) {
+        text = format!("{}{}", first_char.to_uppercase(), &text[1..]);
+    }
+    text.push('.');
+    text
+}
+
+/// A readable name for a text action's slot, from the word before it.
+fn slot_type(previous: &str, right_after_verb: bool) -> &'static str {
+    match previous {
+        "go to" | "to" | "at" => "place",
+        "from" => "source",
+        "in" | "on" | "into" | "onto" | "in/on" | "under" => "receptacle",
+        "with" => "tool",
+        _ if right_after_verb => "object",
+        _ => "value",
+    }
+}
+
+/// Pairs of skeleton steps that every success holding both runs in order, and some failure
+/// runs the second of without the first before it.
+fn preconditions(steps: &[SkeletonStep], successes: &[Vec<Signed>], failures: &[Vec<Signed>]) -> Vec<String> {
+    let first = |sequence: &[Signed], key: &str| sequence.iter().position(|s| s.key == key);
+    let mut rules = Vec::new();
+    for (a_index, a) in steps.iter().enumerate() {
+        for b in steps.iter().skip(a_index + 1) {
+            if a.key == b.key {
+                continue;
+            }
+            let ordered = successes.iter().all(|s| match (first(s, &a.key), first(s, &b.key)) {
+                (Some(x), Some(y)) => x < y,
+                _ => true,
+            });
+            let broken = failures.iter().any(|f| match (first(f, &a.key), first(f, &b.key)) {
+                (Some(x), Some(y)) => x > y,
+                (None, Some(_)) => true,
+                _ => false,
+            });
+            if ordered && broken {
+                rules.push(format!("{} must come before: {}", trim_period(&a.text), trim_period(&b.text)));
+            }
+        }
+    }
+    rules.truncate(5);
+    rules
+}
+
+fn trim_period(text: &str) -> &str {
+    text.strip_suffix('.').unwrap_or(text)
+}
+
+/// Errors met at the skeleton's steps, in any episode of the cluster.
+fn pitfalls(steps: &[SkeletonStep], successes: &[Vec<Signed>], failures: &[Vec<Signed>]) -> Vec<String> {
+    let mut out = Vec::new();
+    for step in steps {
+        let occurrences: Vec<&Signed> = successes.iter().chain(failures).flatten().filter(|s| s.key == step.key).collect();
+        let errors: Vec<&str> = occurrences.iter().filter_map(|s| s.error.as_deref()).collect();
+        if let Some(example) = errors.first() {
+            let example: String = example.chars().take(120).collect();
+            out.push(format!(
+                "{}: {} of {} logged runs of this step went wrong, e.g. \"{}\"",
+                trim_period(&step.text),
+                errors.len(),
+                occurrences.len(),
+                example.replace('"', "'").replace('\n', " ")
+            ));
+        }
+    }
+    out
+}
+
+/// The words most of the successes' tasks share, in the first task's order; other words `…`.
+fn task_pattern(successes: &[&Node]) -> String {
+    let words = |node: &Node| -> Vec<String> { node.text.split_whitespace().map(|w| w.trim_matches(|c: char| !c.is_alphanumeric()).to_lowercase()).filter(|w| !w.is_empty()).collect() };
+    let all: Vec<Vec<String>> = successes.iter().map(|n| words(n)).collect();
+    let Some(first) = all.first() else { return String::new() };
+    let shared = |word: &str| all.iter().filter(|w| w.iter().any(|x| x == word)).count() * 2 >= all.len();
+    let mut pattern: Vec<&str> = Vec::new();
+    for word in first {
+        if word.chars().all(|c| c.is_ascii_digit()) {
+            continue;
+        }
+        if shared(word) {
+            pattern.push(word);
+        } else if pattern.last() != Some(&"…") {
+            pattern.push("…");
+        }
+    }
+    let mut text = pattern.join(" ");
+    if text.chars().count() > 80 {
+        text = text.chars().take(79).collect::<String>() + "…";
+    }
+    text
+}
+
+/// How well an episode follows a skeleton's steps: the longest common subsequence of the
+/// steps and the episode's signatures, over the number of steps (1 = every step, in order).
+pub fn coverage(step_keys: &[&str], episode: &Node) -> f64 {
+    if step_keys.is_empty() {
+        return 0.0;
+    }
+    let signed = signatures(episode);
+    let keys: Vec<&str> = signed.iter().map(|s| s.key.as_str()).collect();
+    lcs_len(step_keys, &keys) as f64 / step_keys.len() as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fluxmem_graph::{Episode, NodeBody, Outcome, Step, ToolCall};
+
+    fn episode(task: &str, actions: &[&str], success: bool) -> Node {
+        let steps = actions
+            .iter()
+            .map(|a| match a.strip_prefix("tool:") {
+                Some(spec) => {
+                    let (name, args) = spec.split_once(' ').unwrap_or((spec, "{}"));
+                    let (args, result) = args.split_once(" => ").map_or((args, None), |(a, r)| (a, Some(r.to_string())));
+                    Step { tool_calls: vec![ToolCall { name: name.into(), arguments: args.into(), result }], ..Step::default() }
+                }
+                None => Step { action: a.to_string(), ..Step::default() },
+            })
+            .collect();
+        let body = NodeBody::Episodic(Episode { steps, outcome: Outcome { success: Some(success), reward: None, feedback: None } });
+        Node::new(body, "t", task, &[task, &actions.join("|"), &success.to_string()])
+    }
+
+    #[test]
+    fn text_actions_become_slotted_signatures() {
+        let node = episode("clean an apple", &["think: where is it", "go to countertop 1", "take apple 1 from countertop 1", "clean apple 1 with sinkbasin 1"], true);
+        let keys: Vec<String> = signatures(&node).into_iter().map(|s| s.key).collect();
+        assert_eq!(keys, ["go to <1>", "take <1> from <2>", "clean <1> with <2>"]);
+    }
+
+    #[test]
+    fn the_skeleton_keeps_shared_steps_with_support_and_constants() {
+        let a = episode("clean some apple and put it in fridge", &["go to countertop 1", "take apple 1 from countertop 1", "go to sinkbasin 1", "clean apple 1 with sinkbasin 1", "go to fridge 1", "put apple 1 in/on fridge 1"], true);
+        let b = episode("clean some lettuce and put it in fridge", &["go to diningtable 1", "take lettuce 1 from diningtable 1", "go to sinkbasin 1", "clean lettuce 1 with sinkbasin 1", "go to fridge 1", "put lettuce 1 in/on fridge 1"], true);
+        let c = episode("clean some egg and put it in fridge", &["go to cabinet 2", "open cabinet 2", "go to countertop 2", "take egg 1 from countertop 2", "go to sinkbasin 1", "clean egg 1 with sinkbasin 1", "go to fridge 1", "put egg 1 in/on fridge 1"], true);
+        let skeleton = mine(&[&a, &b, &c], &[], &MineOptions::default()).unwrap();
+        let texts: Vec<&str> = skeleton.steps.iter().map(|s| s.text.as_str()).collect();
+        assert!(texts.contains(&"Take <object> from <source>."), "{texts:?}");
+        assert!(texts.contains(&"Clean <object> with sinkbasin."), "constant slot shown: {texts:?}");
+        assert!(texts.contains(&"Put <object> in/on fridge."), "{texts:?}");
+        assert!(!texts.iter().any(|t| t.starts_with("Open")), "one success of three is under the share: {texts:?}");
+        assert!(skeleton.steps.iter().all(|s| s.support >= 0.5));
+        assert!(skeleton.branches.iter().any(|(text, share)| text == "Open cabinet." && (*share - 1.0 / 3.0).abs() < 1e-9), "the open is a branch: {:?}", skeleton.branches);
+        assert_eq!(skeleton.task_pattern, "clean some … and put it in fridge");
+        let take = texts.iter().position(|t| t.starts_with("Take")).unwrap();
+        let clean = texts.iter().position(|t| t.starts_with("Clean")).unwrap();
+        assert!(take < clean, "order kept");
+    }
+
+    #[test]
+    fn failures_give_critical_steps_preconditions_and_pitfalls() {
+        let ok1 = episode("cancel", &[r#"tool:get_reservation_details {"reservation_id":"A1"}"#, r#"tool:cancel_reservation {"reservation_id":"A1"}"#], true);
+        let ok2 = episode("cancel 2", &[r#"tool:get_user_details {"user_id":"u"}"#, r#"tool:get_reservation_details {"reservation_id":"B2"}"#, r#"tool:cancel_reservation {"reservation_id":"B2"}"#], true);
+        let bad = episode("cancel 3", &[r#"tool:cancel_reservation {"reservation_id":"C3"} => Error: reservation not found"#], false);
+        let options = MineOptions { min_support: 0.75, ..MineOptions::default() };
+        let skeleton = mine(&[&ok1, &ok2], &[&bad], &options).unwrap();
+        let texts: Vec<&str> = skeleton.steps.iter().map(|s| s.text.as_str()).collect();
+        assert_eq!(texts, ["Call `get_reservation_details` with <reservation_id>.", "Call `cancel_reservation` with <reservation_id>."]);
+        assert!(skeleton.steps[0].critical && !skeleton.steps[1].critical);
+        assert_eq!(skeleton.preconditions.len(), 1, "{:?}", skeleton.preconditions);
+        assert!(skeleton.preconditions[0].starts_with("Call `get_reservation_details`"));
+        assert!(skeleton.pitfalls[0].contains("reservation not found"), "{:?}", skeleton.pitfalls);
+        assert!(!texts.iter().any(|t| t.contains("A1") || t.contains("B2")), "instance values never shown");
+    }
+
+    #[test]
+    fn successes_without_a_shared_procedure_give_no_skeleton() {
+        let a = episode("a", &["open drawer 1", "look"], true);
+        let b = episode("b", &["inventory", "go to bed 1"], true);
+        let c = episode("c", &["examine book 1", "use desklamp 1"], true);
+        assert!(mine(&[&a, &b, &c], &[], &MineOptions::default()).is_none());
+        assert!(mine(&[], &[&a], &MineOptions::default()).is_none());
+    }
+
+    #[test]
+    fn coverage_is_the_in_order_share_of_steps() {
+        let node = episode("x", &["go to sinkbasin 1", "take apple 1 from sinkbasin 1", "clean apple 1 with sinkbasin 1"], true);
+        assert_eq!(coverage(&["go to <1>", "clean <1> with <2>"], &node), 1.0);
+        assert_eq!(coverage(&["clean <1> with <2>", "go to <1>"], &node), 0.5);
+        assert_eq!(coverage(&[], &node), 0.0);
+    }
+}
