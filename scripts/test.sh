@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! .venv/bin/python -c "import pyarrow, duckdb" 2>/dev/null; then
-  echo "setting up .venv for the Python shard-reading test" >&2
+if ! .venv/bin/python -c "import pyarrow, duckdb, skills_ref" 2>/dev/null; then
+  echo "setting up .venv for the Python shard-reading and skill-validation tests" >&2
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
 fi

@@ -48,6 +48,11 @@ pub struct Pipeline {
     /// See [`Report`].
     #[serde(default)]
     pub report: Report,
+    /// `[redact]`: what is replaced before anything leaves the store (exported skills, prompts,
+    /// the run report): `enabled` (default true), `kinds` (default all: email, phone, card,
+    /// iban, secret, ip), `allow` (exact strings never redacted).
+    #[serde(default)]
+    pub redact: fluxmem_redact::RedactConfig,
 }
 
 fn default_seed() -> u64 {

@@ -485,3 +485,127 @@ fn output_targets_that_cannot_be_written_are_refused_before_any_work() {
     // A stage that does not export does not need export.out.
     done(&run(fluxmem().arg("run").arg(&file).args(["--stage", "ingest"])));
 }
+
+/// The Agent Skills reference validator (`agentskills`, PyPI `skills-ref`, installed into
+/// `.venv` by scripts/test.sh; `FLUXMEM_AGENTSKILLS` overrides).
+fn agentskills() -> PathBuf {
+    if let Ok(path) = std::env::var("FLUXMEM_AGENTSKILLS") {
+        return PathBuf::from(path);
+    }
+    let path = repo().join(".venv/bin/agentskills");
+    assert!(path.exists(), "no agentskills validator: run `bash scripts/test.sh` (it installs tests/python/requirements.txt into .venv) or set FLUXMEM_AGENTSKILLS");
+    path
+}
+
+/// Template skills (no generator) from every sample format: the run is `ok`, every cluster of
+/// the samples gives a skill, and every exported SKILL.md passes the Agent Skills reference
+/// validator, with its provenance next to it.
+#[test]
+fn template_skills_from_the_samples_pass_the_agent_skills_validator() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = repo().join("data");
+    let text = format!(
+        r#"name = "skills"
+store = "store"
+seed = 42
+
+[models]
+generator = "none"
+
+[[inputs]]
+paths = ["{data}/trajectories.jsonl", "{data}/knowledge/*.md"]
+
+[[inputs]]
+paths = ["{data}/tau-bench/*.json"]
+format = "tau-bench"
+tenant = "airline"
+
+[[inputs]]
+paths = ["{data}/alfworld/*.json"]
+format = "alfworld"
+tenant = "alfworld"
+
+[[inputs]]
+paths = ["private.jsonl"]
+
+[export]
+format = "skill-md"
+out = "skills"
+
+[report]
+dir = "runs"
+"#,
+        data = data.display()
+    );
+    let file = dir.path().join("pipeline.toml");
+    std::fs::write(&file, text).unwrap();
+    // Two runs of a tenant whose logs carry personal data in tasks, tool arguments and errors.
+    let private: String = (1..=2)
+        .map(|i| {
+            serde_json::json!({
+                "tenant": "private", "episode_id": format!("p-{i}"),
+                "task": format!("Email the invoice to alice{i}@example.com and charge card 4111 1111 1111 1111"),
+                "steps": [
+                    {"observation": "User wants the invoice", "action": "Looking it up.",
+                     "tool_calls": [{"name": "find_invoice", "arguments": {"email": format!("alice{i}@example.com")}, "result": "Error: no invoice for alice@example.com"}]},
+                    {"observation": "found", "action": "Sending.",
+                     "tool_calls": [{"name": "send_invoice", "arguments": {"to": format!("alice{i}@example.com"), "card": "4111 1111 1111 1111"}, "result": "ok"}]}
+                ],
+                "outcome": {"success": true}
+            })
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(dir.path().join("private.jsonl"), private).unwrap();
+    let output = run(fluxmem().args(["run", "--json"]).arg(&file));
+    let record = finished(&output);
+    // The samples' acme tenant is one cluster of unrelated tasks whose successes share no
+    // procedure: that cluster honestly gives no skill, so the run may be `partial`, never worse.
+    assert!(record["status"] == "ok" || record["status"] == "partial", "{record}");
+    // Nothing personal leaves the store: not the skills, not the run report.
+    let mut leaving = String::new();
+    for path in walk(&dir.path().join("skills")).into_iter().chain(walk(&dir.path().join("runs"))) {
+        leaving.push_str(&std::fs::read_to_string(&path).unwrap());
+    }
+    for secret in ["alice1@example.com", "alice@example.com", "4111 1111 1111 1111"] {
+        assert!(!leaving.contains(secret), "`{secret}` left the store");
+    }
+    assert!(leaving.contains("<email>"), "placeholders keep the text readable");
+    assert!(record["redacted"]["email"].as_u64().unwrap_or(0) > 0, "counted per kind: {}", record["redacted"]);
+    let consolidate = stage(&record, "consolidate");
+    assert_eq!(consolidate["counts_out"]["failed"], consolidate["details"]["no_procedure"], "only clusters without a shared procedure fail: {consolidate}");
+    let skills = dir.path().join("skills");
+    let folders: Vec<PathBuf> = std::fs::read_dir(&skills).unwrap().flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect();
+    assert!(folders.len() >= 3, "at least 3 skills from the samples: {folders:?}");
+    for folder in &folders {
+        let check = run(Command::new(agentskills()).arg("validate").arg(folder));
+        assert!(
+            check.status.success(),
+            "agentskills validate {}:\n{}{}",
+            folder.display(),
+            String::from_utf8_lossy(&check.stdout),
+            String::from_utf8_lossy(&check.stderr)
+        );
+        let provenance: Value = serde_json::from_slice(&std::fs::read(folder.join("provenance.json")).unwrap()).unwrap();
+        assert!(provenance["source_episodes"].as_array().is_some_and(|e| !e.is_empty()), "{provenance}");
+    }
+    assert!(skills.join("CHANGES.md").is_file());
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap().flatten() {
+            if entry.path().is_dir() {
+                stack.push(entry.path());
+            } else {
+                out.push(entry.path());
+            }
+        }
+    }
+    out.sort();
+    out
+}

@@ -179,6 +179,7 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             record.outputs.push(path);
         }
     }
+    let record = redacted(record, &p.redact)?;
     let (json_path, html_path) = fluxmem_report::write_report(&report_dir, &record)?;
     if args.json {
         println!("{}", serde_json::to_string(&record)?);
@@ -546,7 +547,9 @@ impl Ctx<'_> {
             min_support: e.min_support,
         };
         let store = Store::open(writer.store().dir())?;
-        let report = fluxmem_consolidate::export_skills(&store, &out, &options).with_context(|| format!("exporting skills to {}", out.display()))?;
+        let redactor = fluxmem_redact::Redactor::new(self.loaded.pipeline.redact.clone());
+        let report = fluxmem_consolidate::export_skills_with(&store, &out, &options, &redactor)
+            .with_context(|| format!("exporting skills to {}", out.display()))?;
         eprintln!("  {} skills exported to {} ({} filtered out)", report.skills, out.display(), report.filtered_out);
         self.outputs.push(out.display().to_string());
         // An enabled export that wrote no skill gave the user an empty release.
@@ -570,6 +573,23 @@ impl Ctx<'_> {
             ..Default::default()
         })
     }
+}
+
+/// The run record as it may leave the store: every string passed through the redaction of the
+/// pipeline's `[redact]`; `redacted` counts what this and the export replaced, per kind.
+fn redacted(record: RunRecord, config: &fluxmem_redact::RedactConfig) -> anyhow::Result<RunRecord> {
+    let redactor = fluxmem_redact::Redactor::new(config.clone());
+    let mut counts = fluxmem_redact::Counts::new();
+    for stage in record.stages.iter().filter(|s| s.name == "export") {
+        if let Ok(exported) = serde_json::from_value::<fluxmem_redact::Counts>(stage.details["redacted"].clone()) {
+            counts.merge(&exported);
+        }
+    }
+    let mut value = serde_json::to_value(&record)?;
+    redactor.redact_json(&mut value, &mut counts);
+    let mut record: RunRecord = serde_json::from_value(value)?;
+    record.redacted = counts.iter().map(|(kind, n)| (kind.to_string(), n)).collect();
+    Ok(record)
 }
 
 /// One run id, one report: a run started again, or run stage by stage (a distributed run:

@@ -15,7 +15,7 @@ use fluxmem_graph::{sha256_hex, Graph, Node, NodeBody};
 use fluxmem_store::Store;
 use serde::Serialize;
 use serde_json::{json, Value};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -93,6 +93,8 @@ pub struct SkillRecord {
     pub version: i64,
     /// Current PEMS (the kept round's score).
     pub pems: f64,
+    /// The kept round's eta, when recorded.
+    pub eta: Option<f64>,
     /// Every round's PEMS over all versions.
     pub pems_history: Vec<f64>,
     /// Number of source episodes.
@@ -118,6 +120,14 @@ pub struct ExportReport {
     pub skills: usize,
     /// Latest skills left out by the filters.
     pub filtered_out: usize,
+    /// Skills new since the release this one replaced.
+    pub added: usize,
+    /// Skills with a new version since then.
+    pub updated: usize,
+    /// Skills that release had and this one has not.
+    pub retired: usize,
+    /// What redaction replaced, per kind.
+    pub redacted: fluxmem_redact::Counts,
     /// Files written, relative to the output directory.
     pub files: Vec<String>,
     /// The release manifest.
@@ -141,6 +151,7 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
                 (r, b) if r > 0 && b > 0 && b <= r && skill.pems_history.len() >= r => skill.pems_history[skill.pems_history.len() - r + b - 1],
                 _ => skill.pems_history.last().copied().unwrap_or(0.0),
             };
+            let eta = node.metadata.get("rounds").and_then(|r| r.get(best.checked_sub(1)?)).and_then(|r| r["score"]["eta"].as_f64());
             let name = Some(text(node, "name")).filter(|n| !n.is_empty()).unwrap_or_else(|| node.id.to_string());
             let list = |key: &str| -> Vec<String> {
                 node.metadata.get(key).and_then(Value::as_array).map_or_else(Vec::new, |s| s.iter().filter_map(Value::as_str).map(str::to_string).collect())
@@ -159,6 +170,7 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
                 pitfalls,
                 version: skill.version,
                 pems,
+                eta,
                 pems_history: skill.pems_history.clone(),
                 support: skill.source_episodes.len(),
                 source_episodes: skill.source_episodes.iter().map(|id| id.to_string()).collect(),
@@ -271,9 +283,17 @@ fn yaml_string(value: &str) -> String {
 /// removed by later exports, since another export may be using them; they are safe to delete.
 /// The temporary names never reach the output, which stays byte-identical across runs.
 pub fn export_skills(store: &Store, out: &Path, options: &ExportOptions) -> Result<ExportReport> {
+    export_skills_with(store, out, options, &fluxmem_redact::Redactor::default())
+}
+
+/// [`export_skills`] with an explicit redaction pass (the default redacts every kind): every
+/// text of a record (name, description, steps, pitfalls, body) passes `redactor` before it is
+/// written, and its content hash is taken after; the counts are in the report.
+pub fn export_skills_with(store: &Store, out: &Path, options: &ExportOptions, redactor: &fluxmem_redact::Redactor) -> Result<ExportReport> {
     let manifest = store.manifest()?;
     let graph = store.load_at(&manifest)?;
-    let all = skill_records(&graph);
+    let mut redacted = fluxmem_redact::Counts::new();
+    let all: Vec<SkillRecord> = skill_records(&graph).into_iter().map(|r| redact_record(r, redactor, &mut redacted)).collect();
     let total = all.len();
     let records: Vec<SkillRecord> = all
         .into_iter()
@@ -283,11 +303,122 @@ pub fn export_skills(store: &Store, out: &Path, options: &ExportOptions) -> Resu
         .collect();
     let target = Target::resolve(out)?;
     let existing = inspect(&target.dir)?;
+    let previous = previous_release(&target.dir);
+    let changes = changes(previous.as_ref(), &manifest, &records);
     std::fs::create_dir_all(&target.parent).map_err(|e| io(&target.parent, e))?;
     let scratch = Scratch::create(target.sibling("tmp"))?;
-    let files = write_release(&scratch.path, out, &manifest, &graph, &records, options)?;
+    let files = write_release(&scratch.path, out, &manifest, &graph, &records, options, &changes)?;
     target.install(scratch, existing)?;
-    Ok(ExportReport { skills: records.len(), filtered_out: total - records.len(), files, release: out.join(RELEASE_FILE) })
+    let count = |kind: &str| changes.iter().filter(|c| c["change"] == kind).count();
+    Ok(ExportReport {
+        skills: records.len(),
+        filtered_out: total - records.len(),
+        added: count("added"),
+        updated: count("updated"),
+        retired: count("retired"),
+        redacted,
+        files,
+        release: out.join(RELEASE_FILE),
+    })
+}
+
+/// `record` with its texts redacted and its content hash taken again.
+fn redact_record(mut record: SkillRecord, redactor: &fluxmem_redact::Redactor, counts: &mut fluxmem_redact::Counts) -> SkillRecord {
+    if !redactor.is_active() {
+        return record;
+    }
+    let mut redact = |text: &mut String| *text = redactor.redact_into(text, counts);
+    redact(&mut record.name);
+    redact(&mut record.description);
+    redact(&mut record.body);
+    record.steps.iter_mut().for_each(&mut redact);
+    record.pitfalls.iter_mut().for_each(&mut redact);
+    record.content_sha256 = String::new();
+    record.content_sha256 = sha256_hex(serde_json::to_string(&record).expect("records serialise").as_bytes());
+    record
+}
+
+/// The changes file of every release.
+pub const CHANGES_FILE: &str = "CHANGES.md";
+
+/// The release manifest of an earlier export in `dir`, if it is one of ours.
+fn previous_release(dir: &Path) -> Option<Value> {
+    let value: Value = serde_json::from_slice(&std::fs::read(dir.join(RELEASE_FILE)).ok()?).ok()?;
+    (value["format"] == "fluxmem-skills").then_some(value)
+}
+
+/// What changed since `previous` (the release this one replaces): skills `added` (a lineage it
+/// did not have), `updated` (a new version of a lineage, with the version, PEMS and eta before
+/// and after), `unchanged` and `retired` (a lineage it had that this release has not: its cluster
+/// is gone or a filter leaves it out; listed, never dropped silently). Re-exporting the same
+/// store state keeps the previous release's list, so the output stays byte-identical.
+fn changes(previous: Option<&Value>, manifest: &fluxmem_store::Manifest, records: &[SkillRecord]) -> Vec<Value> {
+    let old: Vec<&Value> = previous.and_then(|p| p["skills"].as_array()).map(|s| s.iter().collect()).unwrap_or_default();
+    if let Some(previous) = previous {
+        let same_store = previous["store"]["manifest_version"].as_u64() == Some(manifest.version);
+        let old_ids: BTreeSet<&str> = old.iter().filter_map(|s| s["id"].as_str()).collect();
+        let new_ids: BTreeSet<&str> = records.iter().map(|r| r.id.as_str()).collect();
+        if same_store && old_ids == new_ids {
+            if let Some(list) = previous["changes"].as_array() {
+                return list.clone();
+            }
+        }
+    }
+    let by_lineage: BTreeMap<&str, &Value> = old.iter().filter_map(|s| Some((s["lineage"].as_str()?, *s))).collect();
+    let mut out = Vec::new();
+    let now: BTreeSet<&str> = records.iter().map(|r| r.lineage.as_str()).collect();
+    for record in records {
+        let after = json!({ "id": record.id, "version": record.version, "pems": record.pems, "eta": record.eta });
+        let entry = match by_lineage.get(record.lineage.as_str()) {
+            None => json!({ "change": "added", "lineage": record.lineage, "slug": record.slug, "name": record.name, "after": after }),
+            Some(before) if before["id"] == record.id.as_str() => {
+                json!({ "change": "unchanged", "lineage": record.lineage, "slug": record.slug, "name": record.name, "after": after })
+            }
+            Some(before) => json!({
+                "change": "updated", "lineage": record.lineage, "slug": record.slug, "name": record.name,
+                "before": { "id": before["id"], "version": before["version"], "pems": before["pems"], "eta": before["eta"] },
+                "after": after,
+            }),
+        };
+        out.push(entry);
+    }
+    for (lineage, before) in &by_lineage {
+        if !now.contains(lineage) {
+            out.push(json!({
+                "change": "retired", "lineage": lineage, "slug": before["slug"], "name": before["name"],
+                "before": { "id": before["id"], "version": before["version"], "pems": before["pems"], "eta": before["eta"] },
+                "reason": "not among the store's latest skills that pass this export's filters (its cluster is gone, or a filter leaves it out)",
+            }));
+        }
+    }
+    out
+}
+
+/// `CHANGES.md`: the changes as a service operator reads them.
+fn changes_md(changes: &[Value]) -> String {
+    let mut text = String::from("# Changes in this release\n");
+    for (kind, title) in [("added", "Added"), ("updated", "Updated"), ("retired", "Retired"), ("unchanged", "Unchanged")] {
+        let items: Vec<&Value> = changes.iter().filter(|c| c["change"] == kind).collect();
+        if items.is_empty() {
+            continue;
+        }
+        text.push_str(&format!("\n## {title} ({})\n\n", items.len()));
+        for item in items {
+            let name = markdown_inline(item["name"].as_str().unwrap_or_default());
+            let slug = item["slug"].as_str().unwrap_or_default();
+            let score = |side: &Value| {
+                let number = |key: &str| side[key].as_f64().map_or("?".to_string(), |v| format!("{v:.4}"));
+                format!("v{} PEMS {} eta {}", side["version"], number("pems"), number("eta"))
+            };
+            let line = match kind {
+                "updated" => format!("- {name} (`{slug}`): {} -> {}\n", score(&item["before"]), score(&item["after"])),
+                "retired" => format!("- {name} (`{slug}`): {}; {}\n", score(&item["before"]), item["reason"].as_str().unwrap_or_default()),
+                _ => format!("- {name} (`{slug}`): {}\n", score(&item["after"])),
+            };
+            text.push_str(&line);
+        }
+    }
+    text
 }
 
 /// Writes the release's files and its manifest into `dir` (the temporary directory), each
@@ -300,8 +431,11 @@ fn write_release(
     graph: &Graph,
     records: &[SkillRecord],
     options: &ExportOptions,
+    changes: &[Value],
 ) -> Result<Vec<String>> {
     let mut files = Vec::new();
+    write(&dir.join(CHANGES_FILE), changes_md(changes).as_bytes())?;
+    files.push(CHANGES_FILE.to_string());
     match options.format {
         ExportFormat::SkillMd => {
             for record in records {
@@ -331,7 +465,7 @@ fn write_release(
             files.push("skills.parquet".into());
         }
     }
-    let release = release_manifest(manifest, graph, records, options, &files);
+    let release = release_manifest(manifest, graph, records, options, &files, changes);
     let mut bytes = serde_json::to_vec_pretty(&release).expect("JSON values serialise");
     bytes.push(b'\n');
     write(&dir.join(RELEASE_FILE), &bytes)?;
@@ -682,6 +816,7 @@ fn release_manifest(
     records: &[SkillRecord],
     options: &ExportOptions,
     files: &[String],
+    changes: &[Value],
 ) -> Value {
     let ids: BTreeSet<&str> = records.iter().map(|r| r.id.as_str()).collect();
     let mut generators = BTreeSet::new();
@@ -698,7 +833,14 @@ fn release_manifest(
         "format": "fluxmem-skills",
         "format_version": 1,
         "skill_format": options.format,
-        "created_at": manifest.commits.last().map(|c| c.at.clone()),
+        // Data time, not commit time: the latest source time of the skills released, so two
+        // runs over the same logs give the same release on any machine.
+        "created_at": records
+            .iter()
+            .filter_map(|r| graph.nodes.get(&fluxmem_graph::NodeId::from(r.id.as_str())).and_then(|n| n.created_at))
+            .max()
+            .and_then(chrono::DateTime::from_timestamp_millis)
+            .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
         "store": { "manifest_version": manifest.version, "schema_version": manifest.schema_version },
         "models": {
             "embedding": manifest.embedding_model.as_ref().map(|m| m.id.clone()),
@@ -709,8 +851,9 @@ fn release_manifest(
         "release_sha256": sha256_hex(hashes.join("\n").as_bytes()),
         "skills": records.iter().map(|r| json!({
             "id": r.id, "lineage": r.lineage, "slug": r.slug, "name": r.name, "tenant": r.tenant,
-            "version": r.version, "pems": r.pems, "support": r.support, "content_sha256": r.content_sha256,
+            "version": r.version, "pems": r.pems, "eta": r.eta, "support": r.support, "content_sha256": r.content_sha256,
         })).collect::<Vec<_>>(),
+        "changes": changes,
         "files": files,
     })
 }
@@ -901,7 +1044,7 @@ mod tests {
         let report = export_skills(&store, &out, &md).unwrap();
         assert_eq!(report.skills, 2);
         let before = tree(&out);
-        assert_eq!(before.len(), 5, "two SKILL.md, their provenance.json and the release manifest");
+        assert_eq!(before.len(), 6, "two SKILL.md, their provenance.json, CHANGES.md and the release manifest");
         assert_eq!(entries(&parent), vec!["skills"]);
 
         // A replacing export that fails before (0) or at (1) its release manifest: the
@@ -918,7 +1061,7 @@ mod tests {
 
         // And without a failure the replace goes through, leaving nothing next to it.
         export_skills(&store, &out, &jsonl).unwrap();
-        assert_eq!(entries(&out), vec![RELEASE_FILE, "skills.jsonl"]);
+        assert_eq!(entries(&out), vec![CHANGES_FILE, RELEASE_FILE, "skills.jsonl"]);
         assert_eq!(entries(&parent), vec!["skills"]);
     }
 }

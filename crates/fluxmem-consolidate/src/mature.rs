@@ -141,9 +141,12 @@ fn induce_with(
             return Ok(None);
         }
     };
+    // Nothing from the logs reaches a model unredacted (emails, cards, keys in tool arguments);
+    // the prompt's own example is ours and stays as it is.
+    let shown = fluxmem_redact::Redactor::default().redact(&shown).text;
     let messages = match previous {
         None => prompt::induce(&shown),
-        Some(text) => prompt::update(text, &shown),
+        Some(text) => prompt::update(&fluxmem_redact::Redactor::default().redact(text).text, &shown),
     };
     if let Some(skill) = generate_skill(generator, &messages, &params, &vocabulary, attempts) {
         return Ok(Some(skill));
@@ -157,6 +160,7 @@ fn induce_with(
             return Ok(None);
         }
     };
+    let shown = fluxmem_redact::Redactor::default().redact(&shown).text;
     Ok(generate_skill(generator, &prompt::retry(&shown), &params, &vocabulary, attempts))
 }
 

@@ -547,7 +547,9 @@ fn export_is_byte_identical_and_filters() {
     let md = dir.path().join("SkillMd-a");
     let release: serde_json::Value = serde_json::from_slice(&std::fs::read(md.join(RELEASE_FILE)).unwrap()).unwrap();
     let manifest = handle.manifest().unwrap();
-    assert_eq!(release["created_at"], serde_json::json!(manifest.commits.last().unwrap().at), "time from the store, not the clock");
+    let latest = load(&store).nodes.values().filter(|n| n.kind() == NodeKind::Procedural).filter_map(|n| n.created_at).max().unwrap();
+    let expected = chrono_ms(latest);
+    assert_eq!(release["created_at"], serde_json::json!(expected), "the skills' data time, not the clock");
     assert_eq!(release["store"]["manifest_version"], manifest.version);
     assert_eq!(release["models"]["generators"], serde_json::json!(["scripted@1"]));
     assert_eq!(release["skills"].as_array().unwrap().len(), 3);
@@ -626,13 +628,12 @@ fn export_replaces_an_earlier_export_and_refuses_files_it_did_not_write() {
     let jsonl = ExportOptions { format: ExportFormat::Jsonl, ..md.clone() };
     export_skills(&handle, &out, &md).unwrap();
     let skill_md = files(&out);
-    assert_eq!(skill_md.len(), 7, "three SKILL.md, their provenance.json and the release manifest");
-    let slug = entries(&out).into_iter().find(|name| name != RELEASE_FILE).unwrap();
-    let _ = &slug;
+    assert_eq!(skill_md.len(), 8, "three SKILL.md, their provenance.json, CHANGES.md and the release manifest");
+    let slug = entries(&out).into_iter().find(|name| out.join(name).is_dir()).unwrap();
 
     // Replaced by an export of another layout: the skill folders go, nothing else is left.
     export_skills(&handle, &out, &jsonl).unwrap();
-    assert_eq!(entries(&out), vec![RELEASE_FILE, "skills.jsonl"]);
+    assert_eq!(entries(&out), vec!["CHANGES.md", RELEASE_FILE, "skills.jsonl"]);
     let reference = dir.path().join("reference");
     export_skills(&handle, &reference, &jsonl).unwrap();
     assert_eq!(files(&out), files(&reference), "the same as an export into a fresh directory");
@@ -663,4 +664,78 @@ fn export_replaces_an_earlier_export_and_refuses_files_it_did_not_write() {
     export_skills(&handle, &out, &md).unwrap();
     assert_eq!(files(&out), skill_md);
     assert_eq!(entries(&parent), vec!["skills"]);
+}
+
+/// A release says what changed since the one it replaces: added, updated (with the scores
+/// before and after), unchanged and retired skills, in `release.json` and `CHANGES.md`.
+#[test]
+fn a_release_states_what_changed_since_the_previous_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    add_episodes(&store, three_families(4));
+    let mut generator = Scripted::new(family_skill);
+    run(&store, &mut generator, None, &options(3));
+    let out = dir.path().join("skills");
+    let md = ExportOptions { format: ExportFormat::SkillMd, tenant: None, min_pems: None, min_support: 0 };
+    let first = export_skills(&Store::open(&store).unwrap(), &out, &md).unwrap();
+    assert_eq!((first.added, first.updated, first.retired), (3, 0, 0));
+    let changes_md = std::fs::read_to_string(out.join(CHANGES_FILE)).unwrap();
+    assert!(changes_md.contains("## Added (3)"), "{changes_md}");
+
+    add_episodes(&store, vec![episode("lettuce", 10, true), episode("lettuce", 11, true)]);
+    run(&store, &mut generator, None, &options(3));
+    let second = export_skills(&Store::open(&store).unwrap(), &out, &md).unwrap();
+    assert_eq!((second.added, second.updated, second.retired), (0, 1, 0));
+    let release: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join(RELEASE_FILE)).unwrap()).unwrap();
+    let updated: Vec<&serde_json::Value> = release["changes"].as_array().unwrap().iter().filter(|c| c["change"] == "updated").collect();
+    assert_eq!(updated.len(), 1);
+    assert_eq!((updated[0]["before"]["version"].as_i64(), updated[0]["after"]["version"].as_i64()), (Some(1), Some(2)));
+    assert!(updated[0]["before"]["pems"].is_f64() && updated[0]["after"]["eta"].is_f64(), "{}", updated[0]);
+    let changes_md = std::fs::read_to_string(out.join(CHANGES_FILE)).unwrap();
+    assert!(changes_md.contains("## Updated (1)") && changes_md.contains("v1 PEMS") && changes_md.contains("-> v2 PEMS"), "{changes_md}");
+
+    // Exporting the same store again keeps the list (byte-identical release).
+    let before = files(&out);
+    export_skills(&Store::open(&store).unwrap(), &out, &md).unwrap();
+    assert_eq!(files(&out), before);
+
+    // A filter that leaves every skill out retires them, listed with the reason.
+    let none = ExportOptions { min_support: 100, ..md };
+    let third = export_skills(&Store::open(&store).unwrap(), &out, &none).unwrap();
+    assert_eq!((third.skills, third.retired), (0, 3));
+    let changes_md = std::fs::read_to_string(out.join(CHANGES_FILE)).unwrap();
+    assert!(changes_md.contains("## Retired (3)") && changes_md.contains("filter leaves it out"), "{changes_md}");
+}
+
+/// Prompts are redacted before a generator sees them: an e-mail address in an episode's
+/// action never reaches the model.
+#[test]
+fn prompts_sent_to_the_generator_are_redacted() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let mut nodes: Vec<Node> = three_families(3).into_iter().filter(|n| n.text.contains("lettuce")).collect();
+    for node in &mut nodes {
+        node.text.push_str(" for bob.smith@example.org");
+    }
+    add_episodes(&store, nodes);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let log = seen.clone();
+    let mut generator = Scripted::new(move |messages| {
+        for m in messages {
+            log.lock().unwrap().push_str(&m.content);
+        }
+        family_skill(messages)
+    });
+    run(&store, &mut generator, None, &options(1));
+    let prompts = seen.lock().unwrap().clone();
+    assert!(prompts.contains("lettuce") && prompts.contains("<email>"), "{prompts}");
+    assert!(!prompts.contains("bob.smith@example.org"));
+}
+
+/// Milliseconds since the epoch as RFC 3339 with milliseconds (`1970-01-01T00:00:01.003Z`).
+fn chrono_ms(ms: i64) -> String {
+    let (seconds, millis) = (ms.div_euclid(1000), ms.rem_euclid(1000));
+    let (days, rest) = (seconds.div_euclid(86_400), seconds.rem_euclid(86_400));
+    assert_eq!(days, 0, "the test's skills are from the first day of 1970");
+    format!("1970-01-01T{:02}:{:02}:{:02}.{millis:03}Z", rest / 3600, rest / 60 % 60, rest % 60)
 }

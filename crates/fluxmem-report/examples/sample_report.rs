@@ -118,6 +118,7 @@ fn sample() -> RunRecord {
         started_at: "2026-05-01T02:00:00Z".into(),
         finished_at: "2026-05-01T02:07:41Z".into(),
         status: "partial".into(),
+        redacted: [("email".to_string(), 3)].into_iter().collect(),
         reasons: vec!["ingest: 17 records quarantined".into()],
         store: "/var/lib/fluxmem/store".into(),
         manifest_version_before: 41,

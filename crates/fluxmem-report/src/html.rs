@@ -165,6 +165,7 @@ pub fn render_html(run: &RunRecord) -> Result<String> {
     stages(&mut page, &run.stages)?;
     skills(&mut page, run.pems.as_ref())?;
     quarantine(&mut page, &run.quarantine);
+    redaction(&mut page, &run.redacted);
     usage(&mut page, &run.model_usage);
     outputs(&mut page, &run.outputs);
     page.push_str(
@@ -491,6 +492,17 @@ fn short_id(id: &str) -> String {
     } else {
         format!("{}…", id.chars().take(12).collect::<String>())
     }
+}
+
+/// What redaction replaced before the export and this report left the store.
+fn redaction(page: &mut String, redacted: &std::collections::BTreeMap<String, u64>) {
+    page.push_str("<section id=\"redaction\">\n<h2>Redaction</h2>\n");
+    if redacted.values().all(|n| *n == 0) {
+        page.push_str("<p class=\"empty\">nothing redacted</p>\n</section>\n");
+        return;
+    }
+    let parts: Vec<String> = redacted.iter().filter(|(_, n)| **n > 0).map(|(kind, n)| format!("{} {}", count(*n), escape(kind))).collect();
+    page.push_str(&format!("<p class=\"summary-line\">Replaced by placeholders: {}.</p>\n</section>\n", parts.join(", ")));
 }
 
 fn quarantine(page: &mut String, quarantine: &QuarantineSummary) {

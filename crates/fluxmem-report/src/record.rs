@@ -43,6 +43,10 @@ pub struct RunRecord {
     pub pems: Option<PemsSummary>,
     /// Files and directories the run wrote (export directory, `run.json`, `report.html`).
     pub outputs: Vec<String>,
+    /// What redaction replaced before anything left the store (the export and this record),
+    /// per kind (`email`, `phone`, `card`, `iban`, `secret`, `ip`).
+    #[serde(default)]
+    pub redacted: BTreeMap<String, u64>,
 }
 
 /// One stage of a run.

@@ -40,6 +40,7 @@ fn realistic() -> RunRecord {
         finished_at: "2026-05-01T02:05:30Z".into(),
         status: "partial".into(),
         reasons: vec!["ingest: 21 records quarantined".into()],
+        redacted: [("card".to_string(), 1), ("email".to_string(), 2)].into_iter().collect(),
         store: "store".into(),
         manifest_version_before: 3,
         manifest_version_after: 9,
@@ -385,4 +386,12 @@ fn report_write_report_fails_cleanly_on_a_file_in_the_way() {
         .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert_eq!(names, ["run.json"]);
+}
+
+#[test]
+fn report_counts_what_redaction_replaced() {
+    let html = fluxmem_report::render_html(&realistic()).unwrap();
+    assert!(html.contains("<h2>Redaction</h2>") && html.contains("1 card, 2 email"), "redaction counts per kind");
+    let quiet = fluxmem_report::render_html(&RunRecord { status: "ok".into(), ..Default::default() }).unwrap();
+    assert!(quiet.contains("nothing redacted"));
 }
