@@ -47,8 +47,9 @@ def main(store, skills_jsonl, data):
             used.setdefault(episode, set()).add(call["name"])
     runs = {}
     for node in nodes.values():
-        if node["kind"] == "episodic":
-            runs.setdefault(str(json.loads(node["metadata"])["task_id"]), []).append(node)
+        task = json.loads(node["metadata"] or "{}").get("task_id") if node["kind"] == "episodic" else None
+        if task is not None and str(task) in gold:
+            runs.setdefault(str(task), []).append(node)
     skills = [json.loads(line) for line in open(skills_jsonl)]
     named = lambda skill: [t for s in skill["steps"] for t in re.findall(r"`([A-Za-z0-9_]+)`", s)]
     totals = [0.0, 0.0, 0.0, 0.0]

@@ -196,6 +196,16 @@ fn split<'g>(episodes: &[&'g Node]) -> Split<'g> {
     out
 }
 
+/// The preconditions and pitfalls that speak only of kept steps (a rewrite that drops a step
+/// drops what was said about it).
+fn pitfalls_of(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> Vec<String> {
+    let dropped: Vec<&str> = (0..skeleton.steps.len())
+        .filter(|i| !kept.contains(i))
+        .map(|i| skeleton.steps[i].text.trim_end_matches('.'))
+        .collect();
+    skeleton.preconditions.iter().chain(&skeleton.pitfalls).filter(|p| !dropped.iter().any(|d| p.contains(d))).cloned().collect()
+}
+
 /// What a skill's words came from.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Wording {
@@ -222,7 +232,6 @@ pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &Consolida
     };
     let mut attempts = Vec::new();
     let (name, description, wording) = word(&skeleton, job, models, options, &mut attempts)?;
-    let pitfalls: Vec<String> = skeleton.preconditions.iter().chain(&skeleton.pitfalls).cloned().collect();
     let mut kept: Vec<usize> = (0..skeleton.steps.len()).collect();
     let mut rounds: Vec<Round> = Vec::new();
     let mut converged = None;
@@ -232,7 +241,7 @@ pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &Consolida
             name: name.clone(),
             description: description.clone(),
             steps: kept.iter().map(|&i| skeleton.steps[i].text.clone()).collect(),
-            pitfalls: pitfalls.clone(),
+            pitfalls: pitfalls_of(&skeleton, &kept),
         };
         let text = current.render();
         let vector = models.embedder.embed(&[text.as_str()])?.remove(0);
