@@ -9,7 +9,9 @@ the task's runs is the task's skill, and:
 - tool recall: the share of the gold tools the skill names;
 - order: LCS of the gold tool sequence and the skill's tool sequence over the gold length;
 - precision: the share of the skill's named tools that the task's successful runs used.
-Prints one line per task and the means (the issue's targets: 0.8, 0.8, 0.7, 0.7).
+Prints one line per task and the means (the issue's targets: 0.8, 0.8, 0.7, 0.7); recall and
+order are averaged over the tasks with gold actions, precision over the tasks with a
+successful run (undefined otherwise, and printed as `-`).
 Needs pyarrow (the test .venv has it).
 """
 import json
@@ -52,22 +54,25 @@ def main(store, skills_jsonl, data):
             runs.setdefault(str(task), []).append(node)
     skills = [json.loads(line) for line in open(skills_jsonl)]
     named = lambda skill: [t for s in skill["steps"] for t in re.findall(r"`([A-Za-z0-9_]+)`", s)]
-    totals = [0.0, 0.0, 0.0, 0.0]
+    sums = {"coverage": [], "recall": [], "order": [], "precision": []}
     for task, episodes in sorted(runs.items(), key=lambda kv: int(kv[0])):
         ids = {e["id"] for e in episodes}
         skill = max(skills, key=lambda s: (len(ids & set(s["source_episodes"])), s["id"]))
         tools = named(skill)
-        successful = set().union(*[used.get(e["id"], set()) for e in episodes if e["success"]] or [set()])
-        scores = [
-            len(ids & set(skill["source_episodes"])) / len(ids),
-            len(set(gold[task]) & set(tools)) / max(1, len(set(gold[task]))),
-            lcs(gold[task], tools) / max(1, len(gold[task])),
-            len([t for t in tools if t in successful]) / max(1, len(tools)),
-        ]
-        totals = [t + s for t, s in zip(totals, scores)]
-        print(f"task {task:>3}  coverage {scores[0]:.2f}  recall {scores[1]:.2f}  order {scores[2]:.2f}  precision {scores[3]:.2f}  {skill['name']!r}  gold {gold[task]}  skill {tools}")
-    n = len(runs)
-    print(f"mean over {n} tasks: coverage {totals[0] / n:.2f}  tool recall {totals[1] / n:.2f}  order {totals[2] / n:.2f}  precision {totals[3] / n:.2f}")
+        wins = [e for e in episodes if e["success"]]
+        successful = set().union(*[used.get(e["id"], set()) for e in wins]) if wins else set()
+        scores = {"coverage": len(ids & set(skill["source_episodes"])) / len(ids)}
+        if gold[task]:
+            scores["recall"] = len(set(gold[task]) & set(tools)) / len(set(gold[task]))
+            scores["order"] = lcs(gold[task], tools) / len(gold[task])
+        if wins:
+            scores["precision"] = len([t for t in tools if t in successful]) / max(1, len(tools))
+        for key, value in scores.items():
+            sums[key].append(value)
+        shown = "  ".join(f"{k} {scores[k]:.2f}" if k in scores else f"{k} -" for k in sums)
+        print(f"task {task:>3}  {shown}  {skill['name']!r}  gold {gold[task]}  skill {tools}")
+    means = "  ".join(f"{k} {sum(v) / len(v):.2f} (n={len(v)})" for k, v in sums.items())
+    print(f"mean over {len(runs)} tasks: {means}")
 
 
 if __name__ == "__main__":

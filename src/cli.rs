@@ -496,6 +496,10 @@ pub struct ConsolidateArgs {
     /// Try again clusters that failed in an earlier run with the same episodes.
     #[arg(long)]
     pub retry_failed: bool,
+    /// Keep each k-means cluster whole instead of splitting one whose successes end in
+    /// different acting tools (`cancel_reservation` vs `update_reservation_flights`).
+    #[arg(long)]
+    pub no_procedure_split: bool,
     /// Embedding model (must be the store's).
     #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
     pub model: String,

@@ -455,7 +455,6 @@ pub fn check_output_dir(dir: &Path) -> Result<(), String> {
 /// fluxmem export (a `release.json` with `"format": "fluxmem-skills"` listing every other
 /// entry). `Err` names the path at fault.
 pub fn check_export_out(out: &Path) -> Result<(), String> {
-    use fluxmem_consolidate::RELEASE_FILE;
     let dir = match std::fs::canonicalize(out) {
         Ok(real) => real,
         Err(e) if missing(&e) => out.to_path_buf(),
@@ -470,75 +469,9 @@ pub fn check_export_out(out: &Path) -> Result<(), String> {
     };
     // The release is written into a sibling of `out` and renamed into place.
     check_output_dir(parent)?;
-    match std::fs::metadata(&dir) {
-        Err(e) if missing(&e) => return Ok(()),
-        Err(e) => return Err(format!("{}: {e}", out.display())),
-        Ok(meta) if !meta.is_dir() => return Err(format!("{}: exists and is not a directory", out.display())),
-        Ok(_) => {}
-    }
-    let mut entries = std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", out.display()))?;
-    if entries.next().is_none() {
-        return Ok(());
-    }
-    let listed = std::fs::read(dir.join(RELEASE_FILE)).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-    let Some(listed) = listed else {
-        return Err(format!(
-            "{}: the directory is not empty and holds no {RELEASE_FILE} (it is not an earlier fluxmem export); refusing to write into it",
-            out.display()
-        ));
-    };
-    if listed.get("format").and_then(serde_json::Value::as_str) != Some("fluxmem-skills") {
-        return Err(format!("{}: its {RELEASE_FILE} is not a fluxmem skill release; refusing to replace the directory", out.display()));
-    }
-    let mut files = std::collections::BTreeSet::from([RELEASE_FILE.to_string()]);
-    let mut folders = std::collections::BTreeSet::new();
-    for file in listed.get("files").and_then(serde_json::Value::as_array).into_iter().flatten().filter_map(serde_json::Value::as_str) {
-        let parts: Vec<&str> = file.split('/').collect();
-        if parts.iter().any(|part| part.is_empty() || *part == "." || *part == "..") {
-            continue;
-        }
-        for end in 1..parts.len() {
-            folders.insert(parts[..end].join("/"));
-        }
-        files.insert(file.to_string());
-    }
-    let mut unlisted = Vec::new();
-    find_unlisted(&dir, "", &files, &folders, &mut unlisted)?;
-    if let Some(first) = unlisted.first() {
-        let more = if unlisted.len() > 1 { format!(" and {} more", unlisted.len() - 1) } else { String::new() };
-        return Err(format!(
-            "{}: the earlier export here also holds entries its {RELEASE_FILE} does not list ({first}{more}); refusing to replace it \
-             (they would be lost): move them away or export elsewhere",
-            out.display()
-        ));
-    }
-    Ok(())
-}
-
-/// The entries under `dir` (at `prefix` in the release) that are neither a listed regular file
-/// nor a folder of one, as `export_skills` finds them (links are not followed).
-fn find_unlisted(
-    dir: &Path,
-    prefix: &str,
-    files: &std::collections::BTreeSet<String>,
-    folders: &std::collections::BTreeSet<String>,
-    unlisted: &mut Vec<String>,
-) -> Result<(), String> {
-    let mut entries = std::fs::read_dir(dir)
-        .and_then(|entries| entries.collect::<std::io::Result<Vec<_>>>())
-        .map_err(|e| format!("{}: {e}", dir.display()))?;
-    entries.sort_by_key(|entry| entry.file_name());
-    for entry in entries {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let relative = if prefix.is_empty() { name } else { format!("{prefix}/{name}") };
-        let kind = entry.file_type().map_err(|e| format!("{}: {e}", entry.path().display()))?;
-        if kind.is_dir() && folders.contains(&relative) {
-            find_unlisted(&entry.path(), &relative, files, folders, unlisted)?;
-        } else if !(kind.is_file() && files.contains(&relative)) {
-            unlisted.push(if kind.is_dir() { format!("{relative}/") } else { relative });
-        }
-    }
-    Ok(())
+    // What the export itself refuses: a non-directory, a non-empty directory that is not an
+    // earlier export, an earlier export holding entries its release does not list.
+    fluxmem_consolidate::check_export_target(&dir).map_err(|e| e.to_string())
 }
 
 /// A path that is not there: missing, or below something that is not a directory.

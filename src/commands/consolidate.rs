@@ -66,6 +66,7 @@ fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
         judge_episodes: args.judge_episodes,
         tenant: args.tenant.clone(),
         retry_failed: args.retry_failed,
+        split_by_procedure: !args.no_procedure_split,
         ..Default::default()
     })
 }

@@ -48,6 +48,9 @@ pub struct ConsolidateOptions {
     pub retry_failed: bool,
     /// Procedure mining thresholds (a step's minimum support, branches, critical steps).
     pub mine: crate::mine::MineOptions,
+    /// Split a k-means cluster whose successes end in different acting tools (see
+    /// [`crate::mine::split_by_procedure`]) before mining (default true).
+    pub split_by_procedure: bool,
 }
 
 impl Default for ConsolidateOptions {
@@ -67,6 +70,7 @@ impl Default for ConsolidateOptions {
             match_similarity: 0.9,
             retry_failed: false,
             mine: crate::mine::MineOptions::default(),
+            split_by_procedure: true,
         }
     }
 }
@@ -237,11 +241,15 @@ pub fn consolidate_store(
     let mut plans = Vec::new();
     for (tenant, (ids, vectors)) in &tenants {
         let clustering = kmeans(vectors, &options.kmeans, device)?;
-        let members = clustering.members();
+        let (members, centroids) = if options.split_by_procedure {
+            crate::mine::split_by_procedure(&clustering.members(), &clustering.centroids, vectors, |r| &graph.nodes[&ids[r]], options.mine.min_count)
+        } else {
+            (clustering.members(), clustering.centroids.clone())
+        };
         report.episodes += ids.len();
         report.clusters += members.len();
         let existing: Vec<&Node> = latest.iter().copied().filter(|n| &n.tenant == tenant).collect();
-        let matches = match_skills(&members, ids, &clustering.centroids, &existing, &graph, &model, options);
+        let matches = match_skills(&members, ids, &centroids, &existing, &graph, &model, options);
         for (index, rows) in members.iter().enumerate() {
             let episodes: Vec<NodeId> = rows.iter().map(|&r| ids[r].clone()).collect();
             let weights: Vec<f32> = rows.iter().map(|&r| clustering.similarity[r]).collect();

@@ -631,6 +631,12 @@ impl Drop for Scratch {
     }
 }
 
+/// Checks, without writing anything, that [`export_skills`] may write its release to `dir`:
+/// missing, empty, or an earlier export holding only what its release lists.
+pub fn check_export_target(dir: &Path) -> Result<()> {
+    inspect(dir).map(|_| ())
+}
+
 /// What `dir` holds, refusing anything the export may not replace (see [`export_skills`]).
 fn inspect(dir: &Path) -> Result<Existing> {
     match std::fs::metadata(dir) {

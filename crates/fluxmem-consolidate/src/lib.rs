@@ -35,7 +35,7 @@ pub use consolidate::{
     consolidate_store, latest_skills, ClusterReport, ConsolidateOptions, ConsolidateReport, FailedCluster, NoProgress, Progress,
     SkillReport, TokenUsage, STAGE,
 };
-pub use export::{export_skills, export_skills_with, skill_records, ExportFormat, ExportOptions, ExportReport, SkillRecord, CHANGES_FILE, PROVENANCE_FILE, RELEASE_FILE};
+pub use export::{check_export_target, export_skills, export_skills_with, skill_records, ExportFormat, ExportOptions, ExportReport, SkillRecord, CHANGES_FILE, PROVENANCE_FILE, RELEASE_FILE};
 pub use kmeans::{auto_clusters, kmeans, Clustering, KMeansOptions, SplitMix64, KMEANS_BLOCK_ROWS};
 pub use mine::{coverage, lcs_len, mine, signatures, MineOptions, Signed, Skeleton, SkeletonStep};
 pub use mature::{induce_skill, Attempt, Matured, Models, Round, Wording};

@@ -333,9 +333,6 @@ fn foreign_tool(skill: &SkillText, skeleton: &crate::mine::Skeleton, episodes: &
     })
 }
 
-/// Tools that only read: a skill is named after what it changes.
-const READ_PREFIXES: [&str; 8] = ["get_", "search_", "list_", "find_", "lookup_", "read_", "calculate", "think"];
-
 /// Name and description written from the skeleton alone. The name is what the procedure
 /// changes (its tools that do more than read, `cancel_reservation` -> "Cancel reservation"),
 /// else what the successes' tasks share.
@@ -344,7 +341,7 @@ fn template_words(skeleton: &crate::mine::Skeleton) -> (String, String) {
     let mut acting: Vec<String> = Vec::new();
     for tool in skeleton.steps.iter().filter_map(|s| s.tool.as_deref()) {
         let human = tool.replace('_', " ");
-        if !READ_PREFIXES.iter().any(|p| tool.starts_with(p)) && !acting.contains(&human) {
+        if !crate::mine::is_read_tool(tool) && !acting.contains(&human) {
             acting.push(human);
         }
     }

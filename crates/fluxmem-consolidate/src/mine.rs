@@ -477,6 +477,93 @@ fn task_pattern(successes: &[&Node]) -> String {
     text
 }
 
+/// Tool-name prefixes of tools that only read (`get_order`, `search_flights`, `think`): a
+/// procedure is told apart, and a skill named, by the tools that do more.
+pub const READ_PREFIXES: [&str; 8] = ["get_", "search_", "list_", "find_", "lookup_", "read_", "calculate", "think"];
+
+/// True for a tool that, by its name, only reads.
+pub fn is_read_tool(name: &str) -> bool {
+    READ_PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
+/// The tools an episode calls that do more than read.
+fn acting_tools(node: &Node) -> BTreeSet<String> {
+    signatures(node).into_iter().filter_map(|s| s.tool).filter(|t| !is_read_tool(t)).collect()
+}
+
+/// Splits clusters whose successes follow different procedures: within a cluster, successes
+/// are grouped by the set of acting tools they call; each set held by at least `min_count`
+/// successes becomes its own cluster (when there are at least two such sets), the rest of the
+/// successes stay together, and each failure joins the group whose acting tools overlap its
+/// own the most (Jaccard; ties to the earlier group), so no group is failures only. Clusters
+/// whose successes call no tools, or share one set, are left as they are. Rows keep their
+/// representative order; a new group's centroid is the normalised mean of its rows. The
+/// same input always gives the same groups.
+pub fn split_by_procedure<'g>(
+    members: &[Vec<usize>],
+    centroids: &[Vec<f32>],
+    vectors: &[Vec<f32>],
+    node: impl Fn(usize) -> &'g Node,
+    min_count: usize,
+) -> (Vec<Vec<usize>>, Vec<Vec<f32>>) {
+    let success = |r: usize| node(r).episode().and_then(|e| e.outcome.success).unwrap_or(true);
+    let (mut out_members, mut out_centroids) = (Vec::new(), Vec::new());
+    for (rows, centroid) in members.iter().zip(centroids) {
+        let acting: Vec<BTreeSet<String>> = rows.iter().map(|&r| acting_tools(node(r))).collect();
+        let mut counts: BTreeMap<&BTreeSet<String>, usize> = BTreeMap::new();
+        for (i, &r) in rows.iter().enumerate() {
+            if success(r) && !acting[i].is_empty() {
+                *counts.entry(&acting[i]).or_default() += 1;
+            }
+        }
+        // Groups in order of their first success, so the most representative leads.
+        let mut keys: Vec<&BTreeSet<String>> = Vec::new();
+        for (i, &r) in rows.iter().enumerate() {
+            if success(r) && counts.get(&acting[i]).is_some_and(|&n| n >= min_count.max(2)) && !keys.contains(&&acting[i]) {
+                keys.push(&acting[i]);
+            }
+        }
+        if keys.len() < 2 {
+            out_members.push(rows.clone());
+            out_centroids.push(centroid.clone());
+            continue;
+        }
+        let mut groups: Vec<Vec<usize>> = vec![Vec::new(); keys.len() + 1];
+        for (i, &r) in rows.iter().enumerate() {
+            let group = match keys.iter().position(|k| **k == acting[i]) {
+                Some(g) => g,
+                None if success(r) => keys.len(),
+                None => {
+                    let jaccard = |k: &BTreeSet<String>| {
+                        let union = k.union(&acting[i]).count().max(1);
+                        k.intersection(&acting[i]).count() as f64 / union as f64
+                    };
+                    let mut best = 0;
+                    for (g, k) in keys.iter().enumerate() {
+                        if jaccard(k) > jaccard(keys[best]) + 1e-12 {
+                            best = g;
+                        }
+                    }
+                    best
+                }
+            };
+            groups[group].push(r);
+        }
+        for group in groups.into_iter().filter(|g| !g.is_empty()) {
+            let mut mean = vec![0f32; vectors[group[0]].len()];
+            for &r in &group {
+                for (m, v) in mean.iter_mut().zip(&vectors[r]) {
+                    *m += v;
+                }
+            }
+            fluxmem_models::normalize(&mut mean);
+            out_members.push(group);
+            out_centroids.push(mean);
+        }
+    }
+    (out_members, out_centroids)
+}
+
 /// How well an episode follows a skeleton's steps: the longest common subsequence of the
 /// steps and the episode's signatures, over the number of steps (1 = every step, in order).
 pub fn coverage(step_keys: &[&str], episode: &Node) -> f64 {
@@ -558,6 +645,27 @@ mod tests {
         let c = episode("c", &["examine book 1", "use desklamp 1"], true);
         assert!(mine(&[&a, &b, &c], &[], &MineOptions::default()).is_none());
         assert!(mine(&[], &[&a], &MineOptions::default()).is_none());
+    }
+
+    #[test]
+    fn clusters_split_by_the_acting_tools_of_their_successes() {
+        let call = |name: &str| format!(r#"tool:{name} {{"id":"x"}}"#);
+        let nodes = vec![
+            episode("cancel 1", &[&call("get_reservation_details"), &call("cancel_reservation")], true),
+            episode("change 1", &[&call("get_reservation_details"), &call("update_reservation_flights")], true),
+            episode("cancel 2", &[&call("get_user_details"), &call("cancel_reservation")], true),
+            episode("change 2", &[&call("get_user_details"), &call("update_reservation_flights")], true),
+            episode("change 3", &[&call("update_reservation_flights"), &call("send_certificate")], false),
+            episode("odd", &[&call("book_reservation")], true),
+        ];
+        let vectors: Vec<Vec<f32>> = (0..nodes.len()).map(|i| vec![1.0, i as f32]).collect();
+        let (members, centroids) = split_by_procedure(&[vec![0, 1, 2, 3, 4, 5]], &[vec![1.0, 0.0]], &vectors, |r| &nodes[r], 2);
+        assert_eq!(members, vec![vec![0, 2], vec![1, 3, 4], vec![5]], "cancel, change (with the failure that changed), the rest");
+        assert_eq!(centroids.len(), 3);
+        assert!(centroids.iter().all(|c| (c.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-5));
+        // One procedure only: left alone.
+        let (same, _) = split_by_procedure(&[vec![0, 2]], &[vec![1.0, 0.0]], &vectors, |r| &nodes[r], 2);
+        assert_eq!(same, vec![vec![0, 2]]);
     }
 
     #[test]
