@@ -24,6 +24,11 @@ pub struct Cli {
     #[arg(long, global = true)]
     pub no_progress: bool,
 
+    /// When another writer holds the store's lock, wait up to this many seconds for it instead
+    /// of failing at once (default 0).
+    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 0)]
+    pub wait: u64,
+
     #[command(subcommand)]
     pub command: Command,
 }
@@ -549,11 +554,17 @@ pub struct Settings {
     pub store: PathBuf,
     /// Draw progress bars.
     pub progress: bool,
+    /// How long to wait for a store lock another writer holds.
+    pub wait: std::time::Duration,
 }
 
 impl From<&Cli> for Settings {
     fn from(cli: &Cli) -> Self {
-        Settings { store: cli.store.clone(), progress: !cli.no_progress && std::io::stderr().is_terminal() }
+        Settings {
+            store: cli.store.clone(),
+            progress: !cli.no_progress && std::io::stderr().is_terminal(),
+            wait: std::time::Duration::from_secs(cli.wait),
+        }
     }
 }
 

@@ -399,3 +399,28 @@ fn query_answers_from_one_tenant_only() {
     assert_eq!(context["not_embedded"], 1);
     assert_eq!(context["items"].as_array().unwrap().len(), 4, "the embedded items only");
 }
+
+/// `--wait S`: a writer that finds the lock held waits for it (saying so) instead of failing,
+/// and still fails with the holder named when the lock is not released in time.
+#[test]
+fn wait_takes_the_lock_when_the_holder_lets_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let writer = fluxmem_store::Writer::open(&store).unwrap();
+    let output = run(fluxmem(&store).args(["--wait", "1", "ingest"]).arg(repo().join("data/trajectories.jsonl")));
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("waiting up to 1s") && stderr.contains("locked by another writer"), "{stderr}");
+    let child = fluxmem(&store)
+        .args(["--wait", "60", "ingest"])
+        .arg(repo().join("data/trajectories.jsonl"))
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    drop(writer);
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("waiting up to 60s for the store lock held by pid"));
+}

@@ -43,7 +43,16 @@ pub fn run_id(stage: &str) -> String {
 
 /// Opens the store for writing and warns about a recovered stale lock.
 pub fn open_writer(settings: &Settings) -> anyhow::Result<fluxmem_store::Writer> {
-    let writer = fluxmem_store::Writer::open(&settings.store)?;
+    open_writer_at(&settings.store, settings)
+}
+
+/// The writer of the store at `dir`, waiting `--wait` seconds for a held lock, and saying so
+/// (and when it took over a stale lock) on stderr.
+pub fn open_writer_at(dir: &std::path::Path, settings: &Settings) -> anyhow::Result<fluxmem_store::Writer> {
+    let wait = settings.wait;
+    let writer = fluxmem_store::Writer::open_waiting(dir, wait, |holder| {
+        eprintln!("waiting up to {}s for the store lock held by {holder}", wait.as_secs());
+    })?;
     if let Some(holder) = writer.stale_lock() {
         eprintln!("warning: recovered a stale store lock left by {holder} (it did not exit cleanly)");
     }

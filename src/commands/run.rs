@@ -81,7 +81,7 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     };
     if let Some(count) = args.merge {
         let stage = args.stage.as_deref().expect("checked above");
-        let mut writer = open_main(&store_dir)?;
+        let mut writer = open_main(&store_dir, settings)?;
         let started = Instant::now();
         let info = CommitInfo { stage: format!("merge-{stage}"), run_id: format!("{stage}@{run_id}"), ..Default::default() };
         let report = writer.merge_staging(stage, count, info).with_context(|| format!("merging the {count} shards of `{stage}`"))?;
@@ -118,7 +118,7 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         None => STAGES.to_vec(),
     };
     let started_at = now();
-    let mut writer = open_main(&store_dir)?;
+    let mut writer = open_main(&store_dir, settings)?;
     let version_before = writer.manifest().version;
     let mut record = RunRecord {
         pipeline: loaded.path.display().to_string(),
@@ -707,12 +707,8 @@ fn counts64(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {
     pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
-fn open_main(dir: &Path) -> anyhow::Result<Writer> {
-    let writer = Writer::open(dir).with_context(|| format!("opening the store {}", dir.display()))?;
-    if let Some(holder) = writer.stale_lock() {
-        eprintln!("warning: recovered a stale store lock left by {holder} (it did not exit cleanly)");
-    }
-    Ok(writer)
+fn open_main(dir: &Path, settings: &Settings) -> anyhow::Result<Writer> {
+    super::open_writer_at(dir, settings).with_context(|| format!("opening the store {}", dir.display()))
 }
 
 /// Records in the manifest that `stage` finished for `run_id`, so a resumed run skips it.

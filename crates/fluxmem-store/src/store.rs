@@ -178,6 +178,27 @@ impl Writer {
         Ok(writer)
     }
 
+    /// [`Writer::open`], waiting up to `wait` for a lock another writer holds (polling every
+    /// 200 ms); `on_wait` is called once, with the holder, when the wait begins. Any other error,
+    /// or the lock still held at the deadline, is returned as it is.
+    pub fn open_waiting(dir: impl Into<PathBuf>, wait: std::time::Duration, mut on_wait: impl FnMut(&str)) -> Result<Writer> {
+        let dir = dir.into();
+        let deadline = std::time::Instant::now() + wait;
+        let mut told = false;
+        loop {
+            match Writer::open(&dir) {
+                Err(Error::Locked { holder, .. }) if std::time::Instant::now() < deadline => {
+                    if !told {
+                        on_wait(&holder);
+                        told = true;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(200).min(deadline - std::time::Instant::now()));
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// The manifest of the last commit.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
