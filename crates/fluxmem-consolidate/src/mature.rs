@@ -230,6 +230,7 @@ pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &Consolida
     } else {
         (split.held_out.clone(), "held-out sequence coverage")
     };
+    let measured = measure(&held_out);
     let mut attempts = Vec::new();
     let (name, description, wording) = word(&skeleton, job, models, options, &mut attempts)?;
     let mut kept: Vec<usize> = (0..skeleton.steps.len()).collect();
@@ -248,7 +249,7 @@ pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &Consolida
         let keys: Vec<&str> = kept.iter().map(|&i| skeleton.steps[i].key.as_str()).collect();
         let eta = match models.judge.as_deref_mut() {
             Some(judge) => judge_eta(&text, &job.episodes, judge, options)?,
-            None => coverage_eta(&keys, &held_out),
+            None => coverage_eta(&keys, &measured),
         };
         let length = match (options.pems.length, models.generator.as_deref()) {
             (LengthUnit::Tokens, Some(generator)) => generator.count_tokens(&text)?,
@@ -266,7 +267,7 @@ pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &Consolida
         }
         // The rewrite: drop the one non-critical step whose absence raises eta the most on the
         // measuring episodes (never adds a step: every step stays proven by the logs).
-        match best_drop(&skeleton, &kept, &held_out) {
+        match best_drop(&skeleton, &kept, &measured) {
             Some(position) if models.judge.is_none() => {
                 kept.remove(position);
             }
@@ -374,17 +375,32 @@ fn min_share_words(skeleton: &crate::mine::Skeleton) -> String {
     format!("{:.0}%", (lowest * 100.0).floor())
 }
 
+/// A measuring episode as eta needs it: its outcome and its step signature keys, computed
+/// once per skill (every round and every candidate drop reads them again).
+pub(crate) struct Measured {
+    success: bool,
+    keys: Vec<String>,
+}
+
+pub(crate) fn measure(episodes: &[&Node]) -> Vec<Measured> {
+    episodes
+        .iter()
+        .map(|node| Measured { success: succeeded(node), keys: crate::mine::signatures(node).into_iter().map(|s| s.key).collect() })
+        .collect()
+}
+
 /// eta from sequence coverage: a success agrees as far as it follows the steps in order
 /// (longest common subsequence over the steps), a failure as far as it does not.
-fn coverage_eta(keys: &[&str], episodes: &[&Node]) -> f64 {
+fn coverage_eta(keys: &[&str], episodes: &[Measured]) -> f64 {
     if episodes.is_empty() {
         return 0.0;
     }
     let total: f64 = episodes
         .iter()
-        .map(|node| {
-            let covered = crate::mine::coverage(keys, node);
-            if succeeded(node) {
+        .map(|episode| {
+            let own: Vec<&str> = episode.keys.iter().map(String::as_str).collect();
+            let covered = crate::mine::coverage_of_keys(keys, &own);
+            if episode.success {
                 covered
             } else {
                 1.0 - covered
@@ -396,7 +412,7 @@ fn coverage_eta(keys: &[&str], episodes: &[&Node]) -> f64 {
 
 /// The position in `kept` of the non-critical step whose removal raises eta the most (ties: the
 /// earliest), if any removal raises it and at least 2 steps remain.
-fn best_drop(skeleton: &crate::mine::Skeleton, kept: &[usize], episodes: &[&Node]) -> Option<usize> {
+fn best_drop(skeleton: &crate::mine::Skeleton, kept: &[usize], episodes: &[Measured]) -> Option<usize> {
     if kept.len() <= 2 {
         return None;
     }
@@ -513,7 +529,7 @@ mod tests {
     #[test]
     fn a_rewrite_drops_the_step_that_kept_back_successes_skip_and_raises_eta() {
         let held = [episode(&["go to fridge 1", "take apple 1 from fridge 1"], true), episode(&["go to shelf 1", "take cup 1 from shelf 1"], true)];
-        let held: Vec<&Node> = held.iter().collect();
+        let held = measure(&held.iter().collect::<Vec<&Node>>());
         let all = [0, 1, 2];
         let before = coverage_eta(&["go to <1>", "open <1>", "take <1> from <2>"], &held);
         assert!((before - 2.0 / 3.0).abs() < 1e-12);
@@ -526,7 +542,7 @@ mod tests {
     #[test]
     fn a_failure_that_follows_the_steps_lowers_eta() {
         let failure = episode(&["go to fridge 1", "open fridge 1", "take apple 1 from fridge 1"], false);
-        assert_eq!(coverage_eta(&["go to <1>", "open <1>", "take <1> from <2>"], &[&failure]), 0.0);
+        assert_eq!(coverage_eta(&["go to <1>", "open <1>", "take <1> from <2>"], &measure(&[&failure])), 0.0);
     }
 
     #[test]

@@ -567,12 +567,17 @@ pub fn split_by_procedure<'g>(
 /// How well an episode follows a skeleton's steps: the longest common subsequence of the
 /// steps and the episode's signatures, over the number of steps (1 = every step, in order).
 pub fn coverage(step_keys: &[&str], episode: &Node) -> f64 {
+    let signed = signatures(episode);
+    let keys: Vec<&str> = signed.iter().map(|s| s.key.as_str()).collect();
+    coverage_of_keys(step_keys, &keys)
+}
+
+/// [`coverage`] over an episode's signature keys already computed.
+pub fn coverage_of_keys(step_keys: &[&str], episode_keys: &[&str]) -> f64 {
     if step_keys.is_empty() {
         return 0.0;
     }
-    let signed = signatures(episode);
-    let keys: Vec<&str> = signed.iter().map(|s| s.key.as_str()).collect();
-    lcs_len(step_keys, &keys) as f64 / step_keys.len() as f64
+    lcs_len(step_keys, episode_keys) as f64 / step_keys.len() as f64
 }
 
 #[cfg(test)]
