@@ -17,7 +17,8 @@ fi
 
 # Models the real-model tests use (cached in FLUXMEM_MODELS, default ~/.cache/fluxmem/models;
 # a no-op when already installed and verified).
-cargo run --quiet -- models fetch all-minilm-l6-v2 smollm2-135m-instruct-q4_1 gemma3-270m-q4_k_m
+cargo run --quiet -- models fetch all-minilm-l6-v2 smollm2-135m-instruct-q4_1 gemma3-270m-q4_k_m \
+  qwen2.5-coder-0.5b-instruct-q4_k_m qwen2.5-coder-1.5b-instruct-q4_k_m
 
 # Tests named `dev_data_*` measure on the dev data in ../shared/data (the project's shared folder
 # beside the repo; FLUXMEM_DEV_DATA overrides). Where it is missing they are left out, and this

@@ -149,7 +149,8 @@ pub struct QueryArgs {
     /// Weights of the dense, BM25 and judge signals in weighted fusion.
     #[arg(long, value_delimiter = ',', default_value = "1.0,0.5,0.3")]
     pub weights: Vec<f32>,
-    /// Judge: none or llm (the default generator scores the top candidates).
+    /// Judge: none, llm (the default judge model) or a generator's name (`fluxmem models list`);
+    /// it scores the top candidates.
     #[arg(long, default_value = "none")]
     pub judge: String,
     /// How many of the best fused candidates the judge scores.
@@ -248,6 +249,48 @@ pub enum EvalCommand {
     /// Each conversation goes into a fresh temporary store (turns as semantic nodes) and is
     /// embedded; questions are answered from their text alone and scored against the evidence ids.
     Locomo(LocomoArgs),
+    /// Stage III's skills per generator, scored against gold the system never sees: tau-bench
+    /// (coverage, tool recall, order, precision per task) or ALFWorld (cluster purity and NMI
+    /// against the task type, action verbs against the transcripts').
+    ///
+    /// The data goes into a fresh temporary store and is embedded once; each generator
+    /// consolidates its own copy. Prints one row per generator with wall time, calls and tokens.
+    Skills(EvalSkillsArgs),
+}
+
+/// `fluxmem eval skills`.
+#[derive(Debug, Args)]
+pub struct EvalSkillsArgs {
+    /// The tau-bench or ALFWorld JSON file.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Generators to compare, comma-separated: `none` (template wording) or model names.
+    #[arg(long, value_delimiter = ',', default_value = "none")]
+    pub generators: Vec<String>,
+    /// Generator weights: quantized, dequantized or q8.
+    #[arg(long, default_value = "q8")]
+    pub weights: String,
+    /// Number of clusters per tenant, or auto.
+    #[arg(long, default_value = "auto")]
+    pub clusters: String,
+    /// Seed of the k-means++ draws and of the generator.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Keep each k-means cluster whole (no split by acting tools).
+    #[arg(long)]
+    pub no_procedure_split: bool,
+    /// Print one line per task (tau-bench) after the table.
+    #[arg(long)]
+    pub per_task: bool,
+    /// Embedding model.
+    #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
+    pub model: String,
+    /// Device: auto, cpu, cuda, cuda:N or metal.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Also write the results (with every skill) as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 /// `fluxmem eval locomo`.
@@ -259,7 +302,8 @@ pub struct LocomoArgs {
     /// Conversation ids to evaluate, comma-separated (default: all).
     #[arg(long, value_delimiter = ',')]
     pub conversations: Vec<String>,
-    /// Judge for the fluxmem system: none or llm (the default generator scores the top candidates).
+    /// Judge for the fluxmem system: none, llm (the default judge model) or a generator's name;
+    /// it scores the top candidates.
     #[arg(long, default_value = "none")]
     pub judge: String,
     /// How many of the best fused candidates the judge scores.
@@ -374,7 +418,7 @@ pub enum ModelsCommand {
     /// Score how useful each PASSAGE is for QUERY with the LLM judge (prints a JSON array in [0, 1]).
     Judge {
         /// Generator model behind the judge.
-        #[arg(long, default_value = fluxmem_models::DEFAULT_GENERATOR)]
+        #[arg(long, default_value = fluxmem_models::DEFAULT_JUDGE)]
         model: String,
         /// Device: auto, cpu, cuda, cuda:N or metal.
         #[arg(long, default_value = "auto")]
@@ -463,8 +507,9 @@ pub struct ConsolidateArgs {
     /// Cluster only episodes logged as successful (default: all, outcomes shown to the generator).
     #[arg(long)]
     pub successful_only: bool,
-    /// How eta is measured: none (logged success rate of the source episodes) or llm (the
-    /// default generator judges each source episode against the skill).
+    /// How eta is measured: none (model-free: the skill's steps against the held-out episodes)
+    /// or a judge that replays held-out episodes against the skill: llm (the default judge
+    /// model) or a generator's name.
     #[arg(long, default_value = "none")]
     pub judge: String,
     /// Generator that words skills (name and description around the procedure mined from the
@@ -539,6 +584,10 @@ pub struct ExportSkillsArgs {
     /// Only skills whose PEMS is at least this.
     #[arg(long)]
     pub min_pems: Option<f64>,
+    /// Only skills whose eta (how well their steps match held-out episodes, 0 to 1) is at least
+    /// this; a skill of the previous release that falls under it is listed as retired.
+    #[arg(long)]
+    pub min_eta: Option<f64>,
     /// Only skills distilled from at least this many episodes.
     #[arg(long, default_value_t = 0)]
     pub min_support: usize,

@@ -74,7 +74,7 @@ pub struct Models {
     /// Weights of the generator: quantized, f32 or q8. (`generator = "none"`: skills are worded
     /// from the mined procedure by a template, no model.)
     pub generator_weights: String,
-    /// Judge: none or llm (the default generator scores).
+    /// Judge: none, llm (the default judge model) or a generator's name from the model manifest.
     pub judge: String,
     /// auto, cpu, cuda, cuda:N or metal.
     pub device: String,
@@ -257,13 +257,15 @@ pub struct Export {
     pub tenant: Option<String>,
     /// Only skills with at least this PEMS.
     pub min_pems: Option<f64>,
+    /// Only skills whose eta is at least this (one under it is retired, with the reason).
+    pub min_eta: Option<f64>,
     /// Only skills with at least this many source episodes.
     pub min_support: usize,
 }
 
 impl Default for Export {
     fn default() -> Self {
-        Export { enabled: true, format: "skill-md".into(), out: "skills".into(), tenant: None, min_pems: None, min_support: 1 }
+        Export { enabled: true, format: "skill-md".into(), out: "skills".into(), tenant: None, min_pems: None, min_eta: None, min_support: 1 }
     }
 }
 
@@ -354,8 +356,8 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     positive("consolidate.max_rounds", p.consolidate.max_rounds)?;
     positive("consolidate.prompt_budget", p.consolidate.prompt_budget)?;
     positive("consolidate.max_tokens", p.consolidate.max_tokens)?;
-    if !matches!(p.models.judge.as_str(), "none" | "llm") {
-        bail!("key `models.judge`: `{}`: expected none or llm", p.models.judge);
+    if let Err(e) = fluxmem_models::judge_model(&p.models.judge) {
+        bail!("key `models.judge`: {e}");
     }
     p.models.device.parse::<fluxmem_models::DeviceChoice>().map_err(|e| anyhow::anyhow!("key `models.device`: {e}"))?;
     crate::commands::weight_path(&p.models.generator_weights).map_err(|e| anyhow::anyhow!("key `models.generator_weights`: {e}"))?;
@@ -377,6 +379,9 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     number("consolidate.epsilon", p.consolidate.epsilon, Bound::NonNegative)?;
     if let Some(min_pems) = p.export.min_pems {
         number("export.min_pems", min_pems, Bound::Finite)?;
+    }
+    if let Some(min_eta) = p.export.min_eta {
+        number("export.min_eta", min_eta, Bound::Finite)?;
     }
     p.consolidate.length.parse::<fluxmem_consolidate::LengthUnit>().map_err(|e| anyhow::anyhow!("key `consolidate.length`: {e}"))?;
     p.export.format.parse::<fluxmem_consolidate::ExportFormat>().map_err(|e| anyhow::anyhow!("key `export.format`: {e}"))?;

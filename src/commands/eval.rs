@@ -3,7 +3,7 @@ use fluxmem_eval::locomo::{evaluate, LocomoOptions, LocomoReport, SYSTEMS};
 use fluxmem_models::DeviceChoice;
 use std::process::ExitCode;
 
-use crate::cli::{LocomoArgs, Settings};
+use crate::cli::{EvalSkillsArgs, LocomoArgs, Settings};
 use crate::progress::CountBar;
 
 pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
@@ -99,5 +99,111 @@ fn print_table(report: &LocomoReport, budgets: &[usize]) {
     }
     if report.judge_calls > 0 {
         println!("judge: {} calls, {} prompt tokens", report.judge_calls, report.judge_prompt_tokens);
+    }
+}
+
+pub fn skills(args: EvalSkillsArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    use fluxmem_eval::skills::{evaluate, prepare, GeneratorResult};
+    let device_choice: DeviceChoice = args.device.parse()?;
+    let device = device_choice.device()?;
+    let weights = super::weight_path(&args.weights)?;
+    let clusters = match args.clusters.as_str() {
+        "auto" => None,
+        value => match value.parse::<usize>() {
+            Ok(n) if n > 0 => Some(n),
+            _ => anyhow::bail!("--clusters `{value}`: expected auto or a positive number"),
+        },
+    };
+    // Every generator named must exist before anything runs.
+    let manifest = fluxmem_models::ModelManifest::load()?;
+    for name in args.generators.iter().filter(|g| g.as_str() != "none") {
+        let spec = manifest.get(name).with_context(|| format!("--generators {name}"))?;
+        if spec.kind != "generator" {
+            anyhow::bail!("--generators {name}: `{name}` is a {}, not a generator", spec.kind);
+        }
+    }
+    let options = fluxmem_consolidate::ConsolidateOptions {
+        kmeans: fluxmem_consolidate::KMeansOptions { clusters, seed: args.seed, ..Default::default() },
+        split_by_procedure: !args.no_procedure_split,
+        ..Default::default()
+    };
+    let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
+    eprintln!("eval skills: ingesting and embedding {}", args.data.display());
+    let prepared = prepare(&args.data, &embedder).with_context(|| format!("preparing {}", args.data.display()))?;
+    let mut results: Vec<GeneratorResult> = Vec::new();
+    for name in &args.generators {
+        eprintln!("eval skills: consolidating {} episodes with generator {name}", prepared.episodes);
+        let mut generator = match name.as_str() {
+            "none" => None,
+            model => Some(fluxmem_models::load_generator(model, &device_choice, weights)?),
+        };
+        let mut models = fluxmem_consolidate::Models {
+            embedder: &embedder,
+            generator: generator.as_mut().map(|g| g as &mut dyn fluxmem_models::Generator),
+            judge: None,
+        };
+        let mut bar = CountBar::new(settings.progress, "consolidate");
+        let result = evaluate(&prepared, name, &mut models, &options, &device, &mut bar)?;
+        bar.finish();
+        results.push(result);
+    }
+    print_skills_table(&prepared, &results, args.per_task);
+    if let Some(path) = &args.json {
+        let json = serde_json::json!({ "data": args.data, "benchmark": prepared.benchmark, "episodes": prepared.episodes, "results": results });
+        std::fs::write(path, serde_json::to_vec_pretty(&json)?).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_skills_table(prepared: &fluxmem_eval::skills::Prepared, results: &[fluxmem_eval::skills::GeneratorResult], per_task: bool) {
+    println!("{}: {} episodes ({:?})", prepared.data.display(), prepared.episodes, prepared.benchmark);
+    let scores_header = match prepared.benchmark {
+        fluxmem_eval::skills::Benchmark::TauBench => format!("{:>8} {:>7} {:>6} {:>9}", "coverage", "recall", "order", "precision"),
+        fluxmem_eval::skills::Benchmark::Alfworld => format!("{:>6} {:>6} {:>9} {:>8}", "purity", "NMI", "verb prec", "verb rec"),
+    };
+    println!(
+        "{:<36} {:>8} {:>6} {:>13} {:>9} {:>6} {:>7} {:>7} {}",
+        "generator", "clusters", "skills", "model-worded", "no proc.", "calls", "tokens", "seconds", scores_header
+    );
+    for r in results {
+        let scores = match (&r.tau, &r.alfworld) {
+            (Some(t), _) => format!("{:>8.2} {:>7.2} {:>6.2} {:>9.2}", t.coverage, t.recall, t.order, t.precision),
+            (_, Some(a)) => format!("{:>6.3} {:>6.3} {:>9.2} {:>8.2}", a.purity, a.nmi, a.verb_precision, a.verb_recall),
+            _ => String::new(),
+        };
+        println!(
+            "{:<36} {:>8} {:>6} {:>13} {:>9} {:>6} {:>7} {:>7.1} {scores}",
+            r.generator,
+            r.clusters,
+            r.skills,
+            r.model_worded,
+            r.no_procedure,
+            r.calls,
+            r.prompt_tokens + r.generated_tokens,
+            r.seconds
+        );
+    }
+    if let Some(t) = results.first().and_then(|r| r.tau.as_ref()) {
+        println!("tau-bench: {} tasks, recall and order over {} with gold actions, precision over {} with a successful run", t.tasks, t.with_gold, t.with_success);
+    }
+    if per_task {
+        for r in results {
+            let Some(t) = &r.tau else { continue };
+            println!("generator {}:", r.generator);
+            let cell = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.2}"));
+            for row in &t.per_task {
+                println!(
+                    "  task {:>3}  coverage {:.2}  recall {}  order {}  precision {}  {:?}  gold {:?}  skill {:?}",
+                    row.task,
+                    row.coverage,
+                    cell(row.recall),
+                    cell(row.order),
+                    cell(row.precision),
+                    row.skill,
+                    row.gold,
+                    row.named
+                );
+            }
+        }
     }
 }

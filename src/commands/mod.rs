@@ -30,6 +30,7 @@ pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
         Command::Refine(args) => refine::run(args, settings),
         Command::Run(args) => run::run(args, settings),
         Command::Eval(crate::cli::EvalCommand::Locomo(args)) => eval::locomo(args, settings),
+        Command::Eval(crate::cli::EvalCommand::Skills(args)) => eval::skills(args, settings),
         Command::Consolidate(args) => consolidate::run(args, settings),
         Command::Export(crate::cli::ExportCommand::Skills(args)) => export::skills(args, settings),
         Command::Store(crate::cli::StoreCommand::Recover(args)) => store::recover(args, settings),
@@ -69,20 +70,19 @@ pub fn retrieval_config(fusion: &str, weights: &[f32], judge_top: usize) -> anyh
     Ok(fluxmem_connect::RetrievalConfig { fusion, weights, judge_top, ..Default::default() })
 }
 
-/// The judge named by `--judge`: `none`, or `llm` (the default generator with f32 weights,
-/// since judging is prompt processing).
+/// The judge named by `--judge`: `none`, `llm` (the default judge model) or a generator's name
+/// from the model manifest, with f32 weights, since judging is prompt processing.
 pub fn judge_from_flag(
     name: &str,
     device: &fluxmem_models::DeviceChoice,
 ) -> anyhow::Result<Option<fluxmem_models::LlmJudge<fluxmem_models::GgufGenerator>>> {
-    match name {
-        "none" => Ok(None),
-        "llm" => Ok(Some(fluxmem_models::LlmJudge::new(fluxmem_models::load_generator(
-            fluxmem_models::DEFAULT_GENERATOR,
+    match fluxmem_models::judge_model(name)? {
+        None => Ok(None),
+        Some(model) => Ok(Some(fluxmem_models::LlmJudge::new(fluxmem_models::load_generator(
+            &model,
             device,
             fluxmem_models::WeightPath::Dequantized,
         )?))),
-        other => anyhow::bail!("--judge `{other}`: expected none or llm"),
     }
 }
 

@@ -131,8 +131,8 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     record.models.insert("embedder".into(), model_id(&p.models.embedder));
     if p.consolidate.enabled && stages.contains(&"consolidate") {
         record.models.insert("generator".into(), model_id(&p.models.generator));
-        if p.models.judge == "llm" {
-            record.models.insert("judge".into(), model_id(fluxmem_models::DEFAULT_GENERATOR));
+        if let Some(judge) = fluxmem_models::judge_model(&p.models.judge)? {
+            record.models.insert("judge".into(), model_id(&judge));
         }
     }
     let mut failure = None;
@@ -475,8 +475,8 @@ impl Ctx<'_> {
             ensure_model(&models.generator)?;
             Some(fluxmem_models::load_generator(&models.generator, &self.device_choice, super::weight_path(&models.generator_weights)?)?)
         };
-        if models.judge == "llm" {
-            ensure_model(fluxmem_models::DEFAULT_GENERATOR)?;
+        if let Some(judge) = fluxmem_models::judge_model(&models.judge)? {
+            ensure_model(&judge)?;
         }
         let mut judge = super::judge_from_flag(&models.judge, &self.device_choice)?;
         let options = fluxmem_consolidate::ConsolidateOptions {
@@ -544,6 +544,7 @@ impl Ctx<'_> {
             format: e.format.parse().map_err(anyhow::Error::msg)?,
             tenant: e.tenant.clone(),
             min_pems: e.min_pems,
+            min_eta: e.min_eta,
             min_support: e.min_support,
         };
         let store = Store::open(writer.store().dir())?;
@@ -669,29 +670,38 @@ fn add_stage_to_report(loaded: &Loaded, run_id: &str, store_dir: &Path, stage: &
 
 /// The consolidate stage's status from its counts. A cluster gave a skill when it got a new
 /// skill, a new version or kept an unchanged one; it gave none when induction failed this run
-/// or failed in an earlier run and was not retried (`failed_earlier`).
-/// - some clusters gave none, none gave one: `degraded: 0 of N clusters gave a skill (...)`;
-/// - some gave none, some gave one: `partial: K of N clusters gave a skill (...)`;
-/// - every cluster gave one: `done`, or `nothing new` when every skill was unchanged (or there
-///   were no clusters).
+/// or failed in an earlier run and was not retried (`failed_earlier`). A cluster whose
+/// successes share no procedure gives no skill by design (a skill holds only proven steps): that
+/// is a finding, said in the status, not a failure, unless no cluster gave a skill at all.
+/// - some clusters failed, none gave one: `degraded: 0 of N clusters gave a skill (...)`;
+/// - some failed, some gave one: `partial: K of N clusters gave a skill (...)`;
+/// - none failed: `done`, or `nothing new` when every skill was unchanged (or there were no
+///   clusters), followed by `(K of N clusters share no procedure, so no skill)` when some do.
 fn consolidate_status(report: &fluxmem_consolidate::ConsolidateReport) -> String {
     let gave = report.skills_new + report.skills_updated + report.skills_unchanged;
-    let none = report.failed + report.failed_earlier;
-    if none > 0 {
+    let no_procedure = report.no_procedure.min(report.failed);
+    let failed = report.failed - no_procedure;
+    let none = failed + report.failed_earlier;
+    let clusters = gave + none + no_procedure;
+    if none > 0 || (gave == 0 && no_procedure > 0) {
         let mut why = Vec::new();
-        if report.failed > 0 {
-            why.push(format!("{} failed", report.failed));
+        if failed > 0 {
+            why.push(format!("{failed} failed"));
+        }
+        if no_procedure > 0 {
+            why.push(format!("{no_procedure} sharing no procedure"));
         }
         if report.failed_earlier > 0 {
             why.push(format!("{} failed in an earlier run, not retried", report.failed_earlier));
         }
         let word = if gave == 0 { DEGRADED } else { PARTIAL };
-        return format!("{word}: {gave} of {} clusters gave a skill ({})", gave + none, why.join(", "));
+        return format!("{word}: {gave} of {clusters} clusters gave a skill ({})", why.join(", "));
     }
-    if report.skills_new + report.skills_updated == 0 {
-        "nothing new".into()
+    let status = if report.skills_new + report.skills_updated == 0 { "nothing new" } else { "done" };
+    if no_procedure > 0 {
+        format!("{status} ({no_procedure} of {clusters} clusters share no procedure, so no skill)")
     } else {
-        "done".into()
+        status.into()
     }
 }
 
@@ -890,6 +900,16 @@ mod tests {
             "partial: 1 of 4 clusters gave a skill (1 failed, 2 failed in an earlier run, not retried)"
         );
         assert_eq!(consolidate_status(&consolidate_report(0, 0, 0, 0, 2)), "degraded: 0 of 2 clusters gave a skill (2 failed in an earlier run, not retried)");
+        // Clusters whose successes share no procedure are a finding, not a failure.
+        let mut report = consolidate_report(5, 0, 0, 1, 0);
+        report.no_procedure = 1;
+        assert_eq!(consolidate_status(&report), "done (1 of 6 clusters share no procedure, so no skill)");
+        let mut report = consolidate_report(5, 0, 0, 2, 0);
+        report.no_procedure = 1;
+        assert_eq!(consolidate_status(&report), "partial: 5 of 7 clusters gave a skill (1 failed, 1 sharing no procedure)");
+        let mut report = consolidate_report(0, 0, 0, 2, 0);
+        report.no_procedure = 2;
+        assert_eq!(consolidate_status(&report), "degraded: 0 of 2 clusters gave a skill (2 sharing no procedure)");
         assert_eq!(consolidate_status(&consolidate_report(2, 1, 0, 0, 0)), "done");
         assert_eq!(consolidate_status(&consolidate_report(0, 0, 3, 0, 0)), "nothing new");
         assert_eq!(consolidate_status(&consolidate_report(0, 0, 0, 0, 0)), "nothing new");

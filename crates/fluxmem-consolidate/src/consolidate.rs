@@ -207,7 +207,11 @@ pub trait Progress {
 pub struct NoProgress;
 impl Progress for NoProgress {}
 
+/// How the edit of a cluster that shares no procedure starts its reason.
+const NO_PROCEDURE_REASON: &str = "no skill for a cluster of ";
+
 /// Consolidates the store's episodes into skills and commits them in one commit.
+
 pub fn consolidate_store(
     writer: &mut Writer,
     models: &mut Models<'_>,
@@ -235,8 +239,14 @@ pub fn consolidate_store(
     let judge_start = models.judge.as_ref().map(|j| j.usage()).unwrap_or_default();
     let tenants = episodes_by_tenant(&graph, options, &model)?;
     let latest = latest_skills(&graph);
-    let failed_before: BTreeSet<&str> =
-        graph.edits.iter().filter(|e| e.stage == STAGE && e.kind == "skill_failed").map(|e| e.target.as_str()).collect();
+    // Clusters that failed before, and whether they failed for sharing no procedure (a finding
+    // that holds as long as the cluster's members do, so it is reported again, not re-mined).
+    let failed_before: BTreeMap<&str, bool> = graph
+        .edits
+        .iter()
+        .filter(|e| e.stage == STAGE && e.kind == "skill_failed")
+        .map(|e| (e.target.as_str(), e.reason.starts_with(NO_PROCEDURE_REASON)))
+        .collect();
     let mut delta = Graph::default();
     let mut plans = Vec::new();
     for (tenant, (ids, vectors)) in &tenants {
@@ -384,7 +394,7 @@ fn handle(
     models: &mut Models<'_>,
     options: &ConsolidateOptions,
     run_id: &str,
-    failed_before: &BTreeSet<&str>,
+    failed_before: &BTreeMap<&str, bool>,
     delta: &mut Graph,
     report: &mut ConsolidateReport,
 ) -> Result<ClusterReport> {
@@ -401,10 +411,22 @@ fn handle(
     }
     let key: Vec<&str> = sorted.iter().map(|id| id.as_str()).collect();
     let target = format!("cluster:{}", &sha256_hex(key.join("\n").as_bytes())[..32]);
-    if plan.previous.is_none() && !options.retry_failed && failed_before.contains(target.as_str()) {
-        report.failed_earlier += 1;
-        cluster.status = "failed_earlier".into();
-        return Ok(cluster);
+    if plan.previous.is_none() {
+        match failed_before.get(target.as_str()) {
+            Some(true) => {
+                // Mining is deterministic: the same members still share no procedure.
+                report.failed += 1;
+                report.no_procedure += 1;
+                cluster.status = "no_procedure".into();
+                return Ok(cluster);
+            }
+            Some(false) if !options.retry_failed => {
+                report.failed_earlier += 1;
+                cluster.status = "failed_earlier".into();
+                return Ok(cluster);
+            }
+            _ => {}
+        }
     }
     let episodes: Vec<&Node> = plan.episodes.iter().map(|id| &graph.nodes[id]).collect();
     let previous = match plan.previous {
@@ -430,7 +452,7 @@ fn handle(
         Matured::Failed { attempts } => {
             let after = json!({ "tenant": plan.tenant, "episodes": plan.episodes, "attempts": attempts });
             let reason = match attempts.first() {
-                Some(attempt) if no_procedure => format!("no skill for a cluster of {} episodes: {}", plan.episodes.len(), attempt.problem),
+                Some(attempt) if no_procedure => format!("{NO_PROCEDURE_REASON}{} episodes: {}", plan.episodes.len(), attempt.problem),
                 _ => format!("no readable skill for a cluster of {} episodes", plan.episodes.len()),
             };
             let after = serde_json::to_string(&after).expect("JSON values serialise");

@@ -63,12 +63,16 @@ pub struct ExportOptions {
     pub tenant: Option<String>,
     /// Only skills whose current PEMS is at least this.
     pub min_pems: Option<f64>,
+    /// Only skills whose kept round's eta (how well the steps match the held-out episodes) is at
+    /// least this; a skill that falls under it is retired in the release's changes, with the
+    /// reason.
+    pub min_eta: Option<f64>,
     /// Only skills with at least this many source episodes.
     pub min_support: usize,
 }
 
 /// One exported skill.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
 pub struct SkillRecord {
     /// Node id of this version.
     pub id: String,
@@ -295,16 +299,33 @@ pub fn export_skills_with(store: &Store, out: &Path, options: &ExportOptions, re
     let mut redacted = fluxmem_redact::Counts::new();
     let all: Vec<SkillRecord> = skill_records(&graph).into_iter().map(|r| redact_record(r, redactor, &mut redacted)).collect();
     let total = all.len();
-    let records: Vec<SkillRecord> = all
-        .into_iter()
-        .filter(|r| options.tenant.as_ref().is_none_or(|t| t == &r.tenant))
-        .filter(|r| options.min_pems.is_none_or(|min| r.pems >= min))
-        .filter(|r| r.support >= options.min_support)
-        .collect();
+    // Why each skill left out is left out (said when a release retires it).
+    let mut left_out: BTreeMap<String, String> = BTreeMap::new();
+    let mut records: Vec<SkillRecord> = Vec::new();
+    for record in all {
+        let reason = if options.tenant.as_ref().is_some_and(|t| t != &record.tenant) {
+            Some(format!("tenant `{}` is not exported (--tenant)", record.tenant))
+        } else if let Some(min) = options.min_pems.filter(|&min| record.pems < min) {
+            Some(format!("PEMS {:.4} is under the export's minimum {min}", record.pems))
+        } else if let (Some(min), Some(eta)) = (options.min_eta, record.eta) {
+            (eta < min).then(|| format!("eta {eta:.3} fell under the export's minimum {min}"))
+        } else {
+            None
+        };
+        let reason = reason.or_else(|| {
+            (record.support < options.min_support).then(|| format!("{} source episodes, under the export's minimum {}", record.support, options.min_support))
+        });
+        match reason {
+            Some(reason) => {
+                left_out.insert(record.lineage.clone(), reason);
+            }
+            None => records.push(record),
+        }
+    }
     let target = Target::resolve(out)?;
     let existing = inspect(&target.dir)?;
     let previous = previous_release(&target.dir);
-    let changes = changes(previous.as_ref(), &manifest, &records);
+    let changes = changes(previous.as_ref(), &manifest, &records, &left_out);
     std::fs::create_dir_all(&target.parent).map_err(|e| io(&target.parent, e))?;
     let scratch = Scratch::create(target.sibling("tmp"))?;
     let files = write_release(&scratch.path, out, &manifest, &graph, &records, options, &changes)?;
@@ -350,9 +371,10 @@ fn previous_release(dir: &Path) -> Option<Value> {
 /// What changed since `previous` (the release this one replaces): skills `added` (a lineage it
 /// did not have), `updated` (a new version of a lineage, with the version, PEMS and eta before
 /// and after), `unchanged` and `retired` (a lineage it had that this release has not: its cluster
-/// is gone or a filter leaves it out; listed, never dropped silently). Re-exporting the same
-/// store state keeps the previous release's list, so the output stays byte-identical.
-fn changes(previous: Option<&Value>, manifest: &fluxmem_store::Manifest, records: &[SkillRecord]) -> Vec<Value> {
+/// is gone, or a filter such as the eta minimum leaves it out, with the reason from `left_out`;
+/// listed, never dropped silently). Re-exporting the same store state keeps the previous
+/// release's list, so the output stays byte-identical.
+fn changes(previous: Option<&Value>, manifest: &fluxmem_store::Manifest, records: &[SkillRecord], left_out: &BTreeMap<String, String>) -> Vec<Value> {
     let old: Vec<&Value> = previous.and_then(|p| p["skills"].as_array()).map(|s| s.iter().collect()).unwrap_or_default();
     if let Some(previous) = previous {
         let same_store = previous["store"]["manifest_version"].as_u64() == Some(manifest.version);
@@ -387,7 +409,7 @@ fn changes(previous: Option<&Value>, manifest: &fluxmem_store::Manifest, records
             out.push(json!({
                 "change": "retired", "lineage": lineage, "slug": before["slug"], "name": before["name"],
                 "before": { "id": before["id"], "version": before["version"], "pems": before["pems"], "eta": before["eta"] },
-                "reason": "not among the store's latest skills that pass this export's filters (its cluster is gone, or a filter leaves it out)",
+                "reason": left_out.get(*lineage).cloned().unwrap_or_else(|| "its cluster is gone: no latest skill of the store has this lineage".into()),
             }));
         }
     }
@@ -853,7 +875,7 @@ fn release_manifest(
             "generators": generators,
             "judges": judges,
         },
-        "filters": { "tenant": options.tenant, "min_pems": options.min_pems, "min_support": options.min_support },
+        "filters": { "tenant": options.tenant, "min_pems": options.min_pems, "min_eta": options.min_eta, "min_support": options.min_support },
         "release_sha256": sha256_hex(hashes.join("\n").as_bytes()),
         "skills": records.iter().map(|r| json!({
             "id": r.id, "lineage": r.lineage, "slug": r.slug, "name": r.name, "tenant": r.tenant,
@@ -1038,7 +1060,7 @@ mod tests {
         let store = Store::open(&store_dir).unwrap();
         let parent = dir.path().join("exports");
         let out = parent.join("skills");
-        let md = ExportOptions { format: ExportFormat::SkillMd, tenant: None, min_pems: None, min_support: 0 };
+        let md = ExportOptions { format: ExportFormat::SkillMd, tenant: None, min_pems: None, min_eta: None, min_support: 0 };
 
         // A first export that fails half-way (the second SKILL.md) leaves nothing behind.
         fail_after(Some(1));

@@ -534,7 +534,7 @@ fn export_is_byte_identical_and_filters() {
     run(&store, &mut Scripted::new(family_skill), None, &options(3));
     let handle = Store::open(&store).unwrap();
     for format in [ExportFormat::SkillMd, ExportFormat::Jsonl, ExportFormat::Parquet] {
-        let options = ExportOptions { format, tenant: None, min_pems: None, min_support: 0 };
+        let options = ExportOptions { format, tenant: None, min_pems: None, min_eta: None, min_support: 0 };
         let (a, b) = (dir.path().join(format!("{format:?}-a")), dir.path().join(format!("{format:?}-b")));
         let report = export_skills(&handle, &a, &options).unwrap();
         assert_eq!(report.skills, 3);
@@ -566,7 +566,7 @@ fn export_is_byte_identical_and_filters() {
     assert_eq!(provenance["source_episodes"].as_array().unwrap().len(), 4);
     assert!(provenance["source_episodes"][0].as_str().unwrap().starts_with("epi-"));
 
-    let none = ExportOptions { format: ExportFormat::Jsonl, tenant: None, min_pems: None, min_support: 5 };
+    let none = ExportOptions { format: ExportFormat::Jsonl, tenant: None, min_pems: None, min_eta: None, min_support: 5 };
     let report = export_skills(&handle, &dir.path().join("none"), &none).unwrap();
     assert_eq!((report.skills, report.filtered_out), (0, 3));
     let other_tenant = ExportOptions { tenant: Some("other".into()), min_support: 0, ..none.clone() };
@@ -577,7 +577,7 @@ fn export_is_byte_identical_and_filters() {
     let foreign = dir.path().join("foreign");
     std::fs::create_dir_all(&foreign).unwrap();
     std::fs::write(foreign.join("notes.txt"), "mine").unwrap();
-    let error = export_skills(&handle, &foreign, &ExportOptions { format: ExportFormat::Jsonl, tenant: None, min_pems: None, min_support: 0 });
+    let error = export_skills(&handle, &foreign, &ExportOptions { format: ExportFormat::Jsonl, tenant: None, min_pems: None, min_eta: None, min_support: 0 });
     assert!(matches!(error, Err(Error::OutputNotEmpty { .. })), "{error:?}");
 }
 
@@ -604,7 +604,7 @@ fn export_writes_a_complete_release_and_leaves_no_temporary_directory() {
     let parent = dir.path().join("exports").join("nested");
     for format in [ExportFormat::SkillMd, ExportFormat::Jsonl, ExportFormat::Parquet] {
         let out = parent.join(format!("{format:?}"));
-        let report = export_skills(&handle, &out, &ExportOptions { format, tenant: None, min_pems: None, min_support: 0 }).unwrap();
+        let report = export_skills(&handle, &out, &ExportOptions { format, tenant: None, min_pems: None, min_eta: None, min_support: 0 }).unwrap();
         assert_eq!(report.release, out.join(RELEASE_FILE));
         let release: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join(RELEASE_FILE)).unwrap()).unwrap();
         assert_eq!(release["skills"].as_array().unwrap().len(), 3);
@@ -624,7 +624,7 @@ fn export_replaces_an_earlier_export_and_refuses_files_it_did_not_write() {
     let handle = skill_store(dir.path());
     let parent = dir.path().join("exports");
     let out = parent.join("skills");
-    let md = ExportOptions { format: ExportFormat::SkillMd, tenant: None, min_pems: None, min_support: 0 };
+    let md = ExportOptions { format: ExportFormat::SkillMd, tenant: None, min_pems: None, min_eta: None, min_support: 0 };
     let jsonl = ExportOptions { format: ExportFormat::Jsonl, ..md.clone() };
     export_skills(&handle, &out, &md).unwrap();
     let skill_md = files(&out);
@@ -676,7 +676,7 @@ fn a_release_states_what_changed_since_the_previous_one() {
     let mut generator = Scripted::new(family_skill);
     run(&store, &mut generator, None, &options(3));
     let out = dir.path().join("skills");
-    let md = ExportOptions { format: ExportFormat::SkillMd, tenant: None, min_pems: None, min_support: 0 };
+    let md = ExportOptions { format: ExportFormat::SkillMd, tenant: None, min_pems: None, min_eta: None, min_support: 0 };
     let first = export_skills(&Store::open(&store).unwrap(), &out, &md).unwrap();
     assert_eq!((first.added, first.updated, first.retired), (3, 0, 0));
     let changes_md = std::fs::read_to_string(out.join(CHANGES_FILE)).unwrap();
@@ -699,12 +699,22 @@ fn a_release_states_what_changed_since_the_previous_one() {
     export_skills(&Store::open(&store).unwrap(), &out, &md).unwrap();
     assert_eq!(files(&out), before);
 
-    // A filter that leaves every skill out retires them, listed with the reason.
-    let none = ExportOptions { min_support: 100, ..md };
-    let third = export_skills(&Store::open(&store).unwrap(), &out, &none).unwrap();
+    // An eta minimum above every skill's eta retires them all, each with its eta and the minimum.
+    let strict = ExportOptions { min_eta: Some(1.5), ..md.clone() };
+    let third = export_skills(&Store::open(&store).unwrap(), &out, &strict).unwrap();
     assert_eq!((third.skills, third.retired), (0, 3));
     let changes_md = std::fs::read_to_string(out.join(CHANGES_FILE)).unwrap();
-    assert!(changes_md.contains("## Retired (3)") && changes_md.contains("filter leaves it out"), "{changes_md}");
+    assert!(changes_md.contains("## Retired (3)") && changes_md.contains("fell under the export's minimum 1.5"), "{changes_md}");
+
+    // Back to all three, then a support filter that leaves every skill out: retired again,
+    // listed with that reason.
+    let fourth = export_skills(&Store::open(&store).unwrap(), &out, &md).unwrap();
+    assert_eq!((fourth.skills, fourth.added), (3, 3));
+    let none = ExportOptions { min_support: 100, ..md };
+    let fifth = export_skills(&Store::open(&store).unwrap(), &out, &none).unwrap();
+    assert_eq!((fifth.skills, fifth.retired), (0, 3));
+    let changes_md = std::fs::read_to_string(out.join(CHANGES_FILE)).unwrap();
+    assert!(changes_md.contains("## Retired (3)") && changes_md.contains("under the export's minimum 100"), "{changes_md}");
 }
 
 /// Prompts are redacted before a generator sees them: an e-mail address in an episode's

@@ -1,9 +1,11 @@
 //! Evaluation harnesses. [`locomo`] measures retrieval recall on LoCoMo for fluxmem and for
 //! baseline systems (BM25, dense, hybrid) in one run, overall and per question category.
-//! Gold answers and evidence are read only to score, never by retrieval.
+//! [`skills`] measures Stage III's skills per generator against tau-bench gold actions and
+//! ALFWorld task types. Gold labels are read only to score, never by the system.
 
 pub mod locomo;
 pub mod metrics;
+pub mod skills;
 
 /// Errors of the evaluation harnesses.
 #[derive(Debug, thiserror::Error)]

@@ -1,5 +1,5 @@
-//! GGUF chat models on candle's quantized architectures: llama (SmolLM2, Llama, ...) and
-//! Gemma 3.
+//! GGUF chat models on candle's quantized architectures: llama (SmolLM2, Llama, ...), qwen2
+//! (Qwen2.5, Qwen2.5-Coder; a cloneable copy of candle's `quantized_qwen2`) and Gemma 3.
 //!
 //! Two weight paths: [`WeightPath::Quantized`] keeps the file's quantized matrices (small,
 //! decode-friendly); [`WeightPath::Dequantized`] expands every matrix to f32 once at load time
@@ -35,6 +35,7 @@ pub enum WeightPath {
 enum Model {
     Llama(quantized_llama::ModelWeights),
     Gemma3(quantized_gemma3::ModelWeights),
+    Qwen2(crate::qwen2::ModelWeights),
 }
 
 impl Model {
@@ -42,13 +43,14 @@ impl Model {
     /// candle 0.11's quantized Gemma 3 builds a mismatched mask (f32 vs u32) when
     /// `index_pos > 0` and more than one token is fed, so Gemma prompts run whole.
     fn continues_from_cache(&self) -> bool {
-        matches!(self, Model::Llama(_))
+        matches!(self, Model::Llama(_) | Model::Qwen2(_))
     }
 
     fn forward(&mut self, input: &Tensor, position: usize) -> candle_core::Result<Tensor> {
         match self {
             Model::Llama(model) => model.forward(input, position),
             Model::Gemma3(model) => model.forward(input, position),
+            Model::Qwen2(model) => model.forward(input, position),
         }
     }
 }
@@ -88,11 +90,14 @@ impl GgufGenerator {
         } else {
             tokenizer_from_gguf(&content, &file_path)?
         };
-        let context_length = content
+        let mut context_length = content
             .metadata
             .get(&format!("{architecture}.context_length"))
             .and_then(|v| v.to_u32().ok())
             .unwrap_or(2048) as usize;
+        if architecture == "qwen2" {
+            context_length = context_length.min(crate::qwen2::MAX_POSITIONS);
+        }
         let (content, mut reader): (gguf_file::Content, Box<dyn ReadSeek>) = match path {
             WeightPath::Quantized => (content, Box::new(file)),
             WeightPath::Dequantized | WeightPath::Q8 => {
@@ -106,8 +111,9 @@ impl GgufGenerator {
         let model = match architecture.as_str() {
             "llama" => Model::Llama(quantized_llama::ModelWeights::from_gguf(content, &mut reader, device)?),
             "gemma3" => Model::Gemma3(quantized_gemma3::ModelWeights::from_gguf(content, &mut reader, device)?),
+            "qwen2" => Model::Qwen2(crate::qwen2::ModelWeights::from_gguf(content, &mut reader, device)?),
             other => {
-                return Err(Error::Format { path: file_path, reason: format!("architecture `{other}` is not supported (llama, gemma3)") })
+                return Err(Error::Format { path: file_path, reason: format!("architecture `{other}` is not supported (llama, qwen2, gemma3)") })
             }
         };
         let template = if architecture == "gemma3" { Template::Gemma } else { Template::ChatMl };

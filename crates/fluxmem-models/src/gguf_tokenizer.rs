@@ -1,10 +1,15 @@
 //! Tokenizers for GGUF models built from the GGUF metadata, for checkpoints that ship no
 //! `tokenizer.json`.
 //!
-//! - Byte-level BPE (`tokenizer.ggml.model = gpt2`, e.g. SmolLM2): the vocabulary and merges
-//!   from the metadata, digits split one by one, then GPT-2 byte-level pre-tokenization without a
-//!   prefix space (as SmolLM2's reference `tokenizer.json` does; candle's `TokenizerFromGguf`
-//!   adds a prefix space and so disagrees with it).
+//! - Byte-level BPE (`tokenizer.ggml.model = gpt2`): the vocabulary and merges from the
+//!   metadata, and the pre-tokenizer `tokenizer.ggml.pre` names:
+//!   - `qwen2` (Qwen2, Qwen2.5): NFC normalization, then Qwen's split pattern (contractions,
+//!     letter runs with one leading non-letter, single digits, punctuation runs, newlines,
+//!     spaces), then byte-level mapping without GPT-2's own regex, as Qwen's `tokenizer.json`
+//!     does;
+//!   - otherwise (SmolLM2): digits split one by one, then GPT-2 byte-level pre-tokenization
+//!     without a prefix space (as SmolLM2's reference `tokenizer.json` does; candle's
+//!     `TokenizerFromGguf` adds a prefix space and so disagrees with it).
 //! - SentencePiece BPE (`tokenizer.ggml.model = llama`, e.g. Gemma 3): spaces become `▁`, merges
 //!   are derived from the piece scores the way the Hugging Face converter does (every split of a
 //!   piece into two known pieces, ranked by the piece's score), unknown bytes fall back to
@@ -21,6 +26,9 @@ use tokenizers::decoders::fuse::Fuse;
 use tokenizers::decoders::sequence::Sequence as DecoderSequence;
 use tokenizers::decoders::DecoderWrapper;
 use tokenizers::normalizers::replace::Replace;
+use tokenizers::normalizers::unicode::NFC;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::SplitDelimiterBehavior;
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
@@ -59,6 +67,10 @@ pub fn tokenizer_from_gguf(content: &Content, path: &Path) -> Result<Tokenizer> 
     Ok(tokenizer)
 }
 
+/// Qwen2's pre-tokenizer split pattern, as in its `tokenizer.json`.
+const QWEN2_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 fn byte_level_bpe(content: &Content, tokens: &[String], path: &Path) -> Result<Tokenizer> {
     let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
     let merges: Vec<(String, String)> = strings(content, "tokenizer.ggml.merges", path)?
@@ -70,10 +82,19 @@ fn byte_level_bpe(content: &Content, tokens: &[String], path: &Path) -> Result<T
         .build()
         .map_err(|e| Error::Format { path: path.into(), reason: format!("BPE from GGUF: {e}") })?;
     let mut tokenizer = Tokenizer::new(bpe);
-    let pre = Sequence::new(vec![
-        PreTokenizerWrapper::Digits(Digits::new(true)),
-        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
-    ]);
+    let pre_name = content.metadata.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
+    let pre = match pre_name.as_str() {
+        "qwen2" => {
+            let split = Split::new(SplitPattern::Regex(QWEN2_PATTERN.into()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(|e| Error::Tokenizer(format!("qwen2 pre-tokenizer: {e}")))?;
+            tokenizer.with_normalizer(Some(NFC)).map_err(|e| Error::Tokenizer(e.to_string()))?;
+            Sequence::new(vec![PreTokenizerWrapper::Split(split), PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false))])
+        }
+        _ => Sequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
+        ]),
+    };
     tokenizer.with_pre_tokenizer(Some(pre));
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
     Ok(tokenizer)

@@ -3,7 +3,7 @@
 //! - [`Embedder`]: texts to vectors. [`SentenceEmbedder`] loads sentence-transformers BERT
 //!   checkpoints (default all-MiniLM-L6-v2); [`HashEmbedder`] is a weight-free fake for tests.
 //! - [`Generator`]: chat generation and next-token scoring; [`GgufGenerator`] runs GGUF models
-//!   (llama, Gemma 3) with quantized or dequantized-at-load weights ([`WeightPath`]).
+//!   (llama, qwen2, Gemma 3) with quantized or dequantized-at-load weights ([`WeightPath`]).
 //! - [`Judge`]: passage usefulness and context sufficiency in [0, 1]; [`LlmJudge`] on any generator.
 //! - [`DeviceChoice`]: `auto|cpu|cuda[:N]|metal`, resolved at run time; the `cuda` and `metal`
 //!   cargo features compile the backends in.
@@ -26,6 +26,7 @@ mod gguf;
 mod gguf_tokenizer;
 mod judge;
 mod provision;
+mod qwen2;
 
 pub use bert::{bucket_len, Pooling, SentenceEmbedder, PAD_BUCKET};
 pub use device::DeviceChoice;
@@ -35,7 +36,7 @@ pub use generator::{ChatMessage, GenerateParams, Generation, Generator, Usage};
 pub use gguf::{GgufGenerator, WeightPath};
 pub use gguf_tokenizer::tokenizer_from_gguf;
 pub use judge::{Judge, LlmJudge};
-pub use provision::{cache_dir, FileSpec, ModelManifest, ModelSpec, BUILTIN_MANIFEST, DEFAULT_EMBEDDER, DEFAULT_GENERATOR};
+pub use provision::{cache_dir, FileSpec, ModelManifest, ModelSpec, BUILTIN_MANIFEST, DEFAULT_EMBEDDER, DEFAULT_GENERATOR, DEFAULT_JUDGE};
 
 /// Loads the embedder called `name` from the cache on `device`.
 pub fn load_embedder(name: &str, device: &DeviceChoice) -> Result<SentenceEmbedder> {
@@ -46,6 +47,23 @@ pub fn load_embedder(name: &str, device: &DeviceChoice) -> Result<SentenceEmbedd
     }
     let dir = spec.require(&cache_dir())?;
     SentenceEmbedder::load(&dir, &spec.model_id(), &device.device()?)
+}
+
+/// The generator model a judge setting names: `none` gives `None`, `llm` the default judge
+/// ([`DEFAULT_JUDGE`]), anything else must be a generator in the manifest.
+pub fn judge_model(setting: &str) -> Result<Option<String>> {
+    match setting {
+        "none" => Ok(None),
+        "llm" => Ok(Some(DEFAULT_JUDGE.to_string())),
+        name => {
+            let manifest = ModelManifest::load()?;
+            let generators = || manifest.models.iter().filter(|m| m.kind == "generator").map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ");
+            match manifest.get(name) {
+                Ok(spec) if spec.kind == "generator" => Ok(Some(name.to_string())),
+                _ => Err(Error::Unknown { name: format!("judge `{name}`"), known: format!("none, llm ({DEFAULT_JUDGE}), {}", generators()) }),
+            }
+        }
+    }
 }
 
 /// Loads the GGUF generator called `name` from the cache on `device`.

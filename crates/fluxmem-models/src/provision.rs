@@ -12,8 +12,10 @@ use crate::{Error, Result};
 pub const BUILTIN_MANIFEST: &str = include_str!("../../../models/models.toml");
 /// The default embedding model.
 pub const DEFAULT_EMBEDDER: &str = "all-minilm-l6-v2";
-/// The default generator (and judge) model.
+/// The default generator model.
 pub const DEFAULT_GENERATOR: &str = "smollm2-135m-instruct-q4_1";
+/// The model `--judge llm` names.
+pub const DEFAULT_JUDGE: &str = "smollm2-135m-instruct-q4_1";
 /// Marker written after a model's files were verified.
 const VERIFIED: &str = ".fluxmem-verified";
 
@@ -36,9 +38,11 @@ pub struct ModelSpec {
     pub architecture: String,
     /// One line for `models list`.
     pub description: String,
-    /// Hugging Face repo id.
+    /// Hugging Face repo id (empty: the model is not on the hub in this form).
+    #[serde(default)]
     pub hub_repo: String,
-    /// Hub revision.
+    /// Hub revision (empty: the model's id carries its file's SHA-256 prefix instead).
+    #[serde(default)]
     pub revision: String,
     /// PyPI requirements whose wheels carry the files.
     pub pypi: Vec<String>,
@@ -112,7 +116,8 @@ impl ModelSpec {
 
     /// The id stored with this model's outputs: name and (short) revision.
     pub fn model_id(&self) -> String {
-        let revision: String = self.revision.chars().take(12).collect();
+        let revision = if self.revision.is_empty() { self.files.first().map(|f| f.sha256.as_str()).unwrap_or("") } else { &self.revision };
+        let revision: String = revision.chars().take(12).collect();
         format!("{}@{revision}", self.name)
     }
 
@@ -200,6 +205,9 @@ impl ModelSpec {
 
     #[cfg(feature = "hub")]
     fn fetch_from_hub(&self, staging: &Path, log: &mut dyn FnMut(&str)) -> Result<(), String> {
+        if self.hub_repo.is_empty() {
+            return Err("not on the hub in this form".into());
+        }
         let api = hf_hub::api::sync::Api::new().map_err(|e| e.to_string())?;
         let repo = api.repo(hf_hub::Repo::with_revision(self.hub_repo.clone(), hf_hub::RepoType::Model, self.revision.clone()));
         for file in &self.files {
