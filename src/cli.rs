@@ -447,12 +447,14 @@ pub enum ModelsCommand {
 /// `fluxmem ingest`.
 #[derive(Debug, Args)]
 pub struct IngestArgs {
-    /// Files or directories to ingest (directories are walked; hidden entries are skipped).
+    /// Files or directories to ingest (directories are walked; hidden entries are skipped);
+    /// `-` reads standard input. gzip and zstd files (`.gz`, `.zst`) are decompressed.
     #[arg(required = true)]
     pub paths: Vec<PathBuf>,
 
-    /// Input format: auto (by extension and content), jsonl (fluxmem trajectories), docs
-    /// (text/Markdown), locomo, tau-bench, alfworld.
+    /// Input format: auto (by extension and content), jsonl (fluxmem trajectories),
+    /// openai-chat (one `{"messages": [...]}` conversation a line), docs (text/Markdown),
+    /// locomo, tau-bench, alfworld.
     #[arg(long, default_value = "auto")]
     pub format: String,
 

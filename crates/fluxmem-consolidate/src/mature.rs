@@ -293,20 +293,50 @@ fn word(
     let Some(generator) = models.generator.as_deref_mut() else {
         return Ok((template_name, template_description, Wording { source: "template".into(), problem: None }));
     };
-    let previous_text = job.previous.as_ref().map(|(text, _)| text.as_str());
-    let problem = match induce_with(&job.episodes, previous_text, generator, options, attempts)? {
-        Some(skill) => match foreign_tool(&skill, skeleton, &job.episodes) {
-            None => return Ok((skill.name, skill.description, Wording { source: "generator".into(), problem: None })),
-            Some(tool) => {
-                let problem = format!("names the tool `{tool}`, which the mined procedure does not use");
-                attempts.push(Attempt { raw: skill.render(), problem: problem.clone() });
+    // The tasks of the successes the procedure was mined from (most representative first)
+    // and its steps; nothing from the logs reaches the model unredacted.
+    let redactor = fluxmem_redact::Redactor::default();
+    let tasks: Vec<String> =
+        job.episodes.iter().filter(|n| succeeded(n)).take(NAMING_TASKS).map(|n| redactor.redact(n.text.trim()).text).collect();
+    let steps: Vec<String> = skeleton.steps.iter().map(|s| redactor.redact(&s.text).text).collect();
+    let messages = prompt::name_procedure(&tasks, &steps);
+    let params = GenerateParams { max_tokens: NAMING_TOKENS, ..params(options) };
+    let problem = match generator.generate(&messages, &params) {
+        Err(error) => {
+            attempts.push(model_error(error));
+            attempts.last().map(|a| a.problem.clone()).unwrap_or_default()
+        }
+        Ok(answer) => match prompt::parse_name(&answer.text) {
+            Err(problem) => {
+                attempts.push(Attempt { raw: answer.text, problem: problem.clone() });
                 problem
             }
+            Ok((name, description)) => {
+                let skill = SkillText { name, description, steps: Vec::new(), pitfalls: Vec::new() };
+                let instance = prompt::instance_word(&format!("{} {}", skill.name, skill.description), &skill.description, &tasks, &steps);
+                if let Some(word) = instance {
+                    let problem = format!("names `{word}`, a detail of one request, not of the procedure");
+                    attempts.push(Attempt { raw: answer.text, problem: problem.clone() });
+                    return Ok((template_name, template_description, Wording { source: "template".into(), problem: Some(problem) }));
+                }
+                match foreign_tool(&skill, skeleton, &job.episodes) {
+                    None => return Ok((skill.name, skill.description, Wording { source: "generator".into(), problem: None })),
+                    Some(tool) => {
+                        let problem = format!("names the tool `{tool}`, which the mined procedure does not use");
+                        attempts.push(Attempt { raw: answer.text, problem: problem.clone() });
+                        problem
+                    }
+                }
+            }
         },
-        None => attempts.last().map(|a| a.problem.clone()).unwrap_or_else(|| "no readable answer".into()),
     };
     Ok((template_name, template_description, Wording { source: "template".into(), problem: Some(problem) }))
 }
+
+/// Successes whose tasks the naming prompt shows.
+const NAMING_TASKS: usize = 5;
+/// Tokens a naming answer may take (two lines).
+const NAMING_TOKENS: usize = 80;
 
 /// A tool the generator's skill names but the skeleton lacks: a tool of the cluster's episodes,
 /// or any `snake_case` identifier that is neither a skeleton tool nor one of its argument names

@@ -493,10 +493,11 @@ fn acting_tools(node: &Node) -> BTreeSet<String> {
 
 /// Splits clusters whose successes follow different procedures: within a cluster, successes
 /// are grouped by the set of acting tools they call; each set held by at least `min_count`
-/// successes becomes its own cluster (when there are at least two such sets), the rest of the
-/// successes stay together, and each failure joins the group whose acting tools overlap its
-/// own the most (Jaccard; ties to the earlier group), so no group is failures only. Clusters
-/// whose successes call no tools, or share one set, are left as they are. Rows keep their
+/// successes becomes its own cluster (when there are two such sets, or one and other successes
+/// that do not follow it), the rest of the successes stay together, and each failure joins the
+/// group whose acting tools overlap its own the most (Jaccard; ties to the earlier group), so
+/// no group is failures only. Clusters whose successes call no tools, or all share one set,
+/// are left as they are. Rows keep their
 /// representative order; a new group's centroid is the normalised mean of its rows. The
 /// same input always gives the same groups.
 pub fn split_by_procedure<'g>(
@@ -523,7 +524,10 @@ pub fn split_by_procedure<'g>(
                 keys.push(&acting[i]);
             }
         }
-        if keys.len() < 2 {
+        // One shared set splits too when other successes do not follow it: a procedure that
+        // enough successes share is not diluted by the ones that do something else.
+        let others = rows.iter().enumerate().any(|(i, &r)| success(r) && !keys.contains(&&acting[i]));
+        if keys.is_empty() || (keys.len() == 1 && !others) {
             out_members.push(rows.clone());
             out_centroids.push(centroid.clone());
             continue;
@@ -671,6 +675,9 @@ mod tests {
         // One procedure only: left alone.
         let (same, _) = split_by_procedure(&[vec![0, 2]], &[vec![1.0, 0.0]], &vectors, |r| &nodes[r], 2);
         assert_eq!(same, vec![vec![0, 2]]);
+        // One procedure that two successes share and a success that does something else: split.
+        let (one, _) = split_by_procedure(&[vec![0, 2, 5]], &[vec![1.0, 0.0]], &vectors, |r| &nodes[r], 2);
+        assert_eq!(one, vec![vec![0, 2], vec![5]]);
     }
 
     #[test]

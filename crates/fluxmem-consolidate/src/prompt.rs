@@ -9,6 +9,7 @@
 
 use fluxmem_graph::Node;
 use fluxmem_models::{ChatMessage, Generator};
+use std::collections::BTreeSet;
 
 use crate::Result;
 
@@ -201,9 +202,143 @@ pub fn retry(episodes: &str) -> Vec<ChatMessage> {
     vec![ChatMessage::new("system", SYSTEM), ChatMessage::new("user", user)]
 }
 
+/// The system turn of the naming prompt.
+pub(crate) const NAME_SYSTEM: &str = "You name procedures that AI agents followed in their logs. You answer with two lines and nothing else.";
+
+/// The naming prompt: the tasks a mined procedure solved and its steps (all from the logs);
+/// the model answers `Name: ...` and `Description: Use when ...`. No example is shown, so
+/// there is none to copy.
+pub fn name_procedure(tasks: &[String], steps: &[String]) -> Vec<ChatMessage> {
+    let tasks: Vec<String> = tasks.iter().map(|t| format!("- {}", clip(&t.split_whitespace().collect::<Vec<_>>().join(" "), BRIEF_TASK_CHARS))).collect();
+    let steps: Vec<String> = steps.iter().enumerate().map(|(i, s)| format!("{}. {s}", i + 1)).collect();
+    let user = format!(
+        "Requests that agents handled successfully with one procedure:\n{}\n\nThe procedure (every step is in the logs):\n{}\n\n\
+         Name the procedure for any request of this kind: no names, places, dates, codes or amounts \
+         from a single request. Answer in exactly this format:\nName: <2 to 6 words saying what the procedure does>\n\
+         Description: Use when <the kind of request it handles, one sentence>",
+        tasks.join("\n"),
+        steps.join("\n")
+    );
+    vec![ChatMessage::new("system", NAME_SYSTEM), ChatMessage::new("user", user)]
+}
+
+/// A name written as one CamelCase identifier (`CancelFlightReservation`) as words ("Cancel
+/// flight reservation"); other names are kept as they are.
+fn split_camel_case(name: &str) -> String {
+    let single = !name.contains(char::is_whitespace) && name.chars().all(char::is_alphanumeric);
+    let humps = name.chars().skip(1).filter(|c| c.is_uppercase()).count();
+    if !single || humps == 0 || name.chars().all(|c| c.is_uppercase() || c.is_numeric()) {
+        return name.to_string();
+    }
+    let mut out = String::new();
+    for (i, c) in name.chars().enumerate() {
+        if i > 0 && c.is_uppercase() {
+            out.push(' ');
+            out.extend(c.to_lowercase());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// A word of `answer` that only one of the shown `tasks` has and no step has: an instance
+/// detail (a person, an airport code, a date) where the name should be general. Only checked
+/// when at least two tasks were shown; words of fewer than 3 letters are ignored.
+///
+/// `description` is also checked with one task: a word capitalised inside it (not its first
+/// word) that a task has and no step has is a proper name or a code (`Ivan`, `JFK`).
+pub fn instance_word(answer: &str, description: &str, tasks: &[String], steps: &[String]) -> Option<String> {
+    let words = |text: &str| -> BTreeSet<String> {
+        text.split(|c: char| !c.is_alphanumeric()).filter(|w| w.chars().count() >= 3).map(str::to_lowercase).collect()
+    };
+    let per_task: Vec<BTreeSet<String>> = tasks.iter().map(|t| words(t)).collect();
+    let in_steps: BTreeSet<String> = steps.iter().flat_map(|s| words(s)).collect();
+    if tasks.len() >= 2 {
+        if let Some(word) = words(answer).into_iter().find(|w| !in_steps.contains(w) && per_task.iter().filter(|t| t.contains(w)).count() == 1) {
+            return Some(word);
+        }
+    }
+    description
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| w.chars().count() >= 3)
+        .skip(1)
+        .filter(|w| w.chars().next().is_some_and(char::is_uppercase))
+        .map(str::to_lowercase)
+        .find(|w| !in_steps.contains(w) && per_task.iter().any(|t| t.contains(w)))
+}
+
+/// The name and description in a naming answer, or why there are none. A line's key may be
+/// bold or bulleted (`**Name:**`, `- Description:`); a name is at most 64 characters and 8
+/// words, a description at most 300 characters; the format's own placeholders are refused.
+pub fn parse_name(answer: &str) -> std::result::Result<(String, String), String> {
+    let mut name = None;
+    let mut description = None;
+    for line in answer.lines() {
+        let line = line.trim().trim_start_matches(['-', '*', '#', ' ']).replace("**", "");
+        let Some((key, value)) = line.split_once(':') else { continue };
+        let value = value.trim().trim_matches(['"', '`', '*']).trim().to_string();
+        match key.trim().to_lowercase().as_str() {
+            "name" if name.is_none() => name = Some(value.trim_matches(['"', '`', '*', '.', '\'']).trim().to_string()),
+            "description" if description.is_none() => description = Some(value),
+            _ => {}
+        }
+    }
+    let name = name.filter(|n| !n.is_empty()).map(|n| split_camel_case(&n)).ok_or("no `Name:` line")?;
+    let description = description.filter(|d| !d.is_empty()).ok_or("no `Description:` line")?;
+    if name.contains(['<', '>']) || description.contains(['<', '>']) || name.contains("2 to 6 words") {
+        return Err("repeats the answer format's placeholders".into());
+    }
+    if name.chars().count() > 64 || name.split_whitespace().count() > 8 {
+        return Err(format!("the name is too long ({} characters)", name.chars().count()));
+    }
+    if description.chars().count() > 300 {
+        return Err(format!("the description is too long ({} characters)", description.chars().count()));
+    }
+    Ok((name, description))
+}
+
 /// The judge's query for replaying `skill` against one episode.
 pub fn judge_query(skill: &str) -> String {
     format!("Would an agent following this skill act as in the episode below?\nSkill:\n{skill}")
+}
+
+#[cfg(test)]
+mod naming_tests {
+    use super::*;
+
+    #[test]
+    fn naming_answers_parse_with_markdown_and_refuse_placeholders() {
+        let ok = parse_name("**Name:** Cancel a reservation\n**Description:** Use when a user asks to cancel a booking.").unwrap();
+        assert_eq!(ok, ("Cancel a reservation".to_string(), "Use when a user asks to cancel a booking.".to_string()));
+        let ok = parse_name("Sure!\n- Name: \"Change flights\".\n- Description: Use when dates change.\nExtra: x").unwrap();
+        assert_eq!(ok.0, "Change flights");
+        assert_eq!(parse_name("Name: CancelFlightReservation\nDescription: d").unwrap().0, "Cancel flight reservation");
+        assert_eq!(parse_name("Name: JSON\nDescription: d").unwrap().0, "JSON");
+        assert!(parse_name("Name: <2 to 6 words saying what the procedure does>\nDescription: Use when <x>").is_err());
+        assert!(parse_name("Name: Cancel").unwrap_err().contains("Description"));
+        assert!(parse_name(&format!("Name: {}\nDescription: d", "word ".repeat(12))).is_err());
+    }
+
+    #[test]
+    fn instance_words_are_the_ones_only_one_task_has() {
+        let tasks = vec!["cancel my flight from mco to clt".to_string(), "please cancel my flight to jfk".to_string()];
+        let steps = vec!["Call `cancel_reservation`.".to_string()];
+        assert_eq!(instance_word("Cancel a flight to JFK", "", &tasks, &steps).as_deref(), Some("jfk"));
+        assert_eq!(instance_word("Cancel a flight reservation", "", &tasks, &steps), None, "`reservation` is in a step");
+        assert_eq!(instance_word("Cancel a flight to JFK", "", &tasks[..1], &steps), None, "one task: nothing to compare");
+        let one = vec!["book the same flights for my friend ivan".to_string()];
+        assert_eq!(instance_word("", "Books flights for a friend Ivan.", &one, &steps).as_deref(), Some("ivan"), "a proper name");
+        assert_eq!(instance_word("", "Use when a friend needs the same flights.", &one, &steps), None);
+    }
+
+    #[test]
+    fn the_naming_prompt_shows_tasks_and_numbered_steps() {
+        let messages = name_procedure(&["cancel my  flight\nplease".into()], &["Call `get_reservation_details`.".into(), "Call `cancel_reservation`.".into()]);
+        assert_eq!(messages.len(), 2);
+        assert!(messages[1].content.contains("- cancel my flight please"), "{}", messages[1].content);
+        assert!(messages[1].content.contains("1. Call `get_reservation_details`.\n2. Call `cancel_reservation`."), "{}", messages[1].content);
+    }
 }
 
 #[cfg(test)]

@@ -1,10 +1,10 @@
-//! Smoke test with the real default generator (SmolLM2-135M-Instruct, Q8 weights, CPU): one
+//! Smoke test with a real generator (SmolLM2-135M-Instruct, Q8 weights, CPU): one
 //! induction from three tiny episodes must give a readable skill. The models are fetched into
 //! the cache (`FLUXMEM_MODELS`, default `~/.cache/fluxmem/models`) before the tests run.
 
 use fluxmem_consolidate::{induce_skill, parse_skill, ConsolidateOptions, EXAMPLE_NAME};
 use fluxmem_graph::{Episode, Node, NodeBody, Outcome, Step};
-use fluxmem_models::{DeviceChoice, Generator, WeightPath, DEFAULT_GENERATOR};
+use fluxmem_models::{DeviceChoice, Generator, WeightPath};
 
 fn episode(task: &str, actions: &[&str]) -> Node {
     let steps = actions.iter().map(|a| Step { observation: "OK.".into(), action: a.to_string(), ..Default::default() }).collect();
@@ -29,7 +29,7 @@ fn smollm2_induces_a_readable_skill_from_three_episodes() {
         ),
     ];
     let refs: Vec<&Node> = episodes.iter().collect();
-    let mut generator = fluxmem_models::load_generator(DEFAULT_GENERATOR, &DeviceChoice::Cpu, WeightPath::Q8).unwrap_or_else(|e| panic!("{e}"));
+    let mut generator = fluxmem_models::load_generator("smollm2-135m-instruct-q4_1", &DeviceChoice::Cpu, WeightPath::Q8).unwrap_or_else(|e| panic!("{e}"));
     let options = ConsolidateOptions { max_tokens: 160, ..Default::default() };
     let started = std::time::Instant::now();
     let skill = match induce_skill(&refs, None, &mut generator, &options).unwrap() {

@@ -27,14 +27,18 @@
 //! ```
 
 mod alfworld;
+mod compress;
 mod docs;
 mod error;
 mod jsonl;
 mod locomo;
+mod openai;
 mod record;
 mod source;
 mod tau;
 mod walk;
+
+pub use compress::{Compression, MAX_DECOMPRESSED_BYTES};
 
 pub use docs::{chunk, Chunk};
 pub use error::{Error, Result};
@@ -63,6 +67,8 @@ pub enum Format {
     TauBench,
     /// ALFWorld transcripts.
     Alfworld,
+    /// OpenAI-style chat logs: one `{"messages": [...]}` conversation a line.
+    OpenaiChat,
 }
 
 impl Format {
@@ -75,9 +81,10 @@ impl Format {
             "locomo" => Format::Locomo,
             "tau-bench" => Format::TauBench,
             "alfworld" => Format::Alfworld,
+            "openai-chat" => Format::OpenaiChat,
             other => {
                 return Err(Error::Usage(format!(
-                    "unknown format `{other}` (expected auto, jsonl, docs, locomo, tau-bench or alfworld)"
+                    "unknown format `{other}` (expected auto, jsonl, openai-chat, docs, locomo, tau-bench or alfworld)"
                 )))
             }
         }))
@@ -87,7 +94,12 @@ impl Format {
     pub fn detect(path: &Path, bytes: &[u8]) -> Option<Format> {
         let extension = path.extension().and_then(|e| e.to_str()).unwrap_or_default().to_ascii_lowercase();
         match extension.as_str() {
-            "jsonl" | "ndjson" => return Some(Format::Jsonl),
+            "jsonl" | "ndjson" => {
+                // The first record tells fluxmem's schema from a chat log.
+                let first = source::lines(bytes).find(|l| !l.iter().all(u8::is_ascii_whitespace));
+                let chat = first.and_then(|l| std::str::from_utf8(l).ok()).is_some_and(openai::looks_like);
+                return Some(if chat { Format::OpenaiChat } else { Format::Jsonl });
+            }
             "md" | "markdown" | "txt" | "text" | "rst" => return Some(Format::Docs),
             "json" => {}
             _ => return None,
@@ -223,6 +235,10 @@ pub fn ingest(
     let files = expanded.files;
     let total: u64 = files.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)).sum();
     progress.start(total);
+    if inputs.iter().any(|p| p.as_os_str() == "-") {
+        run.stdin(progress)?;
+        run.commit()?;
+    }
     for file in &files {
         run.file(file, progress)?;
         run.commit()?;
@@ -233,6 +249,12 @@ pub fn ingest(
     }
     Ok(run.report)
 }
+
+/// How standard input is named in records and errors.
+pub const STDIN: &str = "<stdin>";
+
+/// Bytes of an input of unknown format kept in its quarantine record.
+const UNKNOWN_EXCERPT_BYTES: usize = 256;
 
 struct Run<'a> {
     writer: &'a mut Writer,
@@ -264,16 +286,46 @@ impl Run<'_> {
             .and_then(|d| i64::try_from(d.as_millis()).ok())
             // An mtime outside the years 1970..=9999 is no time at all for the store.
             .filter(|&ms| source::in_calendar(ms));
-        let Some(format) = self.options.format.or_else(|| Format::detect(path, &bytes)) else {
+        self.content(&shown, path, bytes, mtime, progress)
+    }
+
+    /// Standard input (`-` among the inputs), read whole.
+    fn stdin(&mut self, progress: &mut dyn Progress) -> Result<()> {
+        self.report.files += 1;
+        let mut bytes = Vec::new();
+        if let Err(e) = std::io::Read::read_to_end(&mut std::io::stdin().lock(), &mut bytes) {
+            let rejected = Rejected::new(STDIN, 0, "file", format!("cannot read: {e}"), b"", 0);
+            return self.accept(Parsed::Rejected(rejected), progress);
+        }
+        // No name to detect the format from: `.jsonl` unless --format says otherwise.
+        self.content(STDIN, Path::new("stdin.jsonl"), bytes, None, progress)
+    }
+
+    /// Parses the content of one input (`shown` in records and errors; `path` for detection).
+    fn content(&mut self, shown: &str, path: &Path, bytes: Vec<u8>, mtime: Option<i64>, progress: &mut dyn Progress) -> Result<()> {
+        let read = bytes.len() as u64;
+        let opened = match compress::open(path, bytes) {
+            Ok(opened) => opened,
+            Err(reason) => {
+                // One record for the whole file, with no excerpt: the bytes are not text.
+                let rejected = Rejected::new(shown, 0, "file", reason, b"", 0);
+                progress.advance(read, shown);
+                return self.accept(Parsed::Rejected(rejected), progress);
+            }
+        };
+        let bytes = opened.bytes;
+        let Some(format) = self.options.format.or_else(|| Format::detect(&opened.detect_as, &bytes)) else {
             let reason = "cannot tell the format from the name and content; pass --format";
-            let rejected = Rejected::new(&shown, 0, "file", reason, &bytes, self.options.max_record_bytes);
-            progress.advance(bytes.len() as u64, &shown);
+            // A short excerpt only: an unknown file may be megabytes of binary data.
+            let rejected = Rejected::new(shown, 0, "file", reason, &bytes, self.options.max_record_bytes.min(UNKNOWN_EXCERPT_BYTES));
+            progress.advance(read, shown);
             return self.accept(Parsed::Rejected(rejected), progress);
         };
-        let source = Source { path: shown.clone(), mtime, options: self.options, bytes: &bytes };
+        let source = Source { path: shown.to_string(), mtime, options: self.options, bytes: &bytes };
         let mut emit = |parsed: Parsed| self.accept(parsed, progress);
         match format {
             Format::Jsonl => jsonl::parse(&source, &mut emit)?,
+            Format::OpenaiChat => openai::parse(&source, &mut emit)?,
             Format::Docs => docs::parse(&source, &mut emit)?,
             Format::Locomo | Format::TauBench | Format::Alfworld => match std::str::from_utf8(&bytes) {
                 Err(e) => {
@@ -287,7 +339,7 @@ impl Run<'_> {
                 },
             },
         }
-        progress.advance(bytes.len() as u64, &shown);
+        progress.advance(read, shown);
         Ok(())
     }
 

@@ -149,14 +149,15 @@ fn run_record(source: &Source, locator: &str, run: Run) -> Record {
     episode.metadata = metadata;
     let mut nodes = vec![episode];
     if let Some(policy) = policy {
-        nodes.extend(policy_nodes(source, locator, &policy));
+        nodes.extend(policy_nodes(source, &format!("{locator}.traj[0]"), &policy, None));
     }
     Record { nodes }
 }
 
 /// The system prompt as semantic chunks; the source name is content-derived, so every run
-/// (in any file) carrying the same prompt shares the same nodes.
-fn policy_nodes(source: &Source, locator: &str, policy: &str) -> Vec<fluxmem_graph::Node> {
+/// (in any file) carrying the same prompt shares the same nodes (within a tenant: `tenant`, or
+/// the ingest options').
+pub(crate) fn policy_nodes(source: &Source, locator: &str, policy: &str, tenant: Option<&str>) -> Vec<fluxmem_graph::Node> {
     let name = format!("system-prompt-{}", &sha256_hex(policy.as_bytes())[..12]);
     chunk(policy, source.options.chunk_words)
         .into_iter()
@@ -168,8 +169,8 @@ fn policy_nodes(source: &Source, locator: &str, policy: &str) -> Vec<fluxmem_gra
                 time: None,
                 group: chunk.section.clone(),
             });
-            let chunk_locator = format!("{locator}.traj[0] chunk {position} (line {} of the prompt)", chunk.line);
-            source.node(body, &chunk.text, &[&name, &position.to_string(), &chunk.text], chunk_locator, None)
+            let chunk_locator = format!("{locator} chunk {position} (line {} of the prompt)", chunk.line);
+            source.node_of(tenant, None, body, &chunk.text, &[&name, &position.to_string(), &chunk.text], chunk_locator, None)
         })
         .collect()
 }

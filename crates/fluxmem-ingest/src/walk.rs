@@ -37,7 +37,8 @@ pub(crate) struct Expanded {
 /// Expands `inputs` for a batch written to the store at `store`.
 pub(crate) fn expand(inputs: &[PathBuf], options: &IngestOptions, store: &Path) -> Expanded {
     let mut walk = Walk { follow_symlinks: options.follow_symlinks, store: canonical(store), out: Expanded::default() };
-    for input in inputs {
+    // `-` is standard input, read by the caller.
+    for input in inputs.iter().filter(|p| p.as_os_str() != "-") {
         walk.input(input);
     }
     walk.out

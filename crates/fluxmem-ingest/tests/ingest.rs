@@ -382,3 +382,113 @@ fn a_symlink_named_as_an_input_is_refused_unless_followed() {
     let followed = run(&dir.path().join("store2"), &[link], &options);
     assert_eq!((followed.ingested, followed.quarantined), (1, 0), "{followed:?}");
 }
+
+fn episodes_by_conversation(store: &Path) -> std::collections::BTreeMap<String, fluxmem_graph::Node> {
+    let graph = fluxmem_store::Store::open(store).unwrap().load().unwrap();
+    graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == NodeKind::Episodic)
+        .filter_map(|n| Some((n.metadata.get("conversation_id")?.as_str()?.to_string(), n.clone())))
+        .collect()
+}
+
+/// The OpenAI-style chat sample: one episode per conversation, tool results matched by call
+/// id (parallel calls, a call without a result), content parts, the outcome, tenants, the
+/// system prompt as shared semantic nodes, and the same conversation logged twice kept once.
+#[test]
+fn openai_chat_logs_become_episodes() {
+    let store = tempfile::tempdir().unwrap();
+    let sample = repo().join("data/openai-chat/support.jsonl");
+    assert_eq!(Format::detect(&sample, &std::fs::read(&sample).unwrap()), Some(Format::OpenaiChat));
+    let report = run(store.path(), &[sample], &IngestOptions { tenant: "northwind".into(), ..Default::default() });
+    assert_eq!((report.read, report.ingested, report.duplicates, report.quarantined), (6, 5, 1, 0), "{report:?}");
+    let episodes = episodes_by_conversation(store.path());
+    assert_eq!(episodes.keys().map(String::as_str).collect::<Vec<_>>(), ["c-101", "c-102", "c-103", "c-104", "c-105"]);
+    let refund = &episodes["c-101"];
+    assert_eq!(refund.text, "I want a refund for order #A1001, the book arrived damaged.");
+    assert_eq!(refund.tenant, "northwind");
+    let steps = &refund.episode().unwrap().steps;
+    let calls: Vec<&str> = steps.iter().flat_map(|s| s.tool_calls.iter().map(|c| c.name.as_str())).collect();
+    assert_eq!(calls, ["get_order", "refund_order"]);
+    assert_eq!(steps[1].tool_calls[0].result.as_deref(), Some("{\"refunded\":true}"));
+    assert_eq!(steps[0].tool_calls[0].arguments, "{\"order_id\": \"A1001\"}");
+    assert_eq!(refund.episode().unwrap().outcome.success, Some(true));
+    // Content parts: the text part is the task.
+    assert_eq!(episodes["c-102"].text, "Please refund order A1002, I changed my mind.");
+    // A failed tool call is the step's feedback, and the outcome is a failure.
+    let late = episodes["c-103"].episode().unwrap();
+    assert_eq!(late.outcome.success, Some(false));
+    assert!(late.steps[1].feedback.as_deref().unwrap().starts_with("Error: refund window"));
+    // Parallel calls in one step; the second has no result logged; the record's tenant wins.
+    let parallel = &episodes["c-104"];
+    assert_eq!(parallel.tenant, "northwind-eu");
+    let first = &parallel.episode().unwrap().steps[0];
+    assert_eq!(first.tool_calls.len(), 2);
+    assert_eq!(first.tool_calls[0].result.as_deref(), Some("{\"status\":\"shipped\"}"));
+    assert_eq!(first.tool_calls[1].result, None);
+    // The system prompt: semantic nodes in each tenant that logged it, shared within a tenant.
+    let graph = fluxmem_store::Store::open(store.path()).unwrap().load().unwrap();
+    let prompt_tenants: std::collections::BTreeSet<&str> =
+        graph.nodes.values().filter(|n| n.kind() == NodeKind::Semantic).map(|n| n.tenant.as_str()).collect();
+    assert_eq!(prompt_tenants, ["northwind", "northwind-eu"].into_iter().collect());
+    assert_eq!(graph.nodes.values().filter(|n| n.kind() == NodeKind::Semantic).count(), 2, "one chunk per tenant");
+}
+
+#[test]
+fn malformed_chat_lines_are_quarantined_naming_line_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("chat.jsonl");
+    let lines = [
+        r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}"#,
+        r#"{"messages": [{"role": "user", "content": 42}]}"#,
+        r#"{"messages": [{"role": "robot", "content": "x"}]}"#,
+        r#"{"messages": [{"role": "user", "content": "hi"}], "outcome": {"success": "yes"}}"#,
+        r#"{"messages": []}"#,
+    ];
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let store = tempfile::tempdir().unwrap();
+    let report = run(store.path(), &[file], &IngestOptions::default());
+    assert_eq!((report.ingested, report.quarantined), (1, 4));
+    let got: Vec<(u64, String)> =
+        quarantined(&report).iter().map(|q| (q["line"].as_u64().unwrap(), q["field"].as_str().unwrap_or("").to_string())).collect();
+    assert_eq!(
+        got,
+        [(2, "messages[0].content".to_string()), (3, "messages[0].role".into()), (4, "outcome.success".into()), (5, "messages".into())]
+    );
+}
+
+/// gzip and zstd files are read by their magic bytes, detected by the name without `.gz` /
+/// `.zst`; a compressed file that does not decompress, and a binary file of no known format,
+/// are one quarantined record each with at most a short excerpt. A directory mixing chat
+/// logs, compressed files and fluxmem's own JSONL is read whole.
+#[test]
+fn compressed_files_are_read_and_broken_ones_are_one_record() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let chat = std::fs::read(repo().join("data/openai-chat/support.jsonl")).unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(&chat).unwrap();
+    std::fs::write(dir.path().join("chat.jsonl.gz"), gz.finish().unwrap()).unwrap();
+    let trajectories = std::fs::read(repo().join("data/trajectories.jsonl")).unwrap();
+    std::fs::write(dir.path().join("trajectories.jsonl.zst"), zstd::encode_all(&trajectories[..], 3).unwrap()).unwrap();
+    let mut broken = std::fs::read(dir.path().join("chat.jsonl.gz")).unwrap();
+    broken.truncate(broken.len() / 2);
+    std::fs::write(dir.path().join("broken.jsonl.gz"), broken).unwrap();
+    let binary: Vec<u8> = (0..200_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    std::fs::write(dir.path().join("blob.bin"), &binary).unwrap();
+    let store = tempfile::tempdir().unwrap();
+    let report = run(store.path(), &[dir.path().to_path_buf()], &IngestOptions::default());
+    // 6 chat lines (1 duplicate) + 9 trajectories; 2 files quarantined whole.
+    assert_eq!((report.files, report.ingested, report.duplicates, report.quarantined), (4, 14, 1, 2), "{report:?}");
+    let rejected = quarantined(&report);
+    let broken = rejected.iter().find(|q| q["file"].as_str().unwrap().ends_with("broken.jsonl.gz")).unwrap();
+    assert!(broken["reason"].as_str().unwrap().starts_with("gzip data does not decompress"), "{broken}");
+    assert_eq!(broken["raw"], "");
+    let blob = rejected.iter().find(|q| q["file"].as_str().unwrap().ends_with("blob.bin")).unwrap();
+    assert!(blob["reason"].as_str().unwrap().contains("cannot tell the format"), "{blob}");
+    let line = serde_json::to_string(blob).unwrap();
+    assert!(line.len() < 2_000, "a short excerpt, not the file: {} bytes", line.len());
+    let episodes = episodes_by_conversation(store.path());
+    assert_eq!(episodes.len(), 5, "the chat log inside the .gz");
+}

@@ -12,8 +12,9 @@ use crate::{Error, Result};
 pub const BUILTIN_MANIFEST: &str = include_str!("../../../models/models.toml");
 /// The default embedding model.
 pub const DEFAULT_EMBEDDER: &str = "all-minilm-l6-v2";
-/// The default generator model.
-pub const DEFAULT_GENERATOR: &str = "smollm2-135m-instruct-q4_1";
+/// The default generator model: the one that words the most skills acceptably in
+/// `fluxmem eval skills` (docs/consolidate.md).
+pub const DEFAULT_GENERATOR: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m";
 /// The model `--judge llm` names.
 pub const DEFAULT_JUDGE: &str = "smollm2-135m-instruct-q4_1";
 /// Marker written after a model's files were verified.

@@ -5,7 +5,7 @@
 use fluxmem_models::{ChatMessage, DeviceChoice, GenerateParams, Generator, Judge, LlmJudge, WeightPath};
 
 fn generator(path: WeightPath) -> fluxmem_models::GgufGenerator {
-    fluxmem_models::load_generator(fluxmem_models::DEFAULT_GENERATOR, &DeviceChoice::Cpu, path).unwrap_or_else(|e| panic!("{e}"))
+    fluxmem_models::load_generator("smollm2-135m-instruct-q4_1", &DeviceChoice::Cpu, path).unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[test]
