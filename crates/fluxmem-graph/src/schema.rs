@@ -322,6 +322,18 @@ pub fn embeddings_to_batch<'a>(dim: usize, embeddings: impl IntoIterator<Item = 
     Ok(RecordBatch::try_new(embeddings_schema(dim as i32), columns)?)
 }
 
+/// Whether a column of type `actual` can be read as `expected`. A list's item field may have
+/// any name and nullability: arrow-rs writes `item`, pyarrow and Spark write the Parquet
+/// standard's `element`, and both are the same list. Fixed-size lists (vectors) may have any
+/// length: the dimension is checked against the manifest elsewhere.
+fn compatible(expected: &DataType, actual: &DataType) -> bool {
+    match (expected, actual) {
+        (DataType::FixedSizeList(_, _), DataType::FixedSizeList(_, _)) => true,
+        (DataType::List(a), DataType::List(b)) => compatible(a.data_type(), b.data_type()),
+        (expected, actual) => expected == actual,
+    }
+}
+
 /// Typed access to the columns of a batch, checking names and types against a schema.
 struct Columns<'a> {
     batch: &'a RecordBatch,
@@ -333,11 +345,7 @@ impl<'a> Columns<'a> {
             let actual = batch.schema().field_with_name(field.name()).map(|f| f.data_type().clone()).map_err(|_| {
                 Error::Schema { column: field.name().clone(), reason: "missing".into() }
             })?;
-            let compatible = match (field.data_type(), &actual) {
-                (DataType::FixedSizeList(_, _), DataType::FixedSizeList(_, _)) => true,
-                (expected, actual) => expected == actual,
-            };
-            if !compatible {
+            if !compatible(field.data_type(), &actual) {
                 return Err(Error::Schema {
                     column: field.name().clone(),
                     reason: format!("type {actual}, expected {}", field.data_type()),
@@ -573,4 +581,56 @@ pub fn edits_from_batch(batch: &RecordBatch) -> Result<Vec<Edit>> {
         });
     }
     Ok(edits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_are_compatible_whatever_their_item_field_is_called() {
+        let ours = DataType::List(Arc::new(Field::new("item", DataType::Utf8, true)));
+        let pyarrow = DataType::List(Arc::new(Field::new("element", DataType::Utf8, false)));
+        assert!(compatible(&ours, &pyarrow), "arrow-rs `item` vs the Parquet standard's `element`");
+        let numbers = DataType::List(Arc::new(Field::new("element", DataType::Int64, true)));
+        assert!(!compatible(&ours, &numbers), "the item type still has to match");
+        assert!(!compatible(&DataType::Utf8, &DataType::Int64));
+    }
+
+    /// A nodes batch whose list columns name their items `element` (as pyarrow writes them)
+    /// reads like ours.
+    #[test]
+    fn a_batch_with_element_named_lists_reads() {
+        let node = crate::Node::new(
+            crate::NodeBody::Procedural(crate::Skill { version: 1, source_episodes: vec![NodeId::from("epi-a")], pems_history: vec![0.5], ..Default::default() }),
+            "t",
+            "skill",
+            &["x"],
+        );
+        let (batch, _) = nodes_to_batches([&node]).unwrap();
+        let fields: Vec<Arc<Field>> = batch
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| match f.data_type() {
+                DataType::List(item) => Arc::new(Field::new(f.name(), DataType::List(Arc::new(Field::new("element", item.data_type().clone(), true))), f.is_nullable())),
+                _ => f.clone(),
+            })
+            .collect();
+        let columns: Vec<ArrayRef> = batch
+            .columns()
+            .iter()
+            .zip(&fields)
+            .map(|(column, field)| match field.data_type() {
+                DataType::List(item) => {
+                    let list = column.as_list::<i32>();
+                    Arc::new(arrow_array::ListArray::new(item.clone(), list.offsets().clone(), list.values().clone(), list.nulls().cloned())) as ArrayRef
+                }
+                _ => column.clone(),
+            })
+            .collect();
+        let renamed = RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap();
+        let read = nodes_from_batch(&renamed, &BTreeMap::new()).unwrap();
+        assert_eq!(read, vec![node]);
+    }
 }
