@@ -453,8 +453,8 @@ pub struct IngestArgs {
     pub paths: Vec<PathBuf>,
 
     /// Input format: auto (by extension and content), jsonl (fluxmem trajectories),
-    /// openai-chat (one `{"messages": [...]}` conversation a line), docs (text/Markdown),
-    /// locomo, tau-bench, alfworld.
+    /// openai-chat (one `{"messages": [...]}` conversation a line), otel (OTLP/JSON GenAI
+    /// traces), docs (text/Markdown), locomo, tau-bench, alfworld.
     #[arg(long, default_value = "auto")]
     pub format: String,
 

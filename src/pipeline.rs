@@ -98,7 +98,7 @@ impl Default for Models {
 pub struct Input {
     /// Files, directories or glob patterns (`logs/*.jsonl`, `logs/**/*.json`).
     pub paths: Vec<String>,
-    /// auto, jsonl, openai-chat, docs, locomo, tau-bench or alfworld.
+    /// auto, jsonl, openai-chat, otel, docs, locomo, tau-bench or alfworld.
     #[serde(default = "auto")]
     pub format: String,
     /// Tenant of records that do not name one.

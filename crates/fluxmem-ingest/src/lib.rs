@@ -33,6 +33,7 @@ mod error;
 mod jsonl;
 mod locomo;
 mod openai;
+mod otel;
 mod record;
 mod source;
 mod tau;
@@ -69,6 +70,8 @@ pub enum Format {
     Alfworld,
     /// OpenAI-style chat logs: one `{"messages": [...]}` conversation a line.
     OpenaiChat,
+    /// OpenTelemetry GenAI traces as OTLP/JSON (`resourceSpans`).
+    Otel,
 }
 
 impl Format {
@@ -82,9 +85,10 @@ impl Format {
             "tau-bench" => Format::TauBench,
             "alfworld" => Format::Alfworld,
             "openai-chat" => Format::OpenaiChat,
+            "otel" => Format::Otel,
             other => {
                 return Err(Error::Usage(format!(
-                    "unknown format `{other}` (expected auto, jsonl, openai-chat, docs, locomo, tau-bench or alfworld)"
+                    "unknown format `{other}` (expected auto, jsonl, openai-chat, otel, docs, locomo, tau-bench or alfworld)"
                 )))
             }
         }))
@@ -107,7 +111,9 @@ impl Format {
         let head = String::from_utf8_lossy(&bytes[..bytes.len().min(1 << 16)]);
         let trimmed = head.trim_start();
         let locomo = head.contains("\"speaker_a\"") || (head.contains("\"qa\"") && head.contains("\"evidence\""));
-        if trimmed.starts_with('[') && locomo {
+        if otel::looks_like(trimmed) {
+            Some(Format::Otel)
+        } else if trimmed.starts_with('[') && locomo {
             Some(Format::Locomo)
         } else if trimmed.starts_with('[') && head.contains("\"traj\"") {
             Some(Format::TauBench)
@@ -224,6 +230,7 @@ pub fn ingest(
         report: IngestReport::default(),
         quarantine_path,
         quarantine: None,
+        otel_spans: Vec::new(),
     };
     for skipped in &expanded.skipped {
         progress.skipped(skipped);
@@ -242,6 +249,9 @@ pub fn ingest(
     for file in &files {
         run.file(file, progress)?;
         run.commit()?;
+    }
+    for parsed in otel::episodes(std::mem::take(&mut run.otel_spans), options) {
+        run.accept(parsed, progress)?;
     }
     run.commit()?;
     if let Some(file) = run.quarantine.as_mut() {
@@ -266,6 +276,8 @@ struct Run<'a> {
     report: IngestReport,
     quarantine_path: PathBuf,
     quarantine: Option<std::io::BufWriter<std::fs::File>>,
+    /// OpenTelemetry spans of the batch, grouped into episodes after the last file.
+    otel_spans: Vec<otel::SpanRec>,
 }
 
 impl Run<'_> {
@@ -322,12 +334,13 @@ impl Run<'_> {
             return self.accept(Parsed::Rejected(rejected), progress);
         };
         let source = Source { path: shown.to_string(), mtime, options: self.options, bytes: &bytes };
+        let mut spans = std::mem::take(&mut self.otel_spans);
         let mut emit = |parsed: Parsed| self.accept(parsed, progress);
         match format {
             Format::Jsonl => jsonl::parse(&source, &mut emit)?,
             Format::OpenaiChat => openai::parse(&source, &mut emit)?,
             Format::Docs => docs::parse(&source, &mut emit)?,
-            Format::Locomo | Format::TauBench | Format::Alfworld => match std::str::from_utf8(&bytes) {
+            Format::Locomo | Format::TauBench | Format::Alfworld | Format::Otel => match std::str::from_utf8(&bytes) {
                 Err(e) => {
                     let reason = format!("invalid UTF-8 at byte {} (the whole file is quarantined)", e.valid_up_to());
                     emit(Parsed::Rejected(source.reject(source.line_at(e.valid_up_to()), "file", reason, &bytes)))?;
@@ -335,10 +348,13 @@ impl Run<'_> {
                 Ok(text) => match format {
                     Format::Locomo => locomo::parse(&source, text, &mut emit)?,
                     Format::TauBench => tau::parse(&source, text, &mut emit)?,
+                    // Spans are grouped into episodes once every file is read.
+                    Format::Otel => otel::collect(&source, text, &mut spans, &mut emit)?,
                     _ => alfworld::parse(&source, text, &mut emit)?,
                 },
             },
         }
+        self.otel_spans = spans;
         progress.advance(read, shown);
         Ok(())
     }

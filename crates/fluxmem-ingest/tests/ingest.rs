@@ -492,3 +492,85 @@ fn compressed_files_are_read_and_broken_ones_are_one_record() {
     let episodes = episodes_by_conversation(store.path());
     assert_eq!(episodes.len(), 5, "the chat log inside the .gz");
 }
+
+fn otel_episodes(store: &Path) -> Vec<fluxmem_graph::Node> {
+    let graph = fluxmem_store::Store::open(store).unwrap().load().unwrap();
+    let mut episodes: Vec<fluxmem_graph::Node> = graph.nodes.values().filter(|n| n.kind() == NodeKind::Episodic).cloned().collect();
+    episodes.sort_by_key(|n| n.created_at);
+    episodes
+}
+
+/// The OTel sample: one episode per `invoke_agent` span, steps from chat spans' tool calls with
+/// the `execute_tool` spans' results, the outcome from the agent span's status, tenant from
+/// `service.name`, agent from `gen_ai.agent.id`, system instructions as a semantic node.
+#[test]
+fn otel_genai_traces_become_episodes() {
+    let store = tempfile::tempdir().unwrap();
+    let sample = repo().join("data/otel/ops-traces.json");
+    assert_eq!(Format::detect(&sample, &std::fs::read(&sample).unwrap()), Some(Format::Otel));
+    let report = run(store.path(), &[sample], &IngestOptions::default());
+    assert_eq!((report.read, report.ingested, report.quarantined), (2, 2, 0), "{report:?}");
+    let episodes = otel_episodes(store.path());
+    let fixed = &episodes[0];
+    assert_eq!(fixed.text, "Service checkout-api is returning 502s, please fix it.");
+    assert_eq!((fixed.tenant.as_str(), fixed.agent_id.as_deref()), ("globex-ops", Some("ops-bot-7")));
+    assert_eq!(fixed.metadata["conversation_id"], "conv-ops-1");
+    let episode = fixed.episode().unwrap();
+    assert_eq!(episode.outcome.success, Some(true));
+    let calls: Vec<(&str, Option<&str>)> =
+        episode.steps.iter().flat_map(|s| s.tool_calls.iter().map(|c| (c.name.as_str(), c.result.as_deref()))).collect();
+    assert_eq!(calls, [("get_health", Some("{\"status\":\"down\"}")), ("restart_service", Some("{\"restarted\":true}"))]);
+    assert_eq!(episode.steps.last().unwrap().action, "Done.");
+    let failed = episodes[1].episode().unwrap();
+    assert_eq!(failed.outcome.success, Some(false));
+    assert_eq!(failed.outcome.feedback.as_deref(), Some("service still down"));
+    assert_eq!(failed.steps[1].feedback.as_deref(), Some("Error: permission denied"), "the tool span's ERROR status");
+    let graph = fluxmem_store::Store::open(store.path()).unwrap().load().unwrap();
+    let semantic: Vec<&fluxmem_graph::Node> = graph.nodes.values().filter(|n| n.kind() == NodeKind::Semantic).collect();
+    assert_eq!(semantic.len(), 1, "both runs share the system instructions");
+    assert_eq!(semantic[0].tenant, "globex-ops");
+}
+
+/// A trace split across two files, a span whose parent is not logged, the same file read twice
+/// and a trace with no agent span: the spans are grouped after every file is read.
+#[test]
+fn otel_traces_split_across_files_and_broken_trees_are_grouped() {
+    let sample: Value = serde_json::from_slice(&std::fs::read(repo().join("data/otel/ops-traces.json")).unwrap()).unwrap();
+    let resource = sample["resourceSpans"][0].clone();
+    let spans = resource["scopeSpans"][0]["spans"].as_array().unwrap().clone();
+    let file_of = |spans: &[Value]| {
+        let mut r = resource.clone();
+        r["scopeSpans"][0]["spans"] = Value::Array(spans.to_vec());
+        serde_json::json!({ "resourceSpans": [r] })
+    };
+    // The first trace's spans over two files; a chat span's parent id points nowhere.
+    let mut second_half: Vec<Value> = spans[3..].to_vec();
+    second_half[0]["parentSpanId"] = Value::from("ffffffffffffffff");
+    let lone = serde_json::json!({
+        "traceId": "aaaabbbbccccddddeeeeffff00001111", "spanId": "1234567812345678", "name": "execute_tool ping",
+        "startTimeUnixNano": "1795870000000000000",
+        "attributes": [{"key": "gen_ai.operation.name", "value": {"stringValue": "execute_tool"}},
+                       {"key": "gen_ai.tool.name", "value": {"stringValue": "ping"}}]
+    });
+    let broken = serde_json::json!({ "traceId": "aaaa", "name": "no span id" });
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("a.json"), file_of(&spans[..3]).to_string()).unwrap();
+    std::fs::write(dir.path().join("b.json"), file_of(&second_half).to_string()).unwrap();
+    std::fs::write(dir.path().join("c.json"), file_of(&spans[..3]).to_string()).unwrap();
+    std::fs::write(dir.path().join("d.json"), file_of(&[lone, broken]).to_string()).unwrap();
+    let store = tempfile::tempdir().unwrap();
+    let report = run(store.path(), &[dir.path().to_path_buf()], &IngestOptions::default());
+    assert_eq!((report.ingested, report.quarantined), (3, 1), "{report:?}");
+    let rejected = quarantined(&report);
+    assert_eq!(rejected[0]["field"], "spanId");
+    assert!(rejected[0]["locator"].as_str().unwrap().contains("spans[1]"), "{}", rejected[0]);
+    let episodes = otel_episodes(store.path());
+    let first = episodes.iter().find(|e| e.metadata.get("conversation_id") == Some(&Value::from("conv-ops-1"))).unwrap();
+    assert_eq!(first.metadata["otel.spans"], 6, "every span of the trace, counted once");
+    assert_eq!(first.episode().unwrap().steps.iter().flat_map(|s| &s.tool_calls).count(), 2);
+    let lone = episodes.iter().find(|e| e.metadata["otel.group"].as_str().unwrap().starts_with("trace:")).unwrap();
+    assert_eq!(lone.episode().unwrap().steps[0].tool_calls[0].name, "ping");
+    // Reading the same files again adds nothing.
+    let again = run(store.path(), &[dir.path().to_path_buf()], &IngestOptions::default());
+    assert_eq!((again.ingested, again.duplicates), (0, 3));
+}

@@ -1,0 +1,367 @@
+//! OpenTelemetry GenAI traces as OTLP/JSON files (`resourceSpans` -> `scopeSpans` -> `spans`),
+//! following the GenAI semantic conventions of semantic-conventions v1.41.0 (Development
+//! status); docs/formats/otel.md has the field mapping.
+//!
+//! Spans are collected from every OTel file of a batch first and grouped into episodes at the
+//! end, so a trace or a conversation split across files is one episode:
+//! - an episode per `invoke_agent` span (`gen_ai.operation.name`) with the spans below it;
+//!   agent spans with the same `gen_ai.conversation.id` are one episode across traces; a trace
+//!   without an agent span is one episode; a span whose parent is not in the batch joins its
+//!   trace's first agent span;
+//! - `chat` spans give steps from `gen_ai.output.messages` (text and `tool_call` parts),
+//!   `execute_tool` spans give the calls' results (matched by `gen_ai.tool.call.id`, else a
+//!   step of their own with `gen_ai.tool.name` / `.call.arguments` / `.call.result`); a tool
+//!   span with status ERROR is its step's feedback;
+//! - the task is the first user text of `gen_ai.input.messages`; `gen_ai.system_instructions`
+//!   becomes shared semantic nodes, as tau-bench's policies do;
+//! - the outcome: the agent span's `fluxmem.outcome.success` / `fluxmem.outcome.reward`
+//!   attributes, else its status (OK: success, ERROR: failure, unset: unknown);
+//! - tenant: resource attribute `fluxmem.tenant`, else `service.name`, else the ingest
+//!   options'; agent: `gen_ai.agent.id`, else `gen_ai.agent.name`, else the options'.
+
+use fluxmem_graph::{sha256_hex, Episode, Node, NodeBody, Outcome, Semantic, Step, ToolCall};
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::source::Source;
+use crate::{IngestOptions, Parsed, Record};
+
+/// One span, with what an episode needs of it and of its file.
+#[derive(Debug, Clone)]
+pub(crate) struct SpanRec {
+    file: String,
+    locator: String,
+    mtime: Option<i64>,
+    trace: String,
+    id: String,
+    parent: Option<String>,
+    start_ns: u64,
+    attributes: BTreeMap<String, Value>,
+    resource: BTreeMap<String, Value>,
+    status: i64,
+    status_message: String,
+}
+
+impl SpanRec {
+    fn operation(&self) -> &str {
+        self.attributes.get("gen_ai.operation.name").and_then(Value::as_str).unwrap_or("")
+    }
+    fn text(&self, key: &str) -> Option<&str> {
+        self.attributes.get(key).and_then(Value::as_str)
+    }
+}
+
+/// True when the head of a `.json` file is an OTLP/JSON trace export.
+pub(crate) fn looks_like(head: &str) -> bool {
+    head.trim_start().starts_with('{') && head.contains("\"resourceSpans\"")
+}
+
+/// An OTLP attribute value as JSON (`{"stringValue": "x"}` -> `"x"`, `intValue` strings to
+/// numbers, arrays and key-value lists recursively).
+fn any_value(value: &Value) -> Value {
+    let Some(object) = value.as_object() else { return Value::Null };
+    if let Some(v) = object.get("stringValue") {
+        return v.clone();
+    }
+    if let Some(v) = object.get("boolValue") {
+        return v.clone();
+    }
+    if let Some(v) = object.get("intValue") {
+        return match v {
+            Value::String(s) => s.parse::<i64>().map(Value::from).unwrap_or_else(|_| v.clone()),
+            other => other.clone(),
+        };
+    }
+    if let Some(v) = object.get("doubleValue") {
+        return v.clone();
+    }
+    if let Some(values) = object.get("arrayValue").and_then(|a| a.get("values")).and_then(Value::as_array) {
+        return Value::Array(values.iter().map(any_value).collect());
+    }
+    if let Some(values) = object.get("kvlistValue").and_then(|a| a.get("values")).and_then(Value::as_array) {
+        return Value::Object(attributes(values).into_iter().collect());
+    }
+    Value::Null
+}
+
+fn attributes(list: &[Value]) -> BTreeMap<String, Value> {
+    list.iter().filter_map(|kv| Some((kv.get("key")?.as_str()?.to_string(), any_value(kv.get("value")?)))).collect()
+}
+
+/// Reads the spans of one OTLP/JSON file into `spans`; a file or span that is not OTLP is
+/// rejected (the rest goes on).
+pub(crate) fn collect(source: &Source, text: &str, spans: &mut Vec<SpanRec>, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
+    let root: Value = match serde_json::from_str(text) {
+        Ok(root) => root,
+        Err(e) => return emit(Parsed::Rejected(source.reject(e.line(), "file", format!("not OTLP/JSON: {e}"), source.bytes))),
+    };
+    let Some(resource_spans) = root.get("resourceSpans").and_then(Value::as_array) else {
+        return emit(Parsed::Rejected(source.reject(1, "file", "not OTLP/JSON: no `resourceSpans` array", b"").field("resourceSpans")));
+    };
+    for (r, resource_span) in resource_spans.iter().enumerate() {
+        let resource = resource_span.get("resource").and_then(|r| r.get("attributes")).and_then(Value::as_array).map(|a| attributes(a)).unwrap_or_default();
+        let scopes = resource_span.get("scopeSpans").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+        for (s, scope) in scopes.iter().enumerate() {
+            let list = scope.get("spans").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+            for (k, span) in list.iter().enumerate() {
+                let locator = format!("resourceSpans[{r}].scopeSpans[{s}].spans[{k}]");
+                let raw = span.to_string();
+                let reject = |field: &str, reason: &str| Parsed::Rejected(source.reject(0, &locator, reason, raw.as_bytes()).field(field));
+                let id_of = |key: &str| span.get(key).and_then(Value::as_str).filter(|s| !s.is_empty()).map(str::to_string);
+                let (Some(trace), Some(id)) = (id_of("traceId"), id_of("spanId")) else {
+                    let field = if id_of("traceId").is_none() { "traceId" } else { "spanId" };
+                    emit(reject(field, "a span needs a non-empty traceId and spanId"))?;
+                    continue;
+                };
+                let start_ns = match span.get("startTimeUnixNano") {
+                    None => 0,
+                    Some(Value::String(s)) => match s.parse::<u64>() {
+                        Ok(ns) => ns,
+                        Err(_) => {
+                            emit(reject("startTimeUnixNano", "not a number of nanoseconds"))?;
+                            continue;
+                        }
+                    },
+                    Some(Value::Number(n)) => n.as_u64().unwrap_or(0),
+                    Some(_) => {
+                        emit(reject("startTimeUnixNano", "not a number of nanoseconds"))?;
+                        continue;
+                    }
+                };
+                let attributes = span.get("attributes").and_then(Value::as_array).map(|a| attributes(a)).unwrap_or_default();
+                let status = span.get("status");
+                spans.push(SpanRec {
+                    file: source.path.clone(),
+                    locator: format!("{locator} (span {id})"),
+                    mtime: source.mtime,
+                    trace,
+                    id,
+                    parent: id_of("parentSpanId"),
+                    start_ns,
+                    attributes,
+                    resource: resource.clone(),
+                    status: status.and_then(|s| s.get("code")).and_then(Value::as_i64).unwrap_or(0),
+                    status_message: status.and_then(|s| s.get("message")).and_then(Value::as_str).unwrap_or("").to_string(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The messages of a `gen_ai.*.messages` attribute (a JSON string or an array).
+fn messages(span: &SpanRec, key: &str) -> Vec<Value> {
+    match span.attributes.get(key) {
+        Some(Value::String(s)) => serde_json::from_str::<Vec<Value>>(s).unwrap_or_default(),
+        Some(Value::Array(a)) => a.clone(),
+        _ => Vec::new(),
+    }
+}
+
+fn parts(message: &Value) -> &[Value] {
+    message.get("parts").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default()
+}
+
+fn part_text(part: &Value) -> Option<String> {
+    (part.get("type").and_then(Value::as_str) == Some("text")).then(|| part.get("content").and_then(Value::as_str).unwrap_or("").to_string())
+}
+
+fn text_of(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        Value::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
+/// Groups the collected spans into episodes (one record each).
+pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Parsed> {
+    // The same span twice (a file ingested twice in one batch) counts once.
+    let mut by_id: BTreeMap<(String, String), SpanRec> = BTreeMap::new();
+    for span in spans {
+        by_id.entry((span.trace.clone(), span.id.clone())).or_insert(span);
+    }
+    let spans: Vec<SpanRec> = by_id.into_values().collect();
+    let index: BTreeMap<(&str, &str), usize> = spans.iter().enumerate().map(|(i, s)| ((s.trace.as_str(), s.id.as_str()), i)).collect();
+    let is_agent = |i: usize| spans[i].operation() == "invoke_agent";
+    // The first agent span of each trace (by start time), for spans whose parents are missing.
+    let mut first_agent: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, span) in spans.iter().enumerate() {
+        if is_agent(i) {
+            let entry = first_agent.entry(span.trace.as_str()).or_insert(i);
+            if (span.start_ns, &span.id) < (spans[*entry].start_ns, &spans[*entry].id) {
+                *entry = i;
+            }
+        }
+    }
+    // Each span's agent: itself, its nearest agent ancestor, or its trace's first agent.
+    let agent_of = |i: usize| -> Option<usize> {
+        let mut at = i;
+        let mut seen = BTreeSet::new();
+        loop {
+            if is_agent(at) {
+                return Some(at);
+            }
+            if !seen.insert(at) {
+                break;
+            }
+            match spans[at].parent.as_deref().and_then(|p| index.get(&(spans[at].trace.as_str(), p))) {
+                Some(&parent) => at = parent,
+                None => break,
+            }
+        }
+        first_agent.get(spans[i].trace.as_str()).copied()
+    };
+    let conversation = |i: usize| spans[i].text("gen_ai.conversation.id").map(str::to_string);
+    let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for i in 0..spans.len() {
+        let key = match agent_of(i) {
+            Some(agent) => match conversation(agent) {
+                Some(id) => format!("conversation:{id}"),
+                None => format!("agent:{}/{}", spans[agent].trace, spans[agent].id),
+            },
+            None => format!("trace:{}", spans[i].trace),
+        };
+        groups.entry(key).or_default().push(i);
+    }
+    let mut out = Vec::new();
+    for (key, mut members) in groups {
+        members.sort_by(|&a, &b| (spans[a].start_ns, &spans[a].id).cmp(&(spans[b].start_ns, &spans[b].id)));
+        let group: Vec<&SpanRec> = members.iter().map(|&i| &spans[i]).collect();
+        out.push(Parsed::Record(episode(&key, &group, options)));
+    }
+    out
+}
+
+fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
+    let agents: Vec<&&SpanRec> = spans.iter().filter(|s| s.operation() == "invoke_agent").collect();
+    let lead = agents.first().copied().copied().unwrap_or(spans[0]);
+    let mut steps: Vec<Step> = Vec::new();
+    // Call id -> (step, call) of calls a chat span requested.
+    let mut calls: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    let mut task: Option<String> = None;
+    let mut system: Vec<String> = Vec::new();
+    for span in spans {
+        if task.is_none() {
+            task = messages(span, "gen_ai.input.messages")
+                .iter()
+                .filter(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+                .flat_map(|m| parts(m).iter().filter_map(part_text))
+                .next();
+        }
+        if let Some(instructions) = span.attributes.get("gen_ai.system_instructions") {
+            let parsed: Vec<Value> = match instructions {
+                Value::String(s) => serde_json::from_str(s).unwrap_or_else(|_| vec![serde_json::json!({"type": "text", "content": s})]),
+                Value::Array(a) => a.clone(),
+                _ => Vec::new(),
+            };
+            let text: Vec<String> = parsed.iter().filter_map(part_text).collect();
+            if !text.is_empty() && !system.contains(&text.join("\n")) {
+                system.push(text.join("\n"));
+            }
+        }
+        let timestamp = (span.start_ns > 0).then(|| (span.start_ns / 1_000_000) as i64).filter(|&ms| crate::source::in_calendar(ms));
+        match span.operation() {
+            "chat" | "text_completion" | "generate_content" => {
+                for message in messages(span, "gen_ai.output.messages") {
+                    let mut action = Vec::new();
+                    let mut tool_calls = Vec::new();
+                    for part in parts(&message) {
+                        match part.get("type").and_then(Value::as_str) {
+                            Some("text") => action.push(part.get("content").and_then(Value::as_str).unwrap_or("").to_string()),
+                            Some("tool_call") => {
+                                if let Some(id) = part.get("id").and_then(Value::as_str) {
+                                    calls.insert(id.to_string(), (steps.len(), tool_calls.len()));
+                                }
+                                tool_calls.push(ToolCall {
+                                    name: part.get("name").and_then(Value::as_str).unwrap_or("").to_string(),
+                                    arguments: part.get("arguments").map(text_of).unwrap_or_default(),
+                                    result: None,
+                                });
+                            }
+                            _ => {}
+                        }
+                    }
+                    steps.push(Step { observation: String::new(), action: action.join("\n"), tool_calls, feedback: None, timestamp });
+                }
+            }
+            "execute_tool" => {
+                let result = span.attributes.get("gen_ai.tool.call.result").map(text_of);
+                let feedback = (span.status == 2).then(|| if span.status_message.is_empty() { "error".to_string() } else { span.status_message.clone() });
+                let requested = span.text("gen_ai.tool.call.id").and_then(|id| calls.get(id)).copied();
+                match requested {
+                    Some((s, c)) if steps[s].tool_calls[c].result.is_none() => {
+                        steps[s].tool_calls[c].result = result;
+                        if feedback.is_some() {
+                            steps[s].feedback = feedback;
+                        }
+                    }
+                    _ => steps.push(Step {
+                        observation: String::new(),
+                        action: String::new(),
+                        tool_calls: vec![ToolCall {
+                            name: span.text("gen_ai.tool.name").unwrap_or(&span.locator).to_string(),
+                            arguments: span.attributes.get("gen_ai.tool.call.arguments").map(text_of).unwrap_or_default(),
+                            result,
+                        }],
+                        feedback,
+                        timestamp,
+                    }),
+                }
+            }
+            _ => {}
+        }
+    }
+    let last_agent = agents.last().copied().copied();
+    let outcome = match last_agent {
+        Some(agent) => {
+            let success = agent.attributes.get("fluxmem.outcome.success").and_then(Value::as_bool).or(match agent.status {
+                1 => Some(true),
+                2 => Some(false),
+                _ => None,
+            });
+            let reward = agent.attributes.get("fluxmem.outcome.reward").and_then(Value::as_f64);
+            let feedback = (agent.status == 2 && !agent.status_message.is_empty()).then(|| agent.status_message.clone());
+            Outcome { success, reward, feedback }
+        }
+        None => Outcome::default(),
+    };
+    let tenant = lead
+        .resource
+        .get("fluxmem.tenant")
+        .or_else(|| lead.resource.get("service.name"))
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .unwrap_or_else(|| options.tenant.clone());
+    let agent = lead.text("gen_ai.agent.id").or_else(|| lead.text("gen_ai.agent.name")).map(str::to_string).or_else(|| options.agent_id.clone());
+    let created_at = spans.iter().filter(|s| s.start_ns > 0).map(|s| (s.start_ns / 1_000_000) as i64).min().filter(|&ms| crate::source::in_calendar(ms)).or(lead.mtime);
+    let task = task.unwrap_or_else(|| lead.text("gen_ai.agent.name").map(|a| format!("{a} run")).unwrap_or_default());
+    let mut node = Node::new(NodeBody::Episodic(Episode { steps, outcome }), &tenant, &task, &["otel", key]);
+    node.agent_id = agent.clone();
+    node.source_file = lead.file.clone();
+    node.source_locator = lead.locator.clone();
+    node.created_at = created_at;
+    let files: BTreeSet<&str> = spans.iter().map(|s| s.file.as_str()).collect();
+    node.metadata.insert("format".into(), Value::from("otel"));
+    node.metadata.insert("otel.group".into(), Value::from(key));
+    node.metadata.insert("otel.spans".into(), Value::from(spans.len()));
+    node.metadata.insert("otel.traces".into(), Value::from(spans.iter().map(|s| s.trace.as_str()).collect::<BTreeSet<_>>().len()));
+    node.metadata.insert("otel.files".into(), Value::Array(files.iter().map(|f| Value::from(*f)).collect()));
+    if let Some(id) = lead.text("gen_ai.conversation.id") {
+        node.metadata.insert("conversation_id".into(), Value::from(id));
+    }
+    let mut nodes = vec![node];
+    for prompt in &system {
+        let name = format!("system-prompt-{}", &sha256_hex(prompt.as_bytes())[..12]);
+        for (position, chunk) in crate::docs::chunk(prompt, options.chunk_words).into_iter().enumerate() {
+            let body = NodeBody::Semantic(Semantic { source: name.clone(), position: position as i64, time: None, group: chunk.section.clone() });
+            let mut semantic = Node::new(body, &tenant, &chunk.text, &[&name, &position.to_string(), &chunk.text]);
+            semantic.agent_id = agent.clone();
+            semantic.source_file = lead.file.clone();
+            semantic.source_locator = format!("{} gen_ai.system_instructions chunk {position}", lead.locator);
+            semantic.created_at = created_at;
+            nodes.push(semantic);
+        }
+    }
+    Record { nodes }
+}
