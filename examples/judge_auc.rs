@@ -24,7 +24,7 @@ fn main() -> anyhow::Result<()> {
     let data: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(path)?)?;
 
     let embedder = fluxmem_models::load_embedder(fluxmem_models::DEFAULT_EMBEDDER, &DeviceChoice::Cpu)?;
-    let model_name = flag("--model", fluxmem_models::DEFAULT_GENERATOR);
+    let model_name = flag("--model", fluxmem_models::DEFAULT_JUDGE);
     let generator = fluxmem_models::load_generator(&model_name, &DeviceChoice::Cpu, weights)?;
     let model = fluxmem_models::Generator::model_id(&generator).to_string();
     let mut judge = LlmJudge::new(generator);

@@ -314,8 +314,14 @@ fn word(
             Ok((name, description)) => {
                 let skill = SkillText { name, description, steps: Vec::new(), pitfalls: Vec::new() };
                 let instance = prompt::instance_word(&format!("{} {}", skill.name, skill.description), &skill.description, &tasks, &steps);
-                if let Some(word) = instance {
-                    let problem = format!("names `{word}`, a detail of one request, not of the procedure");
+                let problem = match instance {
+                    Some(word) => Some(format!("names `{word}`, a detail of one request, not of the procedure")),
+                    None if prompt::ungrounded_name(&skill.name, &tasks, &steps) => {
+                        Some(format!("the name `{}` uses no word of the tasks or steps", skill.name))
+                    }
+                    None => None,
+                };
+                if let Some(problem) = problem {
                     attempts.push(Attempt { raw: answer.text, problem: problem.clone() });
                     return Ok((template_name, template_description, Wording { source: "template".into(), problem: Some(problem) }));
                 }

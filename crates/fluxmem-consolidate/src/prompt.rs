@@ -209,7 +209,14 @@ pub(crate) const NAME_SYSTEM: &str = "You name procedures that AI agents followe
 /// the model answers `Name: ...` and `Description: Use when ...`. No example is shown, so
 /// there is none to copy.
 pub fn name_procedure(tasks: &[String], steps: &[String]) -> Vec<ChatMessage> {
-    let tasks: Vec<String> = tasks.iter().map(|t| format!("- {}", clip(&t.split_whitespace().collect::<Vec<_>>().join(" "), BRIEF_TASK_CHARS))).collect();
+    // Each distinct task once (the same request logged twice reads as "a repeated procedure").
+    let mut seen = BTreeSet::new();
+    let tasks: Vec<String> = tasks
+        .iter()
+        .map(|t| clip(&t.split_whitespace().collect::<Vec<_>>().join(" "), BRIEF_TASK_CHARS))
+        .filter(|t| seen.insert(t.to_lowercase()))
+        .map(|t| format!("- {t}"))
+        .collect();
     let steps: Vec<String> = steps.iter().enumerate().map(|(i, s)| format!("{}. {s}", i + 1)).collect();
     let user = format!(
         "Requests that agents handled successfully with one procedure:\n{}\n\nThe procedure (every step is in the logs):\n{}\n\n\
@@ -220,6 +227,17 @@ pub fn name_procedure(tasks: &[String], steps: &[String]) -> Vec<ChatMessage> {
         steps.join("\n")
     );
     vec![ChatMessage::new("system", NAME_SYSTEM), ChatMessage::new("user", user)]
+}
+
+/// True when no word of `name` (of 4 letters or more) is a word of the `tasks` or `steps`,
+/// compared on their first 5 letters (`flight` and `flights` agree): a name about nothing the
+/// logs say ("Repeat procedure").
+pub fn ungrounded_name(name: &str, tasks: &[String], steps: &[String]) -> bool {
+    let stem = |w: &str| -> String { w.to_lowercase().chars().take(5).collect() };
+    let words = |text: &str| -> Vec<String> { text.split(|c: char| !c.is_alphanumeric()).filter(|w| w.chars().count() >= 4).map(stem).collect() };
+    let known: BTreeSet<String> = tasks.iter().chain(steps).flat_map(|t| words(t)).collect();
+    let own = words(name);
+    !own.is_empty() && !own.iter().any(|w| known.contains(w))
 }
 
 /// A name written as one CamelCase identifier (`CancelFlightReservation`) as words ("Cancel
@@ -318,6 +336,21 @@ mod naming_tests {
         assert!(parse_name("Name: <2 to 6 words saying what the procedure does>\nDescription: Use when <x>").is_err());
         assert!(parse_name("Name: Cancel").unwrap_err().contains("Description"));
         assert!(parse_name(&format!("Name: {}\nDescription: d", "word ".repeat(12))).is_err());
+    }
+
+    #[test]
+    fn a_name_must_use_a_word_of_the_tasks_or_steps() {
+        let tasks = vec!["book the same flights for my friend".to_string()];
+        let steps = vec!["Call `book_reservation`.".to_string()];
+        assert!(!ungrounded_name("Book flight", &tasks, &steps));
+        assert!(!ungrounded_name("Reservation booking", &tasks, &steps));
+        assert!(ungrounded_name("Repeat procedure", &tasks, &steps));
+    }
+
+    #[test]
+    fn the_naming_prompt_lists_each_task_once() {
+        let messages = name_procedure(&["put two cellphone in sofa".into(), "Put two  cellphone in sofa".into()], &["Go to <place>.".into()]);
+        assert_eq!(messages[1].content.matches("cellphone").count(), 1, "{}", messages[1].content);
     }
 
     #[test]

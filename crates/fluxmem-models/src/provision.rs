@@ -15,8 +15,8 @@ pub const DEFAULT_EMBEDDER: &str = "all-minilm-l6-v2";
 /// The default generator model: the one that words the most skills acceptably in
 /// `fluxmem eval skills` (docs/consolidate.md).
 pub const DEFAULT_GENERATOR: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m";
-/// The model `--judge llm` names.
-pub const DEFAULT_JUDGE: &str = "smollm2-135m-instruct-q4_1";
+/// The model `--judge llm` names: the best judge of the `judge_auc` example (docs/models.md).
+pub const DEFAULT_JUDGE: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m";
 /// Marker written after a model's files were verified.
 const VERIFIED: &str = ".fluxmem-verified";
 
