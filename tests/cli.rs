@@ -34,7 +34,8 @@ fn main_job_on_the_samples_ingests_and_prints_stats() {
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(text.contains("0 quarantined"), "{text}");
     let stats = stdout_json(&run(fluxmem(&store).args(["stats", "--json"])));
-    assert_eq!(stats["nodes"]["episodic"], 7 + 4 + 6, "{stats}");
+    // 7 JSONL episodes, 4 tau-bench runs, 6 ALFWorld transcripts, 5 chat conversations, 2 OTel agent runs.
+    assert_eq!(stats["nodes"]["episodic"], 7 + 4 + 6 + 5 + 2, "{stats}");
     assert_eq!(stats["nodes"]["procedural"], 0);
     assert_eq!(stats["edges"], serde_json::json!({"ground": 0, "distill": 0, "link": 0}));
     assert_eq!(stats["embedded"], 0);
@@ -285,7 +286,7 @@ fn generation_is_the_same_at_any_thread_count() {
     for weights in ["q8", "dequantized"] {
         let generate = |threads: &str| {
             let output = run(Command::new(env!("CARGO_BIN_EXE_fluxmem"))
-                .args(["models", "generate", "--device", "cpu", "--max-tokens", "48", "--weights", weights, prompt])
+                .args(["models", "generate", "--model", "smollm2-135m-instruct-q4_1", "--device", "cpu", "--max-tokens", "48", "--weights", weights, prompt])
                 .env("RAYON_NUM_THREADS", threads));
             assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
             String::from_utf8(output.stdout).unwrap()

@@ -6,7 +6,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
 
-use crate::source::{lines, parse_at, timestamp_ms, Source};
+use crate::source::{each_line, parse_at, timestamp_ms, Source};
 use crate::{Parsed, Record};
 
 #[derive(Deserialize)]
@@ -93,30 +93,7 @@ struct FactRecord {
 /// Parses a JSONL file, one record per non-blank line. Lines end at `\n`, `\r\n` or a lone
 /// `\r`; a line must hold exactly one JSON value (content after it quarantines the line).
 pub(crate) fn parse(source: &Source, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
-    for (index, raw_line) in lines(source.bytes).enumerate() {
-        let line_no = index + 1;
-        if raw_line.iter().all(u8::is_ascii_whitespace) {
-            continue;
-        }
-        let locator = format!("line {line_no}");
-        if let Some(rejected) = source.check_size(line_no, &locator, raw_line) {
-            emit(rejected)?;
-            continue;
-        }
-        let parsed = match std::str::from_utf8(raw_line) {
-            Err(e) => Parsed::Rejected(source.reject(
-                line_no,
-                &locator,
-                format!("invalid UTF-8 at byte {} of the line", e.valid_up_to()),
-                raw_line,
-            )),
-            Ok(text) => parse_line(source, line_no, text).unwrap_or_else(|(field, reason)| {
-                Parsed::Rejected(source.reject(line_no, &locator, reason, raw_line).field(field))
-            }),
-        };
-        emit(parsed)?;
-    }
-    Ok(())
+    each_line(source, emit, |text, line_no, _| parse_line(source, line_no, text))
 }
 
 fn parse_line(source: &Source, line_no: usize, text: &str) -> Result<Parsed, (String, String)> {

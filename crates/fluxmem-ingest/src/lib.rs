@@ -27,6 +27,7 @@
 //! ```
 
 mod alfworld;
+mod chat;
 mod compress;
 mod docs;
 mod error;

@@ -24,7 +24,8 @@ use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
 
-use crate::source::{lines, parse_at, Source};
+use crate::chat::{attach_result, push_observation, Call};
+use crate::source::{each_line, parse_at, Source};
 use crate::{Parsed, Record};
 
 #[derive(Deserialize)]
@@ -57,20 +58,6 @@ struct Message {
     name: Option<String>,
 }
 
-#[derive(Deserialize)]
-struct Call {
-    #[serde(default)]
-    id: Option<String>,
-    function: Function,
-}
-
-#[derive(Deserialize)]
-struct Function {
-    name: String,
-    #[serde(default)]
-    arguments: Value,
-}
-
 /// True when `line` (the first record of a `.jsonl` file) is a chat log, not fluxmem's schema.
 pub(crate) fn looks_like(line: &str) -> bool {
     let Ok(Value::Object(object)) = serde_json::from_str::<Value>(line) else { return false };
@@ -79,26 +66,10 @@ pub(crate) fn looks_like(line: &str) -> bool {
 
 /// Parses a chat-log file, one conversation per non-blank line.
 pub(crate) fn parse(source: &Source, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
-    for (index, raw_line) in lines(source.bytes).enumerate() {
-        let line_no = index + 1;
-        if raw_line.iter().all(u8::is_ascii_whitespace) {
-            continue;
-        }
-        let locator = format!("line {line_no}");
-        if let Some(rejected) = source.check_size(line_no, &locator, raw_line) {
-            emit(rejected)?;
-            continue;
-        }
-        let parsed = match std::str::from_utf8(raw_line) {
-            Err(e) => Parsed::Rejected(source.reject(line_no, &locator, format!("invalid UTF-8 at byte {} of the line", e.valid_up_to()), raw_line)),
-            Ok(text) => match parse_at::<Conversation>(text).and_then(|c| conversation(source, &locator, c)) {
-                Ok(record) => Parsed::Record(record),
-                Err((field, reason)) => Parsed::Rejected(source.reject(line_no, &locator, reason, raw_line).field(field)),
-            },
-        };
-        emit(parsed)?;
-    }
-    Ok(())
+    each_line(source, emit, |text, _, locator| {
+        let conversation = parse_at::<Conversation>(text)?;
+        Ok(Parsed::Record(self::conversation(source, locator, conversation)?))
+    })
 }
 
 /// The text of a message's `content`: a string, or its text parts joined (other parts named).
@@ -198,7 +169,7 @@ fn conversation(source: &Source, locator: &str, conversation: Conversation) -> R
                 });
             }
             "tool" | "function" => {
-                attach_result(&mut steps, &call_ids, message, &content);
+                attach_result(&mut steps, &call_ids, message.tool_call_id.as_deref(), message.name.as_deref(), &content);
                 push_observation(&mut observation, &format!("[{}] {content}", message.name.as_deref().unwrap_or("tool")));
             }
             "user" => {
@@ -254,34 +225,4 @@ fn conversation(source: &Source, locator: &str, conversation: Conversation) -> R
         nodes.extend(crate::tau::policy_nodes(source, &format!("{locator} system message {i}"), prompt, tenant.as_deref()));
     }
     Ok(Record { nodes })
-}
-
-/// Puts a tool result on the call that asked for it: the latest open call whose id is the
-/// message's `tool_call_id`, else (no id logged) the latest open call of the same name.
-fn attach_result(steps: &mut [Step], call_ids: &[Vec<Option<String>>], message: &Message, content: &str) {
-    let open_call = |by_id: bool, steps: &[Step]| -> Option<(usize, usize)> {
-        (0..steps.len()).rev().find_map(|s| {
-            steps[s].tool_calls.iter().enumerate().rev().find_map(|(c, call)| {
-                let matches = if by_id {
-                    message.tool_call_id.is_some() && call_ids.get(s).and_then(|i| i.get(c)).and_then(|id| id.as_deref()) == message.tool_call_id.as_deref()
-                } else {
-                    message.tool_call_id.is_none() && Some(call.name.as_str()) == message.name.as_deref()
-                };
-                (call.result.is_none() && matches).then_some((s, c))
-            })
-        })
-    };
-    if let Some((s, c)) = open_call(true, steps).or_else(|| open_call(false, steps)) {
-        steps[s].tool_calls[c].result = Some(content.to_string());
-        if content.starts_with("Error") {
-            steps[s].feedback = Some(content.to_string());
-        }
-    }
-}
-
-fn push_observation(observation: &mut String, text: &str) {
-    if !observation.is_empty() {
-        observation.push('\n');
-    }
-    observation.push_str(text);
 }

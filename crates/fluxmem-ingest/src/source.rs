@@ -84,6 +84,34 @@ impl<'a> Source<'a> {
 /// `raw` must hold exactly one JSON value: anything but whitespace after it is an error
 /// (`trailing content after the JSON value at column N`, columns in bytes from 1), never
 /// dropped silently.
+/// Runs `parse` on every non-blank line of a one-record-a-line file (JSONL, chat logs) with
+/// the line's text and number; a line over the size limit, not UTF-8, or that `parse` refuses
+/// (with the field and reason) is quarantined with its line, and the rest of the file goes on.
+pub(crate) fn each_line(
+    source: &Source,
+    emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
+    mut parse: impl FnMut(&str, usize, &str) -> Result<Parsed, (String, String)>,
+) -> crate::Result<()> {
+    for (index, raw_line) in lines(source.bytes).enumerate() {
+        let line_no = index + 1;
+        if raw_line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let locator = format!("line {line_no}");
+        if let Some(rejected) = source.check_size(line_no, &locator, raw_line) {
+            emit(rejected)?;
+            continue;
+        }
+        let parsed = match std::str::from_utf8(raw_line) {
+            Err(e) => Parsed::Rejected(source.reject(line_no, &locator, format!("invalid UTF-8 at byte {} of the line", e.valid_up_to()), raw_line)),
+            Ok(text) => parse(text, line_no, &locator)
+                .unwrap_or_else(|(field, reason)| Parsed::Rejected(source.reject(line_no, &locator, reason, raw_line).field(field))),
+        };
+        emit(parsed)?;
+    }
+    Ok(())
+}
+
 pub(crate) fn parse_at<'de, T: serde::Deserialize<'de>>(raw: &'de str) -> Result<T, (String, String)> {
     let mut deserializer = serde_json::Deserializer::from_str(raw);
     let value: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {

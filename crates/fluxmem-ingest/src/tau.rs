@@ -12,6 +12,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 use std::collections::BTreeMap;
 
+use crate::chat::{attach_result, push_observation, Call};
 use crate::docs::chunk;
 use crate::source::{parse_at, Source};
 use crate::{Parsed, Record};
@@ -38,20 +39,6 @@ struct Message {
     tool_call_id: Option<String>,
     #[serde(default)]
     name: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct Call {
-    #[serde(default)]
-    id: Option<String>,
-    function: Function,
-}
-
-#[derive(Deserialize)]
-struct Function {
-    name: String,
-    #[serde(default)]
-    arguments: Value,
 }
 
 /// Parses a tau-bench results file (a JSON array of runs).
@@ -84,6 +71,9 @@ fn run_record(source: &Source, locator: &str, run: Run) -> Record {
     let trial = run.trial.as_ref().map(scalar_text).unwrap_or_default();
     let trajectory_hash = sha256_hex(serde_json::to_string(&run.traj.iter().map(message_key).collect::<Vec<_>>()).unwrap_or_default().as_bytes());
     let mut steps: Vec<Step> = Vec::new();
+    // Per step, the ids of its calls (the same order as its `tool_calls`).
+    let call_ids: Vec<Vec<Option<String>>> =
+        run.traj.iter().filter(|m| m.role == "assistant").map(|m| m.tool_calls.iter().flatten().map(|c| c.id.clone()).collect()).collect();
     let mut observation = String::new();
     let mut policy = None;
     let mut task = None;
@@ -109,7 +99,7 @@ fn run_record(source: &Source, locator: &str, run: Run) -> Record {
                 });
             }
             "tool" => {
-                attach_result(&mut steps, &run.traj, message, &content);
+                attach_result(&mut steps, &call_ids, message.tool_call_id.as_deref(), message.name.as_deref(), &content);
                 push_observation(&mut observation, &format!("[{}] {content}", message.name.as_deref().unwrap_or("tool")));
             }
             _ => {
@@ -173,42 +163,6 @@ pub(crate) fn policy_nodes(source: &Source, locator: &str, policy: &str, tenant:
             source.node_of(tenant, None, body, &chunk.text, &[&name, &position.to_string(), &chunk.text], chunk_locator, None)
         })
         .collect()
-}
-
-/// Puts a tool result on the call that asked for it: the latest open call with the same
-/// `tool_call_id`, else (when the log has no id) the latest open call of the same tool name.
-fn attach_result(steps: &mut [Step], traj: &[Message], message: &Message, content: &str) {
-    // Call ids per step, in the order of the assistant messages the steps came from.
-    let ids: Vec<Vec<Option<&str>>> = traj
-        .iter()
-        .filter(|m| m.role == "assistant")
-        .map(|m| m.tool_calls.iter().flatten().map(|c| c.id.as_deref()).collect())
-        .collect();
-    let open_call = |by_id: bool, steps: &[Step]| -> Option<(usize, usize)> {
-        (0..steps.len()).rev().find_map(|s| {
-            steps[s].tool_calls.iter().enumerate().rev().find_map(|(c, call)| {
-                let matches = if by_id {
-                    message.tool_call_id.is_some() && ids.get(s).and_then(|i| i.get(c)).copied().flatten() == message.tool_call_id.as_deref()
-                } else {
-                    message.tool_call_id.is_none() && Some(call.name.as_str()) == message.name.as_deref()
-                };
-                (call.result.is_none() && matches).then_some((s, c))
-            })
-        })
-    };
-    if let Some((s, c)) = open_call(true, steps).or_else(|| open_call(false, steps)) {
-        steps[s].tool_calls[c].result = Some(content.to_string());
-        if content.starts_with("Error") {
-            steps[s].feedback = Some(content.to_string());
-        }
-    }
-}
-
-fn push_observation(observation: &mut String, text: &str) {
-    if !observation.is_empty() {
-        observation.push('\n');
-    }
-    observation.push_str(text);
 }
 
 fn scalar_text(value: &Value) -> String {
