@@ -318,63 +318,48 @@ fn a_step_every_episode_has_is_never_dropped() {
     assert_eq!(skill.rounds.len(), 1, "no step whose removal raises eta");
 }
 
+/// The generator only names and describes the mined procedure; an answer that fails a check
+/// leaves the skill to the template, and the answer is kept with why it was not used.
 #[test]
 fn unreadable_wording_falls_back_to_the_template_and_is_recorded() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
     let lettuce = || three_families(3).into_iter().filter(|n| n.text.contains("lettuce")).collect::<Vec<_>>();
-    add_episodes(&store, lettuce());
-    // Junk first, a good answer to the repair prompt: the generator's name is used.
-    let mut generator = Scripted::new(|messages| {
-        if messages.last().unwrap().content.starts_with("Write one skill for these logs") {
-            "```\n**Name:** Fixed\nSteps:\n- wash the lettuce\n- book the flight\n```".into()
-        } else {
-            "I am a small model and I like turtles.".into()
-        }
-    });
-    let report = run(&store, &mut generator, None, &ConsolidateOptions { max_rounds: 2, ..options(1) });
-    assert_eq!((report.skills_new, report.failed), (1, 0));
-    assert_eq!(report.skills[0].name, "Fixed");
-
-    // Junk always: the skill is still written, from the mined procedure, and every raw
-    // answer is kept with why it was not used.
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
-    add_episodes(&store, three_families(2));
-    let mut generator = Scripted::new(|_| "Name: only a name, no steps".into());
-    let report = run(&store, &mut generator, None, &options(3));
-    assert_eq!((report.skills_new, report.failed, report.commits), (3, 0, 1));
-    let graph = load(&store);
-    for skill in &report.skills {
-        let node = &graph.nodes[&skill.id];
-        assert_eq!(node.metadata["wording"]["source"], "template");
-        assert_eq!(node.metadata["wording"]["problem"], "no steps");
-        let rejected = node.metadata["rejected_answers"].as_array().unwrap();
-        assert_eq!(rejected.len(), 2, "the answer and the retried answer");
-        assert!(rejected.iter().all(|a| a["raw"] == "Name: only a name, no steps"));
+    // (answer, the problem recorded, or None when the model's words are used)
+    let cases: [(&str, Option<&str>); 6] = [
+        ("**Name:** Wash the lettuce\n**Description:** Use when lettuce must be cleaned.", None),
+        ("I am a small model and I like turtles.", Some("no `Name:` line")),
+        ("Name: only a name, no steps", Some("no `Description:` line")),
+        ("Name: <2 to 6 words saying what the procedure does>\nDescription: Use when <x>", Some("repeats the answer format's placeholders")),
+        ("Name: Use a phone to make a phone call\nDescription: Use when calling.", Some("uses no word of the tasks or steps")),
+        ("Name: Wash lettuce\nDescription: Use when the lettuce needs update_ledger.", Some("names the tool `update_ledger`")),
+    ];
+    for (answer, problem) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("store");
+        add_episodes(&store, lettuce());
+        let mut generator = Scripted::new(move |messages| {
+            assert!(messages.last().unwrap().content.contains("The procedure (every step is in the logs)"), "the naming prompt shows the steps");
+            answer.into()
+        });
+        let report = run(&store, &mut generator, None, &ConsolidateOptions { max_rounds: 2, ..options(1) });
+        assert_eq!((report.skills_new, report.failed), (1, 0), "{answer}");
+        assert_eq!(report.generator.calls, 1, "one naming call per skill");
+        let node = &load(&store).nodes[&report.skills[0].id];
+        let wording = &node.metadata["wording"];
         assert!(node.metadata["steps"].as_array().unwrap().len() >= 2, "steps from the logs");
+        match problem {
+            None => {
+                assert_eq!(wording["source"], "generator", "{answer}: {wording}");
+                assert_eq!(report.skills[0].name, "Wash the lettuce");
+            }
+            Some(problem) => {
+                assert_eq!(wording["source"], "template", "{answer}: {wording}");
+                assert!(wording["problem"].as_str().unwrap().contains(problem), "{answer}: {wording}");
+                let rejected = node.metadata["rejected_answers"].as_array().unwrap();
+                assert_eq!(rejected.len(), 1, "{answer}");
+                assert_eq!(rejected[0]["raw"], answer);
+            }
+        }
     }
-
-    // Readable but about something else (the example's domain): rejected, template used.
-    let dir2 = tempfile::tempdir().unwrap();
-    let other = dir2.path().join("store");
-    add_episodes(&other, lettuce());
-    let invented = "Name: Use a phone to make a phone call\nSteps:\n1. Open the phone app and start a new message.\n2. Make the phone call.";
-    let mut phone = Scripted::new(move |_| invented.into());
-    let report_other = run(&other, &mut phone, None, &options(1));
-    assert_eq!((report_other.skills_new, report_other.failed), (1, 0));
-    let node = &load(&other).nodes[&report_other.skills[0].id];
-    assert!(node.metadata["wording"]["problem"].as_str().unwrap().starts_with("not about its episodes"), "{}", node.metadata["wording"]);
-
-    // A generator naming a tool the procedure does not use is not trusted either.
-    let dir3 = tempfile::tempdir().unwrap();
-    let third = dir3.path().join("store");
-    add_episodes(&third, three_families(3).into_iter().filter(|n| n.text.contains("flight")).collect());
-    let foreign = "Name: Book flights\nDescription: Use for flight booking.\nSteps:\n1. Call update_ledger for the flight.\n2. Book the flight seat.";
-    let mut liar = Scripted::new(move |_| foreign.into());
-    let report_third = run(&third, &mut liar, None, &options(1));
-    let node = &load(&third).nodes[&report_third.skills[0].id];
-    assert_eq!(node.metadata["wording"]["source"], "template", "{}", node.metadata["wording"]);
 }
 
 #[test]
