@@ -25,6 +25,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 
 use crate::chat::{attach_result, push_observation, Call};
+use crate::jsonl::type_name;
 use crate::source::{each_line, parse_at, Source};
 use crate::{Parsed, Record};
 
@@ -91,18 +92,7 @@ fn content_text(content: &Option<Value>, field: &str) -> Result<String, (String,
             }
             Ok(out.join("\n"))
         }
-        Some(other) => Err((field.into(), format!("`content` must be a string, null or a list of parts, got {}", kind_of(other)))),
-    }
-}
-
-fn kind_of(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
+        Some(other) => Err((field.into(), format!("`content` must be a string, null or a list of parts, got {}", type_name(other)))),
     }
 }
 
@@ -119,17 +109,17 @@ fn outcome(conversation: &Conversation) -> Result<Outcome, (String, String)> {
             let success = match o.get("success") {
                 None | Some(Value::Null) => None,
                 Some(Value::Bool(b)) => Some(*b),
-                Some(other) => return Err(("outcome.success".into(), format!("must be a boolean, got {}", kind_of(other)))),
+                Some(other) => return Err(("outcome.success".into(), format!("must be a boolean, got {}", type_name(other)))),
             };
             let reward = match o.get("reward") {
                 None | Some(Value::Null) => None,
                 Some(Value::Number(n)) => n.as_f64(),
-                Some(other) => return Err(("outcome.reward".into(), format!("must be a number, got {}", kind_of(other)))),
+                Some(other) => return Err(("outcome.reward".into(), format!("must be a number, got {}", type_name(other)))),
             };
             let feedback = o.get("feedback").and_then(Value::as_str).map(str::to_string);
             Ok(Outcome { success, reward, feedback })
         }
-        Some(other) => Err(("outcome".into(), format!("must be an object or a boolean, got {}", kind_of(other)))),
+        Some(other) => Err(("outcome".into(), format!("must be an object or a boolean, got {}", type_name(other)))),
     }
 }
 
