@@ -533,7 +533,9 @@ pub struct ConsolidateArgs {
     /// Divide PEMS by the number of skills (reference code).
     #[arg(long)]
     pub divide_by_skills: bool,
-    /// Generator tokens of episodes shown when inducing a skill.
+    /// Generator tokens of episodes shown by `induce_skill` (the whole-skill prompt of the
+    /// induce_one example); the naming prompt consolidation uses shows at most 5 task lines
+    /// and the mined steps, so this does not change it.
     #[arg(long, default_value_t = 1500)]
     pub prompt_budget: usize,
     /// Generated tokens per answer at most.

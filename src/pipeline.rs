@@ -217,7 +217,8 @@ pub struct Consolidate {
     pub length: String,
     /// Divide PEMS by the number of skills (the reference code).
     pub divide_by_skills: bool,
-    /// Generator tokens of episodes in the induction prompt.
+    /// Generator tokens of episodes in `induce_skill`'s whole-skill prompt; the naming prompt
+    /// of consolidation (at most 5 task lines and the mined steps) does not use it.
     pub prompt_budget: usize,
     /// Generated tokens per answer at most.
     pub max_tokens: usize,

@@ -43,13 +43,7 @@ pub fn run(args: ConsolidateArgs, settings: &Settings) -> anyhow::Result<ExitCod
 }
 
 fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
-    let clusters = match args.clusters.as_str() {
-        "auto" => None,
-        value => match value.parse::<usize>() {
-            Ok(n) if n > 0 => Some(n),
-            _ => anyhow::bail!("--clusters `{value}`: expected auto or a positive number"),
-        },
-    };
+    let clusters = super::clusters_flag(&args.clusters)?;
     if args.max_rounds == 0 {
         anyhow::bail!("--max-rounds must be at least 1");
     }

@@ -107,13 +107,7 @@ pub fn skills(args: EvalSkillsArgs, settings: &Settings) -> anyhow::Result<ExitC
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
     let weights = super::weight_path(&args.weights)?;
-    let clusters = match args.clusters.as_str() {
-        "auto" => None,
-        value => match value.parse::<usize>() {
-            Ok(n) if n > 0 => Some(n),
-            _ => anyhow::bail!("--clusters `{value}`: expected auto or a positive number"),
-        },
-    };
+    let clusters = super::clusters_flag(&args.clusters)?;
     // Every generator named must exist before anything runs.
     let manifest = fluxmem_models::ModelManifest::load()?;
     for name in args.generators.iter().filter(|g| g.as_str() != "none") {

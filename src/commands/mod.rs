@@ -86,6 +86,17 @@ pub fn judge_from_flag(
     }
 }
 
+/// The `--clusters` flag: `auto` (None) or a positive number of clusters per tenant.
+pub fn clusters_flag(value: &str) -> anyhow::Result<Option<usize>> {
+    match value {
+        "auto" => Ok(None),
+        value => match value.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => anyhow::bail!("--clusters `{value}`: expected auto or a positive number"),
+        },
+    }
+}
+
 /// Stage II loop settings from the `--refine-*` flags.
 pub fn loop_options(args: &crate::cli::LoopArgs, budget: usize) -> fluxmem_refine::LoopOptions {
     fluxmem_refine::LoopOptions {

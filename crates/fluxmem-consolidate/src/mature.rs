@@ -300,7 +300,8 @@ fn word(
         job.episodes.iter().filter(|n| succeeded(n)).take(NAMING_TASKS).map(|n| redactor.redact(n.text.trim()).text).collect();
     let steps: Vec<String> = skeleton.steps.iter().map(|s| redactor.redact(&s.text).text).collect();
     let messages = prompt::name_procedure(&tasks, &steps);
-    let params = GenerateParams { max_tokens: NAMING_TOKENS, ..params(options) };
+    // Two lines need few tokens; the options' limit still bounds every answer.
+    let params = GenerateParams { max_tokens: NAMING_TOKENS.min(options.max_tokens), ..params(options) };
     let problem = match generator.generate(&messages, &params) {
         Err(error) => {
             attempts.push(model_error(error));
@@ -341,7 +342,7 @@ fn word(
 
 /// Successes whose tasks the naming prompt shows.
 const NAMING_TASKS: usize = 5;
-/// Tokens a naming answer may take (two lines).
+/// Tokens a naming answer may take (two lines), unless `max_tokens` is lower.
 const NAMING_TOKENS: usize = 80;
 
 /// A tool the generator's skill names but the skeleton lacks: a tool of the cluster's episodes,

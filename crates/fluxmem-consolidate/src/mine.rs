@@ -681,6 +681,12 @@ mod tests {
     }
 
     #[test]
+    fn lcs_len_counts_the_common_subsequence() {
+        assert_eq!(lcs_len(&["a", "b", "c", "d"], &["b", "d", "a"]), 2);
+        assert_eq!(lcs_len(&[], &["a"]), 0);
+    }
+
+    #[test]
     fn coverage_is_the_in_order_share_of_steps() {
         let node = episode("x", &["go to sinkbasin 1", "take apple 1 from sinkbasin 1", "clean apple 1 with sinkbasin 1"], true);
         assert_eq!(coverage(&["go to <1>", "clean <1> with <2>"], &node), 1.0);

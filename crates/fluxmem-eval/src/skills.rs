@@ -22,7 +22,7 @@
 //! which is how mined steps are worded.
 
 use fluxmem_consolidate::{consolidate_store, skill_records, ConsolidateOptions, Models, Progress, SkillRecord};
-use fluxmem_graph::{Graph, NodeBody, NodeKind};
+use fluxmem_graph::{Graph, NodeBody};
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -86,7 +86,8 @@ pub fn prepare(data: &Path, embedder: &dyn fluxmem_models::Embedder) -> Result<P
         return Err(Error::Data { path: data.into(), reason: format!("{} records could not be ingested", report.quarantined) });
     }
     fluxmem_embed::embed_store(&mut writer, embedder, &Default::default(), "eval", &mut fluxmem_embed::NoProgress)?;
-    let episodes = writer.store().load()?.nodes.values().filter(|n| n.kind() == NodeKind::Episodic).count();
+    // One record per run or transcript, each one episode (its first node).
+    let episodes = report.ingested as usize;
     drop(writer);
     Ok(Prepared { dir, data: data.into(), benchmark, gold_actions, episodes })
 }
@@ -279,20 +280,6 @@ pub fn named_tools(record: &SkillRecord) -> Vec<String> {
     tools
 }
 
-/// Length of the longest common subsequence.
-fn lcs<T: PartialEq>(a: &[T], b: &[T]) -> usize {
-    let mut row = vec![0usize; b.len() + 1];
-    for x in a {
-        let mut diagonal = 0;
-        for (j, y) in b.iter().enumerate() {
-            let up = row[j + 1];
-            row[j + 1] = if x == y { diagonal + 1 } else { row[j + 1].max(row[j]) };
-            diagonal = up;
-        }
-    }
-    row[b.len()]
-}
-
 fn mean(values: &[f64]) -> f64 {
     if values.is_empty() {
         0.0
@@ -336,7 +323,9 @@ fn score_tau(graph: &Graph, records: &[SkillRecord], gold: &BTreeMap<String, Vec
         if !gold_tools.is_empty() {
             let gold_set: BTreeSet<&String> = gold_tools.iter().collect();
             let r = gold_set.iter().filter(|t| named.contains(t)).count() as f64 / gold_set.len() as f64;
-            let o = lcs(gold_tools, &named) as f64 / gold_tools.len() as f64;
+            let gold_names: Vec<&str> = gold_tools.iter().map(String::as_str).collect();
+            let named_names: Vec<&str> = named.iter().map(String::as_str).collect();
+            let o = fluxmem_consolidate::lcs_len(&gold_names, &named_names) as f64 / gold_tools.len() as f64;
             recall.push(r);
             order.push(o);
             row.recall = Some(r);
@@ -448,12 +437,6 @@ mod tests {
     fn named_tools_are_the_backticked_identifiers_in_order() {
         let r = record(&["Call `get_reservation_details` with `<reservation_id>`.", "Call `cancel_reservation`.", "Confirm with the user."]);
         assert_eq!(named_tools(&r), vec!["get_reservation_details", "cancel_reservation"]);
-    }
-
-    #[test]
-    fn lcs_counts_the_common_subsequence() {
-        assert_eq!(lcs(&["a", "b", "c", "d"], &["b", "d", "a"]), 2);
-        assert_eq!(lcs::<&str>(&[], &["a"]), 0);
     }
 
     #[test]

@@ -5,6 +5,29 @@ use fluxmem_graph::Step;
 use serde::Deserialize;
 use serde_json::Value;
 
+/// One message of a chat log; `C` is what its `content` may be (tau-bench: a string; OpenAI
+/// chat logs: a string, null or a list of parts).
+#[derive(Deserialize)]
+pub(crate) struct Message<C> {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<C>,
+    #[serde(default)]
+    pub tool_calls: Option<Vec<Call>>,
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// A JSON scalar as text: a string as it is, anything else as JSON (`7`, `true`).
+pub(crate) fn scalar_text(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
 /// One entry of an assistant message's `tool_calls`.
 #[derive(Deserialize)]
 pub(crate) struct Call {

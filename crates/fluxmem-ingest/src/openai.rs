@@ -24,7 +24,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
 
-use crate::chat::{attach_result, push_observation, Call};
+use crate::chat::{attach_result, push_observation, scalar_text};
 use crate::jsonl::type_name;
 use crate::source::{each_line, parse_at, Source};
 use crate::{Parsed, Record};
@@ -46,18 +46,7 @@ struct Conversation {
     metadata: BTreeMap<String, Value>,
 }
 
-#[derive(Deserialize)]
-struct Message {
-    role: String,
-    #[serde(default)]
-    content: Option<Value>,
-    #[serde(default)]
-    tool_calls: Option<Vec<Call>>,
-    #[serde(default)]
-    tool_call_id: Option<String>,
-    #[serde(default)]
-    name: Option<String>,
-}
+type Message = crate::chat::Message<Value>;
 
 /// True when `line` (the first record of a `.jsonl` file) is a chat log, not fluxmem's schema.
 pub(crate) fn looks_like(line: &str) -> bool {
@@ -123,13 +112,6 @@ fn outcome(conversation: &Conversation) -> Result<Outcome, (String, String)> {
     }
 }
 
-fn text_of(value: &Value) -> String {
-    match value {
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
-}
-
 fn conversation(source: &Source, locator: &str, conversation: Conversation) -> Result<Record, (String, String)> {
     if conversation.messages.is_empty() {
         return Err(("messages".into(), "a conversation needs at least one message".into()));
@@ -152,7 +134,7 @@ fn conversation(source: &Source, locator: &str, conversation: Conversation) -> R
                     observation: std::mem::take(&mut observation),
                     action: content,
                     tool_calls: calls
-                        .map(|call| ToolCall { name: call.function.name.clone(), arguments: text_of(&call.function.arguments), result: None })
+                        .map(|call| ToolCall { name: call.function.name.clone(), arguments: scalar_text(&call.function.arguments), result: None })
                         .collect(),
                     feedback: None,
                     timestamp: None,
@@ -180,7 +162,7 @@ fn conversation(source: &Source, locator: &str, conversation: Conversation) -> R
         .as_ref()
         .or(conversation.conversation_id.as_ref())
         .or(conversation.metadata.get("conversation_id"))
-        .map(text_of);
+        .map(scalar_text);
     let identity = match &explicit_id {
         Some(id) => format!("id:{id}"),
         None => {
@@ -212,7 +194,7 @@ fn conversation(source: &Source, locator: &str, conversation: Conversation) -> R
     let mut nodes = vec![episode];
     for (i, prompt) in system.iter().enumerate().filter(|(_, p)| !p.trim().is_empty()) {
         // In the conversation's tenant: a prompt's nodes never mix tenants.
-        nodes.extend(crate::tau::policy_nodes(source, &format!("{locator} system message {i}"), prompt, tenant.as_deref()));
+        nodes.extend(crate::tau::policy_nodes(source, &format!("{locator} system message {i}"), prompt, tenant.as_deref(), None));
     }
     Ok(Record { nodes })
 }

@@ -19,7 +19,7 @@
 //! - tenant: resource attribute `fluxmem.tenant`, else `service.name`, else the ingest
 //!   options'; agent: `gen_ai.agent.id`, else `gen_ai.agent.name`, else the options'.
 
-use fluxmem_graph::{sha256_hex, Episode, Node, NodeBody, Outcome, Semantic, Step, ToolCall};
+use fluxmem_graph::{Episode, NodeBody, Outcome, Step, ToolCall};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -166,11 +166,12 @@ fn part_text(part: &Value) -> Option<String> {
     (part.get("type").and_then(Value::as_str) == Some("text")).then(|| part.get("content").and_then(Value::as_str).unwrap_or("").to_string())
 }
 
+/// An attribute or part value as text; an absent (null) one is empty.
 fn text_of(value: &Value) -> String {
-    match value {
-        Value::String(s) => s.clone(),
-        Value::Null => String::new(),
-        other => other.to_string(),
+    if value.is_null() {
+        String::new()
+    } else {
+        crate::chat::scalar_text(value)
     }
 }
 
@@ -336,11 +337,17 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
     let agent = lead.text("gen_ai.agent.id").or_else(|| lead.text("gen_ai.agent.name")).map(str::to_string).or_else(|| options.agent_id.clone());
     let created_at = spans.iter().filter(|s| s.start_ns > 0).map(|s| (s.start_ns / 1_000_000) as i64).min().filter(|&ms| crate::source::in_calendar(ms)).or(lead.mtime);
     let task = task.unwrap_or_else(|| lead.text("gen_ai.agent.name").map(|a| format!("{a} run")).unwrap_or_default());
-    let mut node = Node::new(NodeBody::Episodic(Episode { steps, outcome }), &tenant, &task, &["otel", key]);
-    node.agent_id = agent.clone();
-    node.source_file = lead.file.clone();
-    node.source_locator = lead.locator.clone();
-    node.created_at = created_at;
+    // The lead span's file, as the source of the episode and of its prompt's nodes.
+    let source = Source { path: lead.file.clone(), mtime: created_at, options, bytes: &[] };
+    let mut node = source.node_of(
+        Some(&tenant),
+        agent.as_deref(),
+        NodeBody::Episodic(Episode { steps, outcome }),
+        &task,
+        &["otel", key],
+        lead.locator.clone(),
+        None,
+    );
     let files: BTreeSet<&str> = spans.iter().map(|s| s.file.as_str()).collect();
     node.metadata.insert("format".into(), Value::from("otel"));
     node.metadata.insert("otel.group".into(), Value::from(key));
@@ -352,16 +359,8 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
     }
     let mut nodes = vec![node];
     for prompt in &system {
-        let name = format!("system-prompt-{}", &sha256_hex(prompt.as_bytes())[..12]);
-        for (position, chunk) in crate::docs::chunk(prompt, options.chunk_words).into_iter().enumerate() {
-            let body = NodeBody::Semantic(Semantic { source: name.clone(), position: position as i64, time: None, group: chunk.section.clone() });
-            let mut semantic = Node::new(body, &tenant, &chunk.text, &[&name, &position.to_string(), &chunk.text]);
-            semantic.agent_id = agent.clone();
-            semantic.source_file = lead.file.clone();
-            semantic.source_locator = format!("{} gen_ai.system_instructions chunk {position}", lead.locator);
-            semantic.created_at = created_at;
-            nodes.push(semantic);
-        }
+        let locator = format!("{} gen_ai.system_instructions", lead.locator);
+        nodes.extend(crate::tau::policy_nodes(&source, &locator, prompt, Some(&tenant), agent.as_deref()));
     }
     Record { nodes }
 }

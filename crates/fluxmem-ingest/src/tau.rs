@@ -12,7 +12,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 use std::collections::BTreeMap;
 
-use crate::chat::{attach_result, push_observation, Call};
+use crate::chat::{attach_result, push_observation, scalar_text};
 use crate::docs::chunk;
 use crate::source::{parse_at, Source};
 use crate::{Parsed, Record};
@@ -28,18 +28,7 @@ struct Run {
     info: BTreeMap<String, Value>,
 }
 
-#[derive(Deserialize)]
-struct Message {
-    role: String,
-    #[serde(default)]
-    content: Option<String>,
-    #[serde(default)]
-    tool_calls: Option<Vec<Call>>,
-    #[serde(default)]
-    tool_call_id: Option<String>,
-    #[serde(default)]
-    name: Option<String>,
-}
+type Message = crate::chat::Message<String>;
 
 /// Parses a tau-bench results file (a JSON array of runs).
 pub(crate) fn parse(source: &Source, text: &str, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
@@ -139,15 +128,15 @@ fn run_record(source: &Source, locator: &str, run: Run) -> Record {
     episode.metadata = metadata;
     let mut nodes = vec![episode];
     if let Some(policy) = policy {
-        nodes.extend(policy_nodes(source, &format!("{locator}.traj[0]"), &policy, None));
+        nodes.extend(policy_nodes(source, &format!("{locator}.traj[0]"), &policy, None, None));
     }
     Record { nodes }
 }
 
 /// The system prompt as semantic chunks; the source name is content-derived, so every run
 /// (in any file) carrying the same prompt shares the same nodes (within a tenant: `tenant`, or
-/// the ingest options').
-pub(crate) fn policy_nodes(source: &Source, locator: &str, policy: &str, tenant: Option<&str>) -> Vec<fluxmem_graph::Node> {
+/// the ingest options'; `agent`, else the options', names who logged it).
+pub(crate) fn policy_nodes(source: &Source, locator: &str, policy: &str, tenant: Option<&str>, agent: Option<&str>) -> Vec<fluxmem_graph::Node> {
     let name = format!("system-prompt-{}", &sha256_hex(policy.as_bytes())[..12]);
     chunk(policy, source.options.chunk_words)
         .into_iter()
@@ -160,16 +149,9 @@ pub(crate) fn policy_nodes(source: &Source, locator: &str, policy: &str, tenant:
                 group: chunk.section.clone(),
             });
             let chunk_locator = format!("{locator} chunk {position} (line {} of the prompt)", chunk.line);
-            source.node_of(tenant, None, body, &chunk.text, &[&name, &position.to_string(), &chunk.text], chunk_locator, None)
+            source.node_of(tenant, agent, body, &chunk.text, &[&name, &position.to_string(), &chunk.text], chunk_locator, None)
         })
         .collect()
-}
-
-fn scalar_text(value: &Value) -> String {
-    match value {
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
 }
 
 fn message_key(message: &Message) -> Value {
