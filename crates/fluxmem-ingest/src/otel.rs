@@ -7,7 +7,8 @@
 //! - an episode per `invoke_agent` span (`gen_ai.operation.name`) with the spans below it;
 //!   agent spans with the same `gen_ai.conversation.id` are one episode across traces; a trace
 //!   without an agent span is one episode; a span whose parent is not in the batch joins its
-//!   trace's first agent span;
+//!   trace's first agent span; spans of different tenants are never one episode (a trace
+//!   across two tenants' services gives each tenant its own);
 //! - `chat` spans give steps from `gen_ai.output.messages` (text and `tool_call` parts),
 //!   `execute_tool` spans give the calls' results (matched by `gen_ai.tool.call.id`, else a
 //!   step of their own with `gen_ai.tool.name` / `.call.arguments` / `.call.result`); a tool
@@ -48,6 +49,10 @@ impl SpanRec {
     }
     fn text(&self, key: &str) -> Option<&str> {
         self.attributes.get(key).and_then(Value::as_str)
+    }
+    /// The tenant of the span's resource: `fluxmem.tenant`, else `service.name`, else `fallback`.
+    fn tenant<'a>(&'a self, fallback: &'a str) -> &'a str {
+        self.resource.get("fluxmem.tenant").or_else(|| self.resource.get("service.name")).and_then(Value::as_str).unwrap_or(fallback)
     }
 }
 
@@ -216,13 +221,16 @@ pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Pars
     let conversation = |i: usize| spans[i].text("gen_ai.conversation.id").map(str::to_string);
     let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
     for i in 0..spans.len() {
-        let key = match agent_of(i) {
+        let group = match agent_of(i) {
             Some(agent) => match conversation(agent) {
                 Some(id) => format!("conversation:{id}"),
                 None => format!("agent:{}/{}", spans[agent].trace, spans[agent].id),
             },
             None => format!("trace:{}", spans[i].trace),
         };
+        // Tenants never mix: a trace that crosses services of two tenants gives each its own
+        // episode, grouped the same way within the tenant.
+        let key = format!("{group}@{}", spans[i].tenant(&options.tenant));
         groups.entry(key).or_default().push(i);
     }
     let mut out = Vec::new();
@@ -327,13 +335,8 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
         }
         None => Outcome::default(),
     };
-    let tenant = lead
-        .resource
-        .get("fluxmem.tenant")
-        .or_else(|| lead.resource.get("service.name"))
-        .and_then(Value::as_str)
-        .map(str::to_string)
-        .unwrap_or_else(|| options.tenant.clone());
+    // Every span of a group has this tenant (it is part of the group key).
+    let tenant = lead.tenant(&options.tenant).to_string();
     let agent = lead.text("gen_ai.agent.id").or_else(|| lead.text("gen_ai.agent.name")).map(str::to_string).or_else(|| options.agent_id.clone());
     let created_at = spans.iter().filter(|s| s.start_ns > 0).map(|s| (s.start_ns / 1_000_000) as i64).min().filter(|&ms| crate::source::in_calendar(ms)).or(lead.mtime);
     let task = task.unwrap_or_else(|| lead.text("gen_ai.agent.name").map(|a| format!("{a} run")).unwrap_or_default());

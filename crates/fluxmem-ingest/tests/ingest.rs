@@ -574,3 +574,38 @@ fn otel_traces_split_across_files_and_broken_trees_are_grouped() {
     let again = run(store.path(), &[dir.path().to_path_buf()], &IngestOptions::default());
     assert_eq!((again.ingested, again.duplicates), (0, 3));
 }
+
+/// A trace that crosses the services of two tenants (the agent in one, a tool in the other,
+/// the same conversation id) gives each tenant its own episode: tenants never mix.
+#[test]
+fn otel_spans_of_two_tenants_are_never_one_episode() {
+    let attribute = |key: &str, value: &str| serde_json::json!({"key": key, "value": {"stringValue": value}});
+    let resource = |service: &str, spans: Vec<Value>| {
+        serde_json::json!({"resource": {"attributes": [attribute("service.name", service)]}, "scopeSpans": [{"spans": spans}]})
+    };
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let agent = serde_json::json!({
+        "traceId": trace, "spanId": "b7ad6b7169203331", "startTimeUnixNano": "1795860000000000000",
+        "attributes": [attribute("gen_ai.operation.name", "invoke_agent"), attribute("gen_ai.conversation.id", "conv-x"),
+                       attribute("gen_ai.input.messages", r#"[{"role":"user","parts":[{"type":"text","content":"look up order 7"}]}]"#)]
+    });
+    let tool = serde_json::json!({
+        "traceId": trace, "spanId": "00f067aa0ba902b7", "parentSpanId": "b7ad6b7169203331", "startTimeUnixNano": "1795860001000000000",
+        "attributes": [attribute("gen_ai.operation.name", "execute_tool"), attribute("gen_ai.tool.name", "get_order"),
+                       attribute("gen_ai.tool.call.result", "{\"status\":\"shipped\"}")]
+    });
+    let file = serde_json::json!({"resourceSpans": [resource("shop-a", vec![agent]), resource("shop-b", vec![tool])]});
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("t.json"), file.to_string()).unwrap();
+    let store = tempfile::tempdir().unwrap();
+    let report = run(store.path(), &[dir.path().join("t.json")], &IngestOptions::default());
+    assert_eq!((report.ingested, report.quarantined), (2, 0), "{report:?}");
+    let episodes = otel_episodes(store.path());
+    let tenants: Vec<&str> = episodes.iter().map(|e| e.tenant.as_str()).collect();
+    assert_eq!(tenants.iter().copied().collect::<std::collections::BTreeSet<_>>(), ["shop-a", "shop-b"].into_iter().collect());
+    let b = episodes.iter().find(|e| e.tenant == "shop-b").unwrap();
+    assert_eq!(b.episode().unwrap().steps[0].tool_calls[0].name, "get_order", "shop-b's own span, in shop-b");
+    let a = episodes.iter().find(|e| e.tenant == "shop-a").unwrap();
+    assert_eq!(a.text, "look up order 7");
+    assert!(a.episode().unwrap().steps.is_empty(), "shop-b's tool call is not in shop-a's episode");
+}
