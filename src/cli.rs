@@ -92,6 +92,28 @@ pub enum StoreCommand {
     /// shard, adopts a complete temporary manifest if one was left, deletes nothing, and says
     /// what it could not prove. Takes the writer lock.
     Recover(RecoverArgs),
+    /// Compact the store: rewrite shards whose rows were mostly superseded, merge small shards
+    /// by level (log merge), and keep the replaced files for two more commits before deleting
+    /// them. Live rows never change. `fluxmem run` does this after every full run
+    /// (`[compact]` in the pipeline file). Takes the writer lock.
+    Compact(CompactArgs),
+}
+
+/// `fluxmem store compact`.
+#[derive(Debug, Args)]
+pub struct CompactArgs {
+    /// A shard with more than this share of superseded rows is rewritten.
+    #[arg(long, default_value_t = fluxmem_store::CompactPolicy::default().max_dead_fraction)]
+    pub max_dead_fraction: f64,
+    /// Shards of one level merged once this many gather.
+    #[arg(long, default_value_t = fluxmem_store::CompactPolicy::default().merge_factor)]
+    pub merge_factor: usize,
+    /// Live rows of the smallest level.
+    #[arg(long, default_value_t = fluxmem_store::CompactPolicy::default().min_level_rows)]
+    pub min_level_rows: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `fluxmem store recover`.
@@ -217,6 +239,13 @@ pub struct RefineArgs {
     /// Do not link failed episodes to successful episodes of the same task.
     #[arg(long)]
     pub no_failure_links: bool,
+    /// Rewrite an edge only when its credit moved by more than this since its last write
+    /// (0: on any change).
+    #[arg(long, default_value_t = fluxmem_refine::CreditOptions::default().tolerance)]
+    pub tolerance: f64,
+    /// Re-estimate a tenant's stored base rate when the current one differs by more than this.
+    #[arg(long, default_value_t = fluxmem_refine::CreditOptions::default().prior_drift)]
+    pub prior_drift: f64,
     /// Print one JSON object with the counts.
     #[arg(long)]
     pub json: bool,

@@ -48,6 +48,9 @@ pub struct Pipeline {
     /// See [`Report`].
     #[serde(default)]
     pub report: Report,
+    /// See [`Compact`].
+    #[serde(default)]
+    pub compact: Compact,
     /// `[redact]`: what is replaced before anything leaves the store (exported skills, prompts,
     /// the run report): `enabled` (default true), `kinds` (default all: email, phone, card,
     /// iban, secret, ip), `allow` (exact strings never redacted).
@@ -190,12 +193,24 @@ pub struct Refine {
     pub min_evidence: usize,
     /// Link failed episodes to successes of the same task.
     pub failure_links: bool,
+    /// Rewrite an edge only when its credit moved by more than this since its last write.
+    pub tolerance: f64,
+    /// Re-estimate a tenant's stored base rate when the current one differs by more.
+    pub prior_drift: f64,
 }
 
 impl Default for Refine {
     fn default() -> Self {
         let d = fluxmem_refine::CreditOptions::default();
-        Refine { enabled: true, prior: d.prior, prune_below: d.prune_below, min_evidence: d.min_evidence, failure_links: d.link_failures }
+        Refine {
+            enabled: true,
+            prior: d.prior,
+            prune_below: d.prune_below,
+            min_evidence: d.min_evidence,
+            failure_links: d.link_failures,
+            tolerance: d.tolerance,
+            prior_drift: d.prior_drift,
+        }
     }
 }
 
@@ -267,6 +282,36 @@ pub struct Export {
 impl Default for Export {
     fn default() -> Self {
         Export { enabled: true, format: "skill-md".into(), out: "skills".into(), tenant: None, min_pems: None, min_eta: None, min_support: 1 }
+    }
+}
+
+/// `[compact]`: the store's compaction after a full run (`fluxmem store compact` runs it by
+/// hand). See `fluxmem_store::CompactPolicy`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Compact {
+    /// Compact after a full run that did not fail.
+    pub enabled: bool,
+    /// A shard with more than this share of superseded rows is rewritten (1/3 bounds rows
+    /// stored / live rows at 1.5).
+    pub max_dead_fraction: f64,
+    /// Shards of one level merged once this many gather.
+    pub merge_factor: usize,
+    /// Live rows of the smallest level.
+    pub min_level_rows: u64,
+}
+
+impl Default for Compact {
+    fn default() -> Self {
+        let d = fluxmem_store::CompactPolicy::default();
+        Compact { enabled: true, max_dead_fraction: d.max_dead_fraction, merge_factor: d.merge_factor, min_level_rows: d.min_level_rows }
+    }
+}
+
+impl Compact {
+    /// The store's policy of these settings.
+    pub fn policy(&self) -> fluxmem_store::CompactPolicy {
+        fluxmem_store::CompactPolicy { max_dead_fraction: self.max_dead_fraction, merge_factor: self.merge_factor, min_level_rows: self.min_level_rows }
     }
 }
 
@@ -376,6 +421,12 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     let number = |key: &str, value: f64, bound: Bound| bound.check(value).map_err(|rule| anyhow::anyhow!("key `{key}`: {rule}"));
     number("refine.prior", p.refine.prior, Bound::Positive)?;
     number("refine.prune_below", p.refine.prune_below, Bound::NonNegative)?;
+    number("refine.tolerance", p.refine.tolerance, Bound::NonNegative)?;
+    number("refine.prior_drift", p.refine.prior_drift, Bound::NonNegative)?;
+    number("compact.max_dead_fraction", p.compact.max_dead_fraction, Bound::NonNegative)?;
+    if p.compact.max_dead_fraction >= 1.0 {
+        bail!("key `compact.max_dead_fraction`: {} is not a share below 1", p.compact.max_dead_fraction);
+    }
     clusters(&p.consolidate.clusters)?;
     number("consolidate.epsilon", p.consolidate.epsilon, Bound::NonNegative)?;
     if let Some(min_pems) = p.export.min_pems {

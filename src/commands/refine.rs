@@ -10,11 +10,15 @@ pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     // Before the store is opened: a NaN or an infinity here makes every edge weight NaN.
     check_flag("--prior", args.prior, Bound::Positive)?;
     check_flag("--prune-below", args.prune_below, Bound::NonNegative)?;
+    check_flag("--tolerance", args.tolerance, Bound::NonNegative)?;
+    check_flag("--prior-drift", args.prior_drift, Bound::NonNegative)?;
     let options = CreditOptions {
         prior: args.prior,
         prune_below: args.prune_below,
         min_evidence: args.min_evidence,
         link_failures: !args.no_failure_links,
+        tolerance: args.tolerance,
+        prior_drift: args.prior_drift,
     };
     let mut writer = open_writer(settings)?;
     // The run id depends only on the store state it started from: same store, same shards.

@@ -161,6 +161,13 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    if failure.is_none() && args.stage.is_none() && p.compact.enabled {
+        eprintln!("fluxmem run: compacting the store");
+        let started = std::time::Instant::now();
+        let report = writer.compact(&p.compact.policy(), &run_id).context("compacting the store after the stages")?;
+        eprintln!("  {} ({:.1}s)", compaction_line(&report), started.elapsed().as_secs_f64());
+        record.compaction = Some(serde_json::to_value(&report)?);
+    }
     record.manifest_version_after = writer.manifest().version;
     drop(writer);
     record.model_usage = ctx.usage.clone();
@@ -442,11 +449,16 @@ impl Ctx<'_> {
             prune_below: r.prune_below,
             min_evidence: r.min_evidence,
             link_failures: r.failure_links,
+            tolerance: r.tolerance,
+            prior_drift: r.prior_drift,
         };
         let mut bar = CountBar::new(self.settings.progress, "refine");
         let report = fluxmem_refine::refine_store(writer, &options, &format!("refine@{}", self.run_id), &mut bar)?;
         bar.finish();
-        eprintln!("  {} edges reweighted, {} pruned, {} re-activated, {} failure->success links", report.reweighted, report.pruned, report.reactivated, report.expanded);
+        eprintln!(
+            "  {} edges reweighted ({} moved within the tolerance, kept), {} pruned, {} re-activated, {} failure->success links",
+            report.reweighted, report.within_tolerance, report.pruned, report.reactivated, report.expanded
+        );
         Ok(StageRecord {
             status: if report.edits == 0 { "nothing new".into() } else { "done".into() },
             counts_in: counts(&[("episodes", report.episodes), ("with_outcome", report.with_outcome)]),
@@ -593,6 +605,19 @@ fn redacted(record: RunRecord, config: &fluxmem_redact::RedactConfig) -> anyhow:
     Ok(record)
 }
 
+/// One line on a compaction: what it merged and the amplification it left, per keyed table.
+pub fn compaction_line(report: &fluxmem_store::CompactReport) -> String {
+    let tables: Vec<String> = report
+        .tables
+        .iter()
+        .map(|(table, t)| {
+            format!("{table} {}->{} shards, {} rows for {} live (x{:.2})", t.shards_before, t.shards_after, t.rows_after, t.live_rows, t.amplification())
+        })
+        .collect();
+    let done = if report.committed { format!("{} shard files retired", report.retired) } else { "nothing to compact".into() };
+    format!("{done}; {}", tables.join("; "))
+}
+
 /// One run id, one report: a run started again, or run stage by stage (a distributed run:
 /// merges and global stages one call each), adds to the `run.json` already written for the run
 /// id. Stages this call did not run (or skipped as done earlier) keep their earlier records;
@@ -619,6 +644,9 @@ fn accumulate(record: &mut RunRecord, path: &Path, stage_only: bool) {
         }
     }
     record.stages = stages;
+    if record.compaction.as_ref().is_none_or(|c| c["committed"] != true) && earlier.compaction.is_some() {
+        record.compaction = earlier.compaction.clone();
+    }
     record.started_at = earlier.started_at.clone();
     record.manifest_version_before = record.manifest_version_before.min(earlier.manifest_version_before);
     for (role, model) in earlier.models {

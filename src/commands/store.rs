@@ -1,8 +1,8 @@
-//! `fluxmem store recover`.
+//! `fluxmem store recover` and `fluxmem store compact`.
 
 use std::process::ExitCode;
 
-use crate::cli::{RecoverArgs, Settings};
+use crate::cli::{CompactArgs, RecoverArgs, Settings};
 
 pub fn recover(args: RecoverArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let report = fluxmem_store::recover(&settings.store)?;
@@ -22,6 +22,28 @@ pub fn recover(args: RecoverArgs, settings: &Settings) -> anyhow::Result<ExitCod
     }
     for note in &report.unproven {
         println!("  not proven: {note}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn compact(args: CompactArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    if !(0.0..1.0).contains(&args.max_dead_fraction) {
+        anyhow::bail!("--max-dead-fraction {}: expected a share in [0, 1)", args.max_dead_fraction);
+    }
+    // An existing store only: compacting must not create one.
+    fluxmem_store::Store::open(&settings.store)?;
+    let mut writer = super::open_writer(settings)?;
+    let policy = fluxmem_store::CompactPolicy {
+        max_dead_fraction: args.max_dead_fraction,
+        merge_factor: args.merge_factor,
+        min_level_rows: args.min_level_rows,
+    };
+    let run_id = super::run_id("compact");
+    let report = writer.compact(&policy, &run_id)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{}", super::run::compaction_line(&report));
     }
     Ok(ExitCode::SUCCESS)
 }

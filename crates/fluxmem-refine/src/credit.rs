@@ -24,6 +24,16 @@
 //! Weights are recomputed from all outcomes in the store on every run, so the update is
 //! idempotent (a second run over the same store changes nothing) and incremental (new
 //! episodes move the credits). Every change is an [`Edit`] in the same atomic commit.
+//!
+//! **A night writes what moved.** Two rules keep a night's writes in proportion to what its
+//! outcomes changed, not to the history:
+//! - the base rate `p` of a tenant is a *prior* kept in the store (progress marker
+//!   `refine.base_rate`) and re-estimated only when the tenant's current rate drifts from it by
+//!   more than `prior_drift` (a new rate would move every edge of the tenant);
+//! - an edge is rewritten only when its credit moved by more than `tolerance` since it was last
+//!   written, when it is pruned or re-activated, or when it has no credit yet. An edge that is
+//!   not rewritten keeps the `evidence` and `outcomes` of its last write. As a tenant's history
+//!   grows, one night's outcomes move each credit by less, and fewer edges are rewritten.
 
 use fluxmem_graph::{Changed, Edge, EdgeKey, EdgeKind, Edit, Graph, Node, NodeId};
 use fluxmem_store::{CommitInfo, Writer};
@@ -47,13 +57,21 @@ pub struct CreditOptions {
     pub min_evidence: usize,
     /// Link failed episodes to successful episodes of the same task.
     pub link_failures: bool,
+    /// An edge is rewritten when its credit moved by more than this since its last write (0:
+    /// on any change).
+    pub tolerance: f64,
+    /// A tenant's stored base rate is re-estimated when the current rate differs by more.
+    pub prior_drift: f64,
 }
 
 impl Default for CreditOptions {
     fn default() -> Self {
-        CreditOptions { prior: 2.0, prune_below: 0.5, min_evidence: 3, link_failures: true }
+        CreditOptions { prior: 2.0, prune_below: 0.5, min_evidence: 3, link_failures: true, tolerance: 0.05, prior_drift: 0.02 }
     }
 }
+
+/// The progress marker that holds each tenant's base rate (the prior of the credits).
+pub const BASE_RATE_MARKER: &str = "refine.base_rate";
 
 /// What a refine run did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -66,6 +84,10 @@ pub struct CreditReport {
     pub base_rate: BTreeMap<String, f64>,
     /// Edges whose weight or evidence changed.
     pub reweighted: usize,
+    /// Edges whose credit moved by no more than the tolerance: not rewritten.
+    pub within_tolerance: usize,
+    /// Tenants whose base rate was (re-)estimated this run.
+    pub base_rate_estimated: Vec<String>,
     /// Edges pruned by this run.
     pub pruned: usize,
     /// Edges re-activated by this run.
@@ -96,6 +118,18 @@ pub fn outcome(node: &Node) -> Option<f64> {
 /// The new state of every edge the outcomes speak to, and the links to add; the graph is not
 /// changed. Returns (changed edges with their edit kind and reason, report counts).
 pub fn assign(graph: &Graph, options: &CreditOptions, run_id: &str) -> (Vec<(Edge, &'static str, String)>, CreditReport) {
+    assign_with_priors(graph, options, run_id, &BTreeMap::new())
+}
+
+/// [`assign`] with the stored base rates `priors` (per tenant): a tenant's prior is used while
+/// its current rate stays within `prior_drift` of it; otherwise (or without one) the current
+/// rate is used and named in `base_rate_estimated`. `report.base_rate` holds the rates used.
+pub fn assign_with_priors(
+    graph: &Graph,
+    options: &CreditOptions,
+    run_id: &str,
+    priors: &BTreeMap<String, f64>,
+) -> (Vec<(Edge, &'static str, String)>, CreditReport) {
     let outcomes: BTreeMap<&NodeId, f64> = graph.nodes.values().filter_map(|n| outcome(n).map(|r| (&n.id, r))).collect();
     let mut report = CreditReport {
         episodes: graph.nodes.values().filter(|n| n.episode().is_some()).count(),
@@ -108,7 +142,19 @@ pub fn assign(graph: &Graph, options: &CreditOptions, run_id: &str) -> (Vec<(Edg
         entry.0 += r;
         entry.1 += 1;
     }
-    let base: BTreeMap<&str, f64> = per_tenant.iter().map(|(t, (sum, n))| (*t, (sum / *n as f64).clamp(0.05, 0.95))).collect();
+    let mut base: BTreeMap<&str, f64> = BTreeMap::new();
+    for (tenant, (sum, n)) in &per_tenant {
+        let now = (sum / *n as f64).clamp(0.05, 0.95);
+        match priors.get(*tenant) {
+            Some(&prior) if (now - prior).abs() <= options.prior_drift => {
+                base.insert(tenant, prior);
+            }
+            _ => {
+                base.insert(tenant, now);
+                report.base_rate_estimated.push(tenant.to_string());
+            }
+        }
+    }
     report.base_rate = base.iter().map(|(t, p)| (t.to_string(), *p)).collect();
     let rate = |id: &NodeId| graph.nodes.get(id).and_then(|n| base.get(n.tenant.as_str())).copied();
     // Outcomes behind each semantic node, through its ground edges (stage-1 or refine, active or
@@ -170,6 +216,15 @@ pub fn assign(graph: &Graph, options: &CreditOptions, run_id: &str) -> (Vec<(Edg
         } else {
             ("credit", format!("credit {credit:.3} over {evidence} outcomes (base rate {:.3})", rate(&edge.dst).unwrap_or_default()))
         };
+        let state_changed = edge.active != next.active || edge.metadata.get("pruned_by") != next.metadata.get("pruned_by");
+        let moved = match edge.metadata.get("credit").and_then(Value::as_f64) {
+            Some(stored) => (stored - credit).abs() > options.tolerance,
+            None => true,
+        };
+        if !state_changed && !moved && !same(edge, &next) {
+            report.within_tolerance += 1;
+            continue;
+        }
         if !same(edge, &next) {
             next.stage = STAGE.into();
             next.run_id = run_id.into();
@@ -236,7 +291,13 @@ pub fn assign(graph: &Graph, options: &CreditOptions, run_id: &str) -> (Vec<(Edg
 pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, progress: &mut dyn Progress) -> Result<CreditReport> {
     let graph = writer.store().load()?;
     progress.start(graph.edges.len() as u64);
-    let (changes, mut report) = assign(&graph, options, run_id);
+    let priors: BTreeMap<String, f64> = writer
+        .manifest()
+        .progress
+        .get(BASE_RATE_MARKER)
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
+        .unwrap_or_default();
+    let (changes, mut report) = assign_with_priors(&graph, options, run_id, &priors);
     progress.advance(graph.edges.len() as u64);
     if changes.is_empty() {
         return Ok(report);
@@ -251,7 +312,10 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
     }
     report.edits = delta.edits.len();
     let summary = serde_json::to_value(&report).expect("the report serialises");
-    writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress: Default::default() })?;
+    // The rates used become the priors of the next run (only with the changes they made).
+    let rates = serde_json::to_value(&report.base_rate).expect("rates serialise");
+    let progress = [(BASE_RATE_MARKER.to_string(), rates)].into_iter().collect();
+    writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress })?;
     report.commits = 1;
     Ok(report)
 }

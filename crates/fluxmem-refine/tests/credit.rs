@@ -189,3 +189,55 @@ fn credit_never_crosses_tenants() {
     let again = refine_store(&mut writer, &CreditOptions::default(), "refine@v3", &mut NoProgress).unwrap();
     assert_eq!((again.edits, again.isolated, again.cross_tenant), (0, 0, 4));
 }
+
+/// A history of 600 episodes over 20 facts, then a night of 20 new ones: with the default
+/// tolerance the night rewrites the new edges and the few whose credit really moved, not the
+/// history; with tolerance 0 it rewrites nearly every edge of the facts it touched. The base
+/// rate is the stored prior (it drifted less than `prior_drift`).
+#[test]
+fn a_small_night_rewrites_the_edges_that_moved_not_the_history() {
+    let facts: Vec<Node> = (0..20).map(|i| fact(&format!("fact {i}"))).collect();
+    let night = |from: usize, to: usize| {
+        let mut graph = Graph::default();
+        for i in from..to {
+            // Deterministic outcomes; facts 0..9 lean to success, 10..19 to failure.
+            let (a, b) = (i % 20, (i * 7 + 3) % 20);
+            let success = (i * 2654435761usize) % 100 < if a < 10 { 70 } else { 40 };
+            let e = episode(&format!("e{i}"), &format!("task {}", i % 50), success);
+            graph.upsert_edge(edge(&facts[a].id, &e.id, EdgeKind::Ground, 0.5));
+            graph.upsert_edge(edge(&facts[b].id, &e.id, EdgeKind::Ground, 0.5));
+            graph.insert_node(e);
+        }
+        graph
+    };
+    let options = CreditOptions { link_failures: false, ..Default::default() };
+    let run = |tolerance: f64| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut writer = Writer::open(dir.path().join("store")).unwrap();
+        let info = CommitInfo { stage: "connect".into(), run_id: "c".into(), summary: Value::Null, progress: Default::default() };
+        let mut history = night(0, 600);
+        for f in &facts {
+            history.insert_node(f.clone());
+        }
+        writer.commit(&history, info.clone()).unwrap();
+        let options = CreditOptions { tolerance, ..options.clone() };
+        let first = refine_store(&mut writer, &options, "refine@1", &mut NoProgress).unwrap();
+        assert_eq!(first.base_rate_estimated, vec!["t".to_string()], "the first run estimates the base rate");
+        writer.commit(&night(600, 620), info).unwrap();
+        let second = refine_store(&mut writer, &options, "refine@2", &mut NoProgress).unwrap();
+        let graph = writer.store().load().unwrap();
+        assert!(graph.edges.values().all(|e| e.metadata.contains_key("credit")), "every edge has a credit, the new ones included");
+        (first, second, graph.edges.len())
+    };
+    let (first, second, edges) = run(CreditOptions::default().tolerance);
+    assert_eq!(edges, 1240);
+    assert!(second.base_rate_estimated.is_empty(), "20 new outcomes do not move the prior: {second:?}");
+    assert_eq!(second.base_rate, first.base_rate);
+    let rewritten = second.edits;
+    assert!(rewritten >= 40, "the 40 new edges are written: {second:?}");
+    assert!(rewritten <= 1240 / 10, "a 3% night rewrites at most a tenth of the edges: {rewritten} ({second:?})");
+    assert!(second.within_tolerance > 1000, "{second:?}");
+    let (_, exact, _) = run(0.0);
+    eprintln!("night of 20 over 600: {rewritten} edits with the tolerance ({} kept), {} with tolerance 0", second.within_tolerance, exact.edits);
+    assert!(exact.edits > 4 * rewritten, "without the tolerance the same night rewrites {} edges (with it {rewritten})", exact.edits);
+}

@@ -35,6 +35,10 @@ pub struct RunRecord {
     pub models: BTreeMap<String, String>,
     /// The stages in the order they ran.
     pub stages: Vec<StageRecord>,
+    /// What the store's compaction after the stages did (`fluxmem_store::CompactReport` as
+    /// JSON); `None` when it did not run. Absent in older records.
+    #[serde(default)]
+    pub compaction: Option<serde_json::Value>,
     /// Records rejected by ingest.
     pub quarantine: QuarantineSummary,
     /// Calls and tokens per model role (`generator`, `judge`, `verifier`).

@@ -25,8 +25,9 @@
 //!
 //! Shards are append-only: a later commit's row replaces an earlier row with the same key
 //! (node `id`, edge `src,dst,kind`, embedding `node_id,model_id`); the `edits` table (the edit
-//! log) only grows, in commit order. [`Writer::replace`] compacts
-//! everything into one commit.
+//! log) only grows, in commit order. [`Writer::compact`] keeps rows stored / live rows at most
+//! 1.5 with a log-structured merge policy (see [`CompactPolicy`]); [`Writer::replace`] writes
+//! everything as one commit (model migration).
 //!
 //! Sharded runs: [`Writer::open_staging`] opens the staging store of shard I of N of a stage.
 //! It reads as the main store plus its own commits (its manifest lists the main store's shards
@@ -51,6 +52,7 @@
 //! assert_eq!(loaded, graph);
 //! ```
 
+mod compact;
 mod error;
 mod lock;
 mod manifest;
@@ -59,9 +61,10 @@ mod shard;
 mod staging;
 mod store;
 
+pub use compact::{CompactPolicy, CompactReport, TableCompaction, HISTORY, KEEP_RETIRED_COMMITS, MANIFEST_COMMIT_LOG};
 pub use error::{Error, Result};
 pub use lock::WriterLock;
-pub use manifest::{CommitRecord, EmbeddingModel, Manifest, ShardEntry, FORMAT, SCHEMA_VERSION};
+pub use manifest::{CommitRecord, EmbeddingModel, Manifest, RetiredShard, ShardEntry, FORMAT, SCHEMA_VERSION};
 pub use recover::{recover, RecoverReport};
 pub use staging::{staging_dir, MergeReport, Shard, STAGING};
 pub use store::{CommitInfo, Store, Writer};

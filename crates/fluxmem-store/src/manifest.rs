@@ -32,6 +32,19 @@ pub struct Manifest {
     /// Per-stage progress markers (what each stage has finished), for incremental runs.
     #[serde(default)]
     pub progress: BTreeMap<String, Value>,
+    /// Shard files a compaction took out of the manifest, kept on disk for readers of an
+    /// earlier manifest until a later commit deletes them (see `compact`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub retired: Vec<RetiredShard>,
+}
+
+/// A shard file that left the manifest and waits for deletion.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetiredShard {
+    /// Path relative to the store directory.
+    pub file: String,
+    /// The manifest version that dropped it.
+    pub version: u64,
 }
 
 /// The model behind the stored embeddings.
@@ -86,6 +99,7 @@ impl Manifest {
             shards: Vec::new(),
             commits: Vec::new(),
             progress: BTreeMap::new(),
+            retired: Vec::new(),
         }
     }
 

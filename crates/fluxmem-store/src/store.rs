@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
 use crate::lock::WriterLock;
-use crate::manifest::{CommitRecord, EmbeddingModel, Manifest, ShardEntry};
+use crate::manifest::{EmbeddingModel, Manifest, ShardEntry};
 use crate::{shard, Error, Result};
 
 pub(crate) const MANIFEST: &str = "manifest.json";
@@ -53,9 +53,25 @@ impl Store {
         Manifest::read(&self.dir.join(MANIFEST))
     }
 
-    /// The whole graph of the current commit.
+    /// The whole graph of the current commit. A shard that cannot be read while the manifest
+    /// has moved on (a compaction retired and, commits later, deleted it) makes the read start
+    /// again from the new manifest; any other failure is returned.
     pub fn load(&self) -> Result<Graph> {
-        self.load_at(&self.manifest()?)
+        let mut manifest = self.manifest()?;
+        let mut tries = 0;
+        loop {
+            match self.load_at(&manifest) {
+                Err(error) if tries < 3 => {
+                    let now = self.manifest()?;
+                    if now.version == manifest.version {
+                        return Err(error);
+                    }
+                    manifest = now;
+                    tries += 1;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// The whole graph of the commit `manifest` describes, every shard verified.
@@ -127,12 +143,12 @@ fn commits(manifest: &Manifest) -> BTreeSet<u64> {
 /// The single writer of a store: holds the lock, commits atomically.
 #[derive(Debug)]
 pub struct Writer {
-    store: Store,
+    pub(crate) store: Store,
     lock: WriterLock,
-    manifest: Manifest,
+    pub(crate) manifest: Manifest,
     /// SHA-256 of the `manifest.json` bytes this writer read or wrote last: a commit replaces
     /// the manifest only if it is still this one (compare and swap).
-    manifest_sha256: String,
+    pub(crate) manifest_sha256: String,
 }
 
 impl Writer {
@@ -248,7 +264,8 @@ impl Writer {
     /// version). Nothing deletes them: they may be another writer's data (`fluxmem store
     /// recover` can tell).
     pub fn unlisted_shards(&self) -> Result<Vec<String>> {
-        let live: BTreeSet<&str> = self.manifest.shards.iter().map(|s| s.file.as_str()).collect();
+        let mut live: BTreeSet<&str> = self.manifest.shards.iter().map(|s| s.file.as_str()).collect();
+        live.extend(self.manifest.retired.iter().map(|r| r.file.as_str()));
         let shards_dir = self.store.dir.join(SHARDS);
         let mut unlisted = Vec::new();
         for entry in std::fs::read_dir(&shards_dir).at(&shards_dir)?.flatten() {
@@ -296,16 +313,8 @@ impl Writer {
         fault_point("before-manifest", version);
         manifest.version = version;
         manifest.shards.extend(new_shards);
-        manifest.progress.extend(info.progress);
-        manifest.commits.push(CommitRecord {
-            version,
-            stage: info.stage,
-            run_id: info.run_id,
-            at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-            summary: info.summary,
-        });
-        self.manifest_sha256 = write_manifest(&dir, manifest, Some(&self.manifest_sha256))?;
-        self.manifest = manifest.clone();
+        self.land(manifest.clone(), info)?;
+        *manifest = self.manifest.clone();
         fault_point("after-manifest", version);
         Ok(())
     }
@@ -434,7 +443,7 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
 /// Test hook: `FLUXMEM_FAULT=<point>:<version>` aborts the process at that point of that commit
 /// (`before-manifest`: shards written, manifest not; `after-manifest`: commit done). It lets
 /// the crash tests hit the exact window between shard and manifest writes.
-fn fault_point(point: &str, version: u64) {
+pub(crate) fn fault_point(point: &str, version: u64) {
     if let Ok(spec) = std::env::var("FLUXMEM_FAULT") {
         if spec == format!("{point}:{version}") {
             std::process::abort();

@@ -1,0 +1,511 @@
+//! Compaction: a log-structured merge policy over the append-only shards.
+//!
+//! Every commit appends shards, and a row replaced by a later commit stays in its old shard
+//! ("dead"). Compaction keeps the store in proportion to its live data:
+//!
+//! - **Live rows.** For each keyed table (`nodes` with their `steps`, `edges`, `embeddings`),
+//!   only the key columns of its shards are read (a projected scan), and a row is live when no
+//!   later shard holds its key.
+//! - **Rewrite.** A unit (one shard; for `nodes`, the `nodes` and `steps` shards of one commit)
+//!   whose dead share is above [`CompactPolicy::max_dead_fraction`] is rewritten with its live
+//!   rows only. With 1/3, every unit is at least two-thirds live afterwards, so rows stored /
+//!   live rows <= 1.5 after any number of nights.
+//! - **Merge** (tantivy's log merge policy). Units fall in levels by live rows (level `L` holds
+//!   `min_level_rows * merge_factor^L` rows and up); once a level holds `merge_factor` units,
+//!   they are merged into one, so a table has O(merge_factor * log n) shards and a row is
+//!   rewritten O(log n) times over its life.
+//! - **Edits** (the edit log, no key) are concatenated, never dropped: the trailing run of
+//!   same-level shards merges once it is `merge_factor` long, which keeps the log's order.
+//!
+//! What a compaction writes holds only live rows, so its shards take the newest position (the
+//! compaction's own commit number): no later shard holds their keys, and the dead rows they
+//! replace lose to them as before. The merged-away files leave the manifest at once but stay on
+//! disk ("retired", listed in the manifest) for [`CompactPolicy::keep_commits`] more commits,
+//! so a reader that read the previous manifest can still read them; readers that find one
+//! gone reload the manifest ([`crate::Store::load`]). Retired files are deleted by a later
+//! commit, and never while a sharded run's staging store (which reads the main store's
+//! shards by path) exists.
+
+use fluxmem_graph::{schema, Graph, NodeId, Step};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use crate::manifest::{CommitRecord, Manifest, RetiredShard, ShardEntry};
+use crate::store::{fault_point, sync_dir, write_manifest, SHARDS};
+use crate::{shard, CommitInfo, Error, Result, Writer};
+
+/// When compaction rewrites and merges shards.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompactPolicy {
+    /// A unit whose share of dead (superseded) rows is above this is rewritten with its live
+    /// rows. 1/3 bounds rows stored / live rows at 1.5.
+    pub max_dead_fraction: f64,
+    /// Units of one level merged into one once this many gather (at least 2).
+    pub merge_factor: usize,
+    /// Live rows of the smallest level.
+    pub min_level_rows: u64,
+}
+
+impl Default for CompactPolicy {
+    fn default() -> Self {
+        CompactPolicy { max_dead_fraction: 1.0 / 3.0, merge_factor: 8, min_level_rows: 1000 }
+    }
+}
+
+/// Commits a retired shard file stays on disk after it left the manifest.
+pub const KEEP_RETIRED_COMMITS: u64 = 2;
+
+/// What compaction found and did for one table.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct TableCompaction {
+    /// Shard files before and after.
+    pub shards_before: usize,
+    /// See `shards_before`.
+    pub shards_after: usize,
+    /// Rows stored before and after (for `nodes`, node rows; steps follow their nodes).
+    pub rows_before: u64,
+    /// See `rows_before`.
+    pub rows_after: u64,
+    /// Live rows (the same before and after).
+    pub live_rows: u64,
+    /// Bytes of the table's shards before and after.
+    pub bytes_before: u64,
+    /// See `bytes_before`.
+    pub bytes_after: u64,
+    /// Units rewritten because of their dead rows.
+    pub rewritten: usize,
+    /// Units merged by level.
+    pub merged: usize,
+}
+
+impl TableCompaction {
+    /// Rows stored per live row after compaction (1 when the table is empty).
+    pub fn amplification(&self) -> f64 {
+        if self.live_rows == 0 {
+            1.0
+        } else {
+            self.rows_after as f64 / self.live_rows as f64
+        }
+    }
+}
+
+/// What a compaction did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct CompactReport {
+    /// Per table (`nodes`, `edges`, `embeddings`, `edits`).
+    pub tables: BTreeMap<String, TableCompaction>,
+    /// Files that left the manifest (kept on disk for a while).
+    pub retired: usize,
+    /// True when a commit was made (false: nothing to do).
+    pub committed: bool,
+}
+
+/// A keyed table's unit: the shards compacted together (for `nodes`, the nodes and steps
+/// shards of one commit).
+struct Unit {
+    entries: Vec<ShardEntry>,
+    rows: u64,
+    live: u64,
+}
+
+type Key = [u8; 16];
+
+fn key_of(parts: &[&str]) -> Key {
+    let mut hasher = Sha256::new();
+    for part in parts {
+        hasher.update(part.as_bytes());
+        hasher.update([0]);
+    }
+    hasher.finalize()[..16].try_into().expect("16 bytes")
+}
+
+fn key_columns(table: &str) -> &'static [&'static str] {
+    match table {
+        "nodes" => &["id"],
+        "edges" => &["src", "dst", "kind"],
+        _ => &["node_id", "model_id"],
+    }
+}
+
+fn level(rows: u64, policy: &CompactPolicy) -> u32 {
+    let mut level = 0;
+    let mut bound = policy.min_level_rows.max(1) * policy.merge_factor as u64;
+    while rows >= bound {
+        level += 1;
+        bound = bound.saturating_mul(policy.merge_factor as u64);
+    }
+    level
+}
+
+impl Writer {
+    /// Compacts the store by `policy` in one atomic commit (see the module docs); nothing is
+    /// written when nothing needs it. Refused while a sharded run's staging store exists (its
+    /// merge needs the store version it started from).
+    ///
+    /// A merge can fill the next level, so passes repeat (each its own commit, at most 8)
+    /// until one finds nothing to do; the report spans them all.
+    pub fn compact(&mut self, policy: &CompactPolicy, run_id: &str) -> Result<CompactReport> {
+        let mut total = self.compact_pass(policy, run_id)?;
+        for _ in 1..8 {
+            if !total.committed {
+                break;
+            }
+            let next = self.compact_pass(policy, run_id)?;
+            if !next.committed {
+                break;
+            }
+            total.retired += next.retired;
+            for (table, after) in next.tables {
+                let entry = total.tables.entry(table).or_default();
+                entry.rewritten += after.rewritten;
+                entry.merged += after.merged;
+                (entry.shards_after, entry.rows_after, entry.bytes_after) = (after.shards_after, after.rows_after, after.bytes_after);
+            }
+        }
+        Ok(total)
+    }
+
+    fn compact_pass(&mut self, policy: &CompactPolicy, run_id: &str) -> Result<CompactReport> {
+        let dir = self.store.dir.clone();
+        if staging_in_progress(&dir) {
+            return Err(Error::Staging {
+                path: dir.join(crate::STAGING),
+                reason: "a sharded run is in progress (staging stores exist); merge or remove it before compacting".into(),
+            });
+        }
+        let policy = CompactPolicy { merge_factor: policy.merge_factor.max(2), ..policy.clone() };
+        let mut manifest = self.manifest.clone();
+        let version = manifest.version + 1;
+        let mut report = CompactReport::default();
+        let mut outputs: Vec<ShardEntry> = Vec::new();
+        let mut removed: BTreeSet<String> = BTreeSet::new();
+        let mut part = 0usize;
+        for table in ["nodes", "edges", "embeddings"] {
+            let (units, last) = self.live_units(&manifest, table)?;
+            let mut stats = TableCompaction {
+                shards_before: units.iter().map(|u| u.entries.iter().filter(|e| e.table == table).count()).sum(),
+                rows_before: units.iter().map(|u| u.rows).sum(),
+                live_rows: units.iter().map(|u| u.live).sum(),
+                bytes_before: units.iter().flat_map(|u| &u.entries).map(|e| e.bytes).sum(),
+                ..Default::default()
+            };
+            let mut groups: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+            let mut selected: BTreeSet<usize> = BTreeSet::new();
+            for (index, unit) in units.iter().enumerate() {
+                let dead = unit.rows - unit.live;
+                if unit.rows > 0 && dead as f64 > policy.max_dead_fraction * unit.rows as f64 {
+                    selected.insert(index);
+                    stats.rewritten += 1;
+                }
+                groups.entry(level(unit.live, &policy)).or_default().push(index);
+            }
+            let mut outputs_of_table: Vec<Vec<usize>> = Vec::new();
+            for members in groups.values() {
+                if members.len() >= policy.merge_factor {
+                    stats.merged += members.len();
+                    outputs_of_table.push(members.clone());
+                } else {
+                    let lone: Vec<usize> = members.iter().copied().filter(|i| selected.contains(i)).collect();
+                    if !lone.is_empty() {
+                        outputs_of_table.push(lone);
+                    }
+                }
+            }
+            for members in outputs_of_table {
+                let graph = self.live_rows_of(table, &members.iter().map(|&i| &units[i]).collect::<Vec<_>>(), &units, &last)?;
+                for index in &members {
+                    removed.extend(units[*index].entries.iter().map(|e| e.file.clone()));
+                }
+                outputs.extend(self.write_graph(&graph, version, &mut part)?);
+            }
+            report.tables.insert(table.to_string(), stats);
+        }
+        // The edit log: the trailing run of same-level shards, once it is merge_factor long.
+        let edits: Vec<ShardEntry> = sorted(&manifest, "edits");
+        let mut edit_stats = TableCompaction {
+            shards_before: edits.len(),
+            rows_before: edits.iter().map(|e| e.rows).sum(),
+            live_rows: edits.iter().map(|e| e.rows).sum(),
+            bytes_before: edits.iter().map(|e| e.bytes).sum(),
+            ..Default::default()
+        };
+        if let Some(last) = edits.last() {
+            let tail_level = level(last.rows, &policy);
+            let run: Vec<&ShardEntry> = edits.iter().rev().take_while(|e| level(e.rows, &policy) == tail_level).collect();
+            if run.len() >= policy.merge_factor {
+                let mut graph = Graph::default();
+                for entry in run.iter().rev() {
+                    for batch in shard::read(&self.store.dir, entry, None)? {
+                        graph.edits.extend(schema::edits_from_batch(&batch).map_err(|e| corrupt(&self.store.dir, entry, e))?);
+                    }
+                    removed.insert(entry.file.clone());
+                }
+                edit_stats.merged = run.len();
+                outputs.extend(self.write_graph(&graph, version, &mut part)?);
+            }
+        }
+        report.tables.insert("edits".into(), edit_stats);
+        if removed.is_empty() {
+            self.finish_report(&mut report, &manifest);
+            return Ok(report);
+        }
+        if !outputs.is_empty() {
+            sync_dir(&dir.join(SHARDS))?;
+        }
+        fault_point("before-manifest", version);
+        report.retired = removed.len();
+        manifest.shards.retain(|s| !removed.contains(&s.file));
+        manifest.shards.extend(outputs);
+        manifest.retired.extend(removed.iter().map(|file| RetiredShard { file: file.clone(), version }));
+        manifest.version = version;
+        let summary = serde_json::to_value(&report).expect("the report serialises");
+        let info = CommitInfo { stage: "compact".into(), run_id: run_id.into(), summary, progress: Default::default() };
+        self.land(manifest, info)?;
+        fault_point("after-manifest", version);
+        report.committed = true;
+        let manifest = self.manifest.clone();
+        self.finish_report(&mut report, &manifest);
+        Ok(report)
+    }
+
+    /// Fills the after-columns of `report` from `manifest`.
+    fn finish_report(&self, report: &mut CompactReport, manifest: &Manifest) {
+        for (table, stats) in report.tables.iter_mut() {
+            let entries: Vec<&ShardEntry> = manifest.shards.iter().filter(|s| &s.table == table).collect();
+            stats.shards_after = entries.len();
+            stats.rows_after = entries.iter().map(|e| e.rows).sum();
+            let steps: u64 = if table == "nodes" { manifest.shards.iter().filter(|s| s.table == "steps").map(|s| s.bytes).sum() } else { 0 };
+            stats.bytes_after = entries.iter().map(|e| e.bytes).sum::<u64>() + steps;
+        }
+    }
+
+    /// The units of `table` in commit order, with their live rows, and for each key the
+    /// position (unit, row) of its winning row. Reads only the key columns.
+    fn live_units(&self, manifest: &Manifest, table: &str) -> Result<(Vec<Unit>, HashMap<Key, (usize, usize)>)> {
+        let entries = sorted(manifest, table);
+        let mut units: Vec<Unit> = Vec::new();
+        for entry in entries {
+            let joins_previous = table == "nodes" && units.last().is_some_and(|u| u.entries[0].commit == entry.commit);
+            if joins_previous {
+                let unit = units.last_mut().expect("checked");
+                unit.rows += entry.rows;
+                unit.entries.push(entry);
+            } else {
+                units.push(Unit { rows: entry.rows, entries: vec![entry], live: 0 });
+            }
+        }
+        if table == "nodes" {
+            for unit in &mut units {
+                let commit = unit.entries[0].commit;
+                unit.entries.extend(manifest.shards.iter().filter(|s| s.table == "steps" && s.commit == commit).cloned());
+            }
+        }
+        let mut last: HashMap<Key, (usize, usize)> = HashMap::new();
+        let columns = key_columns(table);
+        for (index, unit) in units.iter().enumerate() {
+            let mut row = 0usize;
+            for entry in unit.entries.iter().filter(|e| e.table == table) {
+                for batch in shard::read(&self.store.dir, entry, Some(columns))? {
+                    let strings: Vec<&arrow_array::StringArray> = columns
+                        .iter()
+                        .map(|name| {
+                            batch
+                                .column_by_name(name)
+                                .and_then(|c| c.as_any().downcast_ref::<arrow_array::StringArray>())
+                                .ok_or_else(|| Error::Corrupt { path: self.store.dir.join(&entry.file), reason: format!("key column `{name}` is not text") })
+                        })
+                        .collect::<Result<_>>()?;
+                    for i in 0..batch.num_rows() {
+                        let parts: Vec<&str> = strings.iter().map(|s| s.value(i)).collect();
+                        last.insert(key_of(&parts), (index, row));
+                        row += 1;
+                    }
+                }
+            }
+        }
+        for &(index, _) in last.values() {
+            units[index].live += 1;
+        }
+        Ok((units, last))
+    }
+
+    /// The live rows of `members` (units of `table`) as a graph.
+    fn live_rows_of(&self, table: &str, members: &[&Unit], units: &[Unit], last: &HashMap<Key, (usize, usize)>) -> Result<Graph> {
+        let dir = &self.store.dir;
+        let mut graph = Graph::default();
+        for unit in members {
+            let index = units.iter().position(|u| std::ptr::eq(u, *unit)).expect("a member is a unit");
+            let wins = |parts: &[&str], row: usize| last.get(&key_of(parts)) == Some(&(index, row));
+            let mut row = 0usize;
+            match table {
+                "nodes" => {
+                    let mut steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
+                    for entry in unit.entries.iter().filter(|e| e.table == "steps") {
+                        for batch in shard::read(dir, entry, None)? {
+                            schema::steps_from_batch(&batch, &mut steps).map_err(|e| corrupt(dir, entry, e))?;
+                        }
+                    }
+                    for entry in unit.entries.iter().filter(|e| e.table == "nodes") {
+                        for batch in shard::read(dir, entry, None)? {
+                            for node in schema::nodes_from_batch(&batch, &steps).map_err(|e| corrupt(dir, entry, e))? {
+                                if wins(&[node.id.as_str()], row) {
+                                    graph.upsert_node(node);
+                                }
+                                row += 1;
+                            }
+                        }
+                    }
+                }
+                "edges" => {
+                    for entry in &unit.entries {
+                        for batch in shard::read(dir, entry, None)? {
+                            for edge in schema::edges_from_batch(&batch).map_err(|e| corrupt(dir, entry, e))? {
+                                if wins(&[edge.src.as_str(), edge.dst.as_str(), edge.kind.as_str()], row) {
+                                    graph.upsert_edge(edge);
+                                }
+                                row += 1;
+                            }
+                        }
+                    }
+                }
+                _ => {
+                    for entry in &unit.entries {
+                        for batch in shard::read(dir, entry, None)? {
+                            for embedding in schema::embeddings_from_batch(&batch).map_err(|e| corrupt(dir, entry, e))? {
+                                if wins(&[embedding.node_id.as_str(), embedding.model_id.as_str()], row) {
+                                    graph.upsert_embedding(embedding);
+                                }
+                                row += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(graph)
+    }
+
+    /// Writes `graph`'s tables as shards of commit `version`, parts numbered from `part`.
+    fn write_graph(&self, graph: &Graph, version: u64, part: &mut usize) -> Result<Vec<ShardEntry>> {
+        let dir = &self.store.dir;
+        let graph_error = |e| Error::Graph { path: dir.clone(), source: e };
+        let mut written = Vec::new();
+        let mut next = || {
+            *part += 1;
+            *part - 1
+        };
+        if !graph.nodes.is_empty() {
+            let (nodes, steps) = schema::nodes_to_batches(graph.nodes.values()).map_err(graph_error)?;
+            let index = next();
+            written.push(shard::write(dir, "nodes", version, index, &nodes)?);
+            if steps.num_rows() > 0 {
+                written.push(shard::write(dir, "steps", version, index, &steps)?);
+            }
+        }
+        if !graph.edges.is_empty() {
+            let edges = schema::edges_to_batch(graph.edges.values()).map_err(graph_error)?;
+            written.push(shard::write(dir, "edges", version, next(), &edges)?);
+        }
+        if !graph.embeddings.is_empty() {
+            let dim = graph.embeddings.values().next().expect("not empty").vector.len();
+            let batch = schema::embeddings_to_batch(dim, graph.embeddings.values()).map_err(graph_error)?;
+            written.push(shard::write(dir, "embeddings", version, next(), &batch)?);
+        }
+        if !graph.edits.is_empty() {
+            let edits = schema::edits_to_batch(&graph.edits).map_err(graph_error)?;
+            written.push(shard::write(dir, "edits", version, next(), &edits)?);
+        }
+        Ok(written)
+    }
+
+    /// Writes `manifest` (its version already set) as the next commit: records the commit,
+    /// bounds the commit log, deletes retired files whose time is up, compare-and-swaps the
+    /// manifest in.
+    pub(crate) fn land(&mut self, mut manifest: Manifest, info: CommitInfo) -> Result<()> {
+        let dir = self.store.dir.clone();
+        manifest.progress.extend(info.progress);
+        manifest.commits.push(CommitRecord {
+            version: manifest.version,
+            stage: info.stage,
+            run_id: info.run_id,
+            at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            summary: info.summary,
+        });
+        archive_commit_log(&dir, &mut manifest)?;
+        delete_retired(&dir, &mut manifest)?;
+        self.manifest_sha256 = write_manifest(&dir, &manifest, Some(&self.manifest_sha256))?;
+        self.manifest = manifest;
+        Ok(())
+    }
+}
+
+/// Commit records kept in the manifest; older ones move to `history.jsonl` beside it, so the
+/// manifest stays O(live shards).
+pub const MANIFEST_COMMIT_LOG: usize = 64;
+
+/// The commit log file of records that left the manifest.
+pub const HISTORY: &str = "history.jsonl";
+
+/// Moves all but the last [`MANIFEST_COMMIT_LOG`] commit records to `history.jsonl`
+/// (appended and synced before the manifest that drops them is written; a crash in between
+/// can only repeat records there, never lose one).
+fn archive_commit_log(dir: &std::path::Path, manifest: &mut Manifest) -> Result<()> {
+    use crate::error::IoContext;
+    use std::io::Write;
+    if manifest.commits.len() <= MANIFEST_COMMIT_LOG {
+        return Ok(());
+    }
+    let older: Vec<CommitRecord> = manifest.commits.drain(..manifest.commits.len() - MANIFEST_COMMIT_LOG).collect();
+    let path = dir.join(HISTORY);
+    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&path).at(&path)?;
+    let mut text = Vec::new();
+    for record in &older {
+        serde_json::to_writer(&mut text, record).expect("a commit record serialises");
+        text.push(b'\n');
+    }
+    file.write_all(&text).at(&path)?;
+    file.sync_all().at(&path)?;
+    Ok(())
+}
+
+/// Deletes the retired files whose time is up ([`KEEP_RETIRED_COMMITS`] commits after they
+/// left the manifest) and drops them from `manifest.retired`. A file is deleted before the
+/// manifest that forgets it is written, so a crash leaves it listed as retired (and gone),
+/// never on disk and unlisted. Nothing is deleted while a staging store exists.
+fn delete_retired(dir: &std::path::Path, manifest: &mut Manifest) -> Result<()> {
+    if manifest.retired.is_empty() || staging_in_progress(dir) {
+        return Ok(());
+    }
+    let live: BTreeSet<&str> = manifest.shards.iter().map(|s| s.file.as_str()).collect();
+    let mut kept = Vec::new();
+    for retired in std::mem::take(&mut manifest.retired) {
+        let due = retired.version + KEEP_RETIRED_COMMITS <= manifest.version;
+        if due && retired.file.starts_with(SHARDS) && !live.contains(retired.file.as_str()) {
+            let path = dir.join(&retired.file);
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::Io { path, source: e }),
+                _ => {}
+            }
+        } else {
+            kept.push(retired);
+        }
+    }
+    manifest.retired = kept;
+    Ok(())
+}
+
+/// True when the store has a staging store (a sharded run started and not merged).
+pub(crate) fn staging_in_progress(dir: &std::path::Path) -> bool {
+    std::fs::read_dir(dir.join(crate::STAGING)).map(|mut entries| entries.next().is_some()).unwrap_or(false)
+}
+
+fn sorted(manifest: &Manifest, table: &str) -> Vec<ShardEntry> {
+    let mut entries: Vec<ShardEntry> = manifest.shards.iter().filter(|s| s.table == table).cloned().collect();
+    entries.sort_by(|a, b| (a.commit, &a.file).cmp(&(b.commit, &b.file)));
+    entries
+}
+
+fn corrupt(dir: &std::path::Path, entry: &ShardEntry, source: fluxmem_graph::Error) -> Error {
+    Error::Corrupt { path: dir.join(&entry.file), reason: source.to_string() }
+}

@@ -1,0 +1,191 @@
+//! Compaction: amplification stays bounded over many nights, live rows never change, readers of
+//! an earlier manifest keep working, the edit log keeps its order, the manifest stays small.
+
+use fluxmem_graph::{Changed, Edge, EdgeKind, Edit, Embedding, Episode, Graph, Node, NodeBody, NodeId, Outcome, Step};
+use fluxmem_store::{CommitInfo, CompactPolicy, Error, Shard, Store, Writer, KEEP_RETIRED_COMMITS, MANIFEST_COMMIT_LOG};
+use std::collections::BTreeMap;
+
+fn info(stage: &str) -> CommitInfo {
+    CommitInfo { stage: stage.into(), run_id: "test-run".into(), ..Default::default() }
+}
+
+fn episode(i: usize, night: usize) -> Node {
+    let steps = (0..3)
+        .map(|s| Step { observation: format!("obs {i}.{s}"), action: format!("act {s}"), tool_calls: vec![], feedback: None, timestamp: None })
+        .collect();
+    let mut node = Node::new(
+        NodeBody::Episodic(Episode { steps, outcome: Outcome { success: Some(i % 3 != 0), reward: None, feedback: None } }),
+        if i % 2 == 0 { "acme" } else { "globex" },
+        &format!("task {i}"),
+        &["episode", &i.to_string()],
+    );
+    // A node rewritten on a later night (a re-ingested record's metadata) supersedes its row.
+    node.metadata.insert("night".into(), night.into());
+    node
+}
+
+fn edge(src: &NodeId, i: usize, weight: f32) -> Edge {
+    Edge {
+        src: src.clone(),
+        dst: NodeId(format!("sem-{i:06}")),
+        kind: EdgeKind::Ground,
+        weight,
+        evidence: 1,
+        stage: "connect".into(),
+        run_id: "r".into(),
+        created_at: 0,
+        active: true,
+        metadata: BTreeMap::new(),
+    }
+}
+
+/// Small levels so that a test of a few thousand rows goes through several merges.
+fn policy() -> CompactPolicy {
+    CompactPolicy { min_level_rows: 20, merge_factor: 4, ..Default::default() }
+}
+
+/// Rows stored per live row of `table`, computed from the manifest and the loaded graph.
+fn amplification(writer: &Writer, table: &str, live: usize) -> f64 {
+    let stored: u64 = writer.manifest().shards.iter().filter(|s| s.table == table).map(|s| s.rows).sum();
+    stored as f64 / live.max(1) as f64
+}
+
+#[test]
+fn ten_nights_of_rewrites_stay_within_the_amplification_bound_with_the_same_live_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let mut expected = Graph::default();
+    let mut next_episode = 0;
+    for night in 0..10 {
+        let mut delta = Graph::default();
+        // New episodes, each with edges and an embedding.
+        for _ in 0..(if night == 0 { 200 } else { 40 }) {
+            let node = episode(next_episode, night);
+            for k in 0..3 {
+                delta.upsert_edge(edge(&node.id, next_episode * 3 + k, 1.0));
+            }
+            delta.upsert_embedding(Embedding { node_id: node.id.clone(), model_id: "m".into(), text_sha256: "h".into(), vector: vec![night as f32; 4] });
+            delta.upsert_node(node);
+            next_episode += 1;
+        }
+        // A third of the old edges reweighted and a tenth of the old episodes rewritten.
+        let old: Vec<Edge> = expected.edges.values().cloned().collect();
+        for (i, e) in old.iter().enumerate().filter(|(i, _)| (i + night) % 3 == 0) {
+            delta.upsert_edge(Edge { weight: night as f32 + i as f32 / 1000.0, ..e.clone() });
+        }
+        let old_nodes: Vec<Node> = expected.nodes.values().cloned().collect();
+        for node in old_nodes.iter().step_by(10) {
+            let mut again = node.clone();
+            again.metadata.insert("night".into(), night.into());
+            delta.upsert_node(again);
+        }
+        let edit_target = expected.edges.values().next().cloned().unwrap_or_else(|| edge(&NodeId("epi-x".into()), 0, 1.0));
+        delta.edits.push(Edit::new("refine", "r", "credit", Changed::Edge(None, Some(&edit_target)), &format!("night {night}"), night as i64));
+        writer.commit(&delta, info("night")).unwrap();
+        expected.apply(delta);
+        let before = writer.store().load().unwrap();
+        assert_eq!(before, expected, "night {night}: the store holds the live rows");
+        let report = writer.compact(&policy(), &format!("compact-{night}")).unwrap();
+        let after = writer.store().load().unwrap();
+        assert_eq!(after, expected, "night {night}: compaction changed no live row (edits included, in order)");
+        for (table, live) in [("nodes", expected.nodes.len()), ("edges", expected.edges.len()), ("embeddings", expected.embeddings.len())] {
+            let amp = amplification(&writer, table, live);
+            assert!(amp <= 1.5, "night {night}: {table} amplification {amp:.3} > 1.5 ({report:?})");
+            assert_eq!(report.tables[table].live_rows as usize, live, "night {night}: {table} live rows");
+        }
+        // Steps follow their nodes: as many step rows as the live episodes have steps, give or
+        // take those of dead node rows in shards not yet rewritten.
+        let steps: u64 = writer.manifest().shards.iter().filter(|s| s.table == "steps").map(|s| s.rows).sum();
+        assert!(steps as f64 <= 1.5 * 3.0 * expected.nodes.len() as f64, "night {night}: {steps} step rows");
+    }
+    let edges = writer.manifest().shards.iter().filter(|s| s.table == "edges").count();
+    assert!(edges <= 12, "log merge keeps the shard count small: {edges} edge shards after 10 nights");
+    // Every file on disk is listed or retired (waiting for readers), nothing else.
+    let manifest = writer.manifest().clone();
+    let files = std::fs::read_dir(dir.path().join("shards")).unwrap().count();
+    assert_eq!(files, manifest.shards.len() + manifest.retired.len());
+    assert!(writer.unlisted_shards().unwrap().is_empty());
+}
+
+#[test]
+fn a_reader_of_the_previous_manifest_still_reads_and_a_late_reader_reloads() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let mut expected = Graph::default();
+    for i in 0..6 {
+        let mut delta = Graph::default();
+        let node = episode(0, 0);
+        delta.upsert_edge(edge(&node.id, 0, i as f32));
+        delta.upsert_node(node);
+        writer.commit(&delta, info("night")).unwrap();
+        expected.apply(delta);
+    }
+    let old = Store::open(dir.path()).unwrap().manifest().unwrap();
+    let report = writer.compact(&CompactPolicy { merge_factor: 8, ..Default::default() }, "c").unwrap();
+    assert!(report.committed && report.retired > 0, "{report:?}");
+    let store = Store::open(dir.path()).unwrap();
+    assert_eq!(store.load_at(&old).unwrap(), expected, "the retired files are still there for a reader of the old manifest");
+    for n in 0..KEEP_RETIRED_COMMITS {
+        writer.commit(&Graph::default(), info(&format!("later-{n}"))).unwrap();
+    }
+    assert!(writer.manifest().retired.is_empty(), "deleted {KEEP_RETIRED_COMMITS} commits later");
+    assert!(store.load_at(&old).is_err(), "an old manifest's files are gone by then");
+    assert_eq!(store.load().unwrap(), expected, "load() reads the current manifest");
+}
+
+#[test]
+fn compaction_is_refused_while_a_sharded_run_is_staged_and_keeps_retired_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    for i in 0..3 {
+        let mut delta = Graph::default();
+        let node = episode(0, i);
+        delta.upsert_node(node);
+        writer.commit(&delta, info("night")).unwrap();
+    }
+    writer.compact(&CompactPolicy::default(), "c").unwrap();
+    let retired = writer.manifest().retired.len();
+    assert!(retired > 0);
+    let staging = Writer::open_staging(dir.path(), "embed", Shard { index: 0, count: 2 }).unwrap();
+    drop(staging);
+    let error = writer.compact(&CompactPolicy::default(), "c2").unwrap_err();
+    assert!(matches!(error, Error::Staging { .. }), "{error}");
+    assert!(error.to_string().contains("sharded run"), "{error}");
+    for n in 0..3 {
+        writer.commit(&Graph::default(), info(&format!("later-{n}"))).unwrap();
+    }
+    assert_eq!(writer.manifest().retired.len(), retired, "a staging store reads the main shards by path: nothing deleted");
+    for entry in &writer.manifest().retired {
+        assert!(dir.path().join(&entry.file).is_file(), "{} kept", entry.file);
+    }
+}
+
+#[test]
+fn the_manifest_keeps_a_bounded_commit_log_and_the_rest_goes_to_history() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let commits = MANIFEST_COMMIT_LOG + 36;
+    for n in 0..commits {
+        writer.commit(&Graph::default(), info(&format!("c{n}"))).unwrap();
+    }
+    let manifest = writer.manifest();
+    assert_eq!(manifest.commits.len(), MANIFEST_COMMIT_LOG);
+    assert_eq!(manifest.commits.last().unwrap().version, commits as u64);
+    let history = std::fs::read_to_string(dir.path().join(fluxmem_store::HISTORY)).unwrap();
+    let versions: Vec<u64> = history.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["version"].as_u64().unwrap()).collect();
+    assert_eq!(versions, (1..=36).collect::<Vec<u64>>(), "the older records, in order, none lost");
+}
+
+#[test]
+fn nothing_to_compact_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let mut delta = Graph::default();
+    delta.upsert_node(episode(1, 0));
+    writer.commit(&delta, info("ingest")).unwrap();
+    let version = writer.manifest().version;
+    let report = writer.compact(&CompactPolicy::default(), "c").unwrap();
+    assert!(!report.committed);
+    assert_eq!(writer.manifest().version, version);
+    assert_eq!(report.tables["nodes"].live_rows, 1);
+}
