@@ -513,6 +513,11 @@ pub struct IngestArgs {
     #[arg(long)]
     pub follow_symlinks: bool,
 
+    /// Read every input again, even files the store's ingest ledger
+    /// (`<store>/ingest-ledger.jsonl`) knows unchanged since they were ingested.
+    #[arg(long)]
+    pub reread: bool,
+
     /// Print one JSON object with the counts instead of the human summary.
     #[arg(long)]
     pub json: bool,

@@ -132,12 +132,19 @@ pub struct Ingest {
     pub chunk_words: usize,
     /// Commit at least every this many records.
     pub batch_records: usize,
+    /// Read every input again, ignoring the ledger of files already ingested.
+    pub reread: bool,
 }
 
 impl Default for Ingest {
     fn default() -> Self {
         let defaults = fluxmem_ingest::IngestOptions::default();
-        Ingest { max_record_bytes: defaults.max_record_bytes, chunk_words: defaults.chunk_words, batch_records: defaults.batch_records }
+        Ingest {
+            max_record_bytes: defaults.max_record_bytes,
+            chunk_words: defaults.chunk_words,
+            batch_records: defaults.batch_records,
+            reread: defaults.reread,
+        }
     }
 }
 

@@ -16,6 +16,7 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         batch_records: args.batch_records.max(1),
         shard: fluxmem_store::Shard::ALL,
         follow_symlinks: args.follow_symlinks,
+        reread: args.reread,
     };
     let mut writer = open_writer(settings)?;
     let mut bar = IngestBar::new(settings.progress);
@@ -35,6 +36,7 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             "quarantined": report.quarantined,
             "quarantine_file": report.quarantine_file,
             "nodes_added": report.nodes_added,
+            "unchanged_files": report.unchanged_files,
         });
         println!("{json}");
     } else {
@@ -42,6 +44,9 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             "read {} records from {} files: {} ingested, {} duplicates, {} quarantined ({} nodes added, {} commits)",
             report.read, report.files, report.ingested, report.duplicates, report.quarantined, report.nodes_added, report.commits
         );
+        if report.unchanged_files > 0 {
+            println!("{} files unchanged since they were ingested: not read again (--reread reads them)", report.unchanged_files);
+        }
         if let Some(path) = &report.quarantine_file {
             println!("quarantine file: {}", path.display());
         }

@@ -338,6 +338,7 @@ impl Ctx<'_> {
                 batch_records: p.ingest.batch_records,
                 shard,
                 follow_symlinks: false,
+                reread: p.ingest.reread,
             };
             let mut bar = IngestBar::new(self.settings.progress);
             let run = format!("{}-inputs{i}", quarantine_name(&self.run_id));
@@ -351,6 +352,7 @@ impl Ctx<'_> {
             total.other_shards += report.other_shards;
             total.nodes_added += report.nodes_added;
             total.files += report.files;
+            total.unchanged_files += report.unchanged_files;
             total.commits += report.commits;
             if let Some(file) = &report.quarantine_file {
                 self.quarantine_files.push(file.clone());
@@ -359,9 +361,10 @@ impl Ctx<'_> {
         }
         self.quarantined += total.quarantined;
         eprintln!(
-            "  read {} records from {} files: {} ingested, {} duplicates, {} quarantined{}",
+            "  read {} records from {} files ({} unchanged files not read again): {} ingested, {} duplicates, {} quarantined{}",
             total.read,
             total.files,
+            total.unchanged_files,
             total.ingested,
             total.duplicates,
             total.quarantined,
@@ -377,7 +380,7 @@ impl Ctx<'_> {
         };
         Ok(StageRecord {
             status,
-            counts_in: counts64(&[("files", total.files), ("records", total.read)]),
+            counts_in: counts64(&[("files", total.files), ("unchanged_files", total.unchanged_files), ("records", total.read)]),
             counts_out: counts64(&[
                 ("ingested", total.ingested),
                 ("duplicates", total.duplicates),

@@ -16,6 +16,14 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// The ledger of ingested files could not be written.
+    #[error("ingest ledger {path}: {source}")]
+    Ledger {
+        /// The ledger file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
     /// A `--format` value or an input that no format recognises when one was required.
     #[error("{0}")]
     Usage(String),

@@ -32,6 +32,7 @@ mod compress;
 mod docs;
 mod error;
 mod jsonl;
+mod ledger;
 mod locomo;
 mod openai;
 mod otel;
@@ -44,6 +45,7 @@ pub use compress::{Compression, MAX_DECOMPRESSED_BYTES};
 
 pub use docs::{chunk, Chunk};
 pub use error::{Error, Result};
+pub use ledger::LEDGER;
 pub use record::{Parsed, Record, Rejected};
 pub use walk::Skipped;
 
@@ -147,6 +149,9 @@ pub struct IngestOptions {
     /// them (listed in [`IngestReport::skipped`]) and a link named as an input is quarantined.
     /// Links to directories are never followed inside a walk.
     pub follow_symlinks: bool,
+    /// Read every input again, ignoring the store's ledger of files already ingested
+    /// (`--reread`); see [`LEDGER`].
+    pub reread: bool,
 }
 
 impl Default for IngestOptions {
@@ -160,6 +165,7 @@ impl Default for IngestOptions {
             batch_records: 5000,
             shard: Shard::ALL,
             follow_symlinks: false,
+            reread: false,
         }
     }
 }
@@ -183,6 +189,9 @@ pub struct IngestReport {
     pub nodes_added: u64,
     /// Input files read.
     pub files: u64,
+    /// Input files the ledger knew unchanged (same path, settings and size and mtime, or same
+    /// content): not read again, not in `files` or `read`.
+    pub unchanged_files: u64,
     /// Commits made.
     pub commits: u64,
     /// Directories and links the input walk left out on purpose (fluxmem stores, exports and
@@ -247,9 +256,37 @@ pub fn ingest(
         run.stdin(progress)?;
         run.commit()?;
     }
+    // The ledger of files already ingested (unsharded runs only: shards split the records,
+    // not the files).
+    let mut ledger = (!options.reread && options.shard.count <= 1).then(|| ledger::Ledger::open(run.writer.store().dir(), options));
     for file in &files {
-        run.file(file, progress)?;
+        let key = ledger::key_path(file);
+        let stat = ledger::stat(file);
+        if let (Some(ledger), Some((size, mtime))) = (ledger.as_mut(), stat) {
+            let unchanged = match ledger.seen(&key, size, mtime) {
+                ledger::Seen::Unchanged => true,
+                ledger::Seen::Maybe(hash) => match std::fs::read(file) {
+                    Ok(bytes) if fluxmem_graph::sha256_hex(&bytes) == hash => {
+                        ledger.record(key.clone(), size, mtime, hash)?;
+                        true
+                    }
+                    _ => false,
+                },
+                ledger::Seen::New => false,
+            };
+            if unchanged {
+                run.report.unchanged_files += 1;
+                progress.advance(size, &file.display().to_string());
+                continue;
+            }
+        }
+        let sha256 = run.file(file, progress)?;
         run.commit()?;
+        if let (Some(ledger), Some((size, mtime)), Some(sha256)) = (ledger.as_mut(), stat, sha256) {
+            // The file's quarantined records too must be on disk before the ledger skips it.
+            run.flush_quarantine()?;
+            ledger.record(key, size, mtime, sha256)?;
+        }
     }
     for parsed in otel::episodes(std::mem::take(&mut run.otel_spans), options) {
         run.accept(parsed, progress)?;
@@ -282,16 +319,20 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    fn file(&mut self, path: &Path, progress: &mut dyn Progress) -> Result<()> {
+    /// Reads and parses one file; returns the SHA-256 of its bytes when the ledger may record
+    /// it (it was read, and it is not an OpenTelemetry file, whose spans wait for the batch).
+    fn file(&mut self, path: &Path, progress: &mut dyn Progress) -> Result<Option<String>> {
         let shown = path.display().to_string();
         self.report.files += 1;
         let bytes = match std::fs::read(path) {
             Ok(bytes) => bytes,
             Err(e) => {
                 let rejected = Rejected::new(&shown, 0, "file", format!("cannot read: {e}"), b"", 0);
-                return self.accept(Parsed::Rejected(rejected), progress);
+                self.accept(Parsed::Rejected(rejected), progress)?;
+                return Ok(None);
             }
         };
+        let sha256 = fluxmem_graph::sha256_hex(&bytes);
         let mtime = std::fs::metadata(path)
             .and_then(|m| m.modified())
             .ok()
@@ -299,7 +340,15 @@ impl Run<'_> {
             .and_then(|d| i64::try_from(d.as_millis()).ok())
             // An mtime outside the years 1970..=9999 is no time at all for the store.
             .filter(|&ms| source::in_calendar(ms));
-        self.content(&shown, path, bytes, mtime, progress)
+        let format = self.content(&shown, path, bytes, mtime, progress)?;
+        Ok((format != Some(Format::Otel)).then_some(sha256))
+    }
+
+    fn flush_quarantine(&mut self) -> Result<()> {
+        if let Some(file) = self.quarantine.as_mut() {
+            file.flush().map_err(|source| Error::Quarantine { path: self.quarantine_path.clone(), source })?;
+        }
+        Ok(())
     }
 
     /// Standard input (`-` among the inputs), read whole.
@@ -311,11 +360,12 @@ impl Run<'_> {
             return self.accept(Parsed::Rejected(rejected), progress);
         }
         // No name to detect the format from: `.jsonl` unless --format says otherwise.
-        self.content(STDIN, Path::new("stdin.jsonl"), bytes, None, progress)
+        self.content(STDIN, Path::new("stdin.jsonl"), bytes, None, progress).map(|_| ())
     }
 
-    /// Parses the content of one input (`shown` in records and errors; `path` for detection).
-    fn content(&mut self, shown: &str, path: &Path, bytes: Vec<u8>, mtime: Option<i64>, progress: &mut dyn Progress) -> Result<()> {
+    /// Parses the content of one input (`shown` in records and errors; `path` for detection);
+    /// returns the format it was read as, if one was found.
+    fn content(&mut self, shown: &str, path: &Path, bytes: Vec<u8>, mtime: Option<i64>, progress: &mut dyn Progress) -> Result<Option<Format>> {
         let read = bytes.len() as u64;
         let opened = match compress::open(path, bytes) {
             Ok(opened) => opened,
@@ -323,7 +373,7 @@ impl Run<'_> {
                 // One record for the whole file, with no excerpt: the bytes are not text.
                 let rejected = Rejected::new(shown, 0, "file", reason, b"", 0);
                 progress.advance(read, shown);
-                return self.accept(Parsed::Rejected(rejected), progress);
+                return self.accept(Parsed::Rejected(rejected), progress).map(|_| None);
             }
         };
         let bytes = opened.bytes;
@@ -332,7 +382,7 @@ impl Run<'_> {
             // A short excerpt only: an unknown file may be megabytes of binary data.
             let rejected = Rejected::new(shown, 0, "file", reason, &bytes, self.options.max_record_bytes.min(UNKNOWN_EXCERPT_BYTES));
             progress.advance(read, shown);
-            return self.accept(Parsed::Rejected(rejected), progress);
+            return self.accept(Parsed::Rejected(rejected), progress).map(|_| None);
         };
         let source = Source { path: shown.to_string(), mtime, options: self.options, bytes: &bytes };
         let mut spans = std::mem::take(&mut self.otel_spans);
@@ -357,7 +407,7 @@ impl Run<'_> {
         }
         self.otel_spans = spans;
         progress.advance(read, shown);
-        Ok(())
+        Ok(Some(format))
     }
 
     fn accept(&mut self, parsed: Parsed, progress: &mut dyn Progress) -> Result<()> {

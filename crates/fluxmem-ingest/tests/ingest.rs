@@ -140,8 +140,13 @@ fn dev_data_gives_the_expected_counts_and_reingest_adds_nothing() {
     assert_eq!(turn.metadata["dia_id"], "D1:1");
 
     let before = fluxmem_store::Store::open(store.path()).unwrap().manifest().unwrap();
-    let again = run(store.path(), &inputs, &IngestOptions::default());
+    // The ledger knows every file unchanged: none is read again.
+    let skipped = run(store.path(), &inputs, &IngestOptions::default());
+    assert_eq!((skipped.files, skipped.read, skipped.ingested), (0, 0, 0), "{skipped:?}");
+    assert!(skipped.unchanged_files > 0, "{skipped:?}");
+    let again = run(store.path(), &inputs, &IngestOptions { reread: true, ..Default::default() });
     assert_eq!((again.ingested, again.duplicates, again.nodes_added), (0, 1871, 0));
+    assert_eq!(again.files, skipped.unchanged_files, "--reread reads every file the ledger skipped");
     let after = fluxmem_store::Store::open(store.path()).unwrap().manifest().unwrap();
     assert_eq!(after.version, before.version, "re-ingesting commits nothing");
 }
@@ -238,7 +243,7 @@ fn walking_next_to_the_store_skips_it_and_the_quarantine_does_not_grow() {
     assert_eq!((first.read, first.ingested, first.quarantined), (2, 1, 1), "{first:?}");
     assert_eq!(skipped_names(&first), ["fluxmem-store"]);
     assert!(first.skipped[0].reason.contains("store being written"), "{:?}", first.skipped);
-    let second = run_as(&store, &[input.clone()], &IngestOptions::default(), "second");
+    let second = run_as(&store, &[input.clone()], &IngestOptions { reread: true, ..Default::default() }, "second");
     assert_eq!((second.read, second.duplicates, second.quarantined), (2, 1, 1), "{second:?}");
     assert_eq!(skipped_names(&second), ["fluxmem-store"]);
     assert_eq!(quarantined(&second).len(), 1, "the first run's quarantine is not re-ingested");
@@ -608,4 +613,43 @@ fn otel_spans_of_two_tenants_are_never_one_episode() {
     let a = episodes.iter().find(|e| e.tenant == "shop-a").unwrap();
     assert_eq!(a.text, "look up order 7");
     assert!(a.episode().unwrap().steps.is_empty(), "shop-b's tool call is not in shop-a's episode");
+}
+
+/// The ledger skips files already ingested: unchanged (size and mtime), touched but the same
+/// content (hash), and reads again a file that grew (only its new record is new), one read
+/// with other settings (another tenant), and nothing of a file whose records were all
+/// quarantined (the quarantine is on disk before the ledger skips it).
+#[test]
+fn the_ledger_reads_only_new_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let logs = dir.path().join("logs");
+    std::fs::create_dir(&logs).unwrap();
+    let a = logs.join("a.jsonl");
+    std::fs::write(&a, "{\"task\":\"one\"}\n").unwrap();
+    std::fs::write(logs.join("bad.jsonl"), "{\"task\": 7}\n").unwrap();
+    let first = run_as(&store, &[logs.clone()], &IngestOptions::default(), "n1");
+    assert_eq!((first.files, first.ingested, first.quarantined, first.unchanged_files), (2, 1, 1, 0), "{first:?}");
+    let ledger = std::fs::read_to_string(store.join(fluxmem_ingest::LEDGER)).unwrap();
+    assert_eq!(ledger.lines().count(), 2, "{ledger}");
+    assert_eq!(quarantined(&first).len(), 1, "the quarantined record is on disk");
+
+    let second = run_as(&store, &[logs.clone()], &IngestOptions::default(), "n2");
+    assert_eq!((second.files, second.read, second.unchanged_files, second.quarantine_file.is_some()), (0, 0, 2, false), "{second:?}");
+
+    // Touched: new mtime, same bytes: hashed and skipped.
+    let file = std::fs::File::options().append(true).open(&a).unwrap();
+    file.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5)).unwrap();
+    drop(file);
+    let touched = run_as(&store, &[logs.clone()], &IngestOptions::default(), "n3");
+    assert_eq!((touched.files, touched.unchanged_files), (0, 2), "{touched:?}");
+
+    // Grown: read again; the old record is a duplicate, the new one is ingested.
+    std::fs::write(&a, "{\"task\":\"one\"}\n{\"task\":\"two\"}\n").unwrap();
+    let grown = run_as(&store, &[logs.clone()], &IngestOptions::default(), "n4");
+    assert_eq!((grown.files, grown.ingested, grown.duplicates, grown.unchanged_files), (1, 1, 1, 1), "{grown:?}");
+
+    // Other settings: the same file read for another tenant is new work.
+    let other = run_as(&store, &[a.clone()], &IngestOptions { tenant: "globex".into(), ..Default::default() }, "n5");
+    assert_eq!((other.files, other.ingested), (1, 2), "{other:?}");
 }
