@@ -131,6 +131,7 @@ fn sample() -> RunRecord {
         .into_iter()
         .map(|(role, model)| (role.to_string(), model.to_string()))
         .collect(),
+        compaction: None,
         stages: vec![
             stage(
                 "ingest",

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""benches/scale: what a night costs as the history grows.
+
+Runs night 1 over N synthetic episodes (benches/scale/synth_fleet.py: 2 tenants, 40 task
+families, 400 facts, 4-7 steps an episode), then nights 2.. with N/10 new episodes each, every
+stage as its own `fluxmem` command under /usr/bin/time, the way a nightly job runs them. The log
+folder keeps every night's file, as a fleet's log archive does: ingest's ledger must skip the
+old ones. Prints, per night and stage, wall seconds, peak RSS, rows and bytes written, and the
+store's size and amplification (rows stored / live rows, from `store compact --json`).
+
+Usage: benches/scale/run.py --episodes N [--nights K] [--bin target/release/fluxmem]
+                            [--work DIR] [--consolidate] [--json OUT]
+
+Build first: cargo build --release. Embedding runs the local all-minilm-l6-v2 (fetched by
+scripts/test.sh or `fluxmem models fetch`).
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def manifest(store):
+    path = os.path.join(store, "manifest.json")
+    if not os.path.exists(path):
+        return {"shards": [], "version": 0}
+    return json.load(open(path))
+
+
+def disk_bytes(store):
+    total = 0
+    for root, _, files in os.walk(store):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total
+
+
+def timed(cmd, log):
+    """Runs cmd; returns (wall seconds, peak RSS MB, stdout)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
+        full = ["/usr/bin/time", "-f", "%e %M", "-o", tf.name] + cmd
+        out = subprocess.run(full, stdout=subprocess.PIPE, stderr=log, text=True)
+        if out.returncode not in (0, 3):
+            sys.exit(f"{' '.join(cmd)} failed with {out.returncode}; see {log.name}")
+        wall, rss_kb = tf.read().split()[-2:]
+    return float(wall), int(rss_kb) / 1024, out.stdout
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--episodes", type=int, required=True)
+    parser.add_argument("--nights", type=int, default=2)
+    parser.add_argument("--bin", default=os.path.join(REPO, "target", "release", "fluxmem"))
+    parser.add_argument("--work", default=None)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--consolidate", action="store_true", help="also run consolidate (the generator: slow on CPU)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    work = args.work or tempfile.mkdtemp(prefix=f"fluxmem-scale-{args.episodes}-")
+    if os.path.exists(os.path.join(work, "store")):
+        shutil.rmtree(os.path.join(work, "store"))
+    logs = os.path.join(work, "logs")
+    os.makedirs(logs, exist_ok=True)
+    store = os.path.join(work, "store")
+    log = open(os.path.join(work, "stderr.log"), "w")
+    synth = [sys.executable, os.path.join(HERE, "synth_fleet.py")]
+    subprocess.run(synth + ["facts", "--out", os.path.join(logs, "facts.jsonl"), "--seed", str(args.seed)], check=True)
+    fm = [args.bin, "--store", store]
+    stages = [("ingest", ["ingest", logs]), ("embed", ["embed"]), ("connect", ["connect"]), ("refine", ["refine"])]
+    if args.consolidate:
+        stages.append(("consolidate", ["consolidate"]))
+    rows = []
+    start = 0
+    for night in range(1, args.nights + 1):
+        count = args.episodes if night == 1 else max(1, args.episodes // 10)
+        path = os.path.join(logs, f"episodes-night{night:02d}.jsonl")
+        subprocess.run(synth + ["episodes", "--out", path, "--from", str(start), "--to", str(start + count), "--seed", str(args.seed)], check=True)
+        start += count
+        for name, cmd in stages + [("compact", ["store", "compact", "--json"])]:
+            before = manifest(store)
+            listed = {s["file"] for s in before["shards"]}
+            wall, rss, stdout = timed(fm + cmd, log)
+            after = manifest(store)
+            new = [s for s in after["shards"] if s["file"] not in listed]
+            row = {
+                "night": night, "new_episodes": count, "stage": name, "seconds": wall, "rss_mb": round(rss, 1),
+                "rows_written": sum(s["rows"] for s in new), "bytes_written": sum(s["bytes"] for s in new),
+                "store_bytes": sum(s["bytes"] for s in after["shards"]), "disk_bytes": disk_bytes(store),
+            }
+            if name == "compact":
+                report = json.loads(stdout)
+                row["amplification"] = {t: round(v["rows_after"] / max(1, v["live_rows"]), 3) for t, v in report["tables"].items() if t != "edits"}
+                row["live_rows"] = {t: v["live_rows"] for t, v in report["tables"].items()}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    print(f"\nbenches/scale: N = {args.episodes} episodes, then {args.nights - 1} night(s) of N/10; {args.bin}; work dir {work}\n")
+    print("| night | stage | wall s | peak RSS MB | rows written | MB written | store MB | amplification (nodes/edges/embeddings) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        amp = r.get("amplification")
+        amp = "/".join(f"{amp.get(t, 1.0):.2f}" for t in ("nodes", "edges", "embeddings")) if amp else ""
+        print(f"| {r['night']} (+{r['new_episodes']}) | {r['stage']} | {r['seconds']:.1f} | {r['rss_mb']:.0f} | {r['rows_written']} | "
+              f"{r['bytes_written'] / 1e6:.2f} | {r['store_bytes'] / 1e6:.2f} | {amp} |")
+    if args.nights >= 2:
+        print("\n| stage | night 2 / night 1, wall | night 2 / night 1, bytes written |")
+        print("|---|---|---|")
+        for name in [s for s, _ in stages] + ["compact"]:
+            one = next(r for r in rows if r["night"] == 1 and r["stage"] == name)
+            two = next(r for r in rows if r["night"] == 2 and r["stage"] == name)
+            ratio = lambda a, b: f"{a / b:.2f}" if b else "n/a"
+            print(f"| {name} | {ratio(two['seconds'], one['seconds'])} | {ratio(two['bytes_written'], one['bytes_written'])} |")
+    if args.json:
+        json.dump(rows, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
