@@ -12,7 +12,7 @@ use candle_core::Device;
 use fluxmem_graph::{Edge, EdgeKind, Graph, NodeId, NodeKind};
 use fluxmem_models::Embedder;
 
-use fluxmem_store::{CommitInfo, Shard, Writer};
+use fluxmem_store::{CommitInfo, Rows, Scan, Shard, Writer};
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::dense::{embedded_in, top_k, DenseIndex, Unembedded};
@@ -103,9 +103,27 @@ pub fn connect_store(
     device: &Device,
     progress: &mut dyn Progress,
 ) -> Result<ConnectReport> {
-    let graph = writer.store().load()?;
+    // Node rows, edges and vectors; the steps (the queries) only of the episodes to connect,
+    // read once they are known. No edit log.
+    let scan = Scan { nodes: true, edges: true, vectors: Rows::All, ..Default::default() };
+    let (mut graph, _) = writer.store().scan(&scan)?;
+    let connected: BTreeSet<NodeId> = connected_episodes(&graph).into_iter().cloned().collect();
+    let unconnected: BTreeSet<NodeId> = graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == NodeKind::Episodic && !connected.contains(&n.id) && options.shard.owns(n.id.as_str()))
+        .map(|n| n.id.clone())
+        .collect();
+    if options.per_step && !unconnected.is_empty() {
+        let (with_steps, _) = writer.store().scan(&Scan { nodes: true, steps: Rows::Of(unconnected), ..Default::default() })?;
+        for (id, node) in with_steps.nodes {
+            if node.episode().is_some_and(|e| !e.steps.is_empty()) {
+                graph.nodes.insert(id, node);
+            }
+        }
+    }
+    let graph = graph;
     let indexes = tenant_indexes(&graph, embedder.model_id(), device)?;
-    let connected = connected_episodes(&graph);
     // Every episode in id order (commit boundaries depend only on the data).
     let mut episodes: Vec<Todo<'_>> = indexes
         .iter()
@@ -113,7 +131,7 @@ pub fn connect_store(
         .collect();
     episodes.sort_by(|a, b| a.0.cmp(b.0));
     let todo: Vec<Todo<'_>> =
-        episodes.iter().copied().filter(|(id, ..)| !connected.contains(id) && options.shard.owns(id.as_str())).collect();
+        episodes.iter().copied().filter(|(id, ..)| !connected.contains(*id) && options.shard.owns(id.as_str())).collect();
     let mut report = ConnectReport { episodes: episodes.len(), already: episodes.len() - todo.len(), ..Default::default() };
     progress.start(todo.len() as u64);
     for chunk in todo.chunks(options.commit_every.max(1)) {

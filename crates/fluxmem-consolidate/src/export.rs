@@ -294,8 +294,8 @@ pub fn export_skills(store: &Store, out: &Path, options: &ExportOptions) -> Resu
 /// text of a record (name, description, steps, pitfalls, body) passes `redactor` before it is
 /// written, and its content hash is taken after; the counts are in the report.
 pub fn export_skills_with(store: &Store, out: &Path, options: &ExportOptions, redactor: &fluxmem_redact::Redactor) -> Result<ExportReport> {
-    let manifest = store.manifest()?;
-    let graph = store.load_at(&manifest)?;
+    // Skills are node rows: no steps, edges, vectors or edit log are read.
+    let (graph, manifest) = store.scan(&fluxmem_store::Scan { nodes: true, ..Default::default() })?;
     let mut redacted = fluxmem_redact::Counts::new();
     let all: Vec<SkillRecord> = skill_records(&graph).into_iter().map(|r| redact_record(r, redactor, &mut redacted)).collect();
     let total = all.len();

@@ -19,7 +19,7 @@
 
 use fluxmem_graph::{sha256_hex, Embedding, Graph, NodeId};
 use fluxmem_models::Embedder;
-use fluxmem_store::{CommitInfo, Shard, Writer};
+use fluxmem_store::{CommitInfo, Rows, Scan, Shard, Writer};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Errors of the embed stage.
@@ -124,22 +124,56 @@ pub fn embed_store(
             return Err(Error::ModelMismatch { store_model: stored.id, store_dim: stored.dim, model, dim });
         }
     }
-    let mut graph = writer.store().load()?;
-    if options.reembed {
+    // Reembedding rewrites the whole graph; otherwise only what the new vectors need is read:
+    // node rows and the embeddings' keys, then the steps of the nodes to embed (their text),
+    // then the stored vectors of texts that are already embedded under another node.
+    let mut graph = if options.reembed {
+        let mut graph = writer.store().load()?;
         graph.embeddings.retain(|(_, m), _| m == &model);
-    }
+        graph
+    } else {
+        let scan = Scan { nodes: true, embedding_keys: true, ..Default::default() };
+        writer.store().scan(&scan)?.0
+    };
     let mut report = EmbedReport { nodes: graph.nodes.len(), ..EmbedReport::default() };
-    let mut cache: BTreeMap<String, Vec<f32>> = BTreeMap::new();
-    for embedding in graph.embeddings.values().filter(|e| e.model_id == model) {
-        cache.insert(embedding.text_sha256.clone(), embedding.vector.clone());
-    }
-    let todo: Vec<(NodeId, String)> = graph
+    let lacking: BTreeSet<NodeId> = graph
         .nodes
         .values()
         .filter(|node| !graph.embeddings.contains_key(&(node.id.clone(), model.clone())))
         .filter(|node| options.shard.owns(node.id.as_str()))
-        .map(|node| (node.id.clone(), node.embedding_text()))
+        .map(|node| node.id.clone())
         .collect();
+    if !options.reembed && !lacking.is_empty() {
+        let scan = Scan { nodes: true, steps: Rows::Of(lacking.clone()), ..Default::default() };
+        let (with_steps, _) = writer.store().scan(&scan)?;
+        for id in &lacking {
+            if let Some(node) = with_steps.nodes.get(id) {
+                graph.nodes.insert(id.clone(), node.clone());
+            }
+        }
+    }
+    let todo: Vec<(NodeId, String)> = lacking.iter().map(|id| (id.clone(), graph.nodes[id].embedding_text())).collect();
+    let mut cache: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+    if options.reembed {
+        for embedding in graph.embeddings.values().filter(|e| e.model_id == model) {
+            cache.insert(embedding.text_sha256.clone(), embedding.vector.clone());
+        }
+    } else {
+        // The vectors of stored texts that a node to embed repeats, read by their node.
+        let hashes: BTreeSet<String> = todo.iter().map(|(_, text)| sha256_hex(text.as_bytes())).collect();
+        let holders: BTreeSet<NodeId> = graph
+            .embeddings
+            .values()
+            .filter(|e| e.model_id == model && hashes.contains(&e.text_sha256))
+            .map(|e| e.node_id.clone())
+            .collect();
+        if !holders.is_empty() {
+            let (stored, _) = writer.store().scan(&Scan { vectors: Rows::Of(holders), ..Default::default() })?;
+            for embedding in stored.embeddings.values().filter(|e| e.model_id == model) {
+                cache.insert(embedding.text_sha256.clone(), embedding.vector.clone());
+            }
+        }
+    }
     report.already = report.nodes - todo.len();
     progress.start(todo.len() as u64);
     let mut fresh = Graph::default();

@@ -36,6 +36,13 @@ impl fmt::Display for NodeId {
     }
 }
 
+// Ordered and hashed as its string, so sets of ids can be asked about a `&str`.
+impl std::borrow::Borrow<str> for NodeId {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
 impl From<&str> for NodeId {
     fn from(value: &str) -> Self {
         NodeId(value.to_string())

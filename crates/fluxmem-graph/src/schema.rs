@@ -409,6 +409,13 @@ impl<'a> Columns<'a> {
 
 /// Nodes from a `nodes` batch; episodic nodes get their steps from `steps` (by episode id).
 pub fn nodes_from_batch(batch: &RecordBatch, steps: &BTreeMap<NodeId, Vec<Step>>) -> Result<Vec<Node>> {
+    nodes_from_batch_with(batch, steps, &|_| true)
+}
+
+/// [`nodes_from_batch`] for a read that left some episodes' steps unread: only an episode for
+/// which `steps_read` is true must have as many steps in `steps` as its `step_count` says; the
+/// others come back with no steps.
+pub fn nodes_from_batch_with(batch: &RecordBatch, steps: &BTreeMap<NodeId, Vec<Step>>, steps_read: &dyn Fn(&NodeId) -> bool) -> Result<Vec<Node>> {
     let c = Columns::new(batch, &nodes_schema())?;
     let mut nodes = Vec::with_capacity(batch.num_rows());
     for row in 0..batch.num_rows() {
@@ -440,7 +447,7 @@ pub fn nodes_from_batch(batch: &RecordBatch, steps: &BTreeMap<NodeId, Vec<Step>>
         };
         if let NodeBody::Episodic(episode) = &body {
             let expected = c.i64("step_count", row).unwrap_or_default();
-            if episode.steps.len() as i64 != expected {
+            if episode.steps.len() as i64 != expected && steps_read(&id) {
                 return Err(Error::Value {
                     row,
                     column: "step_count".into(),

@@ -288,8 +288,11 @@ pub fn assign_with_priors(
 
 /// Runs credit assignment over the store and commits the changes (edges and edit log) in one
 /// atomic commit; nothing is written when nothing changes.
+///
+/// Reads node rows and edges only (no steps, vectors or edit log): credit needs outcomes,
+/// tenants and tasks. It commits edges and edits only, never the step-less nodes it read.
 pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, progress: &mut dyn Progress) -> Result<CreditReport> {
-    let graph = writer.store().load()?;
+    let (graph, _) = writer.store().scan(&fluxmem_store::Scan::nodes_and_edges())?;
     progress.start(graph.edges.len() as u64);
     let priors: BTreeMap<String, f64> = writer
         .manifest()

@@ -1,12 +1,12 @@
 use fluxmem_graph::schema;
-use fluxmem_graph::{Embedding, Graph, GraphStats, NodeId, Step};
+use fluxmem_graph::{Embedding, Graph, GraphStats, NodeId};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
 use crate::lock::WriterLock;
-use crate::manifest::{EmbeddingModel, Manifest, ShardEntry};
+use crate::manifest::{EmbeddingModel, Manifest};
 use crate::{shard, Error, Result};
 
 pub(crate) const MANIFEST: &str = "manifest.json";
@@ -76,39 +76,7 @@ impl Store {
 
     /// The whole graph of the commit `manifest` describes, every shard verified.
     pub fn load_at(&self, manifest: &Manifest) -> Result<Graph> {
-        let mut graph = Graph::default();
-        for commit in commits(manifest) {
-            let shards: Vec<&ShardEntry> = manifest.shards.iter().filter(|s| s.commit == commit).collect();
-            let mut steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
-            for entry in shards.iter().filter(|s| s.table == "steps") {
-                for batch in shard::read(&self.dir, entry, None)? {
-                    schema::steps_from_batch(&batch, &mut steps).map_err(|e| self.graph_error(entry, e))?;
-                }
-            }
-            for entry in shards {
-                let batches = match entry.table.as_str() {
-                    "steps" => continue,
-                    "nodes" | "edges" | "embeddings" | "edits" => shard::read(&self.dir, entry, None)?,
-                    other => {
-                        return Err(Error::Corrupt {
-                            path: self.dir.join(MANIFEST),
-                            reason: format!("unknown table `{other}` for {}", entry.file),
-                        })
-                    }
-                };
-                for batch in &batches {
-                    let mapped = match entry.table.as_str() {
-                        "nodes" => schema::nodes_from_batch(batch, &steps).map(|n| n.into_iter().for_each(|n| graph.upsert_node(n))),
-                        "edges" => schema::edges_from_batch(batch).map(|e| e.into_iter().for_each(|e| graph.upsert_edge(e))),
-                        "edits" => schema::edits_from_batch(batch).map(|e| graph.edits.extend(e)),
-                        _ => schema::embeddings_from_batch(batch)
-                            .map(|e| e.into_iter().for_each(|e| graph.upsert_embedding(e))),
-                    };
-                    mapped.map_err(|e| self.graph_error(entry, e))?;
-                }
-            }
-        }
-        Ok(graph)
+        self.scan_at(manifest, &crate::Scan::all())
     }
 
     /// Ids of all stored nodes (reads only the `id` column).
@@ -124,20 +92,13 @@ impl Store {
         Ok(ids)
     }
 
-    /// Counts of the current commit, with its manifest.
+    /// Counts of the current commit, with its manifest. Reads node and edge rows and the
+    /// embeddings' keys: no steps, vectors or edit log.
     pub fn stats(&self) -> Result<(GraphStats, Manifest)> {
-        let manifest = self.manifest()?;
-        let graph = self.load_at(&manifest)?;
+        let scan = crate::Scan { nodes: true, edges: true, embedding_keys: true, ..Default::default() };
+        let (graph, manifest) = self.scan(&scan)?;
         Ok((graph.stats(), manifest))
     }
-
-    fn graph_error(&self, entry: &ShardEntry, source: fluxmem_graph::Error) -> Error {
-        Error::Corrupt { path: self.dir.join(&entry.file), reason: source.to_string() }
-    }
-}
-
-fn commits(manifest: &Manifest) -> BTreeSet<u64> {
-    manifest.shards.iter().map(|s| s.commit).collect()
 }
 
 /// The single writer of a store: holds the lock, commits atomically.

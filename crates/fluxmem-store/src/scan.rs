@@ -1,0 +1,207 @@
+//! Projected, filtered reads: a stage reads the tables, columns and rows it needs, not the
+//! whole graph.
+
+use arrow_array::cast::AsArray;
+use arrow_array::{Array, BooleanArray, RecordBatch};
+use fluxmem_graph::{schema, Embedding, Graph, NodeId, Step};
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::manifest::{Manifest, ShardEntry};
+use crate::{shard, Error, Result, Store};
+
+/// Which rows of a table a [`Scan`] reads.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum Rows {
+    /// None of them (the table's shards are not opened).
+    #[default]
+    None,
+    /// All of them.
+    All,
+    /// Those of these node ids (`steps`: the episode; `embeddings`: the node).
+    Of(BTreeSet<NodeId>),
+}
+
+impl Rows {
+    fn wants(&self) -> bool {
+        !matches!(self, Rows::None)
+    }
+}
+
+/// What to read of the store. [`Scan::all`] is the whole graph ([`Store::load`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Scan {
+    /// Node rows (without their steps unless `steps` asks).
+    pub nodes: bool,
+    /// The steps of episodes; an episode whose steps are not read has none in the result.
+    pub steps: Rows,
+    /// Edge rows.
+    pub edges: bool,
+    /// Embedding rows with their vectors.
+    pub vectors: Rows,
+    /// Every embedding's key and text hash, without its vector (an empty `vector`), where
+    /// `vectors` does not read the row whole. Reads three of the four columns.
+    pub embedding_keys: bool,
+    /// The edit log.
+    pub edits: bool,
+}
+
+impl Scan {
+    /// Everything.
+    pub fn all() -> Scan {
+        Scan { nodes: true, steps: Rows::All, edges: true, vectors: Rows::All, embedding_keys: false, edits: true }
+    }
+
+    /// Node rows and edges, no steps, vectors or edits (credit assignment).
+    pub fn nodes_and_edges() -> Scan {
+        Scan { nodes: true, edges: true, ..Default::default() }
+    }
+}
+
+impl Store {
+    /// The part of the current commit's graph that `scan` asks for, read through column
+    /// projection and row filters; reloads the manifest if a compaction deleted a shard
+    /// meanwhile (as [`Store::load`]).
+    pub fn scan(&self, scan: &Scan) -> Result<(Graph, Manifest)> {
+        let mut manifest = self.manifest()?;
+        let mut tries = 0;
+        loop {
+            match self.scan_at(&manifest, scan) {
+                Err(error) if tries < 3 => {
+                    let now = self.manifest()?;
+                    if now.version == manifest.version {
+                        return Err(error);
+                    }
+                    manifest = now;
+                    tries += 1;
+                }
+                Ok(graph) => return Ok((graph, manifest)),
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
+    /// [`Store::scan`] at the commit `manifest` describes.
+    pub fn scan_at(&self, manifest: &Manifest, scan: &Scan) -> Result<Graph> {
+        let mut graph = Graph::default();
+        let commits: BTreeSet<u64> = manifest.shards.iter().map(|s| s.commit).collect();
+        for commit in commits {
+            let shards: Vec<&ShardEntry> = manifest.shards.iter().filter(|s| s.commit == commit).collect();
+            let mut steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
+            if scan.nodes && scan.steps.wants() {
+                for entry in shards.iter().filter(|s| s.table == "steps") {
+                    for batch in shard::read(&self.dir, entry, None)? {
+                        let batch = match &scan.steps {
+                            Rows::Of(ids) => filter(&batch, "episode_id", ids).map_err(|reason| self.corrupt(entry, reason))?,
+                            _ => batch,
+                        };
+                        schema::steps_from_batch(&batch, &mut steps).map_err(|e| self.corrupt(entry, e.to_string()))?;
+                    }
+                }
+            }
+            for entry in shards {
+                match entry.table.as_str() {
+                    "steps" => {}
+                    "nodes" if scan.nodes => {
+                        let steps_read = |id: &NodeId| match &scan.steps {
+                            Rows::All => true,
+                            Rows::Of(ids) => ids.contains(id),
+                            Rows::None => false,
+                        };
+                        for batch in shard::read(&self.dir, entry, None)? {
+                            let nodes = schema::nodes_from_batch_with(&batch, &steps, &steps_read).map_err(|e| self.corrupt(entry, e.to_string()))?;
+                            nodes.into_iter().for_each(|n| graph.upsert_node(n));
+                        }
+                    }
+                    "edges" if scan.edges => {
+                        for batch in shard::read(&self.dir, entry, None)? {
+                            let edges = schema::edges_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
+                            edges.into_iter().for_each(|e| graph.upsert_edge(e));
+                        }
+                    }
+                    "edits" if scan.edits => {
+                        for batch in shard::read(&self.dir, entry, None)? {
+                            graph.edits.extend(schema::edits_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?);
+                        }
+                    }
+                    "embeddings" if scan.vectors.wants() || scan.embedding_keys => self.scan_embeddings(entry, scan, &mut graph)?,
+                    "nodes" | "edges" | "edits" | "embeddings" => {}
+                    other => {
+                        return Err(Error::Corrupt {
+                            path: self.dir.join(crate::store::MANIFEST),
+                            reason: format!("unknown table `{other}` for {}", entry.file),
+                        })
+                    }
+                }
+            }
+        }
+        Ok(graph)
+    }
+
+    fn scan_embeddings(&self, entry: &ShardEntry, scan: &Scan, graph: &mut Graph) -> Result<()> {
+        let whole = |id: &str| match &scan.vectors {
+            Rows::All => true,
+            Rows::Of(ids) => ids.contains(id),
+            Rows::None => false,
+        };
+        if scan.vectors == Rows::All || !scan.embedding_keys {
+            // Whole rows only (all of them, or the filtered ones).
+            for batch in shard::read(&self.dir, entry, None)? {
+                let batch = match &scan.vectors {
+                    Rows::Of(ids) => filter(&batch, "node_id", ids).map_err(|reason| self.corrupt(entry, reason))?,
+                    _ => batch,
+                };
+                let embeddings = schema::embeddings_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
+                embeddings.into_iter().for_each(|e| graph.upsert_embedding(e));
+            }
+            return Ok(());
+        }
+        // Keys of every row; the vectors of the rows asked for whole.
+        let columns = ["node_id", "model_id", "text_sha256"];
+        let mut wanted = BTreeSet::new();
+        for batch in shard::read(&self.dir, entry, Some(&columns))? {
+            let strings: Vec<_> = columns
+                .iter()
+                .map(|name| {
+                    batch
+                        .column_by_name(name)
+                        .and_then(|c| c.as_string_opt::<i32>())
+                        .ok_or_else(|| self.corrupt(entry, format!("column `{name}` is not text")))
+                })
+                .collect::<Result<_>>()?;
+            for row in 0..batch.num_rows() {
+                let node_id = strings[0].value(row);
+                if whole(node_id) {
+                    wanted.insert(NodeId(node_id.to_string()));
+                }
+                graph.upsert_embedding(Embedding {
+                    node_id: NodeId(node_id.to_string()),
+                    model_id: strings[1].value(row).to_string(),
+                    text_sha256: strings[2].value(row).to_string(),
+                    vector: Vec::new(),
+                });
+            }
+        }
+        if !wanted.is_empty() {
+            for batch in shard::read(&self.dir, entry, None)? {
+                let batch = filter(&batch, "node_id", &wanted).map_err(|reason| self.corrupt(entry, reason))?;
+                let embeddings = schema::embeddings_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
+                embeddings.into_iter().for_each(|e| graph.upsert_embedding(e));
+            }
+        }
+        Ok(())
+    }
+
+    fn corrupt(&self, entry: &ShardEntry, reason: String) -> Error {
+        Error::Corrupt { path: self.dir.join(&entry.file), reason }
+    }
+}
+
+/// The rows of `batch` whose text column `column` is one of `ids`.
+fn filter(batch: &RecordBatch, column: &str, ids: &BTreeSet<NodeId>) -> std::result::Result<RecordBatch, String> {
+    let values = batch
+        .column_by_name(column)
+        .and_then(|c| c.as_string_opt::<i32>())
+        .ok_or_else(|| format!("column `{column}` is missing or not text"))?;
+    let mask: BooleanArray = (0..values.len()).map(|i| Some(values.is_valid(i) && ids.contains(values.value(i)))).collect();
+    arrow_select::filter::filter_record_batch(batch, &mask).map_err(|e| format!("cannot filter rows: {e}"))
+}

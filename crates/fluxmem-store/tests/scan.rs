@@ -1,0 +1,87 @@
+//! Projected, filtered scans read the same rows as the whole graph, minus what was left out.
+
+use fluxmem_graph::{Changed, Edge, EdgeKind, Edit, Embedding, Episode, Graph, Node, NodeBody, NodeId, Outcome, Semantic, Step};
+use fluxmem_store::{CommitInfo, Rows, Scan, Writer};
+use std::collections::BTreeSet;
+
+fn info() -> CommitInfo {
+    CommitInfo { stage: "test".into(), run_id: "r".into(), ..Default::default() }
+}
+
+fn episode(i: usize, version: usize) -> Node {
+    let steps = (0..2).map(|s| Step { observation: format!("obs {i}.{s}.{version}"), action: "a".into(), tool_calls: vec![], feedback: None, timestamp: None }).collect();
+    Node::new(NodeBody::Episodic(Episode { steps, outcome: Outcome { success: Some(i % 2 == 0), reward: None, feedback: None } }), "t", &format!("task {i}"), &[&i.to_string()])
+}
+
+/// Three commits; the second rewrites episodes 0 and 1 (new steps) and an embedding.
+fn store() -> (tempfile::TempDir, Graph) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let mut all = Graph::default();
+    let fact = Node::new(NodeBody::Semantic(Semantic { source: "doc".into(), position: 0, time: None, group: None }), "t", "a fact", &["f"]);
+    for commit in 0..3 {
+        let mut delta = Graph::default();
+        for i in 0..4 {
+            if commit == 0 || (commit == 1 && i < 2) {
+                let node = episode(i, commit);
+                delta.upsert_embedding(Embedding { node_id: node.id.clone(), model_id: "m".into(), text_sha256: format!("h{i}.{commit}"), vector: vec![commit as f32, i as f32] });
+                delta.upsert_node(node);
+            }
+        }
+        if commit == 2 {
+            let edge = Edge { src: fact.id.clone(), dst: episode(0, 0).id, kind: EdgeKind::Ground, weight: 0.5, evidence: 1, stage: "connect".into(), run_id: "r".into(), created_at: 0, active: true, metadata: Default::default() };
+            delta.edits.push(Edit::new("refine", "r", "credit", Changed::Edge(None, Some(&edge)), "why", 0));
+            delta.upsert_edge(edge);
+            delta.upsert_node(fact.clone());
+        }
+        writer.commit(&delta, info()).unwrap();
+        all.apply(delta);
+    }
+    (dir, all)
+}
+
+fn without_steps(mut graph: Graph, keep: &BTreeSet<NodeId>) -> Graph {
+    for node in graph.nodes.values_mut() {
+        if let NodeBody::Episodic(e) = &mut node.body {
+            if !keep.contains(&node.id) {
+                e.steps.clear();
+            }
+        }
+    }
+    graph
+}
+
+#[test]
+fn scans_read_what_they_ask_for_and_nothing_else() {
+    let (dir, all) = store();
+    let store = fluxmem_store::Store::open(dir.path()).unwrap();
+    assert_eq!(store.load().unwrap(), all);
+    assert_eq!(store.scan(&Scan::all()).unwrap().0, all);
+
+    let (credit, _) = store.scan(&Scan::nodes_and_edges()).unwrap();
+    let expected = Graph { embeddings: Default::default(), edits: Vec::new(), ..without_steps(all.clone(), &BTreeSet::new()) };
+    assert_eq!(credit, expected, "node rows without steps, edges, no vectors or edits");
+    assert!(credit.nodes.values().filter_map(|n| n.episode()).all(|e| e.steps.is_empty()));
+
+    // The steps of two episodes: the rewritten one (its newest steps) and one never rewritten.
+    let keep: BTreeSet<NodeId> = [episode(0, 1).id, episode(3, 0).id].into_iter().collect();
+    let (some, _) = store.scan(&Scan { nodes: true, steps: Rows::Of(keep.clone()), ..Default::default() }).unwrap();
+    assert_eq!(some.nodes, without_steps(all.clone(), &keep).nodes);
+    assert!(some.nodes[&episode(0, 1).id].episode().unwrap().steps[0].observation.ends_with(".1"), "the newest commit's steps");
+
+    // Keys of every embedding (the newest row's hash), vectors of one node only.
+    let one: BTreeSet<NodeId> = [episode(1, 0).id].into_iter().collect();
+    let (keys, _) = store.scan(&Scan { embedding_keys: true, vectors: Rows::Of(one.clone()), ..Default::default() }).unwrap();
+    assert_eq!(keys.embeddings.len(), all.embeddings.len());
+    for (key, embedding) in &keys.embeddings {
+        assert_eq!(embedding.text_sha256, all.embeddings[key].text_sha256, "{key:?}");
+        if one.contains(&key.0) {
+            assert_eq!(embedding.vector, all.embeddings[key].vector, "the asked-for vector, of the newest row");
+        } else {
+            assert!(embedding.vector.is_empty(), "{key:?}: vector left unread");
+        }
+    }
+    assert!(keys.nodes.is_empty() && keys.edges.is_empty() && keys.edits.is_empty());
+    let (vectors, _) = store.scan(&Scan { vectors: Rows::Of(one.clone()), ..Default::default() }).unwrap();
+    assert_eq!(vectors.embeddings.len(), 1);
+}
