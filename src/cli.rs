@@ -588,6 +588,10 @@ pub struct ConsolidateArgs {
     /// different acting tools (`cancel_reservation` vs `update_reservation_flights`).
     #[arg(long)]
     pub no_procedure_split: bool,
+    /// Re-induce a matched skill only when its cluster gained or lost at least this share of
+    /// its source episodes; below, the skill is kept (0: re-induce on any change).
+    #[arg(long, default_value_t = fluxmem_consolidate::ConsolidateOptions::default().reinduce_share)]
+    pub reinduce_share: f64,
     /// Embedding model (must be the store's).
     #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
     pub model: String,

@@ -246,6 +246,9 @@ pub struct Consolidate {
     pub max_tokens: usize,
     /// Episodes the judge replays per version.
     pub judge_episodes: usize,
+    /// A skill is re-induced only when its cluster gained or lost at least this share of its
+    /// source episodes (0: on any change).
+    pub reinduce_share: f64,
 }
 
 impl Default for Consolidate {
@@ -262,6 +265,7 @@ impl Default for Consolidate {
             prompt_budget: d.prompt_budget,
             max_tokens: d.max_tokens,
             judge_episodes: d.judge_episodes,
+            reinduce_share: d.reinduce_share,
         }
     }
 }
@@ -436,6 +440,7 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     }
     clusters(&p.consolidate.clusters)?;
     number("consolidate.epsilon", p.consolidate.epsilon, Bound::NonNegative)?;
+    number("consolidate.reinduce_share", p.consolidate.reinduce_share, Bound::NonNegative)?;
     if let Some(min_pems) = p.export.min_pems {
         number("export.min_pems", min_pems, Bound::Finite)?;
     }

@@ -48,6 +48,7 @@ fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
         anyhow::bail!("--max-rounds must be at least 1");
     }
     crate::cli::check_flag("--epsilon", args.epsilon, crate::cli::Bound::NonNegative)?;
+    crate::cli::check_flag("--reinduce-share", args.reinduce_share, crate::cli::Bound::NonNegative)?;
     let length = args.length.parse().map_err(anyhow::Error::msg)?;
     Ok(ConsolidateOptions {
         kmeans: KMeansOptions { clusters, seed: args.seed, ..Default::default() },
@@ -61,18 +62,20 @@ fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
         tenant: args.tenant.clone(),
         retry_failed: args.retry_failed,
         split_by_procedure: !args.no_procedure_split,
+        reinduce_share: args.reinduce_share,
         ..Default::default()
     })
 }
 
 fn print_human(report: &ConsolidateReport, seconds: f64) {
     println!(
-        "{} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} failed ({} sharing no procedure, {} failed earlier); {} commit(s), {:.1}s",
+        "{} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} kept, {} failed ({} sharing no procedure, {} failed earlier); {} commit(s), {:.1}s",
         report.episodes,
         report.clusters,
         report.skills_new,
         report.skills_updated,
         report.skills_unchanged,
+        report.skills_kept,
         report.failed,
         report.no_procedure,
         report.failed_earlier,

@@ -507,6 +507,7 @@ impl Ctx<'_> {
             prompt_budget: c.prompt_budget,
             max_tokens: c.max_tokens,
             judge_episodes: c.judge_episodes,
+            reinduce_share: c.reinduce_share,
             ..Default::default()
         };
         let run_id = format!("consolidate@{}", self.run_id);
@@ -521,8 +522,8 @@ impl Ctx<'_> {
         let report = fluxmem_consolidate::consolidate_store(writer, &mut stage_models, &options, &run_id, &device, &mut bar)?;
         bar.finish();
         eprintln!(
-            "  {} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} failed ({} sharing no procedure)",
-            report.episodes, report.clusters, report.skills_new, report.skills_updated, report.skills_unchanged, report.failed, report.no_procedure
+            "  {} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} kept (moved less than the re-induce share), {} failed ({} sharing no procedure)",
+            report.episodes, report.clusters, report.skills_new, report.skills_updated, report.skills_unchanged, report.skills_kept, report.failed, report.no_procedure
         );
         let usage = |u: &fluxmem_consolidate::TokenUsage| UsageRecord {
             calls: u.calls as u64,
@@ -541,6 +542,7 @@ impl Ctx<'_> {
                 ("skills_new", report.skills_new),
                 ("skills_updated", report.skills_updated),
                 ("skills_unchanged", report.skills_unchanged),
+                ("skills_kept", report.skills_kept),
                 ("failed", report.failed),
                 ("commits", report.commits),
             ]),
@@ -709,7 +711,7 @@ fn add_stage_to_report(loaded: &Loaded, run_id: &str, store_dir: &Path, stage: &
 /// - none failed: `done`, or `nothing new` when every skill was unchanged (or there were no
 ///   clusters), followed by `(K of N clusters share no procedure, so no skill)` when some do.
 fn consolidate_status(report: &fluxmem_consolidate::ConsolidateReport) -> String {
-    let gave = report.skills_new + report.skills_updated + report.skills_unchanged;
+    let gave = report.skills_new + report.skills_updated + report.skills_unchanged + report.skills_kept;
     let no_procedure = report.no_procedure.min(report.failed);
     let failed = report.failed - no_procedure;
     let none = failed + report.failed_earlier;

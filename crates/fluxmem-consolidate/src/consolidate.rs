@@ -51,6 +51,10 @@ pub struct ConsolidateOptions {
     /// Split a k-means cluster whose successes end in different acting tools (see
     /// [`crate::mine::split_by_procedure`]) before mining (default true).
     pub split_by_procedure: bool,
+    /// A cluster matched to an existing skill re-induces it only when it gained, or lost, at
+    /// least this share of the skill's source episodes; below, the skill is kept as it is
+    /// (status `kept`). 0: re-induce on any change.
+    pub reinduce_share: f64,
 }
 
 impl Default for ConsolidateOptions {
@@ -71,6 +75,7 @@ impl Default for ConsolidateOptions {
             retry_failed: false,
             mine: crate::mine::MineOptions::default(),
             split_by_procedure: true,
+            reinduce_share: 0.2,
         }
     }
 }
@@ -167,6 +172,9 @@ pub struct ConsolidateReport {
     pub skills_updated: usize,
     /// Clusters whose skill already covers exactly their episodes.
     pub skills_unchanged: usize,
+    /// Clusters whose membership moved by less than `reinduce_share` of their skill's source
+    /// episodes: the skill is kept, not re-induced.
+    pub skills_kept: usize,
     /// Clusters that failed in this run.
     pub failed: usize,
     /// Clusters skipped because the same episodes failed in an earlier run.
@@ -210,8 +218,7 @@ impl Progress for NoProgress {}
 /// How the edit of a cluster that shares no procedure starts its reason.
 const NO_PROCEDURE_REASON: &str = "no skill for a cluster of ";
 
-/// Consolidates the store's episodes into skills and commits them in one commit.
-
+/// Consolidates the store's episodes into skills, committing after every cluster.
 pub fn consolidate_store(
     writer: &mut Writer,
     models: &mut Models<'_>,
@@ -269,19 +276,23 @@ pub fn consolidate_store(
     progress.start(plans.len() as u64);
     for plan in plans {
         let cluster = handle(&plan, &graph, models, options, run_id, &failed_before, &mut delta, &mut report)?;
+        // One commit per cluster: a run killed later keeps the generation done so far, and the
+        // run started again finds those clusters unchanged. No later cluster reads this one's
+        // delta (each works from the snapshot read above).
+        if !delta.is_empty() {
+            let summary = json!({
+                "tenant": cluster.tenant, "status": cluster.status, "episodes": cluster.episodes.len(),
+                "generator": report.generator_model, "judge": report.judge_model,
+            });
+            writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress: Default::default() })?;
+            report.commits += 1;
+            delta = Graph::default();
+        }
         report.cluster_list.push(cluster);
         progress.advance(1);
     }
     report.generator = TokenUsage::between(generator_start, generator_usage(models));
     report.judge = models.judge.as_ref().map(|j| TokenUsage::between(judge_start, j.usage())).unwrap_or_default();
-    if !delta.is_empty() {
-        let summary = json!({
-            "skills_new": report.skills_new, "skills_updated": report.skills_updated,
-            "failed": report.failed, "generator": report.generator_model, "judge": report.judge_model,
-        });
-        writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress: Default::default() })?;
-        report.commits = 1;
-    }
     Ok(report)
 }
 
@@ -407,6 +418,17 @@ fn handle(
             cluster.status = "unchanged".into();
             cluster.skill = Some(previous.id.clone());
             return Ok(cluster);
+        }
+        if options.reinduce_share > 0.0 {
+            let base = sources.len().max(1) as f64;
+            let gained = sorted.difference(&sources).count() as f64 / base;
+            let lost = sources.difference(&sorted).count() as f64 / base;
+            if gained < options.reinduce_share && lost < options.reinduce_share {
+                report.skills_kept += 1;
+                cluster.status = "kept".into();
+                cluster.skill = Some(previous.id.clone());
+                return Ok(cluster);
+            }
         }
     }
     let key: Vec<&str> = sorted.iter().map(|id| id.as_str()).collect();

@@ -210,16 +210,16 @@ fn kmeans_recovers_separable_clusters_deterministically() {
 }
 
 #[test]
-fn consolidation_commits_skills_edges_embeddings_and_edits_once() {
+fn consolidation_commits_skills_edges_embeddings_and_edits_per_cluster() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     add_episodes(&store, three_families(4));
     let before = Store::open(&store).unwrap().manifest().unwrap().version;
     let mut generator = Scripted::new(family_skill);
     let report = run(&store, &mut generator, None, &options(3));
-    assert_eq!((report.episodes, report.clusters, report.skills_new, report.failed, report.commits), (12, 3, 3, 0, 1));
+    assert_eq!((report.episodes, report.clusters, report.skills_new, report.failed, report.commits), (12, 3, 3, 0, 3));
     assert_eq!(report.eta_source, "sequence coverage of kept-back episodes (no judge)");
-    assert_eq!(Store::open(&store).unwrap().manifest().unwrap().version, before + 1, "one atomic commit");
+    assert_eq!(Store::open(&store).unwrap().manifest().unwrap().version, before + 3, "one atomic commit per cluster");
     let graph = load(&store);
     let stats = graph.stats();
     assert_eq!((stats.procedural, stats.distill), (3, 12));
@@ -435,7 +435,18 @@ fn reconsolidation_is_idempotent_and_a_grown_store_bumps_versions() {
     let skills = |g: &Graph| g.nodes.values().filter(|n| n.kind() == NodeKind::Procedural).cloned().collect::<Vec<_>>();
     assert_eq!(skills(&load(&other)), skills(&graph), "deterministic skill nodes");
 
-    // Two more lettuce episodes: the lettuce skill gets version 2, nothing is duplicated.
+    // Two more lettuce episodes (half the skill's four sources): with a re-induce share above
+    // that, the skill is kept as it is and nothing is written...
+    let kept_store = dir.path().join("kept");
+    add_episodes(&kept_store, three_families(4));
+    run(&kept_store, &mut Scripted::new(family_skill), None, &options(3));
+    add_episodes(&kept_store, vec![episode("lettuce", 10, true), episode("lettuce", 11, true)]);
+    let version = Store::open(&kept_store).unwrap().manifest().unwrap().version;
+    let lenient = ConsolidateOptions { reinduce_share: 0.6, ..options(3) };
+    let kept = run(&kept_store, &mut Scripted::new(family_skill), None, &lenient);
+    assert_eq!((kept.skills_kept, kept.skills_unchanged, kept.skills_updated, kept.commits), (1, 2, 0, 0), "{kept:?}");
+    assert_eq!(Store::open(&kept_store).unwrap().manifest().unwrap().version, version);
+    // ... and with the default (0.2) the lettuce skill gets version 2, nothing is duplicated.
     add_episodes(&store, vec![episode("lettuce", 10, true), episode("lettuce", 11, true)]);
     let third = run(&store, &mut generator, None, &options(3));
     assert_eq!((third.skills_updated, third.skills_new, third.skills_unchanged), (1, 0, 2));
