@@ -237,8 +237,9 @@ fn ground(
     if semantic.is_empty() {
         return Ok(support);
     }
-    for (query, vector) in queries.iter().zip(vectors) {
-        for candidate in semantic.hybrid(query, vector, &options.retrieval, None)?.into_iter().take(options.ground_k) {
+    // The episode's step queries against the tenant's facts in one matrix product.
+    for ranked in semantic.hybrid_many(queries, vectors, &options.retrieval)? {
+        for candidate in ranked.into_iter().take(options.ground_k) {
             let entry = support.entry(candidate.node_id).or_insert((candidate.score, 0));
             entry.0 = entry.0.max(candidate.score);
             entry.1 += 1;

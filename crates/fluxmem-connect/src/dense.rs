@@ -176,15 +176,46 @@ fn select(graph: &Graph, kind: NodeKind, tenant: Option<&str>, model: &str, unem
 
 /// The `k` highest (index, score) pairs, best first, ties broken by the lower index.
 pub fn top_k(scores: &[f32], k: usize) -> Vec<(usize, f32)> {
+    let order = |a: &(usize, f32), b: &(usize, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     let mut ranked: Vec<(usize, f32)> = scores.iter().copied().enumerate().collect();
-    ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    ranked.truncate(k);
+    // Partial selection (O(n) to find the k best, then O(k log k) to order them): the order is
+    // total (score, then index), so the result is the same as a full sort's first k.
+    if k == 0 {
+        return Vec::new();
+    }
+    if k < ranked.len() {
+        ranked.select_nth_unstable_by(k - 1, order);
+        ranked.truncate(k);
+    }
+    ranked.sort_by(order);
     ranked
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_query_scores_the_same_alone_and_in_a_batch() {
+        let vectors: Vec<Vec<f32>> = (0..300).map(|i| (0..24).map(|j| ((i * 24 + j) as f32 * 0.37).sin()).collect()).collect();
+        let index = DenseIndex::new(&vectors, 24, &Device::Cpu).unwrap();
+        let queries: Vec<Vec<f32>> = (0..7).map(|q| (0..24).map(|j| ((q * 5 + j) as f32 * 0.91).cos()).collect()).collect();
+        let batch = index.scores(&queries).unwrap();
+        for (query, batched) in queries.iter().zip(&batch) {
+            let alone = index.scores(std::slice::from_ref(query)).unwrap().remove(0);
+            assert_eq!(&alone, batched, "bit for bit: batching the step queries changes no edge");
+        }
+    }
+
+    #[test]
+    fn partial_top_k_is_the_full_sort_prefix() {
+        let scores: Vec<f32> = (0..500).map(|i| ((i * 37 % 101) as f32 / 7.0).sin()).collect();
+        let mut full: Vec<(usize, f32)> = scores.iter().copied().enumerate().collect();
+        full.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        for k in [0, 1, 5, 100, 499, 500, 600] {
+            assert_eq!(top_k(&scores, k), full.iter().copied().take(k).collect::<Vec<_>>(), "k = {k}");
+        }
+    }
 
     #[test]
     fn blocked_search_matches_brute_force() {

@@ -158,6 +158,26 @@ impl SemanticIndex {
             return Ok(Vec::new());
         }
         let dense_scores = self.dense.scores(&[query_vector.to_vec()])?.remove(0);
+        self.hybrid_scored(query, dense_scores, config, judge)
+    }
+
+    /// [`SemanticIndex::hybrid`] for several queries: their dense scores come from one matrix
+    /// product against the index (a row's scores do not depend on the other rows).
+    pub fn hybrid_many(&self, queries: &[&str], vectors: &[Vec<f32>], config: &RetrievalConfig) -> Result<Vec<Vec<Candidate>>> {
+        if self.is_empty() {
+            return Ok(vec![Vec::new(); queries.len()]);
+        }
+        let dense = self.dense.scores(vectors)?;
+        queries.iter().zip(dense).map(|(query, scores)| self.hybrid_scored(query, scores, config, None)).collect()
+    }
+
+    fn hybrid_scored<'judge>(
+        &self,
+        query: &str,
+        dense_scores: Vec<f32>,
+        config: &RetrievalConfig,
+        judge: Option<&mut (dyn Judge + 'judge)>,
+    ) -> Result<Vec<Candidate>> {
         let bm25_scores = self.bm25.scores(query);
         let mut pool: Vec<usize> = top_k(&dense_scores, config.dense_pool).into_iter().map(|(i, _)| i).collect();
         pool.extend(top_k(&bm25_scores, config.bm25_pool).into_iter().filter(|(_, s)| *s > 0.0).map(|(i, _)| i));
