@@ -239,6 +239,9 @@ pub struct RefineArgs {
     /// Do not link failed episodes to successful episodes of the same task.
     #[arg(long)]
     pub no_failure_links: bool,
+    /// Links per failed episode at most, to the successes of its task nearest in time.
+    #[arg(long, default_value_t = fluxmem_refine::CreditOptions::default().max_failure_links)]
+    pub max_failure_links: usize,
     /// Rewrite an edge only when its credit moved by more than this since its last write
     /// (0: on any change).
     #[arg(long, default_value_t = fluxmem_refine::CreditOptions::default().tolerance)]

@@ -200,6 +200,8 @@ pub struct Refine {
     pub min_evidence: usize,
     /// Link failed episodes to successes of the same task.
     pub failure_links: bool,
+    /// Links per failed episode at most (the successes nearest in time).
+    pub max_failure_links: usize,
     /// Rewrite an edge only when its credit moved by more than this since its last write.
     pub tolerance: f64,
     /// Re-estimate a tenant's stored base rate when the current one differs by more.
@@ -215,6 +217,7 @@ impl Default for Refine {
             prune_below: d.prune_below,
             min_evidence: d.min_evidence,
             failure_links: d.link_failures,
+            max_failure_links: d.max_failure_links,
             tolerance: d.tolerance,
             prior_drift: d.prior_drift,
         }
@@ -342,8 +345,9 @@ impl Default for Report {
 
 /// The stages, in order.
 pub const STAGES: [&str; 6] = ["ingest", "embed", "connect", "refine", "consolidate", "export"];
-/// The stages that can run as `--shard I/N` and be merged.
-pub const MAP_STAGES: [&str; 3] = ["ingest", "embed", "connect"];
+/// The stages that can run as `--shard I/N` and be merged (consolidate: every shard clusters
+/// the same store and induces the skills of the clusters it owns).
+pub const MAP_STAGES: [&str; 4] = ["ingest", "embed", "connect", "consolidate"];
 
 /// A pipeline read from a file, with its paths resolved.
 #[derive(Debug, Clone)]

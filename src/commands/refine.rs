@@ -17,6 +17,7 @@ pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         prune_below: args.prune_below,
         min_evidence: args.min_evidence,
         link_failures: !args.no_failure_links,
+        max_failure_links: args.max_failure_links,
         tolerance: args.tolerance,
         prior_drift: args.prior_drift,
     };

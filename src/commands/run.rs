@@ -309,7 +309,7 @@ impl Ctx<'_> {
             "embed" => self.embed(writer, shard)?,
             "connect" => self.connect(writer, shard)?,
             "refine" => self.refine(writer)?,
-            "consolidate" => self.consolidate(writer)?,
+            "consolidate" => self.consolidate(writer, shard)?,
             "export" => self.export(writer)?,
             other => bail!("unknown stage `{other}`"),
         };
@@ -452,6 +452,7 @@ impl Ctx<'_> {
             prune_below: r.prune_below,
             min_evidence: r.min_evidence,
             link_failures: r.failure_links,
+            max_failure_links: r.max_failure_links,
             tolerance: r.tolerance,
             prior_drift: r.prior_drift,
         };
@@ -477,7 +478,7 @@ impl Ctx<'_> {
         })
     }
 
-    fn consolidate(&mut self, writer: &mut Writer) -> anyhow::Result<StageRecord> {
+    fn consolidate(&mut self, writer: &mut Writer, shard: Shard) -> anyhow::Result<StageRecord> {
         let c = self.loaded.pipeline.consolidate.clone();
         if !c.enabled {
             return Ok(disabled());
@@ -508,6 +509,7 @@ impl Ctx<'_> {
             max_tokens: c.max_tokens,
             judge_episodes: c.judge_episodes,
             reinduce_share: c.reinduce_share,
+            shard,
             ..Default::default()
         };
         let run_id = format!("consolidate@{}", self.run_id);

@@ -103,11 +103,11 @@ pub fn connect_store(
     device: &Device,
     progress: &mut dyn Progress,
 ) -> Result<ConnectReport> {
-    // Node rows, edges and vectors; the steps (the queries) only of the episodes to connect,
-    // read once they are known. No edit log.
-    let scan = Scan { nodes: true, edges: true, vectors: Rows::All, ..Default::default() };
-    let (mut graph, _) = writer.store().scan(&scan)?;
-    let connected: BTreeSet<NodeId> = connected_episodes(&graph).into_iter().cloned().collect();
+    // Node rows and vectors; of the edges only their heads (which episodes are connected); the
+    // steps (the queries) only of the episodes to connect, read once they are known.
+    let scan = Scan { nodes: true, vectors: Rows::All, ..Default::default() };
+    let (mut graph, manifest) = writer.store().scan(&scan)?;
+    let connected = connected_episodes(&writer.store().edge_heads(&manifest)?);
     let unconnected: BTreeSet<NodeId> = graph
         .nodes
         .values()
@@ -176,17 +176,16 @@ fn tenant_indexes(graph: &Graph, model: &str, device: &Device) -> Result<BTreeMa
     Ok(out)
 }
 
-/// Episodes this stage connected before: a `ground` edge into them or a Stage I `link` out.
-fn connected_episodes(graph: &Graph) -> BTreeSet<&NodeId> {
-    graph
-        .edges
-        .values()
-        // Stage I edges, whoever updated them last (credit assignment re-weights them); links
-        // with a `relation` come from Stage II and do not make an episode connected.
-        .filter(|e| !e.metadata.contains_key("relation"))
-        .flat_map(|e| match e.kind {
-            EdgeKind::Ground => Some(&e.dst),
-            EdgeKind::Link => Some(&e.src),
+/// Episodes this stage connected before: a `ground` edge into them or a Stage I `link` out
+/// (Stage I edges, whoever updated them last: credit assignment re-weights them; links with a
+/// `relation` come from Stage II and do not make an episode connected).
+fn connected_episodes(heads: &BTreeMap<(NodeId, NodeId, EdgeKind), fluxmem_store::EdgeHead>) -> BTreeSet<NodeId> {
+    heads
+        .iter()
+        .filter(|(_, head)| !head.relation)
+        .filter_map(|((src, dst, kind), _)| match kind {
+            EdgeKind::Ground => Some(dst.clone()),
+            EdgeKind::Link => Some(src.clone()),
             EdgeKind::Distill => None,
         })
         .collect()

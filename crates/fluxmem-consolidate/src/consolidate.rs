@@ -55,6 +55,9 @@ pub struct ConsolidateOptions {
     /// least this share of the skill's source episodes; below, the skill is kept as it is
     /// (status `kept`). 0: re-induce on any change.
     pub reinduce_share: f64,
+    /// The clusters this run handles (sharded runs: every shard clusters the same store the
+    /// same way and handles the clusters it owns, by their member set); all by default.
+    pub shard: fluxmem_store::Shard,
 }
 
 impl Default for ConsolidateOptions {
@@ -76,6 +79,7 @@ impl Default for ConsolidateOptions {
             mine: crate::mine::MineOptions::default(),
             split_by_procedure: true,
             reinduce_share: 0.2,
+            shard: fluxmem_store::Shard::ALL,
         }
     }
 }
@@ -175,6 +179,8 @@ pub struct ConsolidateReport {
     /// Clusters whose membership moved by less than `reinduce_share` of their skill's source
     /// episodes: the skill is kept, not re-induced.
     pub skills_kept: usize,
+    /// Clusters left to other shards of a sharded run.
+    pub other_shards: usize,
     /// Clusters that failed in this run.
     pub failed: usize,
     /// Clusters skipped because the same episodes failed in an earlier run.
@@ -269,6 +275,10 @@ pub fn consolidate_store(
         let matches = match_skills(&members, ids, &centroids, &existing, &graph, &model, options);
         for (index, rows) in members.iter().enumerate() {
             let episodes: Vec<NodeId> = rows.iter().map(|&r| ids[r].clone()).collect();
+            if !options.shard.owns(&cluster_target(&episodes)) {
+                report.other_shards += 1;
+                continue;
+            }
             let weights: Vec<f32> = rows.iter().map(|&r| clustering.similarity[r]).collect();
             plans.push(Plan { tenant: tenant.clone(), index, episodes, weights, previous: matches[index], skills: members.len() });
         }
@@ -303,6 +313,13 @@ fn generator_usage(models: &Models<'_>) -> Usage {
 /// The generator's model id, or `none` for template skills.
 fn generator_id(models: &Models<'_>) -> String {
     models.generator.as_ref().map_or_else(|| "none".to_string(), |g| g.model_id().to_string())
+}
+
+/// The edit target that names a cluster: a hash of its sorted member ids.
+fn cluster_target(episodes: &[NodeId]) -> String {
+    let sorted: BTreeSet<&str> = episodes.iter().map(|id| id.as_str()).collect();
+    let key: Vec<&str> = sorted.into_iter().collect();
+    format!("cluster:{}", &sha256_hex(key.join("\n").as_bytes())[..32])
 }
 
 /// One cluster to handle.
@@ -432,7 +449,7 @@ fn handle(
         }
     }
     let key: Vec<&str> = sorted.iter().map(|id| id.as_str()).collect();
-    let target = format!("cluster:{}", &sha256_hex(key.join("\n").as_bytes())[..32]);
+    let target = cluster_target(&plan.episodes);
     if plan.previous.is_none() {
         match failed_before.get(target.as_str()) {
             Some(true) => {

@@ -18,7 +18,9 @@ pub struct Edit {
     pub target: String,
     /// The target before, as JSON (`None`: it did not exist).
     pub before: Option<String>,
-    /// The target after, as JSON (`None`: it was removed).
+    /// The target after, as JSON (`None`: it was removed). For an edge that existed before, only
+    /// the fields that changed (a JSON object without `src`); [`Edit::edge_after`] gives the
+    /// whole edge.
     pub after: Option<String>,
     /// Why: the feedback and its attribution.
     pub reason: String,
@@ -40,11 +42,12 @@ impl Edit {
         let (target, before, after) = match changed {
             Changed::Edge(before, after) => {
                 let edge = before.or(after).expect("an edge edit names an edge");
-                (
-                    format!("edge:{}>{}:{}", edge.src, edge.dst, edge.kind.as_str()),
-                    before.map(|e| json(e)),
-                    after.map(|e| json(e)),
-                )
+                let after_json = match (before, after) {
+                    (Some(before), Some(after)) => Some(changed_fields(before, after)),
+                    (None, after) => after.map(|e| json(e)),
+                    (Some(_), None) => None,
+                };
+                (format!("edge:{}>{}:{}", edge.src, edge.dst, edge.kind.as_str()), before.map(|e| json(e)), after_json)
             }
             Changed::Node(before, after) => {
                 let node = before.or(after).expect("a node edit names a node");
@@ -63,6 +66,25 @@ impl Edit {
             reason: reason.into(),
             at,
         }
+    }
+
+    /// The edge after an edge edit, whole: `after` itself, or, when it holds only the changed
+    /// fields, `before` with them applied. `None` for a node edit or a removal.
+    pub fn edge_after(&self) -> Result<Option<Edge>> {
+        let parse_error = |e: serde_json::Error| crate::Error::Value { row: 0, column: "after".into(), reason: e.to_string() };
+        let (Some(after), true) = (&self.after, self.target.starts_with("edge:")) else { return Ok(None) };
+        let after: serde_json::Value = serde_json::from_str(after).map_err(parse_error)?;
+        if after.get("src").is_some() {
+            return serde_json::from_value(after).map(Some).map_err(parse_error);
+        }
+        let Some(before) = &self.before else { return Ok(None) };
+        let mut whole: serde_json::Value = serde_json::from_str(before).map_err(parse_error)?;
+        if let (Some(whole), Some(changed)) = (whole.as_object_mut(), after.as_object()) {
+            for (key, value) in changed {
+                whole.insert(key.clone(), value.clone());
+            }
+        }
+        serde_json::from_value(whole).map(Some).map_err(parse_error)
     }
 
     /// The delta that undoes this edit: the target as it was before. An edge that did not exist
@@ -86,6 +108,22 @@ impl Edit {
         }
         Ok(delta)
     }
+}
+
+/// The top-level fields of `after` that differ from `before`, as a JSON object (the edit log
+/// holds an edge once, not twice).
+fn changed_fields(before: &Edge, after: &Edge) -> String {
+    let before = serde_json::to_value(before).expect("graph values always serialise");
+    let after = serde_json::to_value(after).expect("graph values always serialise");
+    let mut changed = serde_json::Map::new();
+    if let Some(fields) = after.as_object() {
+        for (key, value) in fields {
+            if before.get(key) != Some(value) {
+                changed.insert(key.clone(), value.clone());
+            }
+        }
+    }
+    serde_json::Value::Object(changed).to_string()
 }
 
 fn json<T: Serialize>(value: &T) -> String {
@@ -122,6 +160,12 @@ mod tests {
         let expand = Edit::new("refine", "r2", "link_expand", Changed::Edge(None, Some(&before)), "under-connected", 9);
         assert!(!expand.undo().unwrap().edges.values().next().unwrap().active, "an added edge is deactivated");
         assert_ne!(prune.id, expand.id);
+        // The prune's `after` holds only what changed, and gives back the whole edge.
+        let changed: serde_json::Value = serde_json::from_str(prune.after.as_deref().unwrap()).unwrap();
+        let keys: Vec<&String> = changed.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["active", "weight"], "{changed}");
+        assert_eq!(prune.edge_after().unwrap(), Some(after.clone()));
+        assert_eq!(expand.edge_after().unwrap(), Some(before.clone()), "a new edge's after is whole");
         assert_eq!(prune.id, Edit::new("refine", "r2", "link_prune", Changed::Edge(Some(&before), Some(&after)), "distractor", 9).id);
     }
 }

@@ -14,9 +14,10 @@
 //!   `credit(b) = ((r_b + alpha * p) / (1 + alpha)) / p`: links lead to successes more strongly;
 //! - **Link Prune**: an edge whose credit is below `prune_below` with at least `min_evidence`
 //!   outcomes behind it is deactivated (re-activated by a later run if its credit recovers);
-//! - **Link Expand**: a failed episode gets a link (`relation: success_of_same_task`) to each
-//!   successful episode of the same task (same tenant, and same `task_id` metadata and source
-//!   file, or the same task text): under-connection, the failure lacked what the success had.
+//! - **Link Expand**: a failed episode gets a link (`relation: success_of_same_task`) to the
+//!   successful episodes of the same task (same tenant, and same `task_id` metadata and source
+//!   file, or the same task text) nearest in time, `max_failure_links` (3) at most:
+//!   under-connection, the failure lacked what the success had.
 //! - **Isolation**: tenants never mix. Base rates, credit sums and links are per tenant; an
 //!   edge joining two tenants' nodes (left by an older store) gives and gets no credit and is
 //!   deactivated (`pruned_by: isolation`, reason `cross-tenant edge (isolation)`), for good.
@@ -39,7 +40,7 @@ use fluxmem_graph::{Changed, Edge, EdgeKey, EdgeKind, Edit, Graph, Node, NodeId}
 use fluxmem_store::{CommitInfo, Writer};
 use serde::Serialize;
 use serde_json::Value;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use crate::query::STAGE;
 // Stage I's progress callbacks serve here too (counted in edges assessed).
@@ -57,6 +58,9 @@ pub struct CreditOptions {
     pub min_evidence: usize,
     /// Link failed episodes to successful episodes of the same task.
     pub link_failures: bool,
+    /// Links per failed episode at most: to the successes of its task nearest in time (ties by
+    /// id). Without a cap the links grow as failures x successes of a task.
+    pub max_failure_links: usize,
     /// An edge is rewritten when its credit moved by more than this since its last write (0:
     /// on any change).
     pub tolerance: f64,
@@ -66,7 +70,7 @@ pub struct CreditOptions {
 
 impl Default for CreditOptions {
     fn default() -> Self {
-        CreditOptions { prior: 2.0, prune_below: 0.5, min_evidence: 3, link_failures: true, tolerance: 0.05, prior_drift: 0.02 }
+        CreditOptions { prior: 2.0, prune_below: 0.5, min_evidence: 3, link_failures: true, max_failure_links: 3, tolerance: 0.05, prior_drift: 0.02 }
     }
 }
 
@@ -251,15 +255,24 @@ pub fn assign_with_priors(
                 entry.1.push(id);
             }
         }
-        let existing: BTreeSet<EdgeKey> = graph.edges.keys().cloned().collect();
+        let time = |id: &NodeId| graph.nodes[id].created_at.unwrap_or(0);
         for (successes, failures) in tasks.values() {
             for failure in failures {
-                for success in successes {
+                // The successes nearest in time, ties by id; an existing link counts towards
+                // the cap, so a later night adds none once a failure has its links.
+                let mut nearest: Vec<&&NodeId> = successes.iter().collect();
+                nearest.sort_by_key(|s| ((time(s) - time(failure)).unsigned_abs(), (**s).clone()));
+                let linked = |s: &NodeId| graph.edges.contains_key(&EdgeKey { src: (*failure).clone(), dst: s.clone(), kind: EdgeKind::Link });
+                let mut budget = options.max_failure_links.saturating_sub(successes.iter().filter(|s| linked(s)).count());
+                for success in nearest {
+                    if budget == 0 {
+                        break;
+                    }
                     let key = EdgeKey { src: (*failure).clone(), dst: (*success).clone(), kind: EdgeKind::Link };
-                    if existing.contains(&key) {
+                    if graph.edges.contains_key(&key) {
                         continue;
                     }
-                    let time = |id: &NodeId| graph.nodes[id].created_at.unwrap_or(0);
+                    budget -= 1;
                     let mut metadata = BTreeMap::new();
                     metadata.insert("relation".into(), Value::from("success_of_same_task"));
                     changes.push((

@@ -241,3 +241,35 @@ fn a_small_night_rewrites_the_edges_that_moved_not_the_history() {
     eprintln!("night of 20 over 600: {rewritten} edits with the tolerance ({} kept), {} with tolerance 0", second.within_tolerance, exact.edits);
     assert!(exact.edits > 4 * rewritten, "without the tolerance the same night rewrites {} edges (with it {rewritten})", exact.edits);
 }
+
+/// A failure of a task with five successes gets links to the three nearest in time, and a
+/// later run adds none (its links count towards the cap).
+#[test]
+fn failure_links_are_capped_to_the_successes_nearest_in_time() {
+    let mut graph = Graph::default();
+    let mut failure = episode("f", "t9", false);
+    failure.created_at = Some(10_000);
+    graph.insert_node(failure.clone());
+    let successes: Vec<Node> = [1_000i64, 9_000, 9_500, 12_000, 40_000]
+        .iter()
+        .enumerate()
+        .map(|(i, &at)| {
+            let mut s = episode(&format!("s{i}"), "t9", true);
+            s.created_at = Some(at);
+            s
+        })
+        .collect();
+    for s in &successes {
+        graph.insert_node(s.clone());
+    }
+    let (changes, report) = assign(&graph, &CreditOptions::default(), "refine@v1");
+    let linked: std::collections::BTreeSet<&NodeId> = changes.iter().filter(|(_, kind, _)| *kind == "link_expand").map(|(e, ..)| &e.dst).collect();
+    assert_eq!(report.expanded, 3);
+    let nearest: std::collections::BTreeSet<&NodeId> = [&successes[1].id, &successes[2].id, &successes[3].id].into_iter().collect();
+    assert_eq!(linked, nearest, "9,500, 9,000 and 12,000 are nearest to 10,000");
+    for (edge, ..) in changes {
+        graph.upsert_edge(edge);
+    }
+    let (_, again) = assign(&graph, &CreditOptions::default(), "refine@v2");
+    assert_eq!(again.expanded, 0, "the cap is reached: no new link");
+}

@@ -67,6 +67,6 @@ pub use error::{Error, Result};
 pub use lock::WriterLock;
 pub use manifest::{CommitRecord, EmbeddingModel, Manifest, RetiredShard, ShardEntry, FORMAT, SCHEMA_VERSION};
 pub use recover::{recover, RecoverReport};
-pub use scan::{Rows, Scan};
+pub use scan::{EdgeHead, Rows, Scan};
 pub use staging::{staging_dir, MergeReport, Shard, STAGING};
 pub use store::{CommitInfo, Store, Writer};

@@ -3,7 +3,7 @@
 
 use arrow_array::cast::AsArray;
 use arrow_array::{Array, BooleanArray, RecordBatch};
-use fluxmem_graph::{schema, Embedding, Graph, NodeId, Step};
+use fluxmem_graph::{schema, EdgeKind, Embedding, Graph, NodeId, NodeKind, Step};
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::manifest::{Manifest, ShardEntry};
@@ -137,6 +137,68 @@ impl Store {
         Ok(graph)
     }
 
+    /// Every live edge's key with whether it is active and whether its metadata names a
+    /// `relation` (Stage II links), reading five of the ten columns and decoding no weights,
+    /// runs, times or metadata maps.
+    pub fn edge_heads(&self, manifest: &Manifest) -> Result<BTreeMap<(NodeId, NodeId, EdgeKind), EdgeHead>> {
+        let mut heads = BTreeMap::new();
+        let columns = ["src", "dst", "kind", "active", "metadata"];
+        for entry in sorted(manifest, "edges") {
+            for batch in shard::read(&self.dir, &entry, Some(&columns))? {
+                let text = |name: &str| {
+                    batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| self.corrupt(&entry, format!("column `{name}` is not text")))
+                };
+                let (src, dst, kind, metadata) = (text("src")?, text("dst")?, text("kind")?, text("metadata")?);
+                let active = batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or_else(|| self.corrupt(&entry, "column `active` is not boolean".into()))?;
+                for row in 0..batch.num_rows() {
+                    let kind = EdgeKind::parse(kind.value(row)).ok_or_else(|| self.corrupt(&entry, format!("row {row}: unknown edge kind `{}`", kind.value(row))))?;
+                    let meta = metadata.value(row);
+                    // Parsed only when the key may be there.
+                    let relation = meta.contains("\"relation\"")
+                        && serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(meta).map(|m| m.contains_key("relation")).unwrap_or(false);
+                    let head = EdgeHead { active: !active.is_null(row) && active.value(row), relation };
+                    heads.insert((NodeId(src.value(row).to_string()), NodeId(dst.value(row).to_string()), kind), head);
+                }
+            }
+        }
+        Ok(heads)
+    }
+
+    /// Live node ids with their kind (two columns of `nodes`).
+    pub fn node_kinds(&self, manifest: &Manifest) -> Result<BTreeMap<NodeId, NodeKind>> {
+        let mut kinds = BTreeMap::new();
+        for entry in sorted(manifest, "nodes") {
+            for batch in shard::read(&self.dir, &entry, Some(&["id", "kind"]))? {
+                let text = |name: &str| {
+                    batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| self.corrupt(&entry, format!("column `{name}` is not text")))
+                };
+                let (ids, kind) = (text("id")?, text("kind")?);
+                for row in 0..batch.num_rows() {
+                    let parsed = NodeKind::parse(kind.value(row)).ok_or_else(|| self.corrupt(&entry, format!("row {row}: unknown node kind `{}`", kind.value(row))))?;
+                    kinds.insert(NodeId(ids.value(row).to_string()), parsed);
+                }
+            }
+        }
+        Ok(kinds)
+    }
+
+    /// Live embedding keys (node id, model id), two columns of `embeddings`.
+    pub fn embedding_keys(&self, manifest: &Manifest) -> Result<BTreeSet<(NodeId, String)>> {
+        let mut keys = BTreeSet::new();
+        for entry in sorted(manifest, "embeddings") {
+            for batch in shard::read(&self.dir, &entry, Some(&["node_id", "model_id"]))? {
+                let text = |name: &str| {
+                    batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| self.corrupt(&entry, format!("column `{name}` is not text")))
+                };
+                let (ids, models) = (text("node_id")?, text("model_id")?);
+                for row in 0..batch.num_rows() {
+                    keys.insert((NodeId(ids.value(row).to_string()), models.value(row).to_string()));
+                }
+            }
+        }
+        Ok(keys)
+    }
+
     fn scan_embeddings(&self, entry: &ShardEntry, scan: &Scan, graph: &mut Graph) -> Result<()> {
         let whole = |id: &str| match &scan.vectors {
             Rows::All => true,
@@ -194,6 +256,22 @@ impl Store {
     fn corrupt(&self, entry: &ShardEntry, reason: String) -> Error {
         Error::Corrupt { path: self.dir.join(&entry.file), reason }
     }
+}
+
+/// What [`Store::edge_heads`] tells of an edge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EdgeHead {
+    /// The edge is active.
+    pub active: bool,
+    /// Its metadata has a `relation` (a Stage II link: expand, prune, failure-success).
+    pub relation: bool,
+}
+
+/// The shards of `table` in commit order (later rows win).
+fn sorted(manifest: &Manifest, table: &str) -> Vec<ShardEntry> {
+    let mut entries: Vec<ShardEntry> = manifest.shards.iter().filter(|s| s.table == table).cloned().collect();
+    entries.sort_by(|a, b| (a.commit, &a.file).cmp(&(b.commit, &b.file)));
+    entries
 }
 
 /// The rows of `batch` whose text column `column` is one of `ids`.

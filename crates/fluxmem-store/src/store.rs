@@ -92,12 +92,30 @@ impl Store {
         Ok(ids)
     }
 
-    /// Counts of the current commit, with its manifest. Reads node and edge rows and the
-    /// embeddings' keys: no steps, vectors or edit log.
+    /// Counts of the current commit, with its manifest. Reads the key and kind columns of
+    /// nodes, edges and embeddings (and edges' `active` and `metadata`), nothing else.
     pub fn stats(&self) -> Result<(GraphStats, Manifest)> {
-        let scan = crate::Scan { nodes: true, edges: true, embedding_keys: true, ..Default::default() };
-        let (graph, manifest) = self.scan(&scan)?;
-        Ok((graph.stats(), manifest))
+        let manifest = self.manifest()?;
+        let mut stats = GraphStats::default();
+        for kind in self.node_kinds(&manifest)?.values() {
+            match kind {
+                fluxmem_graph::NodeKind::Semantic => stats.semantic += 1,
+                fluxmem_graph::NodeKind::Episodic => stats.episodic += 1,
+                fluxmem_graph::NodeKind::Procedural => stats.procedural += 1,
+            }
+        }
+        for ((_, _, kind), head) in self.edge_heads(&manifest)? {
+            if head.active {
+                match kind {
+                    fluxmem_graph::EdgeKind::Ground => stats.ground += 1,
+                    fluxmem_graph::EdgeKind::Distill => stats.distill += 1,
+                    fluxmem_graph::EdgeKind::Link => stats.link += 1,
+                }
+            }
+        }
+        let embedded: BTreeSet<NodeId> = self.embedding_keys(&manifest)?.into_iter().map(|(id, _)| id).collect();
+        stats.embedded = embedded.len();
+        Ok((stats, manifest))
     }
 }
 

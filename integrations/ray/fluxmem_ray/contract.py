@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STAGES = ("ingest", "embed", "connect", "refine", "consolidate", "export")
-MAP_STAGES = ("ingest", "embed", "connect")
-GLOBAL_STAGES = ("refine", "consolidate", "export")
+MAP_STAGES = ("ingest", "embed", "connect", "consolidate")
+GLOBAL_STAGES = ("refine", "export")
 
 # `fluxmem` exit status for "done, but some input records were quarantined".
 EXIT_QUARANTINED = 3

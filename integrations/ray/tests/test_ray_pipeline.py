@@ -40,6 +40,8 @@ seed = 7
 
 [models]
 device = "cpu"
+generator = "none"
+judge = "none"
 
 [[inputs]]
 paths = ["{data}/trajectories.jsonl", "{data}/knowledge/*.md"]
@@ -54,12 +56,14 @@ paths = ["{data}/alfworld/*.json"]
 format = "alfworld"
 tenant = "alfworld"
 
-# Skill induction with the real generator costs minutes per cluster in a debug build; it is a
-# global stage that runs once on the merged store either way.
+# Consolidate is a map stage: each shard clusters the same store and induces the skills of the
+# clusters it owns. Skills are worded by template (`generator = "none"`: the real generator
+# costs minutes per cluster in a debug build); mining, PEMS and eta run as in production.
 [consolidate]
-enabled = false
+enabled = true
+max_rounds = 1
 
-# With consolidate off there is no skill to export (an export of 0 skills is a degraded run).
+# The export is a global stage and is tested elsewhere.
 [export]
 enabled = false
 format = "jsonl"
@@ -179,6 +183,14 @@ def test_map_stages_fanned_out_on_gpu_actors(stores):
     single_ingest = stores["single_record"]["stages"][0]["counts_out"]
     assert all(0 < s["record"]["counts_out"]["ingested"] < single_ingest["ingested"] for s in ingest), ingest
     assert sum(s["record"]["counts_out"]["ingested"] for s in ingest) == single_ingest["ingested"]
+    # The consolidate shards split the clusters between them: together they handled every
+    # cluster the single run handled, and the single run made skills.
+    consolidate = next(s for s in summary.stages if s["name"] == "consolidate")["shards"]
+    single = next(s for s in stores["single_record"]["stages"] if s["name"] == "consolidate")
+    handled = [s["record"]["details"]["clusters"] - s["record"]["details"]["other_shards"] for s in consolidate]
+    assert all(h > 0 for h in handled), handled
+    assert sum(handled) == single["details"]["clusters"], (handled, single["details"]["clusters"])
+    assert single["counts_out"]["skills_new"] > 0, single
     assert not (stores["ray"] / "staging").exists() or not any((stores["ray"] / "staging").iterdir())
 
 
