@@ -85,3 +85,27 @@ fn scans_read_what_they_ask_for_and_nothing_else() {
     let (vectors, _) = store.scan(&Scan { vectors: Rows::Of(one.clone()), ..Default::default() }).unwrap();
     assert_eq!(vectors.embeddings.len(), 1);
 }
+
+/// `stats` (from key, kind and head columns) counts what the whole graph counts, and the edge
+/// heads say which edges are active and which are Stage II links.
+#[test]
+fn stats_and_edge_heads_match_the_whole_graph() {
+    let (dir, all) = store();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let mut delta = Graph::default();
+    let (a, b) = (episode(1, 1).id, episode(2, 0).id);
+    let mut link = Edge { src: a.clone(), dst: b.clone(), kind: EdgeKind::Link, weight: 1.0, evidence: 1, stage: "refine".into(), run_id: "r".into(), created_at: 0, active: false, metadata: Default::default() };
+    link.metadata.insert("relation".into(), "expand".into());
+    delta.upsert_edge(link);
+    writer.commit(&delta, info()).unwrap();
+    let mut whole = all.clone();
+    whole.apply(delta);
+    let store = fluxmem_store::Store::open(dir.path()).unwrap();
+    let (stats, manifest) = store.stats().unwrap();
+    assert_eq!(stats, whole.stats());
+    let heads = store.edge_heads(&manifest).unwrap();
+    assert_eq!(heads.len(), whole.edges.len());
+    let head = heads[&(a, b, EdgeKind::Link)];
+    assert!(!head.active && head.relation, "{head:?}");
+    assert!(heads.values().filter(|h| !h.relation).all(|h| h.active));
+}

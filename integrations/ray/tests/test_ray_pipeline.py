@@ -205,9 +205,9 @@ def test_same_rows(stores, table):
 
 def test_same_edges(stores):
     single, sharded = live_rows(stores["single"], "edges"), live_rows(stores["ray"], "edges")
-    assert {row["kind"] for row in single.values()} >= {"ground", "link"}
+    assert {row["kind"] for row in single.values()} >= {"ground", "link", "distill"}
     assert sorted(single) == sorted(sharded)
-    assert {row["run_id"] for row in single.values()} <= {f"connect@{RUN_ID}", f"refine@{RUN_ID}"}
+    assert {row["run_id"] for row in single.values()} <= {f"connect@{RUN_ID}", f"refine@{RUN_ID}", f"consolidate@{RUN_ID}"}
     for key, row in single.items():
         other = sharded[key]
         for column in ("run_id", "active", "evidence", "stage", "created_at"):
@@ -228,6 +228,7 @@ def test_same_embeddings(stores):
 def test_same_refine_edits(stores):
     single, sharded = edit_log(stores["single"]), edit_log(stores["ray"])
     assert any(stage == "refine" for stage, _, _ in single)
+    assert any(stage == "consolidate" for stage, _, _ in single), "the sharded consolidate's edits are compared too"
     assert sorted(single) == sorted(sharded)
     for key, edit in single.items():
         assert_same({k: parsed(v) for k, v in edit.items()}, {k: parsed(v) for k, v in sharded[key].items()}, str(key))
