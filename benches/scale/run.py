@@ -62,8 +62,10 @@ def main():
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix=f"fluxmem-scale-{args.episodes}-")
-    if os.path.exists(os.path.join(work, "store")):
-        shutil.rmtree(os.path.join(work, "store"))
+    # A fresh store and log folder: logs of an earlier run would be night 1's input.
+    for old in ("store", "logs"):
+        if os.path.exists(os.path.join(work, old)):
+            shutil.rmtree(os.path.join(work, old))
     logs = os.path.join(work, "logs")
     os.makedirs(logs, exist_ok=True)
     store = os.path.join(work, "store")

@@ -33,6 +33,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::manifest::{CommitRecord, Manifest, RetiredShard, ShardEntry};
 use crate::store::{fault_point, sync_dir, write_manifest, SHARDS};
+use crate::scan::sorted;
 use crate::{shard, CommitInfo, Error, Result, Writer};
 
 /// When compaction rewrites and merges shards.
@@ -498,12 +499,6 @@ fn delete_retired(dir: &std::path::Path, manifest: &mut Manifest) -> Result<()> 
 /// True when the store has a staging store (a sharded run started and not merged).
 pub(crate) fn staging_in_progress(dir: &std::path::Path) -> bool {
     std::fs::read_dir(dir.join(crate::STAGING)).map(|mut entries| entries.next().is_some()).unwrap_or(false)
-}
-
-fn sorted(manifest: &Manifest, table: &str) -> Vec<ShardEntry> {
-    let mut entries: Vec<ShardEntry> = manifest.shards.iter().filter(|s| s.table == table).cloned().collect();
-    entries.sort_by(|a, b| (a.commit, &a.file).cmp(&(b.commit, &b.file)));
-    entries
 }
 
 fn corrupt(dir: &std::path::Path, entry: &ShardEntry, source: fluxmem_graph::Error) -> Error {

@@ -145,9 +145,7 @@ impl Store {
         let columns = ["src", "dst", "kind", "active", "metadata"];
         for entry in sorted(manifest, "edges") {
             for batch in shard::read(&self.dir, &entry, Some(&columns))? {
-                let text = |name: &str| {
-                    batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| self.corrupt(&entry, format!("column `{name}` is not text")))
-                };
+                let text = |name: &str| text_column(self, &entry, &batch, name);
                 let (src, dst, kind, metadata) = (text("src")?, text("dst")?, text("kind")?, text("metadata")?);
                 let active = batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or_else(|| self.corrupt(&entry, "column `active` is not boolean".into()))?;
                 for row in 0..batch.num_rows() {
@@ -169,10 +167,7 @@ impl Store {
         let mut kinds = BTreeMap::new();
         for entry in sorted(manifest, "nodes") {
             for batch in shard::read(&self.dir, &entry, Some(&["id", "kind"]))? {
-                let text = |name: &str| {
-                    batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| self.corrupt(&entry, format!("column `{name}` is not text")))
-                };
-                let (ids, kind) = (text("id")?, text("kind")?);
+                let (ids, kind) = (text_column(self, &entry, &batch, "id")?, text_column(self, &entry, &batch, "kind")?);
                 for row in 0..batch.num_rows() {
                     let parsed = NodeKind::parse(kind.value(row)).ok_or_else(|| self.corrupt(&entry, format!("row {row}: unknown node kind `{}`", kind.value(row))))?;
                     kinds.insert(NodeId(ids.value(row).to_string()), parsed);
@@ -187,10 +182,7 @@ impl Store {
         let mut keys = BTreeSet::new();
         for entry in sorted(manifest, "embeddings") {
             for batch in shard::read(&self.dir, &entry, Some(&["node_id", "model_id"]))? {
-                let text = |name: &str| {
-                    batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| self.corrupt(&entry, format!("column `{name}` is not text")))
-                };
-                let (ids, models) = (text("node_id")?, text("model_id")?);
+                let (ids, models) = (text_column(self, &entry, &batch, "node_id")?, text_column(self, &entry, &batch, "model_id")?);
                 for row in 0..batch.num_rows() {
                     keys.insert((NodeId(ids.value(row).to_string()), models.value(row).to_string()));
                 }
@@ -268,10 +260,15 @@ pub struct EdgeHead {
 }
 
 /// The shards of `table` in commit order (later rows win).
-fn sorted(manifest: &Manifest, table: &str) -> Vec<ShardEntry> {
+pub(crate) fn sorted(manifest: &Manifest, table: &str) -> Vec<ShardEntry> {
     let mut entries: Vec<ShardEntry> = manifest.shards.iter().filter(|s| s.table == table).cloned().collect();
     entries.sort_by(|a, b| (a.commit, &a.file).cmp(&(b.commit, &b.file)));
     entries
+}
+
+/// The text column `name` of a shard's batch.
+fn text_column<'b>(store: &Store, entry: &ShardEntry, batch: &'b RecordBatch, name: &str) -> Result<&'b arrow_array::StringArray> {
+    batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| store.corrupt(entry, format!("column `{name}` is not text")))
 }
 
 /// The rows of `batch` whose text column `column` is one of `ids`.

@@ -57,21 +57,7 @@ impl Store {
     /// has moved on (a compaction retired and, commits later, deleted it) makes the read start
     /// again from the new manifest; any other failure is returned.
     pub fn load(&self) -> Result<Graph> {
-        let mut manifest = self.manifest()?;
-        let mut tries = 0;
-        loop {
-            match self.load_at(&manifest) {
-                Err(error) if tries < 3 => {
-                    let now = self.manifest()?;
-                    if now.version == manifest.version {
-                        return Err(error);
-                    }
-                    manifest = now;
-                    tries += 1;
-                }
-                other => return other,
-            }
-        }
+        self.scan(&crate::Scan::all()).map(|(graph, _)| graph)
     }
 
     /// The whole graph of the commit `manifest` describes, every shard verified.
