@@ -33,7 +33,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::manifest::{CommitRecord, Manifest, RetiredShard, ShardEntry};
 use crate::store::{fault_point, sync_dir, write_manifest, SHARDS};
-use crate::scan::sorted;
+use crate::scan::{sorted, text_column};
 use crate::{shard, CommitInfo, Error, Result, Writer};
 
 /// When compaction rewrites and merges shards.
@@ -308,15 +308,8 @@ impl Writer {
             let mut row = 0usize;
             for entry in unit.entries.iter().filter(|e| e.table == table) {
                 for batch in shard::read(&self.store.dir, entry, Some(columns))? {
-                    let strings: Vec<&arrow_array::StringArray> = columns
-                        .iter()
-                        .map(|name| {
-                            batch
-                                .column_by_name(name)
-                                .and_then(|c| c.as_any().downcast_ref::<arrow_array::StringArray>())
-                                .ok_or_else(|| Error::Corrupt { path: self.store.dir.join(&entry.file), reason: format!("key column `{name}` is not text") })
-                        })
-                        .collect::<Result<_>>()?;
+                    let strings: Vec<&arrow_array::StringArray> =
+                        columns.iter().map(|name| text_column(&self.store, entry, &batch, name)).collect::<Result<_>>()?;
                     for i in 0..batch.num_rows() {
                         let parts: Vec<&str> = strings.iter().map(|s| s.value(i)).collect();
                         last.insert(key_of(&parts), (index, row));

@@ -267,7 +267,7 @@ pub(crate) fn sorted(manifest: &Manifest, table: &str) -> Vec<ShardEntry> {
 }
 
 /// The text column `name` of a shard's batch.
-fn text_column<'b>(store: &Store, entry: &ShardEntry, batch: &'b RecordBatch, name: &str) -> Result<&'b arrow_array::StringArray> {
+pub(crate) fn text_column<'b>(store: &Store, entry: &ShardEntry, batch: &'b RecordBatch, name: &str) -> Result<&'b arrow_array::StringArray> {
     batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| store.corrupt(entry, format!("column `{name}` is not text")))
 }
 
