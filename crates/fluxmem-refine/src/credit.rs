@@ -40,7 +40,7 @@ use fluxmem_graph::{Changed, Edge, EdgeKey, EdgeKind, Edit, Graph, Node, NodeId}
 use fluxmem_store::{CommitInfo, Writer};
 use serde::Serialize;
 use serde_json::Value;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::query::STAGE;
 // Stage I's progress callbacks serve here too (counted in edges assessed).
@@ -76,6 +76,13 @@ impl Default for CreditOptions {
 
 /// The progress marker that holds each tenant's base rate (the prior of the credits).
 pub const BASE_RATE_MARKER: &str = "refine.base_rate";
+
+/// What credit assignment needs of a node, looked up once per edge end.
+struct Info<'g> {
+    tenant: &'g str,
+    outcome: Option<f64>,
+    episode: bool,
+}
 
 /// What a refine run did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -134,15 +141,22 @@ pub fn assign_with_priors(
     run_id: &str,
     priors: &BTreeMap<String, f64>,
 ) -> (Vec<(Edge, &'static str, String)>, CreditReport) {
-    let outcomes: BTreeMap<&NodeId, f64> = graph.nodes.values().filter_map(|n| outcome(n).map(|r| (&n.id, r))).collect();
+    // One hashed look-up per node id instead of B-tree searches over long ids: the loops below
+    // visit every edge.
+    let info: HashMap<&NodeId, Info> = graph
+        .nodes
+        .values()
+        .map(|n| (&n.id, Info { tenant: n.tenant.as_str(), outcome: outcome(n), episode: n.episode().is_some() }))
+        .collect();
+    let outcomes: BTreeMap<&NodeId, f64> = info.iter().filter_map(|(id, i)| i.outcome.map(|r| (*id, r))).collect();
     let mut report = CreditReport {
-        episodes: graph.nodes.values().filter(|n| n.episode().is_some()).count(),
+        episodes: info.values().filter(|i| i.episode).count(),
         with_outcome: outcomes.len(),
         ..Default::default()
     };
     let mut per_tenant: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
     for (id, r) in &outcomes {
-        let entry = per_tenant.entry(graph.nodes[*id].tenant.as_str()).or_default();
+        let entry = per_tenant.entry(info[*id].tenant).or_default();
         entry.0 += r;
         entry.1 += 1;
     }
@@ -160,13 +174,18 @@ pub fn assign_with_priors(
         }
     }
     report.base_rate = base.iter().map(|(t, p)| (t.to_string(), *p)).collect();
-    let rate = |id: &NodeId| graph.nodes.get(id).and_then(|n| base.get(n.tenant.as_str())).copied();
+    let rate = |id: &NodeId| info.get(id).and_then(|i| base.get(i.tenant)).copied();
+    let within_tenant = |edge: &Edge| match (info.get(&edge.src), info.get(&edge.dst)) {
+        (Some(src), Some(dst)) => src.tenant == dst.tenant,
+        _ => true,
+    };
+    let outcome_of = |id: &NodeId| info.get(id).and_then(|i| i.outcome);
     // Outcomes behind each semantic node, through its ground edges (stage-1 or refine, active or
     // pruned by credit: the credit is about the node, not about which edges are active now).
     // Only edges inside one tenant count: another tenant's outcomes never move a credit.
-    let mut behind: BTreeMap<&NodeId, (f64, usize)> = BTreeMap::new();
-    for edge in graph.edges.values().filter(|e| e.kind == EdgeKind::Ground && counts(e) && within_tenant(graph, e)) {
-        if let Some(r) = outcomes.get(&edge.dst) {
+    let mut behind: HashMap<&NodeId, (f64, usize)> = HashMap::new();
+    for edge in graph.edges.values().filter(|e| e.kind == EdgeKind::Ground && counts(e) && within_tenant(e)) {
+        if let Some(r) = outcome_of(&edge.dst) {
             let entry = behind.entry(&edge.src).or_default();
             entry.0 += r;
             entry.1 += 1;
@@ -174,7 +193,7 @@ pub fn assign_with_priors(
     }
     let mut changes = Vec::new();
     for edge in graph.edges.values() {
-        if !within_tenant(graph, edge) {
+        if !within_tenant(edge) {
             report.cross_tenant += 1;
             if let Some(change) = isolate(edge, run_id) {
                 report.isolated += 1;
@@ -184,11 +203,11 @@ pub fn assign_with_priors(
         }
         let (credit, evidence) = match edge.kind {
             EdgeKind::Ground if counts(edge) => match (behind.get(&edge.src), rate(&edge.dst)) {
-                (Some(&(sum, n)), Some(p)) if outcomes.contains_key(&edge.dst) => (((sum + options.prior * p) / (n as f64 + options.prior)) / p, n),
+                (Some(&(sum, n)), Some(p)) if outcome_of(&edge.dst).is_some() => (((sum + options.prior * p) / (n as f64 + options.prior)) / p, n),
                 _ => continue,
             },
-            EdgeKind::Link if counts(edge) && graph.nodes.get(&edge.src).is_some_and(|n| n.episode().is_some()) => {
-                match (outcomes.get(&edge.dst), rate(&edge.dst)) {
+            EdgeKind::Link if counts(edge) && info.get(&edge.src).is_some_and(|i| i.episode) => {
+                match (outcome_of(&edge.dst), rate(&edge.dst)) {
                     (Some(r), Some(p)) => (((r + options.prior * p) / (1.0 + options.prior)) / p, 1),
                     _ => continue,
                 }
@@ -205,20 +224,27 @@ pub fn assign_with_priors(
         next.weight = (stage1_weight * credit) as f32;
         next.evidence = stage1_evidence + evidence as i64;
         let pruned_by_credit = edge.metadata.get("pruned_by").and_then(Value::as_str) == Some("credit");
-        let (kind, reason) = if credit < options.prune_below && evidence >= options.min_evidence {
+        // The reason is written only for an edge that changes (most are within tolerance).
+        #[derive(PartialEq)]
+        enum Why {
+            Prune,
+            Recovered,
+            Credit,
+        }
+        let why = if credit < options.prune_below && evidence >= options.min_evidence {
             next.active = false;
             next.metadata.insert("pruned_by".into(), "credit".into());
             if edge.active {
                 report.pruned += 1;
             }
-            ("link_prune", format!("credit {credit:.3} < {} over {evidence} outcomes: present in failures", options.prune_below))
+            Why::Prune
         } else if !edge.active && pruned_by_credit {
             next.active = true;
             next.metadata.remove("pruned_by");
             report.reactivated += 1;
-            ("credit", format!("credit {credit:.3} recovered over {evidence} outcomes"))
+            Why::Recovered
         } else {
-            ("credit", format!("credit {credit:.3} over {evidence} outcomes (base rate {:.3})", rate(&edge.dst).unwrap_or_default()))
+            Why::Credit
         };
         let state_changed = edge.active != next.active || edge.metadata.get("pruned_by") != next.metadata.get("pruned_by");
         let moved = match edge.metadata.get("credit").and_then(Value::as_f64) {
@@ -232,6 +258,11 @@ pub fn assign_with_priors(
         if !same(edge, &next) {
             next.stage = STAGE.into();
             next.run_id = run_id.into();
+            let (kind, reason) = match why {
+                Why::Prune => ("link_prune", format!("credit {credit:.3} < {} over {evidence} outcomes: present in failures", options.prune_below)),
+                Why::Recovered => ("credit", format!("credit {credit:.3} recovered over {evidence} outcomes")),
+                Why::Credit => ("credit", format!("credit {credit:.3} over {evidence} outcomes (base rate {:.3})", rate(&edge.dst).unwrap_or_default())),
+            };
             if kind == "credit" {
                 report.reweighted += 1;
             }
@@ -246,29 +277,47 @@ pub fn assign_with_priors(
                 None => format!("{}\0text\0{}", n.tenant, n.text),
             }
         };
-        let mut tasks: BTreeMap<String, (Vec<&NodeId>, Vec<&NodeId>)> = BTreeMap::new();
+        let time = |id: &NodeId| graph.nodes[id].created_at.unwrap_or(0);
+        // Per task: its successes (with their times) and failures; each node's task, once.
+        let mut tasks: BTreeMap<String, (Vec<(i64, &NodeId)>, Vec<&NodeId>)> = BTreeMap::new();
+        let mut task_of: HashMap<&NodeId, (String, bool)> = HashMap::new();
         for (id, r) in &outcomes {
-            let entry = tasks.entry(task_key(&graph.nodes[*id])).or_default();
+            let key = task_key(&graph.nodes[*id]);
+            let entry = tasks.entry(key.clone()).or_default();
             if *r >= 0.5 {
-                entry.0.push(id);
+                entry.0.push((time(id), id));
             } else {
                 entry.1.push(id);
             }
+            task_of.insert(id, (key, *r >= 0.5));
         }
-        let time = |id: &NodeId| graph.nodes[id].created_at.unwrap_or(0);
+        // The links each failure already has to successes of its task, from one pass over the
+        // links (not a look-up per failure and success): they count towards the cap, so a later
+        // night adds none once a failure has its links.
+        let mut linked: HashMap<&NodeId, usize> = HashMap::new();
+        for edge in graph.edges.values().filter(|e| e.kind == EdgeKind::Link) {
+            if let (Some((a, false)), Some((b, true))) = (task_of.get(&edge.src), task_of.get(&edge.dst)) {
+                if a == b {
+                    *linked.entry(&edge.src).or_default() += 1;
+                }
+            }
+        }
         for (successes, failures) in tasks.values() {
             for failure in failures {
-                // The successes nearest in time, ties by id; an existing link counts towards
-                // the cap, so a later night adds none once a failure has its links.
-                let mut nearest: Vec<&&NodeId> = successes.iter().collect();
-                nearest.sort_by_key(|s| ((time(s) - time(failure)).unsigned_abs(), (**s).clone()));
-                let linked = |s: &NodeId| graph.edges.contains_key(&EdgeKey { src: (*failure).clone(), dst: s.clone(), kind: EdgeKind::Link });
-                let mut budget = options.max_failure_links.saturating_sub(successes.iter().filter(|s| linked(s)).count());
-                for success in nearest {
+                let existing = linked.get(*failure).copied().unwrap_or(0);
+                let mut budget = options.max_failure_links.saturating_sub(existing);
+                if budget == 0 || existing >= successes.len() {
+                    continue;
+                }
+                // The successes nearest in time, ties by id.
+                let at = time(failure);
+                let mut nearest: Vec<(u64, &NodeId)> = successes.iter().map(|(t, s)| ((t - at).unsigned_abs(), *s)).collect();
+                nearest.sort_unstable();
+                for (_, success) in nearest {
                     if budget == 0 {
                         break;
                     }
-                    let key = EdgeKey { src: (*failure).clone(), dst: (*success).clone(), kind: EdgeKind::Link };
+                    let key = EdgeKey { src: (*failure).clone(), dst: success.clone(), kind: EdgeKind::Link };
                     if graph.edges.contains_key(&key) {
                         continue;
                     }
@@ -284,7 +333,7 @@ pub fn assign_with_priors(
                             evidence: 1,
                             stage: STAGE.into(),
                             run_id: run_id.into(),
-                            created_at: time(failure).max(time(success)),
+                            created_at: at.max(time(success)),
                             active: true,
                             metadata,
                         },
@@ -334,15 +383,6 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
     writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress })?;
     report.commits = 1;
     Ok(report)
-}
-
-/// False for an edge whose two nodes belong to different tenants (an edge to a node the graph
-/// lacks cannot be told, and counts as within).
-fn within_tenant(graph: &Graph, edge: &Edge) -> bool {
-    match (graph.nodes.get(&edge.src), graph.nodes.get(&edge.dst)) {
-        (Some(src), Some(dst)) => src.tenant == dst.tenant,
-        _ => true,
-    }
 }
 
 /// A cross-tenant edge deactivated for good (`pruned_by: isolation`; credit never re-activates
