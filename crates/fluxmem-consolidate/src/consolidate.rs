@@ -3,7 +3,7 @@
 use candle_core::Device;
 use fluxmem_graph::{sha256_hex, Changed, Edge, EdgeKind, Edit, Embedding, Graph, Node, NodeBody, NodeId, NodeKind, Skill};
 use fluxmem_models::Usage;
-use fluxmem_store::{CommitInfo, Writer};
+use fluxmem_store::{CommitInfo, Rows, Scan, Writer};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -233,7 +233,7 @@ pub fn consolidate_store(
     device: &Device,
     progress: &mut dyn Progress,
 ) -> Result<ConsolidateReport> {
-    let graph = writer.store().load()?;
+    let graph = read(writer)?;
     let model = models.embedder.model_id().to_string();
     if let Some(stored) = &writer.manifest().embedding_model {
         if stored.id != model {
@@ -304,6 +304,29 @@ pub fn consolidate_store(
     report.generator = TokenUsage::between(generator_start, generator_usage(models));
     report.judge = models.judge.as_ref().map(|j| TokenUsage::between(judge_start, j.usage())).unwrap_or_default();
     Ok(report)
+}
+
+/// What consolidation reads of the store: node rows with the steps (mining needs the
+/// episodes' tool calls), the vectors of episodes and skills (not of facts), the distill edges
+/// (a new version retires its predecessor's) and the `skill_failed` records of the edit log;
+/// not the ground and link edges, the facts' vectors or the rest of the edit log, which are
+/// most of a store.
+fn read(writer: &Writer) -> Result<Graph> {
+    let store = writer.store();
+    let scan = Scan {
+        nodes: true,
+        steps: Rows::All,
+        edges: true,
+        edge_kinds: vec![EdgeKind::Distill],
+        edits: true,
+        edit_kinds: vec!["skill_failed".into()],
+        ..Default::default()
+    };
+    let mut graph = store.scan_at(writer.manifest(), &scan)?;
+    let wanted: BTreeSet<NodeId> = graph.nodes.values().filter(|n| matches!(n.kind(), NodeKind::Episodic | NodeKind::Procedural)).map(|n| n.id.clone()).collect();
+    let vectors = store.scan_at(writer.manifest(), &Scan { vectors: Rows::Of(wanted), ..Default::default() })?;
+    graph.embeddings = vectors.embeddings;
+    Ok(graph)
 }
 
 fn generator_usage(models: &Models<'_>) -> Usage {

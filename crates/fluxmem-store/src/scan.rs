@@ -36,6 +36,9 @@ pub struct Scan {
     pub steps: Rows,
     /// Edge rows.
     pub edges: bool,
+    /// With `edges`: only the edges of these kinds (empty: every kind). Rows are filtered on
+    /// the `kind` column before any is decoded.
+    pub edge_kinds: Vec<EdgeKind>,
     /// Embedding rows with their vectors.
     pub vectors: Rows,
     /// Every embedding's key and text hash, without its vector (an empty `vector`), where
@@ -43,12 +46,14 @@ pub struct Scan {
     pub embedding_keys: bool,
     /// The edit log.
     pub edits: bool,
+    /// With `edits`: only the records of these kinds (empty: every kind), in log order.
+    pub edit_kinds: Vec<String>,
 }
 
 impl Scan {
     /// Everything.
     pub fn all() -> Scan {
-        Scan { nodes: true, steps: Rows::All, edges: true, vectors: Rows::All, embedding_keys: false, edits: true }
+        Scan { nodes: true, steps: Rows::All, edges: true, vectors: Rows::All, edits: true, ..Default::default() }
     }
 
     /// Node rows and edges, no steps, vectors or edits (credit assignment).
@@ -91,7 +96,7 @@ impl Store {
                 for entry in shards.iter().filter(|s| s.table == "steps") {
                     for batch in shard::read(&self.dir, entry, None)? {
                         let batch = match &scan.steps {
-                            Rows::Of(ids) => filter(&batch, "episode_id", ids).map_err(|reason| self.corrupt(entry, reason))?,
+                            Rows::Of(ids) => filter(&batch, "episode_id", &|v| ids.contains(v)).map_err(|reason| self.corrupt(entry, reason))?,
                             _ => batch,
                         };
                         schema::steps_from_batch(&batch, &mut steps).map_err(|e| self.corrupt(entry, e.to_string()))?;
@@ -114,12 +119,22 @@ impl Store {
                     }
                     "edges" if scan.edges => {
                         for batch in shard::read(&self.dir, entry, None)? {
+                            let batch = if scan.edge_kinds.is_empty() {
+                                batch
+                            } else {
+                                filter(&batch, "kind", &|v| scan.edge_kinds.iter().any(|k| k.as_str() == v)).map_err(|reason| self.corrupt(entry, reason))?
+                            };
                             let edges = schema::edges_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
                             edges.into_iter().for_each(|e| graph.upsert_edge(e));
                         }
                     }
                     "edits" if scan.edits => {
                         for batch in shard::read(&self.dir, entry, None)? {
+                            let batch = if scan.edit_kinds.is_empty() {
+                                batch
+                            } else {
+                                filter(&batch, "kind", &|v| scan.edit_kinds.iter().any(|k| k == v)).map_err(|reason| self.corrupt(entry, reason))?
+                            };
                             graph.edits.extend(schema::edits_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?);
                         }
                     }
@@ -201,7 +216,7 @@ impl Store {
             // Whole rows only (all of them, or the filtered ones).
             for batch in shard::read(&self.dir, entry, None)? {
                 let batch = match &scan.vectors {
-                    Rows::Of(ids) => filter(&batch, "node_id", ids).map_err(|reason| self.corrupt(entry, reason))?,
+                    Rows::Of(ids) => filter(&batch, "node_id", &|v| ids.contains(v)).map_err(|reason| self.corrupt(entry, reason))?,
                     _ => batch,
                 };
                 let embeddings = schema::embeddings_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
@@ -237,7 +252,7 @@ impl Store {
         }
         if !wanted.is_empty() {
             for batch in shard::read(&self.dir, entry, None)? {
-                let batch = filter(&batch, "node_id", &wanted).map_err(|reason| self.corrupt(entry, reason))?;
+                let batch = filter(&batch, "node_id", &|v| wanted.contains(v)).map_err(|reason| self.corrupt(entry, reason))?;
                 let embeddings = schema::embeddings_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
                 embeddings.into_iter().for_each(|e| graph.upsert_embedding(e));
             }
@@ -271,12 +286,12 @@ pub(crate) fn text_column<'b>(store: &Store, entry: &ShardEntry, batch: &'b Reco
     batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| store.corrupt(entry, format!("column `{name}` is not text")))
 }
 
-/// The rows of `batch` whose text column `column` is one of `ids`.
-fn filter(batch: &RecordBatch, column: &str, ids: &BTreeSet<NodeId>) -> std::result::Result<RecordBatch, String> {
+/// The rows of `batch` whose text column `column` passes `keep`.
+fn filter(batch: &RecordBatch, column: &str, keep: &dyn Fn(&str) -> bool) -> std::result::Result<RecordBatch, String> {
     let values = batch
         .column_by_name(column)
         .and_then(|c| c.as_string_opt::<i32>())
         .ok_or_else(|| format!("column `{column}` is missing or not text"))?;
-    let mask: BooleanArray = (0..values.len()).map(|i| Some(values.is_valid(i) && ids.contains(values.value(i)))).collect();
+    let mask: BooleanArray = (0..values.len()).map(|i| Some(values.is_valid(i) && keep(values.value(i)))).collect();
     arrow_select::filter::filter_record_batch(batch, &mask).map_err(|e| format!("cannot filter rows: {e}"))
 }

@@ -109,3 +109,44 @@ fn stats_and_edge_heads_match_the_whole_graph() {
     assert!(!head.active && head.relation, "{head:?}");
     assert!(heads.values().filter(|h| !h.relation).all(|h| h.active));
 }
+
+/// Kind filters on edges and edits keep exactly the rows of those kinds (the newest row of an
+/// edge key, edits in log order) and nothing of the other kinds.
+#[test]
+fn edge_and_edit_kind_filters_keep_those_kinds_only() {
+    let (dir, all) = store();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let mut delta = Graph::default();
+    let (a, b) = (episode(1, 1).id, episode(2, 0).id);
+    for (kind, weight) in [(EdgeKind::Distill, 0.25), (EdgeKind::Link, 1.0)] {
+        let edge = Edge { src: a.clone(), dst: b.clone(), kind, weight, evidence: 1, stage: "consolidate".into(), run_id: "r".into(), created_at: 0, active: true, metadata: Default::default() };
+        delta.edits.push(Edit::new("consolidate", "r", if kind == EdgeKind::Distill { "distill" } else { "skill_failed" }, Changed::Edge(None, Some(&edge)), "why", 0));
+        delta.upsert_edge(edge);
+    }
+    writer.commit(&delta, info()).unwrap();
+    // A later commit rewrites the distill edge: the filtered scan sees the newest row.
+    let mut later = Graph::default();
+    let mut edge = delta.edges.values().find(|e| e.kind == EdgeKind::Distill).unwrap().clone();
+    edge.active = false;
+    later.edits.push(Edit::new("consolidate", "r", "skill_failed", Changed::Edge(None, Some(&edge)), "second", 1));
+    later.upsert_edge(edge.clone());
+    writer.commit(&later, info()).unwrap();
+    let mut whole = all.clone();
+    whole.apply(delta);
+    whole.apply(later);
+
+    let store = fluxmem_store::Store::open(dir.path()).unwrap();
+    let scan = Scan { edges: true, edge_kinds: vec![EdgeKind::Distill], edits: true, edit_kinds: vec!["skill_failed".into()], ..Default::default() };
+    let (read, _) = store.scan(&scan).unwrap();
+    let distill: Vec<&Edge> = whole.edges.values().filter(|e| e.kind == EdgeKind::Distill).collect();
+    assert_eq!(read.edges.values().collect::<Vec<_>>(), distill);
+    assert!(!read.edges.values().next().unwrap().active, "the newest row of the edge");
+    let failed: Vec<&Edit> = whole.edits.iter().filter(|e| e.kind == "skill_failed").collect();
+    assert_eq!(failed.len(), 2);
+    assert_eq!(read.edits.iter().collect::<Vec<_>>(), failed, "in log order");
+    assert!(read.nodes.is_empty() && read.embeddings.is_empty());
+    // Without filters, every kind.
+    let (every, _) = store.scan(&Scan { edges: true, edits: true, ..Default::default() }).unwrap();
+    assert_eq!(every.edges, whole.edges);
+    assert_eq!(every.edits, whole.edits);
+}
