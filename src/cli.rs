@@ -595,6 +595,15 @@ pub struct ConsolidateArgs {
     /// its source episodes; below, the skill is kept (0: re-induce on any change).
     #[arg(long, default_value_t = fluxmem_consolidate::ConsolidateOptions::default().reinduce_share)]
     pub reinduce_share: f64,
+    /// Cluster every tenant again with k-means, even when its new episodes fit the clusters
+    /// of its skills (by default they join those clusters, see `--recluster-share`).
+    #[arg(long)]
+    pub recluster: bool,
+    /// Cluster a tenant again when more than this share of its episodes fits none of its
+    /// skills' clusters (an episode fits when it is as near the centroid as the cluster's
+    /// farthest source); below, those episodes wait, unclustered.
+    #[arg(long, default_value_t = fluxmem_consolidate::ConsolidateOptions::default().recluster_share)]
+    pub recluster_share: f64,
     /// Embedding model (must be the store's).
     #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
     pub model: String,

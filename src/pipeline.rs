@@ -252,6 +252,11 @@ pub struct Consolidate {
     /// A skill is re-induced only when its cluster gained or lost at least this share of its
     /// source episodes (0: on any change).
     pub reinduce_share: f64,
+    /// New episodes join the clusters of their tenant's skills instead of k-means running again.
+    pub assign: bool,
+    /// With `assign`: a tenant is clustered again when more than this share of its episodes
+    /// fits no existing cluster.
+    pub recluster_share: f64,
 }
 
 impl Default for Consolidate {
@@ -269,6 +274,8 @@ impl Default for Consolidate {
             max_tokens: d.max_tokens,
             judge_episodes: d.judge_episodes,
             reinduce_share: d.reinduce_share,
+            assign: d.assign,
+            recluster_share: d.recluster_share,
         }
     }
 }
@@ -445,6 +452,7 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     clusters(&p.consolidate.clusters)?;
     number("consolidate.epsilon", p.consolidate.epsilon, Bound::NonNegative)?;
     number("consolidate.reinduce_share", p.consolidate.reinduce_share, Bound::NonNegative)?;
+    number("consolidate.recluster_share", p.consolidate.recluster_share, Bound::NonNegative)?;
     if let Some(min_pems) = p.export.min_pems {
         number("export.min_pems", min_pems, Bound::Finite)?;
     }

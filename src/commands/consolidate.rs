@@ -49,6 +49,7 @@ fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
     }
     crate::cli::check_flag("--epsilon", args.epsilon, crate::cli::Bound::NonNegative)?;
     crate::cli::check_flag("--reinduce-share", args.reinduce_share, crate::cli::Bound::NonNegative)?;
+    crate::cli::check_flag("--recluster-share", args.recluster_share, crate::cli::Bound::NonNegative)?;
     let length = args.length.parse().map_err(anyhow::Error::msg)?;
     Ok(ConsolidateOptions {
         kmeans: KMeansOptions { clusters, seed: args.seed, ..Default::default() },
@@ -63,6 +64,8 @@ fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
         retry_failed: args.retry_failed,
         split_by_procedure: !args.no_procedure_split,
         reinduce_share: args.reinduce_share,
+        assign: !args.recluster,
+        recluster_share: args.recluster_share,
         ..Default::default()
     })
 }
@@ -82,6 +85,12 @@ fn print_human(report: &ConsolidateReport, seconds: f64) {
         report.commits,
         seconds
     );
+    if report.tenants_assigned > 0 {
+        println!(
+            "{} tenant(s) took their new episodes into their skills' clusters (no k-means), {} clustered again; {} episode(s) fit no cluster and wait for a re-clustering",
+            report.tenants_assigned, report.tenants_clustered, report.unassigned
+        );
+    }
     println!(
         "generator {}: {} calls, {} prompt + {} generated tokens; eta from {}{}",
         report.generator_model,

@@ -509,6 +509,8 @@ impl Ctx<'_> {
             max_tokens: c.max_tokens,
             judge_episodes: c.judge_episodes,
             reinduce_share: c.reinduce_share,
+            assign: c.assign,
+            recluster_share: c.recluster_share,
             shard,
             ..Default::default()
         };
@@ -527,6 +529,12 @@ impl Ctx<'_> {
             "  {} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} kept (moved less than the re-induce share), {} failed ({} sharing no procedure)",
             report.episodes, report.clusters, report.skills_new, report.skills_updated, report.skills_unchanged, report.skills_kept, report.failed, report.no_procedure
         );
+        if report.tenants_assigned > 0 {
+            eprintln!(
+                "  {} tenant(s) assigned their new episodes to their skills' clusters, {} clustered again; {} episode(s) fit no cluster",
+                report.tenants_assigned, report.tenants_clustered, report.unassigned
+            );
+        }
         let usage = |u: &fluxmem_consolidate::TokenUsage| UsageRecord {
             calls: u.calls as u64,
             prompt_tokens: u.prompt_tokens as u64,
@@ -539,7 +547,7 @@ impl Ctx<'_> {
         self.pems = Some(pems_summary(&report, &writer.store().scan(&fluxmem_store::Scan { nodes: true, ..Default::default() })?.0));
         Ok(StageRecord {
             status: consolidate_status(&report),
-            counts_in: counts(&[("episodes", report.episodes), ("clusters", report.clusters)]),
+            counts_in: counts(&[("episodes", report.episodes), ("clusters", report.clusters), ("unassigned", report.unassigned)]),
             counts_out: counts(&[
                 ("skills_new", report.skills_new),
                 ("skills_updated", report.skills_updated),

@@ -55,6 +55,13 @@ pub struct ConsolidateOptions {
     /// least this share of the skill's source episodes; below, the skill is kept as it is
     /// (status `kept`). 0: re-induce on any change.
     pub reinduce_share: f64,
+    /// Assign a tenant's new episodes to the clusters of its existing skills instead of
+    /// clustering it again (see [`assign`]), when at most `recluster_share` of its episodes fit
+    /// none of them.
+    pub assign: bool,
+    /// With `assign`: the share of a tenant's episodes that may fit no existing cluster before
+    /// the tenant is clustered again (they wait for that night, unclustered).
+    pub recluster_share: f64,
     /// The clusters this run handles (sharded runs: every shard clusters the same store the
     /// same way and handles the clusters it owns, by their member set); all by default.
     pub shard: fluxmem_store::Shard,
@@ -79,6 +86,8 @@ impl Default for ConsolidateOptions {
             mine: crate::mine::MineOptions::default(),
             split_by_procedure: true,
             reinduce_share: 0.2,
+            assign: true,
+            recluster_share: 0.05,
             shard: fluxmem_store::Shard::ALL,
         }
     }
@@ -181,6 +190,12 @@ pub struct ConsolidateReport {
     pub skills_kept: usize,
     /// Clusters left to other shards of a sharded run.
     pub other_shards: usize,
+    /// Tenants whose new episodes were assigned to the clusters of their skills (no k-means).
+    pub tenants_assigned: usize,
+    /// Tenants clustered with k-means.
+    pub tenants_clustered: usize,
+    /// Episodes of assigned tenants that fit no existing cluster: left for the next re-clustering.
+    pub unassigned: usize,
     /// Clusters that failed in this run.
     pub failed: usize,
     /// Clusters skipped because the same episodes failed in an earlier run.
@@ -263,23 +278,35 @@ pub fn consolidate_store(
     let mut delta = Graph::default();
     let mut plans = Vec::new();
     for (tenant, (ids, vectors)) in &tenants {
-        let clustering = kmeans(vectors, &options.kmeans, device)?;
-        let (members, centroids) = if options.split_by_procedure {
-            crate::mine::split_by_procedure(&clustering.members(), &clustering.centroids, vectors, |r| &graph.nodes[&ids[r]], options.mine.min_count)
-        } else {
-            (clustering.members(), clustering.centroids.clone())
-        };
         report.episodes += ids.len();
-        report.clusters += members.len();
         let existing: Vec<&Node> = latest.iter().copied().filter(|n| &n.tenant == tenant).collect();
-        let matches = match_skills(&members, ids, &centroids, &existing, &graph, &model, options);
+        let assigned = if options.assign { assign(ids, vectors, &existing, options.recluster_share) } else { None };
+        let (members, similarity, matches) = match assigned {
+            Some(assigned) => {
+                report.tenants_assigned += 1;
+                report.unassigned += assigned.unassigned;
+                (assigned.members, assigned.similarity, assigned.skills)
+            }
+            None => {
+                report.tenants_clustered += 1;
+                let clustering = kmeans(vectors, &options.kmeans, device)?;
+                let (members, centroids) = if options.split_by_procedure {
+                    crate::mine::split_by_procedure(&clustering.members(), &clustering.centroids, vectors, |r| &graph.nodes[&ids[r]], options.mine.min_count)
+                } else {
+                    (clustering.members(), clustering.centroids.clone())
+                };
+                let matches = match_skills(&members, ids, &centroids, &existing, &graph, &model, options);
+                (members, clustering.similarity, matches)
+            }
+        };
+        report.clusters += members.len();
         for (index, rows) in members.iter().enumerate() {
             let episodes: Vec<NodeId> = rows.iter().map(|&r| ids[r].clone()).collect();
             if !options.shard.owns(&cluster_target(&episodes)) {
                 report.other_shards += 1;
                 continue;
             }
-            let weights: Vec<f32> = rows.iter().map(|&r| clustering.similarity[r]).collect();
+            let weights: Vec<f32> = rows.iter().map(|&r| similarity[r]).collect();
             plans.push(Plan { tenant: tenant.clone(), index, episodes, weights, previous: matches[index], skills: members.len() });
         }
     }
@@ -304,6 +331,98 @@ pub fn consolidate_store(
     report.generator = TokenUsage::between(generator_start, generator_usage(models));
     report.judge = models.judge.as_ref().map(|j| TokenUsage::between(judge_start, j.usage())).unwrap_or_default();
     Ok(report)
+}
+
+/// A tenant's episodes assigned to the clusters of its latest skills.
+pub struct Assigned<'g> {
+    /// Rows of each skill's cluster, most representative first (ties by row).
+    pub members: Vec<Vec<usize>>,
+    /// Cosine of each row to its cluster's centroid (0 for unassigned rows).
+    pub similarity: Vec<f32>,
+    /// The skill of each cluster.
+    pub skills: Vec<Option<&'g Node>>,
+    /// Episodes that fit no cluster.
+    pub unassigned: usize,
+}
+
+/// Assigns a tenant's episodes (`ids`, in id order, with their `vectors`) to the clusters its
+/// latest `skills` were distilled from, instead of clustering again: a skill's cluster is its
+/// source episodes, its centroid their normalised mean, and its radius the lowest cosine of a
+/// source to that centroid. An episode in no skill's sources joins the cluster of the nearest
+/// centroid (ties to the first skill in id order) when it is within that cluster's radius (it
+/// does not widen the cluster: the distortion bound), and fits none otherwise.
+///
+/// `None` (cluster again) when there are no skills, when two skills share a source (they come
+/// from different clusterings), when a skill has no source left among the episodes, or when
+/// more than `recluster_share` of the episodes fit no cluster. Centroids and radii come from
+/// the sources alone, so the result does not depend on the order new episodes arrive in.
+pub fn assign<'g>(ids: &[NodeId], vectors: &[Vec<f32>], skills: &[&'g Node], recluster_share: f64) -> Option<Assigned<'g>> {
+    if skills.is_empty() || ids.is_empty() {
+        return None;
+    }
+    let mut skills: Vec<&'g Node> = skills.to_vec();
+    skills.sort_by(|a, b| a.id.cmp(&b.id));
+    let row: BTreeMap<&NodeId, usize> = ids.iter().enumerate().map(|(r, id)| (id, r)).collect();
+    let mut owner: Vec<Option<usize>> = vec![None; ids.len()];
+    let mut members: Vec<Vec<usize>> = vec![Vec::new(); skills.len()];
+    for (s, skill) in skills.iter().enumerate() {
+        for id in &skill_of(skill).source_episodes {
+            if let Some(&r) = row.get(id) {
+                if owner[r].is_some_and(|o| o != s) {
+                    return None;
+                }
+                if owner[r].is_none() {
+                    owner[r] = Some(s);
+                    members[s].push(r);
+                }
+            }
+        }
+    }
+    if members.iter().any(Vec::is_empty) {
+        return None;
+    }
+    let centroids: Vec<Vec<f32>> = members
+        .iter()
+        .map(|rows| {
+            let mut mean = vec![0f32; vectors[rows[0]].len()];
+            for &r in rows {
+                mean.iter_mut().zip(&vectors[r]).for_each(|(m, v)| *m += v);
+            }
+            let norm = mean.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+            mean.iter_mut().for_each(|m| *m /= norm);
+            mean
+        })
+        .collect();
+    let mut similarity = vec![0f32; ids.len()];
+    for (rows, centroid) in members.iter().zip(&centroids) {
+        for &r in rows {
+            similarity[r] = fluxmem_models::cosine(&vectors[r], centroid);
+        }
+    }
+    let radius: Vec<f32> = members.iter().map(|rows| rows.iter().map(|&r| similarity[r]).fold(f32::INFINITY, f32::min)).collect();
+    let mut unassigned = 0;
+    for r in (0..ids.len()).filter(|&r| owner[r].is_none()) {
+        let (mut best, mut best_cosine) = (0, f32::NEG_INFINITY);
+        for (c, centroid) in centroids.iter().enumerate() {
+            let cosine = fluxmem_models::cosine(&vectors[r], centroid);
+            if cosine > best_cosine {
+                (best, best_cosine) = (c, cosine);
+            }
+        }
+        if best_cosine >= radius[best] {
+            members[best].push(r);
+            similarity[r] = best_cosine;
+        } else {
+            unassigned += 1;
+        }
+    }
+    if unassigned as f64 > recluster_share * ids.len() as f64 {
+        return None;
+    }
+    for rows in &mut members {
+        rows.sort_by(|&a, &b| similarity[b].total_cmp(&similarity[a]).then(a.cmp(&b)));
+    }
+    Some(Assigned { members, similarity, skills: skills.into_iter().map(Some).collect(), unassigned })
 }
 
 /// What consolidation reads of the store: node rows with the steps (mining needs the

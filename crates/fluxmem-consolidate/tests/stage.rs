@@ -745,3 +745,81 @@ fn chrono_ms(ms: i64) -> String {
     assert_eq!(days, 0, "the test's skills are from the first day of 1970");
     format!("1970-01-01T{:02}:{:02}:{:02}.{millis:03}Z", rest / 3600, rest / 60 % 60, rest % 60)
 }
+
+/// Episode `like` of `family` (its text and steps, so the same hash vector) under a new id.
+fn repeat(family: &str, like: usize, id: usize) -> Node {
+    let mut node = episode(family, like, true);
+    node.id = episode(family, id, true).id;
+    node
+}
+
+#[test]
+fn new_episodes_join_the_clusters_of_their_skills_until_too_many_fit_none() {
+    let latest = |store: &Path| {
+        let graph = load(store);
+        latest_skills(&graph).into_iter().map(|n| (n.id.clone(), n.body.clone())).collect::<Vec<_>>()
+    };
+    let sources = |body: &NodeBody| match body {
+        NodeBody::Procedural(skill) => skill.source_episodes.iter().cloned().collect::<std::collections::BTreeSet<_>>(),
+        _ => unreachable!(),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    add_episodes(&store, three_families(4));
+    let first = run(&store, &mut Scripted::new(family_skill), None, &options(3));
+    assert_eq!((first.tenants_clustered, first.tenants_assigned, first.skills_new), (1, 0, 3), "{first:?}");
+    let before = latest(&store);
+
+    // One new episode per family, each with the text of the family's first episode: within
+    // every cluster's radius. No k-means; each skill gains 1 of 4 sources (>= 0.2) and gets
+    // version 2 with its old sources and the new one.
+    let new: Vec<Node> = FAMILIES.iter().map(|f| repeat(f, 0, 20)).collect();
+    add_episodes(&store, new.clone());
+    let second = run(&store, &mut Scripted::new(family_skill), None, &options(3));
+    assert_eq!((second.tenants_assigned, second.tenants_clustered, second.unassigned), (1, 0, 0), "{second:?}");
+    assert_eq!((second.clusters, second.skills_updated, second.skills_new), (3, 3, 0), "{second:?}");
+    let after = latest(&store);
+    assert_eq!(after.len(), 3);
+    for (_, old) in &before {
+        let grown = after.iter().map(|(_, b)| sources(b)).find(|s| s.is_superset(&sources(old))).expect("a version over the old sources");
+        assert_eq!(grown.len(), sources(old).len() + 1, "one new source");
+        assert_eq!(grown.difference(&sources(old)).filter(|id| new.iter().any(|n| &n.id == *id)).count(), 1);
+    }
+
+    // Three episodes unlike any cluster (3 of 18 fit none, above the 5% share): clustered again.
+    let strangers: Vec<Node> = (0..3)
+        .map(|i| {
+            let mut node = episode("lettuce", 40 + i, true);
+            node.text = format!("zebra quantum {i} harbour violin glacier");
+            node
+        })
+        .collect();
+    let lenient_store = dir.path().join("lenient");
+    std::fs::create_dir_all(&lenient_store).unwrap();
+    copy_dir(&store, &lenient_store);
+    add_episodes(&store, strangers.clone());
+    let third = run(&store, &mut Scripted::new(family_skill), None, &options(3));
+    assert_eq!((third.tenants_assigned, third.tenants_clustered), (0, 1), "{third:?}");
+    // With a share above 3/18 they wait, unclustered, and nothing else changes.
+    add_episodes(&lenient_store, strangers);
+    let lenient = ConsolidateOptions { recluster_share: 0.2, ..options(3) };
+    let waited = run(&lenient_store, &mut Scripted::new(family_skill), None, &lenient);
+    assert_eq!((waited.tenants_assigned, waited.unassigned, waited.skills_unchanged, waited.commits), (1, 3, 3, 0), "{waited:?}");
+    // And without assignment, k-means as before.
+    let off = ConsolidateOptions { assign: false, ..lenient };
+    let clustered = run(&lenient_store, &mut Scripted::new(family_skill), None, &off);
+    assert_eq!(clustered.tenants_clustered, 1, "{clustered:?}");
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            std::fs::create_dir_all(&target).unwrap();
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
