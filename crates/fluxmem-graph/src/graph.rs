@@ -35,6 +35,29 @@ pub struct GraphStats {
     pub embedded: usize,
 }
 
+impl GraphStats {
+    /// The counts of nodes of `nodes`' kinds, of active edges of `active_edges`' kinds, and
+    /// `embedded` nodes (the one rule [`Graph::stats`] and the store's column-only stats share).
+    pub fn count(nodes: impl IntoIterator<Item = NodeKind>, active_edges: impl IntoIterator<Item = EdgeKind>, embedded: usize) -> GraphStats {
+        let mut stats = GraphStats { embedded, ..GraphStats::default() };
+        for kind in nodes {
+            match kind {
+                NodeKind::Semantic => stats.semantic += 1,
+                NodeKind::Episodic => stats.episodic += 1,
+                NodeKind::Procedural => stats.procedural += 1,
+            }
+        }
+        for kind in active_edges {
+            match kind {
+                EdgeKind::Ground => stats.ground += 1,
+                EdgeKind::Distill => stats.distill += 1,
+                EdgeKind::Link => stats.link += 1,
+            }
+        }
+        stats
+    }
+}
+
 /// The in-memory memory graph: nodes by id, edges by key, embeddings by (node, model).
 ///
 /// Ordered maps keep iteration (and so everything written from a graph) deterministic.
@@ -90,24 +113,12 @@ impl Graph {
 
     /// Counts per node kind, per active edge kind, and embedded nodes.
     pub fn stats(&self) -> GraphStats {
-        let mut stats = GraphStats::default();
-        for node in self.nodes.values() {
-            match node.kind() {
-                NodeKind::Semantic => stats.semantic += 1,
-                NodeKind::Episodic => stats.episodic += 1,
-                NodeKind::Procedural => stats.procedural += 1,
-            }
-        }
-        for edge in self.edges.values().filter(|edge| edge.active) {
-            match edge.kind {
-                EdgeKind::Ground => stats.ground += 1,
-                EdgeKind::Distill => stats.distill += 1,
-                EdgeKind::Link => stats.link += 1,
-            }
-        }
         let mut embedded: Vec<&NodeId> = self.embeddings.keys().map(|(id, _)| id).collect();
         embedded.dedup();
-        stats.embedded = embedded.len();
-        stats
+        GraphStats::count(
+            self.nodes.values().map(Node::kind),
+            self.edges.values().filter(|edge| edge.active).map(|edge| edge.kind),
+            embedded.len(),
+        )
     }
 }

@@ -32,7 +32,7 @@ use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::manifest::{CommitRecord, Manifest, RetiredShard, ShardEntry};
-use crate::store::{fault_point, sync_dir, write_manifest, SHARDS};
+use crate::store::{fault_point, sync_dir, write_manifest, write_shards, SHARDS};
 use crate::scan::{sorted, text_column};
 use crate::{shard, CommitInfo, Error, Result, Writer};
 
@@ -380,37 +380,13 @@ impl Writer {
         Ok(graph)
     }
 
-    /// Writes `graph`'s tables as shards of commit `version`, parts numbered from `part`.
+    /// Writes `graph`'s tables as shards of commit `version`, parts numbered on from `part`
+    /// (one compaction commit writes many shards of a table).
     fn write_graph(&self, graph: &Graph, version: u64, part: &mut usize) -> Result<Vec<ShardEntry>> {
-        let dir = &self.store.dir;
-        let graph_error = |e| Error::Graph { path: dir.clone(), source: e };
-        let mut written = Vec::new();
-        let mut next = || {
+        write_shards(&self.store.dir, graph, version, &mut |_| {
             *part += 1;
             *part - 1
-        };
-        if !graph.nodes.is_empty() {
-            let (nodes, steps) = schema::nodes_to_batches(graph.nodes.values()).map_err(graph_error)?;
-            let index = next();
-            written.push(shard::write(dir, "nodes", version, index, &nodes)?);
-            if steps.num_rows() > 0 {
-                written.push(shard::write(dir, "steps", version, index, &steps)?);
-            }
-        }
-        if !graph.edges.is_empty() {
-            let edges = schema::edges_to_batch(graph.edges.values()).map_err(graph_error)?;
-            written.push(shard::write(dir, "edges", version, next(), &edges)?);
-        }
-        if !graph.embeddings.is_empty() {
-            let dim = graph.embeddings.values().next().expect("not empty").vector.len();
-            let batch = schema::embeddings_to_batch(dim, graph.embeddings.values()).map_err(graph_error)?;
-            written.push(shard::write(dir, "embeddings", version, next(), &batch)?);
-        }
-        if !graph.edits.is_empty() {
-            let edits = schema::edits_to_batch(&graph.edits).map_err(graph_error)?;
-            written.push(shard::write(dir, "edits", version, next(), &edits)?);
-        }
-        Ok(written)
+        })
     }
 
     /// Writes `manifest` (its version already set) as the next commit: records the commit,

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
 use crate::lock::WriterLock;
-use crate::manifest::{EmbeddingModel, Manifest};
+use crate::manifest::{EmbeddingModel, Manifest, ShardEntry};
 use crate::{shard, Error, Result};
 
 pub(crate) const MANIFEST: &str = "manifest.json";
@@ -82,25 +82,9 @@ impl Store {
     /// nodes, edges and embeddings (and edges' `active` and `metadata`), nothing else.
     pub fn stats(&self) -> Result<(GraphStats, Manifest)> {
         let manifest = self.manifest()?;
-        let mut stats = GraphStats::default();
-        for kind in self.node_kinds(&manifest)?.values() {
-            match kind {
-                fluxmem_graph::NodeKind::Semantic => stats.semantic += 1,
-                fluxmem_graph::NodeKind::Episodic => stats.episodic += 1,
-                fluxmem_graph::NodeKind::Procedural => stats.procedural += 1,
-            }
-        }
-        for ((_, _, kind), head) in self.edge_heads(&manifest)? {
-            if head.active {
-                match kind {
-                    fluxmem_graph::EdgeKind::Ground => stats.ground += 1,
-                    fluxmem_graph::EdgeKind::Distill => stats.distill += 1,
-                    fluxmem_graph::EdgeKind::Link => stats.link += 1,
-                }
-            }
-        }
         let embedded: BTreeSet<NodeId> = self.embedding_keys(&manifest)?.into_iter().map(|(id, _)| id).collect();
-        stats.embedded = embedded.len();
+        let active_edges = self.edge_heads(&manifest)?.into_iter().filter(|(_, head)| head.active).map(|((_, _, kind), _)| kind);
+        let stats = GraphStats::count(self.node_kinds(&manifest)?.into_values(), active_edges, embedded.len());
         Ok((stats, manifest))
     }
 }
@@ -247,27 +231,15 @@ impl Writer {
         let dir = self.store.dir.clone();
         let version = manifest.version + 1;
         let by_model = check_embeddings(manifest, delta)?;
-        let mut new_shards = Vec::new();
-        if !delta.nodes.is_empty() {
-            let (nodes, steps) = schema::nodes_to_batches(delta.nodes.values()).map_err(|e| graph_error(&dir, e))?;
-            new_shards.push(shard::write(&dir, "nodes", version, 0, &nodes)?);
-            if steps.num_rows() > 0 {
-                new_shards.push(shard::write(&dir, "steps", version, 0, &steps)?);
-            }
-        }
-        if !delta.edges.is_empty() {
-            let edges = schema::edges_to_batch(delta.edges.values()).map_err(|e| graph_error(&dir, e))?;
-            new_shards.push(shard::write(&dir, "edges", version, 0, &edges)?);
-        }
-        if !delta.edits.is_empty() {
-            let edits = schema::edits_to_batch(&delta.edits).map_err(|e| graph_error(&dir, e))?;
-            new_shards.push(shard::write(&dir, "edits", version, 0, &edits)?);
-        }
-        for (part, (model, embeddings)) in by_model.iter().enumerate() {
-            let dim = embeddings[0].vector.len();
-            let batch = schema::embeddings_to_batch(dim, embeddings.iter().copied()).map_err(|e| graph_error(&dir, e))?;
-            new_shards.push(shard::write(&dir, "embeddings", version, part, &batch)?);
-            manifest.embedding_model = Some(EmbeddingModel { id: model.clone(), dim });
+        // Part 0 of each table, and one embeddings part per model.
+        let mut parts: BTreeMap<String, usize> = BTreeMap::new();
+        let new_shards = write_shards(&dir, delta, version, &mut |table| {
+            let part = parts.entry(table.to_string()).or_default();
+            *part += 1;
+            *part - 1
+        })?;
+        for (model, embeddings) in &by_model {
+            manifest.embedding_model = Some(EmbeddingModel { id: model.clone(), dim: embeddings[0].vector.len() });
         }
         if !new_shards.is_empty() {
             // The new shard files' directory entries must be durable before the manifest that
@@ -351,6 +323,39 @@ fn check_embeddings<'a>(manifest: &Manifest, delta: &'a Graph) -> Result<BTreeMa
         }
     }
     Ok(by_model)
+}
+
+/// Writes `delta`'s tables as shards of commit `version`: nodes (their steps under the nodes
+/// shard's part number), edges, edits, and one embeddings shard per model, in model order.
+/// `part(table)` numbers each shard. The caller checks the embeddings' models and dimensions.
+pub(crate) fn write_shards(dir: &Path, delta: &Graph, version: u64, part: &mut dyn FnMut(&str) -> usize) -> Result<Vec<ShardEntry>> {
+    let mut written = Vec::new();
+    if !delta.nodes.is_empty() {
+        let (nodes, steps) = schema::nodes_to_batches(delta.nodes.values()).map_err(|e| graph_error(dir, e))?;
+        let index = part("nodes");
+        written.push(shard::write(dir, "nodes", version, index, &nodes)?);
+        if steps.num_rows() > 0 {
+            written.push(shard::write(dir, "steps", version, index, &steps)?);
+        }
+    }
+    if !delta.edges.is_empty() {
+        let edges = schema::edges_to_batch(delta.edges.values()).map_err(|e| graph_error(dir, e))?;
+        written.push(shard::write(dir, "edges", version, part("edges"), &edges)?);
+    }
+    if !delta.edits.is_empty() {
+        let edits = schema::edits_to_batch(&delta.edits).map_err(|e| graph_error(dir, e))?;
+        written.push(shard::write(dir, "edits", version, part("edits"), &edits)?);
+    }
+    let mut by_model: BTreeMap<&str, Vec<&Embedding>> = BTreeMap::new();
+    for embedding in delta.embeddings.values() {
+        by_model.entry(embedding.model_id.as_str()).or_default().push(embedding);
+    }
+    for embeddings in by_model.values() {
+        let dim = embeddings[0].vector.len();
+        let batch = schema::embeddings_to_batch(dim, embeddings.iter().copied()).map_err(|e| graph_error(dir, e))?;
+        written.push(shard::write(dir, "embeddings", version, part("embeddings"), &batch)?);
+    }
+    Ok(written)
 }
 
 fn graph_error(dir: &Path, source: fluxmem_graph::Error) -> Error {
