@@ -25,6 +25,15 @@ impl Rows {
     fn wants(&self) -> bool {
         !matches!(self, Rows::None)
     }
+
+    /// True when the rows of `id` are read.
+    fn contains(&self, id: &str) -> bool {
+        match self {
+            Rows::All => true,
+            Rows::Of(ids) => ids.contains(id),
+            Rows::None => false,
+        }
+    }
 }
 
 /// What to read of the store. [`Scan::all`] is the whole graph ([`Store::load`]).
@@ -89,6 +98,8 @@ impl Store {
     pub fn scan_at(&self, manifest: &Manifest, scan: &Scan) -> Result<Graph> {
         let mut graph = Graph::default();
         let commits: BTreeSet<u64> = manifest.shards.iter().map(|s| s.commit).collect();
+        let edge_kinds: Vec<&str> = scan.edge_kinds.iter().map(|k| k.as_str()).collect();
+        let edit_kinds: Vec<&str> = scan.edit_kinds.iter().map(String::as_str).collect();
         for commit in commits {
             let shards: Vec<&ShardEntry> = manifest.shards.iter().filter(|s| s.commit == commit).collect();
             let mut steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
@@ -107,11 +118,7 @@ impl Store {
                 match entry.table.as_str() {
                     "steps" => {}
                     "nodes" if scan.nodes => {
-                        let steps_read = |id: &NodeId| match &scan.steps {
-                            Rows::All => true,
-                            Rows::Of(ids) => ids.contains(id),
-                            Rows::None => false,
-                        };
+                        let steps_read = |id: &NodeId| scan.steps.contains(id.as_str());
                         for batch in shard::read(&self.dir, entry, None)? {
                             let nodes = schema::nodes_from_batch_with(&batch, &steps, &steps_read).map_err(|e| self.corrupt(entry, e.to_string()))?;
                             nodes.into_iter().for_each(|n| graph.upsert_node(n));
@@ -119,22 +126,14 @@ impl Store {
                     }
                     "edges" if scan.edges => {
                         for batch in shard::read(&self.dir, entry, None)? {
-                            let batch = if scan.edge_kinds.is_empty() {
-                                batch
-                            } else {
-                                filter(&batch, "kind", &|v| scan.edge_kinds.iter().any(|k| k.as_str() == v)).map_err(|reason| self.corrupt(entry, reason))?
-                            };
+                            let batch = self.of_kinds(entry, batch, &edge_kinds)?;
                             let edges = schema::edges_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
                             edges.into_iter().for_each(|e| graph.upsert_edge(e));
                         }
                     }
                     "edits" if scan.edits => {
                         for batch in shard::read(&self.dir, entry, None)? {
-                            let batch = if scan.edit_kinds.is_empty() {
-                                batch
-                            } else {
-                                filter(&batch, "kind", &|v| scan.edit_kinds.iter().any(|k| k == v)).map_err(|reason| self.corrupt(entry, reason))?
-                            };
+                            let batch = self.of_kinds(entry, batch, &edit_kinds)?;
                             graph.edits.extend(schema::edits_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?);
                         }
                     }
@@ -207,11 +206,6 @@ impl Store {
     }
 
     fn scan_embeddings(&self, entry: &ShardEntry, scan: &Scan, graph: &mut Graph) -> Result<()> {
-        let whole = |id: &str| match &scan.vectors {
-            Rows::All => true,
-            Rows::Of(ids) => ids.contains(id),
-            Rows::None => false,
-        };
         if scan.vectors == Rows::All || !scan.embedding_keys {
             // Whole rows only (all of them, or the filtered ones).
             for batch in shard::read(&self.dir, entry, None)? {
@@ -228,18 +222,10 @@ impl Store {
         let columns = ["node_id", "model_id", "text_sha256"];
         let mut wanted = BTreeSet::new();
         for batch in shard::read(&self.dir, entry, Some(&columns))? {
-            let strings: Vec<_> = columns
-                .iter()
-                .map(|name| {
-                    batch
-                        .column_by_name(name)
-                        .and_then(|c| c.as_string_opt::<i32>())
-                        .ok_or_else(|| self.corrupt(entry, format!("column `{name}` is not text")))
-                })
-                .collect::<Result<_>>()?;
+            let strings: Vec<_> = columns.iter().map(|name| text_column(self, entry, &batch, name)).collect::<Result<_>>()?;
             for row in 0..batch.num_rows() {
                 let node_id = strings[0].value(row);
-                if whole(node_id) {
+                if scan.vectors.contains(node_id) {
                     wanted.insert(NodeId(node_id.to_string()));
                 }
                 graph.upsert_embedding(Embedding {
@@ -258,6 +244,14 @@ impl Store {
             }
         }
         Ok(())
+    }
+
+    /// The rows of `batch` whose `kind` is one of `kinds` (all of them when `kinds` is empty).
+    fn of_kinds(&self, entry: &ShardEntry, batch: RecordBatch, kinds: &[&str]) -> Result<RecordBatch> {
+        if kinds.is_empty() {
+            return Ok(batch);
+        }
+        filter(&batch, "kind", &|v| kinds.contains(&v)).map_err(|reason| self.corrupt(entry, reason))
     }
 
     fn corrupt(&self, entry: &ShardEntry, reason: String) -> Error {

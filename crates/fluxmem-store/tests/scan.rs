@@ -13,6 +13,10 @@ fn episode(i: usize, version: usize) -> Node {
     Node::new(NodeBody::Episodic(Episode { steps, outcome: Outcome { success: Some(i % 2 == 0), reward: None, feedback: None } }), "t", &format!("task {i}"), &[&i.to_string()])
 }
 
+fn edge(src: &NodeId, dst: &NodeId, kind: EdgeKind, weight: f32, stage: &str, active: bool) -> Edge {
+    Edge { src: src.clone(), dst: dst.clone(), kind, weight, evidence: 1, stage: stage.into(), run_id: "r".into(), created_at: 0, active, metadata: Default::default() }
+}
+
 /// Three commits; the second rewrites episodes 0 and 1 (new steps) and an embedding.
 fn store() -> (tempfile::TempDir, Graph) {
     let dir = tempfile::tempdir().unwrap();
@@ -29,7 +33,7 @@ fn store() -> (tempfile::TempDir, Graph) {
             }
         }
         if commit == 2 {
-            let edge = Edge { src: fact.id.clone(), dst: episode(0, 0).id, kind: EdgeKind::Ground, weight: 0.5, evidence: 1, stage: "connect".into(), run_id: "r".into(), created_at: 0, active: true, metadata: Default::default() };
+            let edge = edge(&fact.id, &episode(0, 0).id, EdgeKind::Ground, 0.5, "connect", true);
             delta.edits.push(Edit::new("refine", "r", "credit", Changed::Edge(None, Some(&edge)), "why", 0));
             delta.upsert_edge(edge);
             delta.upsert_node(fact.clone());
@@ -94,7 +98,7 @@ fn stats_and_edge_heads_match_the_whole_graph() {
     let mut writer = Writer::open(dir.path()).unwrap();
     let mut delta = Graph::default();
     let (a, b) = (episode(1, 1).id, episode(2, 0).id);
-    let mut link = Edge { src: a.clone(), dst: b.clone(), kind: EdgeKind::Link, weight: 1.0, evidence: 1, stage: "refine".into(), run_id: "r".into(), created_at: 0, active: false, metadata: Default::default() };
+    let mut link = edge(&a, &b, EdgeKind::Link, 1.0, "refine", false);
     link.metadata.insert("relation".into(), "expand".into());
     delta.upsert_edge(link);
     writer.commit(&delta, info()).unwrap();
@@ -119,7 +123,7 @@ fn edge_and_edit_kind_filters_keep_those_kinds_only() {
     let mut delta = Graph::default();
     let (a, b) = (episode(1, 1).id, episode(2, 0).id);
     for (kind, weight) in [(EdgeKind::Distill, 0.25), (EdgeKind::Link, 1.0)] {
-        let edge = Edge { src: a.clone(), dst: b.clone(), kind, weight, evidence: 1, stage: "consolidate".into(), run_id: "r".into(), created_at: 0, active: true, metadata: Default::default() };
+        let edge = edge(&a, &b, kind, weight, "consolidate", true);
         delta.edits.push(Edit::new("consolidate", "r", if kind == EdgeKind::Distill { "distill" } else { "skill_failed" }, Changed::Edge(None, Some(&edge)), "why", 0));
         delta.upsert_edge(edge);
     }
