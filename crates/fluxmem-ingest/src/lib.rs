@@ -262,6 +262,8 @@ pub fn ingest(
     for file in &files {
         let key = ledger::key_path(file);
         let stat = ledger::stat(file);
+        // Bytes read to compare a changed file's hash are parsed from memory, not read again.
+        let mut read = None;
         if let (Some(ledger), Some((size, mtime))) = (ledger.as_mut(), stat) {
             let unchanged = match ledger.seen(&key, size, mtime) {
                 ledger::Seen::Unchanged => true,
@@ -270,7 +272,10 @@ pub fn ingest(
                         ledger.record(key.clone(), size, mtime, hash)?;
                         true
                     }
-                    _ => false,
+                    other => {
+                        read = Some(other);
+                        false
+                    }
                 },
                 ledger::Seen::New => false,
             };
@@ -280,7 +285,7 @@ pub fn ingest(
                 continue;
             }
         }
-        let sha256 = run.file(file, progress)?;
+        let sha256 = run.file(file, read, progress)?;
         run.commit()?;
         if let (Some(ledger), Some((size, mtime)), Some(sha256)) = (ledger.as_mut(), stat, sha256) {
             // The file's quarantined records too must be on disk before the ledger skips it.
@@ -292,9 +297,7 @@ pub fn ingest(
         run.accept(parsed, progress)?;
     }
     run.commit()?;
-    if let Some(file) = run.quarantine.as_mut() {
-        file.flush().map_err(|source| Error::Quarantine { path: run.quarantine_path.clone(), source })?;
-    }
+    run.flush_quarantine()?;
     Ok(run.report)
 }
 
@@ -319,12 +322,13 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    /// Reads and parses one file; returns the SHA-256 of its bytes when the ledger may record
-    /// it (it was read, and it is not an OpenTelemetry file, whose spans wait for the batch).
-    fn file(&mut self, path: &Path, progress: &mut dyn Progress) -> Result<Option<String>> {
+    /// Reads (unless `read` holds the outcome of reading it already) and parses one file;
+    /// returns the SHA-256 of its bytes when the ledger may record it (it was read, and it is
+    /// not an OpenTelemetry file, whose spans wait for the batch).
+    fn file(&mut self, path: &Path, read: Option<std::io::Result<Vec<u8>>>, progress: &mut dyn Progress) -> Result<Option<String>> {
         let shown = path.display().to_string();
         self.report.files += 1;
-        let bytes = match std::fs::read(path) {
+        let bytes = match read.unwrap_or_else(|| std::fs::read(path)) {
             Ok(bytes) => bytes,
             Err(e) => {
                 let rejected = Rejected::new(&shown, 0, "file", format!("cannot read: {e}"), b"", 0);
