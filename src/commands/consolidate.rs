@@ -70,6 +70,17 @@ fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
     })
 }
 
+/// One line on the tenants whose new episodes joined their skills' clusters (`None` when k-means
+/// clustered every tenant).
+pub fn assignment_line(report: &ConsolidateReport) -> Option<String> {
+    (report.tenants_assigned > 0).then(|| {
+        format!(
+            "{} tenant(s) took their new episodes into their skills' clusters (no k-means), {} clustered again; {} episode(s) fit no cluster and wait for a re-clustering",
+            report.tenants_assigned, report.tenants_clustered, report.unassigned
+        )
+    })
+}
+
 fn print_human(report: &ConsolidateReport, seconds: f64) {
     println!(
         "{} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} kept, {} failed ({} sharing no procedure, {} failed earlier); {} commit(s), {:.1}s",
@@ -85,11 +96,8 @@ fn print_human(report: &ConsolidateReport, seconds: f64) {
         report.commits,
         seconds
     );
-    if report.tenants_assigned > 0 {
-        println!(
-            "{} tenant(s) took their new episodes into their skills' clusters (no k-means), {} clustered again; {} episode(s) fit no cluster and wait for a re-clustering",
-            report.tenants_assigned, report.tenants_clustered, report.unassigned
-        );
+    if let Some(line) = assignment_line(report) {
+        println!("{line}");
     }
     println!(
         "generator {}: {} calls, {} prompt + {} generated tokens; eta from {}{}",

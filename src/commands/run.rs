@@ -529,11 +529,8 @@ impl Ctx<'_> {
             "  {} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} kept (moved less than the re-induce share), {} failed ({} sharing no procedure)",
             report.episodes, report.clusters, report.skills_new, report.skills_updated, report.skills_unchanged, report.skills_kept, report.failed, report.no_procedure
         );
-        if report.tenants_assigned > 0 {
-            eprintln!(
-                "  {} tenant(s) assigned their new episodes to their skills' clusters, {} clustered again; {} episode(s) fit no cluster",
-                report.tenants_assigned, report.tenants_clustered, report.unassigned
-            );
+        if let Some(line) = super::consolidate::assignment_line(&report) {
+            eprintln!("  {line}");
         }
         let usage = |u: &fluxmem_consolidate::TokenUsage| UsageRecord {
             calls: u.calls as u64,

@@ -381,18 +381,7 @@ pub fn assign<'g>(ids: &[NodeId], vectors: &[Vec<f32>], skills: &[&'g Node], rec
     if members.iter().any(Vec::is_empty) {
         return None;
     }
-    let centroids: Vec<Vec<f32>> = members
-        .iter()
-        .map(|rows| {
-            let mut mean = vec![0f32; vectors[rows[0]].len()];
-            for &r in rows {
-                mean.iter_mut().zip(&vectors[r]).for_each(|(m, v)| *m += v);
-            }
-            let norm = mean.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
-            mean.iter_mut().for_each(|m| *m /= norm);
-            mean
-        })
-        .collect();
+    let centroids: Vec<Vec<f32>> = members.iter().map(|rows| crate::kmeans::mean_direction(rows, vectors)).collect();
     let mut similarity = vec![0f32; ids.len()];
     for (rows, centroid) in members.iter().zip(&centroids) {
         for &r in rows {
@@ -402,13 +391,8 @@ pub fn assign<'g>(ids: &[NodeId], vectors: &[Vec<f32>], skills: &[&'g Node], rec
     let radius: Vec<f32> = members.iter().map(|rows| rows.iter().map(|&r| similarity[r]).fold(f32::INFINITY, f32::min)).collect();
     let mut unassigned = 0;
     for r in (0..ids.len()).filter(|&r| owner[r].is_none()) {
-        let (mut best, mut best_cosine) = (0, f32::NEG_INFINITY);
-        for (c, centroid) in centroids.iter().enumerate() {
-            let cosine = fluxmem_models::cosine(&vectors[r], centroid);
-            if cosine > best_cosine {
-                (best, best_cosine) = (c, cosine);
-            }
-        }
+        let cosines: Vec<f32> = centroids.iter().map(|centroid| fluxmem_models::cosine(&vectors[r], centroid)).collect();
+        let (best, best_cosine) = crate::kmeans::argmax(&cosines);
         if best_cosine >= radius[best] {
             members[best].push(r);
             similarity[r] = best_cosine;

@@ -186,6 +186,16 @@ fn mini_batch(vectors: &[Vec<f32>], k: usize, options: &KMeansOptions, device: &
     Ok(Clustering { assignment, centroids: kept, similarity, cohesion, iterations: options.mini_batch_iterations })
 }
 
+/// The normalised mean of `rows` of `vectors` (a group's centroid).
+pub(crate) fn mean_direction(rows: &[usize], vectors: &[Vec<f32>]) -> Vec<f32> {
+    let mut mean = vec![0f32; vectors[rows[0]].len()];
+    for &r in rows {
+        mean.iter_mut().zip(&vectors[r]).for_each(|(m, v)| *m += v);
+    }
+    fluxmem_models::normalize(&mut mean);
+    mean
+}
+
 fn normalized(vector: &[f32]) -> Vec<f32> {
     let mut v = vector.to_vec();
     fluxmem_models::normalize(&mut v);
@@ -273,7 +283,8 @@ fn lloyd(matrix: &Tensor, flat: &[f32], dim: usize, mut centroids: Vec<Vec<f32>>
     Ok(Clustering { assignment, centroids, similarity, cohesion, iterations })
 }
 
-fn argmax(row: &[f32]) -> (usize, f32) {
+/// The index and value of the highest score (ties to the first).
+pub(crate) fn argmax(row: &[f32]) -> (usize, f32) {
     let mut best = (0, f32::NEG_INFINITY);
     for (j, &s) in row.iter().enumerate() {
         if s > best.1 {

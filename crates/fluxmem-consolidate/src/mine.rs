@@ -554,15 +554,8 @@ pub fn split_by_procedure<'g>(
             groups[group].push(r);
         }
         for group in groups.into_iter().filter(|g| !g.is_empty()) {
-            let mut mean = vec![0f32; vectors[group[0]].len()];
-            for &r in &group {
-                for (m, v) in mean.iter_mut().zip(&vectors[r]) {
-                    *m += v;
-                }
-            }
-            fluxmem_models::normalize(&mut mean);
+            out_centroids.push(crate::kmeans::mean_direction(&group, vectors));
             out_members.push(group);
-            out_centroids.push(mean);
         }
     }
     (out_members, out_centroids)

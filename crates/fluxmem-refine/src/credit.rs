@@ -225,7 +225,6 @@ pub fn assign_with_priors(
         next.evidence = stage1_evidence + evidence as i64;
         let pruned_by_credit = edge.metadata.get("pruned_by").and_then(Value::as_str) == Some("credit");
         // The reason is written only for an edge that changes (most are within tolerance).
-        #[derive(PartialEq)]
         enum Why {
             Prune,
             Recovered,
