@@ -57,12 +57,13 @@ def python_reference(sentences, threads, batch_size, repeat):
     return {"sentences": len(sentences), "tokens": tokens, "seconds": best}
 
 
-def fluxmem(path, threads, batch_size, repeat, workers):
+def fluxmem(path, threads, batch_size, repeat, workers, backend="native"):
     env = dict(os.environ)
     # Workers run whole batches in parallel, each single-threaded; otherwise candle's matmuls use the threads.
     env["RAYON_NUM_THREADS"] = "1" if workers > 1 else str(threads)
     out = subprocess.run(["cargo", "run", "--quiet", "--example", "embed_throughput", "--", path,
-                          "--batch-size", str(batch_size), "--workers", str(workers), "--repeat", str(repeat)],
+                          "--batch-size", str(batch_size), "--workers", str(workers), "--repeat", str(repeat),
+                          "--backend", backend],
                          cwd=ROOT, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         sys.exit(out.stderr)
@@ -80,14 +81,21 @@ def main():
         f.write("\n".join(sentences))
         path = f.name
     rows = [("python sentence-transformers (torch)", python_reference(sentences, args.threads, args.batch_size, args.repeat))]
-    rows.append((f"fluxmem candle, 1 worker x {args.threads} threads", fluxmem(path, args.threads, args.batch_size, args.repeat, 1)))
-    rows.append((f"fluxmem candle, {args.threads} workers x 1 thread", fluxmem(path, args.threads, args.batch_size, args.repeat, args.threads)))
+    native = fluxmem(path, args.threads, args.batch_size, args.repeat, 1)
+    rows.append((f"fluxmem native ({native['kernel']} kernel)", native))
+    rows.append(("fluxmem native (gemm crate kernels)", fluxmem(path, args.threads, args.batch_size, args.repeat, 1, "native-portable")))
+    rows.append(("fluxmem candle BertModel", fluxmem(path, args.threads, args.batch_size, args.repeat, 1, "candle")))
+    rows.append((f"fluxmem native, {args.threads} workers x 1 thread", fluxmem(path, args.threads, args.batch_size, args.repeat, args.threads)))
     reference = rows[0][1]["sentences"] / rows[0][1]["seconds"]
     print(f"{len(sentences)} LoCoMo dev texts, batch size {args.batch_size}, {args.threads} threads, best of {args.repeat}")
-    print(f"{'system':<42} {'sentences/s':>12} {'tokens/s':>10} {'ratio':>7}")
+    # Linear-layer work of all-MiniLM-L6-v2: 6 layers x (384x1152 + 384x384 + 2 x 384x1536)
+    # multiply-adds per token (attention's own products, which grow with the length, left out).
+    flop_per_token = 2 * 6 * (384 * 1152 + 384 * 384 + 2 * 384 * 1536)
+    print(f"{'system':<42} {'sentences/s':>12} {'tokens/s':>10} {'GFLOP/s':>8} {'ratio':>7}")
     for name, result in rows:
         rate = result["sentences"] / result["seconds"]
-        print(f"{name:<42} {rate:>12.1f} {result['tokens'] / result['seconds']:>10.0f} {rate / reference:>7.2f}")
+        tokens = result["tokens"] / result["seconds"]
+        print(f"{name:<42} {rate:>12.1f} {tokens:>10.0f} {tokens * flop_per_token / 1e9:>8.1f} {rate / reference:>7.2f}")
 
 
 if __name__ == "__main__":

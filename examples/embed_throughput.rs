@@ -1,10 +1,10 @@
 //! Embedding throughput of fluxmem's candle embedder on a file of texts (one per line).
 //! Used by `benches/embed_vs_python.py`, which runs the Python reference in the same script.
 //!
-//! cargo run --example embed_throughput -- FILE [--batch-size N] [--workers N] [--repeat N]
+//! cargo run --example embed_throughput -- FILE [--batch-size N] [--workers N] [--repeat N] [--backend native|native-portable|candle]
 //! Prints one JSON object: sentences, tokens, seconds (best of the repeats).
 
-use fluxmem_models::{DeviceChoice, Embedder};
+use fluxmem_models::{BertBackend, DeviceChoice, Embedder};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -20,7 +20,13 @@ fn main() -> anyhow::Result<()> {
     let repeat = flag("--repeat", 1)?;
     let text = std::fs::read_to_string(file)?;
     let texts: Vec<&str> = text.lines().collect();
-    let embedder = fluxmem_models::load_embedder(fluxmem_models::DEFAULT_EMBEDDER, &DeviceChoice::Cpu)?
+    let backend = match args.iter().position(|a| a == "--backend").and_then(|i| args.get(i + 1)).map(String::as_str) {
+        None | Some("native") => BertBackend::Native,
+        Some("native-portable") => BertBackend::NativePortable,
+        Some("candle") => BertBackend::Candle,
+        Some(other) => anyhow::bail!("--backend is native, native-portable or candle, not {other}"),
+    };
+    let embedder = fluxmem_models::load_embedder_with(fluxmem_models::DEFAULT_EMBEDDER, &DeviceChoice::Cpu, backend)?
         .with_batch_size(batch_size)
         .with_workers(workers);
     let tokens: usize = embedder.tokenize(&texts)?.iter().map(Vec::len).sum();
@@ -34,7 +40,7 @@ fn main() -> anyhow::Result<()> {
     }
     println!(
         "{}",
-        serde_json::json!({"sentences": texts.len(), "tokens": tokens, "seconds": best, "batch_size": batch_size, "workers": workers,
+        serde_json::json!({"sentences": texts.len(), "tokens": tokens, "seconds": best, "batch_size": batch_size, "workers": workers, "backend": format!("{backend:?}"), "kernel": embedder.kernel(),
             "rayon_threads": std::env::var("RAYON_NUM_THREADS").ok()})
     );
     Ok(())

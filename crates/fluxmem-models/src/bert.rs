@@ -13,6 +13,10 @@
 //! dimension), so the batch's row count does not matter; on a GPU, whose libraries may pick an
 //! algorithm by shape, every batch is padded to the full batch size with copies of its last
 //! text. This is what makes a sharded embed stage give the same vectors as an unsharded one.
+//!
+//! On the CPU the default forward is [`BertBackend::Native`] (`bert_cpu.rs`): texts are packed
+//! without padding, so buckets do not apply, and a text's vector is again a function of the text
+//! alone. [`BertBackend::Candle`] keeps candle's `BertModel` (any device).
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -20,6 +24,7 @@ use candle_transformers::models::bert::{BertModel, Config};
 use std::path::Path;
 use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
 
+use crate::bert_cpu::CpuBert;
 use crate::embedder::{normalize, Embedder};
 use crate::error::IoContext;
 use crate::{Error, Result};
@@ -42,9 +47,28 @@ pub enum Pooling {
     Cls,
 }
 
+/// Which forward pass runs the encoder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BertBackend {
+    /// fluxmem's own CPU forward: packed texts without padding, fused projections, a vectorised
+    /// GELU, and fluxmem's AVX-512 matrix kernel where the CPU has AVX-512F (CPU only; the
+    /// default there).
+    Native,
+    /// The native forward with the `gemm` crate's matrix kernels only (what CPUs without
+    /// AVX-512 run; kept selectable for tests and benchmarks).
+    NativePortable,
+    /// candle-transformers' `BertModel` on padded buckets (any device; the default on a GPU).
+    Candle,
+}
+
+enum Encoder {
+    Native(CpuBert),
+    Candle(BertModel),
+}
+
 /// A BERT sentence embedder.
 pub struct SentenceEmbedder {
-    model: BertModel,
+    model: Encoder,
     tokenizer: Tokenizer,
     /// The same tokenizer without truncation, for counting tokens.
     counter: Tokenizer,
@@ -64,8 +88,15 @@ fn read_json(path: &Path) -> Result<serde_json::Value> {
 }
 
 impl SentenceEmbedder {
-    /// Loads the checkpoint in `dir` on `device`; `model_id` is recorded with every vector.
+    /// Loads the checkpoint in `dir` on `device`; `model_id` is recorded with every vector. The
+    /// CPU runs [`BertBackend::Native`], other devices [`BertBackend::Candle`].
     pub fn load(dir: &Path, model_id: &str, device: &Device) -> Result<SentenceEmbedder> {
+        let backend = if device.is_cpu() { BertBackend::Native } else { BertBackend::Candle };
+        Self::load_with(dir, model_id, device, backend)
+    }
+
+    /// [`SentenceEmbedder::load`] with the forward pass chosen; `Native` needs the CPU.
+    pub fn load_with(dir: &Path, model_id: &str, device: &Device, backend: BertBackend) -> Result<SentenceEmbedder> {
         let config_path = dir.join("config.json");
         let config: Config = serde_json::from_value(read_json(&config_path)?)
             .map_err(|e| Error::Format { path: config_path.clone(), reason: e.to_string() })?;
@@ -104,9 +135,18 @@ impl SentenceEmbedder {
             }))
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
         let weights = dir.join("model.safetensors");
-        // Safety: the file is memory-mapped read-only; the cache is not modified while in use.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, device)? };
-        let model = BertModel::load(vb, &config)?;
+        let model = match backend {
+            BertBackend::Native | BertBackend::NativePortable if !device.is_cpu() => {
+                return Err(Error::Format { path: weights, reason: "the native BERT forward runs on the CPU only".into() })
+            }
+            BertBackend::Native => Encoder::Native(CpuBert::load(&weights, &config, true)?),
+            BertBackend::NativePortable => Encoder::Native(CpuBert::load(&weights, &config, false)?),
+            BertBackend::Candle => {
+                // Safety: the file is memory-mapped read-only; the cache is not modified while in use.
+                let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, device)? };
+                Encoder::Candle(BertModel::load(vb, &config)?)
+            }
+        };
         Ok(SentenceEmbedder {
             model,
             tokenizer,
@@ -136,6 +176,25 @@ impl SentenceEmbedder {
         self
     }
 
+    /// The forward pass in use.
+    pub fn backend(&self) -> BertBackend {
+        match &self.model {
+            Encoder::Native(model) if model.uses_avx512() => BertBackend::Native,
+            Encoder::Native(_) => BertBackend::NativePortable,
+            Encoder::Candle(_) => BertBackend::Candle,
+        }
+    }
+
+    /// The matrix kernel the linear layers run: `avx512` (fluxmem's, native forward on a CPU
+    /// with AVX-512F), `gemm` (the gemm crate's, native forward elsewhere) or `candle`.
+    pub fn kernel(&self) -> &'static str {
+        match &self.model {
+            Encoder::Native(model) if model.uses_avx512() => "avx512",
+            Encoder::Native(_) => "gemm",
+            Encoder::Candle(_) => "candle",
+        }
+    }
+
     /// Maximum tokens per text; longer texts are truncated.
     pub fn max_len(&self) -> usize {
         self.max_len
@@ -147,9 +206,38 @@ impl SentenceEmbedder {
         Ok(encodings.into_iter().map(|e| e.get_ids().to_vec()).collect())
     }
 
+    /// Embeds one batch of tokenized texts with the native forward: packed, no padding.
+    fn embed_packed(&self, model: &CpuBert, batch: &[&Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        let texts: Vec<&[u32]> = batch.iter().map(|t| t.as_slice()).collect();
+        let hidden = model.forward(&texts)?;
+        let mut start = 0;
+        let mut vectors = Vec::with_capacity(texts.len());
+        for tokens in &texts {
+            let rows = &hidden[start * self.dim..(start + tokens.len()) * self.dim];
+            let mut vector = match self.pooling {
+                Pooling::Cls => rows[..self.dim].to_vec(),
+                Pooling::Mean => {
+                    let mut sum = vec![0f32; self.dim];
+                    for row in rows.chunks_exact(self.dim) {
+                        sum.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+                    }
+                    let n = tokens.len() as f32;
+                    sum.iter_mut().for_each(|s| *s /= n);
+                    sum
+                }
+            };
+            if self.normalize {
+                normalize(&mut vector);
+            }
+            vectors.push(vector);
+            start += tokens.len();
+        }
+        Ok(vectors)
+    }
+
     /// Embeds one batch of tokenized texts of one bucket, padded to `padded` tokens (and, on
     /// a GPU, to `batch_size` rows).
-    fn embed_batch(&self, batch: &[&Vec<u32>], padded: usize) -> Result<Vec<Vec<f32>>> {
+    fn embed_batch(&self, model: &BertModel, batch: &[&Vec<u32>], padded: usize) -> Result<Vec<Vec<f32>>> {
         let longest = padded.max(1);
         let real_rows = batch.len();
         let mut rows: Vec<&Vec<u32>> = batch.to_vec();
@@ -171,7 +259,7 @@ impl SentenceEmbedder {
         let ids = Tensor::from_vec(ids, shape, &self.device)?;
         let mask = Tensor::from_vec(mask, shape, &self.device)?;
         let token_types = ids.zeros_like()?;
-        let hidden = self.model.forward(&ids, &token_types, Some(&mask))?;
+        let hidden = model.forward(&ids, &token_types, Some(&mask))?;
         let pooled = match self.pooling {
             Pooling::Cls => hidden.narrow(1, 0, 1)?.squeeze(1)?,
             Pooling::Mean => {
@@ -201,17 +289,22 @@ impl Embedder for SentenceEmbedder {
 
     fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>> {
         let tokenized = self.tokenize(texts)?;
-        let bucket = |i: usize| bucket_len(tokenized[i].len(), self.max_len);
+        let native = matches!(self.model, Encoder::Native(_));
+        // The native forward packs texts without padding: one "bucket" for all, longest first.
+        let bucket = |i: usize| if native { 0 } else { bucket_len(tokenized[i].len(), self.max_len) };
         // Longest bucket first; a batch never spans two buckets (see the module docs).
         let mut order: Vec<usize> = (0..texts.len()).collect();
-        order.sort_by_key(|&i| (std::cmp::Reverse(bucket(i)), i));
+        order.sort_by_key(|&i| (std::cmp::Reverse(bucket(i)), std::cmp::Reverse(tokenized[i].len()), i));
         let mut batches: Vec<Vec<usize>> = Vec::new();
         for group in order.chunk_by(|&a, &b| bucket(a) == bucket(b)) {
             batches.extend(group.chunks(self.batch_size).map(<[usize]>::to_vec));
         }
         let run = |batch: &Vec<usize>| -> Result<Vec<Vec<f32>>> {
             let tokens: Vec<&Vec<u32>> = batch.iter().map(|&i| &tokenized[i]).collect();
-            self.embed_batch(&tokens, bucket(batch[0]))
+            match &self.model {
+                Encoder::Native(model) => self.embed_packed(model, &tokens),
+                Encoder::Candle(model) => self.embed_batch(model, &tokens, bucket(batch[0])),
+            }
         };
         let results: Vec<Result<Vec<Vec<f32>>>> = if self.workers > 1 && batches.len() > 1 {
             let workers = self.workers.min(batches.len());

@@ -18,6 +18,7 @@
 //! ```
 
 mod bert;
+mod bert_cpu;
 mod device;
 mod embedder;
 mod error;
@@ -28,7 +29,7 @@ mod judge;
 mod provision;
 mod qwen2;
 
-pub use bert::{bucket_len, Pooling, SentenceEmbedder, PAD_BUCKET};
+pub use bert::{bucket_len, BertBackend, Pooling, SentenceEmbedder, PAD_BUCKET};
 pub use device::DeviceChoice;
 pub use embedder::{cosine, normalize, Embedder, HashEmbedder};
 pub use error::{Error, Result};
@@ -40,13 +41,19 @@ pub use provision::{cache_dir, FileSpec, ModelManifest, ModelSpec, BUILTIN_MANIF
 
 /// Loads the embedder called `name` from the cache on `device`.
 pub fn load_embedder(name: &str, device: &DeviceChoice) -> Result<SentenceEmbedder> {
+    let backend = if device.device()?.is_cpu() { BertBackend::Native } else { BertBackend::Candle };
+    load_embedder_with(name, device, backend)
+}
+
+/// [`load_embedder`] with the device and the forward pass chosen (benchmarks compare them).
+pub fn load_embedder_with(name: &str, device: &DeviceChoice, backend: BertBackend) -> Result<SentenceEmbedder> {
     let manifest = ModelManifest::load()?;
     let spec = manifest.get(name)?;
     if spec.kind != "embedder" || spec.architecture != "bert" {
         return Err(Error::Unknown { name: format!("{name} (not a BERT embedder)"), known: String::new() });
     }
     let dir = spec.require(&cache_dir())?;
-    SentenceEmbedder::load(&dir, &spec.model_id(), &device.device()?)
+    SentenceEmbedder::load_with(&dir, &spec.model_id(), &device.device()?, backend)
 }
 
 /// The generator model a judge setting names: `none` gives `None`, `llm` the default judge

@@ -2,7 +2,7 @@
 //! committed in `tests/data/golden/`. Needs the model installed: `fluxmem models fetch
 //! all-minilm-l6-v2` (scripts/test.sh does it); a missing model fails with that command.
 
-use fluxmem_models::{cosine, DeviceChoice, Embedder, SentenceEmbedder};
+use fluxmem_models::{cosine, BertBackend, DeviceChoice, Embedder, SentenceEmbedder};
 use serde_json::Value;
 
 fn golden() -> (Vec<String>, Vec<Vec<f32>>) {
@@ -18,26 +18,57 @@ fn golden() -> (Vec<String>, Vec<Vec<f32>>) {
     (sentences, vectors)
 }
 
+fn device() -> DeviceChoice {
+    std::env::var("FLUXMEM_TEST_DEVICE").unwrap_or_else(|_| "cpu".into()).parse::<DeviceChoice>().unwrap()
+}
+
+/// The default embedder of the test device (on the CPU: the native forward).
 fn embedder(batch_size: usize) -> SentenceEmbedder {
-    let device = std::env::var("FLUXMEM_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
-    fluxmem_models::load_embedder(fluxmem_models::DEFAULT_EMBEDDER, &device.parse::<DeviceChoice>().unwrap())
+    fluxmem_models::load_embedder(fluxmem_models::DEFAULT_EMBEDDER, &device()).unwrap_or_else(|e| panic!("{e}")).with_batch_size(batch_size)
+}
+
+/// Every forward pass the test device runs: on the CPU the native one (with the AVX-512
+/// kernel where the CPU has it), the native one with portable kernels, and candle's.
+fn backends() -> Vec<BertBackend> {
+    if matches!(device(), DeviceChoice::Cpu) {
+        vec![BertBackend::Native, BertBackend::NativePortable, BertBackend::Candle]
+    } else {
+        vec![BertBackend::Candle]
+    }
+}
+
+fn embedder_with(backend: BertBackend, batch_size: usize) -> SentenceEmbedder {
+    fluxmem_models::load_embedder_with(fluxmem_models::DEFAULT_EMBEDDER, &device(), backend)
         .unwrap_or_else(|e| panic!("{e}"))
         .with_batch_size(batch_size)
+}
+
+#[test]
+fn the_cpu_default_is_the_native_forward() {
+    if matches!(device(), DeviceChoice::Cpu) {
+        let embedder = embedder(32);
+        assert!(matches!(embedder.backend(), BertBackend::Native | BertBackend::NativePortable));
+        assert_ne!(embedder.kernel(), "candle");
+        let portable = embedder_with(BertBackend::NativePortable, 32);
+        assert_eq!((portable.backend(), portable.kernel()), (BertBackend::NativePortable, "gemm"));
+    }
 }
 
 #[test]
 fn matches_sentence_transformers_reference() {
     let (sentences, expected) = golden();
     let refs: Vec<&str> = sentences.iter().map(String::as_str).collect();
-    for batch_size in [1, 5, 32] {
-        let got = embedder(batch_size).embed(&refs).unwrap();
-        assert_eq!(got.len(), expected.len());
-        for ((sentence, got), want) in sentences.iter().zip(&got).zip(&expected) {
-            assert_eq!(got.len(), 384);
-            let similarity = cosine(got, want);
-            assert!(similarity >= 0.9999, "cosine {similarity} for {sentence:?} at batch size {batch_size}");
-            let max_diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(max_diff < 1e-4, "max abs diff {max_diff} for {sentence:?}");
+    for backend in backends() {
+        for batch_size in [1, 5, 32] {
+            let got = embedder_with(backend, batch_size).embed(&refs).unwrap();
+            assert_eq!(got.len(), expected.len());
+            for ((sentence, got), want) in sentences.iter().zip(&got).zip(&expected) {
+                assert_eq!(got.len(), 384);
+                let similarity = cosine(got, want);
+                assert!(similarity >= 0.9999, "{backend:?}: cosine {similarity} for {sentence:?} at batch size {batch_size}");
+                let max_diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(max_diff < 1e-4, "{backend:?}: max abs diff {max_diff} for {sentence:?}");
+            }
         }
     }
 }
@@ -63,19 +94,22 @@ fn a_vector_does_not_depend_on_its_batch_mates() {
     texts.push("A much longer text than the others, so that a batch padded to its longest member would pad every short text far beyond its own length, which changes the reduction lengths in attention and pooling.".into());
     texts.push("ok".into());
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
-    let alone: Vec<Vec<f32>> = refs.iter().map(|t| embedder(32).embed(&[t]).unwrap().remove(0)).collect();
-    for batch_size in [1, 3, 32] {
-        let together = embedder(batch_size).embed(&refs).unwrap();
-        for ((text, a), b) in refs.iter().zip(&alone).zip(&together) {
-            let same_bits = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same_bits, "{text:?} alone differs from its vector in a batch of {batch_size}");
+    for backend in backends() {
+        let single = embedder_with(backend, 32);
+        let alone: Vec<Vec<f32>> = refs.iter().map(|t| single.embed(&[t]).unwrap().remove(0)).collect();
+        for batch_size in [1, 3, 32] {
+            let together = embedder_with(backend, batch_size).embed(&refs).unwrap();
+            for ((text, a), b) in refs.iter().zip(&alone).zip(&together) {
+                let same_bits = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same_bits, "{backend:?}: {text:?} alone differs from its vector in a batch of {batch_size}");
+            }
         }
-    }
-    let mut reversed = refs.clone();
-    reversed.reverse();
-    let back = embedder(4).embed(&reversed).unwrap();
-    for (a, b) in alone.iter().rev().zip(&back) {
-        assert_eq!(a, b, "order of the input does not matter");
+        let mut reversed = refs.clone();
+        reversed.reverse();
+        let back = embedder_with(backend, 4).embed(&reversed).unwrap();
+        for (a, b) in alone.iter().rev().zip(&back) {
+            assert_eq!(a, b, "{backend:?}: order of the input does not matter");
+        }
     }
 }
 
