@@ -36,5 +36,5 @@ else
 fi
 
 # The Ray integration: the pipeline through Ray (2 shards, a logical GPU) gives the same store
-# as the single-machine run. Uses the binary cargo test just built.
-PYTHONDONTWRITEBYTECODE=1 FLUXMEM_BIN="$PWD/target/debug/fluxmem" .venv/bin/python -m pytest -q -rA -p no:cacheprovider integrations/ray/tests
+# as the single-machine run. Uses the binary cargo test just built (in CARGO_TARGET_DIR when set).
+PYTHONDONTWRITEBYTECODE=1 FLUXMEM_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fluxmem" .venv/bin/python -m pytest -q -rA -p no:cacheprovider integrations/ray/tests
