@@ -61,6 +61,17 @@ pub enum BertBackend {
     Candle,
 }
 
+impl BertBackend {
+    /// The default forward on `device`: native on the CPU, candle elsewhere.
+    pub fn for_device(device: &Device) -> BertBackend {
+        if device.is_cpu() {
+            BertBackend::Native
+        } else {
+            BertBackend::Candle
+        }
+    }
+}
+
 enum Encoder {
     Native(CpuBert),
     Candle(BertModel),
@@ -91,8 +102,7 @@ impl SentenceEmbedder {
     /// Loads the checkpoint in `dir` on `device`; `model_id` is recorded with every vector. The
     /// CPU runs [`BertBackend::Native`], other devices [`BertBackend::Candle`].
     pub fn load(dir: &Path, model_id: &str, device: &Device) -> Result<SentenceEmbedder> {
-        let backend = if device.is_cpu() { BertBackend::Native } else { BertBackend::Candle };
-        Self::load_with(dir, model_id, device, backend)
+        Self::load_with(dir, model_id, device, BertBackend::for_device(device))
     }
 
     /// [`SentenceEmbedder::load`] with the forward pass chosen; `Native` needs the CPU.
@@ -188,10 +198,10 @@ impl SentenceEmbedder {
     /// The matrix kernel the linear layers run: `avx512` (fluxmem's, native forward on a CPU
     /// with AVX-512F), `gemm` (the gemm crate's, native forward elsewhere) or `candle`.
     pub fn kernel(&self) -> &'static str {
-        match &self.model {
-            Encoder::Native(model) if model.uses_avx512() => "avx512",
-            Encoder::Native(_) => "gemm",
-            Encoder::Candle(_) => "candle",
+        match self.backend() {
+            BertBackend::Native => "avx512",
+            BertBackend::NativePortable => "gemm",
+            BertBackend::Candle => "candle",
         }
     }
 

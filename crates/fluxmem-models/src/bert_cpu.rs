@@ -190,14 +190,15 @@ impl CpuBert {
         let h = self.hidden;
         let real_rows: usize = texts.iter().map(|t| t.len()).sum();
         let rows = real_rows.div_ceil(self.row_block) * self.row_block;
-        let mut starts = Vec::with_capacity(texts.len());
+        // Each text's first row and length.
+        let mut spans = Vec::with_capacity(texts.len());
         let mut x = vec![0f32; rows * h];
         let mut row = 0;
         for tokens in texts {
             if tokens.is_empty() || tokens.len() > self.max_positions {
                 return Err(Error::Tokenizer(format!("a text of {} tokens does not fit the model", tokens.len())));
             }
-            starts.push(row);
+            spans.push((row, tokens.len()));
             for (position, &id) in tokens.iter().enumerate() {
                 let id = id as usize;
                 let word = self.word.get(id * h..(id + 1) * h).ok_or_else(|| Error::Tokenizer(format!("token id {id} is outside the vocabulary")))?;
@@ -215,7 +216,6 @@ impl CpuBert {
         let mut context = vec![0f32; rows * h];
         let mut inner = vec![0f32; rows * intermediate];
         let mut next = vec![0f32; rows * h];
-        let spans: Vec<(usize, usize)> = starts.iter().zip(texts).map(|(&s, t)| (s, t.len())).collect();
         for layer in &self.layers {
             linear(&x, rows, &layer.qkv, None, &mut qkv);
             self.attention(&qkv, &spans, &mut context);

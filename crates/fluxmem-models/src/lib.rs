@@ -39,21 +39,26 @@ pub use gguf_tokenizer::tokenizer_from_gguf;
 pub use judge::{Judge, LlmJudge};
 pub use provision::{cache_dir, FileSpec, ModelManifest, ModelSpec, BUILTIN_MANIFEST, DEFAULT_EMBEDDER, DEFAULT_GENERATOR, DEFAULT_JUDGE};
 
-/// Loads the embedder called `name` from the cache on `device`.
+/// Loads the embedder called `name` from the cache on `device`, with its default forward
+/// ([`BertBackend::for_device`]).
 pub fn load_embedder(name: &str, device: &DeviceChoice) -> Result<SentenceEmbedder> {
-    let backend = if device.device()?.is_cpu() { BertBackend::Native } else { BertBackend::Candle };
-    load_embedder_with(name, device, backend)
+    let device = device.device()?;
+    embedder_from_cache(name, &device, BertBackend::for_device(&device))
 }
 
-/// [`load_embedder`] with the device and the forward pass chosen (benchmarks compare them).
+/// [`load_embedder`] with the forward pass chosen (benchmarks compare them).
 pub fn load_embedder_with(name: &str, device: &DeviceChoice, backend: BertBackend) -> Result<SentenceEmbedder> {
+    embedder_from_cache(name, &device.device()?, backend)
+}
+
+fn embedder_from_cache(name: &str, device: &candle_core::Device, backend: BertBackend) -> Result<SentenceEmbedder> {
     let manifest = ModelManifest::load()?;
     let spec = manifest.get(name)?;
     if spec.kind != "embedder" || spec.architecture != "bert" {
         return Err(Error::Unknown { name: format!("{name} (not a BERT embedder)"), known: String::new() });
     }
     let dir = spec.require(&cache_dir())?;
-    SentenceEmbedder::load_with(&dir, &spec.model_id(), &device.device()?, backend)
+    SentenceEmbedder::load_with(&dir, &spec.model_id(), device, backend)
 }
 
 /// The generator model a judge setting names: `none` gives `None`, `llm` the default judge
