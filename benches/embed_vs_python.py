@@ -83,6 +83,12 @@ def main():
     rows = [("python sentence-transformers (torch)", python_reference(sentences, args.threads, args.batch_size, args.repeat))]
     native = fluxmem(path, args.threads, args.batch_size, args.repeat, 1)
     rows.append((f"fluxmem native ({native['kernel']} kernel)", native))
+    if native["kernel"] != "avx2":
+        # The AVX2 kernel (what CPUs without AVX-512 run), next to AVX-512 on the same machine.
+        try:
+            rows.append(("fluxmem native (avx2 kernel)", fluxmem(path, args.threads, args.batch_size, args.repeat, 1, "native-avx2")))
+        except SystemExit as e:
+            print(f"no avx2 row: {e}", file=sys.stderr)
     rows.append(("fluxmem native (gemm crate kernels)", fluxmem(path, args.threads, args.batch_size, args.repeat, 1, "native-portable")))
     rows.append(("fluxmem candle BertModel", fluxmem(path, args.threads, args.batch_size, args.repeat, 1, "candle")))
     rows.append((f"fluxmem native, {args.threads} workers x 1 thread", fluxmem(path, args.threads, args.batch_size, args.repeat, args.threads)))

@@ -22,9 +22,10 @@ fn main() -> anyhow::Result<()> {
     let texts: Vec<&str> = text.lines().collect();
     let backend = match args.iter().position(|a| a == "--backend").and_then(|i| args.get(i + 1)).map(String::as_str) {
         None | Some("native") => BertBackend::Native,
+        Some("native-avx2") => BertBackend::NativeAvx2,
         Some("native-portable") => BertBackend::NativePortable,
         Some("candle") => BertBackend::Candle,
-        Some(other) => anyhow::bail!("--backend is native, native-portable or candle, not {other}"),
+        Some(other) => anyhow::bail!("--backend is native, native-avx2, native-portable or candle, not {other}"),
     };
     let embedder = fluxmem_models::load_embedder_with(fluxmem_models::DEFAULT_EMBEDDER, &DeviceChoice::Cpu, backend)?
         .with_batch_size(batch_size)

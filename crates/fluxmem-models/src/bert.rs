@@ -24,7 +24,7 @@ use candle_transformers::models::bert::{BertModel, Config};
 use std::path::Path;
 use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
 
-use crate::bert_cpu::CpuBert;
+use crate::bert_cpu::{CpuBert, Isa, KernelChoice};
 use crate::embedder::{normalize, Embedder};
 use crate::error::IoContext;
 use crate::{Error, Result};
@@ -51,11 +51,15 @@ pub enum Pooling {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BertBackend {
     /// fluxmem's own CPU forward: packed texts without padding, fused projections, a vectorised
-    /// GELU, and fluxmem's AVX-512 matrix kernel where the CPU has AVX-512F (CPU only; the
-    /// default there).
+    /// GELU, and fluxmem's matrix kernel: AVX-512 where the CPU has AVX-512F, else AVX2 with
+    /// FMA, else the `gemm` crate's (CPU only; the default there).
     Native,
-    /// The native forward with the `gemm` crate's matrix kernels only (what CPUs without
-    /// AVX-512 run; kept selectable for tests and benchmarks).
+    /// The native forward with the AVX2 kernel even where the CPU has AVX-512 (what CPUs
+    /// without AVX-512 run; selectable so that tests and benchmarks compare the two kernels on
+    /// one machine). Loading fails on a CPU without AVX2 and FMA.
+    NativeAvx2,
+    /// The native forward with the `gemm` crate's matrix kernels only (what CPUs without AVX2
+    /// run; kept selectable for tests and benchmarks).
     NativePortable,
     /// candle-transformers' `BertModel` on padded buckets (any device; the default on a GPU).
     Candle,
@@ -80,6 +84,7 @@ enum Encoder {
 /// A BERT sentence embedder.
 pub struct SentenceEmbedder {
     model: Encoder,
+    backend: BertBackend,
     tokenizer: Tokenizer,
     /// The same tokenizer without truncation, for counting tokens.
     counter: Tokenizer,
@@ -146,11 +151,12 @@ impl SentenceEmbedder {
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
         let weights = dir.join("model.safetensors");
         let model = match backend {
-            BertBackend::Native | BertBackend::NativePortable if !device.is_cpu() => {
+            BertBackend::Native | BertBackend::NativeAvx2 | BertBackend::NativePortable if !device.is_cpu() => {
                 return Err(Error::Format { path: weights, reason: "the native BERT forward runs on the CPU only".into() })
             }
-            BertBackend::Native => Encoder::Native(CpuBert::load(&weights, &config, true)?),
-            BertBackend::NativePortable => Encoder::Native(CpuBert::load(&weights, &config, false)?),
+            BertBackend::Native => Encoder::Native(CpuBert::load(&weights, &config, KernelChoice::Best)?),
+            BertBackend::NativeAvx2 => Encoder::Native(CpuBert::load(&weights, &config, KernelChoice::Avx2)?),
+            BertBackend::NativePortable => Encoder::Native(CpuBert::load(&weights, &config, KernelChoice::Gemm)?),
             BertBackend::Candle => {
                 // Safety: the file is memory-mapped read-only; the cache is not modified while in use.
                 let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, device)? };
@@ -159,6 +165,7 @@ impl SentenceEmbedder {
         };
         Ok(SentenceEmbedder {
             model,
+            backend,
             tokenizer,
             counter,
             device: device.clone(),
@@ -186,22 +193,22 @@ impl SentenceEmbedder {
         self
     }
 
-    /// The forward pass in use.
+    /// The forward pass in use (as asked for at load).
     pub fn backend(&self) -> BertBackend {
-        match &self.model {
-            Encoder::Native(model) if model.uses_avx512() => BertBackend::Native,
-            Encoder::Native(_) => BertBackend::NativePortable,
-            Encoder::Candle(_) => BertBackend::Candle,
-        }
+        self.backend
     }
 
-    /// The matrix kernel the linear layers run: `avx512` (fluxmem's, native forward on a CPU
-    /// with AVX-512F), `gemm` (the gemm crate's, native forward elsewhere) or `candle`.
+    /// The matrix kernel the linear layers run: `avx512` or `avx2` (fluxmem's, native forward),
+    /// `gemm` (the gemm crate's, native forward on a CPU without AVX2, or `NativePortable`) or
+    /// `candle`.
     pub fn kernel(&self) -> &'static str {
-        match self.backend() {
-            BertBackend::Native => "avx512",
-            BertBackend::NativePortable => "gemm",
-            BertBackend::Candle => "candle",
+        match &self.model {
+            Encoder::Native(model) => match model.isa() {
+                Some(Isa::Avx512) => "avx512",
+                Some(Isa::Avx2) => "avx2",
+                None => "gemm",
+            },
+            Encoder::Candle(_) => "candle",
         }
     }
 

@@ -33,24 +33,47 @@ struct Norm {
 }
 
 /// A linear layer `y = x W^T + b`, `W` stored row-major as `[out, in]`, or (when `packed`)
-/// in the AVX-512 kernel's panels.
+/// in fluxmem's kernel's panels.
 struct Linear {
     weight: Vec<f32>,
     bias: Vec<f32>,
     inputs: usize,
     outputs: usize,
-    packed: bool,
+    /// The fluxmem kernel the packed weights are for (`None`: row-major, the gemm crate's).
+    packed: Option<Isa>,
+}
+
+/// Which of fluxmem's matrix kernels runs the linear layers. Both compute every output as the
+/// same fused multiply-add chain over the inner dimension in order, from the same packed
+/// panels, so they give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// AVX-512F: 12 rows x 32 columns per block.
+    Avx512,
+    /// AVX2 with FMA: 6 rows x 16 columns per block.
+    Avx2,
+}
+
+/// Which kernel a forward asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KernelChoice {
+    /// The best fluxmem kernel this CPU runs (AVX-512, else AVX2 with FMA), else the gemm crate's.
+    Best,
+    /// The AVX2 kernel (an error on a CPU without AVX2 and FMA).
+    Avx2,
+    /// The gemm crate's kernels.
+    Gemm,
 }
 
 impl Linear {
-    /// Repacks the weights for the AVX-512 kernel when this CPU has it and the shape suits it.
-    fn pack(mut self, kernel: bool) -> Linear {
+    /// Repacks the weights for fluxmem's kernel `isa` when the shape suits it.
+    fn pack(mut self, isa: Option<Isa>) -> Linear {
         #[cfg(target_arch = "x86_64")]
-        if kernel && self.outputs % avx512::NR == 0 {
-            self.weight = avx512::pack(&self.weight, self.outputs, self.inputs);
-            self.packed = true;
+        if isa.is_some() && self.outputs % kernel::NR == 0 {
+            self.weight = kernel::pack(&self.weight, self.outputs, self.inputs);
+            self.packed = isa;
         }
-        let _ = kernel;
+        let _ = isa;
         self
     }
 }
@@ -118,7 +141,7 @@ impl Weights {
             bias: self.get(&format!("{name}.bias"), &[outputs])?,
             inputs,
             outputs,
-            packed: false,
+            packed: None,
         })
     }
 }
@@ -126,8 +149,8 @@ impl Weights {
 impl CpuBert {
     /// Reads the encoder from a safetensors checkpoint (with or without a `bert.` or
     /// `<model_type>.` prefix, as candle's loader accepts).
-    /// `avx512`: run the AVX-512 kernel when the CPU has it (else the `gemm` crate's kernels).
-    pub(crate) fn load(weights: &Path, config: &Config, avx512: bool) -> Result<CpuBert> {
+    /// `choice`: which matrix kernel runs the linear layers.
+    pub(crate) fn load(weights: &Path, config: &Config, choice: KernelChoice) -> Result<CpuBert> {
         let tensors = candle_core::safetensors::load(weights, &Device::Cpu)?;
         let prefixes = ["".to_string(), "bert.".to_string(), config.model_type.as_ref().map(|t| format!("{t}.")).unwrap_or_default()];
         let prefix = prefixes
@@ -140,7 +163,12 @@ impl CpuBert {
         if config.num_attention_heads == 0 || h % config.num_attention_heads != 0 {
             return Err(Error::Format { path: weights.into(), reason: "hidden size is not a multiple of the head count".into() });
         }
-        let kernel = avx512 && avx512_available();
+        let kernel = match choice {
+            KernelChoice::Best if avx512_available() => Some(Isa::Avx512),
+            KernelChoice::Best | KernelChoice::Avx2 if avx2_available() => Some(Isa::Avx2),
+            KernelChoice::Avx2 => return Err(Error::Format { path: weights.into(), reason: "the AVX2 kernel was asked for on a CPU without AVX2 and FMA".into() }),
+            KernelChoice::Best | KernelChoice::Gemm => None,
+        };
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
             let p = format!("encoder.layer.{i}");
@@ -152,7 +180,7 @@ impl CpuBert {
                 bias: [q.bias, k.bias, v.bias].concat(),
                 inputs: h,
                 outputs: 3 * h,
-                packed: false,
+                packed: None,
             };
             layers.push(Layer {
                 qkv: qkv.pack(kernel),
@@ -174,14 +202,14 @@ impl CpuBert {
             token_type: token_type[..h].to_vec(),
             max_positions: config.max_position_embeddings,
             embedding_norm: w.norm("embeddings.LayerNorm", h)?,
-            row_block: if kernel { MR } else { 1 },
+            row_block: if kernel.is_some() { MR } else { 1 },
             layers,
         })
     }
 
-    /// Whether the linear layers run fluxmem's AVX-512 kernel (else the `gemm` crate's).
-    pub(crate) fn uses_avx512(&self) -> bool {
-        self.layers.iter().all(|l| l.qkv.packed)
+    /// The fluxmem kernel the linear layers run (`None`: the `gemm` crate's).
+    pub(crate) fn isa(&self) -> Option<Isa> {
+        self.layers.first().and_then(|l| l.qkv.packed)
     }
 
     /// The last hidden state of every token of every text, packed: text `t`'s rows start at
@@ -308,8 +336,8 @@ fn linear(x: &[f32], rows: usize, layer: &Linear, residual: Option<&[f32]>, out:
         }
     });
     #[cfg(target_arch = "x86_64")]
-    if layer.packed {
-        avx512::linear(x, rows, k, &layer.weight, n, out);
+    if let Some(isa) = layer.packed {
+        kernel::linear(x, rows, k, &layer.weight, n, out, isa);
         return;
     }
     // Safety: the asserts above bound every access; W is `[n, k]` row-major, read as `k x n`.
@@ -352,14 +380,31 @@ fn avx512_available() -> bool {
     }
 }
 
-/// A matrix-product kernel for `out += x W^T` with AVX-512: 12 rows by 32 columns per block,
-/// 24 accumulator registers, weights packed once at load into 32-column panels (`k x 32`, row
-/// after row), the rows' inputs broadcast one element at a time. Every output element is one
-/// fused multiply-add chain over `k` in order, starting from what `out` holds (bias and
-/// residual), so a row's result does not depend on the other rows or the thread count.
+/// Whether this CPU can run the AVX2 kernel.
+fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// fluxmem's matrix-product kernels for `out += x W^T`, weights packed once at load into
+/// 32-column panels (`k x 32`, row after row), the rows of a block of [`MR`] interleaved, each
+/// row's input broadcast one element at a time:
+/// - AVX-512F: 12 rows by 32 columns per block, 24 accumulator registers;
+/// - AVX2 with FMA: 6 rows by 16 columns (half a panel), 12 of the 16 registers, each 12-row
+///   block done as two halves of rows times two halves of the panel.
+///
+/// Every output element is one fused multiply-add chain over `k` in order, starting from what
+/// `out` holds (bias and residual), in both: a row's result does not depend on the other rows,
+/// the thread count, or which of the two kernels ran (the same bits on AVX2 and AVX-512 CPUs).
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::MR;
+mod kernel {
+    use super::{Isa, MR};
     use std::arch::x86_64::*;
 
     pub(super) const NR: usize = 32;
@@ -377,8 +422,9 @@ mod avx512 {
         out
     }
 
-    /// `out[rows, n] += x[rows, k] W^T`; `rows` is a multiple of [`MR`].
-    pub(super) fn linear(x: &[f32], rows: usize, k: usize, packed: &[f32], n: usize, out: &mut [f32]) {
+    /// `out[rows, n] += x[rows, k] W^T`; `rows` is a multiple of [`MR`]; `isa` is one this CPU
+    /// has (checked before packing).
+    pub(super) fn linear(x: &[f32], rows: usize, k: usize, packed: &[f32], n: usize, out: &mut [f32], isa: Isa) {
         use rayon::prelude::*;
         assert!(rows % MR == 0 && x.len() >= rows * k && out.len() >= rows * n && packed.len() == n * k);
         let run = |lhs: &mut Vec<f32>, (x, out): (&[f32], &mut [f32])| {
@@ -389,9 +435,14 @@ mod avx512 {
                     lhs[kk * MR + r] = v;
                 }
             }
-            // Safety: the CPU has AVX-512F (checked before packing); `lhs` holds k x MR values,
-            // `out` MR rows of `n`, `packed` n * k values.
-            unsafe { block(lhs.as_ptr(), k, packed.as_ptr(), n, out.as_mut_ptr()) }
+            // Safety: the CPU has the instructions of `isa` (checked before packing); `lhs`
+            // holds k x MR values, `out` MR rows of `n`, `packed` n * k values.
+            unsafe {
+                match isa {
+                    Isa::Avx512 => block_avx512(lhs.as_ptr(), k, packed.as_ptr(), n, out.as_mut_ptr()),
+                    Isa::Avx2 => block_avx2(lhs.as_ptr(), k, packed.as_ptr(), n, out.as_mut_ptr()),
+                }
+            }
         };
         let x = &x[..rows * k];
         let out = &mut out[..rows * n];
@@ -404,7 +455,7 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn block(lhs: *const f32, k: usize, packed: *const f32, n: usize, out: *mut f32) {
+    unsafe fn block_avx512(lhs: *const f32, k: usize, packed: *const f32, n: usize, out: *mut f32) {
         for p in 0..n / NR {
             let b = packed.add(p * k * NR);
             let o = out.add(p * NR);
@@ -426,6 +477,41 @@ mod avx512 {
             for (r, acc) in acc.iter().enumerate() {
                 _mm512_storeu_ps(o.add(r * n), acc[0]);
                 _mm512_storeu_ps(o.add(r * n + 16), acc[1]);
+            }
+        }
+    }
+
+    /// Rows of one AVX2 register block.
+    const MR2: usize = MR / 2;
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn block_avx2(lhs: *const f32, k: usize, packed: *const f32, n: usize, out: *mut f32) {
+        for p in 0..n / NR {
+            for half in 0..2 {
+                // Columns `p * 32 + half * 16 ..+ 16`, read from the panel with stride 32.
+                let b = packed.add(p * k * NR + half * 16);
+                for rows in 0..2 {
+                    let o = out.add(rows * MR2 * n + p * NR + half * 16);
+                    let mut acc = [[_mm256_setzero_ps(); 2]; MR2];
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        acc[0] = _mm256_loadu_ps(o.add(r * n));
+                        acc[1] = _mm256_loadu_ps(o.add(r * n + 8));
+                    }
+                    for kk in 0..k {
+                        let b0 = _mm256_loadu_ps(b.add(kk * NR));
+                        let b1 = _mm256_loadu_ps(b.add(kk * NR + 8));
+                        let a = lhs.add(kk * MR + rows * MR2);
+                        for (r, acc) in acc.iter_mut().enumerate() {
+                            let a = _mm256_broadcast_ss(&*a.add(r));
+                            acc[0] = _mm256_fmadd_ps(a, b0, acc[0]);
+                            acc[1] = _mm256_fmadd_ps(a, b1, acc[1]);
+                        }
+                    }
+                    for (r, acc) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(o.add(r * n), acc[0]);
+                        _mm256_storeu_ps(o.add(r * n + 8), acc[1]);
+                    }
+                }
             }
         }
     }

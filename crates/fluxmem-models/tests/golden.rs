@@ -27,11 +27,17 @@ fn embedder(batch_size: usize) -> SentenceEmbedder {
     fluxmem_models::load_embedder(fluxmem_models::DEFAULT_EMBEDDER, &device()).unwrap_or_else(|e| panic!("{e}")).with_batch_size(batch_size)
 }
 
-/// Every forward pass the test device runs: on the CPU the native one (with the AVX-512
-/// kernel where the CPU has it), the native one with portable kernels, and candle's.
+/// Every forward pass the test device runs: on the CPU the native one (with its best kernel),
+/// the native one with the AVX2 kernel (x86-64 CPUs with AVX2 and FMA), the native one with
+/// portable kernels, and candle's.
 fn backends() -> Vec<BertBackend> {
     if matches!(device(), DeviceChoice::Cpu) {
-        vec![BertBackend::Native, BertBackend::NativePortable, BertBackend::Candle]
+        let mut all = vec![BertBackend::Native];
+        if has_avx2() {
+            all.push(BertBackend::NativeAvx2);
+        }
+        all.extend([BertBackend::NativePortable, BertBackend::Candle]);
+        all
     } else {
         vec![BertBackend::Candle]
     }
@@ -47,11 +53,42 @@ fn embedder_with(backend: BertBackend, batch_size: usize) -> SentenceEmbedder {
 fn the_cpu_default_is_the_native_forward() {
     if matches!(device(), DeviceChoice::Cpu) {
         let embedder = embedder(32);
-        assert!(matches!(embedder.backend(), BertBackend::Native | BertBackend::NativePortable));
+        assert_eq!(embedder.backend(), BertBackend::Native);
         assert_ne!(embedder.kernel(), "candle");
         let portable = embedder_with(BertBackend::NativePortable, 32);
         assert_eq!((portable.backend(), portable.kernel()), (BertBackend::NativePortable, "gemm"));
+        if has_avx2() {
+            assert_ne!(embedder.kernel(), "gemm", "a CPU with AVX2 and FMA runs fluxmem's kernel");
+            assert_eq!(embedder_with(BertBackend::NativeAvx2, 32).kernel(), "avx2");
+        }
     }
+}
+
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The AVX2 and the AVX-512 kernel compute each output as the same fused multiply-add chain:
+/// the same vectors to the bit, so stores embedded on either kind of CPU agree. (On a CPU
+/// without AVX-512 the default runs the AVX2 kernel, and the two are trivially equal.)
+#[test]
+fn the_avx2_kernel_gives_the_default_kernels_bits() {
+    if !matches!(device(), DeviceChoice::Cpu) || !has_avx2() {
+        return;
+    }
+    let (sentences, _) = golden();
+    let refs: Vec<&str> = sentences.iter().map(String::as_str).collect();
+    let default = embedder(5);
+    let avx2 = embedder_with(BertBackend::NativeAvx2, 5);
+    assert_eq!((default.backend(), avx2.backend()), (BertBackend::Native, BertBackend::NativeAvx2));
+    assert_eq!(default.embed(&refs).unwrap(), avx2.embed(&refs).unwrap(), "{} vs avx2", default.kernel());
 }
 
 #[test]

@@ -36,11 +36,11 @@
 //!   not rewritten keeps the `evidence` and `outcomes` of its last write. As a tenant's history
 //!   grows, one night's outcomes move each credit by less, and fewer edges are rewritten.
 
-use fluxmem_graph::{Changed, Edge, EdgeKey, EdgeKind, Edit, Graph, Node, NodeId};
+use fluxmem_graph::{Changed, Edge, EdgeKind, Edit, Graph, Node, NodeId};
 use fluxmem_store::{CommitInfo, Writer};
 use serde::Serialize;
 use serde_json::Value;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::query::STAGE;
 // Stage I's progress callbacks serve here too (counted in edges assessed).
@@ -76,13 +76,6 @@ impl Default for CreditOptions {
 
 /// The progress marker that holds each tenant's base rate (the prior of the credits).
 pub const BASE_RATE_MARKER: &str = "refine.base_rate";
-
-/// What credit assignment needs of a node, looked up once per edge end.
-struct Info<'g> {
-    tenant: &'g str,
-    outcome: Option<f64>,
-    episode: bool,
-}
 
 /// What a refine run did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -126,6 +119,192 @@ pub fn outcome(node: &Node) -> Option<f64> {
     }
 }
 
+/// What credit assignment needs of a node: its tenant and task (interned), its outcome, and
+/// its time. One entry per node, not per edge; the node rows themselves are not kept.
+#[derive(Clone, Copy)]
+struct Info {
+    tenant: u32,
+    outcome: Option<f64>,
+    episode: bool,
+    /// The task (interned key) of an episode with an outcome.
+    task: u32,
+    time: i64,
+}
+
+/// The nodes as credit assignment sees them, built one node row at a time.
+#[derive(Default)]
+struct Nodes {
+    info: HashMap<NodeId, Info>,
+    tenants: Vec<String>,
+    tenant_ids: HashMap<String, u32>,
+    tasks: Vec<String>,
+    task_ids: HashMap<String, u32>,
+}
+
+impl Nodes {
+    fn add(&mut self, n: &Node) {
+        let tenant = intern(&mut self.tenants, &mut self.tenant_ids, &n.tenant);
+        let outcome = outcome(n);
+        // The tenant is part of the task: a failure is never linked to another tenant's success.
+        let task = match outcome {
+            Some(_) => {
+                let key = match n.metadata.get("task_id") {
+                    Some(task) => format!("{}\0{}\0{task}", n.tenant, n.source_file),
+                    None => format!("{}\0text\0{}", n.tenant, n.text),
+                };
+                intern(&mut self.tasks, &mut self.task_ids, &key)
+            }
+            None => 0,
+        };
+        let info = Info { tenant, outcome, episode: n.episode().is_some(), task, time: n.created_at.unwrap_or(0) };
+        self.info.insert(n.id.clone(), info);
+    }
+}
+
+fn intern(names: &mut Vec<String>, ids: &mut HashMap<String, u32>, name: &str) -> u32 {
+    if let Some(&id) = ids.get(name) {
+        return id;
+    }
+    let id = names.len() as u32;
+    names.push(name.to_string());
+    ids.insert(name.to_string(), id);
+    id
+}
+
+/// Where the edges come from: an in-memory graph (in key order) or the store's live rows
+/// streamed shard by shard ([`fluxmem_store::Live`]). Credit assignment reads them twice (sums,
+/// then decisions) and keeps only the edges it changes.
+trait Edges {
+    /// Every edge of these kinds (all when empty), whole.
+    fn each(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&Edge)) -> Result<()>;
+    /// Every edge of these kinds: source, destination, kind, and whether it names a `relation`.
+    fn ends(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&str, &str, EdgeKind, bool)) -> Result<()>;
+    /// Every edge as a [`View`] to `decide` on; the edges it gives a verdict, whole, to `then`.
+    fn decide(&self, decide: &mut dyn FnMut(&View<'_>) -> Option<Verdict>, then: &mut dyn FnMut(Edge, Verdict)) -> Result<()>;
+}
+
+/// The credit keys of an edge's metadata, as stored (compared as JSON values, as the whole
+/// metadata maps were).
+#[derive(Debug, Default, serde::Deserialize)]
+struct CreditMeta {
+    #[serde(default)]
+    stage1_weight: Option<Value>,
+    #[serde(default)]
+    stage1_evidence: Option<Value>,
+    #[serde(default)]
+    credit: Option<Value>,
+    #[serde(default)]
+    outcomes: Option<Value>,
+    #[serde(default)]
+    pruned_by: Option<Value>,
+    /// The metadata names a `relation` (a Stage II link: never credited).
+    #[serde(skip)]
+    relation: bool,
+}
+
+impl CreditMeta {
+    fn of(metadata: &BTreeMap<String, Value>) -> CreditMeta {
+        CreditMeta {
+            stage1_weight: metadata.get("stage1_weight").cloned(),
+            stage1_evidence: metadata.get("stage1_evidence").cloned(),
+            credit: metadata.get("credit").cloned(),
+            outcomes: metadata.get("outcomes").cloned(),
+            pruned_by: metadata.get("pruned_by").cloned(),
+            relation: metadata.contains_key("relation"),
+        }
+    }
+
+    fn parse(json: &str) -> std::result::Result<CreditMeta, String> {
+        let mut meta: CreditMeta = serde_json::from_str(json).map_err(|e| format!("metadata is not a JSON object: {e}"))?;
+        // Parsed as a map only when the key may be there (a `null` relation still counts).
+        meta.relation = json.contains("\"relation\"")
+            && serde_json::from_str::<serde_json::Map<String, Value>>(json).map(|m| m.contains_key("relation")).unwrap_or(false);
+        Ok(meta)
+    }
+}
+
+/// What credit assignment decides on: an edge's key, weight, evidence, state and credit keys.
+struct View<'a> {
+    src: &'a str,
+    dst: &'a str,
+    kind: EdgeKind,
+    weight: f32,
+    evidence: i64,
+    active: bool,
+    meta: CreditMeta,
+}
+
+/// Why an edge's credit changes it.
+#[derive(Debug, Clone, Copy)]
+enum Why {
+    Prune,
+    Recovered,
+    Credit,
+}
+
+/// What happens to an edge that changes.
+enum Verdict {
+    /// A cross-tenant edge, deactivated for good.
+    Isolate,
+    /// New credit (and maybe a new state).
+    Credit { credit: f64, evidence: usize, stage1_weight: f64, stage1_evidence: i64, why: Why, kind: &'static str, reason: String },
+}
+
+impl Edges for Graph {
+    fn each(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&Edge)) -> Result<()> {
+        self.edges.values().filter(|e| kinds.is_empty() || kinds.contains(&e.kind)).for_each(f);
+        Ok(())
+    }
+
+    fn ends(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&str, &str, EdgeKind, bool)) -> Result<()> {
+        self.each(kinds, &mut |e| f(e.src.as_str(), e.dst.as_str(), e.kind, !counts(e)))
+    }
+
+    fn decide(&self, decide: &mut dyn FnMut(&View<'_>) -> Option<Verdict>, then: &mut dyn FnMut(Edge, Verdict)) -> Result<()> {
+        for e in self.edges.values() {
+            let view = View { src: e.src.as_str(), dst: e.dst.as_str(), kind: e.kind, weight: e.weight, evidence: e.evidence, active: e.active, meta: CreditMeta::of(&e.metadata) };
+            if let Some(verdict) = decide(&view) {
+                then(e.clone(), verdict);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Edges for fluxmem_store::Live<'_> {
+    fn each(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&Edge)) -> Result<()> {
+        Ok(self.edges(kinds, &mut |edge| f(&edge))?)
+    }
+
+    fn ends(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&str, &str, EdgeKind, bool)) -> Result<()> {
+        Ok(self.edge_ends(kinds, f)?)
+    }
+
+    fn decide(&self, decide: &mut dyn FnMut(&View<'_>) -> Option<Verdict>, then: &mut dyn FnMut(Edge, Verdict)) -> Result<()> {
+        Ok(self.edges_deciding(
+            &mut |row| {
+                let meta = CreditMeta::parse(row.metadata)?;
+                Ok(decide(&View { src: row.src, dst: row.dst, kind: row.kind, weight: row.weight, evidence: row.evidence, active: row.active, meta }))
+            },
+            then,
+        )?)
+    }
+}
+
+/// An edge credit assignment writes: the row it replaces (none for a new link), the new row,
+/// the edit kind and its reason.
+struct Change {
+    before: Option<Edge>,
+    next: Edge,
+    kind: &'static str,
+    reason: String,
+}
+
+/// Outcomes are summed in fixed point (2^-40), so a node's sum does not depend on the order its
+/// edges are read in (key order in memory, shard order from the store): the same credits, to
+/// the bit, however the store is laid out. 0/1 outcomes are exact.
+const FIXED: f64 = (1u64 << 40) as f64;
+
 /// The new state of every edge the outcomes speak to, and the links to add; the graph is not
 /// changed. Returns (changed edges with their edit kind and reason, report counts).
 pub fn assign(graph: &Graph, options: &CreditOptions, run_id: &str) -> (Vec<(Edge, &'static str, String)>, CreditReport) {
@@ -141,14 +320,26 @@ pub fn assign_with_priors(
     run_id: &str,
     priors: &BTreeMap<String, f64>,
 ) -> (Vec<(Edge, &'static str, String)>, CreditReport) {
-    // One hashed look-up per node id instead of B-tree searches over long ids: the loops below
-    // visit every edge.
-    let info: HashMap<&NodeId, Info> = graph
-        .nodes
-        .values()
-        .map(|n| (&n.id, Info { tenant: n.tenant.as_str(), outcome: outcome(n), episode: n.episode().is_some() }))
-        .collect();
-    let outcomes: BTreeMap<&NodeId, f64> = info.iter().filter_map(|(id, i)| i.outcome.map(|r| (*id, r))).collect();
+    let mut nodes = Nodes::default();
+    graph.nodes.values().for_each(|n| nodes.add(n));
+    let (changes, report) = assign_over(&nodes, graph, options, run_id, priors).expect("an in-memory graph reads without error");
+    (changes.into_iter().map(|c| (c.next, c.kind, c.reason)).collect(), report)
+}
+
+/// The rule of [`assign_with_priors`] over any [`Edges`]: two passes, the first sums the
+/// outcomes behind each semantic node and counts each failure's links, the second decides edge
+/// by edge. The changes come back in edge key order, then the new links in task order, as one
+/// in-memory pass over a `Graph` gives them.
+fn assign_over(
+    nodes: &Nodes,
+    edges: &dyn Edges,
+    options: &CreditOptions,
+    run_id: &str,
+    priors: &BTreeMap<String, f64>,
+) -> Result<(Vec<Change>, CreditReport)> {
+    let info = &nodes.info;
+    let mut outcomes: Vec<(&NodeId, f64)> = info.iter().filter_map(|(id, i)| i.outcome.map(|r| (id, r))).collect();
+    outcomes.sort_by(|a, b| a.0.cmp(b.0));
     let mut report = CreditReport {
         episodes: info.values().filter(|i| i.episode).count(),
         with_outcome: outcomes.len(),
@@ -156,149 +347,194 @@ pub fn assign_with_priors(
     };
     let mut per_tenant: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
     for (id, r) in &outcomes {
-        let entry = per_tenant.entry(info[*id].tenant).or_default();
+        let entry = per_tenant.entry(nodes.tenants[info[*id].tenant as usize].as_str()).or_default();
         entry.0 += r;
         entry.1 += 1;
     }
-    let mut base: BTreeMap<&str, f64> = BTreeMap::new();
+    let mut base: HashMap<u32, f64> = HashMap::new();
     for (tenant, (sum, n)) in &per_tenant {
         let now = (sum / *n as f64).clamp(0.05, 0.95);
-        match priors.get(*tenant) {
-            Some(&prior) if (now - prior).abs() <= options.prior_drift => {
-                base.insert(tenant, prior);
-            }
+        let used = match priors.get(*tenant) {
+            Some(&prior) if (now - prior).abs() <= options.prior_drift => prior,
             _ => {
-                base.insert(tenant, now);
                 report.base_rate_estimated.push(tenant.to_string());
+                now
             }
-        }
+        };
+        base.insert(nodes.tenant_ids[*tenant], used);
+        report.base_rate.insert(tenant.to_string(), used);
     }
-    report.base_rate = base.iter().map(|(t, p)| (t.to_string(), *p)).collect();
-    let rate = |id: &NodeId| info.get(id).and_then(|i| base.get(i.tenant)).copied();
-    let within_tenant = |edge: &Edge| match (info.get(&edge.src), info.get(&edge.dst)) {
-        (Some(src), Some(dst)) => src.tenant == dst.tenant,
-        _ => true,
-    };
-    let outcome_of = |id: &NodeId| info.get(id).and_then(|i| i.outcome);
-    // Outcomes behind each semantic node, through its ground edges (stage-1 or refine, active or
-    // pruned by credit: the credit is about the node, not about which edges are active now).
-    // Only edges inside one tenant count: another tenant's outcomes never move a credit.
-    let mut behind: HashMap<&NodeId, (f64, usize)> = HashMap::new();
-    for edge in graph.edges.values().filter(|e| e.kind == EdgeKind::Ground && counts(e) && within_tenant(e)) {
-        if let Some(r) = outcome_of(&edge.dst) {
-            let entry = behind.entry(&edge.src).or_default();
-            entry.0 += r;
-            entry.1 += 1;
-        }
-    }
-    let mut changes = Vec::new();
-    for edge in graph.edges.values() {
-        if !within_tenant(edge) {
-            report.cross_tenant += 1;
-            if let Some(change) = isolate(edge, run_id) {
-                report.isolated += 1;
-                changes.push(change);
-            }
-            continue;
-        }
-        let (credit, evidence) = match edge.kind {
-            EdgeKind::Ground if counts(edge) => match (behind.get(&edge.src), rate(&edge.dst)) {
-                (Some(&(sum, n)), Some(p)) if outcome_of(&edge.dst).is_some() => (((sum + options.prior * p) / (n as f64 + options.prior)) / p, n),
-                _ => continue,
-            },
-            EdgeKind::Link if counts(edge) && info.get(&edge.src).is_some_and(|i| i.episode) => {
-                match (outcome_of(&edge.dst), rate(&edge.dst)) {
-                    (Some(r), Some(p)) => (((r + options.prior * p) / (1.0 + options.prior)) / p, 1),
-                    _ => continue,
+
+    // Pass 1. Outcomes behind each semantic node, through its ground edges (stage-1 or refine,
+    // active or pruned by credit: the credit is about the node, not about which edges are active
+    // now). Only edges inside one tenant count: another tenant's outcomes never move a credit.
+    // And the links each failure already has to successes of its task: they count towards the
+    // cap, so a later night adds none once a failure has its links.
+    // Read as ends only (no edge decoded); ids are copied only for the entries they create.
+    let mut behind: HashMap<NodeId, (u128, usize)> = HashMap::new();
+    let mut linked: HashMap<NodeId, usize> = HashMap::new();
+    let mut failure_links: HashSet<(NodeId, NodeId)> = HashSet::new();
+    edges.ends(&[EdgeKind::Ground, EdgeKind::Link], &mut |src, dst, kind, relation| match kind {
+        EdgeKind::Ground if !relation => {
+            // An end missing from the store does not make the edge cross.
+            let Some(d) = info.get(dst) else { return };
+            let Some(r) = d.outcome.filter(|_| info.get(src).is_none_or(|s| s.tenant == d.tenant)) else { return };
+            let add = (r * FIXED).round() as u128;
+            match behind.get_mut(src) {
+                Some(entry) => *entry = (entry.0 + add, entry.1 + 1),
+                None => {
+                    behind.insert(NodeId(src.to_string()), (add, 1));
                 }
             }
-            _ => continue,
-        };
-        let mut next = edge.clone();
-        let stage1_weight = edge.metadata.get("stage1_weight").and_then(Value::as_f64).unwrap_or(edge.weight as f64);
-        let stage1_evidence = edge.metadata.get("stage1_evidence").and_then(Value::as_i64).unwrap_or(edge.evidence);
-        next.metadata.insert("stage1_weight".into(), stage1_weight.into());
-        next.metadata.insert("stage1_evidence".into(), stage1_evidence.into());
-        next.metadata.insert("credit".into(), round6(credit).into());
-        next.metadata.insert("outcomes".into(), evidence.into());
-        next.weight = (stage1_weight * credit) as f32;
-        next.evidence = stage1_evidence + evidence as i64;
-        let pruned_by_credit = edge.metadata.get("pruned_by").and_then(Value::as_str) == Some("credit");
-        // The reason is written only for an edge that changes (most are within tolerance).
-        enum Why {
-            Prune,
-            Recovered,
-            Credit,
         }
-        let why = if credit < options.prune_below && evidence >= options.min_evidence {
-            next.active = false;
-            next.metadata.insert("pruned_by".into(), "credit".into());
-            if edge.active {
+        EdgeKind::Link if options.link_failures => {
+            let (Some(s), Some(d)) = (info.get(src), info.get(dst)) else { return };
+            if let (Some(a), Some(b)) = (s.outcome, d.outcome) {
+                if a < 0.5 && b >= 0.5 && s.task == d.task {
+                    match linked.get_mut(src) {
+                        Some(n) => *n += 1,
+                        None => {
+                            linked.insert(NodeId(src.to_string()), 1);
+                        }
+                    }
+                    failure_links.insert((NodeId(src.to_string()), NodeId(dst.to_string())));
+                }
+            }
+        }
+        _ => {}
+    })?;
+
+    // Pass 2: edge by edge, what changes, decided on a light view of the row (the stored
+    // metadata's five credit keys, no map); only the rows that change are decoded whole.
+    let mut changes = Vec::new();
+    let mut decide = |view: &View<'_>| -> Option<Verdict> {
+        let within = match (info.get(view.src), info.get(view.dst)) {
+            (Some(s), Some(d)) => s.tenant == d.tenant,
+            _ => true,
+        };
+        if !within {
+            report.cross_tenant += 1;
+            // Deactivated for good, unless it already is.
+            if view.active || view.meta.pruned_by.as_ref().and_then(Value::as_str) != Some("isolation") {
+                report.isolated += 1;
+                return Some(Verdict::Isolate);
+            }
+            return None;
+        }
+        let dst_outcome = info.get(view.dst).and_then(|i| i.outcome);
+        let dst_rate = info.get(view.dst).and_then(|i| base.get(&i.tenant)).copied();
+        let (credit, evidence) = match view.kind {
+            EdgeKind::Ground if !view.meta.relation => match (behind.get(view.src), dst_rate) {
+                (Some(&(sum, n)), Some(p)) if dst_outcome.is_some() => {
+                    let sum = sum as f64 / FIXED;
+                    (((sum + options.prior * p) / (n as f64 + options.prior)) / p, n)
+                }
+                _ => return None,
+            },
+            EdgeKind::Link if !view.meta.relation && info.get(view.src).is_some_and(|i| i.episode) => match (dst_outcome, dst_rate) {
+                (Some(r), Some(p)) => (((r + options.prior * p) / (1.0 + options.prior)) / p, 1),
+                _ => return None,
+            },
+            _ => return None,
+        };
+        let meta = &view.meta;
+        let stage1_weight = meta.stage1_weight.as_ref().and_then(Value::as_f64).unwrap_or(view.weight as f64);
+        let stage1_evidence = meta.stage1_evidence.as_ref().and_then(Value::as_i64).unwrap_or(view.evidence);
+        let pruned_by_credit = meta.pruned_by.as_ref().and_then(Value::as_str) == Some("credit");
+        let (why, active) = if credit < options.prune_below && evidence >= options.min_evidence {
+            if view.active {
                 report.pruned += 1;
             }
-            Why::Prune
-        } else if !edge.active && pruned_by_credit {
-            next.active = true;
-            next.metadata.remove("pruned_by");
+            (Why::Prune, false)
+        } else if !view.active && pruned_by_credit {
             report.reactivated += 1;
-            Why::Recovered
+            (Why::Recovered, true)
         } else {
-            Why::Credit
+            (Why::Credit, view.active)
         };
-        let state_changed = edge.active != next.active || edge.metadata.get("pruned_by") != next.metadata.get("pruned_by");
-        let moved = match edge.metadata.get("credit").and_then(Value::as_f64) {
+        // The row as it would be written, compared with the stored one key by key (what
+        // `same` compares on whole edges: the other metadata keys are not touched).
+        let pruned_by_next = match why {
+            Why::Prune => Some(Value::from("credit")),
+            Why::Recovered => None,
+            Why::Credit => meta.pruned_by.clone(),
+        };
+        let same = ((stage1_weight * credit) as f32 - view.weight).abs() <= 1e-6
+            && stage1_evidence + evidence as i64 == view.evidence
+            && active == view.active
+            && meta.stage1_weight == Some(Value::from(stage1_weight))
+            && meta.stage1_evidence == Some(Value::from(stage1_evidence))
+            && meta.credit == Some(Value::from(round6(credit)))
+            && meta.outcomes == Some(Value::from(evidence))
+            && meta.pruned_by == pruned_by_next;
+        let state_changed = view.active != active || meta.pruned_by != pruned_by_next;
+        let moved = match meta.credit.as_ref().and_then(Value::as_f64) {
             Some(stored) => (stored - credit).abs() > options.tolerance,
             None => true,
         };
-        if !state_changed && !moved && !same(edge, &next) {
+        if !state_changed && !moved && !same {
             report.within_tolerance += 1;
-            continue;
+            return None;
         }
-        if !same(edge, &next) {
-            next.stage = STAGE.into();
-            next.run_id = run_id.into();
-            let (kind, reason) = match why {
-                Why::Prune => ("link_prune", format!("credit {credit:.3} < {} over {evidence} outcomes: present in failures", options.prune_below)),
-                Why::Recovered => ("credit", format!("credit {credit:.3} recovered over {evidence} outcomes")),
-                Why::Credit => ("credit", format!("credit {credit:.3} over {evidence} outcomes (base rate {:.3})", rate(&edge.dst).unwrap_or_default())),
-            };
-            if kind == "credit" {
-                report.reweighted += 1;
-            }
-            changes.push((next, kind, reason));
+        if same {
+            return None;
         }
-    }
-    if options.link_failures {
-        // The tenant is part of the task: a failure is never linked to another tenant's success.
-        let task_key = |n: &Node| -> String {
-            match n.metadata.get("task_id") {
-                Some(task) => format!("{}\0{}\0{task}", n.tenant, n.source_file),
-                None => format!("{}\0text\0{}", n.tenant, n.text),
-            }
+        let (kind, reason) = match why {
+            Why::Prune => ("link_prune", format!("credit {credit:.3} < {} over {evidence} outcomes: present in failures", options.prune_below)),
+            Why::Recovered => ("credit", format!("credit {credit:.3} recovered over {evidence} outcomes")),
+            Why::Credit => ("credit", format!("credit {credit:.3} over {evidence} outcomes (base rate {:.3})", dst_rate.unwrap_or_default())),
         };
-        let time = |id: &NodeId| graph.nodes[id].created_at.unwrap_or(0);
-        // Per task: its successes (with their times) and failures; each node's task, once.
-        let mut tasks: BTreeMap<String, (Vec<(i64, &NodeId)>, Vec<&NodeId>)> = BTreeMap::new();
-        let mut task_of: HashMap<&NodeId, (String, bool)> = HashMap::new();
+        if kind == "credit" {
+            report.reweighted += 1;
+        }
+        Some(Verdict::Credit { credit, evidence, stage1_weight, stage1_evidence, why, kind, reason })
+    };
+    let mut apply = |edge: Edge, verdict: Verdict| {
+        let mut next = edge.clone();
+        next.stage = STAGE.into();
+        next.run_id = run_id.into();
+        match verdict {
+            Verdict::Isolate => {
+                next.active = false;
+                next.metadata.insert("pruned_by".into(), "isolation".into());
+                changes.push(Change { before: Some(edge), next, kind: "link_prune", reason: "cross-tenant edge (isolation)".into() });
+            }
+            Verdict::Credit { credit, evidence, stage1_weight, stage1_evidence, why, kind, reason } => {
+                next.metadata.insert("stage1_weight".into(), stage1_weight.into());
+                next.metadata.insert("stage1_evidence".into(), stage1_evidence.into());
+                next.metadata.insert("credit".into(), round6(credit).into());
+                next.metadata.insert("outcomes".into(), evidence.into());
+                next.weight = (stage1_weight * credit) as f32;
+                next.evidence = stage1_evidence + evidence as i64;
+                match why {
+                    Why::Prune => {
+                        next.active = false;
+                        next.metadata.insert("pruned_by".into(), "credit".into());
+                    }
+                    Why::Recovered => {
+                        next.active = true;
+                        next.metadata.remove("pruned_by");
+                    }
+                    Why::Credit => {}
+                }
+                changes.push(Change { before: Some(edge), next, kind, reason });
+            }
+        }
+    };
+    edges.decide(&mut decide, &mut apply)?;
+    // Key order, whatever order the edges were read in.
+    changes.sort_by(|a, b| (&a.next.src, &a.next.dst, a.next.kind).cmp(&(&b.next.src, &b.next.dst, b.next.kind)));
+
+    if options.link_failures {
+        // Per task: its successes (with their times) and failures, in id order.
+        let mut tasks: BTreeMap<&str, (Vec<(i64, &NodeId)>, Vec<&NodeId>)> = BTreeMap::new();
         for (id, r) in &outcomes {
-            let key = task_key(&graph.nodes[*id]);
-            let entry = tasks.entry(key.clone()).or_default();
+            let i = &info[*id];
+            let entry = tasks.entry(nodes.tasks[i.task as usize].as_str()).or_default();
             if *r >= 0.5 {
-                entry.0.push((time(id), id));
+                entry.0.push((i.time, id));
             } else {
                 entry.1.push(id);
-            }
-            task_of.insert(id, (key, *r >= 0.5));
-        }
-        // The links each failure already has to successes of its task, from one pass over the
-        // links (not a look-up per failure and success): they count towards the cap, so a later
-        // night adds none once a failure has its links.
-        let mut linked: HashMap<&NodeId, usize> = HashMap::new();
-        for edge in graph.edges.values().filter(|e| e.kind == EdgeKind::Link) {
-            if let (Some((a, false)), Some((b, true))) = (task_of.get(&edge.src), task_of.get(&edge.dst)) {
-                if a == b {
-                    *linked.entry(&edge.src).or_default() += 1;
-                }
             }
         }
         for (successes, failures) in tasks.values() {
@@ -309,70 +545,80 @@ pub fn assign_with_priors(
                     continue;
                 }
                 // The successes nearest in time, ties by id.
-                let at = time(failure);
+                let at = info[*failure].time;
                 let mut nearest: Vec<(u64, &NodeId)> = successes.iter().map(|(t, s)| ((t - at).unsigned_abs(), *s)).collect();
                 nearest.sort_unstable();
                 for (_, success) in nearest {
                     if budget == 0 {
                         break;
                     }
-                    let key = EdgeKey { src: (*failure).clone(), dst: success.clone(), kind: EdgeKind::Link };
-                    if graph.edges.contains_key(&key) {
+                    let pair = ((*failure).clone(), success.clone());
+                    if failure_links.contains(&pair) {
                         continue;
                     }
                     budget -= 1;
                     let mut metadata = BTreeMap::new();
                     metadata.insert("relation".into(), Value::from("success_of_same_task"));
-                    changes.push((
-                        Edge {
-                            src: key.src,
-                            dst: key.dst,
+                    changes.push(Change {
+                        before: None,
+                        next: Edge {
+                            src: pair.0,
+                            dst: pair.1,
                             kind: EdgeKind::Link,
                             weight: 1.0,
                             evidence: 1,
                             stage: STAGE.into(),
                             run_id: run_id.into(),
-                            created_at: at.max(time(success)),
+                            created_at: at.max(info[success].time),
                             active: true,
                             metadata,
                         },
-                        "link_expand",
-                        "under-connection: this failed episode had no link to a success of the same task".into(),
-                    ));
+                        kind: "link_expand",
+                        reason: "under-connection: this failed episode had no link to a success of the same task".into(),
+                    });
                     report.expanded += 1;
                 }
             }
         }
     }
-    (changes, report)
+    Ok((changes, report))
 }
 
 /// Runs credit assignment over the store and commits the changes (edges and edit log) in one
 /// atomic commit; nothing is written when nothing changes.
 ///
-/// Reads node rows and edges only (no steps, vectors or edit log): credit needs outcomes,
-/// tenants and tasks. It commits edges and edits only, never the step-less nodes it read.
+/// Streams the store's live node rows (no steps) and live edges shard by shard
+/// ([`fluxmem_store::Live`]): what stays in memory is one small entry per node (tenant, task,
+/// outcome, time), each semantic node's outcome sum, each failure's link count, and the edges
+/// that change, not the node rows or the edges. Reads no steps, vectors or edit log. Commits
+/// edges and edits only.
 pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, progress: &mut dyn Progress) -> Result<CreditReport> {
-    let (graph, _) = writer.store().scan(&fluxmem_store::Scan::nodes_and_edges())?;
-    progress.start(graph.edges.len() as u64);
-    let priors: BTreeMap<String, f64> = writer
-        .manifest()
-        .progress
-        .get(BASE_RATE_MARKER)
-        .and_then(|v| serde_json::from_value(v.clone()).ok())
-        .unwrap_or_default();
-    let (changes, mut report) = assign_with_priors(&graph, options, run_id, &priors);
-    progress.advance(graph.edges.len() as u64);
+    let manifest = writer.manifest().clone();
+    let priors: BTreeMap<String, f64> = manifest.progress.get(BASE_RATE_MARKER).and_then(|v| serde_json::from_value(v.clone()).ok()).unwrap_or_default();
+    let (changes, mut report, at) = {
+        let store = writer.store();
+        let mut nodes = Nodes::default();
+        // The edit time is the data's: the newest episode, so reruns write the same shards.
+        let mut at = 0i64;
+        store.live(&manifest, "nodes")?.nodes(&mut |n| {
+            if n.episode().is_some() {
+                at = at.max(n.created_at.unwrap_or(0));
+            }
+            nodes.add(&n);
+        })?;
+        let edges = store.live(&manifest, "edges")?;
+        progress.start(edges.len());
+        let (changes, report) = assign_over(&nodes, &edges, options, run_id, &priors)?;
+        progress.advance(edges.len());
+        (changes, report, at)
+    };
     if changes.is_empty() {
         return Ok(report);
     }
-    // The edit time is the data's: the newest episode, so reruns write the same shards.
-    let at = graph.nodes.values().filter(|n| n.episode().is_some()).filter_map(|n| n.created_at).max().unwrap_or(0);
     let mut delta = Graph::default();
-    for (edge, kind, reason) in changes {
-        let before = graph.edges.get(&edge.key());
-        delta.edits.push(Edit::new(STAGE, run_id, kind, Changed::Edge(before, Some(&edge)), &reason, at));
-        delta.upsert_edge(edge);
+    for change in changes {
+        delta.edits.push(Edit::new(STAGE, run_id, change.kind, Changed::Edge(change.before.as_ref(), Some(&change.next)), &change.reason, at));
+        delta.upsert_edge(change.next);
     }
     report.edits = delta.edits.len();
     let summary = serde_json::to_value(&report).expect("the report serialises");
@@ -382,20 +628,6 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
     writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress })?;
     report.commits = 1;
     Ok(report)
-}
-
-/// A cross-tenant edge deactivated for good (`pruned_by: isolation`; credit never re-activates
-/// it), or `None` when it already is.
-fn isolate(edge: &Edge, run_id: &str) -> Option<(Edge, &'static str, String)> {
-    let mut next = edge.clone();
-    next.active = false;
-    next.metadata.insert("pruned_by".into(), "isolation".into());
-    if same(edge, &next) {
-        return None;
-    }
-    next.stage = STAGE.into();
-    next.run_id = run_id.into();
-    Some((next, "link_prune", "cross-tenant edge (isolation)".into()))
 }
 
 /// Edges whose credit is computed: Stage I edges and those credit assignment manages, not the
@@ -408,10 +640,3 @@ fn round6(value: f64) -> f64 {
     (value * 1e6).round() / 1e6
 }
 
-/// True when `next` says the same as `edge` (weights to 1e-6), ignoring who wrote it last.
-fn same(edge: &Edge, next: &Edge) -> bool {
-    (edge.weight - next.weight).abs() <= 1e-6
-        && edge.evidence == next.evidence
-        && edge.active == next.active
-        && edge.metadata == next.metadata
-}

@@ -110,9 +110,9 @@ struct Unit {
     live: u64,
 }
 
-type Key = [u8; 16];
+pub(crate) type Key = [u8; 16];
 
-fn key_of(parts: &[&str]) -> Key {
+pub(crate) fn key_of(parts: &[&str]) -> Key {
     let mut hasher = Sha256::new();
     for part in parts {
         hasher.update(part.as_bytes());
@@ -121,7 +121,7 @@ fn key_of(parts: &[&str]) -> Key {
     hasher.finalize()[..16].try_into().expect("16 bytes")
 }
 
-fn key_columns(table: &str) -> &'static [&'static str] {
+pub(crate) fn key_columns(table: &str) -> &'static [&'static str] {
     match table {
         "nodes" => &["id"],
         "edges" => &["src", "dst", "kind"],

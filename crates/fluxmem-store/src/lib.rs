@@ -54,6 +54,7 @@
 
 mod compact;
 mod error;
+mod live;
 mod lock;
 mod manifest;
 mod recover;
@@ -64,6 +65,7 @@ mod store;
 
 pub use compact::{CompactPolicy, CompactReport, TableCompaction, HISTORY, KEEP_RETIRED_COMMITS, MANIFEST_COMMIT_LOG};
 pub use error::{Error, Result};
+pub use live::{EdgeRow, Live};
 pub use lock::WriterLock;
 pub use manifest::{CommitRecord, EmbeddingModel, Manifest, RetiredShard, ShardEntry, FORMAT, SCHEMA_VERSION};
 pub use recover::{recover, RecoverReport};

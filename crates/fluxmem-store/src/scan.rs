@@ -254,7 +254,7 @@ impl Store {
         filter(&batch, "kind", &|v| kinds.contains(&v)).map_err(|reason| self.corrupt(entry, reason))
     }
 
-    fn corrupt(&self, entry: &ShardEntry, reason: String) -> Error {
+    pub(crate) fn corrupt(&self, entry: &ShardEntry, reason: String) -> Error {
         Error::Corrupt { path: self.dir.join(&entry.file), reason }
     }
 }

@@ -1,0 +1,207 @@
+//! Streamed reads of a keyed table's live rows, shard by shard.
+//!
+//! [`Store::scan`] builds one in-memory [`fluxmem_graph::Graph`]: every row read stays in memory
+//! until the stage ends. A stage that only folds over the rows (credit assignment sums outcomes
+//! per node, then decides edge by edge) streams them instead: [`Store::live`] reads the key
+//! columns of every shard of the table once and marks each row live or superseded (the same
+//! rule as compaction: the row of a key in the latest shard wins), and [`Live::edges`] /
+//! [`Live::nodes`] then decode one shard at a time, live rows only. What stays in memory is one
+//! bit per stored row and the shard being decoded, not the table.
+
+use arrow_array::{Array, BooleanArray};
+use fluxmem_graph::{schema, Edge, EdgeKind, Node, NodeId, Step};
+use std::collections::{BTreeMap, HashMap};
+
+use crate::compact::{key_columns, key_of, Key};
+use crate::manifest::{Manifest, ShardEntry};
+use crate::scan::{sorted, text_column};
+use crate::{shard, Result, Store};
+
+/// A live edge row as [`Live::edges_deciding`] shows it: the key, weight, evidence, state and
+/// the metadata as stored (JSON text).
+#[derive(Debug, Clone, Copy)]
+pub struct EdgeRow<'a> {
+    /// Source node id.
+    pub src: &'a str,
+    /// Destination node id.
+    pub dst: &'a str,
+    /// Edge kind.
+    pub kind: EdgeKind,
+    /// Weight.
+    pub weight: f32,
+    /// Evidence.
+    pub evidence: i64,
+    /// Active.
+    pub active: bool,
+    /// Metadata, a JSON object as stored.
+    pub metadata: &'a str,
+}
+
+/// The live rows of one keyed table (`nodes` or `edges`) at one commit: see [`Store::live`].
+pub struct Live<'s> {
+    store: &'s Store,
+    /// The table's shards in commit order, each with one flag per row (true: live).
+    shards: Vec<(ShardEntry, Vec<bool>)>,
+    live: u64,
+}
+
+impl Store {
+    /// The live rows of `table` (`"nodes"` or `"edges"`) at the commit `manifest` describes,
+    /// ready to stream. Reads the key columns only; the map from key to winning row it builds
+    /// (16 bytes of hash and a position per live key) is dropped before this returns.
+    pub fn live(&self, manifest: &Manifest, table: &str) -> Result<Live<'_>> {
+        let entries = sorted(manifest, table);
+        let columns = key_columns(table);
+        let mut last: HashMap<Key, (usize, usize)> = HashMap::new();
+        for (index, entry) in entries.iter().enumerate() {
+            let mut row = 0usize;
+            for batch in shard::read(&self.dir, entry, Some(columns))? {
+                let strings: Vec<&arrow_array::StringArray> = columns.iter().map(|name| text_column(self, entry, &batch, name)).collect::<Result<_>>()?;
+                for i in 0..batch.num_rows() {
+                    let parts: Vec<&str> = strings.iter().map(|s| s.value(i)).collect();
+                    last.insert(key_of(&parts), (index, row));
+                    row += 1;
+                }
+            }
+        }
+        let mut shards: Vec<(ShardEntry, Vec<bool>)> = entries.into_iter().map(|e| { let rows = e.rows as usize; (e, vec![false; rows]) }).collect();
+        for &(index, row) in last.values() {
+            let flags = &mut shards[index].1;
+            if row >= flags.len() {
+                // The manifest's row count is short of the file's: grow rather than misread.
+                flags.resize(row + 1, false);
+            }
+            flags[row] = true;
+        }
+        Ok(Live { store: self, shards, live: last.len() as u64 })
+    }
+}
+
+impl Live<'_> {
+    /// Live rows of the table.
+    pub fn len(&self) -> u64 {
+        self.live
+    }
+
+    /// True when the table has no live row.
+    pub fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    /// Calls `f` with every live edge of the given kinds (every kind when `kinds` is empty), in
+    /// shard order (not key order), each exactly once.
+    pub fn edges(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(Edge)) -> Result<()> {
+        let kinds: Vec<&str> = kinds.iter().map(|k| k.as_str()).collect();
+        self.each_batch(None, &mut |entry, batch, live| {
+            let kind = text_column(self.store, entry, batch, "kind")?;
+            let mask: BooleanArray = (0..batch.num_rows()).map(|i| Some(live[i] && (kinds.is_empty() || kinds.contains(&kind.value(i))))).collect();
+            let batch = arrow_select::filter::filter_record_batch(batch, &mask).map_err(|e| self.store.corrupt(entry, format!("cannot filter rows: {e}")))?;
+            for edge in schema::edges_from_batch(&batch).map_err(|e| self.store.corrupt(entry, e.to_string()))? {
+                f(edge);
+            }
+            Ok(())
+        })
+    }
+
+    /// Calls `f` with every live node row, without its steps (`steps` are not read), in shard
+    /// order, each exactly once.
+    pub fn nodes(&self, f: &mut dyn FnMut(Node)) -> Result<()> {
+        let no_steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
+        self.each_batch(None, &mut |entry, batch, live| {
+            let mask: BooleanArray = (0..batch.num_rows()).map(|i| Some(live[i])).collect();
+            let batch = arrow_select::filter::filter_record_batch(batch, &mask).map_err(|e| self.store.corrupt(entry, format!("cannot filter rows: {e}")))?;
+            for node in schema::nodes_from_batch_with(&batch, &no_steps, &|_| false).map_err(|e| self.store.corrupt(entry, e.to_string()))? {
+                f(node);
+            }
+            Ok(())
+        })
+    }
+
+    /// The ends of every live edge of the given kinds (every kind when `kinds` is empty), with
+    /// whether its metadata names a `relation` (a Stage II link), in shard order: four of the
+    /// ten columns, no weights, runs or metadata maps decoded, nothing allocated per row.
+    pub fn edge_ends(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&str, &str, EdgeKind, bool)) -> Result<()> {
+        let columns = ["src", "dst", "kind", "metadata"];
+        self.each_batch(Some(&columns), &mut |entry, batch, live| {
+            let text = |name: &str| text_column(self.store, entry, batch, name);
+            let (src, dst, kind, metadata) = (text("src")?, text("dst")?, text("kind")?, text("metadata")?);
+            for row in (0..batch.num_rows()).filter(|&r| live[r]) {
+                let kind = EdgeKind::parse(kind.value(row)).ok_or_else(|| self.store.corrupt(entry, format!("row {row}: unknown edge kind `{}`", kind.value(row))))?;
+                if !kinds.is_empty() && !kinds.contains(&kind) {
+                    continue;
+                }
+                let meta = metadata.value(row);
+                // Parsed only when the key may be there.
+                let relation = meta.contains("\"relation\"")
+                    && serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(meta).map(|m| m.contains_key("relation")).unwrap_or(false);
+                f(src.value(row), dst.value(row), kind, relation);
+            }
+            Ok(())
+        })
+    }
+
+    /// Decides edge by edge from a light view of each live row (`EdgeRow`: no metadata map,
+    /// no strings copied), and decodes whole only the rows `decide` picks, handing each to
+    /// `then` with its decision, in shard order. `decide` returning an error names the row.
+    pub fn edges_deciding<T>(
+        &self,
+        decide: &mut dyn FnMut(&EdgeRow<'_>) -> std::result::Result<Option<T>, String>,
+        then: &mut dyn FnMut(Edge, T),
+    ) -> Result<()> {
+        use arrow_array::cast::AsArray;
+        use arrow_array::types::{Float32Type, Int64Type};
+        self.each_batch(None, &mut |entry, batch, live| {
+            let text = |name: &str| text_column(self.store, entry, batch, name);
+            let (src, dst, kind, metadata) = (text("src")?, text("dst")?, text("kind")?, text("metadata")?);
+            let weight = batch.column_by_name("weight").and_then(|c| c.as_primitive_opt::<Float32Type>()).ok_or_else(|| self.store.corrupt(entry, "column `weight` is not f32".into()))?;
+            let evidence = batch.column_by_name("evidence").and_then(|c| c.as_primitive_opt::<Int64Type>()).ok_or_else(|| self.store.corrupt(entry, "column `evidence` is not i64".into()))?;
+            let active = batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or_else(|| self.store.corrupt(entry, "column `active` is not boolean".into()))?;
+            let mut picked = Vec::new();
+            let mut mask = vec![false; batch.num_rows()];
+            for row in (0..batch.num_rows()).filter(|&r| live[r]) {
+                let kind = EdgeKind::parse(kind.value(row)).ok_or_else(|| self.store.corrupt(entry, format!("row {row}: unknown edge kind `{}`", kind.value(row))))?;
+                let view = EdgeRow {
+                    src: src.value(row),
+                    dst: dst.value(row),
+                    kind,
+                    weight: weight.value(row),
+                    evidence: evidence.value(row),
+                    active: !active.is_null(row) && active.value(row),
+                    metadata: if metadata.is_null(row) { "{}" } else { metadata.value(row) },
+                };
+                if let Some(decision) = decide(&view).map_err(|reason| self.store.corrupt(entry, format!("row {row}: {reason}")))? {
+                    mask[row] = true;
+                    picked.push(decision);
+                }
+            }
+            if picked.is_empty() {
+                return Ok(());
+            }
+            let mask: BooleanArray = mask.into_iter().map(Some).collect();
+            let batch = arrow_select::filter::filter_record_batch(batch, &mask).map_err(|e| self.store.corrupt(entry, format!("cannot filter rows: {e}")))?;
+            let edges = schema::edges_from_batch(&batch).map_err(|e| self.store.corrupt(entry, e.to_string()))?;
+            for (edge, decision) in edges.into_iter().zip(picked) {
+                then(edge, decision);
+            }
+            Ok(())
+        })
+    }
+
+    /// Every batch of every shard (the `columns` asked for, all when `None`) with its rows'
+    /// live flags.
+    fn each_batch(&self, columns: Option<&[&str]>, f: &mut dyn FnMut(&ShardEntry, &arrow_array::RecordBatch, &[bool]) -> Result<()>) -> Result<()> {
+        for (entry, flags) in &self.shards {
+            if !flags.iter().any(|&l| l) {
+                continue;
+            }
+            let mut start = 0usize;
+            for batch in shard::read(&self.store.dir, entry, columns)? {
+                let end = start + batch.num_rows();
+                let live = flags.get(start..end).ok_or_else(|| self.store.corrupt(entry, format!("{end} rows, the key columns had {}", flags.len())))?;
+                f(entry, &batch, live)?;
+                start = end;
+            }
+        }
+        Ok(())
+    }
+}
