@@ -207,7 +207,9 @@ impl CpuBert {
         })
     }
 
-    /// The fluxmem kernel the linear layers run (`None`: the `gemm` crate's).
+    /// The fluxmem kernel the linear layers run (`None`: the `gemm` crate's). Every linear
+    /// layer of a BERT whose hidden and intermediate sizes are multiples of 32 (all the
+    /// sentence-transformers checkpoints we ship) is packed the same way as the first QKV one.
     pub(crate) fn isa(&self) -> Option<Isa> {
         self.layers.first().and_then(|l| l.qkv.packed)
     }

@@ -302,7 +302,8 @@ struct Change {
 
 /// Outcomes are summed in fixed point (2^-40), so a node's sum does not depend on the order its
 /// edges are read in (key order in memory, shard order from the store): the same credits, to
-/// the bit, however the store is laid out. 0/1 outcomes are exact.
+/// the bit, however the store is laid out. 0/1 outcomes are exact; a fractional reward is
+/// rounded to the nearest multiple of 2^-40 (an error below 1e-12 per outcome).
 const FIXED: f64 = (1u64 << 40) as f64;
 
 /// The new state of every edge the outcomes speak to, and the links to add; the graph is not
@@ -599,13 +600,14 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
         let store = writer.store();
         let mut nodes = Nodes::default();
         // The edit time is the data's: the newest episode, so reruns write the same shards.
-        let mut at = 0i64;
+        let mut at: Option<i64> = None;
         store.live(&manifest, "nodes")?.nodes(&mut |n| {
             if n.episode().is_some() {
-                at = at.max(n.created_at.unwrap_or(0));
+                at = at.max(n.created_at);
             }
             nodes.add(&n);
         })?;
+        let at = at.unwrap_or(0);
         let edges = store.live(&manifest, "edges")?;
         progress.start(edges.len());
         let (changes, report) = assign_over(&nodes, &edges, options, run_id, &priors)?;

@@ -166,7 +166,8 @@ impl Live<'_> {
                     kind,
                     weight: weight.value(row),
                     evidence: evidence.value(row),
-                    active: !active.is_null(row) && active.value(row),
+                    // As the schema decodes it: a missing flag is active.
+                    active: active.is_null(row) || active.value(row),
                     metadata: if metadata.is_null(row) { "{}" } else { metadata.value(row) },
                 };
                 if let Some(decision) = decide(&view).map_err(|reason| self.store.corrupt(entry, format!("row {row}: {reason}")))? {
