@@ -14,9 +14,11 @@
 //!   that the compiler turns into SIMD code;
 //! - **buffers allocated once per batch** and reused by every layer.
 //!
-//! A text's vector depends on the text alone, bit for bit: the matrix-product kernel (the `gemm`
-//! crate, the one candle uses) splits work over rows and columns only and picks its blocking of the
-//! reduced dimension from that dimension alone, and attention sees only the text's own rows.
+//! A text's vector depends on the text alone, bit for bit: fluxmem's matrix kernels (AVX-512,
+//! AVX2, `mod kernel`) compute each output as one FMA chain over the inner dimension in order,
+//! the `gemm` crate's (the one candle uses, for attention and on CPUs without AVX2) split work
+//! over rows and columns only and pick their blocking of the reduced dimension from that
+//! dimension alone, and attention sees only the text's own rows.
 //! `tests/golden.rs` checks both this and the match with sentence-transformers.
 
 use candle_core::{DType, Device, Tensor};

@@ -65,7 +65,8 @@ impl Scan {
         Scan { nodes: true, steps: Rows::All, edges: true, vectors: Rows::All, edits: true, ..Default::default() }
     }
 
-    /// Node rows and edges, no steps, vectors or edits (credit assignment).
+    /// Node rows and edges, no steps, vectors or edits. (Credit assignment, which only folds
+    /// over them, streams them instead: [`Store::live`].)
     pub fn nodes_and_edges() -> Scan {
         Scan { nodes: true, edges: true, ..Default::default() }
     }
