@@ -175,8 +175,6 @@ fn intern(names: &mut Vec<String>, ids: &mut HashMap<String, u32>, name: &str) -
 /// streamed shard by shard ([`fluxmem_store::Live`]). Credit assignment reads them twice (sums,
 /// then decisions) and keeps only the edges it changes.
 trait Edges {
-    /// Every edge of these kinds (all when empty), whole.
-    fn each(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&Edge)) -> Result<()>;
     /// Every edge of these kinds: source, destination, kind, and whether it names a `relation`.
     fn ends(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&str, &str, EdgeKind, bool)) -> Result<()>;
     /// Every edge as a [`View`] to `decide` on; the edges it gives a verdict, whole, to `then`.
@@ -214,12 +212,9 @@ impl CreditMeta {
         }
     }
 
+    /// The credit keys of stored metadata (`relation` is the store's to say: `EdgeRow`).
     fn parse(json: &str) -> std::result::Result<CreditMeta, String> {
-        let mut meta: CreditMeta = serde_json::from_str(json).map_err(|e| format!("metadata is not a JSON object: {e}"))?;
-        // Parsed as a map only when the key may be there (a `null` relation still counts).
-        meta.relation = json.contains("\"relation\"")
-            && serde_json::from_str::<serde_json::Map<String, Value>>(json).map(|m| m.contains_key("relation")).unwrap_or(false);
-        Ok(meta)
+        serde_json::from_str(json).map_err(|e| format!("metadata is not a JSON object: {e}"))
     }
 }
 
@@ -251,13 +246,11 @@ enum Verdict {
 }
 
 impl Edges for Graph {
-    fn each(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&Edge)) -> Result<()> {
-        self.edges.values().filter(|e| kinds.is_empty() || kinds.contains(&e.kind)).for_each(f);
-        Ok(())
-    }
-
     fn ends(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&str, &str, EdgeKind, bool)) -> Result<()> {
-        self.each(kinds, &mut |e| f(e.src.as_str(), e.dst.as_str(), e.kind, !counts(e)))
+        for e in self.edges.values().filter(|e| kinds.is_empty() || kinds.contains(&e.kind)) {
+            f(e.src.as_str(), e.dst.as_str(), e.kind, !counts(e));
+        }
+        Ok(())
     }
 
     fn decide(&self, decide: &mut dyn FnMut(&View<'_>) -> Option<Verdict>, then: &mut dyn FnMut(Edge, Verdict)) -> Result<()> {
@@ -272,10 +265,6 @@ impl Edges for Graph {
 }
 
 impl Edges for fluxmem_store::Live<'_> {
-    fn each(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&Edge)) -> Result<()> {
-        Ok(self.edges(kinds, &mut |edge| f(&edge))?)
-    }
-
     fn ends(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&str, &str, EdgeKind, bool)) -> Result<()> {
         Ok(self.edge_ends(kinds, f)?)
     }
@@ -283,7 +272,7 @@ impl Edges for fluxmem_store::Live<'_> {
     fn decide(&self, decide: &mut dyn FnMut(&View<'_>) -> Option<Verdict>, then: &mut dyn FnMut(Edge, Verdict)) -> Result<()> {
         Ok(self.edges_deciding(
             &mut |row| {
-                let meta = CreditMeta::parse(row.metadata)?;
+                let meta = CreditMeta { relation: row.relation, ..CreditMeta::parse(row.metadata)? };
                 Ok(decide(&View { src: row.src, dst: row.dst, kind: row.kind, weight: row.weight, evidence: row.evidence, active: row.active, meta }))
             },
             then,
@@ -373,7 +362,6 @@ fn assign_over(
     // cap, so a later night adds none once a failure has its links.
     // Read as ends only (no edge decoded); ids are copied only for the entries they create.
     let mut behind: HashMap<NodeId, (u128, usize)> = HashMap::new();
-    let mut linked: HashMap<NodeId, usize> = HashMap::new();
     let mut failure_links: HashSet<(NodeId, NodeId)> = HashSet::new();
     edges.ends(&[EdgeKind::Ground, EdgeKind::Link], &mut |src, dst, kind, relation| match kind {
         EdgeKind::Ground if !relation => {
@@ -392,24 +380,24 @@ fn assign_over(
             let (Some(s), Some(d)) = (info.get(src), info.get(dst)) else { return };
             if let (Some(a), Some(b)) = (s.outcome, d.outcome) {
                 if a < 0.5 && b >= 0.5 && s.task == d.task {
-                    match linked.get_mut(src) {
-                        Some(n) => *n += 1,
-                        None => {
-                            linked.insert(NodeId(src.to_string()), 1);
-                        }
-                    }
                     failure_links.insert((NodeId(src.to_string()), NodeId(dst.to_string())));
                 }
             }
         }
         _ => {}
     })?;
+    // Each failure's links to successes of its task (one per edge key).
+    let mut linked: HashMap<&NodeId, usize> = HashMap::new();
+    for (failure, _) in &failure_links {
+        *linked.entry(failure).or_default() += 1;
+    }
 
     // Pass 2: edge by edge, what changes, decided on a light view of the row (the stored
     // metadata's five credit keys, no map); only the rows that change are decoded whole.
     let mut changes = Vec::new();
     let mut decide = |view: &View<'_>| -> Option<Verdict> {
-        let within = match (info.get(view.src), info.get(view.dst)) {
+        let (src_info, dst_info) = (info.get(view.src), info.get(view.dst));
+        let within = match (src_info, dst_info) {
             (Some(s), Some(d)) => s.tenant == d.tenant,
             _ => true,
         };
@@ -422,8 +410,8 @@ fn assign_over(
             }
             return None;
         }
-        let dst_outcome = info.get(view.dst).and_then(|i| i.outcome);
-        let dst_rate = info.get(view.dst).and_then(|i| base.get(&i.tenant)).copied();
+        let dst_outcome = dst_info.and_then(|i| i.outcome);
+        let dst_rate = dst_info.and_then(|i| base.get(&i.tenant)).copied();
         let (credit, evidence) = match view.kind {
             EdgeKind::Ground if !view.meta.relation => match (behind.get(view.src), dst_rate) {
                 (Some(&(sum, n)), Some(p)) if dst_outcome.is_some() => {
@@ -432,7 +420,7 @@ fn assign_over(
                 }
                 _ => return None,
             },
-            EdgeKind::Link if !view.meta.relation && info.get(view.src).is_some_and(|i| i.episode) => match (dst_outcome, dst_rate) {
+            EdgeKind::Link if !view.meta.relation && src_info.is_some_and(|i| i.episode) => match (dst_outcome, dst_rate) {
                 (Some(r), Some(p)) => (((r + options.prior * p) / (1.0 + options.prior)) / p, 1),
                 _ => return None,
             },

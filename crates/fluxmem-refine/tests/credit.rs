@@ -39,6 +39,19 @@ fn edge(src: &NodeId, dst: &NodeId, kind: EdgeKind, weight: f32) -> Edge {
     }
 }
 
+/// A commit as connect makes it.
+fn connect_commit() -> CommitInfo {
+    CommitInfo { stage: "connect".into(), run_id: "c".into(), summary: Value::Null, progress: Default::default() }
+}
+
+/// A fresh store holding `graph` in one connect commit (the directory lives as long as the guard).
+fn store_with(graph: &Graph) -> (tempfile::TempDir, Writer) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path().join("store")).unwrap();
+    writer.commit(graph, connect_commit()).unwrap();
+    (dir, writer)
+}
+
 struct World {
     graph: Graph,
     good: Node,
@@ -114,10 +127,7 @@ fn credit_follows_the_documented_rule() {
 #[test]
 fn refine_commits_once_is_idempotent_and_updates_incrementally() {
     let w = world();
-    let dir = tempfile::tempdir().unwrap();
-    let mut writer = Writer::open(dir.path().join("store")).unwrap();
-    let info = CommitInfo { stage: "connect".into(), run_id: "c".into(), summary: Value::Null, progress: Default::default() };
-    writer.commit(&w.graph, info.clone()).unwrap();
+    let (_dir, mut writer) = store_with(&w.graph);
     let first = refine_store(&mut writer, &CreditOptions::default(), "refine@v2", &mut NoProgress).unwrap();
     assert_eq!(first.commits, 1);
     assert_eq!(first.edits, 8 + 4, "8 reweighted or pruned edges + 4 links");
@@ -139,7 +149,7 @@ fn refine_commits_once_is_idempotent_and_updates_incrementally() {
     let e6 = episode("e6", "t3", true);
     delta.insert_node(e6.clone());
     delta.upsert_edge(edge(&w.bad.id, &e6.id, EdgeKind::Ground, 0.5));
-    writer.commit(&delta, info).unwrap();
+    writer.commit(&delta, connect_commit()).unwrap();
     let third = refine_store(&mut writer, &CreditOptions::default(), "refine@v4", &mut NoProgress).unwrap();
     assert_eq!(third.commits, 1);
     assert_eq!(third.reactivated, 3);
@@ -180,10 +190,7 @@ fn credit_never_crosses_tenants() {
     assert!(changes.iter().filter(|(_, kind, _)| *kind == "link_expand").all(|(e, ..)| !u.iter().any(|n| n.id == e.src || n.id == e.dst)));
 
     // Committed and run again: the isolated edges stay as they are (no edit, no re-activation).
-    let dir = tempfile::tempdir().unwrap();
-    let mut writer = Writer::open(dir.path().join("store")).unwrap();
-    let info = CommitInfo { stage: "connect".into(), run_id: "c".into(), summary: Value::Null, progress: Default::default() };
-    writer.commit(&w.graph, info).unwrap();
+    let (_dir, mut writer) = store_with(&w.graph);
     let first = refine_store(&mut writer, &CreditOptions::default(), "refine@v2", &mut NoProgress).unwrap();
     assert_eq!(first.isolated, 4);
     let again = refine_store(&mut writer, &CreditOptions::default(), "refine@v3", &mut NoProgress).unwrap();
@@ -212,18 +219,15 @@ fn a_small_night_rewrites_the_edges_that_moved_not_the_history() {
     };
     let options = CreditOptions { link_failures: false, ..Default::default() };
     let run = |tolerance: f64| {
-        let dir = tempfile::tempdir().unwrap();
-        let mut writer = Writer::open(dir.path().join("store")).unwrap();
-        let info = CommitInfo { stage: "connect".into(), run_id: "c".into(), summary: Value::Null, progress: Default::default() };
         let mut history = night(0, 600);
         for f in &facts {
             history.insert_node(f.clone());
         }
-        writer.commit(&history, info.clone()).unwrap();
+        let (_dir, mut writer) = store_with(&history);
         let options = CreditOptions { tolerance, ..options.clone() };
         let first = refine_store(&mut writer, &options, "refine@1", &mut NoProgress).unwrap();
         assert_eq!(first.base_rate_estimated, vec!["t".to_string()], "the first run estimates the base rate");
-        writer.commit(&night(600, 620), info).unwrap();
+        writer.commit(&night(600, 620), connect_commit()).unwrap();
         let second = refine_store(&mut writer, &options, "refine@2", &mut NoProgress).unwrap();
         let graph = writer.store().load().unwrap();
         assert!(graph.edges.values().all(|e| e.metadata.contains_key("credit")), "every edge has a credit, the new ones included");
@@ -280,10 +284,7 @@ fn failure_links_are_capped_to_the_successes_nearest_in_time() {
 #[test]
 fn the_streamed_store_read_gives_the_in_memory_changes() {
     let w = world();
-    let dir = tempfile::tempdir().unwrap();
-    let mut writer = Writer::open(dir.path().join("store")).unwrap();
-    let info = CommitInfo { stage: "connect".into(), run_id: "c".into(), summary: Value::Null, progress: Default::default() };
-    writer.commit(&w.graph, info.clone()).unwrap();
+    let (_dir, mut writer) = store_with(&w.graph);
     // A later commit rewrites bad's ground edges (new Stage I weights), one episode's node row,
     // and adds reward-only episodes grounded in good.
     let mut delta = Graph::default();
@@ -301,7 +302,7 @@ fn the_streamed_store_read_gives_the_in_memory_changes() {
         delta.upsert_edge(edge(&w.good.id, &node.id, EdgeKind::Ground, 0.4));
         delta.upsert_node(node);
     }
-    writer.commit(&delta, info).unwrap();
+    writer.commit(&delta, connect_commit()).unwrap();
     let loaded = writer.store().load().unwrap();
     let (expected, expected_report) = assign(&loaded, &CreditOptions::default(), "refine@v3");
     assert!(expected.len() > 10, "a test with something to change: {}", expected.len());

@@ -34,7 +34,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use crate::manifest::{CommitRecord, Manifest, RetiredShard, ShardEntry};
 use crate::store::{fault_point, sync_dir, write_manifest, write_shards, SHARDS};
 use crate::scan::{sorted, text_column};
-use crate::{shard, CommitInfo, Error, Result, Writer};
+use crate::{shard, CommitInfo, Error, Result, Store, Writer};
 
 /// When compaction rewrites and merges shards.
 #[derive(Debug, Clone, Serialize)]
@@ -110,7 +110,7 @@ struct Unit {
     live: u64,
 }
 
-pub(crate) type Key = [u8; 16];
+type Key = [u8; 16];
 
 pub(crate) fn key_of(parts: &[&str]) -> Key {
     let mut hasher = Sha256::new();
@@ -121,7 +121,29 @@ pub(crate) fn key_of(parts: &[&str]) -> Key {
     hasher.finalize()[..16].try_into().expect("16 bytes")
 }
 
-pub(crate) fn key_columns(table: &str) -> &'static [&'static str] {
+/// For each key of `table`, the position (group, row) of its winning row (the last one written).
+/// `groups` come in commit order, each the shards of `table` whose rows are counted on from one
+/// to the next (a compaction unit; one shard for [`Store::live`]). Reads only the key columns.
+pub(crate) fn winning_rows<'e>(store: &Store, table: &str, groups: impl Iterator<Item = Vec<&'e ShardEntry>>) -> Result<HashMap<Key, (usize, usize)>> {
+    let mut last: HashMap<Key, (usize, usize)> = HashMap::new();
+    let columns = key_columns(table);
+    for (index, group) in groups.enumerate() {
+        let mut row = 0usize;
+        for entry in group {
+            for batch in shard::read(&store.dir, entry, Some(columns))? {
+                let strings: Vec<&arrow_array::StringArray> = columns.iter().map(|name| text_column(store, entry, &batch, name)).collect::<Result<_>>()?;
+                for i in 0..batch.num_rows() {
+                    let parts: Vec<&str> = strings.iter().map(|s| s.value(i)).collect();
+                    last.insert(key_of(&parts), (index, row));
+                    row += 1;
+                }
+            }
+        }
+    }
+    Ok(last)
+}
+
+fn key_columns(table: &str) -> &'static [&'static str] {
     match table {
         "nodes" => &["id"],
         "edges" => &["src", "dst", "kind"],
@@ -302,22 +324,7 @@ impl Writer {
                 unit.entries.extend(manifest.shards.iter().filter(|s| s.table == "steps" && s.commit == commit).cloned());
             }
         }
-        let mut last: HashMap<Key, (usize, usize)> = HashMap::new();
-        let columns = key_columns(table);
-        for (index, unit) in units.iter().enumerate() {
-            let mut row = 0usize;
-            for entry in unit.entries.iter().filter(|e| e.table == table) {
-                for batch in shard::read(&self.store.dir, entry, Some(columns))? {
-                    let strings: Vec<&arrow_array::StringArray> =
-                        columns.iter().map(|name| text_column(&self.store, entry, &batch, name)).collect::<Result<_>>()?;
-                    for i in 0..batch.num_rows() {
-                        let parts: Vec<&str> = strings.iter().map(|s| s.value(i)).collect();
-                        last.insert(key_of(&parts), (index, row));
-                        row += 1;
-                    }
-                }
-            }
-        }
+        let last = winning_rows(&self.store, table, units.iter().map(|u| u.entries.iter().filter(|e| e.table == table).collect()))?;
         for &(index, _) in last.values() {
             units[index].live += 1;
         }

@@ -8,13 +8,13 @@
 //! [`Live::nodes`] then decode one shard at a time, live rows only. What stays in memory is one
 //! bit per stored row and the shard being decoded, not the table.
 
-use arrow_array::{Array, BooleanArray};
+use arrow_array::{Array, BooleanArray, RecordBatch};
 use fluxmem_graph::{schema, Edge, EdgeKind, Node, NodeId, Step};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
-use crate::compact::{key_columns, key_of, Key};
+use crate::compact::winning_rows;
 use crate::manifest::{Manifest, ShardEntry};
-use crate::scan::{sorted, text_column};
+use crate::scan::{names_relation, sorted, text_column};
 use crate::{shard, Result, Store};
 
 /// A live edge row as [`Live::edges_deciding`] shows it: the key, weight, evidence, state and
@@ -35,6 +35,8 @@ pub struct EdgeRow<'a> {
     pub active: bool,
     /// Metadata, a JSON object as stored.
     pub metadata: &'a str,
+    /// The metadata names a `relation` (a Stage II link).
+    pub relation: bool,
 }
 
 /// The live rows of one keyed table (`nodes` or `edges`) at one commit: see [`Store::live`].
@@ -51,19 +53,7 @@ impl Store {
     /// (16 bytes of hash and a position per live key) is dropped before this returns.
     pub fn live(&self, manifest: &Manifest, table: &str) -> Result<Live<'_>> {
         let entries = sorted(manifest, table);
-        let columns = key_columns(table);
-        let mut last: HashMap<Key, (usize, usize)> = HashMap::new();
-        for (index, entry) in entries.iter().enumerate() {
-            let mut row = 0usize;
-            for batch in shard::read(&self.dir, entry, Some(columns))? {
-                let strings: Vec<&arrow_array::StringArray> = columns.iter().map(|name| text_column(self, entry, &batch, name)).collect::<Result<_>>()?;
-                for i in 0..batch.num_rows() {
-                    let parts: Vec<&str> = strings.iter().map(|s| s.value(i)).collect();
-                    last.insert(key_of(&parts), (index, row));
-                    row += 1;
-                }
-            }
-        }
+        let last = winning_rows(self, table, entries.iter().map(|e| vec![e]))?;
         let mut shards: Vec<(ShardEntry, Vec<bool>)> = entries.into_iter().map(|e| { let rows = e.rows as usize; (e, vec![false; rows]) }).collect();
         for &(index, row) in last.values() {
             let flags = &mut shards[index].1;
@@ -94,8 +84,7 @@ impl Live<'_> {
         let kinds: Vec<&str> = kinds.iter().map(|k| k.as_str()).collect();
         self.each_batch(None, &mut |entry, batch, live| {
             let kind = text_column(self.store, entry, batch, "kind")?;
-            let mask: BooleanArray = (0..batch.num_rows()).map(|i| Some(live[i] && (kinds.is_empty() || kinds.contains(&kind.value(i))))).collect();
-            let batch = arrow_select::filter::filter_record_batch(batch, &mask).map_err(|e| self.store.corrupt(entry, format!("cannot filter rows: {e}")))?;
+            let batch = self.select(entry, batch, |i| live[i] && (kinds.is_empty() || kinds.contains(&kind.value(i))))?;
             for edge in schema::edges_from_batch(&batch).map_err(|e| self.store.corrupt(entry, e.to_string()))? {
                 f(edge);
             }
@@ -108,8 +97,7 @@ impl Live<'_> {
     pub fn nodes(&self, f: &mut dyn FnMut(Node)) -> Result<()> {
         let no_steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
         self.each_batch(None, &mut |entry, batch, live| {
-            let mask: BooleanArray = (0..batch.num_rows()).map(|i| Some(live[i])).collect();
-            let batch = arrow_select::filter::filter_record_batch(batch, &mask).map_err(|e| self.store.corrupt(entry, format!("cannot filter rows: {e}")))?;
+            let batch = self.select(entry, batch, |i| live[i])?;
             for node in schema::nodes_from_batch_with(&batch, &no_steps, &|_| false).map_err(|e| self.store.corrupt(entry, e.to_string()))? {
                 f(node);
             }
@@ -130,11 +118,7 @@ impl Live<'_> {
                 if !kinds.is_empty() && !kinds.contains(&kind) {
                     continue;
                 }
-                let meta = metadata.value(row);
-                // Parsed only when the key may be there.
-                let relation = meta.contains("\"relation\"")
-                    && serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(meta).map(|m| m.contains_key("relation")).unwrap_or(false);
-                f(src.value(row), dst.value(row), kind, relation);
+                f(src.value(row), dst.value(row), kind, names_relation(metadata.value(row)));
             }
             Ok(())
         })
@@ -169,6 +153,7 @@ impl Live<'_> {
                     // As the schema decodes it: a missing flag is active.
                     active: active.is_null(row) || active.value(row),
                     metadata: if metadata.is_null(row) { "{}" } else { metadata.value(row) },
+                    relation: !metadata.is_null(row) && names_relation(metadata.value(row)),
                 };
                 if let Some(decision) = decide(&view).map_err(|reason| self.store.corrupt(entry, format!("row {row}: {reason}")))? {
                     mask[row] = true;
@@ -178,8 +163,7 @@ impl Live<'_> {
             if picked.is_empty() {
                 return Ok(());
             }
-            let mask: BooleanArray = mask.into_iter().map(Some).collect();
-            let batch = arrow_select::filter::filter_record_batch(batch, &mask).map_err(|e| self.store.corrupt(entry, format!("cannot filter rows: {e}")))?;
+            let batch = self.select(entry, batch, |i| mask[i])?;
             let edges = schema::edges_from_batch(&batch).map_err(|e| self.store.corrupt(entry, e.to_string()))?;
             for (edge, decision) in edges.into_iter().zip(picked) {
                 then(edge, decision);
@@ -188,9 +172,15 @@ impl Live<'_> {
         })
     }
 
+    /// The rows `keep` picks of one of `entry`'s batches.
+    fn select(&self, entry: &ShardEntry, batch: &RecordBatch, keep: impl Fn(usize) -> bool) -> Result<RecordBatch> {
+        let mask: BooleanArray = (0..batch.num_rows()).map(|i| Some(keep(i))).collect();
+        arrow_select::filter::filter_record_batch(batch, &mask).map_err(|e| self.store.corrupt(entry, format!("cannot filter rows: {e}")))
+    }
+
     /// Every batch of every shard (the `columns` asked for, all when `None`) with its rows'
     /// live flags.
-    fn each_batch(&self, columns: Option<&[&str]>, f: &mut dyn FnMut(&ShardEntry, &arrow_array::RecordBatch, &[bool]) -> Result<()>) -> Result<()> {
+    fn each_batch(&self, columns: Option<&[&str]>, f: &mut dyn FnMut(&ShardEntry, &RecordBatch, &[bool]) -> Result<()>) -> Result<()> {
         for (entry, flags) in &self.shards {
             if !flags.iter().any(|&l| l) {
                 continue;

@@ -165,11 +165,7 @@ impl Store {
                 let active = batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or_else(|| self.corrupt(&entry, "column `active` is not boolean".into()))?;
                 for row in 0..batch.num_rows() {
                     let kind = EdgeKind::parse(kind.value(row)).ok_or_else(|| self.corrupt(&entry, format!("row {row}: unknown edge kind `{}`", kind.value(row))))?;
-                    let meta = metadata.value(row);
-                    // Parsed only when the key may be there.
-                    let relation = meta.contains("\"relation\"")
-                        && serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(meta).map(|m| m.contains_key("relation")).unwrap_or(false);
-                    let head = EdgeHead { active: !active.is_null(row) && active.value(row), relation };
+                    let head = EdgeHead { active: !active.is_null(row) && active.value(row), relation: names_relation(metadata.value(row)) };
                     heads.insert((NodeId(src.value(row).to_string()), NodeId(dst.value(row).to_string()), kind), head);
                 }
             }
@@ -267,6 +263,13 @@ pub struct EdgeHead {
     pub active: bool,
     /// Its metadata has a `relation` (a Stage II link: expand, prune, failure-success).
     pub relation: bool,
+}
+
+/// Whether an edge's metadata (JSON text) names a `relation` (a Stage II link), parsed only
+/// when the key may be there.
+pub(crate) fn names_relation(metadata: &str) -> bool {
+    metadata.contains("\"relation\"")
+        && serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(metadata).map(|m| m.contains_key("relation")).unwrap_or(false)
 }
 
 /// The shards of `table` in commit order (later rows win).
