@@ -145,7 +145,8 @@ pub struct ConnectArgs {
     /// Commit after this many episodes.
     #[arg(long, default_value_t = 500)]
     pub commit_every: usize,
-    /// Embedding model (must be the store's).
+    /// Embedding model (must be the store's; `hash-<dim>` for the weight-free hashing
+    /// embedder, see `fluxmem embed --help`).
     #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
     pub model: String,
     /// Device: auto, cpu, cuda, cuda:N or metal.
@@ -185,7 +186,7 @@ pub struct QueryArgs {
     /// holds several tenants, the store's only tenant otherwise.
     #[arg(long)]
     pub tenant: Option<String>,
-    /// Embedding model (must be the store's).
+    /// Embedding model (must be the store's; `hash-<dim>`: the hashing embedder).
     #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
     pub model: String,
     /// Device: auto, cpu, cuda, cuda:N or metal.
@@ -379,7 +380,9 @@ pub struct LocomoArgs {
 /// `fluxmem embed`.
 #[derive(Debug, Args)]
 pub struct EmbedArgs {
-    /// Embedding model (a name from `fluxmem models list`).
+    /// Embedding model: a name from `fluxmem models list`, or `hash-<dim>` (a weight-free
+    /// hashing embedder without semantics, for benchmarks of the store-bound stages and for
+    /// trying the chain without weights; not for retrieval).
     #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
     pub model: String,
 
@@ -604,7 +607,7 @@ pub struct ConsolidateArgs {
     /// farthest source); below, those episodes wait, unclustered.
     #[arg(long, default_value_t = fluxmem_consolidate::ConsolidateOptions::default().recluster_share)]
     pub recluster_share: f64,
-    /// Embedding model (must be the store's).
+    /// Embedding model (must be the store's; `hash-<dim>`: the hashing embedder).
     #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
     pub model: String,
     /// Device: auto, cpu, cuda, cuda:N or metal.

@@ -504,3 +504,33 @@ fn compaction_keeps_the_live_rows_for_duckdb_and_resumes_after_a_kill() {
         assert_eq!(on_disk, manifest.shards.len() + manifest.retired.len(), "{point}: no leftover of the killed compaction");
     }
 }
+
+/// `--model hash-<dim>` runs embed and connect without weights (what `benches/scale
+/// --embedder` uses): every node gets a vector of that model and dimension, connect writes
+/// edges from them, and a malformed name is refused before the store is touched.
+#[test]
+fn the_hash_embedder_runs_embed_and_connect_without_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let output = run(fluxmem(&store).arg("ingest").arg(repo().join("data/trajectories.jsonl")).arg(repo().join("data/knowledge")));
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let output = run(fluxmem(&store).args(["embed", "--json", "--model", "hash-48"]));
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let report = stdout_json(&output);
+    assert_eq!(report["model"], "hash-48");
+    let graph = fluxmem_store::Store::open(&store).unwrap().load().unwrap();
+    assert!(!graph.nodes.is_empty());
+    assert_eq!(graph.embeddings.len(), graph.nodes.len(), "every node has a vector");
+    assert!(graph.embeddings.values().all(|e| e.model_id == "hash-48" && e.vector.len() == 48));
+    let output = run(fluxmem(&store).args(["connect", "--json", "--model", "hash-48"]));
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let report = stdout_json(&output);
+    assert!(report["connected"].as_u64().unwrap() > 0 && report["ground_edges"].as_u64().unwrap() > 0, "{report}");
+    let version = fluxmem_store::Store::open(&store).unwrap().manifest().unwrap().version;
+    for bad in ["hash-", "hash-0", "hash-x"] {
+        let output = run(fluxmem(&store).args(["embed", "--model", bad]));
+        assert_eq!(output.status.code(), Some(1), "{bad}");
+        assert!(String::from_utf8_lossy(&output.stderr).contains("hash-<dim>"), "{bad}: {}", String::from_utf8_lossy(&output.stderr));
+    }
+    assert_eq!(fluxmem_store::Store::open(&store).unwrap().manifest().unwrap().version, version, "refused runs leave the store as it was");
+}

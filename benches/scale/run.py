@@ -9,7 +9,12 @@ old ones. Prints, per night and stage, wall seconds, peak RSS, rows and bytes wr
 store's size and amplification (rows stored / live rows, from `store compact --json`).
 
 Usage: benches/scale/run.py --episodes N [--nights K] [--bin target/release/fluxmem]
-                            [--work DIR] [--consolidate] [--json OUT]
+                            [--work DIR] [--consolidate] [--json OUT] [--embedder NAME]
+
+--embedder hash-384 runs embed and connect on the weight-free hashing embedder: the store-bound
+costs (reading, writing, kNN, BM25, credit, compaction) at a size where the 2 CPU cores cannot
+afford the neural model's forward passes; embed's and connect's model time is then not in the
+table (measure it with the default model at a smaller N).
 
 Build first: cargo build --release. Embedding runs the local all-minilm-l6-v2 (fetched by
 scripts/test.sh or `fluxmem models fetch`).
@@ -60,6 +65,7 @@ def main():
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--consolidate", action="store_true", help="also run consolidate (the generator: slow on CPU)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--embedder", default=None, help="embedding model of embed and connect (default: the store default; hash-384: no model)")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix=f"fluxmem-scale-{args.episodes}-")
     # A fresh store and log folder: logs of an earlier run would be night 1's input.
@@ -73,9 +79,10 @@ def main():
     synth = [sys.executable, os.path.join(HERE, "synth_fleet.py")]
     subprocess.run(synth + ["facts", "--out", os.path.join(logs, "facts.jsonl"), "--seed", str(args.seed)], check=True)
     fm = [args.bin, "--store", store]
-    stages = [("ingest", ["ingest", logs]), ("embed", ["embed"]), ("connect", ["connect"]), ("refine", ["refine"])]
+    model = ["--model", args.embedder] if args.embedder else []
+    stages = [("ingest", ["ingest", logs]), ("embed", ["embed"] + model), ("connect", ["connect"] + model), ("refine", ["refine"])]
     if args.consolidate:
-        stages.append(("consolidate", ["consolidate"]))
+        stages.append(("consolidate", ["consolidate"] + model))
     rows = []
     start = 0
     for night in range(1, args.nights + 1):
@@ -100,7 +107,8 @@ def main():
                 row["live_rows"] = {t: v["live_rows"] for t, v in report["tables"].items()}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
-    print(f"\nbenches/scale: N = {args.episodes} episodes, then {args.nights - 1} night(s) of N/10; {args.bin}; work dir {work}\n")
+    embedder = args.embedder or "the default embedder"
+    print(f"\nbenches/scale: N = {args.episodes} episodes, then {args.nights - 1} night(s) of N/10; {args.bin}; {embedder}; work dir {work}\n")
     print("| night | stage | wall s | peak RSS MB | rows written | MB written | store MB | amplification (nodes/edges/embeddings) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -13,7 +13,7 @@ pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let retrieval = super::retrieval_config(&args.fusion, &args.weights, 0)?;
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
-    let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
+    let embedder = super::embedder(&args.model, &device_choice, None)?;
     let options = ConnectOptions {
         per_step: !args.per_task,
         ground_k: args.ground_k,
@@ -27,7 +27,7 @@ pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     // from, so the same store and options always give the same shards.
     let run_id = format!("connect@v{}", writer.manifest().version);
     let mut bar = CountBar::new(settings.progress, "connect");
-    let report = connect_store(&mut writer, &embedder, &options, &run_id, &device, &mut bar)
+    let report = connect_store(&mut writer, embedder.as_ref(), &options, &run_id, &device, &mut bar)
         .with_context(|| format!("connecting the store {}", settings.store.display()))?;
     bar.finish();
     if args.json {

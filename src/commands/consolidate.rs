@@ -11,7 +11,7 @@ pub fn run(args: ConsolidateArgs, settings: &Settings) -> anyhow::Result<ExitCod
     let options = options(&args)?;
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
-    let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
+    let embedder = super::embedder(&args.model, &device_choice, None)?;
     let mut generator = match args.generator.as_str() {
         "none" => None,
         name => Some(fluxmem_models::load_generator(name, &device_choice, super::models::weight_path(&args.weights)?)?),
@@ -22,7 +22,7 @@ pub fn run(args: ConsolidateArgs, settings: &Settings) -> anyhow::Result<ExitCod
     // from, so the same store and options always give the same shards.
     let run_id = format!("consolidate@v{}", writer.manifest().version);
     let mut models = Models {
-        embedder: &embedder,
+        embedder: embedder.as_ref(),
         generator: generator.as_mut().map(|g| g as &mut dyn Generator),
         judge: judge.as_mut().map(|j| j as &mut dyn Judge),
     };

@@ -9,18 +9,18 @@ use crate::progress::CountBar;
 
 pub fn run(args: EmbedArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device: DeviceChoice = args.device.parse()?;
-    let embedder = fluxmem_models::load_embedder(&args.model, &device)?.with_batch_size(args.batch_size);
+    let embedder = super::embedder(&args.model, &device, Some(args.batch_size))?;
     let mut writer = open_writer(settings)?;
     let options = EmbedOptions { batch_size: 256, commit_every: args.commit_every, reembed: args.reembed, ..Default::default() };
     let mut bar = CountBar::new(settings.progress, "embed");
     let started = std::time::Instant::now();
-    let report = embed_store(&mut writer, &embedder, &options, &run_id("embed"), &mut bar)
+    let report = embed_store(&mut writer, embedder.as_ref(), &options, &run_id("embed"), &mut bar)
         .with_context(|| format!("embedding the store {}", settings.store.display()))?;
     bar.finish();
     let seconds = started.elapsed().as_secs_f64();
     if args.json {
         let mut json = serde_json::to_value(&report)?;
-        json["model"] = serde_json::Value::from(fluxmem_models::Embedder::model_id(&embedder));
+        json["model"] = serde_json::Value::from(embedder.model_id());
         json["seconds"] = serde_json::Value::from((seconds * 1000.0).round() / 1000.0);
         println!("{json}");
     } else {
@@ -32,7 +32,7 @@ pub fn run(args: EmbedArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             report.already,
             report.commits,
             seconds,
-            fluxmem_models::Embedder::model_id(&embedder)
+            embedder.model_id()
         );
     }
     Ok(ExitCode::SUCCESS)

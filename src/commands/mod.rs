@@ -38,6 +38,26 @@ pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// The embedder `name` names: a BERT embedder of the model manifest, or `hash-<dim>`, the
+/// weight-free hashing embedder (a word's bucket in `dim` dimensions; no semantics, no model to
+/// fetch). The hash embedder is for benchmarks of the store-bound stages (`benches/scale
+/// --embedder hash-384`) and for trying the chain without weights, not for retrieval.
+pub fn embedder(name: &str, device: &fluxmem_models::DeviceChoice, batch_size: Option<usize>) -> anyhow::Result<Box<dyn fluxmem_models::Embedder>> {
+    if let Some(dim) = name.strip_prefix("hash-") {
+        let dim: usize = dim
+            .parse()
+            .ok()
+            .filter(|d| (1..=65536).contains(d))
+            .ok_or_else(|| anyhow::anyhow!("--model {name}: a hash embedder is hash-<dim>, dim a whole number from 1 to 65536"))?;
+        return Ok(Box::new(fluxmem_models::HashEmbedder::new(dim)));
+    }
+    let embedder = fluxmem_models::load_embedder(name, device)?;
+    Ok(Box::new(match batch_size {
+        Some(size) => embedder.with_batch_size(size),
+        None => embedder,
+    }))
+}
+
 /// A run id: the stage, the UTC time and the process id.
 pub fn run_id(stage: &str) -> String {
     format!("{stage}-{}-{}", chrono::Utc::now().format("%Y%m%dT%H%M%S%.3fZ"), std::process::id())

@@ -1,6 +1,6 @@
 use anyhow::Context as _;
 use fluxmem_connect::{pack, resolve_tenant, semantic_entry, Entry, Retriever, Unembedded};
-use fluxmem_models::{DeviceChoice, Embedder, Generator, Judge};
+use fluxmem_models::{DeviceChoice, Generator, Judge};
 use fluxmem_refine::{refine_query, LoopModels, Neighbours};
 use fluxmem_store::CommitInfo;
 use std::process::ExitCode;
@@ -13,7 +13,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let store = fluxmem_store::Store::open(&settings.store)?;
     let mut graph = store.load()?;
     let tenant = resolve_tenant(&graph, args.tenant.as_deref())?;
-    let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
+    let embedder = super::embedder(&args.model, &device_choice, None)?;
     // Only the tenant's nodes; those not embedded yet are left out and counted.
     let retriever = Retriever::build_with(&graph, &tenant, embedder.model_id(), &device, Unembedded::Skip)?;
     let not_embedded = retriever.not_embedded();
@@ -43,7 +43,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         let mut verifier = fluxmem_refine::verifier(judge.as_mut().map(|j| j as &mut dyn Judge), retriever.semantic());
         let mut models = LoopModels {
             verifier: &mut *verifier,
-            embedder: &embedder,
+            embedder: embedder.as_ref(),
             generator: generator.as_mut().map(|g| g as &mut dyn Generator),
             count_tokens: &count,
         };
