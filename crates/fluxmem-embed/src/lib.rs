@@ -210,7 +210,8 @@ pub fn embed_store(
         if options.reembed {
             fresh.apply(delta);
         } else if !delta.is_empty() {
-            writer.commit(&delta, commit_info(run_id, &report, &model))?;
+            // Vectors only for nodes without one (of this model, the store's only one): new keys.
+            writer.commit_new(&delta, commit_info(run_id, &report, &model))?;
             report.commits += 1;
         }
     }

@@ -476,7 +476,9 @@ impl Run<'_> {
         }
         let summary = serde_json::json!({ "nodes": self.pending.nodes.len(), "records": self.pending_records });
         let info = CommitInfo { stage: "ingest".into(), run_id: self.run_id.to_string(), summary, progress: Default::default() };
-        self.writer.commit(&self.pending, info)?;
+        // Only nodes whose ids the store does not hold (`known` says so, see `accept`): the
+        // manifest's live counts carry forward.
+        self.writer.commit_new(&self.pending, info)?;
         self.pending = Graph::default();
         self.pending_records = 0;
         self.report.commits += 1;

@@ -26,12 +26,14 @@
 //! commit, and never while a sharded run's staging store (which reads the main store's
 //! shards by path) exists.
 
-use fluxmem_graph::{schema, Graph, NodeId, Step};
+use arrow_array::cast::AsArray;
+use arrow_array::Array;
+use fluxmem_graph::{schema, EdgeKind, Graph, GraphStats, NodeId, NodeKind, Step};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use crate::manifest::{CommitRecord, Manifest, RetiredShard, ShardEntry};
+use crate::manifest::{CommitRecord, LiveCounts, Manifest, RetiredShard, ShardEntry};
 use crate::store::{fault_point, sync_dir, write_manifest, write_shards, SHARDS};
 use crate::scan::{sorted, text_column};
 use crate::{shard, CommitInfo, Error, Result, Store, Writer};
@@ -100,6 +102,9 @@ pub struct CompactReport {
     pub retired: usize,
     /// True when a commit was made (false: nothing to do).
     pub committed: bool,
+    /// True when the pass wrote the live counts to the manifest (with its merges, or on
+    /// their own when nothing needed merging but the manifest's counts were out of date).
+    pub counted: bool,
 }
 
 /// A keyed table's unit: the shards compacted together (for `nodes`, the nodes and steps
@@ -204,8 +209,10 @@ impl Writer {
         let mut outputs: Vec<ShardEntry> = Vec::new();
         let mut removed: BTreeSet<String> = BTreeSet::new();
         let mut part = 0usize;
+        let mut counts = GraphStats::default();
         for table in ["nodes", "edges", "embeddings"] {
             let (units, last) = self.live_units(&manifest, table)?;
+            self.count_table(table, &units, &last, &mut counts)?;
             let mut stats = TableCompaction {
                 shards_before: units.iter().map(|u| u.entries.iter().filter(|e| e.table == table).count()).sum(),
                 rows_before: units.iter().map(|u| u.rows).sum(),
@@ -270,6 +277,15 @@ impl Writer {
         }
         report.tables.insert("edits".into(), edit_stats);
         if removed.is_empty() {
+            if manifest.current_counts() != Some(counts) {
+                // Nothing to merge, but the counts are new: a commit of the counts alone.
+                manifest.version = version;
+                manifest.live_counts = Some(LiveCounts { version, stats: counts });
+                let summary = serde_json::json!({ "counted": true });
+                self.land(manifest, CommitInfo { stage: "compact".into(), run_id: run_id.into(), summary, progress: Default::default() })?;
+                report.counted = true;
+            }
+            let manifest = self.manifest.clone();
             self.finish_report(&mut report, &manifest);
             return Ok(report);
         }
@@ -282,6 +298,9 @@ impl Writer {
         manifest.shards.extend(outputs);
         manifest.retired.extend(removed.iter().map(|file| RetiredShard { file: file.clone(), version }));
         manifest.version = version;
+        // Compaction keeps every live row: the counts of the old shards hold for the new ones.
+        manifest.live_counts = Some(LiveCounts { version, stats: counts });
+        report.counted = true;
         let summary = serde_json::to_value(&report).expect("the report serialises");
         let info = CommitInfo { stage: "compact".into(), run_id: run_id.into(), summary, progress: Default::default() };
         self.land(manifest, info)?;
@@ -290,6 +309,69 @@ impl Writer {
         let manifest = self.manifest.clone();
         self.finish_report(&mut report, &manifest);
         Ok(report)
+    }
+
+    /// Adds the live rows of `table` to `counts`: nodes by kind, active edges by kind, and
+    /// nodes with a vector. `last` gives each key's winning row (as [`winning_rows`] numbers
+    /// them); the rows are read again for their `kind` and `active` columns only.
+    fn count_table(&self, table: &str, units: &[Unit], last: &HashMap<Key, (usize, usize)>, counts: &mut GraphStats) -> Result<()> {
+        let mut live: Vec<Vec<bool>> = units.iter().map(|u| vec![false; u.rows as usize]).collect();
+        for &(unit, row) in last.values() {
+            live[unit][row] = true;
+        }
+        let columns: &[&str] = match table {
+            "nodes" => &["kind"],
+            "edges" => &["kind", "active"],
+            _ => &["node_id"],
+        };
+        let mut embedded: HashSet<Key> = HashSet::new();
+        for (index, unit) in units.iter().enumerate() {
+            if !live[index].iter().any(|&l| l) {
+                continue;
+            }
+            let mut row = 0usize;
+            for entry in unit.entries.iter().filter(|e| e.table == table) {
+                for batch in shard::read(&self.store.dir, entry, Some(columns))? {
+                    let first = text_column(&self.store, entry, &batch, columns[0])?;
+                    let active = if table == "edges" {
+                        Some(batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or_else(|| self.store.corrupt(entry, "column `active` is not boolean".into()))?)
+                    } else {
+                        None
+                    };
+                    for i in 0..batch.num_rows() {
+                        if live[index][row] {
+                            let value = first.value(i);
+                            match table {
+                                "nodes" => match NodeKind::parse(value) {
+                                    Some(NodeKind::Semantic) => counts.semantic += 1,
+                                    Some(NodeKind::Episodic) => counts.episodic += 1,
+                                    Some(NodeKind::Procedural) => counts.procedural += 1,
+                                    None => return Err(self.store.corrupt(entry, format!("row {i}: unknown node kind `{value}`"))),
+                                },
+                                "edges" => {
+                                    let active = active.expect("edges have it");
+                                    if !active.is_null(i) && active.value(i) {
+                                        match EdgeKind::parse(value) {
+                                            Some(EdgeKind::Ground) => counts.ground += 1,
+                                            Some(EdgeKind::Distill) => counts.distill += 1,
+                                            Some(EdgeKind::Link) => counts.link += 1,
+                                            None => return Err(self.store.corrupt(entry, format!("row {i}: unknown edge kind `{value}`"))),
+                                        }
+                                    }
+                                }
+                                _ => {
+                                    if embedded.insert(key_of(&[value])) {
+                                        counts.embedded += 1;
+                                    }
+                                }
+                            }
+                        }
+                        row += 1;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Fills the after-columns of `report` from `manifest`.

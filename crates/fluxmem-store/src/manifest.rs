@@ -36,6 +36,24 @@ pub struct Manifest {
     /// earlier manifest until a later commit deletes them (see `compact`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub retired: Vec<RetiredShard>,
+    /// The live row counts, exact as of commit `version` (see [`LiveCounts`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub live_counts: Option<LiveCounts>,
+}
+
+/// Live node, active edge and embedded node counts that hold for one commit, so `stats` reads
+/// them from the manifest instead of the key columns of every shard.
+///
+/// They are set by compaction (which reads the key columns anyway) and carried forward only
+/// by commits that add rows under keys the store does not hold ([`crate::Writer::commit_new`]:
+/// ingest's new nodes, embed's new vectors). Any other commit leaves them behind at an older
+/// version, where they no longer count: readers then count from the shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LiveCounts {
+    /// The commit the counts hold for.
+    pub version: u64,
+    /// The counts.
+    pub stats: fluxmem_graph::GraphStats,
 }
 
 /// A shard file that left the manifest and waits for deletion.
@@ -100,7 +118,13 @@ impl Manifest {
             commits: Vec::new(),
             progress: BTreeMap::new(),
             retired: Vec::new(),
+            live_counts: Some(LiveCounts { version: 0, stats: fluxmem_graph::GraphStats::default() }),
         }
+    }
+
+    /// The live counts, if they hold for this manifest's commit.
+    pub fn current_counts(&self) -> Option<fluxmem_graph::GraphStats> {
+        self.live_counts.filter(|c| c.version == self.version).map(|c| c.stats)
     }
 
     /// Reads and checks the manifest at `path`.

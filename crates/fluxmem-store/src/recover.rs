@@ -120,6 +120,8 @@ pub fn recover(dir: &Path) -> Result<RecoverReport> {
     manifest.shards.extend(added);
     manifest.shards.sort_by(|a, b| (a.commit, &a.file).cmp(&(b.commit, &b.file)));
     manifest.version = manifest.shards.iter().map(|s| s.commit).max().unwrap_or(0).max(base_version);
+    // Rebuilt from the shards: the counts of any earlier manifest need not hold.
+    manifest.live_counts = None;
     let known: std::collections::BTreeSet<u64> = manifest.commits.iter().map(|c| c.version).collect();
     let at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
     let commits: std::collections::BTreeSet<u64> = manifest.shards.iter().map(|s| s.commit).collect();

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
 use crate::lock::WriterLock;
-use crate::manifest::{EmbeddingModel, Manifest, ShardEntry};
+use crate::manifest::{EmbeddingModel, LiveCounts, Manifest, ShardEntry};
 use crate::{shard, Error, Result};
 
 pub(crate) const MANIFEST: &str = "manifest.json";
@@ -78,14 +78,25 @@ impl Store {
         Ok(ids)
     }
 
-    /// Counts of the current commit, with its manifest. Reads the key and kind columns of
-    /// nodes, edges and embeddings (and edges' `active` and `metadata`), nothing else.
+    /// Counts of the current commit, with its manifest: from the manifest when its
+    /// [`crate::LiveCounts`] hold for the commit, else counted from the shards
+    /// ([`Store::count_live`]).
     pub fn stats(&self) -> Result<(GraphStats, Manifest)> {
         let manifest = self.manifest()?;
+        if let Some(stats) = manifest.current_counts() {
+            return Ok((stats, manifest));
+        }
+        let stats = self.count_live(&manifest)?;
+        Ok((stats, manifest))
+    }
+
+    /// Counts of the commit of `manifest`, from the shards: reads the key and kind columns of
+    /// nodes, edges and embeddings (and edges' `active` and `metadata`), nothing else.
+    pub fn count_live(&self, manifest: &Manifest) -> Result<GraphStats> {
+        let manifest = manifest.clone();
         let embedded: BTreeSet<NodeId> = self.embedding_keys(&manifest)?.into_iter().map(|(id, _)| id).collect();
         let active_edges = self.edge_heads(&manifest)?.into_iter().filter(|(_, head)| head.active).map(|((_, _, kind), _)| kind);
-        let stats = GraphStats::count(self.node_kinds(&manifest)?.into_values(), active_edges, embedded.len());
-        Ok((stats, manifest))
+        Ok(GraphStats::count(self.node_kinds(&manifest)?.into_values(), active_edges, embedded.len()))
     }
 }
 
@@ -188,6 +199,31 @@ impl Writer {
         Ok(&self.manifest)
     }
 
+    /// [`Writer::commit`] for a delta that only adds: none of its nodes, edges or embeddings
+    /// has a key the store holds (the caller knows: ingest checks new ids against the stored
+    /// ones, embed writes vectors only for nodes without one). The manifest's live counts,
+    /// where they held, then hold for the new commit too (plus the delta's counts), and `stats`
+    /// need not read the shards. A delta that replaces rows must go through `commit`: its
+    /// counts here would be wrong.
+    pub fn commit_new(&mut self, delta: &Graph, info: CommitInfo) -> Result<&Manifest> {
+        let mut manifest = self.manifest.clone();
+        let counts = manifest.current_counts().map(|before| {
+            let added = delta.stats();
+            GraphStats {
+                semantic: before.semantic + added.semantic,
+                episodic: before.episodic + added.episodic,
+                procedural: before.procedural + added.procedural,
+                ground: before.ground + added.ground,
+                distill: before.distill + added.distill,
+                link: before.link + added.link,
+                embedded: before.embedded + added.embedded,
+            }
+        });
+        manifest.live_counts = counts.map(|stats| LiveCounts { version: manifest.version + 1, stats });
+        self.write_commit(&mut manifest, delta, info)?;
+        Ok(&self.manifest)
+    }
+
     /// Replaces the whole stored graph by `graph` in one commit (compaction, model migration).
     /// The shards the replaced manifest listed are deleted once the new manifest is in place
     /// (they are provably garbage: this writer's compare-and-swap replaced that manifest).
@@ -196,6 +232,7 @@ impl Writer {
         let mut manifest = self.manifest.clone();
         manifest.shards.clear();
         manifest.embedding_model = None;
+        manifest.live_counts = Some(LiveCounts { version: manifest.version + 1, stats: graph.stats() });
         self.write_commit(&mut manifest, graph, info)?;
         let live: BTreeSet<&str> = self.manifest.shards.iter().map(|s| s.file.as_str()).collect();
         for entry in old.iter().filter(|s| !live.contains(s.file.as_str()) && s.file.starts_with(SHARDS)) {

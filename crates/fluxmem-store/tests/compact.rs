@@ -183,9 +183,16 @@ fn nothing_to_compact_writes_nothing() {
     let mut delta = Graph::default();
     delta.upsert_node(episode(1, 0));
     writer.commit(&delta, info("ingest")).unwrap();
+    let shards = writer.manifest().shards.clone();
+    // The plain commit left the live counts behind: the first compaction writes them (a
+    // manifest-only commit, no shard), the second finds nothing at all to do.
+    let report = writer.compact(&CompactPolicy::default(), "c").unwrap();
+    assert!(!report.committed && report.counted);
+    assert_eq!(writer.manifest().shards, shards, "no shard written or retired");
+    assert_eq!(writer.manifest().current_counts().map(|c| c.episodic), Some(1));
     let version = writer.manifest().version;
     let report = writer.compact(&CompactPolicy::default(), "c").unwrap();
-    assert!(!report.committed);
+    assert!(!report.committed && !report.counted);
     assert_eq!(writer.manifest().version, version);
     assert_eq!(report.tables["nodes"].live_rows, 1);
 }
