@@ -125,33 +125,37 @@ pub fn embed_store(
         }
     }
     // Reembedding rewrites the whole graph; otherwise only what the new vectors need is read:
-    // node rows and the embeddings' keys, then the steps of the nodes to embed (their text),
-    // then the stored vectors of texts that are already embedded under another node.
-    let mut graph = if options.reembed {
+    // the node ids and the embeddings' keys, then the rows and steps of the nodes to embed
+    // only (their text), then the stored vectors of texts already embedded under another node.
+    let (mut graph, lacking, nodes) = if options.reembed {
         let mut graph = writer.store().load()?;
         graph.embeddings.retain(|(_, m), _| m == &model);
-        graph
+        let lacking: BTreeSet<NodeId> = graph
+            .nodes
+            .keys()
+            .filter(|id| !graph.embeddings.contains_key(&((*id).clone(), model.clone())))
+            .filter(|id| options.shard.owns(id.as_str()))
+            .cloned()
+            .collect();
+        let nodes = graph.nodes.len();
+        (graph, lacking, nodes)
     } else {
-        let scan = Scan { nodes: true, embedding_keys: true, ..Default::default() };
-        writer.store().scan(&scan)?.0
-    };
-    let mut report = EmbedReport { nodes: graph.nodes.len(), ..EmbedReport::default() };
-    let lacking: BTreeSet<NodeId> = graph
-        .nodes
-        .values()
-        .filter(|node| !graph.embeddings.contains_key(&(node.id.clone(), model.clone())))
-        .filter(|node| options.shard.owns(node.id.as_str()))
-        .map(|node| node.id.clone())
-        .collect();
-    if !options.reembed && !lacking.is_empty() {
-        let scan = Scan { nodes: true, steps: Rows::Of(lacking.clone()), ..Default::default() };
-        let (with_steps, _) = writer.store().scan(&scan)?;
-        for id in &lacking {
-            if let Some(node) = with_steps.nodes.get(id) {
-                graph.nodes.insert(id.clone(), node.clone());
-            }
+        let manifest = writer.manifest().clone();
+        let ids = writer.store().node_ids(&manifest)?;
+        let mut graph = writer.store().scan_at(&manifest, &Scan { embedding_keys: true, ..Default::default() })?;
+        let lacking: BTreeSet<NodeId> = ids
+            .iter()
+            .filter(|id| !graph.embeddings.contains_key(&((*id).clone(), model.clone())))
+            .filter(|id| options.shard.owns(id.as_str()))
+            .cloned()
+            .collect();
+        if !lacking.is_empty() {
+            let scan = Scan { nodes: true, nodes_of: Some(lacking.clone()), steps: Rows::Of(lacking.clone()), ..Default::default() };
+            graph.nodes = writer.store().scan_at(&manifest, &scan)?.nodes;
         }
-    }
+        (graph, lacking, ids.len())
+    };
+    let mut report = EmbedReport { nodes, ..EmbedReport::default() };
     let todo: Vec<(NodeId, String)> = lacking.iter().map(|id| (id.clone(), graph.nodes[id].embedding_text())).collect();
     let mut cache: BTreeMap<String, Vec<f32>> = BTreeMap::new();
     if options.reembed {

@@ -41,6 +41,9 @@ impl Rows {
 pub struct Scan {
     /// Node rows (without their steps unless `steps` asks).
     pub nodes: bool,
+    /// With `nodes`: only the rows of these ids (`None`: every row). Rows are filtered on the
+    /// `id` column before any is decoded.
+    pub nodes_of: Option<BTreeSet<NodeId>>,
     /// The steps of episodes; an episode whose steps are not read has none in the result.
     pub steps: Rows,
     /// Edge rows.
@@ -121,6 +124,10 @@ impl Store {
                     "nodes" if scan.nodes => {
                         let steps_read = |id: &NodeId| scan.steps.contains(id.as_str());
                         for batch in shard::read(&self.dir, entry, None)? {
+                            let batch = match &scan.nodes_of {
+                                Some(ids) => filter(&batch, "id", &|v| ids.contains(v)).map_err(|reason| self.corrupt(entry, reason))?,
+                                None => batch,
+                            };
                             let nodes = schema::nodes_from_batch_with(&batch, &steps, &steps_read).map_err(|e| self.corrupt(entry, e.to_string()))?;
                             nodes.into_iter().for_each(|n| graph.upsert_node(n));
                         }

@@ -73,6 +73,13 @@ fn scans_read_what_they_ask_for_and_nothing_else() {
     assert_eq!(some.nodes, without_steps(all.clone(), &keep).nodes);
     assert!(some.nodes[&episode(0, 1).id].episode().unwrap().steps[0].observation.ends_with(".1"), "the newest commit's steps");
 
+    // The rows of those two nodes only, with their steps: what embed reads of the nodes it embeds.
+    let (only, _) = store.scan(&Scan { nodes: true, nodes_of: Some(keep.clone()), steps: Rows::Of(keep.clone()), ..Default::default() }).unwrap();
+    let mut wanted = all.nodes.clone();
+    wanted.retain(|id, _| keep.contains(id));
+    assert_eq!(only.nodes, wanted, "the newest rows of the ids asked for, whole, and no other node");
+    assert!(only.edges.is_empty() && only.embeddings.is_empty());
+
     // Keys of every embedding (the newest row's hash), vectors of one node only.
     let one: BTreeSet<NodeId> = [episode(1, 0).id].into_iter().collect();
     let (keys, _) = store.scan(&Scan { embedding_keys: true, vectors: Rows::Of(one.clone()), ..Default::default() }).unwrap();
