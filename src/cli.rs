@@ -250,6 +250,10 @@ pub struct RefineArgs {
     /// Re-estimate a tenant's stored base rate when the current one differs by more than this.
     #[arg(long, default_value_t = fluxmem_refine::CreditOptions::default().prior_drift)]
     pub prior_drift: f64,
+    /// Commit after this many changed edges (bounds memory on a large night; an interrupted
+    /// run resumes where its last commit ended).
+    #[arg(long, default_value_t = fluxmem_refine::CreditOptions::default().commit_every)]
+    pub commit_every: usize,
     /// Print one JSON object with the counts.
     #[arg(long)]
     pub json: bool,

@@ -534,3 +534,87 @@ fn the_hash_embedder_runs_embed_and_connect_without_weights() {
     }
     assert_eq!(fluxmem_store::Store::open(&store).unwrap().manifest().unwrap().version, version, "refused runs leave the store as it was");
 }
+
+/// The live edges without the run that wrote them, and the refine edit log as (kind, target,
+/// before, after, reason), in log order, the records' run ids left out.
+fn refined(store: &Path) -> (Vec<fluxmem_graph::Edge>, Vec<(String, String, Option<String>, Option<String>, String)>) {
+    let graph = fluxmem_store::Store::open(store).unwrap().load().unwrap();
+    let edges = graph.edges.into_values().map(|mut e| {
+        e.run_id.clear();
+        e
+    });
+    // The JSON of a record without its run id (a resumed run has its own).
+    let strip = |json: Option<String>| {
+        json.map(|text| {
+            let mut value: Value = serde_json::from_str(&text).unwrap();
+            value.as_object_mut().unwrap().remove("run_id");
+            value.to_string()
+        })
+    };
+    let edits = graph.edits.into_iter().filter(|e| e.stage == "refine").map(|e| (e.kind, e.target, strip(e.before), strip(e.after), e.reason));
+    (edges.collect(), edits.collect())
+}
+
+/// Refine commits `--commit-every` edges at a time, in key order: many small commits leave the
+/// same edges and the same edit log as one, and a run killed after its first commit resumes
+/// to them too.
+#[test]
+fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill() {
+    let dir = tempfile::tempdir().unwrap();
+    let connected = dir.path().join("connected");
+    for args in [vec!["embed", "--model", "hash-48"], vec!["connect", "--model", "hash-48"]] {
+        if args[0] == "embed" {
+            let output = run(fluxmem(&connected).arg("ingest").arg(repo().join("data/trajectories.jsonl")).arg(repo().join("data/knowledge")));
+            assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        }
+        let output = run(fluxmem(&connected).args(&args));
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    }
+    let copy = |name: &str| {
+        let to = dir.path().join(name);
+        std::fs::create_dir_all(to.join("shards")).unwrap();
+        for entry in walk(&connected) {
+            let target = to.join(entry.strip_prefix(&connected).unwrap());
+            std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+            std::fs::copy(&entry, &target).unwrap();
+        }
+        to
+    };
+    let version = fluxmem_store::Store::open(&connected).unwrap().manifest().unwrap().version;
+    let one = copy("one");
+    let output = run(fluxmem(&one).args(["refine", "--json"]));
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let report = stdout_json(&output);
+    let edits = report["edits"].as_u64().unwrap();
+    assert!(edits > 20 && report["commits"] == 1, "{report}");
+    let expected = refined(&one);
+
+    let small = copy("small");
+    let output = run(fluxmem(&small).args(["refine", "--json", "--commit-every", "7"]));
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(stdout_json(&output)["commits"].as_u64().unwrap(), edits.div_ceil(7));
+    assert_eq!(refined(&small), expected, "7 edges a commit, the same store");
+
+    let killed = copy("killed");
+    let crashed = run(fluxmem(&killed).args(["refine", "--commit-every", "7"]).env("FLUXMEM_FAULT", format!("after-manifest:{}", version + 1)));
+    assert!(!crashed.status.success(), "the fault fired");
+    assert_eq!(fluxmem_store::Store::open(&killed).unwrap().manifest().unwrap().version, version + 1, "one commit landed");
+    let resumed = run(fluxmem(&killed).args(["refine", "--json", "--commit-every", "7"]));
+    assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
+    assert_eq!(stdout_json(&resumed)["edits"].as_u64().unwrap(), edits - 7, "the rest of the changes, none twice");
+    assert_eq!(refined(&killed), expected, "killed after the first commit and resumed: the same store");
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}

@@ -20,6 +20,7 @@ pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         max_failure_links: args.max_failure_links,
         tolerance: args.tolerance,
         prior_drift: args.prior_drift,
+        commit_every: args.commit_every,
     };
     let mut writer = open_writer(settings)?;
     // The run id depends only on the store state it started from: same store, same shards.

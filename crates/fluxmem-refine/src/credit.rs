@@ -66,11 +66,14 @@ pub struct CreditOptions {
     pub tolerance: f64,
     /// A tenant's stored base rate is re-estimated when the current rate differs by more.
     pub prior_drift: f64,
+    /// `refine_store` commits after this many changed edges (at least 1), so a night that
+    /// moves millions of edges holds one commit's rows at a time, not all of them.
+    pub commit_every: usize,
 }
 
 impl Default for CreditOptions {
     fn default() -> Self {
-        CreditOptions { prior: 2.0, prune_below: 0.5, min_evidence: 3, link_failures: true, max_failure_links: 3, tolerance: 0.05, prior_drift: 0.02 }
+        CreditOptions { prior: 2.0, prune_below: 0.5, min_evidence: 3, link_failures: true, max_failure_links: 3, tolerance: 0.05, prior_drift: 0.02, commit_every: 100_000 }
     }
 }
 
@@ -605,18 +608,23 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
     if changes.is_empty() {
         return Ok(report);
     }
-    let mut delta = Graph::default();
-    for change in changes {
-        delta.edits.push(Edit::new(STAGE, run_id, change.kind, Changed::Edge(change.before.as_ref(), Some(&change.next)), &change.reason, at));
-        delta.upsert_edge(change.next);
-    }
-    report.edits = delta.edits.len();
-    let summary = serde_json::to_value(&report).expect("the report serialises");
-    // The rates used become the priors of the next run (only with the changes they made).
+    // In key order, `commit_every` edges a commit. The base rates go with the first: a run
+    // interrupted after it resumes with the same priors and the same outcomes, so it finds
+    // the edges already written within tolerance and makes the changes that were left.
     let rates = serde_json::to_value(&report.base_rate).expect("rates serialise");
-    let progress = [(BASE_RATE_MARKER.to_string(), rates)].into_iter().collect();
-    writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress })?;
-    report.commits = 1;
+    let mut progress: BTreeMap<String, Value> = [(BASE_RATE_MARKER.to_string(), rates)].into_iter().collect();
+    let mut changes = changes.into_iter().peekable();
+    while changes.peek().is_some() {
+        let mut delta = Graph::default();
+        for change in changes.by_ref().take(options.commit_every.max(1)) {
+            delta.edits.push(Edit::new(STAGE, run_id, change.kind, Changed::Edge(change.before.as_ref(), Some(&change.next)), &change.reason, at));
+            delta.upsert_edge(change.next);
+        }
+        report.edits += delta.edits.len();
+        report.commits += 1;
+        let summary = serde_json::to_value(&report).expect("the report serialises");
+        writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress: std::mem::take(&mut progress) })?;
+    }
     Ok(report)
 }
 
