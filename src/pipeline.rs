@@ -206,6 +206,8 @@ pub struct Refine {
     pub tolerance: f64,
     /// Re-estimate a tenant's stored base rate when the current one differs by more.
     pub prior_drift: f64,
+    /// Commit after this many changed edges.
+    pub commit_every: usize,
 }
 
 impl Default for Refine {
@@ -220,6 +222,7 @@ impl Default for Refine {
             max_failure_links: d.max_failure_links,
             tolerance: d.tolerance,
             prior_drift: d.prior_drift,
+            commit_every: d.commit_every,
         }
     }
 }
@@ -445,6 +448,7 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     number("refine.prune_below", p.refine.prune_below, Bound::NonNegative)?;
     number("refine.tolerance", p.refine.tolerance, Bound::NonNegative)?;
     number("refine.prior_drift", p.refine.prior_drift, Bound::NonNegative)?;
+    positive("refine.commit_every", p.refine.commit_every)?;
     number("compact.max_dead_fraction", p.compact.max_dead_fraction, Bound::NonNegative)?;
     if p.compact.max_dead_fraction >= 1.0 {
         bail!("key `compact.max_dead_fraction`: {} is not a share below 1", p.compact.max_dead_fraction);

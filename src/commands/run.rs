@@ -455,7 +455,7 @@ impl Ctx<'_> {
             max_failure_links: r.max_failure_links,
             tolerance: r.tolerance,
             prior_drift: r.prior_drift,
-            ..Default::default()
+            commit_every: r.commit_every,
         };
         let mut bar = CountBar::new(self.settings.progress, "refine");
         let report = fluxmem_refine::refine_store(writer, &options, &format!("refine@{}", self.run_id), &mut bar)?;

@@ -130,22 +130,49 @@ pub(crate) fn key_of(parts: &[&str]) -> Key {
 /// `groups` come in commit order, each the shards of `table` whose rows are counted on from one
 /// to the next (a compaction unit; one shard for [`Store::live`]). Reads only the key columns.
 pub(crate) fn winning_rows<'e>(store: &Store, table: &str, groups: impl Iterator<Item = Vec<&'e ShardEntry>>) -> Result<HashMap<Key, (usize, usize)>> {
+    Ok(winning_rows_coded(store, table, groups, None)?.0)
+}
+
+/// Codes a batch's rows (one byte each) from the batch's key columns and `columns`.
+pub(crate) struct RowCode<'a> {
+    /// Columns read besides the key columns.
+    pub columns: &'a [&'a str],
+    /// The code of each row of a batch.
+    pub code: &'a dyn Fn(&ShardEntry, &arrow_array::RecordBatch) -> Result<Vec<u8>>,
+}
+
+/// [`winning_rows`], and with `code` each stored row's code, by group and row, from the same
+/// projected read.
+pub(crate) fn winning_rows_coded<'e>(
+    store: &Store,
+    table: &str,
+    groups: impl Iterator<Item = Vec<&'e ShardEntry>>,
+    code: Option<&RowCode<'_>>,
+) -> Result<(HashMap<Key, (usize, usize)>, Vec<Vec<u8>>)> {
     let mut last: HashMap<Key, (usize, usize)> = HashMap::new();
-    let columns = key_columns(table);
+    let mut codes: Vec<Vec<u8>> = Vec::new();
+    let keys = key_columns(table);
+    let mut columns: Vec<&str> = keys.to_vec();
+    columns.extend(code.iter().flat_map(|c| c.columns.iter().copied()).filter(|c| !keys.contains(c)));
     for (index, group) in groups.enumerate() {
         let mut row = 0usize;
+        let mut group_codes = Vec::new();
         for entry in group {
-            for batch in shard::read(&store.dir, entry, Some(columns))? {
-                let strings: Vec<&arrow_array::StringArray> = columns.iter().map(|name| text_column(store, entry, &batch, name)).collect::<Result<_>>()?;
+            for batch in shard::read(&store.dir, entry, Some(&columns))? {
+                let strings: Vec<&arrow_array::StringArray> = keys.iter().map(|name| text_column(store, entry, &batch, name)).collect::<Result<_>>()?;
                 for i in 0..batch.num_rows() {
                     let parts: Vec<&str> = strings.iter().map(|s| s.value(i)).collect();
                     last.insert(key_of(&parts), (index, row));
                     row += 1;
                 }
+                if let Some(code) = code {
+                    group_codes.extend((code.code)(entry, &batch)?);
+                }
             }
         }
+        codes.push(group_codes);
     }
-    Ok(last)
+    Ok((last, codes))
 }
 
 fn key_columns(table: &str) -> &'static [&'static str] {
@@ -211,8 +238,8 @@ impl Writer {
         let mut part = 0usize;
         let mut counts = GraphStats::default();
         for table in ["nodes", "edges", "embeddings"] {
-            let (units, last) = self.live_units(&manifest, table)?;
-            self.count_table(table, &units, &last, &mut counts)?;
+            let (units, last, codes) = self.live_units(&manifest, table)?;
+            self.count_table(table, &units, &last, &codes, &mut counts)?;
             let mut stats = TableCompaction {
                 shards_before: units.iter().map(|u| u.entries.iter().filter(|e| e.table == table).count()).sum(),
                 rows_before: units.iter().map(|u| u.rows).sum(),
@@ -311,60 +338,37 @@ impl Writer {
         Ok(report)
     }
 
-    /// Adds the live rows of `table` to `counts`: nodes by kind, active edges by kind, and
-    /// nodes with a vector. `last` gives each key's winning row (as [`winning_rows`] numbers
-    /// them); the rows are read again for their `kind` and `active` columns only.
-    fn count_table(&self, table: &str, units: &[Unit], last: &HashMap<Key, (usize, usize)>, counts: &mut GraphStats) -> Result<()> {
+    /// Adds the live rows of `table` to `counts`: nodes by kind and active edges by kind (from
+    /// the row codes [`Writer::live_units`] read with the keys), and nodes with a vector (their
+    /// `node_id` read again, to count each node once).
+    fn count_table(&self, table: &str, units: &[Unit], last: &HashMap<Key, (usize, usize)>, codes: &[Vec<u8>], counts: &mut GraphStats) -> Result<()> {
+        if table != "embeddings" {
+            for &(unit, row) in last.values() {
+                match (table, codes[unit][row]) {
+                    ("nodes", 0) => counts.semantic += 1,
+                    ("nodes", 1) => counts.episodic += 1,
+                    ("nodes", _) => counts.procedural += 1,
+                    (_, 1) => counts.ground += 1,
+                    (_, 2) => counts.distill += 1,
+                    (_, 3) => counts.link += 1,
+                    _ => {}
+                }
+            }
+            return Ok(());
+        }
         let mut live: Vec<Vec<bool>> = units.iter().map(|u| vec![false; u.rows as usize]).collect();
         for &(unit, row) in last.values() {
             live[unit][row] = true;
         }
-        let columns: &[&str] = match table {
-            "nodes" => &["kind"],
-            "edges" => &["kind", "active"],
-            _ => &["node_id"],
-        };
         let mut embedded: HashSet<Key> = HashSet::new();
         for (index, unit) in units.iter().enumerate() {
-            if !live[index].iter().any(|&l| l) {
-                continue;
-            }
             let mut row = 0usize;
-            for entry in unit.entries.iter().filter(|e| e.table == table) {
-                for batch in shard::read(&self.store.dir, entry, Some(columns))? {
-                    let first = text_column(&self.store, entry, &batch, columns[0])?;
-                    let active = if table == "edges" {
-                        Some(batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or_else(|| self.store.corrupt(entry, "column `active` is not boolean".into()))?)
-                    } else {
-                        None
-                    };
+            for entry in &unit.entries {
+                for batch in shard::read(&self.store.dir, entry, Some(&["node_id"]))? {
+                    let ids = text_column(&self.store, entry, &batch, "node_id")?;
                     for i in 0..batch.num_rows() {
-                        if live[index][row] {
-                            let value = first.value(i);
-                            match table {
-                                "nodes" => match NodeKind::parse(value) {
-                                    Some(NodeKind::Semantic) => counts.semantic += 1,
-                                    Some(NodeKind::Episodic) => counts.episodic += 1,
-                                    Some(NodeKind::Procedural) => counts.procedural += 1,
-                                    None => return Err(self.store.corrupt(entry, format!("row {i}: unknown node kind `{value}`"))),
-                                },
-                                "edges" => {
-                                    let active = active.expect("edges have it");
-                                    if !active.is_null(i) && active.value(i) {
-                                        match EdgeKind::parse(value) {
-                                            Some(EdgeKind::Ground) => counts.ground += 1,
-                                            Some(EdgeKind::Distill) => counts.distill += 1,
-                                            Some(EdgeKind::Link) => counts.link += 1,
-                                            None => return Err(self.store.corrupt(entry, format!("row {i}: unknown edge kind `{value}`"))),
-                                        }
-                                    }
-                                }
-                                _ => {
-                                    if embedded.insert(key_of(&[value])) {
-                                        counts.embedded += 1;
-                                    }
-                                }
-                            }
+                        if live[index][row] && embedded.insert(key_of(&[ids.value(i)])) {
+                            counts.embedded += 1;
                         }
                         row += 1;
                     }
@@ -385,9 +389,11 @@ impl Writer {
         }
     }
 
-    /// The units of `table` in commit order, with their live rows, and for each key the
-    /// position (unit, row) of its winning row. Reads only the key columns.
-    fn live_units(&self, manifest: &Manifest, table: &str) -> Result<(Vec<Unit>, HashMap<Key, (usize, usize)>)> {
+    /// The units of `table` in commit order, with their live rows, for each key the position
+    /// (unit, row) of its winning row, and each stored row's code (nodes: kind; edges: kind if
+    /// active, else 0; embeddings: none) for the live counts. Reads the key columns and, for
+    /// the codes, `kind` and `active`.
+    fn live_units(&self, manifest: &Manifest, table: &str) -> Result<(Vec<Unit>, HashMap<Key, (usize, usize)>, Vec<Vec<u8>>)> {
         let entries = sorted(manifest, table);
         let mut units: Vec<Unit> = Vec::new();
         for entry in entries {
@@ -406,11 +412,42 @@ impl Writer {
                 unit.entries.extend(manifest.shards.iter().filter(|s| s.table == "steps" && s.commit == commit).cloned());
             }
         }
-        let last = winning_rows(&self.store, table, units.iter().map(|u| u.entries.iter().filter(|e| e.table == table).collect()))?;
+        let store = &self.store;
+        let node_kinds = |entry: &ShardEntry, batch: &arrow_array::RecordBatch| -> Result<Vec<u8>> {
+            let kinds = text_column(store, entry, batch, "kind")?;
+            (0..batch.num_rows())
+                .map(|i| match NodeKind::parse(kinds.value(i)) {
+                    Some(NodeKind::Semantic) => Ok(0),
+                    Some(NodeKind::Episodic) => Ok(1),
+                    Some(NodeKind::Procedural) => Ok(2),
+                    None => Err(store.corrupt(entry, format!("row {i}: unknown node kind `{}`", kinds.value(i)))),
+                })
+                .collect()
+        };
+        let edge_states = |entry: &ShardEntry, batch: &arrow_array::RecordBatch| -> Result<Vec<u8>> {
+            let kinds = text_column(store, entry, batch, "kind")?;
+            let active = batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or_else(|| store.corrupt(entry, "column `active` is not boolean".into()))?;
+            (0..batch.num_rows())
+                .map(|i| match (!active.is_null(i) && active.value(i), EdgeKind::parse(kinds.value(i))) {
+                    (_, None) => Err(store.corrupt(entry, format!("row {i}: unknown edge kind `{}`", kinds.value(i)))),
+                    (false, Some(_)) => Ok(0),
+                    (true, Some(EdgeKind::Ground)) => Ok(1),
+                    (true, Some(EdgeKind::Distill)) => Ok(2),
+                    (true, Some(EdgeKind::Link)) => Ok(3),
+                })
+                .collect()
+        };
+        let code = match table {
+            "nodes" => Some(RowCode { columns: &["kind"], code: &node_kinds }),
+            "edges" => Some(RowCode { columns: &["kind", "active"], code: &edge_states }),
+            _ => None,
+        };
+        let groups = units.iter().map(|u| u.entries.iter().filter(|e| e.table == table).collect());
+        let (last, codes) = winning_rows_coded(store, table, groups, code.as_ref())?;
         for &(index, _) in last.values() {
             units[index].live += 1;
         }
-        Ok((units, last))
+        Ok((units, last, codes))
     }
 
     /// The live rows of `members` (units of `table`) as a graph.
