@@ -6,6 +6,9 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+use common::walk;
+
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -18,6 +21,12 @@ fn fluxmem(store: &Path) -> Command {
 
 fn run(command: &mut Command) -> Output {
     command.output().expect("the fluxmem binary runs")
+}
+
+/// Ingests the sample trajectories and knowledge files into `store`.
+fn ingest_samples(store: &Path) {
+    let output = run(fluxmem(store).arg("ingest").arg(repo().join("data/trajectories.jsonl")).arg(repo().join("data/knowledge")));
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
 }
 
 fn stdout_json(output: &Output) -> Value {
@@ -449,8 +458,7 @@ fn wait_takes_the_lock_when_the_holder_lets_go() {
 fn compaction_keeps_the_live_rows_for_duckdb_and_resumes_after_a_kill() {
     let dir = tempfile::tempdir().unwrap();
     let build = |store: &Path| {
-        let output = run(fluxmem(store).arg("ingest").arg(repo().join("data/trajectories.jsonl")).arg(repo().join("data/knowledge")));
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        ingest_samples(store);
         let mut writer = fluxmem_store::Writer::open(store).unwrap();
         let graph = writer.store().load().unwrap();
         let ids: Vec<NodeId> = graph.nodes.keys().cloned().collect();
@@ -512,8 +520,7 @@ fn compaction_keeps_the_live_rows_for_duckdb_and_resumes_after_a_kill() {
 fn the_hash_embedder_runs_embed_and_connect_without_weights() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
-    let output = run(fluxmem(&store).arg("ingest").arg(repo().join("data/trajectories.jsonl")).arg(repo().join("data/knowledge")));
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    ingest_samples(&store);
     let output = run(fluxmem(&store).args(["embed", "--json", "--model", "hash-48"]));
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let report = stdout_json(&output);
@@ -562,12 +569,9 @@ fn refined(store: &Path) -> (Vec<fluxmem_graph::Edge>, Vec<(String, String, Opti
 fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill() {
     let dir = tempfile::tempdir().unwrap();
     let connected = dir.path().join("connected");
-    for args in [vec!["embed", "--model", "hash-48"], vec!["connect", "--model", "hash-48"]] {
-        if args[0] == "embed" {
-            let output = run(fluxmem(&connected).arg("ingest").arg(repo().join("data/trajectories.jsonl")).arg(repo().join("data/knowledge")));
-            assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-        }
-        let output = run(fluxmem(&connected).args(&args));
+    ingest_samples(&connected);
+    for stage in ["embed", "connect"] {
+        let output = run(fluxmem(&connected).args([stage, "--model", "hash-48"]));
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     }
     let copy = |name: &str| {
@@ -603,18 +607,4 @@ fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill()
     assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
     assert_eq!(stdout_json(&resumed)["edits"].as_u64().unwrap(), edits - 7, "the rest of the changes, none twice");
     assert_eq!(refined(&killed), expected, "killed after the first commit and resumed: the same store");
-}
-
-/// Every file under `dir`.
-fn walk(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).unwrap().flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            out.extend(walk(&path));
-        } else {
-            out.push(path);
-        }
-    }
-    out
 }

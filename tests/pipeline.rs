@@ -8,6 +8,9 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+use common::walk;
+
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -603,21 +606,4 @@ dir = "runs"
         assert!(provenance["source_episodes"].as_array().is_some_and(|e| !e.is_empty()), "{provenance}");
     }
     assert!(skills.join("CHANGES.md").is_file());
-}
-
-/// Every file under `dir`.
-fn walk(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for entry in std::fs::read_dir(&d).unwrap().flatten() {
-            if entry.path().is_dir() {
-                stack.push(entry.path());
-            } else {
-                out.push(entry.path());
-            }
-        }
-    }
-    out.sort();
-    out
 }

@@ -127,34 +127,27 @@ pub fn embed_store(
     // Reembedding rewrites the whole graph; otherwise only what the new vectors need is read:
     // the node ids and the embeddings' keys, then the rows and steps of the nodes to embed
     // only (their text), then the stored vectors of texts already embedded under another node.
-    let (mut graph, lacking, nodes) = if options.reembed {
+    let manifest = writer.manifest().clone();
+    let (mut graph, ids) = if options.reembed {
         let mut graph = writer.store().load()?;
         graph.embeddings.retain(|(_, m), _| m == &model);
-        let lacking: BTreeSet<NodeId> = graph
-            .nodes
-            .keys()
-            .filter(|id| !graph.embeddings.contains_key(&((*id).clone(), model.clone())))
-            .filter(|id| options.shard.owns(id.as_str()))
-            .cloned()
-            .collect();
-        let nodes = graph.nodes.len();
-        (graph, lacking, nodes)
+        let ids: BTreeSet<NodeId> = graph.nodes.keys().cloned().collect();
+        (graph, ids)
     } else {
-        let manifest = writer.manifest().clone();
-        let ids = writer.store().node_ids(&manifest)?;
-        let mut graph = writer.store().scan_at(&manifest, &Scan { embedding_keys: true, ..Default::default() })?;
-        let lacking: BTreeSet<NodeId> = ids
-            .iter()
-            .filter(|id| !graph.embeddings.contains_key(&((*id).clone(), model.clone())))
-            .filter(|id| options.shard.owns(id.as_str()))
-            .cloned()
-            .collect();
-        if !lacking.is_empty() {
-            let scan = Scan { nodes: true, nodes_of: Some(lacking.clone()), steps: Rows::Of(lacking.clone()), ..Default::default() };
-            graph.nodes = writer.store().scan_at(&manifest, &scan)?.nodes;
-        }
-        (graph, lacking, ids.len())
+        let keys = writer.store().scan_at(&manifest, &Scan { embedding_keys: true, ..Default::default() })?;
+        (keys, writer.store().node_ids(&manifest)?)
     };
+    let lacking: BTreeSet<NodeId> = ids
+        .iter()
+        .filter(|id| !graph.embeddings.contains_key(&((*id).clone(), model.clone())))
+        .filter(|id| options.shard.owns(id.as_str()))
+        .cloned()
+        .collect();
+    if !options.reembed && !lacking.is_empty() {
+        let scan = Scan { nodes: true, nodes_of: Some(lacking.clone()), steps: Rows::Of(lacking.clone()), ..Default::default() };
+        graph.nodes = writer.store().scan_at(&manifest, &scan)?.nodes;
+    }
+    let nodes = ids.len();
     let mut report = EmbedReport { nodes, ..EmbedReport::default() };
     let todo: Vec<(NodeId, String)> = lacking.iter().map(|id| (id.clone(), graph.nodes[id].embedding_text())).collect();
     let mut cache: BTreeMap<String, Vec<f32>> = BTreeMap::new();

@@ -58,6 +58,23 @@ impl GraphStats {
     }
 }
 
+/// The counts of two disjoint sets of rows together.
+impl std::ops::Add for GraphStats {
+    type Output = GraphStats;
+
+    fn add(self, other: GraphStats) -> GraphStats {
+        GraphStats {
+            semantic: self.semantic + other.semantic,
+            episodic: self.episodic + other.episodic,
+            procedural: self.procedural + other.procedural,
+            ground: self.ground + other.ground,
+            distill: self.distill + other.distill,
+            link: self.link + other.link,
+            embedded: self.embedded + other.embedded,
+        }
+    }
+}
+
 /// The in-memory memory graph: nodes by id, edges by key, embeddings by (node, model).
 ///
 /// Ordered maps keep iteration (and so everything written from a graph) deterministic.

@@ -175,6 +175,11 @@ pub(crate) fn winning_rows_coded<'e>(
     Ok((last, codes))
 }
 
+/// Compaction's row codes for the live counts: a node row's code is its kind's index here...
+const NODE_CODES: [NodeKind; 3] = [NodeKind::Semantic, NodeKind::Episodic, NodeKind::Procedural];
+/// ...an edge row's is 0 when inactive, else its kind's index here plus 1.
+const EDGE_CODES: [EdgeKind; 3] = [EdgeKind::Ground, EdgeKind::Distill, EdgeKind::Link];
+
 fn key_columns(table: &str) -> &'static [&'static str] {
     match table {
         "nodes" => &["id"],
@@ -239,7 +244,7 @@ impl Writer {
         let mut counts = GraphStats::default();
         for table in ["nodes", "edges", "embeddings"] {
             let (units, last, codes) = self.live_units(&manifest, table)?;
-            self.count_table(table, &units, &last, &codes, &mut counts)?;
+            counts = counts + self.count_table(table, &units, &last, &codes)?;
             let mut stats = TableCompaction {
                 shards_before: units.iter().map(|u| u.entries.iter().filter(|e| e.table == table).count()).sum(),
                 rows_before: units.iter().map(|u| u.rows).sum(),
@@ -338,23 +343,15 @@ impl Writer {
         Ok(report)
     }
 
-    /// Adds the live rows of `table` to `counts`: nodes by kind and active edges by kind (from
-    /// the row codes [`Writer::live_units`] read with the keys), and nodes with a vector (their
-    /// `node_id` read again, to count each node once).
-    fn count_table(&self, table: &str, units: &[Unit], last: &HashMap<Key, (usize, usize)>, codes: &[Vec<u8>], counts: &mut GraphStats) -> Result<()> {
-        if table != "embeddings" {
-            for &(unit, row) in last.values() {
-                match (table, codes[unit][row]) {
-                    ("nodes", 0) => counts.semantic += 1,
-                    ("nodes", 1) => counts.episodic += 1,
-                    ("nodes", _) => counts.procedural += 1,
-                    (_, 1) => counts.ground += 1,
-                    (_, 2) => counts.distill += 1,
-                    (_, 3) => counts.link += 1,
-                    _ => {}
-                }
-            }
-            return Ok(());
+    /// The counts of the live rows of `table`: nodes by kind and active edges by kind (from the
+    /// row codes [`Writer::live_units`] read with the keys, [`NODE_CODES`], [`EDGE_CODES`]),
+    /// and nodes with a vector (their `node_id` read again, to count each node once).
+    fn count_table(&self, table: &str, units: &[Unit], last: &HashMap<Key, (usize, usize)>, codes: &[Vec<u8>]) -> Result<GraphStats> {
+        let code = |&(unit, row): &(usize, usize)| codes[unit][row] as usize;
+        match table {
+            "nodes" => return Ok(GraphStats::count(last.values().map(|at| NODE_CODES[code(at)]), [], 0)),
+            "edges" => return Ok(GraphStats::count([], last.values().filter_map(|at| code(at).checked_sub(1).map(|i| EDGE_CODES[i])), 0)),
+            _ => {}
         }
         let mut live: Vec<Vec<bool>> = units.iter().map(|u| vec![false; u.rows as usize]).collect();
         for &(unit, row) in last.values() {
@@ -367,15 +364,15 @@ impl Writer {
                 for batch in shard::read(&self.store.dir, entry, Some(&["node_id"]))? {
                     let ids = text_column(&self.store, entry, &batch, "node_id")?;
                     for i in 0..batch.num_rows() {
-                        if live[index][row] && embedded.insert(key_of(&[ids.value(i)])) {
-                            counts.embedded += 1;
+                        if live[index][row] {
+                            embedded.insert(key_of(&[ids.value(i)]));
                         }
                         row += 1;
                     }
                 }
             }
         }
-        Ok(())
+        Ok(GraphStats { embedded: embedded.len(), ..GraphStats::default() })
     }
 
     /// Fills the after-columns of `report` from `manifest`.
@@ -416,11 +413,10 @@ impl Writer {
         let node_kinds = |entry: &ShardEntry, batch: &arrow_array::RecordBatch| -> Result<Vec<u8>> {
             let kinds = text_column(store, entry, batch, "kind")?;
             (0..batch.num_rows())
-                .map(|i| match NodeKind::parse(kinds.value(i)) {
-                    Some(NodeKind::Semantic) => Ok(0),
-                    Some(NodeKind::Episodic) => Ok(1),
-                    Some(NodeKind::Procedural) => Ok(2),
-                    None => Err(store.corrupt(entry, format!("row {i}: unknown node kind `{}`", kinds.value(i)))),
+                .map(|i| {
+                    let kind = NodeKind::parse(kinds.value(i));
+                    let code = NODE_CODES.iter().position(|k| Some(*k) == kind);
+                    code.map(|c| c as u8).ok_or_else(|| store.corrupt(entry, format!("row {i}: unknown node kind `{}`", kinds.value(i))))
                 })
                 .collect()
         };
@@ -428,12 +424,11 @@ impl Writer {
             let kinds = text_column(store, entry, batch, "kind")?;
             let active = batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or_else(|| store.corrupt(entry, "column `active` is not boolean".into()))?;
             (0..batch.num_rows())
-                .map(|i| match (!active.is_null(i) && active.value(i), EdgeKind::parse(kinds.value(i))) {
-                    (_, None) => Err(store.corrupt(entry, format!("row {i}: unknown edge kind `{}`", kinds.value(i)))),
-                    (false, Some(_)) => Ok(0),
-                    (true, Some(EdgeKind::Ground)) => Ok(1),
-                    (true, Some(EdgeKind::Distill)) => Ok(2),
-                    (true, Some(EdgeKind::Link)) => Ok(3),
+                .map(|i| {
+                    let kind = EdgeKind::parse(kinds.value(i));
+                    let code = EDGE_CODES.iter().position(|k| Some(*k) == kind);
+                    let code = code.ok_or_else(|| store.corrupt(entry, format!("row {i}: unknown edge kind `{}`", kinds.value(i))))?;
+                    Ok(if !active.is_null(i) && active.value(i) { code as u8 + 1 } else { 0 })
                 })
                 .collect()
         };

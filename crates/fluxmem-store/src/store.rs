@@ -93,10 +93,9 @@ impl Store {
     /// Counts of the commit of `manifest`, from the shards: reads the key and kind columns of
     /// nodes, edges and embeddings (and edges' `active` and `metadata`), nothing else.
     pub fn count_live(&self, manifest: &Manifest) -> Result<GraphStats> {
-        let manifest = manifest.clone();
-        let embedded: BTreeSet<NodeId> = self.embedding_keys(&manifest)?.into_iter().map(|(id, _)| id).collect();
-        let active_edges = self.edge_heads(&manifest)?.into_iter().filter(|(_, head)| head.active).map(|((_, _, kind), _)| kind);
-        Ok(GraphStats::count(self.node_kinds(&manifest)?.into_values(), active_edges, embedded.len()))
+        let embedded: BTreeSet<NodeId> = self.embedding_keys(manifest)?.into_iter().map(|(id, _)| id).collect();
+        let active_edges = self.edge_heads(manifest)?.into_iter().filter(|(_, head)| head.active).map(|((_, _, kind), _)| kind);
+        Ok(GraphStats::count(self.node_kinds(manifest)?.into_values(), active_edges, embedded.len()))
     }
 }
 
@@ -207,18 +206,7 @@ impl Writer {
     /// counts here would be wrong.
     pub fn commit_new(&mut self, delta: &Graph, info: CommitInfo) -> Result<&Manifest> {
         let mut manifest = self.manifest.clone();
-        let counts = manifest.current_counts().map(|before| {
-            let added = delta.stats();
-            GraphStats {
-                semantic: before.semantic + added.semantic,
-                episodic: before.episodic + added.episodic,
-                procedural: before.procedural + added.procedural,
-                ground: before.ground + added.ground,
-                distill: before.distill + added.distill,
-                link: before.link + added.link,
-                embedded: before.embedded + added.embedded,
-            }
-        });
+        let counts = manifest.current_counts().map(|before| before + delta.stats());
         manifest.live_counts = counts.map(|stats| LiveCounts { version: manifest.version + 1, stats });
         self.write_commit(&mut manifest, delta, info)?;
         Ok(&self.manifest)
