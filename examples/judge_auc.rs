@@ -1,13 +1,16 @@
 //! How well the LLM judge separates LoCoMo evidence turns from other turns of the same
 //! conversation among the top dense candidates, next to plain MiniLM cosine (ROC AUC).
 //!
-//! cargo run --example judge_auc -- LOCOMO_JSON [--questions N] [--candidates K] [--seed S] [--weights dequantized|quantized] [--model NAME]
+//! cargo run --example judge_auc -- LOCOMO_JSON [--questions N] [--candidates K] [--seed S] [--weights dequantized|quantized|q8] [--model NAME] [--judges yesno,ql] [--batch B]
+//!
+//! Judges: `yesno` (`LlmJudge`, P(yes) of the first answer token) and `ql` (`QlJudge`, query
+//! likelihood: log P(question | turn) - log P(question) per token).
 //!
 //! Questions of categories 1-4 with resolvable evidence are sampled with a seeded shuffle; for
 //! each, the K turns of its conversation with the highest cosine to the question are the
 //! candidates, labelled by whether they are evidence. Labels are used only to score.
 
-use fluxmem_models::{cosine, DeviceChoice, Embedder, Judge, LlmJudge, WeightPath};
+use fluxmem_models::{cosine, DeviceChoice, Embedder, Judge, LlmJudge, QlJudge, WeightPath};
 use serde_json::Value;
 use std::collections::HashMap;
 
@@ -20,14 +23,26 @@ fn main() -> anyhow::Result<()> {
     let questions: usize = flag("--questions", "40").parse()?;
     let k: usize = flag("--candidates", "10").parse()?;
     let seed: u64 = flag("--seed", "7").parse()?;
-    let weights = if flag("--weights", "dequantized") == "quantized" { WeightPath::Quantized } else { WeightPath::Dequantized };
+    let weights = match flag("--weights", "dequantized").as_str() {
+        "quantized" => WeightPath::Quantized,
+        "q8" => WeightPath::Q8,
+        _ => WeightPath::Dequantized,
+    };
+    let batch: usize = flag("--batch", &fluxmem_models::DEFAULT_BATCH.to_string()).parse()?;
     let data: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(path)?)?;
 
     let embedder = fluxmem_models::load_embedder(fluxmem_models::DEFAULT_EMBEDDER, &DeviceChoice::Cpu)?;
     let model_name = flag("--model", fluxmem_models::DEFAULT_JUDGE);
-    let generator = fluxmem_models::load_generator(&model_name, &DeviceChoice::Cpu, weights)?;
-    let model = fluxmem_models::Generator::model_id(&generator).to_string();
-    let mut judge = LlmJudge::new(generator);
+    let mut judges: Vec<(String, Box<dyn Judge>)> = Vec::new();
+    for name in flag("--judges", "yesno,ql").split(',') {
+        let generator = fluxmem_models::load_generator(&model_name, &DeviceChoice::Cpu, weights)?.with_batch_size(batch);
+        let model = fluxmem_models::Generator::model_id(&generator).to_string();
+        match name {
+            "yesno" => judges.push((format!("yes/no judge ({model}, {weights:?})"), Box::new(LlmJudge::new(generator)))),
+            "ql" => judges.push((format!("query likelihood ({model}, {weights:?})"), Box::new(QlJudge::new(generator)))),
+            other => anyhow::bail!("unknown judge `{other}` (yesno, ql)"),
+        }
+    }
 
     // (question, conversation index, evidence ids)
     let mut items: Vec<(String, usize, Vec<String>)> = Vec::new();
@@ -70,9 +85,9 @@ fn main() -> anyhow::Result<()> {
 
     let mut vectors: HashMap<usize, Vec<Vec<f32>>> = HashMap::new();
     let mut cosine_scores = Vec::new();
-    let mut judge_scores = Vec::new();
+    let mut judge_scores: Vec<Vec<f32>> = vec![Vec::new(); judges.len()];
+    let mut seconds = vec![0f64; judges.len()];
     let mut labels = Vec::new();
-    let started = std::time::Instant::now();
     for (question, c, evidence) in &items {
         let conversation = &turns[*c];
         let turn_vectors = match vectors.get(c) {
@@ -88,30 +103,27 @@ fn main() -> anyhow::Result<()> {
         ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         ranked.truncate(k);
         let passages: Vec<&str> = ranked.iter().map(|(i, _)| conversation[*i].1.as_str()).collect();
-        let scores = judge.score(question, &passages)?;
-        for ((i, cos), score) in ranked.iter().zip(scores) {
+        for (j, (_, judge)) in judges.iter_mut().enumerate() {
+            let started = std::time::Instant::now();
+            judge_scores[j].extend(judge.score(question, &passages)?);
+            seconds[j] += started.elapsed().as_secs_f64();
+        }
+        for (i, cos) in &ranked {
             labels.push(evidence.contains(&conversation[*i].0));
             cosine_scores.push(*cos);
-            judge_scores.push(score);
         }
     }
-    let seconds = started.elapsed().as_secs_f64();
-    let usage = judge.usage();
     let positives = labels.iter().filter(|l| **l).count();
-    println!("{} questions x top-{k} dense candidates: {} pairs, {positives} evidence", items.len(), labels.len());
-    println!("{:<44} {:>8}", "scorer", "ROC AUC");
-    println!("{:<44} {:>8.3}", "MiniLM cosine", auc(&cosine_scores, &labels));
-    println!("{:<44} {:>8.3}", format!("LLM judge ({model}, {weights:?})"), auc(&judge_scores, &labels));
-    let blend: Vec<f32> = cosine_scores.iter().zip(&judge_scores).map(|(c, j)| c + 0.3 * j).collect();
-    println!("{:<44} {:>8.3}", "cosine + 0.3 x judge", auc(&blend, &labels));
-    println!(
-        "judge: {} calls, {} prompt tokens run + {} served from the shared prefix, {:.1}s ({:.2} pairs/s)",
-        usage.calls,
-        usage.prompt_tokens,
-        usage.cached_tokens,
-        seconds,
-        labels.len() as f64 / seconds
-    );
+    println!("{} questions x top-{k} dense candidates: {} pairs, {positives} evidence (batch {batch})", items.len(), labels.len());
+    println!("{:<56} {:>8} {:>10}", "scorer", "ROC AUC", "pairs/s");
+    println!("{:<56} {:>8.3} {:>10}", "MiniLM cosine", auc(&cosine_scores, &labels), "");
+    for (j, (name, judge)) in judges.iter().enumerate() {
+        println!("{name:<56} {:>8.3} {:>10.2}", auc(&judge_scores[j], &labels), labels.len() as f64 / seconds[j]);
+        let blend: Vec<f32> = cosine_scores.iter().zip(&judge_scores[j]).map(|(c, s)| c + 0.3 * s).collect();
+        println!("{:<56} {:>8.3} {:>10}", "  cosine + 0.3 x that judge", auc(&blend, &labels), "");
+        let usage = judge.usage();
+        println!("  {} calls, {} prompt tokens run + {} served from a shared prefix, {:.1}s", usage.calls, usage.prompt_tokens, usage.cached_tokens, seconds[j]);
+    }
     Ok(())
 }
 

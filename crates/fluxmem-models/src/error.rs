@@ -62,6 +62,14 @@ pub enum Error {
     /// Tokenization failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// The model cannot do what was asked (a scoring mode it lacks).
+    #[error("{model}: {reason}")]
+    Unsupported {
+        /// The model.
+        model: String,
+        /// What it cannot do.
+        reason: String,
+    },
     /// A `--device` value that cannot be used in this build or on this machine.
     #[error("device `{requested}`: {reason}")]
     Device {

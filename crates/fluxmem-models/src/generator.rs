@@ -77,6 +77,18 @@ pub trait Generator: Send {
     /// first tokens, after the prompt text `prefix + suffix`. The prefix is run once and its
     /// cache shared by all suffixes.
     fn next_token_logprobs(&mut self, prefix: &str, suffixes: &[String], options: &[&str]) -> Result<Vec<Vec<f32>>>;
+    /// Generates the replies to several conversations, in their order: the same replies as
+    /// [`Generator::generate`] on each (each sequence samples with its own generator seeded by
+    /// `params.seed`), up to float rounding, run together where the model can batch.
+    fn generate_batch(&mut self, conversations: &[Vec<ChatMessage>], params: &GenerateParams) -> Result<Vec<Generation>> {
+        conversations.iter().map(|messages| self.generate(messages, params)).collect()
+    }
+    /// For each `(context, continuation)` pair: log P(continuation | context), the sum of the
+    /// log-probabilities of the continuation's tokens after the context's (each text tokenized
+    /// on its own, both non-empty). Query-likelihood scoring is built on it.
+    fn continuation_logprobs(&mut self, _pairs: &[(String, String)]) -> Result<Vec<f32>> {
+        Err(crate::Error::Unsupported { model: self.model_id().to_string(), reason: "no continuation scoring".into() })
+    }
     /// Number of tokens in `text`.
     fn count_tokens(&self, text: &str) -> Result<usize>;
     /// Token usage so far.

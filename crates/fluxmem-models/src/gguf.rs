@@ -10,10 +10,11 @@
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use candle_transformers::generation::LogitsProcessor;
-use candle_transformers::models::{quantized_gemma3, quantized_llama};
+use candle_transformers::models::quantized_gemma3;
 use std::path::Path;
 use tokenizers::Tokenizer;
 
+use crate::decoder::{Cache, Decoder};
 use crate::error::IoContext;
 use crate::generator::{ChatMessage, GenerateParams, Generation, Generator, Usage};
 use crate::gguf_tokenizer::tokenizer_from_gguf;
@@ -31,11 +32,18 @@ pub enum WeightPath {
     Q8,
 }
 
-#[derive(Clone)]
 enum Model {
-    Llama(quantized_llama::ModelWeights),
+    /// llama and qwen2: the batched decoder.
+    Decoder(Decoder),
     Gemma3(quantized_gemma3::ModelWeights),
-    Qwen2(crate::qwen2::ModelWeights),
+}
+
+/// The state of one sequence: a decoder cache, or (Gemma 3, whose KV cache lives in its
+/// weights) a copy of the model.
+#[derive(Clone)]
+enum State {
+    Decoder(Cache),
+    Gemma3(quantized_gemma3::ModelWeights),
 }
 
 impl Model {
@@ -43,14 +51,14 @@ impl Model {
     /// candle 0.11's quantized Gemma 3 builds a mismatched mask (f32 vs u32) when
     /// `index_pos > 0` and more than one token is fed, so Gemma prompts run whole.
     fn continues_from_cache(&self) -> bool {
-        matches!(self, Model::Llama(_) | Model::Qwen2(_))
+        matches!(self, Model::Decoder(_))
     }
 
-    fn forward(&mut self, input: &Tensor, position: usize) -> candle_core::Result<Tensor> {
+    /// A fresh state for one sequence.
+    fn start(&self) -> State {
         match self {
-            Model::Llama(model) => model.forward(input, position),
-            Model::Gemma3(model) => model.forward(input, position),
-            Model::Qwen2(model) => model.forward(input, position),
+            Model::Decoder(decoder) => State::Decoder(decoder.cache(1)),
+            Model::Gemma3(model) => State::Gemma3(model.clone()),
         }
     }
 }
@@ -74,7 +82,11 @@ pub struct GgufGenerator {
     stop_ids: Vec<u32>,
     context_length: usize,
     usage: Usage,
+    batch_size: usize,
 }
+
+/// Sequences [`GgufGenerator`] runs together by default (see docs/models.md for the table).
+pub const DEFAULT_BATCH: usize = 8;
 
 impl GgufGenerator {
     /// Loads `dir/model.gguf` (and `dir/tokenizer.json` when present) on `device`.
@@ -95,8 +107,8 @@ impl GgufGenerator {
             .get(&format!("{architecture}.context_length"))
             .and_then(|v| v.to_u32().ok())
             .unwrap_or(2048) as usize;
-        if architecture == "qwen2" {
-            context_length = context_length.min(crate::qwen2::MAX_POSITIONS);
+        if architecture == "qwen2" || architecture == "llama" {
+            context_length = context_length.min(crate::decoder::MAX_POSITIONS);
         }
         let (content, mut reader): (gguf_file::Content, Box<dyn ReadSeek>) = match path {
             WeightPath::Quantized => (content, Box::new(file)),
@@ -109,9 +121,8 @@ impl GgufGenerator {
             }
         };
         let model = match architecture.as_str() {
-            "llama" => Model::Llama(quantized_llama::ModelWeights::from_gguf(content, &mut reader, device)?),
+            "llama" | "qwen2" => Model::Decoder(Decoder::from_gguf(content, &mut reader, device)?),
             "gemma3" => Model::Gemma3(quantized_gemma3::ModelWeights::from_gguf(content, &mut reader, device)?),
-            "qwen2" => Model::Qwen2(crate::qwen2::ModelWeights::from_gguf(content, &mut reader, device)?),
             other => {
                 return Err(Error::Format { path: file_path, reason: format!("architecture `{other}` is not supported (llama, qwen2, gemma3)") })
             }
@@ -131,6 +142,7 @@ impl GgufGenerator {
             stop_ids,
             context_length,
             usage: Usage::default(),
+            batch_size: DEFAULT_BATCH,
         })
     }
 
@@ -139,22 +151,181 @@ impl GgufGenerator {
         &self.tokenizer
     }
 
+    /// Runs at most `batch_size` sequences together in [`Generator::generate_batch`] and
+    /// [`Generator::continuation_logprobs`] (at least 1; 1 runs them one at a time).
+    pub fn with_batch_size(mut self, batch_size: usize) -> Self {
+        self.batch_size = batch_size.max(1);
+        self
+    }
+
+    /// Sequences run together.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// `rows` as one (rows, longest) input, right-padded: for scoring only, where no position
+    /// after a row's last real token is read (causal attention keeps the pads out of view).
+    fn right_padded(&self, rows: &[Vec<u32>]) -> Result<Tensor> {
+        let width = rows.iter().map(Vec::len).max().unwrap_or(0);
+        let pad = self.stop_ids.first().copied().unwrap_or(0);
+        let mut ids = Vec::with_capacity(rows.len() * width);
+        for tokens in rows {
+            ids.extend_from_slice(tokens);
+            ids.extend(std::iter::repeat_n(pad, width - tokens.len()));
+        }
+        Ok(Tensor::from_vec(ids, (rows.len(), width), &self.device)?)
+    }
+
+    fn check_context(&self, positions: usize) -> Result<()> {
+        if positions > self.context_length {
+            return Err(Error::Tokenizer(format!("prompt of {positions} tokens exceeds the model's context of {}", self.context_length)));
+        }
+        Ok(())
+    }
+
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let encoding = self.tokenizer.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
     }
 
-    /// Runs `tokens` through `model` starting at `position`; returns the last position's logits.
-    fn run(&self, model: &mut Model, tokens: &[u32], position: usize) -> Result<Tensor> {
-        if position + tokens.len() > self.context_length {
-            return Err(Error::Tokenizer(format!(
-                "prompt of {} tokens exceeds the model's context of {}",
-                position + tokens.len(),
-                self.context_length
-            )));
-        }
+    /// Runs `tokens` of one sequence after what `state` holds (`position` tokens); returns
+    /// the last position's logits.
+    fn run(&self, state: &mut State, tokens: &[u32], position: usize) -> Result<Tensor> {
+        self.check_context(position + tokens.len())?;
         let input = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
-        Ok(model.forward(&input, position)?.squeeze(0)?.to_dtype(candle_core::DType::F32)?)
+        let logits = match (&self.model, state) {
+            (Model::Decoder(decoder), State::Decoder(cache)) => decoder.forward(&input, cache, &[(0, tokens.len() - 1)])?,
+            (Model::Gemma3(_), State::Gemma3(model)) => model.forward(&input, position)?,
+            _ => unreachable!("a state always comes from its own model"),
+        };
+        Ok(logits.squeeze(0)?.to_dtype(candle_core::DType::F32)?)
+    }
+
+    /// [`Generator::generate_batch`] on the decoder: prompts sorted by length (less padding),
+    /// `batch_size` at a time, each batch prefilled in one padded forward and decoded one token
+    /// a step for all its unfinished sequences; a sequence that finishes leaves the batch.
+    fn decode_batches(&mut self, decoder: &Decoder, prompts: &[Vec<u32>], params: &GenerateParams) -> Result<Vec<Generation>> {
+        let mut order: Vec<usize> = (0..prompts.len()).collect();
+        order.sort_by_key(|&i| (prompts[i].len(), i));
+        let mut out: Vec<Option<Generation>> = vec![None; prompts.len()];
+        let temperature = (params.temperature > 0.0).then_some(params.temperature);
+        for chunk in order.chunks(self.batch_size) {
+            let rows: Vec<Vec<u32>> = chunk.iter().map(|&i| prompts[i].clone()).collect();
+            let width = rows.iter().map(Vec::len).max().unwrap_or(0);
+            self.check_context(width)?;
+            let mut cache = decoder.cache(rows.len());
+            let pad = self.stop_ids.first().copied().unwrap_or(0);
+            let mut logits = decoder.forward_padded(&rows, pad, &mut cache)?;
+            // Per sequence, as `generate` would run it alone: its own seeded sampler.
+            let mut samplers: Vec<LogitsProcessor> = chunk.iter().map(|_| LogitsProcessor::new(params.seed, temperature, params.top_p)).collect();
+            let mut generated: Vec<Vec<u32>> = vec![Vec::new(); chunk.len()];
+            let mut texts: Vec<String> = vec![String::new(); chunk.len()];
+            let mut finish: Vec<&'static str> = vec!["length"; chunk.len()];
+            // Batch row -> sequence of the chunk.
+            let mut active: Vec<usize> = (0..chunk.len()).collect();
+            while !active.is_empty() {
+                let mut next_active = Vec::new();
+                let mut next_tokens = Vec::new();
+                for (row, &seq) in active.iter().enumerate() {
+                    if generated[seq].len() >= params.max_tokens {
+                        continue;
+                    }
+                    let next = samplers[seq].sample(&logits.get(row)?.to_dtype(candle_core::DType::F32)?)?;
+                    if self.stop_ids.contains(&next) {
+                        finish[seq] = "stop";
+                        continue;
+                    }
+                    generated[seq].push(next);
+                    let mut text = self.tokenizer.decode(&generated[seq], true).map_err(|e| Error::Tokenizer(e.to_string()))?;
+                    if let Some(at) = params.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+                        text.truncate(at);
+                        texts[seq] = text;
+                        finish[seq] = "stop";
+                        continue;
+                    }
+                    texts[seq] = text;
+                    if generated[seq].len() < params.max_tokens {
+                        next_active.push((row, seq));
+                        next_tokens.push(next);
+                    }
+                }
+                if next_active.is_empty() {
+                    break;
+                }
+                self.check_context(cache.len() + 1)?;
+                cache.keep(&next_active.iter().map(|&(row, _)| row).collect::<Vec<_>>())?;
+                let input = Tensor::from_vec(next_tokens, (next_active.len(), 1), &self.device)?;
+                let at: Vec<(usize, usize)> = (0..next_active.len()).map(|r| (r, 0)).collect();
+                logits = decoder.forward(&input, &mut cache, &at)?;
+                active = next_active.into_iter().map(|(_, seq)| seq).collect();
+            }
+            for (k, &i) in chunk.iter().enumerate() {
+                self.usage.calls += 1;
+                self.usage.prompt_tokens += prompts[i].len();
+                self.usage.generated_tokens += generated[k].len();
+                out[i] = Some(Generation {
+                    text: std::mem::take(&mut texts[k]),
+                    prompt_tokens: prompts[i].len(),
+                    generated_tokens: generated[k].len(),
+                    finish: finish[k],
+                });
+            }
+        }
+        Ok(out.into_iter().map(|g| g.expect("every prompt is in one chunk")).collect())
+    }
+
+    /// [`Generator::continuation_logprobs`] on token ids: per pair, the continuation tokens'
+    /// log-probabilities summed. The decoder runs `batch_size` pairs in one padded forward and
+    /// reads the logits of the continuation's positions only; Gemma feeds the continuation one
+    /// token at a time after the context.
+    fn score_pairs(&mut self, pairs: &[(Vec<u32>, Vec<u32>)]) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; pairs.len()];
+        if let Model::Decoder(decoder) = &self.model {
+            let mut order: Vec<usize> = (0..pairs.len()).collect();
+            order.sort_by_key(|&i| (pairs[i].0.len() + pairs[i].1.len(), i));
+            for chunk in order.chunks(self.batch_size) {
+                let rows: Vec<Vec<u32>> = chunk.iter().map(|&i| [pairs[i].0.as_slice(), pairs[i].1.as_slice()].concat()).collect();
+                let width = rows.iter().map(Vec::len).max().unwrap_or(0);
+                self.check_context(width)?;
+                // Right padding: a row's real tokens never see the pads after them.
+                let mut at = Vec::new();
+                let mut targets = Vec::new();
+                for (row, &i) in chunk.iter().enumerate() {
+                    let (context, continuation) = (&pairs[i].0, &pairs[i].1);
+                    for (j, &token) in continuation.iter().enumerate() {
+                        // The logits at the token before predict it.
+                        at.push((row, context.len() + j - 1));
+                        targets.push(token);
+                    }
+                }
+                let mut cache = decoder.cache(rows.len());
+                let input = self.right_padded(&rows)?;
+                let log_probs = crate::decoder::log_softmax_rows(&decoder.forward(&input, &mut cache, &at)?)?.to_vec2::<f32>()?;
+                let mut k = 0;
+                for &i in chunk {
+                    for _ in 0..pairs[i].1.len() {
+                        out[i] += log_probs[k][targets[k] as usize];
+                        k += 1;
+                    }
+                    self.usage.calls += 1;
+                    self.usage.prompt_tokens += pairs[i].0.len() + pairs[i].1.len();
+                }
+            }
+            return Ok(out);
+        }
+        for (i, (context, continuation)) in pairs.iter().enumerate() {
+            let mut state = self.model.start();
+            let mut logits = self.run(&mut state, context, 0)?;
+            for (j, &token) in continuation.iter().enumerate() {
+                out[i] += option_logprobs(&logits, &[token])?[0];
+                if j + 1 < continuation.len() {
+                    logits = self.run(&mut state, &[token], context.len() + j)?;
+                }
+            }
+            self.usage.calls += 1;
+            self.usage.prompt_tokens += context.len() + continuation.len();
+        }
+        Ok(out)
     }
 }
 
@@ -238,7 +409,7 @@ impl Generator for GgufGenerator {
 
     fn generate(&mut self, messages: &[ChatMessage], params: &GenerateParams) -> Result<Generation> {
         let prompt = self.encode(&self.chat_prompt(messages))?;
-        let mut model = self.model.clone();
+        let mut model = self.model.start();
         let temperature = (params.temperature > 0.0).then_some(params.temperature);
         let mut sampler = LogitsProcessor::new(params.seed, temperature, params.top_p);
         let mut logits = self.run(&mut model, &prompt, 0)?;
@@ -276,7 +447,7 @@ impl Generator for GgufGenerator {
             let mut out = Vec::with_capacity(whole.len());
             for prompt in &whole {
                 let ids = self.encode(prompt)?;
-                let logits = self.run(&mut self.model.clone(), &ids, 0)?;
+                let logits = self.run(&mut self.model.start(), &ids, 0)?;
                 out.push(option_logprobs(&logits, &option_ids)?);
                 self.usage.calls += 1;
                 self.usage.prompt_tokens += ids.len();
@@ -284,23 +455,76 @@ impl Generator for GgufGenerator {
             return Ok(out);
         }
         let prefix_ids = self.encode(prefix)?;
-        let mut base = self.model.clone();
+        let mut base = self.model.start();
         let prefix_logits = if prefix_ids.is_empty() { None } else { Some(self.run(&mut base, &prefix_ids, 0)?) };
         self.usage.prompt_tokens += prefix_ids.len();
-        let mut out = Vec::with_capacity(suffixes.len());
-        for suffix in suffixes {
-            let ids = self.encode(suffix)?;
-            let logits = match (&prefix_logits, ids.is_empty()) {
-                (Some(logits), true) => logits.clone(),
-                (None, true) => return Err(Error::Tokenizer("nothing to score: empty prefix and suffix".into())),
-                (_, false) => self.run(&mut base.clone(), &ids, prefix_ids.len())?,
+        let suffix_ids: Vec<Vec<u32>> = suffixes.iter().map(|s| self.encode(s)).collect::<Result<_>>()?;
+        if prefix_logits.is_none() && suffix_ids.iter().any(Vec::is_empty) {
+            return Err(Error::Tokenizer("nothing to score: empty prefix and suffix".into()));
+        }
+        let mut out = vec![Vec::new(); suffixes.len()];
+        // Suffixes with tokens run `batch_size` at a time after the prefix's cache, forked once
+        // per batch row, right-padded; an empty suffix takes the prefix's own logits.
+        let (empty, full): (Vec<usize>, Vec<usize>) = (0..suffixes.len()).partition(|&i| suffix_ids[i].is_empty());
+        for i in empty {
+            out[i] = option_logprobs(prefix_logits.as_ref().expect("checked above"), &option_ids)?;
+        }
+        let decoder = match &self.model {
+            Model::Decoder(decoder) if self.batch_size > 1 => Some(decoder.clone()),
+            _ => None,
+        };
+        let mut order = full;
+        order.sort_by_key(|&i| (suffix_ids[i].len(), i));
+        for chunk in order.chunks(if decoder.is_some() { self.batch_size } else { 1 }) {
+            let logits: Vec<Tensor> = match (&decoder, &base) {
+                (Some(decoder), State::Decoder(cache)) => {
+                    let rows: Vec<Vec<u32>> = chunk.iter().map(|&i| suffix_ids[i].clone()).collect();
+                    self.check_context(prefix_ids.len() + rows.iter().map(Vec::len).max().unwrap_or(0))?;
+                    let mut cache = cache.repeat_row(0, rows.len())?;
+                    let at: Vec<(usize, usize)> = rows.iter().enumerate().map(|(r, t)| (r, t.len() - 1)).collect();
+                    let input = self.right_padded(&rows)?;
+                    let all = decoder.forward(&input, &mut cache, &at)?.to_dtype(candle_core::DType::F32)?;
+                    (0..rows.len()).map(|r| all.get(r)).collect::<candle_core::Result<_>>()?
+                }
+                _ => vec![self.run(&mut base.clone(), &suffix_ids[chunk[0]], prefix_ids.len())?],
             };
-            out.push(option_logprobs(&logits, &option_ids)?);
+            for (&i, logits) in chunk.iter().zip(&logits) {
+                out[i] = option_logprobs(logits, &option_ids)?;
+            }
+        }
+        for ids in &suffix_ids {
             self.usage.calls += 1;
             self.usage.prompt_tokens += ids.len();
             self.usage.cached_tokens += prefix_ids.len();
         }
         Ok(out)
+    }
+
+    fn generate_batch(&mut self, conversations: &[Vec<ChatMessage>], params: &GenerateParams) -> Result<Vec<Generation>> {
+        let Model::Decoder(decoder) = &self.model else {
+            return conversations.iter().map(|messages| self.generate(messages, params)).collect();
+        };
+        if self.batch_size <= 1 {
+            return conversations.iter().map(|messages| self.generate(messages, params)).collect();
+        }
+        let decoder = decoder.clone();
+        let prompts: Vec<Vec<u32>> = conversations.iter().map(|m| self.encode(&self.chat_prompt(m))).collect::<Result<_>>()?;
+        if let Some(i) = prompts.iter().position(Vec::is_empty) {
+            return Err(Error::Tokenizer(format!("conversation {i} has an empty prompt")));
+        }
+        self.decode_batches(&decoder, &prompts, params)
+    }
+
+    fn continuation_logprobs(&mut self, pairs: &[(String, String)]) -> Result<Vec<f32>> {
+        let mut ids = Vec::with_capacity(pairs.len());
+        for (i, (context, continuation)) in pairs.iter().enumerate() {
+            let (context, continuation) = (self.encode(context)?, self.encode(continuation)?);
+            if context.is_empty() || continuation.is_empty() {
+                return Err(Error::Tokenizer(format!("pair {i}: the context and the continuation must both have tokens")));
+            }
+            ids.push((context, continuation));
+        }
+        self.score_pairs(&ids)
     }
 
     fn count_tokens(&self, text: &str) -> Result<usize> {

@@ -64,10 +64,78 @@ impl<G: Generator> LlmJudge<G> {
     }
 
     fn clip(&self, text: &str) -> String {
-        match text.char_indices().nth(self.max_passage_chars) {
-            Some((at, _)) => format!("{}...", &text[..at]),
-            None => text.to_string(),
+        clip(text, self.max_passage_chars)
+    }
+}
+
+/// A judge by query likelihood: how much a passage raises the probability of the query,
+/// `log P(query | passage) - log P(query)` per query token (the pointwise mutual information of
+/// the two, as in UPR, Sachan et al. 2022), mapped to [0, 1] by a logistic. The model reads the
+/// passage and is asked to write the question it answers; the query is scored as its reply, in
+/// one padded forward per batch of passages ([`Generator::continuation_logprobs`]).
+pub struct QlJudge<G: Generator> {
+    generator: G,
+    /// Characters of a passage shown to the model (long passages are cut).
+    pub max_passage_chars: usize,
+}
+
+const QL_SYSTEM: &str = "You write the question that a piece of memory answers.";
+
+impl<G: Generator> QlJudge<G> {
+    /// A judge on `generator`.
+    pub fn new(generator: G) -> Self {
+        QlJudge { generator, max_passage_chars: 1200 }
+    }
+
+    /// The generator back.
+    pub fn into_inner(self) -> G {
+        self.generator
+    }
+
+    fn context(&self, passage: Option<&str>) -> String {
+        let user = match passage {
+            Some(p) => format!("Memory:\n{}\n\nWrite a question that this memory answers.", clip(p, self.max_passage_chars)),
+            None => "Write a question.".to_string(),
+        };
+        self.generator.chat_prompt(&[ChatMessage::new("system", QL_SYSTEM), ChatMessage::new("user", user)])
+    }
+
+    /// Per passage: `log P(query | passage) - log P(query)`, per query token.
+    pub fn pmi(&mut self, query: &str, passages: &[&str]) -> Result<Vec<f32>> {
+        let tokens = self.generator.count_tokens(query)?.max(1) as f32;
+        let mut pairs: Vec<(String, String)> = passages.iter().map(|p| (self.context(Some(p)), query.to_string())).collect();
+        pairs.push((self.context(None), query.to_string()));
+        let log_probs = self.generator.continuation_logprobs(&pairs)?;
+        let prior = log_probs[passages.len()];
+        Ok(log_probs[..passages.len()].iter().map(|lp| (lp - prior) / tokens).collect())
+    }
+}
+
+fn clip(text: &str, chars: usize) -> String {
+    match text.char_indices().nth(chars) {
+        Some((at, _)) => format!("{}...", &text[..at]),
+        None => text.to_string(),
+    }
+}
+
+impl<G: Generator> Judge for QlJudge<G> {
+    fn score(&mut self, query: &str, passages: &[&str]) -> Result<Vec<f32>> {
+        if passages.is_empty() {
+            return Ok(Vec::new());
         }
+        Ok(self.pmi(query, passages)?.into_iter().map(|x| 1.0 / (1.0 + (-x).exp())).collect())
+    }
+
+    fn sufficient(&mut self, query: &str, context: &str) -> Result<f32> {
+        Ok(self.score(query, &[context])?[0])
+    }
+
+    fn usage(&self) -> Usage {
+        self.generator.usage()
+    }
+
+    fn model_id(&self) -> &str {
+        self.generator.model_id()
     }
 }
 
@@ -138,6 +206,19 @@ mod tests {
                 })
                 .collect())
         }
+        fn continuation_logprobs(&mut self, pairs: &[(String, String)]) -> Result<Vec<f32>> {
+            self.usage.calls += pairs.len();
+            // The query is likelier after a passage that shares its word `refund`; the prior
+            // context (no passage) sits in between.
+            Ok(pairs
+                .iter()
+                .map(|(context, query)| match (context.contains("Memory:"), context.contains("refund") && query.contains("refund")) {
+                    (false, _) => -6.0,
+                    (true, true) => -2.0,
+                    (true, false) => -9.0,
+                })
+                .collect())
+        }
         fn count_tokens(&self, text: &str) -> Result<usize> {
             Ok(text.split_whitespace().count())
         }
@@ -152,6 +233,19 @@ mod tests {
         let scores = judge.score("how do refunds work?", &["refund within 30 days", "the weather is nice"]).unwrap();
         assert!(scores[0] > 0.9 && scores[1] < 0.1, "{scores:?}");
         assert_eq!(judge.usage().calls, 2);
+        assert!(judge.score("q", &[]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn query_likelihood_scores_the_lift_over_the_query_alone() {
+        let mut judge = QlJudge::new(Scripted { usage: Usage::default() });
+        let pmi = judge.pmi("how do refunds work?", &["refund within 30 days", "the weather is nice"]).unwrap();
+        // (-2 - -6) / 4 tokens and (-9 - -6) / 4.
+        assert_eq!(pmi, vec![1.0, -0.75]);
+        let scores = judge.score("how do refunds work?", &["refund within 30 days", "the weather is nice"]).unwrap();
+        assert!(scores[0] > 0.5 && scores[1] < 0.5, "{scores:?}");
+        // Two passages and the prior in one call.
+        assert_eq!(judge.usage().calls, 6);
         assert!(judge.score("q", &[]).unwrap().is_empty());
     }
 

@@ -19,6 +19,7 @@
 
 mod bert;
 mod bert_cpu;
+mod decoder;
 mod device;
 mod embedder;
 mod error;
@@ -27,16 +28,15 @@ mod gguf;
 mod gguf_tokenizer;
 mod judge;
 mod provision;
-mod qwen2;
 
 pub use bert::{bucket_len, BertBackend, Pooling, SentenceEmbedder, PAD_BUCKET};
 pub use device::DeviceChoice;
 pub use embedder::{cosine, normalize, Embedder, HashEmbedder};
 pub use error::{Error, Result};
 pub use generator::{ChatMessage, GenerateParams, Generation, Generator, Usage};
-pub use gguf::{GgufGenerator, WeightPath};
+pub use gguf::{GgufGenerator, WeightPath, DEFAULT_BATCH};
 pub use gguf_tokenizer::tokenizer_from_gguf;
-pub use judge::{Judge, LlmJudge};
+pub use judge::{Judge, LlmJudge, QlJudge};
 pub use provision::{cache_dir, FileSpec, ModelManifest, ModelSpec, BUILTIN_MANIFEST, DEFAULT_EMBEDDER, DEFAULT_GENERATOR, DEFAULT_JUDGE};
 
 /// Loads the embedder called `name` from the cache on `device`, with its default forward
