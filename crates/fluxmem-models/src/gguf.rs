@@ -86,7 +86,7 @@ pub struct GgufGenerator {
 }
 
 /// Sequences [`GgufGenerator`] runs together by default (see docs/models.md for the table).
-pub const DEFAULT_BATCH: usize = 8;
+pub const DEFAULT_BATCH: usize = 16;
 
 impl GgufGenerator {
     /// Loads `dir/model.gguf` (and `dir/tokenizer.json` when present) on `device`.

@@ -24,34 +24,36 @@ fn conversations() -> Vec<Vec<ChatMessage>> {
     .collect()
 }
 
-fn check_batch_equals_one_at_a_time(model: &str) {
+/// Greedy, seeded sampling and a stop string (`all`), or greedy only (the slower 0.5B model).
+fn check_batch_equals_one_at_a_time(model: &str, all: bool) {
     let conversations = conversations();
     let mut batched = generator(model, 4);
     let mut alone = generator(model, 1);
-    for params in [
+    let params = [
         GenerateParams { max_tokens: 24, ..Default::default() },
         GenerateParams { max_tokens: 16, temperature: 0.8, seed: 3, ..Default::default() },
         GenerateParams { max_tokens: 24, stop: vec![".".into()], ..Default::default() },
-    ] {
+    ];
+    let params = if all { &params[..] } else { &params[..1] };
+    for params in params {
         // 5 conversations in batches of 4: a full batch (sequences leave it as they finish)
         // and a batch of one.
-        let together = batched.generate_batch(&conversations, &params).unwrap();
-        let each: Vec<_> = conversations.iter().map(|m| alone.generate(m, &params).unwrap()).collect();
+        let together = batched.generate_batch(&conversations, params).unwrap();
+        let each: Vec<_> = conversations.iter().map(|m| alone.generate(m, params).unwrap()).collect();
         assert_eq!(together, each, "{model}, {params:?}");
         assert!(together.iter().any(|g| g.generated_tokens > 3), "{together:?}");
     }
-    let calls = batched.usage().calls;
-    assert_eq!(calls, 15, "every sequence is one call");
+    assert_eq!(batched.usage().calls, 5 * params.len(), "every sequence is one call");
 }
 
 #[test]
 fn batched_generation_gives_each_conversation_its_own_reply_llama() {
-    check_batch_equals_one_at_a_time("smollm2-135m-instruct-q4_1");
+    check_batch_equals_one_at_a_time("smollm2-135m-instruct-q4_1", true);
 }
 
 #[test]
 fn batched_generation_gives_each_conversation_its_own_reply_qwen2() {
-    check_batch_equals_one_at_a_time("qwen2.5-coder-0.5b-instruct-q4_k_m");
+    check_batch_equals_one_at_a_time("qwen2.5-coder-0.5b-instruct-q4_k_m", false);
 }
 
 #[test]
