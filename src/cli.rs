@@ -172,8 +172,9 @@ pub struct QueryArgs {
     /// Weights of the dense, BM25 and judge signals in weighted fusion.
     #[arg(long, value_delimiter = ',', default_value = "1.0,0.5,0.3")]
     pub weights: Vec<f32>,
-    /// Judge: none, llm (the default judge model) or a generator's name (`fluxmem models list`);
-    /// it scores the top candidates.
+    /// Judge: none, llm (the default judge model) or a generator's name (`fluxmem models list`),
+    /// scoring by yes/no; ql or ql:MODEL, scoring by query likelihood. It scores the top
+    /// candidates.
     #[arg(long, default_value = "none")]
     pub judge: String,
     /// How many of the best fused candidates the judge scores.
@@ -339,8 +340,9 @@ pub struct LocomoArgs {
     /// Conversation ids to evaluate, comma-separated (default: all).
     #[arg(long, value_delimiter = ',')]
     pub conversations: Vec<String>,
-    /// Judge for the fluxmem system: none, llm (the default judge model) or a generator's name;
-    /// it scores the top candidates.
+    /// Judge for the fluxmem system: none, llm (the default judge model) or a generator's name,
+    /// scoring by yes/no; ql or ql:MODEL, scoring by query likelihood. It scores the top
+    /// candidates.
     #[arg(long, default_value = "none")]
     pub judge: String,
     /// How many of the best fused candidates the judge scores.
@@ -555,7 +557,7 @@ pub struct ConsolidateArgs {
     pub successful_only: bool,
     /// How eta is measured: none (model-free: the skill's steps against the held-out episodes)
     /// or a judge that replays held-out episodes against the skill: llm (the default judge
-    /// model) or a generator's name.
+    /// model) or a generator's name, scoring by yes/no; ql or ql:MODEL, by query likelihood.
     #[arg(long, default_value = "none")]
     pub judge: String,
     /// Generator that words skills (name and description around the procedure mined from the

@@ -77,7 +77,8 @@ pub struct Models {
     /// Weights of the generator: quantized, f32 or q8. (`generator = "none"`: skills are worded
     /// from the mined procedure by a template, no model.)
     pub generator_weights: String,
-    /// Judge: none, llm (the default judge model) or a generator's name from the model manifest.
+    /// Judge: none, llm (the default judge model) or a generator's name from the model manifest
+    /// (yes/no scoring); ql or ql:MODEL (query-likelihood scoring).
     pub judge: String,
     /// auto, cpu, cuda, cuda:N or metal.
     pub device: String,

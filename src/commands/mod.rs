@@ -92,19 +92,16 @@ pub fn retrieval_config(fusion: &str, weights: &[f32], judge_top: usize) -> anyh
 }
 
 /// The judge named by `--judge`: `none`, `llm` (the default judge model) or a generator's name
-/// from the model manifest, with f32 weights, since judging is prompt processing.
-pub fn judge_from_flag(
-    name: &str,
-    device: &fluxmem_models::DeviceChoice,
-) -> anyhow::Result<Option<fluxmem_models::LlmJudge<fluxmem_models::GgufGenerator>>> {
-    match fluxmem_models::judge_model(name)? {
-        None => Ok(None),
-        Some(model) => Ok(Some(fluxmem_models::LlmJudge::new(fluxmem_models::load_generator(
-            &model,
-            device,
-            fluxmem_models::WeightPath::Dequantized,
-        )?))),
-    }
+/// from the model manifest, scoring by yes/no; `ql` or `ql:MODEL`, scoring by query likelihood.
+/// f32 weights, since judging is prompt processing.
+pub fn judge_from_flag(name: &str, device: &fluxmem_models::DeviceChoice) -> anyhow::Result<Option<Box<dyn fluxmem_models::Judge>>> {
+    let Some(model) = fluxmem_models::judge_model(name)? else { return Ok(None) };
+    let generator = fluxmem_models::load_generator(&model, device, fluxmem_models::WeightPath::Dequantized)?;
+    Ok(Some(if fluxmem_models::judge_is_ql(name) {
+        Box::new(fluxmem_models::QlJudge::new(generator))
+    } else {
+        Box::new(fluxmem_models::LlmJudge::new(generator))
+    }))
 }
 
 /// The `--clusters` flag: `auto` (None) or a positive number of clusters per tenant.

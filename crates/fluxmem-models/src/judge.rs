@@ -16,6 +16,21 @@ pub trait Judge {
     fn model_id(&self) -> &str;
 }
 
+impl<J: Judge + ?Sized> Judge for Box<J> {
+    fn score(&mut self, query: &str, passages: &[&str]) -> Result<Vec<f32>> {
+        (**self).score(query, passages)
+    }
+    fn sufficient(&mut self, query: &str, context: &str) -> Result<f32> {
+        (**self).sufficient(query, context)
+    }
+    fn usage(&self) -> Usage {
+        (**self).usage()
+    }
+    fn model_id(&self) -> &str {
+        (**self).model_id()
+    }
+}
+
 const SYSTEM: &str = "You judge whether a piece of memory is useful. Answer with one word: yes or no.";
 const YES: [&str; 4] = ["yes", "Yes", " yes", " Yes"];
 const NO: [&str; 4] = ["no", "No", " no", " No"];

@@ -61,19 +61,50 @@ fn embedder_from_cache(name: &str, device: &candle_core::Device, backend: BertBa
     SentenceEmbedder::load_with(&dir, &spec.model_id(), device, backend)
 }
 
-/// The generator model a judge setting names: `none` gives `None`, `llm` the default judge
-/// ([`DEFAULT_JUDGE`]), anything else must be a generator in the manifest.
+/// The generator model a judge setting names: `none` gives `None`, `llm` and `ql` the default
+/// judge ([`DEFAULT_JUDGE`]), `MODEL` and `ql:MODEL` a generator of the manifest. `ql` settings
+/// score by query likelihood ([`QlJudge`], see [`judge_is_ql`]), the others by yes/no
+/// ([`LlmJudge`]).
 pub fn judge_model(setting: &str) -> Result<Option<String>> {
-    match setting {
+    let name = setting.strip_prefix("ql:").unwrap_or(setting);
+    match name {
         "none" => Ok(None),
-        "llm" => Ok(Some(DEFAULT_JUDGE.to_string())),
+        "llm" | "ql" => Ok(Some(DEFAULT_JUDGE.to_string())),
         name => {
             let manifest = ModelManifest::load()?;
             let generators = || manifest.models.iter().filter(|m| m.kind == "generator").map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ");
             match manifest.get(name) {
                 Ok(spec) if spec.kind == "generator" => Ok(Some(name.to_string())),
-                _ => Err(Error::Unknown { name: format!("judge `{name}`"), known: format!("none, llm ({DEFAULT_JUDGE}), {}", generators()) }),
+                _ => Err(Error::Unknown {
+                    name: format!("judge `{setting}`"),
+                    known: format!("none, llm or ql ({DEFAULT_JUDGE}), MODEL or ql:MODEL for a generator MODEL: {}", generators()),
+                }),
             }
+        }
+    }
+}
+
+/// Whether a judge setting asks for query-likelihood scoring (`ql`, `ql:MODEL`).
+pub fn judge_is_ql(setting: &str) -> bool {
+    setting == "ql" || setting.starts_with("ql:")
+}
+
+#[cfg(test)]
+mod judge_setting_tests {
+    use super::*;
+
+    #[test]
+    fn judge_settings_name_the_model_and_the_scoring() {
+        assert_eq!(judge_model("none").unwrap(), None);
+        assert_eq!(judge_model("llm").unwrap().as_deref(), Some(DEFAULT_JUDGE));
+        assert_eq!(judge_model("ql").unwrap().as_deref(), Some(DEFAULT_JUDGE));
+        assert_eq!(judge_model("ql:smollm2-135m-instruct-q4_1").unwrap().as_deref(), Some("smollm2-135m-instruct-q4_1"));
+        assert_eq!(judge_model("smollm2-135m-instruct-q4_1").unwrap().as_deref(), Some("smollm2-135m-instruct-q4_1"));
+        assert!(judge_is_ql("ql") && judge_is_ql("ql:smollm2-135m-instruct-q4_1"));
+        assert!(!judge_is_ql("llm") && !judge_is_ql("smollm2-135m-instruct-q4_1"));
+        for bad in ["ql:all-minilm-l6-v2", "ql:nope", "nope"] {
+            let error = judge_model(bad).unwrap_err().to_string();
+            assert!(error.contains(bad) && error.contains("ql:MODEL"), "{error}");
         }
     }
 }
