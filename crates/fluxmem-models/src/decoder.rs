@@ -20,7 +20,7 @@
 //! metadata may declare (fluxmem's prompts are a few thousand tokens).
 
 use candle_core::quantized::{gguf_file, QMatMul};
-use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::Embedding;
 use candle_transformers::quantized_nn::RmsNorm;
 use candle_transformers::utils::repeat_kv;
@@ -106,6 +106,17 @@ impl Cache {
         out.keep(&vec![row; rows])?;
         Ok(out)
     }
+}
+
+/// Where padding goes in a batch of rows of different lengths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// Before the tokens ([`Decoder::forward_padded`], for generation: every row's last token
+    /// is at the same position, so the rows decode on together; the padding is masked).
+    Left,
+    /// After the tokens, for scoring only: causal attention keeps a row's real tokens from
+    /// seeing the pads after them, and no position after a row's last token is read.
+    Right,
 }
 
 /// Model dimensions read from the GGUF metadata.
@@ -224,26 +235,37 @@ impl Decoder {
         Cache { layers: vec![None; self.layers.len()], start: vec![0; rows], len: 0 }
     }
 
+    /// `rows` as one (rows, longest) input, `pad` filling the short rows on `side`.
+    pub fn padded(&self, rows: &[Vec<u32>], pad: u32, side: Side) -> Result<Tensor> {
+        let width = rows.iter().map(Vec::len).max().unwrap_or(0);
+        let mut ids = Vec::with_capacity(rows.len() * width);
+        for tokens in rows {
+            let padding = std::iter::repeat_n(pad, width - tokens.len());
+            match side {
+                Side::Left => ids.extend(padding.chain(tokens.iter().copied())),
+                Side::Right => ids.extend(tokens.iter().copied().chain(padding)),
+            }
+        }
+        Tensor::from_vec(ids, (rows.len(), width), &self.device)
+    }
+
     /// Runs one token sequence per row, left-padded to the longest (`pad` fills, its positions
-    /// masked), after what `cache` holds. Returns the logits (rows, vocab) of each row's last
-    /// position.
+    /// masked), as the first forward of `cache`. Returns the logits (rows, vocab) of each row's
+    /// last position.
     pub fn forward_padded(&self, rows: &[Vec<u32>], pad: u32, cache: &mut Cache) -> Result<Tensor> {
         let width = rows.iter().map(Vec::len).max().unwrap_or(0);
-        if width == 0 || rows.len() != cache.rows() {
-            candle_core::bail!("forward_padded needs one non-empty sequence per cache row ({} rows, cache of {})", rows.len(), cache.rows());
+        if width == 0 || rows.len() != cache.rows() || !cache.is_empty() {
+            candle_core::bail!(
+                "forward_padded needs one non-empty sequence per row of an empty cache ({} rows, cache of {} holding {})",
+                rows.len(),
+                cache.rows(),
+                cache.len
+            );
         }
-        let mut ids = Vec::with_capacity(rows.len() * width);
         for (row, tokens) in rows.iter().enumerate() {
-            let padding = width - tokens.len();
-            if cache.is_empty() {
-                cache.start[row] = padding;
-            } else if padding > 0 {
-                candle_core::bail!("only the first forward of a batch may pad (row {row} is {padding} tokens short)");
-            }
-            ids.extend(std::iter::repeat_n(pad, padding));
-            ids.extend_from_slice(tokens);
+            cache.start[row] = width - tokens.len();
         }
-        let input = Tensor::from_vec(ids, (rows.len(), width), &self.device)?;
+        let input = self.padded(rows, pad, Side::Left)?;
         let last: Vec<(usize, usize)> = (0..rows.len()).map(|r| (r, width - 1)).collect();
         self.forward(&input, cache, &last)
     }
@@ -270,14 +292,8 @@ impl Decoder {
             hidden = (layer.mlp.forward(&layer.ffn_norm.forward(&x)?)? + residual)?;
         }
         cache.len += seq;
-        let picked = if at.len() == 1 {
-            let (row, pos) = at[0];
-            hidden.i((row..row + 1, pos))?
-        } else {
-            let flat = hidden.reshape((b * seq, ()))?;
-            let index: Vec<u32> = at.iter().map(|&(row, pos)| (row * seq + pos) as u32).collect();
-            flat.index_select(&Tensor::new(index.as_slice(), &self.device)?, 0)?
-        };
+        let index: Vec<u32> = at.iter().map(|&(row, pos)| (row * seq + pos) as u32).collect();
+        let picked = hidden.reshape((b * seq, ()))?.index_select(&Tensor::new(index.as_slice(), &self.device)?, 0)?;
         self.output.forward(&self.norm.forward(&picked)?)
     }
 

@@ -14,7 +14,7 @@ use candle_transformers::models::quantized_gemma3;
 use std::path::Path;
 use tokenizers::Tokenizer;
 
-use crate::decoder::{Cache, Decoder};
+use crate::decoder::{Cache, Decoder, Side};
 use crate::error::IoContext;
 use crate::generator::{ChatMessage, GenerateParams, Generation, Generator, Usage};
 use crate::gguf_tokenizer::tokenizer_from_gguf;
@@ -151,8 +151,9 @@ impl GgufGenerator {
         &self.tokenizer
     }
 
-    /// Runs at most `batch_size` sequences together in [`Generator::generate_batch`] and
-    /// [`Generator::continuation_logprobs`] (at least 1; 1 runs them one at a time).
+    /// Runs at most `batch_size` sequences together in [`Generator::generate_batch`],
+    /// [`Generator::next_token_logprobs`] and [`Generator::continuation_logprobs`] (at least 1;
+    /// 1 runs them one at a time).
     pub fn with_batch_size(mut self, batch_size: usize) -> Self {
         self.batch_size = batch_size.max(1);
         self
@@ -163,17 +164,9 @@ impl GgufGenerator {
         self.batch_size
     }
 
-    /// `rows` as one (rows, longest) input, right-padded: for scoring only, where no position
-    /// after a row's last real token is read (causal attention keeps the pads out of view).
-    fn right_padded(&self, rows: &[Vec<u32>]) -> Result<Tensor> {
-        let width = rows.iter().map(Vec::len).max().unwrap_or(0);
-        let pad = self.stop_ids.first().copied().unwrap_or(0);
-        let mut ids = Vec::with_capacity(rows.len() * width);
-        for tokens in rows {
-            ids.extend_from_slice(tokens);
-            ids.extend(std::iter::repeat_n(pad, width - tokens.len()));
-        }
-        Ok(Tensor::from_vec(ids, (rows.len(), width), &self.device)?)
+    /// The token that fills padding (never attended to: any id would do).
+    fn pad_id(&self) -> u32 {
+        self.stop_ids.first().copied().unwrap_or(0)
     }
 
     fn check_context(&self, positions: usize) -> Result<()> {
@@ -204,9 +197,8 @@ impl GgufGenerator {
     /// [`Generator::generate_batch`] on the decoder: prompts sorted by length (less padding),
     /// `batch_size` at a time, each batch prefilled in one padded forward and decoded one token
     /// a step for all its unfinished sequences; a sequence that finishes leaves the batch.
-    fn decode_batches(&mut self, decoder: &Decoder, prompts: &[Vec<u32>], params: &GenerateParams) -> Result<Vec<Generation>> {
-        let mut order: Vec<usize> = (0..prompts.len()).collect();
-        order.sort_by_key(|&i| (prompts[i].len(), i));
+    fn decode_batches(&self, decoder: &Decoder, prompts: &[Vec<u32>], params: &GenerateParams) -> Result<Vec<Generation>> {
+        let order = by_length(prompts.len(), |i| prompts[i].len());
         let mut out: Vec<Option<Generation>> = vec![None; prompts.len()];
         let temperature = (params.temperature > 0.0).then_some(params.temperature);
         for chunk in order.chunks(self.batch_size) {
@@ -214,8 +206,7 @@ impl GgufGenerator {
             let width = rows.iter().map(Vec::len).max().unwrap_or(0);
             self.check_context(width)?;
             let mut cache = decoder.cache(rows.len());
-            let pad = self.stop_ids.first().copied().unwrap_or(0);
-            let mut logits = decoder.forward_padded(&rows, pad, &mut cache)?;
+            let mut logits = decoder.forward_padded(&rows, self.pad_id(), &mut cache)?;
             // Per sequence, as `generate` would run it alone: its own seeded sampler.
             let mut samplers: Vec<LogitsProcessor> = chunk.iter().map(|_| LogitsProcessor::new(params.seed, temperature, params.top_p)).collect();
             let mut generated: Vec<Vec<u32>> = vec![Vec::new(); chunk.len()];
@@ -260,9 +251,6 @@ impl GgufGenerator {
                 active = next_active.into_iter().map(|(_, seq)| seq).collect();
             }
             for (k, &i) in chunk.iter().enumerate() {
-                self.usage.calls += 1;
-                self.usage.prompt_tokens += prompts[i].len();
-                self.usage.generated_tokens += generated[k].len();
                 out[i] = Some(Generation {
                     text: std::mem::take(&mut texts[k]),
                     prompt_tokens: prompts[i].len(),
@@ -281,8 +269,7 @@ impl GgufGenerator {
     fn score_pairs(&mut self, pairs: &[(Vec<u32>, Vec<u32>)]) -> Result<Vec<f32>> {
         let mut out = vec![0f32; pairs.len()];
         if let Model::Decoder(decoder) = &self.model {
-            let mut order: Vec<usize> = (0..pairs.len()).collect();
-            order.sort_by_key(|&i| (pairs[i].0.len() + pairs[i].1.len(), i));
+            let order = by_length(pairs.len(), |i| pairs[i].0.len() + pairs[i].1.len());
             for chunk in order.chunks(self.batch_size) {
                 let rows: Vec<Vec<u32>> = chunk.iter().map(|&i| [pairs[i].0.as_slice(), pairs[i].1.as_slice()].concat()).collect();
                 let width = rows.iter().map(Vec::len).max().unwrap_or(0);
@@ -299,7 +286,7 @@ impl GgufGenerator {
                     }
                 }
                 let mut cache = decoder.cache(rows.len());
-                let input = self.right_padded(&rows)?;
+                let input = decoder.padded(&rows, self.pad_id(), Side::Right)?;
                 let log_probs = crate::decoder::log_softmax_rows(&decoder.forward(&input, &mut cache, &at)?)?.to_vec2::<f32>()?;
                 let mut k = 0;
                 for &i in chunk {
@@ -327,6 +314,14 @@ impl GgufGenerator {
         }
         Ok(out)
     }
+}
+
+/// Indices `0..n` in order of `len` (ties by index): rows of similar lengths batched together
+/// pad less.
+fn by_length(n: usize, len: impl Fn(usize) -> usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|&i| (len(i), i));
+    order
 }
 
 /// Log-probabilities of `ids` under the next-token `logits`.
@@ -465,24 +460,22 @@ impl Generator for GgufGenerator {
         let mut out = vec![Vec::new(); suffixes.len()];
         // Suffixes with tokens run `batch_size` at a time after the prefix's cache, forked once
         // per batch row, right-padded; an empty suffix takes the prefix's own logits.
-        let (empty, full): (Vec<usize>, Vec<usize>) = (0..suffixes.len()).partition(|&i| suffix_ids[i].is_empty());
-        for i in empty {
+        for i in (0..suffixes.len()).filter(|&i| suffix_ids[i].is_empty()) {
             out[i] = option_logprobs(prefix_logits.as_ref().expect("checked above"), &option_ids)?;
         }
         let decoder = match &self.model {
-            Model::Decoder(decoder) if self.batch_size > 1 => Some(decoder.clone()),
+            Model::Decoder(decoder) if self.batch_size > 1 => Some(decoder),
             _ => None,
         };
-        let mut order = full;
-        order.sort_by_key(|&i| (suffix_ids[i].len(), i));
+        let order: Vec<usize> = by_length(suffixes.len(), |i| suffix_ids[i].len()).into_iter().filter(|&i| !suffix_ids[i].is_empty()).collect();
         for chunk in order.chunks(if decoder.is_some() { self.batch_size } else { 1 }) {
-            let logits: Vec<Tensor> = match (&decoder, &base) {
+            let logits: Vec<Tensor> = match (decoder, &base) {
                 (Some(decoder), State::Decoder(cache)) => {
                     let rows: Vec<Vec<u32>> = chunk.iter().map(|&i| suffix_ids[i].clone()).collect();
                     self.check_context(prefix_ids.len() + rows.iter().map(Vec::len).max().unwrap_or(0))?;
                     let mut cache = cache.repeat_row(0, rows.len())?;
                     let at: Vec<(usize, usize)> = rows.iter().enumerate().map(|(r, t)| (r, t.len() - 1)).collect();
-                    let input = self.right_padded(&rows)?;
+                    let input = decoder.padded(&rows, self.pad_id(), Side::Right)?;
                     let all = decoder.forward(&input, &mut cache, &at)?.to_dtype(candle_core::DType::F32)?;
                     (0..rows.len()).map(|r| all.get(r)).collect::<candle_core::Result<_>>()?
                 }
@@ -507,12 +500,17 @@ impl Generator for GgufGenerator {
         if self.batch_size <= 1 {
             return conversations.iter().map(|messages| self.generate(messages, params)).collect();
         }
-        let decoder = decoder.clone();
         let prompts: Vec<Vec<u32>> = conversations.iter().map(|m| self.encode(&self.chat_prompt(m))).collect::<Result<_>>()?;
         if let Some(i) = prompts.iter().position(Vec::is_empty) {
             return Err(Error::Tokenizer(format!("conversation {i} has an empty prompt")));
         }
-        self.decode_batches(&decoder, &prompts, params)
+        let generations = self.decode_batches(decoder, &prompts, params)?;
+        for generation in &generations {
+            self.usage.calls += 1;
+            self.usage.prompt_tokens += generation.prompt_tokens;
+            self.usage.generated_tokens += generation.generated_tokens;
+        }
+        Ok(generations)
     }
 
     fn continuation_logprobs(&mut self, pairs: &[(String, String)]) -> Result<Vec<f32>> {
