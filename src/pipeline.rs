@@ -336,7 +336,7 @@ impl Default for Compact {
 impl Compact {
     /// The store's policy of these settings.
     pub fn policy(&self) -> fluxmem_store::CompactPolicy {
-        fluxmem_store::CompactPolicy { max_dead_fraction: self.max_dead_fraction, merge_factor: self.merge_factor, min_level_rows: self.min_level_rows }
+        fluxmem_store::CompactPolicy { max_dead_fraction: self.max_dead_fraction, merge_factor: self.merge_factor, min_level_rows: self.min_level_rows, ..Default::default() }
     }
 }
 

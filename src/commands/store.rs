@@ -37,6 +37,7 @@ pub fn compact(args: CompactArgs, settings: &Settings) -> anyhow::Result<ExitCod
         max_dead_fraction: args.max_dead_fraction,
         merge_factor: args.merge_factor,
         min_level_rows: args.min_level_rows,
+        ..Default::default()
     };
     let run_id = super::run_id("compact");
     let report = writer.compact(&policy, &run_id)?;

@@ -16,6 +16,8 @@
 //!   rewritten O(log n) times over its life.
 //! - **Edits** (the edit log, no key) are concatenated, never dropped: the trailing run of
 //!   same-level shards merges once it is `merge_factor` long, which keeps the log's order.
+//! - **Streaming.** A merge reads its members a batch at a time and writes the winning rows in
+//!   key order a batch at a time (`merge.rs`), so its memory does not follow the members' size.
 //!
 //! What a compaction writes holds only live rows, so its shards take the newest position (the
 //! compaction's own commit number): no later shard holds their keys, and the dead rows they
@@ -36,6 +38,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use crate::manifest::{CommitRecord, LiveCounts, Manifest, RetiredShard, ShardEntry};
 use crate::store::{fault_point, sync_dir, write_manifest, write_shards, SHARDS};
 use crate::scan::{sorted, text_column};
+use crate::merge::{self, EdgeSink, EmbeddingSink, Keyed, NodeRows, NodeSink, Run, Stop};
 use crate::{shard, CommitInfo, Error, Result, Store, Writer};
 
 /// When compaction rewrites and merges shards.
@@ -48,11 +51,15 @@ pub struct CompactPolicy {
     pub merge_factor: usize,
     /// Live rows of the smallest level.
     pub min_level_rows: u64,
+    /// Rows a merge decodes at a time from each member shard, and writes at a time: a merge
+    /// streams its members by key (see `merge.rs`), so its memory follows this, not the
+    /// members' size.
+    pub batch_rows: usize,
 }
 
 impl Default for CompactPolicy {
     fn default() -> Self {
-        CompactPolicy { max_dead_fraction: 1.0 / 3.0, merge_factor: 8, min_level_rows: 1000 }
+        CompactPolicy { max_dead_fraction: 1.0 / 3.0, merge_factor: 8, min_level_rows: 1000, batch_rows: 4096 }
     }
 }
 
@@ -80,6 +87,10 @@ pub struct TableCompaction {
     pub rewritten: usize,
     /// Units merged by level.
     pub merged: usize,
+    /// Merges done in memory, each with the reason: a member shard not in key order (none in a
+    /// store this version wrote; the other merges stream).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub in_memory: Vec<String>,
 }
 
 impl TableCompaction {
@@ -115,7 +126,7 @@ struct Unit {
     live: u64,
 }
 
-type Key = [u8; 16];
+pub(crate) type Key = [u8; 16];
 
 pub(crate) fn key_of(parts: &[&str]) -> Key {
     let mut hasher = Sha256::new();
@@ -158,7 +169,8 @@ pub(crate) fn winning_rows_coded<'e>(
         let mut row = 0usize;
         let mut group_codes = Vec::new();
         for entry in group {
-            for batch in shard::read(&store.dir, entry, Some(&columns))? {
+            for batch in shard::open(&store.dir, entry, Some(&columns), shard::DEFAULT_BATCH_ROWS)? {
+                let batch = batch?;
                 let strings: Vec<&arrow_array::StringArray> = keys.iter().map(|name| text_column(store, entry, &batch, name)).collect::<Result<_>>()?;
                 for i in 0..batch.num_rows() {
                     let parts: Vec<&str> = strings.iter().map(|s| s.value(i)).collect();
@@ -220,6 +232,7 @@ impl Writer {
                 let entry = total.tables.entry(table).or_default();
                 entry.rewritten += after.rewritten;
                 entry.merged += after.merged;
+                entry.in_memory.extend(after.in_memory);
                 (entry.shards_after, entry.rows_after, entry.bytes_after) = (after.shards_after, after.rows_after, after.bytes_after);
             }
         }
@@ -275,11 +288,22 @@ impl Writer {
                 }
             }
             for members in outputs_of_table {
-                let graph = self.live_rows_of(table, &members.iter().map(|&i| &units[i]).collect::<Vec<_>>(), &units, &last)?;
+                let start = part;
+                let written = match self.merge_streaming(table, &members, &units, &last, version, &mut part, policy.batch_rows) {
+                    Ok(written) => written,
+                    Err(Stop::Failed(error)) => return Err(error),
+                    Err(Stop::Unordered(reason)) => {
+                        // A member out of key order (not one this crate wrote): merged in memory.
+                        part = start;
+                        stats.in_memory.push(reason);
+                        let graph = self.live_rows_of(table, &members.iter().map(|&i| &units[i]).collect::<Vec<_>>(), &units, &last)?;
+                        self.write_graph(&graph, version, &mut part)?
+                    }
+                };
                 for index in &members {
                     removed.extend(units[*index].entries.iter().map(|e| e.file.clone()));
                 }
-                outputs.extend(self.write_graph(&graph, version, &mut part)?);
+                outputs.extend(written);
             }
             report.tables.insert(table.to_string(), stats);
         }
@@ -296,15 +320,14 @@ impl Writer {
             let tail_level = level(last.rows, &policy);
             let run: Vec<&ShardEntry> = edits.iter().rev().take_while(|e| level(e.rows, &policy) == tail_level).collect();
             if run.len() >= policy.merge_factor {
-                let mut graph = Graph::default();
-                for entry in run.iter().rev() {
-                    for batch in shard::read(&self.store.dir, entry, None)? {
-                        graph.edits.extend(schema::edits_from_batch(&batch).map_err(|e| corrupt(&self.store.dir, entry, e))?);
-                    }
-                    removed.insert(entry.file.clone());
-                }
+                let in_order: Vec<&ShardEntry> = run.iter().rev().copied().collect();
+                let mut next_part = || {
+                    part += 1;
+                    part - 1
+                };
+                outputs.extend(merge::concatenate_edits(&self.store.dir, &in_order, version, &mut next_part, policy.batch_rows)?);
+                removed.extend(in_order.iter().map(|e| e.file.clone()));
                 edit_stats.merged = run.len();
-                outputs.extend(self.write_graph(&graph, version, &mut part)?);
             }
         }
         report.tables.insert("edits".into(), edit_stats);
@@ -361,7 +384,8 @@ impl Writer {
         for (index, unit) in units.iter().enumerate() {
             let mut row = 0usize;
             for entry in &unit.entries {
-                for batch in shard::read(&self.store.dir, entry, Some(&["node_id"]))? {
+                for batch in shard::open(&self.store.dir, entry, Some(&["node_id"]), shard::DEFAULT_BATCH_ROWS)? {
+                    let batch = batch?;
                     let ids = text_column(&self.store, entry, &batch, "node_id")?;
                     for i in 0..batch.num_rows() {
                         if live[index][row] {
@@ -445,7 +469,81 @@ impl Writer {
         Ok((units, last, codes))
     }
 
-    /// The live rows of `members` (units of `table`) as a graph.
+    /// Writes the live rows of `members` (indices of `units` of `table`) as shards of commit
+    /// `version`, merging the members' shards by key a batch at a time (`merge.rs`).
+    #[allow(clippy::too_many_arguments)]
+    fn merge_streaming(
+        &self,
+        table: &str,
+        members: &[usize],
+        units: &[Unit],
+        last: &HashMap<Key, (usize, usize)>,
+        version: u64,
+        part: &mut usize,
+        batch_rows: usize,
+    ) -> std::result::Result<Vec<ShardEntry>, Stop> {
+        let dir = self.store.dir.as_path();
+        let mut next_part = || {
+            *part += 1;
+            *part - 1
+        };
+        let part_of = |entry: &ShardEntry| {
+            let name = entry.file.rsplit('/').next().unwrap_or(&entry.file);
+            crate::recover::parse_shard_name(name).map(|parsed| parsed.part)
+        };
+        match table {
+            "nodes" => {
+                let mut runs = Vec::new();
+                for &index in members {
+                    let unit = &units[index];
+                    let steps: Vec<&ShardEntry> = unit.entries.iter().filter(|e| e.table == "steps").collect();
+                    let mut paired = 0;
+                    let mut row = 0usize;
+                    for entry in unit.entries.iter().filter(|e| e.table == "nodes") {
+                        let part = part_of(entry);
+                        let own = steps.iter().copied().find(|s| part.is_some() && part_of(s) == part);
+                        paired += usize::from(own.is_some());
+                        runs.push(Run::new(index, row, entry.file.clone(), Box::new(NodeRows::open(dir, entry, own, batch_rows)?)));
+                        row += entry.rows as usize;
+                    }
+                    if paired != steps.len() {
+                        return Err(Stop::Unordered(format!("commit {}: a steps shard without its nodes shard's part", unit.entries[0].commit)));
+                    }
+                }
+                merge::merge(runs, last, batch_rows, NodeSink::new(dir, version, &mut next_part))
+            }
+            "edges" => {
+                let runs = Self::runs(dir, members, units, batch_rows, schema::edges_from_batch)?;
+                merge::merge(runs, last, batch_rows, EdgeSink::new(dir, version, &mut next_part))
+            }
+            _ => {
+                let runs = Self::runs(dir, members, units, batch_rows, schema::embeddings_from_batch)?;
+                merge::merge(runs, last, batch_rows, EmbeddingSink::new(dir, version, &mut next_part))
+            }
+        }
+    }
+
+    /// A run per shard of `members` (edges or embeddings: a unit is one shard).
+    fn runs<'a, T: Keyed + 'a>(
+        dir: &'a std::path::Path,
+        members: &[usize],
+        units: &[Unit],
+        batch_rows: usize,
+        decode: fn(&arrow_array::RecordBatch) -> fluxmem_graph::Result<Vec<T>>,
+    ) -> Result<Vec<Run<'a, T>>> {
+        let mut runs = Vec::new();
+        for &index in members {
+            let mut row = 0usize;
+            for entry in &units[index].entries {
+                runs.push(Run::new(index, row, entry.file.clone(), merge::rows_of(dir, entry, batch_rows, decode)?));
+                row += entry.rows as usize;
+            }
+        }
+        Ok(runs)
+    }
+
+    /// The live rows of `members` (units of `table`) as a graph: the merge of members that are
+    /// not in key order (see [`Writer::merge_streaming`]).
     fn live_rows_of(&self, table: &str, members: &[&Unit], units: &[Unit], last: &HashMap<Key, (usize, usize)>) -> Result<Graph> {
         let dir = &self.store.dir;
         let mut graph = Graph::default();
@@ -593,4 +691,61 @@ pub(crate) fn staging_in_progress(dir: &std::path::Path) -> bool {
 
 fn corrupt(dir: &std::path::Path, entry: &ShardEntry, source: fluxmem_graph::Error) -> Error {
     Error::Corrupt { path: dir.join(&entry.file), reason: source.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fluxmem_graph::{Edge, NodeId};
+
+    fn edge(i: usize, weight: f32) -> Edge {
+        Edge {
+            src: NodeId(format!("epi-{i:04}")),
+            dst: NodeId("sem-1".into()),
+            kind: EdgeKind::Ground,
+            weight,
+            evidence: 1,
+            stage: "t".into(),
+            run_id: "r".into(),
+            created_at: 0,
+            active: true,
+            metadata: BTreeMap::new(),
+        }
+    }
+
+    /// A shard out of key order (written by hand: no writer of this crate makes one) is merged
+    /// in memory, with the same live rows.
+    #[test]
+    fn a_member_out_of_key_order_is_merged_in_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut writer = Writer::open(dir.path()).unwrap();
+        for night in 0..3 {
+            let mut delta = Graph::default();
+            for i in night * 5..night * 5 + 10 {
+                delta.upsert_edge(edge(i, night as f32));
+            }
+            writer.commit(&delta, CommitInfo { stage: "t".into(), run_id: "r".into(), ..Default::default() }).unwrap();
+        }
+        let expected = writer.store().load().unwrap();
+        // The first edge shard, its rows reversed, in place of the original.
+        let mut manifest = writer.manifest.clone();
+        let at = manifest.shards.iter().position(|s| s.table == "edges").unwrap();
+        let original = manifest.shards[at].clone();
+        let batch = shard::read(dir.path(), &original, None).unwrap().remove(0);
+        let reversed: arrow_array::UInt32Array = (0..batch.num_rows() as u32).rev().collect();
+        let columns = batch.columns().iter().map(|c| arrow_select::take::take(c, &reversed, None).unwrap()).collect();
+        let batch = arrow_array::RecordBatch::try_new(batch.schema(), columns).unwrap();
+        manifest.shards[at] = shard::write(dir.path(), "edges", original.commit, 7, &batch).unwrap();
+        manifest.version += 1;
+        writer.land(manifest, CommitInfo { stage: "t".into(), run_id: "r".into(), ..Default::default() }).unwrap();
+        assert_eq!(writer.store().load().unwrap(), expected, "the reversed shard holds the same rows");
+        let policy = CompactPolicy { merge_factor: 2, min_level_rows: 1, batch_rows: 4, ..Default::default() };
+        let report = writer.compact(&policy, "c").unwrap();
+        assert!(report.tables["edges"].merged >= 2, "{report:?}");
+        assert_eq!(report.tables["edges"].in_memory.len(), 1, "the merge holding the reversed shard: {report:?}");
+        assert_eq!(writer.store().load().unwrap(), expected, "the same live rows after the merge");
+        // No temporary file of the abandoned streaming merge is left.
+        let names: Vec<String> = std::fs::read_dir(dir.path().join("shards")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
+    }
 }

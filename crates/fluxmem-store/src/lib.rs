@@ -57,6 +57,7 @@ mod error;
 mod live;
 mod lock;
 mod manifest;
+mod merge;
 mod recover;
 mod scan;
 mod shard;

@@ -1,14 +1,14 @@
 //! Writing and verified reading of single Parquet shard files.
 
 use arrow_array::RecordBatch;
-use bytes::Bytes;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
 use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
-use std::io::Write;
-use std::path::Path;
+use sha2::{Digest, Sha256};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
 use crate::manifest::{ShardEntry, SCHEMA_VERSION};
@@ -19,24 +19,134 @@ pub(crate) const TABLE_KEY: &str = "fluxmem.table";
 /// Key-value metadata key holding the schema version.
 pub(crate) const VERSION_KEY: &str = "fluxmem.schema_version";
 
-/// Encodes `batch` as a Parquet file of `table` (in memory).
-fn encode(table: &str, batch: &RecordBatch) -> Result<Vec<u8>> {
-    let properties = WriterProperties::builder()
+/// Rows of a shard's row group (the unit a writer buffers, and a reader's statistics cover).
+pub(crate) const ROW_GROUP_ROWS: usize = 128 * 1024;
+
+/// The writer properties of every shard of `table`.
+fn properties(table: &str) -> WriterProperties {
+    WriterProperties::builder()
         .set_compression(Compression::SNAPPY)
+        .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
         .set_key_value_metadata(Some(vec![
             KeyValue::new(TABLE_KEY.into(), table.to_string()),
             KeyValue::new(VERSION_KEY.into(), SCHEMA_VERSION.to_string()),
         ]))
-        .build();
+        .build()
+}
+
+fn encode_error(table: &str) -> impl Fn(parquet::errors::ParquetError) -> Error + '_ {
+    move |e| Error::Corrupt { path: format!("<new {table} shard>").into(), reason: format!("cannot encode: {e}") }
+}
+
+/// Encodes `batch` as a Parquet file of `table` (in memory).
+fn encode(table: &str, batch: &RecordBatch) -> Result<Vec<u8>> {
     let mut buffer = Vec::new();
-    let parquet_error = |e: parquet::errors::ParquetError| Error::Corrupt {
-        path: format!("<new {table} shard>").into(),
-        reason: format!("cannot encode: {e}"),
-    };
-    let mut writer = ArrowWriter::try_new(&mut buffer, batch.schema(), Some(properties)).map_err(parquet_error)?;
-    writer.write(batch).map_err(parquet_error)?;
-    writer.close().map_err(parquet_error)?;
+    let parquet_error = encode_error(table);
+    let mut writer = ArrowWriter::try_new(&mut buffer, batch.schema(), Some(properties(table))).map_err(&parquet_error)?;
+    writer.write(batch).map_err(&parquet_error)?;
+    writer.close().map_err(&parquet_error)?;
     Ok(buffer)
+}
+
+/// The name of shard `part` of `table` in commit `commit` while a [`ShardWriter`] writes it.
+/// Such a file of a commit above the manifest's version is an interrupted commit's garbage
+/// ([`parse_temporary_name`]).
+fn temporary_name(table: &str, commit: u64, part: usize) -> String {
+    format!("{table}-{commit:08}-{part:03}.parquet.tmp")
+}
+
+/// The (table, commit) of a [`ShardWriter`]'s temporary file name; `None` for any other name.
+pub(crate) fn parse_temporary_name(name: &str) -> Option<(String, u64)> {
+    let stem = name.strip_suffix(".parquet.tmp")?;
+    let mut parts = stem.rsplitn(3, '-');
+    let part = parts.next()?;
+    let commit = parts.next()?;
+    let table = parts.next()?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if table.is_empty() || commit.len() < 8 || part.len() < 3 || !digits(commit) || !digits(part) {
+        return None;
+    }
+    Some((table.into(), commit.parse().ok()?))
+}
+
+/// A file that hashes and counts what is written through it.
+struct HashingFile {
+    file: std::io::BufWriter<std::fs::File>,
+    hasher: Sha256,
+    bytes: u64,
+}
+
+impl Write for HashingFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.file.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.flush()
+    }
+}
+
+/// Writes one shard a batch at a time, so that a shard larger than memory can be written
+/// (compaction's merges). The file is written under a temporary name and renamed to its
+/// content-addressed name by [`ShardWriter::finish`]. It writes with [`write`]'s properties
+/// (row groups of [`ROW_GROUP_ROWS`]).
+pub(crate) struct ShardWriter {
+    dir: PathBuf,
+    table: String,
+    commit: u64,
+    part: usize,
+    temporary: PathBuf,
+    writer: Option<ArrowWriter<HashingFile>>,
+    rows: u64,
+}
+
+impl ShardWriter {
+    /// Starts shard `part` of `table` for commit `commit` under `dir`.
+    pub(crate) fn create(dir: &Path, table: &str, commit: u64, part: usize, schema: arrow_schema::SchemaRef) -> Result<ShardWriter> {
+        let temporary = dir.join("shards").join(temporary_name(table, commit, part));
+        let file = std::fs::File::create(&temporary).at(&temporary)?;
+        let out = HashingFile { file: std::io::BufWriter::with_capacity(1 << 20, file), hasher: Sha256::new(), bytes: 0 };
+        let writer = ArrowWriter::try_new(out, schema, Some(properties(table))).map_err(encode_error(table))?;
+        Ok(ShardWriter { dir: dir.to_path_buf(), table: table.into(), commit, part, temporary, writer: Some(writer), rows: 0 })
+    }
+
+    /// Appends `batch`'s rows.
+    pub(crate) fn write(&mut self, batch: &RecordBatch) -> Result<()> {
+        let writer = self.writer.as_mut().expect("a shard writer is open until finished");
+        writer.write(batch).map_err(encode_error(&self.table))?;
+        self.rows += batch.num_rows() as u64;
+        Ok(())
+    }
+
+    /// Closes the file, makes it durable and gives it its content-addressed name.
+    pub(crate) fn finish(mut self) -> Result<ShardEntry> {
+        let writer = self.writer.take().expect("a shard writer is finished once");
+        let out = writer.into_inner().map_err(encode_error(&self.table))?;
+        let HashingFile { file, hasher, bytes } = out;
+        let file = file.into_inner().map_err(|e| Error::Io { path: self.temporary.clone(), source: e.into_error() })?;
+        file.sync_all().at(&self.temporary)?;
+        let sha256 = hex(&hasher.finalize());
+        let name = format!("shards/{}-{:08}-{:03}-{}.parquet", self.table, self.commit, self.part, &sha256[..12]);
+        let path = self.dir.join(&name);
+        std::fs::rename(&self.temporary, &path).at(&path)?;
+        Ok(ShardEntry { table: self.table.clone(), file: name, rows: self.rows, bytes, sha256, commit: self.commit })
+    }
+}
+
+impl Drop for ShardWriter {
+    /// An unfinished writer (an error, an abandoned merge) removes its temporary file.
+    fn drop(&mut self) {
+        if self.writer.take().is_some() {
+            let _ = std::fs::remove_file(&self.temporary);
+        }
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Writes `batch` as a new shard of `table` for commit `commit` under `dir`, durably.
@@ -56,24 +166,59 @@ pub(crate) fn write(dir: &Path, table: &str, commit: u64, part: usize, batch: &R
 
 /// Reads the shard `entry` under `dir`, verifying its checksum, table and row count.
 pub(crate) fn read(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>) -> Result<Vec<RecordBatch>> {
+    open(dir, entry, columns, DEFAULT_BATCH_ROWS)?.collect()
+}
+
+/// Rows of a batch that [`read`] decodes.
+pub(crate) const DEFAULT_BATCH_ROWS: usize = 8192;
+
+/// The batches of a shard, decoded one at a time as they are asked for ([`open`]).
+pub(crate) struct Batches {
+    reader: parquet::arrow::arrow_reader::ParquetRecordBatchReader,
+    path: PathBuf,
+}
+
+impl Iterator for Batches {
+    type Item = Result<RecordBatch>;
+
+    fn next(&mut self) -> Option<Result<RecordBatch>> {
+        let next = self.reader.next()?;
+        Some(next.map_err(|e| Error::Corrupt { path: self.path.clone(), reason: format!("cannot decode: {e}") }))
+    }
+}
+
+/// Opens the shard `entry` under `dir` for reading `batch_rows` rows at a time: its size and
+/// checksum are verified first (one pass over the file, in bounded memory), then its table tag,
+/// schema version and row count (from the footer). Only `columns` are decoded (all: `None`).
+pub(crate) fn open(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>, batch_rows: usize) -> Result<Batches> {
     let path = dir.join(&entry.file);
     let corrupt = |reason: String| Error::Corrupt { path: path.clone(), reason };
-    let bytes = std::fs::read(&path).map_err(|source| {
+    let mut file = std::fs::File::open(&path).map_err(|source| {
         if source.kind() == std::io::ErrorKind::NotFound {
             corrupt("shard listed in the manifest is missing".into())
         } else {
             Error::Io { path: path.clone(), source }
         }
     })?;
-    if bytes.len() as u64 != entry.bytes {
-        return Err(corrupt(format!("{} bytes, the manifest says {}", bytes.len(), entry.bytes)));
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = file.read(&mut buffer).at(&path)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buffer[..n]);
+        bytes += n as u64;
     }
-    let actual = fluxmem_graph::sha256_hex(&bytes);
+    if bytes != entry.bytes {
+        return Err(corrupt(format!("{bytes} bytes, the manifest says {}", entry.bytes)));
+    }
+    let actual = hex(&hasher.finalize());
     if actual != entry.sha256 {
         return Err(corrupt(format!("checksum mismatch: sha256 {actual}, the manifest says {}", entry.sha256)));
     }
-    let builder = ParquetRecordBatchReaderBuilder::try_new(Bytes::from(bytes))
-        .map_err(|e| corrupt(format!("not a readable Parquet file: {e}")))?;
+    let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| corrupt(format!("not a readable Parquet file: {e}")))?;
     let metadata = builder.metadata().file_metadata().key_value_metadata().cloned().unwrap_or_default();
     let lookup = |key: &str| metadata.iter().find(|kv| kv.key == key).and_then(|kv| kv.value.clone());
     if lookup(TABLE_KEY).as_deref() != Some(entry.table.as_str()) {
@@ -82,6 +227,10 @@ pub(crate) fn read(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>) -> 
     if lookup(VERSION_KEY) != Some(SCHEMA_VERSION.to_string()) {
         return Err(corrupt(format!("shard schema version {:?}, expected {SCHEMA_VERSION}", lookup(VERSION_KEY))));
     }
+    let rows = builder.metadata().file_metadata().num_rows();
+    if rows as u64 != entry.rows {
+        return Err(corrupt(format!("{rows} rows, the manifest says {}", entry.rows)));
+    }
     let builder = match columns {
         Some(columns) => {
             let mask = parquet::arrow::ProjectionMask::columns(builder.parquet_schema(), columns.iter().copied());
@@ -89,11 +238,6 @@ pub(crate) fn read(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>) -> 
         }
         None => builder,
     };
-    let reader = builder.build().map_err(|e| corrupt(format!("cannot read: {e}")))?;
-    let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| corrupt(format!("cannot decode: {e}")))?;
-    let rows: usize = batches.iter().map(RecordBatch::num_rows).sum();
-    if rows as u64 != entry.rows {
-        return Err(corrupt(format!("{rows} rows, the manifest says {}", entry.rows)));
-    }
-    Ok(batches)
+    let reader = builder.with_batch_size(batch_rows.max(1)).build().map_err(|e| corrupt(format!("cannot read: {e}")))?;
+    Ok(Batches { reader, path })
 }

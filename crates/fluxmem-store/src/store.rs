@@ -282,8 +282,8 @@ impl Writer {
     }
 
     /// Deletes what an interrupted commit on top of the current manifest left: shard files
-    /// whose commit number (in their name) is above the manifest's version, and temporary
-    /// manifests. Those are provably garbage: a commit's files are named after the version it
+    /// (finished, or a streaming writer's `.parquet.tmp`) whose commit number (in their name) is
+    /// above the manifest's version, and temporary manifests. Those are provably garbage: a commit's files are named after the version it
     /// was about to write, and that version never landed. Any other unlisted file is kept.
     fn remove_interrupted(&self) -> Result<()> {
         let dir = &self.store.dir;
@@ -292,7 +292,10 @@ impl Writer {
         for entry in std::fs::read_dir(&shards_dir).at(&shards_dir)?.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             let listed = live.contains(format!("{SHARDS}/{name}").as_str());
-            let interrupted = crate::recover::parse_shard_name(&name).is_some_and(|parsed| parsed.commit > self.manifest.version);
+            let commit = crate::recover::parse_shard_name(&name).map(|parsed| parsed.commit);
+            // A streaming writer's temporary file (compaction's merges) is named by its commit too.
+            let commit = commit.or_else(|| crate::shard::parse_temporary_name(&name).map(|(_, commit)| commit));
+            let interrupted = commit.is_some_and(|commit| commit > self.manifest.version);
             if !listed && interrupted {
                 std::fs::remove_file(entry.path()).at(&entry.path())?;
             }

@@ -39,9 +39,11 @@ fn edge(src: &NodeId, i: usize, weight: f32) -> Edge {
     }
 }
 
-/// Small levels so that a test of a few thousand rows goes through several merges.
+/// Small levels so that a test of a few thousand rows goes through several merges, and small
+/// batches so that every merge streams its members over many batches (an episode's steps split
+/// across them).
 fn policy() -> CompactPolicy {
-    CompactPolicy { min_level_rows: 20, merge_factor: 4, ..Default::default() }
+    CompactPolicy { min_level_rows: 20, merge_factor: 4, batch_rows: 7, ..Default::default() }
 }
 
 /// Rows stored per live row of `table`, computed from the manifest and the loaded graph.
@@ -92,6 +94,7 @@ fn ten_nights_of_rewrites_stay_within_the_amplification_bound_with_the_same_live
             let amp = amplification(&writer, table, live);
             assert!(amp <= 1.5, "night {night}: {table} amplification {amp:.3} > 1.5 ({report:?})");
             assert_eq!(report.tables[table].live_rows as usize, live, "night {night}: {table} live rows");
+            assert!(report.tables[table].in_memory.is_empty(), "night {night}: {table} merges stream (every shard is in key order)");
         }
         // Steps follow their nodes: as many step rows as the live episodes have steps, give or
         // take those of dead node rows in shards not yet rewritten.
@@ -105,6 +108,37 @@ fn ten_nights_of_rewrites_stay_within_the_amplification_bound_with_the_same_live
     let files = std::fs::read_dir(dir.path().join("shards")).unwrap().count();
     assert_eq!(files, manifest.shards.len() + manifest.retired.len());
     assert!(writer.unlisted_shards().unwrap().is_empty());
+}
+
+/// Five nights into a store at `dir`, compacted after each with `batch_rows`; the shards' hashes.
+fn nights_compacted(dir: &std::path::Path, batch_rows: usize) -> Vec<(String, String)> {
+    let mut writer = Writer::open(dir).unwrap();
+    for night in 0..5 {
+        let mut delta = Graph::default();
+        for i in night * 50..night * 50 + 60 {
+            // Ten of each night's episodes are the previous night's, rewritten.
+            let node = episode(i, night);
+            delta.upsert_edge(edge(&node.id, i, night as f32));
+            delta.upsert_embedding(Embedding { node_id: node.id.clone(), model_id: "m".into(), text_sha256: "h".into(), vector: vec![night as f32; 4] });
+            delta.upsert_node(node);
+        }
+        writer.commit(&delta, info("night")).unwrap();
+        writer.compact(&CompactPolicy { batch_rows, ..policy() }, "c").unwrap();
+    }
+    let mut shards: Vec<(String, String)> = writer.manifest().shards.iter().map(|s| (s.table.clone(), s.sha256.clone())).collect();
+    shards.sort();
+    shards
+}
+
+#[test]
+fn a_merge_writes_the_same_shards_whatever_its_batch_size() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let small = nights_compacted(a.path(), 3);
+    let large = nights_compacted(b.path(), 100_000);
+    assert!(small.iter().any(|(table, _)| table == "steps"), "the nights merged nodes with steps: {small:?}");
+    assert_eq!(small, large, "merging 3 rows at a time or all at once writes the same bytes");
+    let loaded = (Store::open(a.path()).unwrap().load().unwrap(), Store::open(b.path()).unwrap().load().unwrap());
+    assert_eq!(loaded.0, loaded.1);
 }
 
 #[test]

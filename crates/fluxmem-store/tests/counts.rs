@@ -88,7 +88,7 @@ fn counts_follow_added_rows_lapse_on_rewrites_and_return_with_compaction() {
     assert_eq!((stats.episodic, stats.semantic, stats.embedded, stats.ground, stats.link), (7, 3, 7, 5, 6));
     let again = writer.compact(&CompactPolicy::default(), "c").unwrap();
     assert!(!again.counted && !again.committed, "counts that hold are not written again");
-    let merging = CompactPolicy { max_dead_fraction: 0.0, merge_factor: 2, min_level_rows: 1 };
+    let merging = CompactPolicy { max_dead_fraction: 0.0, merge_factor: 2, min_level_rows: 1, ..Default::default() };
     let report = writer.compact(&merging, "c").unwrap();
     assert!(report.committed && report.counted);
     let (stats, held, counted) = counts(dir.path());

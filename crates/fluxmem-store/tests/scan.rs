@@ -215,7 +215,7 @@ fn live_streams_each_live_row_once_and_skips_superseded_ones() {
     };
     let before = check(&writer);
     assert!(before.iter().any(|e| e.weight == 3.0) && before.iter().any(|e| e.weight == 0.0), "rows of the first and the last commit are live");
-    let report = writer.compact(&fluxmem_store::CompactPolicy { max_dead_fraction: 0.0, merge_factor: 2, min_level_rows: 1 }, "c").unwrap();
+    let report = writer.compact(&fluxmem_store::CompactPolicy { max_dead_fraction: 0.0, merge_factor: 2, min_level_rows: 1, ..Default::default() }, "c").unwrap();
     assert!(report.committed);
     let mut after = check(&writer);
     let mut before = before;

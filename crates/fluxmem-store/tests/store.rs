@@ -274,10 +274,16 @@ fn interrupted_commit_leaves_the_old_state_and_is_cleaned_up() {
     // An interrupted commit: a shard written, the manifest never renamed, a temp manifest left.
     std::fs::write(dir.path().join("shards/nodes-00000002-000-deadbeef0000.parquet"), b"partial").unwrap();
     std::fs::write(dir.path().join("manifest.json.tmp-4242"), b"{").unwrap();
+    // A killed compaction's streaming writer: its file under the temporary name. One of the
+    // current commit's number is not provably garbage (no writer names a file so) and stays.
+    std::fs::write(dir.path().join("shards/edges-00000002-001.parquet.tmp"), b"partial").unwrap();
+    std::fs::write(dir.path().join("shards/edges-00000001-001.parquet.tmp"), b"not ours").unwrap();
     assert_eq!(Store::open(dir.path()).unwrap().load().unwrap(), graph);
     let writer = Writer::open(dir.path()).unwrap();
     assert_eq!(writer.manifest(), &before);
     assert!(!dir.path().join("shards/nodes-00000002-000-deadbeef0000.parquet").exists());
+    assert!(!dir.path().join("shards/edges-00000002-001.parquet.tmp").exists());
+    assert!(dir.path().join("shards/edges-00000001-001.parquet.tmp").exists());
     assert!(!dir.path().join("manifest.json.tmp-4242").exists());
 }
 
