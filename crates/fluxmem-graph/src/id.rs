@@ -25,6 +25,7 @@ impl NodeId {
     }
 
     /// The id as a string slice.
+    #[inline]
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -38,6 +39,7 @@ impl fmt::Display for NodeId {
 
 // Ordered and hashed as its string, so sets of ids can be asked about a `&str`.
 impl std::borrow::Borrow<str> for NodeId {
+    #[inline]
     fn borrow(&self) -> &str {
         &self.0
     }

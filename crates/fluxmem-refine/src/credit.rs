@@ -42,6 +42,9 @@ use serde::Serialize;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+/// The maps keyed by node ids (millions of lookups a night): a fast hash, seeded fixed.
+type Fast = foldhash::fast::FixedState;
+
 use crate::query::STAGE;
 // Stage I's progress callbacks serve here too (counted in edges assessed).
 use fluxmem_connect::Progress;
@@ -137,11 +140,11 @@ struct Info {
 /// The nodes as credit assignment sees them, built one node row at a time.
 #[derive(Default)]
 struct Nodes {
-    info: HashMap<NodeId, Info>,
+    info: HashMap<NodeId, Info, Fast>,
     tenants: Vec<String>,
-    tenant_ids: HashMap<String, u32>,
+    tenant_ids: HashMap<String, u32, Fast>,
     tasks: Vec<String>,
-    task_ids: HashMap<String, u32>,
+    task_ids: HashMap<String, u32, Fast>,
 }
 
 impl Nodes {
@@ -164,7 +167,7 @@ impl Nodes {
     }
 }
 
-fn intern(names: &mut Vec<String>, ids: &mut HashMap<String, u32>, name: &str) -> u32 {
+fn intern(names: &mut Vec<String>, ids: &mut HashMap<String, u32, Fast>, name: &str) -> u32 {
     if let Some(&id) = ids.get(name) {
         return id;
     }
@@ -283,6 +286,43 @@ impl Edges for fluxmem_store::Live<'_> {
     }
 }
 
+/// The last source looked up, with what was found: edges come in runs of one source.
+#[derive(Default)]
+struct SrcMemo {
+    src: Option<String>,
+    info: Option<Info>,
+    sum: Option<(u128, usize)>,
+}
+
+impl SrcMemo {
+    fn remember(&mut self, src: &str) -> bool {
+        if self.src.as_deref() == Some(src) {
+            return true;
+        }
+        let key = self.src.get_or_insert_with(String::new);
+        key.clear();
+        key.push_str(src);
+        false
+    }
+
+    /// `info[src]`.
+    fn info(&mut self, info: &HashMap<NodeId, Info, Fast>, src: &str) -> Option<Info> {
+        if !self.remember(src) {
+            self.info = info.get(src).copied();
+        }
+        self.info
+    }
+
+    /// `info[src]` and `behind[src]` (once `behind` is complete).
+    fn info_and_sum(&mut self, info: &HashMap<NodeId, Info, Fast>, behind: &HashMap<NodeId, (u128, usize), Fast>, src: &str) -> (Option<Info>, Option<(u128, usize)>) {
+        if !self.remember(src) {
+            self.info = info.get(src).copied();
+            self.sum = behind.get(src).copied();
+        }
+        (self.info, self.sum)
+    }
+}
+
 /// An edge credit assignment writes: the row it replaces (none for a new link), the new row,
 /// the edit kind and its reason.
 struct Change {
@@ -344,7 +384,7 @@ fn assign_over(
         entry.0 += r;
         entry.1 += 1;
     }
-    let mut base: HashMap<u32, f64> = HashMap::new();
+    let mut base: HashMap<u32, f64, Fast> = HashMap::default();
     for (tenant, (sum, n)) in &per_tenant {
         let now = (sum / *n as f64).clamp(0.05, 0.95);
         let used = match priors.get(*tenant) {
@@ -364,23 +404,40 @@ fn assign_over(
     // And the links each failure already has to successes of its task: they count towards the
     // cap, so a later night adds none once a failure has its links.
     // Read as ends only (no edge decoded); ids are copied only for the entries they create.
-    let mut behind: HashMap<NodeId, (u128, usize)> = HashMap::new();
-    let mut failure_links: HashSet<(NodeId, NodeId)> = HashSet::new();
+    // Edges come in key order within a shard, so runs of one source: its lookups are made once
+    // a run (`SrcMemo`), and its outcome sum is added up over the run, then stored (`pending`).
+    let mut behind: HashMap<NodeId, (u128, usize), Fast> = HashMap::default();
+    let mut failure_links: HashSet<(NodeId, NodeId), Fast> = HashSet::default();
+    let mut memo = SrcMemo::default();
+    let mut pending: (String, u128, usize) = (String::new(), 0, 0);
+    let flush = |behind: &mut HashMap<NodeId, (u128, usize), Fast>, pending: &mut (String, u128, usize)| {
+        if pending.2 > 0 {
+            match behind.get_mut(pending.0.as_str()) {
+                Some(entry) => *entry = (entry.0 + pending.1, entry.1 + pending.2),
+                None => {
+                    behind.insert(NodeId(pending.0.clone()), (pending.1, pending.2));
+                }
+            }
+        }
+        pending.1 = 0;
+        pending.2 = 0;
+    };
     edges.ends(&[EdgeKind::Ground, EdgeKind::Link], &mut |src, dst, kind, relation| match kind {
         EdgeKind::Ground if !relation => {
             // An end missing from the store does not make the edge cross.
             let Some(d) = info.get(dst) else { return };
-            let Some(r) = d.outcome.filter(|_| info.get(src).is_none_or(|s| s.tenant == d.tenant)) else { return };
+            let Some(r) = d.outcome.filter(|_| memo.info(info, src).is_none_or(|s| s.tenant == d.tenant)) else { return };
             let add = (r * FIXED).round() as u128;
-            match behind.get_mut(src) {
-                Some(entry) => *entry = (entry.0 + add, entry.1 + 1),
-                None => {
-                    behind.insert(NodeId(src.to_string()), (add, 1));
-                }
+            if pending.0 != src {
+                flush(&mut behind, &mut pending);
+                pending.0.clear();
+                pending.0.push_str(src);
             }
+            pending.1 += add;
+            pending.2 += 1;
         }
         EdgeKind::Link if options.link_failures => {
-            let (Some(s), Some(d)) = (info.get(src), info.get(dst)) else { return };
+            let (Some(s), Some(d)) = (memo.info(info, src), info.get(dst)) else { return };
             if let (Some(a), Some(b)) = (s.outcome, d.outcome) {
                 if a < 0.5 && b >= 0.5 && s.task == d.task {
                     failure_links.insert((NodeId(src.to_string()), NodeId(dst.to_string())));
@@ -389,8 +446,9 @@ fn assign_over(
         }
         _ => {}
     })?;
+    flush(&mut behind, &mut pending);
     // Each failure's links to successes of its task (one per edge key).
-    let mut linked: HashMap<&NodeId, usize> = HashMap::new();
+    let mut linked: HashMap<&NodeId, usize, Fast> = HashMap::default();
     for (failure, _) in &failure_links {
         *linked.entry(failure).or_default() += 1;
     }
@@ -398,8 +456,10 @@ fn assign_over(
     // Pass 2: edge by edge, what changes, decided on a light view of the row (the stored
     // metadata's five credit keys, no map); only the rows that change are decoded whole.
     let mut changes = Vec::new();
+    let mut memo = SrcMemo::default();
     let mut decide = |view: &View<'_>| -> Option<Verdict> {
-        let (src_info, dst_info) = (info.get(view.src), info.get(view.dst));
+        let (src_info, src_behind) = memo.info_and_sum(info, &behind, view.src);
+        let (src_info, dst_info) = (src_info.as_ref(), info.get(view.dst));
         let within = match (src_info, dst_info) {
             (Some(s), Some(d)) => s.tenant == d.tenant,
             _ => true,
@@ -416,8 +476,8 @@ fn assign_over(
         let dst_outcome = dst_info.and_then(|i| i.outcome);
         let dst_rate = dst_info.and_then(|i| base.get(&i.tenant)).copied();
         let (credit, evidence) = match view.kind {
-            EdgeKind::Ground if !view.meta.relation => match (behind.get(view.src), dst_rate) {
-                (Some(&(sum, n)), Some(p)) if dst_outcome.is_some() => {
+            EdgeKind::Ground if !view.meta.relation => match (src_behind, dst_rate) {
+                (Some((sum, n)), Some(p)) if dst_outcome.is_some() => {
                     let sum = sum as f64 / FIXED;
                     (((sum + options.prior * p) / (n as f64 + options.prior)) / p, n)
                 }

@@ -128,6 +128,10 @@ struct Unit {
 
 pub(crate) type Key = [u8; 16];
 
+/// A map keyed by row keys: a key is already a hash, so a fast hash of it is enough; seeded
+/// fixed, so nothing depends on a per-process seed.
+pub(crate) type KeyMap<V> = HashMap<Key, V, foldhash::fast::FixedState>;
+
 pub(crate) fn key_of(parts: &[&str]) -> Key {
     let mut hasher = Sha256::new();
     for part in parts {
@@ -140,7 +144,7 @@ pub(crate) fn key_of(parts: &[&str]) -> Key {
 /// For each key of `table`, the position (group, row) of its winning row (the last one written).
 /// `groups` come in commit order, each the shards of `table` whose rows are counted on from one
 /// to the next (a compaction unit; one shard for [`Store::live`]). Reads only the key columns.
-pub(crate) fn winning_rows<'e>(store: &Store, table: &str, groups: impl Iterator<Item = Vec<&'e ShardEntry>>) -> Result<HashMap<Key, (usize, usize)>> {
+pub(crate) fn winning_rows<'e>(store: &Store, table: &str, groups: impl Iterator<Item = Vec<&'e ShardEntry>>) -> Result<KeyMap<(usize, usize)>> {
     Ok(winning_rows_coded(store, table, groups, None)?.0)
 }
 
@@ -159,8 +163,8 @@ pub(crate) fn winning_rows_coded<'e>(
     table: &str,
     groups: impl Iterator<Item = Vec<&'e ShardEntry>>,
     code: Option<&RowCode<'_>>,
-) -> Result<(HashMap<Key, (usize, usize)>, Vec<Vec<u8>>)> {
-    let mut last: HashMap<Key, (usize, usize)> = HashMap::new();
+) -> Result<(KeyMap<(usize, usize)>, Vec<Vec<u8>>)> {
+    let mut last: KeyMap<(usize, usize)> = KeyMap::default();
     let mut codes: Vec<Vec<u8>> = Vec::new();
     let keys = key_columns(table);
     let mut columns: Vec<&str> = keys.to_vec();
@@ -172,8 +176,10 @@ pub(crate) fn winning_rows_coded<'e>(
             for batch in shard::open(&store.dir, entry, Some(&columns), shard::DEFAULT_BATCH_ROWS)? {
                 let batch = batch?;
                 let strings: Vec<&arrow_array::StringArray> = keys.iter().map(|name| text_column(store, entry, &batch, name)).collect::<Result<_>>()?;
+                let mut parts: Vec<&str> = Vec::with_capacity(strings.len());
                 for i in 0..batch.num_rows() {
-                    let parts: Vec<&str> = strings.iter().map(|s| s.value(i)).collect();
+                    parts.clear();
+                    parts.extend(strings.iter().map(|s| s.value(i)));
                     last.insert(key_of(&parts), (index, row));
                     row += 1;
                 }
@@ -369,7 +375,7 @@ impl Writer {
     /// The counts of the live rows of `table`: nodes by kind and active edges by kind (from the
     /// row codes [`Writer::live_units`] read with the keys, [`NODE_CODES`], [`EDGE_CODES`]),
     /// and nodes with a vector (their `node_id` read again, to count each node once).
-    fn count_table(&self, table: &str, units: &[Unit], last: &HashMap<Key, (usize, usize)>, codes: &[Vec<u8>]) -> Result<GraphStats> {
+    fn count_table(&self, table: &str, units: &[Unit], last: &KeyMap<(usize, usize)>, codes: &[Vec<u8>]) -> Result<GraphStats> {
         let code = |&(unit, row): &(usize, usize)| codes[unit][row] as usize;
         match table {
             "nodes" => return Ok(GraphStats::count(last.values().map(|at| NODE_CODES[code(at)]), [], 0)),
@@ -380,7 +386,7 @@ impl Writer {
         for &(unit, row) in last.values() {
             live[unit][row] = true;
         }
-        let mut embedded: HashSet<Key> = HashSet::new();
+        let mut embedded: HashSet<Key, foldhash::fast::FixedState> = HashSet::default();
         for (index, unit) in units.iter().enumerate() {
             let mut row = 0usize;
             for entry in &unit.entries {
@@ -414,7 +420,7 @@ impl Writer {
     /// (unit, row) of its winning row, and each stored row's code (nodes: kind; edges: kind if
     /// active, else 0; embeddings: none) for the live counts. Reads the key columns and, for
     /// the codes, `kind` and `active`.
-    fn live_units(&self, manifest: &Manifest, table: &str) -> Result<(Vec<Unit>, HashMap<Key, (usize, usize)>, Vec<Vec<u8>>)> {
+    fn live_units(&self, manifest: &Manifest, table: &str) -> Result<(Vec<Unit>, KeyMap<(usize, usize)>, Vec<Vec<u8>>)> {
         let entries = sorted(manifest, table);
         let mut units: Vec<Unit> = Vec::new();
         for entry in entries {
@@ -477,7 +483,7 @@ impl Writer {
         table: &str,
         members: &[usize],
         units: &[Unit],
-        last: &HashMap<Key, (usize, usize)>,
+        last: &KeyMap<(usize, usize)>,
         version: u64,
         part: &mut usize,
         batch_rows: usize,
@@ -544,7 +550,7 @@ impl Writer {
 
     /// The live rows of `members` (units of `table`) as a graph: the merge of members that are
     /// not in key order (see [`Writer::merge_streaming`]).
-    fn live_rows_of(&self, table: &str, members: &[&Unit], units: &[Unit], last: &HashMap<Key, (usize, usize)>) -> Result<Graph> {
+    fn live_rows_of(&self, table: &str, members: &[&Unit], units: &[Unit], last: &KeyMap<(usize, usize)>) -> Result<Graph> {
         let dir = &self.store.dir;
         let mut graph = Graph::default();
         for unit in members {
@@ -555,12 +561,14 @@ impl Writer {
                 "nodes" => {
                     let mut steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
                     for entry in unit.entries.iter().filter(|e| e.table == "steps") {
-                        for batch in shard::read(dir, entry, None)? {
+                        for batch in shard::batches(dir, entry, None)? {
+                            let batch = batch?;
                             schema::steps_from_batch(&batch, &mut steps).map_err(|e| corrupt(dir, entry, e))?;
                         }
                     }
                     for entry in unit.entries.iter().filter(|e| e.table == "nodes") {
-                        for batch in shard::read(dir, entry, None)? {
+                        for batch in shard::batches(dir, entry, None)? {
+                            let batch = batch?;
                             for node in schema::nodes_from_batch(&batch, &steps).map_err(|e| corrupt(dir, entry, e))? {
                                 if wins(&[node.id.as_str()], row) {
                                     graph.upsert_node(node);
@@ -572,7 +580,8 @@ impl Writer {
                 }
                 "edges" => {
                     for entry in &unit.entries {
-                        for batch in shard::read(dir, entry, None)? {
+                        for batch in shard::batches(dir, entry, None)? {
+                            let batch = batch?;
                             for edge in schema::edges_from_batch(&batch).map_err(|e| corrupt(dir, entry, e))? {
                                 if wins(&[edge.src.as_str(), edge.dst.as_str(), edge.kind.as_str()], row) {
                                     graph.upsert_edge(edge);
@@ -584,7 +593,8 @@ impl Writer {
                 }
                 _ => {
                     for entry in &unit.entries {
-                        for batch in shard::read(dir, entry, None)? {
+                        for batch in shard::batches(dir, entry, None)? {
+                            let batch = batch?;
                             for embedding in schema::embeddings_from_batch(&batch).map_err(|e| corrupt(dir, entry, e))? {
                                 if wins(&[embedding.node_id.as_str(), embedding.model_id.as_str()], row) {
                                     graph.upsert_embedding(embedding);

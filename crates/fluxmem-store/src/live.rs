@@ -186,7 +186,8 @@ impl Live<'_> {
                 continue;
             }
             let mut start = 0usize;
-            for batch in shard::read(&self.store.dir, entry, columns)? {
+            for batch in shard::batches(&self.store.dir, entry, columns)? {
+                let batch = batch?;
                 let end = start + batch.num_rows();
                 let live = flags.get(start..end).ok_or_else(|| self.store.corrupt(entry, format!("{end} rows, the key columns had {}", flags.len())))?;
                 f(entry, &batch, live)?;

@@ -16,10 +16,10 @@ use arrow_array::cast::AsArray;
 use arrow_array::Array;
 use fluxmem_graph::{schema, Edge, EdgeKey, Embedding, Node, NodeId, Step};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap};
 use std::path::Path;
 
-use crate::compact::{key_of, Key};
+use crate::compact::{key_of, Key, KeyMap};
 use crate::manifest::ShardEntry;
 use crate::shard::{self, Batches, ShardWriter};
 use crate::{Error, Result};
@@ -95,7 +95,7 @@ impl<'a, T: Keyed> Run<'a, T> {
     }
 
     /// The next row of this run that wins its key, checking the run's order on the way.
-    fn next_winner(&mut self, last: &HashMap<Key, (usize, usize)>) -> Flow<Option<T>> {
+    fn next_winner(&mut self, last: &KeyMap<(usize, usize)>) -> Flow<Option<T>> {
         loop {
             let item = match self.items.next() {
                 Some(item) => item,
@@ -129,7 +129,7 @@ pub(crate) trait Sink<T> {
 }
 
 /// Merges `runs` by key, writing the winning rows to `sink` `batch_rows` at a time.
-pub(crate) fn merge<T: Keyed, S: Sink<T>>(runs: Vec<Run<'_, T>>, last: &HashMap<Key, (usize, usize)>, batch_rows: usize, mut sink: S) -> Flow<Vec<ShardEntry>> {
+pub(crate) fn merge<T: Keyed, S: Sink<T>>(runs: Vec<Run<'_, T>>, last: &KeyMap<(usize, usize)>, batch_rows: usize, mut sink: S) -> Flow<Vec<ShardEntry>> {
     let mut runs = runs;
     let mut heads: Vec<Option<T>> = Vec::with_capacity(runs.len());
     let mut heap: BinaryHeap<Reverse<(T::Order, usize)>> = BinaryHeap::new();
@@ -438,8 +438,8 @@ mod tests {
     }
 
     /// The winners as the liveness pass would mark them: the last unit holding a key wins.
-    fn winners(units: &[Vec<Edge>]) -> HashMap<Key, (usize, usize)> {
-        let mut last = HashMap::new();
+    fn winners(units: &[Vec<Edge>]) -> KeyMap<(usize, usize)> {
+        let mut last = KeyMap::default();
         for (unit, rows) in units.iter().enumerate() {
             for (row, edge) in rows.iter().enumerate() {
                 last.insert(Keyed::key(edge), (unit, row));

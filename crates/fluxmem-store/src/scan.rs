@@ -109,7 +109,8 @@ impl Store {
             let mut steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
             if scan.nodes && scan.steps.wants() {
                 for entry in shards.iter().filter(|s| s.table == "steps") {
-                    for batch in shard::read(&self.dir, entry, None)? {
+                    for batch in shard::batches(&self.dir, entry, None)? {
+                        let batch = batch?;
                         let batch = match &scan.steps {
                             Rows::Of(ids) => filter(&batch, "episode_id", &|v| ids.contains(v)).map_err(|reason| self.corrupt(entry, reason))?,
                             _ => batch,
@@ -123,7 +124,8 @@ impl Store {
                     "steps" => {}
                     "nodes" if scan.nodes => {
                         let steps_read = |id: &NodeId| scan.steps.contains(id.as_str());
-                        for batch in shard::read(&self.dir, entry, None)? {
+                        for batch in shard::batches(&self.dir, entry, None)? {
+                            let batch = batch?;
                             let batch = match &scan.nodes_of {
                                 Some(ids) => filter(&batch, "id", &|v| ids.contains(v)).map_err(|reason| self.corrupt(entry, reason))?,
                                 None => batch,
@@ -133,14 +135,16 @@ impl Store {
                         }
                     }
                     "edges" if scan.edges => {
-                        for batch in shard::read(&self.dir, entry, None)? {
+                        for batch in shard::batches(&self.dir, entry, None)? {
+                            let batch = batch?;
                             let batch = self.of_kinds(entry, batch, &edge_kinds)?;
                             let edges = schema::edges_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
                             edges.into_iter().for_each(|e| graph.upsert_edge(e));
                         }
                     }
                     "edits" if scan.edits => {
-                        for batch in shard::read(&self.dir, entry, None)? {
+                        for batch in shard::batches(&self.dir, entry, None)? {
+                            let batch = batch?;
                             let batch = self.of_kinds(entry, batch, &edit_kinds)?;
                             graph.edits.extend(schema::edits_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?);
                         }
@@ -166,7 +170,8 @@ impl Store {
         let mut heads = BTreeMap::new();
         let columns = ["src", "dst", "kind", "active", "metadata"];
         for entry in sorted(manifest, "edges") {
-            for batch in shard::read(&self.dir, &entry, Some(&columns))? {
+            for batch in shard::batches(&self.dir, &entry, Some(&columns))? {
+                let batch = batch?;
                 let text = |name: &str| text_column(self, &entry, &batch, name);
                 let (src, dst, kind, metadata) = (text("src")?, text("dst")?, text("kind")?, text("metadata")?);
                 let active = batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or_else(|| self.corrupt(&entry, "column `active` is not boolean".into()))?;
@@ -184,7 +189,8 @@ impl Store {
     pub fn node_kinds(&self, manifest: &Manifest) -> Result<BTreeMap<NodeId, NodeKind>> {
         let mut kinds = BTreeMap::new();
         for entry in sorted(manifest, "nodes") {
-            for batch in shard::read(&self.dir, &entry, Some(&["id", "kind"]))? {
+            for batch in shard::batches(&self.dir, &entry, Some(&["id", "kind"]))? {
+                let batch = batch?;
                 let (ids, kind) = (text_column(self, &entry, &batch, "id")?, text_column(self, &entry, &batch, "kind")?);
                 for row in 0..batch.num_rows() {
                     let parsed = NodeKind::parse(kind.value(row)).ok_or_else(|| self.corrupt(&entry, format!("row {row}: unknown node kind `{}`", kind.value(row))))?;
@@ -199,7 +205,8 @@ impl Store {
     pub fn embedding_keys(&self, manifest: &Manifest) -> Result<BTreeSet<(NodeId, String)>> {
         let mut keys = BTreeSet::new();
         for entry in sorted(manifest, "embeddings") {
-            for batch in shard::read(&self.dir, &entry, Some(&["node_id", "model_id"]))? {
+            for batch in shard::batches(&self.dir, &entry, Some(&["node_id", "model_id"]))? {
+                let batch = batch?;
                 let (ids, models) = (text_column(self, &entry, &batch, "node_id")?, text_column(self, &entry, &batch, "model_id")?);
                 for row in 0..batch.num_rows() {
                     keys.insert((NodeId(ids.value(row).to_string()), models.value(row).to_string()));
@@ -212,7 +219,8 @@ impl Store {
     fn scan_embeddings(&self, entry: &ShardEntry, scan: &Scan, graph: &mut Graph) -> Result<()> {
         if scan.vectors == Rows::All || !scan.embedding_keys {
             // Whole rows only (all of them, or the filtered ones).
-            for batch in shard::read(&self.dir, entry, None)? {
+            for batch in shard::batches(&self.dir, entry, None)? {
+                let batch = batch?;
                 let batch = match &scan.vectors {
                     Rows::Of(ids) => filter(&batch, "node_id", &|v| ids.contains(v)).map_err(|reason| self.corrupt(entry, reason))?,
                     _ => batch,
@@ -225,7 +233,8 @@ impl Store {
         // Keys of every row; the vectors of the rows asked for whole.
         let columns = ["node_id", "model_id", "text_sha256"];
         let mut wanted = BTreeSet::new();
-        for batch in shard::read(&self.dir, entry, Some(&columns))? {
+        for batch in shard::batches(&self.dir, entry, Some(&columns))? {
+            let batch = batch?;
             let strings: Vec<_> = columns.iter().map(|name| text_column(self, entry, &batch, name)).collect::<Result<_>>()?;
             for row in 0..batch.num_rows() {
                 let node_id = strings[0].value(row);
@@ -241,7 +250,8 @@ impl Store {
             }
         }
         if !wanted.is_empty() {
-            for batch in shard::read(&self.dir, entry, None)? {
+            for batch in shard::batches(&self.dir, entry, None)? {
+                let batch = batch?;
                 let batch = filter(&batch, "node_id", &|v| wanted.contains(v)).map_err(|reason| self.corrupt(entry, reason))?;
                 let embeddings = schema::embeddings_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
                 embeddings.into_iter().for_each(|e| graph.upsert_embedding(e));

@@ -169,7 +169,13 @@ pub(crate) fn read(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>) -> 
     open(dir, entry, columns, DEFAULT_BATCH_ROWS)?.collect()
 }
 
-/// Rows of a batch that [`read`] decodes.
+/// The batches of the shard `entry` under `dir`, [`DEFAULT_BATCH_ROWS`] rows at a time: what a
+/// loop over a shard's rows reads, one batch in memory, not the shard ([`open`]).
+pub(crate) fn batches(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>) -> Result<Batches> {
+    open(dir, entry, columns, DEFAULT_BATCH_ROWS)
+}
+
+/// Rows of a batch that [`read`] and [`batches`] decode.
 pub(crate) const DEFAULT_BATCH_ROWS: usize = 8192;
 
 /// The batches of a shard, decoded one at a time as they are asked for ([`open`]).

@@ -69,7 +69,8 @@ impl Store {
     pub fn node_ids(&self, manifest: &Manifest) -> Result<BTreeSet<NodeId>> {
         let mut ids = BTreeSet::new();
         for entry in manifest.shards.iter().filter(|s| s.table == "nodes") {
-            for batch in shard::read(&self.dir, entry, Some(&["id"]))? {
+            for batch in shard::batches(&self.dir, entry, Some(&["id"]))? {
+                let batch = batch?;
                 let column = batch.column(0);
                 let strings = arrow_array::cast::AsArray::as_string::<i32>(column.as_ref());
                 ids.extend(strings.iter().flatten().map(NodeId::from));
