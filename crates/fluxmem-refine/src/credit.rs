@@ -42,13 +42,13 @@ use serde::Serialize;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-/// The maps keyed by node ids (millions of lookups a night): a fast hash, seeded fixed.
-type Fast = foldhash::fast::FixedState;
-
 use crate::query::STAGE;
 // Stage I's progress callbacks serve here too (counted in edges assessed).
 use fluxmem_connect::Progress;
 use crate::Result;
+
+/// The maps keyed by node ids (millions of lookups a night): a fast hash, seeded fixed.
+type Fast = foldhash::fast::FixedState;
 
 /// Settings of the batch credit assignment.
 #[derive(Debug, Clone, Serialize)]
@@ -286,7 +286,7 @@ impl Edges for fluxmem_store::Live<'_> {
     }
 }
 
-/// The last source looked up, with what was found: edges come in runs of one source.
+/// Pass 2's last source looked up, with what was found: edges come in runs of one source.
 #[derive(Default)]
 struct SrcMemo {
     src: Option<String>,
@@ -305,14 +305,6 @@ impl SrcMemo {
         false
     }
 
-    /// `info[src]`.
-    fn info(&mut self, info: &HashMap<NodeId, Info, Fast>, src: &str) -> Option<Info> {
-        if !self.remember(src) {
-            self.info = info.get(src).copied();
-        }
-        self.info
-    }
-
     /// `info[src]` and `behind[src]` (once `behind` is complete).
     fn info_and_sum(&mut self, info: &HashMap<NodeId, Info, Fast>, behind: &HashMap<NodeId, (u128, usize), Fast>, src: &str) -> (Option<Info>, Option<(u128, usize)>) {
         if !self.remember(src) {
@@ -320,6 +312,43 @@ impl SrcMemo {
             self.sum = behind.get(src).copied();
         }
         (self.info, self.sum)
+    }
+}
+
+/// Pass 1's current run of one source: its `info` looked up once, and the outcomes behind it
+/// summed over the run, added to `behind` when the run ends.
+#[derive(Default)]
+struct Run {
+    src: Option<String>,
+    info: Option<Info>,
+    sum: u128,
+    n: usize,
+}
+
+impl Run {
+    /// Makes `src` the current source (ending the run of another) and returns `info[src]`.
+    fn enter(&mut self, src: &str, info: &HashMap<NodeId, Info, Fast>, behind: &mut HashMap<NodeId, (u128, usize), Fast>) -> Option<Info> {
+        if self.src.as_deref() != Some(src) {
+            self.flush(behind);
+            let key = self.src.get_or_insert_with(String::new);
+            key.clear();
+            key.push_str(src);
+            self.info = info.get(src).copied();
+        }
+        self.info
+    }
+
+    /// Adds the run's sum to `behind[src]`.
+    fn flush(&mut self, behind: &mut HashMap<NodeId, (u128, usize), Fast>) {
+        let Some(src) = self.src.as_deref().filter(|_| self.n > 0) else { return };
+        match behind.get_mut(src) {
+            Some(entry) => *entry = (entry.0 + self.sum, entry.1 + self.n),
+            None => {
+                behind.insert(NodeId(src.to_string()), (self.sum, self.n));
+            }
+        }
+        self.sum = 0;
+        self.n = 0;
     }
 }
 
@@ -405,39 +434,22 @@ fn assign_over(
     // cap, so a later night adds none once a failure has its links.
     // Read as ends only (no edge decoded); ids are copied only for the entries they create.
     // Edges come in key order within a shard, so runs of one source: its lookups are made once
-    // a run (`SrcMemo`), and its outcome sum is added up over the run, then stored (`pending`).
+    // a run, and its outcome sum is added up over the run, then stored (`Run`).
     let mut behind: HashMap<NodeId, (u128, usize), Fast> = HashMap::default();
     let mut failure_links: HashSet<(NodeId, NodeId), Fast> = HashSet::default();
-    let mut memo = SrcMemo::default();
-    let mut pending: (String, u128, usize) = (String::new(), 0, 0);
-    let flush = |behind: &mut HashMap<NodeId, (u128, usize), Fast>, pending: &mut (String, u128, usize)| {
-        if pending.2 > 0 {
-            match behind.get_mut(pending.0.as_str()) {
-                Some(entry) => *entry = (entry.0 + pending.1, entry.1 + pending.2),
-                None => {
-                    behind.insert(NodeId(pending.0.clone()), (pending.1, pending.2));
-                }
-            }
-        }
-        pending.1 = 0;
-        pending.2 = 0;
-    };
+    let mut run = Run::default();
     edges.ends(&[EdgeKind::Ground, EdgeKind::Link], &mut |src, dst, kind, relation| match kind {
         EdgeKind::Ground if !relation => {
             // An end missing from the store does not make the edge cross.
             let Some(d) = info.get(dst) else { return };
-            let Some(r) = d.outcome.filter(|_| memo.info(info, src).is_none_or(|s| s.tenant == d.tenant)) else { return };
-            let add = (r * FIXED).round() as u128;
-            if pending.0 != src {
-                flush(&mut behind, &mut pending);
-                pending.0.clear();
-                pending.0.push_str(src);
+            let Some(r) = d.outcome else { return };
+            if run.enter(src, info, &mut behind).is_none_or(|s| s.tenant == d.tenant) {
+                run.sum += (r * FIXED).round() as u128;
+                run.n += 1;
             }
-            pending.1 += add;
-            pending.2 += 1;
         }
         EdgeKind::Link if options.link_failures => {
-            let (Some(s), Some(d)) = (memo.info(info, src), info.get(dst)) else { return };
+            let (Some(s), Some(d)) = (run.enter(src, info, &mut behind), info.get(dst)) else { return };
             if let (Some(a), Some(b)) = (s.outcome, d.outcome) {
                 if a < 0.5 && b >= 0.5 && s.task == d.task {
                     failure_links.insert((NodeId(src.to_string()), NodeId(dst.to_string())));
@@ -446,7 +458,7 @@ fn assign_over(
         }
         _ => {}
     })?;
-    flush(&mut behind, &mut pending);
+    run.flush(&mut behind);
     // Each failure's links to successes of its task (one per edge key).
     let mut linked: HashMap<&NodeId, usize, Fast> = HashMap::default();
     for (failure, _) in &failure_links {

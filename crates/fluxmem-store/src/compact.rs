@@ -132,6 +132,9 @@ pub(crate) type Key = [u8; 16];
 /// fixed, so nothing depends on a per-process seed.
 pub(crate) type KeyMap<V> = HashMap<Key, V, foldhash::fast::FixedState>;
 
+/// A set of row keys, hashed as [`KeyMap`]'s keys are.
+pub(crate) type KeySet = HashSet<Key, foldhash::fast::FixedState>;
+
 pub(crate) fn key_of(parts: &[&str]) -> Key {
     let mut hasher = Sha256::new();
     for part in parts {
@@ -386,7 +389,7 @@ impl Writer {
         for &(unit, row) in last.values() {
             live[unit][row] = true;
         }
-        let mut embedded: HashSet<Key, foldhash::fast::FixedState> = HashSet::default();
+        let mut embedded: KeySet = KeySet::default();
         for (index, unit) in units.iter().enumerate() {
             let mut row = 0usize;
             for entry in &unit.entries {
