@@ -1,6 +1,7 @@
 //! The `Embedder` trait and a deterministic fake for tests of code that needs embeddings.
 
 use crate::Result;
+use sha2::{Digest, Sha256};
 
 /// Turns texts into fixed-size vectors. Implementations are deterministic: the same text
 /// always gives the same vector.
@@ -45,8 +46,9 @@ impl Embedder for HashEmbedder {
             .map(|text| {
                 let mut vector = vec![0f32; self.dim];
                 for word in words(text) {
-                    let digest = fluxmem_graph::sha256_hex(word.as_bytes());
-                    let bucket = u64::from_str_radix(&digest[..12], 16).expect("hex digits") as usize % self.dim;
+                    // The first 48 bits of the word's SHA-256 (its first 12 hex digits).
+                    let digest = Sha256::digest(word.as_bytes());
+                    let bucket = digest[..6].iter().fold(0u64, |acc, &b| (acc << 8) | b as u64) as usize % self.dim;
                     vector[bucket] += 1.0;
                 }
                 normalize(&mut vector);
@@ -96,5 +98,20 @@ mod tests {
         assert!(cosine(&vectors[0], &vectors[2]) < cosine(&vectors[0], &vectors[1]));
         assert!(vectors[3].iter().all(|v| *v == 0.0));
         assert_eq!(cosine(&vectors[3], &vectors[0]), 0.0);
+    }
+
+    #[test]
+    fn hash_buckets_are_the_first_twelve_hex_digits_of_the_word_hash() {
+        // The bucket rule stores' `hash-*` vectors were made with: word hash as hex, its first
+        // 12 digits as a number, modulo the dimension.
+        let embedder = HashEmbedder::new(384);
+        let text = "restart the payment job after the refund order";
+        let mut expected = vec![0f32; 384];
+        for word in words(text) {
+            let digest = fluxmem_graph::sha256_hex(word.as_bytes());
+            expected[u64::from_str_radix(&digest[..12], 16).unwrap() as usize % 384] += 1.0;
+        }
+        normalize(&mut expected);
+        assert_eq!(embedder.embed(&[text]).unwrap()[0], expected);
     }
 }

@@ -2,7 +2,7 @@
 //! whole graph.
 
 use arrow_array::cast::AsArray;
-use arrow_array::{Array, BooleanArray, RecordBatch};
+use arrow_array::{Array, RecordBatch};
 use fluxmem_graph::{schema, EdgeKind, Embedding, Graph, NodeId, NodeKind, Step};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -109,12 +109,10 @@ impl Store {
             let mut steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
             if scan.nodes && scan.steps.wants() {
                 for entry in shards.iter().filter(|s| s.table == "steps") {
-                    for batch in shard::batches(&self.dir, entry, None)? {
+                    let of = |v: &str| scan.steps.contains(v);
+                    let only = matches!(scan.steps, Rows::Of(_)).then_some(("episode_id", &of as &dyn Fn(&str) -> bool));
+                    for batch in self.rows_where(entry, only)? {
                         let batch = batch?;
-                        let batch = match &scan.steps {
-                            Rows::Of(ids) => filter(&batch, "episode_id", &|v| ids.contains(v)).map_err(|reason| self.corrupt(entry, reason))?,
-                            _ => batch,
-                        };
                         schema::steps_from_batch(&batch, &mut steps).map_err(|e| self.corrupt(entry, e.to_string()))?;
                     }
                 }
@@ -124,28 +122,26 @@ impl Store {
                     "steps" => {}
                     "nodes" if scan.nodes => {
                         let steps_read = |id: &NodeId| scan.steps.contains(id.as_str());
-                        for batch in shard::batches(&self.dir, entry, None)? {
+                        let of = |v: &str| scan.nodes_of.as_ref().is_none_or(|ids| ids.contains(v));
+                        let only = scan.nodes_of.is_some().then_some(("id", &of as &dyn Fn(&str) -> bool));
+                        for batch in self.rows_where(entry, only)? {
                             let batch = batch?;
-                            let batch = match &scan.nodes_of {
-                                Some(ids) => filter(&batch, "id", &|v| ids.contains(v)).map_err(|reason| self.corrupt(entry, reason))?,
-                                None => batch,
-                            };
                             let nodes = schema::nodes_from_batch_with(&batch, &steps, &steps_read).map_err(|e| self.corrupt(entry, e.to_string()))?;
                             nodes.into_iter().for_each(|n| graph.upsert_node(n));
                         }
                     }
                     "edges" if scan.edges => {
-                        for batch in shard::batches(&self.dir, entry, None)? {
+                        let of = |v: &str| edge_kinds.contains(&v);
+                        for batch in self.rows_where(entry, (!edge_kinds.is_empty()).then_some(("kind", &of as &dyn Fn(&str) -> bool)))? {
                             let batch = batch?;
-                            let batch = self.of_kinds(entry, batch, &edge_kinds)?;
                             let edges = schema::edges_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
                             edges.into_iter().for_each(|e| graph.upsert_edge(e));
                         }
                     }
                     "edits" if scan.edits => {
-                        for batch in shard::batches(&self.dir, entry, None)? {
+                        let of = |v: &str| edit_kinds.contains(&v);
+                        for batch in self.rows_where(entry, (!edit_kinds.is_empty()).then_some(("kind", &of as &dyn Fn(&str) -> bool)))? {
                             let batch = batch?;
-                            let batch = self.of_kinds(entry, batch, &edit_kinds)?;
                             graph.edits.extend(schema::edits_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?);
                         }
                     }
@@ -219,12 +215,10 @@ impl Store {
     fn scan_embeddings(&self, entry: &ShardEntry, scan: &Scan, graph: &mut Graph) -> Result<()> {
         if scan.vectors == Rows::All || !scan.embedding_keys {
             // Whole rows only (all of them, or the filtered ones).
-            for batch in shard::batches(&self.dir, entry, None)? {
+            let of = |v: &str| scan.vectors.contains(v);
+            let only = matches!(scan.vectors, Rows::Of(_)).then_some(("node_id", &of as &dyn Fn(&str) -> bool));
+            for batch in self.rows_where(entry, only)? {
                 let batch = batch?;
-                let batch = match &scan.vectors {
-                    Rows::Of(ids) => filter(&batch, "node_id", &|v| ids.contains(v)).map_err(|reason| self.corrupt(entry, reason))?,
-                    _ => batch,
-                };
                 let embeddings = schema::embeddings_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
                 embeddings.into_iter().for_each(|e| graph.upsert_embedding(e));
             }
@@ -250,9 +244,8 @@ impl Store {
             }
         }
         if !wanted.is_empty() {
-            for batch in shard::batches(&self.dir, entry, None)? {
+            for batch in self.rows_where(entry, Some(("node_id", &|v: &str| wanted.contains(v))))? {
                 let batch = batch?;
-                let batch = filter(&batch, "node_id", &|v| wanted.contains(v)).map_err(|reason| self.corrupt(entry, reason))?;
                 let embeddings = schema::embeddings_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
                 embeddings.into_iter().for_each(|e| graph.upsert_embedding(e));
             }
@@ -260,12 +253,14 @@ impl Store {
         Ok(())
     }
 
-    /// The rows of `batch` whose `kind` is one of `kinds` (all of them when `kinds` is empty).
-    fn of_kinds(&self, entry: &ShardEntry, batch: RecordBatch, kinds: &[&str]) -> Result<RecordBatch> {
-        if kinds.is_empty() {
-            return Ok(batch);
-        }
-        filter(&batch, "kind", &|v| kinds.contains(&v)).map_err(|reason| self.corrupt(entry, reason))
+    /// The batches of the shard `entry`: every row, or with `only = (column, keep)` the rows
+    /// whose text `column` passes `keep`, the other columns decoded for those rows only.
+    fn rows_where(&self, entry: &ShardEntry, only: Option<(&str, &dyn Fn(&str) -> bool)>) -> Result<std::iter::Flatten<std::option::IntoIter<shard::Batches>>> {
+        let batches = match only {
+            None => Some(shard::batches(&self.dir, entry, None)?),
+            Some((column, keep)) => shard::select(&self.dir, entry, None, column, keep)?,
+        };
+        Ok(batches.into_iter().flatten())
     }
 
     pub(crate) fn corrupt(&self, entry: &ShardEntry, reason: String) -> Error {
@@ -299,14 +294,4 @@ pub(crate) fn sorted(manifest: &Manifest, table: &str) -> Vec<ShardEntry> {
 /// The text column `name` of a shard's batch.
 pub(crate) fn text_column<'b>(store: &Store, entry: &ShardEntry, batch: &'b RecordBatch, name: &str) -> Result<&'b arrow_array::StringArray> {
     batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| store.corrupt(entry, format!("column `{name}` is not text")))
-}
-
-/// The rows of `batch` whose text column `column` passes `keep`.
-fn filter(batch: &RecordBatch, column: &str, keep: &dyn Fn(&str) -> bool) -> std::result::Result<RecordBatch, String> {
-    let values = batch
-        .column_by_name(column)
-        .and_then(|c| c.as_string_opt::<i32>())
-        .ok_or_else(|| format!("column `{column}` is missing or not text"))?;
-    let mask: BooleanArray = (0..values.len()).map(|i| Some(values.is_valid(i) && keep(values.value(i)))).collect();
-    arrow_select::filter::filter_record_batch(batch, &mask).map_err(|e| format!("cannot filter rows: {e}"))
 }

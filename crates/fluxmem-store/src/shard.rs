@@ -1,7 +1,8 @@
 //! Writing and verified reading of single Parquet shard files.
 
 use arrow_array::RecordBatch;
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder};
+use parquet::file::metadata::PageIndexPolicy;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
 use parquet::file::metadata::KeyValue;
@@ -128,7 +129,7 @@ impl ShardWriter {
         let HashingFile { file, hasher, bytes } = out;
         let file = file.into_inner().map_err(|e| Error::Io { path: self.temporary.clone(), source: e.into_error() })?;
         file.sync_all().at(&self.temporary)?;
-        let sha256 = hex(&hasher.finalize());
+        let sha256 = fluxmem_graph::hex(&hasher.finalize());
         let name = format!("shards/{}-{:08}-{:03}-{}.parquet", self.table, self.commit, self.part, &sha256[..12]);
         let path = self.dir.join(&name);
         std::fs::rename(&self.temporary, &path).at(&path)?;
@@ -143,10 +144,6 @@ impl Drop for ShardWriter {
             let _ = std::fs::remove_file(&self.temporary);
         }
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Writes `batch` as a new shard of `table` for commit `commit` under `dir`, durably.
@@ -197,53 +194,116 @@ impl Iterator for Batches {
 /// checksum are verified first (one pass over the file, in bounded memory), then its table tag,
 /// schema version and row count (from the footer). Only `columns` are decoded (all: `None`).
 pub(crate) fn open(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>, batch_rows: usize) -> Result<Batches> {
-    let path = dir.join(&entry.file);
-    let corrupt = |reason: String| Error::Corrupt { path: path.clone(), reason };
-    let mut file = std::fs::File::open(&path).map_err(|source| {
-        if source.kind() == std::io::ErrorKind::NotFound {
-            corrupt("shard listed in the manifest is missing".into())
-        } else {
-            Error::Io { path: path.clone(), source }
+    let shard = Verified::open(dir, entry)?;
+    let reader = shard.builder()?.project(columns).with_batch_size(batch_rows.max(1)).build().map_err(|e| shard.corrupt(format!("cannot read: {e}")))?;
+    Ok(Batches { reader, path: shard.path })
+}
+
+/// The rows of the shard `entry` whose text column `key` passes `keep`, [`DEFAULT_BATCH_ROWS`]
+/// at a time, with only `columns` (all: `None`; `key` is in the batches only if among them).
+/// The key column is read first; the other columns are decoded for the selected rows only, and
+/// their pages without a selected row are not read (the offset index). `None`: no row passes.
+pub(crate) fn select(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>, key: &str, keep: &dyn Fn(&str) -> bool) -> Result<Option<Batches>> {
+    use arrow_array::cast::AsArray;
+    use arrow_array::{Array, BooleanArray};
+    let shard = Verified::open(dir, entry)?;
+    let keys = shard.builder()?.project(Some(&[key])).with_batch_size(DEFAULT_BATCH_ROWS).build().map_err(|e| shard.corrupt(format!("cannot read: {e}")))?;
+    let mut masks = Vec::new();
+    for batch in keys {
+        let batch = batch.map_err(|e| shard.corrupt(format!("cannot decode: {e}")))?;
+        let values = batch.column_by_name(key).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| shard.corrupt(format!("column `{key}` is missing or not text")))?;
+        masks.push((0..values.len()).map(|i| Some(values.is_valid(i) && keep(values.value(i)))).collect::<BooleanArray>());
+    }
+    let selection = parquet::arrow::arrow_reader::RowSelection::from_filters(&masks);
+    if !selection.selects_any() {
+        return Ok(None);
+    }
+    let reader = shard
+        .builder()?
+        .project(columns)
+        .with_row_selection(selection)
+        .with_batch_size(DEFAULT_BATCH_ROWS)
+        .build()
+        .map_err(|e| shard.corrupt(format!("cannot read: {e}")))?;
+    Ok(Some(Batches { reader, path: shard.path }))
+}
+
+/// A shard file whose size, checksum, table tag, schema version and row count were verified,
+/// with its footer (and offset index) read once for the readers built on it.
+struct Verified {
+    file: std::fs::File,
+    metadata: parquet::arrow::arrow_reader::ArrowReaderMetadata,
+    path: PathBuf,
+}
+
+impl Verified {
+    fn open(dir: &Path, entry: &ShardEntry) -> Result<Verified> {
+        let path = dir.join(&entry.file);
+        let corrupt = |reason: String| Error::Corrupt { path: path.clone(), reason };
+        let mut file = std::fs::File::open(&path).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::NotFound {
+                corrupt("shard listed in the manifest is missing".into())
+            } else {
+                Error::Io { path: path.clone(), source }
+            }
+        })?;
+        let mut hasher = Sha256::new();
+        let mut buffer = vec![0u8; 1 << 20];
+        let mut bytes = 0u64;
+        loop {
+            let n = file.read(&mut buffer).at(&path)?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buffer[..n]);
+            bytes += n as u64;
         }
-    })?;
-    let mut hasher = Sha256::new();
-    let mut buffer = vec![0u8; 1 << 20];
-    let mut bytes = 0u64;
-    loop {
-        let n = file.read(&mut buffer).at(&path)?;
-        if n == 0 {
-            break;
+        if bytes != entry.bytes {
+            return Err(corrupt(format!("{bytes} bytes, the manifest says {}", entry.bytes)));
         }
-        hasher.update(&buffer[..n]);
-        bytes += n as u64;
-    }
-    if bytes != entry.bytes {
-        return Err(corrupt(format!("{bytes} bytes, the manifest says {}", entry.bytes)));
-    }
-    let actual = hex(&hasher.finalize());
-    if actual != entry.sha256 {
-        return Err(corrupt(format!("checksum mismatch: sha256 {actual}, the manifest says {}", entry.sha256)));
-    }
-    let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| corrupt(format!("not a readable Parquet file: {e}")))?;
-    let metadata = builder.metadata().file_metadata().key_value_metadata().cloned().unwrap_or_default();
-    let lookup = |key: &str| metadata.iter().find(|kv| kv.key == key).and_then(|kv| kv.value.clone());
-    if lookup(TABLE_KEY).as_deref() != Some(entry.table.as_str()) {
-        return Err(corrupt(format!("not a fluxmem `{}` shard (table tag {:?})", entry.table, lookup(TABLE_KEY))));
-    }
-    if lookup(VERSION_KEY) != Some(SCHEMA_VERSION.to_string()) {
-        return Err(corrupt(format!("shard schema version {:?}, expected {SCHEMA_VERSION}", lookup(VERSION_KEY))));
-    }
-    let rows = builder.metadata().file_metadata().num_rows();
-    if rows as u64 != entry.rows {
-        return Err(corrupt(format!("{rows} rows, the manifest says {}", entry.rows)));
-    }
-    let builder = match columns {
-        Some(columns) => {
-            let mask = parquet::arrow::ProjectionMask::columns(builder.parquet_schema(), columns.iter().copied());
-            builder.with_projection(mask)
+        let actual = fluxmem_graph::hex(&hasher.finalize());
+        if actual != entry.sha256 {
+            return Err(corrupt(format!("checksum mismatch: sha256 {actual}, the manifest says {}", entry.sha256)));
         }
-        None => builder,
-    };
-    let reader = builder.with_batch_size(batch_rows.max(1)).build().map_err(|e| corrupt(format!("cannot read: {e}")))?;
-    Ok(Batches { reader, path })
+        let options = ArrowReaderOptions::new().with_offset_index_policy(PageIndexPolicy::Optional);
+        let metadata = ArrowReaderMetadata::load(&file, options).map_err(|e| corrupt(format!("not a readable Parquet file: {e}")))?;
+        let tags = metadata.metadata().file_metadata().key_value_metadata().cloned().unwrap_or_default();
+        let lookup = |key: &str| tags.iter().find(|kv| kv.key == key).and_then(|kv| kv.value.clone());
+        if lookup(TABLE_KEY).as_deref() != Some(entry.table.as_str()) {
+            return Err(corrupt(format!("not a fluxmem `{}` shard (table tag {:?})", entry.table, lookup(TABLE_KEY))));
+        }
+        if lookup(VERSION_KEY) != Some(SCHEMA_VERSION.to_string()) {
+            return Err(corrupt(format!("shard schema version {:?}, expected {SCHEMA_VERSION}", lookup(VERSION_KEY))));
+        }
+        let rows = metadata.metadata().file_metadata().num_rows();
+        if rows as u64 != entry.rows {
+            return Err(corrupt(format!("{rows} rows, the manifest says {}", entry.rows)));
+        }
+        Ok(Verified { file, metadata, path })
+    }
+
+    fn builder(&self) -> Result<Builder> {
+        let file = self.file.try_clone().at(&self.path)?;
+        Ok(Builder(ParquetRecordBatchReaderBuilder::new_with_metadata(file, self.metadata.clone())))
+    }
+
+    fn corrupt(&self, reason: String) -> Error {
+        Error::Corrupt { path: self.path.clone(), reason }
+    }
+}
+
+/// A reader builder of a [`Verified`] shard.
+struct Builder(ParquetRecordBatchReaderBuilder<std::fs::File>);
+
+impl Builder {
+    /// Only `columns` (all: `None`).
+    fn project(self, columns: Option<&[&str]>) -> ParquetRecordBatchReaderBuilder<std::fs::File> {
+        match columns {
+            Some(columns) => {
+                let mask = parquet::arrow::ProjectionMask::columns(self.0.parquet_schema(), columns.iter().copied());
+                self.0.with_projection(mask)
+            }
+            None => self.0,
+        }
+    }
 }

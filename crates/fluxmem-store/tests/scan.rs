@@ -223,3 +223,29 @@ fn live_streams_each_live_row_once_and_skips_superseded_ones() {
     after.sort_by_key(|e| e.key());
     assert_eq!(before, after, "compaction keeps the live rows");
 }
+
+/// A filtered read over a shard of many batches and pages (the key column is read first, the
+/// other columns only at the selected rows) gives the rows a whole read gives, and a filter
+/// that selects nothing reads nothing.
+#[test]
+fn filtered_reads_over_many_batches_and_pages_give_the_whole_reads_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let mut delta = Graph::default();
+    for i in 0..30_000 {
+        let id = NodeId(format!("ep-{i:06}"));
+        delta.upsert_embedding(Embedding { node_id: id, model_id: "m".into(), text_sha256: format!("h{i}"), vector: vec![i as f32, (i % 7) as f32, 1.0, -(i as f32)] });
+    }
+    writer.commit(&delta, info()).unwrap();
+    let store = fluxmem_store::Store::open(dir.path()).unwrap();
+    // Ids spread over every batch, the first and the last row among them.
+    let some: BTreeSet<NodeId> = (0..30_000).filter(|i| i % 997 == 0 || *i == 29_999 || (8190..8195).contains(i)).map(|i| NodeId(format!("ep-{i:06}"))).collect();
+    let (read, _) = store.scan(&Scan { vectors: Rows::Of(some.clone()), ..Default::default() }).unwrap();
+    let mut wanted = delta.embeddings.clone();
+    wanted.retain(|(id, _), _| some.contains(id));
+    assert_eq!(read.embeddings.len(), some.len());
+    assert_eq!(read.embeddings, wanted);
+    let none: BTreeSet<NodeId> = [NodeId("ep-absent".into())].into_iter().collect();
+    let (read, _) = store.scan(&Scan { vectors: Rows::Of(none), ..Default::default() }).unwrap();
+    assert!(read.embeddings.is_empty());
+}
