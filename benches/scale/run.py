@@ -65,6 +65,7 @@ def main():
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--consolidate", action="store_true", help="also run consolidate (the generator: slow on CPU)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--snapshot", default=None, metavar="STAGE", help="copy the store to WORK/before-STAGE before the last night's STAGE (to profile it again)")
     parser.add_argument("--embedder", default=None, help="embedding model of embed and connect (default: the store default; hash-384: no model)")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix=f"fluxmem-scale-{args.episodes}-")
@@ -91,6 +92,11 @@ def main():
         subprocess.run(synth + ["episodes", "--out", path, "--from", str(start), "--to", str(start + count), "--seed", str(args.seed)], check=True)
         start += count
         for name, cmd in stages + [("compact", ["store", "compact", "--json"])]:
+            if name == args.snapshot and night == args.nights:
+                copy = os.path.join(work, f"before-{name}")
+                if os.path.exists(copy):
+                    shutil.rmtree(copy)
+                shutil.copytree(store, copy)
             before = manifest(store)
             listed = {s["file"] for s in before["shards"]}
             wall, rss, stdout = timed(fm + cmd, log)

@@ -1,6 +1,9 @@
 use serde::{Deserialize, Serialize};
 
-use crate::{sha256_hex, Edge, Graph, Node, Result};
+use sha2::{Digest, Sha256};
+use std::fmt::Write as _;
+
+use crate::{Edge, Graph, Node, Result};
 
 /// One recorded change to the graph (Stage II edits, credit assignment, consolidation), kept in
 /// the store's `edits` table so any change can be explained and undone.
@@ -26,6 +29,16 @@ pub struct Edit {
     pub reason: String,
     /// When (ms since the Unix epoch).
     pub at: i64,
+}
+
+/// A [`std::fmt::Write`] that hashes what is written.
+struct Hashing(Sha256);
+
+impl std::fmt::Write for Hashing {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.0.update(s.as_bytes());
+        Ok(())
+    }
 }
 
 /// The record of an edge or node change.
@@ -54,9 +67,11 @@ impl Edit {
                 (format!("node:{}", node.id), before.map(|n| json(n)), after.map(|n| json(n)))
             }
         };
-        let identity = format!("{stage}\0{run_id}\0{kind}\0{target}\0{before:?}\0{after:?}\0{reason}\0{at}");
+        // The hash of this text, fed to the hasher as it is formatted (no string of it is made).
+        let mut identity = Hashing(Sha256::new());
+        write!(identity, "{stage}\0{run_id}\0{kind}\0{target}\0{before:?}\0{after:?}\0{reason}\0{at}").expect("hashing cannot fail");
         Edit {
-            id: sha256_hex(identity.as_bytes())[..32].to_string(),
+            id: crate::hex(&identity.0.finalize())[..32].to_string(),
             run_id: run_id.into(),
             stage: stage.into(),
             kind: kind.into(),
@@ -111,19 +126,39 @@ impl Edit {
 }
 
 /// The top-level fields of `after` that differ from `before`, as a JSON object (the edit log
-/// holds an edge once, not twice).
+/// holds an edge once, not twice). Fields are compared as their JSON values, without turning
+/// the edges into JSON first.
 fn changed_fields(before: &Edge, after: &Edge) -> String {
-    let before = serde_json::to_value(before).expect("graph values always serialise");
-    let after = serde_json::to_value(after).expect("graph values always serialise");
     let mut changed = serde_json::Map::new();
-    if let Some(fields) = after.as_object() {
-        for (key, value) in fields {
-            if before.get(key) != Some(value) {
-                changed.insert(key.clone(), value.clone());
-            }
+    let mut field = |name: &str, differs: bool, v: &dyn erased::Json| {
+        if differs {
+            changed.insert(name.to_string(), v.json());
+        }
+    };
+    field("src", before.src != after.src, &after.src);
+    field("dst", before.dst != after.dst, &after.dst);
+    field("kind", before.kind != after.kind, &after.kind);
+    // As JSON numbers (what a comparison of the values did): -0.0 equals 0.0, NaN is null.
+    field("weight", serde_json::Value::from(before.weight) != serde_json::Value::from(after.weight), &after.weight);
+    field("evidence", before.evidence != after.evidence, &after.evidence);
+    field("stage", before.stage != after.stage, &after.stage);
+    field("run_id", before.run_id != after.run_id, &after.run_id);
+    field("created_at", before.created_at != after.created_at, &after.created_at);
+    field("active", before.active != after.active, &after.active);
+    field("metadata", before.metadata != after.metadata, &after.metadata);
+    serde_json::Value::Object(changed).to_string()
+}
+
+/// A field as a JSON value, behind one trait object (the fields have different types).
+mod erased {
+    pub(super) trait Json {
+        fn json(&self) -> serde_json::Value;
+    }
+    impl<T: serde::Serialize> Json for T {
+        fn json(&self) -> serde_json::Value {
+            serde_json::to_value(self).expect("graph values always serialise")
         }
     }
-    serde_json::Value::Object(changed).to_string()
 }
 
 fn json<T: Serialize>(value: &T) -> String {
@@ -150,6 +185,57 @@ mod tests {
         }
     }
 
+    /// What `changed_fields` computed before it compared fields directly: both edges as JSON
+    /// values, compared key by key.
+    fn changed_as_values(before: &Edge, after: &Edge) -> String {
+        let before = serde_json::to_value(before).unwrap();
+        let after = serde_json::to_value(after).unwrap();
+        let mut changed = serde_json::Map::new();
+        for (key, value) in after.as_object().unwrap() {
+            if before.get(key) != Some(value) {
+                changed.insert(key.clone(), value.clone());
+            }
+        }
+        serde_json::Value::Object(changed).to_string()
+    }
+
+    #[test]
+    fn changed_fields_are_those_whose_json_values_differ() {
+        let base = edge(0.5, true);
+        let mut variants = vec![base.clone()];
+        let mut change = |f: &dyn Fn(&mut Edge)| {
+            let mut e = base.clone();
+            f(&mut e);
+            variants.push(e);
+        };
+        change(&|e| e.src = NodeId("sem-z".into()));
+        change(&|e| e.dst = NodeId("epi-z".into()));
+        change(&|e| e.kind = EdgeKind::Link);
+        change(&|e| e.weight = 0.25);
+        change(&|e| e.weight = 0.0);
+        change(&|e| e.weight = -0.0);
+        change(&|e| e.weight = f32::NAN);
+        change(&|e| e.evidence = 7);
+        change(&|e| e.stage = "refine".into());
+        change(&|e| e.run_id = "r9".into());
+        change(&|e| e.created_at = 6);
+        change(&|e| e.active = false);
+        change(&|e| {
+            e.metadata.insert("credit".into(), 1.5.into());
+            e.metadata.insert("pruned_by".into(), "credit".into());
+        });
+        change(&|e| {
+            e.weight = 0.1;
+            e.active = false;
+            e.metadata.insert("outcomes".into(), 3.into());
+        });
+        for a in &variants {
+            for b in &variants {
+                assert_eq!(changed_fields(a, b), changed_as_values(a, b), "{a:?} -> {b:?}");
+            }
+        }
+    }
+
     #[test]
     fn undo_restores_the_edge_before_the_edit() {
         let (before, after) = (edge(0.5, true), edge(0.1, false));
@@ -160,6 +246,9 @@ mod tests {
         let expand = Edit::new("refine", "r2", "link_expand", Changed::Edge(None, Some(&before)), "under-connected", 9);
         assert!(!expand.undo().unwrap().edges.values().next().unwrap().active, "an added edge is deactivated");
         assert_ne!(prune.id, expand.id);
+        // The id is the hash of the record's fields, joined by NULs (as every stored id).
+        let identity = format!("refine\0r2\0link_prune\0{}\0{:?}\0{:?}\0distractor\09", prune.target, prune.before, prune.after);
+        assert_eq!(prune.id, crate::sha256_hex(identity.as_bytes())[..32]);
         // The prune's `after` holds only what changed, and gives back the whole edge.
         let changed: serde_json::Value = serde_json::from_str(prune.after.as_deref().unwrap()).unwrap();
         let keys: Vec<&String> = changed.as_object().unwrap().keys().collect();
