@@ -84,6 +84,9 @@ def main():
     stages = [("ingest", ["ingest", logs]), ("embed", ["embed"] + model), ("connect", ["connect"] + model), ("refine", ["refine"])]
     if args.consolidate:
         stages.append(("consolidate", ["consolidate"] + model))
+    # Compaction, then the export of the skills (without --consolidate there are none: it then
+    # measures the read an export makes to find them).
+    tail = [("compact", ["store", "compact", "--json"]), ("export", ["export", "skills", "--out", os.path.join(work, "export")])]
     rows = []
     start = 0
     for night in range(1, args.nights + 1):
@@ -91,7 +94,7 @@ def main():
         path = os.path.join(logs, f"episodes-night{night:02d}.jsonl")
         subprocess.run(synth + ["episodes", "--out", path, "--from", str(start), "--to", str(start + count), "--seed", str(args.seed)], check=True)
         start += count
-        for name, cmd in stages + [("compact", ["store", "compact", "--json"])]:
+        for name, cmd in stages + tail:
             if name == args.snapshot and night == args.nights:
                 copy = os.path.join(work, f"before-{name}")
                 if os.path.exists(copy):
@@ -125,7 +128,7 @@ def main():
     if args.nights >= 2:
         print("\n| stage | night 2 / night 1, wall | night 2 / night 1, bytes written |")
         print("|---|---|---|")
-        for name in [s for s, _ in stages] + ["compact"]:
+        for name in [s for s, _ in stages + tail]:
             one = next(r for r in rows if r["night"] == 1 and r["stage"] == name)
             two = next(r for r in rows if r["night"] == 2 and r["stage"] == name)
             ratio = lambda a, b: f"{a / b:.2f}" if b else "n/a"

@@ -542,7 +542,7 @@ impl Ctx<'_> {
         if report.judge.calls > 0 {
             self.usage.insert("judge".into(), usage(&report.judge));
         }
-        self.pems = Some(pems_summary(&report, &writer.store().scan(&fluxmem_store::Scan { nodes: true, ..Default::default() })?.0));
+        self.pems = Some(pems_summary(&report, &writer.store().scan(&fluxmem_store::Scan { nodes: true, node_kinds: vec![fluxmem_graph::NodeKind::Procedural], ..Default::default() })?.0));
         Ok(StageRecord {
             status: consolidate_status(&report),
             counts_in: counts(&[("episodes", report.episodes), ("clusters", report.clusters), ("unassigned", report.unassigned)]),

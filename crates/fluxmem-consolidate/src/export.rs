@@ -11,7 +11,7 @@
 
 use arrow_array::builder::{Float64Builder, ListBuilder, StringBuilder};
 use arrow_array::{ArrayRef, Float64Array, Int64Array, RecordBatch, StringArray, UInt64Array};
-use fluxmem_graph::{sha256_hex, Graph, Node, NodeBody};
+use fluxmem_graph::{sha256_hex, Graph, Node, NodeBody, NodeKind};
 use fluxmem_store::Store;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -294,8 +294,10 @@ pub fn export_skills(store: &Store, out: &Path, options: &ExportOptions) -> Resu
 /// text of a record (name, description, steps, pitfalls, body) passes `redactor` before it is
 /// written, and its content hash is taken after; the counts are in the report.
 pub fn export_skills_with(store: &Store, out: &Path, options: &ExportOptions, redactor: &fluxmem_redact::Redactor) -> Result<ExportReport> {
-    // Skills are node rows: no steps, edges, vectors or edit log are read.
-    let (graph, manifest) = store.scan(&fluxmem_store::Scan { nodes: true, ..Default::default() })?;
+    // Skills are procedural node rows: no other node, steps, edges, vectors or edit log are
+    // read, so an export's memory follows the skills, not the history.
+    let scan = fluxmem_store::Scan { nodes: true, node_kinds: vec![NodeKind::Procedural], ..Default::default() };
+    let (graph, manifest) = store.scan(&scan)?;
     let mut redacted = fluxmem_redact::Counts::new();
     let all: Vec<SkillRecord> = skill_records(&graph).into_iter().map(|r| redact_record(r, redactor, &mut redacted)).collect();
     let total = all.len();

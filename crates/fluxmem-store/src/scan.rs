@@ -44,6 +44,10 @@ pub struct Scan {
     /// With `nodes`: only the rows of these ids (`None`: every row). Rows are filtered on the
     /// `id` column before any is decoded.
     pub nodes_of: Option<BTreeSet<NodeId>>,
+    /// With `nodes`: only the nodes of these kinds (empty: every kind). Without `nodes_of`,
+    /// rows are filtered on the `kind` column before any is decoded (export reads the skills,
+    /// not the history's episodes).
+    pub node_kinds: Vec<NodeKind>,
     /// The steps of episodes; an episode whose steps are not read has none in the result.
     pub steps: Rows,
     /// Edge rows.
@@ -103,6 +107,7 @@ impl Store {
         let mut graph = Graph::default();
         let commits: BTreeSet<u64> = manifest.shards.iter().map(|s| s.commit).collect();
         let edge_kinds: Vec<&str> = scan.edge_kinds.iter().map(|k| k.as_str()).collect();
+        let node_kinds: Vec<&str> = scan.node_kinds.iter().map(|k| k.as_str()).collect();
         let edit_kinds: Vec<&str> = scan.edit_kinds.iter().map(String::as_str).collect();
         for commit in commits {
             let shards: Vec<&ShardEntry> = manifest.shards.iter().filter(|s| s.commit == commit).collect();
@@ -122,12 +127,17 @@ impl Store {
                     "steps" => {}
                     "nodes" if scan.nodes => {
                         let steps_read = |id: &NodeId| scan.steps.contains(id.as_str());
-                        let of = |v: &str| scan.nodes_of.as_ref().is_none_or(|ids| ids.contains(v));
-                        let only = scan.nodes_of.is_some().then_some(("id", &of as &dyn Fn(&str) -> bool));
+                        let of_ids = |v: &str| scan.nodes_of.as_ref().is_none_or(|ids| ids.contains(v));
+                        let of_kinds = |v: &str| node_kinds.contains(&v);
+                        let only = match (&scan.nodes_of, node_kinds.is_empty()) {
+                            (Some(_), _) => Some(("id", &of_ids as &dyn Fn(&str) -> bool)),
+                            (None, false) => Some(("kind", &of_kinds as &dyn Fn(&str) -> bool)),
+                            (None, true) => None,
+                        };
                         for batch in self.rows_where(entry, only)? {
                             let batch = batch?;
                             let nodes = schema::nodes_from_batch_with(&batch, &steps, &steps_read).map_err(|e| self.corrupt(entry, e.to_string()))?;
-                            nodes.into_iter().for_each(|n| graph.upsert_node(n));
+                            nodes.into_iter().filter(|n| scan.node_kinds.is_empty() || scan.node_kinds.contains(&n.kind())).for_each(|n| graph.upsert_node(n));
                         }
                     }
                     "edges" if scan.edges => {

@@ -1,6 +1,6 @@
 //! Projected, filtered scans read the same rows as the whole graph, minus what was left out.
 
-use fluxmem_graph::{Changed, Edge, EdgeKind, Edit, Embedding, Episode, Graph, Node, NodeBody, NodeId, Outcome, Semantic, Step};
+use fluxmem_graph::{Changed, Edge, EdgeKind, Edit, Embedding, Episode, Graph, Node, NodeBody, NodeId, NodeKind, Outcome, Semantic, Step};
 use fluxmem_store::{CommitInfo, Rows, Scan, Writer};
 use std::collections::BTreeSet;
 
@@ -79,6 +79,17 @@ fn scans_read_what_they_ask_for_and_nothing_else() {
     wanted.retain(|id, _| keep.contains(id));
     assert_eq!(only.nodes, wanted, "the newest rows of the ids asked for, whole, and no other node");
     assert!(only.edges.is_empty() && only.embeddings.is_empty());
+
+    // The nodes of one kind (filtered on the kind column), and of one kind among given ids.
+    let (facts, _) = store.scan(&Scan { nodes: true, node_kinds: vec![NodeKind::Semantic], ..Default::default() }).unwrap();
+    let mut wanted = all.nodes.clone();
+    wanted.retain(|_, n| n.kind() == NodeKind::Semantic);
+    assert_eq!(wanted.len(), 1);
+    assert_eq!(facts.nodes, wanted, "the semantic node only");
+    let (none, _) = store.scan(&Scan { nodes: true, nodes_of: Some(keep.clone()), node_kinds: vec![NodeKind::Semantic], ..Default::default() }).unwrap();
+    assert!(none.nodes.is_empty(), "the ids asked for are episodes");
+    let (episodes, _) = store.scan(&Scan { nodes: true, node_kinds: vec![NodeKind::Episodic, NodeKind::Procedural], ..Default::default() }).unwrap();
+    assert_eq!(episodes.nodes.len(), 4);
 
     // Keys of every embedding (the newest row's hash), vectors of one node only.
     let one: BTreeSet<NodeId> = [episode(1, 0).id].into_iter().collect();
