@@ -84,7 +84,9 @@ impl Progress for NoProgress {}
 struct TenantIndex {
     semantic: SemanticIndex,
     episodes: Vec<NodeId>,
-    vectors: Vec<Vec<f32>>,
+    /// The vectors of the episodes to connect (their link queries), by row; the others are in
+    /// `dense` only.
+    queries: BTreeMap<usize, Vec<f32>>,
     dense: DenseIndex,
 }
 
@@ -107,7 +109,7 @@ pub fn connect_store(
     // steps (the queries) only of the episodes to connect, read once they are known.
     let scan = Scan { nodes: true, vectors: Rows::All, ..Default::default() };
     let (mut graph, manifest) = writer.store().scan(&scan)?;
-    let connected = connected_episodes(&writer.store().edge_heads(&manifest)?);
+    let connected = connected_episodes(writer.store(), &manifest)?;
     let unconnected: BTreeSet<NodeId> = graph
         .nodes
         .values()
@@ -122,8 +124,11 @@ pub fn connect_store(
             }
         }
     }
+    let to_connect = |id: &NodeId| !connected.contains(id) && options.shard.owns(id.as_str());
+    let indexes = tenant_indexes(&graph, embedder.model_id(), device, &to_connect)?;
+    // The indexes hold the vectors they need; the graph's copies are not read again.
+    graph.embeddings.clear();
     let graph = graph;
-    let indexes = tenant_indexes(&graph, embedder.model_id(), device)?;
     // Every episode in id order (commit boundaries depend only on the data).
     let mut episodes: Vec<Todo<'_>> = indexes
         .iter()
@@ -131,7 +136,7 @@ pub fn connect_store(
         .collect();
     episodes.sort_by(|a, b| a.0.cmp(b.0));
     let todo: Vec<Todo<'_>> =
-        episodes.iter().copied().filter(|(id, ..)| !connected.contains(*id) && options.shard.owns(id.as_str())).collect();
+        episodes.iter().copied().filter(|(id, ..)| to_connect(id)).collect();
     let mut report = ConnectReport { episodes: episodes.len(), already: episodes.len() - todo.len(), ..Default::default() };
     progress.start(todo.len() as u64);
     for chunk in todo.chunks(options.commit_every.max(1)) {
@@ -164,31 +169,38 @@ pub fn connect_store(
     Ok(report)
 }
 
-/// A [`TenantIndex`] per tenant of the graph's nodes.
-fn tenant_indexes(graph: &Graph, model: &str, device: &Device) -> Result<BTreeMap<String, TenantIndex>> {
+/// A [`TenantIndex`] per tenant of the graph's nodes, keeping the query vectors of the episodes
+/// `to_connect` picks.
+fn tenant_indexes(graph: &Graph, model: &str, device: &Device, to_connect: &dyn Fn(&NodeId) -> bool) -> Result<BTreeMap<String, TenantIndex>> {
     let mut out = BTreeMap::new();
     for tenant in tenants(graph) {
         let semantic = SemanticIndex::build(graph, &tenant, model, device)?;
         let selected = embedded_in(graph, NodeKind::Episodic, &tenant, model, Unembedded::Fail)?;
         let dense = DenseIndex::from_vectors(&selected.vectors, device)?;
-        out.insert(tenant, TenantIndex { semantic, episodes: selected.ids, vectors: selected.vectors, dense });
+        let queries = selected.ids.iter().zip(selected.vectors).enumerate().filter(|(_, (id, _))| to_connect(id)).map(|(row, (_, v))| (row, v)).collect();
+        out.insert(tenant, TenantIndex { semantic, episodes: selected.ids, queries, dense });
     }
     Ok(out)
 }
 
 /// Episodes this stage connected before: a `ground` edge into them or a Stage I `link` out
 /// (Stage I edges, whoever updated them last: credit assignment re-weights them; links with a
-/// `relation` come from Stage II and do not make an episode connected).
-fn connected_episodes(heads: &BTreeMap<(NodeId, NodeId, EdgeKind), fluxmem_store::EdgeHead>) -> BTreeSet<NodeId> {
-    heads
-        .iter()
-        .filter(|(_, head)| !head.relation)
-        .filter_map(|((src, dst, kind), _)| match kind {
-            EdgeKind::Ground => Some(dst.clone()),
-            EdgeKind::Link => Some(src.clone()),
-            EdgeKind::Distill => None,
-        })
-        .collect()
+/// `relation` come from Stage II and do not make an episode connected). Streamed over the live
+/// edges' ends: what stays in memory is the episodes, not the edges.
+fn connected_episodes(store: &fluxmem_store::Store, manifest: &fluxmem_store::Manifest) -> Result<BTreeSet<NodeId>> {
+    let mut connected = BTreeSet::new();
+    store.live(manifest, "edges")?.edge_ends(&[EdgeKind::Ground, EdgeKind::Link], &mut |src, dst, kind, relation| {
+        let episode = match kind {
+            _ if relation => return,
+            EdgeKind::Ground => dst,
+            EdgeKind::Link => src,
+            EdgeKind::Distill => return,
+        };
+        if !connected.contains(episode) {
+            connected.insert(NodeId(episode.to_string()));
+        }
+    })?;
+    Ok(connected)
 }
 
 /// The `link_k` nearest episodes of the same tenant (rows of its index, the episode itself
@@ -202,7 +214,7 @@ fn link_neighbours(indexes: &BTreeMap<String, TenantIndex>, chunk: &[Todo<'_>], 
     }
     for (tenant, slots) in by_tenant {
         let Some(index) = indexes.get(tenant) else { continue };
-        let vectors: Vec<Vec<f32>> = slots.iter().map(|&slot| index.vectors[chunk[slot].2].clone()).collect();
+        let vectors: Vec<Vec<f32>> = slots.iter().map(|&slot| index.queries[&chunk[slot].2].clone()).collect();
         for (&slot, scores) in slots.iter().zip(index.dense.scores(&vectors)?) {
             let own = chunk[slot].2;
             // k + 1 neighbours: the episode itself comes back first.
