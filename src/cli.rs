@@ -404,6 +404,11 @@ pub struct EmbedArgs {
     #[arg(long, default_value_t = 2048)]
     pub commit_every: usize,
 
+    /// Nodes read and embedded at once (their rows, texts and vectors held together), rounded
+    /// up to a multiple of --commit-every: the stage's memory follows this, not the night's size.
+    #[arg(long, default_value_t = fluxmem_embed::EmbedOptions::default().window)]
+    pub window: usize,
+
     /// Replace every embedding in the store with this model's (migrating to a new model).
     #[arg(long)]
     pub reembed: bool,

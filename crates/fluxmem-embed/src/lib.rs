@@ -73,11 +73,15 @@ pub struct EmbedOptions {
     pub reembed: bool,
     /// The nodes this run owns (sharded runs, by node id); [`Shard::ALL`] by default.
     pub shard: Shard,
+    /// Nodes to embed read and held at once (their rows, texts and vectors), rounded up to a
+    /// multiple of `commit_every`: the stage's memory follows this, not the size of the run.
+    /// Texts repeated from an earlier window are read back from the store, not kept.
+    pub window: usize,
 }
 
 impl Default for EmbedOptions {
     fn default() -> Self {
-        EmbedOptions { batch_size: 256, commit_every: 2048, reembed: false, shard: Shard::ALL }
+        EmbedOptions { batch_size: 256, commit_every: 2048, reembed: false, shard: Shard::ALL, window: 16384 }
     }
 }
 
@@ -124,100 +128,126 @@ pub fn embed_store(
             return Err(Error::ModelMismatch { store_model: stored.id, store_dim: stored.dim, model, dim });
         }
     }
-    // Reembedding rewrites the whole graph; otherwise only what the new vectors need is read:
-    // the node ids and the embeddings' keys, then the rows and steps of the nodes to embed
-    // only (their text), then the stored vectors of texts already embedded under another node.
+    if options.reembed {
+        return reembed(writer, embedder, options, run_id, progress);
+    }
+    // Only what the new vectors need is read: the node ids and the embeddings' keys, then, a
+    // window of nodes at a time, the rows and steps of the nodes to embed (their text) and the
+    // stored vectors of texts already embedded under another node.
     let manifest = writer.manifest().clone();
-    let (mut graph, ids) = if options.reembed {
-        let mut graph = writer.store().load()?;
-        graph.embeddings.retain(|(_, m), _| m == &model);
-        let ids: BTreeSet<NodeId> = graph.nodes.keys().cloned().collect();
-        (graph, ids)
-    } else {
-        let keys = writer.store().scan_at(&manifest, &Scan { embedding_keys: true, ..Default::default() })?;
-        (keys, writer.store().node_ids(&manifest)?)
-    };
-    let lacking: BTreeSet<NodeId> = ids
+    let keys = writer.store().scan_at(&manifest, &Scan { embedding_keys: true, ..Default::default() })?;
+    let ids = writer.store().node_ids(&manifest)?;
+    let lacking: Vec<NodeId> = ids
         .iter()
-        .filter(|id| !graph.embeddings.contains_key(&((*id).clone(), model.clone())))
+        .filter(|id| !keys.embeddings.contains_key(&((*id).clone(), model.clone())))
         .filter(|id| options.shard.owns(id.as_str()))
         .cloned()
         .collect();
-    if !options.reembed && !lacking.is_empty() {
-        let scan = Scan { nodes: true, nodes_of: Some(lacking.clone()), steps: Rows::Of(lacking.clone()), ..Default::default() };
-        graph.nodes = writer.store().scan_at(&manifest, &scan)?.nodes;
+    // A node holding each text's vector (of the stored ones, the highest id), for texts a node
+    // to embed repeats; a text this run embeds joins with its first node once committed.
+    let mut holder: BTreeMap<String, NodeId> = BTreeMap::new();
+    for embedding in keys.embeddings.into_values().filter(|e| e.model_id == model) {
+        holder.insert(embedding.text_sha256, embedding.node_id);
     }
-    let nodes = ids.len();
-    let mut report = EmbedReport { nodes, ..EmbedReport::default() };
-    let todo: Vec<(NodeId, String)> = lacking.iter().map(|id| (id.clone(), graph.nodes[id].embedding_text())).collect();
-    let mut cache: BTreeMap<String, Vec<f32>> = BTreeMap::new();
-    if options.reembed {
-        for embedding in graph.embeddings.values().filter(|e| e.model_id == model) {
-            cache.insert(embedding.text_sha256.clone(), embedding.vector.clone());
-        }
-    } else {
+    let mut report = EmbedReport { nodes: ids.len(), already: ids.len() - lacking.len(), ..EmbedReport::default() };
+    drop(ids);
+    progress.start(lacking.len() as u64);
+    let commit_every = options.commit_every.max(1);
+    let window = options.window.max(1).div_ceil(commit_every) * commit_every;
+    for nodes in lacking.chunks(window) {
+        let of: BTreeSet<NodeId> = nodes.iter().cloned().collect();
+        let scan = Scan { nodes: true, nodes_of: Some(of.clone()), steps: Rows::Of(of), ..Default::default() };
+        let rows = writer.store().scan_at(writer.manifest(), &scan)?.nodes;
+        let todo: Vec<(NodeId, String)> = nodes.iter().map(|id| (id.clone(), rows[id].embedding_text())).collect();
+        drop(rows);
         // The vectors of stored texts that a node to embed repeats, read by their node.
         let hashes: BTreeSet<String> = todo.iter().map(|(_, text)| sha256_hex(text.as_bytes())).collect();
-        let holders: BTreeSet<NodeId> = graph
-            .embeddings
-            .values()
-            .filter(|e| e.model_id == model && hashes.contains(&e.text_sha256))
-            .map(|e| e.node_id.clone())
-            .collect();
+        let holders: BTreeSet<NodeId> = hashes.iter().filter_map(|h| holder.get(h)).cloned().collect();
+        let mut cache: BTreeMap<String, Vec<f32>> = BTreeMap::new();
         if !holders.is_empty() {
-            let (stored, _) = writer.store().scan(&Scan { vectors: Rows::Of(holders), ..Default::default() })?;
-            for embedding in stored.embeddings.values().filter(|e| e.model_id == model) {
-                cache.insert(embedding.text_sha256.clone(), embedding.vector.clone());
+            let stored = writer.store().scan_at(writer.manifest(), &Scan { vectors: Rows::Of(holders), ..Default::default() })?;
+            for embedding in stored.embeddings.into_values().filter(|e| e.model_id == model) {
+                cache.insert(embedding.text_sha256, embedding.vector);
+            }
+        }
+        for chunk in todo.chunks(commit_every) {
+            let delta = embed_chunk(embedder, options, &model, dim, chunk, &mut cache, &mut report, progress)?;
+            if !delta.is_empty() {
+                // Vectors only for nodes without one (of this model, the store's only one): new keys.
+                writer.commit_new(&delta, commit_info(run_id, &report, &model))?;
+                report.commits += 1;
+                for embedding in delta.embeddings.into_values() {
+                    holder.entry(embedding.text_sha256).or_insert(embedding.node_id);
+                }
             }
         }
     }
-    report.already = report.nodes - todo.len();
+    Ok(report)
+}
+
+/// Embeds `chunk` (node ids with their texts): each text not in `cache` once (the first node
+/// with the text owns it), the others from `cache`. Returns the chunk's embeddings.
+#[allow(clippy::too_many_arguments)]
+fn embed_chunk(
+    embedder: &dyn Embedder,
+    options: &EmbedOptions,
+    model: &str,
+    dim: usize,
+    chunk: &[(NodeId, String)],
+    cache: &mut BTreeMap<String, Vec<f32>>,
+    report: &mut EmbedReport,
+    progress: &mut dyn Progress,
+) -> Result<Graph> {
+    let mut delta = Graph::default();
+    let mut missing: Vec<(&str, String)> = Vec::new();
+    let mut pending: BTreeSet<String> = BTreeSet::new();
+    let mut waiting: Vec<(&NodeId, String)> = Vec::new();
+    for (id, text) in chunk {
+        let hash = sha256_hex(text.as_bytes());
+        if cache.contains_key(&hash) || !pending.insert(hash.clone()) {
+            report.cached += 1;
+        } else {
+            missing.push((text.as_str(), hash.clone()));
+            report.embedded += 1;
+        }
+        waiting.push((id, hash));
+    }
+    for batch in missing.chunks(options.batch_size.max(1)) {
+        let texts: Vec<&str> = batch.iter().map(|(text, _)| *text).collect();
+        let vectors = embedder.embed(&texts)?;
+        check_output(model, dim, texts.len(), &vectors)?;
+        for ((_, hash), vector) in batch.iter().zip(vectors) {
+            cache.insert(hash.clone(), vector);
+        }
+        progress.advance(batch.len() as u64);
+    }
+    progress.advance((chunk.len() - missing.len()) as u64);
+    for (id, hash) in waiting {
+        let vector = cache.get(&hash).expect("every waiting text was embedded or cached").clone();
+        delta.upsert_embedding(Embedding { node_id: id.clone(), model_id: model.to_string(), text_sha256: hash, vector });
+    }
+    Ok(delta)
+}
+
+/// Replaces every embedding of the store with `embedder`'s, in one commit (the whole graph is
+/// read and rewritten; other models' vectors are dropped, this model's kept).
+fn reembed(writer: &mut Writer, embedder: &dyn Embedder, options: &EmbedOptions, run_id: &str, progress: &mut dyn Progress) -> Result<EmbedReport> {
+    let model = embedder.model_id().to_string();
+    let dim = embedder.dim();
+    let mut graph = writer.store().load()?;
+    graph.embeddings.retain(|(_, m), _| m == &model);
+    let lacking: Vec<NodeId> = graph.nodes.keys().filter(|id| !graph.embeddings.contains_key(&((*id).clone(), model.clone()))).filter(|id| options.shard.owns(id.as_str())).cloned().collect();
+    let mut report = EmbedReport { nodes: graph.nodes.len(), already: graph.nodes.len() - lacking.len(), ..EmbedReport::default() };
+    let todo: Vec<(NodeId, String)> = lacking.iter().map(|id| (id.clone(), graph.nodes[id].embedding_text())).collect();
+    let mut cache: BTreeMap<String, Vec<f32>> = graph.embeddings.values().map(|e| (e.text_sha256.clone(), e.vector.clone())).collect();
     progress.start(todo.len() as u64);
     let mut fresh = Graph::default();
     for chunk in todo.chunks(options.commit_every.max(1)) {
-        let mut delta = Graph::default();
-        // Texts not in the cache, each once (the first node with the text owns it).
-        let mut missing: Vec<(&str, String)> = Vec::new();
-        let mut pending: BTreeSet<String> = BTreeSet::new();
-        let mut waiting: Vec<(&NodeId, String)> = Vec::new();
-        for (id, text) in chunk {
-            let hash = sha256_hex(text.as_bytes());
-            if cache.contains_key(&hash) || !pending.insert(hash.clone()) {
-                report.cached += 1;
-            } else {
-                missing.push((text.as_str(), hash.clone()));
-                report.embedded += 1;
-            }
-            waiting.push((id, hash));
-        }
-        for batch in missing.chunks(options.batch_size.max(1)) {
-            let texts: Vec<&str> = batch.iter().map(|(text, _)| *text).collect();
-            let vectors = embedder.embed(&texts)?;
-            check_output(&model, dim, texts.len(), &vectors)?;
-            for ((_, hash), vector) in batch.iter().zip(vectors) {
-                cache.insert(hash.clone(), vector);
-            }
-            progress.advance(batch.len() as u64);
-        }
-        progress.advance((chunk.len() - missing.len()) as u64);
-        for (id, hash) in waiting {
-            let vector = cache.get(&hash).expect("every waiting text was embedded or cached").clone();
-            delta.upsert_embedding(Embedding { node_id: id.clone(), model_id: model.clone(), text_sha256: hash, vector });
-        }
-        if options.reembed {
-            fresh.apply(delta);
-        } else if !delta.is_empty() {
-            // Vectors only for nodes without one (of this model, the store's only one): new keys.
-            writer.commit_new(&delta, commit_info(run_id, &report, &model))?;
-            report.commits += 1;
-        }
+        fresh.apply(embed_chunk(embedder, options, &model, dim, chunk, &mut cache, &mut report, progress)?);
     }
-    if options.reembed {
-        // Other models' vectors were dropped above; this model's kept ones stay.
-        graph.apply(fresh);
-        writer.replace(&graph, commit_info(run_id, &report, &model))?;
-        report.commits += 1;
-    }
+    graph.apply(fresh);
+    writer.replace(&graph, commit_info(run_id, &report, &model))?;
+    report.commits += 1;
     Ok(report)
 }
 

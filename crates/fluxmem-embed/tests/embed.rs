@@ -107,3 +107,26 @@ fn another_model_is_refused_until_reembed_migrates_the_store() {
     assert!(graph.embeddings.values().all(|e| e.model_id == "hash-32" && e.vector.len() == 32));
     assert_eq!(graph.nodes.len(), 7, "migration keeps every node");
 }
+
+/// A run a window of two nodes at a time writes the same shards as one that holds every node
+/// at once, and a text repeated in a later window is read back from the store, not embedded
+/// again.
+#[test]
+fn a_small_window_writes_the_same_shards_and_embeds_each_text_once() {
+    let shards = |window: usize| {
+        let dir = store_with(&TEXTS);
+        let mut writer = Writer::open(dir.path()).unwrap();
+        let embedder = Counting::new(usize::MAX);
+        let options = EmbedOptions { batch_size: 1, commit_every: 2, window, ..Default::default() };
+        let report = embed_store(&mut writer, &embedder, &options, "r", &mut NoProgress).unwrap();
+        let manifest = Store::open(dir.path()).unwrap().manifest().unwrap();
+        let files: Vec<(String, u64, String)> = manifest.shards.iter().map(|s| (s.table.clone(), s.rows, s.sha256.clone())).collect();
+        (report, embedder.texts.load(Ordering::SeqCst), files)
+    };
+    let (whole, whole_texts, whole_files) = shards(1_000);
+    let (small, small_texts, small_files) = shards(2);
+    assert_eq!((whole.embedded, whole.cached, whole.commits), (5, 2, 4));
+    assert_eq!(small, whole);
+    assert_eq!((small_texts, whole_texts), (5, 5), "a text of an earlier window is not embedded again");
+    assert_eq!(small_files, whole_files);
+}
