@@ -157,11 +157,14 @@ pub struct Embed {
     pub batch_size: usize,
     /// Commit after this many newly embedded nodes.
     pub commit_every: usize,
+    /// Nodes read and embedded at once (rounded up to a multiple of `commit_every`): the
+    /// stage's memory follows this, not the night's size.
+    pub window: usize,
 }
 
 impl Default for Embed {
     fn default() -> Self {
-        Embed { batch_size: 32, commit_every: 2048 }
+        Embed { batch_size: 32, commit_every: 2048, window: fluxmem_embed::EmbedOptions::default().window }
     }
 }
 
@@ -424,6 +427,7 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     positive("ingest.max_record_bytes", p.ingest.max_record_bytes)?;
     positive("embed.batch_size", p.embed.batch_size)?;
     positive("embed.commit_every", p.embed.commit_every)?;
+    positive("embed.window", p.embed.window)?;
     positive("connect.commit_every", p.connect.commit_every)?;
     positive("consolidate.max_rounds", p.consolidate.max_rounds)?;
     positive("consolidate.prompt_budget", p.consolidate.prompt_budget)?;

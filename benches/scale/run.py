@@ -45,15 +45,26 @@ def disk_bytes(store):
     return total
 
 
+def steal_seconds():
+    """CPU time the hypervisor gave to others, all cores (from /proc/stat; 0 where absent)."""
+    try:
+        fields = open("/proc/stat").readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+    except (OSError, ValueError):
+        return 0.0
+
+
 def timed(cmd, log):
-    """Runs cmd; returns (wall seconds, peak RSS MB, stdout)."""
+    """Runs cmd; returns (wall seconds, peak RSS MB, stdout, CPU seconds (user + system), stolen seconds)."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
-        full = ["/usr/bin/time", "-f", "%e %M", "-o", tf.name] + cmd
+        full = ["/usr/bin/time", "-f", "%e %M %U %S", "-o", tf.name] + cmd
+        stolen = steal_seconds()
         out = subprocess.run(full, stdout=subprocess.PIPE, stderr=log, text=True)
+        stolen = steal_seconds() - stolen
         if out.returncode not in (0, 3):
             sys.exit(f"{' '.join(cmd)} failed with {out.returncode}; see {log.name}")
-        wall, rss_kb = tf.read().split()[-2:]
-    return float(wall), int(rss_kb) / 1024, out.stdout
+        wall, rss_kb, user, system = tf.read().split()[-4:]
+    return float(wall), int(rss_kb) / 1024, out.stdout, float(user) + float(system), stolen
 
 
 def main():
@@ -65,6 +76,7 @@ def main():
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--consolidate", action="store_true", help="also run consolidate (the generator: slow on CPU)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--last-night", type=int, default=None, metavar="EPISODES", help="episodes of the last night (default N/10): the same small night on stores of different sizes shows what grows with history")
     parser.add_argument("--snapshot", default=None, metavar="STAGE", help="copy the store to WORK/before-STAGE before the last night's STAGE (to profile it again)")
     parser.add_argument("--embedder", default=None, help="embedding model of embed and connect (default: the store default; hash-384: no model)")
     args = parser.parse_args()
@@ -91,6 +103,8 @@ def main():
     start = 0
     for night in range(1, args.nights + 1):
         count = args.episodes if night == 1 else max(1, args.episodes // 10)
+        if night == args.nights and night > 1 and args.last_night:
+            count = args.last_night
         path = os.path.join(logs, f"episodes-night{night:02d}.jsonl")
         subprocess.run(synth + ["episodes", "--out", path, "--from", str(start), "--to", str(start + count), "--seed", str(args.seed)], check=True)
         start += count
@@ -102,11 +116,12 @@ def main():
                 shutil.copytree(store, copy)
             before = manifest(store)
             listed = {s["file"] for s in before["shards"]}
-            wall, rss, stdout = timed(fm + cmd, log)
+            wall, rss, stdout, cpu, stolen = timed(fm + cmd, log)
             after = manifest(store)
             new = [s for s in after["shards"] if s["file"] not in listed]
             row = {
                 "night": night, "new_episodes": count, "stage": name, "seconds": wall, "rss_mb": round(rss, 1),
+                "cpu_seconds": round(cpu, 2), "stolen_seconds": round(stolen, 2),
                 "rows_written": sum(s["rows"] for s in new), "bytes_written": sum(s["bytes"] for s in new),
                 "store_bytes": sum(s["bytes"] for s in after["shards"]), "disk_bytes": disk_bytes(store),
             }
@@ -118,21 +133,23 @@ def main():
             print(json.dumps(row), file=sys.stderr)
     embedder = args.embedder or "the default embedder"
     print(f"\nbenches/scale: N = {args.episodes} episodes, then {args.nights - 1} night(s) of N/10; {args.bin}; {embedder}; work dir {work}\n")
-    print("| night | stage | wall s | peak RSS MB | rows written | MB written | store MB | amplification (nodes/edges/embeddings) |")
-    print("|---|---|---|---|---|---|---|---|")
+    # CPU s: user + system of the command (less sensitive than wall time to a busy host);
+    # stolen s: CPU time the hypervisor gave to other guests meanwhile, all cores (a noisy run).
+    print("| night | stage | wall s | CPU s | stolen s | peak RSS MB | rows written | MB written | store MB | amplification (nodes/edges/embeddings) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         amp = r.get("amplification")
         amp = "/".join(f"{amp.get(t, 1.0):.2f}" for t in ("nodes", "edges", "embeddings")) if amp else ""
-        print(f"| {r['night']} (+{r['new_episodes']}) | {r['stage']} | {r['seconds']:.1f} | {r['rss_mb']:.0f} | {r['rows_written']} | "
+        print(f"| {r['night']} (+{r['new_episodes']}) | {r['stage']} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['stolen_seconds']:.1f} | {r['rss_mb']:.0f} | {r['rows_written']} | "
               f"{r['bytes_written'] / 1e6:.2f} | {r['store_bytes'] / 1e6:.2f} | {amp} |")
     if args.nights >= 2:
-        print("\n| stage | night 2 / night 1, wall | night 2 / night 1, bytes written |")
-        print("|---|---|---|")
+        print("\n| stage | night 2 / night 1, wall | night 2 / night 1, CPU | night 2 / night 1, bytes written |")
+        print("|---|---|---|---|")
         for name in [s for s, _ in stages + tail]:
             one = next(r for r in rows if r["night"] == 1 and r["stage"] == name)
             two = next(r for r in rows if r["night"] == 2 and r["stage"] == name)
             ratio = lambda a, b: f"{a / b:.2f}" if b else "n/a"
-            print(f"| {name} | {ratio(two['seconds'], one['seconds'])} | {ratio(two['bytes_written'], one['bytes_written'])} |")
+            print(f"| {name} | {ratio(two['seconds'], one['seconds'])} | {ratio(two['cpu_seconds'], one['cpu_seconds'])} | {ratio(two['bytes_written'], one['bytes_written'])} |")
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)
 

@@ -396,10 +396,11 @@ impl Ctx<'_> {
 
     fn embed(&mut self, writer: &mut Writer, shard: Shard) -> anyhow::Result<StageRecord> {
         let commit_every = self.loaded.pipeline.embed.commit_every;
+        let window = self.loaded.pipeline.embed.window;
         let run_id = format!("embed@{}", self.run_id);
         let mut bar = CountBar::new(self.settings.progress, "embed");
         let embedder = self.embedder()?;
-        let options = fluxmem_embed::EmbedOptions { batch_size: 256, commit_every, shard, ..Default::default() };
+        let options = fluxmem_embed::EmbedOptions { batch_size: 256, commit_every, shard, window, ..Default::default() };
         let report = fluxmem_embed::embed_store(writer, embedder, &options, &run_id, &mut bar)?;
         bar.finish();
         eprintln!("  {} nodes: {} embedded, {} from the cache, {} already had a vector", report.nodes, report.embedded, report.cached, report.already);
