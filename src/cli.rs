@@ -405,9 +405,10 @@ pub struct EmbedArgs {
     pub commit_every: usize,
 
     /// Nodes read and embedded at once (their rows, texts and vectors held together), rounded
-    /// up to a multiple of --commit-every: the stage's memory follows this, not the night's size.
-    #[arg(long, default_value_t = fluxmem_embed::EmbedOptions::default().window)]
-    pub window: usize,
+    /// up to a multiple of --commit-every: what the stage holds of the night's nodes follows
+    /// this, not the night's size. Not used with --reembed (it rewrites the store whole).
+    #[arg(long, default_value_t = std::num::NonZeroUsize::new(fluxmem_embed::EmbedOptions::default().window).expect("the default window is positive"))]
+    pub window: std::num::NonZeroUsize,
 
     /// Replace every embedding in the store with this model's (migrating to a new model).
     #[arg(long)]

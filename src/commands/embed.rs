@@ -11,7 +11,7 @@ pub fn run(args: EmbedArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device: DeviceChoice = args.device.parse()?;
     let embedder = super::embedder(&args.model, &device, Some(args.batch_size))?;
     let mut writer = open_writer(settings)?;
-    let options = EmbedOptions { batch_size: 256, commit_every: args.commit_every, reembed: args.reembed, window: args.window, ..Default::default() };
+    let options = EmbedOptions { batch_size: 256, commit_every: args.commit_every, reembed: args.reembed, window: args.window.get(), ..Default::default() };
     let mut bar = CountBar::new(settings.progress, "embed");
     let started = std::time::Instant::now();
     let report = embed_store(&mut writer, embedder.as_ref(), &options, &run_id("embed"), &mut bar)

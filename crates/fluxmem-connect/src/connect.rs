@@ -105,8 +105,8 @@ pub fn connect_store(
     device: &Device,
     progress: &mut dyn Progress,
 ) -> Result<ConnectReport> {
-    // Node rows and vectors; of the edges only their heads (which episodes are connected); the
-    // steps (the queries) only of the episodes to connect, read once they are known.
+    // Node rows and vectors; of the edges only the live ones' ends, streamed (which episodes are
+    // connected); the steps (the queries) only of the episodes to connect, once they are known.
     let scan = Scan { nodes: true, vectors: Rows::All, ..Default::default() };
     let (mut graph, manifest) = writer.store().scan(&scan)?;
     let connected = connected_episodes(writer.store(), &manifest)?;

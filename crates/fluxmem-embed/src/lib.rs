@@ -74,8 +74,9 @@ pub struct EmbedOptions {
     /// The nodes this run owns (sharded runs, by node id); [`Shard::ALL`] by default.
     pub shard: Shard,
     /// Nodes to embed read and held at once (their rows, texts and vectors), rounded up to a
-    /// multiple of `commit_every`: the stage's memory follows this, not the size of the run.
-    /// Texts repeated from an earlier window are read back from the store, not kept.
+    /// multiple of `commit_every`: this bounds what the stage holds of the night's nodes (it
+    /// still keeps a text hash and holder id per stored embedding). Texts repeated from an
+    /// earlier window are read back from the store, not kept. Not used by `reembed`.
     pub window: usize,
 }
 
@@ -153,7 +154,7 @@ pub fn embed_store(
     drop(ids);
     progress.start(lacking.len() as u64);
     let commit_every = options.commit_every.max(1);
-    let window = options.window.max(1).div_ceil(commit_every) * commit_every;
+    let window = options.window.max(1).checked_next_multiple_of(commit_every).unwrap_or(usize::MAX);
     for nodes in lacking.chunks(window) {
         let of: BTreeSet<NodeId> = nodes.iter().cloned().collect();
         let scan = Scan { nodes: true, nodes_of: Some(of.clone()), steps: Rows::Of(of), ..Default::default() };

@@ -137,7 +137,9 @@ impl Store {
                         for batch in self.rows_where(entry, only)? {
                             let batch = batch?;
                             let nodes = schema::nodes_from_batch_with(&batch, &steps, &steps_read).map_err(|e| self.corrupt(entry, e.to_string()))?;
-                            nodes.into_iter().filter(|n| scan.node_kinds.is_empty() || scan.node_kinds.contains(&n.kind())).for_each(|n| graph.upsert_node(n));
+                            // Filtered on `id`, the kinds are left to check (a node's id fixes its kind).
+                            let kinds_left = scan.nodes_of.is_some() && !scan.node_kinds.is_empty();
+                            nodes.into_iter().filter(|n| !kinds_left || scan.node_kinds.contains(&n.kind())).for_each(|n| graph.upsert_node(n));
                         }
                     }
                     "edges" if scan.edges => {
@@ -268,7 +270,7 @@ impl Store {
     fn rows_where(&self, entry: &ShardEntry, only: Option<(&str, &dyn Fn(&str) -> bool)>) -> Result<std::iter::Flatten<std::option::IntoIter<shard::Batches>>> {
         let batches = match only {
             None => Some(shard::batches(&self.dir, entry, None)?),
-            Some((column, keep)) => shard::select(&self.dir, entry, None, column, keep)?,
+            Some((column, keep)) => shard::select(&self.dir, entry, column, keep)?,
         };
         Ok(batches.into_iter().flatten())
     }

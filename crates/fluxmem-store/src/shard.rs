@@ -2,10 +2,9 @@
 
 use arrow_array::RecordBatch;
 use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder};
-use parquet::file::metadata::PageIndexPolicy;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
-use parquet::file::metadata::KeyValue;
+use parquet::file::metadata::{KeyValue, PageIndexPolicy};
 use parquet::file::properties::WriterProperties;
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
@@ -194,19 +193,20 @@ impl Iterator for Batches {
 /// checksum are verified first (one pass over the file, in bounded memory), then its table tag,
 /// schema version and row count (from the footer). Only `columns` are decoded (all: `None`).
 pub(crate) fn open(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>, batch_rows: usize) -> Result<Batches> {
-    let shard = Verified::open(dir, entry)?;
+    let shard = Verified::open(dir, entry, PageIndexPolicy::Skip)?;
     let reader = shard.builder()?.project(columns).with_batch_size(batch_rows.max(1)).build().map_err(|e| shard.corrupt(format!("cannot read: {e}")))?;
     Ok(Batches { reader, path: shard.path })
 }
 
 /// The rows of the shard `entry` whose text column `key` passes `keep`, [`DEFAULT_BATCH_ROWS`]
-/// at a time, with only `columns` (all: `None`; `key` is in the batches only if among them).
-/// The key column is read first; the other columns are decoded for the selected rows only, and
-/// their pages without a selected row are not read (the offset index). `None`: no row passes.
-pub(crate) fn select(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>, key: &str, keep: &dyn Fn(&str) -> bool) -> Result<Option<Batches>> {
+/// at a time, every column. The file is verified whole first (as [`open`] does); then the key
+/// column is decoded, and the other columns are decoded at the selected rows only, their pages
+/// without a selected row skipped (the offset index). `None`: no row passes, and nothing but
+/// the key column was decoded.
+pub(crate) fn select(dir: &Path, entry: &ShardEntry, key: &str, keep: &dyn Fn(&str) -> bool) -> Result<Option<Batches>> {
     use arrow_array::cast::AsArray;
     use arrow_array::{Array, BooleanArray};
-    let shard = Verified::open(dir, entry)?;
+    let shard = Verified::open(dir, entry, PageIndexPolicy::Optional)?;
     let keys = shard.builder()?.project(Some(&[key])).with_batch_size(DEFAULT_BATCH_ROWS).build().map_err(|e| shard.corrupt(format!("cannot read: {e}")))?;
     let mut masks = Vec::new();
     for batch in keys {
@@ -220,7 +220,7 @@ pub(crate) fn select(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>, k
     }
     let reader = shard
         .builder()?
-        .project(columns)
+        .project(None)
         .with_row_selection(selection)
         .with_batch_size(DEFAULT_BATCH_ROWS)
         .build()
@@ -229,15 +229,16 @@ pub(crate) fn select(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>, k
 }
 
 /// A shard file whose size, checksum, table tag, schema version and row count were verified,
-/// with its footer (and offset index) read once for the readers built on it.
+/// with its footer (and, as `offset_index` says, its offset index) read once for the readers
+/// built on it.
 struct Verified {
     file: std::fs::File,
-    metadata: parquet::arrow::arrow_reader::ArrowReaderMetadata,
+    metadata: ArrowReaderMetadata,
     path: PathBuf,
 }
 
 impl Verified {
-    fn open(dir: &Path, entry: &ShardEntry) -> Result<Verified> {
+    fn open(dir: &Path, entry: &ShardEntry, offset_index: PageIndexPolicy) -> Result<Verified> {
         let path = dir.join(&entry.file);
         let corrupt = |reason: String| Error::Corrupt { path: path.clone(), reason };
         let mut file = std::fs::File::open(&path).map_err(|source| {
@@ -265,7 +266,7 @@ impl Verified {
         if actual != entry.sha256 {
             return Err(corrupt(format!("checksum mismatch: sha256 {actual}, the manifest says {}", entry.sha256)));
         }
-        let options = ArrowReaderOptions::new().with_offset_index_policy(PageIndexPolicy::Optional);
+        let options = ArrowReaderOptions::new().with_offset_index_policy(offset_index);
         let metadata = ArrowReaderMetadata::load(&file, options).map_err(|e| corrupt(format!("not a readable Parquet file: {e}")))?;
         let tags = metadata.metadata().file_metadata().key_value_metadata().cloned().unwrap_or_default();
         let lookup = |key: &str| tags.iter().find(|kv| kv.key == key).and_then(|kv| kv.value.clone());
@@ -305,5 +306,33 @@ impl Builder {
             }
             None => self.0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::Int64Type;
+    use arrow_array::{ArrayRef, Int64Array, StringArray};
+    use std::sync::Arc;
+
+    /// A shard of 20,000 rows (several batches and pages): `select` gives the rows whose key
+    /// passes, every column, in order, and nothing (`None`) when no key passes.
+    #[test]
+    fn select_gives_the_rows_that_pass_and_none_when_none_does() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("shards")).unwrap();
+        let ids = StringArray::from_iter_values((0..20_000).map(|i| format!("k{i:05}")));
+        let n = Int64Array::from_iter_values(0..20_000);
+        let batch = RecordBatch::try_from_iter([("id", Arc::new(ids) as ArrayRef), ("n", Arc::new(n) as ArrayRef)]).unwrap();
+        let entry = write(dir.path(), "t", 1, 0, &batch).unwrap();
+        assert!(select(dir.path(), &entry, "id", &|_| false).unwrap().is_none());
+        let read: Vec<RecordBatch> = select(dir.path(), &entry, "id", &|k| k.ends_with("99")).unwrap().unwrap().collect::<Result<_>>().unwrap();
+        let n: Vec<i64> = read.iter().flat_map(|b| b.column_by_name("n").unwrap().as_primitive::<Int64Type>().values().to_vec()).collect();
+        assert_eq!(n, (0..20_000).filter(|i| i % 100 == 99).collect::<Vec<i64>>());
+        let ids: Vec<String> = read.iter().flat_map(|b| b.column_by_name("id").unwrap().as_string::<i32>().iter().map(|v| v.unwrap().to_string()).collect::<Vec<_>>()).collect();
+        assert_eq!(ids.first().map(String::as_str), Some("k00099"));
+        assert_eq!(ids.len(), 200);
     }
 }
