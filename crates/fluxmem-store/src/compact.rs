@@ -201,7 +201,7 @@ const NODE_CODES: [NodeKind; 3] = [NodeKind::Semantic, NodeKind::Episodic, NodeK
 /// ...an edge row's is 0 when inactive, else its kind's index here plus 1.
 const EDGE_CODES: [EdgeKind; 3] = [EdgeKind::Ground, EdgeKind::Distill, EdgeKind::Link];
 
-fn key_columns(table: &str) -> &'static [&'static str] {
+pub(crate) fn key_columns(table: &str) -> &'static [&'static str] {
     match table {
         "nodes" => &["id"],
         "edges" => &["src", "dst", "kind"],
@@ -752,6 +752,13 @@ mod tests {
         manifest.version += 1;
         writer.land(manifest, CommitInfo { stage: "t".into(), run_id: "r".into(), ..Default::default() }).unwrap();
         assert_eq!(writer.store().load().unwrap(), expected, "the reversed shard holds the same rows");
+        // The streamed live rows over it (a shard out of key order: the winning-row map) are
+        // the loaded edges, each once.
+        let live = writer.store().live(&writer.manifest, "edges").unwrap();
+        let mut streamed = BTreeMap::new();
+        live.edges(&[], &mut |e| assert!(streamed.insert(e.key(), e).is_none(), "each live edge once")).unwrap();
+        assert_eq!(live.len() as usize, expected.edges.len());
+        assert_eq!(streamed, expected.edges);
         let policy = CompactPolicy { merge_factor: 2, min_level_rows: 1, batch_rows: 4, ..Default::default() };
         let report = writer.compact(&policy, "c").unwrap();
         assert!(report.tables["edges"].merged >= 2, "{report:?}");
