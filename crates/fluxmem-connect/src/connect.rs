@@ -110,10 +110,12 @@ pub fn connect_store(
     let scan = Scan { nodes: true, vectors: Rows::All, ..Default::default() };
     let (mut graph, manifest) = writer.store().scan(&scan)?;
     let connected = connected_episodes(writer.store(), &manifest)?;
+    // The episodes this run connects: not connected before, and this shard's.
+    let to_connect = |id: &NodeId| !connected.contains(id) && options.shard.owns(id.as_str());
     let unconnected: BTreeSet<NodeId> = graph
         .nodes
         .values()
-        .filter(|n| n.kind() == NodeKind::Episodic && !connected.contains(&n.id) && options.shard.owns(n.id.as_str()))
+        .filter(|n| n.kind() == NodeKind::Episodic && to_connect(&n.id))
         .map(|n| n.id.clone())
         .collect();
     if options.per_step && !unconnected.is_empty() {
@@ -124,7 +126,6 @@ pub fn connect_store(
             }
         }
     }
-    let to_connect = |id: &NodeId| !connected.contains(id) && options.shard.owns(id.as_str());
     let indexes = tenant_indexes(&graph, embedder.model_id(), device, &to_connect)?;
     // The indexes hold the vectors they need; the graph's copies are not read again.
     graph.embeddings.clear();
