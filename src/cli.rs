@@ -145,6 +145,11 @@ pub struct ConnectArgs {
     /// Commit after this many episodes.
     #[arg(long, default_value_t = 500)]
     pub commit_every: usize,
+    /// MiB the link search may hold: the night's episode vectors and neighbours, and the
+    /// blocks of scores. The stored vectors are streamed, never held; a night that does not fit
+    /// is searched in several passes over them.
+    #[arg(long, default_value_t = std::num::NonZeroUsize::new(fluxmem_connect::DEFAULT_MEMORY >> 20).expect("the default budget is positive"))]
+    pub memory_mb: std::num::NonZeroUsize,
     /// Embedding model (must be the store's; `hash-<dim>` for the weight-free hashing
     /// embedder, see `fluxmem embed --help`).
     #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]

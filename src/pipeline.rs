@@ -182,11 +182,14 @@ pub struct Connect {
     pub link_k: usize,
     /// Commit after this many episodes.
     pub commit_every: usize,
+    /// MiB the link search may hold: the night's episode vectors and neighbours, and the score
+    /// blocks (the history's vectors are streamed, not held).
+    pub memory_mb: usize,
 }
 
 impl Default for Connect {
     fn default() -> Self {
-        Connect { enabled: true, per_step: true, ground_k: 2, link_k: 5, commit_every: 500 }
+        Connect { enabled: true, per_step: true, ground_k: 2, link_k: 5, commit_every: 500, memory_mb: fluxmem_connect::DEFAULT_MEMORY >> 20 }
     }
 }
 
@@ -429,6 +432,7 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     positive("embed.commit_every", p.embed.commit_every)?;
     positive("embed.window", p.embed.window)?;
     positive("connect.commit_every", p.connect.commit_every)?;
+    positive("connect.memory_mb", p.connect.memory_mb)?;
     positive("consolidate.max_rounds", p.consolidate.max_rounds)?;
     positive("consolidate.prompt_budget", p.consolidate.prompt_budget)?;
     positive("consolidate.max_tokens", p.consolidate.max_tokens)?;

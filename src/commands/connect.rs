@@ -20,6 +20,7 @@ pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         link_k: args.link_k,
         commit_every: args.commit_every,
         retrieval,
+        memory: args.memory_mb.get().saturating_mul(1 << 20),
         ..Default::default()
     };
     let mut writer = open_writer(settings)?;

@@ -428,6 +428,7 @@ impl Ctx<'_> {
             link_k: c.link_k,
             commit_every: c.commit_every,
             shard,
+            memory: c.memory_mb.saturating_mul(1 << 20),
             ..Default::default()
         };
         let mut bar = CountBar::new(progress, "connect");

@@ -5,7 +5,7 @@
 //! query to the semantic retrieval; the `ground_k` best semantic nodes per query get a `ground`
 //! edge to the episode (evidence = how many queries retrieved it, weight = the best fused
 //! score). Each episode also gets `link` edges to its `link_k` nearest episodes by cosine
-//! (exact kNN in blocks). Edges are committed every `commit_every` episodes. Both searches
+//! (exact kNN, streamed over the stored vectors in blocks). Edges are committed every `commit_every` episodes. Both searches
 //! run inside the episode's tenant: per-tenant indexes, so no edge joins two tenants.
 
 use candle_core::Device;
@@ -15,10 +15,9 @@ use fluxmem_models::Embedder;
 use fluxmem_store::{CommitInfo, Rows, Scan, Shard, Writer};
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::dense::{embedded_in, top_k, DenseIndex, Unembedded};
+use crate::dense::{DenseIndex, BLOCK_ROWS, MIN_ROWS};
 use crate::retrieve::{RetrievalConfig, SemanticIndex};
-use crate::tenant::tenants;
-use crate::Result;
+use crate::{Error, Result};
 
 /// How to connect.
 #[derive(Debug, Clone)]
@@ -35,7 +34,14 @@ pub struct ConnectOptions {
     pub retrieval: RetrievalConfig,
     /// The episodes this run connects (sharded runs, by episode id); all by default.
     pub shard: Shard,
+    /// Bytes the link search may hold (the night's query vectors and neighbours, and the
+    /// score blocks): a night that does not fit is searched in several passes over the stored
+    /// vectors. The history's vectors are streamed, never held.
+    pub memory: usize,
 }
+
+/// [`ConnectOptions::memory`] by default: 512 MiB.
+pub const DEFAULT_MEMORY: usize = 512 << 20;
 
 impl Default for ConnectOptions {
     fn default() -> Self {
@@ -46,6 +52,7 @@ impl Default for ConnectOptions {
             commit_every: 500,
             retrieval: RetrievalConfig::default(),
             shard: Shard::ALL,
+            memory: DEFAULT_MEMORY,
         }
     }
 }
@@ -80,23 +87,27 @@ pub trait Progress {
 pub struct NoProgress;
 impl Progress for NoProgress {}
 
-/// One tenant's Stage I indexes: its semantic nodes, and its episodes with their vectors.
-struct TenantIndex {
-    semantic: SemanticIndex,
-    episodes: Vec<NodeId>,
-    /// The vectors of the episodes to connect (their link queries), by row; the others are in
-    /// `dense` only.
-    queries: BTreeMap<usize, Vec<f32>>,
-    dense: DenseIndex,
+/// What connect keeps of every episode in the store: its tenant (interned) and time. The link
+/// search needs the tenant of every stored vector it reads, and a link's time is the later of
+/// its two episodes'; nothing else of the history is held.
+#[derive(Clone, Copy)]
+struct Seen {
+    tenant: u32,
+    time: i64,
 }
 
-/// An episode to connect: its id, its tenant, and its row in the tenant's episode index.
-type Todo<'g> = (&'g NodeId, &'g str, usize);
+/// An episode to connect: its id and its tenant.
+type Todo<'g> = (&'g NodeId, &'g str);
 
 /// Connects every episode of the store that is not connected yet. Tenants never mix: an
 /// episode's ground candidates are the semantic nodes of its own tenant (BM25 statistics are
 /// the tenant's), its link neighbours the episodes of its own tenant. Every node must be
 /// embedded (a node without a vector would silently never become a candidate).
+///
+/// What it holds follows the night, not the history: the semantic nodes with their vectors,
+/// the episodes to connect with their steps and vectors, and of every other episode its
+/// tenant and time. The link search streams the stored vectors shard by shard against the
+/// night's episodes, within `options.memory` (see [`ConnectOptions::memory`]).
 pub fn connect_store(
     writer: &mut Writer,
     embedder: &dyn Embedder,
@@ -105,57 +116,82 @@ pub fn connect_store(
     device: &Device,
     progress: &mut dyn Progress,
 ) -> Result<ConnectReport> {
-    // Node rows and vectors; of the edges only the live ones' ends, streamed (which episodes are
-    // connected); the steps (the queries) only of the episodes to connect, once they are known.
-    let scan = Scan { nodes: true, vectors: Rows::All, ..Default::default() };
-    let (mut graph, manifest) = writer.store().scan(&scan)?;
-    let connected = connected_episodes(writer.store(), &manifest)?;
+    let manifest = writer.manifest().clone();
+    let store = writer.store();
+    let model = embedder.model_id().to_string();
+    // Which episodes are connected, from a stream of the live edges' ends.
+    let connected = connected_episodes(store, &manifest)?;
     // The episodes this run connects: not connected before, and this shard's.
     let to_connect = |id: &NodeId| !connected.contains(id) && options.shard.owns(id.as_str());
-    let unconnected: BTreeSet<NodeId> = graph
-        .nodes
-        .values()
-        .filter(|n| n.kind() == NodeKind::Episodic && to_connect(&n.id))
-        .map(|n| n.id.clone())
-        .collect();
-    if options.per_step && !unconnected.is_empty() {
-        let (with_steps, _) = writer.store().scan(&Scan { nodes: true, steps: Rows::Of(unconnected), ..Default::default() })?;
-        for (id, node) in with_steps.nodes {
-            if node.episode().is_some_and(|e| !e.steps.is_empty()) {
-                graph.nodes.insert(id, node);
+    // One stream of the live node rows: the semantic nodes whole, the episodes' tenant and time.
+    let mut tenants: Vec<String> = Vec::new();
+    let mut tenant_ids: BTreeMap<String, u32> = BTreeMap::new();
+    let mut episodes: BTreeMap<NodeId, Seen> = BTreeMap::new();
+    let mut facts = Graph::default();
+    let mut todo_ids: BTreeSet<NodeId> = BTreeSet::new();
+    store.live(&manifest, "nodes")?.nodes(&mut |node| match node.kind() {
+        NodeKind::Semantic => {
+            facts.nodes.insert(node.id.clone(), node);
+        }
+        NodeKind::Episodic => {
+            let tenant = match tenant_ids.get(&node.tenant) {
+                Some(&t) => t,
+                None => {
+                    let t = tenants.len() as u32;
+                    tenants.push(node.tenant.clone());
+                    tenant_ids.insert(node.tenant.clone(), t);
+                    t
+                }
+            };
+            if to_connect(&node.id) {
+                todo_ids.insert(node.id.clone());
             }
+            episodes.insert(node.id, Seen { tenant, time: node.created_at.unwrap_or(0) });
+        }
+        NodeKind::Procedural => {}
+    })?;
+    let mut report = ConnectReport { episodes: episodes.len(), already: episodes.len() - todo_ids.len(), ..Default::default() };
+    if todo_ids.is_empty() {
+        return Ok(report);
+    }
+    // The episodes to connect, whole (their steps are the queries), and the semantic nodes'
+    // vectors.
+    let steps = if options.per_step { Rows::Of(todo_ids.clone()) } else { Rows::None };
+    let todo_graph = store.scan_at(&manifest, &Scan { nodes: true, nodes_of: Some(todo_ids.clone()), steps, ..Default::default() })?;
+    let fact_ids: BTreeSet<NodeId> = facts.nodes.keys().cloned().collect();
+    if !fact_ids.is_empty() {
+        facts.embeddings = store.scan_at(&manifest, &Scan { vectors: Rows::Of(fact_ids), ..Default::default() })?.embeddings;
+    }
+    // Every episode in id order (commit boundaries depend only on the data).
+    let todo: Vec<Todo<'_>> = todo_ids.iter().map(|id| (id, tenants[episodes[id].tenant as usize].as_str())).collect();
+    // The semantic index of each tenant with episodes to connect (its BM25 statistics are the
+    // tenant's own).
+    let mut semantic: BTreeMap<&str, SemanticIndex> = BTreeMap::new();
+    for &(_, tenant) in &todo {
+        if !semantic.contains_key(tenant) {
+            semantic.insert(tenant, SemanticIndex::build(&facts, tenant, &model, device)?);
         }
     }
-    let indexes = tenant_indexes(&graph, embedder.model_id(), device, &to_connect)?;
-    // The indexes hold the vectors they need; the graph's copies are not read again.
-    graph.embeddings.clear();
-    let graph = graph;
-    // Every episode in id order (commit boundaries depend only on the data).
-    let mut episodes: Vec<Todo<'_>> = indexes
-        .iter()
-        .flat_map(|(tenant, index)| index.episodes.iter().enumerate().map(move |(row, id)| (id, tenant.as_str(), row)))
-        .collect();
-    episodes.sort_by(|a, b| a.0.cmp(b.0));
-    let todo: Vec<Todo<'_>> =
-        episodes.iter().copied().filter(|(id, ..)| to_connect(id)).collect();
-    let mut report = ConnectReport { episodes: episodes.len(), already: episodes.len() - todo.len(), ..Default::default() };
+    let search = LinkSearch { store, manifest: &manifest, episodes: &episodes, tenants: tenants.len(), model: &model, dim: embedder.dim(), k: options.link_k, memory: options.memory, device };
+    let links = search.neighbours(&todo_ids)?;
+    let time = |id: &NodeId| episodes.get(id).map(|e| e.time).or_else(|| facts.nodes.get(id).and_then(|n| n.created_at)).unwrap_or(0);
     progress.start(todo.len() as u64);
     for chunk in todo.chunks(options.commit_every.max(1)) {
         let mut delta = Graph::default();
         // All the chunk's step queries in one embedder call (sorted by length inside).
-        let queries: Vec<Vec<&str>> = chunk.iter().map(|(id, ..)| ground_queries(&graph, id, options.per_step)).collect();
+        let queries: Vec<Vec<&str>> = chunk.iter().map(|(id, _)| ground_queries(&todo_graph, id, options.per_step)).collect();
         let flat: Vec<&str> = queries.iter().flatten().copied().collect();
         let mut flat_vectors = embedder.embed(&flat)?.into_iter();
-        let links = link_neighbours(&indexes, chunk, options.link_k)?;
-        for ((&(episode, tenant, _), neighbours), episode_queries) in chunk.iter().zip(links).zip(&queries) {
+        for (&(episode, tenant), episode_queries) in chunk.iter().zip(&queries) {
             let query_vectors: Vec<Vec<f32>> = flat_vectors.by_ref().take(episode_queries.len()).collect();
-            let Some(index) = indexes.get(tenant) else { continue };
-            for (j, cosine) in neighbours {
-                delta.upsert_edge(edge(&graph, episode, &index.episodes[j], EdgeKind::Link, cosine, 1, run_id));
+            for (neighbour, cosine) in links.get(episode).into_iter().flatten() {
+                delta.upsert_edge(edge((episode, time(episode)), (neighbour, time(neighbour)), EdgeKind::Link, *cosine, 1, run_id));
                 report.link_edges += 1;
             }
-            for (node, (weight, evidence)) in ground(&index.semantic, episode_queries, &query_vectors, options)? {
-                delta.upsert_edge(edge(&graph, &node, episode, EdgeKind::Ground, weight, evidence, run_id));
+            let Some(index) = semantic.get(tenant) else { continue };
+            for (node, (weight, evidence)) in ground(index, episode_queries, &query_vectors, options)? {
+                let node_time = time(&node);
+                delta.upsert_edge(edge((&node, node_time), (episode, time(episode)), EdgeKind::Ground, weight, evidence, run_id));
                 report.ground_edges += 1;
             }
             report.connected += 1;
@@ -170,18 +206,170 @@ pub fn connect_store(
     Ok(report)
 }
 
-/// A [`TenantIndex`] per tenant of the graph's nodes, keeping the query vectors of the episodes
-/// `to_connect` picks.
-fn tenant_indexes(graph: &Graph, model: &str, device: &Device, to_connect: &dyn Fn(&NodeId) -> bool) -> Result<BTreeMap<String, TenantIndex>> {
-    let mut out = BTreeMap::new();
-    for tenant in tenants(graph) {
-        let semantic = SemanticIndex::build(graph, &tenant, model, device)?;
-        let selected = embedded_in(graph, NodeKind::Episodic, &tenant, model, Unembedded::Fail)?;
-        let dense = DenseIndex::from_vectors(&selected.vectors, device)?;
-        let queries = selected.ids.iter().zip(selected.vectors).enumerate().filter(|(_, (id, _))| to_connect(id)).map(|(row, (_, v))| (row, v)).collect();
-        out.insert(tenant, TenantIndex { semantic, episodes: selected.ids, queries, dense });
+/// The link search: exact cosine kNN of the night's episodes among the stored episodes of
+/// their tenant, by streaming the stored vectors (see [`LinkSearch::neighbours`]).
+struct LinkSearch<'a> {
+    store: &'a fluxmem_store::Store,
+    manifest: &'a fluxmem_store::Manifest,
+    episodes: &'a BTreeMap<NodeId, Seen>,
+    tenants: usize,
+    model: &'a str,
+    /// The model's dimension (sizes the groups; the vectors' own length is checked).
+    dim: usize,
+    k: usize,
+    memory: usize,
+    device: &'a Device,
+}
+
+/// One tenant's queries of a group, and the stored rows waiting to be scored against them.
+#[derive(Default)]
+struct TenantQueries {
+    ids: Vec<NodeId>,
+    vectors: Vec<Vec<f32>>,
+    /// The best `k + 1` (cosine, episode) of each query so far, best first, ties by id.
+    best: Vec<Vec<(f32, NodeId)>>,
+    pending_ids: Vec<NodeId>,
+    pending: Vec<Vec<f32>>,
+}
+
+impl LinkSearch<'_> {
+    /// The `k` nearest episodes of the same tenant (the episode itself left out), best first,
+    /// ties by id, of each episode in `todo`: the same neighbours as one index over all the
+    /// tenant's vectors (a score depends on its query and row alone, bit for bit).
+    ///
+    /// The episodes are taken in groups that fit half of the memory budget (their vectors and
+    /// neighbour lists); for each group, one pass streams every live vector of the model, and
+    /// the rows of a tenant are scored in blocks whose score matrix fits the other half. A
+    /// night that fits the budget reads the vectors once.
+    fn neighbours(&self, todo: &BTreeSet<NodeId>) -> Result<BTreeMap<NodeId, Vec<(NodeId, f32)>>> {
+        let mut out = BTreeMap::new();
+        if self.k == 0 {
+            return Ok(out);
+        }
+        let half = (self.memory / 2).max(1);
+        let per_query = self.dim.max(1) * 4 + (self.k + 1) * 64;
+        let group = (half / per_query).max(1);
+        let ids: Vec<&NodeId> = todo.iter().collect();
+        let mut checked = false;
+        for members in ids.chunks(group) {
+            let wanted: BTreeSet<NodeId> = members.iter().map(|id| (*id).clone()).collect();
+            let mut vectors = self.store.scan_at(self.manifest, &Scan { vectors: Rows::Of(wanted), ..Default::default() })?.embeddings;
+            let mut queries: Vec<TenantQueries> = (0..self.tenants).map(|_| TenantQueries::default()).collect();
+            for id in members {
+                let vector = vectors.remove(&((*id).clone(), self.model.to_string())).ok_or_else(|| Error::NotEmbedded { node: id.to_string(), model: self.model.to_string() })?.vector;
+                let q = &mut queries[self.episodes[*id].tenant as usize];
+                q.ids.push((*id).clone());
+                q.vectors.push(vector);
+                q.best.push(Vec::new());
+            }
+            drop(vectors);
+            for q in &queries {
+                let dim = q.vectors.first().map_or(0, Vec::len);
+                if let Some((id, v)) = q.ids.iter().zip(&q.vectors).find(|(_, v)| v.len() != dim) {
+                    return Err(Error::Dimension { node: id.to_string(), model: self.model.to_string(), expected: dim, got: v.len() });
+                }
+            }
+            let seen = self.stream(&mut queries, half)?;
+            if !checked {
+                self.check_embedded(&seen)?;
+                checked = true;
+            }
+            for q in queries {
+                for (id, best) in q.ids.into_iter().zip(q.best) {
+                    let links: Vec<(NodeId, f32)> = best.into_iter().filter(|(_, n)| *n != id).take(self.k).map(|(c, n)| (n, c)).collect();
+                    out.insert(id, links);
+                }
+            }
+        }
+        Ok(out)
     }
-    Ok(out)
+
+    /// One pass over the live vectors of the model, scoring each tenant's stored episodes
+    /// against its queries; returns how many episode vectors each tenant has.
+    fn stream(&self, queries: &mut [TenantQueries], half: usize) -> Result<Vec<usize>> {
+        let mut seen = vec![0usize; self.tenants];
+        let mut failure: Option<Error> = None;
+        self.store.live(self.manifest, "embeddings")?.embeddings(&mut |embedding| {
+            if failure.is_some() || embedding.model_id != self.model {
+                return;
+            }
+            // Vectors of the semantic nodes and of nodes no longer in the store are not linked.
+            let Some(episode) = self.episodes.get(&embedding.node_id) else { return };
+            let tenant = episode.tenant as usize;
+            seen[tenant] += 1;
+            let q = &mut queries[tenant];
+            if q.ids.is_empty() {
+                return;
+            }
+            q.pending_ids.push(embedding.node_id);
+            q.pending.push(embedding.vector);
+            if q.pending.len() >= self.block_rows(q.ids.len(), half) {
+                if let Err(e) = self.score(q) {
+                    failure = Some(e);
+                }
+            }
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        for q in queries.iter_mut().filter(|q| !q.pending.is_empty()) {
+            self.score(q)?;
+        }
+        Ok(seen)
+    }
+
+    /// Stored rows scored at once against `queries` queries: their score matrix (held twice,
+    /// as a tensor and as rows) and their vectors fit in `half`.
+    fn block_rows(&self, queries: usize, half: usize) -> usize {
+        (half / (8 * queries + 8 * self.dim.max(1))).clamp(MIN_ROWS, BLOCK_ROWS)
+    }
+
+    /// Scores the pending rows against the tenant's queries and keeps the best `k + 1` of each.
+    fn score(&self, q: &mut TenantQueries) -> Result<()> {
+        let dim = q.vectors[0].len();
+        if let Some((id, v)) = q.pending_ids.iter().zip(&q.pending).find(|(_, v)| v.len() != dim) {
+            return Err(Error::Dimension { node: id.to_string(), model: self.model.to_string(), expected: dim, got: v.len() });
+        }
+        let index = DenseIndex::new(&q.pending, dim, self.device)?;
+        let keep = self.k + 1;
+        for (best, scores) in q.best.iter_mut().zip(index.scores(&q.vectors)?) {
+            let order = |a: &(f32, &NodeId), b: &(f32, &NodeId)| b.0.total_cmp(&a.0).then(a.1.cmp(b.1));
+            // Only a row at least as good as the query's `k + 1`-th best so far can enter (an
+            // equal score may win its tie by id).
+            let floor = (best.len() == keep).then(|| best[keep - 1].0);
+            let mut ranked: Vec<(f32, &NodeId)> = scores.into_iter().zip(&q.pending_ids).filter(|(s, _)| floor.is_none_or(|f| s.total_cmp(&f).is_ge())).collect();
+            if keep < ranked.len() {
+                ranked.select_nth_unstable_by(keep - 1, order);
+                ranked.truncate(keep);
+            }
+            let mut merged: Vec<(f32, &NodeId)> = best.iter().map(|(c, n)| (*c, n)).chain(ranked).collect();
+            merged.sort_by(order);
+            merged.truncate(keep);
+            *best = merged.into_iter().map(|(c, n)| (c, n.clone())).collect();
+        }
+        q.pending.clear();
+        q.pending_ids.clear();
+        Ok(())
+    }
+
+    /// Every episode has a vector of the model: each tenant's count of vectors is its count of
+    /// episodes (one row per node and model); otherwise the first episode without one, in id
+    /// order, is named.
+    fn check_embedded(&self, seen: &[usize]) -> Result<()> {
+        let mut episodes = vec![0usize; self.tenants];
+        self.episodes.values().for_each(|e| episodes[e.tenant as usize] += 1);
+        if episodes == seen {
+            return Ok(());
+        }
+        let mut have: BTreeSet<NodeId> = BTreeSet::new();
+        self.store.live(self.manifest, "embeddings")?.embeddings(&mut |e| {
+            if e.model_id == self.model && self.episodes.contains_key(&e.node_id) {
+                have.insert(e.node_id);
+            }
+        })?;
+        let missing = self.episodes.keys().find(|id| !have.contains(*id)).expect("a tenant has fewer vectors than episodes");
+        Err(Error::NotEmbedded { node: missing.to_string(), model: self.model.to_string() })
+    }
 }
 
 /// Episodes this stage connected before: a `ground` edge into them or a Stage I `link` out
@@ -202,27 +390,6 @@ fn connected_episodes(store: &fluxmem_store::Store, manifest: &fluxmem_store::Ma
         }
     })?;
     Ok(connected)
-}
-
-/// The `link_k` nearest episodes of the same tenant (rows of its index, the episode itself
-/// left out) of each episode of `chunk`, in chunk order. Each tenant's episodes are scored in
-/// one batch against that tenant's index (a score does not depend on its batch mates).
-fn link_neighbours(indexes: &BTreeMap<String, TenantIndex>, chunk: &[Todo<'_>], link_k: usize) -> Result<Vec<Vec<(usize, f32)>>> {
-    let mut out = vec![Vec::new(); chunk.len()];
-    let mut by_tenant: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
-    for (slot, (_, tenant, _)) in chunk.iter().enumerate() {
-        by_tenant.entry(*tenant).or_default().push(slot);
-    }
-    for (tenant, slots) in by_tenant {
-        let Some(index) = indexes.get(tenant) else { continue };
-        let vectors: Vec<Vec<f32>> = slots.iter().map(|&slot| index.queries[&chunk[slot].2].clone()).collect();
-        for (&slot, scores) in slots.iter().zip(index.dense.scores(&vectors)?) {
-            let own = chunk[slot].2;
-            // k + 1 neighbours: the episode itself comes back first.
-            out[slot] = top_k(&scores, link_k + 1).into_iter().filter(|(j, _)| *j != own).take(link_k).collect();
-        }
-    }
-    Ok(out)
 }
 
 /// The retrieval queries of an episode: its step observations, or its task.
@@ -260,19 +427,19 @@ fn ground(
     Ok(support)
 }
 
-/// An edge of this stage. Its time is the later `created_at` of its two nodes (the moment the
-/// connection became possible), not the wall clock, so the same store always gives the same shards.
-fn edge(graph: &Graph, src: &NodeId, dst: &NodeId, kind: EdgeKind, weight: f32, evidence: i64, run_id: &str) -> Edge {
-    let time = |id: &NodeId| graph.nodes.get(id).and_then(|n| n.created_at).unwrap_or(0);
+/// An edge of this stage, between two nodes given with their `created_at`. Its time is the
+/// later of the two (the moment the connection became possible), not the wall clock, so the
+/// same store always gives the same shards.
+fn edge(src: (&NodeId, i64), dst: (&NodeId, i64), kind: EdgeKind, weight: f32, evidence: i64, run_id: &str) -> Edge {
     Edge {
-        src: src.clone(),
-        dst: dst.clone(),
+        src: src.0.clone(),
+        dst: dst.0.clone(),
         kind,
         weight,
         evidence,
         stage: "connect".into(),
         run_id: run_id.into(),
-        created_at: time(src).max(time(dst)),
+        created_at: src.1.max(dst.1),
         active: true,
         metadata: Default::default(),
     }

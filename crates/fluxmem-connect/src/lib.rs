@@ -29,7 +29,7 @@ mod retriever;
 mod tenant;
 
 pub use bm25::{terms, Bm25, Bm25Params};
-pub use connect::{connect_store, ConnectOptions, ConnectReport, NoProgress, Progress};
+pub use connect::{connect_store, ConnectOptions, ConnectReport, NoProgress, Progress, DEFAULT_MEMORY};
 pub use context::{line, pack, Context, ContextItem};
 pub use dense::{embedded, embedded_in, top_k, DenseIndex, Embedded, Unembedded, BLOCK_ROWS};
 pub use fusion::{fuse, min_max, FusionMode, FusionWeights, Signals};
@@ -57,6 +57,18 @@ pub enum Error {
         node: String,
         /// The model.
         model: String,
+    },
+    /// Two vectors of one model differ in length.
+    #[error("node {node} has a `{model}` embedding of {got} dimensions, {expected} expected; run `fluxmem embed --reembed`")]
+    Dimension {
+        /// The node.
+        node: String,
+        /// The model.
+        model: String,
+        /// The length of the tenant's other vectors.
+        expected: usize,
+        /// Its length.
+        got: usize,
     },
     /// The store holds several tenants and the caller named none.
     #[error("the store holds {} tenants ({}); choose one with --tenant", .tenants.len(), .tenants.join(", "))]

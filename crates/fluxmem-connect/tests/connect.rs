@@ -2,7 +2,7 @@
 
 use candle_core::Device;
 use fluxmem_connect::{
-    connect_store, pack, resolve_tenant, ConnectOptions, Error, NoProgress, RetrievalConfig, Retriever, SemanticIndex, Unembedded,
+    connect_store, pack, resolve_tenant, ConnectOptions, DenseIndex, Error, NoProgress, RetrievalConfig, Retriever, SemanticIndex, Unembedded,
 };
 use fluxmem_graph::{EdgeKind, Graph, NodeId, NodeKind};
 use fluxmem_models::{Embedder, HashEmbedder};
@@ -152,4 +152,66 @@ fn retrieval_skips_and_counts_nodes_without_an_embedding() {
     assert!(ids.iter().all(|id| graph.nodes[*id].tenant == "acme"));
     let other = Retriever::build_with(&graph, "globex", &model, &Device::Cpu, Unembedded::Skip).unwrap();
     assert_eq!(other.not_embedded(), 0, "counted per tenant");
+}
+
+/// `count` episodes from `first` on, two tenants; tasks repeat, so many vectors are equal
+/// (ties at every cut).
+fn fleet(first: usize, count: usize) -> String {
+    (first..first + count)
+        .map(|i| {
+            let tenant = if i % 3 == 0 { "globex" } else { "acme" };
+            let task = format!("{} order {} for the customer", ["refund", "cancel", "ship", "track", "repair"][i % 5], i % 7);
+            format!(
+                "{{\"tenant\":\"{tenant}\",\"episode_id\":\"e{i:04}\",\"task\":\"{task}\",\"steps\":[{{\"observation\":\"User: please {task}\",\"action\":\"act\"}}],\"outcome\":{{\"success\":{}}}}}\n",
+                i % 2 == 0
+            )
+        })
+        .collect()
+}
+
+/// Two nights (120 episodes, then 40) connected with `memory` bytes for the link search: the
+/// store's link edges (key and weight bits) and the store.
+fn two_nights(dir: &Path, memory: usize) -> (Vec<(NodeId, NodeId, u32)>, Graph) {
+    let mut writer = Writer::open(dir.join("store")).unwrap();
+    let options = ConnectOptions { link_k: 5, commit_every: 16, memory, ..Default::default() };
+    for (night, (first, count)) in [(0, 120), (120, 40)].into_iter().enumerate() {
+        let input = dir.join(format!("night{night}.jsonl"));
+        std::fs::write(&input, fleet(first, count)).unwrap();
+        let report = fluxmem_ingest::ingest(&mut writer, &[input], &Default::default(), "t", &mut fluxmem_ingest::NoProgress).unwrap();
+        assert_eq!(report.quarantined, 0);
+        fluxmem_embed::embed_store(&mut writer, &HashEmbedder::new(64), &Default::default(), "t", &mut fluxmem_embed::NoProgress).unwrap();
+        let report = connect_store(&mut writer, &HashEmbedder::new(64), &options, &format!("connect@{night}"), &Device::Cpu, &mut NoProgress).unwrap();
+        assert_eq!(report.connected, count);
+    }
+    let graph = writer.store().load().unwrap();
+    let links = graph.edges.values().filter(|e| e.kind == EdgeKind::Link).map(|e| (e.src.clone(), e.dst.clone(), e.weight.to_bits())).collect();
+    (links, graph)
+}
+
+#[test]
+fn the_link_search_streams_the_stored_vectors_within_any_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let (links, graph) = two_nights(&dir.path().join("default"), fluxmem_connect::DEFAULT_MEMORY);
+    assert_eq!(links.len(), 160 * 5, "five links per episode");
+    // One query a pass and the smallest blocks; a few queries a pass.
+    for memory in [1, 20_000] {
+        let (small, _) = two_nights(&dir.path().join(format!("m{memory}")), memory);
+        assert_eq!(small, links, "a budget of {memory} bytes changes the links");
+    }
+    // The second night's links are the exact kNN over one index of all the tenant's vectors
+    // (ties by id), and stay inside the tenant.
+    let model = HashEmbedder::new(64).model_id().to_string();
+    let second: Vec<&NodeId> = graph.nodes.values().filter(|n| n.episode().is_some() && n.metadata.get("episode_id").and_then(|v| v.as_str()).is_some_and(|e| e >= "e0120")).map(|n| &n.id).collect();
+    assert_eq!(second.len(), 40, "the second night's episodes are found by their episode ids");
+    for id in second {
+        let tenant = &graph.nodes[id].tenant;
+        let (ids, vectors): (Vec<&NodeId>, Vec<Vec<f32>>) =
+            graph.nodes.values().filter(|n| n.episode().is_some() && &n.tenant == tenant).map(|n| (&n.id, graph.embeddings[&(n.id.clone(), model.clone())].vector.clone())).unzip();
+        let own = ids.iter().position(|i| *i == id).unwrap();
+        let expected: Vec<(NodeId, NodeId, u32)> = DenseIndex::from_vectors(&vectors, &Device::Cpu).unwrap().top_k(&[vectors[own].clone()], 6).unwrap().remove(0).into_iter().filter(|(j, _)| *j != own).take(5).map(|(j, c)| (id.clone(), ids[j].clone(), c.to_bits())).collect();
+        let got: Vec<(NodeId, NodeId, u32)> = links.iter().filter(|l| &l.0 == id).cloned().collect();
+        let mut expected_sorted = expected.clone();
+        expected_sorted.sort();
+        assert_eq!(got, expected_sorted, "episode {id}");
+    }
 }

@@ -9,7 +9,7 @@
 //! bit per stored row and the shard being decoded, not the table.
 
 use arrow_array::{Array, BooleanArray, RecordBatch};
-use fluxmem_graph::{schema, Edge, EdgeKind, Node, NodeId, Step};
+use fluxmem_graph::{schema, Edge, EdgeKind, Embedding, Node, NodeId, Step};
 use std::collections::BTreeMap;
 
 use crate::compact::{key_columns, key_of, winning_rows, KeySet};
@@ -39,7 +39,7 @@ pub struct EdgeRow<'a> {
     pub relation: bool,
 }
 
-/// The live rows of one keyed table (`nodes` or `edges`) at one commit: see [`Store::live`].
+/// The live rows of one keyed table (`nodes`, `edges` or `embeddings`) at one commit: see [`Store::live`].
 pub struct Live<'s> {
     store: &'s Store,
     /// The table's shards in commit order, each with one flag per row (true: live).
@@ -48,7 +48,7 @@ pub struct Live<'s> {
 }
 
 impl Store {
-    /// The live rows of `table` (`"nodes"` or `"edges"`) at the commit `manifest` describes,
+    /// The live rows of `table` (`"nodes"`, `"edges"` or `"embeddings"`) at the commit `manifest` describes,
     /// ready to stream. Reads the key columns only.
     ///
     /// Shards are read newest first: a row is live unless a later shard holds its key (within
@@ -168,6 +168,18 @@ impl Live<'_> {
             let batch = self.select(entry, batch, |i| live[i])?;
             for node in schema::nodes_from_batch_with(&batch, &no_steps, &|_| false).map_err(|e| self.store.corrupt(entry, e.to_string()))? {
                 f(node);
+            }
+            Ok(())
+        })
+    }
+
+    /// Calls `f` with every live embedding row, vector included, in shard order, each exactly
+    /// once: one shard's batch in memory at a time, not the table.
+    pub fn embeddings(&self, f: &mut dyn FnMut(Embedding)) -> Result<()> {
+        self.each_batch(None, &mut |entry, batch, live| {
+            let batch = self.select(entry, batch, |i| live[i])?;
+            for embedding in schema::embeddings_from_batch(&batch).map_err(|e| self.store.corrupt(entry, e.to_string()))? {
+                f(embedding);
             }
             Ok(())
         })
