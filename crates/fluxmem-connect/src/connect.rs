@@ -6,7 +6,8 @@
 //! edge to the episode (evidence = how many queries retrieved it, weight = the best fused
 //! score). Each episode also gets `link` edges to its `link_k` nearest episodes by cosine
 //! (exact kNN, streamed over the stored vectors in blocks). Edges are committed every `commit_every` episodes. Both searches
-//! run inside the episode's tenant: per-tenant indexes, so no edge joins two tenants.
+//! run inside the episode's tenant (a per-tenant semantic index, each query scored against its
+//! tenant's stored episode vectors only), so no edge joins two tenants.
 
 use candle_core::Device;
 use fluxmem_graph::{Edge, EdgeKind, Graph, NodeId, NodeKind};
@@ -101,8 +102,9 @@ type Todo<'g> = (&'g NodeId, &'g str);
 
 /// Connects every episode of the store that is not connected yet. Tenants never mix: an
 /// episode's ground candidates are the semantic nodes of its own tenant (BM25 statistics are
-/// the tenant's), its link neighbours the episodes of its own tenant. Every node must be
-/// embedded (a node without a vector would silently never become a candidate).
+/// the tenant's), its link neighbours the episodes of its own tenant. Every episode, and every
+/// semantic node of a tenant with episodes to connect, must be embedded (a node without a vector
+/// would silently never become a candidate); a run with nothing to connect checks nothing.
 ///
 /// What it holds follows the night, not the history: the semantic nodes with their vectors,
 /// the episodes to connect with their steps and vectors, and of every other episode its
@@ -235,7 +237,8 @@ struct TenantQueries {
 impl LinkSearch<'_> {
     /// The `k` nearest episodes of the same tenant (the episode itself left out), best first,
     /// ties by id, of each episode in `todo`: the same neighbours as one index over all the
-    /// tenant's vectors (a score depends on its query and row alone, bit for bit).
+    /// tenant's vectors (on the CPU a score depends on its query and row alone, bit for bit:
+    /// [`DenseIndex::scores`]; a GPU's kernels are not checked for it).
     ///
     /// The episodes are taken in groups that fit half of the memory budget (their vectors and
     /// neighbour lists); for each group, one pass streams every live vector of the model, and
@@ -243,11 +246,9 @@ impl LinkSearch<'_> {
     /// night that fits the budget reads the vectors once.
     fn neighbours(&self, todo: &BTreeSet<NodeId>) -> Result<BTreeMap<NodeId, Vec<(NodeId, f32)>>> {
         let mut out = BTreeMap::new();
-        if self.k == 0 {
-            return Ok(out);
-        }
         let half = (self.memory / 2).max(1);
-        let per_query = self.dim.max(1) * 4 + (self.k + 1) * 64;
+        // A query's vector, its normalised copy in the scoring, and its best k + 1.
+        let per_query = self.dim.max(1) * 8 + (self.k + 1) * 64;
         let group = (half / per_query).max(1);
         let ids: Vec<&NodeId> = todo.iter().collect();
         let mut checked = false;
@@ -269,7 +270,10 @@ impl LinkSearch<'_> {
                     return Err(Error::Dimension { node: id.to_string(), model: self.model.to_string(), expected: dim, got: v.len() });
                 }
             }
-            let seen = self.stream(&mut queries, half)?;
+            // The other half is shared by the tenants with queries in the group (each holds a
+            // block of rows and its scores).
+            let active = queries.iter().filter(|q| !q.ids.is_empty()).count().max(1);
+            let seen = self.stream(&mut queries, half / active)?;
             if !checked {
                 self.check_embedded(&seen)?;
                 checked = true;
@@ -285,8 +289,9 @@ impl LinkSearch<'_> {
     }
 
     /// One pass over the live vectors of the model, scoring each tenant's stored episodes
-    /// against its queries; returns how many episode vectors each tenant has.
-    fn stream(&self, queries: &mut [TenantQueries], half: usize) -> Result<Vec<usize>> {
+    /// against its queries, each tenant's blocks within `share` bytes; returns how many episode
+    /// vectors each tenant has.
+    fn stream(&self, queries: &mut [TenantQueries], share: usize) -> Result<Vec<usize>> {
         let mut seen = vec![0usize; self.tenants];
         let mut failure: Option<Error> = None;
         self.store.live(self.manifest, "embeddings")?.embeddings(&mut |embedding| {
@@ -298,12 +303,13 @@ impl LinkSearch<'_> {
             let tenant = episode.tenant as usize;
             seen[tenant] += 1;
             let q = &mut queries[tenant];
-            if q.ids.is_empty() {
+            // With `k = 0` the pass only counts (every episode must still be embedded).
+            if q.ids.is_empty() || self.k == 0 {
                 return;
             }
             q.pending_ids.push(embedding.node_id);
             q.pending.push(embedding.vector);
-            if q.pending.len() >= self.block_rows(q.ids.len(), half) {
+            if q.pending.len() >= self.block_rows(q.ids.len(), share) {
                 if let Err(e) = self.score(q) {
                     failure = Some(e);
                 }
@@ -319,9 +325,9 @@ impl LinkSearch<'_> {
     }
 
     /// Stored rows scored at once against `queries` queries: their score matrix (held twice,
-    /// as a tensor and as rows) and their vectors fit in `half`.
-    fn block_rows(&self, queries: usize, half: usize) -> usize {
-        (half / (8 * queries + 8 * self.dim.max(1))).clamp(MIN_ROWS, BLOCK_ROWS)
+    /// as a tensor and as rows) and their vectors (raw and normalised) fit in `share`.
+    fn block_rows(&self, queries: usize, share: usize) -> usize {
+        (share / (8 * queries + 8 * self.dim.max(1))).clamp(MIN_ROWS, BLOCK_ROWS)
     }
 
     /// Scores the pending rows against the tenant's queries and keeps the best `k + 1` of each.

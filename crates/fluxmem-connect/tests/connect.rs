@@ -169,9 +169,10 @@ fn fleet(first: usize, count: usize) -> String {
         .collect()
 }
 
-/// Two nights (120 episodes, then 40) connected with `memory` bytes for the link search: the
-/// store's link edges (key and weight bits) and the store.
-fn two_nights(dir: &Path, memory: usize) -> (Vec<(NodeId, NodeId, u32)>, Graph) {
+/// Two nights (120 episodes, then 40) connected with `memory` bytes for the link search, the
+/// store compacted before the second night's connect with `compact`: the store's link edges
+/// (key and weight bits) and the store.
+fn two_nights(dir: &Path, memory: usize, compact: bool) -> (Vec<(NodeId, NodeId, u32)>, Graph) {
     let mut writer = Writer::open(dir.join("store")).unwrap();
     let options = ConnectOptions { link_k: 5, commit_every: 16, memory, ..Default::default() };
     for (night, (first, count)) in [(0, 120), (120, 40)].into_iter().enumerate() {
@@ -180,6 +181,12 @@ fn two_nights(dir: &Path, memory: usize) -> (Vec<(NodeId, NodeId, u32)>, Graph) 
         let report = fluxmem_ingest::ingest(&mut writer, &[input], &Default::default(), "t", &mut fluxmem_ingest::NoProgress).unwrap();
         assert_eq!(report.quarantined, 0);
         fluxmem_embed::embed_store(&mut writer, &HashEmbedder::new(64), &Default::default(), "t", &mut fluxmem_embed::NoProgress).unwrap();
+        if compact && night == 1 {
+            // The two nights' vectors in one merged shard, not two.
+            let policy = fluxmem_store::CompactPolicy { merge_factor: 2, ..Default::default() };
+            assert!(writer.compact(&policy, "compact@test").unwrap().committed, "the shards are merged");
+            assert_eq!(writer.manifest().shards.iter().filter(|s| s.table == "embeddings").count(), 1);
+        }
         let report = connect_store(&mut writer, &HashEmbedder::new(64), &options, &format!("connect@{night}"), &Device::Cpu, &mut NoProgress).unwrap();
         assert_eq!(report.connected, count);
     }
@@ -191,12 +198,13 @@ fn two_nights(dir: &Path, memory: usize) -> (Vec<(NodeId, NodeId, u32)>, Graph) 
 #[test]
 fn the_link_search_streams_the_stored_vectors_within_any_budget() {
     let dir = tempfile::tempdir().unwrap();
-    let (links, graph) = two_nights(&dir.path().join("default"), fluxmem_connect::DEFAULT_MEMORY);
+    let (links, graph) = two_nights(&dir.path().join("default"), fluxmem_connect::DEFAULT_MEMORY, false);
     assert_eq!(links.len(), 160 * 5, "five links per episode");
-    // One query a pass and the smallest blocks; a few queries a pass.
-    for memory in [1, 20_000] {
-        let (small, _) = two_nights(&dir.path().join(format!("m{memory}")), memory);
-        assert_eq!(small, links, "a budget of {memory} bytes changes the links");
+    // One query a pass and the smallest blocks; a few queries a pass; blocks of about 80 rows
+    // (fewer than a tenant's episodes); and the vectors in merged shards.
+    for (memory, compact) in [(1, false), (20_000, false), (368_000, false), (1, true)] {
+        let (small, _) = two_nights(&dir.path().join(format!("m{memory}-{compact}")), memory, compact);
+        assert_eq!(small, links, "a budget of {memory} bytes (compacted: {compact}) changes the links");
     }
     // The second night's links are the exact kNN over one index of all the tenant's vectors
     // (ties by id), and stay inside the tenant.
@@ -213,5 +221,25 @@ fn the_link_search_streams_the_stored_vectors_within_any_budget() {
         let mut expected_sorted = expected.clone();
         expected_sorted.sort();
         assert_eq!(got, expected_sorted, "episode {id}");
+    }
+}
+
+#[test]
+fn an_episode_without_a_vector_fails_whatever_link_k() {
+    for link_k in [0, 5] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut writer = Writer::open(dir.path().join("store")).unwrap();
+        for (night, (first, count)) in [(0, 10), (10, 1)].into_iter().enumerate() {
+            let input = dir.path().join(format!("night{night}.jsonl"));
+            std::fs::write(&input, fleet(first, count)).unwrap();
+            fluxmem_ingest::ingest(&mut writer, &[input], &Default::default(), "t", &mut fluxmem_ingest::NoProgress).unwrap();
+            if night == 0 {
+                fluxmem_embed::embed_store(&mut writer, &HashEmbedder::new(64), &Default::default(), "t", &mut fluxmem_embed::NoProgress).unwrap();
+            }
+        }
+        let options = ConnectOptions { link_k, ..Default::default() };
+        let err = connect_store(&mut writer, &HashEmbedder::new(64), &options, "connect@test", &Device::Cpu, &mut NoProgress).unwrap_err();
+        assert!(matches!(err, Error::NotEmbedded { .. }), "link_k {link_k}: {err}");
+        assert!(writer.store().load().unwrap().edges.is_empty(), "link_k {link_k}: nothing is written");
     }
 }
