@@ -20,7 +20,7 @@
 use fluxmem_graph::{sha256_hex, Embedding, Graph, NodeId};
 use fluxmem_models::Embedder;
 use fluxmem_store::{CommitInfo, Rows, Scan, Shard, Writer};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 /// Errors of the embed stage.
 #[derive(Debug, thiserror::Error)]
@@ -74,9 +74,10 @@ pub struct EmbedOptions {
     /// The nodes this run owns (sharded runs, by node id); [`Shard::ALL`] by default.
     pub shard: Shard,
     /// Nodes to embed read and held at once (their rows, texts and vectors), rounded up to a
-    /// multiple of `commit_every`: this bounds what the stage holds of the night's nodes (it
-    /// still keeps a text hash and holder id per stored embedding). Texts repeated from an
-    /// earlier window are read back from the store, not kept. Not used by `reembed`.
+    /// multiple of `commit_every`: this bounds what the stage holds of the night's nodes (of
+    /// the history it keeps a 16-byte digest per stored embedding while it finds the nodes to
+    /// embed, and a live flag per stored embedding row). Texts repeated from the history or
+    /// from an earlier window are read back from the store, not kept. Not used by `reembed`.
     pub window: usize,
 }
 
@@ -132,26 +133,37 @@ pub fn embed_store(
     if options.reembed {
         return reembed(writer, embedder, options, run_id, progress);
     }
-    // Only what the new vectors need is read: the node ids and the embeddings' keys, then, a
-    // window of nodes at a time, the rows and steps of the nodes to embed (their text) and the
+    // Only what the new vectors need is read: the live node ids and the embeddings' keys, then,
+    // a window of nodes at a time, the rows and steps of the nodes to embed (their text) and the
     // stored vectors of texts already embedded under another node.
     let manifest = writer.manifest().clone();
-    let keys = writer.store().scan_at(&manifest, &Scan { embedding_keys: true, ..Default::default() })?;
-    let ids = writer.store().node_ids(&manifest)?;
-    let lacking: Vec<NodeId> = ids
-        .iter()
-        .filter(|id| !keys.embeddings.contains_key(&((*id).clone(), model.clone())))
-        .filter(|id| options.shard.owns(id.as_str()))
-        .cloned()
-        .collect();
-    // A node holding each text's vector (of the stored ones, the highest id), for texts a node
-    // to embed repeats; a text this run embeds joins with its first node once committed.
-    let mut holder: BTreeMap<String, NodeId> = BTreeMap::new();
-    for embedding in keys.embeddings.into_values().filter(|e| e.model_id == model) {
-        holder.insert(embedding.text_sha256, embedding.node_id);
-    }
-    let mut report = EmbedReport { nodes: ids.len(), already: ids.len() - lacking.len(), ..EmbedReport::default() };
-    drop(ids);
+    // A reader of the store as the run found it (commits append shards; none is removed).
+    let reader = writer.store().clone();
+    let stored = reader.live(&manifest, "embeddings")?;
+    // The nodes with a vector of the model, as 16-byte digests of their ids (not the ids).
+    let mut embedded: HashSet<[u8; 16], Fast> = HashSet::default();
+    stored.embedding_keys(&mut |node, m, _| {
+        if m == model {
+            embedded.insert(digest(node));
+        }
+    })?;
+    let mut nodes = 0usize;
+    let mut lacking: Vec<NodeId> = Vec::new();
+    reader.live(&manifest, "nodes")?.ids(&mut |id| {
+        nodes += 1;
+        if !embedded.contains(&digest(id)) && options.shard.owns(id) {
+            lacking.push(NodeId(id.to_string()));
+        }
+    })?;
+    drop(embedded);
+    // In id order: windows and commit boundaries depend only on the data.
+    lacking.sort_unstable();
+    // The node holding each text's vector, for texts a node to embed repeats: of the stored
+    // ones (at the run's start) the highest id, found window by window in the stored keys;
+    // else the first node this run embedded it for (`ran`: what this run holds follows the
+    // night).
+    let mut ran: BTreeMap<String, NodeId> = BTreeMap::new();
+    let mut report = EmbedReport { nodes, already: nodes - lacking.len(), ..EmbedReport::default() };
     progress.start(lacking.len() as u64);
     let commit_every = options.commit_every.max(1);
     let window = options.window.max(1).checked_next_multiple_of(commit_every).unwrap_or(usize::MAX);
@@ -163,7 +175,25 @@ pub fn embed_store(
         drop(rows);
         // The vectors of stored texts that a node to embed repeats, read by their node.
         let hashes: BTreeSet<String> = todo.iter().map(|(_, text)| sha256_hex(text.as_bytes())).collect();
-        let holders: BTreeSet<NodeId> = hashes.iter().filter_map(|h| holder.get(h)).cloned().collect();
+        let mut holder: BTreeMap<&str, String> = BTreeMap::new();
+        stored.embedding_keys(&mut |node, m, hash| {
+            if m != model {
+                return;
+            }
+            let Some(hash) = hashes.get(hash) else { return };
+            match holder.get_mut(hash.as_str()) {
+                Some(h) if h.as_str() >= node => {}
+                Some(h) => *h = node.to_string(),
+                None => {
+                    holder.insert(hash.as_str(), node.to_string());
+                }
+            }
+        })?;
+        let holders: BTreeSet<NodeId> = hashes
+            .iter()
+            .filter_map(|h| holder.get(h.as_str()).map(|n| NodeId(n.clone())).or_else(|| ran.get(h).cloned()))
+            .collect();
+        drop(holder);
         let mut cache: BTreeMap<String, Vec<f32>> = BTreeMap::new();
         if !holders.is_empty() {
             let stored = writer.store().scan_at(writer.manifest(), &Scan { vectors: Rows::Of(holders), ..Default::default() })?;
@@ -178,12 +208,27 @@ pub fn embed_store(
                 writer.commit_new(&delta, commit_info(run_id, &report, &model))?;
                 report.commits += 1;
                 for embedding in delta.embeddings.into_values() {
-                    holder.entry(embedding.text_sha256).or_insert(embedding.node_id);
+                    ran.entry(embedding.text_sha256).or_insert(embedding.node_id);
                 }
             }
         }
     }
     Ok(report)
+}
+
+/// The hash sets of this stage: a fast hash, seeded fixed.
+type Fast = foldhash::fast::FixedState;
+
+/// A 16-byte digest of a node id: two fixed-seed 64-bit hashes (a collision, which would take
+/// a node for embedded, has odds of about n^2 / 2^129).
+fn digest(id: &str) -> [u8; 16] {
+    use std::hash::BuildHasher;
+    let a = foldhash::fast::FixedState::with_seed(0x5eed_0001).hash_one(id);
+    let b = foldhash::fast::FixedState::with_seed(0x5eed_0002).hash_one(id);
+    let mut out = [0u8; 16];
+    out[..8].copy_from_slice(&a.to_le_bytes());
+    out[8..].copy_from_slice(&b.to_le_bytes());
+    out
 }
 
 /// Embeds `chunk` (node ids with their texts): each text not in `cache` once (the first node

@@ -130,3 +130,34 @@ fn a_small_window_writes_the_same_shards_and_embeds_each_text_once() {
     assert_eq!((small_texts, whole_texts), (5, 5), "a text of an earlier window is not embedded again");
     assert_eq!(small_files, whole_files);
 }
+
+/// A later night's nodes that repeat texts of the stored history take the stored vectors (found
+/// in the live embedding keys), and only their new texts are embedded; a third run finds
+/// nothing to do.
+#[test]
+fn a_later_night_reads_repeated_texts_back_from_the_history() {
+    let dir = store_with(&TEXTS);
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let options = EmbedOptions { batch_size: 1, commit_every: 2, window: 2, ..Default::default() };
+    embed_store(&mut writer, &Counting::new(usize::MAX), &options, "r1", &mut NoProgress).unwrap();
+    let mut night = Graph::default();
+    for (i, text) in ["gamma", "zeta", "iota kappa", "alpha beta", "iota kappa"].iter().enumerate() {
+        let body = NodeBody::Semantic(Semantic { source: "doc2".into(), position: i as i64, time: None, group: None });
+        night.insert_node(Node::new(body, "default", text, &["doc2", &i.to_string(), text]));
+    }
+    writer.commit(&night, CommitInfo { stage: "ingest".into(), ..Default::default() }).unwrap();
+    let embedder = Counting::new(usize::MAX);
+    let report = embed_store(&mut writer, &embedder, &options, "r2", &mut NoProgress).unwrap();
+    assert_eq!((report.nodes, report.already, report.embedded, report.cached), (12, 7, 1, 4), "{report:?}");
+    assert_eq!(embedder.texts.load(Ordering::SeqCst), 1, "only `iota kappa` is new");
+    let graph = writer.store().load().unwrap();
+    assert_eq!(graph.embeddings.len(), 12);
+    // Nodes of one text have one vector, the history's.
+    for node in graph.nodes.values() {
+        let vector = &graph.embeddings[&(node.id.clone(), "hash-16".to_string())].vector;
+        let same_text = graph.nodes.values().filter(|n| n.text == node.text).map(|n| &graph.embeddings[&(n.id.clone(), "hash-16".to_string())].vector);
+        assert!(same_text.into_iter().all(|v| v == vector), "{}", node.text);
+    }
+    let again = embed_store(&mut writer, &embedder, &options, "r3", &mut NoProgress).unwrap();
+    assert_eq!((again.embedded, again.cached, again.already, again.commits), (0, 0, 12, 0));
+}

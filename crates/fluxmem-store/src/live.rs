@@ -185,6 +185,28 @@ impl Live<'_> {
         })
     }
 
+    /// Calls `f` with the id of every live row of a `nodes` table, in shard order, each exactly
+    /// once: the `id` column only.
+    pub fn ids(&self, f: &mut dyn FnMut(&str)) -> Result<()> {
+        self.each_batch(Some(&["id"]), &mut |entry, batch, live| {
+            let id = text_column(self.store, entry, batch, "id")?;
+            (0..batch.num_rows()).filter(|&r| live[r]).for_each(|r| f(id.value(r)));
+            Ok(())
+        })
+    }
+
+    /// Calls `f` with the node id, model id and text hash of every live row of an `embeddings`
+    /// table, in shard order, each exactly once: three of the four columns, no vector decoded.
+    pub fn embedding_keys(&self, f: &mut dyn FnMut(&str, &str, &str)) -> Result<()> {
+        let columns = ["node_id", "model_id", "text_sha256"];
+        self.each_batch(Some(&columns), &mut |entry, batch, live| {
+            let text = |name: &str| text_column(self.store, entry, batch, name);
+            let (node, model, hash) = (text("node_id")?, text("model_id")?, text("text_sha256")?);
+            (0..batch.num_rows()).filter(|&r| live[r]).for_each(|r| f(node.value(r), model.value(r), hash.value(r)));
+            Ok(())
+        })
+    }
+
     /// The ends of every live edge of the given kinds (every kind when `kinds` is empty), with
     /// whether its metadata names a `relation` (a Stage II link), in shard order: four of the
     /// ten columns, no weights, runs or metadata maps decoded, nothing allocated per row.
