@@ -137,7 +137,8 @@ pub fn embed_store(
     // a window of nodes at a time, the rows and steps of the nodes to embed (their text) and the
     // stored vectors of texts already embedded under another node.
     let manifest = writer.manifest().clone();
-    // A reader of the store as the run found it (commits append shards; none is removed).
+    // A reader of the store as the run found it (this run's commits append shards; no listed
+    // shard is removed).
     let reader = writer.store().clone();
     let stored = reader.live(&manifest, "embeddings")?;
     // The nodes with a vector of the model, as 16-byte digests of their ids (not the ids).
@@ -216,19 +217,14 @@ pub fn embed_store(
     Ok(report)
 }
 
-/// The hash sets of this stage: a fast hash, seeded fixed.
+/// The digest set's hash (the keys are digests already): fast, seeded fixed.
 type Fast = foldhash::fast::FixedState;
 
-/// A 16-byte digest of a node id: two fixed-seed 64-bit hashes (a collision, which would take
-/// a node for embedded, has odds of about n^2 / 2^129).
+/// A 16-byte digest of a node id: the first 16 bytes of its SHA-256, as the store's row keys
+/// (a node to embed taken for embedded would need a collision of 128-bit SHA-256 prefixes).
 fn digest(id: &str) -> [u8; 16] {
-    use std::hash::BuildHasher;
-    let a = foldhash::fast::FixedState::with_seed(0x5eed_0001).hash_one(id);
-    let b = foldhash::fast::FixedState::with_seed(0x5eed_0002).hash_one(id);
-    let mut out = [0u8; 16];
-    out[..8].copy_from_slice(&a.to_le_bytes());
-    out[8..].copy_from_slice(&b.to_le_bytes());
-    out
+    use sha2::Digest;
+    sha2::Sha256::digest(id.as_bytes())[..16].try_into().expect("16 bytes")
 }
 
 /// Embeds `chunk` (node ids with their texts): each text not in `cache` once (the first node
