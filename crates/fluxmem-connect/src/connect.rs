@@ -5,15 +5,16 @@
 //! query to the semantic retrieval; the `ground_k` best semantic nodes per query get a `ground`
 //! edge to the episode (evidence = how many queries retrieved it, weight = the best fused
 //! score). Each episode also gets `link` edges to its `link_k` nearest episodes by cosine
-//! (exact kNN, streamed over the stored vectors in blocks). Edges are committed every `commit_every` episodes. Both searches
-//! run inside the episode's tenant (a per-tenant semantic index, each query scored against its
-//! tenant's stored episode vectors only), so no edge joins two tenants.
+//! (exact kNN, streamed over the stored vectors in blocks). Edges are committed every
+//! `commit_every` episodes. Both searches run inside the episode's tenant (a per-tenant
+//! semantic index, each query scored against its tenant's stored episode vectors only), so no
+//! edge joins two tenants.
 
 use candle_core::Device;
 use fluxmem_graph::{Edge, EdgeKind, Graph, NodeId, NodeKind};
 use fluxmem_models::Embedder;
 
-use fluxmem_store::{CommitInfo, Rows, Scan, Shard, Writer};
+use fluxmem_store::{CommitInfo, Live, Rows, Scan, Shard, Writer};
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::dense::{DenseIndex, BLOCK_ROWS, MIN_ROWS};
@@ -251,6 +252,8 @@ impl LinkSearch<'_> {
         let per_query = self.dim.max(1) * 8 + (self.k + 1) * 64;
         let group = (half / per_query).max(1);
         let ids: Vec<&NodeId> = todo.iter().collect();
+        // Which stored vector rows are live: found once, for every pass.
+        let stored = self.store.live(self.manifest, "embeddings")?;
         let mut checked = false;
         for members in ids.chunks(group) {
             let wanted: BTreeSet<NodeId> = members.iter().map(|id| (*id).clone()).collect();
@@ -273,9 +276,9 @@ impl LinkSearch<'_> {
             // The other half is shared by the tenants with queries in the group (each holds a
             // block of rows and its scores).
             let active = queries.iter().filter(|q| !q.ids.is_empty()).count().max(1);
-            let seen = self.stream(&mut queries, half / active)?;
+            let seen = self.stream(&stored, &mut queries, half / active)?;
             if !checked {
-                self.check_embedded(&seen)?;
+                self.check_embedded(&stored, &seen)?;
                 checked = true;
             }
             for q in queries {
@@ -291,10 +294,10 @@ impl LinkSearch<'_> {
     /// One pass over the live vectors of the model, scoring each tenant's stored episodes
     /// against its queries, each tenant's blocks within `share` bytes; returns how many episode
     /// vectors each tenant has.
-    fn stream(&self, queries: &mut [TenantQueries], share: usize) -> Result<Vec<usize>> {
+    fn stream(&self, stored: &Live<'_>, queries: &mut [TenantQueries], share: usize) -> Result<Vec<usize>> {
         let mut seen = vec![0usize; self.tenants];
         let mut failure: Option<Error> = None;
-        self.store.live(self.manifest, "embeddings")?.embeddings(&mut |embedding| {
+        stored.embeddings(&mut |embedding| {
             if failure.is_some() || embedding.model_id != self.model {
                 return;
             }
@@ -360,20 +363,22 @@ impl LinkSearch<'_> {
 
     /// Every episode has a vector of the model: each tenant's count of vectors is its count of
     /// episodes (one row per node and model); otherwise the first episode without one, in id
-    /// order, is named.
-    fn check_embedded(&self, seen: &[usize]) -> Result<()> {
+    /// order, is named (found in the stored keys, no vector decoded).
+    fn check_embedded(&self, stored: &Live<'_>, seen: &[usize]) -> Result<()> {
         let mut episodes = vec![0usize; self.tenants];
         self.episodes.values().for_each(|e| episodes[e.tenant as usize] += 1);
         if episodes == seen {
             return Ok(());
         }
-        let mut have: BTreeSet<NodeId> = BTreeSet::new();
-        self.store.live(self.manifest, "embeddings")?.embeddings(&mut |e| {
-            if e.model_id == self.model && self.episodes.contains_key(&e.node_id) {
-                have.insert(e.node_id);
+        let mut have: BTreeSet<&str> = BTreeSet::new();
+        stored.embedding_keys(&mut |node, model, _| {
+            if model == self.model {
+                if let Some((id, _)) = self.episodes.get_key_value(node) {
+                    have.insert(id.as_str());
+                }
             }
         })?;
-        let missing = self.episodes.keys().find(|id| !have.contains(*id)).expect("a tenant has fewer vectors than episodes");
+        let missing = self.episodes.keys().find(|id| !have.contains(id.as_str())).expect("a tenant has fewer vectors than episodes");
         Err(Error::NotEmbedded { node: missing.to_string(), model: self.model.to_string() })
     }
 }

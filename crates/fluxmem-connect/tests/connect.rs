@@ -243,3 +243,38 @@ fn an_episode_without_a_vector_fails_whatever_link_k() {
         assert!(writer.store().load().unwrap().edges.is_empty(), "link_k {link_k}: nothing is written");
     }
 }
+
+/// An episode connected earlier that has no vector (left by an older store) is named before
+/// anything is written: the link search counts each tenant's stored vectors against its
+/// episodes.
+#[test]
+fn an_old_episode_without_a_vector_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path().join("store")).unwrap();
+    for (night, (first, count)) in [(0, 10), (10, 1)].into_iter().enumerate() {
+        let input = dir.path().join(format!("night{night}.jsonl"));
+        std::fs::write(&input, fleet(first, count)).unwrap();
+        fluxmem_ingest::ingest(&mut writer, &[input], &Default::default(), "t", &mut fluxmem_ingest::NoProgress).unwrap();
+        fluxmem_embed::embed_store(&mut writer, &HashEmbedder::new(64), &Default::default(), "t", &mut fluxmem_embed::NoProgress).unwrap();
+        if night == 0 {
+            connect_store(&mut writer, &HashEmbedder::new(64), &ConnectOptions::default(), "connect@0", &Device::Cpu, &mut NoProgress).unwrap();
+        }
+    }
+    // A copy of a stored episode under another id, with a Stage I link out (so it counts as
+    // connected), and no vector.
+    let graph = writer.store().load().unwrap();
+    let mut orphan = graph.nodes.values().find(|n| n.episode().is_some()).unwrap().clone();
+    orphan.id = NodeId("episode-without-a-vector".into());
+    let link = graph.edges.values().find(|e| e.kind == EdgeKind::Link && e.src != orphan.id).unwrap().clone();
+    let mut delta = Graph::default();
+    delta.upsert_edge(fluxmem_graph::Edge { src: orphan.id.clone(), ..link });
+    delta.insert_node(orphan);
+    writer.commit(&delta, fluxmem_store::CommitInfo { stage: "test".into(), ..Default::default() }).unwrap();
+    let edges = writer.store().load().unwrap().edges.len();
+    let err = connect_store(&mut writer, &HashEmbedder::new(64), &ConnectOptions::default(), "connect@1", &Device::Cpu, &mut NoProgress).unwrap_err();
+    match err {
+        Error::NotEmbedded { node, .. } => assert_eq!(node, "episode-without-a-vector"),
+        other => panic!("{other}"),
+    }
+    assert_eq!(writer.store().load().unwrap().edges.len(), edges, "nothing is written");
+}
