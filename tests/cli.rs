@@ -314,7 +314,7 @@ fn non_finite_and_out_of_range_numbers_are_refused_before_the_store_is_touched()
     let before = shard_list(&store);
     let out = dir.path().join("out");
     let out_flag = format!("--out={}", out.display());
-    let cases: [(&[&str], &str); 11] = [
+    let cases: [(&[&str], &str); 14] = [
         (&["refine", "--prior", "inf"], "--prior `inf`: must be a finite number greater than zero"),
         (&["refine", "--prior", "0"], "--prior `0`: must be a finite number greater than zero"),
         (&["refine", "--prune-below", "nan"], "--prune-below `NaN`: must be a finite number"),
@@ -326,6 +326,9 @@ fn non_finite_and_out_of_range_numbers_are_refused_before_the_store_is_touched()
         (&["consolidate", "--epsilon=-0.01"], "--epsilon `-0.01`: must be a finite number, zero or more"),
         (&["export", "skills", "--min-pems", "nan", out_flag.as_str()], "--min-pems `NaN`: must be a finite number"),
         (&["export", "skills", "--min-pems=-inf", out_flag.as_str()], "--min-pems `-inf`: must be a finite number"),
+        (&["query", "--adjacency", "nan", "refund"], "--adjacency `NaN`: must be a finite number"),
+        (&["query", "--adjacency=-0.3", "refund"], "--adjacency `-0.3`: must be a finite number, zero or more"),
+        (&["query", "--units", "prev", "refund"], "units `prev`: expected plain, context, or a comma list of previous and stem"),
     ];
     for (args, message) in cases {
         let output = run(fluxmem(&store).args(args));

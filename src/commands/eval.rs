@@ -9,6 +9,7 @@ use crate::progress::CountBar;
 pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
+    let (units, adjacency) = super::structure_flags(&args.units, args.adjacency)?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
     let options = LocomoOptions {
@@ -17,7 +18,11 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         budgets: args.budgets,
         sample: args.sample,
         seed: args.seed,
-        retrieval: super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?,
+        retrieval: fluxmem_connect::RetrievalConfig {
+            adjacency,
+            ..super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?
+        },
+        units,
         refine: super::loop_options(&args.refine, args.refine_budget),
     };
     let mut generator = super::reshape_generator(&args.refine, &device_choice)?;

@@ -91,6 +91,15 @@ pub fn retrieval_config(fusion: &str, weights: &[f32], judge_top: usize) -> anyh
     Ok(fluxmem_connect::RetrievalConfig { fusion, weights, judge_top, ..Default::default() })
 }
 
+/// The `--units` and `--adjacency` flags: how facts are indexed, and the weight of structure.
+pub fn structure_flags(units: &str, adjacency: f32) -> anyhow::Result<(fluxmem_connect::Units, f32)> {
+    let units: fluxmem_connect::Units = units.parse().map_err(anyhow::Error::msg)?;
+    // Checked as written (f32 -> f64 would show -0.3 as -0.30000001192092896).
+    let written: f64 = adjacency.to_string().parse().unwrap_or(f64::NAN);
+    crate::cli::check_flag("--adjacency", written, crate::cli::Bound::NonNegative)?;
+    Ok((units, adjacency))
+}
+
 /// The judge named by `--judge`: `none`, `llm` (the default judge model) or a generator's name
 /// from the model manifest, scoring by yes/no; `ql` or `ql:MODEL`, scoring by query likelihood.
 /// f32 weights, since judging is prompt processing.

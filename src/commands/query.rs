@@ -10,18 +10,22 @@ use crate::cli::{QueryArgs, Settings};
 pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
+    let (units, adjacency) = super::structure_flags(&args.units, args.adjacency)?;
     let store = fluxmem_store::Store::open(&settings.store)?;
     let mut graph = store.load()?;
     let tenant = resolve_tenant(&graph, args.tenant.as_deref())?;
     let embedder = super::embedder(&args.model, &device_choice, None)?;
     // Only the tenant's nodes; those not embedded yet are left out and counted.
-    let retriever = Retriever::build_with(&graph, &tenant, embedder.model_id(), &device, Unembedded::Skip)?;
+    let retriever = Retriever::build_units(&graph, &tenant, embedder.model_id(), &device, Unembedded::Skip, units)?;
     let not_embedded = retriever.not_embedded();
     if not_embedded > 0 {
         eprintln!("warning: {not_embedded} nodes of tenant `{tenant}` have no `{}` embedding and were left out; run `fluxmem embed`", embedder.model_id());
     }
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
-    let config = super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?;
+    let config = fluxmem_connect::RetrievalConfig {
+        adjacency,
+        ..super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?
+    };
     let query_vector = embedder.embed(&[args.text.as_str()])?.remove(0);
     let (head, semantic) = retriever.retrieve_split(
         &graph,

@@ -9,12 +9,46 @@ pub struct Bm25Params {
     pub k1: f32,
     /// Length normalisation.
     pub b: f32,
+    /// Index and query terms through [`stem`] (inflections meet: `camped`, `camping`, `camps`).
+    pub stem: bool,
 }
 
 impl Default for Bm25Params {
     fn default() -> Self {
-        Bm25Params { k1: 1.5, b: 0.75 }
+        Bm25Params { k1: 1.5, b: 0.75, stem: false }
     }
+}
+
+/// A light English suffix stripper: the first of `-ingly -edly -ing -ed -s -ly` the word ends
+/// with is cut when more than two letters remain, then a final `e` when more than three do
+/// (`camped`, `camping`, `camps` -> `camp`; `love`, `loved`, `loves` -> `lov`). Not a
+/// linguistic stemmer: it only has to bring a question's word and its evidence's inflection to
+/// one term more often than it brings unrelated words together. Words with digits are left
+/// alone.
+pub fn stem(word: &str) -> &str {
+    const SUFFIXES: [&str; 6] = ["ingly", "edly", "ing", "ed", "s", "ly"];
+    if word.bytes().any(|b| b.is_ascii_digit()) {
+        return word;
+    }
+    let mut root = word;
+    if let Some(cut) = SUFFIXES.iter().find_map(|suffix| word.strip_suffix(suffix)) {
+        if cut.chars().count() > 2 {
+            root = cut;
+        }
+    }
+    match root.strip_suffix('e') {
+        Some(cut) if cut.chars().count() > 2 => cut,
+        _ => root,
+    }
+}
+
+/// [`terms`], stemmed when `stem` is set.
+pub fn terms_with(text: &str, stem_terms: bool) -> Vec<String> {
+    let words = terms(text);
+    if !stem_terms {
+        return words;
+    }
+    words.into_iter().map(|w| stem(&w).to_string()).collect()
 }
 
 /// Words that carry no retrieval signal.
@@ -48,7 +82,7 @@ impl Bm25 {
         let mut postings: HashMap<String, Vec<(u32, u32)>> = HashMap::new();
         let mut lengths = Vec::with_capacity(documents.len());
         for (doc, text) in documents.iter().enumerate() {
-            let words = terms(text.as_ref());
+            let words = terms_with(text.as_ref(), params.stem);
             lengths.push(words.len() as f32);
             let mut counts: HashMap<String, u32> = HashMap::new();
             for word in words {
@@ -82,7 +116,7 @@ impl Bm25 {
         let mut scores = vec![0f32; self.lengths.len()];
         let n = self.lengths.len() as f32;
         let mut seen = std::collections::HashSet::new();
-        for term in terms(query) {
+        for term in terms_with(query, self.params.stem) {
             if !seen.insert(term.clone()) {
                 continue;
             }
@@ -116,5 +150,20 @@ mod tests {
         assert!((scores[1] - term(2.0)).abs() < 1e-5);
         assert_eq!(scores[2], 0.0);
         assert_eq!(index.scores("the of and"), vec![0.0; 3], "stopwords only");
+    }
+
+    #[test]
+    fn stemming_joins_inflections_and_leaves_short_words() {
+        for (word, root) in [("camped", "camp"), ("camping", "camp"), ("camps", "camp"), ("love", "lov"), ("loved", "lov"), ("loves", "lov")] {
+            assert_eq!(stem(word), root, "{word}");
+        }
+        for word in ["sing", "is", "2023s", "bus", "adoption"] {
+            assert_eq!(stem(word), word, "{word}");
+        }
+        // Off by default; on, a query word meets its inflection.
+        let docs = ["we camped by the lake", "a quiet evening"];
+        assert_eq!(Bm25::new(&docs, Bm25Params::default()).scores("camping"), vec![0.0, 0.0]);
+        let stemmed = Bm25::new(&docs, Bm25Params { stem: true, ..Bm25Params::default() }).scores("camping");
+        assert!(stemmed[0] > 0.0 && stemmed[1] == 0.0, "{stemmed:?}");
     }
 }

@@ -2,7 +2,7 @@
 //! reranked with the judge.
 
 use candle_core::Device;
-use fluxmem_graph::{Graph, NodeId, NodeKind};
+use fluxmem_graph::{Graph, NodeBody, NodeId, NodeKind};
 use fluxmem_models::Judge;
 use serde::Serialize;
 
@@ -10,6 +10,10 @@ use crate::bm25::{Bm25, Bm25Params};
 use crate::dense::{embedded_in, top_k, DenseIndex, Unembedded};
 use crate::fusion::{fuse, FusionMode, FusionWeights, Signals};
 use crate::Result;
+
+/// The weight of structure (`RetrievalConfig::adjacency`) where retrieval answers queries:
+/// `query` and the `fluxmem` system of `eval locomo` (docs/locomo.md).
+pub const DEFAULT_ADJACENCY: f32 = 0.3;
 
 /// Stage I settings.
 #[derive(Debug, Clone, Serialize)]
@@ -28,9 +32,61 @@ pub struct RetrievalConfig {
     /// `ground_support * sum(cosine(episode) * weight(node -> episode))` over the retrieved
     /// episodes it has an active `ground` edge to (weights that Stage II credit assignment moves).
     pub ground_support: f32,
+    /// Structure: a candidate's fused score gains `adjacency` times the best fused score of its
+    /// neighbours in the pool (the units before and after it in its source group: the turn it
+    /// answers or that answers it, the paragraph it continues). Evidence sits next to what the
+    /// query matches, so a strong match lifts its neighbours. 0: off.
+    pub adjacency: f32,
     /// BM25 parameters.
     #[serde(skip)]
     pub bm25: Bm25Params,
+}
+
+/// How a semantic node is indexed for BM25: its text alone ([`Units::PLAIN`]) or as a unit with
+/// its context ([`Units::CONTEXT`], the default of `query` and of the `fluxmem` system of `eval
+/// locomo`). The stored node, its line in a context and its vector do not change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Units {
+    /// A node's BM25 text carries the text of the node before it in its source group (the
+    /// question a turn answers, the sentence a chunk continues).
+    pub previous: bool,
+    /// BM25 terms are stemmed ([`crate::bm25::stem`]).
+    pub stem: bool,
+}
+
+impl Units {
+    /// Each node's own text, unstemmed (Stage I's grounding in `connect`, the `bm25` and
+    /// `hybrid` baselines).
+    pub const PLAIN: Units = Units { previous: false, stem: false };
+    /// The previous unit of the group joins a node's BM25 text, and terms are stemmed.
+    pub const CONTEXT: Units = Units { previous: true, stem: true };
+}
+
+impl Default for Units {
+    fn default() -> Self {
+        Units::CONTEXT
+    }
+}
+
+impl std::str::FromStr for Units {
+    type Err = String;
+    /// `plain`, `context`, or a comma list of `previous` and `stem`.
+    fn from_str(value: &str) -> Result<Self, String> {
+        match value {
+            "plain" | "none" => return Ok(Units::PLAIN),
+            "context" => return Ok(Units::CONTEXT),
+            _ => {}
+        }
+        let mut units = Units::PLAIN;
+        for part in value.split(',').map(str::trim) {
+            match part {
+                "previous" => units.previous = true,
+                "stem" => units.stem = true,
+                other => return Err(format!("units `{other}`: expected plain, context, or a comma list of previous and stem")),
+            }
+        }
+        Ok(units)
+    }
 }
 
 impl Default for RetrievalConfig {
@@ -42,6 +98,7 @@ impl Default for RetrievalConfig {
             bm25_pool: 100,
             judge_top: 0,
             ground_support: 0.3,
+            adjacency: 0.0,
             bm25: Bm25Params::default(),
         }
     }
@@ -69,6 +126,8 @@ pub struct SemanticIndex {
     texts: Vec<String>,
     bm25: Bm25,
     dense: DenseIndex,
+    /// Per indexed node, the indexed nodes before and after it in its source group (by position).
+    neighbours: Vec<[Option<u32>; 2]>,
     not_embedded: usize,
 }
 
@@ -82,16 +141,42 @@ impl SemanticIndex {
     /// [`SemanticIndex::build`], with `unembedded` saying what a node without an embedding
     /// does: fail, or stay out of the index and count ([`SemanticIndex::not_embedded`]).
     pub fn build_with(graph: &Graph, tenant: &str, model: &str, device: &Device, unembedded: Unembedded) -> Result<SemanticIndex> {
+        SemanticIndex::build_units(graph, tenant, model, device, unembedded, Units::PLAIN)
+    }
+
+    /// [`SemanticIndex::build_with`], indexing each node for BM25 as `units` says.
+    pub fn build_units(graph: &Graph, tenant: &str, model: &str, device: &Device, unembedded: Unembedded, units: Units) -> Result<SemanticIndex> {
         let selected = embedded_in(graph, NodeKind::Semantic, tenant, model, unembedded)?;
         let texts: Vec<String> = selected.ids.iter().map(|id| graph.nodes.get(id).map(|n| n.text.clone()).unwrap_or_default()).collect();
+        let neighbours = neighbours(graph, &selected.ids);
+        let params = Bm25Params { stem: units.stem, ..Bm25Params::default() };
+        let bm25 = if units.previous {
+            let joined: Vec<String> = texts
+                .iter()
+                .zip(&neighbours)
+                .map(|(text, [before, _])| match before {
+                    Some(b) => format!("{text}\n{}", texts[*b as usize]),
+                    None => text.clone(),
+                })
+                .collect();
+            Bm25::new(&joined, params)
+        } else {
+            Bm25::new(&texts, params)
+        };
         Ok(SemanticIndex {
             tenant: tenant.to_string(),
             ids: selected.ids,
-            bm25: Bm25::new(&texts, Bm25Params::default()),
+            bm25,
             texts,
             dense: DenseIndex::from_vectors(&selected.vectors, device)?,
+            neighbours,
             not_embedded: selected.skipped,
         })
+    }
+
+    /// The indexed nodes before and after the node at `index` in its source group.
+    pub fn neighbours(&self, index: usize) -> [Option<usize>; 2] {
+        self.neighbours[index].map(|n| n.map(|n| n as usize))
     }
 
     /// The tenant this index serves.
@@ -200,7 +285,18 @@ impl SemanticIndex {
     }
 
     fn rank(&self, pool: &[usize], signals: &[Signals], config: &RetrievalConfig) -> Vec<Candidate> {
-        let fused = fuse(config.fusion, &config.weights, signals);
+        let mut fused = fuse(config.fusion, &config.weights, signals);
+        if config.adjacency > 0.0 {
+            // From the fused scores as they were, so the order of the pool does not matter.
+            let before = fused.clone();
+            let slot = |index: u32| pool.binary_search(&(index as usize)).ok();
+            for (k, &i) in pool.iter().enumerate() {
+                let best = self.neighbours[i].iter().flatten().filter_map(|&n| slot(n)).map(|s| before[s]).fold(f32::NEG_INFINITY, f32::max);
+                if best.is_finite() {
+                    fused[k] += config.adjacency * best;
+                }
+            }
+        }
         let mut ranked: Vec<Candidate> =
             pool.iter().zip(signals).zip(fused).map(|((&i, s), score)| self.candidate(i, *s, score)).collect();
         ranked.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.index.cmp(&b.index)));
@@ -210,4 +306,26 @@ impl SemanticIndex {
     fn candidate(&self, index: usize, signals: Signals, score: f32) -> Candidate {
         Candidate { index, node_id: self.ids[index].clone(), signals, score }
     }
+}
+
+/// Per node of `ids`, the nodes of `ids` before and after it in its source group: semantic
+/// nodes of one `source` and `group` (a dialogue session; a document without groups is one),
+/// ordered by `position`, then id.
+fn neighbours(graph: &Graph, ids: &[NodeId]) -> Vec<[Option<u32>; 2]> {
+    let mut groups: std::collections::BTreeMap<(&str, Option<&str>), Vec<(i64, u32)>> = Default::default();
+    for (i, id) in ids.iter().enumerate() {
+        if let Some(NodeBody::Semantic(s)) = graph.nodes.get(id).map(|n| &n.body) {
+            groups.entry((s.source.as_str(), s.group.as_deref())).or_default().push((s.position, i as u32));
+        }
+    }
+    let mut out = vec![[None, None]; ids.len()];
+    for members in groups.values_mut() {
+        members.sort_unstable();
+        for pair in members.windows(2) {
+            let (a, b) = (pair[0].1, pair[1].1);
+            out[a as usize][1] = Some(b);
+            out[b as usize][0] = Some(a);
+        }
+    }
+    out
 }

@@ -7,7 +7,7 @@ use fluxmem_models::Judge;
 
 use crate::dense::{embedded_in, DenseIndex, Unembedded};
 use crate::fusion::Signals;
-use crate::retrieve::{Candidate, RetrievalConfig, SemanticIndex};
+use crate::retrieve::{Candidate, RetrievalConfig, SemanticIndex, Units};
 use crate::Result;
 use std::collections::BTreeMap;
 
@@ -32,7 +32,12 @@ impl Retriever {
     /// [`Retriever::build`], with `unembedded` saying what a node without an embedding does:
     /// fail, or stay out and count ([`Retriever::not_embedded`]).
     pub fn build_with(graph: &Graph, tenant: &str, model: &str, device: &Device, unembedded: Unembedded) -> Result<Retriever> {
-        let semantic = SemanticIndex::build_with(graph, tenant, model, device, unembedded)?;
+        Retriever::build_units(graph, tenant, model, device, unembedded, Units::PLAIN)
+    }
+
+    /// [`Retriever::build_with`], with the semantic nodes indexed for BM25 as `units` says.
+    pub fn build_units(graph: &Graph, tenant: &str, model: &str, device: &Device, unembedded: Unembedded, units: Units) -> Result<Retriever> {
+        let semantic = SemanticIndex::build_units(graph, tenant, model, device, unembedded, units)?;
         let episodes = embedded_in(graph, NodeKind::Episodic, tenant, model, unembedded)?;
         Ok(Retriever {
             not_embedded: semantic.not_embedded() + episodes.skipped,

@@ -6,7 +6,7 @@
 //! ([`Gold`]) and used only to score the ranking afterwards.
 
 use candle_core::Device;
-use fluxmem_connect::{pack, Candidate, Entry, RetrievalConfig, SemanticIndex};
+use fluxmem_connect::{pack, Candidate, Entry, RetrievalConfig, SemanticIndex, Units, Unembedded};
 use fluxmem_graph::{Graph, NodeId};
 use fluxmem_models::{Embedder, Generator, Judge};
 use fluxmem_refine::{refine_query, LoopModels, LoopOptions, Neighbours, Verifier};
@@ -35,8 +35,11 @@ pub struct LocomoOptions {
     pub sample: Option<usize>,
     /// Seed of the sample.
     pub seed: u64,
-    /// Stage I settings of the `fluxmem` system (`hybrid` is the same without the judge).
+    /// Stage I settings of the `fluxmem` system (`hybrid` is the same fusion without the judge
+    /// and without structure, `adjacency` 0, over plain units).
     pub retrieval: RetrievalConfig,
+    /// How the `fluxmem` system indexes turns for BM25 (the baselines index each turn alone).
+    pub units: Units,
     /// Stage II of the `fluxmem` system: the self-verification loop (`rounds` 0: Stage I only).
     /// The loop packs under `refine.budget`; the other budgets pack its final ranking.
     pub refine: LoopOptions,
@@ -50,7 +53,8 @@ impl Default for LocomoOptions {
             budgets: vec![256, 512, 1024, 2048],
             sample: None,
             seed: 0,
-            retrieval: RetrievalConfig::default(),
+            retrieval: RetrievalConfig { adjacency: fluxmem_connect::DEFAULT_ADJACENCY, ..RetrievalConfig::default() },
+            units: Units::CONTEXT,
             refine: LoopOptions { rounds: 0, ..LoopOptions::default() },
         }
     }
@@ -230,8 +234,9 @@ pub fn evaluate(
     let mut results: BTreeMap<&str, Vec<(u64, QuestionResult)>> = SYSTEMS.iter().map(|s| (*s, Vec::new())).collect();
     let mut conversation_tokens = BTreeMap::new();
     let (mut done, mut skipped) = (0, 0);
-    // `hybrid` is the configured retrieval without the judge.
-    let hybrid_config = RetrievalConfig { judge_top: 0, ..options.retrieval.clone() };
+    // `hybrid` is the configured fusion without the judge and without structure, over each
+    // turn's own text: plain hybrid retrieval, what a store of items without a graph gives.
+    let hybrid_config = RetrievalConfig { judge_top: 0, adjacency: 0.0, ..options.retrieval.clone() };
     let mut refine = RefineSummary {
         rounds: options.refine.rounds,
         budget: options.refine.budget,
@@ -246,6 +251,8 @@ pub fn evaluate(
         // One store per conversation, so one tenant; retrieval and the loop run in it.
         let tenant = fluxmem_connect::resolve_tenant(&graph, None)?;
         let index = SemanticIndex::build(&graph, &tenant, embedder.model_id(), device)?;
+        // The `fluxmem` system's units: the same nodes and vectors, turns indexed with context.
+        let units = SemanticIndex::build_units(&graph, &tenant, embedder.model_id(), device, Unembedded::Fail, options.units)?;
         let neighbours = Neighbours::build(&graph, &tenant);
         // Every ranking packs the same lines again and again: count each line's tokens once.
         let memo: std::cell::RefCell<std::collections::HashMap<String, usize>> = Default::default();
@@ -265,17 +272,17 @@ pub fn evaluate(
             // Retrieval: the question text only.
             let query_vector = embedder.embed(&[question.text.as_str()])?.remove(0);
             let all = index.len();
-            let stage1 = index.hybrid(&question.text, &query_vector, &options.retrieval, judge.as_deref_mut())?;
+            let stage1 = units.hybrid(&question.text, &query_vector, &options.retrieval, judge.as_deref_mut())?;
             let fluxmem: Vec<Entry> = if options.refine.rounds == 0 {
                 entries(&stage1)
             } else {
-                let mut boxed = fluxmem_refine::verifier(judge.as_deref_mut().map(|j| j as &mut dyn Judge), &index);
+                let mut boxed = fluxmem_refine::verifier(judge.as_deref_mut().map(|j| j as &mut dyn Judge), &units);
                 let verifier: &mut dyn Verifier = &mut *boxed;
                 let before = verifier.usage();
                 refine.verifier = verifier.name();
                 let mut models = LoopModels { verifier, embedder, generator: generator.as_deref_mut().map(|g| g as &mut dyn Generator), count_tokens: &count };
                 let run_id = format!("eval-refine@{id}");
-                let outcome = refine_query(&graph, &index, &neighbours, &question.text, &stage1, &mut models, &options.refine, &run_id, position as i64)?;
+                let outcome = refine_query(&graph, &units, &neighbours, &question.text, &stage1, &mut models, &options.refine, &run_id, position as i64)?;
                 let after = models.verifier.usage();
                 verifier_usage.calls += after.calls - before.calls;
                 verifier_usage.prompt_tokens += after.prompt_tokens - before.prompt_tokens;

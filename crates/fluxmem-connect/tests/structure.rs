@@ -1,0 +1,110 @@
+//! Units with context and structure in Stage I: a turn indexed with the turn before it, stemmed
+//! terms, and the adjacency lift of a strong match's neighbours in its source group.
+
+use candle_core::Device;
+use fluxmem_connect::{RetrievalConfig, SemanticIndex, Units, Unembedded};
+use fluxmem_graph::{Embedding, Graph, Node, NodeBody, NodeId, Semantic};
+use fluxmem_models::{Embedder, HashEmbedder};
+
+/// Two sessions of one conversation, given out of position order, and a document without
+/// groups.
+const TURNS: [(&str, Option<&str>, i64, &str); 7] = [
+    ("conv", Some("session_1"), 2, "Alice: at the lake, by the old pier"),
+    ("conv", Some("session_1"), 0, "Alice: I went camping last weekend"),
+    ("conv", Some("session_1"), 1, "Bob: where did you go for it"),
+    ("conv", Some("session_2"), 0, "Carol: the train to the city was late again"),
+    ("conv", Some("session_2"), 1, "Dan: my laptop battery died during the meeting"),
+    ("doc", None, 1, "Refunds go back to the original card."),
+    ("doc", None, 0, "Refunds take five days."),
+];
+
+fn graph(embedder: &HashEmbedder) -> (Graph, Vec<NodeId>) {
+    let mut graph = Graph::default();
+    let mut ids = Vec::new();
+    for (i, (source, group, position, text)) in TURNS.iter().enumerate() {
+        let body = NodeBody::Semantic(Semantic { source: (*source).into(), position: *position, time: None, group: group.map(str::to_string) });
+        let node = Node::new(body, "t", text, &[source, &i.to_string()]);
+        let vector = embedder.embed(&[text]).unwrap().remove(0);
+        graph.upsert_embedding(Embedding { node_id: node.id.clone(), model_id: embedder.model_id().into(), text_sha256: String::new(), vector });
+        ids.push(node.id.clone());
+        graph.insert_node(node);
+    }
+    (graph, ids)
+}
+
+fn index(graph: &Graph, units: Units) -> SemanticIndex {
+    SemanticIndex::build_units(graph, "t", HashEmbedder::new(64).model_id(), &Device::Cpu, Unembedded::Fail, units).unwrap()
+}
+
+fn position_of(index: &SemanticIndex, id: &NodeId) -> usize {
+    (0..index.len()).find(|&i| index.id(i) == id).unwrap()
+}
+
+#[test]
+fn neighbours_follow_position_within_a_source_group() {
+    let embedder = HashEmbedder::new(64);
+    let (graph, ids) = graph(&embedder);
+    let index = index(&graph, Units::PLAIN);
+    let at = |turn: usize| position_of(&index, &ids[turn]);
+    let neighbours = |turn: usize| index.neighbours(at(turn));
+    // session_1 in position order: turn 1, turn 2, turn 0.
+    assert_eq!(neighbours(1), [None, Some(at(2))]);
+    assert_eq!(neighbours(2), [Some(at(1)), Some(at(0))]);
+    assert_eq!(neighbours(0), [Some(at(2)), None]);
+    // Sessions do not join, and a document without groups is one group.
+    assert_eq!(neighbours(3), [None, Some(at(4))]);
+    assert_eq!(neighbours(4), [Some(at(3)), None]);
+    assert_eq!(neighbours(6), [None, Some(at(5))]);
+    assert_eq!(neighbours(5), [Some(at(6)), None]);
+}
+
+#[test]
+fn a_unit_with_context_is_found_by_the_words_of_the_turn_before_it() {
+    let embedder = HashEmbedder::new(64);
+    let (graph, ids) = graph(&embedder);
+    // "camping" is said in turn 1; the answer is turn 2 ("where did you go for it").
+    let plain = index(&graph, Units::PLAIN).bm25("camping", 10);
+    assert_eq!(plain.iter().map(|c| &c.node_id).collect::<Vec<_>>(), vec![&ids[1]], "plain units: only the turn that says it");
+    let previous = index(&graph, Units { previous: true, stem: false }).bm25("camping", 10);
+    assert!(previous.iter().any(|c| c.node_id == ids[2]), "the reply carries the turn before it");
+    assert!(!previous.iter().any(|c| c.node_id == ids[0]), "but not two turns back");
+    // Stemming: "camped" meets "camping" only with stemmed terms.
+    assert!(index(&graph, Units::PLAIN).bm25("camped", 10).is_empty());
+    let stemmed = index(&graph, Units { previous: false, stem: true }).bm25("camped", 10);
+    assert_eq!(stemmed.iter().map(|c| &c.node_id).collect::<Vec<_>>(), vec![&ids[1]]);
+    // The stored text is unchanged: the context is in the BM25 index only.
+    let with_context = index(&graph, Units::CONTEXT);
+    assert_eq!(with_context.text(position_of(&with_context, &ids[2])), TURNS[2].3);
+}
+
+#[test]
+fn adjacency_lifts_the_neighbours_of_a_strong_match() {
+    let embedder = HashEmbedder::new(64);
+    let (graph, ids) = graph(&embedder);
+    let index = index(&graph, Units::PLAIN);
+    let query = "train city late";
+    let vector = embedder.embed(&[query]).unwrap().remove(0);
+    let rank = |adjacency: f32| {
+        let config = RetrievalConfig { adjacency, ..RetrievalConfig::default() };
+        let ranked = index.hybrid(query, &vector, &config, None).unwrap();
+        ranked.iter().map(|c| c.node_id.clone()).collect::<Vec<_>>()
+    };
+    let (off, on) = (rank(0.0), rank(0.9));
+    assert_eq!(off[0], ids[3], "the match itself leads either way");
+    assert_eq!(on[0], ids[3]);
+    let place = |ranking: &[NodeId], id: &NodeId| ranking.iter().position(|x| x == id).unwrap();
+    assert!(place(&off, &ids[4]) > 1, "without structure its neighbour is not next: {:?}", place(&off, &ids[4]));
+    let names = |r: &[NodeId]| r.iter().map(|id| ids.iter().position(|x| x == id).unwrap()).collect::<Vec<_>>();
+    assert_eq!(place(&on, &ids[4]), 1, "with structure the match's neighbour in its session comes next: {:?} {:?}", names(&off), names(&on));
+    assert_eq!(rank(0.0), off, "the same query ranks the same");
+}
+
+#[test]
+fn units_parse_from_the_flag() {
+    assert_eq!("plain".parse::<Units>().unwrap(), Units::PLAIN);
+    assert_eq!("context".parse::<Units>().unwrap(), Units::CONTEXT);
+    assert_eq!("stem".parse::<Units>().unwrap(), Units { previous: false, stem: true });
+    assert_eq!("previous,stem".parse::<Units>().unwrap(), Units::CONTEXT);
+    let error = "prev".parse::<Units>().unwrap_err();
+    assert!(error.contains("`prev`"), "{error}");
+}
