@@ -185,14 +185,8 @@ pub struct QueryArgs {
     /// How many of the best fused candidates the judge scores.
     #[arg(long, default_value_t = 20)]
     pub judge_top: usize,
-    /// How facts are indexed for BM25: context (each with the unit before it in its source
-    /// group, terms stemmed), plain (its own text), or a comma list of previous and stem.
-    #[arg(long, default_value = "context")]
-    pub units: String,
-    /// Structure: a fact's score gains this times the best score of its neighbours in its
-    /// source group (the turns before and after it). 0: off.
-    #[arg(long, default_value_t = fluxmem_connect::DEFAULT_ADJACENCY)]
-    pub adjacency: f32,
+    #[command(flatten)]
+    pub structure: StructureArgs,
     /// Similar past episodes to include.
     #[arg(long, default_value_t = 3)]
     pub episodes: usize,
@@ -344,6 +338,19 @@ pub struct EvalSkillsArgs {
     pub json: Option<PathBuf>,
 }
 
+/// How facts are indexed and how much structure counts (`query`, `eval locomo`).
+#[derive(Debug, Args)]
+pub struct StructureArgs {
+    /// How facts are indexed for BM25: context (each with the unit before it in its source
+    /// group, terms stemmed), plain (its own text), or a comma list of previous and stem.
+    #[arg(long, default_value = "context")]
+    pub units: String,
+    /// Structure: a fact's score gains this times the best score of its neighbours in its
+    /// source group (the turns before and after it). 0: off.
+    #[arg(long, default_value_t = fluxmem_connect::DEFAULT_ADJACENCY)]
+    pub adjacency: f32,
+}
+
 /// `fluxmem eval locomo`.
 #[derive(Debug, Args)]
 pub struct LocomoArgs {
@@ -367,14 +374,9 @@ pub struct LocomoArgs {
     /// Weights of the dense, BM25 and judge signals in weighted fusion.
     #[arg(long, value_delimiter = ',', default_value = "1.0,0.5,0.3")]
     pub weights: Vec<f32>,
-    /// How the fluxmem system indexes facts for BM25: context (each with the unit before it in its source
-    /// group, terms stemmed), plain (its own text), or a comma list of previous and stem.
-    #[arg(long, default_value = "context")]
-    pub units: String,
-    /// Structure in the fluxmem system: a fact's score gains this times the best score of its neighbours in its
-    /// source group (the turns before and after it). 0: off.
-    #[arg(long, default_value_t = fluxmem_connect::DEFAULT_ADJACENCY)]
-    pub adjacency: f32,
+    /// Units and structure of the fluxmem system (the baselines index each turn alone).
+    #[command(flatten)]
+    pub structure: StructureArgs,
     /// Context budgets in tokens, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048")]
     pub budgets: Vec<usize>,

@@ -92,8 +92,9 @@ pub fn retrieval_config(fusion: &str, weights: &[f32], judge_top: usize) -> anyh
 }
 
 /// The `--units` and `--adjacency` flags: how facts are indexed, and the weight of structure.
-pub fn structure_flags(units: &str, adjacency: f32) -> anyhow::Result<(fluxmem_connect::Units, f32)> {
-    let units: fluxmem_connect::Units = units.parse().map_err(anyhow::Error::msg)?;
+pub fn structure_flags(args: &crate::cli::StructureArgs) -> anyhow::Result<(fluxmem_connect::Units, f32)> {
+    let units: fluxmem_connect::Units = args.units.parse().map_err(anyhow::Error::msg)?;
+    let adjacency = args.adjacency;
     // Checked as written (f32 -> f64 would show -0.3 as -0.30000001192092896).
     let written: f64 = adjacency.to_string().parse().unwrap_or(f64::NAN);
     crate::cli::check_flag("--adjacency", written, crate::cli::Bound::NonNegative)?;

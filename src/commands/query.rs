@@ -10,7 +10,7 @@ use crate::cli::{QueryArgs, Settings};
 pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
-    let (units, adjacency) = super::structure_flags(&args.units, args.adjacency)?;
+    let (units, adjacency) = super::structure_flags(&args.structure)?;
     let store = fluxmem_store::Store::open(&settings.store)?;
     let mut graph = store.load()?;
     let tenant = resolve_tenant(&graph, args.tenant.as_deref())?;

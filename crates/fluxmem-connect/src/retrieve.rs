@@ -62,12 +62,6 @@ impl Units {
     pub const CONTEXT: Units = Units { previous: true, stem: true };
 }
 
-impl Default for Units {
-    fn default() -> Self {
-        Units::CONTEXT
-    }
-}
-
 impl std::str::FromStr for Units {
     type Err = String;
     /// `plain`, `context`, or a comma list of `previous` and `stem`.
@@ -149,20 +143,7 @@ impl SemanticIndex {
         let selected = embedded_in(graph, NodeKind::Semantic, tenant, model, unembedded)?;
         let texts: Vec<String> = selected.ids.iter().map(|id| graph.nodes.get(id).map(|n| n.text.clone()).unwrap_or_default()).collect();
         let neighbours = neighbours(graph, &selected.ids);
-        let params = Bm25Params { stem: units.stem, ..Bm25Params::default() };
-        let bm25 = if units.previous {
-            let joined: Vec<String> = texts
-                .iter()
-                .zip(&neighbours)
-                .map(|(text, [before, _])| match before {
-                    Some(b) => format!("{text}\n{}", texts[*b as usize]),
-                    None => text.clone(),
-                })
-                .collect();
-            Bm25::new(&joined, params)
-        } else {
-            Bm25::new(&texts, params)
-        };
+        let bm25 = units_bm25(&texts, &neighbours, units);
         Ok(SemanticIndex {
             tenant: tenant.to_string(),
             ids: selected.ids,
@@ -172,6 +153,20 @@ impl SemanticIndex {
             neighbours,
             not_embedded: selected.skipped,
         })
+    }
+
+    /// The same nodes, vectors and neighbours, indexed for BM25 as `units` says (only the BM25
+    /// index is built again; the dense index is shared).
+    pub fn with_units(&self, units: Units) -> SemanticIndex {
+        SemanticIndex {
+            tenant: self.tenant.clone(),
+            ids: self.ids.clone(),
+            texts: self.texts.clone(),
+            bm25: units_bm25(&self.texts, &self.neighbours, units),
+            dense: self.dense.clone(),
+            neighbours: self.neighbours.clone(),
+            not_embedded: self.not_embedded,
+        }
     }
 
     /// The indexed nodes before and after the node at `index` in its source group.
@@ -306,6 +301,23 @@ impl SemanticIndex {
     fn candidate(&self, index: usize, signals: Signals, score: f32) -> Candidate {
         Candidate { index, node_id: self.ids[index].clone(), signals, score }
     }
+}
+
+/// BM25 over `texts` as `units` says: each text alone or with its previous neighbour's.
+fn units_bm25(texts: &[String], neighbours: &[[Option<u32>; 2]], units: Units) -> Bm25 {
+    let params = Bm25Params { stem: units.stem, ..Bm25Params::default() };
+    if !units.previous {
+        return Bm25::new(texts, params);
+    }
+    let joined: Vec<String> = texts
+        .iter()
+        .zip(neighbours)
+        .map(|(text, [before, _])| match before {
+            Some(b) => format!("{text}\n{}", texts[*b as usize]),
+            None => text.clone(),
+        })
+        .collect();
+    Bm25::new(&joined, params)
 }
 
 /// Per node of `ids`, the nodes of `ids` before and after it in its source group: semantic

@@ -72,6 +72,11 @@ fn a_unit_with_context_is_found_by_the_words_of_the_turn_before_it() {
     assert!(index(&graph, Units::PLAIN).bm25("camped", 10).is_empty());
     let stemmed = index(&graph, Units { previous: false, stem: true }).bm25("camped", 10);
     assert_eq!(stemmed.iter().map(|c| &c.node_id).collect::<Vec<_>>(), vec![&ids[1]]);
+    // An index re-unitised from a plain one ranks as one built with those units.
+    let rebuilt = index(&graph, Units::PLAIN).with_units(Units::CONTEXT);
+    for query in ["camping", "camped", "where did you go"] {
+        assert_eq!(rebuilt.bm25(query, 10), index(&graph, Units::CONTEXT).bm25(query, 10), "{query}");
+    }
     // The stored text is unchanged: the context is in the BM25 index only.
     let with_context = index(&graph, Units::CONTEXT);
     assert_eq!(with_context.text(position_of(&with_context, &ids[2])), TURNS[2].3);

@@ -6,7 +6,7 @@
 //! ([`Gold`]) and used only to score the ranking afterwards.
 
 use candle_core::Device;
-use fluxmem_connect::{pack, Candidate, Entry, RetrievalConfig, SemanticIndex, Units, Unembedded};
+use fluxmem_connect::{pack, Candidate, Entry, RetrievalConfig, SemanticIndex, Units};
 use fluxmem_graph::{Graph, NodeId};
 use fluxmem_models::{Embedder, Generator, Judge};
 use fluxmem_refine::{refine_query, LoopModels, LoopOptions, Neighbours, Verifier};
@@ -252,7 +252,7 @@ pub fn evaluate(
         let tenant = fluxmem_connect::resolve_tenant(&graph, None)?;
         let index = SemanticIndex::build(&graph, &tenant, embedder.model_id(), device)?;
         // The `fluxmem` system's units: the same nodes and vectors, turns indexed with context.
-        let units = SemanticIndex::build_units(&graph, &tenant, embedder.model_id(), device, Unembedded::Fail, options.units)?;
+        let units = index.with_units(options.units);
         let neighbours = Neighbours::build(&graph, &tenant);
         // Every ranking packs the same lines again and again: count each line's tokens once.
         let memo: std::cell::RefCell<std::collections::HashMap<String, usize>> = Default::default();
