@@ -262,6 +262,10 @@ pub struct RefineArgs {
     /// run resumes where its last commit ended).
     #[arg(long, default_value_t = fluxmem_refine::CreditOptions::default().commit_every)]
     pub commit_every: usize,
+    /// Read every edge, not only what was added since the last complete run (the same
+    /// changes; rebuilds the stored credit statistics).
+    #[arg(long)]
+    pub full: bool,
     /// Print one JSON object with the counts.
     #[arg(long)]
     pub json: bool,

@@ -21,6 +21,7 @@ pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         tolerance: args.tolerance,
         prior_drift: args.prior_drift,
         commit_every: args.commit_every,
+        full: args.full,
     };
     let mut writer = open_writer(settings)?;
     // The run id depends only on the store state it started from: same store, same shards.
@@ -34,7 +35,7 @@ pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     } else {
         let rates: Vec<String> = report.base_rate.iter().map(|(t, p)| format!("{t} {p:.3}")).collect();
         println!(
-            "{} episodes ({} with outcomes; base success rate {}): {} edges reweighted, {} pruned, {} re-activated, {} failure->success links; {} edits ({} commits)",
+            "{} episodes ({} with outcomes; base success rate {}): {} edges reweighted, {} pruned, {} re-activated, {} failure->success links; {} edits ({} commits); {} edges read ({})",
             report.episodes,
             report.with_outcome,
             if rates.is_empty() { "-".to_string() } else { rates.join(", ") },
@@ -43,7 +44,9 @@ pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             report.reactivated,
             report.expanded,
             report.edits,
-            report.commits
+            report.commits,
+            report.edges_decided,
+            if report.delta { "those added since the last run" } else { "every live edge" }
         );
     }
     Ok(ExitCode::SUCCESS)

@@ -458,6 +458,7 @@ impl Ctx<'_> {
             tolerance: r.tolerance,
             prior_drift: r.prior_drift,
             commit_every: r.commit_every,
+            full: false,
         };
         let mut bar = CountBar::new(self.settings.progress, "refine");
         let report = fluxmem_refine::refine_store(writer, &options, &format!("refine@{}", self.run_id), &mut bar)?;

@@ -36,11 +36,11 @@
 //!   not rewritten keeps the `evidence` and `outcomes` of its last write. As a tenant's history
 //!   grows, one night's outcomes move each credit by less, and fewer edges are rewritten.
 
-use fluxmem_graph::{Changed, Edge, EdgeKind, Edit, Graph, Node, NodeId};
-use fluxmem_store::{CommitInfo, Writer};
+use fluxmem_graph::{Changed, Edge, EdgeKind, Edit, Graph, Node, NodeId, NodeKind};
+use fluxmem_store::{CommitInfo, Manifest, Scan, Store, Writer};
 use serde::Serialize;
 use serde_json::Value;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use crate::query::STAGE;
 // Stage I's progress callbacks serve here too (counted in edges assessed).
@@ -72,11 +72,15 @@ pub struct CreditOptions {
     /// `refine_store` commits after this many changed edges (at least 1), so a night that
     /// moves millions of edges holds one commit's rows at a time, not all of them.
     pub commit_every: usize,
+    /// Read every live edge even where the watermark of the last complete run would let the
+    /// run read only what was added since (the same changes either way; a check, or a rebuild
+    /// of the statistics).
+    pub full: bool,
 }
 
 impl Default for CreditOptions {
     fn default() -> Self {
-        CreditOptions { prior: 2.0, prune_below: 0.5, min_evidence: 3, link_failures: true, max_failure_links: 3, tolerance: 0.05, prior_drift: 0.02, commit_every: 100_000 }
+        CreditOptions { prior: 2.0, prune_below: 0.5, min_evidence: 3, link_failures: true, max_failure_links: 3, tolerance: 0.05, prior_drift: 0.02, commit_every: 100_000, full: false }
     }
 }
 
@@ -112,6 +116,17 @@ pub struct CreditReport {
     pub edits: usize,
     /// Commits made (0 when nothing changed).
     pub commits: usize,
+    /// The run read only what the commits after the last complete run added (its watermark),
+    /// not every edge.
+    pub delta: bool,
+    /// Edges decided on: every live edge in a full pass; in a delta pass, the night's and the
+    /// ground edges of the `whole_nodes`.
+    pub edges_decided: usize,
+    /// Nodes whose every ground edge a delta pass read (their credit left the stored range of
+    /// their edges' credits, crossed the prune line, or a counted edge was rewritten).
+    pub whole_nodes: usize,
+    /// Semantic nodes whose credit statistics were written.
+    pub stats_written: usize,
 }
 
 /// The outcome of an episode in [0, 1], if logged.
@@ -132,6 +147,8 @@ struct Info {
     tenant: u32,
     outcome: Option<f64>,
     episode: bool,
+    /// A semantic node (the source of ground edges, and the holder of [`CreditStats`]).
+    semantic: bool,
     /// The task (interned key) of an episode with an outcome.
     task: u32,
     time: i64,
@@ -141,6 +158,8 @@ struct Info {
 #[derive(Default)]
 struct Nodes {
     info: HashMap<NodeId, Info, Fast>,
+    /// The stored statistics of the semantic nodes that have them ([`STATS_KEY`]).
+    stats: HashMap<NodeId, CreditStats, Fast>,
     tenants: Vec<String>,
     tenant_ids: HashMap<String, u32, Fast>,
     tasks: Vec<String>,
@@ -162,8 +181,13 @@ impl Nodes {
             }
             None => 0,
         };
-        let info = Info { tenant, outcome, episode: n.episode().is_some(), task, time: n.created_at.unwrap_or(0) };
+        let info = Info { tenant, outcome, episode: n.episode().is_some(), semantic: n.kind() == NodeKind::Semantic, task, time: n.created_at.unwrap_or(0) };
         self.info.insert(n.id.clone(), info);
+        if n.kind() == NodeKind::Semantic {
+            if let Some(stats) = n.metadata.get(STATS_KEY).and_then(|v| serde_json::from_value::<CreditStats>(v.clone()).ok()) {
+                self.stats.insert(n.id.clone(), stats);
+            }
+        }
     }
 }
 
@@ -291,7 +315,7 @@ impl Edges for fluxmem_store::Live<'_> {
 struct SrcMemo {
     src: Option<String>,
     info: Option<Info>,
-    sum: Option<(u128, usize)>,
+    sum: Option<(u64, usize)>,
 }
 
 impl SrcMemo {
@@ -306,7 +330,7 @@ impl SrcMemo {
     }
 
     /// `info[src]` and `behind[src]` (once `behind` is complete).
-    fn info_and_sum(&mut self, info: &HashMap<NodeId, Info, Fast>, behind: &HashMap<NodeId, (u128, usize), Fast>, src: &str) -> (Option<Info>, Option<(u128, usize)>) {
+    fn info_and_sum(&mut self, info: &HashMap<NodeId, Info, Fast>, behind: &HashMap<NodeId, (u64, usize), Fast>, src: &str) -> (Option<Info>, Option<(u64, usize)>) {
         if !self.remember(src) {
             self.info = info.get(src).copied();
             self.sum = behind.get(src).copied();
@@ -321,13 +345,13 @@ impl SrcMemo {
 struct Run {
     src: Option<String>,
     info: Option<Info>,
-    sum: u128,
+    sum: u64,
     n: usize,
 }
 
 impl Run {
     /// Makes `src` the current source (ending the run of another) and returns `info[src]`.
-    fn enter(&mut self, src: &str, info: &HashMap<NodeId, Info, Fast>, behind: &mut HashMap<NodeId, (u128, usize), Fast>) -> Option<Info> {
+    fn enter(&mut self, src: &str, info: &HashMap<NodeId, Info, Fast>, behind: &mut HashMap<NodeId, (u64, usize), Fast>) -> Option<Info> {
         if self.src.as_deref() != Some(src) {
             self.flush(behind);
             let key = self.src.get_or_insert_with(String::new);
@@ -339,7 +363,7 @@ impl Run {
     }
 
     /// Adds the run's sum to `behind[src]`.
-    fn flush(&mut self, behind: &mut HashMap<NodeId, (u128, usize), Fast>) {
+    fn flush(&mut self, behind: &mut HashMap<NodeId, (u64, usize), Fast>) {
         let Some(src) = self.src.as_deref().filter(|_| self.n > 0) else { return };
         match behind.get_mut(src) {
             Some(entry) => *entry = (entry.0 + self.sum, entry.1 + self.n),
@@ -361,11 +385,54 @@ struct Change {
     reason: String,
 }
 
-/// Outcomes are summed in fixed point (2^-40), so a node's sum does not depend on the order its
-/// edges are read in (key order in memory, shard order from the store): the same credits, to
-/// the bit, however the store is laid out. 0/1 outcomes are exact; a fractional reward is
-/// rounded to the nearest multiple of 2^-40 (an error below 1e-12 per outcome).
-const FIXED: f64 = (1u64 << 40) as f64;
+/// Outcomes are summed in fixed point (2^-32), so a node's sum does not depend on the order its
+/// edges are read in (key order in memory, shard order from the store, the stored sum plus a
+/// night's): the same credits, to the bit, however the store is laid out. 0/1 outcomes are
+/// exact; a fractional reward is rounded to the nearest multiple of 2^-32 (an error below
+/// 1.2e-10 per outcome). A u64 sum holds 2^32 outcomes of 1 behind one node.
+const FIXED: f64 = (1u64 << 32) as f64;
+
+/// The metadata key under which a semantic node keeps its credit statistics ([`CreditStats`]).
+pub const STATS_KEY: &str = "credit_stats";
+
+/// The progress marker of the last complete credit run: the store version its last commit
+/// made and the settings it ran with. The next run reads only what later commits added (and
+/// the edges of the nodes whose credit then moves), unless the settings differ, a base rate is
+/// re-estimated, or a compaction merged rows from both sides of that version.
+pub const WATERMARK_MARKER: &str = "refine.credit_watermark";
+
+/// The sufficient statistics of a semantic node's credit, kept in its metadata under
+/// [`STATS_KEY`] and written in the same commit as the edges whose outcomes they count: the
+/// outcomes behind the node (`sum` in units of 2^-32, and their number `n`), and the lowest and
+/// highest credit its credited ground edges hold as stored (`lo`, `hi`). With them a night
+/// adds its new outcomes to the sum and knows, without reading the node's edges, whether any of
+/// them moved by more than the tolerance.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
+pub struct CreditStats {
+    /// Sum of the outcomes behind the node, in units of 2^-32.
+    pub sum: u64,
+    /// Outcomes behind the node.
+    pub n: u64,
+    /// Lowest credit a credited ground edge of the node holds.
+    pub lo: f64,
+    /// Highest credit a credited ground edge of the node holds.
+    pub hi: f64,
+}
+
+/// [`WATERMARK_MARKER`]'s value.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+struct Watermark {
+    version: u64,
+    settings: String,
+}
+
+/// The settings a stored credit depends on: a run with others reads everything.
+fn settings(options: &CreditOptions) -> String {
+    format!(
+        "credit-v2 fixed=2^-32 prior={} prune_below={} min_evidence={} tolerance={} link_failures={} max_failure_links={}",
+        options.prior, options.prune_below, options.min_evidence, options.tolerance, options.link_failures, options.max_failure_links
+    )
+}
 
 /// The new state of every edge the outcomes speak to, and the links to add; the graph is not
 /// changed. Returns (changed edges with their edit kind and reason, report counts).
@@ -384,29 +451,21 @@ pub fn assign_with_priors(
 ) -> (Vec<(Edge, &'static str, String)>, CreditReport) {
     let mut nodes = Nodes::default();
     graph.nodes.values().for_each(|n| nodes.add(n));
-    let (changes, report) = assign_over(&nodes, graph, options, run_id, priors).expect("an in-memory graph reads without error");
-    (changes.into_iter().map(|c| (c.next, c.kind, c.reason)).collect(), report)
+    let mut report = CreditReport::default();
+    let (outcomes, base) = rates(&nodes, options, priors, &mut report);
+    let assigned = assign_over(&nodes, &outcomes, &base, graph, options, run_id, report).expect("an in-memory graph reads without error");
+    (assigned.changes.into_iter().map(|c| (c.next, c.kind, c.reason)).collect(), assigned.report)
 }
 
-/// The rule of [`assign_with_priors`] over any [`Edges`]: two passes, the first sums the
-/// outcomes behind each semantic node and counts each failure's links, the second decides edge
-/// by edge. The changes come back in edge key order, then the new links in task order, as one
-/// in-memory pass over a `Graph` gives them.
-fn assign_over(
-    nodes: &Nodes,
-    edges: &dyn Edges,
-    options: &CreditOptions,
-    run_id: &str,
-    priors: &BTreeMap<String, f64>,
-) -> Result<(Vec<Change>, CreditReport)> {
+/// The episodes with an outcome (in id order) and each tenant's base rate: its prior while the
+/// current rate stays within `prior_drift` of it, else the current rate (named in
+/// `base_rate_estimated`). Fills the report's counts of episodes and rates.
+fn rates<'n>(nodes: &'n Nodes, options: &CreditOptions, priors: &BTreeMap<String, f64>, report: &mut CreditReport) -> (Vec<(&'n NodeId, f64)>, HashMap<u32, f64, Fast>) {
     let info = &nodes.info;
     let mut outcomes: Vec<(&NodeId, f64)> = info.iter().filter_map(|(id, i)| i.outcome.map(|r| (id, r))).collect();
     outcomes.sort_by(|a, b| a.0.cmp(b.0));
-    let mut report = CreditReport {
-        episodes: info.values().filter(|i| i.episode).count(),
-        with_outcome: outcomes.len(),
-        ..Default::default()
-    };
+    report.episodes = info.values().filter(|i| i.episode).count();
+    report.with_outcome = outcomes.len();
     let mut per_tenant: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
     for (id, r) in &outcomes {
         let entry = per_tenant.entry(nodes.tenants[info[*id].tenant as usize].as_str()).or_default();
@@ -426,52 +485,38 @@ fn assign_over(
         base.insert(nodes.tenant_ids[*tenant], used);
         report.base_rate.insert(tenant.to_string(), used);
     }
+    (outcomes, base)
+}
 
-    // Pass 1. Outcomes behind each semantic node, through its ground edges (stage-1 or refine,
-    // active or pruned by credit: the credit is about the node, not about which edges are active
-    // now). Only edges inside one tenant count: another tenant's outcomes never move a credit.
-    // And the links each failure already has to successes of its task: they count towards the
-    // cap, so a later night adds none once a failure has its links.
-    // Read as ends only (no edge decoded); ids are copied only for the entries they create.
-    // Edges come in key order within a shard, so runs of one source: its lookups are made once
-    // a run, and its outcome sum is added up over the run, then stored (`Run`).
-    let mut behind: HashMap<NodeId, (u128, usize), Fast> = HashMap::default();
-    let mut failure_links: HashSet<(NodeId, NodeId), Fast> = HashSet::default();
-    let mut run = Run::default();
-    edges.ends(&[EdgeKind::Ground, EdgeKind::Link], &mut |src, dst, kind, relation| match kind {
-        EdgeKind::Ground if !relation => {
-            // An end missing from the store does not make the edge cross.
-            let Some(d) = info.get(dst) else { return };
-            let Some(r) = d.outcome else { return };
-            if run.enter(src, info, &mut behind).is_none_or(|s| s.tenant == d.tenant) {
-                run.sum += (r * FIXED).round() as u128;
-                run.n += 1;
-            }
-        }
-        EdgeKind::Link if options.link_failures => {
-            let (Some(s), Some(d)) = (run.enter(src, info, &mut behind), info.get(dst)) else { return };
-            if let (Some(a), Some(b)) = (s.outcome, d.outcome) {
-                if a < 0.5 && b >= 0.5 && s.task == d.task {
-                    failure_links.insert((NodeId(src.to_string()), NodeId(dst.to_string())));
-                }
-            }
-        }
-        _ => {}
-    })?;
-    run.flush(&mut behind);
-    // Each failure's links to successes of its task (one per edge key).
-    let mut linked: HashMap<&NodeId, usize, Fast> = HashMap::default();
-    for (failure, _) in &failure_links {
-        *linked.entry(failure).or_default() += 1;
-    }
+/// What a credit pass computed: the changes (edges in key order, then the new links in task
+/// order), the report, the outcomes behind each node, and the credits each node's credited
+/// ground edges hold after the changes (lowest, highest) for the edges the pass decided on.
+struct Assigned {
+    changes: Vec<Change>,
+    report: CreditReport,
+    behind: HashMap<NodeId, (u64, usize), Fast>,
+    ranges: HashMap<NodeId, (f64, f64), Fast>,
+}
 
-    // Pass 2: edge by edge, what changes, decided on a light view of the row (the stored
-    // metadata's five credit keys, no map); only the rows that change are decoded whole.
-    let mut changes = Vec::new();
-    let mut memo = SrcMemo::default();
-    let mut decide = |view: &View<'_>| -> Option<Verdict> {
-        let (src_info, src_behind) = memo.info_and_sum(info, &behind, view.src);
-        let (src_info, dst_info) = (src_info.as_ref(), info.get(view.dst));
+/// The edge-by-edge rule, over the outcomes `behind` each node and the tenants' base rates.
+struct Decider<'a> {
+    info: &'a HashMap<NodeId, Info, Fast>,
+    behind: &'a HashMap<NodeId, (u64, usize), Fast>,
+    base: &'a HashMap<u32, f64, Fast>,
+    options: &'a CreditOptions,
+    memo: SrcMemo,
+    /// Per source, the lowest and highest credit its credited ground edges hold after the
+    /// decisions (written or kept).
+    ranges: HashMap<NodeId, (f64, f64), Fast>,
+}
+
+impl Decider<'_> {
+    /// What changes of an edge, decided on a light view of the row (the stored metadata's five
+    /// credit keys, no map).
+    fn decide(&mut self, view: &View<'_>, report: &mut CreditReport) -> Option<Verdict> {
+        let options = self.options;
+        let (src_info, src_behind) = self.memo.info_and_sum(self.info, self.behind, view.src);
+        let (src_info, dst_info) = (src_info.as_ref(), self.info.get(view.dst));
         let within = match (src_info, dst_info) {
             (Some(s), Some(d)) => s.tenant == d.tenant,
             _ => true,
@@ -486,13 +531,10 @@ fn assign_over(
             return None;
         }
         let dst_outcome = dst_info.and_then(|i| i.outcome);
-        let dst_rate = dst_info.and_then(|i| base.get(&i.tenant)).copied();
+        let dst_rate = dst_info.and_then(|i| self.base.get(&i.tenant)).copied();
         let (credit, evidence) = match view.kind {
             EdgeKind::Ground if !view.meta.relation => match (src_behind, dst_rate) {
-                (Some((sum, n)), Some(p)) if dst_outcome.is_some() => {
-                    let sum = sum as f64 / FIXED;
-                    (((sum + options.prior * p) / (n as f64 + options.prior)) / p, n)
-                }
+                (Some((sum, n)), Some(p)) if dst_outcome.is_some() => (credit_of(sum, n, p, options.prior), n),
                 _ => return None,
             },
             EdgeKind::Link if !view.meta.relation && src_info.is_some_and(|i| i.episode) => match (dst_outcome, dst_rate) {
@@ -505,7 +547,7 @@ fn assign_over(
         let stage1_weight = meta.stage1_weight.as_ref().and_then(Value::as_f64).unwrap_or(view.weight as f64);
         let stage1_evidence = meta.stage1_evidence.as_ref().and_then(Value::as_i64).unwrap_or(view.evidence);
         let pruned_by_credit = meta.pruned_by.as_ref().and_then(Value::as_str) == Some("credit");
-        let (why, active) = if credit < options.prune_below && evidence >= options.min_evidence {
+        let (why, active) = if prunes(credit, evidence, options) {
             if view.active {
                 report.pruned += 1;
             }
@@ -532,15 +574,26 @@ fn assign_over(
             && meta.outcomes == Some(Value::from(evidence))
             && meta.pruned_by == pruned_by_next;
         let state_changed = view.active != active || meta.pruned_by != pruned_by_next;
-        let moved = match meta.credit.as_ref().and_then(Value::as_f64) {
+        let stored = meta.credit.as_ref().and_then(Value::as_f64);
+        let moved = match stored {
             Some(stored) => (stored - credit).abs() > options.tolerance,
             None => true,
         };
-        if !state_changed && !moved && !same {
-            report.within_tolerance += 1;
-            return None;
+        let writes = !same && (state_changed || moved);
+        if view.kind == EdgeKind::Ground {
+            // The credit this edge holds after the run: the new one when written, else the stored.
+            let holds = if writes { round6(credit) } else { stored.unwrap_or(round6(credit)) };
+            match self.ranges.get_mut(view.src) {
+                Some(range) => *range = (range.0.min(holds), range.1.max(holds)),
+                None => {
+                    self.ranges.insert(NodeId(view.src.to_string()), (holds, holds));
+                }
+            }
         }
-        if same {
+        if !writes {
+            if !same {
+                report.within_tolerance += 1;
+            }
             return None;
         }
         let (kind, reason) = match why {
@@ -552,114 +605,385 @@ fn assign_over(
             report.reweighted += 1;
         }
         Some(Verdict::Credit { credit, evidence, stage1_weight, stage1_evidence, why, kind, reason })
-    };
-    let mut apply = |edge: Edge, verdict: Verdict| {
-        let mut next = edge.clone();
-        next.stage = STAGE.into();
-        next.run_id = run_id.into();
-        match verdict {
-            Verdict::Isolate => {
-                next.active = false;
-                next.metadata.insert("pruned_by".into(), "isolation".into());
-                changes.push(Change { before: Some(edge), next, kind: "link_prune", reason: "cross-tenant edge (isolation)".into() });
-            }
-            Verdict::Credit { credit, evidence, stage1_weight, stage1_evidence, why, kind, reason } => {
-                next.metadata.insert("stage1_weight".into(), stage1_weight.into());
-                next.metadata.insert("stage1_evidence".into(), stage1_evidence.into());
-                next.metadata.insert("credit".into(), round6(credit).into());
-                next.metadata.insert("outcomes".into(), evidence.into());
-                next.weight = (stage1_weight * credit) as f32;
-                next.evidence = stage1_evidence + evidence as i64;
-                match why {
-                    Why::Prune => {
-                        next.active = false;
-                        next.metadata.insert("pruned_by".into(), "credit".into());
-                    }
-                    Why::Recovered => {
-                        next.active = true;
-                        next.metadata.remove("pruned_by");
-                    }
-                    Why::Credit => {}
+    }
+}
+
+/// The smoothed lift of the outcomes behind a node (`sum` in units of 2^-32 over `n`) at base
+/// rate `p`.
+fn credit_of(sum: u64, n: usize, p: f64, prior: f64) -> f64 {
+    let sum = sum as f64 / FIXED;
+    ((sum + prior * p) / (n as f64 + prior)) / p
+}
+
+/// Link Prune's test: a credit below the line with enough outcomes behind it.
+fn prunes(credit: f64, evidence: usize, options: &CreditOptions) -> bool {
+    credit < options.prune_below && evidence >= options.min_evidence
+}
+
+/// The row a verdict writes in place of `edge`.
+fn change(edge: Edge, verdict: Verdict, run_id: &str) -> Change {
+    let mut next = edge.clone();
+    next.stage = STAGE.into();
+    next.run_id = run_id.into();
+    match verdict {
+        Verdict::Isolate => {
+            next.active = false;
+            next.metadata.insert("pruned_by".into(), "isolation".into());
+            Change { before: Some(edge), next, kind: "link_prune", reason: "cross-tenant edge (isolation)".into() }
+        }
+        Verdict::Credit { credit, evidence, stage1_weight, stage1_evidence, why, kind, reason } => {
+            next.metadata.insert("stage1_weight".into(), stage1_weight.into());
+            next.metadata.insert("stage1_evidence".into(), stage1_evidence.into());
+            next.metadata.insert("credit".into(), round6(credit).into());
+            next.metadata.insert("outcomes".into(), evidence.into());
+            next.weight = (stage1_weight * credit) as f32;
+            next.evidence = stage1_evidence + evidence as i64;
+            match why {
+                Why::Prune => {
+                    next.active = false;
+                    next.metadata.insert("pruned_by".into(), "credit".into());
                 }
-                changes.push(Change { before: Some(edge), next, kind, reason });
+                Why::Recovered => {
+                    next.active = true;
+                    next.metadata.remove("pruned_by");
+                }
+                Why::Credit => {}
+            }
+            Change { before: Some(edge), next, kind, reason }
+        }
+    }
+}
+
+/// The light view of a whole edge.
+fn view_of(e: &Edge) -> View<'_> {
+    View { src: e.src.as_str(), dst: e.dst.as_str(), kind: e.kind, weight: e.weight, evidence: e.evidence, active: e.active, meta: CreditMeta::of(&e.metadata) }
+}
+
+/// Whether a link from `src` to `dst` joins a failure to a success of its task (it counts
+/// towards the failure's cap of links).
+fn joins_failure_to_success(info: &HashMap<NodeId, Info, Fast>, src: &str, dst: &str) -> bool {
+    match (info.get(src), info.get(dst)) {
+        (Some(s), Some(d)) => matches!((s.outcome, d.outcome), (Some(a), Some(b)) if a < 0.5 && b >= 0.5 && s.task == d.task),
+        _ => false,
+    }
+}
+
+/// The rule of [`assign_with_priors`] over any [`Edges`]: two passes, the first sums the
+/// outcomes behind each semantic node and counts each failure's links, the second decides edge
+/// by edge. The changes come back in edge key order, then the new links in task order, as one
+/// in-memory pass over a `Graph` gives them.
+fn assign_over(
+    nodes: &Nodes,
+    outcomes: &[(&NodeId, f64)],
+    base: &HashMap<u32, f64, Fast>,
+    edges: &dyn Edges,
+    options: &CreditOptions,
+    run_id: &str,
+    mut report: CreditReport,
+) -> Result<Assigned> {
+    let info = &nodes.info;
+    // Pass 1. Outcomes behind each semantic node, through its ground edges (stage-1 or refine,
+    // active or pruned by credit: the credit is about the node, not about which edges are active
+    // now). Only edges inside one tenant count: another tenant's outcomes never move a credit.
+    // And the links each failure already has to successes of its task: they count towards the
+    // cap, so a later night adds none once a failure has its links.
+    // Read as ends only (no edge decoded); ids are copied only for the entries they create.
+    // Edges come in key order within a shard, so runs of one source: its lookups are made once
+    // a run, and its outcome sum is added up over the run, then stored (`Run`).
+    let mut behind: HashMap<NodeId, (u64, usize), Fast> = HashMap::default();
+    let mut failure_links: HashSet<(NodeId, NodeId), Fast> = HashSet::default();
+    let mut run = Run::default();
+    edges.ends(&[EdgeKind::Ground, EdgeKind::Link], &mut |src, dst, kind, relation| match kind {
+        EdgeKind::Ground if !relation => {
+            // An end missing from the store does not make the edge cross.
+            let Some(d) = info.get(dst) else { return };
+            let Some(r) = d.outcome else { return };
+            if run.enter(src, info, &mut behind).is_none_or(|s| s.tenant == d.tenant) {
+                run.sum += (r * FIXED).round() as u64;
+                run.n += 1;
             }
         }
-    };
-    edges.decide(&mut decide, &mut apply)?;
+        EdgeKind::Link if options.link_failures => {
+            if joins_failure_to_success(info, src, dst) {
+                failure_links.insert((NodeId(src.to_string()), NodeId(dst.to_string())));
+            }
+        }
+        _ => {}
+    })?;
+    run.flush(&mut behind);
+
+    // Pass 2: edge by edge, what changes; only the rows that change are decoded whole.
+    let mut changes = Vec::new();
+    let mut decider = Decider { info, behind: &behind, base, options, memo: SrcMemo::default(), ranges: HashMap::default() };
+    edges.decide(&mut |view| decider.decide(view, &mut report), &mut |edge, verdict| changes.push(change(edge, verdict, run_id)))?;
+    let ranges = std::mem::take(&mut decider.ranges);
     // Key order, whatever order the edges were read in.
     changes.sort_by(|a, b| (&a.next.src, &a.next.dst, a.next.kind).cmp(&(&b.next.src, &b.next.dst, b.next.kind)));
+    expand(nodes, outcomes, &failure_links, options, run_id, None, &mut changes, &mut report);
+    Ok(Assigned { changes, report, behind, ranges })
+}
 
-    if options.link_failures {
-        // Per task: its successes (with their times) and failures, in id order.
-        let mut tasks: BTreeMap<&str, (Vec<(i64, &NodeId)>, Vec<&NodeId>)> = BTreeMap::new();
-        for (id, r) in &outcomes {
-            let i = &info[*id];
-            let entry = tasks.entry(nodes.tasks[i.task as usize].as_str()).or_default();
-            if *r >= 0.5 {
-                entry.0.push((i.time, id));
-            } else {
-                entry.1.push(id);
-            }
+/// Link Expand over failures: each failure (of those in `only`, when given) gets links to the
+/// successes of its task nearest in time (ties by id), up to `max_failure_links` counting the
+/// links in `failure_links` it already has. Appends the new links to `changes` in task order.
+#[allow(clippy::too_many_arguments)]
+fn expand(
+    nodes: &Nodes,
+    outcomes: &[(&NodeId, f64)],
+    failure_links: &HashSet<(NodeId, NodeId), Fast>,
+    options: &CreditOptions,
+    run_id: &str,
+    only: Option<&HashSet<&NodeId, Fast>>,
+    changes: &mut Vec<Change>,
+    report: &mut CreditReport,
+) {
+    if !options.link_failures {
+        return;
+    }
+    let info = &nodes.info;
+    // Each failure's links to successes of its task (one per edge key).
+    let mut linked: HashMap<&NodeId, usize, Fast> = HashMap::default();
+    for (failure, _) in failure_links {
+        *linked.entry(failure).or_default() += 1;
+    }
+    // Per task: its successes (with their times) and failures, in id order.
+    let mut tasks: BTreeMap<&str, (Vec<(i64, &NodeId)>, Vec<&NodeId>)> = BTreeMap::new();
+    for (id, r) in outcomes {
+        let i = &info[*id];
+        let entry = tasks.entry(nodes.tasks[i.task as usize].as_str()).or_default();
+        if *r >= 0.5 {
+            entry.0.push((i.time, id));
+        } else if only.is_none_or(|only| only.contains(id)) {
+            entry.1.push(id);
         }
-        for (successes, failures) in tasks.values() {
-            for failure in failures {
-                let existing = linked.get(*failure).copied().unwrap_or(0);
-                let mut budget = options.max_failure_links.saturating_sub(existing);
-                if budget == 0 || existing >= successes.len() {
+    }
+    for (successes, failures) in tasks.values() {
+        for failure in failures {
+            let existing = linked.get(*failure).copied().unwrap_or(0);
+            let mut budget = options.max_failure_links.saturating_sub(existing);
+            if budget == 0 || existing >= successes.len() {
+                continue;
+            }
+            // The successes nearest in time, ties by id.
+            let at = info[*failure].time;
+            let mut nearest: Vec<(u64, &NodeId)> = successes.iter().map(|(t, s)| ((t - at).unsigned_abs(), *s)).collect();
+            nearest.sort_unstable();
+            for (_, success) in nearest {
+                if budget == 0 {
+                    break;
+                }
+                let pair = ((*failure).clone(), success.clone());
+                if failure_links.contains(&pair) {
                     continue;
                 }
-                // The successes nearest in time, ties by id.
-                let at = info[*failure].time;
-                let mut nearest: Vec<(u64, &NodeId)> = successes.iter().map(|(t, s)| ((t - at).unsigned_abs(), *s)).collect();
-                nearest.sort_unstable();
-                for (_, success) in nearest {
-                    if budget == 0 {
-                        break;
+                budget -= 1;
+                let mut metadata = BTreeMap::new();
+                metadata.insert("relation".into(), Value::from("success_of_same_task"));
+                changes.push(Change {
+                    before: None,
+                    next: Edge {
+                        src: pair.0,
+                        dst: pair.1,
+                        kind: EdgeKind::Link,
+                        weight: 1.0,
+                        evidence: 1,
+                        stage: STAGE.into(),
+                        run_id: run_id.into(),
+                        created_at: at.max(info[success].time),
+                        active: true,
+                        metadata,
+                    },
+                    kind: "link_expand",
+                    reason: "under-connection: this failed episode had no link to a success of the same task".into(),
+                });
+                report.expanded += 1;
+            }
+        }
+    }
+}
+
+/// The nodes a delta pass touched, beyond the changes: the sources whose statistics it
+/// recomputes, and of those, the ones whose every edge it decided on.
+struct Touched {
+    sources: BTreeSet<NodeId>,
+    whole: BTreeSet<NodeId>,
+}
+
+/// Credit assignment over what the commits after the watermark added (`since`), with the
+/// statistics stored on the semantic nodes; equal, change for change, to a full pass over the
+/// store (`assign_over`), and `None` when the store does not let it be (a node's statistics
+/// missing where its edges were counted).
+///
+/// - The night's edges are read whole (`since`'s live edge rows). A ground edge whose outcomes
+///   were never counted (no `outcomes` in its metadata) adds its episode's outcome to its
+///   node's stored sum.
+/// - A node whose new credit leaves the stored range of its edges' credits by more than the
+///   tolerance, or crosses the prune line, or that has an edge the night rewrote after it was
+///   counted, has all its ground edges read (a filtered scan on `src`) and decided on.
+///   Every other node's old edges keep their credit, as a full pass would keep them.
+/// - The night's edges are decided on with the full rule.
+/// - Link Expand considers the night's failures, and the older failures of tasks that had
+///   fewer than `max_failure_links` successes and gained one: every other failure has its
+///   links already. Their links are read by a filtered scan; the night's are in `since`.
+#[allow(clippy::too_many_arguments)]
+fn assign_delta(
+    store: &Store,
+    manifest: &Manifest,
+    since: &Manifest,
+    nodes: &Nodes,
+    outcomes: &[(&NodeId, f64)],
+    base: &HashMap<u32, f64, Fast>,
+    options: &CreditOptions,
+    run_id: &str,
+    mut report: CreditReport,
+    progress: &mut dyn Progress,
+) -> Result<Option<(Assigned, Touched)>> {
+    let info = &nodes.info;
+    let mut new_nodes: HashSet<NodeId, Fast> = HashSet::default();
+    store.live(since, "nodes")?.ids(&mut |id| {
+        new_nodes.insert(NodeId(id.to_string()));
+    })?;
+    let mut edges: BTreeMap<(NodeId, NodeId, EdgeKind), Edge> = BTreeMap::new();
+    store.live(since, "edges")?.edges(&[], &mut |e| {
+        edges.insert((e.src.clone(), e.dst.clone(), e.kind), e);
+    })?;
+    progress.start(edges.len() as u64);
+
+    // The night's contributions, its rewritten counted edges, and its failure links.
+    let mut behind: HashMap<NodeId, (u64, usize), Fast> = nodes.stats.iter().map(|(id, s)| (id.clone(), (s.sum, s.n as usize))).collect();
+    let mut added: BTreeSet<NodeId> = BTreeSet::new();
+    let mut whole: BTreeSet<NodeId> = BTreeSet::new();
+    let mut failure_links: HashSet<(NodeId, NodeId), Fast> = HashSet::default();
+    for e in edges.values() {
+        match e.kind {
+            EdgeKind::Ground if counts(e) => {
+                let (Some(d), s) = (info.get(&e.dst), info.get(&e.src)) else { continue };
+                let Some(r) = d.outcome else { continue };
+                if s.is_some_and(|s| s.tenant != d.tenant) {
+                    continue;
+                }
+                // A source not in the store or not semantic (it holds no statistics), or counted
+                // edges without statistics: the full pass.
+                if !s.is_some_and(|s| s.semantic) {
+                    return Ok(None);
+                }
+                if e.metadata.contains_key("outcomes") {
+                    if !nodes.stats.contains_key(&e.src) {
+                        return Ok(None);
                     }
-                    let pair = ((*failure).clone(), success.clone());
-                    if failure_links.contains(&pair) {
-                        continue;
-                    }
-                    budget -= 1;
-                    let mut metadata = BTreeMap::new();
-                    metadata.insert("relation".into(), Value::from("success_of_same_task"));
-                    changes.push(Change {
-                        before: None,
-                        next: Edge {
-                            src: pair.0,
-                            dst: pair.1,
-                            kind: EdgeKind::Link,
-                            weight: 1.0,
-                            evidence: 1,
-                            stage: STAGE.into(),
-                            run_id: run_id.into(),
-                            created_at: at.max(info[success].time),
-                            active: true,
-                            metadata,
-                        },
-                        kind: "link_expand",
-                        reason: "under-connection: this failed episode had no link to a success of the same task".into(),
-                    });
-                    report.expanded += 1;
+                    whole.insert(e.src.clone());
+                } else {
+                    let entry = behind.entry(e.src.clone()).or_default();
+                    entry.0 += (r * FIXED).round() as u64;
+                    entry.1 += 1;
+                    added.insert(e.src.clone());
+                }
+            }
+            EdgeKind::Link if options.link_failures && joins_failure_to_success(info, e.src.as_str(), e.dst.as_str()) => {
+                failure_links.insert((e.src.clone(), e.dst.clone()));
+            }
+            _ => {}
+        }
+    }
+    // The nodes whose old edges may change: credit out of the stored range, or across the line.
+    for src in &added {
+        let Some(old) = nodes.stats.get(src).filter(|s| s.n > 0) else { continue };
+        let Some(p) = info.get(src).and_then(|i| base.get(&i.tenant)).copied() else { continue };
+        let (sum, n) = behind[src];
+        let now = credit_of(sum, n, p, options.prior);
+        let was = credit_of(old.sum, old.n as usize, p, options.prior);
+        if prunes(now, n, options) != prunes(was, old.n as usize, options) || (old.lo - now).abs() > options.tolerance || (old.hi - now).abs() > options.tolerance {
+            whole.insert(src.clone());
+        }
+    }
+    if !whole.is_empty() {
+        let scan = Scan { edges: true, edges_from: Some(whole.clone()), edge_kinds: vec![EdgeKind::Ground], ..Default::default() };
+        for (key, e) in store.scan_at(manifest, &scan)?.edges {
+            edges.insert((key.src, key.dst, key.kind), e);
+        }
+    }
+
+    // Link Expand's failures: the night's, and those of tasks with too few successes before
+    // that gained one (their links read from the store).
+    let mut only: HashSet<&NodeId, Fast> = HashSet::default();
+    if options.link_failures {
+        let mut tasks: HashMap<u32, (usize, bool, Vec<&NodeId>), Fast> = HashMap::default();
+        for (id, r) in outcomes {
+            let new = new_nodes.contains(*id);
+            let entry = tasks.entry(info[*id].task).or_default();
+            if *r >= 0.5 {
+                if new {
+                    entry.1 = true;
+                } else {
+                    entry.0 += 1;
+                }
+            } else if new {
+                only.insert(id);
+            } else {
+                entry.2.push(id);
+            }
+        }
+        let mut older: BTreeSet<NodeId> = BTreeSet::new();
+        for (old_successes, gained, failures) in tasks.values() {
+            if *gained && *old_successes < options.max_failure_links {
+                older.extend(failures.iter().map(|id| (*id).clone()));
+                only.extend(failures.iter().copied());
+            }
+        }
+        if !older.is_empty() {
+            let scan = Scan { edges: true, edges_from: Some(older), edge_kinds: vec![EdgeKind::Link], ..Default::default() };
+            for (key, _) in store.scan_at(manifest, &scan)?.edges {
+                if joins_failure_to_success(info, key.src.as_str(), key.dst.as_str()) {
+                    failure_links.insert((key.src, key.dst));
                 }
             }
         }
     }
-    Ok((changes, report))
+
+    // The night's edges and the whole nodes' edges, decided in key order.
+    let mut changes = Vec::new();
+    let mut decider = Decider { info, behind: &behind, base, options, memo: SrcMemo::default(), ranges: HashMap::default() };
+    let decided = edges.len() as u64;
+    for e in edges.into_values() {
+        if let Some(verdict) = decider.decide(&view_of(&e), &mut report) {
+            changes.push(change(e, verdict, run_id));
+        }
+    }
+    progress.advance(decided);
+    let mut ranges = std::mem::take(&mut decider.ranges);
+    // A node decided on only for its new edges keeps its old edges' credits too.
+    for src in added.difference(&whole) {
+        if let (Some(old), Some(range)) = (nodes.stats.get(src).filter(|s| s.n > 0), ranges.get_mut(src)) {
+            *range = (range.0.min(old.lo), range.1.max(old.hi));
+        }
+    }
+    expand(nodes, outcomes, &failure_links, options, run_id, Some(&only), &mut changes, &mut report);
+    report.delta = true;
+    report.edges_decided = decided as usize;
+    let sources = added.union(&whole).cloned().collect();
+    Ok(Some((Assigned { changes, report, behind, ranges }, Touched { sources, whole })))
 }
 
-/// Runs credit assignment over the store and commits the changes (edges and edit log) in one
-/// atomic commit; nothing is written when nothing changes.
+/// Runs credit assignment over the store and commits the changes (edges, their edit records,
+/// and the statistics of the semantic nodes whose outcomes moved).
 ///
-/// Streams the store's live node rows (no steps) and live edges shard by shard
-/// ([`fluxmem_store::Live`]): what stays in memory is one small entry per node (tenant, task,
-/// outcome, time), each semantic node's outcome sum, each failure's link count, and the edges
-/// that change, not the node rows or the edges. Reads no steps, vectors or edit log. Commits
-/// edges and edits only.
+/// After a complete run, the next reads only what later commits added ([`assign_delta`]):
+/// the node rows are streamed (one small entry per node: tenant, task, outcome, time, and a
+/// semantic node's [`CreditStats`]), the night's edges read whole, and old edges only for the
+/// nodes whose credit moved. Without a watermark, with other settings, when a tenant's base
+/// rate is re-estimated, or when a compaction merged old and new rows into one shard, it reads
+/// every live edge twice ([`fluxmem_store::Live`]: ends, then decisions) and keeps only the
+/// edges it changes.
+///
+/// Commits hold `commit_every` changed edges or more: a node's ground edges and its statistics
+/// always go in one commit, so an interrupted run leaves every node's statistics equal to the
+/// outcomes its stored edges count, and the next run resumes from them.
 pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, progress: &mut dyn Progress) -> Result<CreditReport> {
     let manifest = writer.manifest().clone();
     let priors: BTreeMap<String, f64> = manifest.progress.get(BASE_RATE_MARKER).and_then(|v| serde_json::from_value(v.clone()).ok()).unwrap_or_default();
-    let (changes, mut report, at) = {
+    let watermark: Option<Watermark> = manifest.progress.get(WATERMARK_MARKER).and_then(|v| serde_json::from_value(v.clone()).ok());
+    let settings = settings(options);
+    let (assigned, touched, nodes, at) = {
         let store = writer.store();
         let mut nodes = Nodes::default();
         // The edit time is the data's: the newest episode, so reruns write the same shards.
@@ -671,31 +995,109 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
             nodes.add(&n);
         })?;
         let at = at.unwrap_or(0);
-        let edges = store.live(&manifest, "edges")?;
-        progress.start(edges.len());
-        let (changes, report) = assign_over(&nodes, &edges, options, run_id, &priors)?;
-        progress.advance(edges.len());
-        (changes, report, at)
+        let mut report = CreditReport::default();
+        let (outcomes, base) = rates(&nodes, options, &priors, &mut report);
+        let since = watermark
+            .as_ref()
+            .filter(|w| !options.full && w.settings == settings && report.base_rate_estimated.is_empty())
+            .and_then(|w| manifest.since(w.version, &["nodes", "edges"]));
+        let delta = match &since {
+            Some(since) => assign_delta(store, &manifest, since, &nodes, &outcomes, &base, options, run_id, report.clone(), progress)?,
+            None => None,
+        };
+        let (assigned, touched) = match delta {
+            Some((assigned, touched)) => (assigned, Some(touched)),
+            None => {
+                let edges = store.live(&manifest, "edges")?;
+                progress.start(edges.len());
+                report.edges_decided = edges.len() as usize;
+                let assigned = assign_over(&nodes, &outcomes, &base, &edges, options, run_id, report)?;
+                progress.advance(edges.len());
+                (assigned, None)
+            }
+        };
+        drop(outcomes);
+        (assigned, touched, nodes, at)
     };
-    if changes.is_empty() {
+    let Assigned { changes, mut report, behind, ranges } = assigned;
+
+    // The statistics that change: every node's after a full pass, the touched ones' after a delta.
+    let candidates: Vec<&NodeId> = match &touched {
+        Some(t) => t.sources.iter().collect(),
+        None => behind.keys().collect(),
+    };
+    let mut stats: BTreeMap<NodeId, CreditStats> = BTreeMap::new();
+    for src in candidates {
+        let (Some(&(sum, n)), Some(&(lo, hi))) = (behind.get(src), ranges.get(src)) else { continue };
+        if n == 0 {
+            continue;
+        }
+        let next = CreditStats { sum, n: n as u64, lo, hi };
+        if nodes.stats.get(src) != Some(&next) {
+            stats.insert(src.clone(), next);
+        }
+    }
+    drop(nodes);
+    let mut rows: BTreeMap<NodeId, Node> = BTreeMap::new();
+    if !stats.is_empty() {
+        let scan = Scan { nodes: true, nodes_of: Some(stats.keys().cloned().collect()), node_kinds: vec![NodeKind::Semantic], ..Default::default() };
+        for (id, mut node) in writer.store().scan_at(&manifest, &scan)?.nodes {
+            if let Some(next) = stats.get(&id) {
+                node.metadata.insert(STATS_KEY.into(), serde_json::to_value(next).expect("statistics serialise"));
+                rows.insert(id, node);
+            }
+        }
+    }
+    report.stats_written = rows.len();
+    report.whole_nodes = touched.as_ref().map_or(0, |t| t.whole.len());
+    if changes.is_empty() && rows.is_empty() {
         return Ok(report);
     }
-    // In key order, `commit_every` edges a commit. The base rates go with the first: a run
-    // interrupted after it resumes with the same priors and the same outcomes, so it finds
-    // the edges already written within tolerance and makes the changes that were left.
+
+    // In key order, `commit_every` edges a commit or more: a commit ends only between two
+    // sources, and a node's statistics go with its edges. The base rates go with the first
+    // commit (a run interrupted after it resumes with the same priors and the same outcomes,
+    // so it finds the edges already written within tolerance and makes the changes that were
+    // left); the watermark with the last. A full pass clears the watermark first: until it
+    // completes, the statistics of the nodes it has not reached are not to be trusted.
+    let mut chunks: Vec<Graph> = vec![Graph::default()];
+    let mut previous: Option<NodeId> = None;
+    for change in changes {
+        let current = chunks.last_mut().expect("one chunk at least");
+        if current.edges.len() >= options.commit_every.max(1) && previous.as_ref() != Some(&change.next.src) {
+            chunks.push(Graph::default());
+        }
+        let current = chunks.last_mut().expect("one chunk at least");
+        if let Some(node) = rows.remove(&change.next.src) {
+            current.upsert_node(node);
+        }
+        previous = Some(change.next.src.clone());
+        current.edits.push(Edit::new(STAGE, run_id, change.kind, Changed::Edge(change.before.as_ref(), Some(&change.next)), &change.reason, at));
+        current.upsert_edge(change.next);
+    }
+    // Statistics of nodes with no changed edge (a full pass filling them in) go with the last.
+    let last = chunks.last_mut().expect("one chunk at least");
+    for (_, node) in std::mem::take(&mut rows) {
+        last.upsert_node(node);
+    }
     let rates = serde_json::to_value(&report.base_rate).expect("rates serialise");
-    let mut progress: BTreeMap<String, Value> = [(BASE_RATE_MARKER.to_string(), rates)].into_iter().collect();
-    let mut changes = changes.into_iter().peekable();
-    while changes.peek().is_some() {
-        let mut delta = Graph::default();
-        for change in changes.by_ref().take(options.commit_every.max(1)) {
-            delta.edits.push(Edit::new(STAGE, run_id, change.kind, Changed::Edge(change.before.as_ref(), Some(&change.next)), &change.reason, at));
-            delta.upsert_edge(change.next);
+    let count = chunks.len();
+    for (index, delta) in chunks.into_iter().enumerate() {
+        let mut progress: BTreeMap<String, Value> = BTreeMap::new();
+        if index == 0 {
+            progress.insert(BASE_RATE_MARKER.to_string(), rates.clone());
+            if touched.is_none() && count > 1 {
+                progress.insert(WATERMARK_MARKER.to_string(), Value::Null);
+            }
+        }
+        if index + 1 == count {
+            let mark = Watermark { version: writer.manifest().version + 1, settings: settings.clone() };
+            progress.insert(WATERMARK_MARKER.to_string(), serde_json::to_value(mark).expect("the watermark serialises"));
         }
         report.edits += delta.edits.len();
         report.commits += 1;
         let summary = serde_json::to_value(&report).expect("the report serialises");
-        writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress: std::mem::take(&mut progress) })?;
+        writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress })?;
     }
     Ok(report)
 }
@@ -709,4 +1111,3 @@ fn counts(edge: &Edge) -> bool {
 fn round6(value: f64) -> f64 {
     (value * 1e6).round() / 1e6
 }
-

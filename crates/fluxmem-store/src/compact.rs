@@ -312,7 +312,7 @@ impl Writer {
                 for index in &members {
                     removed.extend(units[*index].entries.iter().map(|e| e.file.clone()));
                 }
-                outputs.extend(written);
+                outputs.extend(spanning(written, members.iter().flat_map(|&i| &units[i].entries)));
             }
             report.tables.insert(table.to_string(), stats);
         }
@@ -334,7 +334,8 @@ impl Writer {
                     part += 1;
                     part - 1
                 };
-                outputs.extend(merge::concatenate_edits(&self.store.dir, &in_order, version, &mut next_part, policy.batch_rows)?);
+                let written = merge::concatenate_edits(&self.store.dir, &in_order, version, &mut next_part, policy.batch_rows)?;
+                outputs.extend(spanning(written, in_order.iter().copied()));
                 removed.extend(in_order.iter().map(|e| e.file.clone()));
                 edit_stats.merged = run.len();
             }
@@ -640,6 +641,18 @@ impl Writer {
         self.manifest = manifest;
         Ok(())
     }
+}
+
+/// A compaction's output shards, each marked with the commits whose rows its `members` held
+/// ([`ShardEntry::rows_span`]): their rows keep their age for readers that follow a store
+/// from a version on ([`Manifest::since`]).
+fn spanning<'a>(mut written: Vec<ShardEntry>, members: impl Iterator<Item = &'a ShardEntry>) -> Vec<ShardEntry> {
+    let (from, through) = members.map(ShardEntry::rows_span).fold((u64::MAX, 0), |(a, b), (c, d)| (a.min(c), b.max(d)));
+    for entry in &mut written {
+        entry.rows_from = Some(from);
+        entry.rows_through = Some(through);
+    }
+    written
 }
 
 /// Commit records kept in the manifest; older ones move to `history.jsonl` beside it, so the

@@ -89,6 +89,22 @@ pub struct ShardEntry {
     pub sha256: String,
     /// The commit that wrote it.
     pub commit: u64,
+    /// For a compaction's output: the oldest commit whose rows it holds (the `commit`, or the
+    /// `rows_from`, of the oldest shard it merged). Absent for a commit's own shard.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows_from: Option<u64>,
+    /// For a compaction's output: the newest commit whose rows it holds. Absent for a
+    /// commit's own shard.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows_through: Option<u64>,
+}
+
+impl ShardEntry {
+    /// The commits whose rows the shard holds, oldest and newest: its own commit for a
+    /// commit's shard; for a compaction's output, the span of the shards it merged.
+    pub fn rows_span(&self) -> (u64, u64) {
+        (self.rows_from.unwrap_or(self.commit), self.rows_through.unwrap_or(self.commit))
+    }
 }
 
 /// What a commit was.
@@ -125,6 +141,23 @@ impl Manifest {
     /// The live counts, if they hold for this manifest's commit.
     pub fn current_counts(&self) -> Option<fluxmem_graph::GraphStats> {
         self.live_counts.filter(|c| c.version == self.version).map(|c| c.stats)
+    }
+
+    /// This manifest cut to the shards of `tables` whose rows were all committed after
+    /// `version`: what the commits since added (a stage that has seen the store at `version`
+    /// reads these only). `None` when a compaction merged rows from both sides of `version`
+    /// into one shard (the rows added since cannot be told apart then).
+    pub fn since(&self, version: u64, tables: &[&str]) -> Option<Manifest> {
+        let mut shards = Vec::new();
+        for entry in self.shards.iter().filter(|s| tables.contains(&s.table.as_str())) {
+            let (from, through) = entry.rows_span();
+            if from > version {
+                shards.push(entry.clone());
+            } else if through > version {
+                return None;
+            }
+        }
+        Some(Manifest { shards, commits: Vec::new(), progress: BTreeMap::new(), retired: Vec::new(), live_counts: None, ..self.clone() })
     }
 
     /// Reads and checks the manifest at `path`.

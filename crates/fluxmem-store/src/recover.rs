@@ -211,6 +211,8 @@ fn verify_one(path: &Path, name: &str) -> std::result::Result<ShardEntry, String
         bytes: bytes.len() as u64,
         sha256,
         commit: parsed.commit,
+        rows_from: None,
+        rows_through: None,
     })
 }
 

@@ -55,6 +55,10 @@ pub struct Scan {
     /// With `edges`: only the edges of these kinds (empty: every kind). Rows are filtered on
     /// the `kind` column before any is decoded.
     pub edge_kinds: Vec<EdgeKind>,
+    /// With `edges`: only the edges from these node ids (`None`: every edge). Rows are
+    /// filtered on the `src` column before any is decoded; the kinds are then checked on the
+    /// rows that pass.
+    pub edges_from: Option<BTreeSet<NodeId>>,
     /// Embedding rows with their vectors.
     pub vectors: Rows,
     /// Every embedding's key and text hash, without its vector (an empty `vector`), where
@@ -143,11 +147,19 @@ impl Store {
                         }
                     }
                     "edges" if scan.edges => {
-                        let of = |v: &str| edge_kinds.contains(&v);
-                        for batch in self.rows_where(entry, (!edge_kinds.is_empty()).then_some(("kind", &of as &dyn Fn(&str) -> bool)))? {
+                        let of_kinds = |v: &str| edge_kinds.contains(&v);
+                        let from = |v: &str| scan.edges_from.as_ref().is_none_or(|ids| ids.contains(v));
+                        let only = match (&scan.edges_from, edge_kinds.is_empty()) {
+                            (Some(_), _) => Some(("src", &from as &dyn Fn(&str) -> bool)),
+                            (None, false) => Some(("kind", &of_kinds as &dyn Fn(&str) -> bool)),
+                            (None, true) => None,
+                        };
+                        // Filtered on `src`, the kinds are left to check.
+                        let kinds_left = scan.edges_from.is_some() && !scan.edge_kinds.is_empty();
+                        for batch in self.rows_where(entry, only)? {
                             let batch = batch?;
                             let edges = schema::edges_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
-                            edges.into_iter().for_each(|e| graph.upsert_edge(e));
+                            edges.into_iter().filter(|e| !kinds_left || scan.edge_kinds.contains(&e.kind)).for_each(|e| graph.upsert_edge(e));
                         }
                     }
                     "edits" if scan.edits => {

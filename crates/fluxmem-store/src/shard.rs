@@ -132,7 +132,7 @@ impl ShardWriter {
         let name = format!("shards/{}-{:08}-{:03}-{}.parquet", self.table, self.commit, self.part, &sha256[..12]);
         let path = self.dir.join(&name);
         std::fs::rename(&self.temporary, &path).at(&path)?;
-        Ok(ShardEntry { table: self.table.clone(), file: name, rows: self.rows, bytes, sha256, commit: self.commit })
+        Ok(ShardEntry { table: self.table.clone(), file: name, rows: self.rows, bytes, sha256, commit: self.commit, rows_from: None, rows_through: None })
     }
 }
 
@@ -157,7 +157,7 @@ pub(crate) fn write(dir: &Path, table: &str, commit: u64, part: usize, batch: &R
     let mut out = std::fs::File::create(&path).at(&path)?;
     out.write_all(&bytes).at(&path)?;
     out.sync_all().at(&path)?;
-    Ok(ShardEntry { table: table.into(), file, rows: batch.num_rows() as u64, bytes: bytes.len() as u64, sha256, commit })
+    Ok(ShardEntry { table: table.into(), file, rows: batch.num_rows() as u64, bytes: bytes.len() as u64, sha256, commit, rows_from: None, rows_through: None })
 }
 
 /// Reads the shard `entry` under `dir`, verifying its checksum, table and row count.
