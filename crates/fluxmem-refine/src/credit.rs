@@ -22,9 +22,15 @@
 //!   edge joining two tenants' nodes (left by an older store) gives and gets no credit and is
 //!   deactivated (`pruned_by: isolation`, reason `cross-tenant edge (isolation)`), for good.
 //!
-//! Weights are recomputed from all outcomes in the store on every run, so the update is
-//! idempotent (a second run over the same store changes nothing) and incremental (new
-//! episodes move the credits). Every change is an [`Edit`] in the same atomic commit.
+//! Weights follow all outcomes in the store, so the update is idempotent (a second run over
+//! the same store changes nothing) and incremental (new episodes move the credits). Every
+//! change is an [`Edit`] in the same commit as the edge it changes.
+//!
+//! **A night reads what it added.** Each semantic node keeps its credit's sufficient statistics
+//! ([`CreditStats`], under [`STATS_KEY`] in its metadata), and the last commit of a complete
+//! run leaves a watermark ([`WATERMARK_MARKER`]); the next run reads the edges added since and
+//! only the old edges of the nodes whose credit moved out of their edges' stored range (see
+//! [`refine_store`]). It commits what a pass over every edge commits.
 //!
 //! **A night writes what moved.** Two rules keep a night's writes in proportion to what its
 //! outcomes changed, not to the history:
@@ -1060,29 +1066,26 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
     // so it finds the edges already written within tolerance and makes the changes that were
     // left); the watermark with the last. A full pass clears the watermark first: until it
     // completes, the statistics of the nodes it has not reached are not to be trusted.
-    let mut chunks: Vec<Graph> = vec![Graph::default()];
-    let mut previous: Option<NodeId> = None;
-    for change in changes {
-        let current = chunks.last_mut().expect("one chunk at least");
-        if current.edges.len() >= options.commit_every.max(1) && previous.as_ref() != Some(&change.next.src) {
-            chunks.push(Graph::default());
+    // Where each commit starts: after `commit_every` edges, at the next change of source.
+    let mut starts: Vec<usize> = vec![0];
+    for i in 1..changes.len() {
+        if i - starts[starts.len() - 1] >= options.commit_every.max(1) && changes[i].next.src != changes[i - 1].next.src {
+            starts.push(i);
         }
-        let current = chunks.last_mut().expect("one chunk at least");
-        if let Some(node) = rows.remove(&change.next.src) {
-            current.upsert_node(node);
-        }
-        previous = Some(change.next.src.clone());
-        current.edits.push(Edit::new(STAGE, run_id, change.kind, Changed::Edge(change.before.as_ref(), Some(&change.next)), &change.reason, at));
-        current.upsert_edge(change.next);
     }
-    // Statistics of nodes with no changed edge (a full pass filling them in) go with the last.
-    let last = chunks.last_mut().expect("one chunk at least");
-    for (_, node) in std::mem::take(&mut rows) {
-        last.upsert_node(node);
-    }
+    let count = starts.len();
     let rates = serde_json::to_value(&report.base_rate).expect("rates serialise");
-    let count = chunks.len();
-    for (index, delta) in chunks.into_iter().enumerate() {
+    let mut changes = changes.into_iter();
+    for index in 0..count {
+        let len = starts.get(index + 1).copied().unwrap_or(usize::MAX) - starts[index];
+        let mut delta = Graph::default();
+        for change in changes.by_ref().take(len) {
+            if let Some(node) = rows.remove(&change.next.src) {
+                delta.upsert_node(node);
+            }
+            delta.edits.push(Edit::new(STAGE, run_id, change.kind, Changed::Edge(change.before.as_ref(), Some(&change.next)), &change.reason, at));
+            delta.upsert_edge(change.next);
+        }
         let mut progress: BTreeMap<String, Value> = BTreeMap::new();
         if index == 0 {
             progress.insert(BASE_RATE_MARKER.to_string(), rates.clone());
@@ -1091,6 +1094,10 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
             }
         }
         if index + 1 == count {
+            // Statistics of nodes with no changed edge (a full pass filling them in) go with the last.
+            for (_, node) in std::mem::take(&mut rows) {
+                delta.upsert_node(node);
+            }
             let mark = Watermark { version: writer.manifest().version + 1, settings: settings.clone() };
             progress.insert(WATERMARK_MARKER.to_string(), serde_json::to_value(mark).expect("the watermark serialises"));
         }
