@@ -226,8 +226,12 @@ fn adopt_temporary(dir: &Path, verified: &BTreeMap<String, ShardEntry>, report: 
         let path = entry.path();
         match Manifest::read(&path) {
             Ok(manifest) => {
-                let missing: Vec<&str> =
-                    manifest.shards.iter().filter(|s| verified.get(&s.file) != Some(s)).map(|s| s.file.as_str()).collect();
+                // The span a compaction records (`rows_from`, `rows_through`) is the manifest's
+                // to say: a file does not carry it.
+                let same = |listed: &ShardEntry| {
+                    verified.get(&listed.file).is_some_and(|found| *found == ShardEntry { rows_from: None, rows_through: None, ..listed.clone() })
+                };
+                let missing: Vec<&str> = manifest.shards.iter().filter(|s| !same(s)).map(|s| s.file.as_str()).collect();
                 if missing.is_empty() {
                     candidates.push((manifest.version, path, manifest));
                 } else {

@@ -397,6 +397,36 @@ fn recover_adopts_a_complete_temporary_manifest_and_leaves_damaged_shards_in_pla
     assert_eq!(Store::open(dir.path()).unwrap().load().unwrap(), graph);
 }
 
+/// A compaction's outputs carry the span of commits whose rows they hold, which their files do
+/// not: recovery still adopts a temporary manifest that lists them, spans included.
+#[test]
+fn recover_adopts_a_temporary_manifest_that_lists_compacted_shards() {
+    let (dir, graph) = committed_store();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    for i in 0..3 {
+        let mut more = Graph::default();
+        let body = NodeBody::Semantic(Semantic { source: "doc".into(), position: 20 + i, time: None, group: None });
+        more.insert_node(Node::new(body, "default", &format!("a later fact {i}"), &["doc", &i.to_string()]));
+        writer.commit(&more, info("ingest")).unwrap();
+    }
+    let policy = fluxmem_store::CompactPolicy { merge_factor: 2, min_level_rows: 1, ..Default::default() };
+    assert!(writer.compact(&policy, "compact").unwrap().committed);
+    drop(writer);
+    let original = Store::open(dir.path()).unwrap().manifest().unwrap();
+    assert!(original.shards.iter().any(|s| s.rows_from.is_some() && s.rows_through > s.rows_from), "a merged shard spans commits: {:?}", original.shards);
+    let expected = Store::open(dir.path()).unwrap().load().unwrap();
+    assert!(expected.nodes.len() > graph.nodes.len());
+    std::fs::rename(dir.path().join("manifest.json"), dir.path().join("manifest.json.tmp-9")).unwrap();
+    let report = fluxmem_store::recover(dir.path()).unwrap();
+    assert!(report.adopted_temporary.is_some(), "{report:?}");
+    // The files the compaction retired are left in place, not listed.
+    assert!(report.rejected.iter().all(|(_, why)| why.contains("not listed by the adopted manifest")), "{report:?}");
+    let manifest = Store::open(dir.path()).unwrap().manifest().unwrap();
+    assert_eq!(manifest.shards, original.shards, "the spans are kept");
+    assert_eq!(manifest.progress, original.progress);
+    assert_eq!(Store::open(dir.path()).unwrap().load().unwrap(), expected);
+}
+
 /// Issue 13.3: with the LOCK file deleted, two writers both ran and the first one's manifest
 /// overwrote the second's commit, whose shards were later deleted as orphans.
 #[test]
