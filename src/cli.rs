@@ -266,6 +266,10 @@ pub struct RefineArgs {
     /// changes; rebuilds the stored credit statistics).
     #[arg(long)]
     pub full: bool,
+    /// Read every edge (a full pass, streamed) when the edge rows added since the last run are
+    /// more than this share of the stored ones; below it, the night's edges are held decoded.
+    #[arg(long, default_value_t = fluxmem_refine::CreditOptions::default().max_delta_share)]
+    pub max_delta_share: f64,
     /// Print one JSON object with the counts.
     #[arg(long)]
     pub json: bool,

@@ -664,7 +664,8 @@ fn a_delta_refine_killed_after_a_commit_resumes_to_the_full_result() {
     };
     let version = fluxmem_store::Store::open(&base).unwrap().manifest().unwrap().version;
     let one = copy("one");
-    let report = stdout_json(&stage(&one, &["refine", "--json", "--prior-drift", "1", "--commit-every", "3"]));
+    // A night as large as the history: delta read all the same (--max-delta-share 1).
+    let report = stdout_json(&stage(&one, &["refine", "--json", "--prior-drift", "1", "--commit-every", "3", "--max-delta-share", "1"]));
     assert_eq!(report["delta"], Value::Bool(true), "{report}");
     let edits = report["edits"].as_u64().unwrap();
     assert!(edits > 6 && report["commits"].as_u64().unwrap() > 1, "{report}");
@@ -676,11 +677,11 @@ fn a_delta_refine_killed_after_a_commit_resumes_to_the_full_result() {
     assert_eq!(credit_stats(&full), credit_stats(&one));
 
     let killed = copy("killed");
-    let crashed = run(fluxmem(&killed).args(["refine", "--prior-drift", "1", "--commit-every", "3"]).env("FLUXMEM_FAULT", format!("after-manifest:{}", version + 1)));
+    let crashed = run(fluxmem(&killed).args(["refine", "--prior-drift", "1", "--commit-every", "3", "--max-delta-share", "1"]).env("FLUXMEM_FAULT", format!("after-manifest:{}", version + 1)));
     assert!(!crashed.status.success(), "the fault fired");
     let landed = fluxmem_store::Store::open(&killed).unwrap().manifest().unwrap().commits.last().unwrap().summary["edits"].as_u64().unwrap();
     assert!(landed > 0 && landed < edits, "{landed} of {edits}");
-    let resumed = stdout_json(&stage(&killed, &["refine", "--json", "--prior-drift", "1", "--commit-every", "3"]));
+    let resumed = stdout_json(&stage(&killed, &["refine", "--json", "--prior-drift", "1", "--commit-every", "3", "--max-delta-share", "1"]));
     assert_eq!(resumed["delta"], Value::Bool(true), "{resumed}");
     assert_eq!(resumed["edits"].as_u64().unwrap(), edits - landed, "the rest of the changes, none twice: {resumed}");
     assert_eq!(refined(&killed), refined(&one), "killed after the first commit and resumed: the same store");

@@ -12,6 +12,7 @@ pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     check_flag("--prune-below", args.prune_below, Bound::NonNegative)?;
     check_flag("--tolerance", args.tolerance, Bound::NonNegative)?;
     check_flag("--prior-drift", args.prior_drift, Bound::NonNegative)?;
+    check_flag("--max-delta-share", args.max_delta_share, Bound::NonNegative)?;
     let options = CreditOptions {
         prior: args.prior,
         prune_below: args.prune_below,
@@ -22,6 +23,7 @@ pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         prior_drift: args.prior_drift,
         commit_every: args.commit_every,
         full: args.full,
+        max_delta_share: args.max_delta_share,
     };
     let mut writer = open_writer(settings)?;
     // The run id depends only on the store state it started from: same store, same shards.

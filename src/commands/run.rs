@@ -458,17 +458,17 @@ impl Ctx<'_> {
             tolerance: r.tolerance,
             prior_drift: r.prior_drift,
             commit_every: r.commit_every,
-            full: false,
+            ..fluxmem_refine::CreditOptions::default()
         };
         let mut bar = CountBar::new(self.settings.progress, "refine");
         let report = fluxmem_refine::refine_store(writer, &options, &format!("refine@{}", self.run_id), &mut bar)?;
         bar.finish();
         eprintln!(
-            "  {} edges reweighted ({} moved within the tolerance, kept), {} pruned, {} re-activated, {} failure->success links",
-            report.reweighted, report.within_tolerance, report.pruned, report.reactivated, report.expanded
+            "  {} edges reweighted ({} of the {} edges read moved within the tolerance, kept), {} pruned, {} re-activated, {} failure->success links",
+            report.reweighted, report.within_tolerance, report.edges_decided, report.pruned, report.reactivated, report.expanded
         );
         Ok(StageRecord {
-            status: if report.edits == 0 { "nothing new".into() } else { "done".into() },
+            status: if report.edits + report.stats_written == 0 { "nothing new".into() } else { "done".into() },
             counts_in: counts(&[("episodes", report.episodes), ("with_outcome", report.with_outcome)]),
             counts_out: counts(&[
                 ("reweighted", report.reweighted),

@@ -43,7 +43,7 @@
 //!   grows, one night's outcomes move each credit by less, and fewer edges are rewritten.
 
 use fluxmem_graph::{Changed, Edge, EdgeKind, Edit, Graph, Node, NodeId, NodeKind};
-use fluxmem_store::{CommitInfo, Manifest, Scan, Store, Writer};
+use fluxmem_store::{CommitInfo, Manifest, Scan, Since, Store, Writer};
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -82,11 +82,15 @@ pub struct CreditOptions {
     /// run read only what was added since (the same changes either way; a check, or a rebuild
     /// of the statistics).
     pub full: bool,
+    /// A night whose new (or mixed, see [`fluxmem_store::Manifest::since`]) edge rows are more
+    /// than this share of the stored edge rows is read as a full pass, which streams the edges
+    /// where a delta pass holds the night's edges decoded. The changes are the same either way.
+    pub max_delta_share: f64,
 }
 
 impl Default for CreditOptions {
     fn default() -> Self {
-        CreditOptions { prior: 2.0, prune_below: 0.5, min_evidence: 3, link_failures: true, max_failure_links: 3, tolerance: 0.05, prior_drift: 0.02, commit_every: 100_000, full: false }
+        CreditOptions { prior: 2.0, prune_below: 0.5, min_evidence: 3, link_failures: true, max_failure_links: 3, tolerance: 0.05, prior_drift: 0.02, commit_every: 100_000, full: false, max_delta_share: 0.5 }
     }
 }
 
@@ -104,7 +108,8 @@ pub struct CreditReport {
     pub base_rate: BTreeMap<String, f64>,
     /// Edges whose weight or evidence changed.
     pub reweighted: usize,
-    /// Edges whose credit moved by no more than the tolerance: not rewritten.
+    /// Edges decided on whose credit moved by no more than the tolerance: not rewritten (in a
+    /// delta pass, among the edges it decided on only: see `edges_decided`).
     pub within_tolerance: usize,
     /// Tenants whose base rate was (re-)estimated this run.
     pub base_rate_estimated: Vec<String>,
@@ -114,7 +119,8 @@ pub struct CreditReport {
     pub reactivated: usize,
     /// Links added from failures to successes of the same task.
     pub expanded: usize,
-    /// Edges joining two tenants' nodes (left by an older store): never credited.
+    /// Edges decided on that join two tenants' nodes (left by an older store): never credited
+    /// (in a delta pass, among the edges it decided on only).
     pub cross_tenant: usize,
     /// Cross-tenant edges this run deactivated.
     pub isolated: usize,
@@ -817,25 +823,27 @@ struct Touched {
 
 /// Credit assignment over what the commits after the watermark added (`since`), with the
 /// statistics stored on the semantic nodes; equal, change for change, to a full pass over the
-/// store (`assign_over`), and `None` when the store does not let it be (a node's statistics
-/// missing where its edges were counted).
+/// store (`assign_over`), and `None` when the store does not let it be (a ground edge from a
+/// node that is missing or not semantic, which holds no statistics).
 ///
-/// - The night's edges are read whole (`since`'s live edge rows). A ground edge whose outcomes
-///   were never counted (no `outcomes` in its metadata) adds its episode's outcome to its
-///   node's stored sum.
+/// - The night's edges are read whole (the live edge rows of `since.added` and `since.mixed`).
+///   A ground edge whose outcomes were never counted (no `outcomes` in its metadata) adds its
+///   episode's outcome to its node's stored sum.
 /// - A node whose new credit leaves the stored range of its edges' credits by more than the
-///   tolerance, or crosses the prune line, or that has an edge the night rewrote after it was
-///   counted, has all its ground edges read (a filtered scan on `src`) and decided on.
-///   Every other node's old edges keep their credit, as a full pass would keep them.
+///   tolerance, or crosses the prune line, or that has a counted edge among those read, or
+///   that has no statistics and is not new, has all its ground edges read (a filtered scan on
+///   `src`), its outcomes counted from them, and every one decided on. Every other node's old
+///   edges keep their credit, as a full pass would keep them.
 /// - The night's edges are decided on with the full rule.
 /// - Link Expand considers the night's failures, and the older failures of tasks that had
 ///   fewer than `max_failure_links` successes and gained one: every other failure has its
-///   links already. Their links are read by a filtered scan; the night's are in `since`.
+///   links already. The links of those older failures, and of failures not new for certain
+///   (see `new_nodes`), are read by a filtered scan; a new failure's are among those read.
 #[allow(clippy::too_many_arguments)]
 fn assign_delta(
     store: &Store,
     manifest: &Manifest,
-    since: &Manifest,
+    since: &Since,
     nodes: &Nodes,
     outcomes: &[(&NodeId, f64)],
     base: &HashMap<u32, f64, Fast>,
@@ -845,15 +853,33 @@ fn assign_delta(
     progress: &mut dyn Progress,
 ) -> Result<Option<(Assigned, Touched)>> {
     let info = &nodes.info;
+    // The nodes new for certain: those ingest added since (ingest writes only ids the store
+    // does not hold). The rows of other stages' commits since, and of shards that may mix old
+    // and new rows (a compaction merged them), may be rewrites of old nodes: Link Expand reads
+    // their links from the store, and a fact among them without statistics is counted whole.
+    let ingests: BTreeSet<u64> = manifest.commits.iter().filter(|c| c.stage == "ingest").map(|c| c.version).collect();
+    let (mut ingested, mut other) = (since.added.clone(), since.mixed.clone());
+    ingested.shards.retain(|s| s.table == "nodes" && ingests.contains(&s.commit));
+    other.shards.retain(|s| s.table == "nodes");
+    other.shards.extend(since.added.shards.iter().filter(|s| s.table == "nodes" && !ingests.contains(&s.commit)).cloned());
     let mut new_nodes: HashSet<NodeId, Fast> = HashSet::default();
-    store.live(since, "nodes")?.ids(&mut |id| {
+    store.live(&ingested, "nodes")?.ids(&mut |id| {
         new_nodes.insert(NodeId(id.to_string()));
     })?;
+    let mut uncertain: HashSet<NodeId, Fast> = HashSet::default();
+    store.live(&other, "nodes")?.ids(&mut |id| {
+        if !new_nodes.contains(id) {
+            uncertain.insert(NodeId(id.to_string()));
+        }
+    })?;
+    // The edges added since, and those of mixed shards (reading an old edge again changes
+    // nothing: a counted one has its node read whole, the others decide as before).
+    let mut read = since.added.clone();
+    read.shards.extend(since.mixed.shards.iter().filter(|s| s.table == "edges").cloned());
     let mut edges: BTreeMap<(NodeId, NodeId, EdgeKind), Edge> = BTreeMap::new();
-    store.live(since, "edges")?.edges(&[], &mut |e| {
+    store.live(&read, "edges")?.edges(&[], &mut |e| {
         edges.insert((e.src.clone(), e.dst.clone(), e.kind), e);
     })?;
-    progress.start(edges.len() as u64);
 
     // The night's contributions, its rewritten counted edges, and its failure links.
     let mut behind: HashMap<NodeId, (u64, usize), Fast> = nodes.stats.iter().map(|(id, s)| (id.clone(), (s.sum, s.n as usize))).collect();
@@ -868,15 +894,12 @@ fn assign_delta(
                 if s.is_some_and(|s| s.tenant != d.tenant) {
                     continue;
                 }
-                // A source not in the store or not semantic (it holds no statistics), or counted
-                // edges without statistics: the full pass.
+                // A source not in the store or not semantic (it holds no statistics): the full pass.
                 if !s.is_some_and(|s| s.semantic) {
                     return Ok(None);
                 }
                 if e.metadata.contains_key("outcomes") {
-                    if !nodes.stats.contains_key(&e.src) {
-                        return Ok(None);
-                    }
+                    // Counted before and read again: its node is counted again, whole.
                     whole.insert(e.src.clone());
                 } else {
                     let entry = behind.entry(e.src.clone()).or_default();
@@ -891,6 +914,12 @@ fn assign_delta(
             _ => {}
         }
     }
+    // A node without statistics that is not new may have counted edges: counted again, whole.
+    for src in &added {
+        if !nodes.stats.contains_key(src) && !new_nodes.contains(src) {
+            whole.insert(src.clone());
+        }
+    }
     // The nodes whose old edges may change: credit out of the stored range, or across the line.
     for src in &added {
         let Some(old) = nodes.stats.get(src).filter(|s| s.n > 0) else { continue };
@@ -903,33 +932,53 @@ fn assign_delta(
         }
     }
     if !whole.is_empty() {
+        // Every ground edge of the whole nodes, and their outcomes counted from those edges (the
+        // rule of the full pass), not from the stored sums.
         let scan = Scan { edges: true, edges_from: Some(whole.clone()), edge_kinds: vec![EdgeKind::Ground], ..Default::default() };
+        for src in &whole {
+            behind.remove(src);
+        }
         for (key, e) in store.scan_at(manifest, &scan)?.edges {
+            if counts(&e) {
+                if let (Some(d), s) = (info.get(&e.dst), info.get(&e.src)) {
+                    if let (Some(r), true) = (d.outcome, s.is_none_or(|s| s.tenant == d.tenant)) {
+                        let entry = behind.entry(e.src.clone()).or_default();
+                        entry.0 += (r * FIXED).round() as u64;
+                        entry.1 += 1;
+                    }
+                }
+            }
             edges.insert((key.src, key.dst, key.kind), e);
         }
     }
+    progress.start(edges.len() as u64);
 
     // Link Expand's failures: the night's, and those of tasks with too few successes before
     // that gained one (their links read from the store).
     let mut only: HashSet<&NodeId, Fast> = HashSet::default();
     if options.link_failures {
         let mut tasks: HashMap<u32, (usize, bool, Vec<&NodeId>), Fast> = HashMap::default();
+        let mut older: BTreeSet<NodeId> = BTreeSet::new();
         for (id, r) in outcomes {
             let new = new_nodes.contains(*id);
+            let maybe = uncertain.contains(*id);
             let entry = tasks.entry(info[*id].task).or_default();
             if *r >= 0.5 {
-                if new {
+                // A success that may be new counts as gained, not as one the task had.
+                if new || maybe {
                     entry.1 = true;
                 } else {
                     entry.0 += 1;
                 }
             } else if new {
                 only.insert(id);
+            } else if maybe {
+                only.insert(id);
+                older.insert((*id).clone());
             } else {
                 entry.2.push(id);
             }
         }
-        let mut older: BTreeSet<NodeId> = BTreeSet::new();
         for (old_successes, gained, failures) in tasks.values() {
             if *gained && *old_successes < options.max_failure_links {
                 older.extend(failures.iter().map(|id| (*id).clone()));
@@ -1003,10 +1052,14 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
         let at = at.unwrap_or(0);
         let mut report = CreditReport::default();
         let (outcomes, base) = rates(&nodes, options, &priors, &mut report);
+        // A night that added more than `max_delta_share` of the stored edge rows is read as a
+        // full pass: it streams the edges, where a delta pass holds the night's edges decoded.
+        let edge_rows = |m: &Manifest| m.shards.iter().filter(|s| s.table == "edges").map(|s| s.rows).sum::<u64>() as f64;
         let since = watermark
             .as_ref()
             .filter(|w| !options.full && w.settings == settings && report.base_rate_estimated.is_empty())
-            .and_then(|w| manifest.since(w.version, &["nodes", "edges"]));
+            .map(|w| manifest.since(w.version, &["nodes", "edges"]))
+            .filter(|since| edge_rows(&since.added) + edge_rows(&since.mixed) <= options.max_delta_share * edge_rows(&manifest));
         let delta = match &since {
             Some(since) => assign_delta(store, &manifest, since, &nodes, &outcomes, &base, options, run_id, report.clone(), progress)?,
             None => None,

@@ -2,10 +2,11 @@
 //! the semantic nodes) and commits exactly what a pass over every edge commits: nine nights
 //! over two tenants, with pruning and recovery, fractional rewards, failures linked to
 //! successes, a task whose first success comes late, a cross-tenant edge, an old edge
-//! rewritten by another stage, compactions between nights, and a base rate that drifts.
+//! rewritten by another stage, compactions between nights and one inside a night (its shards
+//! mix rows from before and after the watermark), and a base rate that drifts.
 
 use fluxmem_graph::{Edge, EdgeKind, Edit, Episode, Graph, Node, NodeBody, NodeId, Outcome, Semantic};
-use fluxmem_refine::{refine_store, CreditOptions, CreditReport, CreditStats, NoProgress, STATS_KEY};
+use fluxmem_refine::{refine_store, CreditOptions, CreditReport, CreditStats, NoProgress, STATS_KEY, WATERMARK_MARKER};
 use fluxmem_store::{CommitInfo, CompactPolicy, Writer};
 use serde_json::Value;
 
@@ -103,6 +104,19 @@ fn night(night: usize, from: usize, to: usize, facts: &[Vec<Node>]) -> Graph {
     graph
 }
 
+/// A night as the pipeline writes it: the episodes in an ingest commit (new ids only), then
+/// the edges in a connect commit.
+fn commit_night(writer: &mut Writer, graph: &Graph) {
+    let mut nodes = Graph::default();
+    graph.nodes.values().for_each(|n| {
+        nodes.insert_node(n.clone());
+    });
+    let mut edges = Graph::default();
+    graph.edges.values().for_each(|e| edges.upsert_edge(e.clone()));
+    commit(writer, &nodes, "ingest");
+    commit(writer, &edges, "connect");
+}
+
 fn commit(writer: &mut Writer, graph: &Graph, stage: &str) {
     writer.commit(graph, CommitInfo { stage: stage.into(), run_id: stage.into(), summary: Value::Null, progress: Default::default() }).unwrap();
 }
@@ -133,7 +147,7 @@ fn a_delta_night_commits_what_a_full_pass_commits() {
         let graph = night(n, from, from + size, &facts);
         from += size;
         for writer in [&mut delta, &mut full] {
-            commit(writer, &graph, "connect");
+            commit_night(writer, &graph);
             if n == 3 {
                 // Another stage rewrites two counted ground edges (new Stage I weight, the
                 // credit keys kept): their node is read whole.
@@ -149,8 +163,22 @@ fn a_delta_night_commits_what_a_full_pass_commits() {
                 commit(writer, &rewrite, "query");
             }
         }
+        if n == 5 {
+            // A compaction between the night's commits and refine merges rows from both sides
+            // of the watermark (every unit on one level, merged into one): the night reads
+            // those shards too.
+            let policy = CompactPolicy { merge_factor: 2, min_level_rows: 1000, ..Default::default() };
+            for writer in [&mut delta, &mut full] {
+                assert!(writer.compact(&policy, "compact").unwrap().committed);
+            }
+            let manifest = delta.manifest();
+            let mark = manifest.progress[WATERMARK_MARKER]["version"].as_u64().unwrap();
+            let since = manifest.since(mark, &["nodes", "edges"]);
+            assert!(since.mixed.shards.iter().any(|s| s.table == "nodes") && since.mixed.shards.iter().any(|s| s.table == "edges"), "{:?}", since.mixed.shards);
+        }
         let run_id = format!("refine@{n}");
-        let options = CreditOptions { commit_every: 50, ..Default::default() };
+        // Every night that can be read as a delta is, however much it mixes.
+        let options = CreditOptions { commit_every: 50, max_delta_share: 1.0, ..Default::default() };
         let a = refine_store(&mut delta, &options, &run_id, &mut NoProgress).unwrap();
         let b = refine_store(&mut full, &CreditOptions { full: true, ..options.clone() }, &run_id, &mut NoProgress).unwrap();
         assert!(!b.delta);
@@ -194,7 +222,8 @@ fn a_delta_night_commits_what_a_full_pass_commits() {
     assert!(delta_nights.iter().any(|a| a.expanded > 0), "a delta night links failures");
     assert!(delta_nights.iter().any(|a| a.isolated > 0), "a delta night isolates");
     assert!(delta_nights.iter().any(|a| a.commits > 1), "a delta night commits in chunks");
-    for (a, b) in &reports {
+    assert!(reports[5].0.delta, "the night with mixed shards reads them as a delta");
+    for (a, b) in reports.iter().enumerate().filter(|(n, _)| *n != 5).map(|(_, r)| r) {
         if a.delta {
             assert!(a.edges_decided * 3 < b.edges_decided, "a delta night decides on a part of the edges: {} of {}", a.edges_decided, b.edges_decided);
         }
@@ -215,7 +244,7 @@ fn a_rerun_after_a_change_of_settings_reads_everything() {
     let options = CreditOptions { prior_drift: 0.1, ..Default::default() };
     let first = refine_store(&mut writer, &options, "r1", &mut NoProgress).unwrap();
     assert!(!first.delta && first.stats_written > 0);
-    commit(&mut writer, &night(1, 200, 230, &facts), "connect");
+    commit_night(&mut writer, &night(1, 200, 230, &facts));
     let second = refine_store(&mut writer, &options, "r2", &mut NoProgress).unwrap();
     assert!(second.delta, "{second:?}");
     let nothing = refine_store(&mut writer, &options, "r3", &mut NoProgress).unwrap();
@@ -282,4 +311,40 @@ fn crossing_the_prune_line_within_the_tolerance_reads_the_node_whole() {
     }
     assert_eq!(stores[0].1.edges, stores[1].1.edges);
     assert_eq!(stores[0].1.nodes, stores[1].1.nodes);
+}
+
+/// A fact whose statistics were lost (another stage rewrote its row without them) and that
+/// gains edges has its outcomes counted again from all its edges, as a full pass counts them.
+#[test]
+fn a_fact_that_lost_its_statistics_is_counted_again_whole() {
+    let facts: Vec<Vec<Node>> = TENANTS.iter().map(|t| (0..8).map(|i| fact(t, i)).collect()).collect();
+    let options = CreditOptions { prior_drift: 0.1, link_failures: false, ..Default::default() };
+    let mut graphs = Vec::new();
+    let mut reports = Vec::new();
+    for full in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut writer = Writer::open(dir.path().join("store")).unwrap();
+        let mut first = night(0, 0, 200, &facts);
+        facts.iter().flatten().for_each(|f| {
+            first.insert_node(f.clone());
+        });
+        commit(&mut writer, &first, "connect");
+        refine_store(&mut writer, &options, "r1", &mut NoProgress).unwrap();
+        // Another stage writes fact 0 of t again, without its metadata.
+        let mut lost = Graph::default();
+        lost.upsert_node(facts[0][0].clone());
+        commit(&mut writer, &lost, "other");
+        commit_night(&mut writer, &night(1, 200, 240, &facts));
+        let report = refine_store(&mut writer, &CreditOptions { full, ..options.clone() }, "r2", &mut NoProgress).unwrap();
+        graphs.push(state(&writer));
+        reports.push(report);
+        drop(dir);
+    }
+    assert!(reports[0].delta && reports[0].whole_nodes >= 1, "{:?}", reports[0]);
+    assert_eq!(graphs[0].0.nodes, graphs[1].0.nodes);
+    assert_eq!(graphs[0].0.edges, graphs[1].0.edges);
+    assert_eq!(graphs[0].1, graphs[1].1);
+    let stats = &graphs[0].0.nodes[&facts[0][0].id].metadata[STATS_KEY];
+    let counted = graphs[0].0.edges.values().filter(|e| e.src == facts[0][0].id && e.kind == EdgeKind::Ground).count();
+    assert_eq!(stats["n"].as_u64().unwrap() as usize, counted, "all its edges counted");
 }

@@ -68,7 +68,7 @@ pub use compact::{CompactPolicy, CompactReport, TableCompaction, HISTORY, KEEP_R
 pub use error::{Error, Result};
 pub use live::{EdgeRow, Live};
 pub use lock::WriterLock;
-pub use manifest::{CommitRecord, EmbeddingModel, LiveCounts, Manifest, RetiredShard, ShardEntry, FORMAT, SCHEMA_VERSION};
+pub use manifest::{CommitRecord, EmbeddingModel, LiveCounts, Manifest, RetiredShard, ShardEntry, Since, FORMAT, SCHEMA_VERSION};
 pub use recover::{recover, RecoverReport};
 pub use scan::{EdgeHead, Rows, Scan};
 pub use staging::{staging_dir, MergeReport, Shard, STAGING};

@@ -107,6 +107,16 @@ impl ShardEntry {
     }
 }
 
+/// What the commits after a version added ([`Manifest::since`]), as two manifests cut to
+/// those shards.
+#[derive(Debug, Clone)]
+pub struct Since {
+    /// Shards whose every row was committed after the version.
+    pub added: Manifest,
+    /// Shards that may hold rows from before the version too.
+    pub mixed: Manifest,
+}
+
 /// What a commit was.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CommitRecord {
@@ -143,21 +153,31 @@ impl Manifest {
         self.live_counts.filter(|c| c.version == self.version).map(|c| c.stats)
     }
 
-    /// This manifest cut to the shards of `tables` whose rows were all committed after
-    /// `version`: what the commits since added (a stage that has seen the store at `version`
-    /// reads these only). `None` when a compaction merged rows from both sides of `version`
-    /// into one shard (the rows added since cannot be told apart then).
-    pub fn since(&self, version: u64, tables: &[&str]) -> Option<Manifest> {
-        let mut shards = Vec::new();
+    /// What the commits after `version` added to `tables` (a stage that has seen the store at
+    /// `version` reads these only): the shards whose rows all came after it (`added`), and
+    /// those that may mix rows from both sides (`mixed`: a compaction merged them, or a shard
+    /// whose span is not known, such as a compaction output of an older build or a shard
+    /// recovery found on disk). Every row committed after `version` is in one of the two.
+    pub fn since(&self, version: u64, tables: &[&str]) -> Since {
+        let compactions: std::collections::BTreeSet<u64> = self.commits.iter().filter(|c| c.stage == "compact").map(|c| c.version).collect();
+        let recorded: std::collections::BTreeSet<u64> = self.commits.iter().map(|c| c.version).collect();
+        let cut = |shards: Vec<ShardEntry>| Manifest { shards, commits: Vec::new(), progress: BTreeMap::new(), retired: Vec::new(), live_counts: None, ..self.clone() };
+        let (mut added, mut mixed) = (Vec::new(), Vec::new());
         for entry in self.shards.iter().filter(|s| tables.contains(&s.table.as_str())) {
             let (from, through) = entry.rows_span();
-            if from > version {
-                shards.push(entry.clone());
-            } else if through > version {
-                return None;
+            if through <= version {
+                continue;
+            }
+            // A shard without a span is a commit's own only if its commit is on record and
+            // was not a compaction.
+            let own = entry.rows_from.is_some() || (recorded.contains(&entry.commit) && !compactions.contains(&entry.commit));
+            if from > version && own {
+                added.push(entry.clone());
+            } else {
+                mixed.push(entry.clone());
             }
         }
-        Some(Manifest { shards, commits: Vec::new(), progress: BTreeMap::new(), retired: Vec::new(), live_counts: None, ..self.clone() })
+        Since { added: cut(added), mixed: cut(mixed) }
     }
 
     /// Reads and checks the manifest at `path`.
