@@ -49,10 +49,9 @@ pub use ledger::LEDGER;
 pub use record::{Parsed, Record, Rejected};
 pub use walk::Skipped;
 
-use fluxmem_graph::{Graph, NodeId};
+use fluxmem_graph::Graph;
 use fluxmem_store::{CommitInfo, Shard, Writer};
 use serde::Serialize;
-use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -311,7 +310,7 @@ struct Run<'a> {
     writer: &'a mut Writer,
     options: &'a IngestOptions,
     run_id: &'a str,
-    known: BTreeSet<NodeId>,
+    known: fluxmem_graph::IdSet,
     pending: Graph,
     pending_records: usize,
     report: IngestReport,
@@ -429,13 +428,13 @@ impl Run<'_> {
                     self.report.other_shards += 1;
                     return Ok(());
                 }
-                if self.known.contains(&own.id) {
+                if self.known.contains(own.id.as_str()) {
                     self.report.duplicates += 1;
                     return Ok(());
                 }
                 self.report.ingested += 1;
                 for node in record.nodes {
-                    if self.known.insert(node.id.clone()) {
+                    if self.known.insert(node.id.as_str()) {
                         self.report.nodes_added += 1;
                         self.pending.insert_node(node);
                     }

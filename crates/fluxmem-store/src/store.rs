@@ -65,15 +65,18 @@ impl Store {
         self.scan_at(manifest, &crate::Scan::all())
     }
 
-    /// Ids of all stored nodes (reads only the `id` column).
-    pub fn node_ids(&self, manifest: &Manifest) -> Result<BTreeSet<NodeId>> {
-        let mut ids = BTreeSet::new();
+    /// Ids of all stored nodes (reads only the `id` column), held compactly ([`fluxmem_graph::IdSet`]:
+    /// 16 bytes a content-addressed id).
+    pub fn node_ids(&self, manifest: &Manifest) -> Result<fluxmem_graph::IdSet> {
+        let mut ids = fluxmem_graph::IdSet::default();
         for entry in manifest.shards.iter().filter(|s| s.table == "nodes") {
             for batch in shard::batches(&self.dir, entry, Some(&["id"]))? {
                 let batch = batch?;
                 let column = batch.column(0);
                 let strings = arrow_array::cast::AsArray::as_string::<i32>(column.as_ref());
-                ids.extend(strings.iter().flatten().map(NodeId::from));
+                for id in strings.iter().flatten() {
+                    ids.insert(id);
+                }
             }
         }
         Ok(ids)
