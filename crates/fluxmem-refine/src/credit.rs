@@ -195,7 +195,7 @@ impl Nodes {
         };
         let info = Info { tenant, outcome, episode: n.episode().is_some(), semantic: n.kind() == NodeKind::Semantic, task, time: n.created_at.unwrap_or(0) };
         self.info.insert(n.id.clone(), info);
-        if n.kind() == NodeKind::Semantic {
+        if info.semantic {
             if let Some(stats) = n.metadata.get(STATS_KEY).and_then(|v| serde_json::from_value::<CreditStats>(v.clone()).ok()) {
                 self.stats.insert(n.id.clone(), stats);
             }
@@ -403,6 +403,15 @@ struct Change {
 /// exact; a fractional reward is rounded to the nearest multiple of 2^-32 (an error below
 /// 1.2e-10 per outcome). A u64 sum holds 2^32 outcomes of 1 behind one node.
 const FIXED: f64 = (1u64 << 32) as f64;
+
+/// The outcome a ground edge (not a Stage II link) from a node `s` to an episode `d` counts
+/// towards `s`'s credit, in units of 2^-32: `d`'s outcome, when it has one and the two are of
+/// one tenant (a source missing from the store does not make the edge cross). The one rule of
+/// the full pass, the night's sums and a whole node's recount.
+fn counted(s: Option<&Info>, d: &Info) -> Option<u64> {
+    let r = d.outcome?;
+    s.is_none_or(|s| s.tenant == d.tenant).then(|| (r * FIXED).round() as u64)
+}
 
 /// The metadata key under which a semantic node keeps its credit statistics ([`CreditStats`]).
 pub const STATS_KEY: &str = "credit_stats";
@@ -707,11 +716,9 @@ fn assign_over(
     let mut run = Run::default();
     edges.ends(&[EdgeKind::Ground, EdgeKind::Link], &mut |src, dst, kind, relation| match kind {
         EdgeKind::Ground if !relation => {
-            // An end missing from the store does not make the edge cross.
-            let Some(d) = info.get(dst) else { return };
-            let Some(r) = d.outcome else { return };
-            if run.enter(src, info, &mut behind).is_none_or(|s| s.tenant == d.tenant) {
-                run.sum += (r * FIXED).round() as u64;
+            let Some(d) = info.get(dst).filter(|d| d.outcome.is_some()) else { return };
+            if let Some(units) = counted(run.enter(src, info, &mut behind).as_ref(), d) {
+                run.sum += units;
                 run.n += 1;
             }
         }
@@ -890,10 +897,7 @@ fn assign_delta(
         match e.kind {
             EdgeKind::Ground if counts(e) => {
                 let (Some(d), s) = (info.get(&e.dst), info.get(&e.src)) else { continue };
-                let Some(r) = d.outcome else { continue };
-                if s.is_some_and(|s| s.tenant != d.tenant) {
-                    continue;
-                }
+                let Some(units) = counted(s, d) else { continue };
                 // A source not in the store or not semantic (it holds no statistics): the full pass.
                 if !s.is_some_and(|s| s.semantic) {
                     return Ok(None);
@@ -903,7 +907,7 @@ fn assign_delta(
                     whole.insert(e.src.clone());
                 } else {
                     let entry = behind.entry(e.src.clone()).or_default();
-                    entry.0 += (r * FIXED).round() as u64;
+                    entry.0 += units;
                     entry.1 += 1;
                     added.insert(e.src.clone());
                 }
@@ -939,14 +943,10 @@ fn assign_delta(
             behind.remove(src);
         }
         for (key, e) in store.scan_at(manifest, &scan)?.edges {
-            if counts(&e) {
-                if let (Some(d), s) = (info.get(&e.dst), info.get(&e.src)) {
-                    if let (Some(r), true) = (d.outcome, s.is_none_or(|s| s.tenant == d.tenant)) {
-                        let entry = behind.entry(e.src.clone()).or_default();
-                        entry.0 += (r * FIXED).round() as u64;
-                        entry.1 += 1;
-                    }
-                }
+            if let Some(units) = info.get(&e.dst).filter(|_| counts(&e)).and_then(|d| counted(info.get(&e.src), d)) {
+                let entry = behind.entry(e.src.clone()).or_default();
+                entry.0 += units;
+                entry.1 += 1;
             }
             edges.insert((key.src, key.dst, key.kind), e);
         }
