@@ -580,11 +580,7 @@ fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill()
     let copy = |name: &str| {
         let to = dir.path().join(name);
         std::fs::create_dir_all(to.join("shards")).unwrap();
-        for entry in walk(&connected) {
-            let target = to.join(entry.strip_prefix(&connected).unwrap());
-            std::fs::create_dir_all(target.parent().unwrap()).unwrap();
-            std::fs::copy(&entry, &target).unwrap();
-        }
+        copy_tree(&connected, &to);
         to
     };
     let version = fluxmem_store::Store::open(&connected).unwrap().manifest().unwrap().version;
@@ -616,6 +612,15 @@ fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill()
     assert_eq!(stdout_json(&resumed)["edits"].as_u64().unwrap(), edits - landed, "the rest of the changes, none twice");
     assert_eq!(refined(&killed), expected, "killed after the first commit and resumed: the same store");
     assert_eq!(credit_stats(&killed), credit_stats(&one), "and the same credit statistics");
+}
+
+/// Copies every file under `from` to the same place under `to` (a store, for runs side by side).
+fn copy_tree(from: &Path, to: &Path) {
+    for entry in walk(from) {
+        let target = to.join(entry.strip_prefix(from).unwrap());
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        std::fs::copy(&entry, &target).unwrap();
+    }
 }
 
 /// Every semantic node's stored credit statistics (`credit_stats`), by id.
@@ -655,11 +660,7 @@ fn a_delta_refine_killed_after_a_commit_resumes_to_the_full_result() {
     stage(&base, &["connect", "--model", "hash-48"]);
     let copy = |name: &str| {
         let to = dir.path().join(name);
-        for entry in walk(&base) {
-            let target = to.join(entry.strip_prefix(&base).unwrap());
-            std::fs::create_dir_all(target.parent().unwrap()).unwrap();
-            std::fs::copy(&entry, &target).unwrap();
-        }
+        copy_tree(&base, &to);
         to
     };
     let version = fluxmem_store::Store::open(&base).unwrap().manifest().unwrap().version;

@@ -1,6 +1,8 @@
 //! Credit assignment on synthetic successful and failed episodes: the numbers of the documented
 //! update rule, pruning, failure-to-success links, idempotence and incremental updates.
 
+mod common;
+
 use fluxmem_graph::{Edge, EdgeKind, Episode, Graph, Node, NodeBody, NodeId, Outcome, Semantic};
 use fluxmem_refine::{assign, refine_store, CreditOptions, NoProgress};
 use fluxmem_store::{CommitInfo, Writer};
@@ -25,18 +27,7 @@ fn fact(name: &str) -> Node {
 }
 
 fn edge(src: &NodeId, dst: &NodeId, kind: EdgeKind, weight: f32) -> Edge {
-    Edge {
-        src: src.clone(),
-        dst: dst.clone(),
-        kind,
-        weight,
-        evidence: 1,
-        stage: "connect".into(),
-        run_id: "connect@v1".into(),
-        created_at: 1000,
-        active: true,
-        metadata: Default::default(),
-    }
+    common::connect_edge(src, dst, kind, weight, 1000)
 }
 
 /// A commit as connect makes it.

@@ -5,6 +5,8 @@
 //! rewritten by another stage, compactions between nights and one inside a night (its shards
 //! mix rows from before and after the watermark), and a base rate that drifts.
 
+mod common;
+
 use fluxmem_graph::{Edge, EdgeKind, Edit, Episode, Graph, Node, NodeBody, NodeId, Outcome, Semantic};
 use fluxmem_refine::{refine_store, CreditOptions, CreditReport, CreditStats, NoProgress, STATS_KEY, WATERMARK_MARKER};
 use fluxmem_store::{CommitInfo, CompactPolicy, Writer};
@@ -26,20 +28,7 @@ fn h(j: usize, salt: usize) -> usize {
     x as usize
 }
 
-fn edge(src: &NodeId, dst: &NodeId, kind: EdgeKind, weight: f32, at: i64) -> Edge {
-    Edge {
-        src: src.clone(),
-        dst: dst.clone(),
-        kind,
-        weight,
-        evidence: 1,
-        stage: "connect".into(),
-        run_id: "connect".into(),
-        created_at: at,
-        active: true,
-        metadata: Default::default(),
-    }
-}
+use common::connect_edge as edge;
 
 /// The episodes `from..to` of night `night`, grounded in two or three facts of their tenant,
 /// linked to the episode before them in their tenant, as connect writes them.
