@@ -28,8 +28,6 @@
 //! commit, and never while a sharded run's staging store (which reads the main store's
 //! shards by path) exists.
 
-use arrow_array::cast::AsArray;
-use arrow_array::Array;
 use fluxmem_graph::{schema, EdgeKind, Graph, GraphStats, NodeId, NodeKind, Step};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -124,6 +122,8 @@ struct Unit {
     entries: Vec<ShardEntry>,
     rows: u64,
     live: u64,
+    /// Per row of the unit's table shards (in order): true when live.
+    flags: Vec<bool>,
 }
 
 pub(crate) type Key = [u8; 16];
@@ -146,37 +146,15 @@ pub(crate) fn key_of(parts: &[&str]) -> Key {
 
 /// For each key of `table`, the position (group, row) of its winning row (the last one written).
 /// `groups` come in commit order, each the shards of `table` whose rows are counted on from one
-/// to the next (a compaction unit; one shard for [`Store::live`]). Reads only the key columns.
+/// to the next. Reads only the key columns: the readers' fallback for a shard out of key order
+/// ([`Store::live`]).
 pub(crate) fn winning_rows<'e>(store: &Store, table: &str, groups: impl Iterator<Item = Vec<&'e ShardEntry>>) -> Result<KeyMap<(usize, usize)>> {
-    Ok(winning_rows_coded(store, table, groups, None)?.0)
-}
-
-/// Codes a batch's rows (one byte each) from the batch's key columns and `columns`.
-pub(crate) struct RowCode<'a> {
-    /// Columns read besides the key columns.
-    pub columns: &'a [&'a str],
-    /// The code of each row of a batch.
-    pub code: &'a dyn Fn(&ShardEntry, &arrow_array::RecordBatch) -> Result<Vec<u8>>,
-}
-
-/// [`winning_rows`], and with `code` each stored row's code, by group and row, from the same
-/// projected read.
-pub(crate) fn winning_rows_coded<'e>(
-    store: &Store,
-    table: &str,
-    groups: impl Iterator<Item = Vec<&'e ShardEntry>>,
-    code: Option<&RowCode<'_>>,
-) -> Result<(KeyMap<(usize, usize)>, Vec<Vec<u8>>)> {
     let mut last: KeyMap<(usize, usize)> = KeyMap::default();
-    let mut codes: Vec<Vec<u8>> = Vec::new();
     let keys = key_columns(table);
-    let mut columns: Vec<&str> = keys.to_vec();
-    columns.extend(code.iter().flat_map(|c| c.columns.iter().copied()).filter(|c| !keys.contains(c)));
     for (index, group) in groups.enumerate() {
         let mut row = 0usize;
-        let mut group_codes = Vec::new();
         for entry in group {
-            for batch in shard::open(&store.dir, entry, Some(&columns), shard::DEFAULT_BATCH_ROWS)? {
+            for batch in shard::open(&store.dir, entry, Some(keys), shard::DEFAULT_BATCH_ROWS)? {
                 let batch = batch?;
                 let strings: Vec<&arrow_array::StringArray> = keys.iter().map(|name| text_column(store, entry, &batch, name)).collect::<Result<_>>()?;
                 let mut parts: Vec<&str> = Vec::with_capacity(strings.len());
@@ -186,20 +164,16 @@ pub(crate) fn winning_rows_coded<'e>(
                     last.insert(key_of(&parts), (index, row));
                     row += 1;
                 }
-                if let Some(code) = code {
-                    group_codes.extend((code.code)(entry, &batch)?);
-                }
             }
         }
-        codes.push(group_codes);
     }
-    Ok((last, codes))
+    Ok(last)
 }
 
 /// Compaction's row codes for the live counts: a node row's code is its kind's index here...
-const NODE_CODES: [NodeKind; 3] = [NodeKind::Semantic, NodeKind::Episodic, NodeKind::Procedural];
+pub(crate) const NODE_CODES: [NodeKind; 3] = [NodeKind::Semantic, NodeKind::Episodic, NodeKind::Procedural];
 /// ...an edge row's is 0 when inactive, else its kind's index here plus 1.
-const EDGE_CODES: [EdgeKind; 3] = [EdgeKind::Ground, EdgeKind::Distill, EdgeKind::Link];
+pub(crate) const EDGE_CODES: [EdgeKind; 3] = [EdgeKind::Ground, EdgeKind::Distill, EdgeKind::Link];
 
 pub(crate) fn key_columns(table: &str) -> &'static [&'static str] {
     match table {
@@ -257,6 +231,7 @@ impl Writer {
             });
         }
         let policy = CompactPolicy { merge_factor: policy.merge_factor.max(2), ..policy.clone() };
+        crate::keys::sweep(&dir, &|file| dir.join(file).exists())?;
         let mut manifest = self.manifest.clone();
         let version = manifest.version + 1;
         let mut report = CompactReport::default();
@@ -265,8 +240,8 @@ impl Writer {
         let mut part = 0usize;
         let mut counts = GraphStats::default();
         for table in ["nodes", "edges", "embeddings"] {
-            let (units, last, codes) = self.live_units(&manifest, table)?;
-            counts = counts + self.count_table(table, &units, &last, &codes)?;
+            let (units, table_counts) = self.live_units(&manifest, table)?;
+            counts = counts + table_counts;
             let mut stats = TableCompaction {
                 shards_before: units.iter().map(|u| u.entries.iter().filter(|e| e.table == table).count()).sum(),
                 rows_before: units.iter().map(|u| u.rows).sum(),
@@ -298,14 +273,14 @@ impl Writer {
             }
             for members in outputs_of_table {
                 let start = part;
-                let written = match self.merge_streaming(table, &members, &units, &last, version, &mut part, policy.batch_rows) {
+                let written = match self.merge_streaming(table, &members, &units, version, &mut part, policy.batch_rows) {
                     Ok(written) => written,
                     Err(Stop::Failed(error)) => return Err(error),
                     Err(Stop::Unordered(reason)) => {
                         // A member out of key order (not one this crate wrote): merged in memory.
                         part = start;
                         stats.in_memory.push(reason);
-                        let graph = self.live_rows_of(table, &members.iter().map(|&i| &units[i]).collect::<Vec<_>>(), &units, &last)?;
+                        let graph = self.live_rows_of(table, &members, &units)?;
                         self.write_graph(&graph, version, &mut part)?
                     }
                 };
@@ -376,39 +351,6 @@ impl Writer {
         Ok(report)
     }
 
-    /// The counts of the live rows of `table`: nodes by kind and active edges by kind (from the
-    /// row codes [`Writer::live_units`] read with the keys, [`NODE_CODES`], [`EDGE_CODES`]),
-    /// and nodes with a vector (their `node_id` read again, to count each node once).
-    fn count_table(&self, table: &str, units: &[Unit], last: &KeyMap<(usize, usize)>, codes: &[Vec<u8>]) -> Result<GraphStats> {
-        let code = |&(unit, row): &(usize, usize)| codes[unit][row] as usize;
-        match table {
-            "nodes" => return Ok(GraphStats::count(last.values().map(|at| NODE_CODES[code(at)]), [], 0)),
-            "edges" => return Ok(GraphStats::count([], last.values().filter_map(|at| code(at).checked_sub(1).map(|i| EDGE_CODES[i])), 0)),
-            _ => {}
-        }
-        let mut live: Vec<Vec<bool>> = units.iter().map(|u| vec![false; u.rows as usize]).collect();
-        for &(unit, row) in last.values() {
-            live[unit][row] = true;
-        }
-        let mut embedded: KeySet = KeySet::default();
-        for (index, unit) in units.iter().enumerate() {
-            let mut row = 0usize;
-            for entry in &unit.entries {
-                for batch in shard::open(&self.store.dir, entry, Some(&["node_id"]), shard::DEFAULT_BATCH_ROWS)? {
-                    let batch = batch?;
-                    let ids = text_column(&self.store, entry, &batch, "node_id")?;
-                    for i in 0..batch.num_rows() {
-                        if live[index][row] {
-                            embedded.insert(key_of(&[ids.value(i)]));
-                        }
-                        row += 1;
-                    }
-                }
-            }
-        }
-        Ok(GraphStats { embedded: embedded.len(), ..GraphStats::default() })
-    }
-
     /// Fills the after-columns of `report` from `manifest`.
     fn finish_report(&self, report: &mut CompactReport, manifest: &Manifest) {
         for (table, stats) in report.tables.iter_mut() {
@@ -420,11 +362,15 @@ impl Writer {
         }
     }
 
-    /// The units of `table` in commit order, with their live rows, for each key the position
-    /// (unit, row) of its winning row, and each stored row's code (nodes: kind; edges: kind if
-    /// active, else 0; embeddings: none) for the live counts. Reads the key columns and, for
-    /// the codes, `kind` and `active`.
-    fn live_units(&self, manifest: &Manifest, table: &str) -> Result<(Vec<Unit>, KeyMap<(usize, usize)>, Vec<Vec<u8>>)> {
+    /// The units of `table` in commit order, each with its rows' liveness, and the counts of
+    /// the table's live rows (nodes by kind, active edges by kind, nodes with a vector).
+    ///
+    /// Reads each shard's key index ([`crate::keys`]; made from the shard, and kept, where it
+    /// is missing or damaged), not the shards: units newest first, a row is live unless a later
+    /// row holds its key. The keys of every unit but the oldest are held (16 bytes each), so
+    /// what this holds follows the newer units; the oldest unit's keys are only looked up
+    /// (when it is one shard in key order, its keys do not repeat).
+    fn live_units(&self, manifest: &Manifest, table: &str) -> Result<(Vec<Unit>, GraphStats)> {
         let entries = sorted(manifest, table);
         let mut units: Vec<Unit> = Vec::new();
         for entry in entries {
@@ -434,7 +380,7 @@ impl Writer {
                 unit.rows += entry.rows;
                 unit.entries.push(entry);
             } else {
-                units.push(Unit { rows: entry.rows, entries: vec![entry], live: 0 });
+                units.push(Unit { rows: entry.rows, entries: vec![entry], live: 0, flags: Vec::new() });
             }
         }
         if table == "nodes" {
@@ -443,40 +389,52 @@ impl Writer {
                 unit.entries.extend(manifest.shards.iter().filter(|s| s.table == "steps" && s.commit == commit).cloned());
             }
         }
-        let store = &self.store;
-        let node_kinds = |entry: &ShardEntry, batch: &arrow_array::RecordBatch| -> Result<Vec<u8>> {
-            let kinds = text_column(store, entry, batch, "kind")?;
-            (0..batch.num_rows())
-                .map(|i| {
-                    let kind = NodeKind::parse(kinds.value(i));
-                    let code = NODE_CODES.iter().position(|k| Some(*k) == kind);
-                    code.map(|c| c as u8).ok_or_else(|| store.corrupt(entry, format!("row {i}: unknown node kind `{}`", kinds.value(i))))
-                })
-                .collect()
-        };
-        let edge_states = |entry: &ShardEntry, batch: &arrow_array::RecordBatch| -> Result<Vec<u8>> {
-            let kinds = text_column(store, entry, batch, "kind")?;
-            let active = batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or_else(|| store.corrupt(entry, "column `active` is not boolean".into()))?;
-            (0..batch.num_rows())
-                .map(|i| {
-                    let kind = EdgeKind::parse(kinds.value(i));
-                    let code = EDGE_CODES.iter().position(|k| Some(*k) == kind);
-                    let code = code.ok_or_else(|| store.corrupt(entry, format!("row {i}: unknown edge kind `{}`", kinds.value(i))))?;
-                    Ok(if !active.is_null(i) && active.value(i) { code as u8 + 1 } else { 0 })
-                })
-                .collect()
-        };
-        let code = match table {
-            "nodes" => Some(RowCode { columns: &["kind"], code: &node_kinds }),
-            "edges" => Some(RowCode { columns: &["kind", "active"], code: &edge_states }),
-            _ => None,
-        };
-        let groups = units.iter().map(|u| u.entries.iter().filter(|e| e.table == table).collect());
-        let (last, codes) = winning_rows_coded(store, table, groups, code.as_ref())?;
-        for &(index, _) in last.values() {
-            units[index].live += 1;
+        let dir = &self.store.dir;
+        let mut later = KeySet::default();
+        let mut embedded = KeySet::default();
+        let mut counts = GraphStats::default();
+        for (index, unit) in units.iter_mut().enumerate().rev() {
+            let shards: Vec<&ShardEntry> = unit.entries.iter().filter(|e| e.table == table).collect();
+            let indexes: Vec<crate::keys::KeyIndex> = shards.iter().map(|e| crate::keys::read_or_make(dir, e, true)).collect::<Result<_>>()?;
+            let look_only = index == 0 && indexes.len() == 1 && indexes[0].ordered;
+            let mut flags = vec![false; indexes.iter().map(|i| i.len()).sum()];
+            let mut offset = flags.len();
+            // Within a unit too the last row of a key wins: rows newest first.
+            for keys in indexes.iter().rev() {
+                offset -= keys.len();
+                for row in (0..keys.len()).rev() {
+                    let key = &keys.keys[row];
+                    let live = if look_only { !later.contains(key) } else { later.insert(*key) };
+                    if !live {
+                        continue;
+                    }
+                    flags[offset + row] = true;
+                    let aux = keys.aux(row);
+                    match table {
+                        "nodes" => match NODE_CODES.get(aux[0] as usize) {
+                            Some(NodeKind::Semantic) => counts.semantic += 1,
+                            Some(NodeKind::Episodic) => counts.episodic += 1,
+                            Some(NodeKind::Procedural) => counts.procedural += 1,
+                            None => return Err(self.store.corrupt(shards[0], format!("key index: unknown node code {}", aux[0]))),
+                        },
+                        "edges" => match aux[0].checked_sub(1).map(|code| EDGE_CODES.get(code as usize)) {
+                            None => {}
+                            Some(Some(EdgeKind::Ground)) => counts.ground += 1,
+                            Some(Some(EdgeKind::Distill)) => counts.distill += 1,
+                            Some(Some(EdgeKind::Link)) => counts.link += 1,
+                            Some(None) => return Err(self.store.corrupt(shards[0], format!("key index: unknown edge code {}", aux[0]))),
+                        },
+                        _ => {
+                            embedded.insert(aux.try_into().expect("16 bytes"));
+                        }
+                    }
+                }
+            }
+            unit.live = flags.iter().filter(|&&f| f).count() as u64;
+            unit.flags = flags;
         }
-        Ok((units, last, codes))
+        counts.embedded = embedded.len();
+        Ok((units, counts))
     }
 
     /// Writes the live rows of `members` (indices of `units` of `table`) as shards of commit
@@ -487,12 +445,13 @@ impl Writer {
         table: &str,
         members: &[usize],
         units: &[Unit],
-        last: &KeyMap<(usize, usize)>,
         version: u64,
         part: &mut usize,
         batch_rows: usize,
     ) -> std::result::Result<Vec<ShardEntry>, Stop> {
         let dir = self.store.dir.as_path();
+        let live: Vec<&[bool]> = units.iter().map(|u| u.flags.as_slice()).collect();
+        let last = live.as_slice();
         let mut next_part = || {
             *part += 1;
             *part - 1
@@ -554,12 +513,12 @@ impl Writer {
 
     /// The live rows of `members` (units of `table`) as a graph: the merge of members that are
     /// not in key order (see [`Writer::merge_streaming`]).
-    fn live_rows_of(&self, table: &str, members: &[&Unit], units: &[Unit], last: &KeyMap<(usize, usize)>) -> Result<Graph> {
+    fn live_rows_of(&self, table: &str, members: &[usize], units: &[Unit]) -> Result<Graph> {
         let dir = &self.store.dir;
         let mut graph = Graph::default();
-        for unit in members {
-            let index = units.iter().position(|u| std::ptr::eq(u, *unit)).expect("a member is a unit");
-            let wins = |parts: &[&str], row: usize| last.get(&key_of(parts)) == Some(&(index, row));
+        for &index in members {
+            let unit = &units[index];
+            let wins = |row: usize| unit.flags.get(row).copied().unwrap_or(false);
             let mut row = 0usize;
             match table {
                 "nodes" => {
@@ -574,7 +533,7 @@ impl Writer {
                         for batch in shard::batches(dir, entry, None)? {
                             let batch = batch?;
                             for node in schema::nodes_from_batch(&batch, &steps).map_err(|e| corrupt(dir, entry, e))? {
-                                if wins(&[node.id.as_str()], row) {
+                                if wins(row) {
                                     graph.upsert_node(node);
                                 }
                                 row += 1;
@@ -587,7 +546,7 @@ impl Writer {
                         for batch in shard::batches(dir, entry, None)? {
                             let batch = batch?;
                             for edge in schema::edges_from_batch(&batch).map_err(|e| corrupt(dir, entry, e))? {
-                                if wins(&[edge.src.as_str(), edge.dst.as_str(), edge.kind.as_str()], row) {
+                                if wins(row) {
                                     graph.upsert_edge(edge);
                                 }
                                 row += 1;
@@ -600,7 +559,7 @@ impl Writer {
                         for batch in shard::batches(dir, entry, None)? {
                             let batch = batch?;
                             for embedding in schema::embeddings_from_batch(&batch).map_err(|e| corrupt(dir, entry, e))? {
-                                if wins(&[embedding.node_id.as_str(), embedding.model_id.as_str()], row) {
+                                if wins(row) {
                                     graph.upsert_embedding(embedding);
                                 }
                                 row += 1;
@@ -702,6 +661,7 @@ fn delete_retired(dir: &std::path::Path, manifest: &mut Manifest) -> Result<()> 
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::Io { path, source: e }),
                 _ => {}
             }
+            crate::keys::remove(dir, &retired.file)?;
         } else {
             kept.push(retired);
         }

@@ -4,6 +4,7 @@
 //! ```text
 //! <store>/manifest.json          the commit: schema version, shard list with rows + sha256
 //! <store>/shards/<table>-<commit>-<part>-<sha>.parquet
+//! <store>/keys/<shard file name>.keys   a keyed shard's row keys, hashed (derived; see keys.rs)
 //! <store>/LOCK                   the writer lock (OS advisory lock + holder description)
 //! <store>/staging/<stage>-<I>-of-<N>/   a shard's staging store (sharded runs, see below)
 //! ```
@@ -54,6 +55,7 @@
 
 mod compact;
 mod error;
+mod keys;
 mod live;
 mod lock;
 mod manifest;

@@ -53,7 +53,8 @@ impl Store {
     ///
     /// Shards are read newest first: a row is live unless a later shard holds its key (within
     /// a shard, keys are unique: every shard is written in strict key order, and this checks
-    /// it). Only the keys of the shards after the oldest are kept (16 bytes each), so what this
+    /// it). A shard's keys come from its key index where it has a sound one (see `keys.rs`),
+    /// else from its key columns. Only the keys of the shards after the oldest are kept (16 bytes each), so what this
     /// holds follows the newer shards, not the history: after compaction the oldest shard is
     /// the largest. A shard out of key order falls back to the map from every key to its
     /// winning row (16 bytes of hash and a position per live key, dropped before this returns).
@@ -86,6 +87,22 @@ impl Store {
         for (index, entry) in entries.iter().enumerate().rev() {
             let oldest = index == 0;
             let mut flags = Vec::with_capacity(entry.rows as usize);
+            // The shard's key index, when it has a sound one: its keys without decoding them.
+            if let Some(index) = crate::keys::read(&self.dir, entry) {
+                if !index.ordered {
+                    return Ok(None);
+                }
+                for key in &index.keys {
+                    let is_live = !later.contains(key);
+                    if is_live && !oldest {
+                        later.insert(*key);
+                    }
+                    live += is_live as u64;
+                    flags.push(is_live);
+                }
+                shards.push((entry.clone(), flags));
+                continue;
+            }
             for batch in shard::batches(&self.dir, entry, Some(keys))? {
                 let batch = batch?;
                 let strings: Vec<&arrow_array::StringArray> = keys.iter().map(|name| text_column(self, entry, &batch, name)).collect::<Result<_>>()?;
@@ -125,7 +142,7 @@ impl Store {
 
 /// The order of two rows' keys (`a` before `b`: `Less`) as shards are written: node ids, then
 /// for edges the destination and the kind (in [`EdgeKind`]'s order), for embeddings the model.
-fn key_order(table: &str, a: &[String], b: &[&str]) -> std::cmp::Ordering {
+pub(crate) fn key_order(table: &str, a: &[String], b: &[&str]) -> std::cmp::Ordering {
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         let order = if table == "edges" && i == 2 { EdgeKind::parse(x).cmp(&EdgeKind::parse(y)) } else { x.as_str().cmp(y) };
         if order.is_ne() {

@@ -19,7 +19,6 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 use std::path::Path;
 
-use crate::compact::{key_of, Key, KeyMap};
 use crate::manifest::ShardEntry;
 use crate::shard::{self, Batches, ShardWriter};
 use crate::{Error, Result};
@@ -40,20 +39,16 @@ impl From<Error> for Stop {
 
 type Flow<T> = std::result::Result<T, Stop>;
 
-/// A row of a keyed table: its order in a shard, and its key as the liveness pass hashes it.
+/// A row of a keyed table: its order in a shard.
 pub(crate) trait Keyed: Sized {
     type Order: Ord + Clone;
     fn order(&self) -> Self::Order;
-    fn key(&self) -> Key;
 }
 
 impl Keyed for Node {
     type Order = NodeId;
     fn order(&self) -> NodeId {
         self.id.clone()
-    }
-    fn key(&self) -> Key {
-        key_of(&[self.id.as_str()])
     }
 }
 
@@ -62,18 +57,12 @@ impl Keyed for Edge {
     fn order(&self) -> EdgeKey {
         self.key()
     }
-    fn key(&self) -> Key {
-        key_of(&[self.src.as_str(), self.dst.as_str(), self.kind.as_str()])
-    }
 }
 
 impl Keyed for Embedding {
     type Order = (NodeId, String);
     fn order(&self) -> (NodeId, String) {
         (self.node_id.clone(), self.model_id.clone())
-    }
-    fn key(&self) -> Key {
-        key_of(&[self.node_id.as_str(), self.model_id.as_str()])
     }
 }
 
@@ -95,7 +84,7 @@ impl<'a, T: Keyed> Run<'a, T> {
     }
 
     /// The next row of this run that wins its key, checking the run's order on the way.
-    fn next_winner(&mut self, last: &KeyMap<(usize, usize)>) -> Flow<Option<T>> {
+    fn next_winner(&mut self, live: &[&[bool]]) -> Flow<Option<T>> {
         loop {
             let item = match self.items.next() {
                 Some(item) => item,
@@ -114,7 +103,7 @@ impl<'a, T: Keyed> Run<'a, T> {
             self.previous = Some(order);
             let row = self.row;
             self.row += 1;
-            if last.get(&item.key()) == Some(&(self.unit, row)) {
+            if live.get(self.unit).and_then(|flags| flags.get(row)).copied().unwrap_or(false) {
                 return Ok(Some(item));
             }
         }
@@ -129,12 +118,12 @@ pub(crate) trait Sink<T> {
 }
 
 /// Merges `runs` by key, writing the winning rows to `sink` `batch_rows` at a time.
-pub(crate) fn merge<T: Keyed, S: Sink<T>>(runs: Vec<Run<'_, T>>, last: &KeyMap<(usize, usize)>, batch_rows: usize, mut sink: S) -> Flow<Vec<ShardEntry>> {
+pub(crate) fn merge<T: Keyed, S: Sink<T>>(runs: Vec<Run<'_, T>>, live: &[&[bool]], batch_rows: usize, mut sink: S) -> Flow<Vec<ShardEntry>> {
     let mut runs = runs;
     let mut heads: Vec<Option<T>> = Vec::with_capacity(runs.len());
     let mut heap: BinaryHeap<Reverse<(T::Order, usize)>> = BinaryHeap::new();
     for (index, run) in runs.iter_mut().enumerate() {
-        let head = run.next_winner(last)?;
+        let head = run.next_winner(live)?;
         if let Some(row) = &head {
             heap.push(Reverse((row.order(), index)));
         }
@@ -147,7 +136,7 @@ pub(crate) fn merge<T: Keyed, S: Sink<T>>(runs: Vec<Run<'_, T>>, last: &KeyMap<(
             sink.write(&buffer)?;
             buffer.clear();
         }
-        if let Some(row) = runs[index].next_winner(last)? {
+        if let Some(row) = runs[index].next_winner(live)? {
             heap.push(Reverse((row.order(), index)));
             heads[index] = Some(row);
         }
@@ -438,14 +427,22 @@ mod tests {
     }
 
     /// The winners as the liveness pass would mark them: the last unit holding a key wins.
-    fn winners(units: &[Vec<Edge>]) -> KeyMap<(usize, usize)> {
-        let mut last = KeyMap::default();
+    fn winners(units: &[Vec<Edge>]) -> Vec<Vec<bool>> {
+        let mut last = std::collections::HashMap::new();
         for (unit, rows) in units.iter().enumerate() {
             for (row, edge) in rows.iter().enumerate() {
-                last.insert(Keyed::key(edge), (unit, row));
+                last.insert(edge.key(), (unit, row));
             }
         }
-        last
+        let mut flags: Vec<Vec<bool>> = units.iter().map(|rows| vec![false; rows.len()]).collect();
+        for (unit, row) in last.into_values() {
+            flags[unit][row] = true;
+        }
+        flags
+    }
+
+    fn slices(flags: &[Vec<bool>]) -> Vec<&[bool]> {
+        flags.iter().map(Vec::as_slice).collect()
     }
 
     #[test]
@@ -456,7 +453,7 @@ mod tests {
         // The old unit's rows come in two batches, split inside the run.
         let runs = vec![run(0, vec![old[..3].to_vec(), old[3..].to_vec()]), run(1, vec![new.clone()])];
         let mut written = Vec::new();
-        let entries = merge(runs, &last, 2, Collect(&mut written)).map_err(|_| "merge stopped").unwrap();
+        let entries = merge(runs, &slices(&last), 2, Collect(&mut written)).map_err(|_| "merge stopped").unwrap();
         assert!(entries.is_empty());
         let sizes: Vec<usize> = written.iter().map(Vec::len).collect();
         assert_eq!(sizes, vec![2, 2, 1], "written two rows at a time");
@@ -470,7 +467,7 @@ mod tests {
         let rows = vec![edge("b", "x", 1.0), edge("a", "x", 1.0)];
         let last = winners(&[rows.clone()]);
         let mut written = Vec::new();
-        match merge(vec![run(0, vec![rows])], &last, 8, Collect(&mut written)) {
+        match merge(vec![run(0, vec![rows])], &slices(&last), 8, Collect(&mut written)) {
             Err(Stop::Unordered(reason)) => assert!(reason.contains("unit-0") && reason.contains("row 1"), "{reason}"),
             Err(Stop::Failed(e)) => panic!("failed instead: {e}"),
             Ok(_) => panic!("an unordered run merged"),
@@ -478,7 +475,7 @@ mod tests {
         // A row that loses its key is checked too: order is the run's, not the winners'.
         let rows = vec![edge("b", "x", 1.0), edge("a", "x", 1.0)];
         let last = winners(&[rows.clone(), vec![edge("a", "x", 2.0)]]);
-        let stopped = merge(vec![run(0, vec![rows])], &last, 8, Collect(&mut Vec::new()));
+        let stopped = merge(vec![run(0, vec![rows])], &slices(&last), 8, Collect(&mut Vec::new()));
         assert!(matches!(stopped, Err(Stop::Unordered(_))));
     }
 }

@@ -11,6 +11,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
+use crate::keys::{self, IndexBuilder};
 use crate::manifest::{ShardEntry, SCHEMA_VERSION};
 use crate::{Error, Result};
 
@@ -101,6 +102,7 @@ pub(crate) struct ShardWriter {
     temporary: PathBuf,
     writer: Option<ArrowWriter<HashingFile>>,
     rows: u64,
+    index: Option<IndexBuilder>,
 }
 
 impl ShardWriter {
@@ -110,7 +112,7 @@ impl ShardWriter {
         let file = std::fs::File::create(&temporary).at(&temporary)?;
         let out = HashingFile { file: std::io::BufWriter::with_capacity(1 << 20, file), hasher: Sha256::new(), bytes: 0 };
         let writer = ArrowWriter::try_new(out, schema, Some(properties(table))).map_err(encode_error(table))?;
-        Ok(ShardWriter { dir: dir.to_path_buf(), table: table.into(), commit, part, temporary, writer: Some(writer), rows: 0 })
+        Ok(ShardWriter { dir: dir.to_path_buf(), table: table.into(), commit, part, temporary, writer: Some(writer), rows: 0, index: IndexBuilder::new(table) })
     }
 
     /// Appends `batch`'s rows.
@@ -118,6 +120,9 @@ impl ShardWriter {
         let writer = self.writer.as_mut().expect("a shard writer is open until finished");
         writer.write(batch).map_err(encode_error(&self.table))?;
         self.rows += batch.num_rows() as u64;
+        if let Some(index) = &mut self.index {
+            index.push(batch).map_err(|reason| Error::Corrupt { path: self.temporary.clone(), reason })?;
+        }
         Ok(())
     }
 
@@ -132,7 +137,11 @@ impl ShardWriter {
         let name = format!("shards/{}-{:08}-{:03}-{}.parquet", self.table, self.commit, self.part, &sha256[..12]);
         let path = self.dir.join(&name);
         std::fs::rename(&self.temporary, &path).at(&path)?;
-        Ok(ShardEntry { table: self.table.clone(), file: name, rows: self.rows, bytes, sha256, commit: self.commit, rows_from: None, rows_through: None })
+        let entry = ShardEntry { table: self.table.clone(), file: name, rows: self.rows, bytes, sha256, commit: self.commit, rows_from: None, rows_through: None };
+        if let Some(index) = self.index.take() {
+            keys::write(&self.dir, &entry, &index.finish())?;
+        }
+        Ok(entry)
     }
 }
 
@@ -157,7 +166,12 @@ pub(crate) fn write(dir: &Path, table: &str, commit: u64, part: usize, batch: &R
     let mut out = std::fs::File::create(&path).at(&path)?;
     out.write_all(&bytes).at(&path)?;
     out.sync_all().at(&path)?;
-    Ok(ShardEntry { table: table.into(), file, rows: batch.num_rows() as u64, bytes: bytes.len() as u64, sha256, commit, rows_from: None, rows_through: None })
+    let entry = ShardEntry { table: table.into(), file, rows: batch.num_rows() as u64, bytes: bytes.len() as u64, sha256, commit, rows_from: None, rows_through: None };
+    if let Some(mut index) = IndexBuilder::new(table) {
+        index.push(batch).map_err(|reason| Error::Corrupt { path: path.clone(), reason })?;
+        keys::write(dir, &entry, &index.finish())?;
+    }
+    Ok(entry)
 }
 
 /// Reads the shard `entry` under `dir`, verifying its checksum, table and row count.

@@ -287,8 +287,10 @@ impl Writer {
 
     /// Deletes what an interrupted commit on top of the current manifest left: shard files
     /// (finished, or a streaming writer's `.parquet.tmp`) whose commit number (in their name) is
-    /// above the manifest's version, and temporary manifests. Those are provably garbage: a commit's files are named after the version it
-    /// was about to write, and that version never landed. Any other unlisted file is kept.
+    /// above the manifest's version, and temporary manifests. Those are provably garbage: a
+    /// commit's files are named after the version it was about to write, and that version
+    /// never landed. Any other unlisted file is kept. Key indexes (`keys/`) of shard files
+    /// that are not on disk go too: they are derived from a file that is gone.
     fn remove_interrupted(&self) -> Result<()> {
         let dir = &self.store.dir;
         let shards_dir = dir.join(SHARDS);
@@ -309,6 +311,8 @@ impl Writer {
                 std::fs::remove_file(entry.path()).at(&entry.path())?;
             }
         }
+        // Key indexes of shard files that are gone (derived data: see `keys.rs`).
+        crate::keys::sweep(dir, &|file| dir.join(file).exists())?;
         Ok(())
     }
 }

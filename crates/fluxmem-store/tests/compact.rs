@@ -87,9 +87,31 @@ fn ten_nights_of_rewrites_stay_within_the_amplification_bound_with_the_same_live
         expected.apply(delta);
         let before = writer.store().load().unwrap();
         assert_eq!(before, expected, "night {night}: the store holds the live rows");
+        // The key indexes compaction reads are derived data: gone, damaged, or another shard's,
+        // they are made again from the shards, with the same outcome.
+        let keys = dir.path().join("keys");
+        match night {
+            3 => std::fs::remove_dir_all(&keys).unwrap(),
+            5 => {
+                for file in std::fs::read_dir(&keys).unwrap() {
+                    let path = file.unwrap().path();
+                    let mut bytes = std::fs::read(&path).unwrap();
+                    let last = bytes.len() - 1;
+                    bytes[last] ^= 0x40;
+                    std::fs::write(&path, bytes).unwrap();
+                }
+            }
+            7 => {
+                let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(&keys).unwrap().map(|f| f.unwrap().path()).filter(|p| p.to_string_lossy().contains("edges-")).collect();
+                files.sort();
+                std::fs::copy(&files[0], &files[files.len() - 1]).unwrap();
+            }
+            _ => {}
+        }
         let report = writer.compact(&policy(), &format!("compact-{night}")).unwrap();
         let after = writer.store().load().unwrap();
         assert_eq!(after, expected, "night {night}: compaction changed no live row (edits included, in order)");
+        assert_eq!(writer.manifest().current_counts(), Some(expected.stats()), "night {night}: the live counts");
         for (table, live) in [("nodes", expected.nodes.len()), ("edges", expected.edges.len()), ("embeddings", expected.embeddings.len())] {
             let amp = amplification(&writer, table, live);
             assert!(amp <= 1.5, "night {night}: {table} amplification {amp:.3} > 1.5 ({report:?})");
@@ -108,10 +130,28 @@ fn ten_nights_of_rewrites_stay_within_the_amplification_bound_with_the_same_live
     let files = std::fs::read_dir(dir.path().join("shards")).unwrap().count();
     assert_eq!(files, manifest.shards.len() + manifest.retired.len());
     assert!(writer.unlisted_shards().unwrap().is_empty());
+    // A key index for each keyed shard on disk, and none for a shard that is gone.
+    let mut indexes: Vec<String> = std::fs::read_dir(dir.path().join("keys")).unwrap().map(|f| f.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    indexes.sort();
+    let mut keyed: Vec<String> = manifest
+        .shards
+        .iter()
+        .map(|s| s.file.clone())
+        .chain(manifest.retired.iter().map(|r| r.file.clone()))
+        .filter(|f| ["nodes-", "edges-", "embeddings-"].iter().any(|t| f.starts_with(&format!("shards/{t}"))))
+        .map(|f| format!("{}.keys", f.trim_start_matches("shards/")))
+        .collect();
+    keyed.sort();
+    assert_eq!(indexes, keyed);
 }
 
 /// Five nights into a store at `dir`, compacted after each with `batch_rows`; the shards' hashes.
 fn nights_compacted(dir: &std::path::Path, batch_rows: usize) -> Vec<(String, String)> {
+    nights_compacted_with(dir, batch_rows, false)
+}
+
+/// [`nights_compacted`], with the key indexes deleted before each compaction when `no_indexes`.
+fn nights_compacted_with(dir: &std::path::Path, batch_rows: usize, no_indexes: bool) -> Vec<(String, String)> {
     let mut writer = Writer::open(dir).unwrap();
     for night in 0..5 {
         let mut delta = Graph::default();
@@ -123,6 +163,9 @@ fn nights_compacted(dir: &std::path::Path, batch_rows: usize) -> Vec<(String, St
             delta.upsert_node(node);
         }
         writer.commit(&delta, info("night")).unwrap();
+        if no_indexes {
+            std::fs::remove_dir_all(dir.join("keys")).unwrap();
+        }
         writer.compact(&CompactPolicy { batch_rows, ..policy() }, "c").unwrap();
     }
     let mut shards: Vec<(String, String)> = writer.manifest().shards.iter().map(|s| (s.table.clone(), s.sha256.clone())).collect();
@@ -137,6 +180,8 @@ fn a_merge_writes_the_same_shards_whatever_its_batch_size() {
     let large = nights_compacted(b.path(), 100_000);
     assert!(small.iter().any(|(table, _)| table == "steps"), "the nights merged nodes with steps: {small:?}");
     assert_eq!(small, large, "merging 3 rows at a time or all at once writes the same bytes");
+    let c = tempfile::tempdir().unwrap();
+    assert_eq!(nights_compacted_with(c.path(), 3, true), small, "the same bytes with the key indexes made from the shards each night");
     let loaded = (Store::open(a.path()).unwrap().load().unwrap(), Store::open(b.path()).unwrap().load().unwrap());
     assert_eq!(loaded.0, loaded.1);
 }
