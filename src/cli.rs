@@ -145,9 +145,11 @@ pub struct ConnectArgs {
     /// Commit after this many episodes.
     #[arg(long, default_value_t = 500)]
     pub commit_every: usize,
-    /// MiB the link search may hold: the night's episode vectors and neighbours, and the
-    /// blocks of scores. The stored vectors are streamed, never held; a night that does not fit
-    /// is searched in several passes over them.
+    /// MiB connect may hold for the night: half for the link search (the night's episode
+    /// vectors and neighbours, and the blocks of scores), a quarter for the night's episodes
+    /// whole. The stored vectors are streamed, never held; a night that does not fit is done in
+    /// groups of whole commits, each with a pass over them. Not counted: the semantic nodes and
+    /// their index, and each stored episode's id, tenant and time.
     #[arg(long, default_value_t = std::num::NonZeroUsize::new(fluxmem_connect::DEFAULT_MEMORY >> 20).expect("the default budget is positive"))]
     pub memory_mb: std::num::NonZeroUsize,
     /// Embedding model (must be the store's; `hash-<dim>` for the weight-free hashing

@@ -182,8 +182,9 @@ pub struct Connect {
     pub link_k: usize,
     /// Commit after this many episodes.
     pub commit_every: usize,
-    /// MiB the link search may hold: the night's episode vectors and neighbours, and the score
-    /// blocks (the history's vectors are streamed, not held).
+    /// MiB connect may hold for the night: half for the link search (the night's episode
+    /// vectors and neighbours, the score blocks), a quarter for a group of the night's
+    /// episodes whole (see `--memory-mb`).
     pub memory_mb: usize,
 }
 

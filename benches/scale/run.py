@@ -38,6 +38,12 @@ def manifest(store):
     return json.load(open(path))
 
 
+def index_bytes(store, shard):
+    """Bytes of a shard's key index file, 0 when it has none (steps, edits)."""
+    path = os.path.join(store, "keys", os.path.basename(shard["file"]) + ".keys")
+    return os.path.getsize(path) if os.path.exists(path) else 0
+
+
 def disk_bytes(store):
     total = 0
     for root, _, files in os.walk(store):
@@ -122,8 +128,10 @@ def main():
             row = {
                 "night": night, "new_episodes": count, "stage": name, "seconds": wall, "rss_mb": round(rss, 1),
                 "cpu_seconds": round(cpu, 2), "stolen_seconds": round(stolen, 2),
-                "rows_written": sum(s["rows"] for s in new), "bytes_written": sum(s["bytes"] for s in new),
-                "store_bytes": sum(s["bytes"] for s in after["shards"]), "disk_bytes": disk_bytes(store),
+                "rows_written": sum(s["rows"] for s in new),
+                # A keyed shard's key index (keys/<shard>.keys) is written with it and counted with it.
+                "bytes_written": sum(s["bytes"] + index_bytes(store, s) for s in new),
+                "store_bytes": sum(s["bytes"] + index_bytes(store, s) for s in after["shards"]), "disk_bytes": disk_bytes(store),
             }
             if name == "compact":
                 report = json.loads(stdout)
@@ -135,13 +143,15 @@ def main():
     print(f"\nbenches/scale: N = {args.episodes} episodes, then {args.nights - 1} night(s) of N/10; {args.bin}; {embedder}; work dir {work}\n")
     # CPU s: user + system of the command (less sensitive than wall time to a busy host);
     # stolen s: CPU time the hypervisor gave to other guests meanwhile, all cores (a noisy run).
-    print("| night | stage | wall s | CPU s | stolen s | peak RSS MB | rows written | MB written | store MB | amplification (nodes/edges/embeddings) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    # MB written and store MB: shards with their key indexes; disk MB: everything under the
+    # store directory (retired shards kept for readers, the commit history, the ingest ledger).
+    print("| night | stage | wall s | CPU s | stolen s | peak RSS MB | rows written | MB written | store MB | disk MB | amplification (nodes/edges/embeddings) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         amp = r.get("amplification")
         amp = "/".join(f"{amp.get(t, 1.0):.2f}" for t in ("nodes", "edges", "embeddings")) if amp else ""
         print(f"| {r['night']} (+{r['new_episodes']}) | {r['stage']} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['stolen_seconds']:.1f} | {r['rss_mb']:.0f} | {r['rows_written']} | "
-              f"{r['bytes_written'] / 1e6:.2f} | {r['store_bytes'] / 1e6:.2f} | {amp} |")
+              f"{r['bytes_written'] / 1e6:.2f} | {r['store_bytes'] / 1e6:.2f} | {r['disk_bytes'] / 1e6:.2f} | {amp} |")
     if args.nights >= 2:
         print("\n| stage | night 2 / night 1, wall | night 2 / night 1, CPU | night 2 / night 1, bytes written |")
         print("|---|---|---|---|")

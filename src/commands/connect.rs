@@ -35,8 +35,14 @@ pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "{} episodes: {} connected now, {} already; {} ground and {} link edges ({} commits)",
-            report.episodes, report.connected, report.already, report.ground_edges, report.link_edges, report.commits
+            "{} episodes: {} connected now, {} already; {} ground and {} link edges ({} commits{})",
+            report.episodes,
+            report.connected,
+            report.already,
+            report.ground_edges,
+            report.link_edges,
+            report.commits,
+            if report.groups > 1 { format!(", in {} groups to fit --memory-mb", report.groups) } else { String::new() }
         );
     }
     Ok(ExitCode::SUCCESS)

@@ -11,7 +11,7 @@
 //! edge joins two tenants.
 
 use candle_core::Device;
-use fluxmem_graph::{Edge, EdgeKind, Graph, NodeId, NodeKind};
+use fluxmem_graph::{Edge, EdgeKind, Graph, Node, NodeBody, NodeId, NodeKind, Step};
 use fluxmem_models::Embedder;
 
 use fluxmem_store::{CommitInfo, Live, Rows, Scan, Shard, Writer};
@@ -36,9 +36,12 @@ pub struct ConnectOptions {
     pub retrieval: RetrievalConfig,
     /// The episodes this run connects (sharded runs, by episode id); all by default.
     pub shard: Shard,
-    /// Bytes the link search may hold (the night's query vectors and neighbours, and the
-    /// score blocks): a night that does not fit is searched in several passes over the stored
-    /// vectors. The history's vectors are streamed, never held.
+    /// Bytes connect may hold for the night's work. Half is the link search's (the night's
+    /// query vectors and neighbours, and the score blocks), a quarter holds the night's
+    /// episodes whole (their steps are the ground queries): a night that does not fit is done
+    /// in groups of whole commits, each with its own pass over the stored vectors. The
+    /// history's vectors are streamed, never held. Not counted: the semantic nodes and their
+    /// index, and of every stored episode its id, tenant and time.
     pub memory: usize,
 }
 
@@ -74,6 +77,9 @@ pub struct ConnectReport {
     pub link_edges: usize,
     /// Commits made.
     pub commits: usize,
+    /// Groups of the night's episodes held whole one after the other (see
+    /// [`ConnectOptions::memory`]).
+    pub groups: usize,
 }
 
 /// Progress callbacks of a stage that works through countable items (episodes to connect;
@@ -120,7 +126,8 @@ pub fn connect_store(
     progress: &mut dyn Progress,
 ) -> Result<ConnectReport> {
     let manifest = writer.manifest().clone();
-    let store = writer.store();
+    // A read handle of its own: the night is read in groups between commits.
+    let store = &writer.store().clone();
     let model = embedder.model_id().to_string();
     // Which episodes are connected, from a stream of the live edges' ends.
     let connected = connected_episodes(store, &manifest)?;
@@ -157,10 +164,7 @@ pub fn connect_store(
     if todo_ids.is_empty() {
         return Ok(report);
     }
-    // The episodes to connect, whole (their steps are the queries), and the semantic nodes'
-    // vectors.
-    let steps = if options.per_step { Rows::Of(todo_ids.clone()) } else { Rows::None };
-    let todo_graph = store.scan_at(&manifest, &Scan { nodes: true, nodes_of: Some(todo_ids.clone()), steps, ..Default::default() })?;
+    // The semantic nodes' vectors.
     let fact_ids: BTreeSet<NodeId> = facts.nodes.keys().cloned().collect();
     if !fact_ids.is_empty() {
         facts.embeddings = store.scan_at(&manifest, &Scan { vectors: Rows::Of(fact_ids), ..Default::default() })?.embeddings;
@@ -175,38 +179,113 @@ pub fn connect_store(
             semantic.insert(tenant, SemanticIndex::build(&facts, tenant, &model, device)?);
         }
     }
-    let search = LinkSearch { store, manifest: &manifest, episodes: &episodes, tenants: tenants.len(), model: &model, dim: embedder.dim(), k: options.link_k, memory: options.memory, device };
-    let links = search.neighbours(&todo_ids)?;
+    // Half of the budget is the link search's; a quarter holds a group of the night's episodes
+    // whole (their steps are the queries).
+    let search = LinkSearch { store, manifest: &manifest, episodes: &episodes, tenants: tenants.len(), model: &model, dim: embedder.dim(), k: options.link_k, memory: options.memory / 2, device };
     let time = |id: &NodeId| episodes.get(id).map(|e| e.time).or_else(|| facts.nodes.get(id).and_then(|n| n.created_at)).unwrap_or(0);
+    let commit_every = options.commit_every.max(1);
+    let mut sizing = GroupSize::new(options.memory / 4, &manifest, commit_every);
     progress.start(todo.len() as u64);
-    for chunk in todo.chunks(options.commit_every.max(1)) {
-        let mut delta = Graph::default();
-        // All the chunk's step queries in one embedder call (sorted by length inside).
-        let queries: Vec<Vec<&str>> = chunk.iter().map(|(id, _)| ground_queries(&todo_graph, id, options.per_step)).collect();
-        let flat: Vec<&str> = queries.iter().flatten().copied().collect();
-        let mut flat_vectors = embedder.embed(&flat)?.into_iter();
-        for (&(episode, tenant), episode_queries) in chunk.iter().zip(&queries) {
-            let query_vectors: Vec<Vec<f32>> = flat_vectors.by_ref().take(episode_queries.len()).collect();
-            for (neighbour, cosine) in links.get(episode).into_iter().flatten() {
-                delta.upsert_edge(edge((episode, time(episode)), (neighbour, time(neighbour)), EdgeKind::Link, *cosine, 1, run_id));
-                report.link_edges += 1;
+    let mut start = 0;
+    while start < todo.len() {
+        // A group of whole commits, so that where a commit ends does not depend on the budget.
+        let group = &todo[start..(start + sizing.episodes()).min(todo.len())];
+        start += group.len();
+        let group_ids: BTreeSet<NodeId> = group.iter().map(|(id, _)| (*id).clone()).collect();
+        let steps = if options.per_step { Rows::Of(group_ids.clone()) } else { Rows::None };
+        let todo_graph = store.scan_at(&manifest, &Scan { nodes: true, nodes_of: Some(group_ids.clone()), steps, ..Default::default() })?;
+        sizing.measured(todo_graph.nodes.values());
+        let links = search.neighbours(&group_ids)?;
+        report.groups += 1;
+        for chunk in group.chunks(commit_every) {
+            let mut delta = Graph::default();
+            // All the chunk's step queries in one embedder call (sorted by length inside).
+            let queries: Vec<Vec<&str>> = chunk.iter().map(|(id, _)| ground_queries(&todo_graph, id, options.per_step)).collect();
+            let flat: Vec<&str> = queries.iter().flatten().copied().collect();
+            let mut flat_vectors = embedder.embed(&flat)?.into_iter();
+            for (&(episode, tenant), episode_queries) in chunk.iter().zip(&queries) {
+                let query_vectors: Vec<Vec<f32>> = flat_vectors.by_ref().take(episode_queries.len()).collect();
+                for (neighbour, cosine) in links.get(episode).into_iter().flatten() {
+                    delta.upsert_edge(edge((episode, time(episode)), (neighbour, time(neighbour)), EdgeKind::Link, *cosine, 1, run_id));
+                    report.link_edges += 1;
+                }
+                let Some(index) = semantic.get(tenant) else { continue };
+                for (node, (weight, evidence)) in ground(index, episode_queries, &query_vectors, options)? {
+                    let node_time = time(&node);
+                    delta.upsert_edge(edge((&node, node_time), (episode, time(episode)), EdgeKind::Ground, weight, evidence, run_id));
+                    report.ground_edges += 1;
+                }
+                report.connected += 1;
             }
-            let Some(index) = semantic.get(tenant) else { continue };
-            for (node, (weight, evidence)) in ground(index, episode_queries, &query_vectors, options)? {
-                let node_time = time(&node);
-                delta.upsert_edge(edge((&node, node_time), (episode, time(episode)), EdgeKind::Ground, weight, evidence, run_id));
-                report.ground_edges += 1;
+            if !delta.is_empty() {
+                let summary = serde_json::json!({ "connected": report.connected, "ground_edges": report.ground_edges, "link_edges": report.link_edges });
+                writer.commit(&delta, CommitInfo { stage: "connect".into(), run_id: run_id.into(), summary, progress: Default::default() })?;
+                report.commits += 1;
             }
-            report.connected += 1;
+            progress.advance(chunk.len() as u64);
         }
-        if !delta.is_empty() {
-            let summary = serde_json::json!({ "connected": report.connected, "ground_edges": report.ground_edges, "link_edges": report.link_edges });
-            writer.commit(&delta, CommitInfo { stage: "connect".into(), run_id: run_id.into(), summary, progress: Default::default() })?;
-            report.commits += 1;
-        }
-        progress.advance(chunk.len() as u64);
     }
     Ok(report)
+}
+
+/// How many of the night's episodes a group holds whole: as many whole commits as fit the
+/// group's share of the budget. The first group's episodes are guessed from the stored node
+/// and step shards (their bytes per episode, times [`GroupSize::INFLATION`]); each later group
+/// is sized by what the episodes read so far take in memory ([`held_bytes`]).
+struct GroupSize {
+    share: usize,
+    commit_every: usize,
+    per_episode: usize,
+    measured: (usize, usize),
+}
+
+impl GroupSize {
+    /// A decoded episode takes about this many times its share of the compressed shards.
+    const INFLATION: usize = 20;
+
+    fn new(share: usize, manifest: &fluxmem_store::Manifest, commit_every: usize) -> GroupSize {
+        let of = |table: &str| manifest.shards.iter().filter(|s| s.table == table).fold((0u64, 0u64), |(b, r), s| (b + s.bytes, r + s.rows));
+        let (nodes, rows) = of("nodes");
+        let (steps, _) = of("steps");
+        let per_episode = ((nodes + steps) / rows.max(1)) as usize * Self::INFLATION;
+        GroupSize { share: share.max(1), commit_every, per_episode: per_episode.max(1), measured: (0, 0) }
+    }
+
+    /// Episodes of the next group: whole commits, at least one.
+    fn episodes(&self) -> usize {
+        (self.share / self.per_episode / self.commit_every).max(1) * self.commit_every
+    }
+
+    /// Learns from a group's episodes as read.
+    fn measured<'n>(&mut self, nodes: impl Iterator<Item = &'n Node>) {
+        for node in nodes {
+            self.measured.0 += held_bytes(node);
+            self.measured.1 += 1;
+        }
+        if self.measured.1 > 0 {
+            self.per_episode = (self.measured.0 / self.measured.1).max(1);
+        }
+    }
+}
+
+/// About what `node` takes in memory: its strings and steps, with each allocation's
+/// bookkeeping, and its metadata at twice its JSON size.
+fn held_bytes(node: &Node) -> usize {
+    const ALLOCATION: usize = 32;
+    let text = |s: &str| s.len() + ALLOCATION;
+    let mut bytes = std::mem::size_of::<Node>() + text(&node.id.0) + text(&node.tenant) + text(&node.text) + text(&node.source_file) + text(&node.source_locator);
+    bytes += node.agent_id.as_deref().map_or(0, text);
+    bytes += 2 * serde_json::to_string(&node.metadata).map_or(0, |json| json.len());
+    if let NodeBody::Episodic(episode) = &node.body {
+        for step in &episode.steps {
+            bytes += std::mem::size_of::<Step>() + text(&step.observation) + text(&step.action) + step.feedback.as_deref().map_or(0, text);
+            for call in &step.tool_calls {
+                bytes += std::mem::size_of::<fluxmem_graph::ToolCall>() + text(&call.name) + text(&call.arguments) + call.result.as_deref().map_or(0, text);
+            }
+        }
+    }
+    // Its key in the group's map, the map's node, and its entry in the group's id set.
+    bytes + 2 * text(&node.id.0) + 64
 }
 
 /// The link search: exact cosine kNN of the night's episodes among the stored episodes of

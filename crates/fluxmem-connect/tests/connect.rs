@@ -169,12 +169,13 @@ fn fleet(first: usize, count: usize) -> String {
         .collect()
 }
 
-/// Two nights (120 episodes, then 40) connected with `memory` bytes for the link search, the
-/// store compacted before the second night's connect with `compact`: the store's link edges
-/// (key and weight bits) and the store.
-fn two_nights(dir: &Path, memory: usize, compact: bool) -> (Vec<(NodeId, NodeId, u32)>, Graph) {
+/// Two nights (120 episodes, then 40) connected with a budget of `memory` bytes, the store
+/// compacted before the second night's connect with `compact`: the store's link edges (key and
+/// weight bits), the store, and the groups the first night was done in.
+fn two_nights(dir: &Path, memory: usize, compact: bool) -> (Vec<(NodeId, NodeId, u32)>, Graph, usize) {
     let mut writer = Writer::open(dir.join("store")).unwrap();
     let options = ConnectOptions { link_k: 5, commit_every: 16, memory, ..Default::default() };
+    let mut groups = Vec::new();
     for (night, (first, count)) in [(0, 120), (120, 40)].into_iter().enumerate() {
         let input = dir.join(format!("night{night}.jsonl"));
         std::fs::write(&input, fleet(first, count)).unwrap();
@@ -189,22 +190,35 @@ fn two_nights(dir: &Path, memory: usize, compact: bool) -> (Vec<(NodeId, NodeId,
         }
         let report = connect_store(&mut writer, &HashEmbedder::new(64), &options, &format!("connect@{night}"), &Device::Cpu, &mut NoProgress).unwrap();
         assert_eq!(report.connected, count);
+        assert_eq!(report.commits, count.div_ceil(16), "commits of 16 episodes, whatever the groups");
+        groups.push(report.groups);
     }
     let graph = writer.store().load().unwrap();
     let links = graph.edges.values().filter(|e| e.kind == EdgeKind::Link).map(|e| (e.src.clone(), e.dst.clone(), e.weight.to_bits())).collect();
-    (links, graph)
+    (links, graph, groups[0])
 }
 
 #[test]
 fn the_link_search_streams_the_stored_vectors_within_any_budget() {
     let dir = tempfile::tempdir().unwrap();
-    let (links, graph) = two_nights(&dir.path().join("default"), fluxmem_connect::DEFAULT_MEMORY, false);
+    let (links, graph, groups) = two_nights(&dir.path().join("default"), fluxmem_connect::DEFAULT_MEMORY, false);
     assert_eq!(links.len(), 160 * 5, "five links per episode");
-    // One query a pass and the smallest blocks; a few queries a pass; blocks of about 80 rows
-    // (fewer than a tenant's episodes); and the vectors in merged shards.
-    for (memory, compact) in [(1, false), (20_000, false), (368_000, false), (1, true)] {
-        let (small, _) = two_nights(&dir.path().join(format!("m{memory}-{compact}")), memory, compact);
+    assert_eq!(groups, 1, "the night fits the default budget");
+    // One query a pass, the smallest blocks and a commit's episodes a group; a few queries a
+    // pass; blocks of about 80 rows (fewer than a tenant's episodes); and the vectors in merged
+    // shards.
+    for (memory, compact, expected_groups) in [(1, false, 8), (20_000, false, 8), (368_000, false, 0), (1, true, 8)] {
+        let (small, small_graph, small_groups) = two_nights(&dir.path().join(format!("m{memory}-{compact}")), memory, compact);
         assert_eq!(small, links, "a budget of {memory} bytes (compacted: {compact}) changes the links");
+        // Every edge (ground ones too) the same, but for its time (each store ingested its own
+        // files, whose times differ).
+        let same = |g: &Graph| g.edges.values().map(|e| (e.key(), e.weight.to_bits(), e.evidence, e.active)).collect::<Vec<_>>();
+        assert!(same(&small_graph) == same(&graph), "a budget of {memory} bytes changes the edges");
+        if expected_groups > 0 {
+            assert_eq!(small_groups, expected_groups, "groups of the first night with {memory} bytes");
+        } else {
+            assert!((2..8).contains(&small_groups), "a budget between: groups of several commits ({small_groups})");
+        }
     }
     // The second night's links are the exact kNN over one index of all the tenant's vectors
     // (ties by id), and stay inside the tenant.
