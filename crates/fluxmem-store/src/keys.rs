@@ -145,9 +145,17 @@ fn index_columns(table: &str) -> Vec<&'static str> {
     columns
 }
 
-/// The index file of `entry` under the store directory `dir`.
+/// The index file of `entry` under the store directory `dir`: in the `keys/` beside the
+/// `shards/` that holds the shard (a staging store's manifest names the main store's shards by
+/// a path into the main store, whose indexes are the main store's).
 fn path(dir: &Path, entry: &ShardEntry) -> PathBuf {
-    dir.join(KEYS).join(format!("{}.keys", file_name(&entry.file)))
+    index_path(dir, &entry.file)
+}
+
+fn index_path(dir: &Path, file: &str) -> PathBuf {
+    let shard = dir.join(file);
+    let store = shard.parent().and_then(Path::parent).unwrap_or(dir);
+    store.join(KEYS).join(format!("{}.keys", file_name(file)))
 }
 
 fn file_name(file: &str) -> &str {
@@ -157,8 +165,9 @@ fn file_name(file: &str) -> &str {
 /// Writes `index` as `entry`'s key index: a temporary file renamed into place. Not synced: a
 /// torn index fails its checksum and is made again.
 pub(crate) fn write(dir: &Path, entry: &ShardEntry, index: &KeyIndex) -> Result<()> {
-    let folder = dir.join(KEYS);
-    std::fs::create_dir_all(&folder).at(&folder)?;
+    let path = path(dir, entry);
+    let folder = path.parent().unwrap_or(dir);
+    std::fs::create_dir_all(folder).at(folder)?;
     let mut body = Vec::with_capacity(index.keys.len() * (16 + index.width));
     for key in &index.keys {
         body.extend_from_slice(key);
@@ -172,7 +181,6 @@ pub(crate) fn write(dir: &Path, entry: &ShardEntry, index: &KeyIndex) -> Result<
     bytes.push(index.ordered as u8);
     bytes.extend_from_slice(&Sha256::digest(&body));
     bytes.extend_from_slice(&body);
-    let path = path(dir, entry);
     let temporary = path.with_extension("keys.tmp");
     std::fs::write(&temporary, &bytes).at(&temporary)?;
     std::fs::rename(&temporary, &path).at(&path)?;
@@ -222,7 +230,7 @@ pub(crate) fn read_or_make(dir: &Path, entry: &ShardEntry, keep: bool) -> Result
 
 /// Deletes the key index of the shard file `file` (a path under the store), if any.
 pub(crate) fn remove(dir: &Path, file: &str) -> Result<()> {
-    let path = dir.join(KEYS).join(format!("{}.keys", file_name(file)));
+    let path = index_path(dir, file);
     match std::fs::remove_file(&path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io { path, source: e }),
         _ => Ok(()),
@@ -311,5 +319,12 @@ mod tests {
         let listed = entry.file.clone();
         assert_eq!(sweep(dir.path(), &|file| file == listed).unwrap(), 2);
         assert!(path(dir.path(), &entry).exists());
+        // A staging store names the main store's shards by a path into it: their indexes are
+        // the main store's.
+        let staging = dir.path().join("staging").join("connect-1-of-2");
+        std::fs::create_dir_all(&staging).unwrap();
+        write(dir.path(), &entry, &index).unwrap();
+        let seen_from_staging = ShardEntry { file: format!("../../{}", entry.file), ..entry.clone() };
+        assert_eq!(read(&staging, &seen_from_staging).as_ref(), Some(&index));
     }
 }
