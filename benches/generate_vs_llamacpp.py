@@ -1,12 +1,13 @@
 """Generator throughput: fluxmem (candle) against llama.cpp (llama-cpp-python), same GGUF files.
 
 For each model: fluxmem's `examples/generator_bench.rs` (prefill of a ~250-token chat prompt,
-decode of 64 greedy tokens, for each weight path: as stored, f32 at load, Q8_0 at load), then
+decode of 64 greedy tokens, for each weight path: as stored, f32 at load, Q8_0 at load, and
+both: f32 for the prompt and Q8_0 for the decode steps), then
 llama.cpp on the same file with the same thread count, the same prefill text (without the chat template:
 a dozen tokens shorter) measured as one eval, and decode as a 64-token greedy chat completion
 (the model's template) minus its prompt's share of the time (the rule generator_bench uses). Prints one table with the ratios fluxmem / llama.cpp. Run by hand:
 
-    python benches/generate_vs_llamacpp.py [--threads 2] [--repeat 2] [--models a,b,c]
+    python benches/generate_vs_llamacpp.py [--threads 2] [--repeat 2] [--models a,b,c] [--weights stored,f32,q8,mixed]
 
 Needs llama-cpp-python in the running Python (`pip install llama-cpp-python` builds llama.cpp
 from source, about 10 minutes on 2 cores) and the models in the fluxmem cache
@@ -35,14 +36,14 @@ def gguf(name):
     return sorted(glob.glob(os.path.join(folder, "*.gguf")))[0]
 
 
-def fluxmem(name, threads, repeat):
+def fluxmem(name, threads, repeat, weights):
     """{weights: (prefill tok/s, decode tok/s, prompt tokens)} from generator_bench."""
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
-    out = subprocess.run(["cargo", "run", "--quiet", "--example", "generator_bench", "--", "--model", name, "--repeat", str(repeat)],
+    out = subprocess.run(["cargo", "run", "--quiet", "--example", "generator_bench", "--", "--model", name, "--repeat", str(repeat), "--weights", weights],
                          cwd=ROOT, capture_output=True, text=True, check=True, env=env).stdout
     rows = {}
     for line in out.splitlines():
-        for weights in ("as stored", "f32 at load", "Q8_0 at load"):
+        for weights in ("as stored", "f32 at load", "Q8_0 at load", "f32 + Q8_0"):
             if line.startswith(weights):
                 numbers = line[len(weights):].split()
                 rows[weights] = (float(numbers[1]), float(numbers[2]), int(numbers[3]))
@@ -87,6 +88,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--models", default=DEFAULT_MODELS)
+    parser.add_argument("--weights", default="stored,f32,q8,mixed", help="fluxmem weight paths (generator_bench --weights)")
     args = parser.parse_args()
     if args.llama_only:
         print(json.dumps(llama_cpp(args.llama_only, args.threads, args.repeat)))
@@ -95,7 +97,7 @@ def main():
     print("| model | fluxmem weights | prefill tok/s fluxmem | llama.cpp | ratio | decode tok/s fluxmem | llama.cpp | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        ours = fluxmem(name, args.threads, args.repeat)
+        ours = fluxmem(name, args.threads, args.repeat, args.weights)
         ref_prefill, ref_decode, _ = llama_cpp_isolated(gguf(name), args.threads, args.repeat)
         for weights, (prefill, decode, _) in ours.items():
             print(f"| {name} | {weights} | {prefill:.1f} | {ref_prefill:.1f} | {prefill / ref_prefill:.2f} | "

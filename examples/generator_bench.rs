@@ -16,8 +16,8 @@ fn main() -> anyhow::Result<()> {
     let passage = "Caroline: I went to a LGBTQ support group yesterday and it was so powerful. \
                    Melanie: That's great! I'm swamped with the kids and work, but we went camping last weekend. ";
     let prefill_prompt = format!("{}\nSummarise the conversation above.", passage.repeat(6));
-    let paths = [("as stored", "stored", WeightPath::Quantized), ("f32 at load", "f32", WeightPath::Dequantized), ("Q8_0 at load", "q8", WeightPath::Q8)];
-    let wanted = args.iter().position(|a| a == "--weights").and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| "stored,f32,q8".into());
+    let paths = [("as stored", "stored", WeightPath::Quantized), ("f32 at load", "f32", WeightPath::Dequantized), ("Q8_0 at load", "q8", WeightPath::Q8), ("f32 + Q8_0", "mixed", WeightPath::Mixed)];
+    let wanted = args.iter().position(|a| a == "--weights").and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| "stored,f32,q8,mixed".into());
     let paths: Vec<_> = paths.into_iter().filter(|(_, short, _)| wanted.split(',').any(|w| w == *short)).collect();
     println!("{model}");
     if let Some(batches) = args.iter().position(|a| a == "--batches").and_then(|i| args.get(i + 1)) {

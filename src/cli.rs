@@ -322,7 +322,7 @@ pub struct EvalSkillsArgs {
     /// Generators to compare, comma-separated: `none` (template wording) or model names.
     #[arg(long, value_delimiter = ',', default_value = "none")]
     pub generators: Vec<String>,
-    /// Generator weights: quantized, dequantized or q8.
+    /// Generator weights: quantized, dequantized, q8 or mixed (f32 for prompts, Q8_0 for decode steps).
     #[arg(long, default_value = "q8")]
     pub weights: String,
     /// Number of clusters per tenant, or auto.
@@ -603,7 +603,7 @@ pub struct ConsolidateArgs {
     /// logs); `none`: template skills, no model.
     #[arg(long, default_value = fluxmem_models::DEFAULT_GENERATOR)]
     pub generator: String,
-    /// Generator weights: quantized, dequantized or q8 (see `fluxmem models generate --help`).
+    /// Generator weights: quantized, dequantized, q8 or mixed (f32 for prompts, Q8_0 for decode steps).(see `fluxmem models generate --help`).
     #[arg(long, default_value = "q8")]
     pub weights: String,
     /// Scored versions per skill at most (round 1 is the induced skill).

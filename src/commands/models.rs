@@ -79,6 +79,7 @@ pub(crate) fn weight_path(value: &str) -> anyhow::Result<WeightPath> {
         "quantized" => Ok(WeightPath::Quantized),
         "dequantized" => Ok(WeightPath::Dequantized),
         "q8" => Ok(WeightPath::Q8),
-        other => anyhow::bail!("--weights `{other}`: expected quantized, dequantized or q8"),
+        "mixed" => Ok(WeightPath::Mixed),
+        other => anyhow::bail!("--weights `{other}`: expected quantized, dequantized, q8 or mixed"),
     }
 }

@@ -184,7 +184,7 @@ pub fn connect_store(
     let search = LinkSearch { store, manifest: &manifest, episodes: &episodes, tenants: tenants.len(), model: &model, dim: embedder.dim(), k: options.link_k, memory: options.memory / 2, device };
     let time = |id: &NodeId| episodes.get(id).map(|e| e.time).or_else(|| facts.nodes.get(id).and_then(|n| n.created_at)).unwrap_or(0);
     let commit_every = options.commit_every.max(1);
-    let mut sizing = GroupSize::new(options.memory / 4, &manifest, commit_every);
+    let mut sizing = GroupSize::new(options.memory / 4, &manifest, commit_every, episodes.len());
     progress.start(todo.len() as u64);
     let mut start = 0;
     while start < todo.len() {
@@ -243,11 +243,11 @@ impl GroupSize {
     /// A decoded episode takes about this many times its share of the compressed shards.
     const INFLATION: usize = 20;
 
-    fn new(share: usize, manifest: &fluxmem_store::Manifest, commit_every: usize) -> GroupSize {
-        let of = |table: &str| manifest.shards.iter().filter(|s| s.table == table).fold((0u64, 0u64), |(b, r), s| (b + s.bytes, r + s.rows));
-        let (nodes, rows) = of("nodes");
-        let (steps, _) = of("steps");
-        let per_episode = ((nodes + steps) / rows.max(1)) as usize * Self::INFLATION;
+    /// `episodes`: the episodes the store holds (the node shards hold the facts too, so this
+    /// errs on the large side).
+    fn new(share: usize, manifest: &fluxmem_store::Manifest, commit_every: usize, episodes: usize) -> GroupSize {
+        let bytes = |table: &str| manifest.shards.iter().filter(|s| s.table == table).map(|s| s.bytes).sum::<u64>();
+        let per_episode = ((bytes("nodes") + bytes("steps")) / episodes.max(1) as u64) as usize * Self::INFLATION;
         GroupSize { share: share.max(1), commit_every, per_episode: per_episode.max(1), measured: (0, 0) }
     }
 

@@ -28,11 +28,40 @@ use candle_transformers::utils::repeat_kv;
 /// Positions the rotary tables cover (the model's usable context here).
 pub const MAX_POSITIONS: usize = 8192;
 
+/// Inputs of at most this many rows (tokens of all the batch's sequences together: a decode
+/// step of a batch of up to 8) go through a matrix's second copy when it has one
+/// ([`Decoder::with_small_inputs`]).
+pub const SMALL_ROWS: usize = 8;
+
+/// A weight matrix, held once, or twice: one copy for prompts (many rows: matrix products)
+/// and one for decode steps (a few rows: matrix-vector products), each in the form that is
+/// faster for its shape (f32 and Q8_0 on the CPU, docs/models.md).
+#[derive(Debug, Clone)]
+struct Lin {
+    main: QMatMul,
+    small: Option<QMatMul>,
+}
+
+impl Lin {
+    fn new(main: QMatMul) -> Lin {
+        Lin { main, small: None }
+    }
+}
+
+impl Module for Lin {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        match &self.small {
+            Some(small) if xs.elem_count() <= SMALL_ROWS * xs.dim(D::Minus1)? => small.forward(xs),
+            _ => self.main.forward(xs),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Mlp {
-    gate: QMatMul,
-    down: QMatMul,
-    up: QMatMul,
+    gate: Lin,
+    down: Lin,
+    up: Lin,
 }
 
 impl Module for Mlp {
@@ -45,12 +74,12 @@ impl Module for Mlp {
 
 #[derive(Debug, Clone)]
 struct Layer {
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
+    wq: Lin,
+    wk: Lin,
+    wv: Lin,
     /// q, k and v biases (qwen2; llama has none).
     bias: Option<(Tensor, Tensor, Tensor)>,
-    wo: QMatMul,
+    wo: Lin,
     attention_norm: RmsNorm,
     mlp: Mlp,
     ffn_norm: RmsNorm,
@@ -135,7 +164,7 @@ pub struct Decoder {
     embeddings: Embedding,
     layers: Vec<Layer>,
     norm: RmsNorm,
-    output: QMatMul,
+    output: Lin,
     cos: Tensor,
     sin: Tensor,
     neg_inf: Tensor,
@@ -152,6 +181,14 @@ fn rotary_tables(head_dim: usize, freq_base: f32, positions: usize, device: &Dev
         .reshape((positions, 1))?
         .matmul(&theta.reshape((1, theta.elem_count()))?)?;
     Ok((angles.cos()?, angles.sin()?))
+}
+
+/// The output projection: `output.weight`, or the token embeddings when they are tied.
+fn output_matrix<R: std::io::Seek + std::io::Read>(ct: &gguf_file::Content, reader: &mut R, device: &Device) -> Result<QMatMul> {
+    match ct.tensor(reader, "output.weight", device) {
+        Ok(v) => QMatMul::from_qtensor(v),
+        Err(_) => QMatMul::from_qtensor(ct.tensor(reader, "token_embd.weight", device)?),
+    }
 }
 
 impl Decoder {
@@ -186,31 +223,25 @@ impl Decoder {
 
         let embeddings = ct.tensor(reader, "token_embd.weight", device)?.dequantize(device)?;
         let norm = RmsNorm::from_qtensor(ct.tensor(reader, "output_norm.weight", device)?, eps)?;
-        let output = match ct.tensor(reader, "output.weight", device) {
-            Ok(v) => QMatMul::from_qtensor(v)?,
-            // Tied word embeddings.
-            Err(_) => QMatMul::from_qtensor(ct.tensor(reader, "token_embd.weight", device)?)?,
-        };
+        let output = Lin::new(output_matrix(&ct, reader, device)?);
         let (cos, sin) = rotary_tables(head_dim, freq_base, positions, device)?;
         let mut layers = Vec::with_capacity(block_count);
         for i in 0..block_count {
             let mut t = |name: &str| ct.tensor(reader, &format!("blk.{i}.{name}"), device);
-            let mlp = Mlp {
-                gate: QMatMul::from_qtensor(t("ffn_gate.weight")?)?,
-                down: QMatMul::from_qtensor(t("ffn_down.weight")?)?,
-                up: QMatMul::from_qtensor(t("ffn_up.weight")?)?,
-            };
+            let mut m = |name: &str| Ok::<_, candle_core::Error>(Lin::new(QMatMul::from_qtensor(t(name)?)?));
+            let mlp = Mlp { gate: m("ffn_gate.weight")?, down: m("ffn_down.weight")?, up: m("ffn_up.weight")? };
             let bias = if bias {
                 Some((t("attn_q.bias")?.dequantize(device)?, t("attn_k.bias")?.dequantize(device)?, t("attn_v.bias")?.dequantize(device)?))
             } else {
                 None
             };
+            let mut m = |name: &str| Ok::<_, candle_core::Error>(Lin::new(QMatMul::from_qtensor(t(name)?)?));
             layers.push(Layer {
-                wq: QMatMul::from_qtensor(t("attn_q.weight")?)?,
-                wk: QMatMul::from_qtensor(t("attn_k.weight")?)?,
-                wv: QMatMul::from_qtensor(t("attn_v.weight")?)?,
+                wq: m("attn_q.weight")?,
+                wk: m("attn_k.weight")?,
+                wv: m("attn_v.weight")?,
                 bias,
-                wo: QMatMul::from_qtensor(t("attn_output.weight")?)?,
+                wo: m("attn_output.weight")?,
                 attention_norm: RmsNorm::from_qtensor(t("attn_norm.weight")?, eps)?,
                 ffn_norm: RmsNorm::from_qtensor(t("ffn_norm.weight")?, eps)?,
                 mlp,
@@ -228,6 +259,24 @@ impl Decoder {
             positions,
             device: device.clone(),
         })
+    }
+
+    /// Adds a second copy of every weight matrix, from `ct` (the same model, its matrices in
+    /// another form), used for inputs of at most [`SMALL_ROWS`] rows: decode steps. The
+    /// embeddings, norms and biases stay those of `self`.
+    pub fn with_small_inputs<R: std::io::Seek + std::io::Read>(mut self, ct: gguf_file::Content, reader: &mut R, device: &Device) -> Result<Self> {
+        self.output.small = Some(output_matrix(&ct, reader, device)?);
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let mut t = |name: &str| QMatMul::from_qtensor(ct.tensor(reader, &format!("blk.{i}.{name}"), device)?);
+            layer.mlp.gate.small = Some(t("ffn_gate.weight")?);
+            layer.mlp.down.small = Some(t("ffn_down.weight")?);
+            layer.mlp.up.small = Some(t("ffn_up.weight")?);
+            layer.wq.small = Some(t("attn_q.weight")?);
+            layer.wk.small = Some(t("attn_k.weight")?);
+            layer.wv.small = Some(t("attn_v.weight")?);
+            layer.wo.small = Some(t("attn_output.weight")?);
+        }
+        Ok(self)
     }
 
     /// An empty cache for a batch of `rows` sequences.

@@ -30,6 +30,10 @@ pub enum WeightPath {
     /// Re-quantized to Q8_0 at load time (candle has SIMD kernels for it: a middle ground for
     /// decode-heavy work).
     Q8,
+    /// Both: f32 for prompts and Q8_0 for decode steps (inputs of at most
+    /// [`crate::decoder::SMALL_ROWS`] rows), for llama and qwen2 (Gemma 3 runs on f32). Holds
+    /// both copies: about 5.1 bytes a parameter.
+    Mixed,
 }
 
 enum Model {
@@ -110,9 +114,16 @@ impl GgufGenerator {
         if architecture == "qwen2" || architecture == "llama" {
             context_length = context_length.min(crate::decoder::MAX_POSITIONS);
         }
+        // The decode-step copy of the mixed path, read before the file is handed on.
+        let small = if path == WeightPath::Mixed && (architecture == "llama" || architecture == "qwen2") {
+            let mut cursor = std::io::Cursor::new(requantized_gguf(&content, &mut file, &file_path, GgmlDType::Q8_0)?);
+            Some((gguf_file::Content::read(&mut cursor)?, cursor))
+        } else {
+            None
+        };
         let (content, mut reader): (gguf_file::Content, Box<dyn ReadSeek>) = match path {
             WeightPath::Quantized => (content, Box::new(file)),
-            WeightPath::Dequantized | WeightPath::Q8 => {
+            WeightPath::Dequantized | WeightPath::Q8 | WeightPath::Mixed => {
                 let target = if path == WeightPath::Q8 { GgmlDType::Q8_0 } else { GgmlDType::F32 };
                 let bytes = requantized_gguf(&content, &mut file, &file_path, target)?;
                 let mut cursor = std::io::Cursor::new(bytes);
@@ -121,7 +132,13 @@ impl GgufGenerator {
             }
         };
         let model = match architecture.as_str() {
-            "llama" | "qwen2" => Model::Decoder(Decoder::from_gguf(content, &mut reader, device)?),
+            "llama" | "qwen2" => {
+                let decoder = Decoder::from_gguf(content, &mut reader, device)?;
+                Model::Decoder(match small {
+                    Some((content, mut cursor)) => decoder.with_small_inputs(content, &mut cursor, device)?,
+                    None => decoder,
+                })
+            }
             "gemma3" => Model::Gemma3(quantized_gemma3::ModelWeights::from_gguf(content, &mut reader, device)?),
             other => {
                 return Err(Error::Format { path: file_path, reason: format!("architecture `{other}` is not supported (llama, qwen2, gemma3)") })

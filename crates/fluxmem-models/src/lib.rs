@@ -34,6 +34,7 @@ pub use device::DeviceChoice;
 pub use embedder::{cosine, normalize, Embedder, HashEmbedder};
 pub use error::{Error, Result};
 pub use generator::{ChatMessage, GenerateParams, Generation, Generator, Usage};
+pub use decoder::SMALL_ROWS;
 pub use gguf::{GgufGenerator, WeightPath, DEFAULT_BATCH};
 pub use gguf_tokenizer::tokenizer_from_gguf;
 pub use judge::{Judge, LlmJudge, QlJudge};

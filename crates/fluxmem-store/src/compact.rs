@@ -4,8 +4,8 @@
 //! ("dead"). Compaction keeps the store in proportion to its live data:
 //!
 //! - **Live rows.** For each keyed table (`nodes` with their `steps`, `edges`, `embeddings`),
-//!   only the key columns of its shards are read (a projected scan), and a row is live when no
-//!   later shard holds its key.
+//!   only the key indexes of its shards are read ([`crate::keys`]; made from the key columns
+//!   where one is missing), and a row is live when no later row holds its key.
 //! - **Rewrite.** A unit (one shard; for `nodes`, the `nodes` and `steps` shards of one commit)
 //!   whose dead share is above [`CompactPolicy::max_dead_fraction`] is rewritten with its live
 //!   rows only. With 1/3, every unit is at least two-thirds live afterwards, so rows stored /
@@ -228,6 +228,12 @@ impl Writer {
             return Err(Error::Staging {
                 path: dir.join(crate::STAGING),
                 reason: "a sharded run is in progress (staging stores exist); merge or remove it before compacting".into(),
+            });
+        }
+        if self.manifest.progress.contains_key("staging") {
+            return Err(Error::Staging {
+                path: dir,
+                reason: "this is a sharded run's staging store (it reads the main store's shards); compact the main store after the merge".into(),
             });
         }
         let policy = CompactPolicy { merge_factor: policy.merge_factor.max(2), ..policy.clone() };

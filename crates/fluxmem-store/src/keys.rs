@@ -8,7 +8,8 @@
 //!
 //! ```text
 //! magic "FXKEYS01" | the shard's sha256 (64 hex bytes) | rows (u64 LE) | aux width (u8) |
-//! ordered (u8) | sha256 of the body (32 bytes) | body: rows x 16-byte keys, rows x aux
+//! ordered (u8) | sha256 of all the above and the body (32 bytes) | body: rows x 16-byte
+//! keys, rows x aux
 //! ```
 //!
 //! - **keys**: each row's key as the liveness pass hashes it ([`key_of`]), in row order;
@@ -19,10 +20,11 @@
 //!   crate writes), so they do not repeat within it.
 //!
 //! An index is derived data: it names the shard it was made from by the shard's checksum,
-//! and its body carries its own. One that is missing, damaged, or made from another file is
-//! not used; compaction (which holds the writer lock) makes it again from the shard, and a
-//! reader decodes the shard's key columns instead. A shard's index is deleted with the shard,
-//! and an index whose shard the store no longer holds is garbage of this module's own.
+//! and carries its own. One that is missing, damaged, or made from another file is not used;
+//! compaction (which holds the writer lock) makes it again from the shard, and a reader decodes
+//! the shard's key columns instead. Writing one is best effort: a commit whose shard got no
+//! index still lands. A shard's index is deleted with the shard, and an index whose shard file
+//! is gone, or a temporary one, is garbage of this module's own.
 
 use arrow_array::cast::AsArray;
 use arrow_array::{Array, RecordBatch};
@@ -162,6 +164,13 @@ fn file_name(file: &str) -> &str {
     file.rsplit('/').next().unwrap_or(file)
 }
 
+/// Writes `entry`'s key index where it can: an index is derived data, so a failure (a full
+/// disk, a read-only `keys/`) leaves the shard without one (readers decode its key columns;
+/// compaction tries again) rather than failing the commit that wrote the shard.
+pub(crate) fn keep(dir: &Path, entry: &ShardEntry, index: &KeyIndex) {
+    let _ = write(dir, entry, index);
+}
+
 /// Writes `index` as `entry`'s key index: a temporary file renamed into place. Not synced: a
 /// torn index fails its checksum and is made again.
 pub(crate) fn write(dir: &Path, entry: &ShardEntry, index: &KeyIndex) -> Result<()> {
@@ -179,12 +188,21 @@ pub(crate) fn write(dir: &Path, entry: &ShardEntry, index: &KeyIndex) -> Result<
     bytes.extend_from_slice(&(index.keys.len() as u64).to_le_bytes());
     bytes.push(index.width as u8);
     bytes.push(index.ordered as u8);
-    bytes.extend_from_slice(&Sha256::digest(&body));
+    let digest = checksum(&bytes, &body);
+    bytes.extend_from_slice(&digest);
     bytes.extend_from_slice(&body);
     let temporary = path.with_extension("keys.tmp");
     std::fs::write(&temporary, &bytes).at(&temporary)?;
     std::fs::rename(&temporary, &path).at(&path)?;
     Ok(())
+}
+
+/// The SHA-256 of an index's header fields (all but the checksum) and body.
+fn checksum(header: &[u8], body: &[u8]) -> [u8; 32] {
+    let mut hasher = Sha256::new();
+    hasher.update(header);
+    hasher.update(body);
+    hasher.finalize().into()
 }
 
 /// `entry`'s key index, if its file is there, whole, and made from this shard.
@@ -199,7 +217,7 @@ pub(crate) fn read(dir: &Path, entry: &ShardEntry) -> Option<KeyIndex> {
         return None;
     }
     let body = &bytes[HEADER..];
-    if body.len() as u64 != rows * (16 + width as u64) || Sha256::digest(body)[..] != bytes[82..114] {
+    if body.len() as u64 != rows * (16 + width as u64) || checksum(&bytes[..82], body)[..] != bytes[82..114] {
         return None;
     }
     let (keys, aux) = body.split_at(rows as usize * 16);
@@ -223,7 +241,7 @@ pub(crate) fn read_or_make(dir: &Path, entry: &ShardEntry, keep: bool) -> Result
         return Err(Error::Corrupt { path: dir.join(&entry.file), reason: format!("{} rows read, the manifest says {}", index.len(), entry.rows) });
     }
     if keep {
-        write(dir, entry, &index)?;
+        self::keep(dir, entry, &index);
     }
     Ok(index)
 }

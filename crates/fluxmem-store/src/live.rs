@@ -49,7 +49,7 @@ pub struct Live<'s> {
 
 impl Store {
     /// The live rows of `table` (`"nodes"`, `"edges"` or `"embeddings"`) at the commit `manifest` describes,
-    /// ready to stream. Reads the key columns only.
+    /// ready to stream. Reads the keys only (key indexes, or key columns).
     ///
     /// Shards are read newest first: a row is live unless a later shard holds its key (within
     /// a shard, keys are unique: every shard is written in strict key order, and this checks

@@ -44,7 +44,7 @@ pub struct Manifest {
 /// Live node, active edge and embedded node counts that hold for one commit, so `stats` reads
 /// them from the manifest instead of the key columns of every shard.
 ///
-/// They are set by compaction (which reads the key columns anyway) and carried forward only
+/// They are set by compaction (which reads every key index anyway) and carried forward only
 /// by commits that add rows under keys the store does not hold ([`crate::Writer::commit_new`]:
 /// ingest's new nodes, embed's new vectors). Any other commit leaves them behind at an older
 /// version, where they no longer count: readers then count from the shards.

@@ -139,7 +139,7 @@ impl ShardWriter {
         std::fs::rename(&self.temporary, &path).at(&path)?;
         let entry = ShardEntry { table: self.table.clone(), file: name, rows: self.rows, bytes, sha256, commit: self.commit, rows_from: None, rows_through: None };
         if let Some(index) = self.index.take() {
-            keys::write(&self.dir, &entry, &index.finish())?;
+            keys::keep(&self.dir, &entry, &index.finish());
         }
         Ok(entry)
     }
@@ -169,7 +169,7 @@ pub(crate) fn write(dir: &Path, table: &str, commit: u64, part: usize, batch: &R
     let entry = ShardEntry { table: table.into(), file, rows: batch.num_rows() as u64, bytes: bytes.len() as u64, sha256, commit, rows_from: None, rows_through: None };
     if let Some(mut index) = IndexBuilder::new(table) {
         index.push(batch).map_err(|reason| Error::Corrupt { path: path.clone(), reason })?;
-        keys::write(dir, &entry, &index.finish())?;
+        keys::keep(dir, &entry, &index.finish());
     }
     Ok(entry)
 }
