@@ -477,7 +477,9 @@ pub enum ModelsCommand {
         #[arg(long, default_value = "auto")]
         device: String,
         /// Weights as stored (`quantized`), expanded to f32 at load (`dequantized`: fastest
-        /// prompt processing on CPU) or re-quantized to Q8_0 at load (`q8`: fastest decoding).
+        /// prompt processing on CPU for models up to 0.5B), re-quantized to Q8_0 at load (`q8`:
+        /// fastest decoding; the fastest of all for the 1.5B), or both (`mixed`: f32 for prompts,
+        /// Q8_0 for decode steps; the fastest for 0.5B and smaller, at about 5 bytes a parameter).
         #[arg(long, default_value = "q8")]
         weights: String,
         /// Maximum new tokens.
@@ -603,7 +605,7 @@ pub struct ConsolidateArgs {
     /// logs); `none`: template skills, no model.
     #[arg(long, default_value = fluxmem_models::DEFAULT_GENERATOR)]
     pub generator: String,
-    /// Generator weights: quantized, dequantized, q8 or mixed (f32 for prompts, Q8_0 for decode steps).(see `fluxmem models generate --help`).
+    /// Generator weights: quantized, dequantized, q8 or mixed (f32 for prompts, Q8_0 for decode steps; see docs/models.md).
     #[arg(long, default_value = "q8")]
     pub weights: String,
     /// Scored versions per skill at most (round 1 is the induced skill).
