@@ -59,7 +59,7 @@ pub fn run(command: ModelsCommand) -> anyhow::Result<ExitCode> {
             );
         }
         ModelsCommand::Judge { model, device, query, passages } => {
-            let generator = fluxmem_models::load_generator(&model, &device.parse::<DeviceChoice>()?, WeightPath::Dequantized)?;
+            let generator = fluxmem_models::load_generator(&model, &device.parse::<DeviceChoice>()?, WeightPath::Prompts)?;
             let mut judge = LlmJudge::new(generator);
             let refs: Vec<&str> = passages.iter().map(String::as_str).collect();
             println!("{}", serde_json::to_string(&judge.score(&query, &refs)?)?);

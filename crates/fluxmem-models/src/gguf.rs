@@ -34,6 +34,26 @@ pub enum WeightPath {
     /// [`crate::decoder::SMALL_ROWS`] rows), for llama and qwen2 (Gemma 3 runs on f32). Holds
     /// both copies: about 5.1 bytes a parameter.
     Mixed,
+    /// The faster for prompt processing (the judges' work), by the model's size: f32 for a file
+    /// of at most [`PROMPT_F32_MAX_BYTES`] (0.5B parameters and smaller), Q8_0 above (the
+    /// 1.5B prefills twice as fast on Q8_0: docs/models.md).
+    Prompts,
+}
+
+/// The largest GGUF file [`WeightPath::Prompts`] expands to f32 (Qwen2.5-Coder-0.5B Q4_K_M is
+/// 491 MB, the 1.5B 1,117 MB).
+pub const PROMPT_F32_MAX_BYTES: u64 = 700 << 20;
+
+impl WeightPath {
+    /// The path a model file of `bytes` loads with: [`WeightPath::Prompts`] chooses by size,
+    /// the others are themselves.
+    pub fn resolve(self, bytes: u64) -> WeightPath {
+        match self {
+            WeightPath::Prompts if bytes <= PROMPT_F32_MAX_BYTES => WeightPath::Dequantized,
+            WeightPath::Prompts => WeightPath::Q8,
+            other => other,
+        }
+    }
 }
 
 enum Model {
@@ -97,6 +117,7 @@ impl GgufGenerator {
     pub fn load(dir: &Path, model_id: &str, device: &Device, path: WeightPath) -> Result<GgufGenerator> {
         let file_path = dir.join("model.gguf");
         let mut file = std::fs::File::open(&file_path).at(&file_path)?;
+        let path = path.resolve(file.metadata().at(&file_path)?.len());
         let content = gguf_file::Content::read(&mut file)
             .map_err(|e| Error::Format { path: file_path.clone(), reason: format!("not a GGUF file: {e}") })?;
         let architecture = metadata_string(&content, "general.architecture").unwrap_or_default();
@@ -123,7 +144,7 @@ impl GgufGenerator {
         };
         let (content, mut reader): (gguf_file::Content, Box<dyn ReadSeek>) = match path {
             WeightPath::Quantized => (content, Box::new(file)),
-            WeightPath::Dequantized | WeightPath::Q8 | WeightPath::Mixed => {
+            WeightPath::Dequantized | WeightPath::Q8 | WeightPath::Mixed | WeightPath::Prompts => {
                 let target = if path == WeightPath::Q8 { GgmlDType::Q8_0 } else { GgmlDType::F32 };
                 let bytes = requantized_gguf(&content, &mut file, &file_path, target)?;
                 let mut cursor = std::io::Cursor::new(bytes);
@@ -548,5 +569,22 @@ impl Generator for GgufGenerator {
 
     fn usage(&self) -> Usage {
         self.usage
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Prompts` expands the small models to f32 and re-quantizes the larger ones to Q8_0 (the
+    /// 135M and 0.5B files against the 1.5B's, by their sizes as shipped).
+    #[test]
+    fn prompt_weights_follow_the_model_size() {
+        assert_eq!(WeightPath::Prompts.resolve(98_362_432), WeightPath::Dequantized, "SmolLM2-135M Q4_1");
+        assert_eq!(WeightPath::Prompts.resolve(491_400_064), WeightPath::Dequantized, "Qwen2.5-Coder-0.5B Q4_K_M");
+        assert_eq!(WeightPath::Prompts.resolve(1_117_320_768), WeightPath::Q8, "Qwen2.5-Coder-1.5B Q4_K_M");
+        for path in [WeightPath::Quantized, WeightPath::Dequantized, WeightPath::Q8, WeightPath::Mixed] {
+            assert_eq!(path.resolve(1_117_320_768), path, "the others are themselves");
+        }
     }
 }

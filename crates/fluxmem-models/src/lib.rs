@@ -35,7 +35,7 @@ pub use embedder::{cosine, normalize, Embedder, HashEmbedder};
 pub use error::{Error, Result};
 pub use generator::{ChatMessage, GenerateParams, Generation, Generator, Usage};
 pub use decoder::SMALL_ROWS;
-pub use gguf::{GgufGenerator, WeightPath, DEFAULT_BATCH};
+pub use gguf::{GgufGenerator, WeightPath, DEFAULT_BATCH, PROMPT_F32_MAX_BYTES};
 pub use gguf_tokenizer::tokenizer_from_gguf;
 pub use judge::{Judge, LlmJudge, QlJudge};
 pub use provision::{cache_dir, FileSpec, ModelManifest, ModelSpec, BUILTIN_MANIFEST, DEFAULT_EMBEDDER, DEFAULT_GENERATOR, DEFAULT_JUDGE};
