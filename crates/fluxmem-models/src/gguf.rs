@@ -35,8 +35,9 @@ pub enum WeightPath {
     /// both copies: about 5.1 bytes a parameter.
     Mixed,
     /// The faster for prompt processing (the judges' work), by the model's size: f32 for a file
-    /// of at most [`PROMPT_F32_MAX_BYTES`] (0.5B parameters and smaller), Q8_0 above (the
-    /// 1.5B prefills twice as fast on Q8_0: docs/models.md).
+    /// of at most [`PROMPT_F32_MAX_BYTES`] (0.5B parameters and smaller), the weights as stored
+    /// above (the 1.5B prefills twice as fast on its Q4_K_M as on f32, as fast as on Q8_0,
+    /// which takes 8 times longer to load: docs/models.md).
     Prompts,
 }
 
@@ -50,7 +51,7 @@ impl WeightPath {
     pub fn resolve(self, bytes: u64) -> WeightPath {
         match self {
             WeightPath::Prompts if bytes <= PROMPT_F32_MAX_BYTES => WeightPath::Dequantized,
-            WeightPath::Prompts => WeightPath::Q8,
+            WeightPath::Prompts => WeightPath::Quantized,
             other => other,
         }
     }
@@ -576,13 +577,13 @@ impl Generator for GgufGenerator {
 mod tests {
     use super::*;
 
-    /// `Prompts` expands the small models to f32 and re-quantizes the larger ones to Q8_0 (the
-    /// 135M and 0.5B files against the 1.5B's, by their sizes as shipped).
+    /// `Prompts` expands the small models to f32 and keeps the larger ones as stored (the 135M
+    /// and 0.5B files against the 1.5B's, by their sizes as shipped).
     #[test]
     fn prompt_weights_follow_the_model_size() {
         assert_eq!(WeightPath::Prompts.resolve(98_362_432), WeightPath::Dequantized, "SmolLM2-135M Q4_1");
         assert_eq!(WeightPath::Prompts.resolve(491_400_064), WeightPath::Dequantized, "Qwen2.5-Coder-0.5B Q4_K_M");
-        assert_eq!(WeightPath::Prompts.resolve(1_117_320_768), WeightPath::Q8, "Qwen2.5-Coder-1.5B Q4_K_M");
+        assert_eq!(WeightPath::Prompts.resolve(1_117_320_768), WeightPath::Quantized, "Qwen2.5-Coder-1.5B Q4_K_M");
         for path in [WeightPath::Quantized, WeightPath::Dequantized, WeightPath::Q8, WeightPath::Mixed] {
             assert_eq!(path.resolve(1_117_320_768), path, "the others are themselves");
         }
