@@ -103,7 +103,7 @@ impl IndexBuilder {
         for i in 0..batch.num_rows() {
             parts.clear();
             parts.extend(keys.iter().map(|s| s.value(i)));
-            if self.index.ordered && !self.previous.is_empty() && crate::live::key_order(&self.table, &self.previous, &parts) != std::cmp::Ordering::Less {
+            if self.index.ordered && !self.previous.is_empty() && key_order(&self.table, &self.previous, &parts) != std::cmp::Ordering::Less {
                 self.index.ordered = false;
             }
             if self.index.ordered {
@@ -134,6 +134,18 @@ impl IndexBuilder {
     pub fn finish(self) -> KeyIndex {
         self.index
     }
+}
+
+/// The order of two rows' keys (`a` before `b`: `Less`) as shards are written: node ids, then
+/// for edges the destination and the kind (in [`EdgeKind`]'s order), for embeddings the model.
+fn key_order(table: &str, a: &[String], b: &[&str]) -> std::cmp::Ordering {
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let order = if table == "edges" && i == 2 { EdgeKind::parse(x).cmp(&EdgeKind::parse(y)) } else { x.as_str().cmp(y) };
+        if order.is_ne() {
+            return order;
+        }
+    }
+    std::cmp::Ordering::Equal
 }
 
 /// The columns [`IndexBuilder::push`] reads of `table`.
@@ -277,23 +289,7 @@ pub(crate) fn sweep(dir: &Path, keep: &dyn Fn(&str) -> bool) -> Result<usize> {
 mod tests {
     use super::*;
     use crate::{CommitInfo, Writer};
-    use fluxmem_graph::{Edge, Graph, NodeId};
-    use std::collections::BTreeMap;
-
-    fn edge(i: usize, active: bool) -> Edge {
-        Edge {
-            src: NodeId(format!("epi-{i:04}")),
-            dst: NodeId("sem-1".into()),
-            kind: EdgeKind::Ground,
-            weight: 1.0,
-            evidence: 1,
-            stage: "t".into(),
-            run_id: "r".into(),
-            created_at: 0,
-            active,
-            metadata: BTreeMap::new(),
-        }
-    }
+    use fluxmem_graph::Graph;
 
     /// A commit writes each keyed shard's index; it holds the keys the liveness pass hashes
     /// and the edges' states, and an index that is damaged, or made from another shard, is
@@ -304,7 +300,7 @@ mod tests {
         let mut writer = Writer::open(dir.path()).unwrap();
         let mut delta = Graph::default();
         for i in 0..5 {
-            delta.upsert_edge(edge(i, i != 2));
+            delta.upsert_edge(crate::compact::test_edge(i, 1.0, i != 2));
         }
         writer.commit(&delta, CommitInfo { stage: "t".into(), ..Default::default() }).unwrap();
         let entry = writer.manifest.shards.iter().find(|s| s.table == "edges").unwrap().clone();

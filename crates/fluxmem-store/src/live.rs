@@ -12,7 +12,7 @@ use arrow_array::{Array, BooleanArray, RecordBatch};
 use fluxmem_graph::{schema, Edge, EdgeKind, Embedding, Node, NodeId, Step};
 use std::collections::BTreeMap;
 
-use crate::compact::{key_columns, key_of, winning_rows, KeySet};
+use crate::compact::{winning_rows, KeySet};
 use crate::manifest::{Manifest, ShardEntry};
 use crate::scan::{names_relation, sorted, text_column};
 use crate::{shard, Result, Store};
@@ -60,7 +60,7 @@ impl Store {
     /// winning row (16 bytes of hash and a position per live key, dropped before this returns).
     pub fn live(&self, manifest: &Manifest, table: &str) -> Result<Live<'_>> {
         let entries = sorted(manifest, table);
-        if let Some(live) = self.live_newest_first(&entries, table)? {
+        if let Some(live) = self.live_newest_first(&entries)? {
             return Ok(live);
         }
         let last = winning_rows(self, table, entries.iter().map(|e| vec![e]))?;
@@ -78,78 +78,32 @@ impl Store {
 
     /// [`Store::live`] by reading the shards newest first; `None` when a shard is not in strict
     /// key order (its keys may repeat).
-    fn live_newest_first(&self, entries: &[ShardEntry], table: &str) -> Result<Option<Live<'_>>> {
-        let keys = key_columns(table);
+    fn live_newest_first(&self, entries: &[ShardEntry]) -> Result<Option<Live<'_>>> {
         let mut later = KeySet::default();
         let mut shards: Vec<(ShardEntry, Vec<bool>)> = Vec::with_capacity(entries.len());
         let mut live = 0u64;
-        let mut previous: Vec<String> = Vec::new();
         for (index, entry) in entries.iter().enumerate().rev() {
             let oldest = index == 0;
-            let mut flags = Vec::with_capacity(entry.rows as usize);
-            // The shard's key index, when it has a sound one: its keys without decoding them.
-            if let Some(index) = crate::keys::read(&self.dir, entry) {
-                if !index.ordered {
-                    return Ok(None);
-                }
-                for key in &index.keys {
-                    let is_live = !later.contains(key);
-                    if is_live && !oldest {
-                        later.insert(*key);
-                    }
-                    live += is_live as u64;
-                    flags.push(is_live);
-                }
-                shards.push((entry.clone(), flags));
-                continue;
+            // The shard's key index where it has a sound one, else made here from its key
+            // columns (not kept: a reader holds no lock), which checks their order.
+            let keys = crate::keys::read_or_make(&self.dir, entry, false)?;
+            if !keys.ordered {
+                return Ok(None);
             }
-            for batch in shard::batches(&self.dir, entry, Some(keys))? {
-                let batch = batch?;
-                let strings: Vec<&arrow_array::StringArray> = keys.iter().map(|name| text_column(self, entry, &batch, name)).collect::<Result<_>>()?;
-                let mut parts: Vec<&str> = Vec::with_capacity(strings.len());
-                for i in 0..batch.num_rows() {
-                    parts.clear();
-                    parts.extend(strings.iter().map(|s| s.value(i)));
-                    if flags.is_empty() {
-                        previous.resize(parts.len(), String::new());
-                    } else if key_order(table, &previous, &parts) != std::cmp::Ordering::Less {
-                        return Ok(None);
-                    }
-                    // The row's key, copied into the buffers of the last one (no allocation once
-                    // they are long enough).
-                    for (buffer, part) in previous.iter_mut().zip(&parts) {
-                        buffer.clear();
-                        buffer.push_str(part);
-                    }
-                    let key = key_of(&parts);
-                    let is_live = !later.contains(&key);
-                    if is_live && !oldest {
-                        later.insert(key);
-                    }
-                    live += is_live as u64;
-                    flags.push(is_live);
+            let mut flags = Vec::with_capacity(keys.len());
+            for key in &keys.keys {
+                let is_live = !later.contains(key);
+                if is_live && !oldest {
+                    later.insert(*key);
                 }
-            }
-            if flags.len() < entry.rows as usize {
-                flags.resize(entry.rows as usize, false);
+                live += is_live as u64;
+                flags.push(is_live);
             }
             shards.push((entry.clone(), flags));
         }
         shards.reverse();
         Ok(Some(Live { store: self, shards, live }))
     }
-}
-
-/// The order of two rows' keys (`a` before `b`: `Less`) as shards are written: node ids, then
-/// for edges the destination and the kind (in [`EdgeKind`]'s order), for embeddings the model.
-pub(crate) fn key_order(table: &str, a: &[String], b: &[&str]) -> std::cmp::Ordering {
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        let order = if table == "edges" && i == 2 { EdgeKind::parse(x).cmp(&EdgeKind::parse(y)) } else { x.as_str().cmp(y) };
-        if order.is_ne() {
-            return order;
-        }
-    }
-    std::cmp::Ordering::Equal
 }
 
 impl Live<'_> {
