@@ -685,25 +685,26 @@ fn corrupt(dir: &std::path::Path, entry: &ShardEntry, source: fluxmem_graph::Err
     Error::Corrupt { path: dir.join(&entry.file), reason: source.to_string() }
 }
 
+/// A ground edge `epi-<i>` -> `sem-1` for this crate's unit tests.
+#[cfg(test)]
+pub(crate) fn test_edge(i: usize, weight: f32, active: bool) -> fluxmem_graph::Edge {
+    fluxmem_graph::Edge {
+        src: NodeId(format!("epi-{i:04}")),
+        dst: NodeId("sem-1".into()),
+        kind: EdgeKind::Ground,
+        weight,
+        evidence: 1,
+        stage: "t".into(),
+        run_id: "r".into(),
+        created_at: 0,
+        active,
+        metadata: BTreeMap::new(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fluxmem_graph::{Edge, NodeId};
-
-    fn edge(i: usize, weight: f32) -> Edge {
-        Edge {
-            src: NodeId(format!("epi-{i:04}")),
-            dst: NodeId("sem-1".into()),
-            kind: EdgeKind::Ground,
-            weight,
-            evidence: 1,
-            stage: "t".into(),
-            run_id: "r".into(),
-            created_at: 0,
-            active: true,
-            metadata: BTreeMap::new(),
-        }
-    }
 
     /// A shard out of key order (written by hand: no writer of this crate makes one) is merged
     /// in memory, with the same live rows.
@@ -714,7 +715,7 @@ mod tests {
         for night in 0..3 {
             let mut delta = Graph::default();
             for i in night * 5..night * 5 + 10 {
-                delta.upsert_edge(edge(i, night as f32));
+                delta.upsert_edge(test_edge(i, night as f32, true));
             }
             writer.commit(&delta, CommitInfo { stage: "t".into(), run_id: "r".into(), ..Default::default() }).unwrap();
         }
