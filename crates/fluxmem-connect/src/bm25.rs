@@ -81,9 +81,12 @@ impl Bm25 {
     pub fn new<S: AsRef<str>>(documents: &[S], params: Bm25Params) -> Bm25 {
         let mut postings: HashMap<String, Vec<(u32, u32)>> = HashMap::new();
         let mut lengths = Vec::with_capacity(documents.len());
+        // Summed as integers, so the average does not depend on the order of the documents.
+        let mut total = 0u64;
         for (doc, text) in documents.iter().enumerate() {
             let words = terms_with(text.as_ref(), params.stem);
             lengths.push(words.len() as f32);
+            total += words.len() as u64;
             let mut counts: HashMap<String, u32> = HashMap::new();
             for word in words {
                 *counts.entry(word).or_default() += 1;
@@ -92,7 +95,7 @@ impl Bm25 {
                 postings.entry(word).or_default().push((doc as u32, count));
             }
         }
-        let average_length = if lengths.is_empty() { 0.0 } else { lengths.iter().sum::<f32>() / lengths.len() as f32 };
+        let average_length = average_length(total, lengths.len());
         Bm25 { params, postings, lengths, average_length }
     }
 
@@ -113,23 +116,42 @@ impl Bm25 {
 
     /// The BM25 score of every document for `query` (0 for documents sharing no term).
     pub fn scores(&self, query: &str) -> Vec<f32> {
+        self.scores_in(query, self.lengths.len(), self.average_length, &|term| self.document_frequency(term))
+    }
+
+    /// [`Bm25::scores`] of these documents as part of a larger collection of `documents`
+    /// documents, whose average length is `average_length` and where `df` documents contain a
+    /// term: the scores one index over the whole collection gives them, bit for bit (each
+    /// document's terms are added in the query's order, as there).
+    pub fn scores_in(&self, query: &str, documents: usize, average_length: f32, df: &dyn Fn(&str) -> usize) -> Vec<f32> {
         let mut scores = vec![0f32; self.lengths.len()];
-        let n = self.lengths.len() as f32;
-        let mut seen = std::collections::HashSet::new();
-        for term in terms_with(query, self.params.stem) {
-            if !seen.insert(term.clone()) {
-                continue;
-            }
+        let n = documents as f32;
+        for term in query_terms(query, self.params.stem) {
             let Some(postings) = self.postings.get(&term) else { continue };
-            let df = postings.len() as f32;
+            let df = df(&term) as f32;
             let idf = (1.0 + (n - df + 0.5) / (df + 0.5)).ln();
             for &(doc, tf) in postings {
                 let tf = tf as f32;
-                let norm = 1.0 - self.params.b + self.params.b * self.lengths[doc as usize] / self.average_length.max(1e-9);
+                let norm = 1.0 - self.params.b + self.params.b * self.lengths[doc as usize] / average_length.max(1e-9);
                 scores[doc as usize] += idf * tf * (self.params.k1 + 1.0) / (tf + self.params.k1 * norm);
             }
         }
         scores
+    }
+}
+
+/// The distinct terms of a query, in their first order (the order scores add them in).
+pub(crate) fn query_terms(query: &str, stem: bool) -> Vec<String> {
+    let mut seen = std::collections::HashSet::new();
+    terms_with(query, stem).into_iter().filter(|term| seen.insert(term.clone())).collect()
+}
+
+/// The average length of `documents` documents of `total` terms in all.
+pub(crate) fn average_length(total: u64, documents: usize) -> f32 {
+    if documents == 0 {
+        0.0
+    } else {
+        total as f32 / documents as f32
     }
 }
 

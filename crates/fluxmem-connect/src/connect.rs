@@ -18,6 +18,7 @@ use fluxmem_store::{CommitInfo, Live, Rows, Scan, Shard, Writer};
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::dense::{DenseIndex, BLOCK_ROWS, MIN_ROWS};
+use crate::facts::{fact_bytes, Query, Spill, SpilledFacts, FOLDER};
 use crate::retrieve::{RetrievalConfig, SemanticIndex};
 use crate::{Error, Result};
 
@@ -80,6 +81,9 @@ pub struct ConnectReport {
     /// Groups of the night's episodes held whole one after the other (see
     /// [`ConnectOptions::memory`]).
     pub groups: usize,
+    /// Partitions the facts were spilled to, when they did not fit their share of
+    /// [`ConnectOptions::memory`]; 0 when they were held whole.
+    pub fact_partitions: usize,
 }
 
 /// Progress callbacks of a stage that works through countable items (episodes to connect;
@@ -139,9 +143,32 @@ pub fn connect_store(
     let mut episodes: BTreeMap<NodeId, Seen> = BTreeMap::new();
     let mut facts = Graph::default();
     let mut todo_ids: BTreeSet<NodeId> = BTreeSet::new();
+    // The facts are held whole while they fit their quarter of the budget, and spilled to
+    // scratch files once they do not (see `facts.rs`). Connect's ranking has no adjacency
+    // term, which the spilled search does not compute: with one, the facts stay whole.
+    let facts_share = options.memory / 4;
+    let spillable = options.retrieval.adjacency == 0.0 && options.retrieval.judge_top == 0;
+    let dim = embedder.dim();
+    let mut held = 0usize;
+    let mut spill: Option<Spill> = None;
+    let mut failure: Option<Error> = None;
     store.live(&manifest, "nodes")?.nodes(&mut |node| match node.kind() {
         NodeKind::Semantic => {
+            if let Some(spill) = spill.as_mut() {
+                spill.add(&node);
+                return;
+            }
+            held += fact_bytes(node.id.as_str(), &node.text, dim) + held_bytes(&node);
             facts.nodes.insert(node.id.clone(), node);
+            if spillable && held > facts_share && failure.is_none() {
+                match Spill::create(&store.dir().join(fluxmem_store::SCRATCH).join(FOLDER), dim) {
+                    Ok(mut started) => {
+                        std::mem::take(&mut facts.nodes).into_values().for_each(|n| started.add(&n));
+                        spill = Some(started);
+                    }
+                    Err(e) => failure = Some(e),
+                }
+            }
         }
         NodeKind::Episodic => {
             let tenant = match tenant_ids.get(&node.tenant) {
@@ -160,28 +187,44 @@ pub fn connect_store(
         }
         NodeKind::Procedural => {}
     })?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
     let mut report = ConnectReport { episodes: episodes.len(), already: episodes.len() - todo_ids.len(), ..Default::default() };
     if todo_ids.is_empty() {
         return Ok(report);
     }
-    // The semantic nodes' vectors.
-    let fact_ids: BTreeSet<NodeId> = facts.nodes.keys().cloned().collect();
-    if !fact_ids.is_empty() {
-        facts.embeddings = store.scan_at(&manifest, &Scan { vectors: Rows::Of(fact_ids), ..Default::default() })?.embeddings;
-    }
     // Every episode in id order (commit boundaries depend only on the data).
     let todo: Vec<Todo<'_>> = todo_ids.iter().map(|id| (id, tenants[episodes[id].tenant as usize].as_str())).collect();
-    // The semantic index of each tenant with episodes to connect (its BM25 statistics are the
-    // tenant's own).
-    let mut semantic: BTreeMap<&str, SemanticIndex> = BTreeMap::new();
-    for &(_, tenant) in &todo {
-        if !semantic.contains_key(tenant) {
-            semantic.insert(tenant, SemanticIndex::build(&facts, tenant, &model, device)?);
+    let todo_tenants: Vec<&str> = todo.iter().map(|&(_, tenant)| tenant).collect::<BTreeSet<_>>().into_iter().collect();
+    let search = match spill {
+        Some(spill) => {
+            // Every other node's vector goes to the scratch files; the partitions fit half of
+            // the facts' share, the query batches' pools the other half.
+            let spilled = spill.vectors(store, &manifest, &model, &|id| episodes.contains_key(id), facts_share / 2)?;
+            spilled.check(&todo_tenants)?;
+            report.fact_partitions = spilled.partitions();
+            FactSearch::Spilled(spilled)
         }
-    }
+        None => {
+            // The semantic nodes' vectors.
+            let fact_ids: BTreeSet<NodeId> = facts.nodes.keys().cloned().collect();
+            if !fact_ids.is_empty() {
+                facts.embeddings = store.scan_at(&manifest, &Scan { vectors: Rows::Of(fact_ids), ..Default::default() })?.embeddings;
+            }
+            // The semantic index of each tenant with episodes to connect (its BM25 statistics
+            // are the tenant's own).
+            let mut semantic: BTreeMap<String, SemanticIndex> = BTreeMap::new();
+            for &tenant in &todo_tenants {
+                semantic.insert(tenant.to_string(), SemanticIndex::build(&facts, tenant, &model, device)?);
+            }
+            FactSearch::Whole(semantic)
+        }
+    };
+
     // Half of the budget is the link search's; a quarter holds a group of the night's episodes
     // whole (their steps are the queries).
-    let search = LinkSearch { store, manifest: &manifest, episodes: &episodes, tenants: tenants.len(), model: &model, dim: embedder.dim(), k: options.link_k, memory: options.memory / 2, device };
+    let links_search = LinkSearch { store, manifest: &manifest, episodes: &episodes, tenants: tenants.len(), model: &model, dim: embedder.dim(), k: options.link_k, memory: options.memory / 2, device };
     let time = |id: &NodeId| episodes.get(id).map(|e| e.time).or_else(|| facts.nodes.get(id).and_then(|n| n.created_at)).unwrap_or(0);
     let commit_every = options.commit_every.max(1);
     let mut sizing = GroupSize::new(options.memory / 4, &manifest, commit_every, episodes.len());
@@ -195,23 +238,52 @@ pub fn connect_store(
         let steps = if options.per_step { Rows::Of(group_ids.clone()) } else { Rows::None };
         let todo_graph = store.scan_at(&manifest, &Scan { nodes: true, nodes_of: Some(group_ids.clone()), steps, ..Default::default() })?;
         sizing.measured(todo_graph.nodes.values());
-        let links = search.neighbours(&group_ids)?;
+        let links = links_search.neighbours(&group_ids)?;
         report.groups += 1;
         for chunk in group.chunks(commit_every) {
             let mut delta = Graph::default();
             // All the chunk's step queries in one embedder call (sorted by length inside).
             let queries: Vec<Vec<&str>> = chunk.iter().map(|(id, _)| ground_queries(&todo_graph, id, options.per_step)).collect();
             let flat: Vec<&str> = queries.iter().flatten().copied().collect();
-            let mut flat_vectors = embedder.embed(&flat)?.into_iter();
-            for (&(episode, tenant), episode_queries) in chunk.iter().zip(&queries) {
-                let query_vectors: Vec<Vec<f32>> = flat_vectors.by_ref().take(episode_queries.len()).collect();
+            let flat_vectors = embedder.embed(&flat)?;
+            // Each query's ranking of its tenant's facts: the best `ground_k` (node, fused
+            // score, node time).
+            let rankings: Vec<Vec<(NodeId, f32, i64)>> = match &search {
+                FactSearch::Whole(semantic) => {
+                    let mut out = Vec::with_capacity(flat.len());
+                    let mut vectors = flat_vectors.iter();
+                    for (&(_, tenant), episode_queries) in chunk.iter().zip(&queries) {
+                        let query_vectors: Vec<Vec<f32>> = vectors.by_ref().take(episode_queries.len()).cloned().collect();
+                        let index = &semantic[tenant];
+                        if index.is_empty() {
+                            out.extend(episode_queries.iter().map(|_| Vec::new()));
+                            continue;
+                        }
+                        // The episode's step queries against the tenant's facts in one matrix product.
+                        for ranked in index.hybrid_many(episode_queries, &query_vectors, &options.retrieval)? {
+                            out.push(ranked.into_iter().take(options.ground_k).map(|c| { let t = time(&c.node_id); (c.node_id, c.score, t) }).collect());
+                        }
+                    }
+                    out
+                }
+                FactSearch::Spilled(spilled) => {
+                    let mut asked = Vec::with_capacity(flat.len());
+                    for (&(_, tenant), episode_queries) in chunk.iter().zip(&queries) {
+                        asked.extend(episode_queries.iter().map(|text| Query { tenant, text, vector: &[] }));
+                    }
+                    for (query, vector) in asked.iter_mut().zip(&flat_vectors) {
+                        query.vector = vector;
+                    }
+                    spilled.search(&asked, &options.retrieval, options.ground_k, facts_share / 2, device)?
+                }
+            };
+            let mut rankings = rankings.into_iter();
+            for (&(episode, _), episode_queries) in chunk.iter().zip(&queries) {
                 for (neighbour, cosine) in links.get(episode).into_iter().flatten() {
                     delta.upsert_edge(edge((episode, time(episode)), (neighbour, time(neighbour)), EdgeKind::Link, *cosine, 1, run_id));
                     report.link_edges += 1;
                 }
-                let Some(index) = semantic.get(tenant) else { continue };
-                for (node, (weight, evidence)) in ground(index, episode_queries, &query_vectors, options)? {
-                    let node_time = time(&node);
+                for (node, (weight, evidence, node_time)) in ground(rankings.by_ref().take(episode_queries.len())) {
                     delta.upsert_edge(edge((&node, node_time), (episode, time(episode)), EdgeKind::Ground, weight, evidence, run_id));
                     report.ground_edges += 1;
                 }
@@ -495,26 +567,25 @@ fn ground_queries<'g>(graph: &'g Graph, episode: &NodeId, per_step: bool) -> Vec
     queries
 }
 
-/// The semantic nodes that support an episode: node -> (best fused score, queries retrieving it).
-fn ground(
-    semantic: &SemanticIndex,
-    queries: &[&str],
-    vectors: &[Vec<f32>],
-    options: &ConnectOptions,
-) -> Result<BTreeMap<NodeId, (f32, i64)>> {
-    let mut support: BTreeMap<NodeId, (f32, i64)> = BTreeMap::new();
-    if semantic.is_empty() {
-        return Ok(support);
-    }
-    // The episode's step queries against the tenant's facts in one matrix product.
-    for ranked in semantic.hybrid_many(queries, vectors, &options.retrieval)? {
-        for candidate in ranked.into_iter().take(options.ground_k) {
-            let entry = support.entry(candidate.node_id).or_insert((candidate.score, 0));
-            entry.0 = entry.0.max(candidate.score);
+/// The semantic nodes that support an episode, from its queries' rankings (each its best
+/// `ground_k`): node -> (best fused score, queries retrieving it, node time).
+fn ground(rankings: impl Iterator<Item = Vec<(NodeId, f32, i64)>>) -> BTreeMap<NodeId, (f32, i64, i64)> {
+    let mut support: BTreeMap<NodeId, (f32, i64, i64)> = BTreeMap::new();
+    for ranked in rankings {
+        for (node, score, time) in ranked {
+            let entry = support.entry(node).or_insert((score, 0, time));
+            entry.0 = entry.0.max(score);
             entry.1 += 1;
         }
     }
-    Ok(support)
+    support
+}
+
+/// How connect finds an episode's facts: one index per tenant held whole, or the facts
+/// spilled to scratch partitions when they do not fit (see `facts.rs`).
+enum FactSearch {
+    Whole(BTreeMap<String, SemanticIndex>),
+    Spilled(SpilledFacts),
 }
 
 /// An edge of this stage, between two nodes given with their `created_at`. Its time is the

@@ -23,6 +23,7 @@ mod bm25;
 mod connect;
 mod context;
 mod dense;
+mod facts;
 mod fusion;
 mod retrieve;
 mod retriever;
@@ -69,6 +70,15 @@ pub enum Error {
         expected: usize,
         /// Its length.
         got: usize,
+    },
+    /// A scratch file of connect's fact search (see [`ConnectOptions::memory`]) could not be
+    /// written or read.
+    #[error("connect's scratch file {}: {source}", .path.display())]
+    Scratch {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What failed.
+        source: std::io::Error,
     },
     /// The store holds several tenants and the caller named none.
     #[error("the store holds {} tenants ({}); choose one with --tenant", .tenants.len(), .tenants.join(", "))]

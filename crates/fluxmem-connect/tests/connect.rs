@@ -292,3 +292,70 @@ fn an_old_episode_without_a_vector_is_named() {
     }
     assert_eq!(writer.store().load().unwrap().edges.len(), edges, "nothing is written");
 }
+
+/// Facts that do not fit their quarter of the budget are spilled to scratch partitions and
+/// searched one partition at a time: the same ground edges, bit for bit (weight, evidence and
+/// time), as one index per tenant held whole, with pools cut where they tie or not; the
+/// scratch files are gone after the run.
+#[test]
+fn facts_spilled_to_partitions_give_the_same_ground_edges() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: String, memory: usize, retrieval: &RetrievalConfig, two_tenants: bool| {
+        let path = dir.path().join(name);
+        std::fs::create_dir_all(&path).unwrap();
+        let mut writer = if two_tenants { two_tenant_store(&path, TWO_TENANTS) } else { prepared_store(&path) };
+        let options = ConnectOptions { ground_k: 3, memory, retrieval: retrieval.clone(), ..Default::default() };
+        let report = connect_store(&mut writer, &HashEmbedder::new(64), &options, "connect@test", &Device::Cpu, &mut NoProgress).unwrap();
+        assert!(!writer.store().dir().join(fluxmem_store::SCRATCH).exists(), "the scratch files are deleted");
+        let graph = writer.store().load().unwrap();
+        for edge in graph.edges.values() {
+            assert_eq!(graph.nodes[&edge.src].tenant, graph.nodes[&edge.dst].tenant, "an edge joins two tenants");
+        }
+        // Times too, where both stores ingested the same file (the two-tenant stores each
+        // write their own, whose times differ).
+        let time = |t: i64| if two_tenants { 0 } else { t };
+        let edges: Vec<_> = graph.edges.values().map(|e| (e.key(), e.weight.to_bits(), e.evidence, time(e.created_at), e.active)).collect();
+        (report, edges)
+    };
+    let pools = [RetrievalConfig::default(), RetrievalConfig { dense_pool: 4, bm25_pool: 2, ..RetrievalConfig::default() }];
+    for (p, retrieval) in pools.iter().enumerate() {
+        for two_tenants in [false, true] {
+            let (whole, edges) = run(format!("whole-{p}-{two_tenants}"), fluxmem_connect::DEFAULT_MEMORY, retrieval, two_tenants);
+            assert_eq!(whole.fact_partitions, 0, "the facts fit the default budget");
+            assert!(whole.ground_edges > 0, "{whole:?}");
+            for memory in [1, 4_000, 40_000] {
+                let (spilled, spilled_edges) = run(format!("m{memory}-{p}-{two_tenants}"), memory, retrieval, two_tenants);
+                // The two tenants' four facts fit 40 KB.
+                if !(two_tenants && memory == 40_000) {
+                    assert!(spilled.fact_partitions >= 2, "{memory} bytes: {spilled:?}");
+                }
+                assert_eq!((spilled.ground_edges, spilled.link_edges), (whole.ground_edges, whole.link_edges));
+                let diff: Vec<_> = spilled_edges.iter().zip(&edges).filter(|(a, b)| a != b).take(2).collect();
+                assert!(spilled_edges == edges, "a budget of {memory} bytes changes the edges (pool {p}, two tenants: {two_tenants}): {diff:?}");
+            }
+        }
+    }
+}
+
+/// With the facts spilled, a fact without a vector is still named before anything is written,
+/// and the scratch files are deleted on the failure too.
+#[test]
+fn a_spilled_fact_without_a_vector_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = two_tenant_store(dir.path(), TWO_TENANTS);
+    let late = dir.path().join("late.jsonl");
+    std::fs::write(&late, "{\"type\":\"fact\",\"tenant\":\"acme\",\"text\":\"Exchanges need the receipt.\"}\n").unwrap();
+    fluxmem_ingest::ingest(&mut writer, &[late], &Default::default(), "late", &mut fluxmem_ingest::NoProgress).unwrap();
+    let graph = writer.store().load().unwrap();
+    let unembedded = graph.nodes.values().find(|n| n.text.starts_with("Exchanges")).unwrap().id.to_string();
+    for memory in [1, fluxmem_connect::DEFAULT_MEMORY] {
+        let options = ConnectOptions { memory, ..Default::default() };
+        let err = connect_store(&mut writer, &HashEmbedder::new(64), &options, "connect@test", &Device::Cpu, &mut NoProgress).unwrap_err();
+        match err {
+            Error::NotEmbedded { node, .. } => assert_eq!(node, unembedded, "{memory} bytes"),
+            other => panic!("{memory} bytes: {other}"),
+        }
+        assert!(writer.store().load().unwrap().edges.is_empty(), "nothing is written");
+        assert!(!dir.path().join("store").join(fluxmem_store::SCRATCH).exists(), "the scratch files are deleted");
+    }
+}

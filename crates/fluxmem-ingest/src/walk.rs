@@ -143,7 +143,7 @@ impl Walk {
             return Some(format!("a fluxmem store ({why})"));
         }
         let name = real.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        if name == "quarantine" || name == fluxmem_store::STAGING {
+        if name == "quarantine" || name == fluxmem_store::STAGING || name == fluxmem_store::SCRATCH {
             if let Some(why) = real.parent().and_then(store_marker) {
                 return Some(format!("the {name}/ folder of a fluxmem store ({why})"));
             }

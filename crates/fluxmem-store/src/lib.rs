@@ -75,3 +75,7 @@ pub use recover::{recover, RecoverReport};
 pub use scan::{EdgeHead, Rows, Scan};
 pub use staging::{staging_dir, MergeReport, Shard, STAGING};
 pub use store::{CommitInfo, Store, Writer};
+
+/// The folder of a store where a stage running under the writer lock keeps scratch files
+/// for the length of a run (connect's spilled facts); each stage deletes its own.
+pub const SCRATCH: &str = "scratch";

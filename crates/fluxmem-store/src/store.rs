@@ -130,7 +130,7 @@ impl Writer {
                 .map(|entries| {
                     entries.flatten().any(|e| {
                         let name = e.file_name().to_string_lossy().into_owned();
-                        !matches!(name.as_str(), "LOCK" | SHARDS | crate::keys::KEYS | "quarantine" | crate::STAGING) && !name.starts_with("manifest.json.tmp")
+                        !matches!(name.as_str(), "LOCK" | SHARDS | crate::keys::KEYS | "quarantine" | crate::STAGING | crate::SCRATCH) && !name.starts_with("manifest.json.tmp")
                     })
                 })
                 .unwrap_or(false);

@@ -1,0 +1,553 @@
+//! Connect's fact search when the semantic nodes do not fit their share of the memory budget.
+//!
+//! The facts (id, tenant, text) and the vectors of the store's other nodes are spilled to
+//! scratch files in the store's `scratch/connect/` folder, then split by a hash of the node id
+//! into partitions that each fit the share. A batch of ground queries is scored against one
+//! partition at a time: a pass over the facts' texts counts the document frequencies of the
+//! batch's terms, then a pass over the partitions, each joined with its vectors, scores every
+//! fact against the queries of its tenant and keeps, per query, the `dense_pool` best by cosine
+//! and the `bm25_pool` best by BM25, each with both signals. The pool they form is fused as in
+//! [`crate::SemanticIndex::hybrid`].
+//!
+//! The ranking is the one a [`crate::SemanticIndex`] over all of a tenant's facts gives, bit
+//! for bit: a cosine depends on its query and row alone ([`DenseIndex::scores`]), a BM25 score
+//! on the tenant's statistics and the fact's own terms ([`Bm25::scores_in`]), the pool is the
+//! same set (ties by id, as the index orders its nodes by id), and min-max fusion does not
+//! depend on the pool's order. The scratch files are this run's own: the folder is emptied
+//! of them when the search is dropped, and when a later run finds them left by a run that
+//! died (the writer lock makes connect the store's only writer).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use fluxmem_graph::{Node, NodeId};
+
+use crate::bm25::{average_length, query_terms, terms_with, Bm25, Bm25Params};
+use crate::dense::DenseIndex;
+use crate::fusion::{fuse, Signals};
+use crate::retrieve::RetrievalConfig;
+use crate::{Error, Result};
+
+/// The folder of connect's scratch files, inside the store's [`fluxmem_store::SCRATCH`].
+pub(crate) const FOLDER: &str = "connect";
+
+/// Most partitions (files open at once while splitting); past `MAX_PARTITIONS` times the
+/// share, a partition holds more than the share.
+pub(crate) const MAX_PARTITIONS: usize = 256;
+
+/// Fact rows scored in one matrix product (bounds the score matrix of a batch).
+const BLOCK: usize = 2048;
+
+/// What a fact takes in memory when its partition is loaded: its id and text (held, and as
+/// BM25 postings), its vector (raw and normalised), and bookkeeping.
+pub(crate) fn fact_bytes(id: &str, text: &str, dim: usize) -> usize {
+    id.len() + 3 * text.len() + 8 * dim + 256
+}
+
+/// A query of a batch: its tenant, its text and its vector.
+pub(crate) struct Query<'a> {
+    pub tenant: &'a str,
+    pub text: &'a str,
+    pub vector: &'a [f32],
+}
+
+/// The scratch files of one run, being written: every fact, then the other nodes' vectors.
+pub(crate) struct Spill {
+    dir: Scratch,
+    facts: BufWriter<File>,
+    /// Tenants numbered by first sight, as the files hold them.
+    numbers: HashMap<String, u32>,
+    stats: Vec<Stats>,
+    bytes: usize,
+    dim: usize,
+    failure: Option<Error>,
+}
+
+/// A tenant's collection statistics: facts and their terms in all.
+#[derive(Debug, Clone, Copy, Default)]
+struct Stats {
+    facts: usize,
+    terms: u64,
+}
+
+/// One fact of a partition: id, tenant, text and time (`created_at`, 0 when unknown).
+struct Fact {
+    id: String,
+    tenant: u32,
+    text: String,
+    time: i64,
+}
+
+/// A fact of a loaded partition: id, text, vector, time.
+type Loaded = (NodeId, String, Vec<f32>, i64);
+
+/// The facts spilled and split, ready to search.
+pub(crate) struct SpilledFacts {
+    dir: Scratch,
+    partitions: usize,
+    numbers: HashMap<String, u32>,
+    stats: Vec<Stats>,
+    dim: usize,
+    model: String,
+}
+
+/// The best candidates of a query so far: (cosine, BM25, fact, its time), best first, ties
+/// by id.
+type Kept = Vec<(f32, f32, NodeId, i64)>;
+
+/// A scored row: (cosine, BM25, fact, its time).
+type Row<'a> = (f32, f32, &'a NodeId, i64);
+
+fn io<T>(path: &Path, result: std::io::Result<T>) -> Result<T> {
+    result.map_err(|source| Error::Scratch { path: path.to_path_buf(), source })
+}
+
+/// Deletes the scratch files connect writes (and nothing else) from `dir`, then `dir` if it is
+/// left empty.
+pub(crate) fn sweep(dir: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if ours(&name) {
+            io(&entry.path(), std::fs::remove_file(entry.path()))?;
+        }
+    }
+    // Kept when it holds anything not ours, and so is the store's scratch folder above it.
+    if std::fs::remove_dir(dir).is_ok() {
+        if let Some(parent) = dir.parent() {
+            let _ = std::fs::remove_dir(parent);
+        }
+    }
+    Ok(())
+}
+
+/// `all.facts`, `all.vectors`, `p<N>.facts`, `p<N>.vectors`.
+fn ours(name: &str) -> bool {
+    let Some((stem, ext)) = name.rsplit_once('.') else { return false };
+    let stem_ok = stem == "all" || stem.strip_prefix('p').is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    stem_ok && (ext == "facts" || ext == "vectors")
+}
+
+/// A stable partition of a node id (FNV-1a: the same on every machine).
+fn partition_of(id: &str, partitions: usize) -> usize {
+    let mut hash: u64 = 0xcbf29ce484222325;
+    for byte in id.bytes() {
+        hash ^= byte as u64;
+        hash = hash.wrapping_mul(0x100000001b3);
+    }
+    (hash % partitions as u64) as usize
+}
+
+fn put_str(out: &mut impl Write, s: &str) -> std::io::Result<()> {
+    out.write_all(&(s.len() as u32).to_le_bytes())?;
+    out.write_all(s.as_bytes())
+}
+
+fn put_u32(out: &mut impl Write, v: u32) -> std::io::Result<()> {
+    out.write_all(&v.to_le_bytes())
+}
+
+fn put_fact(out: &mut impl Write, tenant: u32, id: &str, text: &str, time: i64) -> std::io::Result<()> {
+    put_u32(out, tenant)?;
+    put_str(out, id)?;
+    put_str(out, text)?;
+    out.write_all(&time.to_le_bytes())
+}
+
+/// The next u32, or `None` at the end of the file.
+fn get_u32(input: &mut impl Read) -> std::io::Result<Option<u32>> {
+    let mut bytes = [0u8; 4];
+    match input.read_exact(&mut bytes) {
+        Ok(()) => Ok(Some(u32::from_le_bytes(bytes))),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn get_string(input: &mut impl Read, len: u32) -> std::io::Result<String> {
+    let mut bytes = vec![0u8; len as usize];
+    input.read_exact(&mut bytes)?;
+    String::from_utf8(bytes).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+fn need_u32(input: &mut impl Read) -> std::io::Result<u32> {
+    get_u32(input)?.ok_or_else(|| std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "a record is cut short"))
+}
+
+/// Reads a facts file: (tenant, id, text) records.
+fn read_facts(path: &Path, f: &mut dyn FnMut(Fact)) -> Result<()> {
+    let mut input = BufReader::new(io(path, File::open(path))?);
+    let mut next = || -> std::io::Result<Option<Fact>> {
+        let Some(tenant) = get_u32(&mut input)? else { return Ok(None) };
+        let len = need_u32(&mut input)?;
+        let id = get_string(&mut input, len)?;
+        let len = need_u32(&mut input)?;
+        let text = get_string(&mut input, len)?;
+        let mut time = [0u8; 8];
+        input.read_exact(&mut time)?;
+        Ok(Some(Fact { id, tenant, text, time: i64::from_le_bytes(time) }))
+    };
+    while let Some(fact) = io(path, next())? {
+        f(fact);
+    }
+    Ok(())
+}
+
+/// Reads a vectors file: (id, vector) records.
+fn read_vectors(path: &Path, f: &mut dyn FnMut(String, Vec<f32>)) -> Result<()> {
+    let mut input = BufReader::new(io(path, File::open(path))?);
+    let mut next = || -> std::io::Result<Option<(String, Vec<f32>)>> {
+        let Some(len) = get_u32(&mut input)? else { return Ok(None) };
+        let id = get_string(&mut input, len)?;
+        let dim = need_u32(&mut input)? as usize;
+        let mut bytes = vec![0u8; dim * 4];
+        input.read_exact(&mut bytes)?;
+        Ok(Some((id, bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())))
+    };
+    while let Some((id, vector)) = io(path, next())? {
+        f(id, vector);
+    }
+    Ok(())
+}
+
+fn write_vector(out: &mut impl Write, id: &str, vector: &[f32]) -> std::io::Result<()> {
+    put_str(out, id)?;
+    put_u32(out, vector.len() as u32)?;
+    for v in vector {
+        out.write_all(&v.to_le_bytes())?;
+    }
+    Ok(())
+}
+
+impl Spill {
+    /// Starts the scratch files in `dir` (emptied first of any a dead run left), for vectors of
+    /// `dim` dimensions.
+    pub(crate) fn create(dir: &Path, dim: usize) -> Result<Spill> {
+        sweep(dir)?;
+        io(dir, std::fs::create_dir_all(dir))?;
+        let path = dir.join("all.facts");
+        let facts = BufWriter::new(io(&path, File::create(&path))?);
+        Ok(Spill { dir: Scratch(dir.to_path_buf()), facts, numbers: HashMap::new(), stats: Vec::new(), bytes: 0, dim, failure: None })
+    }
+
+    /// Spills a fact (a failure is kept for [`Spill::vectors`] to return).
+    pub(crate) fn add(&mut self, node: &Node) {
+        if self.failure.is_some() {
+            return;
+        }
+        let tenant = match self.numbers.get(&node.tenant) {
+            Some(&t) => t,
+            None => {
+                let t = self.stats.len() as u32;
+                self.numbers.insert(node.tenant.clone(), t);
+                self.stats.push(Stats::default());
+                t
+            }
+        };
+        let stats = &mut self.stats[tenant as usize];
+        stats.facts += 1;
+        stats.terms += terms_with(&node.text, Bm25Params::default().stem).len() as u64;
+        self.bytes += fact_bytes(node.id.as_str(), &node.text, self.dim);
+        if let Err(source) = put_fact(&mut self.facts, tenant, node.id.as_str(), &node.text, node.created_at.unwrap_or(0)) {
+            self.failure = Some(Error::Scratch { path: self.dir.join("all.facts"), source });
+        }
+    }
+
+    /// Spills every vector of `model` in the store but those of `skip` (the episodes), then
+    /// splits facts and vectors into partitions of about `share` bytes each.
+    pub(crate) fn vectors(
+        mut self,
+        store: &fluxmem_store::Store,
+        manifest: &fluxmem_store::Manifest,
+        model: &str,
+        skip: &dyn Fn(&NodeId) -> bool,
+        share: usize,
+    ) -> Result<SpilledFacts> {
+        if let Some(e) = self.failure.take() {
+            return Err(e);
+        }
+        let facts_path = self.dir.join("all.facts");
+        io(&facts_path, self.facts.flush())?;
+        let vectors_path = self.dir.join("all.vectors");
+        let mut out = BufWriter::new(io(&vectors_path, File::create(&vectors_path))?);
+        let mut failure = None;
+        store.live(manifest, "embeddings")?.embeddings(&mut |embedding| {
+            if failure.is_some() || embedding.model_id != model || skip(&embedding.node_id) {
+                return;
+            }
+            if let Err(e) = write_vector(&mut out, embedding.node_id.as_str(), &embedding.vector) {
+                failure = Some(e);
+            }
+        })?;
+        if let Some(source) = failure {
+            return Err(Error::Scratch { path: vectors_path, source });
+        }
+        io(&vectors_path, out.flush())?;
+        drop(out);
+        let partitions = self.bytes.div_ceil(share.max(1)).clamp(2, MAX_PARTITIONS);
+        let spilled = SpilledFacts { dir: self.dir, partitions, numbers: self.numbers, stats: self.stats, dim: self.dim, model: model.to_string() };
+        spilled.split(&facts_path, &vectors_path)?;
+        Ok(spilled)
+    }
+}
+
+impl SpilledFacts {
+    /// Partitions the facts are split into.
+    pub(crate) fn partitions(&self) -> usize {
+        self.partitions
+    }
+
+    fn path(&self, partition: usize, ext: &str) -> PathBuf {
+        self.dir.join(format!("p{partition}.{ext}"))
+    }
+
+    /// Splits the two spill files by node id into the partitions, then deletes them.
+    fn split(&self, facts: &Path, vectors: &Path) -> Result<()> {
+        let open = |ext: &str| -> Result<Vec<BufWriter<File>>> {
+            (0..self.partitions).map(|p| self.path(p, ext)).map(|path| Ok(BufWriter::new(io(&path, File::create(&path))?))).collect()
+        };
+        let mut outs = open("facts")?;
+        let mut failure: Option<(usize, std::io::Error)> = None;
+        read_facts(facts, &mut |fact| {
+            let p = partition_of(&fact.id, self.partitions);
+            let out = &mut outs[p];
+            if let Err(e) = put_fact(out, fact.tenant, &fact.id, &fact.text, fact.time) {
+                failure.get_or_insert((p, e));
+            }
+        })?;
+        self.finish_split(outs, failure.take(), "facts")?;
+        let mut outs = open("vectors")?;
+        read_vectors(vectors, &mut |id, vector| {
+            let p = partition_of(&id, self.partitions);
+            if let Err(e) = write_vector(&mut outs[p], &id, &vector) {
+                failure.get_or_insert((p, e));
+            }
+        })?;
+        self.finish_split(outs, failure, "vectors")?;
+        io(facts, std::fs::remove_file(facts))?;
+        io(vectors, std::fs::remove_file(vectors))
+    }
+
+    fn finish_split(&self, outs: Vec<BufWriter<File>>, failure: Option<(usize, std::io::Error)>, ext: &str) -> Result<()> {
+        if let Some((p, source)) = failure {
+            return Err(Error::Scratch { path: self.path(p, ext), source });
+        }
+        for (p, mut out) in outs.into_iter().enumerate() {
+            io(&self.path(p, ext), out.flush())?;
+        }
+        Ok(())
+    }
+
+    fn tenant_number(&self, tenant: &str) -> Option<u32> {
+        self.numbers.get(tenant).copied()
+    }
+
+    /// Loads partition `p`: the facts of `tenants` with their vectors, by tenant, in id order.
+    /// A fact without a vector of the model is an error naming it (the first in id order),
+    /// and so is a vector of another dimension.
+    fn load(&self, p: usize, tenants: &HashSet<u32>) -> Result<BTreeMap<u32, Vec<Loaded>>> {
+        let mut facts: Vec<Fact> = Vec::new();
+        read_facts(&self.path(p, "facts"), &mut |fact| {
+            if tenants.contains(&fact.tenant) {
+                facts.push(fact);
+            }
+        })?;
+        let wanted: HashSet<&str> = facts.iter().map(|f| f.id.as_str()).collect();
+        let mut vectors: HashMap<String, Vec<f32>> = HashMap::new();
+        read_vectors(&self.path(p, "vectors"), &mut |id, vector| {
+            if wanted.contains(id.as_str()) {
+                vectors.insert(id, vector);
+            }
+        })?;
+        drop(wanted);
+        facts.sort_by(|a, b| a.id.cmp(&b.id));
+        let mut out: BTreeMap<u32, Vec<Loaded>> = BTreeMap::new();
+        for fact in facts {
+            let Some(vector) = vectors.remove(&fact.id) else {
+                return Err(Error::NotEmbedded { node: fact.id, model: self.model.clone() });
+            };
+            if vector.len() != self.dim {
+                return Err(Error::Dimension { node: fact.id, model: self.model.clone(), expected: self.dim, got: vector.len() });
+            }
+            out.entry(fact.tenant).or_default().push((NodeId(fact.id), fact.text, vector, fact.time));
+        }
+        Ok(out)
+    }
+
+    /// Checks that every fact of `tenants` has a vector of the model's dimension, naming the
+    /// first in id order that has none.
+    pub(crate) fn check(&self, tenants: &[&str]) -> Result<()> {
+        let numbers: HashSet<u32> = tenants.iter().filter_map(|t| self.tenant_number(t)).collect();
+        let mut first: Option<Error> = None;
+        let mut first_id = String::new();
+        for p in 0..self.partitions {
+            if let Err(e) = self.load(p, &numbers) {
+                let id = match &e {
+                    Error::NotEmbedded { node, .. } | Error::Dimension { node, .. } => node.clone(),
+                    _ => return Err(e),
+                };
+                if first.is_none() || id < first_id {
+                    first_id = id;
+                    first = Some(e);
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// The fused ranking of each query's pool, its best `take` (node, score), best first, ties
+    /// by id. The queries are taken in batches whose pools fit `share` bytes, each batch with
+    /// its own passes over the partitions.
+    pub(crate) fn search(&self, queries: &[Query<'_>], config: &RetrievalConfig, take: usize, share: usize, device: &Device) -> Result<Vec<Vec<(NodeId, f32, i64)>>> {
+        // A kept candidate: two scores and an id (its string and allocation).
+        let per_query = (config.dense_pool + config.bm25_pool) * 96 + self.dim * 8 + 1024;
+        let batch = (share / per_query).max(1);
+        let mut out = Vec::with_capacity(queries.len());
+        for part in queries.chunks(batch) {
+            out.extend(self.search_batch(part, config, take, device)?);
+        }
+        Ok(out)
+    }
+
+    fn search_batch(&self, queries: &[Query<'_>], config: &RetrievalConfig, take: usize, device: &Device) -> Result<Vec<Vec<(NodeId, f32, i64)>>> {
+        let params = Bm25Params::default();
+        // Each query's tenant (None: a tenant without facts) and terms.
+        let tenant_of: Vec<Option<u32>> = queries.iter().map(|q| self.tenant_number(q.tenant)).collect();
+        let terms: Vec<Vec<String>> = queries.iter().map(|q| query_terms(q.text, params.stem)).collect();
+        let mut wanted: HashMap<u32, HashSet<&str>> = HashMap::new();
+        for (tenant, terms) in tenant_of.iter().zip(&terms) {
+            if let Some(t) = tenant {
+                wanted.entry(*t).or_default().extend(terms.iter().map(String::as_str));
+            }
+        }
+        // Document frequencies of the batch's terms, per tenant.
+        let mut df: HashMap<u32, HashMap<String, usize>> = HashMap::new();
+        for p in 0..self.partitions {
+            read_facts(&self.path(p, "facts"), &mut |fact| {
+                let Some(terms) = wanted.get(&fact.tenant) else { return };
+                let counts = df.entry(fact.tenant).or_default();
+                let mut seen: HashSet<String> = HashSet::new();
+                for term in terms_with(&fact.text, params.stem) {
+                    if terms.contains(term.as_str()) && seen.insert(term.clone()) {
+                        *counts.entry(term).or_default() += 1;
+                    }
+                }
+            })?;
+        }
+        let tenants: HashSet<u32> = wanted.keys().copied().collect();
+        let mut dense_kept: Vec<Kept> = vec![Vec::new(); queries.len()];
+        let mut bm25_kept: Vec<Kept> = vec![Vec::new(); queries.len()];
+        for p in 0..self.partitions {
+            for (tenant, facts) in self.load(p, &tenants)? {
+                let asked: Vec<usize> = (0..queries.len()).filter(|&q| tenant_of[q] == Some(tenant)).collect();
+                let stats = self.stats[tenant as usize];
+                let average = average_length(stats.terms, stats.facts);
+                let no_df = HashMap::new();
+                let tenant_df = df.get(&tenant).unwrap_or(&no_df);
+                for block in facts.chunks(BLOCK) {
+                    let texts: Vec<&str> = block.iter().map(|(_, text, ..)| text.as_str()).collect();
+                    let bm25 = Bm25::new(&texts, params);
+                    let vectors: Vec<Vec<f32>> = block.iter().map(|(_, _, v, _)| v.clone()).collect();
+                    let index = DenseIndex::new(&vectors, self.dim, device)?;
+                    drop(vectors);
+                    let query_vectors: Vec<Vec<f32>> = asked.iter().map(|&q| queries[q].vector.to_vec()).collect();
+                    let dense = index.scores(&query_vectors)?;
+                    for (&q, cosines) in asked.iter().zip(dense) {
+                        let lexical = bm25.scores_in(queries[q].text, stats.facts, average, &|term| tenant_df.get(term).copied().unwrap_or(0));
+                        let rows: Vec<Row<'_>> = block.iter().zip(cosines).zip(lexical).map(|(((id, _, _, time), d), b)| (d, b, id, *time)).collect();
+                        keep(&mut dense_kept[q], &rows, config.dense_pool, |r| r.0, |_| true);
+                        keep(&mut bm25_kept[q], &rows, config.bm25_pool, |r| r.1, |r| r.1 > 0.0);
+                    }
+                }
+            }
+        }
+        Ok(dense_kept.into_iter().zip(bm25_kept).map(|(dense, bm25)| fused(dense, bm25, config, take)).collect())
+    }
+}
+
+/// The scratch folder of a run: swept of the run's files when dropped, whether the run ends
+/// or fails.
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = sweep(&self.0);
+    }
+}
+
+/// Keeps in `kept` the `k` best of `kept` and `rows` by `score` (ties by id) among the rows
+/// `admit` lets in.
+fn keep(kept: &mut Kept, rows: &[Row<'_>], k: usize, score: impl Fn(&Row<'_>) -> f32, admit: impl Fn(&Row<'_>) -> bool) {
+    if k == 0 {
+        return;
+    }
+    let order = |a: &Row<'_>, b: &Row<'_>| score(b).total_cmp(&score(a)).then(a.2.cmp(b.2));
+    // Only a row at least as good as the `k`-th kept can enter (an equal score may win its
+    // tie by id).
+    let floor = (kept.len() == k).then(|| {
+        let last = &kept[k - 1];
+        score(&(last.0, last.1, &last.2, last.3))
+    });
+    let mut ranked: Vec<Row<'_>> = rows.iter().filter(|r| admit(r) && floor.is_none_or(|f| score(r).total_cmp(&f).is_ge())).copied().collect();
+    if ranked.is_empty() {
+        return;
+    }
+    if k < ranked.len() {
+        ranked.select_nth_unstable_by(k - 1, order);
+        ranked.truncate(k);
+    }
+    let mut merged: Vec<Row<'_>> = kept.iter().map(|(d, b, n, t)| (*d, *b, n, *t)).chain(ranked).collect();
+    merged.sort_by(order);
+    merged.truncate(k);
+    *kept = merged.into_iter().map(|(d, b, n, t)| (d, b, n.clone(), t)).collect();
+}
+
+/// The pool of a query (its dense and BM25 candidates), fused and ranked: the best `take`.
+fn fused(dense: Kept, bm25: Kept, config: &RetrievalConfig, take: usize) -> Vec<(NodeId, f32, i64)> {
+    let mut pool: BTreeMap<NodeId, (f32, f32, i64)> = BTreeMap::new();
+    for (d, b, id, t) in dense.into_iter().chain(bm25) {
+        pool.insert(id, (d, b, t));
+    }
+    let signals: Vec<Signals> = pool.values().map(|&(dense, bm25, _)| Signals { dense, bm25, judge: None }).collect();
+    let scores = fuse(config.fusion, &config.weights, &signals);
+    let mut ranked: Vec<(NodeId, f32, i64)> = pool.into_iter().zip(scores).map(|((id, (_, _, t)), score)| (id, score, t)).collect();
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    ranked.truncate(take);
+    ranked
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_its_own_scratch_files_are_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let scratch = dir.path().join("connect");
+        std::fs::create_dir_all(&scratch).unwrap();
+        for name in ["all.facts", "all.vectors", "p0.facts", "p12.vectors"] {
+            std::fs::write(scratch.join(name), b"x").unwrap();
+        }
+        std::fs::write(scratch.join("notes.txt"), b"keep").unwrap();
+        std::fs::write(scratch.join("p.facts"), b"keep").unwrap();
+        sweep(&scratch).unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(&scratch).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        left.sort();
+        assert_eq!(left, ["notes.txt", "p.facts"]);
+        std::fs::remove_file(scratch.join("notes.txt")).unwrap();
+        std::fs::remove_file(scratch.join("p.facts")).unwrap();
+        std::fs::write(scratch.join("p3.facts"), b"x").unwrap();
+        sweep(&scratch).unwrap();
+        assert!(!scratch.exists() && !dir.path().exists(), "an emptied folder goes too, and its emptied parent");
+    }
+}
