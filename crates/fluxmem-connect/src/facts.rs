@@ -81,8 +81,9 @@ struct Fact {
     time: i64,
 }
 
-/// A fact of a loaded partition: id, text, vector, time.
-type Loaded = (NodeId, String, Vec<f32>, i64);
+/// A fact of a loaded partition: its ordinal (its place in the id order of all the facts),
+/// text and vector.
+type Loaded = (u32, String, Vec<f32>);
 
 /// The facts spilled and split, ready to search.
 pub(crate) struct SpilledFacts {
@@ -94,12 +95,12 @@ pub(crate) struct SpilledFacts {
     model: String,
 }
 
-/// The best candidates of a query so far: (cosine, BM25, fact, its time), best first, ties
-/// by id.
-type Kept = Vec<(f32, f32, NodeId, i64)>;
+/// The best candidates of a query so far: (cosine, BM25, ordinal), best first, ties by
+/// ordinal (that is, by id).
+type Kept = Vec<Row>;
 
-/// A scored row: (cosine, BM25, fact, its time).
-type Row<'a> = (f32, f32, &'a NodeId, i64);
+/// A scored fact: (cosine, BM25, ordinal).
+type Row = (f32, f32, u32);
 
 fn io<T>(path: &Path, result: std::io::Result<T>) -> Result<T> {
     result.map_err(|source| Error::Scratch { path: path.to_path_buf(), source })
@@ -124,11 +125,11 @@ pub(crate) fn sweep(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// `all.facts`, `all.vectors`, `p<N>.facts`, `p<N>.vectors`.
+/// `all.facts`, `all.vectors`, and `p<N>.` `facts`, `vectors`, `ords` or `tmp`.
 fn ours(name: &str) -> bool {
     let Some((stem, ext)) = name.rsplit_once('.') else { return false };
     let stem_ok = stem == "all" || stem.strip_prefix('p').is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-    stem_ok && (ext == "facts" || ext == "vectors")
+    stem_ok && matches!(ext, "facts" | "vectors" | "ords" | "tmp")
 }
 
 /// A stable partition of a node id (FNV-1a: the same on every machine).
@@ -177,20 +178,38 @@ fn need_u32(input: &mut impl Read) -> std::io::Result<u32> {
     get_u32(input)?.ok_or_else(|| std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "a record is cut short"))
 }
 
-/// Reads a facts file: (tenant, id, text) records.
+/// A facts file read record by record.
+struct FactReader {
+    input: BufReader<File>,
+    path: PathBuf,
+}
+
+impl FactReader {
+    fn open(path: &Path) -> Result<FactReader> {
+        Ok(FactReader { input: BufReader::new(io(path, File::open(path))?), path: path.to_path_buf() })
+    }
+
+    /// The next (tenant, id, text, time) record, or `None` at the end.
+    fn next(&mut self) -> Result<Option<Fact>> {
+        let input = &mut self.input;
+        let record = (|| -> std::io::Result<Option<Fact>> {
+            let Some(tenant) = get_u32(input)? else { return Ok(None) };
+            let len = need_u32(input)?;
+            let id = get_string(input, len)?;
+            let len = need_u32(input)?;
+            let text = get_string(input, len)?;
+            let mut time = [0u8; 8];
+            input.read_exact(&mut time)?;
+            Ok(Some(Fact { id, tenant, text, time: i64::from_le_bytes(time) }))
+        })();
+        io(&self.path, record)
+    }
+}
+
+/// Reads a facts file: (tenant, id, text, time) records.
 fn read_facts(path: &Path, f: &mut dyn FnMut(Fact)) -> Result<()> {
-    let mut input = BufReader::new(io(path, File::open(path))?);
-    let mut next = || -> std::io::Result<Option<Fact>> {
-        let Some(tenant) = get_u32(&mut input)? else { return Ok(None) };
-        let len = need_u32(&mut input)?;
-        let id = get_string(&mut input, len)?;
-        let len = need_u32(&mut input)?;
-        let text = get_string(&mut input, len)?;
-        let mut time = [0u8; 8];
-        input.read_exact(&mut time)?;
-        Ok(Some(Fact { id, tenant, text, time: i64::from_le_bytes(time) }))
-    };
-    while let Some(fact) = io(path, next())? {
+    let mut reader = FactReader::open(path)?;
+    while let Some(fact) = reader.next()? {
         f(fact);
     }
     Ok(())
@@ -304,7 +323,10 @@ impl SpilledFacts {
         self.dir.join(format!("p{partition}.{ext}"))
     }
 
-    /// Splits the two spill files by node id into the partitions, then deletes them.
+    /// Splits the two spill files by node id into the partitions and deletes them; then sorts
+    /// each partition's facts by id and numbers every fact by its place in the id order of
+    /// all of them (`p<N>.ords`, one u32 per fact of `p<N>.facts`), so that a candidate is
+    /// kept as 12 bytes and ties still break by id.
     fn split(&self, facts: &Path, vectors: &Path) -> Result<()> {
         let open = |ext: &str| -> Result<Vec<BufWriter<File>>> {
             (0..self.partitions).map(|p| self.path(p, ext)).map(|path| Ok(BufWriter::new(io(&path, File::create(&path))?))).collect()
@@ -313,8 +335,7 @@ impl SpilledFacts {
         let mut failure: Option<(usize, std::io::Error)> = None;
         read_facts(facts, &mut |fact| {
             let p = partition_of(&fact.id, self.partitions);
-            let out = &mut outs[p];
-            if let Err(e) = put_fact(out, fact.tenant, &fact.id, &fact.text, fact.time) {
+            if let Err(e) = put_fact(&mut outs[p], fact.tenant, &fact.id, &fact.text, fact.time) {
                 failure.get_or_insert((p, e));
             }
         })?;
@@ -328,7 +349,39 @@ impl SpilledFacts {
         })?;
         self.finish_split(outs, failure, "vectors")?;
         io(facts, std::fs::remove_file(facts))?;
-        io(vectors, std::fs::remove_file(vectors))
+        io(vectors, std::fs::remove_file(vectors))?;
+        // Each partition in id order (it fits the share).
+        for p in 0..self.partitions {
+            let mut facts: Vec<Fact> = Vec::new();
+            read_facts(&self.path(p, "facts"), &mut |fact| facts.push(fact))?;
+            facts.sort_by(|a, b| a.id.cmp(&b.id));
+            let tmp = self.path(p, "tmp");
+            let mut out = BufWriter::new(io(&tmp, File::create(&tmp))?);
+            for fact in &facts {
+                io(&tmp, put_fact(&mut out, fact.tenant, &fact.id, &fact.text, fact.time))?;
+            }
+            io(&tmp, out.flush())?;
+            drop(out);
+            io(&tmp, std::fs::rename(&tmp, self.path(p, "facts")))?;
+        }
+        // The ordinals: a merge of the sorted partitions.
+        let mut readers: Vec<FactReader> = (0..self.partitions).map(|p| FactReader::open(&self.path(p, "facts"))).collect::<Result<_>>()?;
+        let mut ords = open("ords")?;
+        let mut heads: std::collections::BinaryHeap<std::cmp::Reverse<(String, usize)>> = Default::default();
+        for (p, reader) in readers.iter_mut().enumerate() {
+            if let Some(fact) = reader.next()? {
+                heads.push(std::cmp::Reverse((fact.id, p)));
+            }
+        }
+        let mut ordinal: u32 = 0;
+        while let Some(std::cmp::Reverse((_, p))) = heads.pop() {
+            io(&self.path(p, "ords"), put_u32(&mut ords[p], ordinal))?;
+            ordinal = ordinal.checked_add(1).expect("fewer than 2^32 facts");
+            if let Some(fact) = readers[p].next()? {
+                heads.push(std::cmp::Reverse((fact.id, p)));
+            }
+        }
+        self.finish_split(ords, None, "ords")
     }
 
     fn finish_split(&self, outs: Vec<BufWriter<File>>, failure: Option<(usize, std::io::Error)>, ext: &str) -> Result<()> {
@@ -345,17 +398,37 @@ impl SpilledFacts {
         self.numbers.get(tenant).copied()
     }
 
+    /// The facts of partition `p` (in id order) with their ordinals, those of `tenants` only.
+    fn numbered(&self, p: usize, tenants: &HashSet<u32>, f: &mut dyn FnMut(u32, Fact)) -> Result<()> {
+        let path = self.path(p, "ords");
+        let mut ords = BufReader::new(io(&path, File::open(&path))?);
+        let mut failure = None;
+        read_facts(&self.path(p, "facts"), &mut |fact| {
+            match get_u32(&mut ords) {
+                Ok(Some(ordinal)) if failure.is_none() => {
+                    if tenants.contains(&fact.tenant) {
+                        f(ordinal, fact);
+                    }
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    failure.get_or_insert(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "fewer ordinals than facts"));
+                }
+                Err(e) => {
+                    failure.get_or_insert(e);
+                }
+            }
+        })?;
+        failure.map_or(Ok(()), |source| Err(Error::Scratch { path, source }))
+    }
+
     /// Loads partition `p`: the facts of `tenants` with their vectors, by tenant, in id order.
     /// A fact without a vector of the model is an error naming it (the first in id order),
     /// and so is a vector of another dimension.
     fn load(&self, p: usize, tenants: &HashSet<u32>) -> Result<BTreeMap<u32, Vec<Loaded>>> {
-        let mut facts: Vec<Fact> = Vec::new();
-        read_facts(&self.path(p, "facts"), &mut |fact| {
-            if tenants.contains(&fact.tenant) {
-                facts.push(fact);
-            }
-        })?;
-        let wanted: HashSet<&str> = facts.iter().map(|f| f.id.as_str()).collect();
+        let mut facts: Vec<(u32, Fact)> = Vec::new();
+        self.numbered(p, tenants, &mut |ordinal, fact| facts.push((ordinal, fact)))?;
+        let wanted: HashSet<&str> = facts.iter().map(|(_, f)| f.id.as_str()).collect();
         let mut vectors: HashMap<String, Vec<f32>> = HashMap::new();
         read_vectors(&self.path(p, "vectors"), &mut |id, vector| {
             if wanted.contains(id.as_str()) {
@@ -363,16 +436,15 @@ impl SpilledFacts {
             }
         })?;
         drop(wanted);
-        facts.sort_by(|a, b| a.id.cmp(&b.id));
         let mut out: BTreeMap<u32, Vec<Loaded>> = BTreeMap::new();
-        for fact in facts {
+        for (ordinal, fact) in facts {
             let Some(vector) = vectors.remove(&fact.id) else {
                 return Err(Error::NotEmbedded { node: fact.id, model: self.model.clone() });
             };
             if vector.len() != self.dim {
                 return Err(Error::Dimension { node: fact.id, model: self.model.clone(), expected: self.dim, got: vector.len() });
             }
-            out.entry(fact.tenant).or_default().push((NodeId(fact.id), fact.text, vector, fact.time));
+            out.entry(fact.tenant).or_default().push((ordinal, fact.text, vector));
         }
         Ok(out)
     }
@@ -398,12 +470,11 @@ impl SpilledFacts {
         first.map_or(Ok(()), Err)
     }
 
-    /// The fused ranking of each query's pool, its best `take` (node, score), best first, ties
-    /// by id. The queries are taken in batches whose pools fit `share` bytes, each batch with
-    /// its own passes over the partitions.
+    /// The fused ranking of each query's pool, its best `take` (node, score, node time), best
+    /// first, ties by id. The queries are taken in batches whose pools fit `share` bytes, each
+    /// batch with its own passes over the partitions.
     pub(crate) fn search(&self, queries: &[Query<'_>], config: &RetrievalConfig, take: usize, share: usize, device: &Device) -> Result<Vec<Vec<(NodeId, f32, i64)>>> {
-        // A kept candidate: two scores and an id (its string and allocation).
-        let per_query = (config.dense_pool + config.bm25_pool) * 96 + self.dim * 8 + 1024;
+        let per_query = (config.dense_pool + config.bm25_pool) * std::mem::size_of::<Row>() * 2 + self.dim * 8 + 1024;
         let batch = (share / per_query).max(1);
         let mut out = Vec::with_capacity(queries.len());
         for part in queries.chunks(batch) {
@@ -447,24 +518,33 @@ impl SpilledFacts {
                 let average = average_length(stats.terms, stats.facts);
                 let no_df = HashMap::new();
                 let tenant_df = df.get(&tenant).unwrap_or(&no_df);
+                let query_vectors: Vec<Vec<f32>> = asked.iter().map(|&q| queries[q].vector.to_vec()).collect();
                 for block in facts.chunks(BLOCK) {
-                    let texts: Vec<&str> = block.iter().map(|(_, text, ..)| text.as_str()).collect();
+                    let texts: Vec<&str> = block.iter().map(|(_, text, _)| text.as_str()).collect();
                     let bm25 = Bm25::new(&texts, params);
-                    let vectors: Vec<Vec<f32>> = block.iter().map(|(_, _, v, _)| v.clone()).collect();
+                    let vectors: Vec<Vec<f32>> = block.iter().map(|(_, _, v)| v.clone()).collect();
                     let index = DenseIndex::new(&vectors, self.dim, device)?;
                     drop(vectors);
-                    let query_vectors: Vec<Vec<f32>> = asked.iter().map(|&q| queries[q].vector.to_vec()).collect();
-                    let dense = index.scores(&query_vectors)?;
-                    for (&q, cosines) in asked.iter().zip(dense) {
+                    for (&q, cosines) in asked.iter().zip(index.scores(&query_vectors)?) {
                         let lexical = bm25.scores_in(queries[q].text, stats.facts, average, &|term| tenant_df.get(term).copied().unwrap_or(0));
-                        let rows: Vec<Row<'_>> = block.iter().zip(cosines).zip(lexical).map(|(((id, _, _, time), d), b)| (d, b, id, *time)).collect();
+                        let rows: Vec<Row> = block.iter().zip(cosines).zip(lexical).map(|(((ordinal, _, _), d), b)| (d, b, *ordinal)).collect();
                         keep(&mut dense_kept[q], &rows, config.dense_pool, |r| r.0, |_| true);
                         keep(&mut bm25_kept[q], &rows, config.bm25_pool, |r| r.1, |r| r.1 > 0.0);
                     }
                 }
             }
         }
-        Ok(dense_kept.into_iter().zip(bm25_kept).map(|(dense, bm25)| fused(dense, bm25, config, take)).collect())
+        let ranked: Vec<Vec<(u32, f32)>> = dense_kept.into_iter().zip(bm25_kept).map(|(dense, bm25)| fused(dense, bm25, config, take)).collect();
+        // The ids and times of the facts ranked.
+        let mut named: HashMap<u32, (NodeId, i64)> = ranked.iter().flatten().map(|&(ordinal, _)| (ordinal, (NodeId(String::new()), 0))).collect();
+        for p in 0..self.partitions {
+            self.numbered(p, &tenants, &mut |ordinal, fact| {
+                if let Some(slot) = named.get_mut(&ordinal) {
+                    *slot = (NodeId(fact.id), fact.time);
+                }
+            })?;
+        }
+        Ok(ranked.into_iter().map(|list| list.into_iter().map(|(ordinal, score)| { let (id, time) = named[&ordinal].clone(); (id, score, time) }).collect()).collect())
     }
 }
 
@@ -485,20 +565,17 @@ impl Drop for Scratch {
     }
 }
 
-/// Keeps in `kept` the `k` best of `kept` and `rows` by `score` (ties by id) among the rows
-/// `admit` lets in.
-fn keep(kept: &mut Kept, rows: &[Row<'_>], k: usize, score: impl Fn(&Row<'_>) -> f32, admit: impl Fn(&Row<'_>) -> bool) {
+/// Keeps in `kept` the `k` best of `kept` and `rows` by `score` (ties by ordinal) among the
+/// rows `admit` lets in.
+fn keep(kept: &mut Kept, rows: &[Row], k: usize, score: impl Fn(&Row) -> f32, admit: impl Fn(&Row) -> bool) {
     if k == 0 {
         return;
     }
-    let order = |a: &Row<'_>, b: &Row<'_>| score(b).total_cmp(&score(a)).then(a.2.cmp(b.2));
+    let order = |a: &Row, b: &Row| score(b).total_cmp(&score(a)).then(a.2.cmp(&b.2));
     // Only a row at least as good as the `k`-th kept can enter (an equal score may win its
-    // tie by id).
-    let floor = (kept.len() == k).then(|| {
-        let last = &kept[k - 1];
-        score(&(last.0, last.1, &last.2, last.3))
-    });
-    let mut ranked: Vec<Row<'_>> = rows.iter().filter(|r| admit(r) && floor.is_none_or(|f| score(r).total_cmp(&f).is_ge())).copied().collect();
+    // tie by ordinal).
+    let floor = (kept.len() == k).then(|| score(&kept[k - 1]));
+    let mut ranked: Vec<Row> = rows.iter().filter(|r| admit(r) && floor.is_none_or(|f| score(r).total_cmp(&f).is_ge())).copied().collect();
     if ranked.is_empty() {
         return;
     }
@@ -506,21 +583,22 @@ fn keep(kept: &mut Kept, rows: &[Row<'_>], k: usize, score: impl Fn(&Row<'_>) ->
         ranked.select_nth_unstable_by(k - 1, order);
         ranked.truncate(k);
     }
-    let mut merged: Vec<Row<'_>> = kept.iter().map(|(d, b, n, t)| (*d, *b, n, *t)).chain(ranked).collect();
-    merged.sort_by(order);
-    merged.truncate(k);
-    *kept = merged.into_iter().map(|(d, b, n, t)| (d, b, n.clone(), t)).collect();
+    kept.extend(ranked);
+    kept.sort_by(order);
+    kept.truncate(k);
 }
 
-/// The pool of a query (its dense and BM25 candidates), fused and ranked: the best `take`.
-fn fused(dense: Kept, bm25: Kept, config: &RetrievalConfig, take: usize) -> Vec<(NodeId, f32, i64)> {
-    let mut pool: BTreeMap<NodeId, (f32, f32, i64)> = BTreeMap::new();
-    for (d, b, id, t) in dense.into_iter().chain(bm25) {
-        pool.insert(id, (d, b, t));
+/// The pool of a query (its dense and BM25 candidates), fused and ranked: the best `take`
+/// (ordinal, score).
+fn fused(dense: Kept, bm25: Kept, config: &RetrievalConfig, take: usize) -> Vec<(u32, f32)> {
+    // In ordinal order, that is in id order, as the index holds its pool.
+    let mut pool: BTreeMap<u32, (f32, f32)> = BTreeMap::new();
+    for (d, b, ordinal) in dense.into_iter().chain(bm25) {
+        pool.insert(ordinal, (d, b));
     }
-    let signals: Vec<Signals> = pool.values().map(|&(dense, bm25, _)| Signals { dense, bm25, judge: None }).collect();
+    let signals: Vec<Signals> = pool.values().map(|&(dense, bm25)| Signals { dense, bm25, judge: None }).collect();
     let scores = fuse(config.fusion, &config.weights, &signals);
-    let mut ranked: Vec<(NodeId, f32, i64)> = pool.into_iter().zip(scores).map(|((id, (_, _, t)), score)| (id, score, t)).collect();
+    let mut ranked: Vec<(u32, f32)> = pool.into_keys().zip(scores).collect();
     ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     ranked.truncate(take);
     ranked

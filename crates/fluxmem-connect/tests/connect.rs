@@ -304,6 +304,17 @@ fn facts_spilled_to_partitions_give_the_same_ground_edges() {
         let path = dir.path().join(name);
         std::fs::create_dir_all(&path).unwrap();
         let mut writer = if two_tenants { two_tenant_store(&path, TWO_TENANTS) } else { prepared_store(&path) };
+        if two_tenants {
+            // Facts of acme's questions said ten times each (ties at every cut of the pools and
+            // of the ranking).
+            let repeated = path.join("repeated.jsonl");
+            let lines: String = (0..30)
+                .map(|i| format!("{{\"type\":\"fact\",\"tenant\":\"acme\",\"source\":\"faq\",\"position\":{i},\"text\":\"Refunds for {} orders go to the original card.\"}}\n", ["cancelled", "damaged", "late"][i % 3]))
+                .collect();
+            std::fs::write(&repeated, lines).unwrap();
+            fluxmem_ingest::ingest(&mut writer, &[repeated], &Default::default(), "t2", &mut fluxmem_ingest::NoProgress).unwrap();
+            fluxmem_embed::embed_store(&mut writer, &HashEmbedder::new(64), &Default::default(), "t2", &mut fluxmem_embed::NoProgress).unwrap();
+        }
         let options = ConnectOptions { ground_k: 3, memory, retrieval: retrieval.clone(), ..Default::default() };
         let report = connect_store(&mut writer, &HashEmbedder::new(64), &options, "connect@test", &Device::Cpu, &mut NoProgress).unwrap();
         assert!(!writer.store().dir().join(fluxmem_store::SCRATCH).exists(), "the scratch files are deleted");
@@ -312,7 +323,7 @@ fn facts_spilled_to_partitions_give_the_same_ground_edges() {
             assert_eq!(graph.nodes[&edge.src].tenant, graph.nodes[&edge.dst].tenant, "an edge joins two tenants");
         }
         // Times too, where both stores ingested the same file (the two-tenant stores each
-        // write their own, whose times differ).
+        // write their own files, whose times differ).
         let time = |t: i64| if two_tenants { 0 } else { t };
         let edges: Vec<_> = graph.edges.values().map(|e| (e.key(), e.weight.to_bits(), e.evidence, time(e.created_at), e.active)).collect();
         (report, edges)
