@@ -147,9 +147,10 @@ pub struct ConnectArgs {
     pub commit_every: usize,
     /// MiB connect may hold for the night: half for the link search (the night's episode
     /// vectors and neighbours, and the blocks of scores), a quarter for the night's episodes
-    /// whole. The stored vectors are streamed, never held; a night that does not fit is done in
-    /// groups of whole commits, each with a pass over them. Not counted: the semantic nodes and
-    /// their index, and each stored episode's id, tenant and time.
+    /// whole, a quarter for the facts. The stored vectors are streamed, never held; a night
+    /// that does not fit is done in groups of whole commits, each with a pass over them. Facts
+    /// that do not fit are spilled to scratch files in the store and searched a partition at a
+    /// time (the same edges). Not counted: each stored episode's id, tenant and time.
     #[arg(long, default_value_t = std::num::NonZeroUsize::new(fluxmem_connect::DEFAULT_MEMORY >> 20).expect("the default budget is positive"))]
     pub memory_mb: std::num::NonZeroUsize,
     /// Embedding model (must be the store's; `hash-<dim>` for the weight-free hashing

@@ -184,7 +184,7 @@ pub struct Connect {
     pub commit_every: usize,
     /// MiB connect may hold for the night: half for the link search (the night's episode
     /// vectors and neighbours, the score blocks), a quarter for a group of the night's
-    /// episodes whole (see `--memory-mb`).
+    /// episodes whole, a quarter for the facts (see `--memory-mb`).
     pub memory_mb: usize,
 }
 

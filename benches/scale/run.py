@@ -84,6 +84,8 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--last-night", type=int, default=None, metavar="EPISODES", help="episodes of the last night (default N/10): the same small night on stores of different sizes shows what grows with history")
     parser.add_argument("--snapshot", default=None, metavar="STAGE", help="copy the store to WORK/before-STAGE before the last night's STAGE (to profile it again)")
+    parser.add_argument("--facts", type=int, default=None, help="facts of the fleet (synth_fleet.py's default: 400)")
+    parser.add_argument("--connect-memory-mb", type=int, default=None, help="connect's --memory-mb (default: connect's)")
     parser.add_argument("--embedder", default=None, help="embedding model of embed and connect (default: the store default; hash-384: no model)")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix=f"fluxmem-scale-{args.episodes}-")
@@ -96,10 +98,11 @@ def main():
     store = os.path.join(work, "store")
     log = open(os.path.join(work, "stderr.log"), "w")
     synth = [sys.executable, os.path.join(HERE, "synth_fleet.py")]
-    subprocess.run(synth + ["facts", "--out", os.path.join(logs, "facts.jsonl"), "--seed", str(args.seed)], check=True)
+    facts = ["--facts", str(args.facts)] if args.facts else []
+    subprocess.run(synth + ["facts", "--out", os.path.join(logs, "facts.jsonl"), "--seed", str(args.seed)] + facts, check=True)
     fm = [args.bin, "--store", store]
     model = ["--model", args.embedder] if args.embedder else []
-    stages = [("ingest", ["ingest", logs]), ("embed", ["embed"] + model), ("connect", ["connect"] + model), ("refine", ["refine"])]
+    stages = [("ingest", ["ingest", logs]), ("embed", ["embed"] + model), ("connect", ["connect"] + model + (["--memory-mb", str(args.connect_memory_mb)] if args.connect_memory_mb else [])), ("refine", ["refine"])]
     if args.consolidate:
         stages.append(("consolidate", ["consolidate"] + model))
     # Compaction, then the export of the skills (without --consolidate there are none: it then
@@ -112,7 +115,7 @@ def main():
         if night == args.nights and night > 1 and args.last_night:
             count = args.last_night
         path = os.path.join(logs, f"episodes-night{night:02d}.jsonl")
-        subprocess.run(synth + ["episodes", "--out", path, "--from", str(start), "--to", str(start + count), "--seed", str(args.seed)], check=True)
+        subprocess.run(synth + ["episodes", "--out", path, "--from", str(start), "--to", str(start + count), "--seed", str(args.seed)] + facts, check=True)
         start += count
         for name, cmd in stages + tail:
             if name == args.snapshot and night == args.nights:

@@ -42,8 +42,24 @@ pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             report.ground_edges,
             report.link_edges,
             report.commits,
-            if report.groups > 1 { format!(", in {} groups to fit --memory-mb", report.groups) } else { String::new() }
+            fits(&report)
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// How the night fitted `--memory-mb`, when it took groups or spilled facts.
+fn fits(report: &fluxmem_connect::ConnectReport) -> String {
+    let mut parts = Vec::new();
+    if report.groups > 1 {
+        parts.push(format!("{} groups of episodes", report.groups));
+    }
+    if report.fact_partitions > 0 {
+        parts.push(format!("facts spilled to {} partitions", report.fact_partitions));
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!("; {} to fit --memory-mb", parts.join(", "))
+    }
 }

@@ -41,8 +41,12 @@ pub struct ConnectOptions {
     /// query vectors and neighbours, and the score blocks), a quarter holds the night's
     /// episodes whole (their steps are the ground queries): a night that does not fit is done
     /// in groups of whole commits, each with its own pass over the stored vectors. The
-    /// history's vectors are streamed, never held. Not counted: the semantic nodes and their
-    /// index, and of every stored episode its id, tenant and time.
+    /// history's vectors are streamed, never held. The last quarter is the facts': the
+    /// semantic nodes and their indexes are held whole while they fit it; past it they are
+    /// spilled to scratch files in the store (`scratch/connect/`), split into partitions of
+    /// an eighth of the budget each, and every batch of ground queries whose kept candidates
+    /// fit the other eighth makes one pass over them (the same edges either way). Not counted:
+    /// of every stored episode its id, tenant and time.
     pub memory: usize,
 }
 
