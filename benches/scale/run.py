@@ -102,7 +102,7 @@ def main():
     subprocess.run(synth + ["facts", "--out", os.path.join(logs, "facts.jsonl"), "--seed", str(args.seed)] + facts, check=True)
     fm = [args.bin, "--store", store]
     model = ["--model", args.embedder] if args.embedder else []
-    stages = [("ingest", ["ingest", logs]), ("embed", ["embed"] + model), ("connect", ["connect"] + model + (["--memory-mb", str(args.connect_memory_mb)] if args.connect_memory_mb else [])), ("refine", ["refine"])]
+    stages = [("ingest", ["ingest", logs]), ("embed", ["embed"] + model), ("connect", ["connect", "--json"] + model + (["--memory-mb", str(args.connect_memory_mb)] if args.connect_memory_mb else [])), ("refine", ["refine"])]
     if args.consolidate:
         stages.append(("consolidate", ["consolidate"] + model))
     # Compaction, then the export of the skills (without --consolidate there are none: it then
@@ -136,6 +136,9 @@ def main():
                 "bytes_written": sum(s["bytes"] + index_bytes(store, s) for s in new),
                 "store_bytes": sum(s["bytes"] + index_bytes(store, s) for s in after["shards"]), "disk_bytes": disk_bytes(store),
             }
+            if name == "connect":
+                report = json.loads(stdout)
+                row["groups"], row["fact_partitions"] = report["groups"], report.get("fact_partitions", 0)
             if name == "compact":
                 report = json.loads(stdout)
                 row["amplification"] = {t: round(v["rows_after"] / max(1, v["live_rows"]), 3) for t, v in report["tables"].items() if t != "edits"}
@@ -155,6 +158,10 @@ def main():
         amp = "/".join(f"{amp.get(t, 1.0):.2f}" for t in ("nodes", "edges", "embeddings")) if amp else ""
         print(f"| {r['night']} (+{r['new_episodes']}) | {r['stage']} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['stolen_seconds']:.1f} | {r['rss_mb']:.0f} | {r['rows_written']} | "
               f"{r['bytes_written'] / 1e6:.2f} | {r['store_bytes'] / 1e6:.2f} | {r['disk_bytes'] / 1e6:.2f} | {amp} |")
+    for r in rows:
+        if r["stage"] == "connect" and (r["groups"] > 1 or r["fact_partitions"]):
+            print(f"\nnight {r['night']}: connect took the night's episodes in {r['groups']} group(s)"
+                  + (f" and spilled the facts to {r['fact_partitions']} partitions" if r["fact_partitions"] else "") + " to fit its --memory-mb")
     if args.nights >= 2:
         print("\n| stage | night 2 / night 1, wall | night 2 / night 1, CPU | night 2 / night 1, bytes written |")
         print("|---|---|---|---|")
