@@ -150,7 +150,8 @@ pub struct ConnectArgs {
     /// whole, a quarter for the facts. The stored vectors are streamed, never held; a night
     /// that does not fit is done in groups of whole commits, each with a pass over them. Facts
     /// that do not fit are spilled to scratch files in the store and searched a partition at a
-    /// time (the same edges). Not counted: each stored episode's id, tenant and time.
+    /// time (the same edges). What is kept of every stored episode (id digest, tenant, time)
+    /// is counted first.
     #[arg(long, default_value_t = std::num::NonZeroUsize::new(fluxmem_connect::DEFAULT_MEMORY >> 20).expect("the default budget is positive"))]
     pub memory_mb: std::num::NonZeroUsize,
     /// Embedding model (must be the store's; `hash-<dim>` for the weight-free hashing

@@ -11,7 +11,7 @@
 //! edge joins two tenants.
 
 use candle_core::Device;
-use fluxmem_graph::{Edge, EdgeKind, Graph, Node, NodeBody, NodeId, NodeKind, Step};
+use fluxmem_graph::{Edge, EdgeKind, Graph, IdMap, IdSet, Node, NodeBody, NodeId, NodeKind, Step};
 use fluxmem_models::Embedder;
 
 use fluxmem_store::{CommitInfo, Live, Rows, Scan, Shard, Writer};
@@ -37,7 +37,9 @@ pub struct ConnectOptions {
     pub retrieval: RetrievalConfig,
     /// The episodes this run connects (sharded runs, by episode id); all by default.
     pub shard: Shard,
-    /// Bytes connect may hold for the night's work. Half is the link search's (the night's
+    /// Bytes connect may hold for the night's work. What it keeps of every stored episode (its
+    /// id as a 16-byte digest, tenant and time; the connected ones' ids) is counted first, and
+    /// the rest is shared out. Half is the link search's (the night's
     /// query vectors and neighbours, and the score blocks), a quarter holds the night's
     /// episodes whole (their steps are the ground queries): a night that does not fit is done
     /// in groups of whole commits, each with its own pass over the stored vectors. The
@@ -45,8 +47,7 @@ pub struct ConnectOptions {
     /// semantic nodes and their indexes are held whole while they fit it; past it they are
     /// spilled to scratch files in the store (`scratch/connect/`), split into partitions of
     /// an eighth of the budget each, and every batch of ground queries whose kept candidates
-    /// fit the other eighth makes one pass over them (the same edges either way). Not counted:
-    /// of every stored episode its id, tenant and time.
+    /// fit the other eighth makes one pass over them (the same edges either way).
     pub memory: usize,
 }
 
@@ -140,17 +141,16 @@ pub fn connect_store(
     // Which episodes are connected, from a stream of the live edges' ends.
     let connected = connected_episodes(store, &manifest)?;
     // The episodes this run connects: not connected before, and this shard's.
-    let to_connect = |id: &NodeId| !connected.contains(id) && options.shard.owns(id.as_str());
+    let to_connect = |id: &NodeId| !connected.contains(id.as_str()) && options.shard.owns(id.as_str());
     // One stream of the live node rows: the semantic nodes whole, the episodes' tenant and time.
     let mut tenants: Vec<String> = Vec::new();
     let mut tenant_ids: BTreeMap<String, u32> = BTreeMap::new();
-    let mut episodes: BTreeMap<NodeId, Seen> = BTreeMap::new();
+    let mut episodes: IdMap<Seen> = IdMap::default();
     let mut facts = Graph::default();
     let mut todo_ids: BTreeSet<NodeId> = BTreeSet::new();
     // The facts are held whole while they fit their quarter of the budget, and spilled to
     // scratch files once they do not (see `facts.rs`). Connect's ranking has no adjacency
     // term, which the spilled search does not compute: with one, the facts stay whole.
-    let facts_share = options.memory / 4;
     let spillable = options.retrieval.adjacency == 0.0 && options.retrieval.judge_top == 0;
     let dim = embedder.dim();
     let mut held = 0usize;
@@ -164,6 +164,8 @@ pub fn connect_store(
             }
             held += fact_bytes(node.id.as_str(), &node.text, dim) + held_bytes(&node);
             facts.nodes.insert(node.id.clone(), node);
+            // The budget less what is kept of every stored episode (counted first).
+            let facts_share = options.memory.saturating_sub(connected.held_bytes() + episodes.held_bytes()) / 4;
             if spillable && held > facts_share && failure.is_none() {
                 match Spill::create(&store.dir().join(fluxmem_store::SCRATCH).join(FOLDER), dim) {
                     Ok(mut started) => {
@@ -187,7 +189,7 @@ pub fn connect_store(
             if to_connect(&node.id) {
                 todo_ids.insert(node.id.clone());
             }
-            episodes.insert(node.id, Seen { tenant, time: node.created_at.unwrap_or(0) });
+            episodes.insert(node.id.as_str(), Seen { tenant, time: node.created_at.unwrap_or(0) });
         }
         NodeKind::Procedural => {}
     })?;
@@ -198,14 +200,19 @@ pub fn connect_store(
     if todo_ids.is_empty() {
         return Ok(report);
     }
+    // What is kept of every stored episode (its id, tenant and time; the connected ones' ids)
+    // is counted first; the rest of the budget is shared out.
+    let memory = options.memory.saturating_sub(connected.held_bytes() + episodes.held_bytes());
+    drop(connected);
+    let facts_share = memory / 4;
     // Every episode in id order (commit boundaries depend only on the data).
-    let todo: Vec<Todo<'_>> = todo_ids.iter().map(|id| (id, tenants[episodes[id].tenant as usize].as_str())).collect();
+    let todo: Vec<Todo<'_>> = todo_ids.iter().map(|id| (id, tenants[episodes.get(id.as_str()).expect("an episode to connect is an episode").tenant as usize].as_str())).collect();
     let todo_tenants: Vec<&str> = todo.iter().map(|&(_, tenant)| tenant).collect::<BTreeSet<_>>().into_iter().collect();
     let search = match spill {
         Some(spill) => {
             // Every other node's vector goes to the scratch files; the partitions fit half of
             // the facts' share, the query batches' pools the other half.
-            let spilled = spill.vectors(store, &manifest, &model, &|id| episodes.contains_key(id), facts_share / 2)?;
+            let spilled = spill.vectors(store, &manifest, &model, &|id| episodes.contains(id.as_str()), facts_share / 2)?;
             spilled.check(&todo_tenants)?;
             report.fact_partitions = spilled.partitions();
             FactSearch::Spilled(spilled)
@@ -228,10 +235,10 @@ pub fn connect_store(
 
     // Half of the budget is the link search's; a quarter holds a group of the night's episodes
     // whole (their steps are the queries).
-    let links_search = LinkSearch { store, manifest: &manifest, episodes: &episodes, tenants: tenants.len(), model: &model, dim: embedder.dim(), k: options.link_k, memory: options.memory / 2, device };
-    let time = |id: &NodeId| episodes.get(id).map(|e| e.time).or_else(|| facts.nodes.get(id).and_then(|n| n.created_at)).unwrap_or(0);
+    let links_search = LinkSearch { store, manifest: &manifest, episodes: &episodes, tenants: tenants.len(), model: &model, dim: embedder.dim(), k: options.link_k, memory: memory / 2, device };
+    let time = |id: &NodeId| episodes.get(id.as_str()).map(|e| e.time).or_else(|| facts.nodes.get(id).and_then(|n| n.created_at)).unwrap_or(0);
     let commit_every = options.commit_every.max(1);
-    let mut sizing = GroupSize::new(options.memory / 4, &manifest, commit_every, episodes.len());
+    let mut sizing = GroupSize::new(memory / 4, &manifest, commit_every, episodes.len());
     progress.start(todo.len() as u64);
     let mut start = 0;
     while start < todo.len() {
@@ -369,7 +376,7 @@ fn held_bytes(node: &Node) -> usize {
 struct LinkSearch<'a> {
     store: &'a fluxmem_store::Store,
     manifest: &'a fluxmem_store::Manifest,
-    episodes: &'a BTreeMap<NodeId, Seen>,
+    episodes: &'a IdMap<Seen>,
     tenants: usize,
     model: &'a str,
     /// The model's dimension (sizes the groups; the vectors' own length is checked).
@@ -416,7 +423,7 @@ impl LinkSearch<'_> {
             let mut queries: Vec<TenantQueries> = (0..self.tenants).map(|_| TenantQueries::default()).collect();
             for id in members {
                 let vector = vectors.remove(&((*id).clone(), self.model.to_string())).ok_or_else(|| Error::NotEmbedded { node: id.to_string(), model: self.model.to_string() })?.vector;
-                let q = &mut queries[self.episodes[*id].tenant as usize];
+                let q = &mut queries[self.episodes.get(id.as_str()).expect("a query is an episode").tenant as usize];
                 q.ids.push((*id).clone());
                 q.vectors.push(vector);
                 q.best.push(Vec::new());
@@ -457,7 +464,7 @@ impl LinkSearch<'_> {
                 return;
             }
             // Vectors of the semantic nodes and of nodes no longer in the store are not linked.
-            let Some(episode) = self.episodes.get(&embedding.node_id) else { return };
+            let Some(episode) = self.episodes.get(embedding.node_id.as_str()) else { return };
             let tenant = episode.tenant as usize;
             seen[tenant] += 1;
             let q = &mut queries[tenant];
@@ -525,16 +532,14 @@ impl LinkSearch<'_> {
         if episodes == seen {
             return Ok(());
         }
-        let mut have: BTreeSet<&str> = BTreeSet::new();
+        let mut have = IdSet::default();
         stored.embedding_keys(&mut |node, model, _| {
-            if model == self.model {
-                if let Some((id, _)) = self.episodes.get_key_value(node) {
-                    have.insert(id.as_str());
-                }
+            if model == self.model && self.episodes.contains(node) {
+                have.insert(node);
             }
         })?;
-        let missing = self.episodes.keys().find(|id| !have.contains(id.as_str())).expect("a tenant has fewer vectors than episodes");
-        Err(Error::NotEmbedded { node: missing.to_string(), model: self.model.to_string() })
+        let missing = self.episodes.iter().map(|(id, _)| id).filter(|id| !have.contains(id)).min().expect("a tenant has fewer vectors than episodes");
+        Err(Error::NotEmbedded { node: missing, model: self.model.to_string() })
     }
 }
 
@@ -542,8 +547,8 @@ impl LinkSearch<'_> {
 /// (Stage I edges, whoever updated them last: credit assignment re-weights them; links with a
 /// `relation` come from Stage II and do not make an episode connected). Streamed over the live
 /// edges' ends: what stays in memory is the episodes, not the edges.
-fn connected_episodes(store: &fluxmem_store::Store, manifest: &fluxmem_store::Manifest) -> Result<BTreeSet<NodeId>> {
-    let mut connected = BTreeSet::new();
+fn connected_episodes(store: &fluxmem_store::Store, manifest: &fluxmem_store::Manifest) -> Result<IdSet> {
+    let mut connected = IdSet::default();
     store.live(manifest, "edges")?.edge_ends(&[EdgeKind::Ground, EdgeKind::Link], &mut |src, dst, kind, relation| {
         let episode = match kind {
             _ if relation => return,
@@ -551,9 +556,7 @@ fn connected_episodes(store: &fluxmem_store::Store, manifest: &fluxmem_store::Ma
             EdgeKind::Link => src,
             EdgeKind::Distill => return,
         };
-        if !connected.contains(episode) {
-            connected.insert(NodeId(episode.to_string()));
-        }
+        connected.insert(episode);
     })?;
     Ok(connected)
 }

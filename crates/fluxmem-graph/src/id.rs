@@ -103,6 +103,85 @@ impl IdSet {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// About what the set takes in memory: its tables' slots (16 bytes and a control byte
+    /// each) and its other ids' strings.
+    pub fn held_bytes(&self) -> usize {
+        let digests: usize = self.digests.iter().map(|(p, set)| p.len() + set.capacity() * 17).sum();
+        digests + self.other.iter().map(|id| id.len() + 57).sum::<usize>()
+    }
+}
+
+/// A map from node ids held compactly, as [`IdSet`] holds them: a content-addressed id as its
+/// 128-bit digest under its prefix, any other id as its string.
+#[derive(Debug, Clone)]
+pub struct IdMap<V> {
+    digests: Vec<(String, std::collections::HashMap<u128, V>)>,
+    other: std::collections::HashMap<String, V>,
+}
+
+impl<V> Default for IdMap<V> {
+    fn default() -> Self {
+        IdMap { digests: Vec::new(), other: Default::default() }
+    }
+}
+
+impl<V> IdMap<V> {
+    /// The value of `id`.
+    pub fn get(&self, id: &str) -> Option<&V> {
+        match IdSet::digest(id) {
+            Some((prefix, digest)) => self.digests.iter().find(|(p, _)| p == prefix).and_then(|(_, map)| map.get(&digest)),
+            None => self.other.get(id),
+        }
+    }
+
+    /// True when `id` has a value.
+    pub fn contains(&self, id: &str) -> bool {
+        self.get(id).is_some()
+    }
+
+    /// Sets the value of `id`, returning the one it replaces.
+    pub fn insert(&mut self, id: &str, value: V) -> Option<V> {
+        match IdSet::digest(id) {
+            Some((prefix, digest)) => match self.digests.iter_mut().find(|(p, _)| p == prefix) {
+                Some((_, map)) => map.insert(digest, value),
+                None => {
+                    self.digests.push((prefix.to_string(), std::iter::once((digest, value)).collect()));
+                    None
+                }
+            },
+            None => self.other.insert(id.to_string(), value),
+        }
+    }
+
+    /// Ids in the map.
+    pub fn len(&self) -> usize {
+        self.digests.iter().map(|(_, map)| map.len()).sum::<usize>() + self.other.len()
+    }
+
+    /// True when the map is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// About what the map takes in memory: its tables' slots (key, value and a control byte
+    /// each) and its other ids' strings.
+    pub fn held_bytes(&self) -> usize {
+        let slot = std::mem::size_of::<(u128, V)>() + 1;
+        let digests: usize = self.digests.iter().map(|(p, map)| p.len() + map.capacity() * slot).sum();
+        digests + self.other.keys().map(|id| id.len() + 57 + std::mem::size_of::<V>()).sum::<usize>()
+    }
+
+    /// The values, in no particular order.
+    pub fn values(&self) -> impl Iterator<Item = &V> {
+        self.digests.iter().flat_map(|(_, map)| map.values()).chain(self.other.values())
+    }
+
+    /// The ids (written back as strings) with their values, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (String, &V)> {
+        let digests = self.digests.iter().flat_map(|(prefix, map)| map.iter().map(move |(digest, v)| (format!("{prefix}-{digest:032x}"), v)));
+        digests.chain(self.other.iter().map(|(id, v)| (id.clone(), v)))
+    }
 }
 
 /// Lower-case hex SHA-256 of `bytes` (checksums, text hashes for the embedding cache).
@@ -164,5 +243,26 @@ mod id_set_tests {
         }
         assert!(set.insert("doc-7") && set.contains("doc-7") && !set.contains("doc-8"));
         assert_eq!(set.len(), 6);
+    }
+
+    #[test]
+    fn an_id_map_gives_back_each_id_and_value() {
+        let ids: Vec<String> = (0..50).map(|i| NodeId::content(NodeKind::Episodic, "t", &[&i.to_string()]).to_string()).chain(["doc-7".to_string(), "sem-ABC".to_string()]).collect();
+        let mut map: IdMap<usize> = IdMap::default();
+        for (i, id) in ids.iter().enumerate() {
+            assert_eq!(map.insert(id, i), None);
+        }
+        assert_eq!(map.insert(&ids[3], 99), Some(3), "a second insert replaces");
+        assert_eq!(map.len(), ids.len());
+        assert_eq!(map.get(&ids[3]), Some(&99));
+        assert!(map.contains("doc-7") && !map.contains("doc-8"));
+        let hex = ids[0].split_once('-').unwrap().1;
+        assert!(!map.contains(&format!("sem-{hex}")), "another prefix");
+        let mut back: Vec<(String, usize)> = map.iter().map(|(id, v)| (id, *v)).collect();
+        back.sort();
+        let mut expected: Vec<(String, usize)> = ids.iter().enumerate().map(|(i, id)| (id.clone(), if i == 3 { 99 } else { i })).collect();
+        expected.sort();
+        assert_eq!(back, expected, "the ids come back as they went in");
+        assert_eq!(map.values().sum::<usize>(), expected.iter().map(|(_, v)| v).sum::<usize>());
     }
 }

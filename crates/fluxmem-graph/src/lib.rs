@@ -39,5 +39,5 @@ pub use edge::{Edge, EdgeKey, EdgeKind};
 pub use edit::{Changed, Edit};
 pub use error::{Error, Result};
 pub use graph::{Embedding, Graph, GraphStats};
-pub use id::{hex, sha256_hex, IdSet, NodeId};
+pub use id::{hex, sha256_hex, IdMap, IdSet, NodeId};
 pub use node::{Episode, Node, NodeBody, NodeKind, Outcome, Semantic, Skill, Step, ToolCall};
