@@ -20,6 +20,9 @@
 //! metadata may declare (fluxmem's prompts are a few thousand tokens).
 
 use candle_core::quantized::{gguf_file, QMatMul};
+use std::sync::Arc;
+
+use crate::q8::Q8Rows;
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::Embedding;
 use candle_transformers::quantized_nn::RmsNorm;
@@ -38,21 +41,45 @@ pub const SMALL_ROWS: usize = 8;
 /// faster for its shape (f32 and Q8_0 on the CPU, docs/models.md).
 #[derive(Debug, Clone)]
 struct Lin {
-    main: QMatMul,
+    /// The matrix as loaded; `None` when it was Q8_0 and `native` took it over for every input.
+    main: Option<QMatMul>,
     small: Option<QMatMul>,
+    /// A Q8_0 copy repacked for the AVX-512 VNNI kernel ([`crate::q8`]): the matrix itself
+    /// when it was loaded as Q8_0 (every input then runs on it), or the copy for small inputs.
+    native: Option<Arc<Q8Rows>>,
 }
 
 impl Lin {
-    fn new(main: QMatMul) -> Lin {
-        Lin { main, small: None }
+    fn new(main: QMatMul) -> Result<Lin> {
+        Ok(match Q8Rows::of(&main)? {
+            Some(native) => Lin { main: None, small: None, native: Some(native) },
+            None => Lin { main: Some(main), small: None, native: None },
+        })
+    }
+
+    /// Sets the copy for small inputs: repacked for the kernel when it can be (then not held
+    /// twice), as given otherwise.
+    fn set_small(&mut self, small: QMatMul) -> Result<()> {
+        match Q8Rows::of(&small)? {
+            Some(native) => {
+                self.native = Some(native);
+                self.small = None;
+            }
+            None => self.small = Some(small),
+        }
+        Ok(())
     }
 }
 
 impl Module for Lin {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        match &self.small {
-            Some(small) if xs.elem_count() <= SMALL_ROWS * xs.dim(D::Minus1)? => small.forward(xs),
-            _ => self.main.forward(xs),
+        let small = xs.elem_count() <= SMALL_ROWS * xs.dim(D::Minus1)?;
+        match (&self.main, &self.native, &self.small) {
+            (None, Some(native), _) => native.forward(xs),
+            (_, Some(native), _) if small => native.forward(xs),
+            (_, _, Some(copy)) if small => copy.forward(xs),
+            (Some(main), _, _) => main.forward(xs),
+            (None, None, _) => candle_core::bail!("a weight matrix without any copy"),
         }
     }
 }
@@ -223,19 +250,19 @@ impl Decoder {
 
         let embeddings = ct.tensor(reader, "token_embd.weight", device)?.dequantize(device)?;
         let norm = RmsNorm::from_qtensor(ct.tensor(reader, "output_norm.weight", device)?, eps)?;
-        let output = Lin::new(output_matrix(&ct, reader, device)?);
+        let output = Lin::new(output_matrix(&ct, reader, device)?)?;
         let (cos, sin) = rotary_tables(head_dim, freq_base, positions, device)?;
         let mut layers = Vec::with_capacity(block_count);
         for i in 0..block_count {
             let mut t = |name: &str| ct.tensor(reader, &format!("blk.{i}.{name}"), device);
-            let mut m = |name: &str| Ok::<_, candle_core::Error>(Lin::new(QMatMul::from_qtensor(t(name)?)?));
+            let mut m = |name: &str| Lin::new(QMatMul::from_qtensor(t(name)?)?);
             let mlp = Mlp { gate: m("ffn_gate.weight")?, down: m("ffn_down.weight")?, up: m("ffn_up.weight")? };
             let bias = if bias {
                 Some((t("attn_q.bias")?.dequantize(device)?, t("attn_k.bias")?.dequantize(device)?, t("attn_v.bias")?.dequantize(device)?))
             } else {
                 None
             };
-            let mut m = |name: &str| Ok::<_, candle_core::Error>(Lin::new(QMatMul::from_qtensor(t(name)?)?));
+            let mut m = |name: &str| Lin::new(QMatMul::from_qtensor(t(name)?)?);
             layers.push(Layer {
                 wq: m("attn_q.weight")?,
                 wk: m("attn_k.weight")?,
@@ -265,16 +292,16 @@ impl Decoder {
     /// another form), used for inputs of at most [`SMALL_ROWS`] rows: decode steps. The
     /// embeddings, norms and biases stay those of `self`.
     pub fn with_small_inputs<R: std::io::Seek + std::io::Read>(mut self, ct: gguf_file::Content, reader: &mut R, device: &Device) -> Result<Self> {
-        self.output.small = Some(output_matrix(&ct, reader, device)?);
+        self.output.set_small(output_matrix(&ct, reader, device)?)?;
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let mut t = |name: &str| QMatMul::from_qtensor(ct.tensor(reader, &format!("blk.{i}.{name}"), device)?);
-            layer.mlp.gate.small = Some(t("ffn_gate.weight")?);
-            layer.mlp.down.small = Some(t("ffn_down.weight")?);
-            layer.mlp.up.small = Some(t("ffn_up.weight")?);
-            layer.wq.small = Some(t("attn_q.weight")?);
-            layer.wk.small = Some(t("attn_k.weight")?);
-            layer.wv.small = Some(t("attn_v.weight")?);
-            layer.wo.small = Some(t("attn_output.weight")?);
+            layer.mlp.gate.set_small(t("ffn_gate.weight")?)?;
+            layer.mlp.down.set_small(t("ffn_down.weight")?)?;
+            layer.mlp.up.set_small(t("ffn_up.weight")?)?;
+            layer.wq.set_small(t("attn_q.weight")?)?;
+            layer.wk.set_small(t("attn_k.weight")?)?;
+            layer.wv.set_small(t("attn_v.weight")?)?;
+            layer.wo.set_small(t("attn_output.weight")?)?;
         }
         Ok(self)
     }

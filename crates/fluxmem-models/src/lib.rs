@@ -28,6 +28,7 @@ mod gguf;
 mod gguf_tokenizer;
 mod judge;
 mod provision;
+mod q8;
 
 pub use bert::{bucket_len, BertBackend, Pooling, SentenceEmbedder, PAD_BUCKET};
 pub use device::DeviceChoice;

@@ -1,0 +1,300 @@
+//! A Q8_0 kernel for decode steps: a few input rows against a Q8_0 weight matrix, on
+//! AVX-512 VNNI.
+//!
+//! candle's Q8_0 path spends most of a decode step in its AVX2 block dot product and in an f16
+//! to f32 conversion of both blocks' scales per block (`perf` on the 135M model: 56% and 8%).
+//! Here the weights are repacked at load into rows of int8 quants with f32 scales, and a pair
+//! of 32-value blocks is one 512-bit `vpdpbusd` (the weight's magnitude times the input with
+//! the weight's sign), one conversion and one fused multiply-add by the pair's two scales.
+//! Input rows are quantized to Q8_0 as candle does (scale max|x| / 127, values rounded), so a
+//! result differs from candle's by float rounding only: the scales stay f32 instead of f16,
+//! and the products are summed in another order. Output rows are split between rayon's
+//! threads.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Result, Tensor};
+
+/// Values per Q8_0 block.
+const BLOCK: usize = 32;
+
+/// Multiply-adds below which a product runs on the calling thread alone.
+const PARALLEL_MACS: usize = 1 << 20;
+
+/// Input rows a task runs against its output rows at a time.
+const ROW_TILE: usize = 16;
+
+/// A Q8_0 matrix (out, k) repacked for [`Q8Rows::forward`]: per output row, its quants and
+/// the f32 scale of each block.
+pub(crate) struct Q8Rows {
+    out: usize,
+    k: usize,
+    quants: Vec<i8>,
+    scales: Vec<f32>,
+}
+
+impl std::fmt::Debug for Q8Rows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Q8Rows({} x {})", self.out, self.k)
+    }
+}
+
+/// True when Q8_0 matrices are repacked for this kernel: the CPU runs it ([`cpu_has_kernel`])
+/// and it is not turned off (`FLUXMEM_Q8_KERNEL=candle`, for side-by-side benches).
+pub(crate) fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| cpu_has_kernel() && !std::env::var("FLUXMEM_Q8_KERNEL").is_ok_and(|v| v == "candle"))
+}
+
+/// True when this CPU has AVX-512 with VNNI and byte/word instructions.
+fn cpu_has_kernel() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vnni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+impl Q8Rows {
+    /// The repacked matrix of `matmul` when it is a Q8_0 matrix on the CPU and this CPU runs
+    /// the kernel; `None` otherwise.
+    pub(crate) fn of(matmul: &QMatMul) -> Result<Option<Arc<Q8Rows>>> {
+        match matmul {
+            QMatMul::QTensor(q) if available() && q.dtype() == GgmlDType::Q8_0 && matches!(q.device(), Device::Cpu) => Ok(Some(Arc::new(Q8Rows::from_qtensor(q)?))),
+            _ => Ok(None),
+        }
+    }
+
+    fn from_qtensor(q: &QTensor) -> Result<Q8Rows> {
+        let (out, k) = q.shape().dims2()?;
+        if k % BLOCK != 0 {
+            candle_core::bail!("a Q8_0 matrix of row length {k}, not a multiple of {BLOCK}");
+        }
+        let data = q.data()?;
+        // A block: the scale as f16, then 32 quants.
+        const BYTES: usize = 2 + BLOCK;
+        let blocks = out * k / BLOCK;
+        if data.len() != blocks * BYTES {
+            candle_core::bail!("a Q8_0 matrix of {out} x {k} holds {} bytes, not {}", data.len(), blocks * BYTES);
+        }
+        let mut quants = Vec::with_capacity(out * k);
+        let mut scales = Vec::with_capacity(blocks);
+        for block in data.chunks_exact(BYTES) {
+            scales.push(half::f16::from_le_bytes([block[0], block[1]]).to_f32());
+            quants.extend(block[2..].iter().map(|&b| b as i8));
+        }
+        Ok(Q8Rows { out, k, quants, scales })
+    }
+
+    /// `xs` (.., k) times the matrix's transpose: (.., out).
+    pub(crate) fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let dims = xs.dims().to_vec();
+        let k = *dims.last().unwrap_or(&0);
+        if k != self.k {
+            candle_core::bail!("an input of row length {k} for a Q8_0 matrix of row length {}", self.k);
+        }
+        let values: Vec<f32> = xs.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        let rows = values.len() / k.max(1);
+        let (xq, xd, xe) = quantize(&values, k);
+        let y = self.matmul(&xq, &xd, &xe, rows);
+        let mut shape = dims;
+        *shape.last_mut().expect("a matrix input has dimensions") = self.out;
+        Tensor::from_vec(y, shape, xs.device())
+    }
+
+    /// `rows` quantized input rows (quants, block scales) times the matrix: (rows, out).
+    ///
+    /// A task takes a few output rows (about 64 KB of weights) and runs them against the input
+    /// rows [`ROW_TILE`] at a time, so that its weights and a tile of inputs stay in the
+    /// core's cache while each is used many times (a prompt's hundreds of rows against a
+    /// 9,000-wide matrix do not fit it whole).
+    fn matmul(&self, xq: &[i8], xd: &[f32], xe: &[f32], rows: usize) -> Vec<f32> {
+        use rayon::prelude::*;
+        let blocks = self.k / BLOCK;
+        let chunk = ((64 << 10) / self.k).clamp(4, 256);
+        // A small product costs less than waking another thread.
+        let parallel = rayon::current_num_threads() > 1 && self.out * self.k * rows >= PARALLEL_MACS;
+        // (output row, input row) results, transposed back below.
+        let mut transposed = vec![0f32; self.out * rows];
+        let run = |(c, part): (usize, &mut [f32])| {
+            let first = c * chunk;
+            let outputs = part.len() / rows;
+            for tile in (0..rows).step_by(ROW_TILE) {
+                let tile_rows = tile..(tile + ROW_TILE).min(rows);
+                for i in 0..outputs {
+                    let o = first + i;
+                    let w = &self.quants[o * self.k..(o + 1) * self.k];
+                    let ws = &self.scales[o * blocks..(o + 1) * blocks];
+                    let mut r = tile_rows.start;
+                    // Four input rows at a time share each load of the weights.
+                    while r + 4 <= tile_rows.end {
+                        let x = |j: usize| &xq[(r + j) * self.k..(r + j + 1) * self.k];
+                        let d = |j: usize| &xd[(r + j) * blocks..(r + j + 1) * blocks];
+                        let e = |j: usize| &xe[(r + j) * blocks * 8..(r + j + 1) * blocks * 8];
+                        let four = dot4(w, ws, [x(0), x(1), x(2), x(3)], [d(0), d(1), d(2), d(3)], [e(0), e(1), e(2), e(3)]);
+                        part[i * rows + r..i * rows + r + 4].copy_from_slice(&four);
+                        r += 4;
+                    }
+                    for r in r..tile_rows.end {
+                        part[i * rows + r] = dot(w, ws, &xq[r * self.k..(r + 1) * self.k], &xd[r * blocks..(r + 1) * blocks], &xe[r * blocks * 8..(r + 1) * blocks * 8]);
+                    }
+                }
+            }
+        };
+        if parallel {
+            transposed.par_chunks_mut(chunk * rows).enumerate().for_each(run);
+        } else {
+            transposed.chunks_mut(chunk * rows).enumerate().for_each(run);
+        }
+        let mut y = vec![0f32; rows * self.out];
+        for o in 0..self.out {
+            for r in 0..rows {
+                y[r * self.out + o] = transposed[o * rows + r];
+            }
+        }
+        y
+    }
+}
+
+/// Quantizes rows of `k` values to Q8_0 as candle does: per block of 32, the scale max|x| /
+/// 127 and each value rounded to the nearest of its multiples (the scale kept as f32). Also
+/// returns each scale repeated 8 times (the lanes a block's products land in, see `dot_avx512`).
+fn quantize(values: &[f32], k: usize) -> (Vec<i8>, Vec<f32>, Vec<f32>) {
+    let mut quants = Vec::with_capacity(values.len());
+    let mut scales = Vec::with_capacity(values.len() / BLOCK);
+    debug_assert!(k % BLOCK == 0);
+    for block in values.chunks_exact(BLOCK) {
+        let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        scales.push(d);
+        quants.extend(block.iter().map(|&x| (x * id).round() as i8));
+    }
+    let expanded = scales.iter().flat_map(|&d| [d; 8]).collect();
+    (quants, scales, expanded)
+}
+
+/// The dot product of a weight row and an input row, both Q8_0 (quants and block scales;
+/// `xe`: the input's scales, each repeated 8 times).
+fn dot(w: &[i8], ws: &[f32], x: &[i8], xs: &[f32], xe: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if cpu_has_kernel() {
+        // SAFETY: the CPU has the instructions the kernel is compiled for.
+        return unsafe { dot_avx512(w, ws, [x], [xs], [xe])[0] };
+    }
+    let _ = xe;
+    dot_scalar(w, ws, x, xs)
+}
+
+/// [`dot`] of one weight row with four input rows.
+fn dot4(w: &[i8], ws: &[f32], x: [&[i8]; 4], xs: [&[f32]; 4], xe: [&[f32]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if cpu_has_kernel() {
+        // SAFETY: the CPU has the instructions the kernel is compiled for.
+        return unsafe { dot_avx512(w, ws, x, xs, xe) };
+    }
+    let _ = xe;
+    [0, 1, 2, 3].map(|j| dot_scalar(w, ws, x[j], xs[j]))
+}
+
+/// The same dot product, one block at a time (the reference of the tests, and the odd last
+/// block of the kernel).
+fn dot_scalar(w: &[i8], ws: &[f32], x: &[i8], xs: &[f32]) -> f32 {
+    let mut sum = 0f32;
+    for (b, (wb, xb)) in w.chunks_exact(BLOCK).zip(x.chunks_exact(BLOCK)).enumerate() {
+        let d: i32 = wb.iter().zip(xb).map(|(&a, &c)| a as i32 * c as i32).sum();
+        sum += ws[b] * xs[b] * d as f32;
+    }
+    sum
+}
+
+/// One weight row against `R` input rows. Per pair of blocks, the weights are loaded once:
+/// their magnitudes (as unsigned bytes: -128 becomes 128), their signs, and their two scales
+/// spread over the lanes the blocks' products land in (0-7, 8-15); per input row, one
+/// `vpdpbusd` of the magnitudes with the input given the weights' signs, then the 16 sums
+/// times the weight and input scales, added to the row's accumulator.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn dot_avx512<const R: usize>(w: &[i8], ws: &[f32], x: [&[i8]; R], xs: [&[f32]; R], xe: [&[f32]; R]) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let blocks = ws.len();
+    let pairs = blocks / 2;
+    let pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); R];
+    for p in 0..pairs {
+        // SAFETY: `w` and each `x` hold `blocks * 32` values, `ws` and each `xs` `blocks`
+        // scales, each `xe` `blocks * 8`.
+        let (wv, dw) = unsafe { (_mm512_loadu_si512(w.as_ptr().add(p * 2 * BLOCK) as *const _), _mm_castpd_ps(_mm_load_sd(ws.as_ptr().add(2 * p) as *const f64))) };
+        let (magnitude, negative) = (_mm512_abs_epi8(wv), _mm512_movepi8_mask(wv));
+        let dw = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(dw));
+        for j in 0..R {
+            let (xv, dx) = unsafe { (_mm512_loadu_si512(x[j].as_ptr().add(p * 2 * BLOCK) as *const _), _mm512_loadu_ps(xe[j].as_ptr().add(p * 16))) };
+            let signed = _mm512_mask_sub_epi8(xv, negative, zero, xv);
+            let sums = _mm512_dpbusd_epi32(zero, magnitude, signed);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(dw, dx), acc[j]);
+        }
+    }
+    let mut out = [0f32; R];
+    for j in 0..R {
+        out[j] = _mm512_reduce_add_ps(acc[j]);
+        if blocks % 2 == 1 {
+            let last = blocks - 1;
+            out[j] += dot_scalar(&w[last * BLOCK..], &ws[last..], &x[j][last * BLOCK..], &xs[j][last..]);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel against the block-by-block reference and against candle's own Q8_0 matmul,
+    /// for 1 to 9 input rows, an even and an odd number of blocks, and weights that reach -128.
+    #[test]
+    fn the_kernel_matches_the_reference_and_candle() {
+        // Where the CPU lacks the instructions, `dot` is the reference itself: the comparison
+        // with candle still runs.
+        eprintln!("AVX-512 VNNI kernel on this CPU: {}", cpu_has_kernel());
+        for (out, k) in [(40usize, 64usize), (33, 96), (70, 576)] {
+            let weights: Vec<f32> = (0..out * k).map(|i| ((i as f32 * 0.618).sin() * 3.0) + if i % 97 == 0 { -9.0 } else { 0.0 }).collect();
+            let w_values = weights.clone();
+            let w = Tensor::from_vec(weights, (out, k), &Device::Cpu).unwrap();
+            let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+            let candle = QMatMul::from_qtensor(q).unwrap();
+            let native = match &candle {
+                QMatMul::QTensor(q) => Q8Rows::from_qtensor(q).unwrap(),
+                _ => unreachable!("a quantized matrix"),
+            };
+            assert!(native.quants.iter().any(|&v| v == -127 || v == -128), "weights reach the lowest quants");
+            for rows in [1usize, 2, 5, 9] {
+                let input: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.377).cos() * 2.0).collect();
+                let xs = Tensor::from_vec(input.clone(), (rows, k), &Device::Cpu).unwrap();
+                let got: Vec<Vec<f32>> = native.forward(&xs).unwrap().to_vec2().unwrap();
+                let theirs: Vec<Vec<f32>> = candle_core::Module::forward(&candle, &xs).unwrap().to_vec2().unwrap();
+                let (xq, xd, _) = quantize(&input, k);
+                let blocks = k / BLOCK;
+                for r in 0..rows {
+                    for o in 0..out {
+                        let reference = dot_scalar(&native.quants[o * k..(o + 1) * k], &native.scales[o * blocks..(o + 1) * blocks], &xq[r * k..(r + 1) * k], &xd[r * blocks..(r + 1) * blocks]);
+                        let tolerance = 1e-4 * reference.abs().max(1.0);
+                        assert!((got[r][o] - reference).abs() <= tolerance, "{out}x{k}, row {r}, output {o}: {} against {reference}", got[r][o]);
+                        // candle keeps the input's scales as f16 (a relative error of 2^-11 on each
+                        // block's products, 5e-4), against the size of the products summed.
+                        let magnitude: f32 = (0..k).map(|i| (w_values[o * k + i] * input[r * k + i]).abs()).sum();
+                        let loose = 2e-3 * magnitude.max(1.0);
+                        assert!((got[r][o] - theirs[r][o]).abs() <= loose, "{out}x{k}, row {r}, output {o}: {} against candle's {}", got[r][o], theirs[r][o]);
+                    }
+                }
+            }
+        }
+    }
+}
