@@ -47,7 +47,8 @@ pub struct ConnectOptions {
     /// semantic nodes and their indexes are held whole while they fit it; past it they are
     /// spilled to scratch files in the store (`scratch/connect/`), split into partitions of
     /// an eighth of the budget each, and every batch of ground queries whose kept candidates
-    /// fit the other eighth makes one pass over them (the same edges either way).
+    /// fit the other eighth makes its passes over them (the same edges either way; a small
+    /// budget costs many passes: `ConnectReport::fact_partitions` says how many partitions).
     pub memory: usize,
 }
 
@@ -138,6 +139,9 @@ pub fn connect_store(
     // A read handle of its own: the night is read in groups between commits.
     let store = &writer.store().clone();
     let model = embedder.model_id().to_string();
+    // Scratch files a run that died left (only the names connect writes; the writer lock
+    // makes this the store's only connect).
+    crate::facts::sweep(&store.dir().join(fluxmem_store::SCRATCH).join(FOLDER))?;
     // Which episodes are connected, from a stream of the live edges' ends.
     let connected = connected_episodes(store, &manifest)?;
     // The episodes this run connects: not connected before, and this shard's.

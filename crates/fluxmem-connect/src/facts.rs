@@ -109,6 +109,10 @@ fn io<T>(path: &Path, result: std::io::Result<T>) -> Result<T> {
 /// Deletes the scratch files connect writes (and nothing else) from `dir`, then `dir` if it is
 /// left empty.
 pub(crate) fn sweep(dir: &Path) -> Result<()> {
+    // A link is not connect's folder: nothing behind it is deleted.
+    if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
+        return Ok(());
+    }
     let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -246,6 +250,9 @@ impl Spill {
     /// `dim` dimensions.
     pub(crate) fn create(dir: &Path, dim: usize) -> Result<Spill> {
         sweep(dir)?;
+        if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
+            return Err(Error::Scratch { path: dir.to_path_buf(), source: std::io::Error::other("a link where connect keeps its scratch files") });
+        }
         io(dir, std::fs::create_dir_all(dir))?;
         let path = dir.join("all.facts");
         let facts = BufWriter::new(io(&path, File::create(&path))?);
@@ -449,25 +456,42 @@ impl SpilledFacts {
         Ok(out)
     }
 
-    /// Checks that every fact of `tenants` has a vector of the model's dimension, naming the
-    /// first in id order that has none.
+    /// Checks that every fact of `tenants` has a vector of the model's dimension. As the
+    /// whole indexes are built, tenant by tenant in name order, each over its facts in id
+    /// order, the first fact named is the first in id order of the first such tenant.
     pub(crate) fn check(&self, tenants: &[&str]) -> Result<()> {
         let numbers: HashSet<u32> = tenants.iter().filter_map(|t| self.tenant_number(t)).collect();
-        let mut first: Option<Error> = None;
-        let mut first_id = String::new();
+        // Per tenant, its first fact (in id order) without a sound vector.
+        let mut first: BTreeMap<u32, (String, Error)> = BTreeMap::new();
         for p in 0..self.partitions {
-            if let Err(e) = self.load(p, &numbers) {
-                let id = match &e {
-                    Error::NotEmbedded { node, .. } | Error::Dimension { node, .. } => node.clone(),
-                    _ => return Err(e),
+            let mut facts: Vec<(u32, String)> = Vec::new();
+            self.numbered(p, &numbers, &mut |_, fact| facts.push((fact.tenant, fact.id)))?;
+            let wanted: HashSet<&str> = facts.iter().map(|(_, id)| id.as_str()).collect();
+            let mut dims: HashMap<String, usize> = HashMap::new();
+            read_vectors(&self.path(p, "vectors"), &mut |id, vector| {
+                if wanted.contains(id.as_str()) {
+                    dims.insert(id, vector.len());
+                }
+            })?;
+            for (tenant, id) in facts {
+                let problem = match dims.get(&id) {
+                    None => Error::NotEmbedded { node: id.clone(), model: self.model.clone() },
+                    Some(&got) if got != self.dim => Error::Dimension { node: id.clone(), model: self.model.clone(), expected: self.dim, got },
+                    Some(_) => continue,
                 };
-                if first.is_none() || id < first_id {
-                    first_id = id;
-                    first = Some(e);
+                match first.get(&tenant) {
+                    Some((known, _)) if *known <= id => {}
+                    _ => {
+                        first.insert(tenant, (id, problem));
+                    }
                 }
             }
         }
-        first.map_or(Ok(()), Err)
+        let by_name = tenants.iter().filter_map(|t| self.tenant_number(t).map(|n| (*t, n))).collect::<BTreeMap<&str, u32>>();
+        match by_name.values().find_map(|n| first.remove(n)) {
+            Some((_, problem)) => Err(problem),
+            None => Ok(()),
+        }
     }
 
     /// The fused ranking of each query's pool, its best `take` (node, score, node time), best

@@ -355,10 +355,18 @@ fn a_spilled_fact_without_a_vector_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let mut writer = two_tenant_store(dir.path(), TWO_TENANTS);
     let late = dir.path().join("late.jsonl");
-    std::fs::write(&late, "{\"type\":\"fact\",\"tenant\":\"acme\",\"text\":\"Exchanges need the receipt.\"}\n").unwrap();
+    // A fact of each tenant without a vector: the first tenant by name is named, whichever id
+    // is lower, as the whole indexes (built tenant by tenant) name it.
+    let lines: String = ["{\"type\":\"fact\",\"tenant\":\"acme\",\"text\":\"Exchanges need the receipt.\"}\n"]
+        .into_iter()
+        .chain((0..8).map(|i| format!("{{\"type\":\"fact\",\"tenant\":\"globex\",\"text\":\"Globex rule {i}.\"}}\n")).collect::<Vec<_>>().iter().map(String::as_str))
+        .collect();
+    std::fs::write(&late, lines).unwrap();
     fluxmem_ingest::ingest(&mut writer, &[late], &Default::default(), "late", &mut fluxmem_ingest::NoProgress).unwrap();
     let graph = writer.store().load().unwrap();
     let unembedded = graph.nodes.values().find(|n| n.text.starts_with("Exchanges")).unwrap().id.to_string();
+    let globex_first = graph.nodes.values().filter(|n| n.text.starts_with("Globex rule")).map(|n| n.id.to_string()).min().unwrap();
+    assert!(globex_first < unembedded, "a globex fact's id sorts first (else the order of tenants proves nothing)");
     for memory in [1, fluxmem_connect::DEFAULT_MEMORY] {
         let options = ConnectOptions { memory, ..Default::default() };
         let err = connect_store(&mut writer, &HashEmbedder::new(64), &options, "connect@test", &Device::Cpu, &mut NoProgress).unwrap_err();

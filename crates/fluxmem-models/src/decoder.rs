@@ -60,6 +60,10 @@ impl Lin {
     /// Sets the copy for small inputs: repacked for the kernel when it can be (then not held
     /// twice), as given otherwise.
     fn set_small(&mut self, small: QMatMul) -> Result<()> {
+        if self.main.is_none() {
+            // The kernel already runs every input on the matrix itself.
+            return Ok(());
+        }
         match Q8Rows::of(&small)? {
             Some(native) => {
                 self.native = Some(native);

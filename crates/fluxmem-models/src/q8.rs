@@ -74,7 +74,7 @@ impl Q8Rows {
 
     fn from_qtensor(q: &QTensor) -> Result<Q8Rows> {
         let (out, k) = q.shape().dims2()?;
-        if k % BLOCK != 0 {
+        if k == 0 || k % BLOCK != 0 {
             candle_core::bail!("a Q8_0 matrix of row length {k}, not a multiple of {BLOCK}");
         }
         let data = q.data()?;
@@ -102,10 +102,13 @@ impl Q8Rows {
         }
         let values: Vec<f32> = xs.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
         let rows = values.len() / k.max(1);
+        let mut shape = dims.clone();
+        *shape.last_mut().expect("a matrix input has dimensions") = self.out;
+        if rows == 0 || self.out == 0 {
+            return Tensor::zeros(shape, candle_core::DType::F32, xs.device());
+        }
         let (xq, xd, xe) = quantize(&values, k);
         let y = self.matmul(&xq, &xd, &xe, rows);
-        let mut shape = dims;
-        *shape.last_mut().expect("a matrix input has dimensions") = self.out;
         Tensor::from_vec(y, shape, xs.device())
     }
 
@@ -232,7 +235,8 @@ unsafe fn dot_avx512<const R: usize>(w: &[i8], ws: &[f32], x: [&[i8]; R], xs: [&
     for p in 0..pairs {
         // SAFETY: `w` and each `x` hold `blocks * 32` values, `ws` and each `xs` `blocks`
         // scales, each `xe` `blocks * 8`.
-        let (wv, dw) = unsafe { (_mm512_loadu_si512(w.as_ptr().add(p * 2 * BLOCK) as *const _), _mm_castpd_ps(_mm_load_sd(ws.as_ptr().add(2 * p) as *const f64))) };
+        // (Two scales as one unaligned 8-byte load: a row's scales start 4-byte aligned only.)
+        let (wv, dw) = unsafe { (_mm512_loadu_si512(w.as_ptr().add(p * 2 * BLOCK) as *const _), _mm_castsi128_ps(_mm_loadl_epi64(ws.as_ptr().add(2 * p) as *const __m128i))) };
         let (magnitude, negative) = (_mm512_abs_epi8(wv), _mm512_movepi8_mask(wv));
         let dw = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(dw));
         for j in 0..R {
