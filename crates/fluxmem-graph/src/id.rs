@@ -57,71 +57,50 @@ impl From<&str> for NodeId {
 /// exact: an id maps to one entry and an entry to one id.
 #[derive(Debug, Default, Clone)]
 pub struct IdSet {
-    /// Per prefix (a handful), the digests of its ids.
-    digests: Vec<(String, std::collections::HashSet<u128>)>,
-    other: std::collections::HashSet<String>,
-    /// Bytes of the strings in `other`, kept as they are added.
-    other_bytes: usize,
+    /// The ids as the keys of a map without values (the same tables as a set).
+    ids: IdMap<()>,
+}
+
+/// The prefix and digest of a content-addressed id.
+fn digest(id: &str) -> Option<(&str, u128)> {
+    let (prefix, digits) = id.split_once('-')?;
+    if digits.len() != 32 || !digits.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        return None;
+    }
+    u128::from_str_radix(digits, 16).ok().map(|d| (prefix, d))
 }
 
 impl IdSet {
-    /// The prefix and digest of a content-addressed id.
-    fn digest(id: &str) -> Option<(&str, u128)> {
-        let (prefix, digits) = id.split_once('-')?;
-        if digits.len() != 32 || !digits.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
-            return None;
-        }
-        u128::from_str_radix(digits, 16).ok().map(|d| (prefix, d))
-    }
-
     /// True when `id` is in the set.
     pub fn contains(&self, id: &str) -> bool {
-        match IdSet::digest(id) {
-            Some((prefix, digest)) => self.digests.iter().any(|(p, set)| p == prefix && set.contains(&digest)),
-            None => self.other.contains(id),
-        }
+        self.ids.contains(id)
     }
 
     /// Adds `id`; false when it was there.
     pub fn insert(&mut self, id: &str) -> bool {
-        match IdSet::digest(id) {
-            Some((prefix, digest)) => match self.digests.iter_mut().find(|(p, _)| p == prefix) {
-                Some((_, set)) => set.insert(digest),
-                None => {
-                    self.digests.push((prefix.to_string(), std::iter::once(digest).collect()));
-                    true
-                }
-            },
-            None => {
-                let added = self.other.insert(id.to_string());
-                if added {
-                    self.other_bytes += id.len();
-                }
-                added
-            }
-        }
+        self.ids.insert(id, ()).is_none()
     }
 
     /// Ids in the set.
     pub fn len(&self) -> usize {
-        self.digests.iter().map(|(_, set)| set.len()).sum::<usize>() + self.other.len()
+        self.ids.len()
     }
 
     /// True when the set is empty.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.ids.is_empty()
     }
 
     /// About what the set takes in memory: its tables' slots (16 bytes and a control byte
     /// each) and its other ids' strings (constant time: a night's facts ask it often).
     pub fn held_bytes(&self) -> usize {
-        let digests: usize = self.digests.iter().map(|(p, set)| p.len() + set.capacity() * 17).sum();
-        digests + self.other_bytes + self.other.capacity() * 57
+        self.ids.held_bytes()
     }
 }
 
-/// A map from node ids held compactly, as [`IdSet`] holds them: a content-addressed id as its
-/// 128-bit digest under its prefix, any other id as its string.
+/// A map from node ids held compactly: a content-addressed id (`<prefix>-<32 lower-case hex
+/// digits>`, [`NodeId::content`]) as its 128-bit digest under its prefix, any other id as its
+/// string ([`IdSet`] is one without values).
 #[derive(Debug, Clone)]
 pub struct IdMap<V> {
     digests: Vec<(String, std::collections::HashMap<u128, V>)>,
@@ -139,7 +118,7 @@ impl<V> Default for IdMap<V> {
 impl<V> IdMap<V> {
     /// The value of `id`.
     pub fn get(&self, id: &str) -> Option<&V> {
-        match IdSet::digest(id) {
+        match digest(id) {
             Some((prefix, digest)) => self.digests.iter().find(|(p, _)| p == prefix).and_then(|(_, map)| map.get(&digest)),
             None => self.other.get(id),
         }
@@ -152,7 +131,7 @@ impl<V> IdMap<V> {
 
     /// Sets the value of `id`, returning the one it replaces.
     pub fn insert(&mut self, id: &str, value: V) -> Option<V> {
-        match IdSet::digest(id) {
+        match digest(id) {
             Some((prefix, digest)) => match self.digests.iter_mut().find(|(p, _)| p == prefix) {
                 Some((_, map)) => map.insert(digest, value),
                 None => {
