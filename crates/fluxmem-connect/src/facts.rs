@@ -246,10 +246,9 @@ fn write_vector(out: &mut impl Write, id: &str, vector: &[f32]) -> std::io::Resu
 }
 
 impl Spill {
-    /// Starts the scratch files in `dir` (emptied first of any a dead run left), for vectors of
-    /// `dim` dimensions.
+    /// Starts the scratch files in `dir` (which connect swept of a dead run's files when it
+    /// started), for vectors of `dim` dimensions.
     pub(crate) fn create(dir: &Path, dim: usize) -> Result<Spill> {
-        sweep(dir)?;
         if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
             return Err(Error::Scratch { path: dir.to_path_buf(), source: std::io::Error::other("a link where connect keeps its scratch files") });
         }
@@ -429,10 +428,9 @@ impl SpilledFacts {
         failure.map_or(Ok(()), |source| Err(Error::Scratch { path, source }))
     }
 
-    /// Loads partition `p`: the facts of `tenants` with their vectors, by tenant, in id order.
-    /// A fact without a vector of the model is an error naming it (the first in id order),
-    /// and so is a vector of another dimension.
-    fn load(&self, p: usize, tenants: &HashSet<u32>) -> Result<BTreeMap<u32, Vec<Loaded>>> {
+    /// The facts of `tenants` in partition `p` (in id order), each with its ordinal and its
+    /// vector of the model if it has one.
+    fn joined(&self, p: usize, tenants: &HashSet<u32>) -> Result<Vec<(u32, Fact, Option<Vec<f32>>)>> {
         let mut facts: Vec<(u32, Fact)> = Vec::new();
         self.numbered(p, tenants, &mut |ordinal, fact| facts.push((ordinal, fact)))?;
         let wanted: HashSet<&str> = facts.iter().map(|(_, f)| f.id.as_str()).collect();
@@ -443,15 +441,27 @@ impl SpilledFacts {
             }
         })?;
         drop(wanted);
+        Ok(facts.into_iter().map(|(ordinal, fact)| { let vector = vectors.remove(&fact.id); (ordinal, fact, vector) }).collect())
+    }
+
+    /// What is wrong with a fact's vector, if anything: none, or not of the model's dimension.
+    fn problem(&self, id: &str, vector: Option<&[f32]>) -> Option<Error> {
+        match vector {
+            None => Some(Error::NotEmbedded { node: id.to_string(), model: self.model.clone() }),
+            Some(v) if v.len() != self.dim => Some(Error::Dimension { node: id.to_string(), model: self.model.clone(), expected: self.dim, got: v.len() }),
+            Some(_) => None,
+        }
+    }
+
+    /// Loads partition `p`: the facts of `tenants` with their vectors, by tenant, in id order.
+    /// A fact without a sound vector ([`SpilledFacts::check`] names the first) is an error.
+    fn load(&self, p: usize, tenants: &HashSet<u32>) -> Result<BTreeMap<u32, Vec<Loaded>>> {
         let mut out: BTreeMap<u32, Vec<Loaded>> = BTreeMap::new();
-        for (ordinal, fact) in facts {
-            let Some(vector) = vectors.remove(&fact.id) else {
-                return Err(Error::NotEmbedded { node: fact.id, model: self.model.clone() });
-            };
-            if vector.len() != self.dim {
-                return Err(Error::Dimension { node: fact.id, model: self.model.clone(), expected: self.dim, got: vector.len() });
+        for (ordinal, fact, vector) in self.joined(p, tenants)? {
+            if let Some(problem) = self.problem(&fact.id, vector.as_deref()) {
+                return Err(problem);
             }
-            out.entry(fact.tenant).or_default().push((ordinal, fact.text, vector));
+            out.entry(fact.tenant).or_default().push((ordinal, fact.text, vector.expect("checked")));
         }
         Ok(out)
     }
@@ -464,26 +474,10 @@ impl SpilledFacts {
         // Per tenant, its first fact (in id order) without a sound vector.
         let mut first: BTreeMap<u32, (String, Error)> = BTreeMap::new();
         for p in 0..self.partitions {
-            let mut facts: Vec<(u32, String)> = Vec::new();
-            self.numbered(p, &numbers, &mut |_, fact| facts.push((fact.tenant, fact.id)))?;
-            let wanted: HashSet<&str> = facts.iter().map(|(_, id)| id.as_str()).collect();
-            let mut dims: HashMap<String, usize> = HashMap::new();
-            read_vectors(&self.path(p, "vectors"), &mut |id, vector| {
-                if wanted.contains(id.as_str()) {
-                    dims.insert(id, vector.len());
-                }
-            })?;
-            for (tenant, id) in facts {
-                let problem = match dims.get(&id) {
-                    None => Error::NotEmbedded { node: id.clone(), model: self.model.clone() },
-                    Some(&got) if got != self.dim => Error::Dimension { node: id.clone(), model: self.model.clone(), expected: self.dim, got },
-                    Some(_) => continue,
-                };
-                match first.get(&tenant) {
-                    Some((known, _)) if *known <= id => {}
-                    _ => {
-                        first.insert(tenant, (id, problem));
-                    }
+            for (_, fact, vector) in self.joined(p, &numbers)? {
+                let Some(problem) = self.problem(&fact.id, vector.as_deref()) else { continue };
+                if first.get(&fact.tenant).is_none_or(|(known, _)| fact.id < *known) {
+                    first.insert(fact.tenant, (fact.id, problem));
                 }
             }
         }
