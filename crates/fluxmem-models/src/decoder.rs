@@ -22,7 +22,7 @@
 use candle_core::quantized::{gguf_file, QMatMul};
 use std::sync::Arc;
 
-use crate::q8::Q8Rows;
+use crate::native::{Native, Takes};
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::Embedding;
 use candle_transformers::quantized_nn::RmsNorm;
@@ -38,36 +38,43 @@ pub const SMALL_ROWS: usize = 8;
 
 /// A weight matrix, held once, or twice: one copy for prompts (many rows: matrix products)
 /// and one for decode steps (a few rows: matrix-vector products), each in the form that is
-/// faster for its shape (f32 and Q8_0 on the CPU, docs/models.md).
+/// faster for its shape (f32 and Q8_0 on the CPU, docs/models.md); and a copy repacked for
+/// fluxmem's own kernels where they beat candle's ([`crate::native`]).
 #[derive(Debug, Clone)]
 struct Lin {
-    /// The matrix as loaded; `None` when it was Q8_0 and `native` took it over for every input.
+    /// The matrix as loaded; `None` when its native copy takes every input.
     main: Option<QMatMul>,
+    /// The copy for inputs of at most [`SMALL_ROWS`] rows.
     small: Option<QMatMul>,
-    /// A Q8_0 copy repacked for the AVX-512 VNNI kernel ([`crate::q8`]): the matrix itself
-    /// when it was loaded as Q8_0 (every input then runs on it), or the copy for small inputs.
-    native: Option<Arc<Q8Rows>>,
+    /// The copy repacked for fluxmem's kernels, of the matrix itself or of `small`, and the
+    /// most input rows it takes.
+    native: Option<(Arc<Native>, usize)>,
 }
 
 impl Lin {
     fn new(main: QMatMul) -> Result<Lin> {
-        Ok(match Q8Rows::of(&main)? {
-            Some(native) => Lin { main: None, small: None, native: Some(native) },
+        Ok(match Native::of(&main)? {
+            Some((native, Takes::Every)) => Lin { main: None, small: None, native: Some((native, usize::MAX)) },
+            Some((native, Takes::AtMost(rows))) => Lin { main: Some(main), small: None, native: Some((native, rows)) },
             None => Lin { main: Some(main), small: None, native: None },
         })
     }
 
-    /// Sets the copy for small inputs: repacked for the kernel when it can be (then not held
-    /// twice), as given otherwise.
+    /// Sets the copy for small inputs: repacked for the kernels when they beat candle's on it
+    /// (then not held twice when they take all its inputs), as given otherwise.
     fn set_small(&mut self, small: QMatMul) -> Result<()> {
         if self.main.is_none() {
             // The kernel already runs every input on the matrix itself.
             return Ok(());
         }
-        match Q8Rows::of(&small)? {
-            Some(native) => {
-                self.native = Some(native);
+        match Native::of(&small)? {
+            Some((native, Takes::Every)) => {
+                self.native = Some((native, SMALL_ROWS));
                 self.small = None;
+            }
+            Some((native, Takes::AtMost(rows))) => {
+                self.native = Some((native, rows.min(SMALL_ROWS)));
+                self.small = Some(small);
             }
             None => self.small = Some(small),
         }
@@ -77,13 +84,12 @@ impl Lin {
 
 impl Module for Lin {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let small = xs.elem_count() <= SMALL_ROWS * xs.dim(D::Minus1)?;
+        let rows = xs.elem_count() / xs.dim(D::Minus1)?.max(1);
         match (&self.main, &self.native, &self.small) {
-            (None, Some(native), _) => native.forward(xs),
-            (_, Some(native), _) if small => native.forward(xs),
-            (_, _, Some(copy)) if small => copy.forward(xs),
+            (_, Some((native, most)), _) if rows <= *most => native.forward(xs),
+            (_, _, Some(copy)) if rows <= SMALL_ROWS => copy.forward(xs),
             (Some(main), _, _) => main.forward(xs),
-            (None, None, _) => candle_core::bail!("a weight matrix without any copy"),
+            (None, _, _) => candle_core::bail!("a weight matrix without a copy for inputs of {rows} rows"),
         }
     }
 }

@@ -27,8 +27,9 @@ pub enum WeightPath {
     Quantized,
     /// Expanded to f32 at load time.
     Dequantized,
-    /// Re-quantized to Q8_0 at load time (candle has SIMD kernels for it: a middle ground for
-    /// decode-heavy work).
+    /// Re-quantized to Q8_0 at load time, except the formats that run as fast as stored: on a
+    /// CPU with AVX-512 VNNI, Q4_K (fluxmem's kernel for decode steps, candle's tiles for
+    /// prompts) and Q6_K (candle's tiles) stay as they are. The generators' default.
     Q8,
     /// Both: f32 for prompts and Q8_0 for decode steps (inputs of at most
     /// [`crate::decoder::SMALL_ROWS`] rows), for llama and qwen2 (Gemma 3 runs on f32). Holds
@@ -388,6 +389,11 @@ fn requantized_gguf(content: &gguf_file::Content, file: &mut std::fs::File, path
         let tensor = match tensor.dtype() {
             GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => tensor,
             dtype if dtype == target => tensor,
+            // Where fluxmem's Q4_K kernel and candle's AVX-512 VNNI tiles run, a Q4_K or Q6_K
+            // matrix is as fast as stored as it is requantized, and requantizing it to Q8_0
+            // would read more bytes a decode step, lose a little precision and take longer to
+            // load (docs/models.md).
+            GgmlDType::Q4K | GgmlDType::Q6K if target == GgmlDType::Q8_0 && crate::native::runs(GgmlDType::Q4K) => tensor,
             _ => {
                 let row = tensor.shape().dims().last().copied().unwrap_or(0);
                 if row % target.block_size() == 0 {

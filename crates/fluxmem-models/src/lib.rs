@@ -27,7 +27,9 @@ mod generator;
 mod gguf;
 mod gguf_tokenizer;
 mod judge;
+mod native;
 mod provision;
+mod q4k;
 mod q8;
 
 pub use bert::{bucket_len, BertBackend, Pooling, SentenceEmbedder, PAD_BUCKET};

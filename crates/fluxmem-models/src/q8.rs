@@ -1,32 +1,27 @@
-//! A Q8_0 kernel for decode steps: a few input rows against a Q8_0 weight matrix, on
-//! AVX-512 VNNI.
+//! The Q8_0 kernel ([`crate::native`]): input rows against a Q8_0 weight matrix, on AVX-512
+//! VNNI.
 //!
-//! candle's Q8_0 path spends most of a decode step in its AVX2 block dot product and in an f16
-//! to f32 conversion of both blocks' scales per block (`perf` on the 135M model: 56% and 8%).
-//! Here the weights are repacked at load into rows of int8 quants with f32 scales, and a pair
-//! of 32-value blocks is one 512-bit `vpdpbusd` (the weight's magnitude times the input with
-//! the weight's sign), one conversion and one fused multiply-add by the pair's two scales.
-//! Input rows are quantized to Q8_0 as candle does (scale max|x| / 127, values rounded), so a
-//! result differs from candle's by float rounding only: the scales stay f32 instead of f16,
-//! and the products are summed in another order. Output rows are split between rayon's
-//! threads.
+//! The weights are repacked at load into rows of int8 quants with f32 scales, and a pair of
+//! 32-value blocks is one 512-bit `vpdpbusd` (the weight's magnitude times the input with the
+//! weight's sign), one conversion and one fused multiply-add by the pair's two scales. Input
+//! rows are quantized to Q8_0 as candle does (scale max|x| / 127, values rounded), so a result
+//! differs from candle's by float rounding only: the scales stay f32 instead of f16, and the
+//! products are summed in another order.
 
-use std::sync::Arc;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Result;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Result, Tensor};
+use crate::native::{cpu_has_kernel, drive};
 
 /// Values per Q8_0 block.
 const BLOCK: usize = 32;
 
-/// Multiply-adds below which a product runs on the calling thread alone.
-const PARALLEL_MACS: usize = 1 << 20;
+/// Values of a row a kernel call covers ([`drive`]): 16 input rows' quants and expanded
+/// scales (2 bytes a value) stay within a core's L1 cache.
+const SLICE: usize = 1024;
 
-/// Input rows a task runs against its output rows at a time.
-const ROW_TILE: usize = 16;
-
-/// A Q8_0 matrix (out, k) repacked for [`Q8Rows::forward`]: per output row, its quants and
-/// the f32 scale of each block.
+/// A Q8_0 matrix (out, k) repacked for the kernel: per output row, its quants and the f32
+/// scale of each block.
 pub(crate) struct Q8Rows {
     out: usize,
     k: usize,
@@ -40,40 +35,12 @@ impl std::fmt::Debug for Q8Rows {
     }
 }
 
-/// True when Q8_0 matrices are repacked for this kernel: the CPU runs it ([`cpu_has_kernel`])
-/// and it is not turned off (`FLUXMEM_Q8_KERNEL=candle`, for side-by-side benches).
-pub(crate) fn available() -> bool {
-    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(|| cpu_has_kernel() && !std::env::var("FLUXMEM_Q8_KERNEL").is_ok_and(|v| v == "candle"))
-}
-
-/// True when this CPU has AVX-512 with VNNI and byte/word instructions.
-fn cpu_has_kernel() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vnni")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
-}
-
 impl Q8Rows {
-    /// The repacked matrix of `matmul` when it is a Q8_0 matrix on the CPU and this CPU runs
-    /// the kernel; `None` otherwise.
-    pub(crate) fn of(matmul: &QMatMul) -> Result<Option<Arc<Q8Rows>>> {
-        match matmul {
-            QMatMul::QTensor(q) if available() && q.dtype() == GgmlDType::Q8_0 && matches!(q.device(), Device::Cpu) => Ok(Some(Arc::new(Q8Rows::from_qtensor(q)?))),
-            _ => Ok(None),
-        }
-    }
-
-    fn from_qtensor(q: &QTensor) -> Result<Q8Rows> {
+    pub(crate) fn from_qtensor(q: &QTensor) -> Result<Q8Rows> {
         let (out, k) = q.shape().dims2()?;
+        if q.dtype() != GgmlDType::Q8_0 {
+            candle_core::bail!("a {:?} matrix is not Q8_0", q.dtype());
+        }
         if k == 0 || k % BLOCK != 0 {
             candle_core::bail!("a Q8_0 matrix of row length {k}, not a multiple of {BLOCK}");
         }
@@ -93,76 +60,29 @@ impl Q8Rows {
         Ok(Q8Rows { out, k, quants, scales })
     }
 
-    /// `xs` (.., k) times the matrix's transpose: (.., out).
-    pub(crate) fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let dims = xs.dims().to_vec();
-        let k = *dims.last().unwrap_or(&0);
-        if k != self.k {
-            candle_core::bail!("an input of row length {k} for a Q8_0 matrix of row length {}", self.k);
-        }
-        let values: Vec<f32> = xs.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
-        let rows = values.len() / k.max(1);
-        let mut shape = dims.clone();
-        *shape.last_mut().expect("a matrix input has dimensions") = self.out;
-        if rows == 0 || self.out == 0 {
-            return Tensor::zeros(shape, candle_core::DType::F32, xs.device());
-        }
-        let (xq, xd, xe) = quantize(&values, k);
-        let y = self.matmul(&xq, &xd, &xe, rows);
-        Tensor::from_vec(y, shape, xs.device())
+    /// (out, k).
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        (self.out, self.k)
     }
 
-    /// `rows` quantized input rows (quants, block scales) times the matrix: (rows, out).
-    ///
-    /// A task takes a few output rows (about 64 KB of weights) and runs them against the input
-    /// rows [`ROW_TILE`] at a time, so that its weights and a tile of inputs stay in the
-    /// core's cache while each is used many times (a prompt's hundreds of rows against a
-    /// 9,000-wide matrix do not fit it whole).
-    fn matmul(&self, xq: &[i8], xd: &[f32], xe: &[f32], rows: usize) -> Vec<f32> {
-        use rayon::prelude::*;
-        let blocks = self.k / BLOCK;
-        let chunk = ((64 << 10) / self.k).clamp(4, 256);
-        // A small product costs less than waking another thread.
-        let parallel = rayon::current_num_threads() > 1 && self.out * self.k * rows >= PARALLEL_MACS;
-        // (output row, input row) results, transposed back below.
-        let mut transposed = vec![0f32; self.out * rows];
-        let run = |(c, part): (usize, &mut [f32])| {
-            let first = c * chunk;
-            let outputs = part.len() / rows;
-            for tile in (0..rows).step_by(ROW_TILE) {
-                let tile_rows = tile..(tile + ROW_TILE).min(rows);
-                for i in 0..outputs {
-                    let o = first + i;
-                    let w = &self.quants[o * self.k..(o + 1) * self.k];
-                    let ws = &self.scales[o * blocks..(o + 1) * blocks];
-                    let mut r = tile_rows.start;
-                    // Four input rows at a time share each load of the weights.
-                    while r + 4 <= tile_rows.end {
-                        let x = |j: usize| &xq[(r + j) * self.k..(r + j + 1) * self.k];
-                        let d = |j: usize| &xd[(r + j) * blocks..(r + j + 1) * blocks];
-                        let e = |j: usize| &xe[(r + j) * blocks * 8..(r + j + 1) * blocks * 8];
-                        let four = dot4(w, ws, [x(0), x(1), x(2), x(3)], [d(0), d(1), d(2), d(3)], [e(0), e(1), e(2), e(3)]);
-                        part[i * rows + r..i * rows + r + 4].copy_from_slice(&four);
-                        r += 4;
-                    }
-                    for r in r..tile_rows.end {
-                        part[i * rows + r] = dot(w, ws, &xq[r * self.k..(r + 1) * self.k], &xd[r * blocks..(r + 1) * blocks], &xe[r * blocks * 8..(r + 1) * blocks * 8]);
-                    }
-                }
+    /// `rows` input rows of `k` values times the matrix: (rows, out).
+    pub(crate) fn matmul(&self, values: &[f32], rows: usize) -> Vec<f32> {
+        let (k, blocks) = (self.k, self.k / BLOCK);
+        let (xq, xd, xe) = quantize(values, k);
+        let row_bytes = k + blocks * 4;
+        drive(self.out, rows, k, row_bytes, SLICE, |o, r, n, span| {
+            let (b0, b1) = (span.start / BLOCK, span.end.div_ceil(BLOCK));
+            let w = &self.quants[o * k + span.start..o * k + span.end];
+            let ws = &self.scales[o * blocks + b0..o * blocks + b1];
+            let x = |j: usize| &xq[(r + j) * k + span.start..(r + j) * k + span.end];
+            let d = |j: usize| &xd[(r + j) * blocks + b0..(r + j) * blocks + b1];
+            let e = |j: usize| &xe[((r + j) * blocks + b0) * 8..((r + j) * blocks + b1) * 8];
+            if n == 4 {
+                dot4(w, ws, [x(0), x(1), x(2), x(3)], [d(0), d(1), d(2), d(3)], [e(0), e(1), e(2), e(3)])
+            } else {
+                [dot(w, ws, x(0), d(0), e(0)), 0.0, 0.0, 0.0]
             }
-        };
-        if parallel {
-            transposed.par_chunks_mut(chunk * rows).enumerate().for_each(run);
-        } else {
-            transposed.chunks_mut(chunk * rows).enumerate().for_each(run);
-        }
-        let mut y = vec![0f32; rows * self.out];
-        for o in 0..self.out {
-            for r in 0..rows {
-                y[r * self.out + o] = transposed[o * rows + r];
-            }
-        }
-        y
+        })
     }
 }
 
@@ -260,25 +180,30 @@ unsafe fn dot_avx512<const R: usize>(w: &[i8], ws: &[f32], x: [&[i8]; R], xs: [&
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::native::Native;
+    use candle_core::quantized::QMatMul;
+    use candle_core::{Device, Tensor};
 
     /// The kernel against the block-by-block reference and against candle's own Q8_0 matmul,
-    /// for 1 to 9 input rows, an even and an odd number of blocks, and weights that reach -128.
+    /// for 1 to 9 input rows, an even and an odd number of blocks, rows longer than a slice,
+    /// and weights that reach -128.
     #[test]
     fn the_kernel_matches_the_reference_and_candle() {
         // Where the CPU lacks the instructions, `dot` is the reference itself: the comparison
         // with candle still runs.
         eprintln!("AVX-512 VNNI kernel on this CPU: {}", cpu_has_kernel());
-        for (out, k) in [(40usize, 64usize), (33, 96), (70, 576)] {
+        for (out, k) in [(40usize, 64usize), (33, 96), (70, 576), (12, SLICE + 96)] {
             let weights: Vec<f32> = (0..out * k).map(|i| ((i as f32 * 0.618).sin() * 3.0) + if i % 97 == 0 { -9.0 } else { 0.0 }).collect();
             let w_values = weights.clone();
             let w = Tensor::from_vec(weights, (out, k), &Device::Cpu).unwrap();
             let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
             let candle = QMatMul::from_qtensor(q).unwrap();
             let native = match &candle {
-                QMatMul::QTensor(q) => Q8Rows::from_qtensor(q).unwrap(),
+                QMatMul::QTensor(q) => Native::Q8(Q8Rows::from_qtensor(q).unwrap()),
                 _ => unreachable!("a quantized matrix"),
             };
-            assert!(native.quants.iter().any(|&v| v == -127 || v == -128), "weights reach the lowest quants");
+            let Native::Q8(rows_of) = &native else { unreachable!("a Q8_0 matrix") };
+            assert!(rows_of.quants.iter().any(|&v| v == -127 || v == -128), "weights reach the lowest quants");
             for rows in [1usize, 2, 5, 9] {
                 let input: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.377).cos() * 2.0).collect();
                 let xs = Tensor::from_vec(input.clone(), (rows, k), &Device::Cpu).unwrap();
@@ -288,7 +213,7 @@ mod tests {
                 let blocks = k / BLOCK;
                 for r in 0..rows {
                     for o in 0..out {
-                        let reference = dot_scalar(&native.quants[o * k..(o + 1) * k], &native.scales[o * blocks..(o + 1) * blocks], &xq[r * k..(r + 1) * k], &xd[r * blocks..(r + 1) * blocks]);
+                        let reference = dot_scalar(&rows_of.quants[o * k..(o + 1) * k], &rows_of.scales[o * blocks..(o + 1) * blocks], &xq[r * k..(r + 1) * k], &xd[r * blocks..(r + 1) * blocks]);
                         let tolerance = 1e-4 * reference.abs().max(1.0);
                         assert!((got[r][o] - reference).abs() <= tolerance, "{out}x{k}, row {r}, output {o}: {} against {reference}", got[r][o]);
                         // candle keeps the input's scales as f16 (a relative error of 2^-11 on each

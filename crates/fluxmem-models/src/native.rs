@@ -1,0 +1,189 @@
+//! fluxmem's own CPU kernels for quantized weight matrices, on AVX-512 VNNI: Q8_0
+//! ([`crate::q8`]) and Q4_K ([`crate::q4k`]), and the driver that shares a product out between
+//! candle's thread pool and the core's cache.
+//!
+//! candle's kernels for these formats are AVX2 block dot products, one input row at a time;
+//! `perf` put most of a decode step in them and in converting the blocks' f16 scales (56% and
+//! 8% on the 135M model). Here the weights are repacked at load, the inputs are quantized once
+//! per product, and each kernel runs one weight row against one or four input rows, every
+//! input row computed by the same instructions whatever its tile-mates (so a batch gives each
+//! sequence the bits it gets alone).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul};
+use candle_core::{Device, Result, Tensor};
+
+use crate::q4k::Q4KRows;
+use crate::q8::Q8Rows;
+
+/// Multiply-adds below which a product runs on the calling thread alone.
+const PARALLEL_MACS: usize = 1 << 20;
+
+/// Input rows a task runs against its output rows at a time.
+const ROW_TILE: usize = 16;
+
+/// True when quantized matrices are repacked for these kernels: the CPU runs them
+/// ([`cpu_has_kernel`]) and they are not turned off (`FLUXMEM_Q8_KERNEL=candle`, for
+/// side-by-side benches: candle's kernels then run every format).
+pub(crate) fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| cpu_has_kernel() && !std::env::var("FLUXMEM_Q8_KERNEL").is_ok_and(|v| v == "candle"))
+}
+
+/// True when this CPU has AVX-512 with VNNI and byte/word instructions.
+pub(crate) fn cpu_has_kernel() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vnni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// The formats the kernels run: [`Native::of`] says which a loaded matrix keeps.
+pub(crate) fn runs(dtype: GgmlDType) -> bool {
+    available() && matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4K)
+}
+
+/// Row lengths candle's own repacked AVX-512 VNNI tiles take (a multiple of its 256-value
+/// super-block); they beat [`crate::q8`] on Q8_0 at every input size measured, and
+/// [`crate::q4k`] from 2 input rows on (docs/models.md).
+const CANDLE_TILE_K: usize = 256;
+
+/// A weight matrix repacked for one of the kernels.
+#[derive(Debug)]
+pub(crate) enum Native {
+    Q8(Q8Rows),
+    Q4K(Q4KRows),
+}
+
+/// Which inputs a matrix's native copy takes: every input (candle's copy is then dropped), or
+/// inputs of at most this many rows (candle's copy takes the others).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Takes {
+    Every,
+    AtMost(usize),
+}
+
+impl Native {
+    /// The repacked matrix of `matmul`, and the inputs it should take, when this CPU runs the
+    /// kernels and they beat candle's for the matrix: a Q8_0 matrix whose rows candle's tiles
+    /// do not take (every input), and a Q4_K matrix (single-row inputs: decode steps). `None`
+    /// otherwise.
+    pub(crate) fn of(matmul: &QMatMul) -> Result<Option<(Arc<Native>, Takes)>> {
+        let QMatMul::QTensor(q) = matmul else { return Ok(None) };
+        if !available() || !matches!(q.device(), Device::Cpu) {
+            return Ok(None);
+        }
+        let (_, k) = q.shape().dims2()?;
+        Ok(match q.dtype() {
+            GgmlDType::Q8_0 if k % CANDLE_TILE_K != 0 => Some((Arc::new(Native::Q8(Q8Rows::from_qtensor(q)?)), Takes::Every)),
+            GgmlDType::Q4K => Some((Arc::new(Native::Q4K(Q4KRows::from_qtensor(q)?)), Takes::AtMost(1))),
+            _ => None,
+        })
+    }
+
+    /// `xs` (.., k) times the matrix's transpose: (.., out).
+    pub(crate) fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let (out, k) = match self {
+            Native::Q8(m) => m.dims(),
+            Native::Q4K(m) => m.dims(),
+        };
+        let dims = xs.dims().to_vec();
+        let row = *dims.last().unwrap_or(&0);
+        if row != k {
+            candle_core::bail!("an input of row length {row} for a quantized matrix of row length {k}");
+        }
+        let values: Vec<f32> = xs.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        let rows = values.len() / k.max(1);
+        let mut shape = dims;
+        *shape.last_mut().expect("a matrix input has dimensions") = out;
+        if rows == 0 || out == 0 {
+            return Tensor::zeros(shape, candle_core::DType::F32, xs.device());
+        }
+        let y = match self {
+            Native::Q8(m) => m.matmul(&values, rows),
+            Native::Q4K(m) => m.matmul(&values, rows),
+        };
+        Tensor::from_vec(y, shape, xs.device())
+    }
+}
+
+/// Runs a product of `rows` input rows and `out` weight rows of length `k`: `dot(o, r, n,
+/// span)` gives the dot products of weight row `o` with input rows `r..r + n` (`n` is 1 or 4)
+/// over the values `span`, and the spans of a row are added in order. Returns (rows, out).
+///
+/// A task takes a few weight rows (about 64 KB, at `row_bytes` a row) and runs them against
+/// the input rows [`ROW_TILE`] at a time, one span of `slice` values at a time, so that its
+/// weights and a tile of inputs stay in the core's cache while each is used many times (a
+/// prompt's hundreds of rows against a 9,000-wide matrix do not fit it whole). `slice` is a
+/// multiple of the format's block pair or super-block; the kernels take a shorter last span.
+pub(crate) fn drive<F>(out: usize, rows: usize, k: usize, row_bytes: usize, slice: usize, dot: F) -> Vec<f32>
+where
+    F: Fn(usize, usize, usize, Range<usize>) -> [f32; 4] + Sync,
+{
+    let chunk = ((64 << 10) / row_bytes.max(1)).clamp(4, 256);
+    // A small product costs less than waking another thread.
+    let parallel = candle_core::utils::get_num_threads() > 1 && out * k * rows >= PARALLEL_MACS;
+    // (output row, input row) results, transposed back below.
+    let mut transposed = vec![0f32; out * rows];
+    let run = |c: usize, part: &mut [f32]| {
+        let first = c * chunk;
+        let outputs = part.len() / rows;
+        for start in (0..k).step_by(slice.max(1)) {
+            let span = start..(start + slice).min(k);
+            for tile in (0..rows).step_by(ROW_TILE) {
+                let end = (tile + ROW_TILE).min(rows);
+                for i in 0..outputs {
+                    let results = &mut part[i * rows..(i + 1) * rows];
+                    let mut r = tile;
+                    // Four input rows at a time share each load of the weights.
+                    while r + 4 <= end {
+                        let four = dot(first + i, r, 4, span.clone());
+                        for (y, v) in results[r..r + 4].iter_mut().zip(four) {
+                            *y += v;
+                        }
+                        r += 4;
+                    }
+                    for r in r..end {
+                        results[r] += dot(first + i, r, 1, span.clone())[0];
+                    }
+                }
+            }
+        }
+    };
+    let tasks = out.div_ceil(chunk);
+    if parallel {
+        // candle's own thread pool, the one its operations between these products run on:
+        // a second pool's threads would compete with its spinning workers for the cores.
+        let base = transposed.as_mut_ptr() as usize;
+        let len = transposed.len();
+        candle_core::utils::barrier_pool().execute_chunked(tasks, |range| {
+            for c in range {
+                let (from, to) = (c * chunk * rows, ((c + 1) * chunk * rows).min(len));
+                // SAFETY: task `c` alone writes the results of its output rows, `from..to`,
+                // a range within `transposed`, which outlives the call.
+                let part = unsafe { std::slice::from_raw_parts_mut((base as *mut f32).add(from), to - from) };
+                run(c, part);
+            }
+        });
+    } else {
+        for (c, part) in transposed.chunks_mut(chunk * rows).enumerate() {
+            run(c, part);
+        }
+    }
+    let mut y = vec![0f32; rows * out];
+    for o in 0..out {
+        for r in 0..rows {
+            y[r * out + o] = transposed[o * rows + r];
+        }
+    }
+    y
+}
