@@ -30,6 +30,7 @@ mod judge;
 mod native;
 mod provision;
 mod q4k;
+mod q6k;
 mod q8;
 
 pub use bert::{bucket_len, BertBackend, Pooling, SentenceEmbedder, PAD_BUCKET};

@@ -16,7 +16,11 @@ use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{Device, Result, Tensor};
 
 use crate::q4k::Q4KRows;
+use crate::q6k::Q6KRows;
 use crate::q8::Q8Rows;
+
+/// Weights per K-quant super-block (Q4_K, Q6_K).
+pub(crate) const SUPER: usize = 256;
 
 /// Multiply-adds below which a product runs on the calling thread alone.
 const PARALLEL_MACS: usize = 1 << 20;
@@ -49,7 +53,7 @@ pub(crate) fn cpu_has_kernel() -> bool {
 
 /// The formats the kernels run: [`Native::of`] says which a loaded matrix keeps.
 pub(crate) fn runs(dtype: GgmlDType) -> bool {
-    available() && matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4K)
+    available() && matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4K | GgmlDType::Q6K)
 }
 
 /// Row lengths candle's own repacked AVX-512 VNNI tiles take (a multiple of its 256-value
@@ -62,6 +66,7 @@ const CANDLE_TILE_K: usize = 256;
 pub(crate) enum Native {
     Q8(Q8Rows),
     Q4K(Q4KRows),
+    Q6K(Q6KRows),
 }
 
 /// Which inputs a matrix's native copy takes: every input (candle's copy is then dropped), or
@@ -86,6 +91,7 @@ impl Native {
         Ok(match q.dtype() {
             GgmlDType::Q8_0 if k % CANDLE_TILE_K != 0 => Some((Arc::new(Native::Q8(Q8Rows::from_qtensor(q)?)), Takes::Every)),
             GgmlDType::Q4K => Some((Arc::new(Native::Q4K(Q4KRows::from_qtensor(q)?)), Takes::AtMost(1))),
+            GgmlDType::Q6K if k % SUPER == 0 => Some((Arc::new(Native::Q6K(Q6KRows::from_qtensor(q)?)), Takes::AtMost(1))),
             _ => None,
         })
     }
@@ -95,6 +101,7 @@ impl Native {
         let (out, k) = match self {
             Native::Q8(m) => m.dims(),
             Native::Q4K(m) => m.dims(),
+            Native::Q6K(m) => m.dims(),
         };
         let dims = xs.dims().to_vec();
         let row = *dims.last().unwrap_or(&0);
@@ -111,6 +118,7 @@ impl Native {
         let y = match self {
             Native::Q8(m) => m.matmul(&values, rows),
             Native::Q4K(m) => m.matmul(&values, rows),
+            Native::Q6K(m) => m.matmul(&values, rows),
         };
         Tensor::from_vec(y, shape, xs.device())
     }
@@ -130,6 +138,9 @@ where
     F: Fn(usize, usize, usize, Range<usize>) -> [f32; 4] + Sync,
 {
     let chunk = ((64 << 10) / row_bytes.max(1)).clamp(4, 256);
+    // One or two input rows fit the cache whole: slicing would only make a task read its
+    // weight rows as many short interleaved runs, which the prefetchers follow less well.
+    let slice = if rows <= 2 { k.max(1) } else { slice.max(1) };
     // A small product costs less than waking another thread.
     let parallel = candle_core::utils::get_num_threads() > 1 && out * k * rows >= PARALLEL_MACS;
     // (output row, input row) results, transposed back below.
@@ -137,7 +148,7 @@ where
     let run = |c: usize, part: &mut [f32]| {
         let first = c * chunk;
         let outputs = part.len() / rows;
-        for start in (0..k).step_by(slice.max(1)) {
+        for start in (0..k).step_by(slice) {
             let span = start..(start + slice).min(k);
             for tile in (0..rows).step_by(ROW_TILE) {
                 let end = (tile + ROW_TILE).min(rows);
@@ -186,4 +197,49 @@ where
         }
     }
     y
+}
+
+/// Input rows quantized per super-block as llama.cpp's Q8_K is, for the K-quant kernels: one
+/// scale `dx` = max|x| / 127 per 256 values, each value rounded to the nearest of its
+/// multiples, and 16 lanes of sums of quants per super-block in the form the format's kernel
+/// subtracts (its mins, or its offset).
+pub(crate) struct SuperInput {
+    quants: Vec<i8>,
+    scales: Vec<f32>,
+    sums: Vec<f32>,
+}
+
+/// A span of an input row's super-blocks.
+#[derive(Clone, Copy)]
+pub(crate) struct SuperRow<'a> {
+    pub(crate) quants: &'a [i8],
+    pub(crate) scales: &'a [f32],
+    pub(crate) sums: &'a [f32],
+}
+
+impl SuperInput {
+    /// Quantizes rows of `k` values (a multiple of [`SUPER`]); `sums(dx, quants)` gives a
+    /// super-block's 16 lanes of sums.
+    pub(crate) fn quantize(values: &[f32], k: usize, sums: impl Fn(f32, &[i8]) -> [f32; 16]) -> SuperInput {
+        debug_assert!(k % SUPER == 0);
+        let supers = values.len() / SUPER;
+        let mut input = SuperInput { quants: Vec::with_capacity(values.len()), scales: Vec::with_capacity(supers), sums: Vec::with_capacity(supers * 16) };
+        for block in values.chunks_exact(SUPER) {
+            let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let start = input.quants.len();
+            input.quants.extend(block.iter().map(|&x| (x * id).round() as i8));
+            input.scales.push(d);
+            input.sums.extend(sums(d, &input.quants[start..]));
+        }
+        input
+    }
+
+    /// Row `r`'s super-blocks `supers` (rows of `k` values).
+    pub(crate) fn row(&self, r: usize, k: usize, supers: std::ops::Range<usize>) -> SuperRow<'_> {
+        let first = r * (k / SUPER);
+        let (a, b) = (first + supers.start, first + supers.end);
+        SuperRow { quants: &self.quants[a * SUPER..b * SUPER], scales: &self.scales[a..b], sums: &self.sums[a * 16..b * 16] }
+    }
 }

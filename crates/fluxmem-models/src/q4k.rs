@@ -18,10 +18,7 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Result;
 
-use crate::native::{cpu_has_kernel, drive};
-
-/// Weights per super-block.
-const SUPER: usize = 256;
+use crate::native::{cpu_has_kernel, drive, SuperInput, SuperRow as Row, SUPER};
 
 /// Sub-blocks per super-block.
 const SUBS: usize = 8;
@@ -29,6 +26,9 @@ const SUBS: usize = 8;
 /// Values of a row a kernel call covers ([`drive`]): 16 input rows' quants and sums (1.25
 /// bytes a value) stay within a core's L1 cache.
 const SLICE: usize = 1536;
+
+/// Bytes of quants ahead of the kernel's loads that it asks the cache for.
+const PREFETCH: usize = 1024;
 
 /// A Q4_K matrix (out, k) repacked for the kernel.
 pub(crate) struct Q4KRows {
@@ -109,7 +109,7 @@ impl Q4KRows {
     /// `rows` input rows of `k` values times the matrix: (rows, out).
     pub(crate) fn matmul(&self, values: &[f32], rows: usize) -> Vec<f32> {
         let (k, supers) = (self.k, self.k / SUPER);
-        let input = quantize(values, k);
+        let input = SuperInput::quantize(values, k, sums);
         let row_bytes = k / 2 + supers * 24;
         drive(self.out, rows, k, row_bytes, SLICE, |o, r, n, span| {
             let (s0, s1) = (o * supers + span.start / SUPER, o * supers + span.end / SUPER);
@@ -132,54 +132,18 @@ struct Weights<'a> {
     factors: &'a [f32],
 }
 
-/// Input rows quantized per super-block.
-struct Input {
-    quants: Vec<i8>,
-    /// Per super-block: the scale `dx`.
-    scales: Vec<f32>,
-    /// Per super-block, 16 lanes: 0 for the 8 lanes of the scales, then `dx` times each
-    /// sub-block's sum of quants (the lanes of the mins).
-    sums: Vec<f32>,
-}
-
-/// A span of an input row's super-blocks.
-#[derive(Clone, Copy)]
-struct Row<'a> {
-    quants: &'a [i8],
-    scales: &'a [f32],
-    sums: &'a [f32],
-}
-
-impl Input {
-    fn row(&self, r: usize, k: usize, supers: std::ops::Range<usize>) -> Row<'_> {
-        let first = r * (k / SUPER);
-        let (a, b) = (first + supers.start, first + supers.end);
-        Row { quants: &self.quants[a * SUPER..b * SUPER], scales: &self.scales[a..b], sums: &self.sums[a * 16..b * 16] }
+/// A super-block's 16 lanes of input sums: 0 for the 8 lanes of the scales, then `dx` times
+/// each sub-block's sum of quants (the lanes of the mins).
+fn sums(dx: f32, quants: &[i8]) -> [f32; 16] {
+    let mut lanes = [0f32; 16];
+    for (lane, q) in lanes[SUBS..].iter_mut().zip(quants.chunks_exact(SUPER / SUBS)) {
+        *lane = dx * q.iter().map(|&v| v as i32).sum::<i32>() as f32;
     }
-}
-
-/// Quantizes rows of `k` values per super-block: the scale max|x| / 127, each value rounded to
-/// the nearest of its multiples, and each sub-block's sum of quants.
-fn quantize(values: &[f32], k: usize) -> Input {
-    debug_assert!(k % SUPER == 0);
-    let supers = values.len() / SUPER;
-    let mut input = Input { quants: Vec::with_capacity(values.len()), scales: Vec::with_capacity(supers), sums: Vec::with_capacity(supers * 16) };
-    for block in values.chunks_exact(SUPER) {
-        let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let start = input.quants.len();
-        input.quants.extend(block.iter().map(|&x| (x * id).round() as i8));
-        input.scales.push(d);
-        input.sums.extend([0.0; SUBS]);
-        let quants = &input.quants[start..];
-        input.sums.extend(quants.chunks_exact(SUPER / SUBS).map(|q| d * q.iter().map(|&v| v as i32).sum::<i32>() as f32));
-    }
-    input
+    lanes
 }
 
 /// The dot products of a weight row's span with `R` input rows' spans.
-fn dot<const R: usize>(w: &Weights, x: [Row; R]) -> [f32; R] {
+fn dot<const R: usize>(w: &Weights, x: [Row<'_>; R]) -> [f32; R] {
     #[cfg(target_arch = "x86_64")]
     if cpu_has_kernel() {
         // SAFETY: the CPU has the instructions the kernel is compiled for.
@@ -241,6 +205,10 @@ unsafe fn dot_avx512<const R: usize>(w: &Weights, x: [Row; R]) -> [f32; R] {
                 _mm_castsi128_ps(_mm_loadl_epi64(w.factors.as_ptr().add(b * 2) as *const __m128i)),
             )
         };
+        // Ahead of the stream: the hardware prefetchers alone leave a decode step short of the
+        // memory's bandwidth.
+        _mm_prefetch::<_MM_HINT_T0>(w.quants.as_ptr().wrapping_add(b * 128 + PREFETCH) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(w.quants.as_ptr().wrapping_add(b * 128 + PREFETCH + 64) as *const i8);
         let nibbles = [_mm512_and_si512(qa, low), _mm512_and_si512(_mm512_srli_epi16(qa, 4), low), _mm512_and_si512(qb, low), _mm512_and_si512(_mm512_srli_epi16(qb, 4), low)];
         let factors = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(dd));
         let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm)), factors);
@@ -300,7 +268,7 @@ mod tests {
                 let xs = Tensor::from_vec(input.clone(), (rows, k), &Device::Cpu).unwrap();
                 let got: Vec<Vec<f32>> = native.forward(&xs).unwrap().to_vec2().unwrap();
                 let theirs: Vec<Vec<f32>> = candle.forward(&xs).unwrap().to_vec2().unwrap();
-                let quantized = quantize(&input, k);
+                let quantized = SuperInput::quantize(&input, k, sums);
                 let supers = k / SUPER;
                 for r in 0..rows {
                     for o in 0..out {

@@ -20,6 +20,9 @@ const BLOCK: usize = 32;
 /// scales (2 bytes a value) stay within a core's L1 cache.
 const SLICE: usize = 1024;
 
+/// Bytes of quants ahead of the kernel's loads that it asks the cache for.
+const PREFETCH: usize = 1024;
+
 /// A Q8_0 matrix (out, k) repacked for the kernel: per output row, its quants and the f32
 /// scale of each block.
 pub(crate) struct Q8Rows {
@@ -157,6 +160,8 @@ unsafe fn dot_avx512<const R: usize>(w: &[i8], ws: &[f32], x: [&[i8]; R], xs: [&
         // scales, each `xe` `blocks * 8`.
         // (Two scales as one unaligned 8-byte load: a row's scales start 4-byte aligned only.)
         let (wv, dw) = unsafe { (_mm512_loadu_si512(w.as_ptr().add(p * 2 * BLOCK) as *const _), _mm_castsi128_ps(_mm_loadl_epi64(ws.as_ptr().add(2 * p) as *const __m128i))) };
+        // Ahead of the stream, as in the Q4_K kernel.
+        _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(p * 2 * BLOCK + PREFETCH) as *const i8);
         let (magnitude, negative) = (_mm512_abs_epi8(wv), _mm512_movepi8_mask(wv));
         let dw = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(dw));
         for j in 0..R {
