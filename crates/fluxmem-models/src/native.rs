@@ -56,11 +56,6 @@ pub(crate) fn runs(dtype: GgmlDType) -> bool {
     available() && matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4K | GgmlDType::Q6K)
 }
 
-/// Row lengths candle's own repacked AVX-512 VNNI tiles take (a multiple of its 256-value
-/// super-block); they beat [`crate::q8`] on Q8_0 at every input size measured, and
-/// [`crate::q4k`] from 2 input rows on (docs/models.md).
-const CANDLE_TILE_K: usize = 256;
-
 /// A weight matrix repacked for one of the kernels.
 #[derive(Debug)]
 pub(crate) enum Native {
@@ -79,9 +74,9 @@ pub(crate) enum Takes {
 
 impl Native {
     /// The repacked matrix of `matmul`, and the inputs it should take, when this CPU runs the
-    /// kernels and they beat candle's for the matrix: a Q8_0 matrix whose rows candle's tiles
-    /// do not take (every input), and a Q4_K matrix (single-row inputs: decode steps). `None`
-    /// otherwise.
+    /// kernels and they beat candle's for the matrix (docs/models.md): a Q8_0 matrix (every
+    /// input), a Q4_K or Q6_K matrix (single-row inputs: decode steps; candle's repacked
+    /// tiles take the others). `None` otherwise.
     pub(crate) fn of(matmul: &QMatMul) -> Result<Option<(Arc<Native>, Takes)>> {
         let QMatMul::QTensor(q) = matmul else { return Ok(None) };
         if !available() || !matches!(q.device(), Device::Cpu) {
@@ -89,7 +84,7 @@ impl Native {
         }
         let (_, k) = q.shape().dims2()?;
         Ok(match q.dtype() {
-            GgmlDType::Q8_0 if k % CANDLE_TILE_K != 0 => Some((Arc::new(Native::Q8(Q8Rows::from_qtensor(q)?)), Takes::Every)),
+            GgmlDType::Q8_0 => Some((Arc::new(Native::Q8(Q8Rows::from_qtensor(q)?)), Takes::Every)),
             GgmlDType::Q4K => Some((Arc::new(Native::Q4K(Q4KRows::from_qtensor(q)?)), Takes::AtMost(1))),
             GgmlDType::Q6K if k % SUPER == 0 => Some((Arc::new(Native::Q6K(Q6KRows::from_qtensor(q)?)), Takes::AtMost(1))),
             _ => None,

@@ -1,34 +1,46 @@
 //! The Q8_0 kernel ([`crate::native`]): input rows against a Q8_0 weight matrix, on AVX-512
-//! VNNI.
+//! VNNI, for the matrices whose row length candle's own repacked tiles do not take (not a
+//! multiple of 256: most of SmolLM2-135M's and Qwen2.5-0.5B's).
 //!
-//! The weights are repacked at load into rows of int8 quants with f32 scales, and a pair of
-//! 32-value blocks is one 512-bit `vpdpbusd` (the weight's magnitude times the input with the
-//! weight's sign), one conversion and one fused multiply-add by the pair's two scales. Input
-//! rows are quantized to Q8_0 as candle does (scale max|x| / 127, values rounded), so a result
-//! differs from candle's by float rounding only: the scales stay f32 instead of f16, and the
-//! products are summed in another order.
+//! The weights are repacked at load into tiles of 16 output rows: per 32-value block, 8 groups
+//! of 4 values for each of the 16 rows (64 bytes, offset by 128 to make them unsigned), and
+//! the 16 rows' f32 scales. One `vpdpbusd` of a group against an input row's 4 values (the same
+//! 4 bytes in every lane) then gives 64 products for 16 outputs at once, with no horizontal
+//! sums. A call runs up to 4 input rows against 2 tiles: each weight load serves 4 input rows
+//! and each broadcast 2 tiles, and the 8 accumulators are independent chains. Per block and
+//! (row, tile), the integer sums are converted, less 128 times the input block's sum of quants
+//! (the offset), and added times the weight and input scales. Input rows are quantized to Q8_0
+//! as candle does (scale max|x| / 127, values rounded), so a result differs from candle's by
+//! float rounding only (candle keeps the input scales as f16).
+//!
+//! Every input row is computed by the same instructions whatever its tile-mates, so a batch
+//! gives each sequence the bits it gets alone.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Result;
 
-use crate::native::{cpu_has_kernel, drive};
+use crate::native::cpu_has_kernel;
 
 /// Values per Q8_0 block.
 const BLOCK: usize = 32;
 
-/// Values of a row a kernel call covers ([`drive`]): 16 input rows' quants and expanded
-/// scales (2 bytes a value) stay within a core's L1 cache.
-const SLICE: usize = 1024;
+/// Output rows per tile (the lanes of a 512-bit vector of f32 or i32).
+const TILE: usize = 16;
 
-/// Bytes of quants ahead of the kernel's loads that it asks the cache for.
-const PREFETCH: usize = 1024;
+/// Input rows a call runs at most.
+const ROWS: usize = 4;
 
-/// A Q8_0 matrix (out, k) repacked for the kernel: per output row, its quants and the f32
-/// scale of each block.
+/// Multiply-adds below which a product runs on the calling thread alone.
+const PARALLEL_MACS: usize = 1 << 20;
+
+/// A Q8_0 matrix (out, k) repacked in tiles of [`TILE`] output rows (the last tile padded
+/// with zero rows).
 pub(crate) struct Q8Rows {
     out: usize,
     k: usize,
-    quants: Vec<i8>,
+    /// Per tile and block: `[group of 4 values][row][4 bytes]`, each quant plus 128.
+    quants: Vec<u8>,
+    /// Per tile and block: the 16 rows' scales.
     scales: Vec<f32>,
 }
 
@@ -50,15 +62,25 @@ impl Q8Rows {
         let data = q.data()?;
         // A block: the scale as f16, then 32 quants.
         const BYTES: usize = 2 + BLOCK;
-        let blocks = out * k / BLOCK;
-        if data.len() != blocks * BYTES {
-            candle_core::bail!("a Q8_0 matrix of {out} x {k} holds {} bytes, not {}", data.len(), blocks * BYTES);
+        let blocks = k / BLOCK;
+        if data.len() != out * blocks * BYTES {
+            candle_core::bail!("a Q8_0 matrix of {out} x {k} holds {} bytes, not {}", data.len(), out * blocks * BYTES);
         }
-        let mut quants = Vec::with_capacity(out * k);
-        let mut scales = Vec::with_capacity(blocks);
-        for block in data.chunks_exact(BYTES) {
-            scales.push(half::f16::from_le_bytes([block[0], block[1]]).to_f32());
-            quants.extend(block[2..].iter().map(|&b| b as i8));
+        let tiles = out.div_ceil(TILE);
+        // Padding rows: quants of 0 (128 offset) and scale 0.
+        let mut quants = vec![128u8; tiles * blocks * BLOCK * TILE];
+        let mut scales = vec![0f32; tiles * blocks * TILE];
+        for o in 0..out {
+            let (t, row) = (o / TILE, o % TILE);
+            for b in 0..blocks {
+                let block = &data[(o * blocks + b) * BYTES..(o * blocks + b + 1) * BYTES];
+                let at = (t * blocks + b) * TILE;
+                scales[at + row] = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+                let tile = &mut quants[at * BLOCK..(at + TILE) * BLOCK];
+                for (i, &v) in block[2..].iter().enumerate() {
+                    tile[(i / 4) * TILE * 4 + row * 4 + i % 4] = (v as i8 as i16 + 128) as u8;
+                }
+            }
         }
         Ok(Q8Rows { out, k, quants, scales })
     }
@@ -70,116 +92,178 @@ impl Q8Rows {
 
     /// `rows` input rows of `k` values times the matrix: (rows, out).
     pub(crate) fn matmul(&self, values: &[f32], rows: usize) -> Vec<f32> {
-        let (k, blocks) = (self.k, self.k / BLOCK);
-        let (xq, xd, xe) = quantize(values, k);
-        let row_bytes = k + blocks * 4;
-        drive(self.out, rows, k, row_bytes, SLICE, |o, r, n, span| {
-            let (b0, b1) = (span.start / BLOCK, span.end.div_ceil(BLOCK));
-            let w = &self.quants[o * k + span.start..o * k + span.end];
-            let ws = &self.scales[o * blocks + b0..o * blocks + b1];
-            let x = |j: usize| &xq[(r + j) * k + span.start..(r + j) * k + span.end];
-            let d = |j: usize| &xd[(r + j) * blocks + b0..(r + j) * blocks + b1];
-            let e = |j: usize| &xe[((r + j) * blocks + b0) * 8..((r + j) * blocks + b1) * 8];
-            if n == 4 {
-                dot4(w, ws, [x(0), x(1), x(2), x(3)], [d(0), d(1), d(2), d(3)], [e(0), e(1), e(2), e(3)])
-            } else {
-                [dot(w, ws, x(0), d(0), e(0)), 0.0, 0.0, 0.0]
+        let input = quantize(values, self.k);
+        let tiles = self.out.div_ceil(TILE);
+        let (pairs, groups) = (tiles.div_ceil(2), rows.div_ceil(ROWS));
+        let mut y = vec![0f32; rows * self.out];
+        let base = y.as_mut_ptr() as usize;
+        // A unit: a pair of tiles against a group of up to 4 input rows; consecutive units
+        // share their tiles, which stay in the core's cache while the input rows stream by.
+        let unit = |u: usize| {
+            let (pair, group) = (u / groups, u % groups);
+            let first = group * ROWS;
+            let count = (rows - first).min(ROWS);
+            // SAFETY: unit `u` alone writes the outputs of its tiles for its input rows, all
+            // within `y`, which outlives the units.
+            unsafe { self.unit(&input, pair * 2, first, count, base as *mut f32) };
+        };
+        let units = pairs * groups;
+        if candle_core::utils::get_num_threads() > 1 && self.out * self.k * rows >= PARALLEL_MACS {
+            // candle's thread pool, the one its own operations run on (native.rs).
+            candle_core::utils::barrier_pool().execute_chunked(units, |range| range.for_each(unit));
+        } else {
+            (0..units).for_each(unit);
+        }
+        y
+    }
+
+    /// Tiles `tile` and `tile + 1` (when there is one) against input rows `first..first +
+    /// count`, written into `y` (rows, out).
+    ///
+    /// # Safety
+    /// `y` holds `rows * out` values and no other thread writes these outputs.
+    unsafe fn unit(&self, input: &Input, tile: usize, first: usize, count: usize, y: *mut f32) {
+        let blocks = self.k / BLOCK;
+        let two = tile + 1 < self.out.div_ceil(TILE);
+        let rows = |m: usize| input.row(first + m.min(count - 1), blocks);
+        let x = [rows(0), rows(1), rows(2), rows(3)];
+        let w = |t: usize| Tile { quants: &self.quants[t * blocks * BLOCK * TILE..(t + 1) * blocks * BLOCK * TILE], scales: &self.scales[t * blocks * TILE..(t + 1) * blocks * TILE] };
+        let mut results = [[0f32; TILE]; 2 * ROWS];
+        match (two, count) {
+            (true, 4) => kernel::<4, 2>([w(tile), w(tile + 1)], [x[0], x[1], x[2], x[3]], &mut results),
+            (true, 3) => kernel::<3, 2>([w(tile), w(tile + 1)], [x[0], x[1], x[2]], &mut results),
+            (true, 2) => kernel::<2, 2>([w(tile), w(tile + 1)], [x[0], x[1]], &mut results),
+            (true, _) => kernel::<1, 2>([w(tile), w(tile + 1)], [x[0]], &mut results),
+            (false, 4) => kernel::<4, 1>([w(tile)], [x[0], x[1], x[2], x[3]], &mut results),
+            (false, 3) => kernel::<3, 1>([w(tile)], [x[0], x[1], x[2]], &mut results),
+            (false, 2) => kernel::<2, 1>([w(tile)], [x[0], x[1]], &mut results),
+            (false, _) => kernel::<1, 1>([w(tile)], [x[0]], &mut results),
+        }
+        for m in 0..count {
+            for n in 0..if two { 2 } else { 1 } {
+                let start = (tile + n) * TILE;
+                let width = self.out.saturating_sub(start).min(TILE);
+                // SAFETY: row `first + m` < rows and `start + width` <= out (the caller's).
+                let dst = unsafe { std::slice::from_raw_parts_mut(y.add((first + m) * self.out + start), width) };
+                dst.copy_from_slice(&results[m * 2 + n][..width]);
             }
-        })
+        }
+    }
+}
+
+/// A tile's blocks.
+#[derive(Clone, Copy)]
+struct Tile<'a> {
+    quants: &'a [u8],
+    scales: &'a [f32],
+}
+
+/// Input rows quantized to Q8_0.
+struct Input {
+    quants: Vec<i8>,
+    /// Per block: the scale.
+    scales: Vec<f32>,
+    /// Per block: 128 times the sum of its quants (the weights' offset, taken back).
+    offsets: Vec<f32>,
+}
+
+/// An input row's blocks.
+#[derive(Clone, Copy)]
+struct Row<'a> {
+    quants: &'a [i8],
+    scales: &'a [f32],
+    offsets: &'a [f32],
+}
+
+impl Input {
+    fn row(&self, r: usize, blocks: usize) -> Row<'_> {
+        let (a, b) = (r * blocks, (r + 1) * blocks);
+        Row { quants: &self.quants[a * BLOCK..b * BLOCK], scales: &self.scales[a..b], offsets: &self.offsets[a..b] }
     }
 }
 
 /// Quantizes rows of `k` values to Q8_0 as candle does: per block of 32, the scale max|x| /
-/// 127 and each value rounded to the nearest of its multiples (the scale kept as f32). Also
-/// returns each scale repeated 8 times (the lanes a block's products land in, see `dot_avx512`).
-fn quantize(values: &[f32], k: usize) -> (Vec<i8>, Vec<f32>, Vec<f32>) {
-    let mut quants = Vec::with_capacity(values.len());
-    let mut scales = Vec::with_capacity(values.len() / BLOCK);
+/// 127 and each value rounded to the nearest of its multiples (the scale kept as f32).
+fn quantize(values: &[f32], k: usize) -> Input {
     debug_assert!(k % BLOCK == 0);
+    let blocks = values.len() / BLOCK;
+    let mut input = Input { quants: Vec::with_capacity(values.len()), scales: Vec::with_capacity(blocks), offsets: Vec::with_capacity(blocks) };
     for block in values.chunks_exact(BLOCK) {
         let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        scales.push(d);
-        quants.extend(block.iter().map(|&x| (x * id).round() as i8));
+        let start = input.quants.len();
+        input.quants.extend(block.iter().map(|&x| (x * id).round() as i8));
+        input.scales.push(d);
+        input.offsets.push(128.0 * input.quants[start..].iter().map(|&v| v as i32).sum::<i32>() as f32);
     }
-    let expanded = scales.iter().flat_map(|&d| [d; 8]).collect();
-    (quants, scales, expanded)
+    input
 }
 
-/// The dot product of a weight row and an input row, both Q8_0 (quants and block scales;
-/// `xe`: the input's scales, each repeated 8 times).
-fn dot(w: &[i8], ws: &[f32], x: &[i8], xs: &[f32], xe: &[f32]) -> f32 {
+/// `M` input rows against `N` tiles: `results[m * 2 + n]` is row `m`'s 16 outputs of tile `n`.
+fn kernel<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut [[f32; TILE]; 2 * ROWS]) {
     #[cfg(target_arch = "x86_64")]
     if cpu_has_kernel() {
         // SAFETY: the CPU has the instructions the kernel is compiled for.
-        return unsafe { dot_avx512(w, ws, [x], [xs], [xe])[0] };
+        return unsafe { kernel_avx512(w, x, results) };
     }
-    let _ = xe;
-    dot_scalar(w, ws, x, xs)
-}
-
-/// [`dot`] of one weight row with four input rows.
-fn dot4(w: &[i8], ws: &[f32], x: [&[i8]; 4], xs: [&[f32]; 4], xe: [&[f32]; 4]) -> [f32; 4] {
-    #[cfg(target_arch = "x86_64")]
-    if cpu_has_kernel() {
-        // SAFETY: the CPU has the instructions the kernel is compiled for.
-        return unsafe { dot_avx512(w, ws, x, xs, xe) };
-    }
-    let _ = xe;
-    [0, 1, 2, 3].map(|j| dot_scalar(w, ws, x[j], xs[j]))
-}
-
-/// The same dot product, one block at a time (the reference of the tests, and the odd last
-/// block of the kernel).
-fn dot_scalar(w: &[i8], ws: &[f32], x: &[i8], xs: &[f32]) -> f32 {
-    let mut sum = 0f32;
-    for (b, (wb, xb)) in w.chunks_exact(BLOCK).zip(x.chunks_exact(BLOCK)).enumerate() {
-        let d: i32 = wb.iter().zip(xb).map(|(&a, &c)| a as i32 * c as i32).sum();
-        sum += ws[b] * xs[b] * d as f32;
-    }
-    sum
-}
-
-/// One weight row against `R` input rows. Per pair of blocks, the weights are loaded once:
-/// their magnitudes (as unsigned bytes: -128 becomes 128), their signs, and their two scales
-/// spread over the lanes the blocks' products land in (0-7, 8-15); per input row, one
-/// `vpdpbusd` of the magnitudes with the input given the weights' signs, then the 16 sums
-/// times the weight and input scales, added to the row's accumulator.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn dot_avx512<const R: usize>(w: &[i8], ws: &[f32], x: [&[i8]; R], xs: [&[f32]; R], xe: [&[f32]; R]) -> [f32; R] {
-    use std::arch::x86_64::*;
-    let blocks = ws.len();
-    let pairs = blocks / 2;
-    let pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    let zero = _mm512_setzero_si512();
-    let mut acc = [_mm512_setzero_ps(); R];
-    for p in 0..pairs {
-        // SAFETY: `w` and each `x` hold `blocks * 32` values, `ws` and each `xs` `blocks`
-        // scales, each `xe` `blocks * 8`.
-        // (Two scales as one unaligned 8-byte load: a row's scales start 4-byte aligned only.)
-        let (wv, dw) = unsafe { (_mm512_loadu_si512(w.as_ptr().add(p * 2 * BLOCK) as *const _), _mm_castsi128_ps(_mm_loadl_epi64(ws.as_ptr().add(2 * p) as *const __m128i))) };
-        // Ahead of the stream, as in the Q4_K kernel.
-        _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(p * 2 * BLOCK + PREFETCH) as *const i8);
-        let (magnitude, negative) = (_mm512_abs_epi8(wv), _mm512_movepi8_mask(wv));
-        let dw = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(dw));
-        for j in 0..R {
-            let (xv, dx) = unsafe { (_mm512_loadu_si512(x[j].as_ptr().add(p * 2 * BLOCK) as *const _), _mm512_loadu_ps(xe[j].as_ptr().add(p * 16))) };
-            let signed = _mm512_mask_sub_epi8(xv, negative, zero, xv);
-            let sums = _mm512_dpbusd_epi32(zero, magnitude, signed);
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(dw, dx), acc[j]);
+    for m in 0..M {
+        for n in 0..N {
+            results[m * 2 + n] = reference(w[n], x[m]);
         }
     }
-    let mut out = [0f32; R];
-    for j in 0..R {
-        out[j] = _mm512_reduce_add_ps(acc[j]);
-        if blocks % 2 == 1 {
-            let last = blocks - 1;
-            out[j] += dot_scalar(&w[last * BLOCK..], &ws[last..], &x[j][last * BLOCK..], &xs[j][last..]);
+}
+
+/// A tile against one input row, one product at a time (the reference of the tests, and the
+/// kernel of CPUs without AVX-512 VNNI, which never repack: [`crate::native::available`]).
+fn reference(w: Tile, x: Row) -> [f32; TILE] {
+    let mut out = [0f32; TILE];
+    for (b, (&dx, &offset)) in x.scales.iter().zip(x.offsets).enumerate() {
+        for (row, y) in out.iter_mut().enumerate() {
+            let mut sum = 0i32;
+            for i in 0..BLOCK {
+                sum += w.quants[b * BLOCK * TILE + (i / 4) * TILE * 4 + row * 4 + i % 4] as i32 * x.quants[b * BLOCK + i] as i32;
+            }
+            *y += (sum as f32 - offset) * (w.scales[b * TILE + row] * dx);
         }
     }
     out
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut [[f32; TILE]; 2 * ROWS]) {
+    use std::arch::x86_64::*;
+    let blocks = x[0].scales.len();
+    let mut acc = [[_mm512_setzero_ps(); N]; M];
+    for b in 0..blocks {
+        let mut sums = [[_mm512_setzero_si512(); N]; M];
+        for g in 0..BLOCK / 4 {
+            // SAFETY: each tile holds `blocks` blocks of 512 quant bytes and 16 scales, each
+            // row `blocks` blocks of 32 quants, a scale and an offset.
+            let weights: [__m512i; N] = std::array::from_fn(|n| unsafe { _mm512_loadu_si512(w[n].quants.as_ptr().add(b * BLOCK * TILE + g * TILE * 4) as *const _) });
+            for m in 0..M {
+                let four = unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(x[m].quants.as_ptr().add(b * BLOCK + g * 4) as *const i32)) };
+                for n in 0..N {
+                    sums[m][n] = _mm512_dpbusd_epi32(sums[m][n], weights[n], four);
+                }
+            }
+        }
+        let scales: [__m512; N] = std::array::from_fn(|n| unsafe { _mm512_loadu_ps(w[n].scales.as_ptr().add(b * TILE)) });
+        for m in 0..M {
+            let (dx, offset) = unsafe { (_mm512_set1_ps(*x[m].scales.get_unchecked(b)), _mm512_set1_ps(*x[m].offsets.get_unchecked(b))) };
+            for n in 0..N {
+                let sum = _mm512_sub_ps(_mm512_cvtepi32_ps(sums[m][n]), offset);
+                acc[m][n] = _mm512_fmadd_ps(sum, _mm512_mul_ps(scales[n], dx), acc[m][n]);
+            }
+        }
+    }
+    for m in 0..M {
+        for n in 0..N {
+            // SAFETY: a result holds 16 floats.
+            unsafe { _mm512_storeu_ps(results[m * 2 + n].as_mut_ptr(), acc[m][n]) };
+        }
+    }
 }
 
 #[cfg(test)]
@@ -189,45 +273,50 @@ mod tests {
     use candle_core::quantized::QMatMul;
     use candle_core::{Device, Tensor};
 
-    /// The kernel against the block-by-block reference and against candle's own Q8_0 matmul,
-    /// for 1 to 9 input rows, an even and an odd number of blocks, rows longer than a slice,
-    /// and weights that reach -128.
+    /// The kernel against the product of candle's dequantized weights with the quantized input,
+    /// and against candle's own Q8_0 matmul, for 1 to 9 input rows (every count of rows a call
+    /// takes), an odd and an even number of tiles with padded last tiles, and weights that reach
+    /// -128; and a row's outputs alone equal its outputs among others.
     #[test]
     fn the_kernel_matches_the_reference_and_candle() {
-        // Where the CPU lacks the instructions, `dot` is the reference itself: the comparison
-        // with candle still runs.
         eprintln!("AVX-512 VNNI kernel on this CPU: {}", cpu_has_kernel());
-        for (out, k) in [(40usize, 64usize), (33, 96), (70, 576), (12, SLICE + 96)] {
+        for (out, k) in [(40usize, 64usize), (33, 96), (70, 576), (12, 1120)] {
             let weights: Vec<f32> = (0..out * k).map(|i| ((i as f32 * 0.618).sin() * 3.0) + if i % 97 == 0 { -9.0 } else { 0.0 }).collect();
             let w_values = weights.clone();
             let w = Tensor::from_vec(weights, (out, k), &Device::Cpu).unwrap();
             let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+            let dequantized: Vec<Vec<f32>> = q.dequantize(&Device::Cpu).unwrap().to_vec2().unwrap();
             let candle = QMatMul::from_qtensor(q).unwrap();
             let native = match &candle {
                 QMatMul::QTensor(q) => Native::Q8(Q8Rows::from_qtensor(q).unwrap()),
                 _ => unreachable!("a quantized matrix"),
             };
-            let Native::Q8(rows_of) = &native else { unreachable!("a Q8_0 matrix") };
-            assert!(rows_of.quants.iter().any(|&v| v == -127 || v == -128), "weights reach the lowest quants");
-            for rows in [1usize, 2, 5, 9] {
+            let Native::Q8(tiles) = &native else { unreachable!("a Q8_0 matrix") };
+            assert!(tiles.quants.iter().any(|&v| v <= 1), "weights reach the lowest quants");
+            let mut alone: Vec<Vec<f32>> = Vec::new();
+            for rows in [1usize, 2, 3, 5, 9] {
                 let input: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.377).cos() * 2.0).collect();
                 let xs = Tensor::from_vec(input.clone(), (rows, k), &Device::Cpu).unwrap();
                 let got: Vec<Vec<f32>> = native.forward(&xs).unwrap().to_vec2().unwrap();
                 let theirs: Vec<Vec<f32>> = candle_core::Module::forward(&candle, &xs).unwrap().to_vec2().unwrap();
-                let (xq, xd, _) = quantize(&input, k);
-                let blocks = k / BLOCK;
+                let quantized = quantize(&input, k);
                 for r in 0..rows {
                     for o in 0..out {
-                        let reference = dot_scalar(&rows_of.quants[o * k..(o + 1) * k], &rows_of.scales[o * blocks..(o + 1) * blocks], &xq[r * k..(r + 1) * k], &xd[r * blocks..(r + 1) * blocks]);
-                        let tolerance = 1e-4 * reference.abs().max(1.0);
-                        assert!((got[r][o] - reference).abs() <= tolerance, "{out}x{k}, row {r}, output {o}: {} against {reference}", got[r][o]);
+                        let reference: f32 = (0..k).map(|i| dequantized[o][i] * quantized.quants[r * k + i] as f32 * quantized.scales[(r * k + i) / BLOCK]).sum();
+                        let magnitude: f32 = (0..k).map(|i| (w_values[o * k + i] * input[r * k + i]).abs()).sum();
+                        assert!((got[r][o] - reference).abs() <= 1e-5 * magnitude.max(1.0), "{out}x{k}, row {r}, output {o}: {} against {reference}", got[r][o]);
                         // candle keeps the input's scales as f16 (a relative error of 2^-11 on each
                         // block's products, 5e-4), against the size of the products summed.
-                        let magnitude: f32 = (0..k).map(|i| (w_values[o * k + i] * input[r * k + i]).abs()).sum();
                         let loose = 2e-3 * magnitude.max(1.0);
                         assert!((got[r][o] - theirs[r][o]).abs() <= loose, "{out}x{k}, row {r}, output {o}: {} against candle's {}", got[r][o], theirs[r][o]);
                     }
                 }
+                // The rows are the same inputs each time (a prefix of one sequence): row r's
+                // outputs do not depend on how many rows came with it.
+                if rows == 1 {
+                    alone = got.clone();
+                }
+                assert_eq!(got[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), alone[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{out}x{k}: row 0 among {rows}");
             }
         }
     }
