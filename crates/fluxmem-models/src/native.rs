@@ -74,9 +74,9 @@ pub(crate) enum Takes {
 
 impl Native {
     /// The repacked matrix of `matmul`, and the inputs it should take, when this CPU runs the
-    /// kernels and they beat candle's for the matrix (docs/models.md): a Q8_0 matrix (every
-    /// input), a Q4_K or Q6_K matrix (single-row inputs: decode steps; candle's repacked
-    /// tiles take the others). `None` otherwise.
+    /// kernels and they beat candle's for the matrix (docs/models.md): a Q8_0 or Q4_K matrix
+    /// (every input: candle's copy is dropped), a Q6_K matrix (single-row inputs, decode
+    /// steps; candle's repacked tiles take the others). `None` otherwise.
     pub(crate) fn of(matmul: &QMatMul) -> Result<Option<(Arc<Native>, Takes)>> {
         let QMatMul::QTensor(q) = matmul else { return Ok(None) };
         if !available() || !matches!(q.device(), Device::Cpu) {
@@ -85,7 +85,7 @@ impl Native {
         let (_, k) = q.shape().dims2()?;
         Ok(match q.dtype() {
             GgmlDType::Q8_0 => Some((Arc::new(Native::Q8(Q8Rows::from_qtensor(q)?)), Takes::Every)),
-            GgmlDType::Q4K => Some((Arc::new(Native::Q4K(Q4KRows::from_qtensor(q)?)), Takes::AtMost(1))),
+            GgmlDType::Q4K => Some((Arc::new(Native::Q4K(Q4KRows::from_qtensor(q)?)), Takes::Every)),
             GgmlDType::Q6K if k % SUPER == 0 => Some((Arc::new(Native::Q6K(Q6KRows::from_qtensor(q)?)), Takes::AtMost(1))),
             _ => None,
         })
@@ -237,4 +237,56 @@ impl SuperInput {
         let (a, b) = (first + supers.start, first + supers.end);
         SuperRow { quants: &self.quants[a * SUPER..b * SUPER], scales: &self.scales[a..b], sums: &self.sums[a * 16..b * 16] }
     }
+}
+
+/// Output rows per tile of the tiled kernels (the lanes of a 512-bit vector of f32 or i32).
+pub(crate) const TILE: usize = 16;
+
+/// Input rows a tiled kernel call runs at most.
+pub(crate) const TILE_ROWS: usize = 4;
+
+/// What a tiled kernel call gives: `[m * 2 + n]` is input row `m`'s 16 outputs of tile `n`.
+pub(crate) type TileResults = [[f32; TILE]; 2 * TILE_ROWS];
+
+/// Runs a product of `rows` input rows and `out` weight rows of length `k` held in tiles of
+/// [`TILE`] rows: `unit(tile, first, count, two, results)` runs tile `tile` (and `tile + 1`
+/// when `two`) against input rows `first..first + count` (1 to [`TILE_ROWS`]). Returns (rows,
+/// out).
+///
+/// Consecutive units share their tiles, which stay in the core's cache while the input rows
+/// stream by; every input row is computed by the same instructions whatever its unit-mates.
+pub(crate) fn drive_tiles<F>(out: usize, rows: usize, k: usize, unit: F) -> Vec<f32>
+where
+    F: Fn(usize, usize, usize, bool, &mut TileResults) + Sync,
+{
+    let tiles = out.div_ceil(TILE);
+    let (pairs, groups) = (tiles.div_ceil(2), rows.div_ceil(TILE_ROWS));
+    let mut y = vec![0f32; rows * out];
+    let base = y.as_mut_ptr() as usize;
+    let run = |u: usize| {
+        let (pair, group) = (u / groups, u % groups);
+        let (tile, first) = (pair * 2, group * TILE_ROWS);
+        let count = (rows - first).min(TILE_ROWS);
+        let two = tile + 1 < tiles;
+        let mut results = [[0f32; TILE]; 2 * TILE_ROWS];
+        unit(tile, first, count, two, &mut results);
+        for m in 0..count {
+            for n in 0..1 + two as usize {
+                let start = (tile + n) * TILE;
+                let width = out.saturating_sub(start).min(TILE);
+                // SAFETY: unit `u` alone writes these outputs (its tiles' columns of its input
+                // rows), all within `y`, which outlives the units.
+                let dst = unsafe { std::slice::from_raw_parts_mut((base as *mut f32).add((first + m) * out + start), width) };
+                dst.copy_from_slice(&results[m * 2 + n][..width]);
+            }
+        }
+    };
+    let units = pairs * groups;
+    if candle_core::utils::get_num_threads() > 1 && out * k * rows >= PARALLEL_MACS {
+        // candle's thread pool, as in `drive`.
+        candle_core::utils::barrier_pool().execute_chunked(units, |range| range.for_each(run));
+    } else {
+        (0..units).for_each(run);
+    }
+    y
 }

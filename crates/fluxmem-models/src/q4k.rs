@@ -3,43 +3,45 @@
 //! per decode step.
 //!
 //! A Q4_K super-block holds 256 weights as 4-bit quants `q` in 8 sub-blocks of 32, each with a
-//! 6-bit scale `sc` and min `m`, and two f16 factors: `w = d·sc·q − dmin·m`. At load the quants
-//! are reordered so that the low nibbles of 64 bytes are 64 consecutive weights (two
-//! sub-blocks) and the high nibbles the next 64, the scales and mins are unpacked to bytes and
-//! the factors to f32 (152 bytes a super-block, against 144 in the file). An input row is
-//! quantized per super-block as llama.cpp's Q8_K is (one scale, amax / 127; values rounded),
-//! with each sub-block's sum of quants kept, so that a row's dot product is
+//! 6-bit scale `sc` and min `m`, and two f16 factors: `w = d·sc·q − dmin·m`. At load the
+//! matrix is repacked into tiles of 16 output rows, as [`crate::q8`]'s: per super-block, 32
+//! groups of 8 weights for each of the 16 rows (4 bytes: weights `j` and `j + 4` of the group
+//! in the low and high nibbles of byte `j`), the rows' scales and mins as bytes and their
+//! factors as f32 (2,432 bytes for 16 x 256 weights, against 2,304 in the file). An input row
+//! is quantized per super-block as llama.cpp's Q8_K is (one scale `dx`, amax / 127; values
+//! rounded; [`SuperInput`]), so that a row's dot product is
 //!
 //! `dx · (d · Σ_j sc_j · Σ_{i∈j} q_i·x_i − dmin · Σ_j m_j · Σ_{i∈j} x_i)`:
 //!
-//! per 64 weights one `vpdpbusd` (the nibbles are the unsigned operand), one conversion and one
-//! multiply-add by the two sub-blocks' `d·sc`, and per super-block the min term from the sums.
+//! per group two `vpdpbusd` (the nibbles are the unsigned operand, against the input's 4
+//! values broadcast to every lane) give 16 rows' products, and per sub-block the sums are
+//! converted and added times `d·sc·dx`, less `dmin·m` times the sub-block's input sum. A call
+//! runs up to 4 input rows against 2 tiles.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Result;
 
-use crate::native::{cpu_has_kernel, drive, SuperInput, SuperRow as Row, SUPER};
+use crate::native::{cpu_has_kernel, drive_tiles, SuperInput, SuperRow as Row, TileResults, SUPER, TILE};
 
 /// Sub-blocks per super-block.
 const SUBS: usize = 8;
 
-/// Values of a row a kernel call covers ([`drive`]): 16 input rows' quants and sums (1.25
-/// bytes a value) stay within a core's L1 cache.
-const SLICE: usize = 1536;
-
-/// Bytes of quants ahead of the kernel's loads that it asks the cache for.
+/// Bytes of a tile's quants ahead of the kernel's loads that it asks the cache for.
 const PREFETCH: usize = 1024;
 
-/// A Q4_K matrix (out, k) repacked for the kernel.
+/// Bytes of a tile's quants per super-block.
+const TILE_QUANTS: usize = SUPER / 2 * TILE;
+
+/// A Q4_K matrix (out, k) repacked in tiles of [`TILE`] output rows (the last tile padded with
+/// zero rows).
 pub(crate) struct Q4KRows {
     out: usize,
     k: usize,
-    /// 128 bytes a super-block: byte `i` of half `h` holds weight `128h + i` in its low nibble
-    /// and weight `128h + 64 + i` in its high nibble.
+    /// Per tile and super-block: `[group of 8 weights][row][4 bytes]`.
     quants: Vec<u8>,
-    /// 16 bytes a super-block: the 8 sub-blocks' scales, then their mins.
+    /// Per tile and super-block: `[sub-block][row]` scales, then `[sub-block][row]` mins.
     scales: Vec<u8>,
-    /// 2 a super-block: `d`, `dmin`.
+    /// Per tile and super-block: the 16 rows' `d`, then their `dmin`.
     factors: Vec<f32>,
 }
 
@@ -71,30 +73,37 @@ impl Q4KRows {
         let data = q.data()?;
         // A super-block: d and dmin as f16, 12 bytes of packed scales and mins, 128 of quants.
         const BYTES: usize = 4 + 12 + SUPER / 2;
-        let supers = out * k / SUPER;
-        if data.len() != supers * BYTES {
-            candle_core::bail!("a Q4_K matrix of {out} x {k} holds {} bytes, not {}", data.len(), supers * BYTES);
+        let supers = k / SUPER;
+        if data.len() != out * supers * BYTES {
+            candle_core::bail!("a Q4_K matrix of {out} x {k} holds {} bytes, not {}", data.len(), out * supers * BYTES);
         }
-        let mut quants = vec![0u8; supers * SUPER / 2];
-        let mut scales = vec![0u8; supers * 2 * SUBS];
-        let mut factors = vec![0f32; supers * 2];
-        let parts = quants.chunks_exact_mut(SUPER / 2).zip(scales.chunks_exact_mut(2 * SUBS)).zip(factors.chunks_exact_mut(2));
-        for (block, ((quants, scales), factors)) in data.chunks_exact(BYTES).zip(parts) {
-            factors[0] = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
-            factors[1] = half::f16::from_le_bytes([block[2], block[3]]).to_f32();
-            for j in 0..SUBS {
-                (scales[j], scales[SUBS + j]) = scale_min(j, &block[4..16]);
-            }
-            // The file's order: per 64 weights, 32 bytes whose low nibbles are the first 32;
-            // here byte `i` of half `h` pairs weights `128h + i` and `128h + 64 + i`.
-            let qs = &block[16..];
-            let weight = |v: usize| {
-                let byte = qs[32 * (v / 64) + v % 32];
-                if v % 64 < 32 { byte & 0xF } else { byte >> 4 }
-            };
-            for h in 0..2 {
-                for i in 0..64 {
-                    quants[64 * h + i] = weight(128 * h + i) | (weight(128 * h + 64 + i) << 4);
+        let tiles = out.div_ceil(TILE);
+        let mut quants = vec![0u8; tiles * supers * TILE_QUANTS];
+        let mut scales = vec![0u8; tiles * supers * 2 * SUBS * TILE];
+        let mut factors = vec![0f32; tiles * supers * 2 * TILE];
+        for o in 0..out {
+            let (t, row) = (o / TILE, o % TILE);
+            for s in 0..supers {
+                let block = &data[(o * supers + s) * BYTES..(o * supers + s + 1) * BYTES];
+                let at = t * supers + s;
+                factors[at * 2 * TILE + row] = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+                factors[at * 2 * TILE + TILE + row] = half::f16::from_le_bytes([block[2], block[3]]).to_f32();
+                for j in 0..SUBS {
+                    let (sc, m) = scale_min(j, &block[4..16]);
+                    scales[at * 2 * SUBS * TILE + j * TILE + row] = sc;
+                    scales[at * 2 * SUBS * TILE + (SUBS + j) * TILE + row] = m;
+                }
+                // The file's order: per 64 weights, 32 bytes whose low nibbles are the first 32.
+                let qs = &block[16..];
+                let weight = |v: usize| {
+                    let byte = qs[32 * (v / 64) + v % 32];
+                    if v % 64 < 32 { byte & 0xF } else { byte >> 4 }
+                };
+                let tile = &mut quants[at * TILE_QUANTS..(at + 1) * TILE_QUANTS];
+                for g in 0..SUPER / 8 {
+                    for j in 0..4 {
+                        tile[g * TILE * 4 + row * 4 + j] = weight(8 * g + j) | (weight(8 * g + j + 4) << 4);
+                    }
                 }
             }
         }
@@ -106,30 +115,54 @@ impl Q4KRows {
         (self.out, self.k)
     }
 
+    /// Tile `t`'s super-blocks.
+    fn tile(&self, t: usize) -> Tile<'_> {
+        let supers = self.k / SUPER;
+        let (a, b) = (t * supers, (t + 1) * supers);
+        Tile { quants: &self.quants[a * TILE_QUANTS..b * TILE_QUANTS], scales: &self.scales[a * 2 * SUBS * TILE..b * 2 * SUBS * TILE], factors: &self.factors[a * 2 * TILE..b * 2 * TILE] }
+    }
+
     /// `rows` input rows of `k` values times the matrix: (rows, out).
     pub(crate) fn matmul(&self, values: &[f32], rows: usize) -> Vec<f32> {
         let (k, supers) = (self.k, self.k / SUPER);
         let input = SuperInput::quantize(values, k, sums);
-        let row_bytes = k / 2 + supers * 24;
-        drive(self.out, rows, k, row_bytes, SLICE, |o, r, n, span| {
-            let (s0, s1) = (o * supers + span.start / SUPER, o * supers + span.end / SUPER);
-            let w = Weights { quants: &self.quants[s0 * 128..s1 * 128], scales: &self.scales[s0 * 16..s1 * 16], factors: &self.factors[s0 * 2..s1 * 2] };
-            let x = |j: usize| input.row(r + j, k, span.start / SUPER..span.end / SUPER);
-            if n == 4 {
-                dot(&w, [x(0), x(1), x(2), x(3)])
-            } else {
-                let [one] = dot(&w, [x(0)]);
-                [one, 0.0, 0.0, 0.0]
+        drive_tiles(self.out, rows, k, |tile, first, count, two, results| {
+            let rows = |m: usize| input.row(first + m.min(count - 1), k, 0..supers);
+            let x = [rows(0), rows(1), rows(2), rows(3)];
+            let w = |t: usize| self.tile(t);
+            match (two, count) {
+                (true, 4) => kernel::<4, 2>([w(tile), w(tile + 1)], x, results),
+                (true, 3) => kernel::<3, 2>([w(tile), w(tile + 1)], [x[0], x[1], x[2]], results),
+                (true, 2) => kernel::<2, 2>([w(tile), w(tile + 1)], [x[0], x[1]], results),
+                (true, _) => kernel::<1, 2>([w(tile), w(tile + 1)], [x[0]], results),
+                (false, 4) => kernel::<4, 1>([w(tile)], x, results),
+                (false, 3) => kernel::<3, 1>([w(tile)], [x[0], x[1], x[2]], results),
+                (false, 2) => kernel::<2, 1>([w(tile)], [x[0], x[1]], results),
+                (false, _) => kernel::<1, 1>([w(tile)], [x[0]], results),
             }
         })
     }
 }
 
-/// A span of a weight row's super-blocks.
-struct Weights<'a> {
+/// A tile's super-blocks.
+#[derive(Clone, Copy)]
+struct Tile<'a> {
     quants: &'a [u8],
     scales: &'a [u8],
     factors: &'a [f32],
+}
+
+impl Tile<'_> {
+    /// Row `row`'s weight `v` of super-block `s` as (quant, scale, min, d, dmin).
+    fn weight(&self, s: usize, row: usize, v: usize) -> (u8, u8, u8, f32, f32) {
+        let (g, j) = (v / 8, v % 8);
+        let byte = self.quants[s * TILE_QUANTS + g * TILE * 4 + row * 4 + j % 4];
+        let q = if j < 4 { byte & 0xF } else { byte >> 4 };
+        let sub = v / 32;
+        let scales = &self.scales[s * 2 * SUBS * TILE..];
+        let factors = &self.factors[s * 2 * TILE..];
+        (q, scales[sub * TILE + row], scales[(SUBS + sub) * TILE + row], factors[row], factors[TILE + row])
+    }
 }
 
 /// A super-block's 16 lanes of input sums: 0 for the 8 lanes of the scales, then `dx` times
@@ -142,91 +175,92 @@ fn sums(dx: f32, quants: &[i8]) -> [f32; 16] {
     lanes
 }
 
-/// The dot products of a weight row's span with `R` input rows' spans.
-fn dot<const R: usize>(w: &Weights, x: [Row<'_>; R]) -> [f32; R] {
+/// `M` input rows against `N` tiles into `results` ([`TileResults`]).
+fn kernel<const M: usize, const N: usize>(w: [Tile; N], x: [Row<'_>; M], results: &mut TileResults) {
     #[cfg(target_arch = "x86_64")]
     if cpu_has_kernel() {
         // SAFETY: the CPU has the instructions the kernel is compiled for.
-        return unsafe { dot_avx512(w, x) };
+        return unsafe { kernel_avx512(w, x, results) };
     }
-    x.map(|x| dot_scalar(w, x))
-}
-
-/// The same, one weight at a time (the reference of the tests).
-fn dot_scalar(w: &Weights, x: Row) -> f32 {
-    let mut sum = 0f32;
-    for s in 0..w.factors.len() / 2 {
-        let (d, dmin) = (w.factors[2 * s], w.factors[2 * s + 1]);
-        let q = &w.quants[s * 128..(s + 1) * 128];
-        let mut products = 0f32;
-        let mut mins = 0f32;
-        for j in 0..SUBS {
-            let (sc, m) = (w.scales[16 * s + j] as f32, w.scales[16 * s + 8 + j] as f32);
-            let mut dot = 0i32;
-            for v in 32 * j..32 * (j + 1) {
-                let (h, i) = (v / 128, v % 128);
-                let byte = q[64 * h + i % 64];
-                let nibble = if i < 64 { byte & 0xF } else { byte >> 4 };
-                dot += nibble as i32 * x.quants[s * SUPER + v] as i32;
-            }
-            products += d * sc * dot as f32;
-            mins += dmin * m * x.sums[16 * s + 8 + j];
+    for m in 0..M {
+        for n in 0..N {
+            results[m * 2 + n] = reference(w[n], x[m]);
         }
-        sum += x.scales[s] * products - mins;
     }
-    sum
 }
 
-/// One weight row against `R` input rows. Per super-block the weights are set up once: the
-/// four 64-weight nibble vectors, and `d·sc` (lanes 0-7) and `dmin·m` (lanes 8-15) as floats,
-/// from which each step takes its two sub-blocks' scales (lanes 0-7 and 8-15). Per input row,
-/// four steps of `vpdpbusd`, conversion and multiply-add, then the super-block's sum times
-/// `dx` less the mins against the row's sub-block sums.
+/// A tile against one input row, one weight at a time (the reference of the tests, and the
+/// kernel of CPUs without AVX-512 VNNI, which never repack: [`crate::native::available`]).
+fn reference(w: Tile, x: Row) -> [f32; TILE] {
+    let mut out = [0f32; TILE];
+    for s in 0..x.scales.len() {
+        for (row, y) in out.iter_mut().enumerate() {
+            let (mut products, mut mins) = (0f32, 0f32);
+            for j in 0..SUBS {
+                let (_, sc, m, d, dmin) = w.weight(s, row, 32 * j);
+                let dot: i32 = (32 * j..32 * (j + 1)).map(|v| w.weight(s, row, v).0 as i32 * x.quants[s * SUPER + v] as i32).sum();
+                products += d * sc as f32 * dot as f32;
+                mins += dmin * m as f32 * x.sums[16 * s + SUBS + j];
+            }
+            *y += x.scales[s] * products - mins;
+        }
+    }
+    out
+}
+
+/// Per super-block and tile, the rows' `d` and `dmin`; per sub-block, its scales and mins as
+/// floats times those; per group of 8 weights, the low and high nibbles against the input's
+/// two broadcast groups of 4; per sub-block and (row, tile), the integer sums converted and
+/// added times `d·sc·dx`, less `dmin·m` times the row's `dx·Σx`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn dot_avx512<const R: usize>(w: &Weights, x: [Row; R]) -> [f32; R] {
+unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row<'_>; M], results: &mut TileResults) {
     use std::arch::x86_64::*;
-    let supers = w.factors.len() / 2;
+    let supers = x[0].scales.len();
     let low = _mm512_set1_epi8(0x0F);
-    let zero = _mm512_setzero_si512();
-    // Lanes 0-7 take element 0, lanes 8-15 element 1.
-    let pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    let step = |s: i32| _mm512_set_epi32(2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s, 2 * s, 2 * s, 2 * s, 2 * s, 2 * s, 2 * s, 2 * s);
-    let steps = [step(0), step(1), step(2), step(3)];
-    let mut acc = [_mm512_setzero_ps(); R];
-    for b in 0..supers {
-        // SAFETY: `w` holds `supers` super-blocks (128 quant bytes, 16 scale bytes, 2 factors
-        // each) and every row `supers` (256 quants, 1 scale, 16 sums each).
-        let (qa, qb, sm, dd) = unsafe {
-            (
-                _mm512_loadu_si512(w.quants.as_ptr().add(b * 128) as *const _),
-                _mm512_loadu_si512(w.quants.as_ptr().add(b * 128 + 64) as *const _),
-                _mm_loadu_si128(w.scales.as_ptr().add(b * 16) as *const _),
-                _mm_castsi128_ps(_mm_loadl_epi64(w.factors.as_ptr().add(b * 2) as *const __m128i)),
-            )
-        };
-        // Ahead of the stream: the hardware prefetchers alone leave a decode step short of the
-        // memory's bandwidth.
-        _mm_prefetch::<_MM_HINT_T0>(w.quants.as_ptr().wrapping_add(b * 128 + PREFETCH) as *const i8);
-        _mm_prefetch::<_MM_HINT_T0>(w.quants.as_ptr().wrapping_add(b * 128 + PREFETCH + 64) as *const i8);
-        let nibbles = [_mm512_and_si512(qa, low), _mm512_and_si512(_mm512_srli_epi16(qa, 4), low), _mm512_and_si512(qb, low), _mm512_and_si512(_mm512_srli_epi16(qb, 4), low)];
-        let factors = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(dd));
-        let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm)), factors);
-        let scales = steps.map(|s| _mm512_permutexvar_ps(s, scaled));
-        for j in 0..R {
-            let xq = x[j].quants.as_ptr();
-            // SAFETY: as above.
-            let load = |s: usize| unsafe { _mm512_loadu_si512(xq.add(b * SUPER + 64 * s) as *const _) };
-            let mut sum = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, nibbles[0], load(0))), scales[0]);
-            for s in 1..4 {
-                sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, nibbles[s], load(s))), scales[s], sum);
+    let mut acc = [[_mm512_setzero_ps(); N]; M];
+    for s in 0..supers {
+        // SAFETY (every load below): each tile holds `supers` super-blocks (2,048 quant bytes,
+        // 256 scale and min bytes, 32 factors), each row `supers` (256 quants, 1 scale, 16 sums).
+        let d: [__m512; N] = std::array::from_fn(|n| unsafe { _mm512_loadu_ps(w[n].factors.as_ptr().add(s * 2 * TILE)) });
+        let dmin: [__m512; N] = std::array::from_fn(|n| unsafe { _mm512_loadu_ps(w[n].factors.as_ptr().add(s * 2 * TILE + TILE)) });
+        let dx: [__m512; M] = std::array::from_fn(|m| unsafe { _mm512_set1_ps(*x[m].scales.get_unchecked(s)) });
+        for j in 0..SUBS {
+            let mut sums = [[_mm512_setzero_si512(); N]; M];
+            for gg in 0..4 {
+                let g = 4 * j + gg;
+                let at = s * TILE_QUANTS + g * TILE * 4;
+                let packed: [__m512i; N] = std::array::from_fn(|n| unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(w[n].quants.as_ptr().wrapping_add(at + PREFETCH) as *const i8);
+                    _mm512_loadu_si512(w[n].quants.as_ptr().add(at) as *const _)
+                });
+                let lo: [__m512i; N] = std::array::from_fn(|n| _mm512_and_si512(packed[n], low));
+                let hi: [__m512i; N] = std::array::from_fn(|n| _mm512_and_si512(_mm512_srli_epi16(packed[n], 4), low));
+                for m in 0..M {
+                    let xq = x[m].quants.as_ptr();
+                    let (a, b) = unsafe { (_mm512_set1_epi32(std::ptr::read_unaligned(xq.add(s * SUPER + 8 * g) as *const i32)), _mm512_set1_epi32(std::ptr::read_unaligned(xq.add(s * SUPER + 8 * g + 4) as *const i32))) };
+                    for n in 0..N {
+                        sums[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums[m][n], lo[n], a), hi[n], b);
+                    }
+                }
             }
-            // SAFETY: as above.
-            let (dx, sums) = unsafe { (_mm512_set1_ps(*x[j].scales.get_unchecked(b)), _mm512_loadu_ps(x[j].sums.as_ptr().add(b * 16))) };
-            acc[j] = _mm512_fnmadd_ps(scaled, sums, _mm512_fmadd_ps(sum, dx, acc[j]));
+            let bytes = |n: usize, at: usize| unsafe { _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(w[n].scales.as_ptr().add(s * 2 * SUBS * TILE + at * TILE) as *const _))) };
+            let scale: [__m512; N] = std::array::from_fn(|n| _mm512_mul_ps(bytes(n, j), d[n]));
+            let min: [__m512; N] = std::array::from_fn(|n| _mm512_mul_ps(bytes(n, SUBS + j), dmin[n]));
+            for m in 0..M {
+                let sum_x = unsafe { _mm512_set1_ps(*x[m].sums.get_unchecked(16 * s + SUBS + j)) };
+                for n in 0..N {
+                    acc[m][n] = _mm512_fnmadd_ps(min[n], sum_x, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m][n]), _mm512_mul_ps(scale[n], dx[m]), acc[m][n]));
+                }
+            }
         }
     }
-    acc.map(|a| _mm512_reduce_add_ps(a))
+    for m in 0..M {
+        for n in 0..N {
+            // SAFETY: a result holds 16 floats.
+            unsafe { _mm512_storeu_ps(results[m * 2 + n].as_mut_ptr(), acc[m][n]) };
+        }
+    }
 }
 
 #[cfg(test)]
@@ -237,12 +271,14 @@ mod tests {
     use candle_core::{Device, Module, Tensor};
 
     /// The kernel against the weight-by-weight reference and against candle's own Q4_K matmul,
-    /// for 1 to 9 input rows and rows of one super-block to longer than a slice; and the
-    /// repacked weights against candle's dequantization.
+    /// for 1 to 9 input rows (every count of rows a call takes), an odd and an even number of
+    /// tiles with padded last tiles, and rows of one to eight super-blocks; the repacked weights
+    /// against candle's dequantization; and a row's outputs alone equal its outputs among
+    /// others.
     #[test]
     fn the_kernel_matches_the_reference_and_candle() {
         eprintln!("AVX-512 VNNI kernel on this CPU: {}", cpu_has_kernel());
-        for (out, k) in [(7usize, 256usize), (40, 512), (9, SLICE + 512)] {
+        for (out, k) in [(7usize, 256usize), (40, 512), (33, 2048)] {
             let weights: Vec<f32> = (0..out * k).map(|i| ((i as f32 * 0.618).sin() * 3.0) + if i % 97 == 0 { -9.0 } else { 0.0 } + (i / k) as f32 * 0.1).collect();
             let w = Tensor::from_vec(weights, (out, k), &Device::Cpu).unwrap();
             let q = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
@@ -252,18 +288,17 @@ mod tests {
             let repacked = Q4KRows::from_qtensor(q).unwrap();
             // The repacked layout gives back candle's weights.
             for o in 0..out {
+                let tile = repacked.tile(o / TILE);
                 for v in 0..k {
-                    let (s, i) = (o * (k / SUPER) + v / SUPER, v % SUPER);
-                    let byte = repacked.quants[s * 128 + 64 * (i / 128) + i % 64];
-                    let nibble = if i % 128 < 64 { byte & 0xF } else { byte >> 4 };
-                    let j = i / 32;
-                    let value = repacked.factors[2 * s] * repacked.scales[16 * s + j] as f32 * nibble as f32 - repacked.factors[2 * s + 1] * repacked.scales[16 * s + 8 + j] as f32;
+                    let (q, sc, m, d, dmin) = tile.weight(v / SUPER, o % TILE, v % SUPER);
+                    let value = d * sc as f32 * q as f32 - dmin * m as f32;
                     assert!((value - dequantized[o][v]).abs() <= 1e-5 * dequantized[o][v].abs().max(1.0), "{out}x{k}: weight ({o}, {v}) is {value}, candle's {}", dequantized[o][v]);
                 }
             }
             let native = Native::Q4K(repacked);
             let Native::Q4K(repacked) = &native else { unreachable!("a Q4_K matrix") };
-            for rows in [1usize, 2, 5, 9] {
+            let mut alone: Vec<Vec<f32>> = Vec::new();
+            for rows in [1usize, 2, 3, 5, 9] {
                 let input: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.377).cos() * 2.0).collect();
                 let xs = Tensor::from_vec(input.clone(), (rows, k), &Device::Cpu).unwrap();
                 let got: Vec<Vec<f32>> = native.forward(&xs).unwrap().to_vec2().unwrap();
@@ -272,8 +307,7 @@ mod tests {
                 let supers = k / SUPER;
                 for r in 0..rows {
                     for o in 0..out {
-                        let w = Weights { quants: &repacked.quants[o * supers * 128..(o + 1) * supers * 128], scales: &repacked.scales[o * supers * 16..(o + 1) * supers * 16], factors: &repacked.factors[o * supers * 2..(o + 1) * supers * 2] };
-                        let reference = dot_scalar(&w, quantized.row(r, k, 0..supers));
+                        let reference = super::reference(repacked.tile(o / TILE), quantized.row(r, k, 0..supers))[o % TILE];
                         let magnitude: f32 = (0..k).map(|i| (dequantized[o][i] * input[r * k + i]).abs()).sum();
                         assert!((got[r][o] - reference).abs() <= 1e-5 * magnitude.max(1.0), "{out}x{k}, row {r}, output {o}: {} against {reference}", got[r][o]);
                         // candle quantizes the input to Q8_K with another scale (-128 / the
@@ -284,6 +318,12 @@ mod tests {
                         assert!((got[r][o] - theirs[r][o]).abs() <= loose, "{out}x{k}, row {r}, output {o}: {} against candle's {}", got[r][o], theirs[r][o]);
                     }
                 }
+                // The rows are a prefix of one sequence: row 0's outputs do not depend on how
+                // many rows came with it.
+                if rows == 1 {
+                    alone = got.clone();
+                }
+                assert_eq!(got[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), alone[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{out}x{k}: row 0 among {rows}");
             }
         }
     }

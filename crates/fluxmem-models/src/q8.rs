@@ -19,19 +19,10 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Result;
 
-use crate::native::cpu_has_kernel;
+use crate::native::{cpu_has_kernel, drive_tiles, TileResults, TILE};
 
 /// Values per Q8_0 block.
 const BLOCK: usize = 32;
-
-/// Output rows per tile (the lanes of a 512-bit vector of f32 or i32).
-const TILE: usize = 16;
-
-/// Input rows a call runs at most.
-const ROWS: usize = 4;
-
-/// Multiply-adds below which a product runs on the calling thread alone.
-const PARALLEL_MACS: usize = 1 << 20;
 
 /// A Q8_0 matrix (out, k) repacked in tiles of [`TILE`] output rows (the last tile padded
 /// with zero rows).
@@ -93,61 +84,22 @@ impl Q8Rows {
     /// `rows` input rows of `k` values times the matrix: (rows, out).
     pub(crate) fn matmul(&self, values: &[f32], rows: usize) -> Vec<f32> {
         let input = quantize(values, self.k);
-        let tiles = self.out.div_ceil(TILE);
-        let (pairs, groups) = (tiles.div_ceil(2), rows.div_ceil(ROWS));
-        let mut y = vec![0f32; rows * self.out];
-        let base = y.as_mut_ptr() as usize;
-        // A unit: a pair of tiles against a group of up to 4 input rows; consecutive units
-        // share their tiles, which stay in the core's cache while the input rows stream by.
-        let unit = |u: usize| {
-            let (pair, group) = (u / groups, u % groups);
-            let first = group * ROWS;
-            let count = (rows - first).min(ROWS);
-            // SAFETY: unit `u` alone writes the outputs of its tiles for its input rows, all
-            // within `y`, which outlives the units.
-            unsafe { self.unit(&input, pair * 2, first, count, base as *mut f32) };
-        };
-        let units = pairs * groups;
-        if candle_core::utils::get_num_threads() > 1 && self.out * self.k * rows >= PARALLEL_MACS {
-            // candle's thread pool, the one its own operations run on (native.rs).
-            candle_core::utils::barrier_pool().execute_chunked(units, |range| range.for_each(unit));
-        } else {
-            (0..units).for_each(unit);
-        }
-        y
-    }
-
-    /// Tiles `tile` and `tile + 1` (when there is one) against input rows `first..first +
-    /// count`, written into `y` (rows, out).
-    ///
-    /// # Safety
-    /// `y` holds `rows * out` values and no other thread writes these outputs.
-    unsafe fn unit(&self, input: &Input, tile: usize, first: usize, count: usize, y: *mut f32) {
         let blocks = self.k / BLOCK;
-        let two = tile + 1 < self.out.div_ceil(TILE);
-        let rows = |m: usize| input.row(first + m.min(count - 1), blocks);
-        let x = [rows(0), rows(1), rows(2), rows(3)];
         let w = |t: usize| Tile { quants: &self.quants[t * blocks * BLOCK * TILE..(t + 1) * blocks * BLOCK * TILE], scales: &self.scales[t * blocks * TILE..(t + 1) * blocks * TILE] };
-        let mut results = [[0f32; TILE]; 2 * ROWS];
-        match (two, count) {
-            (true, 4) => kernel::<4, 2>([w(tile), w(tile + 1)], [x[0], x[1], x[2], x[3]], &mut results),
-            (true, 3) => kernel::<3, 2>([w(tile), w(tile + 1)], [x[0], x[1], x[2]], &mut results),
-            (true, 2) => kernel::<2, 2>([w(tile), w(tile + 1)], [x[0], x[1]], &mut results),
-            (true, _) => kernel::<1, 2>([w(tile), w(tile + 1)], [x[0]], &mut results),
-            (false, 4) => kernel::<4, 1>([w(tile)], [x[0], x[1], x[2], x[3]], &mut results),
-            (false, 3) => kernel::<3, 1>([w(tile)], [x[0], x[1], x[2]], &mut results),
-            (false, 2) => kernel::<2, 1>([w(tile)], [x[0], x[1]], &mut results),
-            (false, _) => kernel::<1, 1>([w(tile)], [x[0]], &mut results),
-        }
-        for m in 0..count {
-            for n in 0..if two { 2 } else { 1 } {
-                let start = (tile + n) * TILE;
-                let width = self.out.saturating_sub(start).min(TILE);
-                // SAFETY: row `first + m` < rows and `start + width` <= out (the caller's).
-                let dst = unsafe { std::slice::from_raw_parts_mut(y.add((first + m) * self.out + start), width) };
-                dst.copy_from_slice(&results[m * 2 + n][..width]);
+        drive_tiles(self.out, rows, self.k, |tile, first, count, two, results| {
+            let rows = |m: usize| input.row(first + m.min(count - 1), blocks);
+            let x = [rows(0), rows(1), rows(2), rows(3)];
+            match (two, count) {
+                (true, 4) => kernel::<4, 2>([w(tile), w(tile + 1)], x, results),
+                (true, 3) => kernel::<3, 2>([w(tile), w(tile + 1)], [x[0], x[1], x[2]], results),
+                (true, 2) => kernel::<2, 2>([w(tile), w(tile + 1)], [x[0], x[1]], results),
+                (true, _) => kernel::<1, 2>([w(tile), w(tile + 1)], [x[0]], results),
+                (false, 4) => kernel::<4, 1>([w(tile)], x, results),
+                (false, 3) => kernel::<3, 1>([w(tile)], [x[0], x[1], x[2]], results),
+                (false, 2) => kernel::<2, 1>([w(tile)], [x[0], x[1]], results),
+                (false, _) => kernel::<1, 1>([w(tile)], [x[0]], results),
             }
-        }
+        })
     }
 }
 
@@ -201,7 +153,7 @@ fn quantize(values: &[f32], k: usize) -> Input {
 }
 
 /// `M` input rows against `N` tiles: `results[m * 2 + n]` is row `m`'s 16 outputs of tile `n`.
-fn kernel<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut [[f32; TILE]; 2 * ROWS]) {
+fn kernel<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut TileResults) {
     #[cfg(target_arch = "x86_64")]
     if cpu_has_kernel() {
         // SAFETY: the CPU has the instructions the kernel is compiled for.
@@ -232,7 +184,7 @@ fn reference(w: Tile, x: Row) -> [f32; TILE] {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut [[f32; TILE]; 2 * ROWS]) {
+unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut TileResults) {
     use std::arch::x86_64::*;
     let blocks = x[0].scales.len();
     let mut acc = [[_mm512_setzero_ps(); N]; M];
