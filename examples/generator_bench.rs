@@ -9,6 +9,8 @@ use fluxmem_models::{ChatMessage, DeviceChoice, GenerateParams, Generator, Weigh
 use std::time::Instant;
 
 fn main() -> anyhow::Result<()> {
+    // As the fluxmem binary does (before any thread starts).
+    fluxmem_models::tune_thread_pool();
     let args: Vec<String> = std::env::args().collect();
     let repeat: usize = args.iter().position(|a| a == "--repeat").and_then(|i| args.get(i + 1)).map_or(Ok(3), |v| v.parse())?;
     let model = args.iter().position(|a| a == "--model").and_then(|i| args.get(i + 1)).cloned();

@@ -15,6 +15,8 @@ use serde_json::Value;
 use std::collections::HashMap;
 
 fn main() -> anyhow::Result<()> {
+    // As the fluxmem binary does (before any thread starts).
+    fluxmem_models::tune_thread_pool();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let path = args.first().ok_or_else(|| anyhow::anyhow!("usage: judge_auc LOCOMO_JSON [--questions N] [--candidates K]"))?;
     let flag = |name: &str, default: &str| -> String {

@@ -26,6 +26,8 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // Before any thread starts: candle reads it when it first runs a parallel operation.
+    fluxmem_models::tune_thread_pool();
     let cli = cli::Cli::parse();
     let settings = cli::Settings::from(&cli);
     match commands::run(cli.command, &settings) {

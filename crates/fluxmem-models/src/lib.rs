@@ -44,6 +44,22 @@ pub use gguf_tokenizer::tokenizer_from_gguf;
 pub use judge::{Judge, LlmJudge, QlJudge};
 pub use provision::{cache_dir, FileSpec, ModelManifest, ModelSpec, BUILTIN_MANIFEST, DEFAULT_EMBEDDER, DEFAULT_GENERATOR, DEFAULT_JUDGE};
 
+/// How long candle's thread pool workers spin for the next piece of work before they sleep
+/// (`CANDLE_BARRIER_POOL_SPIN_LIMIT`, spin iterations; candle's default is 25,000). A decode
+/// step of a small model is hundreds of short operations, with serial work between them
+/// longer than candle's default spin: its workers fell asleep and were woken between
+/// operations (SmolLM2-135M decoded at 76-84 tok/s, 92-95 with this, docs/models.md).
+pub const POOL_SPIN_LIMIT: u32 = 2_000_000;
+
+/// Sets [`POOL_SPIN_LIMIT`] for candle's thread pool unless the environment sets its own. Call
+/// it first thing in `main`, before any thread starts (it sets an environment variable, which
+/// candle reads when it first runs a parallel operation).
+pub fn tune_thread_pool() {
+    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
+        std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", POOL_SPIN_LIMIT.to_string());
+    }
+}
+
 /// Loads the embedder called `name` from the cache on `device`, with its default forward
 /// ([`BertBackend::for_device`]).
 pub fn load_embedder(name: &str, device: &DeviceChoice) -> Result<SentenceEmbedder> {
