@@ -1,7 +1,7 @@
 //! How well the LLM judge separates LoCoMo evidence turns from other turns of the same
 //! conversation among the top dense candidates, next to plain MiniLM cosine (ROC AUC).
 //!
-//! cargo run --example judge_auc -- LOCOMO_JSON [--questions N] [--candidates K] [--seed S] [--weights dequantized|quantized|q8] [--model NAME] [--judges yesno,ql] [--batch B]
+//! cargo run --example judge_auc -- LOCOMO_JSON [--questions N] [--candidates K] [--seed S] [--weights prompts|dequantized|quantized|q8] [--model NAME] [--judges yesno,ql] [--batch B]
 //!
 //! Judges: `yesno` (`LlmJudge`, P(yes) of the first answer token) and `ql` (`QlJudge`, query
 //! likelihood: log P(question | turn) - log P(question) per token).
@@ -25,10 +25,13 @@ fn main() -> anyhow::Result<()> {
     let questions: usize = flag("--questions", "40").parse()?;
     let k: usize = flag("--candidates", "10").parse()?;
     let seed: u64 = flag("--seed", "7").parse()?;
-    let weights = match flag("--weights", "dequantized").as_str() {
+    // The judges' own default (`prompts`) unless asked for another.
+    let weights = match flag("--weights", "prompts").as_str() {
         "quantized" => WeightPath::Quantized,
         "q8" => WeightPath::Q8,
-        _ => WeightPath::Dequantized,
+        "dequantized" => WeightPath::Dequantized,
+        "prompts" => WeightPath::Prompts,
+        other => anyhow::bail!("--weights {other}: one of prompts, dequantized, quantized, q8"),
     };
     let batch: usize = flag("--batch", &fluxmem_models::DEFAULT_BATCH.to_string()).parse()?;
     let data: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(path)?)?;

@@ -104,7 +104,8 @@ pub fn structure_flags(args: &crate::cli::StructureArgs) -> anyhow::Result<(flux
 /// The judge named by `--judge`: `none`, `llm` (the default judge model) or a generator's name
 /// from the model manifest, scoring by yes/no; `ql` or `ql:MODEL`, scoring by query likelihood.
 /// Judging is prompt processing: the weights that prefill fastest for the model's size
-/// (`WeightPath::Prompts`: f32 up to 0.5B parameters, as stored above; docs/models.md).
+/// (`WeightPath::Prompts`: Q8_0 where fluxmem's kernels run, else f32 up to 0.5B parameters
+/// and as stored above; docs/models.md).
 pub fn judge_from_flag(name: &str, device: &fluxmem_models::DeviceChoice) -> anyhow::Result<Option<Box<dyn fluxmem_models::Judge>>> {
     let Some(model) = fluxmem_models::judge_model(name)? else { return Ok(None) };
     let generator = fluxmem_models::load_generator(&model, device, fluxmem_models::WeightPath::Prompts)?;

@@ -35,10 +35,11 @@ pub enum WeightPath {
     /// [`crate::decoder::SMALL_ROWS`] rows), for llama and qwen2 (Gemma 3 runs on f32). Holds
     /// both copies: about 5.1 bytes a parameter.
     Mixed,
-    /// The faster for prompt processing (the judges' work), by the model's size: f32 for a file
-    /// of at most [`PROMPT_F32_MAX_BYTES`] (0.5B parameters and smaller), the weights as stored
-    /// above (the 1.5B prefills twice as fast on its Q4_K_M as on f32, as fast as on Q8_0,
-    /// which takes 8 times longer to load: docs/models.md).
+    /// The faster for prompt processing (the judges' work): on a CPU with AVX-512 VNNI,
+    /// [`WeightPath::Q8`] (fluxmem's tiled kernels prefill 1.5-2.5x faster than f32 on every
+    /// model measured); elsewhere by the model's size, f32 for a file of at most
+    /// [`PROMPT_F32_MAX_BYTES`] (0.5B parameters and smaller) and the weights as stored above
+    /// (docs/models.md).
     Prompts,
 }
 
@@ -51,6 +52,7 @@ impl WeightPath {
     /// the others are themselves.
     pub fn resolve(self, bytes: u64) -> WeightPath {
         match self {
+            WeightPath::Prompts if crate::native::available() => WeightPath::Q8,
             WeightPath::Prompts if bytes <= PROMPT_F32_MAX_BYTES => WeightPath::Dequantized,
             WeightPath::Prompts => WeightPath::Quantized,
             other => other,
@@ -587,9 +589,16 @@ mod tests {
     /// and 0.5B files against the 1.5B's, by their sizes as shipped).
     #[test]
     fn prompt_weights_follow_the_model_size() {
-        assert_eq!(WeightPath::Prompts.resolve(98_362_432), WeightPath::Dequantized, "SmolLM2-135M Q4_1");
-        assert_eq!(WeightPath::Prompts.resolve(491_400_064), WeightPath::Dequantized, "Qwen2.5-Coder-0.5B Q4_K_M");
-        assert_eq!(WeightPath::Prompts.resolve(1_117_320_768), WeightPath::Quantized, "Qwen2.5-Coder-1.5B Q4_K_M");
+        let sizes = [(98_362_432, "SmolLM2-135M Q4_1"), (491_400_064, "Qwen2.5-Coder-0.5B Q4_K_M"), (1_117_320_768, "Qwen2.5-Coder-1.5B Q4_K_M")];
+        if crate::native::available() {
+            for (bytes, file) in sizes {
+                assert_eq!(WeightPath::Prompts.resolve(bytes), WeightPath::Q8, "{file}: fluxmem's kernels");
+            }
+        } else {
+            assert_eq!(WeightPath::Prompts.resolve(sizes[0].0), WeightPath::Dequantized, "{}", sizes[0].1);
+            assert_eq!(WeightPath::Prompts.resolve(sizes[1].0), WeightPath::Dequantized, "{}", sizes[1].1);
+            assert_eq!(WeightPath::Prompts.resolve(sizes[2].0), WeightPath::Quantized, "{}", sizes[2].1);
+        }
         for path in [WeightPath::Quantized, WeightPath::Dequantized, WeightPath::Q8, WeightPath::Mixed] {
             assert_eq!(path.resolve(1_117_320_768), path, "the others are themselves");
         }
