@@ -22,7 +22,7 @@
 use candle_core::quantized::{gguf_file, QMatMul};
 use std::sync::Arc;
 
-use crate::native::{Native, Takes};
+use crate::native::Native;
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::Embedding;
 use candle_transformers::quantized_nn::RmsNorm;
@@ -54,27 +54,22 @@ struct Lin {
 impl Lin {
     fn new(main: QMatMul) -> Result<Lin> {
         Ok(match Native::of(&main)? {
-            Some((native, Takes::Every)) => Lin { main: None, small: None, native: Some((native, usize::MAX)) },
-            Some((native, Takes::AtMost(rows))) => Lin { main: Some(main), small: None, native: Some((native, rows)) },
+            Some(native) => Lin { main: None, small: None, native: Some((native, usize::MAX)) },
             None => Lin { main: Some(main), small: None, native: None },
         })
     }
 
-    /// Sets the copy for small inputs: repacked for the kernels when they beat candle's on it
-    /// (then not held twice when they take all its inputs), as given otherwise.
+    /// Sets the copy for small inputs: repacked for the kernels when they run it (then not held
+    /// twice), as given otherwise.
     fn set_small(&mut self, small: QMatMul) -> Result<()> {
         if self.main.is_none() {
             // The kernel already runs every input on the matrix itself.
             return Ok(());
         }
         match Native::of(&small)? {
-            Some((native, Takes::Every)) => {
+            Some(native) => {
                 self.native = Some((native, SMALL_ROWS));
                 self.small = None;
-            }
-            Some((native, Takes::AtMost(rows))) => {
-                self.native = Some((native, rows.min(SMALL_ROWS)));
-                self.small = Some(small);
             }
             None => self.small = Some(small),
         }

@@ -1,15 +1,17 @@
 //! fluxmem's own CPU kernels for quantized weight matrices, on AVX-512 VNNI: Q8_0
-//! ([`crate::q8`]) and Q4_K ([`crate::q4k`]), and the driver that shares a product out between
-//! candle's thread pool and the core's cache.
+//! ([`crate::q8`]), Q4_K ([`crate::q4k`]) and Q6_K ([`crate::q6k`]), and the driver that
+//! shares a product out over candle's thread pool.
 //!
-//! candle's kernels for these formats are AVX2 block dot products, one input row at a time;
-//! `perf` put most of a decode step in them and in converting the blocks' f16 scales (56% and
-//! 8% on the 135M model). Here the weights are repacked at load, the inputs are quantized once
-//! per product, and each kernel runs one weight row against one or four input rows, every
-//! input row computed by the same instructions whatever its tile-mates (so a batch gives each
-//! sequence the bits it gets alone).
+//! candle runs these formats' matrix-vector products on AVX2 block dot products (`perf` put
+//! most of a decode step in them and in converting the blocks' f16 scales), and its repacked
+//! AVX-512 tiles for longer inputs take row lengths that are multiples of 256 only. Here each
+//! matrix is repacked at load into tiles of 16 output rows, so that one `vpdpbusd` multiplies
+//! 4 quants of each of the 16 rows by the same 4 input values (broadcast), and the inputs are
+//! quantized once per product; a call runs up to 4 input rows against 2 tiles, the 8
+//! accumulators independent chains. Every input row is computed by the same instructions
+//! whatever its call-mates and whatever the thread count, so a prompt and a decode step, a batch
+//! and a single sequence, compute a row the same way.
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul};
@@ -24,9 +26,6 @@ pub(crate) const SUPER: usize = 256;
 
 /// Multiply-adds below which a product runs on the calling thread alone.
 const PARALLEL_MACS: usize = 1 << 20;
-
-/// Input rows a task runs against its output rows at a time.
-const ROW_TILE: usize = 16;
 
 /// True when quantized matrices are repacked for these kernels: the CPU runs them
 /// ([`cpu_has_kernel`]) and they are not turned off (`FLUXMEM_Q8_KERNEL=candle`, for
@@ -64,29 +63,19 @@ pub(crate) enum Native {
     Q6K(Q6KRows),
 }
 
-/// Which inputs a matrix's native copy takes: every input (candle's copy is then dropped), or
-/// inputs of at most this many rows (candle's copy takes the others).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Takes {
-    Every,
-    AtMost(usize),
-}
-
 impl Native {
-    /// The repacked matrix of `matmul`, and the inputs it should take, when this CPU runs the
-    /// kernels and they beat candle's for the matrix (docs/models.md): a Q8_0 or Q4_K matrix
-    /// (every input: candle's copy is dropped), a Q6_K matrix (single-row inputs, decode
-    /// steps; candle's repacked tiles take the others). `None` otherwise.
-    pub(crate) fn of(matmul: &QMatMul) -> Result<Option<(Arc<Native>, Takes)>> {
+    /// The repacked matrix of `matmul` when it is a Q8_0, Q4_K or Q6_K matrix on the CPU and
+    /// this CPU runs the kernels (they beat candle's at every input size measured,
+    /// docs/models.md); `None` otherwise.
+    pub(crate) fn of(matmul: &QMatMul) -> Result<Option<Arc<Native>>> {
         let QMatMul::QTensor(q) = matmul else { return Ok(None) };
         if !available() || !matches!(q.device(), Device::Cpu) {
             return Ok(None);
         }
-        let (_, k) = q.shape().dims2()?;
         Ok(match q.dtype() {
-            GgmlDType::Q8_0 => Some((Arc::new(Native::Q8(Q8Rows::from_qtensor(q)?)), Takes::Every)),
-            GgmlDType::Q4K => Some((Arc::new(Native::Q4K(Q4KRows::from_qtensor(q)?)), Takes::Every)),
-            GgmlDType::Q6K if k % SUPER == 0 => Some((Arc::new(Native::Q6K(Q6KRows::from_qtensor(q)?)), Takes::AtMost(1))),
+            GgmlDType::Q8_0 => Some(Arc::new(Native::Q8(Q8Rows::from_qtensor(q)?))),
+            GgmlDType::Q4K => Some(Arc::new(Native::Q4K(Q4KRows::from_qtensor(q)?))),
+            GgmlDType::Q6K => Some(Arc::new(Native::Q6K(Q6KRows::from_qtensor(q)?))),
             _ => None,
         })
     }
@@ -117,81 +106,6 @@ impl Native {
         };
         Tensor::from_vec(y, shape, xs.device())
     }
-}
-
-/// Runs a product of `rows` input rows and `out` weight rows of length `k`: `dot(o, r, n,
-/// span)` gives the dot products of weight row `o` with input rows `r..r + n` (`n` is 1 or 4)
-/// over the values `span`, and the spans of a row are added in order. Returns (rows, out).
-///
-/// A task takes a few weight rows (about 64 KB, at `row_bytes` a row) and runs them against
-/// the input rows [`ROW_TILE`] at a time, one span of `slice` values at a time, so that its
-/// weights and a tile of inputs stay in the core's cache while each is used many times (a
-/// prompt's hundreds of rows against a 9,000-wide matrix do not fit it whole). `slice` is a
-/// multiple of the format's block pair or super-block; the kernels take a shorter last span.
-pub(crate) fn drive<F>(out: usize, rows: usize, k: usize, row_bytes: usize, slice: usize, dot: F) -> Vec<f32>
-where
-    F: Fn(usize, usize, usize, Range<usize>) -> [f32; 4] + Sync,
-{
-    let chunk = ((64 << 10) / row_bytes.max(1)).clamp(4, 256);
-    // One or two input rows fit the cache whole: slicing would only make a task read its
-    // weight rows as many short interleaved runs, which the prefetchers follow less well.
-    let slice = if rows <= 2 { k.max(1) } else { slice.max(1) };
-    // A small product costs less than waking another thread.
-    let parallel = candle_core::utils::get_num_threads() > 1 && out * k * rows >= PARALLEL_MACS;
-    // (output row, input row) results, transposed back below.
-    let mut transposed = vec![0f32; out * rows];
-    let run = |c: usize, part: &mut [f32]| {
-        let first = c * chunk;
-        let outputs = part.len() / rows;
-        for start in (0..k).step_by(slice) {
-            let span = start..(start + slice).min(k);
-            for tile in (0..rows).step_by(ROW_TILE) {
-                let end = (tile + ROW_TILE).min(rows);
-                for i in 0..outputs {
-                    let results = &mut part[i * rows..(i + 1) * rows];
-                    let mut r = tile;
-                    // Four input rows at a time share each load of the weights.
-                    while r + 4 <= end {
-                        let four = dot(first + i, r, 4, span.clone());
-                        for (y, v) in results[r..r + 4].iter_mut().zip(four) {
-                            *y += v;
-                        }
-                        r += 4;
-                    }
-                    for r in r..end {
-                        results[r] += dot(first + i, r, 1, span.clone())[0];
-                    }
-                }
-            }
-        }
-    };
-    let tasks = out.div_ceil(chunk);
-    if parallel {
-        // candle's own thread pool, the one its operations between these products run on:
-        // a second pool's threads would compete with its spinning workers for the cores.
-        let base = transposed.as_mut_ptr() as usize;
-        let len = transposed.len();
-        candle_core::utils::barrier_pool().execute_chunked(tasks, |range| {
-            for c in range {
-                let (from, to) = (c * chunk * rows, ((c + 1) * chunk * rows).min(len));
-                // SAFETY: task `c` alone writes the results of its output rows, `from..to`,
-                // a range within `transposed`, which outlives the call.
-                let part = unsafe { std::slice::from_raw_parts_mut((base as *mut f32).add(from), to - from) };
-                run(c, part);
-            }
-        });
-    } else {
-        for (c, part) in transposed.chunks_mut(chunk * rows).enumerate() {
-            run(c, part);
-        }
-    }
-    let mut y = vec![0f32; rows * out];
-    for o in 0..out {
-        for r in 0..rows {
-            y[r * out + o] = transposed[o * rows + r];
-        }
-    }
-    y
 }
 
 /// Input rows quantized per super-block as llama.cpp's Q8_K is, for the K-quant kernels: one
@@ -283,7 +197,8 @@ where
     };
     let units = pairs * groups;
     if candle_core::utils::get_num_threads() > 1 && out * k * rows >= PARALLEL_MACS {
-        // candle's thread pool, as in `drive`.
+        // candle's own thread pool, the one its operations between these products run on: a
+        // second pool's threads would compete with its spinning workers for the cores.
         candle_core::utils::barrier_pool().execute_chunked(units, |range| range.for_each(run));
     } else {
         (0..units).for_each(run);
