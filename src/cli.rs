@@ -324,7 +324,7 @@ pub struct EvalSkillsArgs {
     /// Generators to compare, comma-separated: `none` (template wording) or model names.
     #[arg(long, value_delimiter = ',', default_value = "none")]
     pub generators: Vec<String>,
-    /// Generator weights: quantized, dequantized, q8 or mixed (f32 for prompts, Q8_0 for decode steps).
+    /// Generator weights: quantized, dequantized, q8 (the fastest; docs/models.md) or mixed (f32 for prompts, Q8_0 for decode steps).
     #[arg(long, default_value = "q8")]
     pub weights: String,
     /// Number of clusters per tenant, or auto.
@@ -478,10 +478,11 @@ pub enum ModelsCommand {
         /// Device: auto, cpu, cuda, cuda:N or metal.
         #[arg(long, default_value = "auto")]
         device: String,
-        /// Weights as stored (`quantized`), expanded to f32 at load (`dequantized`: fastest
-        /// prompt processing on CPU for models up to 0.5B), re-quantized to Q8_0 at load (`q8`:
-        /// fastest decoding; the fastest of all for the 1.5B), or both (`mixed`: f32 for prompts,
-        /// Q8_0 for decode steps; the fastest for 0.5B and smaller, at about 5 bytes a parameter).
+        /// Weights as stored (`quantized`), expanded to f32 at load (`dequantized`), re-quantized
+        /// to Q8_0 at load (`q8`: on a CPU with AVX-512 VNNI the file's Q4_K and Q6_K matrices
+        /// are kept, and fluxmem's own kernels run them and the Q8_0 ones: the fastest for
+        /// prompts and decoding on every model measured, docs/models.md), or both (`mixed`: f32
+        /// for prompts, Q8_0 for decode steps, at about 5 bytes a parameter).
         #[arg(long, default_value = "q8")]
         weights: String,
         /// Maximum new tokens.
@@ -607,7 +608,7 @@ pub struct ConsolidateArgs {
     /// logs); `none`: template skills, no model.
     #[arg(long, default_value = fluxmem_models::DEFAULT_GENERATOR)]
     pub generator: String,
-    /// Generator weights: quantized, dequantized, q8 or mixed (f32 for prompts, Q8_0 for decode steps; see docs/models.md).
+    /// Generator weights: quantized, dequantized, q8 (the fastest) or mixed (f32 for prompts, Q8_0 for decode steps; see docs/models.md).
     #[arg(long, default_value = "q8")]
     pub weights: String,
     /// Scored versions per skill at most (round 1 is the induced skill).

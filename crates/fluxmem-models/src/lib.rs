@@ -44,6 +44,13 @@ pub use gguf_tokenizer::tokenizer_from_gguf;
 pub use judge::{Judge, LlmJudge, QlJudge};
 pub use provision::{cache_dir, FileSpec, ModelManifest, ModelSpec, BUILTIN_MANIFEST, DEFAULT_EMBEDDER, DEFAULT_GENERATOR, DEFAULT_JUDGE};
 
+/// True when this CPU runs fluxmem's own quantized kernels (AVX-512 VNNI; not turned off by
+/// `FLUXMEM_Q8_KERNEL=candle`): the Q8 path then keeps Q4_K and Q6_K matrices and runs them
+/// and Q8_0 on those kernels.
+pub fn native_kernels() -> bool {
+    native::available()
+}
+
 /// How long candle's thread pool workers spin for the next piece of work before they sleep
 /// (`CANDLE_BARRIER_POOL_SPIN_LIMIT`, spin iterations; candle's default is 25,000). A decode
 /// step of a small model is hundreds of short operations, with serial work between them

@@ -1,13 +1,19 @@
 //! Batched generation and scoring on the real checkpoints (SmolLM2-135M, llama; Qwen2.5-0.5B,
 //! qwen2): a batch gives each sequence what it gets alone. Compared on f32 weights, where the
 //! batched and single forwards agree to float rounding (candle's quantized kernels round
-//! differently for different row counts, see tests/qwen2.rs). Needs the models of
-//! scripts/test.sh; a missing model fails with the command that fetches it.
+//! differently for different row counts, see tests/qwen2.rs), and on the Q8 path, where
+//! fluxmem's own kernels compute a row the same way whatever the rows beside it (on a CPU with
+//! AVX-512 VNNI; elsewhere candle's kernels run it and that case is not compared). Needs the
+//! models of scripts/test.sh; a missing model fails with the command that fetches it.
 
 use fluxmem_models::{ChatMessage, DeviceChoice, GenerateParams, Generator, Judge, LlmJudge, QlJudge, WeightPath};
 
 fn generator(name: &str, batch: usize) -> fluxmem_models::GgufGenerator {
-    fluxmem_models::load_generator(name, &DeviceChoice::Cpu, WeightPath::Dequantized).unwrap_or_else(|e| panic!("{e}")).with_batch_size(batch)
+    generator_with(name, batch, WeightPath::Dequantized)
+}
+
+fn generator_with(name: &str, batch: usize, path: WeightPath) -> fluxmem_models::GgufGenerator {
+    fluxmem_models::load_generator(name, &DeviceChoice::Cpu, path).unwrap_or_else(|e| panic!("{e}")).with_batch_size(batch)
 }
 
 /// Conversations of different lengths: the batch is left-padded.
@@ -26,9 +32,13 @@ fn conversations() -> Vec<Vec<ChatMessage>> {
 
 /// Greedy, seeded sampling and a stop string (`all`), or greedy only (the slower 0.5B model).
 fn check_batch_equals_one_at_a_time(model: &str, all: bool) {
+    check_batch_equals_one_at_a_time_on(model, all, WeightPath::Dequantized);
+}
+
+fn check_batch_equals_one_at_a_time_on(model: &str, all: bool, path: WeightPath) {
     let conversations = conversations();
-    let mut batched = generator(model, 4);
-    let mut alone = generator(model, 1);
+    let mut batched = generator_with(model, 4, path);
+    let mut alone = generator_with(model, 1, path);
     let params = [
         GenerateParams { max_tokens: 24, ..Default::default() },
         GenerateParams { max_tokens: 16, temperature: 0.8, seed: 3, ..Default::default() },
@@ -54,6 +64,17 @@ fn batched_generation_gives_each_conversation_its_own_reply_llama() {
 #[test]
 fn batched_generation_gives_each_conversation_its_own_reply_qwen2() {
     check_batch_equals_one_at_a_time("qwen2.5-coder-0.5b-instruct-q4_k_m", false);
+}
+
+/// The 0.5B file's Q4_K and Q6_K matrices kept, its Q5_0 ones requantized to Q8_0: all three
+/// of fluxmem's kernels, with sequences of different lengths left-padded in one batch.
+#[test]
+fn batched_generation_on_fluxmem_kernels_gives_each_conversation_its_own_reply() {
+    if !fluxmem_models::native_kernels() {
+        eprintln!("this CPU has no AVX-512 VNNI: candle's kernels run the Q8 path, not compared");
+        return;
+    }
+    check_batch_equals_one_at_a_time_on("qwen2.5-coder-0.5b-instruct-q4_k_m", false, WeightPath::Q8);
 }
 
 #[test]
