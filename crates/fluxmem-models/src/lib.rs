@@ -51,6 +51,24 @@ pub fn native_kernels() -> bool {
     native::available()
 }
 
+/// A quantized matrix repacked for fluxmem's kernels, for the side-by-side kernel bench
+/// (`cargo run -p fluxmem-models --example kernel_bench`); the models use them internally.
+#[doc(hidden)]
+pub struct NativeMatrix(std::sync::Arc<native::Native>);
+
+impl NativeMatrix {
+    /// The repacked matrix, when this CPU runs the kernels and they take its format (Q8_0,
+    /// Q4_K, Q6_K).
+    pub fn of(matmul: &candle_core::quantized::QMatMul) -> candle_core::Result<Option<NativeMatrix>> {
+        Ok(native::Native::of(matmul)?.map(NativeMatrix))
+    }
+
+    /// `xs` (.., k) times the matrix's transpose: (.., out).
+    pub fn forward(&self, xs: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+        self.0.forward(xs)
+    }
+}
+
 /// How long candle's thread pool workers spin for the next piece of work before they sleep
 /// (`CANDLE_BARRIER_POOL_SPIN_LIMIT`, spin iterations; candle's default is 25,000). A decode
 /// step of a small model is hundreds of short operations, with serial work between them
