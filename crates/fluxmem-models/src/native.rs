@@ -134,11 +134,8 @@ impl SuperInput {
         let supers = values.len() / SUPER;
         let mut input = SuperInput { quants: Vec::with_capacity(values.len()), scales: Vec::with_capacity(supers), sums: Vec::with_capacity(supers * 16) };
         for block in values.chunks_exact(SUPER) {
-            let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
             let start = input.quants.len();
-            input.quants.extend(block.iter().map(|&x| (x * id).round() as i8));
+            let d = quantize_block(block, &mut input.quants);
             input.scales.push(d);
             input.sums.extend(sums(d, &input.quants[start..]));
         }
@@ -161,6 +158,63 @@ pub(crate) const TILE_ROWS: usize = 4;
 
 /// What a tiled kernel call gives: `[m * 2 + n]` is input row `m`'s 16 outputs of tile `n`.
 pub(crate) type TileResults = [[f32; TILE]; 2 * TILE_ROWS];
+
+/// One format's tiled kernel: its tiles and input rows, and the two ways to run them.
+pub(crate) trait TileKernel {
+    type Tile<'a>: Copy;
+    type Row<'a>: Copy;
+
+    /// One tile against one input row, one product at a time (the reference of the tests, and
+    /// the kernel of CPUs without AVX-512 VNNI, which never repack: [`available`]).
+    fn reference(w: Self::Tile<'_>, x: Self::Row<'_>) -> [f32; TILE];
+
+    /// `M` input rows against `N` tiles into `results` ([`TileResults`]).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VNNI.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn avx512<const M: usize, const N: usize>(w: [Self::Tile<'_>; N], x: [Self::Row<'_>; M], results: &mut TileResults);
+}
+
+/// `M` input rows against `N` tiles into `results`, on AVX-512 VNNI where the CPU has it.
+fn kernel<'a, K: TileKernel, const M: usize, const N: usize>(w: [K::Tile<'a>; N], x: [K::Row<'a>; M], results: &mut TileResults) {
+    #[cfg(target_arch = "x86_64")]
+    if cpu_has_kernel() {
+        // SAFETY: the CPU has the instructions the kernel is compiled for.
+        return unsafe { K::avx512(w, x, results) };
+    }
+    for m in 0..M {
+        for n in 0..N {
+            results[m * 2 + n] = K::reference(w[n], x[m]);
+        }
+    }
+}
+
+/// A unit of [`drive_tiles`]: tile `w[0]` (and `w[1]` when `two`) against the first `count` of
+/// the input rows `x`, with the kernel compiled for that many rows and tiles.
+pub(crate) fn run_unit<'a, K: TileKernel>(w: [K::Tile<'a>; 2], two: bool, x: [K::Row<'a>; 4], count: usize, results: &mut TileResults) {
+    let ([a, b], [x0, x1, x2, x3]) = (w, x);
+    match (two, count) {
+        (true, 4) => kernel::<K, 4, 2>([a, b], [x0, x1, x2, x3], results),
+        (true, 3) => kernel::<K, 3, 2>([a, b], [x0, x1, x2], results),
+        (true, 2) => kernel::<K, 2, 2>([a, b], [x0, x1], results),
+        (true, _) => kernel::<K, 1, 2>([a, b], [x0], results),
+        (false, 4) => kernel::<K, 4, 1>([a], [x0, x1, x2, x3], results),
+        (false, 3) => kernel::<K, 3, 1>([a], [x0, x1, x2], results),
+        (false, 2) => kernel::<K, 2, 1>([a], [x0, x1], results),
+        (false, _) => kernel::<K, 1, 1>([a], [x0], results),
+    }
+}
+
+/// Quantizes a block of values to int8 (appended to `quants`) as candle and llama.cpp do: the
+/// scale max|x| / 127, each value rounded to the nearest of its multiples. Returns the scale.
+pub(crate) fn quantize_block(block: &[f32], quants: &mut Vec<i8>) -> f32 {
+    let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    quants.extend(block.iter().map(|&x| (x * id).round() as i8));
+    d
+}
 
 /// Runs a product of `rows` input rows and `out` weight rows of length `k` held in tiles of
 /// [`TILE`] rows: `unit(tile, first, count, two, results)` runs tile `tile` (and `tile + 1`

@@ -21,7 +21,7 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Result;
 
-use crate::native::{cpu_has_kernel, drive_tiles, SuperInput, SuperRow as Row, TileResults, SUPER, TILE};
+use crate::native::{drive_tiles, run_unit, SuperInput, SuperRow as Row, TileKernel, TileResults, SUPER, TILE};
 
 /// Sub-blocks per super-block.
 const SUBS: usize = 8;
@@ -129,17 +129,7 @@ impl Q4KRows {
         drive_tiles(self.out, rows, k, |tile, first, count, two, results| {
             let rows = |m: usize| input.row(first + m.min(count - 1), k, 0..supers);
             let x = [rows(0), rows(1), rows(2), rows(3)];
-            let w = |t: usize| self.tile(t);
-            match (two, count) {
-                (true, 4) => kernel::<4, 2>([w(tile), w(tile + 1)], x, results),
-                (true, 3) => kernel::<3, 2>([w(tile), w(tile + 1)], [x[0], x[1], x[2]], results),
-                (true, 2) => kernel::<2, 2>([w(tile), w(tile + 1)], [x[0], x[1]], results),
-                (true, _) => kernel::<1, 2>([w(tile), w(tile + 1)], [x[0]], results),
-                (false, 4) => kernel::<4, 1>([w(tile)], x, results),
-                (false, 3) => kernel::<3, 1>([w(tile)], [x[0], x[1], x[2]], results),
-                (false, 2) => kernel::<2, 1>([w(tile)], [x[0], x[1]], results),
-                (false, _) => kernel::<1, 1>([w(tile)], [x[0]], results),
-            }
+            run_unit::<Q4K>([self.tile(tile), self.tile(tile + two as usize)], two, x, count, results)
         })
     }
 }
@@ -175,22 +165,25 @@ fn sums(dx: f32, quants: &[i8]) -> [f32; 16] {
     lanes
 }
 
-/// `M` input rows against `N` tiles into `results` ([`TileResults`]).
-fn kernel<const M: usize, const N: usize>(w: [Tile; N], x: [Row<'_>; M], results: &mut TileResults) {
-    #[cfg(target_arch = "x86_64")]
-    if cpu_has_kernel() {
-        // SAFETY: the CPU has the instructions the kernel is compiled for.
-        return unsafe { kernel_avx512(w, x, results) };
+/// The format's kernel for [`run_unit`].
+struct Q4K;
+
+impl TileKernel for Q4K {
+    type Tile<'a> = Tile<'a>;
+    type Row<'a> = Row<'a>;
+
+    fn reference(w: Tile, x: Row) -> [f32; TILE] {
+        reference(w, x)
     }
-    for m in 0..M {
-        for n in 0..N {
-            results[m * 2 + n] = reference(w[n], x[m]);
-        }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut TileResults) {
+        // SAFETY: the caller's.
+        unsafe { kernel_avx512(w, x, results) }
     }
 }
 
-/// A tile against one input row, one weight at a time (the reference of the tests, and the
-/// kernel of CPUs without AVX-512 VNNI, which never repack: [`crate::native::available`]).
+/// [`TileKernel::reference`], one weight at a time.
 fn reference(w: Tile, x: Row) -> [f32; TILE] {
     let mut out = [0f32; TILE];
     for s in 0..x.scales.len() {
@@ -266,7 +259,7 @@ unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row<'_
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::native::Native;
+    use crate::native::{cpu_has_kernel, Native};
     use candle_core::quantized::QMatMul;
     use candle_core::{Device, Module, Tensor};
 

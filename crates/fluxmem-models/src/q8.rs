@@ -19,7 +19,7 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Result;
 
-use crate::native::{cpu_has_kernel, drive_tiles, TileResults, TILE};
+use crate::native::{drive_tiles, quantize_block, run_unit, TileKernel, TileResults, TILE};
 
 /// Values per Q8_0 block.
 const BLOCK: usize = 32;
@@ -89,16 +89,7 @@ impl Q8Rows {
         drive_tiles(self.out, rows, self.k, |tile, first, count, two, results| {
             let rows = |m: usize| input.row(first + m.min(count - 1), blocks);
             let x = [rows(0), rows(1), rows(2), rows(3)];
-            match (two, count) {
-                (true, 4) => kernel::<4, 2>([w(tile), w(tile + 1)], x, results),
-                (true, 3) => kernel::<3, 2>([w(tile), w(tile + 1)], [x[0], x[1], x[2]], results),
-                (true, 2) => kernel::<2, 2>([w(tile), w(tile + 1)], [x[0], x[1]], results),
-                (true, _) => kernel::<1, 2>([w(tile), w(tile + 1)], [x[0]], results),
-                (false, 4) => kernel::<4, 1>([w(tile)], x, results),
-                (false, 3) => kernel::<3, 1>([w(tile)], [x[0], x[1], x[2]], results),
-                (false, 2) => kernel::<2, 1>([w(tile)], [x[0], x[1]], results),
-                (false, _) => kernel::<1, 1>([w(tile)], [x[0]], results),
-            }
+            run_unit::<Q8>([w(tile), w(tile + two as usize)], two, x, count, results)
         })
     }
 }
@@ -141,33 +132,33 @@ fn quantize(values: &[f32], k: usize) -> Input {
     let blocks = values.len() / BLOCK;
     let mut input = Input { quants: Vec::with_capacity(values.len()), scales: Vec::with_capacity(blocks), offsets: Vec::with_capacity(blocks) };
     for block in values.chunks_exact(BLOCK) {
-        let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let start = input.quants.len();
-        input.quants.extend(block.iter().map(|&x| (x * id).round() as i8));
+        let d = quantize_block(block, &mut input.quants);
         input.scales.push(d);
         input.offsets.push(128.0 * input.quants[start..].iter().map(|&v| v as i32).sum::<i32>() as f32);
     }
     input
 }
 
-/// `M` input rows against `N` tiles: `results[m * 2 + n]` is row `m`'s 16 outputs of tile `n`.
-fn kernel<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut TileResults) {
-    #[cfg(target_arch = "x86_64")]
-    if cpu_has_kernel() {
-        // SAFETY: the CPU has the instructions the kernel is compiled for.
-        return unsafe { kernel_avx512(w, x, results) };
+/// The format's kernel for [`run_unit`].
+struct Q8;
+
+impl TileKernel for Q8 {
+    type Tile<'a> = Tile<'a>;
+    type Row<'a> = Row<'a>;
+
+    fn reference(w: Tile, x: Row) -> [f32; TILE] {
+        reference(w, x)
     }
-    for m in 0..M {
-        for n in 0..N {
-            results[m * 2 + n] = reference(w[n], x[m]);
-        }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut TileResults) {
+        // SAFETY: the caller's.
+        unsafe { kernel_avx512(w, x, results) }
     }
 }
 
-/// A tile against one input row, one product at a time (the reference of the tests, and the
-/// kernel of CPUs without AVX-512 VNNI, which never repack: [`crate::native::available`]).
+/// [`TileKernel::reference`].
 fn reference(w: Tile, x: Row) -> [f32; TILE] {
     let mut out = [0f32; TILE];
     for (b, (&dx, &offset)) in x.scales.iter().zip(x.offsets).enumerate() {
@@ -221,7 +212,7 @@ unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::native::Native;
+    use crate::native::{cpu_has_kernel, Native};
     use candle_core::quantized::QMatMul;
     use candle_core::{Device, Tensor};
 
