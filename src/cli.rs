@@ -361,6 +361,10 @@ pub struct StructureArgs {
     /// source group (the turns before and after it). 0: off.
     #[arg(long, default_value_t = fluxmem_connect::DEFAULT_ADJACENCY)]
     pub adjacency: f32,
+    /// Structure: a fact said by someone the query names (its `speaker`, by first name) gains
+    /// this much. 0: off.
+    #[arg(long, default_value_t = fluxmem_connect::DEFAULT_ENTITY)]
+    pub entity: f32,
 }
 
 /// `fluxmem eval locomo`.

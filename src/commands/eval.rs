@@ -9,7 +9,7 @@ use crate::progress::CountBar;
 pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
-    let (units, adjacency) = super::structure_flags(&args.structure)?;
+    let (units, adjacency, entity) = super::structure_flags(&args.structure)?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
     let options = LocomoOptions {
@@ -20,6 +20,7 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         seed: args.seed,
         retrieval: fluxmem_connect::RetrievalConfig {
             adjacency,
+            entity,
             ..super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?
         },
         units,

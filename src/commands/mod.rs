@@ -91,14 +91,16 @@ pub fn retrieval_config(fusion: &str, weights: &[f32], judge_top: usize) -> anyh
     Ok(fluxmem_connect::RetrievalConfig { fusion, weights, judge_top, ..Default::default() })
 }
 
-/// The `--units` and `--adjacency` flags: how facts are indexed, and the weight of structure.
-pub fn structure_flags(args: &crate::cli::StructureArgs) -> anyhow::Result<(fluxmem_connect::Units, f32)> {
+/// The `--units`, `--adjacency` and `--entity` flags: how facts are indexed, and the weights of
+/// structure.
+pub fn structure_flags(args: &crate::cli::StructureArgs) -> anyhow::Result<(fluxmem_connect::Units, f32, f32)> {
     let units: fluxmem_connect::Units = args.units.parse().map_err(anyhow::Error::msg)?;
-    let adjacency = args.adjacency;
-    // Checked as written (f32 -> f64 would show -0.3 as -0.30000001192092896).
-    let written: f64 = adjacency.to_string().parse().unwrap_or(f64::NAN);
-    crate::cli::check_flag("--adjacency", written, crate::cli::Bound::NonNegative)?;
-    Ok((units, adjacency))
+    for (flag, value) in [("--adjacency", args.adjacency), ("--entity", args.entity)] {
+        // Checked as written (f32 -> f64 would show -0.3 as -0.30000001192092896).
+        let written: f64 = value.to_string().parse().unwrap_or(f64::NAN);
+        crate::cli::check_flag(flag, written, crate::cli::Bound::NonNegative)?;
+    }
+    Ok((units, args.adjacency, args.entity))
 }
 
 /// The judge named by `--judge`: `none`, `llm` (the default judge model) or a generator's name

@@ -10,7 +10,7 @@ use crate::cli::{QueryArgs, Settings};
 pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
-    let (units, adjacency) = super::structure_flags(&args.structure)?;
+    let (units, adjacency, entity) = super::structure_flags(&args.structure)?;
     let store = fluxmem_store::Store::open(&settings.store)?;
     let mut graph = store.load()?;
     let tenant = resolve_tenant(&graph, args.tenant.as_deref())?;
@@ -24,6 +24,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
     let config = fluxmem_connect::RetrievalConfig {
         adjacency,
+        entity,
         ..super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?
     };
     let query_vector = embedder.embed(&[args.text.as_str()])?.remove(0);

@@ -34,7 +34,7 @@ pub use connect::{connect_store, ConnectOptions, ConnectReport, NoProgress, Prog
 pub use context::{line, pack, Context, ContextItem};
 pub use dense::{embedded, embedded_in, top_k, DenseIndex, Embedded, Unembedded, BLOCK_ROWS};
 pub use fusion::{fuse, min_max, FusionMode, FusionWeights, Signals};
-pub use retrieve::{Candidate, RetrievalConfig, SemanticIndex, Units, DEFAULT_ADJACENCY};
+pub use retrieve::{Candidate, RetrievalConfig, SemanticIndex, Units, DEFAULT_ADJACENCY, DEFAULT_ENTITY};
 pub use retriever::{semantic_entry, Entry, Retriever};
 pub use tenant::{resolve_tenant, tenants, DEFAULT_TENANT};
 

@@ -15,6 +15,10 @@ use crate::Result;
 /// `query` and the `fluxmem` system of `eval locomo` (docs/locomo.md).
 pub const DEFAULT_ADJACENCY: f32 = 0.3;
 
+/// The weight of entities (`RetrievalConfig::entity`) where retrieval answers queries, as
+/// [`DEFAULT_ADJACENCY`].
+pub const DEFAULT_ENTITY: f32 = 0.3;
+
 /// Stage I settings.
 #[derive(Debug, Clone, Serialize)]
 pub struct RetrievalConfig {
@@ -37,6 +41,11 @@ pub struct RetrievalConfig {
     /// answers or that answers it, the paragraph it continues). Evidence sits next to what the
     /// query matches, so a strong match lifts its neighbours. 0: off.
     pub adjacency: f32,
+    /// Structure: a candidate said by an entity the query names (its node's `speaker` or
+    /// `author`, named in the query by its first word: "What did Caroline research?") gains
+    /// `entity`, after adjacency. A question about someone is mostly answered by what they
+    /// said. A query that names no speaker ranks as without it. 0: off.
+    pub entity: f32,
     /// BM25 parameters.
     #[serde(skip)]
     pub bm25: Bm25Params,
@@ -93,6 +102,7 @@ impl Default for RetrievalConfig {
             judge_top: 0,
             ground_support: 0.3,
             adjacency: 0.0,
+            entity: 0.0,
             bm25: Bm25Params::default(),
         }
     }
@@ -122,6 +132,10 @@ pub struct SemanticIndex {
     dense: DenseIndex,
     /// Per indexed node, the indexed nodes before and after it in its source group (by position).
     neighbours: Vec<[Option<u32>; 2]>,
+    /// Per indexed node, its speaker (an index into `speakers`), if it has one.
+    speaker_of: Vec<Option<u32>>,
+    /// The speakers' names as they are matched in queries: lowercased first words, sorted.
+    speakers: Vec<String>,
     not_embedded: usize,
 }
 
@@ -144,6 +158,7 @@ impl SemanticIndex {
         let texts: Vec<String> = selected.ids.iter().map(|id| graph.nodes.get(id).map(|n| n.text.clone()).unwrap_or_default()).collect();
         let neighbours = neighbours(graph, &selected.ids);
         let bm25 = units_bm25(&texts, &neighbours, units);
+        let (speaker_of, speakers) = speakers(graph, &selected.ids);
         Ok(SemanticIndex {
             tenant: tenant.to_string(),
             ids: selected.ids,
@@ -151,6 +166,8 @@ impl SemanticIndex {
             texts,
             dense: DenseIndex::from_vectors(&selected.vectors, device)?,
             neighbours,
+            speaker_of,
+            speakers,
             not_embedded: selected.skipped,
         })
     }
@@ -165,6 +182,8 @@ impl SemanticIndex {
             bm25: units_bm25(&self.texts, &self.neighbours, units),
             dense: self.dense.clone(),
             neighbours: self.neighbours.clone(),
+            speaker_of: self.speaker_of.clone(),
+            speakers: self.speakers.clone(),
             not_embedded: self.not_embedded,
         }
     }
@@ -172,6 +191,23 @@ impl SemanticIndex {
     /// The indexed nodes before and after the node at `index` in its source group.
     pub fn neighbours(&self, index: usize) -> [Option<usize>; 2] {
         self.neighbours[index].map(|n| n.map(|n| n as usize))
+    }
+
+    /// The speakers `query` names (indexes into the index's speakers; empty when it names none).
+    fn named_speakers(&self, query: &str) -> Vec<u32> {
+        if self.speakers.is_empty() {
+            return Vec::new();
+        }
+        // Words, with a possessive dropped: "Caroline's" names `caroline`.
+        let mut named: Vec<u32> = query
+            .split(|c: char| !c.is_alphanumeric() && c != '\'' && c != '\u{2019}')
+            .map(|word| word.to_lowercase().replace('\u{2019}', "'"))
+            .map(|word| word.strip_suffix("'s").unwrap_or(&word).trim_matches('\'').to_string())
+            .filter_map(|word| self.speakers.binary_search(&word).ok().map(|i| i as u32))
+            .collect();
+        named.sort_unstable();
+        named.dedup();
+        named
     }
 
     /// The tenant this index serves.
@@ -258,6 +294,7 @@ impl SemanticIndex {
         config: &RetrievalConfig,
         judge: Option<&mut (dyn Judge + 'judge)>,
     ) -> Result<Vec<Candidate>> {
+        let named = if config.entity > 0.0 { self.named_speakers(query) } else { Vec::new() };
         let bm25_scores = self.bm25.scores(query);
         let mut pool: Vec<usize> = top_k(&dense_scores, config.dense_pool).into_iter().map(|(i, _)| i).collect();
         pool.extend(top_k(&bm25_scores, config.bm25_pool).into_iter().filter(|(_, s)| *s > 0.0).map(|(i, _)| i));
@@ -265,7 +302,7 @@ impl SemanticIndex {
         pool.dedup();
         let mut signals: Vec<Signals> =
             pool.iter().map(|&i| Signals { dense: dense_scores[i], bm25: bm25_scores[i], judge: None }).collect();
-        let mut ranked = self.rank(&pool, &signals, config);
+        let mut ranked = self.rank(&pool, &signals, config, &named);
         if let (Some(judge), true) = (judge, config.judge_top > 0) {
             let top: Vec<usize> = ranked.iter().take(config.judge_top).map(|c| c.index).collect();
             let passages: Vec<&str> = top.iter().map(|&i| self.texts[i].as_str()).collect();
@@ -274,12 +311,14 @@ impl SemanticIndex {
                 let slot = pool.binary_search(index).expect("judged candidates come from the pool");
                 signals[slot].judge = Some(score);
             }
-            ranked = self.rank(&pool, &signals, config);
+            ranked = self.rank(&pool, &signals, config, &named);
         }
         Ok(ranked)
     }
 
-    fn rank(&self, pool: &[usize], signals: &[Signals], config: &RetrievalConfig) -> Vec<Candidate> {
+    /// Fuses the pool's signals, then adds structure: adjacency, and `config.entity` for the
+    /// candidates said by one of the `named` speakers.
+    fn rank(&self, pool: &[usize], signals: &[Signals], config: &RetrievalConfig, named: &[u32]) -> Vec<Candidate> {
         let mut fused = fuse(config.fusion, &config.weights, signals);
         if config.adjacency > 0.0 {
             // From the fused scores as they were, so the order of the pool does not matter.
@@ -289,6 +328,13 @@ impl SemanticIndex {
                 let best = self.neighbours[i].iter().flatten().filter_map(|&n| slot(n)).map(|s| before[s]).fold(f32::NEG_INFINITY, f32::max);
                 if best.is_finite() {
                     fused[k] += config.adjacency * best;
+                }
+            }
+        }
+        if config.entity > 0.0 && !named.is_empty() {
+            for (k, &i) in pool.iter().enumerate() {
+                if self.speaker_of[i].is_some_and(|s| named.binary_search(&s).is_ok()) {
+                    fused[k] += config.entity;
                 }
             }
         }
@@ -318,6 +364,24 @@ fn units_bm25(texts: &[String], neighbours: &[[Option<u32>; 2]], units: Units) -
         })
         .collect();
     Bm25::new(&joined, params)
+}
+
+/// Per node of `ids`, its speaker (metadata `speaker`, else `author`), as an index into the
+/// sorted, deduplicated list of speakers returned with it. A speaker is matched in queries by
+/// the first word of its name, lowercased ("Caroline", "caroline smith" -> `caroline`).
+fn speakers(graph: &Graph, ids: &[NodeId]) -> (Vec<Option<u32>>, Vec<String>) {
+    let key = |id: &NodeId| -> Option<String> {
+        let metadata = &graph.nodes.get(id)?.metadata;
+        let name = ["speaker", "author"].iter().find_map(|k| metadata.get(*k).and_then(|v| v.as_str()))?;
+        let first = name.split_whitespace().next()?.to_lowercase();
+        (!first.is_empty()).then_some(first)
+    };
+    let keys: Vec<Option<String>> = ids.iter().map(key).collect();
+    let mut names: Vec<String> = keys.iter().flatten().cloned().collect();
+    names.sort_unstable();
+    names.dedup();
+    let of = keys.iter().map(|k| k.as_ref().map(|k| names.binary_search(k).expect("listed") as u32)).collect();
+    (of, names)
 }
 
 /// Per node of `ids`, the nodes of `ids` before and after it in its source group: semantic

@@ -113,3 +113,45 @@ fn units_parse_from_the_flag() {
     let error = "prev".parse::<Units>().unwrap_err();
     assert!(error.contains("`prev`"), "{error}");
 }
+
+#[test]
+fn entity_lifts_what_the_named_speaker_said() {
+    let embedder = HashEmbedder::new(64);
+    let mut graph = Graph::default();
+    let turns = [
+        ("Bob", "Bob: what did you think of the weather"),
+        ("Alice", "Alice: I stayed in because of the weather"),
+        ("Alice", "Alice: we painted the kitchen"),
+    ];
+    let mut ids = Vec::new();
+    for (i, (speaker, text)) in turns.iter().enumerate() {
+        let body = NodeBody::Semantic(Semantic { source: "conv".into(), position: i as i64, time: None, group: Some("s1".into()) });
+        let mut node = Node::new(body, "t", text, &["conv", &i.to_string()]);
+        node.metadata.insert("speaker".into(), (*speaker).into());
+        let vector = embedder.embed(&[text]).unwrap().remove(0);
+        graph.upsert_embedding(Embedding { node_id: node.id.clone(), model_id: embedder.model_id().into(), text_sha256: String::new(), vector });
+        ids.push(node.id.clone());
+        graph.insert_node(node);
+    }
+    let index = index(&graph, Units::PLAIN);
+    let rank = |query: &str, entity: f32| {
+        let vector = embedder.embed(&[query]).unwrap().remove(0);
+        let config = RetrievalConfig { entity, ..RetrievalConfig::default() };
+        let ranked = index.hybrid(query, &vector, &config, None).unwrap();
+        ranked.iter().map(|c| ids.iter().position(|x| *x == c.node_id).unwrap()).collect::<Vec<_>>()
+    };
+    // Bob's turn has the question's words; without entities it leads whoever is named.
+    assert_eq!(rank("what did alice think of the weather", 0.0)[0], 0);
+    assert_eq!(rank("what did Alice think of the weather", 0.0)[0], 0);
+    // Named, Alice's turns gain: hers about the weather leads.
+    assert_eq!(rank("what did Alice think of the weather", 1.0)[0], 1);
+    // Named in any case, possessive too: with a lift above the largest fused score (1.5 with
+    // the default weights), every turn of hers comes before Bob's.
+    for query in ["what did Alice's sister think of the weather", "what did ALICE\u{2019}s sister think of the weather"] {
+        assert_eq!(rank(query, 0.0)[0], 0, "{query}");
+        assert_eq!(rank(query, 2.0), vec![1, 2, 0], "{query}");
+    }
+    // A query that names no speaker (or names one inside another word) ranks as without it.
+    assert_eq!(rank("what did you think of the weather", 1.0), rank("what did you think of the weather", 0.0));
+    assert_eq!(rank("what did malice think of the weather", 1.0), rank("what did malice think of the weather", 0.0));
+}

@@ -53,7 +53,11 @@ impl Default for LocomoOptions {
             budgets: vec![256, 512, 1024, 2048],
             sample: None,
             seed: 0,
-            retrieval: RetrievalConfig { adjacency: fluxmem_connect::DEFAULT_ADJACENCY, ..RetrievalConfig::default() },
+            retrieval: RetrievalConfig {
+                adjacency: fluxmem_connect::DEFAULT_ADJACENCY,
+                entity: fluxmem_connect::DEFAULT_ENTITY,
+                ..RetrievalConfig::default()
+            },
             units: Units::CONTEXT,
             refine: LoopOptions { rounds: 0, ..LoopOptions::default() },
         }
@@ -236,7 +240,7 @@ pub fn evaluate(
     let (mut done, mut skipped) = (0, 0);
     // `hybrid` is the configured fusion without the judge and without structure, over each
     // turn's own text: plain hybrid retrieval, what a store of items without a graph gives.
-    let hybrid_config = RetrievalConfig { judge_top: 0, adjacency: 0.0, ..options.retrieval.clone() };
+    let hybrid_config = RetrievalConfig { judge_top: 0, adjacency: 0.0, entity: 0.0, ..options.retrieval.clone() };
     let mut refine = RefineSummary {
         rounds: options.refine.rounds,
         budget: options.refine.budget,

@@ -114,8 +114,8 @@ fn evaluation_is_deterministic() {
     assert_eq!(a, b);
 }
 
-/// Without units with context and without structure the `fluxmem` system is plain `hybrid`,
-/// score for score; with them (the defaults) its rankings move and the baselines' do not.
+/// Without units with context and without structure (adjacency, entities) the `fluxmem` system
+/// is plain `hybrid`, score for score; with them (the defaults) its rankings move and the baselines' do not.
 #[test]
 fn the_fluxmem_system_is_hybrid_with_units_and_structure() {
     let plain = || LocomoOptions {
@@ -138,4 +138,8 @@ fn the_fluxmem_system_is_hybrid_with_units_and_structure() {
     assert_ne!(run_on(DATA, adjacency_only).fingerprint, report.fingerprint);
     let units_only = LocomoOptions { units: fluxmem_connect::Units::CONTEXT, ..plain() };
     assert_ne!(run_on(DATA, units_only).fingerprint, report.fingerprint);
+    // Entities: the questions name Alice and Bob, speakers of the turns.
+    let mut entity_only = plain();
+    entity_only.retrieval.entity = fluxmem_connect::DEFAULT_ENTITY;
+    assert_ne!(run_on(DATA, entity_only).fingerprint, report.fingerprint);
 }
