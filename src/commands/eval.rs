@@ -102,6 +102,16 @@ fn print_table(report: &LocomoReport, budgets: &[usize]) {
             refine.verifier_calls_per_question,
             refine.verifier_tokens_per_question,
         );
+        for (kind, effect) in &refine.edit_effects {
+            println!(
+                "refine: {kind}: {} fired, context recall raised {} lowered {} unchanged {}, mean change {:+.4}",
+                effect.fired,
+                effect.raised,
+                effect.lowered,
+                effect.fired - effect.raised - effect.lowered,
+                effect.recall_change / effect.fired.max(1) as f64,
+            );
+        }
     }
     if report.judge_calls > 0 {
         println!("judge: {} calls, {} prompt tokens", report.judge_calls, report.judge_prompt_tokens);

@@ -28,10 +28,16 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         ..super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?
     };
     let query_vector = embedder.embed(&[args.text.as_str()])?.remove(0);
-    let (head, semantic) = retriever.retrieve_split(
+    // With entities on, the dense signal reads the query without the speakers it names.
+    let dense_vector = match retriever.semantic().dense_query(&args.text, &config) {
+        Some(text) => embedder.embed(&[text.as_str()])?.remove(0),
+        None => query_vector.clone(),
+    };
+    let (head, semantic) = retriever.retrieve_split_dense(
         &graph,
         &args.text,
         &query_vector,
+        &dense_vector,
         &config,
         judge.as_mut().map(|j| j as &mut dyn Judge),
         args.episodes,

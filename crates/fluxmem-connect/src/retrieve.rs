@@ -195,19 +195,35 @@ impl SemanticIndex {
 
     /// The speakers `query` names (indexes into the index's speakers; empty when it names none).
     fn named_speakers(&self, query: &str) -> Vec<u32> {
-        if self.speakers.is_empty() {
-            return Vec::new();
-        }
-        // Words, with a possessive dropped: "Caroline's" names `caroline`.
-        let mut named: Vec<u32> = query
+        let mut named: Vec<u32> = query.split_whitespace().flat_map(|token| self.speakers_in(token)).collect();
+        named.sort_unstable();
+        named.dedup();
+        named
+    }
+
+    /// The speakers a whitespace-separated token of a query names: its words, lowercased, with a
+    /// possessive dropped ("Caroline's" names `caroline`).
+    fn speakers_in<'a>(&'a self, token: &'a str) -> impl Iterator<Item = u32> + 'a {
+        token
             .split(|c: char| !c.is_alphanumeric() && c != '\'' && c != '\u{2019}')
             .map(|word| word.to_lowercase().replace('\u{2019}', "'"))
             .map(|word| word.strip_suffix("'s").unwrap_or(&word).trim_matches('\'').to_string())
             .filter_map(|word| self.speakers.binary_search(&word).ok().map(|i| i as u32))
-            .collect();
-        named.sort_unstable();
-        named.dedup();
-        named
+    }
+
+    /// What the dense signal should read of `query` under `config`: with entities on
+    /// (`config.entity` > 0) and a query that names a speaker, the query without the words that
+    /// name one. Who the query is about is then carried by the entity lift; left in, the name
+    /// would match the other speakers' turns that address them ("Thanks, Caroline!") as much as
+    /// their own. `None`: embed the query as it is (entities off, no speaker named, or nothing
+    /// left without the names).
+    pub fn dense_query(&self, query: &str, config: &RetrievalConfig) -> Option<String> {
+        if config.entity <= 0.0 || self.speakers.is_empty() {
+            return None;
+        }
+        let tokens: Vec<&str> = query.split_whitespace().collect();
+        let kept: Vec<&str> = tokens.iter().copied().filter(|token| self.speakers_in(token).next().is_none()).collect();
+        (kept.len() < tokens.len() && !kept.is_empty()).then(|| kept.join(" "))
     }
 
     /// The tenant this index serves.
@@ -263,6 +279,8 @@ impl SemanticIndex {
 
     /// Hybrid ranking of the pool (dense top `dense_pool` plus BM25 top `bm25_pool`), fused;
     /// with a judge, the best `judge_top` are scored by it and everything is fused again.
+    /// `query_vector` is the embedding of [`SemanticIndex::dense_query`] where that is `Some`,
+    /// else of `query`.
     pub fn hybrid<'judge>(
         &self,
         query: &str,

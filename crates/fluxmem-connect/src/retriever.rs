@@ -96,6 +96,23 @@ impl Retriever {
         judge: Option<&mut (dyn Judge + 'judge)>,
         episodes_k: usize,
     ) -> Result<(Vec<Entry>, Vec<Candidate>)> {
+        self.retrieve_split_dense(graph, query, query_vector, query_vector, config, judge, episodes_k)
+    }
+
+    /// [`Retriever::retrieve_split`] with the semantic ranking's dense signal read from
+    /// `dense_vector`, the embedding of [`SemanticIndex::dense_query`] (episodes are still found
+    /// by `query_vector`, the whole query's).
+    #[allow(clippy::too_many_arguments)]
+    pub fn retrieve_split_dense<'judge>(
+        &self,
+        graph: &Graph,
+        query: &str,
+        query_vector: &[f32],
+        dense_vector: &[f32],
+        config: &RetrievalConfig,
+        judge: Option<&mut (dyn Judge + 'judge)>,
+        episodes_k: usize,
+    ) -> Result<(Vec<Entry>, Vec<Candidate>)> {
         let episodes = self.episodes(query_vector, episodes_k)?;
         let mut skills: Vec<Entry> = Vec::new();
         for (episode, cosine) in &episodes {
@@ -107,7 +124,7 @@ impl Retriever {
                 }
             }
         }
-        let mut semantic = self.semantic.hybrid(query, query_vector, config, judge)?;
+        let mut semantic = self.semantic.hybrid(query, dense_vector, config, judge)?;
         if config.ground_support != 0.0 && !episodes.is_empty() {
             let retrieved: BTreeMap<&NodeId, f32> = episodes.iter().map(|(id, cos)| (id, *cos)).collect();
             // Only the tenant's semantic nodes are candidates, so a ground edge from another

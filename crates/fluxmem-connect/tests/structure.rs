@@ -155,3 +155,27 @@ fn entity_lifts_what_the_named_speaker_said() {
     assert_eq!(rank("what did you think of the weather", 1.0), rank("what did you think of the weather", 0.0));
     assert_eq!(rank("what did malice think of the weather", 1.0), rank("what did malice think of the weather", 0.0));
 }
+
+#[test]
+fn the_dense_query_leaves_the_named_speakers_to_the_entity_lift() {
+    let embedder = HashEmbedder::new(64);
+    let mut graph = Graph::default();
+    for (i, speaker) in ["Caroline", "Melanie Jones"].iter().enumerate() {
+        let body = NodeBody::Semantic(Semantic { source: "conv".into(), position: i as i64, time: None, group: None });
+        let text = format!("{speaker}: hello");
+        let mut node = Node::new(body, "t", &text, &["conv", &i.to_string()]);
+        node.metadata.insert("speaker".into(), (*speaker).into());
+        let vector = embedder.embed(&[text.as_str()]).unwrap().remove(0);
+        graph.upsert_embedding(Embedding { node_id: node.id.clone(), model_id: embedder.model_id().into(), text_sha256: String::new(), vector });
+        graph.insert_node(node);
+    }
+    let index = index(&graph, Units::PLAIN);
+    let on = RetrievalConfig { entity: 0.3, ..RetrievalConfig::default() };
+    assert_eq!(index.dense_query("What did Caroline research?", &on).as_deref(), Some("What did research?"));
+    // Possessives and first names of longer names; every named speaker goes.
+    assert_eq!(index.dense_query("Where did Melanie's kids and caroline go?", &on).as_deref(), Some("Where did kids and go?"));
+    // Nothing named, only names, or entities off: the query is embedded as it is.
+    assert_eq!(index.dense_query("What did Jones research?", &on), None);
+    assert_eq!(index.dense_query("Caroline?", &on), None);
+    assert_eq!(index.dense_query("What did Caroline research?", &RetrievalConfig::default()), None);
+}

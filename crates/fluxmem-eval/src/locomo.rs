@@ -142,6 +142,9 @@ pub struct RefineSummary {
     pub edits_persisted: usize,
     /// Attributions made, by cause.
     pub attributions: BTreeMap<String, usize>,
+    /// Per edit kind, what the edits did to the recall of the loop's context (scored after the
+    /// loop, from the contexts of the rounds before and after each edit).
+    pub edit_effects: BTreeMap<String, EditEffect>,
     /// Verifier calls (judge prompts; for the coverage verifier, checks without a model).
     pub verifier_calls: usize,
     /// Prompt tokens the verifier ran.
@@ -154,6 +157,21 @@ pub struct RefineSummary {
     pub verifier_calls_per_question: f64,
     /// Verifier prompt tokens per question.
     pub verifier_tokens_per_question: f64,
+}
+
+/// What the edits of one kind did to recall at the loop's budget: each edit is scored by the
+/// recall of the context after it minus that of the context before it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EditEffect {
+    /// Edit rounds that applied an edit of this kind, in loops of scored questions (loops that
+    /// failed included).
+    pub fired: usize,
+    /// Edits after which the context held more of the evidence.
+    pub raised: usize,
+    /// Edits after which it held less.
+    pub lowered: usize,
+    /// Sum of the recall changes (the mean is `recall_change / fired`).
+    pub recall_change: f64,
 }
 
 /// One system's results.
@@ -276,7 +294,15 @@ pub fn evaluate(
             // Retrieval: the question text only.
             let query_vector = embedder.embed(&[question.text.as_str()])?.remove(0);
             let all = index.len();
-            let stage1 = units.hybrid(&question.text, &query_vector, &options.retrieval, judge.as_deref_mut())?;
+            // With entities on, the `fluxmem` system's dense signal reads the question without
+            // the speakers it names.
+            let dense_vector = match units.dense_query(&question.text, &options.retrieval) {
+                Some(text) => embedder.embed(&[text.as_str()])?.remove(0),
+                None => query_vector.clone(),
+            };
+            let stage1 = units.hybrid(&question.text, &dense_vector, &options.retrieval, judge.as_deref_mut())?;
+            // Each round's edit (if any) and context, to score what the edits did.
+            let mut loop_rounds: Vec<(Option<String>, Vec<NodeId>)> = Vec::new();
             let fluxmem: Vec<Entry> = if options.refine.rounds == 0 {
                 entries(&stage1)
             } else {
@@ -296,6 +322,7 @@ pub fn evaluate(
                 for round in &outcome.rounds {
                     *refine.attributions.entry(round.attribution.clone()).or_default() += 1;
                 }
+                loop_rounds = outcome.rounds.iter().map(|r| (r.edit.clone(), r.context.clone())).collect();
                 for edit in &outcome.attempted {
                     *refine.edits_attempted.entry(edit.kind.clone()).or_default() += 1;
                 }
@@ -327,6 +354,7 @@ pub fn evaluate(
                 progress(done + skipped, total);
                 continue;
             };
+            score_edits(&graph, &loop_rounds, &evidence_ids, &mut refine.edit_effects);
             for (system, ranking) in rankings {
                 let result = score(&graph, &ranking, &evidence_ids, &options.budgets, &count)?;
                 results.get_mut(system).expect("every system has a slot").push((question.category, result));
@@ -398,6 +426,20 @@ fn resolve(evidence: &[String], dia_ids: &BTreeMap<String, NodeId>, counts: &mut
     ids.sort();
     ids.dedup();
     (!ids.is_empty()).then_some(ids)
+}
+
+/// Adds what each edit of a loop did to the recall of its context: `rounds` are the loop's
+/// rounds in order, each with the edit applied after it (if any) and its context.
+fn score_edits(graph: &Graph, rounds: &[(Option<String>, Vec<NodeId>)], evidence: &[NodeId], effects: &mut BTreeMap<String, EditEffect>) {
+    for pair in rounds.windows(2) {
+        let (Some(kind), before) = &pair[0] else { continue };
+        let change = recall(&turns(graph, &pair[1].1), evidence) - recall(&turns(graph, before), evidence);
+        let effect = effects.entry(kind.clone()).or_default();
+        effect.fired += 1;
+        effect.raised += usize::from(change > 0.0);
+        effect.lowered += usize::from(change < 0.0);
+        effect.recall_change += change;
+    }
 }
 
 fn entries(candidates: &[Candidate]) -> Vec<Entry> {
@@ -487,6 +529,30 @@ mod tests {
         assert_eq!(ids, vec![NodeId::from("sem-a"), NodeId::from("sem-b")]);
         assert_eq!((counts.total, counts.resolved, counts.normalized), (4, 2, 1));
         assert_eq!(counts.unresolved, vec!["D7:7".to_string()]);
+    }
+
+    #[test]
+    fn each_edit_is_scored_by_the_recall_it_moved() {
+        let ids = |names: &[&str]| names.iter().map(|n| NodeId::from(*n)).collect::<Vec<_>>();
+        let evidence = ids(&["e1", "e2"]);
+        let rounds = vec![
+            (Some("link_expand".to_string()), ids(&["a", "b"])),
+            (Some("link_prune".to_string()), ids(&["a", "e1"])),
+            (Some("link_expand".to_string()), ids(&["e1", "c"])),
+            (None, ids(&["e1", "e2"])),
+        ];
+        let mut effects = BTreeMap::new();
+        score_edits(&Graph::default(), &rounds, &evidence, &mut effects);
+        let expand = &effects["link_expand"];
+        assert_eq!((expand.fired, expand.raised, expand.lowered), (2, 2, 0));
+        assert!((expand.recall_change - 1.0).abs() < 1e-12, "0 -> 0.5, then 0.5 -> 1: {expand:?}");
+        let prune = &effects["link_prune"];
+        assert_eq!((prune.fired, prune.raised, prune.lowered), (1, 0, 0));
+        assert_eq!(prune.recall_change, 0.0);
+        // A loop that ends after its first round scores nothing.
+        let mut none = BTreeMap::new();
+        score_edits(&Graph::default(), &rounds[3..], &evidence, &mut none);
+        assert!(none.is_empty());
     }
 
     #[test]

@@ -95,6 +95,8 @@ pub struct Round {
     pub attribution: String,
     /// The edit applied after this round (`link_prune`, `node_reshape`, `link_expand`), if any.
     pub edit: Option<String>,
+    /// The nodes of this round's context, in order (what the edit after it changed).
+    pub context: Vec<NodeId>,
 }
 
 /// What the loop produced.
@@ -242,7 +244,7 @@ pub fn refine_query(
         let sufficient = sufficiency >= models.verifier.sufficient_at();
         if sufficient || rounds.len() >= options.rounds {
             let attribution = if sufficient { "sufficient" } else { "out of rounds" };
-            rounds.push(Round { sufficiency, items: context.items.len(), attribution: attribution.into(), edit: None });
+            rounds.push(Round { sufficiency, items: context.items.len(), attribution: attribution.into(), edit: None, context: ids(&context) });
             let new_nodes = view.delta.nodes.values().cloned().collect();
             let delta = if sufficient { persist(view, &context, &attempted, &created_links, options, run_id, at) } else { Graph::default() };
             return Ok(LoopOutcome { ranking, context, rounds, sufficient, delta, attempted, new_nodes });
@@ -292,15 +294,19 @@ pub fn refine_query(
         }
         match applied {
             Some((attribution, kind)) => {
-                rounds.push(Round { sufficiency, items: context.items.len(), attribution, edit: Some(kind) });
+                rounds.push(Round { sufficiency, items: context.items.len(), attribution, edit: Some(kind), context: ids(&context) });
             }
             None => {
-                rounds.push(Round { sufficiency, items: context.items.len(), attribution: "stuck".into(), edit: None });
+                rounds.push(Round { sufficiency, items: context.items.len(), attribution: "stuck".into(), edit: None, context: ids(&context) });
                 let new_nodes = view.delta.nodes.values().cloned().collect();
                 return Ok(LoopOutcome { ranking, context, rounds, sufficient: false, delta: Graph::default(), attempted, new_nodes });
             }
         }
     }
+}
+
+fn ids(context: &Context) -> Vec<NodeId> {
+    context.items.iter().map(|item| item.node_id.clone()).collect()
 }
 
 /// The Stage I ranking with the graph's refine links applied: reshaped nodes take their
