@@ -296,6 +296,10 @@ pub struct LoopArgs {
     /// Useful items shorter than this many tokens are reshaped (0: never).
     #[arg(long, default_value_t = 12)]
     pub reshape_below: usize,
+    /// The verifier's sufficiency score at which the loop stops (default: the verifier's own,
+    /// 0.5 for a judge, 1 for key-term coverage).
+    #[arg(long)]
+    pub sufficient_at: Option<f32>,
 }
 
 /// `fluxmem eval ...`.
@@ -362,7 +366,7 @@ pub struct StructureArgs {
     #[arg(long, default_value_t = fluxmem_connect::DEFAULT_ADJACENCY)]
     pub adjacency: f32,
     /// Structure: a fact said by someone the query names (its `speaker`, by first name) gains
-    /// this much. 0: off.
+    /// this much, and the dense signal reads the query without the names. 0: off.
     #[arg(long, default_value_t = fluxmem_connect::DEFAULT_ENTITY)]
     pub entity: f32,
 }

@@ -24,7 +24,7 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
             ..super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?
         },
         units,
-        refine: super::loop_options(&args.refine, args.refine_budget),
+        refine: super::loop_options(&args.refine, args.refine_budget)?,
     };
     let mut generator = super::reshape_generator(&args.refine, &device_choice)?;
     let bar = CountBar::new(settings.progress, "eval");
@@ -102,6 +102,21 @@ fn print_table(report: &LocomoReport, budgets: &[usize]) {
             refine.verifier_calls_per_question,
             refine.verifier_tokens_per_question,
         );
+        let mut first = refine.first_sufficiency.clone();
+        first.sort_by(f32::total_cmp);
+        if !first.is_empty() {
+            let at = |q: f64| first[((first.len() - 1) as f64 * q).round() as usize];
+            println!(
+                "refine: first-context sufficiency (scored questions) min {:.3} q1 {:.3} median {:.3} q3 {:.3} max {:.3}",
+                at(0.0),
+                at(0.25),
+                at(0.5),
+                at(0.75),
+                at(1.0)
+            );
+        }
+        let curve: Vec<String> = refine.recall_by_round.iter().enumerate().map(|(t, r)| format!("{t}: {r:.3}")).collect();
+        println!("refine: recall of the loop context after round t: {}", curve.join(", "));
         for (kind, effect) in &refine.edit_effects {
             println!(
                 "refine: {kind}: {} fired, context recall raised {} lowered {} unchanged {}, mean change {:+.4}",

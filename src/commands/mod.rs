@@ -130,14 +130,20 @@ pub fn clusters_flag(value: &str) -> anyhow::Result<Option<usize>> {
 }
 
 /// Stage II loop settings from the `--refine-*` flags.
-pub fn loop_options(args: &crate::cli::LoopArgs, budget: usize) -> fluxmem_refine::LoopOptions {
-    fluxmem_refine::LoopOptions {
+pub fn loop_options(args: &crate::cli::LoopArgs, budget: usize) -> anyhow::Result<fluxmem_refine::LoopOptions> {
+    if let Some(at) = args.sufficient_at {
+        // Checked as written (f32 -> f64 would show 0.3 as 0.30000001192092896).
+        let written: f64 = at.to_string().parse().unwrap_or(f64::NAN);
+        crate::cli::check_flag("--sufficient-at", written, crate::cli::Bound::NonNegative)?;
+    }
+    Ok(fluxmem_refine::LoopOptions {
         rounds: args.refine_rounds,
         budget,
         expand_k: args.expand_k,
         reshape_below: args.reshape_below,
+        sufficient_at: args.sufficient_at,
         ..Default::default()
-    }
+    })
 }
 
 /// The generator of Node Reshape named by `--reshape-generator`, loaded with Q8_0 weights.

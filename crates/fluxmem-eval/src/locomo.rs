@@ -145,6 +145,12 @@ pub struct RefineSummary {
     /// Per edit kind, what the edits did to the recall of the loop's context (scored after the
     /// loop, from the contexts of the rounds before and after each edit).
     pub edit_effects: BTreeMap<String, EditEffect>,
+    /// Per scored question, the verifier's sufficiency score of the first context (the Stage I
+    /// context), in question order: its distribution sets a threshold without labels.
+    pub first_sufficiency: Vec<f32>,
+    /// Mean recall of the loop's context after round t, t = 0..=T, over the scored questions
+    /// (a loop that ended earlier keeps its last context): the curve over rounds of one run.
+    pub recall_by_round: Vec<f64>,
     /// Verifier calls (judge prompts; for the coverage verifier, checks without a model).
     pub verifier_calls: usize,
     /// Prompt tokens the verifier ran.
@@ -302,7 +308,7 @@ pub fn evaluate(
             };
             let stage1 = units.hybrid(&question.text, &dense_vector, &options.retrieval, judge.as_deref_mut())?;
             // Each round's edit (if any) and context, to score what the edits did.
-            let mut loop_rounds: Vec<(Option<String>, Vec<NodeId>)> = Vec::new();
+            let mut loop_rounds: Vec<(Option<String>, Vec<NodeId>, f32)> = Vec::new();
             let fluxmem: Vec<Entry> = if options.refine.rounds == 0 {
                 entries(&stage1)
             } else {
@@ -322,7 +328,7 @@ pub fn evaluate(
                 for round in &outcome.rounds {
                     *refine.attributions.entry(round.attribution.clone()).or_default() += 1;
                 }
-                loop_rounds = outcome.rounds.iter().map(|r| (r.edit.clone(), r.context.clone())).collect();
+                loop_rounds = outcome.rounds.iter().map(|r| (r.edit.clone(), r.context.clone(), r.sufficiency)).collect();
                 for edit in &outcome.attempted {
                     *refine.edits_attempted.entry(edit.kind.clone()).or_default() += 1;
                 }
@@ -355,6 +361,14 @@ pub fn evaluate(
                 continue;
             };
             score_edits(&graph, &loop_rounds, &evidence_ids, &mut refine.edit_effects);
+            if let Some(first) = loop_rounds.first() {
+                refine.first_sufficiency.push(first.2);
+                refine.recall_by_round.resize(options.refine.rounds + 1, 0.0);
+                for (t, sum) in refine.recall_by_round.iter_mut().enumerate() {
+                    let (_, context, _) = &loop_rounds[t.min(loop_rounds.len() - 1)];
+                    *sum += recall(&turns(&graph, context), &evidence_ids);
+                }
+            }
             for (system, ranking) in rankings {
                 let result = score(&graph, &ranking, &evidence_ids, &options.budgets, &count)?;
                 results.get_mut(system).expect("every system has a slot").push((question.category, result));
@@ -371,6 +385,8 @@ pub fn evaluate(
         refine.generator_calls = usage.calls;
         refine.generator_tokens = usage.prompt_tokens + usage.generated_tokens;
     }
+    let scored = refine.first_sufficiency.len().max(1) as f64;
+    refine.recall_by_round.iter_mut().for_each(|sum| *sum /= scored);
     if refine.questions > 0 {
         refine.mean_edit_rounds /= refine.questions as f64;
         refine.verifier_calls = verifier_usage.calls;
@@ -430,9 +446,9 @@ fn resolve(evidence: &[String], dia_ids: &BTreeMap<String, NodeId>, counts: &mut
 
 /// Adds what each edit of a loop did to the recall of its context: `rounds` are the loop's
 /// rounds in order, each with the edit applied after it (if any) and its context.
-fn score_edits(graph: &Graph, rounds: &[(Option<String>, Vec<NodeId>)], evidence: &[NodeId], effects: &mut BTreeMap<String, EditEffect>) {
+fn score_edits(graph: &Graph, rounds: &[(Option<String>, Vec<NodeId>, f32)], evidence: &[NodeId], effects: &mut BTreeMap<String, EditEffect>) {
     for pair in rounds.windows(2) {
-        let (Some(kind), before) = &pair[0] else { continue };
+        let (Some(kind), before, _) = &pair[0] else { continue };
         let change = recall(&turns(graph, &pair[1].1), evidence) - recall(&turns(graph, before), evidence);
         let effect = effects.entry(kind.clone()).or_default();
         effect.fired += 1;
@@ -536,10 +552,10 @@ mod tests {
         let ids = |names: &[&str]| names.iter().map(|n| NodeId::from(*n)).collect::<Vec<_>>();
         let evidence = ids(&["e1", "e2"]);
         let rounds = vec![
-            (Some("link_expand".to_string()), ids(&["a", "b"])),
-            (Some("link_prune".to_string()), ids(&["a", "e1"])),
-            (Some("link_expand".to_string()), ids(&["e1", "c"])),
-            (None, ids(&["e1", "e2"])),
+            (Some("link_expand".to_string()), ids(&["a", "b"]), 0.0),
+            (Some("link_prune".to_string()), ids(&["a", "e1"]), 0.0),
+            (Some("link_expand".to_string()), ids(&["e1", "c"]), 0.0),
+            (None, ids(&["e1", "e2"]), 1.0),
         ];
         let mut effects = BTreeMap::new();
         score_edits(&Graph::default(), &rounds, &evidence, &mut effects);

@@ -10,6 +10,12 @@ pub trait Judge {
     fn score(&mut self, query: &str, passages: &[&str]) -> Result<Vec<f32>>;
     /// A score in [0, 1]: is `context` sufficient to answer / act on `query`?
     fn sufficient(&mut self, query: &str, context: &str) -> Result<f32>;
+    /// Whether [`Judge::sufficient`] tests a whole context. False for query likelihood, whose
+    /// score of a long context says that it is on the query's topic, not that it holds the
+    /// answer (docs/refine.md): a verifier then tests the context's items one by one.
+    fn judges_contexts(&self) -> bool {
+        true
+    }
     /// Model calls and tokens so far.
     fn usage(&self) -> Usage;
     /// The model behind the judge.
@@ -22,6 +28,9 @@ impl<J: Judge + ?Sized> Judge for Box<J> {
     }
     fn sufficient(&mut self, query: &str, context: &str) -> Result<f32> {
         (**self).sufficient(query, context)
+    }
+    fn judges_contexts(&self) -> bool {
+        (**self).judges_contexts()
     }
     fn usage(&self) -> Usage {
         (**self).usage()
@@ -143,6 +152,10 @@ impl<G: Generator> Judge for QlJudge<G> {
 
     fn sufficient(&mut self, query: &str, context: &str) -> Result<f32> {
         Ok(self.score(query, &[context])?[0])
+    }
+
+    fn judges_contexts(&self) -> bool {
+        false
     }
 
     fn usage(&self) -> Usage {

@@ -66,6 +66,9 @@ pub struct LoopOptions {
     pub link_weight: f32,
     /// Weight gained by a link present in a sufficient context: w += gain * (1 - w).
     pub gain: f32,
+    /// The sufficiency score at which the loop stops (`None`: the verifier's own,
+    /// [`Verifier::sufficient_at`]).
+    pub sufficient_at: Option<f32>,
 }
 
 impl Default for LoopOptions {
@@ -80,6 +83,7 @@ impl Default for LoopOptions {
             reshape_below: 12,
             link_weight: 0.5,
             gain: 0.2,
+            sufficient_at: None,
         }
     }
 }
@@ -241,7 +245,7 @@ pub fn refine_query(
         let ranking = arrange(&view, stage1, &excluded, options.anchors);
         let context = pack_view(&view, &ranking, options.budget, models.count_tokens)?;
         let sufficiency = models.verifier.sufficient(query, &context.text())?;
-        let sufficient = sufficiency >= models.verifier.sufficient_at();
+        let sufficient = sufficiency >= options.sufficient_at.unwrap_or_else(|| models.verifier.sufficient_at());
         if sufficient || rounds.len() >= options.rounds {
             let attribution = if sufficient { "sufficient" } else { "out of rounds" };
             rounds.push(Round { sufficiency, items: context.items.len(), attribution: attribution.into(), edit: None, context: ids(&context) });

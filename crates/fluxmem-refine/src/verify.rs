@@ -37,27 +37,54 @@ pub fn verifier<'a>(judge: Option<&'a mut dyn Judge>, index: &'a SemanticIndex) 
 }
 
 /// The judge model as the verifier.
+///
+/// A judge that tests whole contexts ([`Judge::judges_contexts`]) says whether the context
+/// suffices. One that does not (query likelihood) is asked about the context's first
+/// `top_lines` lines instead, and the context's sufficiency is the best of their scores: one
+/// item the judge finds strongly relevant near the top. Item scores are remembered per query
+/// and line, so the lines of a context are judged once across rounds.
 pub struct JudgeVerifier<'a> {
     judge: &'a mut dyn Judge,
     /// Stop when P(sufficient) reaches this (default 0.5).
     pub sufficient_at: f32,
     /// Items the judge scores below this are distractors (default 0.3).
     pub distractor_below: f32,
+    /// Lines of a context judged for sufficiency by a judge of items (default 8).
+    pub top_lines: usize,
+    scores: std::collections::HashMap<(String, String), f32>,
 }
 
 impl<'a> JudgeVerifier<'a> {
     /// A verifier on `judge`.
     pub fn new(judge: &'a mut dyn Judge) -> Self {
-        JudgeVerifier { judge, sufficient_at: 0.5, distractor_below: 0.3 }
+        JudgeVerifier { judge, sufficient_at: 0.5, distractor_below: 0.3, top_lines: 8, scores: Default::default() }
+    }
+
+    /// The judge's scores of `items`, each judged once per query.
+    fn scores(&mut self, query: &str, items: &[&str]) -> Result<Vec<f32>> {
+        let key = |item: &str| (query.to_string(), item.to_string());
+        let mut new: Vec<&str> = items.iter().copied().filter(|item| !self.scores.contains_key(&key(item))).collect();
+        new.sort_unstable();
+        new.dedup();
+        if !new.is_empty() {
+            for (item, score) in new.iter().zip(self.judge.score(query, &new)?) {
+                self.scores.insert(key(item), score);
+            }
+        }
+        Ok(items.iter().map(|item| self.scores[&key(item)]).collect())
     }
 }
 
 impl Verifier for JudgeVerifier<'_> {
     fn sufficient(&mut self, query: &str, context: &str) -> Result<f32> {
-        Ok(self.judge.sufficient(query, context)?)
+        if self.judge.judges_contexts() {
+            return Ok(self.judge.sufficient(query, context)?);
+        }
+        let lines: Vec<&str> = context.lines().filter(|l| !l.trim().is_empty()).take(self.top_lines).collect();
+        Ok(self.scores(query, &lines)?.into_iter().fold(0.0, f32::max))
     }
     fn item_scores(&mut self, query: &str, items: &[&str]) -> Result<Vec<f32>> {
-        Ok(self.judge.score(query, items)?)
+        self.scores(query, items)
     }
     fn sufficient_at(&self) -> f32 {
         self.sufficient_at
@@ -144,5 +171,53 @@ impl Verifier for CoverageVerifier<'_> {
     }
     fn name(&self) -> String {
         "coverage".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Scores a passage by its number (`"item 7"` -> 0.7); counts the passages it was asked about.
+    struct Numbered {
+        whole: bool,
+        asked: usize,
+    }
+
+    impl Judge for Numbered {
+        fn score(&mut self, _query: &str, passages: &[&str]) -> fluxmem_models::Result<Vec<f32>> {
+            self.asked += passages.len();
+            Ok(passages.iter().map(|p| p.trim_start_matches("item ").parse::<f32>().unwrap() / 10.0).collect())
+        }
+        fn sufficient(&mut self, _query: &str, _context: &str) -> fluxmem_models::Result<f32> {
+            Ok(0.99)
+        }
+        fn judges_contexts(&self) -> bool {
+            self.whole
+        }
+        fn usage(&self) -> Usage {
+            Usage::default()
+        }
+        fn model_id(&self) -> &str {
+            "numbered"
+        }
+    }
+
+    #[test]
+    fn a_judge_of_items_tests_the_context_by_its_best_top_line() {
+        let context = (0..10).map(|i| format!("item {}", [2, 1, 3, 0, 4, 1, 2, 3, 9, 9][i])).collect::<Vec<_>>().join("\n");
+        let mut judge = Numbered { whole: false, asked: 0 };
+        let mut verifier = JudgeVerifier::new(&mut judge);
+        // The best of the first 8 lines (0.4): the two 0.9 lines come after them.
+        assert!((verifier.sufficient("q", &context).unwrap() - 0.4).abs() < 1e-6);
+        let lines: Vec<&str> = context.lines().collect();
+        let scores = verifier.item_scores("q", &lines).unwrap();
+        assert!((scores[8] - 0.9).abs() < 1e-6 && (scores[3] - 0.0).abs() < 1e-6, "{scores:?}");
+        // Each distinct line was judged once: 5 distinct in the first 8, then only "item 9".
+        assert_eq!(judge.asked, 6);
+        // A judge of whole contexts is asked about the context itself.
+        let mut whole = Numbered { whole: true, asked: 0 };
+        assert_eq!(JudgeVerifier::new(&mut whole).sufficient("q", &context).unwrap(), 0.99);
+        assert_eq!(whole.asked, 0);
     }
 }

@@ -105,6 +105,7 @@ const OPTIONS: LoopOptions = LoopOptions {
     reshape_below: 0,
     link_weight: 0.5,
     gain: 0.2,
+    sufficient_at: None,
 };
 
 #[test]
@@ -235,6 +236,12 @@ fn a_failed_loop_keeps_nothing_and_stops_after_t_rounds() {
     let zero = run(&graph, &stage1, &mut verifier, &LoopOptions { rounds: 0, ..OPTIONS }, &embedder);
     assert_eq!(zero.rounds.len(), 1);
     assert_eq!(context_ids(&zero), vec![ids[1].clone(), ids[3].clone(), ids[4].clone()]);
+    // The stopping score can be set: at 0 the first context (scored 0) is sufficient.
+    let at_zero = run(&graph, &stage1, &mut verifier, &LoopOptions { sufficient_at: Some(0.0), ..OPTIONS }, &embedder);
+    assert!(at_zero.sufficient && at_zero.rounds.len() == 1 && at_zero.attempted.is_empty());
+    // Every round carries its context.
+    assert_eq!(outcome.rounds[0].context, context_ids(&zero));
+    assert_eq!(outcome.rounds.last().unwrap().context, context_ids(&outcome));
 }
 
 #[test]
