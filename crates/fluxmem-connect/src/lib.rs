@@ -34,8 +34,8 @@ pub use connect::{connect_store, ConnectOptions, ConnectReport, NoProgress, Prog
 pub use context::{line, pack, Context, ContextItem};
 pub use dense::{embedded, embedded_in, top_k, DenseIndex, Embedded, Unembedded, BLOCK_ROWS};
 pub use fusion::{fuse, min_max, FusionMode, FusionWeights, Signals};
-pub use retrieve::{Candidate, RetrievalConfig, SemanticIndex, Units, DEFAULT_ADJACENCY, DEFAULT_ENTITY};
-pub use retriever::{semantic_entry, Entry, Retriever};
+pub use retrieve::{Candidate, Lift, RetrievalConfig, SemanticIndex, Units, DEFAULT_ADJACENCY, DEFAULT_ENTITY};
+pub use retriever::{semantic_entry, structure_note, Entry, Retriever};
 pub use tenant::{resolve_tenant, tenants, DEFAULT_TENANT};
 
 /// Errors of Stage I.

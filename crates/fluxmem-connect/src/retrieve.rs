@@ -117,8 +117,26 @@ pub struct Candidate {
     pub node_id: NodeId,
     /// Raw signals.
     pub signals: Signals,
-    /// Fused score.
+    /// Fused score, structure included.
     pub score: f32,
+    /// What structure added to the fused signals (included in `score`).
+    pub structure: Lift,
+}
+
+/// The structure lifts of a candidate's score.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct Lift {
+    /// From its neighbours in its source group (`RetrievalConfig::adjacency`).
+    pub neighbours: f32,
+    /// For being said by a speaker the query names (`RetrievalConfig::entity`).
+    pub speaker: f32,
+}
+
+impl Lift {
+    /// Both lifts.
+    pub fn total(&self) -> f32 {
+        self.neighbours + self.speaker
+    }
 }
 
 /// Indexes over the semantic nodes of one tenant of a graph that have embeddings of one model.
@@ -337,7 +355,8 @@ impl SemanticIndex {
     /// Fuses the pool's signals, then adds structure: adjacency, and `config.entity` for the
     /// candidates said by one of the `named` speakers.
     fn rank(&self, pool: &[usize], signals: &[Signals], config: &RetrievalConfig, named: &[u32]) -> Vec<Candidate> {
-        let mut fused = fuse(config.fusion, &config.weights, signals);
+        let fused = fuse(config.fusion, &config.weights, signals);
+        let mut structure = vec![Lift::default(); pool.len()];
         if config.adjacency > 0.0 {
             // From the fused scores as they were, so the order of the pool does not matter.
             let before = fused.clone();
@@ -345,25 +364,30 @@ impl SemanticIndex {
             for (k, &i) in pool.iter().enumerate() {
                 let best = self.neighbours[i].iter().flatten().filter_map(|&n| slot(n)).map(|s| before[s]).fold(f32::NEG_INFINITY, f32::max);
                 if best.is_finite() {
-                    fused[k] += config.adjacency * best;
+                    structure[k].neighbours = config.adjacency * best;
                 }
             }
         }
         if config.entity > 0.0 && !named.is_empty() {
             for (k, &i) in pool.iter().enumerate() {
                 if self.speaker_of[i].is_some_and(|s| named.binary_search(&s).is_ok()) {
-                    fused[k] += config.entity;
+                    structure[k].speaker = config.entity;
                 }
             }
         }
-        let mut ranked: Vec<Candidate> =
-            pool.iter().zip(signals).zip(fused).map(|((&i, s), score)| self.candidate(i, *s, score)).collect();
+        let mut ranked: Vec<Candidate> = pool
+            .iter()
+            .zip(signals)
+            .zip(fused)
+            .zip(structure)
+            .map(|(((&i, s), fused), lift)| Candidate { structure: lift, ..self.candidate(i, *s, fused + lift.total()) })
+            .collect();
         ranked.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.index.cmp(&b.index)));
         ranked
     }
 
     fn candidate(&self, index: usize, signals: Signals, score: f32) -> Candidate {
-        Candidate { index, node_id: self.ids[index].clone(), signals, score }
+        Candidate { index, node_id: self.ids[index].clone(), signals, score, structure: Lift::default() }
     }
 }
 

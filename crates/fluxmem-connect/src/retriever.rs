@@ -150,9 +150,25 @@ impl Retriever {
     }
 }
 
+/// What structure added to a candidate's score, for its `why` (empty when nothing).
+pub fn structure_note(c: &Candidate) -> String {
+    let mut parts = Vec::new();
+    if c.structure.neighbours > 0.0 {
+        parts.push(format!("neighbours +{:.3}", c.structure.neighbours));
+    }
+    if c.structure.speaker > 0.0 {
+        parts.push(format!("speaker named +{:.3}", c.structure.speaker));
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", parts.join(", "))
+    }
+}
+
 /// The entry of a semantic candidate, with why it is there.
 pub fn semantic_entry(c: &Candidate) -> Entry {
     let judge = c.signals.judge.map(|j| format!(", judge {j:.2}")).unwrap_or_default();
-    let why = format!("semantic match: cosine {:.3}, bm25 {:.2}{judge}, fused {:.3}", c.signals.dense, c.signals.bm25, c.score);
+    let why = format!("semantic match: cosine {:.3}, bm25 {:.2}{judge}, fused {:.3}{}", c.signals.dense, c.signals.bm25, c.score, structure_note(c));
     (c.node_id.clone(), c.signals, c.score, why)
 }

@@ -145,6 +145,17 @@ fn entity_lifts_what_the_named_speaker_said() {
     assert_eq!(rank("what did Alice think of the weather", 0.0)[0], 0);
     // Named, Alice's turns gain: hers about the weather leads.
     assert_eq!(rank("what did Alice think of the weather", 1.0)[0], 1);
+    // The lift is shown on each candidate and is part of its score.
+    let query = "what did Alice think of the weather";
+    let vector = embedder.embed(&[query]).unwrap().remove(0);
+    let lifted = index.hybrid(query, &vector, &RetrievalConfig { entity: 1.0, ..RetrievalConfig::default() }, None).unwrap();
+    let plain = index.hybrid(query, &vector, &RetrievalConfig::default(), None).unwrap();
+    for c in &lifted {
+        let said_by_alice = c.node_id != ids[0];
+        assert_eq!(c.structure.speaker, if said_by_alice { 1.0 } else { 0.0 });
+        let before = plain.iter().find(|p| p.node_id == c.node_id).unwrap();
+        assert!((c.score - before.score - c.structure.total()).abs() < 1e-6);
+    }
     // Named in any case, possessive too: with a lift above the largest fused score (1.5 with
     // the default weights), every turn of hers comes before Bob's.
     for query in ["what did Alice's sister think of the weather", "what did ALICE\u{2019}s sister think of the weather"] {

@@ -335,7 +335,13 @@ fn arrange(view: &View<'_>, stage1: &[Candidate], excluded: &BTreeSet<NodeId>, a
     };
     let entry = |c: &Candidate| -> Entry {
         let (id, from) = substitute(&c.node_id);
-        let mut why = format!("semantic match: cosine {:.3}, bm25 {:.2}, fused {:.3}", c.signals.dense, c.signals.bm25, c.score);
+        let mut why = format!(
+            "semantic match: cosine {:.3}, bm25 {:.2}, fused {:.3}{}",
+            c.signals.dense,
+            c.signals.bm25,
+            c.score,
+            fluxmem_connect::structure_note(c)
+        );
         if let Some(from) = from {
             why.push_str(&format!("; reshaped from {from}"));
         }

@@ -41,7 +41,7 @@ fn ranking(order: &[&NodeId]) -> Vec<Candidate> {
     order
         .iter()
         .enumerate()
-        .map(|(i, id)| Candidate { index: i, node_id: (*id).clone(), signals: Signals::default(), score: 1.0 - i as f32 / 100.0 })
+        .map(|(i, id)| Candidate { index: i, node_id: (*id).clone(), signals: Signals::default(), score: 1.0 - i as f32 / 100.0, structure: Default::default() })
         .collect()
 }
 
