@@ -176,6 +176,32 @@ pub(crate) trait TileKernel {
     unsafe fn avx512<const M: usize, const N: usize>(w: [Self::Tile<'_>; N], x: [Self::Row<'_>; M], results: &mut TileResults);
 }
 
+/// Declares the format's kernel type `$kernel` and binds it to [`TileKernel`] with the calling
+/// module's `Tile`, `Row`, `reference` (the weight-by-weight product) and `kernel_avx512` (its
+/// `#[target_feature]` kernel, which a trait method cannot carry itself).
+macro_rules! tile_kernel {
+    ($kernel:ident) => {
+        /// The format's kernel for [`run_unit`](crate::native::run_unit).
+        struct $kernel;
+
+        impl crate::native::TileKernel for $kernel {
+            type Tile<'a> = Tile<'a>;
+            type Row<'a> = Row<'a>;
+
+            fn reference(w: Tile, x: Row) -> [f32; crate::native::TILE] {
+                reference(w, x)
+            }
+
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut crate::native::TileResults) {
+                // SAFETY: the caller's.
+                unsafe { kernel_avx512(w, x, results) }
+            }
+        }
+    };
+}
+pub(crate) use tile_kernel;
+
 /// `M` input rows against `N` tiles into `results`, on AVX-512 VNNI where the CPU has it.
 fn kernel<'a, K: TileKernel, const M: usize, const N: usize>(w: [K::Tile<'a>; N], x: [K::Row<'a>; M], results: &mut TileResults) {
     #[cfg(target_arch = "x86_64")]

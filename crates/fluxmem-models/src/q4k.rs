@@ -21,7 +21,7 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Result;
 
-use crate::native::{drive_tiles, run_unit, SuperInput, SuperRow as Row, TileKernel, TileResults, SUPER, TILE};
+use crate::native::{drive_tiles, run_unit, SuperInput, SuperRow as Row, TileResults, SUPER, TILE};
 
 /// Sub-blocks per super-block.
 const SUBS: usize = 8;
@@ -165,23 +165,7 @@ fn sums(dx: f32, quants: &[i8]) -> [f32; 16] {
     lanes
 }
 
-/// The format's kernel for [`run_unit`].
-struct Q4K;
-
-impl TileKernel for Q4K {
-    type Tile<'a> = Tile<'a>;
-    type Row<'a> = Row<'a>;
-
-    fn reference(w: Tile, x: Row) -> [f32; TILE] {
-        reference(w, x)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut TileResults) {
-        // SAFETY: the caller's.
-        unsafe { kernel_avx512(w, x, results) }
-    }
-}
+crate::native::tile_kernel!(Q4K);
 
 /// [`TileKernel::reference`], one weight at a time.
 fn reference(w: Tile, x: Row) -> [f32; TILE] {

@@ -19,7 +19,7 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Result;
 
-use crate::native::{drive_tiles, quantize_block, run_unit, TileKernel, TileResults, TILE};
+use crate::native::{drive_tiles, quantize_block, run_unit, TileResults, TILE};
 
 /// Values per Q8_0 block.
 const BLOCK: usize = 32;
@@ -140,23 +140,7 @@ fn quantize(values: &[f32], k: usize) -> Input {
     input
 }
 
-/// The format's kernel for [`run_unit`].
-struct Q8;
-
-impl TileKernel for Q8 {
-    type Tile<'a> = Tile<'a>;
-    type Row<'a> = Row<'a>;
-
-    fn reference(w: Tile, x: Row) -> [f32; TILE] {
-        reference(w, x)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut TileResults) {
-        // SAFETY: the caller's.
-        unsafe { kernel_avx512(w, x, results) }
-    }
-}
+crate::native::tile_kernel!(Q8);
 
 /// [`TileKernel::reference`].
 fn reference(w: Tile, x: Row) -> [f32; TILE] {
