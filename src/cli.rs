@@ -776,6 +776,12 @@ pub fn check_flag(flag: &str, value: f64, bound: Bound) -> anyhow::Result<()> {
     bound.check(value).map_err(|rule| anyhow::anyhow!("{flag} {rule}"))
 }
 
+/// [`check_flag`] for an `f32` flag, its value shown as written (widened to f64, -0.3 would
+/// show as -0.30000001192092896).
+pub fn check_f32_flag(flag: &str, value: f32, bound: Bound) -> anyhow::Result<()> {
+    check_flag(flag, value.to_string().parse().unwrap_or(f64::NAN), bound)
+}
+
 /// Checks the `--weights` of weighted fusion: each a finite number, zero or more.
 pub fn check_weights(weights: &[f32]) -> anyhow::Result<()> {
     for weight in weights {

@@ -10,6 +10,7 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
     let (units, adjacency, entity) = super::structure_flags(&args.structure)?;
+    super::check_loop_flags(&args.refine)?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
     let options = LocomoOptions {
@@ -24,7 +25,7 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
             ..super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?
         },
         units,
-        refine: super::loop_options(&args.refine, args.refine_budget)?,
+        refine: super::loop_options(&args.refine, args.refine_budget),
     };
     let mut generator = super::reshape_generator(&args.refine, &device_choice)?;
     let bar = CountBar::new(settings.progress, "eval");

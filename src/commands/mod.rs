@@ -96,9 +96,7 @@ pub fn retrieval_config(fusion: &str, weights: &[f32], judge_top: usize) -> anyh
 pub fn structure_flags(args: &crate::cli::StructureArgs) -> anyhow::Result<(fluxmem_connect::Units, f32, f32)> {
     let units: fluxmem_connect::Units = args.units.parse().map_err(anyhow::Error::msg)?;
     for (flag, value) in [("--adjacency", args.adjacency), ("--entity", args.entity)] {
-        // Checked as written (f32 -> f64 would show -0.3 as -0.30000001192092896).
-        let written: f64 = value.to_string().parse().unwrap_or(f64::NAN);
-        crate::cli::check_flag(flag, written, crate::cli::Bound::NonNegative)?;
+        crate::cli::check_f32_flag(flag, value, crate::cli::Bound::NonNegative)?;
     }
     Ok((units, args.adjacency, args.entity))
 }
@@ -129,21 +127,24 @@ pub fn clusters_flag(value: &str) -> anyhow::Result<Option<usize>> {
     }
 }
 
-/// Stage II loop settings from the `--refine-*` flags.
-pub fn loop_options(args: &crate::cli::LoopArgs, budget: usize) -> anyhow::Result<fluxmem_refine::LoopOptions> {
+/// Checks the Stage II loop flags' values (before anything is loaded).
+pub fn check_loop_flags(args: &crate::cli::LoopArgs) -> anyhow::Result<()> {
     if let Some(at) = args.sufficient_at {
-        // Checked as written (f32 -> f64 would show 0.3 as 0.30000001192092896).
-        let written: f64 = at.to_string().parse().unwrap_or(f64::NAN);
-        crate::cli::check_flag("--sufficient-at", written, crate::cli::Bound::NonNegative)?;
+        crate::cli::check_f32_flag("--sufficient-at", at, crate::cli::Bound::NonNegative)?;
     }
-    Ok(fluxmem_refine::LoopOptions {
+    Ok(())
+}
+
+/// Stage II loop settings from the `--refine-*` flags ([`check_loop_flags`] checked them).
+pub fn loop_options(args: &crate::cli::LoopArgs, budget: usize) -> fluxmem_refine::LoopOptions {
+    fluxmem_refine::LoopOptions {
         rounds: args.refine_rounds,
         budget,
         expand_k: args.expand_k,
         reshape_below: args.reshape_below,
         sufficient_at: args.sufficient_at,
         ..Default::default()
-    })
+    }
 }
 
 /// The generator of Node Reshape named by `--reshape-generator`, loaded with Q8_0 weights.

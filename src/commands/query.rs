@@ -11,6 +11,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
     let (units, adjacency, entity) = super::structure_flags(&args.structure)?;
+    super::check_loop_flags(&args.refine)?;
     let store = fluxmem_store::Store::open(&settings.store)?;
     let mut graph = store.load()?;
     let tenant = resolve_tenant(&graph, args.tenant.as_deref())?;
@@ -48,7 +49,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     } else {
         // Skills and episodes first; the loop refines the facts under what is left of the budget.
         let head_tokens = pack(&graph, &head, args.budget, &count)?.tokens;
-        let options = super::loop_options(&args.refine, args.budget.saturating_sub(head_tokens + 1))?;
+        let options = super::loop_options(&args.refine, args.budget.saturating_sub(head_tokens + 1));
         let mut generator = super::reshape_generator(&args.refine, &device_choice)?;
         let neighbours = Neighbours::build(&graph, &tenant);
         let mut verifier = fluxmem_refine::verifier(judge.as_mut().map(|j| j as &mut dyn Judge), retriever.semantic());
