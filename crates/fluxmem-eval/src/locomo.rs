@@ -360,13 +360,15 @@ pub fn evaluate(
                 progress(done + skipped, total);
                 continue;
             };
-            score_edits(&graph, &loop_rounds, &evidence_ids, &mut refine.edit_effects);
-            if let Some(first) = loop_rounds.first() {
+            // Each round's context recall, once: for the edits and for the curve over rounds.
+            let round_recalls: Vec<f64> = loop_rounds.iter().map(|(_, context, _)| recall(&turns(&graph, context), &evidence_ids)).collect();
+            let edits: Vec<Option<&str>> = loop_rounds.iter().map(|(edit, ..)| edit.as_deref()).collect();
+            score_edits(&edits, &round_recalls, &mut refine.edit_effects);
+            if let (Some(first), Some(&last)) = (loop_rounds.first(), round_recalls.last()) {
                 refine.first_sufficiency.push(first.2);
                 refine.recall_by_round.resize(options.refine.rounds + 1, 0.0);
                 for (t, sum) in refine.recall_by_round.iter_mut().enumerate() {
-                    let (_, context, _) = &loop_rounds[t.min(loop_rounds.len() - 1)];
-                    *sum += recall(&turns(&graph, context), &evidence_ids);
+                    *sum += round_recalls.get(t).copied().unwrap_or(last);
                 }
             }
             for (system, ranking) in rankings {
@@ -444,13 +446,13 @@ fn resolve(evidence: &[String], dia_ids: &BTreeMap<String, NodeId>, counts: &mut
     (!ids.is_empty()).then_some(ids)
 }
 
-/// Adds what each edit of a loop did to the recall of its context: `rounds` are the loop's
-/// rounds in order, each with the edit applied after it (if any) and its context.
-fn score_edits(graph: &Graph, rounds: &[(Option<String>, Vec<NodeId>, f32)], evidence: &[NodeId], effects: &mut BTreeMap<String, EditEffect>) {
-    for pair in rounds.windows(2) {
-        let (Some(kind), before, _) = &pair[0] else { continue };
-        let change = recall(&turns(graph, &pair[1].1), evidence) - recall(&turns(graph, before), evidence);
-        let effect = effects.entry(kind.clone()).or_default();
+/// Adds what each edit of a loop did to the recall of its context: per round of the loop, in
+/// order, the edit applied after it (if any) and the recall of its context.
+fn score_edits(edits: &[Option<&str>], recalls: &[f64], effects: &mut BTreeMap<String, EditEffect>) {
+    for (t, edit) in edits.iter().enumerate().take(recalls.len().saturating_sub(1)) {
+        let Some(kind) = edit else { continue };
+        let change = recalls[t + 1] - recalls[t];
+        let effect = effects.entry(kind.to_string()).or_default();
         effect.fired += 1;
         effect.raised += usize::from(change > 0.0);
         effect.lowered += usize::from(change < 0.0);
@@ -551,14 +553,11 @@ mod tests {
     fn each_edit_is_scored_by_the_recall_it_moved() {
         let ids = |names: &[&str]| names.iter().map(|n| NodeId::from(*n)).collect::<Vec<_>>();
         let evidence = ids(&["e1", "e2"]);
-        let rounds = vec![
-            (Some("link_expand".to_string()), ids(&["a", "b"]), 0.0),
-            (Some("link_prune".to_string()), ids(&["a", "e1"]), 0.0),
-            (Some("link_expand".to_string()), ids(&["e1", "c"]), 0.0),
-            (None, ids(&["e1", "e2"]), 1.0),
-        ];
+        let contexts = [ids(&["a", "b"]), ids(&["a", "e1"]), ids(&["e1", "c"]), ids(&["e1", "e2"])];
+        let recalls: Vec<f64> = contexts.iter().map(|c| recall(&turns(&Graph::default(), c), &evidence)).collect();
+        let edits = [Some("link_expand"), Some("link_prune"), Some("link_expand"), None];
         let mut effects = BTreeMap::new();
-        score_edits(&Graph::default(), &rounds, &evidence, &mut effects);
+        score_edits(&edits, &recalls, &mut effects);
         let expand = &effects["link_expand"];
         assert_eq!((expand.fired, expand.raised, expand.lowered), (2, 2, 0));
         assert!((expand.recall_change - 1.0).abs() < 1e-12, "0 -> 0.5, then 0.5 -> 1: {expand:?}");
@@ -567,7 +566,7 @@ mod tests {
         assert_eq!(prune.recall_change, 0.0);
         // A loop that ends after its first round scores nothing.
         let mut none = BTreeMap::new();
-        score_edits(&Graph::default(), &rounds[3..], &evidence, &mut none);
+        score_edits(&edits[3..], &recalls[3..], &mut none);
         assert!(none.is_empty());
     }
 
