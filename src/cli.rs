@@ -403,6 +403,11 @@ pub struct LocomoArgs {
     /// Also evaluate category 5 (adversarial) questions.
     #[arg(long)]
     pub include_adversarial: bool,
+    /// Only these question categories, comma-separated (1 multi-hop, 2 temporal, 3 open-domain,
+    /// 4 single-hop, 5 adversarial; default: 1-4, and 5 with --include-adversarial). Applied
+    /// before --sample.
+    #[arg(long, value_delimiter = ',')]
+    pub categories: Vec<u64>,
     /// Evaluate a seeded sample of N questions (the same N for the same seed).
     #[arg(long)]
     pub sample: Option<usize>,

@@ -16,6 +16,7 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     let options = LocomoOptions {
         conversations: args.conversations,
         include_adversarial: args.include_adversarial,
+        categories: args.categories,
         budgets: args.budgets,
         sample: args.sample,
         seed: args.seed,

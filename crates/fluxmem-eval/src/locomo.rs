@@ -29,6 +29,8 @@ pub struct LocomoOptions {
     pub conversations: Vec<String>,
     /// Include category 5 (adversarial) questions.
     pub include_adversarial: bool,
+    /// Only these categories (1-5; all of 1-4, and 5 with `include_adversarial`, when empty).
+    pub categories: Vec<u64>,
     /// Context budgets (tokens of the default embedder's tokenizer).
     pub budgets: Vec<usize>,
     /// Evaluate a seeded sample of this many questions (all when `None`).
@@ -50,6 +52,7 @@ impl Default for LocomoOptions {
         LocomoOptions {
             conversations: Vec::new(),
             include_adversarial: false,
+            categories: Vec::new(),
             budgets: vec![256, 512, 1024, 2048],
             sample: None,
             seed: 0,
@@ -203,12 +206,22 @@ pub fn read(path: &Path, options: &LocomoOptions) -> Result<(Vec<Value>, Vec<(Qu
             return Err(Error::Data { path: path.into(), reason: format!("no conversation `{id}`") });
         }
     }
+    if let Some(bad) = options.categories.iter().find(|c| !(1..=5).contains(*c)) {
+        return Err(Error::Data { path: path.into(), reason: format!("no category {bad}: LoCoMo's are 1 to 5") });
+    }
+    let wanted_category = |category: u64| {
+        if options.categories.is_empty() {
+            (1..=4).contains(&category) || (options.include_adversarial && category == 5)
+        } else {
+            options.categories.contains(&category)
+        }
+    };
     let mut questions = Vec::new();
     for conversation in &conversations {
         let id = conversation["sample_id"].as_str().unwrap_or_default().to_string();
         for qa in conversation["qa"].as_array().into_iter().flatten() {
             let category = qa["category"].as_u64().unwrap_or(0);
-            if !(1..=4).contains(&category) && !(options.include_adversarial && category == 5) {
+            if !wanted_category(category) {
                 continue;
             }
             let evidence = qa["evidence"].as_array().into_iter().flatten().filter_map(|e| e.as_str().map(str::to_string)).collect();
@@ -568,6 +581,25 @@ mod tests {
         let mut none = BTreeMap::new();
         score_edits(&edits[3..], &recalls[3..], &mut none);
         assert!(none.is_empty());
+    }
+
+    #[test]
+    fn categories_select_questions_and_unknown_ones_are_refused() {
+        let dir = std::env::temp_dir().join(format!("fluxmem-locomo-cat-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tiny.json");
+        let qa: Vec<Value> = (1..=5).map(|c| serde_json::json!({"question": format!("q{c}"), "category": c, "evidence": []})).collect();
+        std::fs::write(&path, serde_json::json!([{"sample_id": "c1", "conversation": {}, "qa": qa}]).to_string()).unwrap();
+        let categories_of = |options: &LocomoOptions| -> Vec<u64> {
+            read(&path, options).unwrap().1.iter().map(|(q, _)| q.category).collect()
+        };
+        assert_eq!(categories_of(&LocomoOptions::default()), vec![1, 2, 3, 4]);
+        assert_eq!(categories_of(&LocomoOptions { include_adversarial: true, ..LocomoOptions::default() }), vec![1, 2, 3, 4, 5]);
+        assert_eq!(categories_of(&LocomoOptions { categories: vec![1, 4], ..LocomoOptions::default() }), vec![1, 4]);
+        assert_eq!(categories_of(&LocomoOptions { categories: vec![5], ..LocomoOptions::default() }), vec![5]);
+        let err = read(&path, &LocomoOptions { categories: vec![6], ..LocomoOptions::default() }).unwrap_err();
+        assert!(err.to_string().contains("no category 6"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
