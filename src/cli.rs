@@ -296,6 +296,10 @@ pub struct LoopArgs {
     /// Useful items shorter than this many tokens are reshaped (0: never).
     #[arg(long, default_value_t = 12)]
     pub reshape_below: usize,
+    /// Two useful items whose vectors have at least this cosine are merged into one summary
+    /// node (Node Reshape, coarser; 0: never).
+    #[arg(long, default_value_t = fluxmem_refine::DEFAULT_MERGE_ABOVE)]
+    pub merge_above: f32,
     /// The verifier's sufficiency score at which the loop stops (default: the verifier's own,
     /// 0.5 for a judge, 1 for key-term coverage).
     #[arg(long)]

@@ -314,7 +314,7 @@ fn non_finite_and_out_of_range_numbers_are_refused_before_the_store_is_touched()
     let before = shard_list(&store);
     let out = dir.path().join("out");
     let out_flag = format!("--out={}", out.display());
-    let cases: [(&[&str], &str); 16] = [
+    let cases: [(&[&str], &str); 18] = [
         (&["refine", "--prior", "inf"], "--prior `inf`: must be a finite number greater than zero"),
         (&["refine", "--prior", "0"], "--prior `0`: must be a finite number greater than zero"),
         (&["refine", "--prune-below", "nan"], "--prune-below `NaN`: must be a finite number"),
@@ -330,6 +330,8 @@ fn non_finite_and_out_of_range_numbers_are_refused_before_the_store_is_touched()
         (&["query", "--adjacency=-0.3", "refund"], "--adjacency `-0.3`: must be a finite number, zero or more"),
         (&["query", "--entity", "inf", "refund"], "--entity `inf`: must be a finite number"),
         (&["query", "--sufficient-at=-0.2", "--refine-rounds", "1", "refund"], "--sufficient-at `-0.2`: must be a finite number, zero or more"),
+        (&["query", "--merge-above=-0.9", "--refine-rounds", "1", "refund"], "--merge-above `-0.9`: must be a finite number, zero or more"),
+        (&["eval", "locomo", "--data", "x.json", "--merge-above", "nan"], "--merge-above `NaN`: must be a finite number"),
         (&["query", "--units", "prev", "refund"], "units `prev`: expected plain, context, or a comma list of previous and stem"),
     ];
     for (args, message) in cases {

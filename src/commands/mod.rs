@@ -132,6 +132,7 @@ pub fn check_loop_flags(args: &crate::cli::LoopArgs) -> anyhow::Result<()> {
     if let Some(at) = args.sufficient_at {
         crate::cli::check_f32_flag("--sufficient-at", at, crate::cli::Bound::NonNegative)?;
     }
+    crate::cli::check_f32_flag("--merge-above", args.merge_above, crate::cli::Bound::NonNegative)?;
     Ok(())
 }
 
@@ -142,6 +143,7 @@ pub fn loop_options(args: &crate::cli::LoopArgs, budget: usize) -> fluxmem_refin
         budget,
         expand_k: args.expand_k,
         reshape_below: args.reshape_below,
+        merge_above: args.merge_above,
         sufficient_at: args.sufficient_at,
         ..Default::default()
     }

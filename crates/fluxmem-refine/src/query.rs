@@ -7,6 +7,7 @@
 //! | attribution        | when                                                        | edit          |
 //! |--------------------|-------------------------------------------------------------|---------------|
 //! | over-connection    | at least a third of the items score below the distractor mark | Link Prune  |
+//! | redundancy         | two useful items' vectors have a cosine of at least `merge_above` | Node Reshape (coarser) |
 //! | granularity        | a useful item is shorter than `reshape_below` tokens and has a preceding item in its source | Node Reshape (finer) |
 //! | under-connection   | otherwise                                                   | Link Expand   |
 //!
@@ -22,6 +23,12 @@
 //!   records an active `link` edge (`relation: prune`, a suppression) from the best item to
 //!   each, so later queries anchored on the same item leave them out; an expand link to a
 //!   distractor is deactivated and marked `pruned`. Undoing either edit lifts the prune.
+//! - **Node Reshape** (coarser) merges two redundant useful items into one summary node (with a
+//!   generator: its one-line merge of the two; without: the first text and the sentences of the
+//!   second that the first does not already say), re-embeds it, copies both originals' edges,
+//!   records `merged_from` and `covers` (the originals' turns: provenance), and links each
+//!   original -> the summary (`relation: reshaped_into`), so rankings show the summary once in
+//!   the place of the better original and the budget the other held goes to the next item.
 //! - **Node Reshape** (finer) makes a new semantic node holding the preceding item of the same
 //!   source group and the item (with a generator: the generator's self-contained rewrite of the
 //!   two), re-embeds it, copies the old node's edges, records `reshaped_from` and `covers`, and
@@ -45,6 +52,10 @@ use crate::Result;
 /// The stage name on edges, nodes and edits made by Stage II.
 pub const STAGE: &str = "refine";
 
+/// The cosine at which two useful context items count as redundant (near-duplicates for a
+/// sentence embedder; set before any run, not tuned).
+pub const DEFAULT_MERGE_ABOVE: f32 = 0.9;
+
 /// Loop settings.
 #[derive(Debug, Clone, Serialize)]
 pub struct LoopOptions {
@@ -62,6 +73,9 @@ pub struct LoopOptions {
     pub expand_pool: usize,
     /// A useful item shorter than this (tokens) is a reshape candidate (0: never reshape).
     pub reshape_below: usize,
+    /// Two useful items whose vectors have at least this cosine are redundant: Node Reshape
+    /// (coarser) merges them (0: never merge).
+    pub merge_above: f32,
     /// Weight of a new expand link.
     pub link_weight: f32,
     /// Weight gained by a link present in a sufficient context: w += gain * (1 - w).
@@ -81,6 +95,7 @@ impl Default for LoopOptions {
             prune_k: 3,
             expand_pool: 10,
             reshape_below: 12,
+            merge_above: DEFAULT_MERGE_ABOVE,
             link_weight: 0.5,
             gain: 0.2,
             sufficient_at: None,
@@ -95,9 +110,11 @@ pub struct Round {
     pub sufficiency: f32,
     /// Items in the context.
     pub items: usize,
-    /// `sufficient`, `over-connection`, `granularity`, `under-connection` or `stuck` (no edit found).
+    /// `sufficient`, `over-connection`, `redundancy`, `granularity`, `under-connection` or `stuck`
+    /// (no edit found).
     pub attribution: String,
-    /// The edit applied after this round (`link_prune`, `node_reshape`, `link_expand`), if any.
+    /// The edit applied after this round (`link_prune`, `node_merge`, `node_reshape`,
+    /// `link_expand`), if any.
     pub edit: Option<String>,
     /// The nodes of this round's context, in order (what the edit after it changed).
     pub context: Vec<NodeId>,
@@ -118,7 +135,7 @@ pub struct LoopOutcome {
     pub delta: Graph,
     /// Edits attempted, including those of a failed loop (which are not in `delta`).
     pub attempted: Vec<Edit>,
-    /// Nodes the loop created (reshaped nodes), kept or not: the final context may show them,
+    /// Nodes the loop created (reshaped and merged nodes), kept or not: the final context may show them,
     /// so pack against a graph that has them.
     pub new_nodes: Vec<Node>,
 }
@@ -127,9 +144,11 @@ pub struct LoopOutcome {
 pub struct LoopModels<'a> {
     /// Feedback.
     pub verifier: &'a mut dyn Verifier,
-    /// Re-embeds reshaped nodes (the store's embedding model).
+    /// Re-embeds reshaped and merged nodes (the store's embedding model; its vectors also tell
+    /// redundant items).
     pub embedder: &'a dyn Embedder,
-    /// Rewrites reshaped nodes; `None`: the deterministic reshape (the two texts joined).
+    /// Rewrites reshaped and merged nodes; `None`: the deterministic reshape (the two texts
+    /// joined) and merge (the second's new sentences appended to the first).
     pub generator: Option<&'a mut dyn Generator>,
     /// Counts tokens of context lines (the budget's tokenizer).
     pub count_tokens: &'a dyn Fn(&str) -> fluxmem_connect::Result<usize>,
@@ -180,6 +199,12 @@ impl View<'_> {
     /// The node, when it exists and belongs to the loop's tenant.
     fn own(&self, id: &NodeId) -> Option<&Node> {
         self.node(id).filter(|n| n.tenant == self.tenant)
+    }
+
+    /// The node's vector under `model` (the delta's first: a reshaped node's).
+    fn vector(&self, id: &NodeId, model: &str) -> Option<&[f32]> {
+        let key = (id.clone(), model.to_string());
+        self.delta.embeddings.get(&key).or_else(|| self.base.embeddings.get(&key)).map(|e| e.vector.as_slice())
     }
 
     fn edge(&self, key: &EdgeKey) -> Option<&Edge> {
@@ -266,9 +291,14 @@ pub fn refine_query(
                 })
             })
             .flatten();
+        let redundant = (options.merge_above > 0.0)
+            .then(|| redundant_pair(&view, &context, &scores, below, models.embedder.model_id(), options.merge_above))
+            .flatten();
         let mut order: Vec<&str> = Vec::new();
         if !distractors.is_empty() && distractors.len() * 3 >= context.items.len() {
             order.push("over-connection");
+        } else if redundant.is_some() {
+            order.push("redundancy");
         } else if reshape.is_some() {
             order.push("granularity");
         } else {
@@ -283,6 +313,11 @@ pub fn refine_query(
         for attribution in &order {
             let edits = match *attribution {
                 "over-connection" => prune(&mut view, &context, &distractors, options.prune_k, &mut excluded, query, run_id, at),
+                "redundancy" => {
+                    let (first, second) = redundant.expect("redundancy only with a pair");
+                    let pair = [&context.items[first].node_id, &context.items[second].node_id];
+                    merge_nodes(&mut view, pair, models, query, run_id, at)?
+                }
                 "granularity" => {
                     let item = &context.items[reshape.expect("granularity only with a candidate")];
                     reshape_node(&mut view, neighbours, &item.node_id, models, query, run_id, at)?
@@ -530,6 +565,151 @@ fn expand(
     Ok(edits)
 }
 
+/// The first pair of useful items (context order) whose vectors under `model` have a cosine of
+/// at least `above`: redundant, so one summary can hold both.
+fn redundant_pair(view: &View<'_>, context: &Context, scores: &[f32], below: f32, model: &str, above: f32) -> Option<(usize, usize)> {
+    let vectors: Vec<Option<&[f32]>> = context
+        .items
+        .iter()
+        .zip(scores)
+        .map(|(item, &score)| (score >= below).then(|| view.vector(&item.node_id, model)).flatten())
+        .collect();
+    (0..vectors.len()).find_map(|i| {
+        let a = vectors[i]?;
+        (i + 1..vectors.len()).find(|&j| vectors[j].is_some_and(|b| fluxmem_models::cosine(a, b) >= above)).map(|j| (i, j))
+    })
+}
+
+/// The turns a node holds: those it `covers` (a reshaped or merged node), else itself.
+fn covered(node: &Node) -> Vec<String> {
+    match node.metadata.get("covers").and_then(Value::as_array) {
+        Some(covers) => covers.iter().filter_map(Value::as_str).map(str::to_string).collect(),
+        None => vec![node.id.as_str().to_string()],
+    }
+}
+
+/// The deterministic merge of two redundant texts: the first, then the sentences of the second
+/// whose terms the first does not already hold (on one line).
+fn merged_text(first: &str, second: &str) -> String {
+    let said: BTreeSet<String> = fluxmem_connect::terms(first).into_iter().collect();
+    let new: Vec<&str> = sentences(second)
+        .into_iter()
+        .filter(|sentence| {
+            let terms = fluxmem_connect::terms(sentence);
+            !terms.is_empty() && !terms.iter().all(|t| said.contains(t))
+        })
+        .collect();
+    let one_line = |text: &str| text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if new.is_empty() {
+        one_line(first)
+    } else {
+        format!("{} / {}", one_line(first), one_line(&new.join(" ")))
+    }
+}
+
+/// Sentences of `text`: split after `.`, `!` or `?` followed by whitespace.
+fn sentences(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut chars = text.char_indices().peekable();
+    while let Some((at, c)) = chars.next() {
+        if matches!(c, '.' | '!' | '?') && chars.peek().is_some_and(|(_, next)| next.is_whitespace()) {
+            out.push(text[start..at + c.len_utf8()].trim());
+            start = at + c.len_utf8();
+        }
+    }
+    out.push(text[start..].trim());
+    out.retain(|s| !s.is_empty());
+    out
+}
+
+/// Node Reshape (coarser): one summary node for two redundant items, keeping both originals'
+/// provenance (`merged_from`, `covers`) and edges; each original links to it (`reshaped_into`).
+fn merge_nodes(view: &mut View<'_>, pair: [&NodeId; 2], models: &mut LoopModels<'_>, query: &str, run_id: &str, at: i64) -> Result<Vec<Edit>> {
+    let (Some(first), Some(second)) = (view.own(pair[0]).cloned(), view.own(pair[1]).cloned()) else { return Ok(Vec::new()) };
+    let deterministic = merged_text(&first.text, &second.text);
+    let (text, how) = match models.generator.as_deref_mut() {
+        Some(generator) => {
+            let prompt = format!(
+                "These two notes say nearly the same thing. Merge them into one statement on one line that keeps every name, date and fact of either, saying each once.\n\n1. {}\n2. {}",
+                first.text, second.text
+            );
+            let reply = generator.generate(&[ChatMessage::new("user", prompt)], &GenerateParams { max_tokens: 128, ..Default::default() })?;
+            let merged = reply.text.split_whitespace().collect::<Vec<_>>().join(" ");
+            if merged.is_empty() {
+                (deterministic, "deterministic (empty merge)".to_string())
+            } else {
+                (merged, format!("merged by {}", generator.model_id()))
+            }
+        }
+        None => (deterministic, "deterministic: the second's new sentences after the first".to_string()),
+    };
+    let mut node = Node::new(first.body.clone(), &first.tenant, &text, &["merge", first.id.as_str(), second.id.as_str(), &text]);
+    node.agent_id = first.agent_id.clone();
+    node.source_file = first.source_file.clone();
+    node.source_locator = format!("{} (merged)", first.source_locator);
+    node.created_at = first.created_at.max(second.created_at);
+    node.metadata = first.metadata.clone();
+    node.metadata.insert("reshaped_from".into(), first.id.as_str().into());
+    node.metadata.insert("merged_from".into(), Value::from(vec![first.id.as_str().to_string(), second.id.as_str().to_string()]));
+    node.metadata.insert("reshape".into(), "coarser".into());
+    node.metadata.insert("reshape_method".into(), how.clone().into());
+    let mut covers = covered(&first);
+    for id in covered(&second) {
+        if !covers.contains(&id) {
+            covers.push(id);
+        }
+    }
+    node.metadata.insert("covers".into(), Value::from(covers));
+    let embed_text = node.embedding_text();
+    let vector = models.embedder.embed(&[embed_text.as_str()])?.remove(0);
+    view.delta.upsert_embedding(Embedding {
+        node_id: node.id.clone(),
+        model_id: models.embedder.model_id().to_string(),
+        text_sha256: sha256_hex(embed_text.as_bytes()),
+        vector,
+    });
+    let reason = format!("redundancy: two useful items of query {:?} say nearly the same; coarser: {how}", clip(query));
+    let mut edits = vec![Edit::new(STAGE, run_id, "node_merge", Changed::Node(None, Some(&node)), &reason, at)];
+    view.delta.upsert_node(node.clone());
+    // The summary keeps both originals' connections within the tenant (not the one between
+    // them); where both had an edge to the same node, the heavier one is kept.
+    let originals = [&first.id, &second.id];
+    let mut copies: BTreeMap<EdgeKey, Edge> = BTreeMap::new();
+    for original in originals {
+        for edge in view.edges_touching(original) {
+            let other = if &edge.src == original { &edge.dst } else { &edge.src };
+            if originals.contains(&other) || view.node(other).is_some_and(|n| n.tenant != first.tenant) {
+                continue;
+            }
+            let mut copy = edge.clone();
+            if &copy.src == original {
+                copy.src = node.id.clone();
+            }
+            if &copy.dst == original {
+                copy.dst = node.id.clone();
+            }
+            copy.stage = STAGE.into();
+            copy.run_id = run_id.into();
+            copy.metadata.insert("copied_from".into(), format!("{}>{}", edge.src, edge.dst).into());
+            match copies.get(&copy.key()) {
+                Some(kept) if kept.weight >= copy.weight => {}
+                _ => {
+                    copies.insert(copy.key(), copy);
+                }
+            }
+        }
+    }
+    for copy in copies.into_values() {
+        edits.push(view.set_edge(copy, "node_merge", &reason, run_id, at));
+    }
+    for original in originals {
+        let link = new_link(view, original, &node.id, 1.0, "reshaped_into", run_id, at);
+        edits.push(view.set_edge(link, "node_merge", &reason, run_id, at));
+    }
+    Ok(edits)
+}
+
 fn reshapable(view: &View<'_>, neighbours: &Neighbours, node: &Node) -> bool {
     !node.metadata.contains_key("reshaped_from")
         && neighbours.at(node, -1).is_some()
@@ -670,5 +850,21 @@ fn clip(text: &str) -> String {
     match text.char_indices().nth(80) {
         Some((at, _)) => format!("{}...", &text[..at]),
         None => text.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_deterministic_merge_says_each_sentence_once() {
+        // An exact repeat adds nothing; a sentence with a new term is kept, one already said is not.
+        assert_eq!(merged_text("Deploy failed: disk full.", "Deploy failed: disk full."), "Deploy failed: disk full.");
+        assert_eq!(
+            merged_text("Deploy failed:\n disk full.", "Disk full! Deploy failed. Cleaned /tmp and retried?"),
+            "Deploy failed: disk full. / Cleaned /tmp and retried?"
+        );
+        assert_eq!(sentences("a. b!c ? d"), vec!["a.", "b!c ?", "d"]);
     }
 }

@@ -103,6 +103,7 @@ const OPTIONS: LoopOptions = LoopOptions {
     prune_k: 3,
     expand_pool: 10,
     reshape_below: 0,
+    merge_above: 0.0,
     link_weight: 0.5,
     gain: 0.2,
     sufficient_at: None,
@@ -274,4 +275,68 @@ fn edit_log_round_trips_through_the_store_and_undo_lifts_the_prune() {
     let back = run(&undone, &stage1, &mut verifier, &LoopOptions { rounds: 0, ..OPTIONS }, &embedder);
     assert_eq!(context_ids(&back), vec![ids[1].clone(), ids[3].clone(), ids[4].clone()], "the prune is lifted");
     assert!(undone.edges.values().all(|e| !e.active), "the links the edits made are inactive");
+}
+
+#[test]
+fn node_merge_makes_one_summary_of_two_redundant_items_and_frees_their_budget() {
+    let embedder = HashEmbedder::new(64);
+    let (mut graph, ids) = graph(&embedder);
+    // A second, longer telling of the adoption, in another session: redundant with ids[1].
+    let text = "Alice: I adopted a puppy from the shelter. It was a rainy day in May.";
+    let body = NodeBody::Semantic(Semantic { source: "conv".into(), position: 9, time: None, group: Some("session_3".into()) });
+    let dup = Node::new(body, "t", text, &["conv", "9"]);
+    let vector = embedder.embed(&[text]).unwrap().remove(0);
+    graph.upsert_embedding(Embedding { node_id: dup.id.clone(), model_id: embedder.model_id().into(), text_sha256: String::new(), vector });
+    let dup_id = dup.id.clone();
+    graph.insert_node(dup);
+    let episode = NodeId::from("epi-1");
+    graph.upsert_edge(Edge {
+        src: dup_id.clone(),
+        dst: episode.clone(),
+        kind: EdgeKind::Ground,
+        weight: 0.7,
+        evidence: 1,
+        stage: "connect".into(),
+        run_id: "c".into(),
+        created_at: 1,
+        active: true,
+        metadata: Default::default(),
+    });
+    let vectors = embedder.embed(&[TURNS[1], text]).unwrap();
+    let cosine = fluxmem_models::cosine(&vectors[0], &vectors[1]);
+    assert!(cosine >= 0.7, "the premise: the two tellings are close ({cosine})");
+    // Round 0 under 30 words: puppy (7), the long telling (15 + 1), then only the short turns fit.
+    let stage1 = ranking(&[&ids[1], &dup_id, &ids[5], &ids[4], &ids[6], &ids[0], &ids[2], &ids[3]]);
+    let score: fn(&str) -> f32 = |item| if item.contains("puppy") || item.contains("yellow") { 1.0 } else { 0.4 };
+    let mut verifier = Scripted { enough: |line| line.contains("yellow"), score, calls: 0 };
+    let options = LoopOptions { merge_above: 0.7, ..OPTIONS };
+    let outcome = run(&graph, &stage1, &mut verifier, &options, &embedder);
+    let attributions: Vec<&str> = outcome.rounds.iter().map(|r| r.attribution.as_str()).collect();
+    assert_eq!(attributions, ["redundancy", "sufficient"]);
+    assert_eq!(outcome.rounds[0].edit.as_deref(), Some("node_merge"));
+    assert!(outcome.sufficient);
+    let merged = outcome.delta.nodes.values().next().expect("a merged node");
+    assert_eq!(outcome.delta.nodes.len(), 1);
+    // The first text, then only what the second adds.
+    assert_eq!(merged.text, format!("{} / It was a rainy day in May.", TURNS[1]));
+    assert_eq!(merged.metadata["reshape"], Value::from("coarser"));
+    assert_eq!(merged.metadata["merged_from"], serde_json::json!([ids[1].as_str(), dup_id.as_str()]));
+    assert_eq!(merged.metadata["covers"], serde_json::json!([ids[1].as_str(), dup_id.as_str()]));
+    // Shown once, in the better original's place; the budget the other held brought in the
+    // item the verifier wanted.
+    assert_eq!(context_ids(&outcome)[..2], [merged.id.clone(), ids[5].clone()]);
+    assert!(!context_ids(&outcome).contains(&ids[1]) && !context_ids(&outcome).contains(&dup_id));
+    // It keeps the originals' edges and both originals point to it; it is re-embedded.
+    let copied = outcome.delta.edges.values().find(|e| e.src == merged.id && e.dst == episode).expect("copied ground edge");
+    assert_eq!((copied.kind, copied.weight), (EdgeKind::Ground, 0.7));
+    for original in [&ids[1], &dup_id] {
+        let into = outcome.delta.edges.values().find(|e| &e.src == original && e.dst == merged.id).expect("reshaped_into link");
+        assert_eq!(relation(into), Some("reshaped_into"));
+    }
+    assert!(outcome.delta.embeddings.contains_key(&(merged.id.clone(), embedder.model_id().to_string())));
+    assert!(outcome.delta.edits.iter().any(|e| e.kind == "node_merge" && e.target == format!("node:{}", merged.id)));
+    // With merging off the same context goes to expansion instead.
+    let off = run(&graph, &stage1, &mut verifier, &OPTIONS, &embedder);
+    assert_ne!(off.rounds[0].attribution, "redundancy");
+    assert!(off.delta.nodes.is_empty());
 }
