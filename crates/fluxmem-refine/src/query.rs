@@ -17,8 +17,11 @@
 //!   context, the BM25 matches of the feedback (the key terms the verifier found missing), and
 //!   graph neighbours of the best items (the turns before and after them in the same source
 //!   group, and their active edges). The verifier scores them; the best `expand_k` that are not
-//!   distractors get a `link` edge (`relation: expand`) from the item that led to them, and are
-//!   placed right after it, so under the fixed budget they displace the weakest items.
+//!   distractors get a `link` edge (`relation: expand`) from the item that led to them. In this
+//!   query's context each takes the place of the item the verifier scored lowest (not an
+//!   anchor), which moves to the end of the ranking: under the fixed budget an expansion swaps
+//!   the weakest items by the verifier's judgement out, and leaves the order of the rest alone.
+//!   Later queries anchored on the same item see a kept link's item right after it.
 //! - **Link Prune** removes the weakest `prune_k` distractors from this query's context and
 //!   records an active `link` edge (`relation: prune`, a suppression) from the best item to
 //!   each, so later queries anchored on the same item leave them out; an expand link to a
@@ -266,8 +269,11 @@ pub fn refine_query(
     let mut rounds = Vec::new();
     let mut attempted = Vec::new();
     let mut created_links: Vec<EdgeKey> = Vec::new();
+    // This query's swaps: (item out, item in), each new item in the place of the context item
+    // the verifier scored lowest.
+    let mut swaps: Vec<(NodeId, NodeId)> = Vec::new();
     loop {
-        let ranking = arrange(&view, stage1, &excluded, options.anchors);
+        let ranking = swap(arrange(&view, stage1, &excluded, options.anchors), &swaps);
         let context = pack_view(&view, &ranking, options.budget, models.count_tokens)?;
         let sufficiency = models.verifier.sufficient(query, &context.text())?;
         let sufficient = sufficiency >= options.sufficient_at.unwrap_or_else(|| models.verifier.sufficient_at());
@@ -322,7 +328,13 @@ pub fn refine_query(
                     let item = &context.items[reshape.expect("granularity only with a candidate")];
                     reshape_node(&mut view, neighbours, &item.node_id, models, query, run_id, at)?
                 }
-                _ => expand(&mut view, index, neighbours, query, stage1, &context, &excluded, models, options, run_id, at, &mut created_links)?,
+                _ => {
+                    let before = created_links.len();
+                    let edits = expand(&mut view, index, neighbours, query, stage1, &context, &excluded, models, options, run_id, at, &mut created_links)?;
+                    let brought: Vec<NodeId> = created_links[before..].iter().map(|key| key.dst.clone()).collect();
+                    swaps.extend(make_room(&context, &scores, options.anchors, &swaps, brought));
+                    edits
+                }
             };
             if !edits.is_empty() {
                 let kind = edits[0].kind.clone();
@@ -419,6 +431,31 @@ fn arrange(view: &View<'_>, stage1: &[Candidate], excluded: &BTreeSet<NodeId>, a
         }
     }
     out
+}
+
+/// Pairs each item an expansion brought in (best first) with the context item it replaces: the
+/// ones the verifier scored lowest (the later first among equals), never an anchor, an item
+/// already swapped or one brought in.
+fn make_room(context: &Context, scores: &[f32], anchors: usize, swaps: &[(NodeId, NodeId)], brought: Vec<NodeId>) -> Vec<(NodeId, NodeId)> {
+    let taken = |id: &NodeId| swaps.iter().any(|(out, inn)| out == id || inn == id) || brought.contains(id);
+    let mut weakest: Vec<usize> = (anchors.min(context.items.len())..context.items.len()).filter(|&i| !taken(&context.items[i].node_id)).collect();
+    weakest.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]).then(b.cmp(&a)));
+    weakest.into_iter().zip(brought).map(|(i, inn)| (context.items[i].node_id.clone(), inn)).collect()
+}
+
+/// Applies this query's swaps to a ranking: each item brought in takes the place of the item it
+/// replaces, which moves to the end (it comes back only if the budget has room).
+fn swap(mut ranking: Vec<Entry>, swaps: &[(NodeId, NodeId)]) -> Vec<Entry> {
+    let mut moved_out = Vec::new();
+    for (out, inn) in swaps {
+        let (Some(at_out), Some(at_in)) = (ranking.iter().position(|e| &e.0 == out), ranking.iter().position(|e| &e.0 == inn)) else { continue };
+        let entry_in = ranking.remove(at_in);
+        let at_out = if at_in < at_out { at_out - 1 } else { at_out };
+        let entry_out = std::mem::replace(&mut ranking[at_out], entry_in);
+        moved_out.push(entry_out);
+    }
+    ranking.extend(moved_out);
+    ranking
 }
 
 /// Packs entries whose nodes may live in the delta.

@@ -116,14 +116,19 @@ fn link_expand_brings_in_the_adjacent_turn_and_persists_on_success() {
     let stage1 = ranking(&[&ids[1], &ids[3], &ids[4], &ids[5], &ids[6], &ids[0], &ids[2]]);
     let mut verifier = Scripted {
         enough: |line| line.contains("Biscuit"),
-        score: |item| if item.contains("puppy") || item.contains("Biscuit") { 1.0 } else { 0.4 },
+        score: |item| match item {
+            _ if item.contains("puppy") || item.contains("Biscuit") => 1.0,
+            _ if item.contains("weather") => 0.35,
+            _ => 0.45,
+        },
         calls: 0,
     };
     let outcome = run(&graph, &stage1, &mut verifier, &OPTIONS, &embedder);
-    // Round 0: [puppy, weather, train]: no distractor (0.4 >= 0.3), so under-connection; the
-    // turn after the anchor ("Biscuit", 1.0) beats the turn before it (0.4) and is linked in.
-    assert_eq!(context_ids(&outcome)[..3], [ids[1].clone(), ids[2].clone(), ids[3].clone()]);
-    assert!(!context_ids(&outcome).contains(&ids[4]), "the weakest item made room");
+    // Round 0: [puppy, weather, train]: no distractor (all >= 0.3), so under-connection; the
+    // turn after the anchor ("Biscuit", 1.0) beats the turn before it (0.45) and is linked in,
+    // in the place of the item the verifier scored lowest (weather, 0.35), not of the last one.
+    assert_eq!(context_ids(&outcome)[..3], [ids[1].clone(), ids[2].clone(), ids[4].clone()]);
+    assert!(!context_ids(&outcome).contains(&ids[3]), "the weakest item by the verifier made room");
     assert!(outcome.sufficient);
     let attributions: Vec<&str> = outcome.rounds.iter().map(|r| r.attribution.as_str()).collect();
     assert_eq!(attributions, ["under-connection", "sufficient"]);
