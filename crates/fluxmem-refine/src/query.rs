@@ -138,8 +138,8 @@ pub struct LoopOutcome {
     pub delta: Graph,
     /// Edits attempted, including those of a failed loop (which are not in `delta`).
     pub attempted: Vec<Edit>,
-    /// Nodes the loop created (reshaped and merged nodes), kept or not: the final context may show them,
-    /// so pack against a graph that has them.
+    /// Nodes the loop created (reshaped and merged nodes), kept or not: the final context may
+    /// show them, so pack against a graph that has them.
     pub new_nodes: Vec<Node>,
 }
 
