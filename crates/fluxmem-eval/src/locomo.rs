@@ -585,9 +585,8 @@ mod tests {
 
     #[test]
     fn categories_select_questions_and_unknown_ones_are_refused() {
-        let dir = std::env::temp_dir().join(format!("fluxmem-locomo-cat-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("tiny.json");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.json");
         let qa: Vec<Value> = (1..=5).map(|c| serde_json::json!({"question": format!("q{c}"), "category": c, "evidence": []})).collect();
         std::fs::write(&path, serde_json::json!([{"sample_id": "c1", "conversation": {}, "qa": qa}]).to_string()).unwrap();
         let categories_of = |options: &LocomoOptions| -> Vec<u64> {
@@ -599,7 +598,6 @@ mod tests {
         assert_eq!(categories_of(&LocomoOptions { categories: vec![5], ..LocomoOptions::default() }), vec![5]);
         let err = read(&path, &LocomoOptions { categories: vec![6], ..LocomoOptions::default() }).unwrap_err();
         assert!(err.to_string().contains("no category 6"), "{err}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -698,6 +698,25 @@ fn merge_nodes(view: &mut View<'_>, pair: [&NodeId; 2], models: &mut LoopModels<
         }
     }
     node.metadata.insert("covers".into(), Value::from(covers));
+    let reason = format!("redundancy: two useful items of query {:?} say nearly the same; coarser: {how}", clip(query));
+    install_reshaped(view, node, &[&first.id, &second.id], "node_merge", &reason, models, run_id, at)
+}
+
+/// Puts a reshaped or merged node into the loop's delta in the place of `originals`: re-embeds
+/// it with the store's model, records it (edit `kind`), copies the originals' edges within the
+/// tenant (not those between two originals; where two originals have an edge to the same node,
+/// the heavier copy is kept), and links each original to it (`relation: reshaped_into`).
+#[allow(clippy::too_many_arguments)]
+fn install_reshaped(
+    view: &mut View<'_>,
+    node: Node,
+    originals: &[&NodeId],
+    kind: &str,
+    reason: &str,
+    models: &mut LoopModels<'_>,
+    run_id: &str,
+    at: i64,
+) -> Result<Vec<Edit>> {
     let embed_text = node.embedding_text();
     let vector = models.embedder.embed(&[embed_text.as_str()])?.remove(0);
     view.delta.upsert_embedding(Embedding {
@@ -706,17 +725,16 @@ fn merge_nodes(view: &mut View<'_>, pair: [&NodeId; 2], models: &mut LoopModels<
         text_sha256: sha256_hex(embed_text.as_bytes()),
         vector,
     });
-    let reason = format!("redundancy: two useful items of query {:?} say nearly the same; coarser: {how}", clip(query));
-    let mut edits = vec![Edit::new(STAGE, run_id, "node_merge", Changed::Node(None, Some(&node)), &reason, at)];
+    let mut edits = vec![Edit::new(STAGE, run_id, kind, Changed::Node(None, Some(&node)), reason, at)];
     view.delta.upsert_node(node.clone());
-    // The summary keeps both originals' connections within the tenant (not the one between
-    // them); where both had an edge to the same node, the heavier one is kept.
-    let originals = [&first.id, &second.id];
-    let mut copies: BTreeMap<EdgeKey, Edge> = BTreeMap::new();
-    for original in originals {
+    // Copies in the order the originals' edges are read; a later copy of the same key replaces
+    // an earlier one only when heavier.
+    let mut copies: Vec<Edge> = Vec::new();
+    for &original in originals {
         for edge in view.edges_touching(original) {
             let other = if &edge.src == original { &edge.dst } else { &edge.src };
-            if originals.contains(&other) || view.node(other).is_some_and(|n| n.tenant != first.tenant) {
+            let between = other != original && originals.contains(&other);
+            if between || view.node(other).is_some_and(|n| n.tenant != node.tenant) {
                 continue;
             }
             let mut copy = edge.clone();
@@ -729,20 +747,19 @@ fn merge_nodes(view: &mut View<'_>, pair: [&NodeId; 2], models: &mut LoopModels<
             copy.stage = STAGE.into();
             copy.run_id = run_id.into();
             copy.metadata.insert("copied_from".into(), format!("{}>{}", edge.src, edge.dst).into());
-            match copies.get(&copy.key()) {
-                Some(kept) if kept.weight >= copy.weight => {}
-                _ => {
-                    copies.insert(copy.key(), copy);
-                }
+            match copies.iter_mut().find(|kept| kept.key() == copy.key()) {
+                Some(kept) if kept.weight < copy.weight => *kept = copy,
+                Some(_) => {}
+                None => copies.push(copy),
             }
         }
     }
-    for copy in copies.into_values() {
-        edits.push(view.set_edge(copy, "node_merge", &reason, run_id, at));
+    for copy in copies {
+        edits.push(view.set_edge(copy, kind, reason, run_id, at));
     }
-    for original in originals {
+    for &original in originals {
         let link = new_link(view, original, &node.id, 1.0, "reshaped_into", run_id, at);
-        edits.push(view.set_edge(link, "node_merge", &reason, run_id, at));
+        edits.push(view.set_edge(link, kind, reason, run_id, at));
     }
     Ok(edits)
 }
@@ -792,39 +809,8 @@ fn reshape_node(
     node.metadata.insert("reshape".into(), "finer".into());
     node.metadata.insert("reshape_method".into(), how.clone().into());
     node.metadata.insert("covers".into(), Value::from(vec![previous.id.as_str().to_string(), old.id.as_str().to_string()]));
-    let embed_text = node.embedding_text();
-    let vector = models.embedder.embed(&[embed_text.as_str()])?.remove(0);
-    view.delta.upsert_embedding(Embedding {
-        node_id: node.id.clone(),
-        model_id: models.embedder.model_id().to_string(),
-        text_sha256: sha256_hex(embed_text.as_bytes()),
-        vector,
-    });
     let reason = format!("granularity: a useful item of query {:?} is too short to stand alone; finer: {how}", clip(query));
-    let mut edits = vec![Edit::new(STAGE, run_id, "node_reshape", Changed::Node(None, Some(&node)), &reason, at)];
-    view.delta.upsert_node(node.clone());
-    // The new node keeps the old one's connections (within the tenant: an old store's edge to
-    // another tenant is not copied).
-    for edge in view.edges_touching(&old.id) {
-        let other = if edge.src == old.id { &edge.dst } else { &edge.src };
-        if view.node(other).is_some_and(|n| n.tenant != old.tenant) {
-            continue;
-        }
-        let mut copy = edge.clone();
-        if copy.src == old.id {
-            copy.src = node.id.clone();
-        }
-        if copy.dst == old.id {
-            copy.dst = node.id.clone();
-        }
-        copy.stage = STAGE.into();
-        copy.run_id = run_id.into();
-        copy.metadata.insert("copied_from".into(), format!("{}>{}", edge.src, edge.dst).into());
-        edits.push(view.set_edge(copy, "node_reshape", &reason, run_id, at));
-    }
-    let link = new_link(view, &old.id, &node.id, 1.0, "reshaped_into", run_id, at);
-    edits.push(view.set_edge(link, "node_reshape", &reason, run_id, at));
-    Ok(edits)
+    install_reshaped(view, node, &[&old.id], "node_reshape", &reason, models, run_id, at)
 }
 
 /// Keeps the loop's delta after a sufficient context: links in the context gain weight and one

@@ -86,6 +86,22 @@ fn run(graph: &Graph, stage1: &[Candidate], verifier: &mut Scripted, options: &L
     refine_query(graph, &index, &neighbours, "what is the puppy called", stage1, &mut models, options, "run-1", 7).unwrap()
 }
 
+/// A connect-stage ground edge of weight 0.7 from a turn to an episode.
+fn ground(src: &NodeId, episode: &NodeId) -> Edge {
+    Edge {
+        src: src.clone(),
+        dst: episode.clone(),
+        kind: EdgeKind::Ground,
+        weight: 0.7,
+        evidence: 1,
+        stage: "connect".into(),
+        run_id: "c".into(),
+        created_at: 1,
+        active: true,
+        metadata: Default::default(),
+    }
+}
+
 fn context_ids(outcome: &LoopOutcome) -> Vec<NodeId> {
     outcome.context.items.iter().map(|i| i.node_id.clone()).collect()
 }
@@ -187,18 +203,7 @@ fn node_reshape_makes_a_finer_node_that_takes_the_old_ones_place() {
     let (mut graph, ids) = graph(&embedder);
     // An episode the short turn grounds: the reshaped node must keep this connection.
     let episode = NodeId::from("epi-1");
-    graph.upsert_edge(Edge {
-        src: ids[2].clone(),
-        dst: episode.clone(),
-        kind: EdgeKind::Ground,
-        weight: 0.7,
-        evidence: 1,
-        stage: "connect".into(),
-        run_id: "c".into(),
-        created_at: 1,
-        active: true,
-        metadata: Default::default(),
-    });
+    graph.upsert_edge(ground(&ids[2], &episode));
     let stage1 = ranking(&[&ids[2], &ids[3], &ids[4], &ids[5], &ids[6], &ids[0], &ids[1]]);
     let mut verifier = Scripted {
         // Sufficient only when one item says both what was adopted and its name.
@@ -295,18 +300,7 @@ fn node_merge_makes_one_summary_of_two_redundant_items_and_frees_their_budget() 
     let dup_id = dup.id.clone();
     graph.insert_node(dup);
     let episode = NodeId::from("epi-1");
-    graph.upsert_edge(Edge {
-        src: dup_id.clone(),
-        dst: episode.clone(),
-        kind: EdgeKind::Ground,
-        weight: 0.7,
-        evidence: 1,
-        stage: "connect".into(),
-        run_id: "c".into(),
-        created_at: 1,
-        active: true,
-        metadata: Default::default(),
-    });
+    graph.upsert_edge(ground(&dup_id, &episode));
     let vectors = embedder.embed(&[TURNS[1], text]).unwrap();
     let cosine = fluxmem_models::cosine(&vectors[0], &vectors[1]);
     assert!(cosine >= 0.7, "the premise: the two tellings are close ({cosine})");
