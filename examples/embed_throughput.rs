@@ -8,10 +8,15 @@ use fluxmem_models::{BertBackend, DeviceChoice, Embedder};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let file = args.first().ok_or_else(|| anyhow::anyhow!("usage: embed_throughput FILE [--batch-size N] [--workers N]"))?;
+    let file = args.first().ok_or_else(|| {
+        anyhow::anyhow!("usage: embed_throughput FILE [--batch-size N] [--workers N]")
+    })?;
     let flag = |name: &str, default: usize| -> anyhow::Result<usize> {
         match args.iter().position(|a| a == name) {
-            Some(i) => Ok(args.get(i + 1).ok_or_else(|| anyhow::anyhow!("{name} needs a value"))?.parse()?),
+            Some(i) => Ok(args
+                .get(i + 1)
+                .ok_or_else(|| anyhow::anyhow!("{name} needs a value"))?
+                .parse()?),
             None => Ok(default),
         }
     };
@@ -20,16 +25,27 @@ fn main() -> anyhow::Result<()> {
     let repeat = flag("--repeat", 1)?;
     let text = std::fs::read_to_string(file)?;
     let texts: Vec<&str> = text.lines().collect();
-    let backend = match args.iter().position(|a| a == "--backend").and_then(|i| args.get(i + 1)).map(String::as_str) {
+    let backend = match args
+        .iter()
+        .position(|a| a == "--backend")
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+    {
         None | Some("native") => BertBackend::Native,
         Some("native-avx2") => BertBackend::NativeAvx2,
         Some("native-portable") => BertBackend::NativePortable,
         Some("candle") => BertBackend::Candle,
-        Some(other) => anyhow::bail!("--backend is native, native-avx2, native-portable or candle, not {other}"),
+        Some(other) => anyhow::bail!(
+            "--backend is native, native-avx2, native-portable or candle, not {other}"
+        ),
     };
-    let embedder = fluxmem_models::load_embedder_with(fluxmem_models::DEFAULT_EMBEDDER, &DeviceChoice::Cpu, backend)?
-        .with_batch_size(batch_size)
-        .with_workers(workers);
+    let embedder = fluxmem_models::load_embedder_with(
+        fluxmem_models::DEFAULT_EMBEDDER,
+        &DeviceChoice::Cpu,
+        backend,
+    )?
+    .with_batch_size(batch_size)
+    .with_workers(workers);
     let tokens: usize = embedder.tokenize(&texts)?.iter().map(Vec::len).sum();
     embedder.embed(&texts[..texts.len().min(64)])?; // warm-up
     let mut best = f64::MAX;

@@ -18,9 +18,15 @@ fn main() -> anyhow::Result<()> {
     // As the fluxmem binary does (before any thread starts).
     fluxmem_models::tune_thread_pool();
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let path = args.first().ok_or_else(|| anyhow::anyhow!("usage: judge_auc LOCOMO_JSON [--questions N] [--candidates K]"))?;
+    let path = args.first().ok_or_else(|| {
+        anyhow::anyhow!("usage: judge_auc LOCOMO_JSON [--questions N] [--candidates K]")
+    })?;
     let flag = |name: &str, default: &str| -> String {
-        args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| default.to_string())
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+            .unwrap_or_else(|| default.to_string())
     };
     let questions: usize = flag("--questions", "40").parse()?;
     let k: usize = flag("--candidates", "10").parse()?;
@@ -36,15 +42,23 @@ fn main() -> anyhow::Result<()> {
     let batch: usize = flag("--batch", &fluxmem_models::DEFAULT_BATCH.to_string()).parse()?;
     let data: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(path)?)?;
 
-    let embedder = fluxmem_models::load_embedder(fluxmem_models::DEFAULT_EMBEDDER, &DeviceChoice::Cpu)?;
+    let embedder =
+        fluxmem_models::load_embedder(fluxmem_models::DEFAULT_EMBEDDER, &DeviceChoice::Cpu)?;
     let model_name = flag("--model", fluxmem_models::DEFAULT_JUDGE);
     let mut judges: Vec<(String, Box<dyn Judge>)> = Vec::new();
     for name in flag("--judges", "yesno,ql").split(',') {
-        let generator = fluxmem_models::load_generator(&model_name, &DeviceChoice::Cpu, weights)?.with_batch_size(batch);
+        let generator = fluxmem_models::load_generator(&model_name, &DeviceChoice::Cpu, weights)?
+            .with_batch_size(batch);
         let model = fluxmem_models::Generator::model_id(&generator).to_string();
         match name {
-            "yesno" => judges.push((format!("yes/no judge ({model}, {weights:?})"), Box::new(LlmJudge::new(generator)))),
-            "ql" => judges.push((format!("query likelihood ({model}, {weights:?})"), Box::new(QlJudge::new(generator)))),
+            "yesno" => judges.push((
+                format!("yes/no judge ({model}, {weights:?})"),
+                Box::new(LlmJudge::new(generator)),
+            )),
+            "ql" => judges.push((
+                format!("query likelihood ({model}, {weights:?})"),
+                Box::new(QlJudge::new(generator)),
+            )),
             other => anyhow::bail!("unknown judge `{other}` (yesno, ql)"),
         }
     }
@@ -63,7 +77,11 @@ fn main() -> anyhow::Result<()> {
         keys.sort_by_key(|(n, _)| *n);
         for (_, session) in keys {
             for turn in session.as_array().unwrap() {
-                let mut text = format!("{}: {}", turn["speaker"].as_str().unwrap_or(""), turn["text"].as_str().unwrap_or(""));
+                let mut text = format!(
+                    "{}: {}",
+                    turn["speaker"].as_str().unwrap_or(""),
+                    turn["text"].as_str().unwrap_or("")
+                );
                 if let Some(caption) = turn["blip_caption"].as_str() {
                     text.push_str(&format!(" [shares a photo: {caption}]"));
                 }
@@ -73,17 +91,35 @@ fn main() -> anyhow::Result<()> {
         let ids: std::collections::HashSet<&str> = list.iter().map(|(id, _)| id.as_str()).collect();
         for qa in conversation["qa"].as_array().unwrap() {
             let category = qa["category"].as_u64().unwrap_or(0);
-            let evidence: Vec<String> = qa["evidence"].as_array().map(|e| e.iter().filter_map(|v| v.as_str().map(str::to_string)).collect()).unwrap_or_default();
-            if (1..=4).contains(&category) && !evidence.is_empty() && evidence.iter().all(|e| ids.contains(e.as_str())) {
-                items.push((qa["question"].as_str().unwrap_or("").to_string(), c, evidence));
+            let evidence: Vec<String> = qa["evidence"]
+                .as_array()
+                .map(|e| {
+                    e.iter()
+                        .filter_map(|v| v.as_str().map(str::to_string))
+                        .collect()
+                })
+                .unwrap_or_default();
+            if (1..=4).contains(&category)
+                && !evidence.is_empty()
+                && evidence.iter().all(|e| ids.contains(e.as_str()))
+            {
+                items.push((
+                    qa["question"].as_str().unwrap_or("").to_string(),
+                    c,
+                    evidence,
+                ));
             }
         }
         turns.push(list);
     }
     // Seeded Fisher-Yates with a small LCG: the same seed always picks the same questions.
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     for i in (1..items.len()).rev() {
-        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         items.swap(i, (state >> 33) as usize % (i + 1));
     }
     items.truncate(questions);
@@ -104,10 +140,17 @@ fn main() -> anyhow::Result<()> {
             }
         };
         let q = embedder.embed(&[question.as_str()])?.remove(0);
-        let mut ranked: Vec<(usize, f32)> = turn_vectors.iter().enumerate().map(|(i, v)| (i, cosine(&q, v))).collect();
+        let mut ranked: Vec<(usize, f32)> = turn_vectors
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (i, cosine(&q, v)))
+            .collect();
         ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         ranked.truncate(k);
-        let passages: Vec<&str> = ranked.iter().map(|(i, _)| conversation[*i].1.as_str()).collect();
+        let passages: Vec<&str> = ranked
+            .iter()
+            .map(|(i, _)| conversation[*i].1.as_str())
+            .collect();
         for (j, (_, judge)) in judges.iter_mut().enumerate() {
             let started = std::time::Instant::now();
             judge_scores[j].extend(judge.score(question, &passages)?);
@@ -119,30 +162,71 @@ fn main() -> anyhow::Result<()> {
         }
     }
     let positives = labels.iter().filter(|l| **l).count();
-    println!("{} questions x top-{k} dense candidates: {} pairs, {positives} evidence (batch {batch})", items.len(), labels.len());
+    println!(
+        "{} questions x top-{k} dense candidates: {} pairs, {positives} evidence (batch {batch})",
+        items.len(),
+        labels.len()
+    );
     println!("{:<56} {:>8} {:>10}", "scorer", "ROC AUC", "pairs/s");
-    println!("{:<56} {:>8.3} {:>10}", "MiniLM cosine", auc(&cosine_scores, &labels), "");
+    println!(
+        "{:<56} {:>8.3} {:>10}",
+        "MiniLM cosine",
+        auc(&cosine_scores, &labels),
+        ""
+    );
     for (j, (name, judge)) in judges.iter().enumerate() {
-        println!("{name:<56} {:>8.3} {:>10.2}", auc(&judge_scores[j], &labels), labels.len() as f64 / seconds[j]);
-        let blend: Vec<f32> = cosine_scores.iter().zip(&judge_scores[j]).map(|(c, s)| c + 0.3 * s).collect();
-        println!("{:<56} {:>8.3} {:>10}", "  cosine + 0.3 x that judge", auc(&blend, &labels), "");
+        println!(
+            "{name:<56} {:>8.3} {:>10.2}",
+            auc(&judge_scores[j], &labels),
+            labels.len() as f64 / seconds[j]
+        );
+        let blend: Vec<f32> = cosine_scores
+            .iter()
+            .zip(&judge_scores[j])
+            .map(|(c, s)| c + 0.3 * s)
+            .collect();
+        println!(
+            "{:<56} {:>8.3} {:>10}",
+            "  cosine + 0.3 x that judge",
+            auc(&blend, &labels),
+            ""
+        );
         let usage = judge.usage();
-        println!("  {} calls, {} prompt tokens run + {} served from a shared prefix, {:.1}s", usage.calls, usage.prompt_tokens, usage.cached_tokens, seconds[j]);
+        println!(
+            "  {} calls, {} prompt tokens run + {} served from a shared prefix, {:.1}s",
+            usage.calls, usage.prompt_tokens, usage.cached_tokens, seconds[j]
+        );
     }
     Ok(())
 }
 
 /// ROC AUC by the rank-sum formula, ties counted half.
 fn auc(scores: &[f32], labels: &[bool]) -> f64 {
-    let positives: Vec<f32> = scores.iter().zip(labels).filter(|(_, l)| **l).map(|(s, _)| *s).collect();
-    let negatives: Vec<f32> = scores.iter().zip(labels).filter(|(_, l)| !**l).map(|(s, _)| *s).collect();
+    let positives: Vec<f32> = scores
+        .iter()
+        .zip(labels)
+        .filter(|(_, l)| **l)
+        .map(|(s, _)| *s)
+        .collect();
+    let negatives: Vec<f32> = scores
+        .iter()
+        .zip(labels)
+        .filter(|(_, l)| !**l)
+        .map(|(s, _)| *s)
+        .collect();
     if positives.is_empty() || negatives.is_empty() {
         return f64::NAN;
     }
     let mut wins = 0.0;
     for p in &positives {
         for n in &negatives {
-            wins += if p > n { 1.0 } else if p == n { 0.5 } else { 0.0 };
+            wins += if p > n {
+                1.0
+            } else if p == n {
+                0.5
+            } else {
+                0.0
+            };
         }
     }
     wins / (positives.len() * negatives.len()) as f64

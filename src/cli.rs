@@ -17,7 +17,12 @@ use std::path::PathBuf;
 #[command(name = "fluxmem", version, about, long_about)]
 pub struct Cli {
     /// Store directory (created by the first write).
-    #[arg(long, global = true, env = "FLUXMEM_STORE", default_value = "./fluxmem-store")]
+    #[arg(
+        long,
+        global = true,
+        env = "FLUXMEM_STORE",
+        default_value = "./fluxmem-store"
+    )]
     pub store: PathBuf,
 
     /// Never draw progress bars (they are also off when stderr is not a terminal).
@@ -782,7 +787,9 @@ impl Bound {
 /// Checks the number given to `flag` (`--prior`), naming the flag. An error, not a usage error:
 /// exit status 1, like every flag value that is not valid.
 pub fn check_flag(flag: &str, value: f64, bound: Bound) -> anyhow::Result<()> {
-    bound.check(value).map_err(|rule| anyhow::anyhow!("{flag} {rule}"))
+    bound
+        .check(value)
+        .map_err(|rule| anyhow::anyhow!("{flag} {rule}"))
 }
 
 /// [`check_flag`] for an `f32` flag, its value shown as written (widened to f64, -0.3 would

@@ -164,7 +164,11 @@ pub struct Embed {
 
 impl Default for Embed {
     fn default() -> Self {
-        Embed { batch_size: 32, commit_every: 2048, window: fluxmem_embed::EmbedOptions::default().window }
+        Embed {
+            batch_size: 32,
+            commit_every: 2048,
+            window: fluxmem_embed::EmbedOptions::default().window,
+        }
     }
 }
 
@@ -190,7 +194,14 @@ pub struct Connect {
 
 impl Default for Connect {
     fn default() -> Self {
-        Connect { enabled: true, per_step: true, ground_k: 2, link_k: 5, commit_every: 500, memory_mb: fluxmem_connect::DEFAULT_MEMORY >> 20 }
+        Connect {
+            enabled: true,
+            per_step: true,
+            ground_k: 2,
+            link_k: 5,
+            commit_every: 500,
+            memory_mb: fluxmem_connect::DEFAULT_MEMORY >> 20,
+        }
     }
 }
 
@@ -313,7 +324,15 @@ pub struct Export {
 
 impl Default for Export {
     fn default() -> Self {
-        Export { enabled: true, format: "skill-md".into(), out: "skills".into(), tenant: None, min_pems: None, min_eta: None, min_support: 1 }
+        Export {
+            enabled: true,
+            format: "skill-md".into(),
+            out: "skills".into(),
+            tenant: None,
+            min_pems: None,
+            min_eta: None,
+            min_support: 1,
+        }
     }
 }
 
@@ -336,14 +355,24 @@ pub struct Compact {
 impl Default for Compact {
     fn default() -> Self {
         let d = fluxmem_store::CompactPolicy::default();
-        Compact { enabled: true, max_dead_fraction: d.max_dead_fraction, merge_factor: d.merge_factor, min_level_rows: d.min_level_rows }
+        Compact {
+            enabled: true,
+            max_dead_fraction: d.max_dead_fraction,
+            merge_factor: d.merge_factor,
+            min_level_rows: d.min_level_rows,
+        }
     }
 }
 
 impl Compact {
     /// The store's policy of these settings.
     pub fn policy(&self) -> fluxmem_store::CompactPolicy {
-        fluxmem_store::CompactPolicy { max_dead_fraction: self.max_dead_fraction, merge_factor: self.merge_factor, min_level_rows: self.min_level_rows, ..Default::default() }
+        fluxmem_store::CompactPolicy {
+            max_dead_fraction: self.max_dead_fraction,
+            merge_factor: self.merge_factor,
+            min_level_rows: self.min_level_rows,
+            ..Default::default()
+        }
     }
 }
 
@@ -362,7 +391,14 @@ impl Default for Report {
 }
 
 /// The stages, in order.
-pub const STAGES: [&str; 6] = ["ingest", "embed", "connect", "refine", "consolidate", "export"];
+pub const STAGES: [&str; 6] = [
+    "ingest",
+    "embed",
+    "connect",
+    "refine",
+    "consolidate",
+    "export",
+];
 /// The stages that can run as `--shard I/N` and be merged (consolidate: every shard clusters
 /// the same store and induces the skills of the clusters it owns).
 pub const MAP_STAGES: [&str; 4] = ["ingest", "embed", "connect", "consolidate"];
@@ -393,12 +429,24 @@ impl Loaded {
 
 /// Reads and checks a pipeline file: syntax, unknown keys, and every value, before any work.
 pub fn load(path: &Path) -> anyhow::Result<Loaded> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading the pipeline file {}", path.display()))?;
-    let text = String::from_utf8(bytes.clone()).map_err(|e| anyhow::anyhow!("{}: not UTF-8 ({e})", path.display()))?;
-    let pipeline: Pipeline = toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.to_string().trim_end()))?;
+    let bytes = std::fs::read(path)
+        .with_context(|| format!("reading the pipeline file {}", path.display()))?;
+    let text = String::from_utf8(bytes.clone())
+        .map_err(|e| anyhow::anyhow!("{}: not UTF-8 ({e})", path.display()))?;
+    let pipeline: Pipeline = toml::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.to_string().trim_end()))?;
     check(&pipeline).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    let base = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
-    Ok(Loaded { path: path.to_path_buf(), bytes, pipeline, base })
+    let base = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .to_path_buf();
+    Ok(Loaded {
+        path: path.to_path_buf(),
+        bytes,
+        pipeline,
+        base,
+    })
 }
 
 /// The value checks, each naming its key.
@@ -406,18 +454,24 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     // The default run id is `<name>-<12 hex>`: a name that keeps to the run id rule gives a
     // valid run id.
     if p.name.len() > NAME_MAX || check_run_id(&p.name).is_err() {
-        bail!("key `name`: `{}`: must be 1 to {NAME_MAX} {RUN_ID_CHARS} (run ids start with it)", p.name);
+        bail!(
+            "key `name`: `{}`: must be 1 to {NAME_MAX} {RUN_ID_CHARS} (run ids start with it)",
+            p.name
+        );
     }
     for (i, input) in p.inputs.iter().enumerate() {
         if input.paths.is_empty() {
             bail!("key `inputs[{i}].paths`: empty; list at least one file, directory or pattern");
         }
-        fluxmem_ingest::Format::parse(&input.format).map_err(|e| anyhow::anyhow!("key `inputs[{i}].format`: {e}"))?;
+        fluxmem_ingest::Format::parse(&input.format)
+            .map_err(|e| anyhow::anyhow!("key `inputs[{i}].format`: {e}"))?;
         if input.tenant.trim().is_empty() {
             bail!("key `inputs[{i}].tenant`: empty");
         }
         for pattern in &input.paths {
-            glob::Pattern::new(pattern).map_err(|e| anyhow::anyhow!("key `inputs[{i}].paths`: bad pattern `{pattern}`: {e}"))?;
+            glob::Pattern::new(pattern).map_err(|e| {
+                anyhow::anyhow!("key `inputs[{i}].paths`: bad pattern `{pattern}`: {e}")
+            })?;
         }
     }
     let positive = |key: &str, value: usize| -> anyhow::Result<()> {
@@ -440,10 +494,18 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     if let Err(e) = fluxmem_models::judge_model(&p.models.judge) {
         bail!("key `models.judge`: {e}");
     }
-    p.models.device.parse::<fluxmem_models::DeviceChoice>().map_err(|e| anyhow::anyhow!("key `models.device`: {e}"))?;
-    crate::commands::weight_path(&p.models.generator_weights).map_err(|e| anyhow::anyhow!("key `models.generator_weights`: {e}"))?;
-    let manifest = fluxmem_models::ModelManifest::load().map_err(|e| anyhow::anyhow!("the model manifest: {e}"))?;
-    for (key, name) in [("models.embedder", &p.models.embedder), ("models.generator", &p.models.generator)] {
+    p.models
+        .device
+        .parse::<fluxmem_models::DeviceChoice>()
+        .map_err(|e| anyhow::anyhow!("key `models.device`: {e}"))?;
+    crate::commands::weight_path(&p.models.generator_weights)
+        .map_err(|e| anyhow::anyhow!("key `models.generator_weights`: {e}"))?;
+    let manifest = fluxmem_models::ModelManifest::load()
+        .map_err(|e| anyhow::anyhow!("the model manifest: {e}"))?;
+    for (key, name) in [
+        ("models.embedder", &p.models.embedder),
+        ("models.generator", &p.models.generator),
+    ] {
         if key == "models.generator" && name == "none" {
             continue;
         }
@@ -453,34 +515,72 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     }
     // A NaN or an infinity in any of these would turn every edge weight or score it reaches
     // into NaN.
-    let number = |key: &str, value: f64, bound: Bound| bound.check(value).map_err(|rule| anyhow::anyhow!("key `{key}`: {rule}"));
+    let number = |key: &str, value: f64, bound: Bound| {
+        bound
+            .check(value)
+            .map_err(|rule| anyhow::anyhow!("key `{key}`: {rule}"))
+    };
     number("refine.prior", p.refine.prior, Bound::Positive)?;
-    number("refine.prune_below", p.refine.prune_below, Bound::NonNegative)?;
+    number(
+        "refine.prune_below",
+        p.refine.prune_below,
+        Bound::NonNegative,
+    )?;
     number("refine.tolerance", p.refine.tolerance, Bound::NonNegative)?;
-    number("refine.prior_drift", p.refine.prior_drift, Bound::NonNegative)?;
+    number(
+        "refine.prior_drift",
+        p.refine.prior_drift,
+        Bound::NonNegative,
+    )?;
     positive("refine.commit_every", p.refine.commit_every)?;
-    number("compact.max_dead_fraction", p.compact.max_dead_fraction, Bound::NonNegative)?;
+    number(
+        "compact.max_dead_fraction",
+        p.compact.max_dead_fraction,
+        Bound::NonNegative,
+    )?;
     if p.compact.max_dead_fraction >= 1.0 {
-        bail!("key `compact.max_dead_fraction`: {} is not a share below 1", p.compact.max_dead_fraction);
+        bail!(
+            "key `compact.max_dead_fraction`: {} is not a share below 1",
+            p.compact.max_dead_fraction
+        );
     }
     clusters(&p.consolidate.clusters)?;
-    number("consolidate.epsilon", p.consolidate.epsilon, Bound::NonNegative)?;
-    number("consolidate.reinduce_share", p.consolidate.reinduce_share, Bound::NonNegative)?;
-    number("consolidate.recluster_share", p.consolidate.recluster_share, Bound::NonNegative)?;
+    number(
+        "consolidate.epsilon",
+        p.consolidate.epsilon,
+        Bound::NonNegative,
+    )?;
+    number(
+        "consolidate.reinduce_share",
+        p.consolidate.reinduce_share,
+        Bound::NonNegative,
+    )?;
+    number(
+        "consolidate.recluster_share",
+        p.consolidate.recluster_share,
+        Bound::NonNegative,
+    )?;
     if let Some(min_pems) = p.export.min_pems {
         number("export.min_pems", min_pems, Bound::Finite)?;
     }
     if let Some(min_eta) = p.export.min_eta {
         number("export.min_eta", min_eta, Bound::Finite)?;
     }
-    p.consolidate.length.parse::<fluxmem_consolidate::LengthUnit>().map_err(|e| anyhow::anyhow!("key `consolidate.length`: {e}"))?;
-    p.export.format.parse::<fluxmem_consolidate::ExportFormat>().map_err(|e| anyhow::anyhow!("key `export.format`: {e}"))?;
+    p.consolidate
+        .length
+        .parse::<fluxmem_consolidate::LengthUnit>()
+        .map_err(|e| anyhow::anyhow!("key `consolidate.length`: {e}"))?;
+    p.export
+        .format
+        .parse::<fluxmem_consolidate::ExportFormat>()
+        .map_err(|e| anyhow::anyhow!("key `export.format`: {e}"))?;
     Ok(())
 }
 
 /// What a run id may hold, after "1 to 128": run ids name a directory under `report.dir`
 /// (`<report.dir>/<run id>/run.json`) and quarantine files, so they keep to one plain file name.
-pub const RUN_ID_CHARS: &str = "ASCII letters, digits, `.`, `_` or `-`, not starting with `.` or `-`";
+pub const RUN_ID_CHARS: &str =
+    "ASCII letters, digits, `.`, `_` or `-`, not starting with `.` or `-`";
 /// The longest run id.
 pub const RUN_ID_MAX: usize = 128;
 /// The longest pipeline name: `<name>-<12 hex>`, the default run id, stays within [`RUN_ID_MAX`].
@@ -491,12 +591,16 @@ const NAME_MAX: usize = RUN_ID_MAX - 13;
 /// `Err` says the rule.
 pub fn check_run_id(id: &str) -> Result<(), String> {
     let ok = (1..=RUN_ID_MAX).contains(&id.len())
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
         && !id.starts_with(['.', '-']);
     if ok {
         Ok(())
     } else {
-        Err(format!("`{id}`: a run id must be 1 to {RUN_ID_MAX} {RUN_ID_CHARS}"))
+        Err(format!(
+            "`{id}`: a run id must be 1 to {RUN_ID_MAX} {RUN_ID_CHARS}"
+        ))
     }
 }
 
@@ -518,23 +622,46 @@ pub fn clusters(value: &toml::Value) -> anyhow::Result<Option<usize>> {
 /// one (the writer creates it, with its parents). `Err` names the path at fault.
 pub fn check_output_dir(dir: &Path) -> Result<(), String> {
     for ancestor in dir.ancestors() {
-        let at = if ancestor.as_os_str().is_empty() { Path::new(".") } else { ancestor };
+        let at = if ancestor.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            ancestor
+        };
         match std::fs::metadata(at) {
             Ok(meta) if meta.is_dir() => {
                 return if writable(at) {
                     Ok(())
                 } else if at == dir {
-                    Err(format!("{}: a directory this process may not write into", dir.display()))
+                    Err(format!(
+                        "{}: a directory this process may not write into",
+                        dir.display()
+                    ))
                 } else {
-                    Err(format!("{}: cannot be created: {} is a directory this process may not write into", dir.display(), at.display()))
+                    Err(format!(
+                        "{}: cannot be created: {} is a directory this process may not write into",
+                        dir.display(),
+                        at.display()
+                    ))
                 };
             }
-            Ok(_) if at == dir => return Err(format!("{}: exists and is not a directory", dir.display())),
-            Ok(_) => return Err(format!("{}: cannot be created: {} exists and is not a directory", dir.display(), at.display())),
+            Ok(_) if at == dir => {
+                return Err(format!("{}: exists and is not a directory", dir.display()))
+            }
+            Ok(_) => {
+                return Err(format!(
+                    "{}: cannot be created: {} exists and is not a directory",
+                    dir.display(),
+                    at.display()
+                ))
+            }
             Err(e) if missing(&e) => {
                 // A link to nothing: `create_dir_all` cannot make a directory there.
                 if std::fs::symlink_metadata(at).is_ok_and(|m| m.file_type().is_symlink()) {
-                    return Err(format!("{}: {} is a symbolic link to nothing", dir.display(), at.display()));
+                    return Err(format!(
+                        "{}: {} is a symbolic link to nothing",
+                        dir.display(),
+                        at.display()
+                    ));
                 }
             }
             Err(e) => return Err(format!("{}: {e}", at.display())),
@@ -556,7 +683,10 @@ pub fn check_export_out(out: &Path) -> Result<(), String> {
         Err(e) => return Err(format!("{}: {e}", out.display())),
     };
     if dir.file_name().is_none() {
-        return Err(format!("{}: the export directory needs a name of its own (not `..` or a root)", out.display()));
+        return Err(format!(
+            "{}: the export directory needs a name of its own (not `..` or a root)",
+            out.display()
+        ));
     }
     let parent = match dir.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
@@ -571,14 +701,19 @@ pub fn check_export_out(out: &Path) -> Result<(), String> {
 
 /// A path that is not there: missing, or below something that is not a directory.
 fn missing(error: &std::io::Error) -> bool {
-    matches!(error.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory)
+    matches!(
+        error.kind(),
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+    )
 }
 
 /// Whether this process may create entries in the directory `dir`.
 #[cfg(unix)]
 fn writable(dir: &Path) -> bool {
     use std::os::unix::ffi::OsStrExt;
-    let Ok(path) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else { return false };
+    let Ok(path) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return false;
+    };
     // Safety: `path` is a NUL-terminated string that lives across the call; access(2) only reads it.
     unsafe { libc::access(path.as_ptr(), libc::W_OK | libc::X_OK) == 0 }
 }
@@ -607,8 +742,10 @@ pub fn expand(loaded: &Loaded, input: &Input) -> anyhow::Result<(Vec<PathBuf>, V
             }
             continue;
         }
-        let mut matched: Vec<PathBuf> =
-            glob::glob(&text).with_context(|| format!("pattern `{pattern}`"))?.filter_map(|entry| entry.ok()).collect();
+        let mut matched: Vec<PathBuf> = glob::glob(&text)
+            .with_context(|| format!("pattern `{pattern}`"))?
+            .filter_map(|entry| entry.ok())
+            .collect();
         matched.sort();
         if matched.is_empty() {
             unmatched.push(pattern.clone());
@@ -631,17 +768,41 @@ mod tests {
 
     #[test]
     fn unknown_keys_and_bad_values_name_the_file_and_key() {
-        let unknown = parse("name = \"x\"\n[embed]\nbatch = 3\n").unwrap_err().to_string();
-        assert!(unknown.contains("p.toml") && unknown.contains("unknown field `batch`"), "{unknown}");
-        let bad = parse("name = \"x\"\n[models]\njudge = \"maybe\"\n").unwrap_err().to_string();
-        assert!(bad.contains("p.toml") && bad.contains("key `models.judge`"), "{bad}");
-        let clusters = parse("name = \"x\"\n[consolidate]\nclusters = 0\n").unwrap_err().to_string();
-        assert!(clusters.contains("key `consolidate.clusters`"), "{clusters}");
-        let format = parse("name = \"x\"\n[[inputs]]\npaths = [\"a\"]\nformat = \"csv\"\n").unwrap_err().to_string();
+        let unknown = parse("name = \"x\"\n[embed]\nbatch = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            unknown.contains("p.toml") && unknown.contains("unknown field `batch`"),
+            "{unknown}"
+        );
+        let bad = parse("name = \"x\"\n[models]\njudge = \"maybe\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            bad.contains("p.toml") && bad.contains("key `models.judge`"),
+            "{bad}"
+        );
+        let clusters = parse("name = \"x\"\n[consolidate]\nclusters = 0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            clusters.contains("key `consolidate.clusters`"),
+            "{clusters}"
+        );
+        let format = parse("name = \"x\"\n[[inputs]]\npaths = [\"a\"]\nformat = \"csv\"\n")
+            .unwrap_err()
+            .to_string();
         assert!(format.contains("key `inputs[0].format`"), "{format}");
-        let model = parse("name = \"x\"\n[models]\ngenerator = \"gpt-9\"\n").unwrap_err().to_string();
-        assert!(model.contains("key `models.generator`") && model.contains("gpt-9"), "{model}");
-        let zero = parse("name = \"x\"\n[embed]\nbatch_size = 0\n").unwrap_err().to_string();
+        let model = parse("name = \"x\"\n[models]\ngenerator = \"gpt-9\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            model.contains("key `models.generator`") && model.contains("gpt-9"),
+            "{model}"
+        );
+        let zero = parse("name = \"x\"\n[embed]\nbatch_size = 0\n")
+            .unwrap_err()
+            .to_string();
         assert!(zero.contains("key `embed.batch_size`"), "{zero}");
         assert!(parse("name = \"x\"\n").is_ok());
     }
@@ -651,7 +812,10 @@ mod tests {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let demo = load(&root.join("pipelines/demo.toml")).unwrap();
         assert_eq!(demo.pipeline.name, "demo");
-        assert_eq!(demo.resolve(demo.pipeline.store.as_ref().unwrap()), root.join("pipelines/../fluxmem-store"));
+        assert_eq!(
+            demo.resolve(demo.pipeline.store.as_ref().unwrap()),
+            root.join("pipelines/../fluxmem-store")
+        );
         let (files, unmatched) = expand(&demo, &demo.pipeline.inputs[0]).unwrap();
         assert!(unmatched.is_empty() && files.len() == 2, "{files:?}");
         let nightly = load(&root.join("pipelines/nightly.toml")).unwrap();
@@ -671,27 +835,69 @@ mod tests {
             ("[export]\nmin_pems = -inf\n", "export.min_pems"),
             ("[export]\nmin_pems = nan\n", "export.min_pems"),
         ] {
-            let error = parse(&format!("name = \"x\"\n{text}")).unwrap_err().to_string();
-            assert!(error.contains("p.toml") && error.contains(&format!("key `{key}`")) && error.contains("must be a finite number"), "{text}: {error}");
+            let error = parse(&format!("name = \"x\"\n{text}"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.contains("p.toml")
+                    && error.contains(&format!("key `{key}`"))
+                    && error.contains("must be a finite number"),
+                "{text}: {error}"
+            );
         }
-        assert!(parse("name = \"x\"\n[refine]\nprune_below = 0.0\n[export]\nmin_pems = -0.25\n").is_ok());
+        assert!(
+            parse("name = \"x\"\n[refine]\nprune_below = 0.0\n[export]\nmin_pems = -0.25\n")
+                .is_ok()
+        );
     }
 
     #[test]
     fn run_ids_and_names_are_plain_file_names() {
         let longest = "x".repeat(RUN_ID_MAX);
-        for good in ["night", "demo-0123456789ab", "nightly-2026-11-29", "a.b_c-d", "0", longest.as_str()] {
+        for good in [
+            "night",
+            "demo-0123456789ab",
+            "nightly-2026-11-29",
+            "a.b_c-d",
+            "0",
+            longest.as_str(),
+        ] {
             assert!(check_run_id(good).is_ok(), "{good}");
         }
         let too_long = "x".repeat(RUN_ID_MAX + 1);
-        for bad in ["", "../../x", "/tmp/x", "..", ".", ".hidden", "-x", "a/b", "a\\b", "a b", "a:b", "caf\u{e9}", too_long.as_str()] {
+        for bad in [
+            "",
+            "../../x",
+            "/tmp/x",
+            "..",
+            ".",
+            ".hidden",
+            "-x",
+            "a/b",
+            "a\\b",
+            "a b",
+            "a:b",
+            "caf\u{e9}",
+            too_long.as_str(),
+        ] {
             let error = check_run_id(bad).unwrap_err();
-            assert!(error.contains("a run id must be 1 to 128 ASCII letters"), "{bad}: {error}");
+            assert!(
+                error.contains("a run id must be 1 to 128 ASCII letters"),
+                "{bad}: {error}"
+            );
         }
         // The default run id `<name>-<12 hex>` keeps to the rule.
         assert!(parse(&format!("name = \"{}\"\n", "n".repeat(NAME_MAX))).is_ok());
-        for name in ["n".repeat(NAME_MAX + 1), ".x".into(), "-x".into(), "a/b".into(), String::new()] {
-            let error = parse(&format!("name = \"{name}\"\n")).unwrap_err().to_string();
+        for name in [
+            "n".repeat(NAME_MAX + 1),
+            ".x".into(),
+            "-x".into(),
+            "a/b".into(),
+            String::new(),
+        ] {
+            let error = parse(&format!("name = \"{name}\"\n"))
+                .unwrap_err()
+                .to_string();
             assert!(error.contains("key `name`"), "{name}: {error}");
         }
     }
@@ -702,11 +908,22 @@ mod tests {
         let file = dir.path().join("file");
         std::fs::write(&file, "x").unwrap();
         assert!(check_output_dir(dir.path()).is_ok());
-        assert!(check_output_dir(&dir.path().join("new/deeper")).is_ok(), "created with its parents");
+        assert!(
+            check_output_dir(&dir.path().join("new/deeper")).is_ok(),
+            "created with its parents"
+        );
         let error = check_output_dir(&file).unwrap_err();
-        assert!(error.contains("exists and is not a directory") && error.contains(&file.display().to_string()), "{error}");
+        assert!(
+            error.contains("exists and is not a directory")
+                && error.contains(&file.display().to_string()),
+            "{error}"
+        );
         let error = check_output_dir(&file.join("run")).unwrap_err();
-        assert!(error.contains("cannot be created") && error.contains(&format!("{} exists and is not a directory", file.display())), "{error}");
+        assert!(
+            error.contains("cannot be created")
+                && error.contains(&format!("{} exists and is not a directory", file.display())),
+            "{error}"
+        );
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
@@ -723,29 +940,56 @@ mod tests {
         }
 
         // The export directory: what `export_skills` would refuse.
-        assert!(check_export_out(&dir.path().join("skills")).is_ok(), "missing: created");
+        assert!(
+            check_export_out(&dir.path().join("skills")).is_ok(),
+            "missing: created"
+        );
         let empty = dir.path().join("empty");
         std::fs::create_dir(&empty).unwrap();
         assert!(check_export_out(&empty).is_ok(), "empty: replaced");
-        assert!(check_export_out(&file).unwrap_err().contains("exists and is not a directory"));
-        assert!(check_export_out(&file.join("skills")).unwrap_err().contains("is not a directory"));
+        assert!(check_export_out(&file)
+            .unwrap_err()
+            .contains("exists and is not a directory"));
+        assert!(check_export_out(&file.join("skills"))
+            .unwrap_err()
+            .contains("is not a directory"));
         let busy = dir.path().join("busy");
         std::fs::create_dir(&busy).unwrap();
         std::fs::write(busy.join("notes.txt"), "mine").unwrap();
-        assert!(check_export_out(&busy).unwrap_err().contains("holds no release.json"));
+        assert!(check_export_out(&busy)
+            .unwrap_err()
+            .contains("holds no release.json"));
         let other = dir.path().join("other");
         std::fs::create_dir(&other).unwrap();
-        std::fs::write(other.join("release.json"), r#"{"format": "something-else"}"#).unwrap();
-        assert!(check_export_out(&other).unwrap_err().contains("not a fluxmem skill release"));
+        std::fs::write(
+            other.join("release.json"),
+            r#"{"format": "something-else"}"#,
+        )
+        .unwrap();
+        assert!(check_export_out(&other)
+            .unwrap_err()
+            .contains("not a fluxmem skill release"));
         let earlier = dir.path().join("earlier");
         std::fs::create_dir_all(earlier.join("a")).unwrap();
         std::fs::write(earlier.join("a/SKILL.md"), "skill").unwrap();
-        std::fs::write(earlier.join("release.json"), r#"{"format": "fluxmem-skills", "files": ["a/SKILL.md"]}"#).unwrap();
-        assert!(check_export_out(&earlier).is_ok(), "an earlier export: replaced");
+        std::fs::write(
+            earlier.join("release.json"),
+            r#"{"format": "fluxmem-skills", "files": ["a/SKILL.md"]}"#,
+        )
+        .unwrap();
+        assert!(
+            check_export_out(&earlier).is_ok(),
+            "an earlier export: replaced"
+        );
         std::fs::write(earlier.join("a/notes.txt"), "mine").unwrap();
         let error = check_export_out(&earlier).unwrap_err();
-        assert!(error.contains("a/notes.txt") && error.contains("does not list"), "{error}");
-        assert!(check_export_out(Path::new("/")).unwrap_err().contains("a name of its own"));
+        assert!(
+            error.contains("a/notes.txt") && error.contains("does not list"),
+            "{error}"
+        );
+        assert!(check_export_out(Path::new("/"))
+            .unwrap_err()
+            .contains("a name of its own"));
     }
 
     #[test]

@@ -10,13 +10,23 @@ pub struct IngestBar {
 
 impl IngestBar {
     pub fn new(enabled: bool) -> IngestBar {
-        let bar = ProgressBar::with_draw_target(Some(0), if enabled { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
+        let bar = ProgressBar::with_draw_target(
+            Some(0),
+            if enabled {
+                ProgressDrawTarget::stderr()
+            } else {
+                ProgressDrawTarget::hidden()
+            },
+        );
         bar.set_style(
             ProgressStyle::with_template("{spinner} ingest [{bar:30}] {bytes}/{total_bytes} {msg}")
                 .expect("static template is valid")
                 .progress_chars("=> "),
         );
-        IngestBar { bar, quarantined: 0 }
+        IngestBar {
+            bar,
+            quarantined: 0,
+        }
     }
 
     pub fn finish(&self) {
@@ -32,14 +42,22 @@ impl fluxmem_ingest::Progress for IngestBar {
     fn advance(&mut self, bytes: u64, file: &str) {
         self.bar.inc(bytes);
         let name = file.rsplit('/').next().unwrap_or(file);
-        self.bar.set_message(format!("{name} ({} quarantined)", self.quarantined));
+        self.bar
+            .set_message(format!("{name} ({} quarantined)", self.quarantined));
     }
 
     fn quarantined(&mut self, rejected: &fluxmem_ingest::Rejected) {
         self.quarantined += 1;
-        let field = rejected.field.as_deref().map(|f| format!(", field {f}")).unwrap_or_default();
+        let field = rejected
+            .field
+            .as_deref()
+            .map(|f| format!(", field {f}"))
+            .unwrap_or_default();
         self.bar.suspend(|| {
-            eprintln!("quarantined: {}:{} ({}{}): {}", rejected.file, rejected.line, rejected.locator, field, rejected.reason)
+            eprintln!(
+                "quarantined: {}:{} ({}{}): {}",
+                rejected.file, rejected.line, rejected.locator, field, rejected.reason
+            )
         });
     }
 }
@@ -51,11 +69,20 @@ pub struct CountBar {
 
 impl CountBar {
     pub fn new(enabled: bool, stage: &str) -> CountBar {
-        let bar = ProgressBar::with_draw_target(Some(0), if enabled { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
+        let bar = ProgressBar::with_draw_target(
+            Some(0),
+            if enabled {
+                ProgressDrawTarget::stderr()
+            } else {
+                ProgressDrawTarget::hidden()
+            },
+        );
         bar.set_style(
-            ProgressStyle::with_template(&format!("{{spinner}} {stage} [{{bar:30}}] {{pos}}/{{len}} ({{per_sec}}, eta {{eta}})"))
-                .expect("template is valid")
-                .progress_chars("=> "),
+            ProgressStyle::with_template(&format!(
+                "{{spinner}} {stage} [{{bar:30}}] {{pos}}/{{len}} ({{per_sec}}, eta {{eta}})"
+            ))
+            .expect("template is valid")
+            .progress_chars("=> "),
         );
         CountBar { bar }
     }

@@ -15,7 +15,11 @@ fn repo() -> PathBuf {
 
 fn fluxmem(store: &Path) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_fluxmem"));
-    command.arg("--store").arg(store).arg("--no-progress").env_remove("FLUXMEM_FAULT");
+    command
+        .arg("--store")
+        .arg(store)
+        .arg("--no-progress")
+        .env_remove("FLUXMEM_FAULT");
     command
 }
 
@@ -25,13 +29,25 @@ fn run(command: &mut Command) -> Output {
 
 /// Ingests the sample trajectories and knowledge files into `store`.
 fn ingest_samples(store: &Path) {
-    let output = run(fluxmem(store).arg("ingest").arg(repo().join("data/trajectories.jsonl")).arg(repo().join("data/knowledge")));
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let output = run(fluxmem(store)
+        .arg("ingest")
+        .arg(repo().join("data/trajectories.jsonl"))
+        .arg(repo().join("data/knowledge")));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 fn stdout_json(output: &Output) -> Value {
     let text = String::from_utf8_lossy(&output.stdout);
-    serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {text}\nstderr: {}", String::from_utf8_lossy(&output.stderr)))
+    serde_json::from_str(text.trim()).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not JSON ({e}): {text}\nstderr: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
 }
 
 #[test]
@@ -39,17 +55,26 @@ fn main_job_on_the_samples_ingests_and_prints_stats() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let output = run(fluxmem(&store).arg("ingest").arg(repo().join("data")));
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(text.contains("0 quarantined"), "{text}");
     let stats = stdout_json(&run(fluxmem(&store).args(["stats", "--json"])));
     // 7 JSONL episodes, 4 tau-bench runs, 6 ALFWorld transcripts, 5 chat conversations, 2 OTel agent runs.
     assert_eq!(stats["nodes"]["episodic"], 7 + 4 + 6 + 5 + 2, "{stats}");
     assert_eq!(stats["nodes"]["procedural"], 0);
-    assert_eq!(stats["edges"], serde_json::json!({"ground": 0, "distill": 0, "link": 0}));
+    assert_eq!(
+        stats["edges"],
+        serde_json::json!({"ground": 0, "distill": 0, "link": 0})
+    );
     assert_eq!(stats["embedded"], 0);
     assert!(stats["manifest_version"].as_u64().unwrap() >= 1);
-    let again = stdout_json(&run(fluxmem(&store).args(["ingest", "--json"]).arg(repo().join("data"))));
+    let again = stdout_json(&run(fluxmem(&store)
+        .args(["ingest", "--json"])
+        .arg(repo().join("data"))));
     assert_eq!(again["ingested"], 0, "{again}");
     assert_eq!(again["duplicates"], again["read"]);
     assert_eq!(again["quarantine_file"], Value::Null);
@@ -59,18 +84,38 @@ fn main_job_on_the_samples_ingests_and_prints_stats() {
 fn quarantine_sets_exit_status_3_and_the_json_contract() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
-    let output = run(fluxmem(&store).args(["ingest", "--json"]).arg(repo().join("tests/data/malformed/episodes.jsonl")));
-    assert_eq!(output.status.code(), Some(3), "{}", String::from_utf8_lossy(&output.stderr));
+    let output = run(fluxmem(&store)
+        .args(["ingest", "--json"])
+        .arg(repo().join("tests/data/malformed/episodes.jsonl")));
+    assert_eq!(
+        output.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let report = stdout_json(&output);
-    for key in ["read", "ingested", "duplicates", "quarantined", "quarantine_file"] {
+    for key in [
+        "read",
+        "ingested",
+        "duplicates",
+        "quarantined",
+        "quarantine_file",
+    ] {
         assert!(report.get(key).is_some(), "missing {key}: {report}");
     }
     assert_eq!(report["read"], 12);
     assert_eq!(report["quarantined"], 10);
     let quarantine = PathBuf::from(report["quarantine_file"].as_str().unwrap());
-    assert_eq!(std::fs::read_to_string(quarantine).unwrap().lines().count(), 10);
+    assert_eq!(
+        std::fs::read_to_string(quarantine).unwrap().lines().count(),
+        10
+    );
     let missing = run(fluxmem(&store).args(["ingest", "/definitely/not/here.jsonl"]));
-    assert_eq!(missing.status.code(), Some(3), "a missing input is quarantined, not fatal");
+    assert_eq!(
+        missing.status.code(),
+        Some(3),
+        "a missing input is quarantined, not fatal"
+    );
     let bad_format = run(fluxmem(&store).args(["ingest", "--format", "csv", "x"]));
     assert_eq!(bad_format.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&bad_format.stderr).contains("unknown format `csv`"));
@@ -89,30 +134,52 @@ fn a_held_lock_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let writer = fluxmem_store::Writer::open(&store).unwrap();
-    let output = run(fluxmem(&store).arg("ingest").arg(repo().join("data/trajectories.jsonl")));
+    let output = run(fluxmem(&store)
+        .arg("ingest")
+        .arg(repo().join("data/trajectories.jsonl")));
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("locked by another writer") && stderr.contains(&format!("pid {}", std::process::id())), "{stderr}");
+    assert!(
+        stderr.contains("locked by another writer")
+            && stderr.contains(&format!("pid {}", std::process::id())),
+        "{stderr}"
+    );
     drop(writer);
-    assert!(run(fluxmem(&store).arg("ingest").arg(repo().join("data/trajectories.jsonl"))).status.success());
+    assert!(run(fluxmem(&store)
+        .arg("ingest")
+        .arg(repo().join("data/trajectories.jsonl")))
+    .status
+    .success());
 }
 
 /// Inputs that take several commits: the samples in every format plus a tiny LoCoMo
 /// conversation (all in the repo), 3 records a commit.
 fn resume_inputs() -> Vec<PathBuf> {
-    vec![repo().join("data"), repo().join("tests/data/locomo/tiny_locomo.json")]
+    vec![
+        repo().join("data"),
+        repo().join("tests/data/locomo/tiny_locomo.json"),
+    ]
 }
 
 fn ingest_cmd(store: &Path) -> Command {
     let mut command = fluxmem(store);
-    command.args(["ingest", "--batch-records", "3"]).args(resume_inputs());
+    command
+        .args(["ingest", "--batch-records", "3"])
+        .args(resume_inputs());
     command
 }
 
 /// The committed content of a store: every live shard's file name, rows and checksum.
 fn shard_list(store: &Path) -> Vec<(String, u64, String)> {
-    let manifest = fluxmem_store::Store::open(store).unwrap().manifest().unwrap();
-    manifest.shards.into_iter().map(|s| (s.file, s.rows, s.sha256)).collect()
+    let manifest = fluxmem_store::Store::open(store)
+        .unwrap()
+        .manifest()
+        .unwrap();
+    manifest
+        .shards
+        .into_iter()
+        .map(|s| (s.file, s.rows, s.sha256))
+        .collect()
 }
 
 #[test]
@@ -121,8 +188,15 @@ fn killed_ingest_resumes_to_exactly_the_uninterrupted_store() {
     let reference = dir.path().join("reference");
     assert!(run(&mut ingest_cmd(&reference)).status.success());
     let expected = shard_list(&reference);
-    let expected_graph = fluxmem_store::Store::open(&reference).unwrap().load().unwrap();
-    let commits = fluxmem_store::Store::open(&reference).unwrap().manifest().unwrap().version;
+    let expected_graph = fluxmem_store::Store::open(&reference)
+        .unwrap()
+        .load()
+        .unwrap();
+    let commits = fluxmem_store::Store::open(&reference)
+        .unwrap()
+        .manifest()
+        .unwrap()
+        .version;
     assert!(commits >= 8, "the input spans several commits ({commits})");
 
     // A crash exactly between the shard writes and the manifest rename of each commit, and
@@ -130,12 +204,27 @@ fn killed_ingest_resumes_to_exactly_the_uninterrupted_store() {
     for version in 1..=commits {
         for point in ["before-manifest", "after-manifest"] {
             let store = dir.path().join(format!("crash-{point}-{version}"));
-            let crashed = run(ingest_cmd(&store).env("FLUXMEM_FAULT", format!("{point}:{version}")));
-            assert!(!crashed.status.success(), "the fault at {point}:{version} fired");
+            let crashed =
+                run(ingest_cmd(&store).env("FLUXMEM_FAULT", format!("{point}:{version}")));
+            assert!(
+                !crashed.status.success(),
+                "the fault at {point}:{version} fired"
+            );
             let resumed = run(&mut ingest_cmd(&store));
-            assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
-            assert!(String::from_utf8_lossy(&resumed.stderr).contains("stale store lock"), "the crash left a stale lock");
-            assert_eq!(shard_list(&store), expected, "store after a crash at {point}:{version} and a re-run");
+            assert!(
+                resumed.status.success(),
+                "{}",
+                String::from_utf8_lossy(&resumed.stderr)
+            );
+            assert!(
+                String::from_utf8_lossy(&resumed.stderr).contains("stale store lock"),
+                "the crash left a stale lock"
+            );
+            assert_eq!(
+                shard_list(&store),
+                expected,
+                "store after a crash at {point}:{version} and a re-run"
+            );
             let orphans = std::fs::read_dir(store.join("shards")).unwrap().count();
             assert_eq!(orphans, expected.len(), "no leftover shard files");
             std::fs::remove_dir_all(&store).unwrap();
@@ -150,9 +239,20 @@ fn killed_ingest_resumes_to_exactly_the_uninterrupted_store() {
         let _ = child.kill();
         let _ = child.wait();
         let resumed = run(&mut ingest_cmd(&store));
-        assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
-        assert_eq!(shard_list(&store), expected, "store after SIGKILL at {delay_ms} ms and a re-run");
-        assert_eq!(fluxmem_store::Store::open(&store).unwrap().load().unwrap(), expected_graph);
+        assert!(
+            resumed.status.success(),
+            "{}",
+            String::from_utf8_lossy(&resumed.stderr)
+        );
+        assert_eq!(
+            shard_list(&store),
+            expected,
+            "store after SIGKILL at {delay_ms} ms and a re-run"
+        );
+        assert_eq!(
+            fluxmem_store::Store::open(&store).unwrap().load().unwrap(),
+            expected_graph
+        );
     }
 }
 
@@ -173,17 +273,37 @@ fn python() -> PathBuf {
 fn shards_are_plain_parquet_for_pyarrow_and_duckdb() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
-    let output = run(fluxmem(&store).arg("ingest").arg(repo().join("tests/data/locomo/tiny_locomo.json")).arg(repo().join("data")));
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let output = run(fluxmem(&store)
+        .arg("ingest")
+        .arg(repo().join("tests/data/locomo/tiny_locomo.json"))
+        .arg(repo().join("data")));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     // Embeddings come from the embed stage; here a few known vectors exercise the column type.
     let mut writer = fluxmem_store::Writer::open(&store).unwrap();
     let graph = writer.store().load().unwrap();
     let mut embeddings = Graph::default();
     for (i, id) in graph.nodes.keys().take(10).enumerate() {
         let vector = (0..8).map(|j| (i * 8 + j) as f32 / 100.0).collect();
-        embeddings.upsert_embedding(Embedding { node_id: id.clone(), model_id: "test".into(), text_sha256: "x".into(), vector });
+        embeddings.upsert_embedding(Embedding {
+            node_id: id.clone(),
+            model_id: "test".into(),
+            text_sha256: "x".into(),
+            vector,
+        });
     }
-    writer.commit(&embeddings, fluxmem_store::CommitInfo { stage: "test".into(), ..Default::default() }).unwrap();
+    writer
+        .commit(
+            &embeddings,
+            fluxmem_store::CommitInfo {
+                stage: "test".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
     drop(writer);
     let count = |kind| graph.nodes.values().filter(|n| n.kind() == kind).count();
     let first_vector_value = embeddings.embeddings.values().next().unwrap().vector[0];
@@ -194,7 +314,10 @@ fn shards_are_plain_parquet_for_pyarrow_and_duckdb() {
         "first_vector_value": first_vector_value,
         "probe": {"locator": "tiny-1/D1:1", "text": "Alice: I adopted a puppy from the shelter last week"},
     });
-    let output = run(Command::new(python()).arg(repo().join("tests/python/read_shards.py")).arg(&store).arg(expected.to_string()));
+    let output = run(Command::new(python())
+        .arg(repo().join("tests/python/read_shards.py"))
+        .arg(&store)
+        .arg(expected.to_string()));
     assert!(
         output.status.success(),
         "python reader failed:\n{}\n{}",
@@ -211,11 +334,24 @@ fn shards_rewritten_by_pyarrow_read_back_the_same() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let output = run(fluxmem(&store).arg("ingest").arg(repo().join("data")));
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let before = fluxmem_store::Store::open(&store).unwrap().load().unwrap();
-    let output = run(Command::new(python()).arg(repo().join("tests/python/rewrite_shards.py")).arg(&store));
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let after = fluxmem_store::Store::open(&store).unwrap().load().unwrap_or_else(|e| panic!("{e}"));
+    let output = run(Command::new(python())
+        .arg(repo().join("tests/python/rewrite_shards.py"))
+        .arg(&store));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let after = fluxmem_store::Store::open(&store)
+        .unwrap()
+        .load()
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(after, before);
 }
 
@@ -223,7 +359,16 @@ fn shards_rewritten_by_pyarrow_read_back_the_same() {
 fn help_explains_every_flag() {
     let output = run(Command::new(env!("CARGO_BIN_EXE_fluxmem")).args(["ingest", "--help"]));
     let help = String::from_utf8_lossy(&output.stdout);
-    for flag in ["--format", "--tenant", "--agent", "--max-record-bytes", "--json", "--store", "--no-progress", "--batch-records"] {
+    for flag in [
+        "--format",
+        "--tenant",
+        "--agent",
+        "--max-record-bytes",
+        "--json",
+        "--store",
+        "--no-progress",
+        "--batch-records",
+    ] {
         assert!(help.contains(flag), "ingest --help lacks {flag}");
     }
     let output = run(Command::new(env!("CARGO_BIN_EXE_fluxmem")).arg("--help"));
@@ -236,34 +381,75 @@ fn export_skills_twice_is_byte_identical_and_bad_flags_exit_1() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let mut graph = Graph::default();
-    let body = NodeBody::Procedural(Skill { version: 1, previous_versions: vec![], source_episodes: vec!["epi-a".into()], pems_history: vec![0.3, 0.31] });
-    let mut node = Node::new(body, "default", "Name: Clean \"it\"\nDescription: d\nSteps:\n1. wash\n", &["skill", "v1", "epi-a"]);
-    for (key, value) in [("name", serde_json::json!("Clean \"it\"")), ("description", serde_json::json!("d: when\ndirty")), ("steps", serde_json::json!(["wash"]))] {
+    let body = NodeBody::Procedural(Skill {
+        version: 1,
+        previous_versions: vec![],
+        source_episodes: vec!["epi-a".into()],
+        pems_history: vec![0.3, 0.31],
+    });
+    let mut node = Node::new(
+        body,
+        "default",
+        "Name: Clean \"it\"\nDescription: d\nSteps:\n1. wash\n",
+        &["skill", "v1", "epi-a"],
+    );
+    for (key, value) in [
+        ("name", serde_json::json!("Clean \"it\"")),
+        ("description", serde_json::json!("d: when\ndirty")),
+        ("steps", serde_json::json!(["wash"])),
+    ] {
         node.metadata.insert(key.into(), value);
     }
     graph.upsert_node(node);
     let mut writer = fluxmem_store::Writer::open(&store).unwrap();
-    writer.commit(&graph, fluxmem_store::CommitInfo { stage: "test".into(), ..Default::default() }).unwrap();
+    writer
+        .commit(
+            &graph,
+            fluxmem_store::CommitInfo {
+                stage: "test".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
     drop(writer);
     let read_all = |out: &Path| {
         let mut files: Vec<(String, Vec<u8>)> = Vec::new();
         for path in [out.join("release.json"), out.join("clean-it/SKILL.md")] {
             files.push((path.display().to_string(), std::fs::read(&path).unwrap()));
         }
-        files.into_iter().map(|(_, bytes)| bytes).collect::<Vec<_>>()
+        files
+            .into_iter()
+            .map(|(_, bytes)| bytes)
+            .collect::<Vec<_>>()
     };
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
     for out in [&a, &b] {
-        let output = run(fluxmem(&store).args(["export", "skills", "--format", "skill-md", "--json", "--out"]).arg(out));
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let output = run(fluxmem(&store)
+            .args([
+                "export", "skills", "--format", "skill-md", "--json", "--out",
+            ])
+            .arg(out));
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         assert_eq!(stdout_json(&output)["skills"], 1);
     }
     assert_eq!(read_all(&a), read_all(&b));
     let skill_md = String::from_utf8(read_all(&a)[1].clone()).unwrap();
-    assert!(skill_md.contains("description: \"d: when\\ndirty\"\n"), "{skill_md}");
-    assert!(skill_md.contains("\nmetadata:\n  title: \"Clean \\\"it\\\"\"\n"), "{skill_md}");
+    assert!(
+        skill_md.contains("description: \"d: when\\ndirty\"\n"),
+        "{skill_md}"
+    );
+    assert!(
+        skill_md.contains("\nmetadata:\n  title: \"Clean \\\"it\\\"\"\n"),
+        "{skill_md}"
+    );
     assert!(skill_md.contains("\n  pems: \"0.31\"\n"), "{skill_md}");
-    let bad = run(fluxmem(&store).args(["export", "skills", "--format", "yaml", "--out"]).arg(dir.path().join("c")));
+    let bad = run(fluxmem(&store)
+        .args(["export", "skills", "--format", "yaml", "--out"])
+        .arg(dir.path().join("c")));
     assert_eq!(bad.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("expected skill-md, jsonl or parquet"));
     let bad = run(fluxmem(&store).args(["consolidate", "--clusters", "zero"]));
@@ -275,15 +461,30 @@ fn export_skills_twice_is_byte_identical_and_bad_flags_exit_1() {
 /// split rows and columns over threads, never the reduced dimension.
 #[test]
 fn embeddings_are_the_same_bits_at_any_thread_count() {
-    let texts = ["get_reservation_details then cancel_reservation", "ok", "The refund goes to the original payment method within 7 days."];
+    let texts = [
+        "get_reservation_details then cancel_reservation",
+        "ok",
+        "The refund goes to the original payment method within 7 days.",
+    ];
     let embed = |threads: &str| {
-        let output = run(Command::new(env!("CARGO_BIN_EXE_fluxmem")).args(["models", "embed"]).args(texts).env("RAYON_NUM_THREADS", threads));
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let output = run(Command::new(env!("CARGO_BIN_EXE_fluxmem"))
+            .args(["models", "embed"])
+            .args(texts)
+            .env("RAYON_NUM_THREADS", threads));
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         output.stdout
     };
     let one = embed("1");
     assert!(one.len() > 1000, "vectors printed");
-    assert_eq!(one, embed("2"), "1 thread and 2 threads give identical vectors");
+    assert_eq!(
+        one,
+        embed("2"),
+        "1 thread and 2 threads give identical vectors"
+    );
 }
 
 /// Greedy generation gives the same text with one thread as with two, with the weights the
@@ -295,14 +496,34 @@ fn generation_is_the_same_at_any_thread_count() {
     for weights in ["q8", "dequantized"] {
         let generate = |threads: &str| {
             let output = run(Command::new(env!("CARGO_BIN_EXE_fluxmem"))
-                .args(["models", "generate", "--model", "smollm2-135m-instruct-q4_1", "--device", "cpu", "--max-tokens", "48", "--weights", weights, prompt])
+                .args([
+                    "models",
+                    "generate",
+                    "--model",
+                    "smollm2-135m-instruct-q4_1",
+                    "--device",
+                    "cpu",
+                    "--max-tokens",
+                    "48",
+                    "--weights",
+                    weights,
+                    prompt,
+                ])
                 .env("RAYON_NUM_THREADS", threads));
-            assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+            assert!(
+                output.status.success(),
+                "{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
             String::from_utf8(output.stdout).unwrap()
         };
         let one = generate("1");
         assert!(one.split_whitespace().count() > 5, "a real answer: {one:?}");
-        assert_eq!(one, generate("2"), "{weights}: 1 thread and 2 threads give the same text");
+        assert_eq!(
+            one,
+            generate("2"),
+            "{weights}: 1 thread and 2 threads give the same text"
+        );
     }
 }
 
@@ -310,36 +531,114 @@ fn generation_is_the_same_at_any_thread_count() {
 fn non_finite_and_out_of_range_numbers_are_refused_before_the_store_is_touched() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
-    assert!(run(fluxmem(&store).arg("ingest").arg(repo().join("data/trajectories.jsonl"))).status.success());
+    assert!(run(fluxmem(&store)
+        .arg("ingest")
+        .arg(repo().join("data/trajectories.jsonl")))
+    .status
+    .success());
     let before = shard_list(&store);
     let out = dir.path().join("out");
     let out_flag = format!("--out={}", out.display());
     let cases: [(&[&str], &str); 18] = [
-        (&["refine", "--prior", "inf"], "--prior `inf`: must be a finite number greater than zero"),
-        (&["refine", "--prior", "0"], "--prior `0`: must be a finite number greater than zero"),
-        (&["refine", "--prune-below", "nan"], "--prune-below `NaN`: must be a finite number"),
-        (&["refine", "--prune-below=-0.5"], "--prune-below `-0.5`: must be a finite number, zero or more"),
-        (&["connect", "--weights", "1,NaN,0.3"], "--weights `NaN`: must be a finite number"),
-        (&["connect", "--weights", "1,0.5,inf"], "--weights `inf`: must be a finite number"),
-        (&["connect", "--weights=1,-0.5,0.3"], "--weights `-0.5`: must be a finite number, zero or more"),
-        (&["consolidate", "--epsilon", "inf"], "--epsilon `inf`: must be a finite number"),
-        (&["consolidate", "--epsilon=-0.01"], "--epsilon `-0.01`: must be a finite number, zero or more"),
-        (&["export", "skills", "--min-pems", "nan", out_flag.as_str()], "--min-pems `NaN`: must be a finite number"),
-        (&["export", "skills", "--min-pems=-inf", out_flag.as_str()], "--min-pems `-inf`: must be a finite number"),
-        (&["query", "--adjacency", "nan", "refund"], "--adjacency `NaN`: must be a finite number"),
-        (&["query", "--adjacency=-0.3", "refund"], "--adjacency `-0.3`: must be a finite number, zero or more"),
-        (&["query", "--entity", "inf", "refund"], "--entity `inf`: must be a finite number"),
-        (&["query", "--sufficient-at=-0.2", "--refine-rounds", "1", "refund"], "--sufficient-at `-0.2`: must be a finite number, zero or more"),
-        (&["query", "--merge-above=-0.9", "--refine-rounds", "1", "refund"], "--merge-above `-0.9`: must be a finite number, zero or more"),
-        (&["eval", "locomo", "--data", "x.json", "--merge-above", "nan"], "--merge-above `NaN`: must be a finite number"),
-        (&["query", "--units", "prev", "refund"], "units `prev`: expected plain, context, or a comma list of previous and stem"),
+        (
+            &["refine", "--prior", "inf"],
+            "--prior `inf`: must be a finite number greater than zero",
+        ),
+        (
+            &["refine", "--prior", "0"],
+            "--prior `0`: must be a finite number greater than zero",
+        ),
+        (
+            &["refine", "--prune-below", "nan"],
+            "--prune-below `NaN`: must be a finite number",
+        ),
+        (
+            &["refine", "--prune-below=-0.5"],
+            "--prune-below `-0.5`: must be a finite number, zero or more",
+        ),
+        (
+            &["connect", "--weights", "1,NaN,0.3"],
+            "--weights `NaN`: must be a finite number",
+        ),
+        (
+            &["connect", "--weights", "1,0.5,inf"],
+            "--weights `inf`: must be a finite number",
+        ),
+        (
+            &["connect", "--weights=1,-0.5,0.3"],
+            "--weights `-0.5`: must be a finite number, zero or more",
+        ),
+        (
+            &["consolidate", "--epsilon", "inf"],
+            "--epsilon `inf`: must be a finite number",
+        ),
+        (
+            &["consolidate", "--epsilon=-0.01"],
+            "--epsilon `-0.01`: must be a finite number, zero or more",
+        ),
+        (
+            &["export", "skills", "--min-pems", "nan", out_flag.as_str()],
+            "--min-pems `NaN`: must be a finite number",
+        ),
+        (
+            &["export", "skills", "--min-pems=-inf", out_flag.as_str()],
+            "--min-pems `-inf`: must be a finite number",
+        ),
+        (
+            &["query", "--adjacency", "nan", "refund"],
+            "--adjacency `NaN`: must be a finite number",
+        ),
+        (
+            &["query", "--adjacency=-0.3", "refund"],
+            "--adjacency `-0.3`: must be a finite number, zero or more",
+        ),
+        (
+            &["query", "--entity", "inf", "refund"],
+            "--entity `inf`: must be a finite number",
+        ),
+        (
+            &[
+                "query",
+                "--sufficient-at=-0.2",
+                "--refine-rounds",
+                "1",
+                "refund",
+            ],
+            "--sufficient-at `-0.2`: must be a finite number, zero or more",
+        ),
+        (
+            &[
+                "query",
+                "--merge-above=-0.9",
+                "--refine-rounds",
+                "1",
+                "refund",
+            ],
+            "--merge-above `-0.9`: must be a finite number, zero or more",
+        ),
+        (
+            &["eval", "locomo", "--data", "x.json", "--merge-above", "nan"],
+            "--merge-above `NaN`: must be a finite number",
+        ),
+        (
+            &["query", "--units", "prev", "refund"],
+            "units `prev`: expected plain, context, or a comma list of previous and stem",
+        ),
     ];
     for (args, message) in cases {
         let output = run(fluxmem(&store).args(args));
         let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(1), "{args:?}: a flag value that is not valid is exit status 1: {stderr}");
+        assert_eq!(
+            output.status.code(),
+            Some(1),
+            "{args:?}: a flag value that is not valid is exit status 1: {stderr}"
+        );
         assert!(stderr.contains(message), "{args:?}: {stderr}");
-        assert_eq!(shard_list(&store), before, "{args:?}: the store is untouched");
+        assert_eq!(
+            shard_list(&store),
+            before,
+            "{args:?}: the store is untouched"
+        );
         assert!(!out.exists(), "{args:?}: nothing exported");
     }
     // A store that does not exist is not created either.
@@ -359,14 +658,28 @@ fn export_skills_checks_the_output_directory_before_loading_the_store() {
     let busy = dir.path().join("busy");
     std::fs::create_dir(&busy).unwrap();
     std::fs::write(busy.join("notes.txt"), "mine").unwrap();
-    for (out, why) in [(&file, "exists and is not a directory"), (&busy, "holds no release.json")] {
+    for (out, why) in [
+        (&file, "exists and is not a directory"),
+        (&busy, "holds no release.json"),
+    ] {
         let output = run(fluxmem(&store).args(["export", "skills", "--out"]).arg(out));
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(1), "{stderr}");
-        assert!(stderr.contains("--out") && stderr.contains(&out.display().to_string()) && stderr.contains(why), "{stderr}");
-        assert!(!stderr.contains("fluxmem ingest"), "not the missing-store error: {stderr}");
+        assert!(
+            stderr.contains("--out")
+                && stderr.contains(&out.display().to_string())
+                && stderr.contains(why),
+            "{stderr}"
+        );
+        assert!(
+            !stderr.contains("fluxmem ingest"),
+            "not the missing-store error: {stderr}"
+        );
     }
-    assert_eq!(std::fs::read_to_string(busy.join("notes.txt")).unwrap(), "mine");
+    assert_eq!(
+        std::fs::read_to_string(busy.join("notes.txt")).unwrap(),
+        "mine"
+    );
     assert!(!store.exists());
 }
 
@@ -391,45 +704,97 @@ fn query_answers_from_one_tenant_only() {
     let input = dir.path().join("two.jsonl");
     std::fs::write(&input, TWO_TENANTS).unwrap();
     let stderr = |output: &Output| String::from_utf8_lossy(&output.stderr).to_string();
-    for args in [vec!["ingest", input.to_str().unwrap()], vec!["embed", "--device", "cpu"], vec!["connect", "--device", "cpu"], vec!["refine"]] {
+    for args in [
+        vec!["ingest", input.to_str().unwrap()],
+        vec!["embed", "--device", "cpu"],
+        vec!["connect", "--device", "cpu"],
+        vec!["refine"],
+    ] {
         let output = run(fluxmem(&store).args(&args));
         assert!(output.status.success(), "{args:?}: {}", stderr(&output));
     }
     let graph = fluxmem_store::Store::open(&store).unwrap().load().unwrap();
-    assert!(graph.edges.values().any(|e| e.kind == fluxmem_graph::EdgeKind::Ground));
+    assert!(graph
+        .edges
+        .values()
+        .any(|e| e.kind == fluxmem_graph::EdgeKind::Ground));
     for edge in graph.edges.values() {
         let (src, dst) = (&graph.nodes[&edge.src], &graph.nodes[&edge.dst]);
-        assert_eq!(src.tenant, dst.tenant, "{:?} edge {:?} -> {:?} joins two tenants", edge.kind, src.text, dst.text);
+        assert_eq!(
+            src.tenant, dst.tenant,
+            "{:?} edge {:?} -> {:?} joins two tenants",
+            edge.kind, src.text, dst.text
+        );
     }
 
     let question = "refund my damaged order to my card";
     let unnamed = run(fluxmem(&store).args(["query", "--device", "cpu", question]));
     assert_eq!(unnamed.status.code(), Some(1), "{}", stderr(&unnamed));
     let message = stderr(&unnamed);
-    assert!(message.contains("acme, globex") && message.contains("--tenant"), "{message}");
-    let unknown = run(fluxmem(&store).args(["query", "--device", "cpu", "--tenant", "initech", question]));
+    assert!(
+        message.contains("acme, globex") && message.contains("--tenant"),
+        "{message}"
+    );
+    let unknown =
+        run(fluxmem(&store).args(["query", "--device", "cpu", "--tenant", "initech", question]));
     assert_eq!(unknown.status.code(), Some(1));
-    assert!(stderr(&unknown).contains("initech") && stderr(&unknown).contains("acme, globex"), "{}", stderr(&unknown));
+    assert!(
+        stderr(&unknown).contains("initech") && stderr(&unknown).contains("acme, globex"),
+        "{}",
+        stderr(&unknown)
+    );
 
-    let answer = run(fluxmem(&store).args(["query", "--device", "cpu", "--tenant", "acme", "--json", question]));
+    let answer = run(fluxmem(&store).args([
+        "query", "--device", "cpu", "--tenant", "acme", "--json", question,
+    ]));
     assert!(answer.status.success(), "{}", stderr(&answer));
-    assert!(!String::from_utf8_lossy(&answer.stdout).contains("4111"), "tenant B's secret leaked");
+    assert!(
+        !String::from_utf8_lossy(&answer.stdout).contains("4111"),
+        "tenant B's secret leaked"
+    );
     let context = stdout_json(&answer);
-    assert_eq!((&context["tenant"], &context["not_embedded"]), (&Value::from("acme"), &Value::from(0)));
+    assert_eq!(
+        (&context["tenant"], &context["not_embedded"]),
+        (&Value::from("acme"), &Value::from(0))
+    );
     let items = context["items"].as_array().unwrap();
-    assert_eq!(items.len(), 4, "acme's two episodes and two facts: {context}");
-    assert!(items.iter().all(|item| item["tenant"] == "acme"), "{context}");
+    assert_eq!(
+        items.len(),
+        4,
+        "acme's two episodes and two facts: {context}"
+    );
+    assert!(
+        items.iter().all(|item| item["tenant"] == "acme"),
+        "{context}"
+    );
 
     // A fact ingested after embedding: the query answers from the rest and says so.
     let late = dir.path().join("late.jsonl");
-    std::fs::write(&late, "{\"type\":\"fact\",\"tenant\":\"acme\",\"text\":\"Refunds over 500 need a manager.\"}\n").unwrap();
-    assert!(run(fluxmem(&store).arg("ingest").arg(&late)).status.success());
-    let partial = run(fluxmem(&store).args(["query", "--device", "cpu", "--tenant", "acme", "--json", question]));
+    std::fs::write(
+        &late,
+        "{\"type\":\"fact\",\"tenant\":\"acme\",\"text\":\"Refunds over 500 need a manager.\"}\n",
+    )
+    .unwrap();
+    assert!(run(fluxmem(&store).arg("ingest").arg(&late))
+        .status
+        .success());
+    let partial = run(fluxmem(&store).args([
+        "query", "--device", "cpu", "--tenant", "acme", "--json", question,
+    ]));
     assert!(partial.status.success(), "{}", stderr(&partial));
-    assert!(stderr(&partial).contains("1 nodes of tenant `acme`") && stderr(&partial).contains("fluxmem embed"), "{}", stderr(&partial));
+    assert!(
+        stderr(&partial).contains("1 nodes of tenant `acme`")
+            && stderr(&partial).contains("fluxmem embed"),
+        "{}",
+        stderr(&partial)
+    );
     let context = stdout_json(&partial);
     assert_eq!(context["not_embedded"], 1);
-    assert_eq!(context["items"].as_array().unwrap().len(), 4, "the embedded items only");
+    assert_eq!(
+        context["items"].as_array().unwrap().len(),
+        4,
+        "the embedded items only"
+    );
 }
 
 /// `--wait S`: a writer that finds the lock held waits for it (saying so) instead of failing,
@@ -439,10 +804,15 @@ fn wait_takes_the_lock_when_the_holder_lets_go() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let writer = fluxmem_store::Writer::open(&store).unwrap();
-    let output = run(fluxmem(&store).args(["--wait", "1", "ingest"]).arg(repo().join("data/trajectories.jsonl")));
+    let output = run(fluxmem(&store)
+        .args(["--wait", "1", "ingest"])
+        .arg(repo().join("data/trajectories.jsonl")));
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("waiting up to 1s") && stderr.contains("locked by another writer"), "{stderr}");
+    assert!(
+        stderr.contains("waiting up to 1s") && stderr.contains("locked by another writer"),
+        "{stderr}"
+    );
     let child = fluxmem(&store)
         .args(["--wait", "60", "ingest"])
         .arg(repo().join("data/trajectories.jsonl"))
@@ -453,8 +823,13 @@ fn wait_takes_the_lock_when_the_holder_lets_go() {
     std::thread::sleep(std::time::Duration::from_millis(1500));
     drop(writer);
     let output = child.wait_with_output().unwrap();
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    assert!(String::from_utf8_lossy(&output.stderr).contains("waiting up to 60s for the store lock held by pid"));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(String::from_utf8_lossy(&output.stderr)
+        .contains("waiting up to 60s for the store lock held by pid"));
 }
 
 /// A store of ten nights where each night rewrites part of the previous rows, compacted by
@@ -471,52 +846,118 @@ fn compaction_keeps_the_live_rows_for_duckdb_and_resumes_after_a_kill() {
         let ids: Vec<NodeId> = graph.nodes.keys().cloned().collect();
         for night in 0..10u32 {
             let mut delta = Graph::default();
-            for (i, id) in ids.iter().enumerate().filter(|(i, _)| (i + night as usize) % 2 == 0) {
-                let vector = (0..8).map(|j| (night * 8 + j) as f32 + i as f32 / 1000.0).collect();
-                delta.upsert_embedding(Embedding { node_id: id.clone(), model_id: "test".into(), text_sha256: format!("{night}"), vector });
+            for (i, id) in ids
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| (i + night as usize) % 2 == 0)
+            {
+                let vector = (0..8)
+                    .map(|j| (night * 8 + j) as f32 + i as f32 / 1000.0)
+                    .collect();
+                delta.upsert_embedding(Embedding {
+                    node_id: id.clone(),
+                    model_id: "test".into(),
+                    text_sha256: format!("{night}"),
+                    vector,
+                });
                 let mut node = graph.nodes[id].clone();
                 node.metadata.insert("night".into(), night.into());
                 delta.upsert_node(node);
             }
-            writer.commit(&delta, fluxmem_store::CommitInfo { stage: "night".into(), ..Default::default() }).unwrap();
+            writer
+                .commit(
+                    &delta,
+                    fluxmem_store::CommitInfo {
+                        stage: "night".into(),
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
         }
     };
     let live = |store: &Path| {
-        let output = run(Command::new(python()).arg(repo().join("tests/python/live_rows.py")).arg(store));
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let output = run(Command::new(python())
+            .arg(repo().join("tests/python/live_rows.py"))
+            .arg(store));
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         stdout_json(&output)
     };
     let compact = |store: &Path| run(fluxmem(store).args(["store", "compact", "--json"]));
     let reference = dir.path().join("reference");
     build(&reference);
     let before = live(&reference);
-    let graph_before = fluxmem_store::Store::open(&reference).unwrap().load().unwrap();
-    let version = fluxmem_store::Store::open(&reference).unwrap().manifest().unwrap().version;
+    let graph_before = fluxmem_store::Store::open(&reference)
+        .unwrap()
+        .load()
+        .unwrap();
+    let version = fluxmem_store::Store::open(&reference)
+        .unwrap()
+        .manifest()
+        .unwrap()
+        .version;
     let output = compact(&reference);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let report = stdout_json(&output);
     assert_eq!(report["committed"], true, "{report}");
     for table in ["nodes", "embeddings"] {
         let t = &report["tables"][table];
         let amp = t["rows_after"].as_f64().unwrap() / t["live_rows"].as_f64().unwrap();
-        assert!(amp <= 1.5 && t["rows_before"].as_u64() > t["rows_after"].as_u64(), "{table}: {t}");
+        assert!(
+            amp <= 1.5 && t["rows_before"].as_u64() > t["rows_after"].as_u64(),
+            "{table}: {t}"
+        );
     }
-    assert_eq!(live(&reference), before, "DuckDB sees the same live rows after compaction");
-    assert_eq!(fluxmem_store::Store::open(&reference).unwrap().load().unwrap(), graph_before);
+    assert_eq!(
+        live(&reference),
+        before,
+        "DuckDB sees the same live rows after compaction"
+    );
+    assert_eq!(
+        fluxmem_store::Store::open(&reference)
+            .unwrap()
+            .load()
+            .unwrap(),
+        graph_before
+    );
     let expected = shard_list(&reference);
     // Killed in the window between shards and manifest, and just after the manifest.
     for point in ["before-manifest", "after-manifest"] {
         let store = dir.path().join(point);
         build(&store);
-        let crashed = run(fluxmem(&store).args(["store", "compact"]).env("FLUXMEM_FAULT", format!("{point}:{}", version + 1)));
+        let crashed = run(fluxmem(&store)
+            .args(["store", "compact"])
+            .env("FLUXMEM_FAULT", format!("{point}:{}", version + 1)));
         assert!(!crashed.status.success(), "the fault at {point} fired");
         let resumed = compact(&store);
-        assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
-        assert_eq!(shard_list(&store), expected, "after a kill at {point} and a re-run");
+        assert!(
+            resumed.status.success(),
+            "{}",
+            String::from_utf8_lossy(&resumed.stderr)
+        );
+        assert_eq!(
+            shard_list(&store),
+            expected,
+            "after a kill at {point} and a re-run"
+        );
         assert_eq!(live(&store), before, "{point}");
-        let manifest = fluxmem_store::Store::open(&store).unwrap().manifest().unwrap();
+        let manifest = fluxmem_store::Store::open(&store)
+            .unwrap()
+            .manifest()
+            .unwrap();
         let on_disk = std::fs::read_dir(store.join("shards")).unwrap().count();
-        assert_eq!(on_disk, manifest.shards.len() + manifest.retired.len(), "{point}: no leftover of the killed compaction");
+        assert_eq!(
+            on_disk,
+            manifest.shards.len() + manifest.retired.len(),
+            "{point}: no leftover of the killed compaction"
+        );
     }
 }
 
@@ -529,29 +970,68 @@ fn the_hash_embedder_runs_embed_and_connect_without_weights() {
     let store = dir.path().join("store");
     ingest_samples(&store);
     let output = run(fluxmem(&store).args(["embed", "--json", "--model", "hash-48"]));
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let report = stdout_json(&output);
     assert_eq!(report["model"], "hash-48");
     let graph = fluxmem_store::Store::open(&store).unwrap().load().unwrap();
     assert!(!graph.nodes.is_empty());
-    assert_eq!(graph.embeddings.len(), graph.nodes.len(), "every node has a vector");
-    assert!(graph.embeddings.values().all(|e| e.model_id == "hash-48" && e.vector.len() == 48));
+    assert_eq!(
+        graph.embeddings.len(),
+        graph.nodes.len(),
+        "every node has a vector"
+    );
+    assert!(graph
+        .embeddings
+        .values()
+        .all(|e| e.model_id == "hash-48" && e.vector.len() == 48));
     let output = run(fluxmem(&store).args(["connect", "--json", "--model", "hash-48"]));
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let report = stdout_json(&output);
-    assert!(report["connected"].as_u64().unwrap() > 0 && report["ground_edges"].as_u64().unwrap() > 0, "{report}");
-    let version = fluxmem_store::Store::open(&store).unwrap().manifest().unwrap().version;
+    assert!(
+        report["connected"].as_u64().unwrap() > 0 && report["ground_edges"].as_u64().unwrap() > 0,
+        "{report}"
+    );
+    let version = fluxmem_store::Store::open(&store)
+        .unwrap()
+        .manifest()
+        .unwrap()
+        .version;
     for bad in ["hash-", "hash-0", "hash-x"] {
         let output = run(fluxmem(&store).args(["embed", "--model", bad]));
         assert_eq!(output.status.code(), Some(1), "{bad}");
-        assert!(String::from_utf8_lossy(&output.stderr).contains("hash-<dim>"), "{bad}: {}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            String::from_utf8_lossy(&output.stderr).contains("hash-<dim>"),
+            "{bad}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
     }
-    assert_eq!(fluxmem_store::Store::open(&store).unwrap().manifest().unwrap().version, version, "refused runs leave the store as it was");
+    assert_eq!(
+        fluxmem_store::Store::open(&store)
+            .unwrap()
+            .manifest()
+            .unwrap()
+            .version,
+        version,
+        "refused runs leave the store as it was"
+    );
 }
 
 /// The live edges without the run that wrote them, and the refine edit log as (kind, target,
 /// before, after, reason), in log order, the records' run ids left out.
-fn refined(store: &Path) -> (Vec<fluxmem_graph::Edge>, Vec<(String, String, Option<String>, Option<String>, String)>) {
+fn refined(
+    store: &Path,
+) -> (
+    Vec<fluxmem_graph::Edge>,
+    Vec<(String, String, Option<String>, Option<String>, String)>,
+) {
     let graph = fluxmem_store::Store::open(store).unwrap().load().unwrap();
     let edges = graph.edges.into_values().map(|mut e| {
         e.run_id.clear();
@@ -565,7 +1045,11 @@ fn refined(store: &Path) -> (Vec<fluxmem_graph::Edge>, Vec<(String, String, Opti
             value.to_string()
         })
     };
-    let edits = graph.edits.into_iter().filter(|e| e.stage == "refine").map(|e| (e.kind, e.target, strip(e.before), strip(e.after), e.reason));
+    let edits = graph
+        .edits
+        .into_iter()
+        .filter(|e| e.stage == "refine")
+        .map(|e| (e.kind, e.target, strip(e.before), strip(e.after), e.reason));
     (edges.collect(), edits.collect())
 }
 
@@ -579,7 +1063,11 @@ fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill()
     ingest_samples(&connected);
     for stage in ["embed", "connect"] {
         let output = run(fluxmem(&connected).args([stage, "--model", "hash-48"]));
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
     }
     let copy = |name: &str| {
         let to = dir.path().join(name);
@@ -587,10 +1075,18 @@ fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill()
         copy_tree(&connected, &to);
         to
     };
-    let version = fluxmem_store::Store::open(&connected).unwrap().manifest().unwrap().version;
+    let version = fluxmem_store::Store::open(&connected)
+        .unwrap()
+        .manifest()
+        .unwrap()
+        .version;
     let one = copy("one");
     let output = run(fluxmem(&one).args(["refine", "--json"]));
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let report = stdout_json(&output);
     let edits = report["edits"].as_u64().unwrap();
     assert!(edits > 20 && report["commits"] == 1, "{report}");
@@ -598,24 +1094,58 @@ fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill()
 
     let small = copy("small");
     let output = run(fluxmem(&small).args(["refine", "--json", "--commit-every", "7"]));
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     // A commit ends between two sources only: 7 edges or more a commit.
     let commits = stdout_json(&output)["commits"].as_u64().unwrap();
-    assert!(commits > 1 && commits <= edits.div_ceil(7), "{commits} commits for {edits} edits");
-    assert_eq!(refined(&small), expected, "7 edges a commit, the same store");
+    assert!(
+        commits > 1 && commits <= edits.div_ceil(7),
+        "{commits} commits for {edits} edits"
+    );
+    assert_eq!(
+        refined(&small),
+        expected,
+        "7 edges a commit, the same store"
+    );
 
     let killed = copy("killed");
-    let crashed = run(fluxmem(&killed).args(["refine", "--commit-every", "7"]).env("FLUXMEM_FAULT", format!("after-manifest:{}", version + 1)));
+    let crashed = run(fluxmem(&killed)
+        .args(["refine", "--commit-every", "7"])
+        .env("FLUXMEM_FAULT", format!("after-manifest:{}", version + 1)));
     assert!(!crashed.status.success(), "the fault fired");
-    let manifest = fluxmem_store::Store::open(&killed).unwrap().manifest().unwrap();
+    let manifest = fluxmem_store::Store::open(&killed)
+        .unwrap()
+        .manifest()
+        .unwrap();
     assert_eq!(manifest.version, version + 1, "one commit landed");
-    let landed = manifest.commits.last().unwrap().summary["edits"].as_u64().unwrap();
+    let landed = manifest.commits.last().unwrap().summary["edits"]
+        .as_u64()
+        .unwrap();
     assert!(landed >= 7 && landed < edits, "{landed}");
     let resumed = run(fluxmem(&killed).args(["refine", "--json", "--commit-every", "7"]));
-    assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
-    assert_eq!(stdout_json(&resumed)["edits"].as_u64().unwrap(), edits - landed, "the rest of the changes, none twice");
-    assert_eq!(refined(&killed), expected, "killed after the first commit and resumed: the same store");
-    assert_eq!(credit_stats(&killed), credit_stats(&one), "and the same credit statistics");
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+    assert_eq!(
+        stdout_json(&resumed)["edits"].as_u64().unwrap(),
+        edits - landed,
+        "the rest of the changes, none twice"
+    );
+    assert_eq!(
+        refined(&killed),
+        expected,
+        "killed after the first commit and resumed: the same store"
+    );
+    assert_eq!(
+        credit_stats(&killed),
+        credit_stats(&one),
+        "and the same credit statistics"
+    );
 }
 
 /// Copies every file under `from` to the same place under `to` (a store, for runs side by side).
@@ -630,7 +1160,15 @@ fn copy_tree(from: &Path, to: &Path) {
 /// Every semantic node's stored credit statistics (`credit_stats`), by id.
 fn credit_stats(store: &Path) -> std::collections::BTreeMap<String, Value> {
     let graph = fluxmem_store::Store::open(store).unwrap().load().unwrap();
-    graph.nodes.into_values().filter_map(|n| n.metadata.get(fluxmem_refine::STATS_KEY).map(|v| (n.id.to_string(), v.clone()))).collect()
+    graph
+        .nodes
+        .into_values()
+        .filter_map(|n| {
+            n.metadata
+                .get(fluxmem_refine::STATS_KEY)
+                .map(|v| (n.id.to_string(), v.clone()))
+        })
+        .collect()
 }
 
 /// A second night's refine reads what the night added (the watermark of the first), commits in
@@ -639,22 +1177,49 @@ fn credit_stats(store: &Path) -> std::collections::BTreeMap<String, Value> {
 #[test]
 fn a_delta_refine_killed_after_a_commit_resumes_to_the_full_result() {
     let dir = tempfile::tempdir().unwrap();
-    let lines: Vec<String> = std::fs::read_to_string(repo().join("data/trajectories.jsonl")).unwrap().lines().map(String::from).collect();
+    let lines: Vec<String> = std::fs::read_to_string(repo().join("data/trajectories.jsonl"))
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
     // Night 1: episodes of both tenants; night 2: the rest.
-    let (first, second): (Vec<(usize, &String)>, Vec<(usize, &String)>) = lines.iter().enumerate().partition(|(i, _)| [0, 1, 2, 5].contains(i));
+    let (first, second): (Vec<(usize, &String)>, Vec<(usize, &String)>) = lines
+        .iter()
+        .enumerate()
+        .partition(|(i, _)| [0, 1, 2, 5].contains(i));
     let write = |name: &str, rows: &[(usize, &String)]| {
         let path = dir.path().join(name);
-        std::fs::write(&path, rows.iter().map(|(_, l)| format!("{l}\n")).collect::<String>()).unwrap();
+        std::fs::write(
+            &path,
+            rows.iter()
+                .map(|(_, l)| format!("{l}\n"))
+                .collect::<String>(),
+        )
+        .unwrap();
         path
     };
-    let (night1, night2) = (write("night1.jsonl", &first), write("night2.jsonl", &second));
+    let (night1, night2) = (
+        write("night1.jsonl", &first),
+        write("night2.jsonl", &second),
+    );
     let base = dir.path().join("base");
     let stage = |store: &Path, args: &[&str]| {
         let output = run(fluxmem(store).args(args));
-        assert!(output.status.success(), "{args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            output.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         output
     };
-    stage(&base, &["ingest", night1.to_str().unwrap(), repo().join("data/knowledge").to_str().unwrap()]);
+    stage(
+        &base,
+        &[
+            "ingest",
+            night1.to_str().unwrap(),
+            repo().join("data/knowledge").to_str().unwrap(),
+        ],
+    );
     stage(&base, &["embed", "--model", "hash-48"]);
     stage(&base, &["connect", "--model", "hash-48"]);
     // A prior that holds through the second night's outcomes: the night reads what it added.
@@ -667,29 +1232,97 @@ fn a_delta_refine_killed_after_a_commit_resumes_to_the_full_result() {
         copy_tree(&base, &to);
         to
     };
-    let version = fluxmem_store::Store::open(&base).unwrap().manifest().unwrap().version;
+    let version = fluxmem_store::Store::open(&base)
+        .unwrap()
+        .manifest()
+        .unwrap()
+        .version;
     let one = copy("one");
     // A night as large as the history: delta read all the same (--max-delta-share 1).
-    let report = stdout_json(&stage(&one, &["refine", "--json", "--prior-drift", "1", "--commit-every", "3", "--max-delta-share", "1"]));
+    let report = stdout_json(&stage(
+        &one,
+        &[
+            "refine",
+            "--json",
+            "--prior-drift",
+            "1",
+            "--commit-every",
+            "3",
+            "--max-delta-share",
+            "1",
+        ],
+    ));
     assert_eq!(report["delta"], Value::Bool(true), "{report}");
     let edits = report["edits"].as_u64().unwrap();
-    assert!(edits > 6 && report["commits"].as_u64().unwrap() > 1, "{report}");
+    assert!(
+        edits > 6 && report["commits"].as_u64().unwrap() > 1,
+        "{report}"
+    );
     let full = copy("full");
-    let report_full = stdout_json(&stage(&full, &["refine", "--json", "--prior-drift", "1", "--full"]));
+    let report_full = stdout_json(&stage(
+        &full,
+        &["refine", "--json", "--prior-drift", "1", "--full"],
+    ));
     assert_eq!(report_full["delta"], Value::Bool(false));
-    assert!(report_full["edges_decided"].as_u64() > report["edges_decided"].as_u64(), "{report_full} {report}");
-    assert_eq!(refined(&full), refined(&one), "a delta run writes what a full run writes");
+    assert!(
+        report_full["edges_decided"].as_u64() > report["edges_decided"].as_u64(),
+        "{report_full} {report}"
+    );
+    assert_eq!(
+        refined(&full),
+        refined(&one),
+        "a delta run writes what a full run writes"
+    );
     assert_eq!(credit_stats(&full), credit_stats(&one));
 
     let killed = copy("killed");
-    let crashed = run(fluxmem(&killed).args(["refine", "--prior-drift", "1", "--commit-every", "3", "--max-delta-share", "1"]).env("FLUXMEM_FAULT", format!("after-manifest:{}", version + 1)));
+    let crashed = run(fluxmem(&killed)
+        .args([
+            "refine",
+            "--prior-drift",
+            "1",
+            "--commit-every",
+            "3",
+            "--max-delta-share",
+            "1",
+        ])
+        .env("FLUXMEM_FAULT", format!("after-manifest:{}", version + 1)));
     assert!(!crashed.status.success(), "the fault fired");
-    let landed = fluxmem_store::Store::open(&killed).unwrap().manifest().unwrap().commits.last().unwrap().summary["edits"].as_u64().unwrap();
+    let landed = fluxmem_store::Store::open(&killed)
+        .unwrap()
+        .manifest()
+        .unwrap()
+        .commits
+        .last()
+        .unwrap()
+        .summary["edits"]
+        .as_u64()
+        .unwrap();
     assert!(landed > 0 && landed < edits, "{landed} of {edits}");
-    let resumed = stdout_json(&stage(&killed, &["refine", "--json", "--prior-drift", "1", "--commit-every", "3", "--max-delta-share", "1"]));
+    let resumed = stdout_json(&stage(
+        &killed,
+        &[
+            "refine",
+            "--json",
+            "--prior-drift",
+            "1",
+            "--commit-every",
+            "3",
+            "--max-delta-share",
+            "1",
+        ],
+    ));
     assert_eq!(resumed["delta"], Value::Bool(true), "{resumed}");
-    assert_eq!(resumed["edits"].as_u64().unwrap(), edits - landed, "the rest of the changes, none twice: {resumed}");
-    assert_eq!(refined(&killed), refined(&one), "killed after the first commit and resumed: the same store");
+    assert_eq!(
+        resumed["edits"].as_u64().unwrap(),
+        edits - landed,
+        "the rest of the changes, none twice: {resumed}"
+    );
+    assert_eq!(
+        refined(&killed),
+        refined(&one),
+        "killed after the first commit and resumed: the same store"
+    );
     assert_eq!(credit_stats(&killed), credit_stats(&one));
     assert!(!credit_stats(&one).is_empty());
 }

@@ -70,7 +70,9 @@ fn finished(output: &Output) -> Value {
         0
     };
     assert_eq!(code, expected, "exit status of {record}");
-    let reasons = record["reasons"].as_array().unwrap_or_else(|| panic!("no reasons list in {record}"));
+    let reasons = record["reasons"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no reasons list in {record}"));
     assert_eq!(record["status"] == "ok", reasons.is_empty(), "{record}");
     record
 }
@@ -87,22 +89,52 @@ fn assert_truthful(record: &Value) {
     let n = |key: &str| consolidate["counts_out"][key].as_u64().unwrap_or(0);
     let gave = n("skills_new") + n("skills_updated") + n("skills_unchanged");
     let no_procedure = consolidate["details"]["no_procedure"].as_u64().unwrap_or(0);
-    let failed = n("failed") - no_procedure + consolidate["details"]["failed_earlier"].as_u64().unwrap_or(0);
+    let failed = n("failed") - no_procedure
+        + consolidate["details"]["failed_earlier"]
+            .as_u64()
+            .unwrap_or(0);
     let clusters = gave + failed + no_procedure;
     if gave == 0 && failed + no_procedure > 0 {
-        assert!(status.starts_with(&format!("degraded: 0 of {clusters} clusters gave a skill")), "{consolidate}");
+        assert!(
+            status.starts_with(&format!("degraded: 0 of {clusters} clusters gave a skill")),
+            "{consolidate}"
+        );
     } else if failed > 0 {
-        assert!(status.starts_with(&format!("partial: {gave} of {clusters} clusters gave a skill")), "{consolidate}");
+        assert!(
+            status.starts_with(&format!(
+                "partial: {gave} of {clusters} clusters gave a skill"
+            )),
+            "{consolidate}"
+        );
     } else if no_procedure > 0 {
-        assert!(status.ends_with(&format!("({no_procedure} of {clusters} clusters share no procedure, so no skill)")), "{consolidate}");
-        assert!(status.starts_with("done") || status.starts_with("nothing new"), "{consolidate}");
+        assert!(
+            status.ends_with(&format!(
+                "({no_procedure} of {clusters} clusters share no procedure, so no skill)"
+            )),
+            "{consolidate}"
+        );
+        assert!(
+            status.starts_with("done") || status.starts_with("nothing new"),
+            "{consolidate}"
+        );
     } else {
         assert!(status == "done" || status == "nothing new", "{consolidate}");
     }
     let export = stage(record, "export");
     let exported = export["counts_out"]["skills"].as_u64().unwrap();
-    assert_eq!(export["status"].as_str().unwrap().starts_with("degraded: 0 skills exported"), exported == 0, "{export}");
-    let degraded = record["stages"].as_array().unwrap().iter().any(|s| s["status"].as_str().unwrap().starts_with("degraded"));
+    assert_eq!(
+        export["status"]
+            .as_str()
+            .unwrap()
+            .starts_with("degraded: 0 skills exported"),
+        exported == 0,
+        "{export}"
+    );
+    let degraded = record["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["status"].as_str().unwrap().starts_with("degraded"));
     assert_eq!(record["status"] == "degraded", degraded, "{record}");
 }
 
@@ -152,16 +184,32 @@ dir = "runs"
 }
 
 fn add_log(dir: &Path, name: &str) {
-    std::fs::copy(repo().join("data").join(name), dir.join("logs").join(Path::new(name).file_name().unwrap())).unwrap();
+    std::fs::copy(
+        repo().join("data").join(name),
+        dir.join("logs").join(Path::new(name).file_name().unwrap()),
+    )
+    .unwrap();
 }
 
 fn stage<'a>(record: &'a Value, name: &str) -> &'a Value {
-    record["stages"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap_or_else(|| panic!("no stage {name} in {record}"))
+    record["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == name)
+        .unwrap_or_else(|| panic!("no stage {name} in {record}"))
 }
 
 fn shard_list(store: &Path) -> Vec<(String, u64, String)> {
-    let manifest = fluxmem_store::Store::open(store).unwrap().manifest().unwrap();
-    manifest.shards.iter().map(|s| (s.file.clone(), s.rows, s.sha256.clone())).collect()
+    let manifest = fluxmem_store::Store::open(store)
+        .unwrap()
+        .manifest()
+        .unwrap();
+    manifest
+        .shards
+        .iter()
+        .map(|s| (s.file.clone(), s.rows, s.sha256.clone()))
+        .collect()
 }
 
 #[test]
@@ -173,19 +221,48 @@ fn pipeline_runs_end_to_end_and_the_second_night_is_incremental() {
     // The map stages and refine always do their work here; how many clusters give a skill is up
     // to the real generator, and the statuses (and the run's) must say so.
     for name in ["ingest", "embed", "connect", "refine"] {
-        assert!(stage(&night1, name)["status"].as_str().unwrap().starts_with("done"), "{name}: {}", stage(&night1, name));
+        assert!(
+            stage(&night1, name)["status"]
+                .as_str()
+                .unwrap()
+                .starts_with("done"),
+            "{name}: {}",
+            stage(&night1, name)
+        );
     }
     assert_truthful(&night1);
-    let nodes1 = stage(&night1, "ingest")["counts_out"]["nodes_added"].as_u64().unwrap();
-    assert_eq!(stage(&night1, "embed")["counts_out"]["embedded"].as_u64().unwrap(), nodes1, "night 1 embeds every node");
-    let run_dir = dir.path().join("runs").join(night1["run_id"].as_str().unwrap());
+    let nodes1 = stage(&night1, "ingest")["counts_out"]["nodes_added"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(
+        stage(&night1, "embed")["counts_out"]["embedded"]
+            .as_u64()
+            .unwrap(),
+        nodes1,
+        "night 1 embeds every node"
+    );
+    let run_dir = dir
+        .path()
+        .join("runs")
+        .join(night1["run_id"].as_str().unwrap());
     let html = std::fs::read_to_string(run_dir.join("report.html")).unwrap();
-    assert!(html.contains("<svg") && html.contains("consolidate"), "the report has charts and stages");
-    let on_disk: Value = serde_json::from_slice(&std::fs::read(run_dir.join("run.json")).unwrap()).unwrap();
+    assert!(
+        html.contains("<svg") && html.contains("consolidate"),
+        "the report has charts and stages"
+    );
+    let on_disk: Value =
+        serde_json::from_slice(&std::fs::read(run_dir.join("run.json")).unwrap()).unwrap();
     assert_eq!(on_disk["run_id"], night1["run_id"]);
-    assert!(dir.path().join("skills/release.json").is_file(), "export ran");
+    assert!(
+        dir.path().join("skills/release.json").is_file(),
+        "export ran"
+    );
     let clusters = &stage(&night1, "consolidate")["details"]["cluster_list"];
-    assert_eq!(clusters.as_array().map(Vec::len), Some(2), "one cluster per tenant (acme, globex) as configured: {clusters}");
+    assert_eq!(
+        clusters.as_array().map(Vec::len),
+        Some(2),
+        "one cluster per tenant (acme, globex) as configured: {clusters}"
+    );
 
     // Night 2: one more log file. Only its records are ingested, embedded and connected.
     add_log(dir.path(), "alfworld/react_sample.json");
@@ -193,43 +270,105 @@ fn pipeline_runs_end_to_end_and_the_second_night_is_incremental() {
     assert_truthful(&night2);
     assert_ne!(night2["run_id"], night1["run_id"], "new inputs, new run id");
     let ingest = &stage(&night2, "ingest")["counts_out"];
-    assert_eq!(ingest["ingested"], 6, "the 6 ALFWorld transcripts are new: {ingest}");
+    assert_eq!(
+        ingest["ingested"], 6,
+        "the 6 ALFWorld transcripts are new: {ingest}"
+    );
     let nodes2 = ingest["nodes_added"].as_u64().unwrap();
-    assert_eq!(stage(&night2, "embed")["counts_out"]["embedded"].as_u64().unwrap(), nodes2, "night 2 embeds only night 2's nodes");
-    let skills1 = stage(&night1, "consolidate")["counts_out"]["skills_new"].as_u64().unwrap();
-    assert_eq!(stage(&night2, "embed")["counts_in"]["already"].as_u64().unwrap(), nodes1 + skills1, "night 1's nodes and skills");
-    assert_eq!(stage(&night2, "connect")["counts_out"]["connected"], 6, "only the new episodes are connected");
+    assert_eq!(
+        stage(&night2, "embed")["counts_out"]["embedded"]
+            .as_u64()
+            .unwrap(),
+        nodes2,
+        "night 2 embeds only night 2's nodes"
+    );
+    let skills1 = stage(&night1, "consolidate")["counts_out"]["skills_new"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(
+        stage(&night2, "embed")["counts_in"]["already"]
+            .as_u64()
+            .unwrap(),
+        nodes1 + skills1,
+        "night 1's nodes and skills"
+    );
+    assert_eq!(
+        stage(&night2, "connect")["counts_out"]["connected"],
+        6,
+        "only the new episodes are connected"
+    );
     // A third tenant now: the ALFWorld tenant gets its own cluster; night 1's clusters are
     // matched to what night 1 made (unchanged skills, or failures not retried), not redone.
     let consolidate = &stage(&night2, "consolidate")["details"];
-    let statuses: Vec<&str> = consolidate["cluster_list"].as_array().unwrap().iter().map(|c| c["status"].as_str().unwrap()).collect();
+    let statuses: Vec<&str> = consolidate["cluster_list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["status"].as_str().unwrap())
+        .collect();
     assert_eq!(statuses.len(), 3, "{consolidate}");
     // Night 1's clusters: an unchanged skill, and the cluster that shares no procedure reported
     // again from its recorded edit (no new failure, so it was not mined again).
-    let kept = statuses.iter().filter(|s| matches!(**s, "unchanged" | "failed_earlier" | "no_procedure")).count();
-    assert_eq!(kept, 2, "night 1's clusters are not consolidated from scratch again: {statuses:?}");
-    let refailed = consolidate["failures"].as_array().unwrap().iter().filter(|f| f["tenant"] != "alfworld").count();
-    assert_eq!(refailed, 0, "no new failure record for night 1's clusters: {consolidate}");
+    let kept = statuses
+        .iter()
+        .filter(|s| matches!(**s, "unchanged" | "failed_earlier" | "no_procedure"))
+        .count();
+    assert_eq!(
+        kept, 2,
+        "night 1's clusters are not consolidated from scratch again: {statuses:?}"
+    );
+    let refailed = consolidate["failures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["tenant"] != "alfworld")
+        .count();
+    assert_eq!(
+        refailed, 0,
+        "no new failure record for night 1's clusters: {consolidate}"
+    );
 
     // The same inputs again: the same run id, every stage already done, nothing written.
-    let version = fluxmem_store::Store::open(dir.path().join("store")).unwrap().manifest().unwrap().version;
+    let version = fluxmem_store::Store::open(dir.path().join("store"))
+        .unwrap()
+        .manifest()
+        .unwrap()
+        .version;
     let output = run(fluxmem().arg("run").arg(&file).arg("--json"));
     let again = finished(&output);
     assert_eq!(again["run_id"], night2["run_id"]);
-    assert_eq!((&again["status"], &again["reasons"]), (&night2["status"], &night2["reasons"]), "the same verdict: {again}");
+    assert_eq!(
+        (&again["status"], &again["reasons"]),
+        (&night2["status"], &night2["reasons"]),
+        "the same verdict: {again}"
+    );
     // Every stage is skipped, and the run's report keeps night 2's records of them (same
     // statuses, counts and timings: nothing ran again).
-    let skipped = String::from_utf8_lossy(&output.stderr).matches("already done for this run id").count();
+    let skipped = String::from_utf8_lossy(&output.stderr)
+        .matches("already done for this run id")
+        .count();
     assert_eq!(skipped, 6, "{}", String::from_utf8_lossy(&output.stderr));
     assert_eq!(again["stages"], night2["stages"], "{again}");
-    assert_eq!(fluxmem_store::Store::open(dir.path().join("store")).unwrap().manifest().unwrap().version, version);
+    assert_eq!(
+        fluxmem_store::Store::open(dir.path().join("store"))
+            .unwrap()
+            .manifest()
+            .unwrap()
+            .version,
+        version
+    );
 }
 
 /// The export's release manifest without `created_at` (the time of the store's last commit,
 /// which a resumed run makes at another moment).
 fn release(dir: &Path) -> Option<Value> {
-    let mut value: Value = serde_json::from_slice(&std::fs::read(dir.join("skills/release.json")).ok()?).unwrap();
-    value.as_object_mut().unwrap().remove("created_at").expect("release.json has created_at");
+    let mut value: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("skills/release.json")).ok()?).unwrap();
+    value
+        .as_object_mut()
+        .unwrap()
+        .remove("created_at")
+        .expect("release.json has created_at");
     Some(value)
 }
 
@@ -249,25 +388,58 @@ fn a_run_killed_inside_each_stage_resumes_to_exactly_the_uninterrupted_store() {
         let file = pipeline(dir.path(), consolidate);
         add_log(dir.path(), "trajectories.jsonl");
         // Exit 4 is possible with consolidation: the real generator may give no skill.
-        let verdict = done(&run(fluxmem().arg("run").arg(&file).args(["--run-id", "night"])));
+        let verdict = done(&run(fluxmem()
+            .arg("run")
+            .arg(&file)
+            .args(["--run-id", "night"])));
         let expected = shard_list(&dir.path().join("store"));
         let release = release(dir.path());
-        let manifest = fluxmem_store::Store::open(dir.path().join("store")).unwrap().manifest().unwrap();
-        let first = |stage: &str| manifest.commits.iter().find(|c| c.stage == stage).unwrap_or_else(|| panic!("no {stage} commit")).version;
+        let manifest = fluxmem_store::Store::open(dir.path().join("store"))
+            .unwrap()
+            .manifest()
+            .unwrap();
+        let first = |stage: &str| {
+            manifest
+                .commits
+                .iter()
+                .find(|c| c.stage == stage)
+                .unwrap_or_else(|| panic!("no {stage} commit"))
+                .version
+        };
         // Killed between writing a stage's shards and its manifest, or (for the export) right
         // after the last commit before it.
         let faults: Vec<String> = if consolidate {
-            vec![format!("before-manifest:{}", first("consolidate")), format!("after-manifest:{}", first("consolidate-done"))]
+            vec![
+                format!("before-manifest:{}", first("consolidate")),
+                format!("after-manifest:{}", first("consolidate-done")),
+            ]
         } else {
-            ["ingest", "embed", "connect", "refine"].iter().map(|s| format!("before-manifest:{}", first(s))).collect()
+            ["ingest", "embed", "connect", "refine"]
+                .iter()
+                .map(|s| format!("before-manifest:{}", first(s)))
+                .collect()
         };
         for fault in faults {
             reset(dir.path());
-            let killed = run(fluxmem().arg("run").arg(&file).args(["--run-id", "night"]).env("FLUXMEM_FAULT", &fault));
+            let killed = run(fluxmem()
+                .arg("run")
+                .arg(&file)
+                .args(["--run-id", "night"])
+                .env("FLUXMEM_FAULT", &fault));
             assert!(!killed.status.success(), "{fault}: the run was aborted");
-            let resumed = done(&run(fluxmem().arg("run").arg(&file).args(["--run-id", "night"])));
-            assert_eq!(resumed, verdict, "{fault}: the resumed run ends with the uninterrupted run's exit status");
-            assert_eq!(shard_list(&dir.path().join("store")), expected, "{fault}: the resumed store is the uninterrupted one");
+            let resumed = done(&run(fluxmem()
+                .arg("run")
+                .arg(&file)
+                .args(["--run-id", "night"])));
+            assert_eq!(
+                resumed, verdict,
+                "{fault}: the resumed run ends with the uninterrupted run's exit status"
+            );
+            assert_eq!(
+                shard_list(&dir.path().join("store")),
+                expected,
+                "{fault}: the resumed store is the uninterrupted one"
+            );
             assert_eq!(self::release(dir.path()), release, "{fault}: same export");
         }
     }
@@ -283,44 +455,111 @@ fn sharded_map_stages_merge_to_the_unsharded_store() {
     let file = pipeline(dir.path(), false);
     add_log(dir.path(), "trajectories.jsonl");
     add_log(dir.path(), "alfworld/react_sample.json");
-    ok(run(fluxmem().arg("run").arg(&file).args(["--run-id", "night"])));
+    ok(run(fluxmem()
+        .arg("run")
+        .arg(&file)
+        .args(["--run-id", "night"])));
     let whole = graph(&dir.path().join("store"));
 
     // The same pipeline, each map stage as 3 shards run one by one, then merged.
     let sharded_file = dir.path().join("sharded.toml");
-    std::fs::write(&sharded_file, std::fs::read_to_string(&file).unwrap().replace("store = \"store\"", "store = \"sharded\"").replace("dir = \"runs\"", "dir = \"sharded-runs\"")).unwrap();
+    std::fs::write(
+        &sharded_file,
+        std::fs::read_to_string(&file)
+            .unwrap()
+            .replace("store = \"store\"", "store = \"sharded\"")
+            .replace("dir = \"runs\"", "dir = \"sharded-runs\""),
+    )
+    .unwrap();
     for stage in ["ingest", "embed", "connect"] {
         for i in 0..3 {
             let shard = format!("{i}/3");
-            let record = json_line(&ok(run(fluxmem().arg("run").arg(&sharded_file).args(["--run-id", "night", "--stage", stage, "--shard", &shard]))));
+            let record = json_line(&ok(run(fluxmem()
+                .arg("run")
+                .arg(&sharded_file)
+                .args(["--run-id", "night", "--stage", stage, "--shard", &shard]))));
             assert_eq!(record["name"], stage);
         }
-        let merged = json_line(&ok(run(fluxmem().arg("run").arg(&sharded_file).args(["--run-id", "night", "--stage", stage, "--merge", "3"]))));
+        let merged = json_line(&ok(run(fluxmem()
+            .arg("run")
+            .arg(&sharded_file)
+            .args(["--run-id", "night", "--stage", stage, "--merge", "3"]))));
         assert_eq!(merged["status"], "merged", "{merged}");
-        assert!(!dir.path().join("sharded/staging").join(format!("{stage}-0-of-3")).exists(), "staging removed");
+        assert!(
+            !dir.path()
+                .join("sharded/staging")
+                .join(format!("{stage}-0-of-3"))
+                .exists(),
+            "staging removed"
+        );
     }
-    ok(run(fluxmem().arg("run").arg(&sharded_file).args(["--run-id", "night", "--stage", "refine"])));
+    ok(run(fluxmem()
+        .arg("run")
+        .arg(&sharded_file)
+        .args(["--run-id", "night", "--stage", "refine"])));
     let sharded = graph(&dir.path().join("sharded"));
     // The stage-by-stage calls add up to one report for the run id.
-    let record: Value = serde_json::from_slice(&std::fs::read(dir.path().join("sharded-runs/night/run.json")).unwrap()).unwrap();
-    let statuses: Vec<(&str, &str)> =
-        record["stages"].as_array().unwrap().iter().map(|s| (s["name"].as_str().unwrap(), s["status"].as_str().unwrap())).collect();
-    assert_eq!(statuses, [("ingest", "merged"), ("embed", "merged"), ("connect", "merged"), ("refine", "done")], "{record}");
+    let record: Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join("sharded-runs/night/run.json")).unwrap(),
+    )
+    .unwrap();
+    let statuses: Vec<(&str, &str)> = record["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap(), s["status"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        statuses,
+        [
+            ("ingest", "merged"),
+            ("embed", "merged"),
+            ("connect", "merged"),
+            ("refine", "done")
+        ],
+        "{record}"
+    );
 
     assert_eq!(whole.nodes, sharded.nodes, "same nodes");
-    assert_eq!(whole.embeddings.keys().collect::<Vec<_>>(), sharded.embeddings.keys().collect::<Vec<_>>());
+    assert_eq!(
+        whole.embeddings.keys().collect::<Vec<_>>(),
+        sharded.embeddings.keys().collect::<Vec<_>>()
+    );
     for (key, a) in &whole.embeddings {
         let b = &sharded.embeddings[key];
-        let worst = a.vector.iter().zip(&b.vector).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let worst = a
+            .vector
+            .iter()
+            .zip(&b.vector)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
         assert!(worst <= 1e-6, "{key:?}: embeddings differ by {worst}");
     }
-    assert_eq!(whole.edges.keys().collect::<Vec<_>>(), sharded.edges.keys().collect::<Vec<_>>(), "same edge set");
+    assert_eq!(
+        whole.edges.keys().collect::<Vec<_>>(),
+        sharded.edges.keys().collect::<Vec<_>>(),
+        "same edge set"
+    );
     for (key, a) in &whole.edges {
         let b = &sharded.edges[key];
-        assert!((a.weight - b.weight).abs() <= 1e-5, "{key:?}: weight {} vs {}", a.weight, b.weight);
-        assert_eq!((a.active, a.evidence, &a.run_id, a.created_at), (b.active, b.evidence, &b.run_id, b.created_at), "{key:?}");
+        assert!(
+            (a.weight - b.weight).abs() <= 1e-5,
+            "{key:?}: weight {} vs {}",
+            a.weight,
+            b.weight
+        );
+        assert_eq!(
+            (a.active, a.evidence, &a.run_id, a.created_at),
+            (b.active, b.evidence, &b.run_id, b.created_at),
+            "{key:?}"
+        );
     }
-    let edits = |g: &Graph| g.edits.iter().map(|e| (e.kind.clone(), e.target.clone(), e.run_id.clone())).collect::<Vec<_>>();
+    let edits = |g: &Graph| {
+        g.edits
+            .iter()
+            .map(|e| (e.kind.clone(), e.target.clone(), e.run_id.clone()))
+            .collect::<Vec<_>>()
+    };
     assert_eq!(edits(&whole), edits(&sharded), "same edit log");
     assert!(!whole.edges.is_empty() && !whole.edits.is_empty());
 }
@@ -335,19 +574,38 @@ fn bad_pipelines_and_flags_are_clear_errors_before_any_work() {
     let output = run(fluxmem().arg("run").arg(&bad));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(1));
-    assert!(stderr.contains("bad.toml") && stderr.contains("link_kk"), "{stderr}");
+    assert!(
+        stderr.contains("bad.toml") && stderr.contains("link_kk"),
+        "{stderr}"
+    );
     assert!(!dir.path().join("store").exists(), "nothing was started");
     // A required input that matches nothing names the key.
     std::fs::write(&bad, text.replace("logs/*.jsonl", "missing/*.jsonl")).unwrap();
     let stderr = String::from_utf8_lossy(&run(fluxmem().arg("run").arg(&bad)).stderr).into_owned();
-    assert!(stderr.contains("inputs[0].paths") && stderr.contains("missing/*.jsonl"), "{stderr}");
+    assert!(
+        stderr.contains("inputs[0].paths") && stderr.contains("missing/*.jsonl"),
+        "{stderr}"
+    );
     // --shard only on map stages; merge of shards that never ran names the fix.
-    let stderr = String::from_utf8_lossy(&run(fluxmem().arg("run").arg(&file).args(["--stage", "refine", "--shard", "0/2"])).stderr).into_owned();
+    let stderr = String::from_utf8_lossy(
+        &run(fluxmem()
+            .arg("run")
+            .arg(&file)
+            .args(["--stage", "refine", "--shard", "0/2"]))
+        .stderr,
+    )
+    .into_owned();
     assert!(stderr.contains("map stages"), "{stderr}");
     add_log(dir.path(), "trajectories.jsonl");
-    let output = run(fluxmem().arg("run").arg(&file).args(["--stage", "ingest", "--merge", "2"]));
+    let output = run(fluxmem()
+        .arg("run")
+        .arg(&file)
+        .args(["--stage", "ingest", "--merge", "2"]));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success() && stderr.contains("--shard 0/2"), "{stderr}");
+    assert!(
+        !output.status.success() && stderr.contains("--shard 0/2"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -361,52 +619,110 @@ fn a_run_that_exports_no_skill_is_degraded_and_exits_4() {
     assert_ne!(exporting, text, "the export is switched on");
     std::fs::write(&file, exporting).unwrap();
     add_log(dir.path(), "trajectories.jsonl");
-    let output = run(fluxmem().arg("run").arg(&file).args(["--run-id", "empty", "--json"]));
-    assert_eq!(output.status.code(), Some(4), "stderr: {}", String::from_utf8_lossy(&output.stderr));
+    let output = run(fluxmem()
+        .arg("run")
+        .arg(&file)
+        .args(["--run-id", "empty", "--json"]));
+    assert_eq!(
+        output.status.code(),
+        Some(4),
+        "stderr: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let record = finished(&output);
     assert_eq!(record["status"], "degraded", "{record}");
     let reason = "export: 0 skills exported (the store has no skill)";
     assert_eq!(record["reasons"], serde_json::json!([reason]), "{record}");
     for name in ["ingest", "embed", "connect", "refine"] {
-        assert!(stage(&record, name)["status"].as_str().unwrap().starts_with("done"), "{name}: {}", stage(&record, name));
+        assert!(
+            stage(&record, name)["status"]
+                .as_str()
+                .unwrap()
+                .starts_with("done"),
+            "{name}: {}",
+            stage(&record, name)
+        );
     }
-    assert_eq!(stage(&record, "consolidate")["status"], "skipped (disabled)");
+    assert_eq!(
+        stage(&record, "consolidate")["status"],
+        "skipped (disabled)"
+    );
     let export = stage(&record, "export");
-    assert_eq!(export["status"], "degraded: 0 skills exported (the store has no skill)", "{export}");
+    assert_eq!(
+        export["status"], "degraded: 0 skills exported (the store has no skill)",
+        "{export}"
+    );
     assert_eq!(export["counts_out"]["skills"], 0);
 
     // run.json says the same; the report names the status in words, with the reason above the
     // stage table.
     let run_dir = dir.path().join("runs/empty");
-    let on_disk: Value = serde_json::from_slice(&std::fs::read(run_dir.join("run.json")).unwrap()).unwrap();
-    assert_eq!((&on_disk["status"], &on_disk["reasons"]), (&record["status"], &record["reasons"]));
+    let on_disk: Value =
+        serde_json::from_slice(&std::fs::read(run_dir.join("run.json")).unwrap()).unwrap();
+    assert_eq!(
+        (&on_disk["status"], &on_disk["reasons"]),
+        (&record["status"], &record["reasons"])
+    );
     let html = std::fs::read_to_string(run_dir.join("report.html")).unwrap();
-    assert!(html.contains(r#"<span class="badge degraded">degraded</span>"#), "no degraded badge in the header");
+    assert!(
+        html.contains(r#"<span class="badge degraded">degraded</span>"#),
+        "no degraded badge in the header"
+    );
     let reason_at = html.find(reason).expect("the reason is in the report");
-    assert!(reason_at < html.find(r#"<section id="stages">"#).unwrap(), "the reason comes before the stage table");
+    assert!(
+        reason_at < html.find(r#"<section id="stages">"#).unwrap(),
+        "the reason comes before the stage table"
+    );
 
     // The same run again (every stage done earlier): the same verdict, in words too.
     let again = run(fluxmem().arg("run").arg(&file).args(["--run-id", "empty"]));
-    assert_eq!(again.status.code(), Some(4), "stderr: {}", String::from_utf8_lossy(&again.stderr));
+    assert_eq!(
+        again.status.code(),
+        Some(4),
+        "stderr: {}",
+        String::from_utf8_lossy(&again.stderr)
+    );
     let stdout = String::from_utf8_lossy(&again.stdout);
-    assert!(stdout.contains(": degraded") && stdout.contains(&format!("- {reason}")), "{stdout}");
+    assert!(
+        stdout.contains(": degraded") && stdout.contains(&format!("- {reason}")),
+        "{stdout}"
+    );
 }
 
 #[test]
 fn a_run_whose_every_record_is_quarantined_is_degraded_not_just_quarantined() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("logs")).unwrap();
-    std::fs::write(dir.path().join("logs/bad.jsonl"), "{\"task\": 42}\n{\"steps\": []}\n[1, 2, 3]\n").unwrap();
+    std::fs::write(
+        dir.path().join("logs/bad.jsonl"),
+        "{\"task\": 42}\n{\"steps\": []}\n[1, 2, 3]\n",
+    )
+    .unwrap();
     let file = dir.path().join("pipeline.toml");
     std::fs::write(&file, "name = \"bad\"\nstore = \"store\"\n\n[[inputs]]\npaths = [\"logs/bad.jsonl\"]\n\n[report]\ndir = \"runs\"\n").unwrap();
     // The ingest stage alone: no model is needed for the verdict.
-    let output = run(fluxmem().arg("run").arg(&file).args(["--run-id", "bad", "--stage", "ingest", "--json"]));
-    assert_eq!(output.status.code(), Some(4), "degraded (4) wins over quarantined (3); stderr: {}", String::from_utf8_lossy(&output.stderr));
+    let output = run(fluxmem()
+        .arg("run")
+        .arg(&file)
+        .args(["--run-id", "bad", "--stage", "ingest", "--json"]));
+    assert_eq!(
+        output.status.code(),
+        Some(4),
+        "degraded (4) wins over quarantined (3); stderr: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let record = finished(&output);
     assert_eq!(record["status"], "degraded", "{record}");
     assert_eq!(record["quarantine"]["records"], 3, "{record}");
-    assert_eq!(stage(&record, "ingest")["status"], "degraded: all 3 records read were quarantined");
-    assert_eq!(record["reasons"], serde_json::json!(["ingest: all 3 records read were quarantined"]), "{record}");
+    assert_eq!(
+        stage(&record, "ingest")["status"],
+        "degraded: all 3 records read were quarantined"
+    );
+    assert_eq!(
+        record["reasons"],
+        serde_json::json!(["ingest: all 3 records read were quarantined"]),
+        "{record}"
+    );
 }
 
 #[test]
@@ -416,10 +732,26 @@ fn a_pipeline_with_a_non_finite_number_is_refused_before_any_stage_runs() {
     add_log(dir.path(), "trajectories.jsonl");
     let text = std::fs::read_to_string(&file).unwrap();
     let cases = [
-        (format!("{text}\n[refine]\nprune_below = nan\n"), "refine.prune_below", "NaN"),
-        (format!("{text}\n[refine]\nprior = inf\n"), "refine.prior", "inf"),
-        (text.replace("max_rounds = 1", "max_rounds = 1\nepsilon = -inf"), "consolidate.epsilon", "-inf"),
-        (text.replace("format = \"jsonl\"", "format = \"jsonl\"\nmin_pems = nan"), "export.min_pems", "NaN"),
+        (
+            format!("{text}\n[refine]\nprune_below = nan\n"),
+            "refine.prune_below",
+            "NaN",
+        ),
+        (
+            format!("{text}\n[refine]\nprior = inf\n"),
+            "refine.prior",
+            "inf",
+        ),
+        (
+            text.replace("max_rounds = 1", "max_rounds = 1\nepsilon = -inf"),
+            "consolidate.epsilon",
+            "-inf",
+        ),
+        (
+            text.replace("format = \"jsonl\"", "format = \"jsonl\"\nmin_pems = nan"),
+            "export.min_pems",
+            "NaN",
+        ),
     ];
     for (bad, key, value) in cases {
         assert_ne!(bad, text);
@@ -431,11 +763,18 @@ fn a_pipeline_with_a_non_finite_number_is_refused_before_any_stage_runs() {
             let stderr = String::from_utf8_lossy(&output.stderr);
             assert_eq!(output.status.code(), Some(1), "{key} {stage:?}: {stderr}");
             assert!(
-                stderr.contains(&file.display().to_string()) && stderr.contains(&format!("key `{key}`: `{value}`: must be a finite number")),
+                stderr.contains(&file.display().to_string())
+                    && stderr.contains(&format!("key `{key}`: `{value}`: must be a finite number")),
                 "{key}: {stderr}"
             );
-            assert!(!dir.path().join("store").exists(), "{key}: no stage ran, no store was created");
-            assert!(!dir.path().join("runs").exists(), "{key}: no report was written");
+            assert!(
+                !dir.path().join("store").exists(),
+                "{key}: no stage ran, no store was created"
+            );
+            assert!(
+                !dir.path().join("runs").exists(),
+                "{key}: no report was written"
+            );
         }
     }
 }
@@ -446,17 +785,45 @@ fn a_run_id_that_is_not_a_plain_name_is_refused_before_any_work() {
     let file = pipeline(dir.path(), false);
     add_log(dir.path(), "trajectories.jsonl");
     let outside = dir.path().join("outside");
-    let ids = ["../../x".to_string(), "../outside".into(), outside.display().to_string(), "..".into(), ".hidden".into(), "-x".into(), "a/b".into(), "x".repeat(129)];
+    let ids = [
+        "../../x".to_string(),
+        "../outside".into(),
+        outside.display().to_string(),
+        "..".into(),
+        ".hidden".into(),
+        "-x".into(),
+        "a/b".into(),
+        "x".repeat(129),
+    ];
     for id in ids {
-        let output = run(fluxmem().arg("run").arg(&file).args(["--stage", "ingest"]).arg(format!("--run-id={id}")));
+        let output = run(fluxmem()
+            .arg("run")
+            .arg(&file)
+            .args(["--stage", "ingest"])
+            .arg(format!("--run-id={id}")));
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(1), "{id}: {stderr}");
-        assert!(stderr.contains("--run-id") && stderr.contains("a run id must be 1 to 128 ASCII letters, digits"), "{id}: {stderr}");
-        assert!(!dir.path().join("store").exists(), "{id}: nothing was started");
-        assert!(!dir.path().join("runs").exists() && !outside.exists(), "{id}: no report was written");
+        assert!(
+            stderr.contains("--run-id")
+                && stderr.contains("a run id must be 1 to 128 ASCII letters, digits"),
+            "{id}: {stderr}"
+        );
+        assert!(
+            !dir.path().join("store").exists(),
+            "{id}: nothing was started"
+        );
+        assert!(
+            !dir.path().join("runs").exists() && !outside.exists(),
+            "{id}: no report was written"
+        );
     }
     // A plain id still names the report directory.
-    done(&run(fluxmem().arg("run").arg(&file).args(["--stage", "ingest", "--run-id", "night.1_a-B"])));
+    done(&run(fluxmem().arg("run").arg(&file).args([
+        "--stage",
+        "ingest",
+        "--run-id",
+        "night.1_a-B",
+    ])));
     assert!(dir.path().join("runs/night.1_a-B/run.json").is_file());
 }
 
@@ -469,35 +836,78 @@ fn output_targets_that_cannot_be_written_are_refused_before_any_work() {
         let output = run(fluxmem().arg("run").arg(&file).args(args));
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(1), "{key} {args:?}: {stderr}");
-        assert!(stderr.contains(&format!("key `{key}`")) && stderr.contains(&path.display().to_string()) && stderr.contains(why), "{key} {args:?}: {stderr}");
-        assert!(!dir.path().join("store").exists(), "{key} {args:?}: found before the store was opened");
+        assert!(
+            stderr.contains(&format!("key `{key}`"))
+                && stderr.contains(&path.display().to_string())
+                && stderr.contains(why),
+            "{key} {args:?}: {stderr}"
+        );
+        assert!(
+            !dir.path().join("store").exists(),
+            "{key} {args:?}: found before the store was opened"
+        );
     };
     // report.dir is a regular file: found before the store is created, not after the stages.
     let runs = dir.path().join("runs");
     std::fs::write(&runs, "not a directory").unwrap();
     refused(&[], "report.dir", &runs, "exists and is not a directory");
-    refused(&["--stage", "ingest"], "report.dir", &runs, "exists and is not a directory");
-    refused(&["--run-id", "night", "--stage", "ingest", "--merge", "2"], "report.dir", &runs, "exists and is not a directory");
+    refused(
+        &["--stage", "ingest"],
+        "report.dir",
+        &runs,
+        "exists and is not a directory",
+    );
+    refused(
+        &["--run-id", "night", "--stage", "ingest", "--merge", "2"],
+        "report.dir",
+        &runs,
+        "exists and is not a directory",
+    );
     std::fs::remove_file(&runs).unwrap();
 
     // export.out, when the export runs: a regular file, then a directory that is neither empty
     // nor an earlier export.
     let text = std::fs::read_to_string(&file).unwrap();
-    std::fs::write(&file, text.replace("[export]\nenabled = false", "[export]\nenabled = true")).unwrap();
+    std::fs::write(
+        &file,
+        text.replace("[export]\nenabled = false", "[export]\nenabled = true"),
+    )
+    .unwrap();
     let skills = dir.path().join("skills");
     std::fs::write(&skills, "not a directory").unwrap();
     refused(&[], "export.out", &skills, "exists and is not a directory");
-    refused(&["--stage", "export"], "export.out", &skills, "exists and is not a directory");
+    refused(
+        &["--stage", "export"],
+        "export.out",
+        &skills,
+        "exists and is not a directory",
+    );
     std::fs::remove_file(&skills).unwrap();
     std::fs::create_dir(&skills).unwrap();
     std::fs::write(skills.join("notes.txt"), "mine").unwrap();
     refused(&[], "export.out", &skills, "holds no release.json");
-    refused(&["--stage", "export"], "export.out", &skills, "holds no release.json");
-    std::fs::write(skills.join("release.json"), r#"{"format": "something-else"}"#).unwrap();
+    refused(
+        &["--stage", "export"],
+        "export.out",
+        &skills,
+        "holds no release.json",
+    );
+    std::fs::write(
+        skills.join("release.json"),
+        r#"{"format": "something-else"}"#,
+    )
+    .unwrap();
     refused(&[], "export.out", &skills, "not a fluxmem skill release");
-    assert_eq!(std::fs::read_to_string(skills.join("notes.txt")).unwrap(), "mine", "left as it was");
+    assert_eq!(
+        std::fs::read_to_string(skills.join("notes.txt")).unwrap(),
+        "mine",
+        "left as it was"
+    );
     // A stage that does not export does not need export.out.
-    done(&run(fluxmem().arg("run").arg(&file).args(["--stage", "ingest"])));
+    done(&run(fluxmem()
+        .arg("run")
+        .arg(&file)
+        .args(["--stage", "ingest"])));
 }
 
 /// The Agent Skills reference validator (`agentskills`, PyPI `skills-ref`, installed into
@@ -580,19 +990,44 @@ dir = "runs"
     assert_eq!(record["status"], "ok", "{record}");
     // Nothing personal leaves the store: not the skills, not the run report.
     let mut leaving = String::new();
-    for path in walk(&dir.path().join("skills")).into_iter().chain(walk(&dir.path().join("runs"))) {
+    for path in walk(&dir.path().join("skills"))
+        .into_iter()
+        .chain(walk(&dir.path().join("runs")))
+    {
         leaving.push_str(&std::fs::read_to_string(&path).unwrap());
     }
-    for secret in ["alice1@example.com", "alice@example.com", "4111 1111 1111 1111"] {
+    for secret in [
+        "alice1@example.com",
+        "alice@example.com",
+        "4111 1111 1111 1111",
+    ] {
         assert!(!leaving.contains(secret), "`{secret}` left the store");
     }
-    assert!(leaving.contains("<email>"), "placeholders keep the text readable");
-    assert!(record["redacted"]["email"].as_u64().unwrap_or(0) > 0, "counted per kind: {}", record["redacted"]);
+    assert!(
+        leaving.contains("<email>"),
+        "placeholders keep the text readable"
+    );
+    assert!(
+        record["redacted"]["email"].as_u64().unwrap_or(0) > 0,
+        "counted per kind: {}",
+        record["redacted"]
+    );
     let consolidate = stage(&record, "consolidate");
-    assert_eq!(consolidate["counts_out"]["failed"], consolidate["details"]["no_procedure"], "only clusters without a shared procedure fail: {consolidate}");
+    assert_eq!(
+        consolidate["counts_out"]["failed"], consolidate["details"]["no_procedure"],
+        "only clusters without a shared procedure fail: {consolidate}"
+    );
     let skills = dir.path().join("skills");
-    let folders: Vec<PathBuf> = std::fs::read_dir(&skills).unwrap().flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect();
-    assert!(folders.len() >= 3, "at least 3 skills from the samples: {folders:?}");
+    let folders: Vec<PathBuf> = std::fs::read_dir(&skills)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    assert!(
+        folders.len() >= 3,
+        "at least 3 skills from the samples: {folders:?}"
+    );
     for folder in &folders {
         let check = run(Command::new(agentskills()).arg("validate").arg(folder));
         assert!(
@@ -602,8 +1037,15 @@ dir = "runs"
             String::from_utf8_lossy(&check.stdout),
             String::from_utf8_lossy(&check.stderr)
         );
-        let provenance: Value = serde_json::from_slice(&std::fs::read(folder.join("provenance.json")).unwrap()).unwrap();
-        assert!(provenance["source_episodes"].as_array().is_some_and(|e| !e.is_empty()), "{provenance}");
+        let provenance: Value =
+            serde_json::from_slice(&std::fs::read(folder.join("provenance.json")).unwrap())
+                .unwrap();
+        assert!(
+            provenance["source_episodes"]
+                .as_array()
+                .is_some_and(|e| !e.is_empty()),
+            "{provenance}"
+        );
     }
     assert!(skills.join("CHANGES.md").is_file());
 }

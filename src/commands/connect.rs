@@ -28,8 +28,15 @@ pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     // from, so the same store and options always give the same shards.
     let run_id = format!("connect@v{}", writer.manifest().version);
     let mut bar = CountBar::new(settings.progress, "connect");
-    let report = connect_store(&mut writer, embedder.as_ref(), &options, &run_id, &device, &mut bar)
-        .with_context(|| format!("connecting the store {}", settings.store.display()))?;
+    let report = connect_store(
+        &mut writer,
+        embedder.as_ref(),
+        &options,
+        &run_id,
+        &device,
+        &mut bar,
+    )
+    .with_context(|| format!("connecting the store {}", settings.store.display()))?;
     bar.finish();
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -55,7 +62,10 @@ fn fits(report: &fluxmem_connect::ConnectReport) -> String {
         parts.push(format!("{} groups of episodes", report.groups));
     }
     if report.fact_partitions > 0 {
-        parts.push(format!("facts spilled to {} partitions", report.fact_partitions));
+        parts.push(format!(
+            "facts spilled to {} partitions",
+            report.fact_partitions
+        ));
     }
     if parts.is_empty() {
         String::new()

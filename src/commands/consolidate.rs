@@ -1,5 +1,7 @@
 use anyhow::Context;
-use fluxmem_consolidate::{consolidate_store, ConsolidateOptions, ConsolidateReport, KMeansOptions, Models, PemsOptions};
+use fluxmem_consolidate::{
+    consolidate_store, ConsolidateOptions, ConsolidateReport, KMeansOptions, Models, PemsOptions,
+};
 use fluxmem_models::{DeviceChoice, Generator, Judge};
 use std::process::ExitCode;
 
@@ -14,7 +16,11 @@ pub fn run(args: ConsolidateArgs, settings: &Settings) -> anyhow::Result<ExitCod
     let embedder = super::embedder(&args.model, &device_choice, None)?;
     let mut generator = match args.generator.as_str() {
         "none" => None,
-        name => Some(fluxmem_models::load_generator(name, &device_choice, super::models::weight_path(&args.weights)?)?),
+        name => Some(fluxmem_models::load_generator(
+            name,
+            &device_choice,
+            super::models::weight_path(&args.weights)?,
+        )?),
     };
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
     let mut writer = open_writer(settings)?;
@@ -28,8 +34,15 @@ pub fn run(args: ConsolidateArgs, settings: &Settings) -> anyhow::Result<ExitCod
     };
     let mut bar = CountBar::new(settings.progress, "consolidate");
     let started = std::time::Instant::now();
-    let report = consolidate_store(&mut writer, &mut models, &options, &run_id, &device, &mut bar)
-        .with_context(|| format!("consolidating the store {}", settings.store.display()))?;
+    let report = consolidate_store(
+        &mut writer,
+        &mut models,
+        &options,
+        &run_id,
+        &device,
+        &mut bar,
+    )
+    .with_context(|| format!("consolidating the store {}", settings.store.display()))?;
     bar.finish();
     let seconds = started.elapsed().as_secs_f64();
     if args.json {
@@ -48,13 +61,28 @@ fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
         anyhow::bail!("--max-rounds must be at least 1");
     }
     crate::cli::check_flag("--epsilon", args.epsilon, crate::cli::Bound::NonNegative)?;
-    crate::cli::check_flag("--reinduce-share", args.reinduce_share, crate::cli::Bound::NonNegative)?;
-    crate::cli::check_flag("--recluster-share", args.recluster_share, crate::cli::Bound::NonNegative)?;
+    crate::cli::check_flag(
+        "--reinduce-share",
+        args.reinduce_share,
+        crate::cli::Bound::NonNegative,
+    )?;
+    crate::cli::check_flag(
+        "--recluster-share",
+        args.recluster_share,
+        crate::cli::Bound::NonNegative,
+    )?;
     let length = args.length.parse().map_err(anyhow::Error::msg)?;
     Ok(ConsolidateOptions {
-        kmeans: KMeansOptions { clusters, seed: args.seed, ..Default::default() },
+        kmeans: KMeansOptions {
+            clusters,
+            seed: args.seed,
+            ..Default::default()
+        },
         successful_only: args.successful_only,
-        pems: PemsOptions { length, divide_by_skills: args.divide_by_skills },
+        pems: PemsOptions {
+            length,
+            divide_by_skills: args.divide_by_skills,
+        },
         max_rounds: args.max_rounds,
         epsilon: args.epsilon,
         prompt_budget: args.prompt_budget,
@@ -106,11 +134,22 @@ fn print_human(report: &ConsolidateReport, seconds: f64) {
         report.generator.prompt_tokens,
         report.generator.generated_tokens,
         report.eta_source,
-        report.judge_model.as_ref().map(|j| format!(" ({j}, {} judged episodes)", report.judge.calls)).unwrap_or_default()
+        report
+            .judge_model
+            .as_ref()
+            .map(|j| format!(" ({j}, {} judged episodes)", report.judge.calls))
+            .unwrap_or_default()
     );
     for skill in &report.skills {
-        let history: Vec<String> = skill.rounds.iter().map(|r| format!("{:.4}", r.pems)).collect();
-        let converged = skill.converged_round.map(|r| format!("converged at round {r}")).unwrap_or_else(|| "round limit".into());
+        let history: Vec<String> = skill
+            .rounds
+            .iter()
+            .map(|r| format!("{:.4}", r.pems))
+            .collect();
+        let converged = skill
+            .converged_round
+            .map(|r| format!("converged at round {r}"))
+            .unwrap_or_else(|| "round limit".into());
         println!(
             "  {} v{} {:?}: {} episodes, PEMS [{}] ({converged}, kept round {}), {:.1}s",
             skill.id,
@@ -123,7 +162,15 @@ fn print_human(report: &ConsolidateReport, seconds: f64) {
         );
     }
     for failure in &report.failures {
-        let problem = failure.attempts.last().map(|a| a.problem.as_str()).unwrap_or("");
-        println!("  failed {} ({} episodes): {problem}; raw output kept in the edit log", failure.target, failure.episodes.len());
+        let problem = failure
+            .attempts
+            .last()
+            .map(|a| a.problem.as_str())
+            .unwrap_or("");
+        println!(
+            "  failed {} ({} episodes): {problem}; raw output kept in the edit log",
+            failure.target,
+            failure.episodes.len()
+        );
     }
 }

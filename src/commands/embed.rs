@@ -11,11 +11,23 @@ pub fn run(args: EmbedArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device: DeviceChoice = args.device.parse()?;
     let embedder = super::embedder(&args.model, &device, Some(args.batch_size))?;
     let mut writer = open_writer(settings)?;
-    let options = EmbedOptions { batch_size: 256, commit_every: args.commit_every, reembed: args.reembed, window: args.window.get(), ..Default::default() };
+    let options = EmbedOptions {
+        batch_size: 256,
+        commit_every: args.commit_every,
+        reembed: args.reembed,
+        window: args.window.get(),
+        ..Default::default()
+    };
     let mut bar = CountBar::new(settings.progress, "embed");
     let started = std::time::Instant::now();
-    let report = embed_store(&mut writer, embedder.as_ref(), &options, &run_id("embed"), &mut bar)
-        .with_context(|| format!("embedding the store {}", settings.store.display()))?;
+    let report = embed_store(
+        &mut writer,
+        embedder.as_ref(),
+        &options,
+        &run_id("embed"),
+        &mut bar,
+    )
+    .with_context(|| format!("embedding the store {}", settings.store.display()))?;
     bar.finish();
     let seconds = started.elapsed().as_secs_f64();
     if args.json {

@@ -23,7 +23,11 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         retrieval: fluxmem_connect::RetrievalConfig {
             adjacency,
             entity,
-            ..super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?
+            ..super::retrieval_config(
+                &args.fusion,
+                &args.weights,
+                if judge.is_some() { args.judge_top } else { 0 },
+            )?
         },
         units,
         refine: super::loop_options(&args.refine, args.refine_budget),
@@ -36,7 +40,9 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         &options,
         &embedder,
         judge.as_mut().map(|j| j as &mut dyn fluxmem_models::Judge),
-        generator.as_mut().map(|g| g as &mut dyn fluxmem_models::Generator),
+        generator
+            .as_mut()
+            .map(|g| g as &mut dyn fluxmem_models::Generator),
         &device,
         &mut progress,
     )
@@ -44,7 +50,8 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     bar.finish();
     print_table(&report, &options.budgets);
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_vec_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -72,18 +79,26 @@ fn print_table(report: &LocomoReport, budgets: &[usize]) {
     header.push_str(&format!(" {:>7} {:>5}", "tokens", "n"));
     println!("{header}");
     for system in SYSTEMS {
-        let Some(result) = report.systems.get(system) else { continue };
-        let rows = std::iter::once(("all".to_string(), &result.overall)).chain(result.by_category.iter().map(|(c, s)| (c.clone(), s)));
+        let Some(result) = report.systems.get(system) else {
+            continue;
+        };
+        let rows = std::iter::once(("all".to_string(), &result.overall))
+            .chain(result.by_category.iter().map(|(c, s)| (c.clone(), s)));
         for (category, summary) in rows {
             let mut line = format!("{system:<8} {category:<8}");
-            let cell = |value: Option<&f64>| value.map_or_else(|| format!(" {:>7}", "-"), |v| format!(" {v:>7.3}"));
+            let cell = |value: Option<&f64>| {
+                value.map_or_else(|| format!(" {:>7}", "-"), |v| format!(" {v:>7.3}"))
+            };
             for k in fluxmem_eval::metrics::KS {
                 line.push_str(&cell(summary.recall_at_k.get(&format!("recall@{k}"))));
             }
             for budget in budgets {
                 line.push_str(&cell(summary.recall_at_budget.get(&budget.to_string())));
             }
-            line.push_str(&format!(" {:>7.0} {:>5}", summary.mean_context_tokens, summary.questions));
+            line.push_str(&format!(
+                " {:>7.0} {:>5}",
+                summary.mean_context_tokens, summary.questions
+            ));
             println!("{line}");
         }
     }
@@ -117,8 +132,16 @@ fn print_table(report: &LocomoReport, budgets: &[usize]) {
                 at(1.0)
             );
         }
-        let curve: Vec<String> = refine.recall_by_round.iter().enumerate().map(|(t, r)| format!("{t}: {r:.3}")).collect();
-        println!("refine: recall of the loop context after round t: {}", curve.join(", "));
+        let curve: Vec<String> = refine
+            .recall_by_round
+            .iter()
+            .enumerate()
+            .map(|(t, r)| format!("{t}: {r:.3}"))
+            .collect();
+        println!(
+            "refine: recall of the loop context after round t: {}",
+            curve.join(", ")
+        );
         for (kind, effect) in &refine.edit_effects {
             println!(
                 "refine: {kind}: {} fired, context recall raised {} lowered {} unchanged {}, mean change {:+.4}",
@@ -131,7 +154,10 @@ fn print_table(report: &LocomoReport, budgets: &[usize]) {
         }
     }
     if report.judge_calls > 0 {
-        println!("judge: {} calls, {} prompt tokens", report.judge_calls, report.judge_prompt_tokens);
+        println!(
+            "judge: {} calls, {} prompt tokens",
+            report.judge_calls, report.judge_prompt_tokens
+        );
     }
 }
 
@@ -144,29 +170,51 @@ pub fn skills(args: EvalSkillsArgs, settings: &Settings) -> anyhow::Result<ExitC
     // Every generator named must exist before anything runs.
     let manifest = fluxmem_models::ModelManifest::load()?;
     for name in args.generators.iter().filter(|g| g.as_str() != "none") {
-        let spec = manifest.get(name).with_context(|| format!("--generators {name}"))?;
+        let spec = manifest
+            .get(name)
+            .with_context(|| format!("--generators {name}"))?;
         if spec.kind != "generator" {
-            anyhow::bail!("--generators {name}: `{name}` is a {}, not a generator", spec.kind);
+            anyhow::bail!(
+                "--generators {name}: `{name}` is a {}, not a generator",
+                spec.kind
+            );
         }
     }
     let options = fluxmem_consolidate::ConsolidateOptions {
-        kmeans: fluxmem_consolidate::KMeansOptions { clusters, seed: args.seed, ..Default::default() },
+        kmeans: fluxmem_consolidate::KMeansOptions {
+            clusters,
+            seed: args.seed,
+            ..Default::default()
+        },
         split_by_procedure: !args.no_procedure_split,
         ..Default::default()
     };
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
-    eprintln!("eval skills: ingesting and embedding {}", args.data.display());
-    let prepared = prepare(&args.data, &embedder).with_context(|| format!("preparing {}", args.data.display()))?;
+    eprintln!(
+        "eval skills: ingesting and embedding {}",
+        args.data.display()
+    );
+    let prepared = prepare(&args.data, &embedder)
+        .with_context(|| format!("preparing {}", args.data.display()))?;
     let mut results: Vec<GeneratorResult> = Vec::new();
     for name in &args.generators {
-        eprintln!("eval skills: consolidating {} episodes with generator {name}", prepared.episodes);
+        eprintln!(
+            "eval skills: consolidating {} episodes with generator {name}",
+            prepared.episodes
+        );
         let mut generator = match name.as_str() {
             "none" => None,
-            model => Some(fluxmem_models::load_generator(model, &device_choice, weights)?),
+            model => Some(fluxmem_models::load_generator(
+                model,
+                &device_choice,
+                weights,
+            )?),
         };
         let mut models = fluxmem_consolidate::Models {
             embedder: &embedder,
-            generator: generator.as_mut().map(|g| g as &mut dyn fluxmem_models::Generator),
+            generator: generator
+                .as_mut()
+                .map(|g| g as &mut dyn fluxmem_models::Generator),
             judge: None,
         };
         let mut bar = CountBar::new(settings.progress, "consolidate");
@@ -177,25 +225,55 @@ pub fn skills(args: EvalSkillsArgs, settings: &Settings) -> anyhow::Result<ExitC
     print_skills_table(&prepared, &results, args.per_task);
     if let Some(path) = &args.json {
         let json = serde_json::json!({ "data": args.data, "benchmark": prepared.benchmark, "episodes": prepared.episodes, "results": results });
-        std::fs::write(path, serde_json::to_vec_pretty(&json)?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, serde_json::to_vec_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_skills_table(prepared: &fluxmem_eval::skills::Prepared, results: &[fluxmem_eval::skills::GeneratorResult], per_task: bool) {
-    println!("{}: {} episodes ({:?})", prepared.data.display(), prepared.episodes, prepared.benchmark);
+fn print_skills_table(
+    prepared: &fluxmem_eval::skills::Prepared,
+    results: &[fluxmem_eval::skills::GeneratorResult],
+    per_task: bool,
+) {
+    println!(
+        "{}: {} episodes ({:?})",
+        prepared.data.display(),
+        prepared.episodes,
+        prepared.benchmark
+    );
     let scores_header = match prepared.benchmark {
-        fluxmem_eval::skills::Benchmark::TauBench => format!("{:>8} {:>7} {:>6} {:>9}", "coverage", "recall", "order", "precision"),
-        fluxmem_eval::skills::Benchmark::Alfworld => format!("{:>6} {:>6} {:>9} {:>8}", "purity", "NMI", "verb prec", "verb rec"),
+        fluxmem_eval::skills::Benchmark::TauBench => format!(
+            "{:>8} {:>7} {:>6} {:>9}",
+            "coverage", "recall", "order", "precision"
+        ),
+        fluxmem_eval::skills::Benchmark::Alfworld => format!(
+            "{:>6} {:>6} {:>9} {:>8}",
+            "purity", "NMI", "verb prec", "verb rec"
+        ),
     };
     println!(
         "{:<36} {:>8} {:>6} {:>13} {:>9} {:>6} {:>7} {:>7} {}",
-        "generator", "clusters", "skills", "model-worded", "no proc.", "calls", "tokens", "seconds", scores_header
+        "generator",
+        "clusters",
+        "skills",
+        "model-worded",
+        "no proc.",
+        "calls",
+        "tokens",
+        "seconds",
+        scores_header
     );
     for r in results {
         let scores = match (&r.tau, &r.alfworld) {
-            (Some(t), _) => format!("{:>8.2} {:>7.2} {:>6.2} {:>9.2}", t.coverage, t.recall, t.order, t.precision),
-            (_, Some(a)) => format!("{:>6.3} {:>6.3} {:>9.2} {:>8.2}", a.purity, a.nmi, a.verb_precision, a.verb_recall),
+            (Some(t), _) => format!(
+                "{:>8.2} {:>7.2} {:>6.2} {:>9.2}",
+                t.coverage, t.recall, t.order, t.precision
+            ),
+            (_, Some(a)) => format!(
+                "{:>6.3} {:>6.3} {:>9.2} {:>8.2}",
+                a.purity, a.nmi, a.verb_precision, a.verb_recall
+            ),
             _ => String::new(),
         };
         println!(

@@ -15,8 +15,15 @@ pub fn skills(args: ExportSkillsArgs, settings: &Settings) -> anyhow::Result<Exi
     if let Some(min_eta) = args.min_eta {
         crate::cli::check_flag("--min-eta", min_eta, crate::cli::Bound::Finite)?;
     }
-    let options = ExportOptions { format, tenant: args.tenant, min_pems: args.min_pems, min_eta: args.min_eta, min_support: args.min_support };
-    let report = export_skills(&store, &args.out, &options).with_context(|| format!("exporting skills to {}", args.out.display()))?;
+    let options = ExportOptions {
+        format,
+        tenant: args.tenant,
+        min_pems: args.min_pems,
+        min_eta: args.min_eta,
+        min_support: args.min_support,
+    };
+    let report = export_skills(&store, &args.out, &options)
+        .with_context(|| format!("exporting skills to {}", args.out.display()))?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

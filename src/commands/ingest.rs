@@ -45,7 +45,10 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             report.read, report.files, report.ingested, report.duplicates, report.quarantined, report.nodes_added, report.commits
         );
         if report.unchanged_files > 0 {
-            println!("{} files unchanged since they were ingested: not read again (--reread reads them)", report.unchanged_files);
+            println!(
+                "{} files unchanged since they were ingested: not read again (--reread reads them)",
+                report.unchanged_files
+            );
         }
         if let Some(path) = &report.quarantine_file {
             println!("quarantine file: {}", path.display());
@@ -53,5 +56,9 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         let (stats, manifest) = writer.store().stats()?;
         super::stats::print_table(&stats, manifest.version, &settings.store);
     }
-    Ok(if report.quarantined > 0 { ExitCode::from(crate::EXIT_QUARANTINED) } else { ExitCode::SUCCESS })
+    Ok(if report.quarantined > 0 {
+        ExitCode::from(crate::EXIT_QUARANTINED)
+    } else {
+        ExitCode::SUCCESS
+    })
 }

@@ -42,7 +42,11 @@ pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
 /// weight-free hashing embedder (a word's bucket in `dim` dimensions; no semantics, no model to
 /// fetch). The hash embedder is for benchmarks of the store-bound stages (`benches/scale
 /// --embedder hash-384`) and for trying the chain without weights, not for retrieval.
-pub fn embedder(name: &str, device: &fluxmem_models::DeviceChoice, batch_size: Option<usize>) -> anyhow::Result<Box<dyn fluxmem_models::Embedder>> {
+pub fn embedder(
+    name: &str,
+    device: &fluxmem_models::DeviceChoice,
+    batch_size: Option<usize>,
+) -> anyhow::Result<Box<dyn fluxmem_models::Embedder>> {
     if let Some(dim) = name.strip_prefix("hash-") {
         let dim: usize = dim
             .parse()
@@ -60,7 +64,11 @@ pub fn embedder(name: &str, device: &fluxmem_models::DeviceChoice, batch_size: O
 
 /// A run id: the stage, the UTC time and the process id.
 pub fn run_id(stage: &str) -> String {
-    format!("{stage}-{}-{}", chrono::Utc::now().format("%Y%m%dT%H%M%S%.3fZ"), std::process::id())
+    format!(
+        "{stage}-{}-{}",
+        chrono::Utc::now().format("%Y%m%dT%H%M%S%.3fZ"),
+        std::process::id()
+    )
 }
 
 /// Opens the store for writing and warns about a recovered stale lock.
@@ -70,30 +78,56 @@ pub fn open_writer(settings: &Settings) -> anyhow::Result<fluxmem_store::Writer>
 
 /// The writer of the store at `dir`, waiting `--wait` seconds for a held lock, and saying so
 /// (and when it took over a stale lock) on stderr.
-pub fn open_writer_at(dir: &std::path::Path, settings: &Settings) -> anyhow::Result<fluxmem_store::Writer> {
+pub fn open_writer_at(
+    dir: &std::path::Path,
+    settings: &Settings,
+) -> anyhow::Result<fluxmem_store::Writer> {
     let wait = settings.wait;
     let writer = fluxmem_store::Writer::open_waiting(dir, wait, |holder| {
-        eprintln!("waiting up to {}s for the store lock held by {holder}", wait.as_secs());
+        eprintln!(
+            "waiting up to {}s for the store lock held by {holder}",
+            wait.as_secs()
+        );
     })?;
     if let Some(holder) = writer.stale_lock() {
-        eprintln!("warning: recovered a stale store lock left by {holder} (it did not exit cleanly)");
+        eprintln!(
+            "warning: recovered a stale store lock left by {holder} (it did not exit cleanly)"
+        );
     }
     Ok(writer)
 }
 
 /// Stage I settings from the `--fusion`, `--weights` and judge flags.
-pub fn retrieval_config(fusion: &str, weights: &[f32], judge_top: usize) -> anyhow::Result<fluxmem_connect::RetrievalConfig> {
+pub fn retrieval_config(
+    fusion: &str,
+    weights: &[f32],
+    judge_top: usize,
+) -> anyhow::Result<fluxmem_connect::RetrievalConfig> {
     let fusion: fluxmem_connect::FusionMode = fusion.parse().map_err(anyhow::Error::msg)?;
     let [dense, bm25, judge] = weights else {
-        anyhow::bail!("--weights takes three numbers (dense, BM25, judge), got {}", weights.len());
+        anyhow::bail!(
+            "--weights takes three numbers (dense, BM25, judge), got {}",
+            weights.len()
+        );
     };
-    let weights = fluxmem_connect::FusionWeights { dense: *dense, bm25: *bm25, judge: *judge };
-    Ok(fluxmem_connect::RetrievalConfig { fusion, weights, judge_top, ..Default::default() })
+    let weights = fluxmem_connect::FusionWeights {
+        dense: *dense,
+        bm25: *bm25,
+        judge: *judge,
+    };
+    Ok(fluxmem_connect::RetrievalConfig {
+        fusion,
+        weights,
+        judge_top,
+        ..Default::default()
+    })
 }
 
 /// The `--units`, `--adjacency` and `--entity` flags: how facts are indexed, and the weights of
 /// structure.
-pub fn structure_flags(args: &crate::cli::StructureArgs) -> anyhow::Result<(fluxmem_connect::Units, f32, f32)> {
+pub fn structure_flags(
+    args: &crate::cli::StructureArgs,
+) -> anyhow::Result<(fluxmem_connect::Units, f32, f32)> {
     let units: fluxmem_connect::Units = args.units.parse().map_err(anyhow::Error::msg)?;
     for (flag, value) in [("--adjacency", args.adjacency), ("--entity", args.entity)] {
         crate::cli::check_f32_flag(flag, value, crate::cli::Bound::NonNegative)?;
@@ -106,9 +140,15 @@ pub fn structure_flags(args: &crate::cli::StructureArgs) -> anyhow::Result<(flux
 /// Judging is prompt processing: the weights that prefill fastest for the model's size
 /// (`WeightPath::Prompts`: Q8_0 where fluxmem's kernels run, else f32 up to 0.5B parameters
 /// and as stored above; docs/models.md).
-pub fn judge_from_flag(name: &str, device: &fluxmem_models::DeviceChoice) -> anyhow::Result<Option<Box<dyn fluxmem_models::Judge>>> {
-    let Some(model) = fluxmem_models::judge_model(name)? else { return Ok(None) };
-    let generator = fluxmem_models::load_generator(&model, device, fluxmem_models::WeightPath::Prompts)?;
+pub fn judge_from_flag(
+    name: &str,
+    device: &fluxmem_models::DeviceChoice,
+) -> anyhow::Result<Option<Box<dyn fluxmem_models::Judge>>> {
+    let Some(model) = fluxmem_models::judge_model(name)? else {
+        return Ok(None);
+    };
+    let generator =
+        fluxmem_models::load_generator(&model, device, fluxmem_models::WeightPath::Prompts)?;
     Ok(Some(if fluxmem_models::judge_is_ql(name) {
         Box::new(fluxmem_models::QlJudge::new(generator))
     } else {
@@ -132,7 +172,11 @@ pub fn check_loop_flags(args: &crate::cli::LoopArgs) -> anyhow::Result<()> {
     if let Some(at) = args.sufficient_at {
         crate::cli::check_f32_flag("--sufficient-at", at, crate::cli::Bound::NonNegative)?;
     }
-    crate::cli::check_f32_flag("--merge-above", args.merge_above, crate::cli::Bound::NonNegative)?;
+    crate::cli::check_f32_flag(
+        "--merge-above",
+        args.merge_above,
+        crate::cli::Bound::NonNegative,
+    )?;
     Ok(())
 }
 
@@ -156,6 +200,10 @@ pub fn reshape_generator(
 ) -> anyhow::Result<Option<fluxmem_models::GgufGenerator>> {
     match &args.reshape_generator {
         None => Ok(None),
-        Some(name) => Ok(Some(fluxmem_models::load_generator(name, device, fluxmem_models::WeightPath::Q8)?)),
+        Some(name) => Ok(Some(fluxmem_models::load_generator(
+            name,
+            device,
+            fluxmem_models::WeightPath::Q8,
+        )?)),
     }
 }

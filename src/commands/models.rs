@@ -1,4 +1,7 @@
-use fluxmem_models::{cache_dir, ChatMessage, DeviceChoice, Embedder, GenerateParams, Generator, Judge, LlmJudge, ModelManifest, WeightPath};
+use fluxmem_models::{
+    cache_dir, ChatMessage, DeviceChoice, Embedder, GenerateParams, Generator, Judge, LlmJudge,
+    ModelManifest, WeightPath,
+};
 use std::process::ExitCode;
 
 use crate::cli::ModelsCommand;
@@ -24,7 +27,11 @@ pub fn run(command: ModelsCommand) -> anyhow::Result<ExitCode> {
             } else {
                 println!("model cache: {}", cache.display());
                 for m in &manifest.models {
-                    let state = if m.is_installed(&cache) { "installed" } else { "missing  " };
+                    let state = if m.is_installed(&cache) {
+                        "installed"
+                    } else {
+                        "missing  "
+                    };
                     println!("  {state}  {:<28} {:<9} {}", m.name, m.kind, m.description);
                 }
             }
@@ -36,17 +43,37 @@ pub fn run(command: ModelsCommand) -> anyhow::Result<ExitCode> {
                 names.iter().map(String::as_str).collect()
             };
             for name in wanted {
-                manifest.get(name)?.fetch(&cache, &mut |line| eprintln!("{line}"))?;
+                manifest
+                    .get(name)?
+                    .fetch(&cache, &mut |line| eprintln!("{line}"))?;
             }
         }
-        ModelsCommand::Generate { model, device, weights, max_tokens, temperature, seed, system, prompt } => {
-            let mut generator = fluxmem_models::load_generator(&model, &device.parse::<DeviceChoice>()?, weight_path(&weights)?)?;
+        ModelsCommand::Generate {
+            model,
+            device,
+            weights,
+            max_tokens,
+            temperature,
+            seed,
+            system,
+            prompt,
+        } => {
+            let mut generator = fluxmem_models::load_generator(
+                &model,
+                &device.parse::<DeviceChoice>()?,
+                weight_path(&weights)?,
+            )?;
             let mut messages = Vec::new();
             if let Some(system) = system {
                 messages.push(ChatMessage::new("system", system));
             }
             messages.push(ChatMessage::new("user", prompt));
-            let params = GenerateParams { max_tokens, temperature, seed, ..GenerateParams::default() };
+            let params = GenerateParams {
+                max_tokens,
+                temperature,
+                seed,
+                ..GenerateParams::default()
+            };
             let started = std::time::Instant::now();
             let generation = generator.generate(&messages, &params)?;
             println!("{}", generation.text);
@@ -58,13 +85,26 @@ pub fn run(command: ModelsCommand) -> anyhow::Result<ExitCode> {
                 started.elapsed().as_secs_f64()
             );
         }
-        ModelsCommand::Judge { model, device, query, passages } => {
-            let generator = fluxmem_models::load_generator(&model, &device.parse::<DeviceChoice>()?, WeightPath::Prompts)?;
+        ModelsCommand::Judge {
+            model,
+            device,
+            query,
+            passages,
+        } => {
+            let generator = fluxmem_models::load_generator(
+                &model,
+                &device.parse::<DeviceChoice>()?,
+                WeightPath::Prompts,
+            )?;
             let mut judge = LlmJudge::new(generator);
             let refs: Vec<&str> = passages.iter().map(String::as_str).collect();
             println!("{}", serde_json::to_string(&judge.score(&query, &refs)?)?);
         }
-        ModelsCommand::Embed { model, device, texts } => {
+        ModelsCommand::Embed {
+            model,
+            device,
+            texts,
+        } => {
             let embedder = fluxmem_models::load_embedder(&model, &device.parse::<DeviceChoice>()?)?;
             let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
             let vectors = embedder.embed(&refs)?;

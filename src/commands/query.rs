@@ -17,7 +17,14 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let tenant = resolve_tenant(&graph, args.tenant.as_deref())?;
     let embedder = super::embedder(&args.model, &device_choice, None)?;
     // Only the tenant's nodes; those not embedded yet are left out and counted.
-    let retriever = Retriever::build_units(&graph, &tenant, embedder.model_id(), &device, Unembedded::Skip, units)?;
+    let retriever = Retriever::build_units(
+        &graph,
+        &tenant,
+        embedder.model_id(),
+        &device,
+        Unembedded::Skip,
+        units,
+    )?;
     let not_embedded = retriever.not_embedded();
     if not_embedded > 0 {
         eprintln!("warning: {not_embedded} nodes of tenant `{tenant}` have no `{}` embedding and were left out; run `fluxmem embed`", embedder.model_id());
@@ -26,7 +33,11 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let config = fluxmem_connect::RetrievalConfig {
         adjacency,
         entity,
-        ..super::retrieval_config(&args.fusion, &args.weights, if judge.is_some() { args.judge_top } else { 0 })?
+        ..super::retrieval_config(
+            &args.fusion,
+            &args.weights,
+            if judge.is_some() { args.judge_top } else { 0 },
+        )?
     };
     let query_vector = embedder.embed(&[args.text.as_str()])?.remove(0);
     // With entities on, the dense signal reads the query without the speakers it names.
@@ -43,16 +54,26 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         judge.as_mut().map(|j| j as &mut dyn Judge),
         args.episodes,
     )?;
-    let count = |text: &str| embedder.count_tokens(text).map_err(fluxmem_connect::Error::from);
+    let count = |text: &str| {
+        embedder
+            .count_tokens(text)
+            .map_err(fluxmem_connect::Error::from)
+    };
     let entries: Vec<Entry> = if args.refine.refine_rounds == 0 {
-        head.into_iter().chain(semantic.iter().map(semantic_entry)).collect()
+        head.into_iter()
+            .chain(semantic.iter().map(semantic_entry))
+            .collect()
     } else {
         // Skills and episodes first; the loop refines the facts under what is left of the budget.
         let head_tokens = pack(&graph, &head, args.budget, &count)?.tokens;
-        let options = super::loop_options(&args.refine, args.budget.saturating_sub(head_tokens + 1));
+        let options =
+            super::loop_options(&args.refine, args.budget.saturating_sub(head_tokens + 1));
         let mut generator = super::reshape_generator(&args.refine, &device_choice)?;
         let neighbours = Neighbours::build(&graph, &tenant);
-        let mut verifier = fluxmem_refine::verifier(judge.as_mut().map(|j| j as &mut dyn Judge), retriever.semantic());
+        let mut verifier = fluxmem_refine::verifier(
+            judge.as_mut().map(|j| j as &mut dyn Judge),
+            retriever.semantic(),
+        );
         let mut models = LoopModels {
             verifier: &mut *verifier,
             embedder: embedder.as_ref(),
@@ -62,27 +83,63 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         let manifest = store.manifest()?;
         let run_id = format!("query@v{}", manifest.version);
         let at = chrono::Utc::now().timestamp_millis();
-        let outcome = refine_query(&graph, retriever.semantic(), &neighbours, &args.text, &semantic, &mut models, &options, &run_id, at)?;
+        let outcome = refine_query(
+            &graph,
+            retriever.semantic(),
+            &neighbours,
+            &args.text,
+            &semantic,
+            &mut models,
+            &options,
+            &run_id,
+            at,
+        )?;
         for (t, round) in outcome.rounds.iter().enumerate() {
             eprintln!(
                 "refine round {t}: sufficiency {:.2} over {} items -> {}{}",
                 round.sufficiency,
                 round.items,
                 round.attribution,
-                round.edit.as_deref().map(|e| format!(", {e}")).unwrap_or_default()
+                round
+                    .edit
+                    .as_deref()
+                    .map(|e| format!(", {e}"))
+                    .unwrap_or_default()
             );
         }
         let usage = models.verifier.usage();
-        eprintln!("refine: verifier {} ({} calls, {} prompt tokens)", models.verifier.name(), usage.calls, usage.prompt_tokens);
+        eprintln!(
+            "refine: verifier {} ({} calls, {} prompt tokens)",
+            models.verifier.name(),
+            usage.calls,
+            usage.prompt_tokens
+        );
         if !outcome.delta.is_empty() {
             let mut writer = super::open_writer(settings)?;
-            let summary = serde_json::json!({ "query": args.text, "edits": outcome.delta.edits.len() });
+            let summary =
+                serde_json::json!({ "query": args.text, "edits": outcome.delta.edits.len() });
             writer
-                .commit(&outcome.delta, CommitInfo { stage: "refine".into(), run_id, summary, progress: Default::default() })
-                .with_context(|| format!("committing the refinement to {}", settings.store.display()))?;
-            eprintln!("refine: {} edits committed to the store", outcome.delta.edits.len());
+                .commit(
+                    &outcome.delta,
+                    CommitInfo {
+                        stage: "refine".into(),
+                        run_id,
+                        summary,
+                        progress: Default::default(),
+                    },
+                )
+                .with_context(|| {
+                    format!("committing the refinement to {}", settings.store.display())
+                })?;
+            eprintln!(
+                "refine: {} edits committed to the store",
+                outcome.delta.edits.len()
+            );
         } else if !outcome.attempted.is_empty() {
-            eprintln!("refine: the context stayed insufficient; {} attempted edits were not kept", outcome.attempted.len());
+            eprintln!(
+                "refine: the context stayed insufficient; {} attempted edits were not kept",
+                outcome.attempted.len()
+            );
         }
         for node in outcome.new_nodes {
             graph.insert_node(node);
@@ -100,7 +157,12 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         println!("{}", context.text());
-        eprintln!("{} items, {} of {} tokens", context.items.len(), context.tokens, context.budget);
+        eprintln!(
+            "{} items, {} of {} tokens",
+            context.items.len(),
+            context.tokens,
+            context.budget
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -12,7 +12,11 @@ pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     check_flag("--prune-below", args.prune_below, Bound::NonNegative)?;
     check_flag("--tolerance", args.tolerance, Bound::NonNegative)?;
     check_flag("--prior-drift", args.prior_drift, Bound::NonNegative)?;
-    check_flag("--max-delta-share", args.max_delta_share, Bound::NonNegative)?;
+    check_flag(
+        "--max-delta-share",
+        args.max_delta_share,
+        Bound::NonNegative,
+    )?;
     let options = CreditOptions {
         prior: args.prior,
         prune_below: args.prune_below,
@@ -35,7 +39,11 @@ pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        let rates: Vec<String> = report.base_rate.iter().map(|(t, p)| format!("{t} {p:.3}")).collect();
+        let rates: Vec<String> = report
+            .base_rate
+            .iter()
+            .map(|(t, p)| format!("{t} {p:.3}"))
+            .collect();
         println!(
             "{} episodes ({} with outcomes; base success rate {}): {} edges reweighted, {} pruned, {} re-activated, {} failure->success links; {} edits ({} commits); {} edges read ({})",
             report.episodes,

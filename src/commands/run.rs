@@ -4,7 +4,10 @@
 use anyhow::{bail, Context};
 use fluxmem_graph::Graph;
 use fluxmem_models::{DeviceChoice, Generator, Judge, SentenceEmbedder};
-use fluxmem_report::{PemsSummary, QuarantineSample, QuarantineSummary, RunRecord, SkillSummary, StageRecord, UsageRecord};
+use fluxmem_report::{
+    PemsSummary, QuarantineSample, QuarantineSummary, RunRecord, SkillSummary, StageRecord,
+    UsageRecord,
+};
 use fluxmem_store::{CommitInfo, Shard, Store, Writer};
 use serde_json::{json, Value};
 use sha2::Digest;
@@ -29,8 +32,14 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     if shard.is_some() || args.merge.is_some() {
         match args.stage.as_deref() {
             Some(stage) if MAP_STAGES.contains(&stage) => {}
-            Some(stage) => bail!("--shard and --merge apply to the map stages ({}), not `{stage}`, which runs once", MAP_STAGES.join(", ")),
-            None => bail!("--shard and --merge need --stage (one of {})", MAP_STAGES.join(", ")),
+            Some(stage) => bail!(
+                "--shard and --merge apply to the map stages ({}), not `{stage}`, which runs once",
+                MAP_STAGES.join(", ")
+            ),
+            None => bail!(
+                "--shard and --merge need --stage (one of {})",
+                MAP_STAGES.join(", ")
+            ),
         }
         if shard.is_some() && args.merge.is_some() {
             bail!("--shard and --merge are separate steps: run every shard, then merge once");
@@ -40,7 +49,11 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     if let Some(id) = &args.run_id {
         pipeline::check_run_id(id).map_err(|e| anyhow::anyhow!("--run-id {e}"))?;
     }
-    let store_dir = p.store.as_ref().map(|s| loaded.resolve(s)).unwrap_or_else(|| settings.store.clone());
+    let store_dir = p
+        .store
+        .as_ref()
+        .map(|s| loaded.resolve(s))
+        .unwrap_or_else(|| settings.store.clone());
     // Inputs are resolved before any work, so a missing input stops the run up front.
     let mut groups: Vec<(&Input, Vec<PathBuf>)> = Vec::new();
     let mut warnings = Vec::new();
@@ -61,7 +74,12 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         Some(id) => id.clone(),
         None => {
             let id = default_run_id(&loaded, &groups);
-            pipeline::check_run_id(&id).map_err(|e| anyhow::anyhow!("{}: key `name`: the default run id {e}", loaded.path.display()))?;
+            pipeline::check_run_id(&id).map_err(|e| {
+                anyhow::anyhow!(
+                    "{}: key `name`: the default run id {e}",
+                    loaded.path.display()
+                )
+            })?;
             id
         }
     };
@@ -83,14 +101,30 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         let stage = args.stage.as_deref().expect("checked above");
         let mut writer = open_main(&store_dir, settings)?;
         let started = Instant::now();
-        let info = CommitInfo { stage: format!("merge-{stage}"), run_id: format!("{stage}@{run_id}"), ..Default::default() };
-        let report = writer.merge_staging(stage, count, info).with_context(|| format!("merging the {count} shards of `{stage}`"))?;
+        let info = CommitInfo {
+            stage: format!("merge-{stage}"),
+            run_id: format!("{stage}@{run_id}"),
+            ..Default::default()
+        };
+        let report = writer
+            .merge_staging(stage, count, info)
+            .with_context(|| format!("merging the {count} shards of `{stage}`"))?;
         mark_done(&mut writer, stage, &run_id, &json!({ "shards": count }))?;
         let record = StageRecord {
             name: stage.into(),
-            status: if report.committed { "merged".into() } else { "merged earlier (cleanup only)".into() },
+            status: if report.committed {
+                "merged".into()
+            } else {
+                "merged earlier (cleanup only)".into()
+            },
             seconds: started.elapsed().as_secs_f64(),
-            counts_out: counts(&[("shards", count), ("nodes", report.nodes), ("edges", report.edges), ("embeddings", report.embeddings), ("edits", report.edits)]),
+            counts_out: counts(&[
+                ("shards", count),
+                ("nodes", report.nodes),
+                ("edges", report.edges),
+                ("embeddings", report.embeddings),
+                ("edits", report.edits),
+            ]),
             details: serde_json::to_value(&report)?,
             ..Default::default()
         };
@@ -101,7 +135,10 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     if let Some(shard) = shard {
         let stage = args.stage.as_deref().expect("checked above");
         let mut writer = Writer::open_staging(&store_dir, stage, shard)?;
-        eprintln!("fluxmem run: {stage}, shard {shard}, staging store {}", writer.store().dir().display());
+        eprintln!(
+            "fluxmem run: {stage}, shard {shard}, staging store {}",
+            writer.store().dir().display()
+        );
         let record = ctx.stage(stage, &mut writer, &groups, shard)?;
         writer.finish_staging(&format!("{stage}@{run_id}"))?;
         println!("{}", serde_json::to_string(&record)?);
@@ -128,9 +165,13 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         manifest_version_before: version_before,
         ..Default::default()
     };
-    record.models.insert("embedder".into(), model_id(&p.models.embedder));
+    record
+        .models
+        .insert("embedder".into(), model_id(&p.models.embedder));
     if p.consolidate.enabled && stages.contains(&"consolidate") {
-        record.models.insert("generator".into(), model_id(&p.models.generator));
+        record
+            .models
+            .insert("generator".into(), model_id(&p.models.generator));
         if let Some(judge) = fluxmem_models::judge_model(&p.models.judge)? {
             record.models.insert("judge".into(), model_id(&judge));
         }
@@ -138,7 +179,12 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let mut failure = None;
     for (i, stage) in stages.iter().enumerate() {
         eprintln!("fluxmem run: [{}/{}] {stage}", i + 1, stages.len());
-        let done = writer.manifest().progress.get(&format!("pipeline.{stage}")).and_then(|m| m.get("run_id")).and_then(Value::as_str)
+        let done = writer
+            .manifest()
+            .progress
+            .get(&format!("pipeline.{stage}"))
+            .and_then(|m| m.get("run_id"))
+            .and_then(Value::as_str)
             == Some(run_id.as_str());
         if done {
             eprintln!("  already done for this run id ({run_id}); skipped");
@@ -155,7 +201,11 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
                 record.stages.push(stage_record);
             }
             Err(error) => {
-                record.stages.push(StageRecord { name: stage.to_string(), status: format!("failed: {error:#}"), ..Default::default() });
+                record.stages.push(StageRecord {
+                    name: stage.to_string(),
+                    status: format!("failed: {error:#}"),
+                    ..Default::default()
+                });
                 failure = Some(error.context(format!("stage `{stage}`")));
                 break;
             }
@@ -164,8 +214,14 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     if failure.is_none() && args.stage.is_none() && p.compact.enabled {
         eprintln!("fluxmem run: compacting the store");
         let started = std::time::Instant::now();
-        let report = writer.compact(&p.compact.policy(), &run_id).context("compacting the store after the stages")?;
-        eprintln!("  {} ({:.1}s)", compaction_line(&report), started.elapsed().as_secs_f64());
+        let report = writer
+            .compact(&p.compact.policy(), &run_id)
+            .context("compacting the store after the stages")?;
+        eprintln!(
+            "  {} ({:.1}s)",
+            compaction_line(&report),
+            started.elapsed().as_secs_f64()
+        );
         record.compaction = Some(serde_json::to_value(&report)?);
     }
     record.manifest_version_after = writer.manifest().version;
@@ -176,7 +232,11 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     record.outputs = ctx.outputs.clone();
     record.finished_at = now();
     let report_dir = loaded.resolve(&p.report.dir).join(&run_id);
-    accumulate(&mut record, &report_dir.join(fluxmem_report::RUN_JSON), args.stage.is_some());
+    accumulate(
+        &mut record,
+        &report_dir.join(fluxmem_report::RUN_JSON),
+        args.stage.is_some(),
+    );
     // After `accumulate`: a resumed run (or one stage of a distributed run) is judged on every
     // stage record of the run id, not only on the stages this call ran.
     settle(&mut record, failure.as_ref());
@@ -192,7 +252,11 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string(&record)?);
     } else {
         print_summary(&record);
-        println!("run report: {} ({})", html_path.display(), json_path.display());
+        println!(
+            "run report: {} ({})",
+            html_path.display(),
+            json_path.display()
+        );
     }
     if let Some(error) = failure {
         return Err(error);
@@ -212,13 +276,20 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
 /// when the export stage runs, `export.out`. Errors name the file, the key and the path.
 fn check_outputs(loaded: &Loaded, args: &RunArgs, run_id: &str, shard: bool) -> anyhow::Result<()> {
     let p = &loaded.pipeline;
-    let fail = |key: &str, error: String| anyhow::anyhow!("{}: key `{key}`: {error}", loaded.path.display());
+    let fail = |key: &str, error: String| {
+        anyhow::anyhow!("{}: key `{key}`: {error}", loaded.path.display())
+    };
     if !shard {
-        pipeline::check_output_dir(&loaded.resolve(&p.report.dir).join(run_id)).map_err(|e| fail("report.dir", e))?;
+        pipeline::check_output_dir(&loaded.resolve(&p.report.dir).join(run_id))
+            .map_err(|e| fail("report.dir", e))?;
     }
-    let exports = p.export.enabled && !shard && args.merge.is_none() && args.stage.as_deref().is_none_or(|stage| stage == "export");
+    let exports = p.export.enabled
+        && !shard
+        && args.merge.is_none()
+        && args.stage.as_deref().is_none_or(|stage| stage == "export");
     if exports {
-        pipeline::check_export_out(&loaded.resolve(&p.export.out)).map_err(|e| fail("export.out", e))?;
+        pipeline::check_export_out(&loaded.resolve(&p.export.out))
+            .map_err(|e| fail("export.out", e))?;
     }
     Ok(())
 }
@@ -255,7 +326,10 @@ fn settle(record: &mut RunRecord, failure: Option<&anyhow::Error>) {
     if quarantined > 0 {
         partial = true;
         if !ingest_degraded {
-            reasons.push(format!("ingest: {quarantined} record{} quarantined", if quarantined == 1 { "" } else { "s" }));
+            reasons.push(format!(
+                "ingest: {quarantined} record{} quarantined",
+                if quarantined == 1 { "" } else { "s" }
+            ));
         }
     }
     record.status = match failure {
@@ -296,13 +370,20 @@ impl Ctx<'_> {
         if self.embedder.is_none() {
             let p = &self.loaded.pipeline;
             ensure_model(&p.models.embedder)?;
-            let embedder = fluxmem_models::load_embedder(&p.models.embedder, &self.device_choice)?.with_batch_size(p.embed.batch_size);
+            let embedder = fluxmem_models::load_embedder(&p.models.embedder, &self.device_choice)?
+                .with_batch_size(p.embed.batch_size);
             self.embedder = Some(embedder);
         }
         Ok(self.embedder.as_ref().expect("just loaded"))
     }
 
-    fn stage(&mut self, stage: &str, writer: &mut Writer, groups: &[(&Input, Vec<PathBuf>)], shard: Shard) -> anyhow::Result<StageRecord> {
+    fn stage(
+        &mut self,
+        stage: &str,
+        writer: &mut Writer,
+        groups: &[(&Input, Vec<PathBuf>)],
+        shard: Shard,
+    ) -> anyhow::Result<StageRecord> {
         let started = Instant::now();
         let mut record = match stage {
             "ingest" => self.ingest(writer, groups, shard)?,
@@ -318,10 +399,18 @@ impl Ctx<'_> {
         Ok(record)
     }
 
-    fn ingest(&mut self, writer: &mut Writer, groups: &[(&Input, Vec<PathBuf>)], shard: Shard) -> anyhow::Result<StageRecord> {
+    fn ingest(
+        &mut self,
+        writer: &mut Writer,
+        groups: &[(&Input, Vec<PathBuf>)],
+        shard: Shard,
+    ) -> anyhow::Result<StageRecord> {
         let p = &self.loaded.pipeline;
         if groups.is_empty() {
-            return Ok(StageRecord { status: "no inputs".into(), ..Default::default() });
+            return Ok(StageRecord {
+                status: "no inputs".into(),
+                ..Default::default()
+            });
         }
         let mut total = fluxmem_ingest::IngestReport::default();
         let mut reports = Vec::new();
@@ -343,7 +432,12 @@ impl Ctx<'_> {
             let mut bar = IngestBar::new(self.settings.progress);
             let run = format!("{}-inputs{i}", quarantine_name(&self.run_id));
             let report = fluxmem_ingest::ingest(writer, files, &options, &run, &mut bar)
-                .with_context(|| format!("ingesting inputs[{i}] into {}", writer.store().dir().display()))?;
+                .with_context(|| {
+                    format!(
+                        "ingesting inputs[{i}] into {}",
+                        writer.store().dir().display()
+                    )
+                })?;
             bar.finish();
             total.read += report.read;
             total.ingested += report.ingested;
@@ -372,7 +466,11 @@ impl Ctx<'_> {
         );
         // Every record this run (or shard) read and owned went to quarantine: nothing came in.
         let status = if total.quarantined > 0 && total.ingested + total.duplicates == 0 {
-            format!("{DEGRADED}: all {} record{} read were quarantined", total.quarantined, if total.quarantined == 1 { "" } else { "s" })
+            format!(
+                "{DEGRADED}: all {} record{} read were quarantined",
+                total.quarantined,
+                if total.quarantined == 1 { "" } else { "s" }
+            )
         } else if total.ingested == 0 && total.quarantined == 0 {
             "nothing new".into()
         } else {
@@ -380,7 +478,11 @@ impl Ctx<'_> {
         };
         Ok(StageRecord {
             status,
-            counts_in: counts64(&[("files", total.files), ("unchanged_files", total.unchanged_files), ("records", total.read)]),
+            counts_in: counts64(&[
+                ("files", total.files),
+                ("unchanged_files", total.unchanged_files),
+                ("records", total.read),
+            ]),
             counts_out: counts64(&[
                 ("ingested", total.ingested),
                 ("duplicates", total.duplicates),
@@ -400,14 +502,31 @@ impl Ctx<'_> {
         let run_id = format!("embed@{}", self.run_id);
         let mut bar = CountBar::new(self.settings.progress, "embed");
         let embedder = self.embedder()?;
-        let options = fluxmem_embed::EmbedOptions { batch_size: 256, commit_every, shard, window, ..Default::default() };
+        let options = fluxmem_embed::EmbedOptions {
+            batch_size: 256,
+            commit_every,
+            shard,
+            window,
+            ..Default::default()
+        };
         let report = fluxmem_embed::embed_store(writer, embedder, &options, &run_id, &mut bar)?;
         bar.finish();
-        eprintln!("  {} nodes: {} embedded, {} from the cache, {} already had a vector", report.nodes, report.embedded, report.cached, report.already);
+        eprintln!(
+            "  {} nodes: {} embedded, {} from the cache, {} already had a vector",
+            report.nodes, report.embedded, report.cached, report.already
+        );
         Ok(StageRecord {
-            status: if report.embedded + report.cached == 0 { "nothing new".into() } else { "done".into() },
+            status: if report.embedded + report.cached == 0 {
+                "nothing new".into()
+            } else {
+                "done".into()
+            },
             counts_in: counts(&[("nodes", report.nodes), ("already", report.already)]),
-            counts_out: counts(&[("embedded", report.embedded), ("cached", report.cached), ("commits", report.commits)]),
+            counts_out: counts(&[
+                ("embedded", report.embedded),
+                ("cached", report.cached),
+                ("commits", report.commits),
+            ]),
             details: serde_json::to_value(&report)?,
             ..Default::default()
         })
@@ -432,13 +551,26 @@ impl Ctx<'_> {
             ..Default::default()
         };
         let mut bar = CountBar::new(progress, "connect");
-        let report = fluxmem_connect::connect_store(writer, embedder, &options, &run_id, &device, &mut bar)?;
+        let report =
+            fluxmem_connect::connect_store(writer, embedder, &options, &run_id, &device, &mut bar)?;
         bar.finish();
-        eprintln!("  {} episodes: {} connected now; {} ground and {} link edges", report.episodes, report.connected, report.ground_edges, report.link_edges);
+        eprintln!(
+            "  {} episodes: {} connected now; {} ground and {} link edges",
+            report.episodes, report.connected, report.ground_edges, report.link_edges
+        );
         Ok(StageRecord {
-            status: if report.connected == 0 { "nothing new".into() } else { "done".into() },
+            status: if report.connected == 0 {
+                "nothing new".into()
+            } else {
+                "done".into()
+            },
             counts_in: counts(&[("episodes", report.episodes), ("already", report.already)]),
-            counts_out: counts(&[("connected", report.connected), ("ground_edges", report.ground_edges), ("link_edges", report.link_edges), ("commits", report.commits)]),
+            counts_out: counts(&[
+                ("connected", report.connected),
+                ("ground_edges", report.ground_edges),
+                ("link_edges", report.link_edges),
+                ("commits", report.commits),
+            ]),
             details: serde_json::to_value(&report)?,
             ..Default::default()
         })
@@ -461,15 +593,27 @@ impl Ctx<'_> {
             ..fluxmem_refine::CreditOptions::default()
         };
         let mut bar = CountBar::new(self.settings.progress, "refine");
-        let report = fluxmem_refine::refine_store(writer, &options, &format!("refine@{}", self.run_id), &mut bar)?;
+        let report = fluxmem_refine::refine_store(
+            writer,
+            &options,
+            &format!("refine@{}", self.run_id),
+            &mut bar,
+        )?;
         bar.finish();
         eprintln!(
             "  {} edges reweighted ({} of the {} edges read moved within the tolerance, kept), {} pruned, {} re-activated, {} failure->success links",
             report.reweighted, report.within_tolerance, report.edges_decided, report.pruned, report.reactivated, report.expanded
         );
         Ok(StageRecord {
-            status: if report.edits + report.stats_written == 0 { "nothing new".into() } else { "done".into() },
-            counts_in: counts(&[("episodes", report.episodes), ("with_outcome", report.with_outcome)]),
+            status: if report.edits + report.stats_written == 0 {
+                "nothing new".into()
+            } else {
+                "done".into()
+            },
+            counts_in: counts(&[
+                ("episodes", report.episodes),
+                ("with_outcome", report.with_outcome),
+            ]),
             counts_out: counts(&[
                 ("reweighted", report.reweighted),
                 ("pruned", report.pruned),
@@ -493,7 +637,11 @@ impl Ctx<'_> {
             None
         } else {
             ensure_model(&models.generator)?;
-            Some(fluxmem_models::load_generator(&models.generator, &self.device_choice, super::weight_path(&models.generator_weights)?)?)
+            Some(fluxmem_models::load_generator(
+                &models.generator,
+                &self.device_choice,
+                super::weight_path(&models.generator_weights)?,
+            )?)
         };
         if let Some(judge) = fluxmem_models::judge_model(&models.judge)? {
             ensure_model(&judge)?;
@@ -506,7 +654,10 @@ impl Ctx<'_> {
                 ..Default::default()
             },
             successful_only: c.successful_only,
-            pems: fluxmem_consolidate::PemsOptions { length: c.length.parse().map_err(anyhow::Error::msg)?, divide_by_skills: c.divide_by_skills },
+            pems: fluxmem_consolidate::PemsOptions {
+                length: c.length.parse().map_err(anyhow::Error::msg)?,
+                divide_by_skills: c.divide_by_skills,
+            },
             max_rounds: c.max_rounds,
             epsilon: c.epsilon,
             prompt_budget: c.prompt_budget,
@@ -527,7 +678,14 @@ impl Ctx<'_> {
             judge: judge.as_mut().map(|j| j as &mut dyn Judge),
         };
         let mut bar = CountBar::new(progress, "consolidate");
-        let report = fluxmem_consolidate::consolidate_store(writer, &mut stage_models, &options, &run_id, &device, &mut bar)?;
+        let report = fluxmem_consolidate::consolidate_store(
+            writer,
+            &mut stage_models,
+            &options,
+            &run_id,
+            &device,
+            &mut bar,
+        )?;
         bar.finish();
         eprintln!(
             "  {} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} kept (moved less than the re-induce share), {} failed ({} sharing no procedure)",
@@ -541,14 +699,29 @@ impl Ctx<'_> {
             prompt_tokens: u.prompt_tokens as u64,
             generated_tokens: u.generated_tokens as u64,
         };
-        self.usage.insert("generator".into(), usage(&report.generator));
+        self.usage
+            .insert("generator".into(), usage(&report.generator));
         if report.judge.calls > 0 {
             self.usage.insert("judge".into(), usage(&report.judge));
         }
-        self.pems = Some(pems_summary(&report, &writer.store().scan(&fluxmem_store::Scan { nodes: true, node_kinds: vec![fluxmem_graph::NodeKind::Procedural], ..Default::default() })?.0));
+        self.pems = Some(pems_summary(
+            &report,
+            &writer
+                .store()
+                .scan(&fluxmem_store::Scan {
+                    nodes: true,
+                    node_kinds: vec![fluxmem_graph::NodeKind::Procedural],
+                    ..Default::default()
+                })?
+                .0,
+        ));
         Ok(StageRecord {
             status: consolidate_status(&report),
-            counts_in: counts(&[("episodes", report.episodes), ("clusters", report.clusters), ("unassigned", report.unassigned)]),
+            counts_in: counts(&[
+                ("episodes", report.episodes),
+                ("clusters", report.clusters),
+                ("unassigned", report.unassigned),
+            ]),
             counts_out: counts(&[
                 ("skills_new", report.skills_new),
                 ("skills_updated", report.skills_updated),
@@ -579,7 +752,12 @@ impl Ctx<'_> {
         let redactor = fluxmem_redact::Redactor::new(self.loaded.pipeline.redact.clone());
         let report = fluxmem_consolidate::export_skills_with(&store, &out, &options, &redactor)
             .with_context(|| format!("exporting skills to {}", out.display()))?;
-        eprintln!("  {} skills exported to {} ({} filtered out)", report.skills, out.display(), report.filtered_out);
+        eprintln!(
+            "  {} skills exported to {} ({} filtered out)",
+            report.skills,
+            out.display(),
+            report.filtered_out
+        );
         self.outputs.push(out.display().to_string());
         // An enabled export that wrote no skill gave the user an empty release.
         let status = if report.skills == 0 {
@@ -597,7 +775,11 @@ impl Ctx<'_> {
         };
         Ok(StageRecord {
             status,
-            counts_out: counts(&[("skills", report.skills), ("filtered_out", report.filtered_out), ("files", report.files.len())]),
+            counts_out: counts(&[
+                ("skills", report.skills),
+                ("filtered_out", report.filtered_out),
+                ("files", report.files.len()),
+            ]),
             details: serde_json::to_value(&report)?,
             ..Default::default()
         })
@@ -610,14 +792,19 @@ fn redacted(record: RunRecord, config: &fluxmem_redact::RedactConfig) -> anyhow:
     let redactor = fluxmem_redact::Redactor::new(config.clone());
     let mut counts = fluxmem_redact::Counts::new();
     for stage in record.stages.iter().filter(|s| s.name == "export") {
-        if let Ok(exported) = serde_json::from_value::<fluxmem_redact::Counts>(stage.details["redacted"].clone()) {
+        if let Ok(exported) =
+            serde_json::from_value::<fluxmem_redact::Counts>(stage.details["redacted"].clone())
+        {
             counts.merge(&exported);
         }
     }
     let mut value = serde_json::to_value(&record)?;
     redactor.redact_json(&mut value, &mut counts);
     let mut record: RunRecord = serde_json::from_value(value)?;
-    record.redacted = counts.iter().map(|(kind, n)| (kind.to_string(), n)).collect();
+    record.redacted = counts
+        .iter()
+        .map(|(kind, n)| (kind.to_string(), n))
+        .collect();
     Ok(record)
 }
 
@@ -627,10 +814,21 @@ pub fn compaction_line(report: &fluxmem_store::CompactReport) -> String {
         .tables
         .iter()
         .map(|(table, t)| {
-            format!("{table} {}->{} shards, {} rows for {} live (x{:.2})", t.shards_before, t.shards_after, t.rows_after, t.live_rows, t.amplification())
+            format!(
+                "{table} {}->{} shards, {} rows for {} live (x{:.2})",
+                t.shards_before,
+                t.shards_after,
+                t.rows_after,
+                t.live_rows,
+                t.amplification()
+            )
         })
         .collect();
-    let done = if report.committed { format!("{} shard files retired", report.retired) } else { "nothing to compact".into() };
+    let done = if report.committed {
+        format!("{} shard files retired", report.retired)
+    } else {
+        "nothing to compact".into()
+    };
     format!("{done}; {}", tables.join("; "))
 }
 
@@ -639,9 +837,14 @@ pub fn compaction_line(report: &fluxmem_store::CompactReport) -> String {
 /// id. Stages this call did not run (or skipped as done earlier) keep their earlier records;
 /// the first start time and the first store version are kept.
 fn accumulate(record: &mut RunRecord, path: &Path, stage_only: bool) {
-    let Ok(bytes) = std::fs::read(path) else { return };
+    let Ok(bytes) = std::fs::read(path) else {
+        return;
+    };
     let Ok(earlier) = serde_json::from_slice::<RunRecord>(&bytes) else {
-        eprintln!("warning: {} is not a run record; writing a new one", path.display());
+        eprintln!(
+            "warning: {} is not a run record; writing a new one",
+            path.display()
+        );
         return;
     };
     if earlier.run_id != record.run_id {
@@ -660,11 +863,18 @@ fn accumulate(record: &mut RunRecord, path: &Path, stage_only: bool) {
         }
     }
     record.stages = stages;
-    if record.compaction.as_ref().is_none_or(|c| c["committed"] != true) && earlier.compaction.is_some() {
+    if record
+        .compaction
+        .as_ref()
+        .is_none_or(|c| c["committed"] != true)
+        && earlier.compaction.is_some()
+    {
         record.compaction = earlier.compaction.clone();
     }
     record.started_at = earlier.started_at.clone();
-    record.manifest_version_before = record.manifest_version_before.min(earlier.manifest_version_before);
+    record.manifest_version_before = record
+        .manifest_version_before
+        .min(earlier.manifest_version_before);
     for (role, model) in earlier.models {
         record.models.entry(role).or_insert(model);
     }
@@ -676,7 +886,14 @@ fn accumulate(record: &mut RunRecord, path: &Path, stage_only: bool) {
     }
     if stage_only || record.quarantine.records == 0 {
         let mut files = earlier.quarantine.files.clone();
-        files.extend(record.quarantine.files.iter().filter(|f| !earlier.quarantine.files.contains(f)).cloned());
+        files.extend(
+            record
+                .quarantine
+                .files
+                .iter()
+                .filter(|f| !earlier.quarantine.files.contains(f))
+                .cloned(),
+        );
         if record.quarantine.records == 0 {
             record.quarantine = earlier.quarantine;
         }
@@ -690,7 +907,12 @@ fn accumulate(record: &mut RunRecord, path: &Path, stage_only: bool) {
 }
 
 /// A merge's stage record joins the run's report.
-fn add_stage_to_report(loaded: &Loaded, run_id: &str, store_dir: &Path, stage: &StageRecord) -> anyhow::Result<()> {
+fn add_stage_to_report(
+    loaded: &Loaded,
+    run_id: &str,
+    store_dir: &Path,
+    stage: &StageRecord,
+) -> anyhow::Result<()> {
     let dir = loaded.resolve(&loaded.pipeline.report.dir).join(run_id);
     let mut record = RunRecord {
         pipeline: loaded.path.display().to_string(),
@@ -722,7 +944,8 @@ fn add_stage_to_report(loaded: &Loaded, run_id: &str, store_dir: &Path, stage: &
 /// - none failed: `done`, or `nothing new` when every skill was unchanged (or there were no
 ///   clusters), followed by `(K of N clusters share no procedure, so no skill)` when some do.
 fn consolidate_status(report: &fluxmem_consolidate::ConsolidateReport) -> String {
-    let gave = report.skills_new + report.skills_updated + report.skills_unchanged + report.skills_kept;
+    let gave =
+        report.skills_new + report.skills_updated + report.skills_unchanged + report.skills_kept;
     let no_procedure = report.no_procedure.min(report.failed);
     let failed = report.failed - no_procedure;
     let none = failed + report.failed_earlier;
@@ -736,12 +959,22 @@ fn consolidate_status(report: &fluxmem_consolidate::ConsolidateReport) -> String
             why.push(format!("{no_procedure} sharing no procedure"));
         }
         if report.failed_earlier > 0 {
-            why.push(format!("{} failed in an earlier run, not retried", report.failed_earlier));
+            why.push(format!(
+                "{} failed in an earlier run, not retried",
+                report.failed_earlier
+            ));
         }
         let word = if gave == 0 { DEGRADED } else { PARTIAL };
-        return format!("{word}: {gave} of {clusters} clusters gave a skill ({})", why.join(", "));
+        return format!(
+            "{word}: {gave} of {clusters} clusters gave a skill ({})",
+            why.join(", ")
+        );
     }
-    let status = if report.skills_new + report.skills_updated == 0 { "nothing new" } else { "done" };
+    let status = if report.skills_new + report.skills_updated == 0 {
+        "nothing new"
+    } else {
+        "done"
+    };
     if no_procedure > 0 {
         format!("{status} ({no_procedure} of {clusters} clusters share no procedure, so no skill)")
     } else {
@@ -750,11 +983,17 @@ fn consolidate_status(report: &fluxmem_consolidate::ConsolidateReport) -> String
 }
 
 fn disabled() -> StageRecord {
-    StageRecord { status: "skipped (disabled)".into(), ..Default::default() }
+    StageRecord {
+        status: "skipped (disabled)".into(),
+        ..Default::default()
+    }
 }
 
 fn counts(pairs: &[(&str, usize)]) -> BTreeMap<String, u64> {
-    pairs.iter().map(|(k, v)| (k.to_string(), *v as u64)).collect()
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), *v as u64))
+        .collect()
 }
 
 fn counts64(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {
@@ -762,13 +1001,24 @@ fn counts64(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {
 }
 
 fn open_main(dir: &Path, settings: &Settings) -> anyhow::Result<Writer> {
-    super::open_writer_at(dir, settings).with_context(|| format!("opening the store {}", dir.display()))
+    super::open_writer_at(dir, settings)
+        .with_context(|| format!("opening the store {}", dir.display()))
 }
 
 /// Records in the manifest that `stage` finished for `run_id`, so a resumed run skips it.
 fn mark_done(writer: &mut Writer, stage: &str, run_id: &str, counts: &Value) -> anyhow::Result<()> {
-    let progress = [(format!("pipeline.{stage}"), json!({ "run_id": run_id, "counts": counts }))].into_iter().collect();
-    let info = CommitInfo { stage: format!("{stage}-done"), run_id: run_id.into(), summary: Value::Null, progress };
+    let progress = [(
+        format!("pipeline.{stage}"),
+        json!({ "run_id": run_id, "counts": counts }),
+    )]
+    .into_iter()
+    .collect();
+    let info = CommitInfo {
+        stage: format!("{stage}-done"),
+        run_id: run_id.into(),
+        summary: Value::Null,
+        progress,
+    };
     writer.commit(&Graph::default(), info)?;
     Ok(())
 }
@@ -786,19 +1036,40 @@ fn default_run_id(loaded: &Loaded, groups: &[(&Input, Vec<PathBuf>)]) -> String 
     }
     for file in files {
         let meta = std::fs::metadata(&file).ok();
-        let mtime = meta.as_ref().and_then(|m| m.modified().ok()).and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
-        hash.update(format!("{}\0{}\0{:?}\n", file.display(), meta.map(|m| m.len()).unwrap_or(0), mtime).as_bytes());
+        let mtime = meta
+            .as_ref()
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+        hash.update(
+            format!(
+                "{}\0{}\0{:?}\n",
+                file.display(),
+                meta.map(|m| m.len()).unwrap_or(0),
+                mtime
+            )
+            .as_bytes(),
+        );
     }
-    let digest: String = hash.finalize().iter().take(6).map(|b| format!("{b:02x}")).collect();
+    let digest: String = hash
+        .finalize()
+        .iter()
+        .take(6)
+        .map(|b| format!("{b:02x}"))
+        .collect();
     format!("{}-{digest}", loaded.pipeline.name)
 }
 
 fn collect_files(path: &Path, out: &mut Vec<PathBuf>) {
     if path.is_dir() {
-        let mut entries: Vec<PathBuf> = std::fs::read_dir(path).map(|e| e.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
+            .map(|e| e.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
         entries.sort();
         for entry in entries {
-            if !std::fs::symlink_metadata(&entry).map(|m| m.file_type().is_symlink()).unwrap_or(true) {
+            if !std::fs::symlink_metadata(&entry)
+                .map(|m| m.file_type().is_symlink())
+                .unwrap_or(true)
+            {
                 collect_files(&entry, out);
             }
         }
@@ -809,7 +1080,16 @@ fn collect_files(path: &Path, out: &mut Vec<PathBuf>) {
 
 /// Quarantine file names are made from run ids; keep them to safe characters.
 fn quarantine_name(run_id: &str) -> String {
-    run_id.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.@".contains(c) { c } else { '_' }).collect()
+    run_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.@".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 fn model_id(name: &str) -> String {
@@ -825,7 +1105,10 @@ fn ensure_model(name: &str) -> anyhow::Result<()> {
     let spec = manifest.get(name)?;
     let cache = fluxmem_models::cache_dir();
     if !spec.is_installed(&cache) {
-        eprintln!("fluxmem run: model `{name}` is not in {}; fetching it (first use)", cache.display());
+        eprintln!(
+            "fluxmem run: model `{name}` is not in {}; fetching it (first use)",
+            cache.display()
+        );
         spec.fetch(&cache, &mut |line| eprintln!("  {line}"))?;
     }
     Ok(())
@@ -836,11 +1119,24 @@ fn now() -> String {
 }
 
 fn pems_summary(report: &fluxmem_consolidate::ConsolidateReport, graph: &Graph) -> PemsSummary {
-    let rounds = report.skills.iter().map(|s| s.rounds.len()).max().unwrap_or(0);
+    let rounds = report
+        .skills
+        .iter()
+        .map(|s| s.rounds.len())
+        .max()
+        .unwrap_or(0);
     // A skill that stopped early keeps its last score in later rounds.
     let mean_by_round = (0..rounds)
         .map(|r| {
-            let scores: Vec<f64> = report.skills.iter().filter_map(|s| s.rounds.get(r.min(s.rounds.len().saturating_sub(1))).map(|x| x.pems)).collect();
+            let scores: Vec<f64> = report
+                .skills
+                .iter()
+                .filter_map(|s| {
+                    s.rounds
+                        .get(r.min(s.rounds.len().saturating_sub(1)))
+                        .map(|x| x.pems)
+                })
+                .collect();
             if scores.is_empty() {
                 0.0
             } else {
@@ -848,7 +1144,15 @@ fn pems_summary(report: &fluxmem_consolidate::ConsolidateReport, graph: &Graph) 
             }
         })
         .collect();
-    let converged_by_round = (1..=rounds).map(|r| report.skills.iter().filter(|s| s.converged_round.is_some_and(|c| c <= r)).count() as u64).collect();
+    let converged_by_round = (1..=rounds)
+        .map(|r| {
+            report
+                .skills
+                .iter()
+                .filter(|s| s.converged_round.is_some_and(|c| c <= r))
+                .count() as u64
+        })
+        .collect();
     let mut top: Vec<SkillSummary> = fluxmem_consolidate::skill_records(graph)
         .into_iter()
         .map(|s| SkillSummary {
@@ -868,7 +1172,11 @@ fn pems_summary(report: &fluxmem_consolidate::ConsolidateReport, graph: &Graph) 
         skills: report.skills.len() as u64,
         mean_by_round,
         converged_by_round,
-        cluster_sizes: report.cluster_list.iter().map(|c| c.episodes.len() as u64).collect(),
+        cluster_sizes: report
+            .cluster_list
+            .iter()
+            .map(|c| c.episodes.len() as u64)
+            .collect(),
         top_skills: top,
     }
 }
@@ -878,13 +1186,20 @@ fn quarantine_summary(files: &[PathBuf]) -> anyhow::Result<QuarantineSummary> {
     let mut summary = QuarantineSummary::default();
     for file in files {
         summary.files.push(file.display().to_string());
-        let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
-            let value: Value = serde_json::from_str(line).with_context(|| format!("{}: not a quarantine record", file.display()))?;
+            let value: Value = serde_json::from_str(line)
+                .with_context(|| format!("{}: not a quarantine record", file.display()))?;
             summary.records += 1;
             let reason = value["reason"].as_str().unwrap_or_default().to_string();
             // Group by the reason's first clause (reasons carry record-specific details after it).
-            let key = reason.split([':', '(']).next().unwrap_or_default().trim().to_string();
+            let key = reason
+                .split([':', '('])
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_string();
             *summary.by_reason.entry(key).or_default() += 1;
             if summary.samples.len() < 20 {
                 summary.samples.push(QuarantineSample {
@@ -900,18 +1215,39 @@ fn quarantine_summary(files: &[PathBuf]) -> anyhow::Result<QuarantineSummary> {
 }
 
 fn print_summary(record: &RunRecord) {
-    println!("run {} of {}: {}", record.run_id, record.pipeline, record.status);
+    println!(
+        "run {} of {}: {}",
+        record.run_id, record.pipeline, record.status
+    );
     for reason in &record.reasons {
         println!("  - {reason}");
     }
     for stage in &record.stages {
-        let out: Vec<String> = stage.counts_out.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k} {v}")).collect();
-        println!("  {:<12} {:>7.1}s  {:<34} {}", stage.name, stage.seconds, stage.status, out.join(", "));
+        let out: Vec<String> = stage
+            .counts_out
+            .iter()
+            .filter(|(_, v)| **v > 0)
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        println!(
+            "  {:<12} {:>7.1}s  {:<34} {}",
+            stage.name,
+            stage.seconds,
+            stage.status,
+            out.join(", ")
+        );
     }
     if record.quarantine.records > 0 {
-        println!("  {} records quarantined: {}", record.quarantine.records, record.quarantine.files.join(", "));
+        println!(
+            "  {} records quarantined: {}",
+            record.quarantine.records,
+            record.quarantine.files.join(", ")
+        );
     }
-    println!("store {} at version {} (was {})", record.store, record.manifest_version_after, record.manifest_version_before);
+    println!(
+        "store {} at version {} (was {})",
+        record.store, record.manifest_version_after, record.manifest_version_before
+    );
 }
 
 #[cfg(test)]
@@ -923,7 +1259,13 @@ mod tests {
         assert_eq!(quarantine_name("demo-ab12/x y"), "demo-ab12_x_y");
     }
 
-    fn consolidate_report(new: usize, updated: usize, unchanged: usize, failed: usize, failed_earlier: usize) -> fluxmem_consolidate::ConsolidateReport {
+    fn consolidate_report(
+        new: usize,
+        updated: usize,
+        unchanged: usize,
+        failed: usize,
+        failed_earlier: usize,
+    ) -> fluxmem_consolidate::ConsolidateReport {
         fluxmem_consolidate::ConsolidateReport {
             clusters: new + updated + unchanged + failed + failed_earlier,
             skills_new: new,
@@ -937,35 +1279,69 @@ mod tests {
 
     #[test]
     fn consolidate_status_says_how_many_clusters_gave_a_skill() {
-        assert_eq!(consolidate_status(&consolidate_report(0, 0, 0, 6, 0)), "degraded: 0 of 6 clusters gave a skill (6 failed)");
-        assert_eq!(consolidate_status(&consolidate_report(1, 0, 0, 5, 0)), "partial: 1 of 6 clusters gave a skill (5 failed)");
+        assert_eq!(
+            consolidate_status(&consolidate_report(0, 0, 0, 6, 0)),
+            "degraded: 0 of 6 clusters gave a skill (6 failed)"
+        );
+        assert_eq!(
+            consolidate_status(&consolidate_report(1, 0, 0, 5, 0)),
+            "partial: 1 of 6 clusters gave a skill (5 failed)"
+        );
         assert_eq!(
             consolidate_status(&consolidate_report(0, 0, 1, 1, 2)),
             "partial: 1 of 4 clusters gave a skill (1 failed, 2 failed in an earlier run, not retried)"
         );
-        assert_eq!(consolidate_status(&consolidate_report(0, 0, 0, 0, 2)), "degraded: 0 of 2 clusters gave a skill (2 failed in an earlier run, not retried)");
+        assert_eq!(
+            consolidate_status(&consolidate_report(0, 0, 0, 0, 2)),
+            "degraded: 0 of 2 clusters gave a skill (2 failed in an earlier run, not retried)"
+        );
         // Clusters whose successes share no procedure are a finding, not a failure.
         let mut report = consolidate_report(5, 0, 0, 1, 0);
         report.no_procedure = 1;
-        assert_eq!(consolidate_status(&report), "done (1 of 6 clusters share no procedure, so no skill)");
+        assert_eq!(
+            consolidate_status(&report),
+            "done (1 of 6 clusters share no procedure, so no skill)"
+        );
         let mut report = consolidate_report(5, 0, 0, 2, 0);
         report.no_procedure = 1;
-        assert_eq!(consolidate_status(&report), "partial: 5 of 7 clusters gave a skill (1 failed, 1 sharing no procedure)");
+        assert_eq!(
+            consolidate_status(&report),
+            "partial: 5 of 7 clusters gave a skill (1 failed, 1 sharing no procedure)"
+        );
         let mut report = consolidate_report(0, 0, 0, 2, 0);
         report.no_procedure = 2;
-        assert_eq!(consolidate_status(&report), "degraded: 0 of 2 clusters gave a skill (2 sharing no procedure)");
-        assert_eq!(consolidate_status(&consolidate_report(2, 1, 0, 0, 0)), "done");
-        assert_eq!(consolidate_status(&consolidate_report(0, 0, 3, 0, 0)), "nothing new");
-        assert_eq!(consolidate_status(&consolidate_report(0, 0, 0, 0, 0)), "nothing new");
+        assert_eq!(
+            consolidate_status(&report),
+            "degraded: 0 of 2 clusters gave a skill (2 sharing no procedure)"
+        );
+        assert_eq!(
+            consolidate_status(&consolidate_report(2, 1, 0, 0, 0)),
+            "done"
+        );
+        assert_eq!(
+            consolidate_status(&consolidate_report(0, 0, 3, 0, 0)),
+            "nothing new"
+        );
+        assert_eq!(
+            consolidate_status(&consolidate_report(0, 0, 0, 0, 0)),
+            "nothing new"
+        );
     }
 
     fn stage(name: &str, status: &str) -> StageRecord {
-        StageRecord { name: name.into(), status: status.into(), ..Default::default() }
+        StageRecord {
+            name: name.into(),
+            status: status.into(),
+            ..Default::default()
+        }
     }
 
     #[test]
     fn settle_ranks_failed_over_degraded_over_partial_over_ok() {
-        let mut record = RunRecord { stages: vec![stage("ingest", "done"), stage("export", "nothing new")], ..Default::default() };
+        let mut record = RunRecord {
+            stages: vec![stage("ingest", "done"), stage("export", "nothing new")],
+            ..Default::default()
+        };
         settle(&mut record, None);
         assert_eq!((record.status.as_str(), record.reasons.len()), ("ok", 0));
 
@@ -974,8 +1350,14 @@ mod tests {
         assert_eq!(record.status, "partial");
         assert_eq!(record.reasons, ["ingest: 2 records quarantined"]);
 
-        record.stages.push(stage("consolidate", "degraded: 0 of 6 clusters gave a skill (6 failed)"));
-        record.stages.push(stage("export", "degraded: 0 skills exported (the store has no skill)"));
+        record.stages.push(stage(
+            "consolidate",
+            "degraded: 0 of 6 clusters gave a skill (6 failed)",
+        ));
+        record.stages.push(stage(
+            "export",
+            "degraded: 0 skills exported (the store has no skill)",
+        ));
         settle(&mut record, None);
         assert_eq!(record.status, "degraded");
         assert_eq!(
@@ -992,17 +1374,35 @@ mod tests {
         assert_eq!(record.reasons.len(), 3, "the reasons stay with a failure");
 
         // Every record was quarantined: one reason, from the ingest stage.
-        let mut record = RunRecord { stages: vec![stage("ingest", "degraded: all 3 records read were quarantined")], ..Default::default() };
+        let mut record = RunRecord {
+            stages: vec![stage(
+                "ingest",
+                "degraded: all 3 records read were quarantined",
+            )],
+            ..Default::default()
+        };
         record.quarantine.records = 3;
         settle(&mut record, None);
         assert_eq!(record.status, "degraded");
-        assert_eq!(record.reasons, ["ingest: all 3 records read were quarantined"]);
+        assert_eq!(
+            record.reasons,
+            ["ingest: all 3 records read were quarantined"]
+        );
 
         // A partial stage and nothing else.
-        let mut record = RunRecord { stages: vec![stage("consolidate", "partial: 1 of 6 clusters gave a skill (5 failed)")], ..Default::default() };
+        let mut record = RunRecord {
+            stages: vec![stage(
+                "consolidate",
+                "partial: 1 of 6 clusters gave a skill (5 failed)",
+            )],
+            ..Default::default()
+        };
         settle(&mut record, None);
         assert_eq!(record.status, "partial");
-        assert_eq!(record.reasons, ["consolidate: 1 of 6 clusters gave a skill (5 failed)"]);
+        assert_eq!(
+            record.reasons,
+            ["consolidate: 1 of 6 clusters gave a skill (5 failed)"]
+        );
         assert_eq!(stage_detail("degraded", DEGRADED), Some("degraded"));
         assert_eq!(stage_detail("degradedness", DEGRADED), None);
     }

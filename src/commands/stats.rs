@@ -24,7 +24,13 @@ pub fn run(args: StatsArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
 /// The human-readable stats table.
 pub fn print_table(stats: &GraphStats, version: u64, store: &Path) {
     println!("store {} (manifest version {version})", store.display());
-    println!("  nodes   semantic {:>8}  episodic {:>8}  procedural {:>6}", stats.semantic, stats.episodic, stats.procedural);
-    println!("  edges   ground   {:>8}  distill  {:>8}  link       {:>6}", stats.ground, stats.distill, stats.link);
+    println!(
+        "  nodes   semantic {:>8}  episodic {:>8}  procedural {:>6}",
+        stats.semantic, stats.episodic, stats.procedural
+    );
+    println!(
+        "  edges   ground   {:>8}  distill  {:>8}  link       {:>6}",
+        stats.ground, stats.distill, stats.link
+    );
     println!("  embedded nodes {:>8}", stats.embedded);
 }

@@ -10,12 +10,22 @@ pub fn recover(args: RecoverArgs, settings: &Settings) -> anyhow::Result<ExitCod
         println!("{}", serde_json::to_string(&report)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!("rebuilt {} at version {}", settings.store.join("manifest.json").display(), report.version);
+    println!(
+        "rebuilt {} at version {}",
+        settings.store.join("manifest.json").display(),
+        report.version
+    );
     if let Some(path) = &report.adopted_temporary {
-        println!("  adopted the complete temporary manifest {}", path.display());
+        println!(
+            "  adopted the complete temporary manifest {}",
+            path.display()
+        );
     }
     for (table, shards) in &report.shards {
-        println!("  {table:<10} {shards:>5} shard(s) {:>10} rows", report.rows.get(table).copied().unwrap_or(0));
+        println!(
+            "  {table:<10} {shards:>5} shard(s) {:>10} rows",
+            report.rows.get(table).copied().unwrap_or(0)
+        );
     }
     for (file, reason) in &report.rejected {
         println!("  left out (kept in place): {file}: {reason}");
@@ -28,7 +38,10 @@ pub fn recover(args: RecoverArgs, settings: &Settings) -> anyhow::Result<ExitCod
 
 pub fn compact(args: CompactArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     if !(0.0..1.0).contains(&args.max_dead_fraction) {
-        anyhow::bail!("--max-dead-fraction {}: expected a share in [0, 1)", args.max_dead_fraction);
+        anyhow::bail!(
+            "--max-dead-fraction {}: expected a share in [0, 1)",
+            args.max_dead_fraction
+        );
     }
     // An existing store only: compacting must not create one.
     fluxmem_store::Store::open(&settings.store)?;

@@ -15,7 +15,11 @@ pub struct Bm25Params {
 
 impl Default for Bm25Params {
     fn default() -> Self {
-        Bm25Params { k1: 1.5, b: 0.75, stem: false }
+        Bm25Params {
+            k1: 1.5,
+            b: 0.75,
+            stem: false,
+        }
     }
 }
 
@@ -53,9 +57,10 @@ pub fn terms_with(text: &str, stem_terms: bool) -> Vec<String> {
 
 /// Words that carry no retrieval signal.
 const STOPWORDS: &[&str] = &[
-    "a", "an", "and", "are", "as", "at", "be", "by", "did", "do", "does", "for", "from", "had", "has", "have", "he", "her",
-    "his", "i", "in", "is", "it", "its", "me", "my", "of", "on", "or", "she", "that", "the", "their", "them", "they",
-    "this", "to", "was", "we", "were", "what", "when", "where", "which", "who", "why", "how", "will", "with", "you", "your",
+    "a", "an", "and", "are", "as", "at", "be", "by", "did", "do", "does", "for", "from", "had",
+    "has", "have", "he", "her", "his", "i", "in", "is", "it", "its", "me", "my", "of", "on", "or",
+    "she", "that", "the", "their", "them", "they", "this", "to", "was", "we", "were", "what",
+    "when", "where", "which", "who", "why", "how", "will", "with", "you", "your",
 ];
 
 /// Lower-cased alphanumeric terms of `text`, stopwords removed.
@@ -96,7 +101,12 @@ impl Bm25 {
             }
         }
         let average_length = average_length(total, lengths.len());
-        Bm25 { params, postings, lengths, average_length }
+        Bm25 {
+            params,
+            postings,
+            lengths,
+            average_length,
+        }
     }
 
     /// Number of indexed documents.
@@ -116,24 +126,36 @@ impl Bm25 {
 
     /// The BM25 score of every document for `query` (0 for documents sharing no term).
     pub fn scores(&self, query: &str) -> Vec<f32> {
-        self.scores_in(query, self.lengths.len(), self.average_length, &|term| self.document_frequency(term))
+        self.scores_in(query, self.lengths.len(), self.average_length, &|term| {
+            self.document_frequency(term)
+        })
     }
 
     /// [`Bm25::scores`] of these documents as part of a larger collection of `documents`
     /// documents, whose average length is `average_length` and where `df` documents contain a
     /// term: the scores one index over the whole collection gives them, bit for bit (each
     /// document's terms are added in the query's order, as there).
-    pub fn scores_in(&self, query: &str, documents: usize, average_length: f32, df: &dyn Fn(&str) -> usize) -> Vec<f32> {
+    pub fn scores_in(
+        &self,
+        query: &str,
+        documents: usize,
+        average_length: f32,
+        df: &dyn Fn(&str) -> usize,
+    ) -> Vec<f32> {
         let mut scores = vec![0f32; self.lengths.len()];
         let n = documents as f32;
         for term in query_terms(query, self.params.stem) {
-            let Some(postings) = self.postings.get(&term) else { continue };
+            let Some(postings) = self.postings.get(&term) else {
+                continue;
+            };
             let df = df(&term) as f32;
             let idf = (1.0 + (n - df + 0.5) / (df + 0.5)).ln();
             for &(doc, tf) in postings {
                 let tf = tf as f32;
-                let norm = 1.0 - self.params.b + self.params.b * self.lengths[doc as usize] / average_length.max(1e-9);
-                scores[doc as usize] += idf * tf * (self.params.k1 + 1.0) / (tf + self.params.k1 * norm);
+                let norm = 1.0 - self.params.b
+                    + self.params.b * self.lengths[doc as usize] / average_length.max(1e-9);
+                scores[doc as usize] +=
+                    idf * tf * (self.params.k1 + 1.0) / (tf + self.params.k1 * norm);
             }
         }
         scores
@@ -143,7 +165,10 @@ impl Bm25 {
 /// The distinct terms of a query, in their first order (the order scores add them in).
 pub(crate) fn query_terms(query: &str, stem: bool) -> Vec<String> {
     let mut seen = std::collections::HashSet::new();
-    terms_with(query, stem).into_iter().filter(|term| seen.insert(term.clone())).collect()
+    terms_with(query, stem)
+        .into_iter()
+        .filter(|term| seen.insert(term.clone()))
+        .collect()
 }
 
 /// The average length of `documents` documents of `total` terms in all.
@@ -161,14 +186,21 @@ mod tests {
 
     #[test]
     fn matches_hand_computed_scores() {
-        let docs = ["refund the order", "order a pizza", "restart the export job"];
+        let docs = [
+            "refund the order",
+            "order a pizza",
+            "restart the export job",
+        ];
         let index = Bm25::new(&docs, Bm25Params::default());
         let scores = index.scores("refund order");
         // N = 3, avgdl = (2 + 2 + 3) / 3; doc 0 has "refund" (df 1) and "order" (df 2), length 2.
         let idf = |df: f32| (1.0f32 + (3.0 - df + 0.5) / (df + 0.5)).ln();
         let norm = 1.0 - 0.75 + 0.75 * 2.0 / (7.0 / 3.0);
         let term = |df: f32| idf(df) * 2.5 / (1.0 + 1.5 * norm);
-        assert!((scores[0] - (term(1.0) + term(2.0))).abs() < 1e-5, "{scores:?}");
+        assert!(
+            (scores[0] - (term(1.0) + term(2.0))).abs() < 1e-5,
+            "{scores:?}"
+        );
         assert!((scores[1] - term(2.0)).abs() < 1e-5);
         assert_eq!(scores[2], 0.0);
         assert_eq!(index.scores("the of and"), vec![0.0; 3], "stopwords only");
@@ -176,7 +208,14 @@ mod tests {
 
     #[test]
     fn stemming_joins_inflections_and_leaves_short_words() {
-        for (word, root) in [("camped", "camp"), ("camping", "camp"), ("camps", "camp"), ("love", "lov"), ("loved", "lov"), ("loves", "lov")] {
+        for (word, root) in [
+            ("camped", "camp"),
+            ("camping", "camp"),
+            ("camps", "camp"),
+            ("love", "lov"),
+            ("loved", "lov"),
+            ("loves", "lov"),
+        ] {
             assert_eq!(stem(word), root, "{word}");
         }
         for word in ["sing", "is", "2023s", "bus", "adoption"] {
@@ -184,8 +223,18 @@ mod tests {
         }
         // Off by default; on, a query word meets its inflection.
         let docs = ["we camped by the lake", "a quiet evening"];
-        assert_eq!(Bm25::new(&docs, Bm25Params::default()).scores("camping"), vec![0.0, 0.0]);
-        let stemmed = Bm25::new(&docs, Bm25Params { stem: true, ..Bm25Params::default() }).scores("camping");
+        assert_eq!(
+            Bm25::new(&docs, Bm25Params::default()).scores("camping"),
+            vec![0.0, 0.0]
+        );
+        let stemmed = Bm25::new(
+            &docs,
+            Bm25Params {
+                stem: true,
+                ..Bm25Params::default()
+            },
+        )
+        .scores("camping");
         assert!(stemmed[0] > 0.0 && stemmed[1] == 0.0, "{stemmed:?}");
     }
 }

@@ -145,7 +145,8 @@ pub fn connect_store(
     // Which episodes are connected, from a stream of the live edges' ends.
     let connected = connected_episodes(store, &manifest)?;
     // The episodes this run connects: not connected before, and this shard's.
-    let to_connect = |id: &NodeId| !connected.contains(id.as_str()) && options.shard.owns(id.as_str());
+    let to_connect =
+        |id: &NodeId| !connected.contains(id.as_str()) && options.shard.owns(id.as_str());
     // One stream of the live node rows: the semantic nodes whole, the episodes' tenant and time.
     let mut tenants: Vec<String> = Vec::new();
     let mut tenant_ids: BTreeMap<String, u32> = BTreeMap::new();
@@ -160,63 +161,106 @@ pub fn connect_store(
     let mut held = 0usize;
     let mut spill: Option<Spill> = None;
     let mut failure: Option<Error> = None;
-    store.live(&manifest, "nodes")?.nodes(&mut |node| match node.kind() {
-        NodeKind::Semantic => {
-            if let Some(spill) = spill.as_mut() {
-                spill.add(&node);
-                return;
-            }
-            held += fact_bytes(node.id.as_str(), &node.text, dim) + held_bytes(&node);
-            facts.nodes.insert(node.id.clone(), node);
-            // The budget less what is kept of every stored episode (counted first).
-            let facts_share = options.memory.saturating_sub(connected.held_bytes() + episodes.held_bytes()) / 4;
-            if spillable && held > facts_share && failure.is_none() {
-                match Spill::create(&store.dir().join(fluxmem_store::SCRATCH).join(FOLDER), dim) {
-                    Ok(mut started) => {
-                        std::mem::take(&mut facts.nodes).into_values().for_each(|n| started.add(&n));
-                        spill = Some(started);
+    store
+        .live(&manifest, "nodes")?
+        .nodes(&mut |node| match node.kind() {
+            NodeKind::Semantic => {
+                if let Some(spill) = spill.as_mut() {
+                    spill.add(&node);
+                    return;
+                }
+                held += fact_bytes(node.id.as_str(), &node.text, dim) + held_bytes(&node);
+                facts.nodes.insert(node.id.clone(), node);
+                // The budget less what is kept of every stored episode (counted first).
+                let facts_share = options
+                    .memory
+                    .saturating_sub(connected.held_bytes() + episodes.held_bytes())
+                    / 4;
+                if spillable && held > facts_share && failure.is_none() {
+                    match Spill::create(&store.dir().join(fluxmem_store::SCRATCH).join(FOLDER), dim)
+                    {
+                        Ok(mut started) => {
+                            std::mem::take(&mut facts.nodes)
+                                .into_values()
+                                .for_each(|n| started.add(&n));
+                            spill = Some(started);
+                        }
+                        Err(e) => failure = Some(e),
                     }
-                    Err(e) => failure = Some(e),
                 }
             }
-        }
-        NodeKind::Episodic => {
-            let tenant = match tenant_ids.get(&node.tenant) {
-                Some(&t) => t,
-                None => {
-                    let t = tenants.len() as u32;
-                    tenants.push(node.tenant.clone());
-                    tenant_ids.insert(node.tenant.clone(), t);
-                    t
+            NodeKind::Episodic => {
+                let tenant = match tenant_ids.get(&node.tenant) {
+                    Some(&t) => t,
+                    None => {
+                        let t = tenants.len() as u32;
+                        tenants.push(node.tenant.clone());
+                        tenant_ids.insert(node.tenant.clone(), t);
+                        t
+                    }
+                };
+                if to_connect(&node.id) {
+                    todo_ids.insert(node.id.clone());
                 }
-            };
-            if to_connect(&node.id) {
-                todo_ids.insert(node.id.clone());
+                episodes.insert(
+                    node.id.as_str(),
+                    Seen {
+                        tenant,
+                        time: node.created_at.unwrap_or(0),
+                    },
+                );
             }
-            episodes.insert(node.id.as_str(), Seen { tenant, time: node.created_at.unwrap_or(0) });
-        }
-        NodeKind::Procedural => {}
-    })?;
+            NodeKind::Procedural => {}
+        })?;
     if let Some(e) = failure {
         return Err(e);
     }
-    let mut report = ConnectReport { episodes: episodes.len(), already: episodes.len() - todo_ids.len(), ..Default::default() };
+    let mut report = ConnectReport {
+        episodes: episodes.len(),
+        already: episodes.len() - todo_ids.len(),
+        ..Default::default()
+    };
     if todo_ids.is_empty() {
         return Ok(report);
     }
     // What is kept of every stored episode (its id, tenant and time; the connected ones' ids)
     // is counted first; the rest of the budget is shared out.
-    let memory = options.memory.saturating_sub(connected.held_bytes() + episodes.held_bytes());
+    let memory = options
+        .memory
+        .saturating_sub(connected.held_bytes() + episodes.held_bytes());
     drop(connected);
     let facts_share = memory / 4;
     // Every episode in id order (commit boundaries depend only on the data).
-    let todo: Vec<Todo<'_>> = todo_ids.iter().map(|id| (id, tenants[episodes.get(id.as_str()).expect("an episode to connect is an episode").tenant as usize].as_str())).collect();
-    let todo_tenants: Vec<&str> = todo.iter().map(|&(_, tenant)| tenant).collect::<BTreeSet<_>>().into_iter().collect();
+    let todo: Vec<Todo<'_>> = todo_ids
+        .iter()
+        .map(|id| {
+            (
+                id,
+                tenants[episodes
+                    .get(id.as_str())
+                    .expect("an episode to connect is an episode")
+                    .tenant as usize]
+                    .as_str(),
+            )
+        })
+        .collect();
+    let todo_tenants: Vec<&str> = todo
+        .iter()
+        .map(|&(_, tenant)| tenant)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
     let search = match spill {
         Some(spill) => {
             // Every other node's vector goes to the scratch files; the partitions fit half of
             // the facts' share, the query batches' pools the other half.
-            let spilled = spill.vectors(store, &manifest, &model, &|id| episodes.contains(id.as_str()), facts_share / 2)?;
+            let spilled = spill.vectors(
+                store,
+                &manifest,
+                &model,
+                &|id| episodes.contains(id.as_str()),
+                facts_share / 2,
+            )?;
             spilled.check(&todo_tenants)?;
             report.fact_partitions = spilled.partitions();
             FactSearch::Spilled(spilled)
@@ -225,13 +269,24 @@ pub fn connect_store(
             // The semantic nodes' vectors.
             let fact_ids: BTreeSet<NodeId> = facts.nodes.keys().cloned().collect();
             if !fact_ids.is_empty() {
-                facts.embeddings = store.scan_at(&manifest, &Scan { vectors: Rows::Of(fact_ids), ..Default::default() })?.embeddings;
+                facts.embeddings = store
+                    .scan_at(
+                        &manifest,
+                        &Scan {
+                            vectors: Rows::Of(fact_ids),
+                            ..Default::default()
+                        },
+                    )?
+                    .embeddings;
             }
             // The semantic index of each tenant with episodes to connect (its BM25 statistics
             // are the tenant's own).
             let mut semantic: BTreeMap<String, SemanticIndex> = BTreeMap::new();
             for &tenant in &todo_tenants {
-                semantic.insert(tenant.to_string(), SemanticIndex::build(&facts, tenant, &model, device)?);
+                semantic.insert(
+                    tenant.to_string(),
+                    SemanticIndex::build(&facts, tenant, &model, device)?,
+                );
             }
             FactSearch::Whole(semantic)
         }
@@ -239,8 +294,24 @@ pub fn connect_store(
 
     // Half of the budget is the link search's; a quarter holds a group of the night's episodes
     // whole (their steps are the queries).
-    let links_search = LinkSearch { store, manifest: &manifest, episodes: &episodes, tenants: tenants.len(), model: &model, dim: embedder.dim(), k: options.link_k, memory: memory / 2, device };
-    let time = |id: &NodeId| episodes.get(id.as_str()).map(|e| e.time).or_else(|| facts.nodes.get(id).and_then(|n| n.created_at)).unwrap_or(0);
+    let links_search = LinkSearch {
+        store,
+        manifest: &manifest,
+        episodes: &episodes,
+        tenants: tenants.len(),
+        model: &model,
+        dim: embedder.dim(),
+        k: options.link_k,
+        memory: memory / 2,
+        device,
+    };
+    let time = |id: &NodeId| {
+        episodes
+            .get(id.as_str())
+            .map(|e| e.time)
+            .or_else(|| facts.nodes.get(id).and_then(|n| n.created_at))
+            .unwrap_or(0)
+    };
     let commit_every = options.commit_every.max(1);
     let mut sizing = GroupSize::new(memory / 4, &manifest, commit_every, episodes.len());
     progress.start(todo.len() as u64);
@@ -250,15 +321,30 @@ pub fn connect_store(
         let group = &todo[start..(start + sizing.episodes()).min(todo.len())];
         start += group.len();
         let group_ids: BTreeSet<NodeId> = group.iter().map(|(id, _)| (*id).clone()).collect();
-        let steps = if options.per_step { Rows::Of(group_ids.clone()) } else { Rows::None };
-        let todo_graph = store.scan_at(&manifest, &Scan { nodes: true, nodes_of: Some(group_ids.clone()), steps, ..Default::default() })?;
+        let steps = if options.per_step {
+            Rows::Of(group_ids.clone())
+        } else {
+            Rows::None
+        };
+        let todo_graph = store.scan_at(
+            &manifest,
+            &Scan {
+                nodes: true,
+                nodes_of: Some(group_ids.clone()),
+                steps,
+                ..Default::default()
+            },
+        )?;
         sizing.measured(todo_graph.nodes.values());
         let links = links_search.neighbours(&group_ids)?;
         report.groups += 1;
         for chunk in group.chunks(commit_every) {
             let mut delta = Graph::default();
             // All the chunk's step queries in one embedder call (sorted by length inside).
-            let queries: Vec<Vec<&str>> = chunk.iter().map(|(id, _)| ground_queries(&todo_graph, id, options.per_step)).collect();
+            let queries: Vec<Vec<&str>> = chunk
+                .iter()
+                .map(|(id, _)| ground_queries(&todo_graph, id, options.per_step))
+                .collect();
             let flat: Vec<&str> = queries.iter().flatten().copied().collect();
             let flat_vectors = embedder.embed(&flat)?;
             // Each query's ranking of its tenant's facts: the best `ground_k` (node, fused
@@ -268,15 +354,32 @@ pub fn connect_store(
                     let mut out = Vec::with_capacity(flat.len());
                     let mut vectors = flat_vectors.iter();
                     for (&(_, tenant), episode_queries) in chunk.iter().zip(&queries) {
-                        let query_vectors: Vec<Vec<f32>> = vectors.by_ref().take(episode_queries.len()).cloned().collect();
+                        let query_vectors: Vec<Vec<f32>> = vectors
+                            .by_ref()
+                            .take(episode_queries.len())
+                            .cloned()
+                            .collect();
                         let index = &semantic[tenant];
                         if index.is_empty() {
                             out.extend(episode_queries.iter().map(|_| Vec::new()));
                             continue;
                         }
                         // The episode's step queries against the tenant's facts in one matrix product.
-                        for ranked in index.hybrid_many(episode_queries, &query_vectors, &options.retrieval)? {
-                            out.push(ranked.into_iter().take(options.ground_k).map(|c| { let t = time(&c.node_id); (c.node_id, c.score, t) }).collect());
+                        for ranked in index.hybrid_many(
+                            episode_queries,
+                            &query_vectors,
+                            &options.retrieval,
+                        )? {
+                            out.push(
+                                ranked
+                                    .into_iter()
+                                    .take(options.ground_k)
+                                    .map(|c| {
+                                        let t = time(&c.node_id);
+                                        (c.node_id, c.score, t)
+                                    })
+                                    .collect(),
+                            );
                         }
                     }
                     out
@@ -284,29 +387,63 @@ pub fn connect_store(
                 FactSearch::Spilled(spilled) => {
                     let mut asked = Vec::with_capacity(flat.len());
                     for (&(_, tenant), episode_queries) in chunk.iter().zip(&queries) {
-                        asked.extend(episode_queries.iter().map(|text| Query { tenant, text, vector: &[] }));
+                        asked.extend(episode_queries.iter().map(|text| Query {
+                            tenant,
+                            text,
+                            vector: &[],
+                        }));
                     }
                     for (query, vector) in asked.iter_mut().zip(&flat_vectors) {
                         query.vector = vector;
                     }
-                    spilled.search(&asked, &options.retrieval, options.ground_k, facts_share / 2, device)?
+                    spilled.search(
+                        &asked,
+                        &options.retrieval,
+                        options.ground_k,
+                        facts_share / 2,
+                        device,
+                    )?
                 }
             };
             let mut rankings = rankings.into_iter();
             for (&(episode, _), episode_queries) in chunk.iter().zip(&queries) {
                 for (neighbour, cosine) in links.get(episode).into_iter().flatten() {
-                    delta.upsert_edge(edge((episode, time(episode)), (neighbour, time(neighbour)), EdgeKind::Link, *cosine, 1, run_id));
+                    delta.upsert_edge(edge(
+                        (episode, time(episode)),
+                        (neighbour, time(neighbour)),
+                        EdgeKind::Link,
+                        *cosine,
+                        1,
+                        run_id,
+                    ));
                     report.link_edges += 1;
                 }
-                for (node, (weight, evidence, node_time)) in ground(rankings.by_ref().take(episode_queries.len())) {
-                    delta.upsert_edge(edge((&node, node_time), (episode, time(episode)), EdgeKind::Ground, weight, evidence, run_id));
+                for (node, (weight, evidence, node_time)) in
+                    ground(rankings.by_ref().take(episode_queries.len()))
+                {
+                    delta.upsert_edge(edge(
+                        (&node, node_time),
+                        (episode, time(episode)),
+                        EdgeKind::Ground,
+                        weight,
+                        evidence,
+                        run_id,
+                    ));
                     report.ground_edges += 1;
                 }
                 report.connected += 1;
             }
             if !delta.is_empty() {
                 let summary = serde_json::json!({ "connected": report.connected, "ground_edges": report.ground_edges, "link_edges": report.link_edges });
-                writer.commit(&delta, CommitInfo { stage: "connect".into(), run_id: run_id.into(), summary, progress: Default::default() })?;
+                writer.commit(
+                    &delta,
+                    CommitInfo {
+                        stage: "connect".into(),
+                        run_id: run_id.into(),
+                        summary,
+                        progress: Default::default(),
+                    },
+                )?;
                 report.commits += 1;
             }
             progress.advance(chunk.len() as u64);
@@ -332,10 +469,28 @@ impl GroupSize {
 
     /// `episodes`: the episodes the store holds (the node shards hold the facts too, so this
     /// errs on the large side).
-    fn new(share: usize, manifest: &fluxmem_store::Manifest, commit_every: usize, episodes: usize) -> GroupSize {
-        let bytes = |table: &str| manifest.shards.iter().filter(|s| s.table == table).map(|s| s.bytes).sum::<u64>();
-        let per_episode = ((bytes("nodes") + bytes("steps")) / episodes.max(1) as u64) as usize * Self::INFLATION;
-        GroupSize { share: share.max(1), commit_every, per_episode: per_episode.max(1), measured: (0, 0) }
+    fn new(
+        share: usize,
+        manifest: &fluxmem_store::Manifest,
+        commit_every: usize,
+        episodes: usize,
+    ) -> GroupSize {
+        let bytes = |table: &str| {
+            manifest
+                .shards
+                .iter()
+                .filter(|s| s.table == table)
+                .map(|s| s.bytes)
+                .sum::<u64>()
+        };
+        let per_episode =
+            ((bytes("nodes") + bytes("steps")) / episodes.max(1) as u64) as usize * Self::INFLATION;
+        GroupSize {
+            share: share.max(1),
+            commit_every,
+            per_episode: per_episode.max(1),
+            measured: (0, 0),
+        }
     }
 
     /// Episodes of the next group: whole commits, at least one.
@@ -360,14 +515,25 @@ impl GroupSize {
 fn held_bytes(node: &Node) -> usize {
     const ALLOCATION: usize = 32;
     let text = |s: &str| s.len() + ALLOCATION;
-    let mut bytes = std::mem::size_of::<Node>() + text(&node.id.0) + text(&node.tenant) + text(&node.text) + text(&node.source_file) + text(&node.source_locator);
+    let mut bytes = std::mem::size_of::<Node>()
+        + text(&node.id.0)
+        + text(&node.tenant)
+        + text(&node.text)
+        + text(&node.source_file)
+        + text(&node.source_locator);
     bytes += node.agent_id.as_deref().map_or(0, text);
     bytes += 2 * serde_json::to_string(&node.metadata).map_or(0, |json| json.len());
     if let NodeBody::Episodic(episode) = &node.body {
         for step in &episode.steps {
-            bytes += std::mem::size_of::<Step>() + text(&step.observation) + text(&step.action) + step.feedback.as_deref().map_or(0, text);
+            bytes += std::mem::size_of::<Step>()
+                + text(&step.observation)
+                + text(&step.action)
+                + step.feedback.as_deref().map_or(0, text);
             for call in &step.tool_calls {
-                bytes += std::mem::size_of::<fluxmem_graph::ToolCall>() + text(&call.name) + text(&call.arguments) + call.result.as_deref().map_or(0, text);
+                bytes += std::mem::size_of::<fluxmem_graph::ToolCall>()
+                    + text(&call.name)
+                    + text(&call.arguments)
+                    + call.result.as_deref().map_or(0, text);
             }
         }
     }
@@ -423,11 +589,32 @@ impl LinkSearch<'_> {
         let mut checked = false;
         for members in ids.chunks(group) {
             let wanted: BTreeSet<NodeId> = members.iter().map(|id| (*id).clone()).collect();
-            let mut vectors = self.store.scan_at(self.manifest, &Scan { vectors: Rows::Of(wanted), ..Default::default() })?.embeddings;
-            let mut queries: Vec<TenantQueries> = (0..self.tenants).map(|_| TenantQueries::default()).collect();
+            let mut vectors = self
+                .store
+                .scan_at(
+                    self.manifest,
+                    &Scan {
+                        vectors: Rows::Of(wanted),
+                        ..Default::default()
+                    },
+                )?
+                .embeddings;
+            let mut queries: Vec<TenantQueries> = (0..self.tenants)
+                .map(|_| TenantQueries::default())
+                .collect();
             for id in members {
-                let vector = vectors.remove(&((*id).clone(), self.model.to_string())).ok_or_else(|| Error::NotEmbedded { node: id.to_string(), model: self.model.to_string() })?.vector;
-                let q = &mut queries[self.episodes.get(id.as_str()).expect("a query is an episode").tenant as usize];
+                let vector = vectors
+                    .remove(&((*id).clone(), self.model.to_string()))
+                    .ok_or_else(|| Error::NotEmbedded {
+                        node: id.to_string(),
+                        model: self.model.to_string(),
+                    })?
+                    .vector;
+                let q = &mut queries[self
+                    .episodes
+                    .get(id.as_str())
+                    .expect("a query is an episode")
+                    .tenant as usize];
                 q.ids.push((*id).clone());
                 q.vectors.push(vector);
                 q.best.push(Vec::new());
@@ -436,7 +623,12 @@ impl LinkSearch<'_> {
             for q in &queries {
                 let dim = q.vectors.first().map_or(0, Vec::len);
                 if let Some((id, v)) = q.ids.iter().zip(&q.vectors).find(|(_, v)| v.len() != dim) {
-                    return Err(Error::Dimension { node: id.to_string(), model: self.model.to_string(), expected: dim, got: v.len() });
+                    return Err(Error::Dimension {
+                        node: id.to_string(),
+                        model: self.model.to_string(),
+                        expected: dim,
+                        got: v.len(),
+                    });
                 }
             }
             // The other half is shared by the tenants with queries in the group (each holds a
@@ -449,7 +641,12 @@ impl LinkSearch<'_> {
             }
             for q in queries {
                 for (id, best) in q.ids.into_iter().zip(q.best) {
-                    let links: Vec<(NodeId, f32)> = best.into_iter().filter(|(_, n)| *n != id).take(self.k).map(|(c, n)| (n, c)).collect();
+                    let links: Vec<(NodeId, f32)> = best
+                        .into_iter()
+                        .filter(|(_, n)| *n != id)
+                        .take(self.k)
+                        .map(|(c, n)| (n, c))
+                        .collect();
                     out.insert(id, links);
                 }
             }
@@ -460,7 +657,12 @@ impl LinkSearch<'_> {
     /// One pass over the live vectors of the model, scoring each tenant's stored episodes
     /// against its queries, each tenant's blocks within `share` bytes; returns how many episode
     /// vectors each tenant has.
-    fn stream(&self, stored: &Live<'_>, queries: &mut [TenantQueries], share: usize) -> Result<Vec<usize>> {
+    fn stream(
+        &self,
+        stored: &Live<'_>,
+        queries: &mut [TenantQueries],
+        share: usize,
+    ) -> Result<Vec<usize>> {
         let mut seen = vec![0usize; self.tenants];
         let mut failure: Option<Error> = None;
         stored.embeddings(&mut |embedding| {
@@ -468,7 +670,9 @@ impl LinkSearch<'_> {
                 return;
             }
             // Vectors of the semantic nodes and of nodes no longer in the store are not linked.
-            let Some(episode) = self.episodes.get(embedding.node_id.as_str()) else { return };
+            let Some(episode) = self.episodes.get(embedding.node_id.as_str()) else {
+                return;
+            };
             let tenant = episode.tenant as usize;
             seen[tenant] += 1;
             let q = &mut queries[tenant];
@@ -502,22 +706,38 @@ impl LinkSearch<'_> {
     /// Scores the pending rows against the tenant's queries and keeps the best `k + 1` of each.
     fn score(&self, q: &mut TenantQueries) -> Result<()> {
         let dim = q.vectors[0].len();
-        if let Some((id, v)) = q.pending_ids.iter().zip(&q.pending).find(|(_, v)| v.len() != dim) {
-            return Err(Error::Dimension { node: id.to_string(), model: self.model.to_string(), expected: dim, got: v.len() });
+        if let Some((id, v)) = q
+            .pending_ids
+            .iter()
+            .zip(&q.pending)
+            .find(|(_, v)| v.len() != dim)
+        {
+            return Err(Error::Dimension {
+                node: id.to_string(),
+                model: self.model.to_string(),
+                expected: dim,
+                got: v.len(),
+            });
         }
         let index = DenseIndex::new(&q.pending, dim, self.device)?;
         let keep = self.k + 1;
         for (best, scores) in q.best.iter_mut().zip(index.scores(&q.vectors)?) {
-            let order = |a: &(f32, &NodeId), b: &(f32, &NodeId)| b.0.total_cmp(&a.0).then(a.1.cmp(b.1));
+            let order =
+                |a: &(f32, &NodeId), b: &(f32, &NodeId)| b.0.total_cmp(&a.0).then(a.1.cmp(b.1));
             // Only a row at least as good as the query's `k + 1`-th best so far can enter (an
             // equal score may win its tie by id).
             let floor = (best.len() == keep).then(|| best[keep - 1].0);
-            let mut ranked: Vec<(f32, &NodeId)> = scores.into_iter().zip(&q.pending_ids).filter(|(s, _)| floor.is_none_or(|f| s.total_cmp(&f).is_ge())).collect();
+            let mut ranked: Vec<(f32, &NodeId)> = scores
+                .into_iter()
+                .zip(&q.pending_ids)
+                .filter(|(s, _)| floor.is_none_or(|f| s.total_cmp(&f).is_ge()))
+                .collect();
             if keep < ranked.len() {
                 ranked.select_nth_unstable_by(keep - 1, order);
                 ranked.truncate(keep);
             }
-            let mut merged: Vec<(f32, &NodeId)> = best.iter().map(|(c, n)| (*c, n)).chain(ranked).collect();
+            let mut merged: Vec<(f32, &NodeId)> =
+                best.iter().map(|(c, n)| (*c, n)).chain(ranked).collect();
             merged.sort_by(order);
             merged.truncate(keep);
             *best = merged.into_iter().map(|(c, n)| (c, n.clone())).collect();
@@ -532,7 +752,9 @@ impl LinkSearch<'_> {
     /// order, is named (found in the stored keys, no vector decoded).
     fn check_embedded(&self, stored: &Live<'_>, seen: &[usize]) -> Result<()> {
         let mut episodes = vec![0usize; self.tenants];
-        self.episodes.values().for_each(|e| episodes[e.tenant as usize] += 1);
+        self.episodes
+            .values()
+            .for_each(|e| episodes[e.tenant as usize] += 1);
         if episodes == seen {
             return Ok(());
         }
@@ -542,8 +764,17 @@ impl LinkSearch<'_> {
                 have.insert(node);
             }
         })?;
-        let missing = self.episodes.iter().map(|(id, _)| id).filter(|id| !have.contains(id)).min().expect("a tenant has fewer vectors than episodes");
-        Err(Error::NotEmbedded { node: missing, model: self.model.to_string() })
+        let missing = self
+            .episodes
+            .iter()
+            .map(|(id, _)| id)
+            .filter(|id| !have.contains(id))
+            .min()
+            .expect("a tenant has fewer vectors than episodes");
+        Err(Error::NotEmbedded {
+            node: missing,
+            model: self.model.to_string(),
+        })
     }
 }
 
@@ -551,17 +782,23 @@ impl LinkSearch<'_> {
 /// (Stage I edges, whoever updated them last: credit assignment re-weights them; links with a
 /// `relation` come from Stage II and do not make an episode connected). Streamed over the live
 /// edges' ends: what stays in memory is the episodes, not the edges.
-fn connected_episodes(store: &fluxmem_store::Store, manifest: &fluxmem_store::Manifest) -> Result<IdSet> {
+fn connected_episodes(
+    store: &fluxmem_store::Store,
+    manifest: &fluxmem_store::Manifest,
+) -> Result<IdSet> {
     let mut connected = IdSet::default();
-    store.live(manifest, "edges")?.edge_ends(&[EdgeKind::Ground, EdgeKind::Link], &mut |src, dst, kind, relation| {
-        let episode = match kind {
-            _ if relation => return,
-            EdgeKind::Ground => dst,
-            EdgeKind::Link => src,
-            EdgeKind::Distill => return,
-        };
-        connected.insert(episode);
-    })?;
+    store.live(manifest, "edges")?.edge_ends(
+        &[EdgeKind::Ground, EdgeKind::Link],
+        &mut |src, dst, kind, relation| {
+            let episode = match kind {
+                _ if relation => return,
+                EdgeKind::Ground => dst,
+                EdgeKind::Link => src,
+                EdgeKind::Distill => return,
+            };
+            connected.insert(episode);
+        },
+    )?;
     Ok(connected)
 }
 
@@ -570,7 +807,13 @@ fn ground_queries<'g>(graph: &'g Graph, episode: &NodeId, per_step: bool) -> Vec
     let node = &graph.nodes[episode];
     let mut queries: Vec<&str> = Vec::new();
     if per_step {
-        queries.extend(node.episode().into_iter().flat_map(|e| &e.steps).map(|s| s.observation.as_str()).filter(|o| !o.trim().is_empty()));
+        queries.extend(
+            node.episode()
+                .into_iter()
+                .flat_map(|e| &e.steps)
+                .map(|s| s.observation.as_str())
+                .filter(|o| !o.trim().is_empty()),
+        );
     }
     if queries.is_empty() {
         queries.push(node.text.as_str());
@@ -580,7 +823,9 @@ fn ground_queries<'g>(graph: &'g Graph, episode: &NodeId, per_step: bool) -> Vec
 
 /// The semantic nodes that support an episode, from its queries' rankings (each its best
 /// `ground_k`): node -> (best fused score, queries retrieving it, node time).
-fn ground(rankings: impl Iterator<Item = Vec<(NodeId, f32, i64)>>) -> BTreeMap<NodeId, (f32, i64, i64)> {
+fn ground(
+    rankings: impl Iterator<Item = Vec<(NodeId, f32, i64)>>,
+) -> BTreeMap<NodeId, (f32, i64, i64)> {
     let mut support: BTreeMap<NodeId, (f32, i64, i64)> = BTreeMap::new();
     for ranked in rankings {
         for (node, score, time) in ranked {
@@ -602,7 +847,14 @@ enum FactSearch {
 /// An edge of this stage, between two nodes given with their `created_at`. Its time is the
 /// later of the two (the moment the connection became possible), not the wall clock, so the
 /// same store always gives the same shards.
-fn edge(src: (&NodeId, i64), dst: (&NodeId, i64), kind: EdgeKind, weight: f32, evidence: i64, run_id: &str) -> Edge {
+fn edge(
+    src: (&NodeId, i64),
+    dst: (&NodeId, i64),
+    kind: EdgeKind,
+    weight: f32,
+    evidence: i64,
+    run_id: &str,
+) -> Edge {
     Edge {
         src: src.0.clone(),
         dst: dst.0.clone(),

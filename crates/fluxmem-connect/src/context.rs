@@ -47,13 +47,19 @@ pub struct Context {
 impl Context {
     /// The context string given to an agent.
     pub fn text(&self) -> String {
-        self.items.iter().map(|item| item.line.as_str()).collect::<Vec<_>>().join("\n")
+        self.items
+            .iter()
+            .map(|item| item.line.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 }
 
 /// The line a node contributes to a context.
 pub fn line(graph: &Graph, id: &NodeId) -> String {
-    let Some(node) = graph.nodes.get(id) else { return String::new() };
+    let Some(node) = graph.nodes.get(id) else {
+        return String::new();
+    };
     match &node.body {
         NodeBody::Semantic(s) => match &s.time {
             Some(time) => format!("[{time}] {}", node.text),
@@ -83,7 +89,9 @@ pub fn pack(
     let mut items = Vec::new();
     let mut used = 0;
     for (rank, (id, signals, score, why)) in ranked.iter().enumerate() {
-        let Some(node) = graph.nodes.get(id) else { continue };
+        let Some(node) = graph.nodes.get(id) else {
+            continue;
+        };
         let text = line(graph, id);
         let tokens = count_tokens(&text)? + usize::from(!items.is_empty());
         if used + tokens > budget {
@@ -108,7 +116,11 @@ pub fn pack(
             tokens,
         });
     }
-    Ok(Context { budget, tokens: used, items })
+    Ok(Context {
+        budget,
+        tokens: used,
+        items,
+    })
 }
 
 #[cfg(test)]
@@ -120,7 +132,12 @@ mod tests {
         let mut graph = Graph::default();
         let mut ids = Vec::new();
         for (i, text) in texts.iter().enumerate() {
-            let body = NodeBody::Semantic(Semantic { source: "s".into(), position: i as i64, time: None, group: None });
+            let body = NodeBody::Semantic(Semantic {
+                source: "s".into(),
+                position: i as i64,
+                time: None,
+                group: None,
+            });
             let node = Node::new(body, "t", text, &[text]);
             ids.push(node.id.clone());
             graph.insert_node(node);
@@ -132,8 +149,18 @@ mod tests {
     fn packs_in_rank_order_skipping_what_does_not_fit() {
         // Word counts: 3, 5, 2, 1 tokens; newline between lines costs 1.
         let (graph, ids) = graph_of(&["one two three", "a b c d e", "x y", "z"]);
-        let ranked: Vec<(NodeId, Signals, f32, String)> =
-            ids.iter().enumerate().map(|(i, id)| (id.clone(), Signals::default(), 1.0 - i as f32 / 10.0, "test".into())).collect();
+        let ranked: Vec<(NodeId, Signals, f32, String)> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                (
+                    id.clone(),
+                    Signals::default(),
+                    1.0 - i as f32 / 10.0,
+                    "test".into(),
+                )
+            })
+            .collect();
         let words = |text: &str| -> Result<usize> { Ok(text.split_whitespace().count()) };
         let context = pack(&graph, &ranked, 8, &words).unwrap();
         let texts: Vec<&str> = context.items.iter().map(|i| i.line.as_str()).collect();

@@ -40,7 +40,12 @@ impl DenseIndex {
             let flat: Vec<f32> = vectors.iter().flat_map(|v| normalized(v)).collect();
             Some(Tensor::from_vec(flat, (rows, dim), device)?)
         };
-        Ok(DenseIndex { matrix, rows, dim, device: device.clone() })
+        Ok(DenseIndex {
+            matrix,
+            rows,
+            dim,
+            device: device.clone(),
+        })
     }
 
     /// Indexes `vectors`, taking the dimension from the first (an empty index has none).
@@ -70,7 +75,9 @@ impl DenseIndex {
     /// cache-size rule that depends on the shape (so longer vectors are reduced here, in fixed
     /// chunks of [`REDUCE_CHUNK`] whose partial products are added in order).
     pub fn scores(&self, queries: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
-        let Some(matrix) = &self.matrix else { return Ok(vec![Vec::new(); queries.len()]) };
+        let Some(matrix) = &self.matrix else {
+            return Ok(vec![Vec::new(); queries.len()]);
+        };
         if queries.is_empty() {
             return Ok(Vec::new());
         }
@@ -92,7 +99,10 @@ impl DenseIndex {
                 parts.extend(std::iter::repeat_n(last, MIN_ROWS - len));
                 block = Tensor::cat(&parts, 0)?;
             }
-            let scores: Vec<Vec<f32>> = self.block_scores(&query, &block)?.to_dtype(DType::F32)?.to_vec2()?;
+            let scores: Vec<Vec<f32>> = self
+                .block_scores(&query, &block)?
+                .to_dtype(DType::F32)?
+                .to_vec2()?;
             for (row, block_scores) in out.iter_mut().zip(scores) {
                 row.extend(block_scores.into_iter().take(len));
             }
@@ -107,7 +117,10 @@ impl DenseIndex {
         let mut offset = 0;
         while offset < self.dim {
             let width = REDUCE_CHUNK.min(self.dim - offset);
-            let part = query.narrow(1, offset, width)?.contiguous()?.matmul(&block.narrow(1, offset, width)?.contiguous()?.t()?)?;
+            let part = query
+                .narrow(1, offset, width)?
+                .contiguous()?
+                .matmul(&block.narrow(1, offset, width)?.contiguous()?.t()?)?;
             total = Some(match total {
                 None => part,
                 Some(sum) => (sum + part)?,
@@ -119,7 +132,11 @@ impl DenseIndex {
 
     /// The `k` best (index, cosine) per query, best first, ties by index.
     pub fn top_k(&self, queries: &[Vec<f32>], k: usize) -> Result<Vec<Vec<(usize, f32)>>> {
-        Ok(self.scores(queries)?.into_iter().map(|scores| top_k(&scores, k)).collect())
+        Ok(self
+            .scores(queries)?
+            .into_iter()
+            .map(|scores| top_k(&scores, k))
+            .collect())
     }
 }
 
@@ -147,20 +164,39 @@ pub struct Embedded {
 /// The nodes of `kind` in `graph`, in id order, with their `model` vectors. A node without an
 /// embedding of `model` is [`Error::NotEmbedded`], which names the fix. All tenants: use
 /// [`embedded_in`] for an index that serves one tenant.
-pub fn embedded(graph: &Graph, kind: NodeKind, model: &str) -> Result<(Vec<NodeId>, Vec<Vec<f32>>)> {
+pub fn embedded(
+    graph: &Graph,
+    kind: NodeKind,
+    model: &str,
+) -> Result<(Vec<NodeId>, Vec<Vec<f32>>)> {
     let all = select(graph, kind, None, model, Unembedded::Fail)?;
     Ok((all.ids, all.vectors))
 }
 
 /// The nodes of `kind` and `tenant` in `graph`, in id order, with their `model` vectors; a node
 /// without one fails or is skipped and counted, as `unembedded` says.
-pub fn embedded_in(graph: &Graph, kind: NodeKind, tenant: &str, model: &str, unembedded: Unembedded) -> Result<Embedded> {
+pub fn embedded_in(
+    graph: &Graph,
+    kind: NodeKind,
+    tenant: &str,
+    model: &str,
+    unembedded: Unembedded,
+) -> Result<Embedded> {
     select(graph, kind, Some(tenant), model, unembedded)
 }
 
-fn select(graph: &Graph, kind: NodeKind, tenant: Option<&str>, model: &str, unembedded: Unembedded) -> Result<Embedded> {
+fn select(
+    graph: &Graph,
+    kind: NodeKind,
+    tenant: Option<&str>,
+    model: &str,
+    unembedded: Unembedded,
+) -> Result<Embedded> {
     let mut out = Embedded::default();
-    let wanted = graph.nodes.values().filter(|n| n.kind() == kind && tenant.is_none_or(|t| n.tenant == t));
+    let wanted = graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == kind && tenant.is_none_or(|t| n.tenant == t));
     for node in wanted {
         match graph.embeddings.get(&(node.id.clone(), model.to_string())) {
             Some(embedding) => {
@@ -168,7 +204,12 @@ fn select(graph: &Graph, kind: NodeKind, tenant: Option<&str>, model: &str, unem
                 out.vectors.push(embedding.vector.clone());
             }
             None if unembedded == Unembedded::Skip => out.skipped += 1,
-            None => return Err(Error::NotEmbedded { node: node.id.to_string(), model: model.to_string() }),
+            None => {
+                return Err(Error::NotEmbedded {
+                    node: node.id.to_string(),
+                    model: model.to_string(),
+                })
+            }
         }
     }
     Ok(out)
@@ -197,40 +238,66 @@ mod tests {
 
     #[test]
     fn a_query_scores_the_same_alone_and_in_a_batch() {
-        let vectors: Vec<Vec<f32>> = (0..300).map(|i| (0..24).map(|j| ((i * 24 + j) as f32 * 0.37).sin()).collect()).collect();
+        let vectors: Vec<Vec<f32>> = (0..300)
+            .map(|i| {
+                (0..24)
+                    .map(|j| ((i * 24 + j) as f32 * 0.37).sin())
+                    .collect()
+            })
+            .collect();
         let index = DenseIndex::new(&vectors, 24, &Device::Cpu).unwrap();
-        let queries: Vec<Vec<f32>> = (0..7).map(|q| (0..24).map(|j| ((q * 5 + j) as f32 * 0.91).cos()).collect()).collect();
+        let queries: Vec<Vec<f32>> = (0..7)
+            .map(|q| (0..24).map(|j| ((q * 5 + j) as f32 * 0.91).cos()).collect())
+            .collect();
         let batch = index.scores(&queries).unwrap();
         for (query, batched) in queries.iter().zip(&batch) {
             let alone = index.scores(std::slice::from_ref(query)).unwrap().remove(0);
-            assert_eq!(&alone, batched, "bit for bit: batching the step queries changes no edge");
+            assert_eq!(
+                &alone, batched,
+                "bit for bit: batching the step queries changes no edge"
+            );
         }
     }
 
     #[test]
     fn partial_top_k_is_the_full_sort_prefix() {
-        let scores: Vec<f32> = (0..500).map(|i| ((i * 37 % 101) as f32 / 7.0).sin()).collect();
+        let scores: Vec<f32> = (0..500)
+            .map(|i| ((i * 37 % 101) as f32 / 7.0).sin())
+            .collect();
         let mut full: Vec<(usize, f32)> = scores.iter().copied().enumerate().collect();
         full.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         for k in [0, 1, 5, 100, 499, 500, 600] {
-            assert_eq!(top_k(&scores, k), full.iter().copied().take(k).collect::<Vec<_>>(), "k = {k}");
+            assert_eq!(
+                top_k(&scores, k),
+                full.iter().copied().take(k).collect::<Vec<_>>(),
+                "k = {k}"
+            );
         }
     }
 
     #[test]
     fn blocked_search_matches_brute_force() {
-        let vectors: Vec<Vec<f32>> = (0..50).map(|i| vec![(i as f32).sin(), (i as f32).cos(), 0.5]).collect();
+        let vectors: Vec<Vec<f32>> = (0..50)
+            .map(|i| vec![(i as f32).sin(), (i as f32).cos(), 0.5])
+            .collect();
         let index = DenseIndex::new(&vectors, 3, &Device::Cpu).unwrap();
         let query = vec![1.0, 0.0, 0.5];
         let got = index.top_k(&[query.clone()], 5).unwrap().remove(0);
-        let mut expected: Vec<(usize, f32)> =
-            vectors.iter().enumerate().map(|(i, v)| (i, fluxmem_models::cosine(v, &query))).collect();
+        let mut expected: Vec<(usize, f32)> = vectors
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (i, fluxmem_models::cosine(v, &query)))
+            .collect();
         expected.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         for (g, e) in got.iter().zip(&expected) {
             assert_eq!(g.0, e.0);
             assert!((g.1 - e.1).abs() < 1e-5);
         }
-        assert!(DenseIndex::new(&[], 3, &Device::Cpu).unwrap().top_k(&[query], 3).unwrap()[0].is_empty());
+        assert!(DenseIndex::new(&[], 3, &Device::Cpu)
+            .unwrap()
+            .top_k(&[query], 3)
+            .unwrap()[0]
+            .is_empty());
     }
 
     /// A score depends on its query and row alone, bit for bit, not on how many other queries
@@ -245,7 +312,11 @@ mod tests {
     }
 
     fn scores_are_independent_of_batch_mates(dim: usize, row_count: usize) {
-        let vector = |i: usize| -> Vec<f32> { (0..dim).map(|j| ((i * 7919 + j * 104729) % 1000) as f32 / 1000.0 - 0.5).collect() };
+        let vector = |i: usize| -> Vec<f32> {
+            (0..dim)
+                .map(|j| ((i * 7919 + j * 104729) % 1000) as f32 / 1000.0 - 0.5)
+                .collect()
+        };
         let rows: Vec<Vec<f32>> = (0..row_count).map(vector).collect();
         let queries: Vec<Vec<f32>> = (1000..1100).map(vector).collect();
         let index = DenseIndex::new(&rows, dim, &Device::Cpu).unwrap();
@@ -257,10 +328,19 @@ mod tests {
                 assert!(same, "dim {dim}, {row_count} rows: query {q} scored among {count} queries differs from among 100");
             }
         }
-        for count in [1, 2, 3, 4, 5, 29, 31, 64, 65].into_iter().filter(|&c| c <= row_count) {
-            let small = DenseIndex::new(&rows[..count], dim, &Device::Cpu).unwrap().scores(&queries).unwrap();
+        for count in [1, 2, 3, 4, 5, 29, 31, 64, 65]
+            .into_iter()
+            .filter(|&c| c <= row_count)
+        {
+            let small = DenseIndex::new(&rows[..count], dim, &Device::Cpu)
+                .unwrap()
+                .scores(&queries)
+                .unwrap();
             for (q, (a, b)) in all.iter().zip(&small).enumerate() {
-                let same = a[..count].iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                let same = a[..count]
+                    .iter()
+                    .zip(b)
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
                 assert!(same, "dim {dim}: query {q} against an index of {count} rows differs from {row_count} rows");
             }
         }
@@ -268,6 +348,9 @@ mod tests {
 
     #[test]
     fn top_k_breaks_ties_by_index() {
-        assert_eq!(top_k(&[0.5, 0.9, 0.5, 0.9], 3), vec![(1, 0.9), (3, 0.9), (0, 0.5)]);
+        assert_eq!(
+            top_k(&[0.5, 0.9, 0.5, 0.9], 3),
+            vec![(1, 0.9), (3, 0.9), (0, 0.5)]
+        );
     }
 }

@@ -103,7 +103,10 @@ type Kept = Vec<Row>;
 type Row = (f32, f32, u32);
 
 fn io<T>(path: &Path, result: std::io::Result<T>) -> Result<T> {
-    result.map_err(|source| Error::Scratch { path: path.to_path_buf(), source })
+    result.map_err(|source| Error::Scratch {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Deletes the scratch files connect writes (and nothing else) from `dir`, then `dir` if it is
@@ -113,7 +116,9 @@ pub(crate) fn sweep(dir: &Path) -> Result<()> {
     if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
         return Ok(());
     }
-    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         if ours(&name) {
@@ -131,8 +136,13 @@ pub(crate) fn sweep(dir: &Path) -> Result<()> {
 
 /// `all.facts`, `all.vectors`, and `p<N>.` `facts`, `vectors`, `ords` or `tmp`.
 fn ours(name: &str) -> bool {
-    let Some((stem, ext)) = name.rsplit_once('.') else { return false };
-    let stem_ok = stem == "all" || stem.strip_prefix('p').is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    let Some((stem, ext)) = name.rsplit_once('.') else {
+        return false;
+    };
+    let stem_ok = stem == "all"
+        || stem
+            .strip_prefix('p')
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
     stem_ok && matches!(ext, "facts" | "vectors" | "ords" | "tmp")
 }
 
@@ -155,7 +165,13 @@ fn put_u32(out: &mut impl Write, v: u32) -> std::io::Result<()> {
     out.write_all(&v.to_le_bytes())
 }
 
-fn put_fact(out: &mut impl Write, tenant: u32, id: &str, text: &str, time: i64) -> std::io::Result<()> {
+fn put_fact(
+    out: &mut impl Write,
+    tenant: u32,
+    id: &str,
+    text: &str,
+    time: i64,
+) -> std::io::Result<()> {
     put_u32(out, tenant)?;
     put_str(out, id)?;
     put_str(out, text)?;
@@ -179,7 +195,9 @@ fn get_string(input: &mut impl Read, len: u32) -> std::io::Result<String> {
 }
 
 fn need_u32(input: &mut impl Read) -> std::io::Result<u32> {
-    get_u32(input)?.ok_or_else(|| std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "a record is cut short"))
+    get_u32(input)?.ok_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "a record is cut short")
+    })
 }
 
 /// A facts file read record by record.
@@ -190,21 +208,31 @@ struct FactReader {
 
 impl FactReader {
     fn open(path: &Path) -> Result<FactReader> {
-        Ok(FactReader { input: BufReader::new(io(path, File::open(path))?), path: path.to_path_buf() })
+        Ok(FactReader {
+            input: BufReader::new(io(path, File::open(path))?),
+            path: path.to_path_buf(),
+        })
     }
 
     /// The next (tenant, id, text, time) record, or `None` at the end.
     fn next(&mut self) -> Result<Option<Fact>> {
         let input = &mut self.input;
         let record = (|| -> std::io::Result<Option<Fact>> {
-            let Some(tenant) = get_u32(input)? else { return Ok(None) };
+            let Some(tenant) = get_u32(input)? else {
+                return Ok(None);
+            };
             let len = need_u32(input)?;
             let id = get_string(input, len)?;
             let len = need_u32(input)?;
             let text = get_string(input, len)?;
             let mut time = [0u8; 8];
             input.read_exact(&mut time)?;
-            Ok(Some(Fact { id, tenant, text, time: i64::from_le_bytes(time) }))
+            Ok(Some(Fact {
+                id,
+                tenant,
+                text,
+                time: i64::from_le_bytes(time),
+            }))
         })();
         io(&self.path, record)
     }
@@ -223,12 +251,20 @@ fn read_facts(path: &Path, f: &mut dyn FnMut(Fact)) -> Result<()> {
 fn read_vectors(path: &Path, f: &mut dyn FnMut(String, Vec<f32>)) -> Result<()> {
     let mut input = BufReader::new(io(path, File::open(path))?);
     let mut next = || -> std::io::Result<Option<(String, Vec<f32>)>> {
-        let Some(len) = get_u32(&mut input)? else { return Ok(None) };
+        let Some(len) = get_u32(&mut input)? else {
+            return Ok(None);
+        };
         let id = get_string(&mut input, len)?;
         let dim = need_u32(&mut input)? as usize;
         let mut bytes = vec![0u8; dim * 4];
         input.read_exact(&mut bytes)?;
-        Ok(Some((id, bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())))
+        Ok(Some((
+            id,
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        )))
     };
     while let Some((id, vector)) = io(path, next())? {
         f(id, vector);
@@ -250,12 +286,23 @@ impl Spill {
     /// started), for vectors of `dim` dimensions.
     pub(crate) fn create(dir: &Path, dim: usize) -> Result<Spill> {
         if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
-            return Err(Error::Scratch { path: dir.to_path_buf(), source: std::io::Error::other("a link where connect keeps its scratch files") });
+            return Err(Error::Scratch {
+                path: dir.to_path_buf(),
+                source: std::io::Error::other("a link where connect keeps its scratch files"),
+            });
         }
         io(dir, std::fs::create_dir_all(dir))?;
         let path = dir.join("all.facts");
         let facts = BufWriter::new(io(&path, File::create(&path))?);
-        Ok(Spill { dir: Scratch(dir.to_path_buf()), facts, numbers: HashMap::new(), stats: Vec::new(), bytes: 0, dim, failure: None })
+        Ok(Spill {
+            dir: Scratch(dir.to_path_buf()),
+            facts,
+            numbers: HashMap::new(),
+            stats: Vec::new(),
+            bytes: 0,
+            dim,
+            failure: None,
+        })
     }
 
     /// Spills a fact (a failure is kept for [`Spill::vectors`] to return).
@@ -276,8 +323,17 @@ impl Spill {
         stats.facts += 1;
         stats.terms += terms_with(&node.text, Bm25Params::default().stem).len() as u64;
         self.bytes += fact_bytes(node.id.as_str(), &node.text, self.dim);
-        if let Err(source) = put_fact(&mut self.facts, tenant, node.id.as_str(), &node.text, node.created_at.unwrap_or(0)) {
-            self.failure = Some(Error::Scratch { path: self.dir.join("all.facts"), source });
+        if let Err(source) = put_fact(
+            &mut self.facts,
+            tenant,
+            node.id.as_str(),
+            &node.text,
+            node.created_at.unwrap_or(0),
+        ) {
+            self.failure = Some(Error::Scratch {
+                path: self.dir.join("all.facts"),
+                source,
+            });
         }
     }
 
@@ -299,21 +355,35 @@ impl Spill {
         let vectors_path = self.dir.join("all.vectors");
         let mut out = BufWriter::new(io(&vectors_path, File::create(&vectors_path))?);
         let mut failure = None;
-        store.live(manifest, "embeddings")?.embeddings(&mut |embedding| {
-            if failure.is_some() || embedding.model_id != model || skip(&embedding.node_id) {
-                return;
-            }
-            if let Err(e) = write_vector(&mut out, embedding.node_id.as_str(), &embedding.vector) {
-                failure = Some(e);
-            }
-        })?;
+        store
+            .live(manifest, "embeddings")?
+            .embeddings(&mut |embedding| {
+                if failure.is_some() || embedding.model_id != model || skip(&embedding.node_id) {
+                    return;
+                }
+                if let Err(e) =
+                    write_vector(&mut out, embedding.node_id.as_str(), &embedding.vector)
+                {
+                    failure = Some(e);
+                }
+            })?;
         if let Some(source) = failure {
-            return Err(Error::Scratch { path: vectors_path, source });
+            return Err(Error::Scratch {
+                path: vectors_path,
+                source,
+            });
         }
         io(&vectors_path, out.flush())?;
         drop(out);
         let partitions = self.bytes.div_ceil(share.max(1)).clamp(2, MAX_PARTITIONS);
-        let spilled = SpilledFacts { dir: self.dir, partitions, numbers: self.numbers, stats: self.stats, dim: self.dim, model: model.to_string() };
+        let spilled = SpilledFacts {
+            dir: self.dir,
+            partitions,
+            numbers: self.numbers,
+            stats: self.stats,
+            dim: self.dim,
+            model: model.to_string(),
+        };
         spilled.split(&facts_path, &vectors_path)?;
         Ok(spilled)
     }
@@ -335,7 +405,10 @@ impl SpilledFacts {
     /// kept as 12 bytes and ties still break by id.
     fn split(&self, facts: &Path, vectors: &Path) -> Result<()> {
         let open = |ext: &str| -> Result<Vec<BufWriter<File>>> {
-            (0..self.partitions).map(|p| self.path(p, ext)).map(|path| Ok(BufWriter::new(io(&path, File::create(&path))?))).collect()
+            (0..self.partitions)
+                .map(|p| self.path(p, ext))
+                .map(|path| Ok(BufWriter::new(io(&path, File::create(&path))?)))
+                .collect()
         };
         let mut outs = open("facts")?;
         let mut failure: Option<(usize, std::io::Error)> = None;
@@ -364,16 +437,22 @@ impl SpilledFacts {
             let tmp = self.path(p, "tmp");
             let mut out = BufWriter::new(io(&tmp, File::create(&tmp))?);
             for fact in &facts {
-                io(&tmp, put_fact(&mut out, fact.tenant, &fact.id, &fact.text, fact.time))?;
+                io(
+                    &tmp,
+                    put_fact(&mut out, fact.tenant, &fact.id, &fact.text, fact.time),
+                )?;
             }
             io(&tmp, out.flush())?;
             drop(out);
             io(&tmp, std::fs::rename(&tmp, self.path(p, "facts")))?;
         }
         // The ordinals: a merge of the sorted partitions.
-        let mut readers: Vec<FactReader> = (0..self.partitions).map(|p| FactReader::open(&self.path(p, "facts"))).collect::<Result<_>>()?;
+        let mut readers: Vec<FactReader> = (0..self.partitions)
+            .map(|p| FactReader::open(&self.path(p, "facts")))
+            .collect::<Result<_>>()?;
         let mut ords = open("ords")?;
-        let mut heads: std::collections::BinaryHeap<std::cmp::Reverse<(String, usize)>> = Default::default();
+        let mut heads: std::collections::BinaryHeap<std::cmp::Reverse<(String, usize)>> =
+            Default::default();
         for (p, reader) in readers.iter_mut().enumerate() {
             if let Some(fact) = reader.next()? {
                 heads.push(std::cmp::Reverse((fact.id, p)));
@@ -390,9 +469,17 @@ impl SpilledFacts {
         self.finish_split(ords, None, "ords")
     }
 
-    fn finish_split(&self, outs: Vec<BufWriter<File>>, failure: Option<(usize, std::io::Error)>, ext: &str) -> Result<()> {
+    fn finish_split(
+        &self,
+        outs: Vec<BufWriter<File>>,
+        failure: Option<(usize, std::io::Error)>,
+        ext: &str,
+    ) -> Result<()> {
         if let Some((p, source)) = failure {
-            return Err(Error::Scratch { path: self.path(p, ext), source });
+            return Err(Error::Scratch {
+                path: self.path(p, ext),
+                source,
+            });
         }
         for (p, mut out) in outs.into_iter().enumerate() {
             io(&self.path(p, ext), out.flush())?;
@@ -405,12 +492,18 @@ impl SpilledFacts {
     }
 
     /// The facts of partition `p` (in id order) with their ordinals, those of `tenants` only.
-    fn numbered(&self, p: usize, tenants: &HashSet<u32>, f: &mut dyn FnMut(u32, Fact)) -> Result<()> {
+    fn numbered(
+        &self,
+        p: usize,
+        tenants: &HashSet<u32>,
+        f: &mut dyn FnMut(u32, Fact),
+    ) -> Result<()> {
         let path = self.path(p, "ords");
         let mut ords = BufReader::new(io(&path, File::open(&path))?);
         let mut failure = None;
-        read_facts(&self.path(p, "facts"), &mut |fact| {
-            match get_u32(&mut ords) {
+        read_facts(
+            &self.path(p, "facts"),
+            &mut |fact| match get_u32(&mut ords) {
                 Ok(Some(ordinal)) if failure.is_none() => {
                     if tenants.contains(&fact.tenant) {
                         f(ordinal, fact);
@@ -418,19 +511,26 @@ impl SpilledFacts {
                 }
                 Ok(Some(_)) => {}
                 Ok(None) => {
-                    failure.get_or_insert(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "fewer ordinals than facts"));
+                    failure.get_or_insert(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "fewer ordinals than facts",
+                    ));
                 }
                 Err(e) => {
                     failure.get_or_insert(e);
                 }
-            }
-        })?;
+            },
+        )?;
         failure.map_or(Ok(()), |source| Err(Error::Scratch { path, source }))
     }
 
     /// The facts of `tenants` in partition `p` (in id order), each with its ordinal and its
     /// vector of the model if it has one.
-    fn joined(&self, p: usize, tenants: &HashSet<u32>) -> Result<Vec<(u32, Fact, Option<Vec<f32>>)>> {
+    fn joined(
+        &self,
+        p: usize,
+        tenants: &HashSet<u32>,
+    ) -> Result<Vec<(u32, Fact, Option<Vec<f32>>)>> {
         let mut facts: Vec<(u32, Fact)> = Vec::new();
         self.numbered(p, tenants, &mut |ordinal, fact| facts.push((ordinal, fact)))?;
         let wanted: HashSet<&str> = facts.iter().map(|(_, f)| f.id.as_str()).collect();
@@ -441,14 +541,28 @@ impl SpilledFacts {
             }
         })?;
         drop(wanted);
-        Ok(facts.into_iter().map(|(ordinal, fact)| { let vector = vectors.remove(&fact.id); (ordinal, fact, vector) }).collect())
+        Ok(facts
+            .into_iter()
+            .map(|(ordinal, fact)| {
+                let vector = vectors.remove(&fact.id);
+                (ordinal, fact, vector)
+            })
+            .collect())
     }
 
     /// What is wrong with a fact's vector, if anything: none, or not of the model's dimension.
     fn problem(&self, id: &str, vector: Option<&[f32]>) -> Option<Error> {
         match vector {
-            None => Some(Error::NotEmbedded { node: id.to_string(), model: self.model.clone() }),
-            Some(v) if v.len() != self.dim => Some(Error::Dimension { node: id.to_string(), model: self.model.clone(), expected: self.dim, got: v.len() }),
+            None => Some(Error::NotEmbedded {
+                node: id.to_string(),
+                model: self.model.clone(),
+            }),
+            Some(v) if v.len() != self.dim => Some(Error::Dimension {
+                node: id.to_string(),
+                model: self.model.clone(),
+                expected: self.dim,
+                got: v.len(),
+            }),
             Some(_) => None,
         }
     }
@@ -461,7 +575,11 @@ impl SpilledFacts {
             if let Some(problem) = self.problem(&fact.id, vector.as_deref()) {
                 return Err(problem);
             }
-            out.entry(fact.tenant).or_default().push((ordinal, fact.text, vector.expect("checked")));
+            out.entry(fact.tenant).or_default().push((
+                ordinal,
+                fact.text,
+                vector.expect("checked"),
+            ));
         }
         Ok(out)
     }
@@ -470,18 +588,29 @@ impl SpilledFacts {
     /// whole indexes are built, tenant by tenant in name order, each over its facts in id
     /// order, the first fact named is the first in id order of the first such tenant.
     pub(crate) fn check(&self, tenants: &[&str]) -> Result<()> {
-        let numbers: HashSet<u32> = tenants.iter().filter_map(|t| self.tenant_number(t)).collect();
+        let numbers: HashSet<u32> = tenants
+            .iter()
+            .filter_map(|t| self.tenant_number(t))
+            .collect();
         // Per tenant, its first fact (in id order) without a sound vector.
         let mut first: BTreeMap<u32, (String, Error)> = BTreeMap::new();
         for p in 0..self.partitions {
             for (_, fact, vector) in self.joined(p, &numbers)? {
-                let Some(problem) = self.problem(&fact.id, vector.as_deref()) else { continue };
-                if first.get(&fact.tenant).is_none_or(|(known, _)| fact.id < *known) {
+                let Some(problem) = self.problem(&fact.id, vector.as_deref()) else {
+                    continue;
+                };
+                if first
+                    .get(&fact.tenant)
+                    .is_none_or(|(known, _)| fact.id < *known)
+                {
                     first.insert(fact.tenant, (fact.id, problem));
                 }
             }
         }
-        let by_name = tenants.iter().filter_map(|t| self.tenant_number(t).map(|n| (*t, n))).collect::<BTreeMap<&str, u32>>();
+        let by_name = tenants
+            .iter()
+            .filter_map(|t| self.tenant_number(t).map(|n| (*t, n)))
+            .collect::<BTreeMap<&str, u32>>();
         match by_name.values().find_map(|n| first.remove(n)) {
             Some((_, problem)) => Err(problem),
             None => Ok(()),
@@ -491,8 +620,17 @@ impl SpilledFacts {
     /// The fused ranking of each query's pool, its best `take` (node, score, node time), best
     /// first, ties by id. The queries are taken in batches whose pools fit `share` bytes, each
     /// batch with its own passes over the partitions.
-    pub(crate) fn search(&self, queries: &[Query<'_>], config: &RetrievalConfig, take: usize, share: usize, device: &Device) -> Result<Vec<Vec<(NodeId, f32, i64)>>> {
-        let per_query = (config.dense_pool + config.bm25_pool) * std::mem::size_of::<Row>() * 2 + self.dim * 8 + 1024;
+    pub(crate) fn search(
+        &self,
+        queries: &[Query<'_>],
+        config: &RetrievalConfig,
+        take: usize,
+        share: usize,
+        device: &Device,
+    ) -> Result<Vec<Vec<(NodeId, f32, i64)>>> {
+        let per_query = (config.dense_pool + config.bm25_pool) * std::mem::size_of::<Row>() * 2
+            + self.dim * 8
+            + 1024;
         let batch = (share / per_query).max(1);
         let mut out = Vec::with_capacity(queries.len());
         for part in queries.chunks(batch) {
@@ -501,22 +639,39 @@ impl SpilledFacts {
         Ok(out)
     }
 
-    fn search_batch(&self, queries: &[Query<'_>], config: &RetrievalConfig, take: usize, device: &Device) -> Result<Vec<Vec<(NodeId, f32, i64)>>> {
+    fn search_batch(
+        &self,
+        queries: &[Query<'_>],
+        config: &RetrievalConfig,
+        take: usize,
+        device: &Device,
+    ) -> Result<Vec<Vec<(NodeId, f32, i64)>>> {
         let params = Bm25Params::default();
         // Each query's tenant (None: a tenant without facts) and terms.
-        let tenant_of: Vec<Option<u32>> = queries.iter().map(|q| self.tenant_number(q.tenant)).collect();
-        let terms: Vec<Vec<String>> = queries.iter().map(|q| query_terms(q.text, params.stem)).collect();
+        let tenant_of: Vec<Option<u32>> = queries
+            .iter()
+            .map(|q| self.tenant_number(q.tenant))
+            .collect();
+        let terms: Vec<Vec<String>> = queries
+            .iter()
+            .map(|q| query_terms(q.text, params.stem))
+            .collect();
         let mut wanted: HashMap<u32, HashSet<&str>> = HashMap::new();
         for (tenant, terms) in tenant_of.iter().zip(&terms) {
             if let Some(t) = tenant {
-                wanted.entry(*t).or_default().extend(terms.iter().map(String::as_str));
+                wanted
+                    .entry(*t)
+                    .or_default()
+                    .extend(terms.iter().map(String::as_str));
             }
         }
         // Document frequencies of the batch's terms, per tenant.
         let mut df: HashMap<u32, HashMap<String, usize>> = HashMap::new();
         for p in 0..self.partitions {
             read_facts(&self.path(p, "facts"), &mut |fact| {
-                let Some(terms) = wanted.get(&fact.tenant) else { return };
+                let Some(terms) = wanted.get(&fact.tenant) else {
+                    return;
+                };
                 let counts = df.entry(fact.tenant).or_default();
                 let mut seen: HashSet<String> = HashSet::new();
                 for term in terms_with(&fact.text, params.stem) {
@@ -531,12 +686,15 @@ impl SpilledFacts {
         let mut bm25_kept: Vec<Kept> = vec![Vec::new(); queries.len()];
         for p in 0..self.partitions {
             for (tenant, facts) in self.load(p, &tenants)? {
-                let asked: Vec<usize> = (0..queries.len()).filter(|&q| tenant_of[q] == Some(tenant)).collect();
+                let asked: Vec<usize> = (0..queries.len())
+                    .filter(|&q| tenant_of[q] == Some(tenant))
+                    .collect();
                 let stats = self.stats[tenant as usize];
                 let average = average_length(stats.terms, stats.facts);
                 let no_df = HashMap::new();
                 let tenant_df = df.get(&tenant).unwrap_or(&no_df);
-                let query_vectors: Vec<Vec<f32>> = asked.iter().map(|&q| queries[q].vector.to_vec()).collect();
+                let query_vectors: Vec<Vec<f32>> =
+                    asked.iter().map(|&q| queries[q].vector.to_vec()).collect();
                 for block in facts.chunks(BLOCK) {
                     let texts: Vec<&str> = block.iter().map(|(_, text, _)| text.as_str()).collect();
                     let bm25 = Bm25::new(&texts, params);
@@ -544,17 +702,45 @@ impl SpilledFacts {
                     let index = DenseIndex::new(&vectors, self.dim, device)?;
                     drop(vectors);
                     for (&q, cosines) in asked.iter().zip(index.scores(&query_vectors)?) {
-                        let lexical = bm25.scores_in(queries[q].text, stats.facts, average, &|term| tenant_df.get(term).copied().unwrap_or(0));
-                        let rows: Vec<Row> = block.iter().zip(cosines).zip(lexical).map(|(((ordinal, _, _), d), b)| (d, b, *ordinal)).collect();
-                        keep(&mut dense_kept[q], &rows, config.dense_pool, |r| r.0, |_| true);
-                        keep(&mut bm25_kept[q], &rows, config.bm25_pool, |r| r.1, |r| r.1 > 0.0);
+                        let lexical =
+                            bm25.scores_in(queries[q].text, stats.facts, average, &|term| {
+                                tenant_df.get(term).copied().unwrap_or(0)
+                            });
+                        let rows: Vec<Row> = block
+                            .iter()
+                            .zip(cosines)
+                            .zip(lexical)
+                            .map(|(((ordinal, _, _), d), b)| (d, b, *ordinal))
+                            .collect();
+                        keep(
+                            &mut dense_kept[q],
+                            &rows,
+                            config.dense_pool,
+                            |r| r.0,
+                            |_| true,
+                        );
+                        keep(
+                            &mut bm25_kept[q],
+                            &rows,
+                            config.bm25_pool,
+                            |r| r.1,
+                            |r| r.1 > 0.0,
+                        );
                     }
                 }
             }
         }
-        let ranked: Vec<Vec<(u32, f32)>> = dense_kept.into_iter().zip(bm25_kept).map(|(dense, bm25)| fused(dense, bm25, config, take)).collect();
+        let ranked: Vec<Vec<(u32, f32)>> = dense_kept
+            .into_iter()
+            .zip(bm25_kept)
+            .map(|(dense, bm25)| fused(dense, bm25, config, take))
+            .collect();
         // The ids and times of the facts ranked.
-        let mut named: HashMap<u32, (NodeId, i64)> = ranked.iter().flatten().map(|&(ordinal, _)| (ordinal, (NodeId(String::new()), 0))).collect();
+        let mut named: HashMap<u32, (NodeId, i64)> = ranked
+            .iter()
+            .flatten()
+            .map(|&(ordinal, _)| (ordinal, (NodeId(String::new()), 0)))
+            .collect();
         for p in 0..self.partitions {
             self.numbered(p, &tenants, &mut |ordinal, fact| {
                 if let Some(slot) = named.get_mut(&ordinal) {
@@ -562,7 +748,17 @@ impl SpilledFacts {
                 }
             })?;
         }
-        Ok(ranked.into_iter().map(|list| list.into_iter().map(|(ordinal, score)| { let (id, time) = named[&ordinal].clone(); (id, score, time) }).collect()).collect())
+        Ok(ranked
+            .into_iter()
+            .map(|list| {
+                list.into_iter()
+                    .map(|(ordinal, score)| {
+                        let (id, time) = named[&ordinal].clone();
+                        (id, score, time)
+                    })
+                    .collect()
+            })
+            .collect())
     }
 }
 
@@ -585,7 +781,13 @@ impl Drop for Scratch {
 
 /// Keeps in `kept` the `k` best of `kept` and `rows` by `score` (ties by ordinal) among the
 /// rows `admit` lets in.
-fn keep(kept: &mut Kept, rows: &[Row], k: usize, score: impl Fn(&Row) -> f32, admit: impl Fn(&Row) -> bool) {
+fn keep(
+    kept: &mut Kept,
+    rows: &[Row],
+    k: usize,
+    score: impl Fn(&Row) -> f32,
+    admit: impl Fn(&Row) -> bool,
+) {
     if k == 0 {
         return;
     }
@@ -593,7 +795,11 @@ fn keep(kept: &mut Kept, rows: &[Row], k: usize, score: impl Fn(&Row) -> f32, ad
     // Only a row at least as good as the `k`-th kept can enter (an equal score may win its
     // tie by ordinal).
     let floor = (kept.len() == k).then(|| score(&kept[k - 1]));
-    let mut ranked: Vec<Row> = rows.iter().filter(|r| admit(r) && floor.is_none_or(|f| score(r).total_cmp(&f).is_ge())).copied().collect();
+    let mut ranked: Vec<Row> = rows
+        .iter()
+        .filter(|r| admit(r) && floor.is_none_or(|f| score(r).total_cmp(&f).is_ge()))
+        .copied()
+        .collect();
     if ranked.is_empty() {
         return;
     }
@@ -614,7 +820,14 @@ fn fused(dense: Kept, bm25: Kept, config: &RetrievalConfig, take: usize) -> Vec<
     for (d, b, ordinal) in dense.into_iter().chain(bm25) {
         pool.insert(ordinal, (d, b));
     }
-    let signals: Vec<Signals> = pool.values().map(|&(dense, bm25)| Signals { dense, bm25, judge: None }).collect();
+    let signals: Vec<Signals> = pool
+        .values()
+        .map(|&(dense, bm25)| Signals {
+            dense,
+            bm25,
+            judge: None,
+        })
+        .collect();
     let scores = fuse(config.fusion, &config.weights, &signals);
     let mut ranked: Vec<(u32, f32)> = pool.into_keys().zip(scores).collect();
     ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -637,13 +850,19 @@ mod tests {
         std::fs::write(scratch.join("notes.txt"), b"keep").unwrap();
         std::fs::write(scratch.join("p.facts"), b"keep").unwrap();
         sweep(&scratch).unwrap();
-        let mut left: Vec<String> = std::fs::read_dir(&scratch).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        let mut left: Vec<String> = std::fs::read_dir(&scratch)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
         left.sort();
         assert_eq!(left, ["notes.txt", "p.facts"]);
         std::fs::remove_file(scratch.join("notes.txt")).unwrap();
         std::fs::remove_file(scratch.join("p.facts")).unwrap();
         std::fs::write(scratch.join("p3.facts"), b"x").unwrap();
         sweep(&scratch).unwrap();
-        assert!(!scratch.exists() && !dir.path().exists(), "an emptied folder goes too, and its emptied parent");
+        assert!(
+            !scratch.exists() && !dir.path().exists(),
+            "an emptied folder goes too, and its emptied parent"
+        );
     }
 }

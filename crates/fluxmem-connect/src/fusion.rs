@@ -38,7 +38,11 @@ pub struct FusionWeights {
 
 impl Default for FusionWeights {
     fn default() -> Self {
-        FusionWeights { dense: 1.0, bm25: 0.5, judge: 0.3 }
+        FusionWeights {
+            dense: 1.0,
+            bm25: 0.5,
+            judge: 0.3,
+        }
     }
 }
 
@@ -58,14 +62,20 @@ pub fn min_max(values: &[f32]) -> Vec<f32> {
     let min = values.iter().copied().fold(f32::INFINITY, f32::min);
     let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let range = max - min;
-    values.iter().map(|v| if range > 0.0 { (v - min) / range } else { 0.0 }).collect()
+    values
+        .iter()
+        .map(|v| if range > 0.0 { (v - min) / range } else { 0.0 })
+        .collect()
 }
 
 /// The fused score of every candidate of a pool. In weighted mode a candidate the judge did not
 /// score gets the pool's lowest judge value for that term.
 pub fn fuse(mode: FusionMode, weights: &FusionWeights, pool: &[Signals]) -> Vec<f32> {
     match mode {
-        FusionMode::Sum => pool.iter().map(|s| s.dense + s.bm25 + s.judge.unwrap_or(0.0)).collect(),
+        FusionMode::Sum => pool
+            .iter()
+            .map(|s| s.dense + s.bm25 + s.judge.unwrap_or(0.0))
+            .collect(),
         FusionMode::Weighted => {
             let dense = min_max(&pool.iter().map(|s| s.dense).collect::<Vec<_>>());
             let bm25 = min_max(&pool.iter().map(|s| s.bm25).collect::<Vec<_>>());
@@ -74,9 +84,18 @@ pub fn fuse(mode: FusionMode, weights: &FusionWeights, pool: &[Signals]) -> Vec<
             let judge = if judged.is_empty() {
                 vec![0.0; pool.len()]
             } else {
-                min_max(&pool.iter().map(|s| s.judge.unwrap_or(floor)).collect::<Vec<_>>())
+                min_max(
+                    &pool
+                        .iter()
+                        .map(|s| s.judge.unwrap_or(floor))
+                        .collect::<Vec<_>>(),
+                )
             };
-            (0..pool.len()).map(|i| weights.dense * dense[i] + weights.bm25 * bm25[i] + weights.judge * judge[i]).collect()
+            (0..pool.len())
+                .map(|i| {
+                    weights.dense * dense[i] + weights.bm25 * bm25[i] + weights.judge * judge[i]
+                })
+                .collect()
         }
     }
 }
@@ -88,9 +107,21 @@ mod tests {
     #[test]
     fn weighted_mode_normalises_each_signal() {
         let pool = [
-            Signals { dense: 0.9, bm25: 0.0, judge: None },
-            Signals { dense: 0.5, bm25: 10.0, judge: None },
-            Signals { dense: 0.7, bm25: 5.0, judge: None },
+            Signals {
+                dense: 0.9,
+                bm25: 0.0,
+                judge: None,
+            },
+            Signals {
+                dense: 0.5,
+                bm25: 10.0,
+                judge: None,
+            },
+            Signals {
+                dense: 0.7,
+                bm25: 5.0,
+                judge: None,
+            },
         ];
         let fused = fuse(FusionMode::Weighted, &FusionWeights::default(), &pool);
         assert!((fused[0] - 1.0).abs() < 1e-6);
@@ -102,9 +133,23 @@ mod tests {
 
     #[test]
     fn judge_term_counts_only_when_present() {
-        let pool = [Signals { dense: 0.5, bm25: 1.0, judge: Some(0.9) }, Signals { dense: 0.5, bm25: 1.0, judge: Some(0.1) }];
+        let pool = [
+            Signals {
+                dense: 0.5,
+                bm25: 1.0,
+                judge: Some(0.9),
+            },
+            Signals {
+                dense: 0.5,
+                bm25: 1.0,
+                judge: Some(0.1),
+            },
+        ];
         let fused = fuse(FusionMode::Weighted, &FusionWeights::default(), &pool);
-        assert!((fused[0] - 0.3).abs() < 1e-6 && fused[1].abs() < 1e-6, "{fused:?}");
+        assert!(
+            (fused[0] - 0.3).abs() < 1e-6 && fused[1].abs() < 1e-6,
+            "{fused:?}"
+        );
         let sum = fuse(FusionMode::Sum, &FusionWeights::default(), &pool);
         assert!((sum[0] - 2.4).abs() < 1e-6);
         assert_eq!(min_max(&[2.0, 2.0]), vec![0.0, 0.0]);

@@ -30,11 +30,15 @@ mod retriever;
 mod tenant;
 
 pub use bm25::{stem, terms, terms_with, Bm25, Bm25Params};
-pub use connect::{connect_store, ConnectOptions, ConnectReport, NoProgress, Progress, DEFAULT_MEMORY};
+pub use connect::{
+    connect_store, ConnectOptions, ConnectReport, NoProgress, Progress, DEFAULT_MEMORY,
+};
 pub use context::{line, pack, Context, ContextItem};
 pub use dense::{embedded, embedded_in, top_k, DenseIndex, Embedded, Unembedded, BLOCK_ROWS};
 pub use fusion::{fuse, min_max, FusionMode, FusionWeights, Signals};
-pub use retrieve::{Candidate, Lift, RetrievalConfig, SemanticIndex, Units, DEFAULT_ADJACENCY, DEFAULT_ENTITY};
+pub use retrieve::{
+    Candidate, Lift, RetrievalConfig, SemanticIndex, Units, DEFAULT_ADJACENCY, DEFAULT_ENTITY,
+};
 pub use retriever::{semantic_entry, structure_note, Entry, Retriever};
 pub use tenant::{resolve_tenant, tenants, DEFAULT_TENANT};
 

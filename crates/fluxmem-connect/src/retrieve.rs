@@ -66,9 +66,15 @@ pub struct Units {
 impl Units {
     /// Each node's own text, unstemmed (Stage I's grounding in `connect`, the `bm25` and
     /// `hybrid` baselines).
-    pub const PLAIN: Units = Units { previous: false, stem: false };
+    pub const PLAIN: Units = Units {
+        previous: false,
+        stem: false,
+    };
     /// The previous unit of the group joins a node's BM25 text, and terms are stemmed.
-    pub const CONTEXT: Units = Units { previous: true, stem: true };
+    pub const CONTEXT: Units = Units {
+        previous: true,
+        stem: true,
+    };
 }
 
 impl std::str::FromStr for Units {
@@ -160,20 +166,48 @@ pub struct SemanticIndex {
 impl SemanticIndex {
     /// Indexes the semantic nodes of `tenant` in `graph` (in id order) with their `model`
     /// embeddings. A semantic node without an embedding of `model` is an error naming the fix.
-    pub fn build(graph: &Graph, tenant: &str, model: &str, device: &Device) -> Result<SemanticIndex> {
+    pub fn build(
+        graph: &Graph,
+        tenant: &str,
+        model: &str,
+        device: &Device,
+    ) -> Result<SemanticIndex> {
         SemanticIndex::build_with(graph, tenant, model, device, Unembedded::Fail)
     }
 
     /// [`SemanticIndex::build`], with `unembedded` saying what a node without an embedding
     /// does: fail, or stay out of the index and count ([`SemanticIndex::not_embedded`]).
-    pub fn build_with(graph: &Graph, tenant: &str, model: &str, device: &Device, unembedded: Unembedded) -> Result<SemanticIndex> {
+    pub fn build_with(
+        graph: &Graph,
+        tenant: &str,
+        model: &str,
+        device: &Device,
+        unembedded: Unembedded,
+    ) -> Result<SemanticIndex> {
         SemanticIndex::build_units(graph, tenant, model, device, unembedded, Units::PLAIN)
     }
 
     /// [`SemanticIndex::build_with`], indexing each node for BM25 as `units` says.
-    pub fn build_units(graph: &Graph, tenant: &str, model: &str, device: &Device, unembedded: Unembedded, units: Units) -> Result<SemanticIndex> {
+    pub fn build_units(
+        graph: &Graph,
+        tenant: &str,
+        model: &str,
+        device: &Device,
+        unembedded: Unembedded,
+        units: Units,
+    ) -> Result<SemanticIndex> {
         let selected = embedded_in(graph, NodeKind::Semantic, tenant, model, unembedded)?;
-        let texts: Vec<String> = selected.ids.iter().map(|id| graph.nodes.get(id).map(|n| n.text.clone()).unwrap_or_default()).collect();
+        let texts: Vec<String> = selected
+            .ids
+            .iter()
+            .map(|id| {
+                graph
+                    .nodes
+                    .get(id)
+                    .map(|n| n.text.clone())
+                    .unwrap_or_default()
+            })
+            .collect();
         let neighbours = neighbours(graph, &selected.ids);
         let bm25 = units_bm25(&texts, &neighbours, units);
         let (speaker_of, speakers) = speakers(graph, &selected.ids);
@@ -213,7 +247,10 @@ impl SemanticIndex {
 
     /// The speakers `query` names (indexes into the index's speakers; empty when it names none).
     fn named_speakers(&self, query: &str) -> Vec<u32> {
-        let mut named: Vec<u32> = query.split_whitespace().flat_map(|token| self.speakers_in(token)).collect();
+        let mut named: Vec<u32> = query
+            .split_whitespace()
+            .flat_map(|token| self.speakers_in(token))
+            .collect();
         named.sort_unstable();
         named.dedup();
         named
@@ -225,7 +262,12 @@ impl SemanticIndex {
         token
             .split(|c: char| !c.is_alphanumeric() && c != '\'' && c != '\u{2019}')
             .map(|word| word.to_lowercase().replace('\u{2019}', "'"))
-            .map(|word| word.strip_suffix("'s").unwrap_or(&word).trim_matches('\'').to_string())
+            .map(|word| {
+                word.strip_suffix("'s")
+                    .unwrap_or(&word)
+                    .trim_matches('\'')
+                    .to_string()
+            })
             .filter_map(|word| self.speakers.binary_search(&word).ok().map(|i| i as u32))
     }
 
@@ -240,7 +282,11 @@ impl SemanticIndex {
             return None;
         }
         let tokens: Vec<&str> = query.split_whitespace().collect();
-        let kept: Vec<&str> = tokens.iter().copied().filter(|token| self.speakers_in(token).next().is_none()).collect();
+        let kept: Vec<&str> = tokens
+            .iter()
+            .copied()
+            .filter(|token| self.speakers_in(token).next().is_none())
+            .collect();
         (kept.len() < tokens.len() && !kept.is_empty()).then(|| kept.join(" "))
     }
 
@@ -285,14 +331,37 @@ impl SemanticIndex {
         top_k(&scores, k)
             .into_iter()
             .filter(|(_, s)| *s > 0.0)
-            .map(|(index, score)| self.candidate(index, Signals { dense: 0.0, bm25: score, judge: None }, score))
+            .map(|(index, score)| {
+                self.candidate(
+                    index,
+                    Signals {
+                        dense: 0.0,
+                        bm25: score,
+                        judge: None,
+                    },
+                    score,
+                )
+            })
             .collect()
     }
 
     /// Dense ranking (best first).
     pub fn dense(&self, query_vector: &[f32], k: usize) -> Result<Vec<Candidate>> {
         let ranked = self.dense.top_k(&[query_vector.to_vec()], k)?.remove(0);
-        Ok(ranked.into_iter().map(|(index, cos)| self.candidate(index, Signals { dense: cos, bm25: 0.0, judge: None }, cos)).collect())
+        Ok(ranked
+            .into_iter()
+            .map(|(index, cos)| {
+                self.candidate(
+                    index,
+                    Signals {
+                        dense: cos,
+                        bm25: 0.0,
+                        judge: None,
+                    },
+                    cos,
+                )
+            })
+            .collect())
     }
 
     /// Hybrid ranking of the pool (dense top `dense_pool` plus BM25 top `bm25_pool`), fused;
@@ -315,12 +384,21 @@ impl SemanticIndex {
 
     /// [`SemanticIndex::hybrid`] for several queries: their dense scores come from one matrix
     /// product against the index (a row's scores do not depend on the other rows).
-    pub fn hybrid_many(&self, queries: &[&str], vectors: &[Vec<f32>], config: &RetrievalConfig) -> Result<Vec<Vec<Candidate>>> {
+    pub fn hybrid_many(
+        &self,
+        queries: &[&str],
+        vectors: &[Vec<f32>],
+        config: &RetrievalConfig,
+    ) -> Result<Vec<Vec<Candidate>>> {
         if self.is_empty() {
             return Ok(vec![Vec::new(); queries.len()]);
         }
         let dense = self.dense.scores(vectors)?;
-        queries.iter().zip(dense).map(|(query, scores)| self.hybrid_scored(query, scores, config, None)).collect()
+        queries
+            .iter()
+            .zip(dense)
+            .map(|(query, scores)| self.hybrid_scored(query, scores, config, None))
+            .collect()
     }
 
     fn hybrid_scored<'judge>(
@@ -330,21 +408,45 @@ impl SemanticIndex {
         config: &RetrievalConfig,
         judge: Option<&mut (dyn Judge + 'judge)>,
     ) -> Result<Vec<Candidate>> {
-        let named = if config.entity > 0.0 { self.named_speakers(query) } else { Vec::new() };
+        let named = if config.entity > 0.0 {
+            self.named_speakers(query)
+        } else {
+            Vec::new()
+        };
         let bm25_scores = self.bm25.scores(query);
-        let mut pool: Vec<usize> = top_k(&dense_scores, config.dense_pool).into_iter().map(|(i, _)| i).collect();
-        pool.extend(top_k(&bm25_scores, config.bm25_pool).into_iter().filter(|(_, s)| *s > 0.0).map(|(i, _)| i));
+        let mut pool: Vec<usize> = top_k(&dense_scores, config.dense_pool)
+            .into_iter()
+            .map(|(i, _)| i)
+            .collect();
+        pool.extend(
+            top_k(&bm25_scores, config.bm25_pool)
+                .into_iter()
+                .filter(|(_, s)| *s > 0.0)
+                .map(|(i, _)| i),
+        );
         pool.sort_unstable();
         pool.dedup();
-        let mut signals: Vec<Signals> =
-            pool.iter().map(|&i| Signals { dense: dense_scores[i], bm25: bm25_scores[i], judge: None }).collect();
+        let mut signals: Vec<Signals> = pool
+            .iter()
+            .map(|&i| Signals {
+                dense: dense_scores[i],
+                bm25: bm25_scores[i],
+                judge: None,
+            })
+            .collect();
         let mut ranked = self.rank(&pool, &signals, config, &named);
         if let (Some(judge), true) = (judge, config.judge_top > 0) {
-            let top: Vec<usize> = ranked.iter().take(config.judge_top).map(|c| c.index).collect();
+            let top: Vec<usize> = ranked
+                .iter()
+                .take(config.judge_top)
+                .map(|c| c.index)
+                .collect();
             let passages: Vec<&str> = top.iter().map(|&i| self.texts[i].as_str()).collect();
             let scores = judge.score(query, &passages)?;
             for (index, score) in top.iter().zip(scores) {
-                let slot = pool.binary_search(index).expect("judged candidates come from the pool");
+                let slot = pool
+                    .binary_search(index)
+                    .expect("judged candidates come from the pool");
                 signals[slot].judge = Some(score);
             }
             ranked = self.rank(&pool, &signals, config, &named);
@@ -354,7 +456,13 @@ impl SemanticIndex {
 
     /// Fuses the pool's signals, then adds structure: adjacency, and `config.entity` for the
     /// candidates said by one of the `named` speakers.
-    fn rank(&self, pool: &[usize], signals: &[Signals], config: &RetrievalConfig, named: &[u32]) -> Vec<Candidate> {
+    fn rank(
+        &self,
+        pool: &[usize],
+        signals: &[Signals],
+        config: &RetrievalConfig,
+        named: &[u32],
+    ) -> Vec<Candidate> {
         let fused = fuse(config.fusion, &config.weights, signals);
         let mut structure = vec![Lift::default(); pool.len()];
         if config.adjacency > 0.0 {
@@ -362,7 +470,12 @@ impl SemanticIndex {
             let before = fused.clone();
             let slot = |index: u32| pool.binary_search(&(index as usize)).ok();
             for (k, &i) in pool.iter().enumerate() {
-                let best = self.neighbours[i].iter().flatten().filter_map(|&n| slot(n)).map(|s| before[s]).fold(f32::NEG_INFINITY, f32::max);
+                let best = self.neighbours[i]
+                    .iter()
+                    .flatten()
+                    .filter_map(|&n| slot(n))
+                    .map(|s| before[s])
+                    .fold(f32::NEG_INFINITY, f32::max);
                 if best.is_finite() {
                     structure[k].neighbours = config.adjacency * best;
                 }
@@ -380,20 +493,32 @@ impl SemanticIndex {
             .zip(signals)
             .zip(fused)
             .zip(structure)
-            .map(|(((&i, s), fused), lift)| Candidate { structure: lift, ..self.candidate(i, *s, fused + lift.total()) })
+            .map(|(((&i, s), fused), lift)| Candidate {
+                structure: lift,
+                ..self.candidate(i, *s, fused + lift.total())
+            })
             .collect();
         ranked.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.index.cmp(&b.index)));
         ranked
     }
 
     fn candidate(&self, index: usize, signals: Signals, score: f32) -> Candidate {
-        Candidate { index, node_id: self.ids[index].clone(), signals, score, structure: Lift::default() }
+        Candidate {
+            index,
+            node_id: self.ids[index].clone(),
+            signals,
+            score,
+            structure: Lift::default(),
+        }
     }
 }
 
 /// BM25 over `texts` as `units` says: each text alone or with its previous neighbour's.
 fn units_bm25(texts: &[String], neighbours: &[[Option<u32>; 2]], units: Units) -> Bm25 {
-    let params = Bm25Params { stem: units.stem, ..Bm25Params::default() };
+    let params = Bm25Params {
+        stem: units.stem,
+        ..Bm25Params::default()
+    };
     if !units.previous {
         return Bm25::new(texts, params);
     }
@@ -414,7 +539,9 @@ fn units_bm25(texts: &[String], neighbours: &[[Option<u32>; 2]], units: Units) -
 fn speakers(graph: &Graph, ids: &[NodeId]) -> (Vec<Option<u32>>, Vec<String>) {
     let key = |id: &NodeId| -> Option<String> {
         let metadata = &graph.nodes.get(id)?.metadata;
-        let name = ["speaker", "author"].iter().find_map(|k| metadata.get(*k).and_then(|v| v.as_str()))?;
+        let name = ["speaker", "author"]
+            .iter()
+            .find_map(|k| metadata.get(*k).and_then(|v| v.as_str()))?;
         let first = name.split_whitespace().next()?.to_lowercase();
         (!first.is_empty()).then_some(first)
     };
@@ -422,7 +549,13 @@ fn speakers(graph: &Graph, ids: &[NodeId]) -> (Vec<Option<u32>>, Vec<String>) {
     let mut names: Vec<String> = keys.iter().flatten().cloned().collect();
     names.sort_unstable();
     names.dedup();
-    let of = keys.iter().map(|k| k.as_ref().map(|k| names.binary_search(k).expect("listed") as u32)).collect();
+    let of = keys
+        .iter()
+        .map(|k| {
+            k.as_ref()
+                .map(|k| names.binary_search(k).expect("listed") as u32)
+        })
+        .collect();
     (of, names)
 }
 
@@ -430,10 +563,14 @@ fn speakers(graph: &Graph, ids: &[NodeId]) -> (Vec<Option<u32>>, Vec<String>) {
 /// nodes of one `source` and `group` (a dialogue session; a document without groups is one),
 /// ordered by `position`, then id.
 fn neighbours(graph: &Graph, ids: &[NodeId]) -> Vec<[Option<u32>; 2]> {
-    let mut groups: std::collections::BTreeMap<(&str, Option<&str>), Vec<(i64, u32)>> = Default::default();
+    let mut groups: std::collections::BTreeMap<(&str, Option<&str>), Vec<(i64, u32)>> =
+        Default::default();
     for (i, id) in ids.iter().enumerate() {
         if let Some(NodeBody::Semantic(s)) = graph.nodes.get(id).map(|n| &n.body) {
-            groups.entry((s.source.as_str(), s.group.as_deref())).or_default().push((s.position, i as u32));
+            groups
+                .entry((s.source.as_str(), s.group.as_deref()))
+                .or_default()
+                .push((s.position, i as u32));
         }
     }
     let mut out = vec![[None, None]; ids.len()];

@@ -31,12 +31,25 @@ impl Retriever {
 
     /// [`Retriever::build`], with `unembedded` saying what a node without an embedding does:
     /// fail, or stay out and count ([`Retriever::not_embedded`]).
-    pub fn build_with(graph: &Graph, tenant: &str, model: &str, device: &Device, unembedded: Unembedded) -> Result<Retriever> {
+    pub fn build_with(
+        graph: &Graph,
+        tenant: &str,
+        model: &str,
+        device: &Device,
+        unembedded: Unembedded,
+    ) -> Result<Retriever> {
         Retriever::build_units(graph, tenant, model, device, unembedded, Units::PLAIN)
     }
 
     /// [`Retriever::build_with`], with the semantic nodes indexed for BM25 as `units` says.
-    pub fn build_units(graph: &Graph, tenant: &str, model: &str, device: &Device, unembedded: Unembedded, units: Units) -> Result<Retriever> {
+    pub fn build_units(
+        graph: &Graph,
+        tenant: &str,
+        model: &str,
+        device: &Device,
+        unembedded: Unembedded,
+        units: Units,
+    ) -> Result<Retriever> {
         let semantic = SemanticIndex::build_units(graph, tenant, model, device, unembedded, units)?;
         let episodes = embedded_in(graph, NodeKind::Episodic, tenant, model, unembedded)?;
         Ok(Retriever {
@@ -64,8 +77,14 @@ impl Retriever {
 
     /// The `k` episodes closest to the query vector (cosine, best first).
     pub fn episodes(&self, query_vector: &[f32], k: usize) -> Result<Vec<(NodeId, f32)>> {
-        let ranked = self.episode_index.top_k(&[query_vector.to_vec()], k)?.remove(0);
-        Ok(ranked.into_iter().map(|(i, cos)| (self.episodes[i].clone(), cos)).collect())
+        let ranked = self
+            .episode_index
+            .top_k(&[query_vector.to_vec()], k)?
+            .remove(0);
+        Ok(ranked
+            .into_iter()
+            .map(|(i, cos)| (self.episodes[i].clone(), cos))
+            .collect())
     }
 
     /// Ranked entries for `query`, all of the retriever's tenant: skills inherited from the
@@ -80,8 +99,12 @@ impl Retriever {
         judge: Option<&mut (dyn Judge + 'judge)>,
         episodes_k: usize,
     ) -> Result<Vec<Entry>> {
-        let (head, semantic) = self.retrieve_split(graph, query, query_vector, config, judge, episodes_k)?;
-        Ok(head.into_iter().chain(semantic.iter().map(semantic_entry)).collect())
+        let (head, semantic) =
+            self.retrieve_split(graph, query, query_vector, config, judge, episodes_k)?;
+        Ok(head
+            .into_iter()
+            .chain(semantic.iter().map(semantic_entry))
+            .collect())
     }
 
     /// [`Retriever::retrieve`] in two parts: the skill and episode entries, and the semantic
@@ -96,7 +119,15 @@ impl Retriever {
         judge: Option<&mut (dyn Judge + 'judge)>,
         episodes_k: usize,
     ) -> Result<(Vec<Entry>, Vec<Candidate>)> {
-        self.retrieve_split_dense(graph, query, query_vector, query_vector, config, judge, episodes_k)
+        self.retrieve_split_dense(
+            graph,
+            query,
+            query_vector,
+            query_vector,
+            config,
+            judge,
+            episodes_k,
+        )
     }
 
     /// [`Retriever::retrieve_split`] with the semantic ranking's dense signal read from
@@ -116,21 +147,42 @@ impl Retriever {
         let episodes = self.episodes(query_vector, episodes_k)?;
         let mut skills: Vec<Entry> = Vec::new();
         for (episode, cosine) in &episodes {
-            for edge in graph.edges.values().filter(|e| e.active && e.kind == EdgeKind::Distill && &e.src == episode) {
-                let own = graph.nodes.get(&edge.dst).is_some_and(|n| n.tenant == self.tenant());
+            for edge in graph
+                .edges
+                .values()
+                .filter(|e| e.active && e.kind == EdgeKind::Distill && &e.src == episode)
+            {
+                let own = graph
+                    .nodes
+                    .get(&edge.dst)
+                    .is_some_and(|n| n.tenant == self.tenant());
                 if own && !skills.iter().any(|(id, ..)| id == &edge.dst) {
                     let why = format!("skill distilled from retrieved episode {episode}");
-                    skills.push((edge.dst.clone(), Signals { dense: *cosine, bm25: 0.0, judge: None }, *cosine, why));
+                    skills.push((
+                        edge.dst.clone(),
+                        Signals {
+                            dense: *cosine,
+                            bm25: 0.0,
+                            judge: None,
+                        },
+                        *cosine,
+                        why,
+                    ));
                 }
             }
         }
         let mut semantic = self.semantic.hybrid(query, dense_vector, config, judge)?;
         if config.ground_support != 0.0 && !episodes.is_empty() {
-            let retrieved: BTreeMap<&NodeId, f32> = episodes.iter().map(|(id, cos)| (id, *cos)).collect();
+            let retrieved: BTreeMap<&NodeId, f32> =
+                episodes.iter().map(|(id, cos)| (id, *cos)).collect();
             // Only the tenant's semantic nodes are candidates, so a ground edge from another
             // tenant (an old store's) supports nothing.
             let mut support: BTreeMap<&NodeId, f32> = BTreeMap::new();
-            for edge in graph.edges.values().filter(|e| e.active && e.kind == EdgeKind::Ground) {
+            for edge in graph
+                .edges
+                .values()
+                .filter(|e| e.active && e.kind == EdgeKind::Ground)
+            {
                 if let Some(cos) = retrieved.get(&edge.dst) {
                     *support.entry(&edge.src).or_default() += cos * edge.weight;
                 }
@@ -144,7 +196,16 @@ impl Retriever {
         }
         let episodic = episodes.into_iter().map(|(id, cosine)| {
             let why = format!("similar past episode (cosine {cosine:.3})");
-            (id, Signals { dense: cosine, bm25: 0.0, judge: None }, cosine, why)
+            (
+                id,
+                Signals {
+                    dense: cosine,
+                    bm25: 0.0,
+                    judge: None,
+                },
+                cosine,
+                why,
+            )
         });
         Ok((skills.into_iter().chain(episodic).collect(), semantic))
     }
@@ -168,7 +229,17 @@ pub fn structure_note(c: &Candidate) -> String {
 
 /// The entry of a semantic candidate, with why it is there.
 pub fn semantic_entry(c: &Candidate) -> Entry {
-    let judge = c.signals.judge.map(|j| format!(", judge {j:.2}")).unwrap_or_default();
-    let why = format!("semantic match: cosine {:.3}, bm25 {:.2}{judge}, fused {:.3}{}", c.signals.dense, c.signals.bm25, c.score, structure_note(c));
+    let judge = c
+        .signals
+        .judge
+        .map(|j| format!(", judge {j:.2}"))
+        .unwrap_or_default();
+    let why = format!(
+        "semantic match: cosine {:.3}, bm25 {:.2}{judge}, fused {:.3}{}",
+        c.signals.dense,
+        c.signals.bm25,
+        c.score,
+        structure_note(c)
+    );
     (c.node_id.clone(), c.signals, c.score, why)
 }

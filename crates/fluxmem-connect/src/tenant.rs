@@ -22,8 +22,13 @@ pub fn tenants(graph: &Graph) -> Vec<String> {
 pub fn resolve_tenant(graph: &Graph, requested: Option<&str>) -> Result<String> {
     let known = tenants(graph);
     match requested {
-        Some(tenant) if known.is_empty() || known.iter().any(|t| t == tenant) => Ok(tenant.to_string()),
-        Some(tenant) => Err(Error::UnknownTenant { tenant: tenant.to_string(), tenants: known }),
+        Some(tenant) if known.is_empty() || known.iter().any(|t| t == tenant) => {
+            Ok(tenant.to_string())
+        }
+        Some(tenant) => Err(Error::UnknownTenant {
+            tenant: tenant.to_string(),
+            tenants: known,
+        }),
         None => match known.as_slice() {
             [] => Ok(DEFAULT_TENANT.to_string()),
             [only] => Ok(only.clone()),
@@ -40,7 +45,12 @@ mod tests {
     fn graph_of(tenants: &[&str]) -> Graph {
         let mut graph = Graph::default();
         for (i, tenant) in tenants.iter().enumerate() {
-            let body = NodeBody::Semantic(Semantic { source: "s".into(), position: i as i64, time: None, group: None });
+            let body = NodeBody::Semantic(Semantic {
+                source: "s".into(),
+                position: i as i64,
+                time: None,
+                group: None,
+            });
             graph.insert_node(Node::new(body, tenant, "fact", &[&i.to_string()]));
         }
         graph
@@ -48,14 +58,31 @@ mod tests {
 
     #[test]
     fn one_tenant_is_the_default_and_several_need_a_choice() {
-        assert_eq!(resolve_tenant(&Graph::default(), None).unwrap(), DEFAULT_TENANT);
-        assert_eq!(resolve_tenant(&graph_of(&["acme", "acme"]), None).unwrap(), "acme");
+        assert_eq!(
+            resolve_tenant(&Graph::default(), None).unwrap(),
+            DEFAULT_TENANT
+        );
+        assert_eq!(
+            resolve_tenant(&graph_of(&["acme", "acme"]), None).unwrap(),
+            "acme"
+        );
         let two = graph_of(&["globex", "acme", "acme"]);
-        assert_eq!(tenants(&two), vec!["acme".to_string(), "globex".to_string()]);
+        assert_eq!(
+            tenants(&two),
+            vec!["acme".to_string(), "globex".to_string()]
+        );
         let err = resolve_tenant(&two, None).unwrap_err().to_string();
-        assert!(err.contains("acme, globex") && err.contains("--tenant"), "{err}");
+        assert!(
+            err.contains("acme, globex") && err.contains("--tenant"),
+            "{err}"
+        );
         assert_eq!(resolve_tenant(&two, Some("globex")).unwrap(), "globex");
-        let err = resolve_tenant(&two, Some("initech")).unwrap_err().to_string();
-        assert!(err.contains("initech") && err.contains("acme, globex"), "{err}");
+        let err = resolve_tenant(&two, Some("initech"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("initech") && err.contains("acme, globex"),
+            "{err}"
+        );
     }
 }

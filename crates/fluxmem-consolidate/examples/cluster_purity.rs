@@ -20,18 +20,40 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let graph = fluxmem_store::Store::open(store)?.load()?;
     let mut labels = Vec::new();
     let mut vectors = Vec::new();
-    for node in graph.nodes.values().filter(|n| n.kind() == NodeKind::Episodic) {
-        let Some(embedding) = graph.embeddings.iter().find(|((id, _), _)| id == &node.id).map(|(_, e)| e) else {
+    for node in graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == NodeKind::Episodic)
+    {
+        let Some(embedding) = graph
+            .embeddings
+            .iter()
+            .find(|((id, _), _)| id == &node.id)
+            .map(|(_, e)| e)
+        else {
             return Err(format!("{} has no embedding", node.id).into());
         };
-        labels.push(node.metadata.get(key).and_then(|v| v.as_str()).unwrap_or("?").to_string());
+        labels.push(
+            node.metadata
+                .get(key)
+                .and_then(|v| v.as_str())
+                .unwrap_or("?")
+                .to_string(),
+        );
         vectors.push(embedding.vector.clone());
     }
     for k in ks {
-        let options = KMeansOptions { clusters: Some(k.parse()?), seed: seed.parse()?, ..Default::default() };
+        let options = KMeansOptions {
+            clusters: Some(k.parse()?),
+            seed: seed.parse()?,
+            ..Default::default()
+        };
         let clustering = kmeans(&vectors, &options, &Device::Cpu)?;
         let (purity, nmi, composition) = scores(&clustering.assignment, &labels);
-        println!("k={k} n={} purity={purity:.3} nmi={nmi:.3} {composition:?}", labels.len());
+        println!(
+            "k={k} n={} purity={purity:.3} nmi={nmi:.3} {composition:?}",
+            labels.len()
+        );
     }
     Ok(())
 }
@@ -43,17 +65,27 @@ fn scores(assignment: &[usize], labels: &[String]) -> (f64, f64, Vec<BTreeMap<St
     for (cluster, label) in assignment.iter().zip(labels) {
         *composition[*cluster].entry(label.clone()).or_default() += 1;
     }
-    let purity = composition.iter().map(|c| c.values().max().copied().unwrap_or(0)).sum::<usize>() as f64 / n;
+    let purity = composition
+        .iter()
+        .map(|c| c.values().max().copied().unwrap_or(0))
+        .sum::<usize>() as f64
+        / n;
     let mut totals: BTreeMap<&str, usize> = BTreeMap::new();
     for label in labels {
         *totals.entry(label).or_default() += 1;
     }
-    let entropy = |counts: &mut dyn Iterator<Item = usize>| -counts.filter(|&c| c > 0).map(|c| c as f64 / n * (c as f64 / n).ln()).sum::<f64>();
+    let entropy = |counts: &mut dyn Iterator<Item = usize>| {
+        -counts
+            .filter(|&c| c > 0)
+            .map(|c| c as f64 / n * (c as f64 / n).ln())
+            .sum::<f64>()
+    };
     let sizes: Vec<usize> = composition.iter().map(|c| c.values().sum()).collect();
     let mut mi = 0.0;
     for (cluster, counts) in composition.iter().enumerate() {
         for (label, &c) in counts {
-            mi += c as f64 / n * (c as f64 * n / (sizes[cluster] as f64 * totals[label.as_str()] as f64)).ln();
+            mi += c as f64 / n
+                * (c as f64 * n / (sizes[cluster] as f64 * totals[label.as_str()] as f64)).ln();
         }
     }
     let h = entropy(&mut sizes.iter().copied()) + entropy(&mut totals.values().copied());

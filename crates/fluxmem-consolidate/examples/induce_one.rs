@@ -24,14 +24,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let episodes: Vec<_> = graph
         .nodes
         .values()
-        .filter(|n| n.kind() == NodeKind::Episodic && n.metadata.get(key).and_then(|v| v.as_str()) == Some(value))
+        .filter(|n| {
+            n.kind() == NodeKind::Episodic
+                && n.metadata.get(key).and_then(|v| v.as_str()) == Some(value)
+        })
         .take(count)
         .collect();
     let loaded = std::time::Instant::now();
-    let mut generator = fluxmem_models::load_generator(generator, &DeviceChoice::Cpu, WeightPath::Q8)?;
-    eprintln!("{} episodes; generator {} loaded in {:.1}s", episodes.len(), generator.model_id(), loaded.elapsed().as_secs_f64());
+    let mut generator =
+        fluxmem_models::load_generator(generator, &DeviceChoice::Cpu, WeightPath::Q8)?;
+    eprintln!(
+        "{} episodes; generator {} loaded in {:.1}s",
+        episodes.len(),
+        generator.model_id(),
+        loaded.elapsed().as_secs_f64()
+    );
     let started = std::time::Instant::now();
-    let options = ConsolidateOptions { prompt_budget: 600, max_tokens: 200, ..Default::default() };
+    let options = ConsolidateOptions {
+        prompt_budget: 600,
+        max_tokens: 200,
+        ..Default::default()
+    };
     let result = induce_skill(&episodes, None, &mut generator, &options)?;
     let usage = generator.usage();
     match result {

@@ -1,7 +1,10 @@
 //! The `consolidate` stage: cluster, match clusters to existing skills, mature, commit.
 
 use candle_core::Device;
-use fluxmem_graph::{sha256_hex, Changed, Edge, EdgeKind, Edit, Embedding, Graph, Node, NodeBody, NodeId, NodeKind, Skill};
+use fluxmem_graph::{
+    sha256_hex, Changed, Edge, EdgeKind, Edit, Embedding, Graph, Node, NodeBody, NodeId, NodeKind,
+    Skill,
+};
 use fluxmem_models::Usage;
 use fluxmem_store::{CommitInfo, Rows, Scan, Writer};
 use serde::Serialize;
@@ -252,12 +255,19 @@ pub fn consolidate_store(
     let model = models.embedder.model_id().to_string();
     if let Some(stored) = &writer.manifest().embedding_model {
         if stored.id != model {
-            return Err(Error::ModelMismatch { store_model: stored.id.clone(), model });
+            return Err(Error::ModelMismatch {
+                store_model: stored.id.clone(),
+                model,
+            });
         }
     }
     let judge_model = models.judge.as_ref().map(|j| j.model_id().to_string());
     let mut report = ConsolidateReport {
-        eta_source: if judge_model.is_some() { "judge".into() } else { "sequence coverage of kept-back episodes (no judge)".into() },
+        eta_source: if judge_model.is_some() {
+            "judge".into()
+        } else {
+            "sequence coverage of kept-back episodes (no judge)".into()
+        },
         generator_model: generator_id(models),
         judge_model,
         embedding_model: model.clone(),
@@ -279,8 +289,16 @@ pub fn consolidate_store(
     let mut plans = Vec::new();
     for (tenant, (ids, vectors)) in &tenants {
         report.episodes += ids.len();
-        let existing: Vec<&Node> = latest.iter().copied().filter(|n| &n.tenant == tenant).collect();
-        let assigned = if options.assign { assign(ids, vectors, &existing, options.recluster_share) } else { None };
+        let existing: Vec<&Node> = latest
+            .iter()
+            .copied()
+            .filter(|n| &n.tenant == tenant)
+            .collect();
+        let assigned = if options.assign {
+            assign(ids, vectors, &existing, options.recluster_share)
+        } else {
+            None
+        };
         let (members, similarity, matches) = match assigned {
             Some(assigned) => {
                 report.tenants_assigned += 1;
@@ -291,11 +309,19 @@ pub fn consolidate_store(
                 report.tenants_clustered += 1;
                 let clustering = kmeans(vectors, &options.kmeans, device)?;
                 let (members, centroids) = if options.split_by_procedure {
-                    crate::mine::split_by_procedure(&clustering.members(), &clustering.centroids, vectors, |r| &graph.nodes[&ids[r]], options.mine.min_count)
+                    crate::mine::split_by_procedure(
+                        &clustering.members(),
+                        &clustering.centroids,
+                        vectors,
+                        |r| &graph.nodes[&ids[r]],
+                        options.mine.min_count,
+                    )
                 } else {
                     (clustering.members(), clustering.centroids.clone())
                 };
-                let matches = match_skills(&members, ids, &centroids, &existing, &graph, &model, options);
+                let matches = match_skills(
+                    &members, ids, &centroids, &existing, &graph, &model, options,
+                );
                 (members, clustering.similarity, matches)
             }
         };
@@ -307,12 +333,28 @@ pub fn consolidate_store(
                 continue;
             }
             let weights: Vec<f32> = rows.iter().map(|&r| similarity[r]).collect();
-            plans.push(Plan { tenant: tenant.clone(), index, episodes, weights, previous: matches[index], skills: members.len() });
+            plans.push(Plan {
+                tenant: tenant.clone(),
+                index,
+                episodes,
+                weights,
+                previous: matches[index],
+                skills: members.len(),
+            });
         }
     }
     progress.start(plans.len() as u64);
     for plan in plans {
-        let cluster = handle(&plan, &graph, models, options, run_id, &failed_before, &mut delta, &mut report)?;
+        let cluster = handle(
+            &plan,
+            &graph,
+            models,
+            options,
+            run_id,
+            &failed_before,
+            &mut delta,
+            &mut report,
+        )?;
         // One commit per cluster: a run killed later keeps the generation done so far, and the
         // run started again finds those clusters unchanged. No later cluster reads this one's
         // delta (each works from the snapshot read above).
@@ -321,7 +363,15 @@ pub fn consolidate_store(
                 "tenant": cluster.tenant, "status": cluster.status, "episodes": cluster.episodes.len(),
                 "generator": report.generator_model, "judge": report.judge_model,
             });
-            writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress: Default::default() })?;
+            writer.commit(
+                &delta,
+                CommitInfo {
+                    stage: STAGE.into(),
+                    run_id: run_id.into(),
+                    summary,
+                    progress: Default::default(),
+                },
+            )?;
             report.commits += 1;
             delta = Graph::default();
         }
@@ -329,7 +379,11 @@ pub fn consolidate_store(
         progress.advance(1);
     }
     report.generator = TokenUsage::between(generator_start, generator_usage(models));
-    report.judge = models.judge.as_ref().map(|j| TokenUsage::between(judge_start, j.usage())).unwrap_or_default();
+    report.judge = models
+        .judge
+        .as_ref()
+        .map(|j| TokenUsage::between(judge_start, j.usage()))
+        .unwrap_or_default();
     Ok(report)
 }
 
@@ -356,7 +410,12 @@ pub struct Assigned<'g> {
 /// from different clusterings), when a skill has no source left among the episodes, or when
 /// more than `recluster_share` of the episodes fit no cluster. Centroids and radii come from
 /// the sources alone, so the result does not depend on the order new episodes arrive in.
-pub fn assign<'g>(ids: &[NodeId], vectors: &[Vec<f32>], skills: &[&'g Node], recluster_share: f64) -> Option<Assigned<'g>> {
+pub fn assign<'g>(
+    ids: &[NodeId],
+    vectors: &[Vec<f32>],
+    skills: &[&'g Node],
+    recluster_share: f64,
+) -> Option<Assigned<'g>> {
     if skills.is_empty() || ids.is_empty() {
         return None;
     }
@@ -381,17 +440,30 @@ pub fn assign<'g>(ids: &[NodeId], vectors: &[Vec<f32>], skills: &[&'g Node], rec
     if members.iter().any(Vec::is_empty) {
         return None;
     }
-    let centroids: Vec<Vec<f32>> = members.iter().map(|rows| crate::kmeans::mean_direction(rows, vectors)).collect();
+    let centroids: Vec<Vec<f32>> = members
+        .iter()
+        .map(|rows| crate::kmeans::mean_direction(rows, vectors))
+        .collect();
     let mut similarity = vec![0f32; ids.len()];
     for (rows, centroid) in members.iter().zip(&centroids) {
         for &r in rows {
             similarity[r] = fluxmem_models::cosine(&vectors[r], centroid);
         }
     }
-    let radius: Vec<f32> = members.iter().map(|rows| rows.iter().map(|&r| similarity[r]).fold(f32::INFINITY, f32::min)).collect();
+    let radius: Vec<f32> = members
+        .iter()
+        .map(|rows| {
+            rows.iter()
+                .map(|&r| similarity[r])
+                .fold(f32::INFINITY, f32::min)
+        })
+        .collect();
     let mut unassigned = 0;
     for r in (0..ids.len()).filter(|&r| owner[r].is_none()) {
-        let cosines: Vec<f32> = centroids.iter().map(|centroid| fluxmem_models::cosine(&vectors[r], centroid)).collect();
+        let cosines: Vec<f32> = centroids
+            .iter()
+            .map(|centroid| fluxmem_models::cosine(&vectors[r], centroid))
+            .collect();
         let (best, best_cosine) = crate::kmeans::argmax(&cosines);
         if best_cosine >= radius[best] {
             members[best].push(r);
@@ -406,7 +478,12 @@ pub fn assign<'g>(ids: &[NodeId], vectors: &[Vec<f32>], skills: &[&'g Node], rec
     for rows in &mut members {
         rows.sort_by(|&a, &b| similarity[b].total_cmp(&similarity[a]).then(a.cmp(&b)));
     }
-    Some(Assigned { members, similarity, skills: skills.into_iter().map(Some).collect(), unassigned })
+    Some(Assigned {
+        members,
+        similarity,
+        skills: skills.into_iter().map(Some).collect(),
+        unassigned,
+    })
 }
 
 /// What consolidation reads of the store: node rows with the steps (mining needs the
@@ -426,19 +503,37 @@ fn read(writer: &Writer) -> Result<Graph> {
         ..Default::default()
     };
     let mut graph = store.scan_at(writer.manifest(), &scan)?;
-    let wanted: BTreeSet<NodeId> = graph.nodes.values().filter(|n| matches!(n.kind(), NodeKind::Episodic | NodeKind::Procedural)).map(|n| n.id.clone()).collect();
-    let vectors = store.scan_at(writer.manifest(), &Scan { vectors: Rows::Of(wanted), ..Default::default() })?;
+    let wanted: BTreeSet<NodeId> = graph
+        .nodes
+        .values()
+        .filter(|n| matches!(n.kind(), NodeKind::Episodic | NodeKind::Procedural))
+        .map(|n| n.id.clone())
+        .collect();
+    let vectors = store.scan_at(
+        writer.manifest(),
+        &Scan {
+            vectors: Rows::Of(wanted),
+            ..Default::default()
+        },
+    )?;
     graph.embeddings = vectors.embeddings;
     Ok(graph)
 }
 
 fn generator_usage(models: &Models<'_>) -> Usage {
-    models.generator.as_ref().map(|g| g.usage()).unwrap_or_default()
+    models
+        .generator
+        .as_ref()
+        .map(|g| g.usage())
+        .unwrap_or_default()
 }
 
 /// The generator's model id, or `none` for template skills.
 fn generator_id(models: &Models<'_>) -> String {
-    models.generator.as_ref().map_or_else(|| "none".to_string(), |g| g.model_id().to_string())
+    models
+        .generator
+        .as_ref()
+        .map_or_else(|| "none".to_string(), |g| g.model_id().to_string())
 }
 
 /// The edit target that names a cluster: a hash of its sorted member ids.
@@ -461,9 +556,17 @@ struct Plan<'g> {
 type TenantEpisodes = BTreeMap<String, (Vec<NodeId>, Vec<Vec<f32>>)>;
 
 /// The episodes to cluster, per tenant, in id order, with their vectors.
-fn episodes_by_tenant(graph: &Graph, options: &ConsolidateOptions, model: &str) -> Result<TenantEpisodes> {
+fn episodes_by_tenant(
+    graph: &Graph,
+    options: &ConsolidateOptions,
+    model: &str,
+) -> Result<TenantEpisodes> {
     let mut tenants: TenantEpisodes = BTreeMap::new();
-    for node in graph.nodes.values().filter(|n| n.kind() == NodeKind::Episodic) {
+    for node in graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == NodeKind::Episodic)
+    {
         if options.tenant.as_ref().is_some_and(|t| t != &node.tenant) {
             continue;
         }
@@ -473,7 +576,10 @@ fn episodes_by_tenant(graph: &Graph, options: &ConsolidateOptions, model: &str) 
         let embedding = graph
             .embeddings
             .get(&(node.id.clone(), model.to_string()))
-            .ok_or_else(|| Error::NotEmbedded { node: node.id.to_string(), model: model.to_string() })?;
+            .ok_or_else(|| Error::NotEmbedded {
+                node: node.id.to_string(),
+                model: model.to_string(),
+            })?;
         let entry = tenants.entry(node.tenant.clone()).or_default();
         entry.0.push(node.id.clone());
         entry.1.push(embedding.vector.clone());
@@ -492,7 +598,11 @@ pub fn latest_skills(graph: &Graph) -> Vec<&Node> {
         })
         .flatten()
         .collect();
-    graph.nodes.values().filter(|n| n.kind() == NodeKind::Procedural && !superseded.contains(&n.id)).collect()
+    graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == NodeKind::Procedural && !superseded.contains(&n.id))
+        .collect()
 }
 
 fn skill_of(node: &Node) -> &Skill {
@@ -520,7 +630,11 @@ fn match_skills<'g>(
         for (s, node) in existing.iter().enumerate() {
             let sources = &skill_of(node).source_episodes;
             let shared = sources.iter().filter(|id| cluster.contains(id)).count();
-            let overlap = if sources.is_empty() { 0.0 } else { shared as f64 / sources.len() as f64 };
+            let overlap = if sources.is_empty() {
+                0.0
+            } else {
+                shared as f64 / sources.len() as f64
+            };
             let cosine = graph
                 .embeddings
                 .get(&(node.id.clone(), model.to_string()))
@@ -530,7 +644,11 @@ fn match_skills<'g>(
             }
         }
     }
-    candidates.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(existing[a.2].id.cmp(&existing[b.2].id)));
+    candidates.sort_by(|a, b| {
+        b.0.total_cmp(&a.0)
+            .then(a.1.cmp(&b.1))
+            .then(existing[a.2].id.cmp(&existing[b.2].id))
+    });
     let mut matched = vec![None; members.len()];
     let mut used = BTreeSet::new();
     for (_, c, s) in candidates {
@@ -552,7 +670,12 @@ fn handle(
     delta: &mut Graph,
     report: &mut ConsolidateReport,
 ) -> Result<ClusterReport> {
-    let mut cluster = ClusterReport { tenant: plan.tenant.clone(), episodes: plan.episodes.clone(), status: String::new(), skill: None };
+    let mut cluster = ClusterReport {
+        tenant: plan.tenant.clone(),
+        episodes: plan.episodes.clone(),
+        status: String::new(),
+        skill: None,
+    };
     let sorted: BTreeSet<&NodeId> = plan.episodes.iter().collect();
     if let Some(previous) = plan.previous {
         let sources: BTreeSet<&NodeId> = skill_of(previous).source_episodes.iter().collect();
@@ -596,7 +719,10 @@ fn handle(
     let episodes: Vec<&Node> = plan.episodes.iter().map(|id| &graph.nodes[id]).collect();
     let previous = match plan.previous {
         Some(node) => {
-            let vector = graph.embeddings.get(&(node.id.clone(), models.embedder.model_id().to_string())).map(|e| e.vector.clone());
+            let vector = graph
+                .embeddings
+                .get(&(node.id.clone(), models.embedder.model_id().to_string()))
+                .map(|e| e.vector.clone());
             Some((node.text.clone(), vector.unwrap_or_default()))
         }
         None => None,
@@ -606,19 +732,37 @@ fn handle(
     let judge_before = models.judge.as_ref().map(|j| j.usage()).unwrap_or_default();
     let started = std::time::Instant::now();
     let matured = mature(&job, models, options, plan.skills)?;
-    let created_at = job.episodes.iter().filter_map(|n| n.created_at).max().unwrap_or(0);
+    let created_at = job
+        .episodes
+        .iter()
+        .filter_map(|n| n.created_at)
+        .max()
+        .unwrap_or(0);
     let no_procedure = matches!(matured, Matured::NoProcedure { .. });
     let matured = match matured {
-        Matured::NoProcedure { reason } => Matured::Failed { attempts: vec![Attempt { raw: String::new(), problem: reason }] },
+        Matured::NoProcedure { reason } => Matured::Failed {
+            attempts: vec![Attempt {
+                raw: String::new(),
+                problem: reason,
+            }],
+        },
         other => other,
     };
     match matured {
         Matured::NoProcedure { .. } => unreachable!("mapped to Failed above"),
         Matured::Failed { attempts } => {
-            let after = json!({ "tenant": plan.tenant, "episodes": plan.episodes, "attempts": attempts });
+            let after =
+                json!({ "tenant": plan.tenant, "episodes": plan.episodes, "attempts": attempts });
             let reason = match attempts.first() {
-                Some(attempt) if no_procedure => format!("{NO_PROCEDURE_REASON}{} episodes: {}", plan.episodes.len(), attempt.problem),
-                _ => format!("no readable skill for a cluster of {} episodes", plan.episodes.len()),
+                Some(attempt) if no_procedure => format!(
+                    "{NO_PROCEDURE_REASON}{} episodes: {}",
+                    plan.episodes.len(),
+                    attempt.problem
+                ),
+                _ => format!(
+                    "no readable skill for a cluster of {} episodes",
+                    plan.episodes.len()
+                ),
             };
             let after = serde_json::to_string(&after).expect("JSON values serialise");
             let identity = format!("{STAGE}\0{run_id}\0skill_failed\0{target}\0{after}");
@@ -635,14 +779,52 @@ fn handle(
             });
             report.failed += 1;
             report.no_procedure += usize::from(no_procedure);
-            report.failures.push(FailedCluster { tenant: plan.tenant.clone(), target, episodes: plan.episodes.clone(), attempts });
-            cluster.status = if no_procedure { "no_procedure".into() } else { "failed".into() };
+            report.failures.push(FailedCluster {
+                tenant: plan.tenant.clone(),
+                target,
+                episodes: plan.episodes.clone(),
+                attempts,
+            });
+            cluster.status = if no_procedure {
+                "no_procedure".into()
+            } else {
+                "failed".into()
+            };
         }
-        Matured::Skill { rounds, best, converged, rejected, skeleton, wording, eta_scope, measured_on } => {
-            let mined = Mined { skeleton: &skeleton, wording: &wording, eta_scope: &eta_scope, measured_on: &measured_on };
-            let node = skill_node(plan, &rounds, best, converged, &rejected, &mined, models, options, run_id, created_at, &key);
-            let status = if plan.previous.is_some() { "updated" } else { "new" };
-            record(delta, graph, plan, &node, &rounds[best], models.embedder.model_id(), run_id);
+        Matured::Skill {
+            rounds,
+            best,
+            converged,
+            rejected,
+            skeleton,
+            wording,
+            eta_scope,
+            measured_on,
+        } => {
+            let mined = Mined {
+                skeleton: &skeleton,
+                wording: &wording,
+                eta_scope: &eta_scope,
+                measured_on: &measured_on,
+            };
+            let node = skill_node(
+                plan, &rounds, best, converged, &rejected, &mined, models, options, run_id,
+                created_at, &key,
+            );
+            let status = if plan.previous.is_some() {
+                "updated"
+            } else {
+                "new"
+            };
+            record(
+                delta,
+                graph,
+                plan,
+                &node,
+                &rounds[best],
+                models.embedder.model_id(),
+                run_id,
+            );
             if plan.previous.is_some() {
                 report.skills_updated += 1;
             } else {
@@ -659,7 +841,11 @@ fn handle(
                 best_round: best + 1,
                 converged_round: converged,
                 generator: TokenUsage::between(generator_before, generator_usage(models)),
-                judge: models.judge.as_ref().map(|j| TokenUsage::between(judge_before, j.usage())).unwrap_or_default(),
+                judge: models
+                    .judge
+                    .as_ref()
+                    .map(|j| TokenUsage::between(judge_before, j.usage()))
+                    .unwrap_or_default(),
                 seconds: started.elapsed().as_secs_f64(),
             });
             cluster.status = status.into();
@@ -698,15 +884,30 @@ fn skill_node(
     let (version, previous_versions, mut history, lineage) = match plan.previous {
         Some(previous) => {
             let skill = skill_of(previous);
-            let lineage = previous.metadata.get("lineage").and_then(Value::as_str).unwrap_or(previous.id.as_str()).to_string();
+            let lineage = previous
+                .metadata
+                .get("lineage")
+                .and_then(Value::as_str)
+                .unwrap_or(previous.id.as_str())
+                .to_string();
             let mut versions = skill.previous_versions.clone();
             versions.push(previous.id.clone());
-            (skill.version + 1, versions, skill.pems_history.clone(), Some(lineage))
+            (
+                skill.version + 1,
+                versions,
+                skill.pems_history.clone(),
+                Some(lineage),
+            )
         }
         None => (1, Vec::new(), Vec::new(), None),
     };
     history.extend(rounds.iter().map(|r| r.score.pems));
-    let body = NodeBody::Procedural(Skill { version, previous_versions, source_episodes: plan.episodes.clone(), pems_history: history });
+    let body = NodeBody::Procedural(Skill {
+        version,
+        previous_versions,
+        source_episodes: plan.episodes.clone(),
+        pems_history: history,
+    });
     let version_text = version.to_string();
     let joined = key.join("\n");
     let identity: Vec<&str> = match &lineage {
@@ -717,37 +918,77 @@ fn skill_node(
     let lineage = lineage.unwrap_or_else(|| node.id.to_string());
     node.source_file = STAGE.into();
     node.source_locator = format!("{run_id}/cluster {}", plan.index);
-    node.created_at = Some(plan.previous.and_then(|p| p.created_at).unwrap_or(0).max(created_at));
+    node.created_at = Some(
+        plan.previous
+            .and_then(|p| p.created_at)
+            .unwrap_or(0)
+            .max(created_at),
+    );
     let metadata = [
         ("name", json!(kept.skill.name)),
         ("description", json!(kept.skill.description)),
         ("steps", json!(kept.skill.steps)),
         ("lineage", json!(lineage)),
-        ("rounds", serde_json::to_value(rounds).expect("rounds serialise")),
+        (
+            "rounds",
+            serde_json::to_value(rounds).expect("rounds serialise"),
+        ),
         ("best_round", json!(best + 1)),
         ("converged_round", json!(converged)),
-        ("rejected_answers", serde_json::to_value(rejected).expect("attempts serialise")),
+        (
+            "rejected_answers",
+            serde_json::to_value(rejected).expect("attempts serialise"),
+        ),
         ("measured_on", json!(mined.measured_on)),
         ("pitfalls", json!(kept.skill.pitfalls)),
-        ("skeleton", serde_json::to_value(mined.skeleton).expect("skeletons serialise")),
-        ("wording", serde_json::to_value(mined.wording).expect("wording serialises")),
-        ("eta_source", json!(if models.judge.is_some() { "judge" } else { mined.eta_scope })),
+        (
+            "skeleton",
+            serde_json::to_value(mined.skeleton).expect("skeletons serialise"),
+        ),
+        (
+            "wording",
+            serde_json::to_value(mined.wording).expect("wording serialises"),
+        ),
+        (
+            "eta_source",
+            json!(if models.judge.is_some() {
+                "judge"
+            } else {
+                mined.eta_scope
+            }),
+        ),
         ("generator", json!(generator_id(models))),
-        ("judge", json!(models.judge.as_ref().map(|j| j.model_id().to_string()))),
+        (
+            "judge",
+            json!(models.judge.as_ref().map(|j| j.model_id().to_string())),
+        ),
         ("embedding_model", json!(models.embedder.model_id())),
         ("length_unit", json!(options.pems.length)),
         ("divide_by_skills", json!(options.pems.divide_by_skills)),
         ("seed", json!(options.kmeans.seed)),
     ];
-    node.metadata.extend(metadata.into_iter().map(|(k, v)| (k.to_string(), v)));
+    node.metadata
+        .extend(metadata.into_iter().map(|(k, v)| (k.to_string(), v)));
     node
 }
 
 /// The node's distill edges, its embedding, the retired edges of the previous version, and the
 /// edit records of all of them.
-fn record(delta: &mut Graph, graph: &Graph, plan: &Plan<'_>, node: &Node, kept: &Round, model: &str, run_id: &str) {
+fn record(
+    delta: &mut Graph,
+    graph: &Graph,
+    plan: &Plan<'_>,
+    node: &Node,
+    kept: &Round,
+    model: &str,
+    run_id: &str,
+) {
     let at = node.created_at.unwrap_or(0);
-    let kind = if plan.previous.is_some() { "skill_version" } else { "skill_induce" };
+    let kind = if plan.previous.is_some() {
+        "skill_version"
+    } else {
+        "skill_induce"
+    };
     let reason = format!(
         "distilled from {} episodes; PEMS {:.4} (eta {:.3}, length {}, delta {:.3})",
         plan.episodes.len(),
@@ -756,20 +997,46 @@ fn record(delta: &mut Graph, graph: &Graph, plan: &Plan<'_>, node: &Node, kept: 
         kept.score.length,
         kept.score.delta
     );
-    delta.edits.push(Edit::new(STAGE, run_id, kind, Changed::Node(None, Some(node)), &reason, at));
+    delta.edits.push(Edit::new(
+        STAGE,
+        run_id,
+        kind,
+        Changed::Node(None, Some(node)),
+        &reason,
+        at,
+    ));
     if let Some(previous) = plan.previous {
-        for edge in graph.edges.values().filter(|e| e.kind == EdgeKind::Distill && e.dst == previous.id && e.active) {
+        for edge in graph
+            .edges
+            .values()
+            .filter(|e| e.kind == EdgeKind::Distill && e.dst == previous.id && e.active)
+        {
             let mut retired = edge.clone();
             retired.active = false;
             retired.run_id = run_id.into();
             retired.stage = STAGE.into();
-            let why = format!("superseded by version {} ({})", skill_of(node).version, node.id);
-            delta.edits.push(Edit::new(STAGE, run_id, "distill_retire", Changed::Edge(Some(edge), Some(&retired)), &why, at));
+            let why = format!(
+                "superseded by version {} ({})",
+                skill_of(node).version,
+                node.id
+            );
+            delta.edits.push(Edit::new(
+                STAGE,
+                run_id,
+                "distill_retire",
+                Changed::Edge(Some(edge), Some(&retired)),
+                &why,
+                at,
+            ));
             delta.upsert_edge(retired);
         }
     }
     for (episode, weight) in plan.episodes.iter().zip(&plan.weights) {
-        let episode_time = graph.nodes.get(episode).and_then(|n| n.created_at).unwrap_or(0);
+        let episode_time = graph
+            .nodes
+            .get(episode)
+            .and_then(|n| n.created_at)
+            .unwrap_or(0);
         let edge = Edge {
             src: episode.clone(),
             dst: node.id.clone(),
@@ -782,7 +1049,14 @@ fn record(delta: &mut Graph, graph: &Graph, plan: &Plan<'_>, node: &Node, kept: 
             active: true,
             metadata: Default::default(),
         };
-        delta.edits.push(Edit::new(STAGE, run_id, "distill", Changed::Edge(None, Some(&edge)), "source episode of the skill", at));
+        delta.edits.push(Edit::new(
+            STAGE,
+            run_id,
+            "distill",
+            Changed::Edge(None, Some(&edge)),
+            "source episode of the skill",
+            at,
+        ));
         delta.upsert_edge(edge);
     }
     delta.upsert_embedding(Embedding {

@@ -49,7 +49,9 @@ impl std::str::FromStr for ExportFormat {
             "skill-md" => Ok(ExportFormat::SkillMd),
             "jsonl" => Ok(ExportFormat::Jsonl),
             "parquet" => Ok(ExportFormat::Parquet),
-            other => Err(format!("export format `{other}`: expected skill-md, jsonl or parquet")),
+            other => Err(format!(
+                "export format `{other}`: expected skill-md, jsonl or parquet"
+            )),
         }
     }
 }
@@ -139,7 +141,11 @@ pub struct ExportReport {
 }
 
 fn text(node: &Node, key: &str) -> String {
-    node.metadata.get(key).and_then(Value::as_str).unwrap_or_default().to_string()
+    node.metadata
+        .get(key)
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// The latest version of every skill in `graph`, as export records, ordered by (tenant, slug, id).
@@ -147,24 +153,52 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
     let mut records: Vec<SkillRecord> = latest_skills(graph)
         .into_iter()
         .filter_map(|node| {
-            let NodeBody::Procedural(skill) = &node.body else { return None };
-            let best = node.metadata.get("best_round").and_then(Value::as_u64).unwrap_or(0) as usize;
-            let rounds = node.metadata.get("rounds").and_then(Value::as_array).map_or(0, Vec::len);
+            let NodeBody::Procedural(skill) = &node.body else {
+                return None;
+            };
+            let best = node
+                .metadata
+                .get("best_round")
+                .and_then(Value::as_u64)
+                .unwrap_or(0) as usize;
+            let rounds = node
+                .metadata
+                .get("rounds")
+                .and_then(Value::as_array)
+                .map_or(0, Vec::len);
             // The kept round is `best` of this version's rounds, which end the history.
             let pems = match (rounds, best) {
-                (r, b) if r > 0 && b > 0 && b <= r && skill.pems_history.len() >= r => skill.pems_history[skill.pems_history.len() - r + b - 1],
+                (r, b) if r > 0 && b > 0 && b <= r && skill.pems_history.len() >= r => {
+                    skill.pems_history[skill.pems_history.len() - r + b - 1]
+                }
                 _ => skill.pems_history.last().copied().unwrap_or(0.0),
             };
-            let eta = node.metadata.get("rounds").and_then(|r| r.get(best.checked_sub(1)?)).and_then(|r| r["score"]["eta"].as_f64());
-            let name = Some(text(node, "name")).filter(|n| !n.is_empty()).unwrap_or_else(|| node.id.to_string());
+            let eta = node
+                .metadata
+                .get("rounds")
+                .and_then(|r| r.get(best.checked_sub(1)?))
+                .and_then(|r| r["score"]["eta"].as_f64());
+            let name = Some(text(node, "name"))
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(|| node.id.to_string());
             let list = |key: &str| -> Vec<String> {
-                node.metadata.get(key).and_then(Value::as_array).map_or_else(Vec::new, |s| s.iter().filter_map(Value::as_str).map(str::to_string).collect())
+                node.metadata
+                    .get(key)
+                    .and_then(Value::as_array)
+                    .map_or_else(Vec::new, |s| {
+                        s.iter()
+                            .filter_map(Value::as_str)
+                            .map(str::to_string)
+                            .collect()
+                    })
             };
             let steps = list("steps");
             let pitfalls = list("pitfalls");
             Some(SkillRecord {
                 id: node.id.to_string(),
-                lineage: Some(text(node, "lineage")).filter(|l| !l.is_empty()).unwrap_or_else(|| node.id.to_string()),
+                lineage: Some(text(node, "lineage"))
+                    .filter(|l| !l.is_empty())
+                    .unwrap_or_else(|| node.id.to_string()),
                 tenant: node.tenant.clone(),
                 slug: slugify(&name),
                 description: text(node, "description"),
@@ -177,11 +211,23 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
                 eta,
                 pems_history: skill.pems_history.clone(),
                 support: skill.source_episodes.len(),
-                source_episodes: skill.source_episodes.iter().map(|id| id.to_string()).collect(),
-                previous_versions: skill.previous_versions.iter().map(|id| id.to_string()).collect(),
+                source_episodes: skill
+                    .source_episodes
+                    .iter()
+                    .map(|id| id.to_string())
+                    .collect(),
+                previous_versions: skill
+                    .previous_versions
+                    .iter()
+                    .map(|id| id.to_string())
+                    .collect(),
                 eta_source: text(node, "eta_source"),
                 generator: text(node, "generator"),
-                judge: node.metadata.get("judge").and_then(Value::as_str).map(str::to_string),
+                judge: node
+                    .metadata
+                    .get("judge")
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
                 content_sha256: String::new(),
             })
         })
@@ -190,7 +236,11 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
     let bases: Vec<String> = records.iter().map(|r| r.slug.clone()).collect();
     for (record, slug) in records.iter_mut().zip(unique_slugs(&bases)) {
         record.slug = slug;
-        record.content_sha256 = sha256_hex(serde_json::to_string(&*record).expect("records serialise").as_bytes());
+        record.content_sha256 = sha256_hex(
+            serde_json::to_string(&*record)
+                .expect("records serialise")
+                .as_bytes(),
+        );
     }
     records
 }
@@ -202,7 +252,10 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
 /// [`MAX_SLUG`] characters).
 fn unique_slugs(bases: &[String]) -> Vec<String> {
     let mut taken: BTreeSet<String> = BTreeSet::new();
-    let keeps: Vec<bool> = bases.iter().map(|base| taken.insert(base.clone())).collect();
+    let keeps: Vec<bool> = bases
+        .iter()
+        .map(|base| taken.insert(base.clone()))
+        .collect();
     let mut slugs = Vec::with_capacity(bases.len());
     for (base, keep) in bases.iter().zip(keeps) {
         if keep {
@@ -212,7 +265,10 @@ fn unique_slugs(bases: &[String]) -> Vec<String> {
         let mut n = 2usize;
         loop {
             let suffix = format!("-{n}");
-            let stem: String = base.chars().take(MAX_SLUG.saturating_sub(suffix.len())).collect();
+            let stem: String = base
+                .chars()
+                .take(MAX_SLUG.saturating_sub(suffix.len()))
+                .collect();
             let candidate = format!("{}{suffix}", stem.trim_end_matches('-'));
             if taken.insert(candidate.clone()) {
                 slugs.push(candidate);
@@ -253,7 +309,9 @@ fn yaml_string(value: &str) -> String {
             '\n' => out.push_str("\\n"),
             '\t' => out.push_str("\\t"),
             '\r' => out.push_str("\\r"),
-            c if (c as u32) < 0x20 || c == '\u{7f}' => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c if (c as u32) < 0x20 || c == '\u{7f}' => {
+                out.push_str(&format!("\\x{:02x}", c as u32))
+            }
             c => out.push(c),
         }
     }
@@ -293,29 +351,52 @@ pub fn export_skills(store: &Store, out: &Path, options: &ExportOptions) -> Resu
 /// [`export_skills`] with an explicit redaction pass (the default redacts every kind): every
 /// text of a record (name, description, steps, pitfalls, body) passes `redactor` before it is
 /// written, and its content hash is taken after; the counts are in the report.
-pub fn export_skills_with(store: &Store, out: &Path, options: &ExportOptions, redactor: &fluxmem_redact::Redactor) -> Result<ExportReport> {
+pub fn export_skills_with(
+    store: &Store,
+    out: &Path,
+    options: &ExportOptions,
+    redactor: &fluxmem_redact::Redactor,
+) -> Result<ExportReport> {
     // Skills are procedural node rows: no other node, steps, edges, vectors or edit log are
     // read, so an export's memory follows the skills, not the history.
-    let scan = fluxmem_store::Scan { nodes: true, node_kinds: vec![NodeKind::Procedural], ..Default::default() };
+    let scan = fluxmem_store::Scan {
+        nodes: true,
+        node_kinds: vec![NodeKind::Procedural],
+        ..Default::default()
+    };
     let (graph, manifest) = store.scan(&scan)?;
     let mut redacted = fluxmem_redact::Counts::new();
-    let all: Vec<SkillRecord> = skill_records(&graph).into_iter().map(|r| redact_record(r, redactor, &mut redacted)).collect();
+    let all: Vec<SkillRecord> = skill_records(&graph)
+        .into_iter()
+        .map(|r| redact_record(r, redactor, &mut redacted))
+        .collect();
     let total = all.len();
     // Why each skill left out is left out (said when a release retires it).
     let mut left_out: BTreeMap<String, String> = BTreeMap::new();
     let mut records: Vec<SkillRecord> = Vec::new();
     for record in all {
         let reason = if options.tenant.as_ref().is_some_and(|t| t != &record.tenant) {
-            Some(format!("tenant `{}` is not exported (--tenant)", record.tenant))
+            Some(format!(
+                "tenant `{}` is not exported (--tenant)",
+                record.tenant
+            ))
         } else if let Some(min) = options.min_pems.filter(|&min| record.pems < min) {
-            Some(format!("PEMS {:.4} is under the export's minimum {min}", record.pems))
+            Some(format!(
+                "PEMS {:.4} is under the export's minimum {min}",
+                record.pems
+            ))
         } else if let (Some(min), Some(eta)) = (options.min_eta, record.eta) {
             (eta < min).then(|| format!("eta {eta:.3} fell under the export's minimum {min}"))
         } else {
             None
         };
         let reason = reason.or_else(|| {
-            (record.support < options.min_support).then(|| format!("{} source episodes, under the export's minimum {}", record.support, options.min_support))
+            (record.support < options.min_support).then(|| {
+                format!(
+                    "{} source episodes, under the export's minimum {}",
+                    record.support, options.min_support
+                )
+            })
         });
         match reason {
             Some(reason) => {
@@ -330,7 +411,15 @@ pub fn export_skills_with(store: &Store, out: &Path, options: &ExportOptions, re
     let changes = changes(previous.as_ref(), &manifest, &records, &left_out);
     std::fs::create_dir_all(&target.parent).map_err(|e| io(&target.parent, e))?;
     let scratch = Scratch::create(target.sibling("tmp"))?;
-    let files = write_release(&scratch.path, out, &manifest, &graph, &records, options, &changes)?;
+    let files = write_release(
+        &scratch.path,
+        out,
+        &manifest,
+        &graph,
+        &records,
+        options,
+        &changes,
+    )?;
     target.install(scratch, existing)?;
     let count = |kind: &str| changes.iter().filter(|c| c["change"] == kind).count();
     Ok(ExportReport {
@@ -346,7 +435,11 @@ pub fn export_skills_with(store: &Store, out: &Path, options: &ExportOptions, re
 }
 
 /// `record` with its texts redacted and its content hash taken again.
-fn redact_record(mut record: SkillRecord, redactor: &fluxmem_redact::Redactor, counts: &mut fluxmem_redact::Counts) -> SkillRecord {
+fn redact_record(
+    mut record: SkillRecord,
+    redactor: &fluxmem_redact::Redactor,
+    counts: &mut fluxmem_redact::Counts,
+) -> SkillRecord {
     if !redactor.is_active() {
         return record;
     }
@@ -357,7 +450,11 @@ fn redact_record(mut record: SkillRecord, redactor: &fluxmem_redact::Redactor, c
     record.steps.iter_mut().for_each(&mut redact);
     record.pitfalls.iter_mut().for_each(&mut redact);
     record.content_sha256 = String::new();
-    record.content_sha256 = sha256_hex(serde_json::to_string(&record).expect("records serialise").as_bytes());
+    record.content_sha256 = sha256_hex(
+        serde_json::to_string(&record)
+            .expect("records serialise")
+            .as_bytes(),
+    );
     record
 }
 
@@ -376,8 +473,16 @@ fn previous_release(dir: &Path) -> Option<Value> {
 /// is gone, or a filter such as the eta minimum leaves it out, with the reason from `left_out`;
 /// listed, never dropped silently). Re-exporting the same store state keeps the previous
 /// release's list, so the output stays byte-identical.
-fn changes(previous: Option<&Value>, manifest: &fluxmem_store::Manifest, records: &[SkillRecord], left_out: &BTreeMap<String, String>) -> Vec<Value> {
-    let old: Vec<&Value> = previous.and_then(|p| p["skills"].as_array()).map(|s| s.iter().collect()).unwrap_or_default();
+fn changes(
+    previous: Option<&Value>,
+    manifest: &fluxmem_store::Manifest,
+    records: &[SkillRecord],
+    left_out: &BTreeMap<String, String>,
+) -> Vec<Value> {
+    let old: Vec<&Value> = previous
+        .and_then(|p| p["skills"].as_array())
+        .map(|s| s.iter().collect())
+        .unwrap_or_default();
     if let Some(previous) = previous {
         let same_store = previous["store"]["manifest_version"].as_u64() == Some(manifest.version);
         let old_ids: BTreeSet<&str> = old.iter().filter_map(|s| s["id"].as_str()).collect();
@@ -388,13 +493,18 @@ fn changes(previous: Option<&Value>, manifest: &fluxmem_store::Manifest, records
             }
         }
     }
-    let by_lineage: BTreeMap<&str, &Value> = old.iter().filter_map(|s| Some((s["lineage"].as_str()?, *s))).collect();
+    let by_lineage: BTreeMap<&str, &Value> = old
+        .iter()
+        .filter_map(|s| Some((s["lineage"].as_str()?, *s)))
+        .collect();
     let mut out = Vec::new();
     let now: BTreeSet<&str> = records.iter().map(|r| r.lineage.as_str()).collect();
     for record in records {
         let after = json!({ "id": record.id, "version": record.version, "pems": record.pems, "eta": record.eta });
         let entry = match by_lineage.get(record.lineage.as_str()) {
-            None => json!({ "change": "added", "lineage": record.lineage, "slug": record.slug, "name": record.name, "after": after }),
+            None => {
+                json!({ "change": "added", "lineage": record.lineage, "slug": record.slug, "name": record.name, "after": after })
+            }
             Some(before) if before["id"] == record.id.as_str() => {
                 json!({ "change": "unchanged", "lineage": record.lineage, "slug": record.slug, "name": record.name, "after": after })
             }
@@ -421,7 +531,12 @@ fn changes(previous: Option<&Value>, manifest: &fluxmem_store::Manifest, records
 /// `CHANGES.md`: the changes as a service operator reads them.
 fn changes_md(changes: &[Value]) -> String {
     let mut text = String::from("# Changes in this release\n");
-    for (kind, title) in [("added", "Added"), ("updated", "Updated"), ("retired", "Retired"), ("unchanged", "Unchanged")] {
+    for (kind, title) in [
+        ("added", "Added"),
+        ("updated", "Updated"),
+        ("retired", "Retired"),
+        ("unchanged", "Unchanged"),
+    ] {
         let items: Vec<&Value> = changes.iter().filter(|c| c["change"] == kind).collect();
         if items.is_empty() {
             continue;
@@ -431,12 +546,29 @@ fn changes_md(changes: &[Value]) -> String {
             let name = markdown_inline(item["name"].as_str().unwrap_or_default());
             let slug = item["slug"].as_str().unwrap_or_default();
             let score = |side: &Value| {
-                let number = |key: &str| side[key].as_f64().map_or("?".to_string(), |v| format!("{v:.4}"));
-                format!("v{} PEMS {} eta {}", side["version"], number("pems"), number("eta"))
+                let number = |key: &str| {
+                    side[key]
+                        .as_f64()
+                        .map_or("?".to_string(), |v| format!("{v:.4}"))
+                };
+                format!(
+                    "v{} PEMS {} eta {}",
+                    side["version"],
+                    number("pems"),
+                    number("eta")
+                )
             };
             let line = match kind {
-                "updated" => format!("- {name} (`{slug}`): {} -> {}\n", score(&item["before"]), score(&item["after"])),
-                "retired" => format!("- {name} (`{slug}`): {}; {}\n", score(&item["before"]), item["reason"].as_str().unwrap_or_default()),
+                "updated" => format!(
+                    "- {name} (`{slug}`): {} -> {}\n",
+                    score(&item["before"]),
+                    score(&item["after"])
+                ),
+                "retired" => format!(
+                    "- {name} (`{slug}`): {}; {}\n",
+                    score(&item["before"]),
+                    item["reason"].as_str().unwrap_or_default()
+                ),
                 _ => format!("- {name} (`{slug}`): {}\n", score(&item["after"])),
             };
             text.push_str(&line);
@@ -467,7 +599,8 @@ fn write_release(
                 // Slugs are unique, so a folder that already exists would be a bug: fail.
                 std::fs::create_dir(&folder).map_err(|e| io(&folder, e))?;
                 write(&folder.join("SKILL.md"), skill_md(record).as_bytes())?;
-                let provenance = serde_json::to_vec_pretty(&provenance(record)).expect("provenance serialises");
+                let provenance =
+                    serde_json::to_vec_pretty(&provenance(record)).expect("provenance serialises");
                 write(&folder.join(PROVENANCE_FILE), &provenance)?;
                 sync_dir(&folder)?;
                 files.push(format!("{}/SKILL.md", record.slug));
@@ -498,7 +631,10 @@ fn write_release(
 }
 
 fn io(path: &Path, source: std::io::Error) -> Error {
-    Error::Io { path: path.to_path_buf(), source }
+    Error::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// An I/O error of our own, with `message`, on `path`.
@@ -519,7 +655,9 @@ fn write(path: &Path, bytes: &[u8]) -> Result<()> {
 /// on Unix, where a directory opens as a file.
 fn sync_dir(dir: &Path) -> Result<()> {
     if cfg!(unix) {
-        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io(dir, e))?;
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| io(dir, e))?;
     }
     Ok(())
 }
@@ -578,14 +716,26 @@ impl Target {
             Err(e) => return Err(io(out, e)),
         };
         let Some(name) = dir.file_name().map(|n| n.to_os_string()) else {
-            return Err(refused(out, "the export directory needs a name of its own (not `..` or a root)".into()));
+            return Err(refused(
+                out,
+                "the export directory needs a name of its own (not `..` or a root)".into(),
+            ));
         };
         let parent = match dir.parent() {
             Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        let tag = format!("{}-{}", std::process::id(), EXPORTS.fetch_add(1, Ordering::Relaxed));
-        Ok(Target { dir, parent, name, tag })
+        let tag = format!(
+            "{}-{}",
+            std::process::id(),
+            EXPORTS.fetch_add(1, Ordering::Relaxed)
+        );
+        Ok(Target {
+            dir,
+            parent,
+            name,
+            tag,
+        })
     }
 
     /// `<parent>/.<name>.<what>-<tag>`.
@@ -639,7 +789,10 @@ impl Scratch {
             std::fs::remove_dir_all(&path).map_err(|e| io(&path, e))?;
         }
         std::fs::create_dir(&path).map_err(|e| io(&path, e))?;
-        Ok(Scratch { path, installed: false })
+        Ok(Scratch {
+            path,
+            installed: false,
+        })
     }
 
     fn installed(mut self) {
@@ -666,24 +819,45 @@ fn inspect(dir: &Path) -> Result<Existing> {
     match std::fs::metadata(dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Existing::Missing),
         Err(e) => return Err(io(dir, e)),
-        Ok(metadata) if !metadata.is_dir() => return Err(refused(dir, "exists and is not a directory".into())),
+        Ok(metadata) if !metadata.is_dir() => {
+            return Err(refused(dir, "exists and is not a directory".into()))
+        }
         Ok(_) => {}
     }
-    if std::fs::read_dir(dir).map_err(|e| io(dir, e))?.next().is_none() {
+    if std::fs::read_dir(dir)
+        .map_err(|e| io(dir, e))?
+        .next()
+        .is_none()
+    {
         return Ok(Existing::Empty);
     }
     let release = dir.join(RELEASE_FILE);
-    let listed = std::fs::read(&release).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok());
-    let Some(listed) = listed else { return Err(Error::OutputNotEmpty { path: dir.to_path_buf() }) };
+    let listed = std::fs::read(&release)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok());
+    let Some(listed) = listed else {
+        return Err(Error::OutputNotEmpty {
+            path: dir.to_path_buf(),
+        });
+    };
     if listed.get("format").and_then(Value::as_str) != Some("fluxmem-skills") {
         return Err(refused(dir, format!("its {RELEASE_FILE} is not a fluxmem skill release; refusing to replace the directory")));
     }
     let mut files: BTreeSet<String> = BTreeSet::from([RELEASE_FILE.to_string()]);
     let mut folders: BTreeSet<String> = BTreeSet::new();
-    for file in listed.get("files").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str) {
+    for file in listed
+        .get("files")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+    {
         let parts: Vec<&str> = file.split('/').collect();
         // Only plain relative paths, as an export writes them (`slug/SKILL.md`, `skills.jsonl`).
-        if parts.iter().any(|part| part.is_empty() || *part == "." || *part == "..") {
+        if parts
+            .iter()
+            .any(|part| part.is_empty() || *part == "." || *part == "..")
+        {
             continue;
         }
         for end in 1..parts.len() {
@@ -697,7 +871,11 @@ fn inspect(dir: &Path) -> Result<Existing> {
         return Ok(Existing::Export);
     }
     const SHOWN: usize = 5;
-    let more = if unlisted.len() > SHOWN { format!(" and {} more", unlisted.len() - SHOWN) } else { String::new() };
+    let more = if unlisted.len() > SHOWN {
+        format!(" and {} more", unlisted.len() - SHOWN)
+    } else {
+        String::new()
+    };
     Err(refused(
         dir,
         format!(
@@ -711,20 +889,34 @@ fn inspect(dir: &Path) -> Result<Existing> {
 
 /// Appends to `unlisted` the entries under `dir` (at `prefix` in the release) that are neither a
 /// listed regular file nor a folder of one; in name order, folders with a trailing `/`.
-fn find_unlisted(dir: &Path, prefix: &str, files: &BTreeSet<String>, folders: &BTreeSet<String>, unlisted: &mut Vec<String>) -> Result<()> {
+fn find_unlisted(
+    dir: &Path,
+    prefix: &str,
+    files: &BTreeSet<String>,
+    folders: &BTreeSet<String>,
+    unlisted: &mut Vec<String>,
+) -> Result<()> {
     let mut entries = std::fs::read_dir(dir)
         .and_then(|entries| entries.collect::<std::io::Result<Vec<_>>>())
         .map_err(|e| io(dir, e))?;
     entries.sort_by_key(|entry| entry.file_name());
     for entry in entries {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let relative = if prefix.is_empty() { name } else { format!("{prefix}/{name}") };
+        let relative = if prefix.is_empty() {
+            name
+        } else {
+            format!("{prefix}/{name}")
+        };
         // Not followed: a link is never a listed file or folder.
         let kind = entry.file_type().map_err(|e| io(&entry.path(), e))?;
         if kind.is_dir() && folders.contains(&relative) {
             find_unlisted(&entry.path(), &relative, files, folders, unlisted)?;
         } else if !(kind.is_file() && files.contains(&relative)) {
-            unlisted.push(if kind.is_dir() { format!("{relative}/") } else { relative });
+            unlisted.push(if kind.is_dir() {
+                format!("{relative}/")
+            } else {
+                relative
+            });
         }
     }
     Ok(())
@@ -763,7 +955,12 @@ fn skill_md(record: &SkillRecord) -> String {
     let mut text = String::from("---\n");
     text.push_str(&format!("name: {}\n", yaml_string(&record.slug)));
     let description: String = if record.description.chars().count() > MAX_DESCRIPTION_CHARS {
-        record.description.chars().take(MAX_DESCRIPTION_CHARS - 1).collect::<String>() + "…"
+        record
+            .description
+            .chars()
+            .take(MAX_DESCRIPTION_CHARS - 1)
+            .collect::<String>()
+            + "…"
     } else {
         record.description.clone()
     };
@@ -786,7 +983,11 @@ fn skill_md(record: &SkillRecord) -> String {
         text.push_str(&format!("  {key}: {}\n", yaml_string(&value)));
     }
     text.push_str("---\n\n");
-    text.push_str(&format!("# {}\n\n{}\n\n## Steps\n\n", markdown_inline(&record.name), markdown_inline(&record.description)));
+    text.push_str(&format!(
+        "# {}\n\n{}\n\n## Steps\n\n",
+        markdown_inline(&record.name),
+        markdown_inline(&record.description)
+    ));
     for (i, step) in record.steps.iter().enumerate() {
         text.push_str(&format!("{}. {}\n", i + 1, markdown_inline(step)));
     }
@@ -804,7 +1005,12 @@ fn skill_md(record: &SkillRecord) -> String {
 /// `|`, digit-dot) are backslash-escaped. Backticks are kept (tool names are code spans), but an
 /// odd one out is escaped so a span cannot swallow the rest of the line.
 pub(crate) fn markdown_inline(text: &str) -> String {
-    let flat: String = text.split(['\n', '\r']).map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ");
+    let flat: String = text
+        .split(['\n', '\r'])
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
     let balanced = flat.matches('`').count() % 2 == 0;
     let mut out = String::with_capacity(flat.len() + 8);
     let mut in_code = false;
@@ -816,7 +1022,9 @@ pub(crate) fn markdown_inline(text: &str) -> String {
             continue;
         }
         let structural = i == 0 && matches!(c, '-' | '+' | '=' | '|' | '>');
-        if !in_code && (matches!(c, '\\' | '<' | '>' | '*' | '_' | '[' | ']' | '#' | '`') || structural) {
+        if !in_code
+            && (matches!(c, '\\' | '<' | '>' | '*' | '_' | '[' | ']' | '#' | '`') || structural)
+        {
             out.push('\\');
         }
         out.push(c);
@@ -890,7 +1098,9 @@ fn release_manifest(
 
 fn parquet_bytes(records: &[SkillRecord], path: &Path) -> Result<Vec<u8>> {
     use arrow_schema::{DataType, Field, Schema};
-    let strings = |f: fn(&SkillRecord) -> &str| -> ArrayRef { Arc::new(StringArray::from_iter_values(records.iter().map(f))) };
+    let strings = |f: fn(&SkillRecord) -> &str| -> ArrayRef {
+        Arc::new(StringArray::from_iter_values(records.iter().map(f)))
+    };
     let lists = |f: fn(&SkillRecord) -> &Vec<String>| -> ArrayRef {
         let mut builder = ListBuilder::new(StringBuilder::new());
         for record in records {
@@ -918,7 +1128,11 @@ fn parquet_bytes(records: &[SkillRecord], path: &Path) -> Result<Vec<u8>> {
         Field::new("steps", utf8_list.clone(), true),
         Field::new("version", DataType::Int64, false),
         Field::new("pems", DataType::Float64, false),
-        Field::new("pems_history", DataType::List(Arc::new(Field::new("item", DataType::Float64, true))), true),
+        Field::new(
+            "pems_history",
+            DataType::List(Arc::new(Field::new("item", DataType::Float64, true))),
+            true,
+        ),
         Field::new("support", DataType::UInt64, false),
         Field::new("source_episodes", utf8_list.clone(), true),
         Field::new("previous_versions", utf8_list, true),
@@ -936,24 +1150,38 @@ fn parquet_bytes(records: &[SkillRecord], path: &Path) -> Result<Vec<u8>> {
         strings(|r| &r.description),
         strings(|r| &r.body),
         lists(|r| &r.steps),
-        Arc::new(Int64Array::from_iter_values(records.iter().map(|r| r.version))),
-        Arc::new(Float64Array::from_iter_values(records.iter().map(|r| r.pems))),
+        Arc::new(Int64Array::from_iter_values(
+            records.iter().map(|r| r.version),
+        )),
+        Arc::new(Float64Array::from_iter_values(
+            records.iter().map(|r| r.pems),
+        )),
         Arc::new(history.finish()),
-        Arc::new(UInt64Array::from_iter_values(records.iter().map(|r| r.support as u64))),
+        Arc::new(UInt64Array::from_iter_values(
+            records.iter().map(|r| r.support as u64),
+        )),
         lists(|r| &r.source_episodes),
         lists(|r| &r.previous_versions),
         strings(|r| &r.eta_source),
         strings(|r| &r.generator),
-        Arc::new(StringArray::from(records.iter().map(|r| r.judge.clone()).collect::<Vec<_>>())),
+        Arc::new(StringArray::from(
+            records.iter().map(|r| r.judge.clone()).collect::<Vec<_>>(),
+        )),
         strings(|r| &r.content_sha256),
     ];
-    let encode = |reason: String| Error::Encode { path: path.to_path_buf(), reason };
-    let batch = RecordBatch::try_new(Arc::new(schema), columns).map_err(|e| encode(e.to_string()))?;
+    let encode = |reason: String| Error::Encode {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let batch =
+        RecordBatch::try_new(Arc::new(schema), columns).map_err(|e| encode(e.to_string()))?;
     let properties = parquet::file::properties::WriterProperties::builder()
         .set_compression(parquet::basic::Compression::SNAPPY)
         .build();
     let mut buffer = Vec::new();
-    let mut writer = parquet::arrow::ArrowWriter::try_new(&mut buffer, batch.schema(), Some(properties)).map_err(|e| encode(e.to_string()))?;
+    let mut writer =
+        parquet::arrow::ArrowWriter::try_new(&mut buffer, batch.schema(), Some(properties))
+            .map_err(|e| encode(e.to_string()))?;
     writer.write(&batch).map_err(|e| encode(e.to_string()))?;
     writer.close().map_err(|e| encode(e.to_string()))?;
     Ok(buffer)
@@ -965,13 +1193,22 @@ mod tests {
 
     #[test]
     fn slugs_and_yaml_quoting() {
-        assert_eq!(slugify("Put a *clean* Object in/on a Receptacle!"), "put-a-clean-object-in-on-a-receptacle");
+        assert_eq!(
+            slugify("Put a *clean* Object in/on a Receptacle!"),
+            "put-a-clean-object-in-on-a-receptacle"
+        );
         assert_eq!(slugify("???"), "skill");
         assert_eq!(slugify(&"a".repeat(100)).len(), 64);
-        assert_eq!(yaml_string("say \"hi\"\n\\ \u{1}"), "\"say \\\"hi\\\"\\n\\\\ \\x01\"");
+        assert_eq!(
+            yaml_string("say \"hi\"\n\\ \u{1}"),
+            "\"say \\\"hi\\\"\\n\\\\ \\x01\""
+        );
         assert_eq!(yaml_number(0.25), "0.25");
         assert_eq!(yaml_number(f64::NAN), ".nan");
-        assert_eq!("jsonl".parse::<ExportFormat>().unwrap(), ExportFormat::Jsonl);
+        assert_eq!(
+            "jsonl".parse::<ExportFormat>().unwrap(),
+            ExportFormat::Jsonl
+        );
         assert!("yaml".parse::<ExportFormat>().is_err());
     }
 
@@ -983,9 +1220,15 @@ mod tests {
             source_episodes: vec![fluxmem_graph::NodeId::from(episode)],
             pems_history: vec![0.5],
         });
-        let mut node = Node::new(body, "default", &format!("Name: {name}\nSteps:\n1. one\n2. two\n"), &["test", name, episode]);
+        let mut node = Node::new(
+            body,
+            "default",
+            &format!("Name: {name}\nSteps:\n1. one\n2. two\n"),
+            &["test", name, episode],
+        );
         node.metadata.insert("name".into(), json!(name));
-        node.metadata.insert("description".into(), json!(format!("Use for {name}.")));
+        node.metadata
+            .insert("description".into(), json!(format!("Use for {name}.")));
         node.metadata.insert("steps".into(), json!(["one", "two"]));
         node
     }
@@ -1006,25 +1249,56 @@ mod tests {
     fn slugs_stay_unique_when_a_name_looks_like_a_suffix() {
         let graph = graph_of(&[("Foo", "e1"), ("Foo", "e2"), ("Foo 2", "e3")]);
         let records = skill_records(&graph);
-        assert_eq!(slugs(&records), BTreeSet::from(["foo", "foo-2", "foo-3"]), "{records:#?}");
-        assert_eq!(records.iter().find(|r| r.name == "Foo 2").unwrap().slug, "foo-2", "a genuine `foo-2` keeps its slug");
+        assert_eq!(
+            slugs(&records),
+            BTreeSet::from(["foo", "foo-2", "foo-3"]),
+            "{records:#?}"
+        );
+        assert_eq!(
+            records.iter().find(|r| r.name == "Foo 2").unwrap().slug,
+            "foo-2",
+            "a genuine `foo-2` keeps its slug"
+        );
         assert_eq!(skill_records(&graph), records, "deterministic");
 
-        let graph = graph_of(&[("Foo", "e1"), ("Foo", "e2"), ("foo-2", "e3"), ("Foo 2", "e4"), ("foo 3", "e5")]);
+        let graph = graph_of(&[
+            ("Foo", "e1"),
+            ("Foo", "e2"),
+            ("foo-2", "e3"),
+            ("Foo 2", "e4"),
+            ("foo 3", "e5"),
+        ]);
         let records = skill_records(&graph);
-        assert_eq!(slugs(&records), BTreeSet::from(["foo", "foo-2", "foo-2-2", "foo-3", "foo-4"]), "{records:#?}");
-        assert_eq!(records.iter().find(|r| r.name == "foo 3").unwrap().slug, "foo-3");
+        assert_eq!(
+            slugs(&records),
+            BTreeSet::from(["foo", "foo-2", "foo-2-2", "foo-3", "foo-4"]),
+            "{records:#?}"
+        );
+        assert_eq!(
+            records.iter().find(|r| r.name == "foo 3").unwrap().slug,
+            "foo-3"
+        );
 
         // Suffixed slugs stay within the length limit, and unique.
         let long = "a".repeat(80);
-        let records = skill_records(&graph_of(&[(long.as_str(), "e1"), (long.as_str(), "e2"), (long.as_str(), "e3")]));
+        let records = skill_records(&graph_of(&[
+            (long.as_str(), "e1"),
+            (long.as_str(), "e2"),
+            (long.as_str(), "e3"),
+        ]));
         assert_eq!(slugs(&records).len(), 3, "{records:#?}");
-        assert!(records.iter().all(|r| r.slug.len() <= MAX_SLUG), "{records:#?}");
+        assert!(
+            records.iter().all(|r| r.slug.len() <= MAX_SLUG),
+            "{records:#?}"
+        );
     }
 
     /// Names in `dir`, sorted.
     fn entries(dir: &Path) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
         names.sort();
         names
     }
@@ -1039,7 +1313,10 @@ mod tests {
                 if path.is_dir() {
                     stack.push(path);
                 } else {
-                    out.push((path.strip_prefix(dir).unwrap().display().to_string(), std::fs::read(&path).unwrap()));
+                    out.push((
+                        path.strip_prefix(dir).unwrap().display().to_string(),
+                        std::fs::read(&path).unwrap(),
+                    ));
                 }
             }
         }
@@ -1057,41 +1334,77 @@ mod tests {
         let store_dir = dir.path().join("store");
         let mut writer = fluxmem_store::Writer::open(&store_dir).unwrap();
         let graph = graph_of(&[("Wash lettuce", "e1"), ("Book a flight", "e2")]);
-        writer.commit(&graph, fluxmem_store::CommitInfo { stage: "test".into(), ..Default::default() }).unwrap();
+        writer
+            .commit(
+                &graph,
+                fluxmem_store::CommitInfo {
+                    stage: "test".into(),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
         drop(writer);
         let store = Store::open(&store_dir).unwrap();
         let parent = dir.path().join("exports");
         let out = parent.join("skills");
-        let md = ExportOptions { format: ExportFormat::SkillMd, tenant: None, min_pems: None, min_eta: None, min_support: 0 };
+        let md = ExportOptions {
+            format: ExportFormat::SkillMd,
+            tenant: None,
+            min_pems: None,
+            min_eta: None,
+            min_support: 0,
+        };
 
         // A first export that fails half-way (the second SKILL.md) leaves nothing behind.
         fail_after(Some(1));
         let failed = export_skills(&store, &out, &md);
         fail_after(None);
         assert!(failed.is_err());
-        assert_eq!(entries(&parent), Vec::<String>::new(), "no partial release and no temporary directory");
+        assert_eq!(
+            entries(&parent),
+            Vec::<String>::new(),
+            "no partial release and no temporary directory"
+        );
 
         let report = export_skills(&store, &out, &md).unwrap();
         assert_eq!(report.skills, 2);
         let before = tree(&out);
-        assert_eq!(before.len(), 6, "two SKILL.md, their provenance.json, CHANGES.md and the release manifest");
+        assert_eq!(
+            before.len(),
+            6,
+            "two SKILL.md, their provenance.json, CHANGES.md and the release manifest"
+        );
         assert_eq!(entries(&parent), vec!["skills"]);
 
         // A replacing export that fails before (0) or at (1) its release manifest: the
         // previous release stays whole, with its release.json.
-        let jsonl = ExportOptions { format: ExportFormat::Jsonl, ..md.clone() };
+        let jsonl = ExportOptions {
+            format: ExportFormat::Jsonl,
+            ..md.clone()
+        };
         for writes in 0..2 {
             fail_after(Some(writes));
             let failed = export_skills(&store, &out, &jsonl);
             fail_after(None);
             assert!(failed.is_err(), "failure after {writes} writes");
-            assert_eq!(tree(&out), before, "the previous release is untouched after {writes} writes");
-            assert_eq!(entries(&parent), vec!["skills"], "no temporary directory left after {writes} writes");
+            assert_eq!(
+                tree(&out),
+                before,
+                "the previous release is untouched after {writes} writes"
+            );
+            assert_eq!(
+                entries(&parent),
+                vec!["skills"],
+                "no temporary directory left after {writes} writes"
+            );
         }
 
         // And without a failure the replace goes through, leaving nothing next to it.
         export_skills(&store, &out, &jsonl).unwrap();
-        assert_eq!(entries(&out), vec![CHANGES_FILE, RELEASE_FILE, "skills.jsonl"]);
+        assert_eq!(
+            entries(&out),
+            vec![CHANGES_FILE, RELEASE_FILE, "skills.jsonl"]
+        );
         assert_eq!(entries(&parent), vec!["skills"]);
     }
 }
@@ -1102,8 +1415,14 @@ mod markdown_tests {
 
     #[test]
     fn step_text_cannot_open_structure_and_code_spans_stay_literal() {
-        assert_eq!(markdown_inline("Call `get_order` with <order_id>."), "Call `get_order` with \\<order\\_id\\>.");
-        assert_eq!(markdown_inline("# heading\n---\nname: x"), "\\# heading --- name: x");
+        assert_eq!(
+            markdown_inline("Call `get_order` with <order_id>."),
+            "Call `get_order` with \\<order\\_id\\>."
+        );
+        assert_eq!(
+            markdown_inline("# heading\n---\nname: x"),
+            "\\# heading --- name: x"
+        );
         assert_eq!(markdown_inline("- item"), "\\- item");
         assert_eq!(markdown_inline("12. not a list"), "12\\. not a list");
         assert_eq!(markdown_inline("odd ` tick"), "odd \\` tick");

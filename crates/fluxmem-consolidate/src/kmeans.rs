@@ -31,7 +31,15 @@ pub struct KMeansOptions {
 
 impl Default for KMeansOptions {
     fn default() -> Self {
-        KMeansOptions { clusters: None, seed: 0, max_iterations: 100, restarts: 4, mini_batch_above: 20_000, batch_size: 1024, mini_batch_iterations: 100 }
+        KMeansOptions {
+            clusters: None,
+            seed: 0,
+            max_iterations: 100,
+            restarts: 4,
+            mini_batch_above: 20_000,
+            batch_size: 1024,
+            mini_batch_iterations: 100,
+        }
     }
 }
 
@@ -58,7 +66,11 @@ impl Clustering {
             members[cluster].push(row);
         }
         for rows in &mut members {
-            rows.sort_by(|&a, &b| self.similarity[b].total_cmp(&self.similarity[a]).then(a.cmp(&b)));
+            rows.sort_by(|&a, &b| {
+                self.similarity[b]
+                    .total_cmp(&self.similarity[a])
+                    .then(a.cmp(&b))
+            });
         }
         members
     }
@@ -96,12 +108,25 @@ impl SplitMix64 {
 
 /// Clusters `vectors` (all of one dimension) on `device`. Zero vectors are allowed (they have
 /// cosine 0 to everything). With fewer vectors than clusters, k is reduced to the count.
-pub fn kmeans(vectors: &[Vec<f32>], options: &KMeansOptions, device: &Device) -> Result<Clustering> {
+pub fn kmeans(
+    vectors: &[Vec<f32>],
+    options: &KMeansOptions,
+    device: &Device,
+) -> Result<Clustering> {
     let n = vectors.len();
     if n == 0 {
-        return Ok(Clustering { assignment: Vec::new(), centroids: Vec::new(), similarity: Vec::new(), cohesion: 0.0, iterations: 0 });
+        return Ok(Clustering {
+            assignment: Vec::new(),
+            centroids: Vec::new(),
+            similarity: Vec::new(),
+            cohesion: 0.0,
+            iterations: 0,
+        });
     }
-    let k = options.clusters.unwrap_or_else(|| auto_clusters(n)).clamp(1, n);
+    let k = options
+        .clusters
+        .unwrap_or_else(|| auto_clusters(n))
+        .clamp(1, n);
     if n > options.mini_batch_above.max(k) {
         return mini_batch(vectors, k, options, device);
     }
@@ -110,11 +135,19 @@ pub fn kmeans(vectors: &[Vec<f32>], options: &KMeansOptions, device: &Device) ->
     let matrix = Tensor::from_vec(flat.clone(), (n, dim), device)?;
     let mut best: Option<Clustering> = None;
     for restart in 0..options.restarts.max(1) {
-        let mut rng = SplitMix64::new(options.seed.wrapping_mul(1_000_003).wrapping_add(restart as u64));
+        let mut rng = SplitMix64::new(
+            options
+                .seed
+                .wrapping_mul(1_000_003)
+                .wrapping_add(restart as u64),
+        );
         let seeds = plus_plus(&matrix, &flat, dim, k, &mut rng, device)?;
         let clustering = lloyd(&matrix, &flat, dim, seeds, options.max_iterations, device)?;
         // Strictly better only, so the earliest restart wins ties: deterministic.
-        if best.as_ref().is_none_or(|b| clustering.cohesion > b.cohesion + 1e-9) {
+        if best
+            .as_ref()
+            .is_none_or(|b| clustering.cohesion > b.cohesion + 1e-9)
+        {
             best = Some(clustering);
         }
     }
@@ -123,10 +156,20 @@ pub fn kmeans(vectors: &[Vec<f32>], options: &KMeansOptions, device: &Device) ->
 
 /// Mini-batch k-means over `vectors` (more than `options.mini_batch_above` of them) with `k`
 /// clusters; deterministic for the seed. Clusters no row is finally assigned to are dropped.
-fn mini_batch(vectors: &[Vec<f32>], k: usize, options: &KMeansOptions, device: &Device) -> Result<Clustering> {
+fn mini_batch(
+    vectors: &[Vec<f32>],
+    k: usize,
+    options: &KMeansOptions,
+    device: &Device,
+) -> Result<Clustering> {
     let n = vectors.len();
     let dim = vectors[0].len();
-    let mut rng = SplitMix64::new(options.seed.wrapping_mul(1_000_003).wrapping_add(0x6d69_6e69));
+    let mut rng = SplitMix64::new(
+        options
+            .seed
+            .wrapping_mul(1_000_003)
+            .wrapping_add(0x6d69_6e69),
+    );
     // A seeded sample (partial Fisher-Yates), in row order, clustered exactly.
     let size = options.mini_batch_above.max(k).min(n);
     let mut order: Vec<usize> = (0..n).collect();
@@ -137,7 +180,11 @@ fn mini_batch(vectors: &[Vec<f32>], k: usize, options: &KMeansOptions, device: &
     let mut sample: Vec<usize> = order[..size].to_vec();
     sample.sort_unstable();
     let rows: Vec<Vec<f32>> = sample.iter().map(|&i| vectors[i].clone()).collect();
-    let exact = KMeansOptions { clusters: Some(k), mini_batch_above: usize::MAX, ..options.clone() };
+    let exact = KMeansOptions {
+        clusters: Some(k),
+        mini_batch_above: usize::MAX,
+        ..options.clone()
+    };
     let start = kmeans(&rows, &exact, device)?;
     let mut centroids = start.centroids;
     let mut counts = vec![0f64; centroids.len()];
@@ -146,8 +193,13 @@ fn mini_batch(vectors: &[Vec<f32>], k: usize, options: &KMeansOptions, device: &
     let flat: Vec<f32> = vectors.iter().flat_map(|v| normalized(v)).collect();
     let batch = options.batch_size.max(1);
     for _ in 0..options.mini_batch_iterations {
-        let picks: Vec<usize> = (0..batch).map(|_| (rng.next_u64() % n as u64) as usize).collect();
-        let rows: Vec<f32> = picks.iter().flat_map(|&i| flat[i * dim..(i + 1) * dim].iter().copied()).collect();
+        let picks: Vec<usize> = (0..batch)
+            .map(|_| (rng.next_u64() % n as u64) as usize)
+            .collect();
+        let rows: Vec<f32> = picks
+            .iter()
+            .flat_map(|&i| flat[i * dim..(i + 1) * dim].iter().copied())
+            .collect();
         let block = Tensor::from_vec(rows, (batch, dim), device)?;
         let sims = similarities(&block, &centroids, dim, device)?;
         let mut touched = vec![false; centroids.len()];
@@ -155,7 +207,10 @@ fn mini_batch(vectors: &[Vec<f32>], k: usize, options: &KMeansOptions, device: &
             let (best, _) = argmax(scores);
             counts[best] += 1.0;
             let rate = (1.0 / counts[best]) as f32;
-            for (c, x) in centroids[best].iter_mut().zip(&flat[row * dim..(row + 1) * dim]) {
+            for (c, x) in centroids[best]
+                .iter_mut()
+                .zip(&flat[row * dim..(row + 1) * dim])
+            {
                 *c = (1.0 - rate) * *c + rate * x;
             }
             touched[best] = true;
@@ -183,7 +238,13 @@ fn mini_batch(vectors: &[Vec<f32>], k: usize, options: &KMeansOptions, device: &
     let assignment: Vec<usize> = picked.iter().map(|&(c, _)| remap[c]).collect();
     let similarity: Vec<f32> = picked.iter().map(|&(_, s)| s).collect();
     let cohesion = similarity.iter().map(|&s| s as f64).sum();
-    Ok(Clustering { assignment, centroids: kept, similarity, cohesion, iterations: options.mini_batch_iterations })
+    Ok(Clustering {
+        assignment,
+        centroids: kept,
+        similarity,
+        cohesion,
+        iterations: options.mini_batch_iterations,
+    })
 }
 
 /// The normalised mean of `rows` of `vectors` (a group's centroid).
@@ -203,7 +264,12 @@ fn normalized(vector: &[f32]) -> Vec<f32> {
 }
 
 /// Cosine of every row of `matrix` with each centroid: (n x k), computed in row blocks.
-fn similarities(matrix: &Tensor, centroids: &[Vec<f32>], dim: usize, device: &Device) -> Result<Vec<Vec<f32>>> {
+fn similarities(
+    matrix: &Tensor,
+    centroids: &[Vec<f32>],
+    dim: usize,
+    device: &Device,
+) -> Result<Vec<Vec<f32>>> {
     let n = matrix.dim(0)?;
     let flat: Vec<f32> = centroids.iter().flatten().copied().collect();
     let centers = Tensor::from_vec(flat, (centroids.len(), dim), device)?.t()?;
@@ -220,12 +286,22 @@ fn similarities(matrix: &Tensor, centroids: &[Vec<f32>], dim: usize, device: &De
 
 /// k-means++: the first centre uniformly, then each next one with probability proportional to
 /// the squared cosine distance (1 - cos) to the nearest chosen centre.
-fn plus_plus(matrix: &Tensor, flat: &[f32], dim: usize, k: usize, rng: &mut SplitMix64, device: &Device) -> Result<Vec<Vec<f32>>> {
+fn plus_plus(
+    matrix: &Tensor,
+    flat: &[f32],
+    dim: usize,
+    k: usize,
+    rng: &mut SplitMix64,
+    device: &Device,
+) -> Result<Vec<Vec<f32>>> {
     let n = flat.len() / dim.max(1);
     let row = |i: usize| flat[i * dim..(i + 1) * dim].to_vec();
     let first = (rng.next_f64() * n as f64) as usize % n;
     let mut centers = vec![row(first)];
-    let mut distance: Vec<f64> = similarities(matrix, &centers, dim, device)?.iter().map(|s| (1.0 - s[0] as f64).max(0.0)).collect();
+    let mut distance: Vec<f64> = similarities(matrix, &centers, dim, device)?
+        .iter()
+        .map(|s| (1.0 - s[0] as f64).max(0.0))
+        .collect();
     while centers.len() < k {
         let weights: Vec<f64> = distance.iter().map(|d| d * d).collect();
         let total: f64 = weights.iter().sum();
@@ -256,7 +332,14 @@ fn plus_plus(matrix: &Tensor, flat: &[f32], dim: usize, k: usize, rng: &mut Spli
 
 /// Lloyd iterations: assign to the most similar centroid, recompute centroids as normalised
 /// means (a one-hot matrix product per block), until the assignment is stable.
-fn lloyd(matrix: &Tensor, flat: &[f32], dim: usize, mut centroids: Vec<Vec<f32>>, max_iterations: usize, device: &Device) -> Result<Clustering> {
+fn lloyd(
+    matrix: &Tensor,
+    flat: &[f32],
+    dim: usize,
+    mut centroids: Vec<Vec<f32>>,
+    max_iterations: usize,
+    device: &Device,
+) -> Result<Clustering> {
     let n = flat.len() / dim.max(1);
     let k = centroids.len();
     let mut assignment = vec![usize::MAX; n];
@@ -280,7 +363,13 @@ fn lloyd(matrix: &Tensor, flat: &[f32], dim: usize, mut centroids: Vec<Vec<f32>>
         centroids = update(matrix, &assignment, &similarity, k, dim, device)?;
     }
     let cohesion = similarity.iter().map(|&s| s as f64).sum();
-    Ok(Clustering { assignment, centroids, similarity, cohesion, iterations })
+    Ok(Clustering {
+        assignment,
+        centroids,
+        similarity,
+        cohesion,
+        iterations,
+    })
 }
 
 /// The index and value of the highest score (ties to the first).
@@ -296,7 +385,14 @@ pub(crate) fn argmax(row: &[f32]) -> (usize, f32) {
 
 /// New centroids: the normalised sum of each cluster's rows. An empty cluster takes the row
 /// farthest from its own centroid (lowest similarity, ties by index), so k stays fixed.
-fn update(matrix: &Tensor, assignment: &[usize], similarity: &[f32], k: usize, dim: usize, device: &Device) -> Result<Vec<Vec<f32>>> {
+fn update(
+    matrix: &Tensor,
+    assignment: &[usize],
+    similarity: &[f32],
+    k: usize,
+    dim: usize,
+    device: &Device,
+) -> Result<Vec<Vec<f32>>> {
     let n = assignment.len();
     let mut sums = Tensor::zeros((k, dim), DType::F32, device)?;
     let mut start = 0;
@@ -347,7 +443,9 @@ mod tests {
         let draws: Vec<u64> = (0..4).map(|_| a.next_u64()).collect();
         assert_eq!(draws, (0..4).map(|_| b.next_u64()).collect::<Vec<_>>());
         assert_ne!(draws[0], draws[1]);
-        assert!((0..1000).map(|_| a.next_f64()).all(|x| (0.0..1.0).contains(&x)));
+        assert!((0..1000)
+            .map(|_| a.next_f64())
+            .all(|x| (0.0..1.0).contains(&x)));
     }
 
     /// Four separable groups of 1,500 rows, clustered by mini-batch k-means (sample of 400,
@@ -359,25 +457,58 @@ mod tests {
         let vectors: Vec<Vec<f32>> = (0..1500)
             .map(|i| (0..16).map(|d| if d == (i % 4) * 4 { 1.0 } else { 0.0 } + 0.2 * (rng.next_f64() as f32 - 0.5)).collect())
             .collect();
-        let options = KMeansOptions { clusters: Some(4), seed: 11, mini_batch_above: 400, batch_size: 128, mini_batch_iterations: 30, ..Default::default() };
+        let options = KMeansOptions {
+            clusters: Some(4),
+            seed: 11,
+            mini_batch_above: 400,
+            batch_size: 128,
+            mini_batch_iterations: 30,
+            ..Default::default()
+        };
         let fast = kmeans(&vectors, &options, &Device::Cpu).unwrap();
         assert_eq!(fast.centroids.len(), 4);
         for group in 0..4 {
-            let clusters: std::collections::BTreeSet<usize> = (0..1500).filter(|i| i % 4 == group).map(|i| fast.assignment[i]).collect();
+            let clusters: std::collections::BTreeSet<usize> = (0..1500)
+                .filter(|i| i % 4 == group)
+                .map(|i| fast.assignment[i])
+                .collect();
             assert_eq!(clusters.len(), 1, "group {group} is split: {clusters:?}");
         }
-        assert_eq!(kmeans(&vectors, &options, &Device::Cpu).unwrap(), fast, "deterministic");
-        let exact = kmeans(&vectors, &KMeansOptions { mini_batch_above: usize::MAX, ..options.clone() }, &Device::Cpu).unwrap();
-        assert!((fast.cohesion - exact.cohesion).abs() < 0.01 * exact.cohesion, "{} vs exact {}", fast.cohesion, exact.cohesion);
+        assert_eq!(
+            kmeans(&vectors, &options, &Device::Cpu).unwrap(),
+            fast,
+            "deterministic"
+        );
+        let exact = kmeans(
+            &vectors,
+            &KMeansOptions {
+                mini_batch_above: usize::MAX,
+                ..options.clone()
+            },
+            &Device::Cpu,
+        )
+        .unwrap();
+        assert!(
+            (fast.cohesion - exact.cohesion).abs() < 0.01 * exact.cohesion,
+            "{} vs exact {}",
+            fast.cohesion,
+            exact.cohesion
+        );
     }
 
     #[test]
     fn more_clusters_than_rows_and_zero_vectors_do_not_panic() {
         let vectors = vec![vec![0.0, 0.0], vec![1.0, 0.0]];
-        let options = KMeansOptions { clusters: Some(5), ..Default::default() };
+        let options = KMeansOptions {
+            clusters: Some(5),
+            ..Default::default()
+        };
         let clustering = kmeans(&vectors, &options, &Device::Cpu).unwrap();
         assert_eq!(clustering.centroids.len(), 2);
         assert!(clustering.similarity.iter().all(|s| s.is_finite()));
-        assert!(kmeans(&[], &options, &Device::Cpu).unwrap().assignment.is_empty());
+        assert!(kmeans(&[], &options, &Device::Cpu)
+            .unwrap()
+            .assignment
+            .is_empty());
     }
 }

@@ -32,13 +32,16 @@ mod pems;
 mod prompt;
 
 pub use consolidate::{
-    consolidate_store, latest_skills, ClusterReport, ConsolidateOptions, ConsolidateReport, FailedCluster, NoProgress, Progress,
-    SkillReport, TokenUsage, STAGE,
+    consolidate_store, latest_skills, ClusterReport, ConsolidateOptions, ConsolidateReport,
+    FailedCluster, NoProgress, Progress, SkillReport, TokenUsage, STAGE,
 };
-pub use export::{check_export_target, export_skills, export_skills_with, skill_records, ExportFormat, ExportOptions, ExportReport, SkillRecord, CHANGES_FILE, PROVENANCE_FILE, RELEASE_FILE};
+pub use export::{
+    check_export_target, export_skills, export_skills_with, skill_records, ExportFormat,
+    ExportOptions, ExportReport, SkillRecord, CHANGES_FILE, PROVENANCE_FILE, RELEASE_FILE,
+};
 pub use kmeans::{auto_clusters, kmeans, Clustering, KMeansOptions, SplitMix64, KMEANS_BLOCK_ROWS};
-pub use mine::{coverage, lcs_len, mine, signatures, MineOptions, Signed, Skeleton, SkeletonStep};
 pub use mature::{induce_skill, Attempt, Matured, Models, Round, Wording};
+pub use mine::{coverage, lcs_len, mine, signatures, MineOptions, Signed, Skeleton, SkeletonStep};
 pub use parse::{parse_skill, SkillText};
 pub use pems::{delta, pems, word_count, LengthUnit, PemsOptions, PemsScore};
 pub use prompt::{episode_brief, episode_text, outcome_label, EXAMPLE_NAME};
@@ -83,7 +86,10 @@ pub enum Error {
         source: std::io::Error,
     },
     /// The export directory holds files that are not an earlier export.
-    #[error("{path}: the export directory is not empty and holds no {}; refusing to write into it", RELEASE_FILE)]
+    #[error(
+        "{path}: the export directory is not empty and holds no {}; refusing to write into it",
+        RELEASE_FILE
+    )]
     OutputNotEmpty {
         /// The directory.
         path: PathBuf,

@@ -94,7 +94,10 @@ const MIN_GROUNDED_WORDS: usize = 2;
 
 /// The vocabulary of the episodes as the generator sees them.
 fn vocabulary(episodes: &[&Node]) -> BTreeSet<String> {
-    episodes.iter().flat_map(|node| content_words(&prompt::episode_brief(node, false))).collect()
+    episodes
+        .iter()
+        .flat_map(|node| content_words(&prompt::episode_brief(node, false)))
+        .collect()
 }
 
 /// Stop strings: the model inventing more logs instead of ending its answer.
@@ -134,34 +137,45 @@ fn induce_with(
 ) -> Result<Option<SkillText>> {
     let params = params(options);
     let vocabulary = vocabulary(episodes);
-    let (shown, _) = match prompt::serialize_episodes(episodes, options.prompt_budget, true, &*generator) {
-        Ok(serialized) => serialized,
-        Err(error) => {
-            attempts.push(model_error(error));
-            return Ok(None);
-        }
-    };
+    let (shown, _) =
+        match prompt::serialize_episodes(episodes, options.prompt_budget, true, &*generator) {
+            Ok(serialized) => serialized,
+            Err(error) => {
+                attempts.push(model_error(error));
+                return Ok(None);
+            }
+        };
     // Nothing from the logs reaches a model unredacted (emails, cards, keys in tool arguments);
     // the prompt's own example is ours and stays as it is.
     let shown = fluxmem_redact::Redactor::default().redact(&shown).text;
     let messages = match previous {
         None => prompt::induce(&shown),
-        Some(text) => prompt::update(&fluxmem_redact::Redactor::default().redact(text).text, &shown),
+        Some(text) => prompt::update(
+            &fluxmem_redact::Redactor::default().redact(text).text,
+            &shown,
+        ),
     };
     if let Some(skill) = generate_skill(generator, &messages, &params, &vocabulary, attempts) {
         return Ok(Some(skill));
     }
     // The retry: a different, shorter prompt over the two most representative episodes.
     let few = &episodes[..episodes.len().min(2)];
-    let (shown, _) = match prompt::serialize_episodes(few, options.prompt_budget / 2, true, &*generator) {
-        Ok(serialized) => serialized,
-        Err(error) => {
-            attempts.push(model_error(error));
-            return Ok(None);
-        }
-    };
+    let (shown, _) =
+        match prompt::serialize_episodes(few, options.prompt_budget / 2, true, &*generator) {
+            Ok(serialized) => serialized,
+            Err(error) => {
+                attempts.push(model_error(error));
+                return Ok(None);
+            }
+        };
     let shown = fluxmem_redact::Redactor::default().redact(&shown).text;
-    Ok(generate_skill(generator, &prompt::retry(&shown), &params, &vocabulary, attempts))
+    Ok(generate_skill(
+        generator,
+        &prompt::retry(&shown),
+        &params,
+        &vocabulary,
+        attempts,
+    ))
 }
 
 /// Every `HOLDOUT_EVERY`-th episode (in representative order) is kept back from mining to
@@ -176,14 +190,26 @@ struct Split<'g> {
 }
 
 fn succeeded(node: &Node) -> bool {
-    node.episode().and_then(|e| e.outcome.success).unwrap_or(true)
+    node.episode()
+        .and_then(|e| e.outcome.success)
+        .unwrap_or(true)
 }
 
 fn split<'g>(episodes: &[&'g Node]) -> Split<'g> {
-    let held: Vec<bool> = (0..episodes.len()).map(|i| i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1).collect();
-    let train_successes = episodes.iter().zip(&held).filter(|(n, h)| !**h && succeeded(n)).count();
+    let held: Vec<bool> = (0..episodes.len())
+        .map(|i| i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1)
+        .collect();
+    let train_successes = episodes
+        .iter()
+        .zip(&held)
+        .filter(|(n, h)| !**h && succeeded(n))
+        .count();
     let holdout = train_successes >= 2 && held.iter().any(|h| *h);
-    let mut out = Split { successes: Vec::new(), failures: Vec::new(), held_out: Vec::new() };
+    let mut out = Split {
+        successes: Vec::new(),
+        failures: Vec::new(),
+        held_out: Vec::new(),
+    };
     for (node, is_held) in episodes.iter().zip(&held) {
         if holdout && *is_held {
             out.held_out.push(node);
@@ -203,7 +229,13 @@ fn pitfalls_of(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> Vec<String> 
         .filter(|i| !kept.contains(i))
         .map(|i| skeleton.steps[i].text.trim_end_matches('.'))
         .collect();
-    skeleton.preconditions.iter().chain(&skeleton.pitfalls).filter(|p| !dropped.iter().any(|d| p.contains(d))).cloned().collect()
+    skeleton
+        .preconditions
+        .iter()
+        .chain(&skeleton.pitfalls)
+        .filter(|p| !dropped.iter().any(|d| p.contains(d)))
+        .cloned()
+        .collect()
 }
 
 /// What a skill's words came from.
@@ -215,7 +247,12 @@ pub struct Wording {
     pub problem: Option<String>,
 }
 
-pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &ConsolidateOptions, skills: usize) -> Result<Matured> {
+pub(crate) fn mature(
+    job: &Job<'_>,
+    models: &mut Models<'_>,
+    options: &ConsolidateOptions,
+    skills: usize,
+) -> Result<Matured> {
     let split = split(&job.episodes);
     let Some(skeleton) = crate::mine::mine(&split.successes, &split.failures, &options.mine) else {
         let reason = format!(
@@ -226,7 +263,10 @@ pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &Consolida
         return Ok(Matured::NoProcedure { reason });
     };
     let (held_out, eta_scope) = if split.held_out.is_empty() {
-        (job.episodes.clone(), "in-sample sequence coverage (too few successes to keep some back)")
+        (
+            job.episodes.clone(),
+            "in-sample sequence coverage (too few successes to keep some back)",
+        )
     } else {
         (split.held_out.clone(), "held-out sequence coverage")
     };
@@ -241,12 +281,18 @@ pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &Consolida
         let current = SkillText {
             name: name.clone(),
             description: description.clone(),
-            steps: kept.iter().map(|&i| skeleton.steps[i].text.clone()).collect(),
+            steps: kept
+                .iter()
+                .map(|&i| skeleton.steps[i].text.clone())
+                .collect(),
             pitfalls: pitfalls_of(&skeleton, &kept),
         };
         let text = current.render();
         let vector = models.embedder.embed(&[text.as_str()])?.remove(0);
-        let keys: Vec<&str> = kept.iter().map(|&i| skeleton.steps[i].key.as_str()).collect();
+        let keys: Vec<&str> = kept
+            .iter()
+            .map(|&i| skeleton.steps[i].key.as_str())
+            .collect();
         let eta = match models.judge.as_deref_mut() {
             Some(judge) => judge_eta(&text, &job.episodes, judge, options)?,
             None => coverage_eta(&keys, &measured),
@@ -255,9 +301,21 @@ pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &Consolida
             (LengthUnit::Tokens, Some(generator)) => generator.count_tokens(&text)?,
             _ => word_count(&text),
         };
-        let score = pems(eta, length, delta(&vector, previous_vector.as_deref()), skills, &options.pems);
+        let score = pems(
+            eta,
+            length,
+            delta(&vector, previous_vector.as_deref()),
+            skills,
+            &options.pems,
+        );
         let change = rounds.last().map(|r| (score.pems - r.score.pems).abs());
-        rounds.push(Round { round, text, skill: current, vector: vector.clone(), score });
+        rounds.push(Round {
+            round,
+            text,
+            skill: current,
+            vector: vector.clone(),
+            score,
+        });
         if change.is_some_and(|c| c < options.epsilon) {
             converged = Some(round);
             break;
@@ -277,7 +335,16 @@ pub(crate) fn mature(job: &Job<'_>, models: &mut Models<'_>, options: &Consolida
     }
     let best = best_round(&rounds);
     let measured_on = held_out.iter().map(|n| n.id.clone()).collect();
-    Ok(Matured::Skill { rounds, best, converged, rejected: attempts, skeleton, wording, eta_scope: eta_scope.to_string(), measured_on })
+    Ok(Matured::Skill {
+        rounds,
+        best,
+        converged,
+        rejected: attempts,
+        skeleton,
+        wording,
+        eta_scope: eta_scope.to_string(),
+        measured_on,
+    })
 }
 
 /// The skill's name and description: the generator's when it writes readable ones that name
@@ -291,53 +358,122 @@ fn word(
 ) -> Result<(String, String, Wording)> {
     let (template_name, template_description) = template_words(skeleton);
     let Some(generator) = models.generator.as_deref_mut() else {
-        return Ok((template_name, template_description, Wording { source: "template".into(), problem: None }));
+        return Ok((
+            template_name,
+            template_description,
+            Wording {
+                source: "template".into(),
+                problem: None,
+            },
+        ));
     };
     // The tasks of the successes the procedure was mined from (most representative first)
     // and its steps; nothing from the logs reaches the model unredacted.
     let redactor = fluxmem_redact::Redactor::default();
-    let tasks: Vec<String> =
-        job.episodes.iter().filter(|n| succeeded(n)).take(NAMING_TASKS).map(|n| redactor.redact(n.text.trim()).text).collect();
-    let steps: Vec<String> = skeleton.steps.iter().map(|s| redactor.redact(&s.text).text).collect();
+    let tasks: Vec<String> = job
+        .episodes
+        .iter()
+        .filter(|n| succeeded(n))
+        .take(NAMING_TASKS)
+        .map(|n| redactor.redact(n.text.trim()).text)
+        .collect();
+    let steps: Vec<String> = skeleton
+        .steps
+        .iter()
+        .map(|s| redactor.redact(&s.text).text)
+        .collect();
     let messages = prompt::name_procedure(&tasks, &steps);
     // Two lines need few tokens; the options' limit still bounds every answer.
-    let params = GenerateParams { max_tokens: NAMING_TOKENS.min(options.max_tokens), ..params(options) };
+    let params = GenerateParams {
+        max_tokens: NAMING_TOKENS.min(options.max_tokens),
+        ..params(options)
+    };
     let problem = match generator.generate(&messages, &params) {
         Err(error) => {
             attempts.push(model_error(error));
-            attempts.last().map(|a| a.problem.clone()).unwrap_or_default()
+            attempts
+                .last()
+                .map(|a| a.problem.clone())
+                .unwrap_or_default()
         }
         Ok(answer) => match prompt::parse_name(&answer.text) {
             Err(problem) => {
-                attempts.push(Attempt { raw: answer.text, problem: problem.clone() });
+                attempts.push(Attempt {
+                    raw: answer.text,
+                    problem: problem.clone(),
+                });
                 problem
             }
             Ok((name, description)) => {
-                let skill = SkillText { name, description, steps: Vec::new(), pitfalls: Vec::new() };
-                let instance = prompt::instance_word(&format!("{} {}", skill.name, skill.description), &skill.description, &tasks, &steps);
+                let skill = SkillText {
+                    name,
+                    description,
+                    steps: Vec::new(),
+                    pitfalls: Vec::new(),
+                };
+                let instance = prompt::instance_word(
+                    &format!("{} {}", skill.name, skill.description),
+                    &skill.description,
+                    &tasks,
+                    &steps,
+                );
                 let problem = match instance {
-                    Some(word) => Some(format!("names `{word}`, a detail of one request, not of the procedure")),
-                    None if prompt::ungrounded_name(&skill.name, &tasks, &steps) => {
-                        Some(format!("the name `{}` uses no word of the tasks or steps", skill.name))
-                    }
+                    Some(word) => Some(format!(
+                        "names `{word}`, a detail of one request, not of the procedure"
+                    )),
+                    None if prompt::ungrounded_name(&skill.name, &tasks, &steps) => Some(format!(
+                        "the name `{}` uses no word of the tasks or steps",
+                        skill.name
+                    )),
                     None => None,
                 };
                 if let Some(problem) = problem {
-                    attempts.push(Attempt { raw: answer.text, problem: problem.clone() });
-                    return Ok((template_name, template_description, Wording { source: "template".into(), problem: Some(problem) }));
+                    attempts.push(Attempt {
+                        raw: answer.text,
+                        problem: problem.clone(),
+                    });
+                    return Ok((
+                        template_name,
+                        template_description,
+                        Wording {
+                            source: "template".into(),
+                            problem: Some(problem),
+                        },
+                    ));
                 }
                 match foreign_tool(&skill, skeleton, &job.episodes) {
-                    None => return Ok((skill.name, skill.description, Wording { source: "generator".into(), problem: None })),
+                    None => {
+                        return Ok((
+                            skill.name,
+                            skill.description,
+                            Wording {
+                                source: "generator".into(),
+                                problem: None,
+                            },
+                        ))
+                    }
                     Some(tool) => {
-                        let problem = format!("names the tool `{tool}`, which the mined procedure does not use");
-                        attempts.push(Attempt { raw: answer.text, problem: problem.clone() });
+                        let problem = format!(
+                            "names the tool `{tool}`, which the mined procedure does not use"
+                        );
+                        attempts.push(Attempt {
+                            raw: answer.text,
+                            problem: problem.clone(),
+                        });
                         problem
                     }
                 }
             }
         },
     };
-    Ok((template_name, template_description, Wording { source: "template".into(), problem: Some(problem) }))
+    Ok((
+        template_name,
+        template_description,
+        Wording {
+            source: "template".into(),
+            problem: Some(problem),
+        },
+    ))
 }
 
 /// Successes whose tasks the naming prompt shows.
@@ -348,16 +484,37 @@ const NAMING_TOKENS: usize = 80;
 /// A tool the generator's skill names but the skeleton lacks: a tool of the cluster's episodes,
 /// or any `snake_case` identifier that is neither a skeleton tool nor one of its argument names
 /// (small models invent plausible tool names).
-fn foreign_tool(skill: &SkillText, skeleton: &crate::mine::Skeleton, episodes: &[&Node]) -> Option<String> {
-    let used: BTreeSet<&str> = skeleton.steps.iter().filter_map(|s| s.tool.as_deref()).collect();
+fn foreign_tool(
+    skill: &SkillText,
+    skeleton: &crate::mine::Skeleton,
+    episodes: &[&Node],
+) -> Option<String> {
+    let used: BTreeSet<&str> = skeleton
+        .steps
+        .iter()
+        .filter_map(|s| s.tool.as_deref())
+        .collect();
     let arguments: BTreeSet<&str> = skeleton
         .steps
         .iter()
-        .filter_map(|s| s.key.strip_prefix("call ").and_then(|k| k.split_once('(')).map(|(_, a)| a.trim_end_matches(')')))
+        .filter_map(|s| {
+            s.key
+                .strip_prefix("call ")
+                .and_then(|k| k.split_once('('))
+                .map(|(_, a)| a.trim_end_matches(')'))
+        })
         .flat_map(|a| a.split(','))
         .collect();
-    let text = format!("{} {} {}", skill.name, skill.description, skill.steps.join(" "));
-    let words: BTreeSet<&str> = text.split(|c: char| !(c.is_alphanumeric() || c == '_')).filter(|w| !w.is_empty()).collect();
+    let text = format!(
+        "{} {} {}",
+        skill.name,
+        skill.description,
+        skill.steps.join(" ")
+    );
+    let words: BTreeSet<&str> = text
+        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .filter(|w| !w.is_empty())
+        .collect();
     let from_episodes = episodes
         .iter()
         .flat_map(|n| crate::mine::signatures(n))
@@ -366,7 +523,12 @@ fn foreign_tool(skill: &SkillText, skeleton: &crate::mine::Skeleton, episodes: &
     from_episodes.or_else(|| {
         words
             .iter()
-            .find(|w| w.contains('_') && w.chars().any(char::is_alphabetic) && !used.contains(*w) && !arguments.contains(*w))
+            .find(|w| {
+                w.contains('_')
+                    && w.chars().any(char::is_alphabetic)
+                    && !used.contains(*w)
+                    && !arguments.contains(*w)
+            })
             .map(|w| w.to_string())
     })
 }
@@ -389,15 +551,28 @@ fn template_words(skeleton: &crate::mine::Skeleton) -> (String, String) {
     } else if readable_pattern {
         pattern.to_string()
     } else {
-        skeleton.steps.iter().take(2).map(|s| s.text.trim_end_matches('.').to_string()).collect::<Vec<_>>().join(", then ")
+        skeleton
+            .steps
+            .iter()
+            .take(2)
+            .map(|s| s.text.trim_end_matches('.').to_string())
+            .collect::<Vec<_>>()
+            .join(", then ")
     };
     let mut chars = name.chars();
-    let name = chars.next().map(|c| c.to_uppercase().collect::<String>() + chars.as_str()).unwrap_or_default();
+    let name = chars
+        .next()
+        .map(|c| c.to_uppercase().collect::<String>() + chars.as_str())
+        .unwrap_or_default();
     let contrast = match skeleton.failures {
         0 => String::new(),
         n => format!(", contrasted with {n} failed one(s)"),
     };
-    let like = if pattern.is_empty() { String::new() } else { format!(" like \"{pattern}\"") };
+    let like = if pattern.is_empty() {
+        String::new()
+    } else {
+        format!(" like \"{pattern}\"")
+    };
     let description = format!(
         "Use for tasks{like}. Mined from {} successful episode(s){contrast}; each step is in at least {} of them.",
         skeleton.successes,
@@ -422,7 +597,13 @@ pub(crate) struct Measured {
 pub(crate) fn measure(episodes: &[&Node]) -> Vec<Measured> {
     episodes
         .iter()
-        .map(|node| Measured { success: succeeded(node), keys: crate::mine::signatures(node).into_iter().map(|s| s.key).collect() })
+        .map(|node| Measured {
+            success: succeeded(node),
+            keys: crate::mine::signatures(node)
+                .into_iter()
+                .map(|s| s.key)
+                .collect(),
+        })
         .collect()
 }
 
@@ -449,12 +630,20 @@ fn coverage_eta(keys: &[&str], episodes: &[Measured]) -> f64 {
 
 /// The position in `kept` of the non-critical step whose removal raises eta the most (ties: the
 /// earliest), if any removal raises it and at least 2 steps remain.
-fn best_drop(skeleton: &crate::mine::Skeleton, kept: &[usize], episodes: &[Measured]) -> Option<usize> {
+fn best_drop(
+    skeleton: &crate::mine::Skeleton,
+    kept: &[usize],
+    episodes: &[Measured],
+) -> Option<usize> {
     if kept.len() <= 2 {
         return None;
     }
     let keys = |skip: Option<usize>| -> Vec<&str> {
-        kept.iter().enumerate().filter(|(p, _)| Some(*p) != skip).map(|(_, &i)| skeleton.steps[i].key.as_str()).collect()
+        kept.iter()
+            .enumerate()
+            .filter(|(p, _)| Some(*p) != skip)
+            .map(|(_, &i)| skeleton.steps[i].key.as_str())
+            .collect()
     };
     let base = coverage_eta(&keys(None), episodes);
     let mut best: Option<(usize, f64)> = None;
@@ -482,7 +671,10 @@ pub(crate) fn best_round(rounds: &[Round]) -> usize {
 }
 
 fn model_error(error: impl std::fmt::Display) -> Attempt {
-    Attempt { raw: String::new(), problem: format!("model error: {error}") }
+    Attempt {
+        raw: String::new(),
+        problem: format!("model error: {error}"),
+    }
 }
 
 /// One generation, parsed; `None` when it is unreadable or uses fewer than
@@ -526,12 +718,25 @@ fn generate_skill(
 /// eta with a judge: the first `judge_episodes` episodes are replayed; an episode agrees when
 /// it succeeded and the judge finds the skill consistent with it (P >= threshold), or it failed
 /// and the judge does not. Episodes without a logged outcome count as successes.
-fn judge_eta(skill: &str, episodes: &[&Node], judge: &mut dyn Judge, options: &ConsolidateOptions) -> Result<f64> {
-    let judged: Vec<&Node> = episodes.iter().copied().take(options.judge_episodes.max(1)).collect();
+fn judge_eta(
+    skill: &str,
+    episodes: &[&Node],
+    judge: &mut dyn Judge,
+    options: &ConsolidateOptions,
+) -> Result<f64> {
+    let judged: Vec<&Node> = episodes
+        .iter()
+        .copied()
+        .take(options.judge_episodes.max(1))
+        .collect();
     let passages: Vec<String> = judged.iter().map(|n| prompt::episode_text(n)).collect();
     let passage_refs: Vec<&str> = passages.iter().map(String::as_str).collect();
     let scores = judge.score(&prompt::judge_query(skill), &passage_refs)?;
-    let agreeing = judged.iter().zip(&scores).filter(|(node, p)| (**p >= options.judge_threshold) == succeeded(node)).count();
+    let agreeing = judged
+        .iter()
+        .zip(&scores)
+        .filter(|(node, p)| (**p >= options.judge_threshold) == succeeded(node))
+        .count();
     Ok(agreeing as f64 / judged.len().max(1) as f64)
 }
 
@@ -542,18 +747,47 @@ mod tests {
     use fluxmem_graph::{Episode, NodeBody, Outcome, Step};
 
     fn episode(actions: &[&str], success: bool) -> Node {
-        let steps = actions.iter().map(|a| Step { action: a.to_string(), ..Step::default() }).collect();
-        let body = NodeBody::Episodic(Episode { steps, outcome: Outcome { success: Some(success), reward: None, feedback: None } });
-        Node::new(body, "t", &actions.join(";"), &[&actions.join(";"), &success.to_string()])
+        let steps = actions
+            .iter()
+            .map(|a| Step {
+                action: a.to_string(),
+                ..Step::default()
+            })
+            .collect();
+        let body = NodeBody::Episodic(Episode {
+            steps,
+            outcome: Outcome {
+                success: Some(success),
+                reward: None,
+                feedback: None,
+            },
+        });
+        Node::new(
+            body,
+            "t",
+            &actions.join(";"),
+            &[&actions.join(";"), &success.to_string()],
+        )
     }
 
     fn step(key: &str, critical: bool) -> SkeletonStep {
-        SkeletonStep { key: key.into(), text: key.into(), tool: None, support: 1.0, failure_support: None, critical }
+        SkeletonStep {
+            key: key.into(),
+            text: key.into(),
+            tool: None,
+            support: 1.0,
+            failure_support: None,
+            critical,
+        }
     }
 
     fn skeleton(critical_middle: bool) -> Skeleton {
         Skeleton {
-            steps: vec![step("go to <1>", false), step("open <1>", critical_middle), step("take <1> from <2>", false)],
+            steps: vec![
+                step("go to <1>", false),
+                step("open <1>", critical_middle),
+                step("take <1> from <2>", false),
+            ],
             branches: Vec::new(),
             preconditions: Vec::new(),
             pitfalls: Vec::new(),
@@ -565,26 +799,60 @@ mod tests {
 
     #[test]
     fn a_rewrite_drops_the_step_that_kept_back_successes_skip_and_raises_eta() {
-        let held = [episode(&["go to fridge 1", "take apple 1 from fridge 1"], true), episode(&["go to shelf 1", "take cup 1 from shelf 1"], true)];
+        let held = [
+            episode(&["go to fridge 1", "take apple 1 from fridge 1"], true),
+            episode(&["go to shelf 1", "take cup 1 from shelf 1"], true),
+        ];
         let held = measure(&held.iter().collect::<Vec<&Node>>());
         let all = [0, 1, 2];
         let before = coverage_eta(&["go to <1>", "open <1>", "take <1> from <2>"], &held);
         assert!((before - 2.0 / 3.0).abs() < 1e-12);
-        assert_eq!(best_drop(&skeleton(false), &all, &held), Some(1), "the open goes");
-        assert_eq!(coverage_eta(&["go to <1>", "take <1> from <2>"], &held), 1.0, "eta rises to 1");
-        assert_eq!(best_drop(&skeleton(true), &all, &held), None, "a critical step is never dropped");
-        assert_eq!(best_drop(&skeleton(false), &[0, 2], &held), None, "two steps stay");
+        assert_eq!(
+            best_drop(&skeleton(false), &all, &held),
+            Some(1),
+            "the open goes"
+        );
+        assert_eq!(
+            coverage_eta(&["go to <1>", "take <1> from <2>"], &held),
+            1.0,
+            "eta rises to 1"
+        );
+        assert_eq!(
+            best_drop(&skeleton(true), &all, &held),
+            None,
+            "a critical step is never dropped"
+        );
+        assert_eq!(
+            best_drop(&skeleton(false), &[0, 2], &held),
+            None,
+            "two steps stay"
+        );
     }
 
     #[test]
     fn a_failure_that_follows_the_steps_lowers_eta() {
-        let failure = episode(&["go to fridge 1", "open fridge 1", "take apple 1 from fridge 1"], false);
-        assert_eq!(coverage_eta(&["go to <1>", "open <1>", "take <1> from <2>"], &measure(&[&failure])), 0.0);
+        let failure = episode(
+            &[
+                "go to fridge 1",
+                "open fridge 1",
+                "take apple 1 from fridge 1",
+            ],
+            false,
+        );
+        assert_eq!(
+            coverage_eta(
+                &["go to <1>", "open <1>", "take <1> from <2>"],
+                &measure(&[&failure])
+            ),
+            0.0
+        );
     }
 
     #[test]
     fn holdout_keeps_every_third_episode_back_when_enough_successes_remain() {
-        let nodes: Vec<Node> = (0..6).map(|i| episode(&[&format!("look {i}")], i != 4)).collect();
+        let nodes: Vec<Node> = (0..6)
+            .map(|i| episode(&[&format!("look {i}")], i != 4))
+            .collect();
         let refs: Vec<&Node> = nodes.iter().collect();
         let s = split(&refs);
         assert_eq!(s.held_out.len(), 2);

@@ -50,7 +50,13 @@ pub struct MineOptions {
 
 impl Default for MineOptions {
     fn default() -> Self {
-        MineOptions { min_support: 0.5, min_count: 2, branch_support: 0.25, critical_gap: 0.5, max_steps: 12 }
+        MineOptions {
+            min_support: 0.5,
+            min_count: 2,
+            branch_support: 0.25,
+            critical_gap: 0.5,
+            max_steps: 12,
+        }
     }
 }
 
@@ -108,7 +114,9 @@ pub struct Skeleton {
 }
 
 /// Words that separate the slots of a text action.
-const FRAME_WORDS: [&str; 12] = ["to", "from", "in", "on", "into", "onto", "with", "at", "under", "in/on", "for", "of"];
+const FRAME_WORDS: [&str; 12] = [
+    "to", "from", "in", "on", "into", "onto", "with", "at", "under", "in/on", "for", "of",
+];
 /// The signature of a free-text turn.
 const MESSAGE: &str = "message the user";
 /// Text actions longer than this are free text (a message), not a command.
@@ -116,12 +124,20 @@ const MAX_COMMAND_WORDS: usize = 10;
 
 /// The episode's steps as signatures, consecutive repeats collapsed.
 pub fn signatures(node: &Node) -> Vec<Signed> {
-    let Some(episode) = node.episode() else { return Vec::new() };
+    let Some(episode) = node.episode() else {
+        return Vec::new();
+    };
     let mut out: Vec<Signed> = Vec::new();
     for (index, step) in episode.steps.iter().enumerate() {
-        let next_observation = episode.steps.get(index + 1).map(|s| s.observation.as_str()).unwrap_or("");
+        let next_observation = episode
+            .steps
+            .get(index + 1)
+            .map(|s| s.observation.as_str())
+            .unwrap_or("");
         let mut signed: Vec<Signed> = if step.tool_calls.is_empty() {
-            text_signature(&step.action, next_observation).into_iter().collect()
+            text_signature(&step.action, next_observation)
+                .into_iter()
+                .collect()
         } else {
             step.tool_calls.iter().map(tool_signature).collect()
         };
@@ -143,10 +159,15 @@ pub fn signatures(node: &Node) -> Vec<Signed> {
 }
 
 fn tool_signature(call: &fluxmem_graph::ToolCall) -> Signed {
-    let arguments: BTreeMap<String, serde_json::Value> = serde_json::from_str(&call.arguments).unwrap_or_default();
+    let arguments: BTreeMap<String, serde_json::Value> =
+        serde_json::from_str(&call.arguments).unwrap_or_default();
     let slots: Vec<String> = arguments.keys().cloned().collect();
     let values = arguments.values().map(|v| v.to_string()).collect();
-    let error = call.result.as_deref().filter(|r| is_error(r)).map(str::to_string);
+    let error = call
+        .result
+        .as_deref()
+        .filter(|r| is_error(r))
+        .map(str::to_string);
     Signed {
         key: format!("call {}({})", call.name, slots.join(",")),
         tool: Some(call.name.clone()),
@@ -158,8 +179,16 @@ fn tool_signature(call: &fluxmem_graph::ToolCall) -> Signed {
 }
 
 fn is_error(result: &str) -> bool {
-    let head: String = result.trim_start().chars().take(40).collect::<String>().to_lowercase();
-    head.starts_with("error") || head.contains("\"error\"") || head.starts_with("failed") || head.starts_with("exception")
+    let head: String = result
+        .trim_start()
+        .chars()
+        .take(40)
+        .collect::<String>()
+        .to_lowercase();
+    head.starts_with("error")
+        || head.contains("\"error\"")
+        || head.starts_with("failed")
+        || head.starts_with("exception")
 }
 
 fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
@@ -170,7 +199,10 @@ fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
     }
     let words: Vec<String> = lower
         .split_whitespace()
-        .map(|w| w.trim_matches(|c: char| !c.is_alphanumeric() && c != '/' && c != '_').to_string())
+        .map(|w| {
+            w.trim_matches(|c: char| !c.is_alphanumeric() && c != '/' && c != '_')
+                .to_string()
+        })
         .filter(|w| !w.is_empty())
         .collect();
     let sentence = action.contains(". ") || action.ends_with('?') || action.ends_with('!');
@@ -184,7 +216,11 @@ fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
             error: None,
         });
     }
-    let (verb, rest) = if words.len() > 1 && words[0] == "go" && words[1] == "to" { ("go to".to_string(), &words[2..]) } else { (words[0].clone(), &words[1..]) };
+    let (verb, rest) = if words.len() > 1 && words[0] == "go" && words[1] == "to" {
+        ("go to".to_string(), &words[2..])
+    } else {
+        (words[0].clone(), &words[1..])
+    };
     let mut frame = vec![verb];
     let mut values: Vec<String> = Vec::new();
     let mut current: Vec<&str> = Vec::new();
@@ -218,8 +254,19 @@ fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
             }
         })
         .collect();
-    let error = next_observation.trim().to_lowercase().starts_with("nothing happens").then(|| "Nothing happens.".to_string());
-    Some(Signed { key: key.join(" "), tool: None, slots: (1..=values.len()).map(|i| i.to_string()).collect(), frame, values, error })
+    let error = next_observation
+        .trim()
+        .to_lowercase()
+        .starts_with("nothing happens")
+        .then(|| "Nothing happens.".to_string());
+    Some(Signed {
+        key: key.join(" "),
+        tool: None,
+        slots: (1..=values.len()).map(|i| i.to_string()).collect(),
+        frame,
+        values,
+        error,
+    })
 }
 
 /// A column of the alignment profile.
@@ -236,7 +283,11 @@ pub(crate) fn lcs_pairs(a: &[&str], b: &[&str]) -> Vec<(usize, usize)> {
     let mut table = vec![vec![0u32; m + 1]; n + 1];
     for i in (0..n).rev() {
         for j in (0..m).rev() {
-            table[i][j] = if a[i] == b[j] { table[i + 1][j + 1] + 1 } else { table[i + 1][j].max(table[i][j + 1]) };
+            table[i][j] = if a[i] == b[j] {
+                table[i + 1][j + 1] + 1
+            } else {
+                table[i + 1][j].max(table[i][j + 1])
+            };
         }
     }
     let (mut i, mut j, mut pairs) = (0, 0, Vec::new());
@@ -270,7 +321,10 @@ fn align(sequences: &[Vec<Signed>]) -> Vec<Column> {
         let mut merged: Vec<Column> = Vec::with_capacity(profile.len() + sequence.len());
         let (mut i, mut j) = (0, 0);
         let mut old = std::mem::take(&mut profile).into_iter();
-        for (pi, sj) in pairs.into_iter().chain(std::iter::once((usize::MAX, usize::MAX))) {
+        for (pi, sj) in pairs
+            .into_iter()
+            .chain(std::iter::once((usize::MAX, usize::MAX)))
+        {
             let profile_end = pi.min(profile_keys.len());
             let sequence_end = sj.min(keys.len());
             while i < profile_end {
@@ -278,7 +332,10 @@ fn align(sequences: &[Vec<Signed>]) -> Vec<Column> {
                 i += 1;
             }
             while j < sequence_end {
-                merged.push(Column { key: sequence[j].key.clone(), occurrences: vec![(episode, sequence[j].clone())] });
+                merged.push(Column {
+                    key: sequence[j].key.clone(),
+                    occurrences: vec![(episode, sequence[j].clone())],
+                });
                 j += 1;
             }
             if pi == usize::MAX {
@@ -305,7 +362,14 @@ pub fn mine(successes: &[&Node], failures: &[&Node], options: &MineOptions) -> O
         return None;
     }
     let profile = align(&sequences);
-    let holders = |column: &Column| column.occurrences.iter().map(|(e, _)| *e).collect::<BTreeSet<_>>().len();
+    let holders = |column: &Column| {
+        column
+            .occurrences
+            .iter()
+            .map(|(e, _)| *e)
+            .collect::<BTreeSet<_>>()
+            .len()
+    };
     let support = |column: &Column| holders(column) as f64 / n as f64;
     let min_count = options.min_count.min(n);
     // A free-text turn to the user aligns (it keeps the order of what is around it) but is not
@@ -320,11 +384,21 @@ pub fn mine(successes: &[&Node], failures: &[&Node], options: &MineOptions) -> O
     if kept.len() > options.max_steps {
         let mut by_support = kept.clone();
         by_support.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let keep: BTreeSet<usize> = by_support.into_iter().take(options.max_steps).map(|(i, _)| i).collect();
+        let keep: BTreeSet<usize> = by_support
+            .into_iter()
+            .take(options.max_steps)
+            .map(|(i, _)| i)
+            .collect();
         kept.retain(|(i, _)| keep.contains(i));
     }
     let failure_share = |key: &str| {
-        (!failed.is_empty()).then(|| failed.iter().filter(|f| f.iter().any(|s| s.key == key)).count() as f64 / failed.len() as f64)
+        (!failed.is_empty()).then(|| {
+            failed
+                .iter()
+                .filter(|f| f.iter().any(|s| s.key == key))
+                .count() as f64
+                / failed.len() as f64
+        })
     };
     let steps: Vec<SkeletonStep> = kept
         .iter()
@@ -337,7 +411,8 @@ pub fn mine(successes: &[&Node], failures: &[&Node], options: &MineOptions) -> O
                 tool: column.occurrences[0].1.tool.clone(),
                 support: share,
                 failure_support,
-                critical: failure_support.is_some_and(|f| share - f >= options.critical_gap - 1e-12),
+                critical: failure_support
+                    .is_some_and(|f| share - f >= options.critical_gap - 1e-12),
             }
         })
         .collect();
@@ -348,12 +423,24 @@ pub fn mine(successes: &[&Node], failures: &[&Node], options: &MineOptions) -> O
     let branches = profile
         .iter()
         .enumerate()
-        .filter(|(i, c)| !kept_set.contains(i) && c.key != MESSAGE && support(c) + 1e-12 >= options.branch_support)
+        .filter(|(i, c)| {
+            !kept_set.contains(i)
+                && c.key != MESSAGE
+                && support(c) + 1e-12 >= options.branch_support
+        })
         .map(|(_, c)| (render_step(c), support(c)))
         .collect();
     let preconditions = preconditions(&steps, &sequences, &failed);
     let pitfalls = pitfalls(&steps, &sequences, &failed);
-    Some(Skeleton { steps, branches, preconditions, pitfalls, successes: n, failures: failures.len(), task_pattern: task_pattern(successes) })
+    Some(Skeleton {
+        steps,
+        branches,
+        preconditions,
+        pitfalls,
+        successes: n,
+        failures: failures.len(),
+        task_pattern: task_pattern(successes),
+    })
 }
 
 /// How a column reads in a skill.
@@ -361,17 +448,30 @@ fn render_step(column: &Column) -> String {
     let first = &column.occurrences[0].1;
     let constant = |slot: usize| -> Option<&str> {
         let value = first.values.get(slot)?;
-        column.occurrences.iter().all(|(_, s)| s.values.get(slot) == Some(value)).then_some(value.as_str())
+        column
+            .occurrences
+            .iter()
+            .all(|(_, s)| s.values.get(slot) == Some(value))
+            .then_some(value.as_str())
     };
     if let Some(tool) = &first.tool {
         let slots: Vec<String> = first.slots.iter().map(|s| format!("<{s}>")).collect();
-        return if slots.is_empty() { format!("Call `{tool}`.") } else { format!("Call `{tool}` with {}.", slots.join(", ")) };
+        return if slots.is_empty() {
+            format!("Call `{tool}`.")
+        } else {
+            format!("Call `{tool}` with {}.", slots.join(", "))
+        };
     }
     let mut slot = 0;
     let mut words: Vec<String> = Vec::new();
     for (position, word) in first.frame.iter().enumerate() {
         if word.is_empty() {
-            let previous = first.frame[..position].iter().rev().find(|w| !w.is_empty()).map(String::as_str).unwrap_or("");
+            let previous = first.frame[..position]
+                .iter()
+                .rev()
+                .find(|w| !w.is_empty())
+                .map(String::as_str)
+                .unwrap_or("");
             words.push(match constant(slot) {
                 Some(value) => value.to_string(),
                 None => format!("<{}>", slot_type(previous, position == 1)),
@@ -403,7 +503,11 @@ fn slot_type(previous: &str, right_after_verb: bool) -> &'static str {
 
 /// Pairs of skeleton steps that every success holding both runs in order, and some failure
 /// runs the second of without the first before it.
-fn preconditions(steps: &[SkeletonStep], successes: &[Vec<Signed>], failures: &[Vec<Signed>]) -> Vec<String> {
+fn preconditions(
+    steps: &[SkeletonStep],
+    successes: &[Vec<Signed>],
+    failures: &[Vec<Signed>],
+) -> Vec<String> {
     let first = |sequence: &[Signed], key: &str| sequence.iter().position(|s| s.key == key);
     let mut rules = Vec::new();
     for (a_index, a) in steps.iter().enumerate() {
@@ -411,17 +515,25 @@ fn preconditions(steps: &[SkeletonStep], successes: &[Vec<Signed>], failures: &[
             if a.key == b.key {
                 continue;
             }
-            let ordered = successes.iter().all(|s| match (first(s, &a.key), first(s, &b.key)) {
-                (Some(x), Some(y)) => x < y,
-                _ => true,
-            });
-            let broken = failures.iter().any(|f| match (first(f, &a.key), first(f, &b.key)) {
-                (Some(x), Some(y)) => x > y,
-                (None, Some(_)) => true,
-                _ => false,
-            });
+            let ordered = successes
+                .iter()
+                .all(|s| match (first(s, &a.key), first(s, &b.key)) {
+                    (Some(x), Some(y)) => x < y,
+                    _ => true,
+                });
+            let broken = failures
+                .iter()
+                .any(|f| match (first(f, &a.key), first(f, &b.key)) {
+                    (Some(x), Some(y)) => x > y,
+                    (None, Some(_)) => true,
+                    _ => false,
+                });
             if ordered && broken {
-                rules.push(format!("{} must come before: {}", trim_period(&a.text), trim_period(&b.text)));
+                rules.push(format!(
+                    "{} must come before: {}",
+                    trim_period(&a.text),
+                    trim_period(&b.text)
+                ));
             }
         }
     }
@@ -434,11 +546,23 @@ fn trim_period(text: &str) -> &str {
 }
 
 /// Errors met at the skeleton's steps, in any episode of the cluster.
-fn pitfalls(steps: &[SkeletonStep], successes: &[Vec<Signed>], failures: &[Vec<Signed>]) -> Vec<String> {
+fn pitfalls(
+    steps: &[SkeletonStep],
+    successes: &[Vec<Signed>],
+    failures: &[Vec<Signed>],
+) -> Vec<String> {
     let mut out = Vec::new();
     for step in steps {
-        let occurrences: Vec<&Signed> = successes.iter().chain(failures).flatten().filter(|s| s.key == step.key).collect();
-        let errors: Vec<&str> = occurrences.iter().filter_map(|s| s.error.as_deref()).collect();
+        let occurrences: Vec<&Signed> = successes
+            .iter()
+            .chain(failures)
+            .flatten()
+            .filter(|s| s.key == step.key)
+            .collect();
+        let errors: Vec<&str> = occurrences
+            .iter()
+            .filter_map(|s| s.error.as_deref())
+            .collect();
         if let Some(example) = errors.first() {
             let example: String = example.chars().take(120).collect();
             out.push(format!(
@@ -455,10 +579,22 @@ fn pitfalls(steps: &[SkeletonStep], successes: &[Vec<Signed>], failures: &[Vec<S
 
 /// The words most of the successes' tasks share, in the first task's order; other words `…`.
 fn task_pattern(successes: &[&Node]) -> String {
-    let words = |node: &Node| -> Vec<String> { node.text.split_whitespace().map(|w| w.trim_matches(|c: char| !c.is_alphanumeric()).to_lowercase()).filter(|w| !w.is_empty()).collect() };
+    let words = |node: &Node| -> Vec<String> {
+        node.text
+            .split_whitespace()
+            .map(|w| {
+                w.trim_matches(|c: char| !c.is_alphanumeric())
+                    .to_lowercase()
+            })
+            .filter(|w| !w.is_empty())
+            .collect()
+    };
     let all: Vec<Vec<String>> = successes.iter().map(|n| words(n)).collect();
-    let Some(first) = all.first() else { return String::new() };
-    let shared = |word: &str| all.iter().filter(|w| w.iter().any(|x| x == word)).count() * 2 >= all.len();
+    let Some(first) = all.first() else {
+        return String::new();
+    };
+    let shared =
+        |word: &str| all.iter().filter(|w| w.iter().any(|x| x == word)).count() * 2 >= all.len();
     let mut pattern: Vec<&str> = Vec::new();
     for word in first {
         if word.chars().all(|c| c.is_ascii_digit()) {
@@ -479,7 +615,16 @@ fn task_pattern(successes: &[&Node]) -> String {
 
 /// Tool-name prefixes of tools that only read (`get_order`, `search_flights`, `think`): a
 /// procedure is told apart, and a skill named, by the tools that do more.
-pub const READ_PREFIXES: [&str; 8] = ["get_", "search_", "list_", "find_", "lookup_", "read_", "calculate", "think"];
+pub const READ_PREFIXES: [&str; 8] = [
+    "get_",
+    "search_",
+    "list_",
+    "find_",
+    "lookup_",
+    "read_",
+    "calculate",
+    "think",
+];
 
 /// True for a tool that, by its name, only reads.
 pub fn is_read_tool(name: &str) -> bool {
@@ -488,7 +633,11 @@ pub fn is_read_tool(name: &str) -> bool {
 
 /// The tools an episode calls that do more than read.
 fn acting_tools(node: &Node) -> BTreeSet<String> {
-    signatures(node).into_iter().filter_map(|s| s.tool).filter(|t| !is_read_tool(t)).collect()
+    signatures(node)
+        .into_iter()
+        .filter_map(|s| s.tool)
+        .filter(|t| !is_read_tool(t))
+        .collect()
 }
 
 /// Splits clusters whose successes follow different procedures: within a cluster, successes
@@ -507,7 +656,12 @@ pub fn split_by_procedure<'g>(
     node: impl Fn(usize) -> &'g Node,
     min_count: usize,
 ) -> (Vec<Vec<usize>>, Vec<Vec<f32>>) {
-    let success = |r: usize| node(r).episode().and_then(|e| e.outcome.success).unwrap_or(true);
+    let success = |r: usize| {
+        node(r)
+            .episode()
+            .and_then(|e| e.outcome.success)
+            .unwrap_or(true)
+    };
     let (mut out_members, mut out_centroids) = (Vec::new(), Vec::new());
     for (rows, centroid) in members.iter().zip(centroids) {
         let acting: Vec<BTreeSet<String>> = rows.iter().map(|&r| acting_tools(node(r))).collect();
@@ -520,13 +674,21 @@ pub fn split_by_procedure<'g>(
         // Groups in order of their first success, so the most representative leads.
         let mut keys: Vec<&BTreeSet<String>> = Vec::new();
         for (i, &r) in rows.iter().enumerate() {
-            if success(r) && counts.get(&acting[i]).is_some_and(|&n| n >= min_count.max(2)) && !keys.contains(&&acting[i]) {
+            if success(r)
+                && counts
+                    .get(&acting[i])
+                    .is_some_and(|&n| n >= min_count.max(2))
+                && !keys.contains(&&acting[i])
+            {
                 keys.push(&acting[i]);
             }
         }
         // One shared set splits too when other successes do not follow it: a procedure that
         // enough successes share is not diluted by the ones that do something else.
-        let others = rows.iter().enumerate().any(|(i, &r)| success(r) && !keys.contains(&&acting[i]));
+        let others = rows
+            .iter()
+            .enumerate()
+            .any(|(i, &r)| success(r) && !keys.contains(&&acting[i]));
         if keys.is_empty() || (keys.len() == 1 && !others) {
             out_members.push(rows.clone());
             out_centroids.push(centroid.clone());
@@ -588,36 +750,120 @@ mod tests {
             .map(|a| match a.strip_prefix("tool:") {
                 Some(spec) => {
                     let (name, args) = spec.split_once(' ').unwrap_or((spec, "{}"));
-                    let (args, result) = args.split_once(" => ").map_or((args, None), |(a, r)| (a, Some(r.to_string())));
-                    Step { tool_calls: vec![ToolCall { name: name.into(), arguments: args.into(), result }], ..Step::default() }
+                    let (args, result) = args
+                        .split_once(" => ")
+                        .map_or((args, None), |(a, r)| (a, Some(r.to_string())));
+                    Step {
+                        tool_calls: vec![ToolCall {
+                            name: name.into(),
+                            arguments: args.into(),
+                            result,
+                        }],
+                        ..Step::default()
+                    }
                 }
-                None => Step { action: a.to_string(), ..Step::default() },
+                None => Step {
+                    action: a.to_string(),
+                    ..Step::default()
+                },
             })
             .collect();
-        let body = NodeBody::Episodic(Episode { steps, outcome: Outcome { success: Some(success), reward: None, feedback: None } });
-        Node::new(body, "t", task, &[task, &actions.join("|"), &success.to_string()])
+        let body = NodeBody::Episodic(Episode {
+            steps,
+            outcome: Outcome {
+                success: Some(success),
+                reward: None,
+                feedback: None,
+            },
+        });
+        Node::new(
+            body,
+            "t",
+            task,
+            &[task, &actions.join("|"), &success.to_string()],
+        )
     }
 
     #[test]
     fn text_actions_become_slotted_signatures() {
-        let node = episode("clean an apple", &["think: where is it", "go to countertop 1", "take apple 1 from countertop 1", "clean apple 1 with sinkbasin 1"], true);
+        let node = episode(
+            "clean an apple",
+            &[
+                "think: where is it",
+                "go to countertop 1",
+                "take apple 1 from countertop 1",
+                "clean apple 1 with sinkbasin 1",
+            ],
+            true,
+        );
         let keys: Vec<String> = signatures(&node).into_iter().map(|s| s.key).collect();
-        assert_eq!(keys, ["go to <1>", "take <1> from <2>", "clean <1> with <2>"]);
+        assert_eq!(
+            keys,
+            ["go to <1>", "take <1> from <2>", "clean <1> with <2>"]
+        );
     }
 
     #[test]
     fn the_skeleton_keeps_shared_steps_with_support_and_constants() {
-        let a = episode("clean some apple and put it in fridge", &["go to countertop 1", "take apple 1 from countertop 1", "go to sinkbasin 1", "clean apple 1 with sinkbasin 1", "go to fridge 1", "put apple 1 in/on fridge 1"], true);
-        let b = episode("clean some lettuce and put it in fridge", &["go to diningtable 1", "take lettuce 1 from diningtable 1", "go to sinkbasin 1", "clean lettuce 1 with sinkbasin 1", "go to fridge 1", "put lettuce 1 in/on fridge 1"], true);
-        let c = episode("clean some egg and put it in fridge", &["go to cabinet 2", "open cabinet 2", "go to countertop 2", "take egg 1 from countertop 2", "go to sinkbasin 1", "clean egg 1 with sinkbasin 1", "go to fridge 1", "put egg 1 in/on fridge 1"], true);
+        let a = episode(
+            "clean some apple and put it in fridge",
+            &[
+                "go to countertop 1",
+                "take apple 1 from countertop 1",
+                "go to sinkbasin 1",
+                "clean apple 1 with sinkbasin 1",
+                "go to fridge 1",
+                "put apple 1 in/on fridge 1",
+            ],
+            true,
+        );
+        let b = episode(
+            "clean some lettuce and put it in fridge",
+            &[
+                "go to diningtable 1",
+                "take lettuce 1 from diningtable 1",
+                "go to sinkbasin 1",
+                "clean lettuce 1 with sinkbasin 1",
+                "go to fridge 1",
+                "put lettuce 1 in/on fridge 1",
+            ],
+            true,
+        );
+        let c = episode(
+            "clean some egg and put it in fridge",
+            &[
+                "go to cabinet 2",
+                "open cabinet 2",
+                "go to countertop 2",
+                "take egg 1 from countertop 2",
+                "go to sinkbasin 1",
+                "clean egg 1 with sinkbasin 1",
+                "go to fridge 1",
+                "put egg 1 in/on fridge 1",
+            ],
+            true,
+        );
         let skeleton = mine(&[&a, &b, &c], &[], &MineOptions::default()).unwrap();
         let texts: Vec<&str> = skeleton.steps.iter().map(|s| s.text.as_str()).collect();
         assert!(texts.contains(&"Take <object> from <source>."), "{texts:?}");
-        assert!(texts.contains(&"Clean <object> with sinkbasin."), "constant slot shown: {texts:?}");
+        assert!(
+            texts.contains(&"Clean <object> with sinkbasin."),
+            "constant slot shown: {texts:?}"
+        );
         assert!(texts.contains(&"Put <object> in/on fridge."), "{texts:?}");
-        assert!(!texts.iter().any(|t| t.starts_with("Open")), "one success of three is under the share: {texts:?}");
+        assert!(
+            !texts.iter().any(|t| t.starts_with("Open")),
+            "one success of three is under the share: {texts:?}"
+        );
         assert!(skeleton.steps.iter().all(|s| s.support >= 0.5));
-        assert!(skeleton.branches.iter().any(|(text, share)| text == "Open cabinet." && (*share - 1.0 / 3.0).abs() < 1e-9), "the open is a branch: {:?}", skeleton.branches);
+        assert!(
+            skeleton
+                .branches
+                .iter()
+                .any(|(text, share)| text == "Open cabinet." && (*share - 1.0 / 3.0).abs() < 1e-9),
+            "the open is a branch: {:?}",
+            skeleton.branches
+        );
         assert_eq!(skeleton.task_pattern, "clean some … and put it in fridge");
         let take = texts.iter().position(|t| t.starts_with("Take")).unwrap();
         let clean = texts.iter().position(|t| t.starts_with("Clean")).unwrap();
@@ -626,18 +872,58 @@ mod tests {
 
     #[test]
     fn failures_give_critical_steps_preconditions_and_pitfalls() {
-        let ok1 = episode("cancel", &[r#"tool:get_reservation_details {"reservation_id":"A1"}"#, r#"tool:cancel_reservation {"reservation_id":"A1"}"#], true);
-        let ok2 = episode("cancel 2", &[r#"tool:get_user_details {"user_id":"u"}"#, r#"tool:get_reservation_details {"reservation_id":"B2"}"#, r#"tool:cancel_reservation {"reservation_id":"B2"}"#], true);
-        let bad = episode("cancel 3", &[r#"tool:cancel_reservation {"reservation_id":"C3"} => Error: reservation not found"#], false);
-        let options = MineOptions { min_support: 0.75, ..MineOptions::default() };
+        let ok1 = episode(
+            "cancel",
+            &[
+                r#"tool:get_reservation_details {"reservation_id":"A1"}"#,
+                r#"tool:cancel_reservation {"reservation_id":"A1"}"#,
+            ],
+            true,
+        );
+        let ok2 = episode(
+            "cancel 2",
+            &[
+                r#"tool:get_user_details {"user_id":"u"}"#,
+                r#"tool:get_reservation_details {"reservation_id":"B2"}"#,
+                r#"tool:cancel_reservation {"reservation_id":"B2"}"#,
+            ],
+            true,
+        );
+        let bad = episode(
+            "cancel 3",
+            &[r#"tool:cancel_reservation {"reservation_id":"C3"} => Error: reservation not found"#],
+            false,
+        );
+        let options = MineOptions {
+            min_support: 0.75,
+            ..MineOptions::default()
+        };
         let skeleton = mine(&[&ok1, &ok2], &[&bad], &options).unwrap();
         let texts: Vec<&str> = skeleton.steps.iter().map(|s| s.text.as_str()).collect();
-        assert_eq!(texts, ["Call `get_reservation_details` with <reservation_id>.", "Call `cancel_reservation` with <reservation_id>."]);
+        assert_eq!(
+            texts,
+            [
+                "Call `get_reservation_details` with <reservation_id>.",
+                "Call `cancel_reservation` with <reservation_id>."
+            ]
+        );
         assert!(skeleton.steps[0].critical && !skeleton.steps[1].critical);
-        assert_eq!(skeleton.preconditions.len(), 1, "{:?}", skeleton.preconditions);
+        assert_eq!(
+            skeleton.preconditions.len(),
+            1,
+            "{:?}",
+            skeleton.preconditions
+        );
         assert!(skeleton.preconditions[0].starts_with("Call `get_reservation_details`"));
-        assert!(skeleton.pitfalls[0].contains("reservation not found"), "{:?}", skeleton.pitfalls);
-        assert!(!texts.iter().any(|t| t.contains("A1") || t.contains("B2")), "instance values never shown");
+        assert!(
+            skeleton.pitfalls[0].contains("reservation not found"),
+            "{:?}",
+            skeleton.pitfalls
+        );
+        assert!(
+            !texts.iter().any(|t| t.contains("A1") || t.contains("B2")),
+            "instance values never shown"
+        );
     }
 
     #[test]
@@ -653,23 +939,74 @@ mod tests {
     fn clusters_split_by_the_acting_tools_of_their_successes() {
         let call = |name: &str| format!(r#"tool:{name} {{"id":"x"}}"#);
         let nodes = vec![
-            episode("cancel 1", &[&call("get_reservation_details"), &call("cancel_reservation")], true),
-            episode("change 1", &[&call("get_reservation_details"), &call("update_reservation_flights")], true),
-            episode("cancel 2", &[&call("get_user_details"), &call("cancel_reservation")], true),
-            episode("change 2", &[&call("get_user_details"), &call("update_reservation_flights")], true),
-            episode("change 3", &[&call("update_reservation_flights"), &call("send_certificate")], false),
+            episode(
+                "cancel 1",
+                &[
+                    &call("get_reservation_details"),
+                    &call("cancel_reservation"),
+                ],
+                true,
+            ),
+            episode(
+                "change 1",
+                &[
+                    &call("get_reservation_details"),
+                    &call("update_reservation_flights"),
+                ],
+                true,
+            ),
+            episode(
+                "cancel 2",
+                &[&call("get_user_details"), &call("cancel_reservation")],
+                true,
+            ),
+            episode(
+                "change 2",
+                &[
+                    &call("get_user_details"),
+                    &call("update_reservation_flights"),
+                ],
+                true,
+            ),
+            episode(
+                "change 3",
+                &[
+                    &call("update_reservation_flights"),
+                    &call("send_certificate"),
+                ],
+                false,
+            ),
             episode("odd", &[&call("book_reservation")], true),
         ];
         let vectors: Vec<Vec<f32>> = (0..nodes.len()).map(|i| vec![1.0, i as f32]).collect();
-        let (members, centroids) = split_by_procedure(&[vec![0, 1, 2, 3, 4, 5]], &[vec![1.0, 0.0]], &vectors, |r| &nodes[r], 2);
-        assert_eq!(members, vec![vec![0, 2], vec![1, 3, 4], vec![5]], "cancel, change (with the failure that changed), the rest");
+        let (members, centroids) = split_by_procedure(
+            &[vec![0, 1, 2, 3, 4, 5]],
+            &[vec![1.0, 0.0]],
+            &vectors,
+            |r| &nodes[r],
+            2,
+        );
+        assert_eq!(
+            members,
+            vec![vec![0, 2], vec![1, 3, 4], vec![5]],
+            "cancel, change (with the failure that changed), the rest"
+        );
         assert_eq!(centroids.len(), 3);
-        assert!(centroids.iter().all(|c| (c.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-5));
+        assert!(centroids
+            .iter()
+            .all(|c| (c.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-5));
         // One procedure only: left alone.
-        let (same, _) = split_by_procedure(&[vec![0, 2]], &[vec![1.0, 0.0]], &vectors, |r| &nodes[r], 2);
+        let (same, _) =
+            split_by_procedure(&[vec![0, 2]], &[vec![1.0, 0.0]], &vectors, |r| &nodes[r], 2);
         assert_eq!(same, vec![vec![0, 2]]);
         // One procedure that two successes share and a success that does something else: split.
-        let (one, _) = split_by_procedure(&[vec![0, 2, 5]], &[vec![1.0, 0.0]], &vectors, |r| &nodes[r], 2);
+        let (one, _) = split_by_procedure(
+            &[vec![0, 2, 5]],
+            &[vec![1.0, 0.0]],
+            &vectors,
+            |r| &nodes[r],
+            2,
+        );
         assert_eq!(one, vec![vec![0, 2], vec![5]]);
     }
 
@@ -681,7 +1018,15 @@ mod tests {
 
     #[test]
     fn coverage_is_the_in_order_share_of_steps() {
-        let node = episode("x", &["go to sinkbasin 1", "take apple 1 from sinkbasin 1", "clean apple 1 with sinkbasin 1"], true);
+        let node = episode(
+            "x",
+            &[
+                "go to sinkbasin 1",
+                "take apple 1 from sinkbasin 1",
+                "clean apple 1 with sinkbasin 1",
+            ],
+            true,
+        );
         assert_eq!(coverage(&["go to <1>", "clean <1> with <2>"], &node), 1.0);
         assert_eq!(coverage(&["clean <1> with <2>", "go to <1>"], &node), 0.5);
         assert_eq!(coverage(&[], &node), 0.0);

@@ -27,7 +27,10 @@ impl SkillText {
     /// The skill as stored in the node's text and exported as the body:
     /// `Name: ...`, `Description: ...`, `Steps:` and numbered lines.
     pub fn render(&self) -> String {
-        let mut text = format!("Name: {}\nDescription: {}\nSteps:\n", self.name, self.description);
+        let mut text = format!(
+            "Name: {}\nDescription: {}\nSteps:\n",
+            self.name, self.description
+        );
         for (i, step) in self.steps.iter().enumerate() {
             text.push_str(&format!("{}. {}\n", i + 1, step));
         }
@@ -55,7 +58,9 @@ pub fn parse_skill(output: &str) -> Result<SkillText, String> {
     }
     // A single step lifted from the example is dropped; what is left must still be a skill.
     let example = example_steps();
-    skill.steps.retain(|step| !example.contains(&normalized(step)));
+    skill
+        .steps
+        .retain(|step| !example.contains(&normalized(step)));
     if skill.steps.len() < 2 {
         return Err("fewer than 2 steps besides the one copied from the prompt's example".into());
     }
@@ -63,11 +68,16 @@ pub fn parse_skill(output: &str) -> Result<SkillText, String> {
 }
 
 fn normalized(text: &str) -> String {
-    text.chars().filter(|c| c.is_alphanumeric()).collect::<String>().to_lowercase()
+    text.chars()
+        .filter(|c| c.is_alphanumeric())
+        .collect::<String>()
+        .to_lowercase()
 }
 
 fn example_steps() -> Vec<String> {
-    parse_skill_text(crate::prompt::EXAMPLE_SKILL).map(|e| e.steps.iter().map(|s| normalized(s)).collect()).unwrap_or_default()
+    parse_skill_text(crate::prompt::EXAMPLE_SKILL)
+        .map(|e| e.steps.iter().map(|s| normalized(s)).collect())
+        .unwrap_or_default()
 }
 
 /// [`parse_skill`] without the example-copy check.
@@ -82,7 +92,11 @@ pub(crate) fn parse_skill_text(output: &str) -> Result<SkillText, String> {
 /// The name of the example, or at least two of its steps, reproduced.
 fn copies_example(skill: &SkillText) -> bool {
     let example = example_steps();
-    let copied_steps = skill.steps.iter().filter(|s| example.contains(&normalized(s))).count();
+    let copied_steps = skill
+        .steps
+        .iter()
+        .filter(|s| example.contains(&normalized(s)))
+        .count();
     normalized(&skill.name) == normalized(crate::prompt::EXAMPLE_NAME) || copied_steps >= 2
 }
 
@@ -90,19 +104,31 @@ fn copies_example(skill: &SkillText) -> bool {
 const OUTCOME_LABELS: [&str; 3] = ["(success)", "(failure)", "(outcome unknown)"];
 
 fn without_labels(text: &str) -> String {
-    OUTCOME_LABELS.iter().fold(text.to_string(), |text, label| text.replace(label, "")).trim().to_string()
+    OUTCOME_LABELS
+        .iter()
+        .fold(text.to_string(), |text, label| text.replace(label, ""))
+        .trim()
+        .to_string()
 }
 
 fn validate(mut skill: SkillText) -> Result<SkillText, String> {
     skill.name = without_labels(&skill.name);
     skill.description = without_labels(&skill.description);
-    skill.name = clean(&skill.name).chars().take(MAX_NAME_CHARS).collect::<String>().trim().to_string();
+    skill.name = clean(&skill.name)
+        .chars()
+        .take(MAX_NAME_CHARS)
+        .collect::<String>()
+        .trim()
+        .to_string();
     skill.description = clean(&skill.description);
     if skill.name.is_empty() {
         return Err("no `Name:` line".into());
     }
     if is_placeholder(&skill.name) {
-        return Err(format!("the name `{}` is a template placeholder", skill.name));
+        return Err(format!(
+            "the name `{}` is a template placeholder",
+            skill.name
+        ));
     }
     if skill.steps.is_empty() {
         return Err("no steps".into());
@@ -122,7 +148,10 @@ fn validate(mut skill: SkillText) -> Result<SkillText, String> {
         }
     }
     if steps.len() < 2 {
-        return Err(format!("{} real step(s) (at least 2 distinct steps that are not placeholders needed)", steps.len()));
+        return Err(format!(
+            "{} real step(s) (at least 2 distinct steps that are not placeholders needed)",
+            steps.len()
+        ));
     }
     skill.steps = steps;
     if skill.description.is_empty() || is_placeholder(&skill.description) {
@@ -133,9 +162,10 @@ fn validate(mut skill: SkillText) -> Result<SkillText, String> {
 
 /// Words too common to show that a skill is about its episodes.
 const STOPWORDS: [&str; 44] = [
-    "about", "after", "again", "also", "before", "each", "every", "from", "have", "into", "just", "make", "more", "most", "need",
-    "only", "other", "over", "same", "some", "step", "steps", "skill", "sure", "task", "tasks", "than", "that", "their", "them",
-    "then", "there", "they", "this", "under", "until", "used", "user", "using", "very", "want", "what", "when", "with",
+    "about", "after", "again", "also", "before", "each", "every", "from", "have", "into", "just",
+    "make", "more", "most", "need", "only", "other", "over", "same", "some", "step", "steps",
+    "skill", "sure", "task", "tasks", "than", "that", "their", "them", "then", "there", "they",
+    "this", "under", "until", "used", "user", "using", "very", "want", "what", "when", "with",
 ];
 
 /// The content words of `text`: lowercase alphabetic runs of at least 4 letters, no stopwords.
@@ -151,10 +181,25 @@ pub(crate) fn content_words(text: &str) -> std::collections::BTreeSet<String> {
 /// `source` (the words of its episodes) and not in the prompt's example. A skill about its
 /// episodes shares some of their vocabulary; one that does not is the example's domain or
 /// invented (small models write "Use a phone to make a phone call" for kitchen tasks).
-pub(crate) fn grounded_words(skill: &SkillText, source: &std::collections::BTreeSet<String>) -> Vec<String> {
-    let example = content_words(&format!("{}\n{}", crate::prompt::EXAMPLE_SKILL, crate::prompt::EXAMPLE_LOGS));
-    let text = format!("{}\n{}\n{}", skill.name, skill.description, skill.steps.join("\n"));
-    content_words(&text).into_iter().filter(|w| source.contains(w) && !example.contains(w)).collect()
+pub(crate) fn grounded_words(
+    skill: &SkillText,
+    source: &std::collections::BTreeSet<String>,
+) -> Vec<String> {
+    let example = content_words(&format!(
+        "{}\n{}",
+        crate::prompt::EXAMPLE_SKILL,
+        crate::prompt::EXAMPLE_LOGS
+    ));
+    let text = format!(
+        "{}\n{}\n{}",
+        skill.name,
+        skill.description,
+        skill.steps.join("\n")
+    );
+    content_words(&text)
+        .into_iter()
+        .filter(|w| source.contains(w) && !example.contains(w))
+        .collect()
 }
 
 /// Characters of a step; longer ones are where a small model looped inside a line.
@@ -184,18 +229,37 @@ fn is_placeholder(text: &str) -> bool {
     if text.chars().filter(|c| c.is_alphabetic()).count() < 3 {
         return true;
     }
-    let bracketed = |open: char, close: char| text.contains(open) && text.contains(close) && text.find(open) < text.rfind(close);
-    if bracketed('<', '>') || (text.starts_with('[') && text.ends_with(']')) || (text.starts_with('{') && text.ends_with('}')) {
+    let bracketed = |open: char, close: char| {
+        text.contains(open) && text.contains(close) && text.find(open) < text.rfind(close)
+    };
+    if bracketed('<', '>')
+        || (text.starts_with('[') && text.ends_with(']'))
+        || (text.starts_with('{') && text.ends_with('}'))
+    {
         return true;
     }
     let lower = text.trim_end_matches('.').to_lowercase();
-    ["name", "skill name", "description", "step", "steps", "first step", "next step", "a short name for the skill"].contains(&lower.as_str())
+    [
+        "name",
+        "skill name",
+        "description",
+        "step",
+        "steps",
+        "first step",
+        "next step",
+        "a short name for the skill",
+    ]
+    .contains(&lower.as_str())
 }
 
 /// Removes Markdown decoration and surrounding quotes, collapses whitespace.
 fn clean(text: &str) -> String {
     let collapsed = text.split_whitespace().collect::<Vec<_>>().join(" ");
-    collapsed.trim_matches(|c: char| c == '*' || c == '_' || c == '`' || c == '"' || c == '#' || c.is_whitespace()).to_string()
+    collapsed
+        .trim_matches(|c: char| {
+            c == '*' || c == '_' || c == '`' || c == '"' || c == '#' || c.is_whitespace()
+        })
+        .to_string()
 }
 
 /// The content of the first fenced block if there is one, else the text.
@@ -218,7 +282,14 @@ fn parse_json(text: &str) -> Option<SkillText> {
     let start = text.find('{')?;
     let end = text.rfind('}')?;
     let value: Value = serde_json::from_str(text.get(start..=end)?).ok()?;
-    let field = |names: &[&str]| names.iter().find_map(|n| value.get(*n).or_else(|| value.get(n.to_uppercase())).cloned());
+    let field = |names: &[&str]| {
+        names.iter().find_map(|n| {
+            value
+                .get(*n)
+                .or_else(|| value.get(n.to_uppercase()))
+                .cloned()
+        })
+    };
     let as_text = |v: Option<Value>| match v {
         Some(Value::String(s)) => s,
         Some(other @ (Value::Number(_) | Value::Bool(_))) => other.to_string(),
@@ -235,7 +306,12 @@ fn parse_json(text: &str) -> Option<SkillText> {
         Some(Value::String(s)) => s.lines().map(|l| strip_marker(l).to_string()).collect(),
         _ => Vec::new(),
     };
-    Some(SkillText { name: as_text(field(&["name", "Name", "title"])), description: as_text(field(&["description", "Description"])), steps, pitfalls: Vec::new() })
+    Some(SkillText {
+        name: as_text(field(&["name", "Name", "title"])),
+        description: as_text(field(&["description", "Description"])),
+        steps,
+        pitfalls: Vec::new(),
+    })
 }
 
 #[derive(PartialEq)]
@@ -252,7 +328,12 @@ enum Section {
 /// `Name:`, or at a plain paragraph after a blank line once steps have started (trailing
 /// chatter); looping steps are cut in validation.
 fn parse_keyed(text: &str) -> Result<SkillText, String> {
-    let mut skill = SkillText { name: String::new(), description: String::new(), steps: Vec::new(), pitfalls: Vec::new() };
+    let mut skill = SkillText {
+        name: String::new(),
+        description: String::new(),
+        steps: Vec::new(),
+        pitfalls: Vec::new(),
+    };
     let mut section = Section::None;
     let mut first_plain: Option<String> = None;
     let mut expect_name = false;
@@ -319,7 +400,9 @@ fn parse_keyed(text: &str) -> Result<SkillText, String> {
     }
     if skill.name.is_empty() {
         // Not a lead-in such as `Here is the skill:`.
-        if let Some(line) = first_plain.filter(|l| l.chars().count() <= MAX_NAME_CHARS && !l.ends_with(':')) {
+        if let Some(line) =
+            first_plain.filter(|l| l.chars().count() <= MAX_NAME_CHARS && !l.ends_with(':'))
+        {
             skill.name = line;
         }
     }
@@ -328,14 +411,17 @@ fn parse_keyed(text: &str) -> Result<SkillText, String> {
 
 /// `Key: value` with Markdown decoration around the key (`**Name:**`, `## Steps`, `- Name:`).
 fn key_value(line: &str) -> Option<(String, &str)> {
-    let bare = line.trim_start_matches(|c: char| c == '#' || c == '-' || c == '*' || c.is_whitespace());
+    let bare =
+        line.trim_start_matches(|c: char| c == '#' || c == '-' || c == '*' || c.is_whitespace());
     let (key, value) = match bare.split_once(':') {
         Some((key, value)) => (key, value),
         // A heading without a colon: `## Steps`.
         None if line.starts_with('#') => (bare, ""),
         None => return None,
     };
-    let key = key.trim_matches(|c: char| c == '*' || c == '_' || c.is_whitespace()).to_lowercase();
+    let key = key
+        .trim_matches(|c: char| c == '*' || c == '_' || c.is_whitespace())
+        .to_lowercase();
     if key.is_empty() || key.len() > 20 {
         return None;
     }
@@ -377,8 +463,15 @@ mod tests {
         let skill = parse_skill("Name: Clean an object\nDescription: Wash a thing.\nSteps:\n1. Find it.\n2. Take it.\n3. Clean it at the sink.").unwrap();
         assert_eq!(skill.name, "Clean an object");
         assert_eq!(skill.description, "Wash a thing.");
-        assert_eq!(skill.steps, vec!["Find it.", "Take it.", "Clean it at the sink."]);
-        assert_eq!(parse_skill(&skill.render()).unwrap(), skill, "render is parseable");
+        assert_eq!(
+            skill.steps,
+            vec!["Find it.", "Take it.", "Clean it at the sink."]
+        );
+        assert_eq!(
+            parse_skill(&skill.render()).unwrap(),
+            skill,
+            "render is parseable"
+        );
     }
 
     #[test]
@@ -386,15 +479,23 @@ mod tests {
         let output = "Sure! Here is the skill:\n```markdown\n**Name:** Book a flight\n**Description:** For booking.\n## Steps\n- Get the user id\n- Search flights\n- Search flights\n```\nHope it helps";
         let skill = parse_skill(output).unwrap();
         assert_eq!(skill.name, "Book a flight");
-        assert_eq!(skill.steps, vec!["Get the user id", "Search flights"], "looped step kept once");
+        assert_eq!(
+            skill.steps,
+            vec!["Get the user id", "Search flights"],
+            "looped step kept once"
+        );
     }
 
     #[test]
     fn json_format() {
         let skill = parse_skill("```json\n{\"name\": \"Refund\", \"description\": \"d\", \"steps\": [\"1. check\", \"pay\"]}\n```").unwrap();
         assert_eq!(skill.steps, vec!["check", "pay"]);
-        let skill = parse_skill("{\"name\": \"Refund\", \"steps\": \"1. check\\n2. pay\"}").unwrap();
-        assert_eq!(skill.description, "Refund", "a missing description falls back to the name");
+        let skill =
+            parse_skill("{\"name\": \"Refund\", \"steps\": \"1. check\\n2. pay\"}").unwrap();
+        assert_eq!(
+            skill.description, "Refund",
+            "a missing description falls back to the name"
+        );
         assert_eq!(skill.steps, vec!["check", "pay"]);
     }
 
@@ -425,25 +526,44 @@ mod tests {
         let template = "Name: <a short name for the skill>\nDescription: <one sentence: when to use this skill>\nSteps:\n1. <first step>\n2. <next step>";
         assert!(parse_skill(template).unwrap_err().contains("placeholder"));
         let bracket_steps = "Name: Put things away\nSteps:\n1. [1]\n2. [2]\n3. Go to the shelf.";
-        assert!(parse_skill(bracket_steps).unwrap_err().contains("1 real step"), "one real step is not a skill");
-        let one_step = "Name: Heat it\nSteps:\n1. Heat it in the microwave.\n2. Heat it in the microwave.";
+        assert!(
+            parse_skill(bracket_steps)
+                .unwrap_err()
+                .contains("1 real step"),
+            "one real step is not a skill"
+        );
+        let one_step =
+            "Name: Heat it\nSteps:\n1. Heat it in the microwave.\n2. Heat it in the microwave.";
         assert!(parse_skill(one_step).is_err(), "a looped step is one step");
     }
 
     #[test]
     fn a_copy_of_the_prompt_example_is_rejected() {
         let example = crate::prompt::EXAMPLE_SKILL;
-        assert_eq!(parse_skill(example).unwrap_err(), "copied the prompt's example skill");
+        assert_eq!(
+            parse_skill(example).unwrap_err(),
+            "copied the prompt's example skill"
+        );
         // Renamed, but the example's steps.
-        let renamed = example.replace(crate::prompt::EXAMPLE_NAME, "Put a clean lettuce on the table");
+        let renamed = example.replace(
+            crate::prompt::EXAMPLE_NAME,
+            "Put a clean lettuce on the table",
+        );
         assert!(parse_skill(&renamed).is_err());
         // Same name, other steps.
-        let same_name = format!("Name: {}\nSteps:\n1. Go to the sink.\n2. Wash the lettuce.", crate::prompt::EXAMPLE_NAME.to_lowercase());
+        let same_name = format!(
+            "Name: {}\nSteps:\n1. Go to the sink.\n2. Wash the lettuce.",
+            crate::prompt::EXAMPLE_NAME.to_lowercase()
+        );
         assert!(parse_skill(&same_name).is_err());
         // One step lifted from the example is dropped, the rest kept.
         let one_shared = "Name: Clean the lettuce\nSteps:\n1. Open the mail app and start a new message.\n2. Take the lettuce.\n3. Rinse it in the sink.";
-        assert_eq!(parse_skill(one_shared).unwrap().steps, vec!["Take the lettuce.", "Rinse it in the sink."]);
-        let one_left = "Name: Clean the lettuce\nSteps:\n1. Attach the file.\n2. Rinse it in the sink.";
+        assert_eq!(
+            parse_skill(one_shared).unwrap().steps,
+            vec!["Take the lettuce.", "Rinse it in the sink."]
+        );
+        let one_left =
+            "Name: Clean the lettuce\nSteps:\n1. Attach the file.\n2. Rinse it in the sink.";
         assert!(parse_skill(one_left).is_err(), "one real step left");
     }
 
@@ -454,27 +574,50 @@ mod tests {
         assert_eq!(skill.name, "Heat and place an object");
         assert_eq!(skill.steps.len(), 3);
         // An empty `Name:` with the name on the next line; steps without numbers.
-        let skill = parse_skill("Name:\nCool a drink\nSteps:\nOpen the fridge.\nPut the drink inside.").unwrap();
-        assert_eq!((skill.name.as_str(), skill.steps.len()), ("Cool a drink", 2));
+        let skill =
+            parse_skill("Name:\nCool a drink\nSteps:\nOpen the fridge.\nPut the drink inside.")
+                .unwrap();
+        assert_eq!(
+            (skill.name.as_str(), skill.steps.len()),
+            ("Cool a drink", 2)
+        );
         // A bare name line followed by a list, then chatter after a blank line.
         let skill = parse_skill("Find and examine an object\n1. Go to the desk.\n2. Take the book.\n3. Turn on the lamp.\n\nThis skill helps the agent in many situations.\nIt is very useful.").unwrap();
         assert_eq!(skill.name, "Find and examine an object");
-        assert_eq!(skill.steps, vec!["Go to the desk.", "Take the book.", "Turn on the lamp."]);
+        assert_eq!(
+            skill.steps,
+            vec!["Go to the desk.", "Take the book.", "Turn on the lamp."]
+        );
         assert_eq!(skill.description, skill.name);
         // A loop: the block ends at the second `Name:` and at the first repeated step.
         let skill = parse_skill("Name: Clean a thing\nSteps:\n1. Take it.\n2. Rinse it in the sink.\n3. Take it.\n4. Rinse it in the sink.\nName: Clean a thing\nSteps:\n1. Take it.").unwrap();
         assert_eq!(skill.steps, vec!["Take it.", "Rinse it in the sink."]);
         // Outcome labels copied from the prompt are dropped.
         let skill = parse_skill("Name: Clean the kitchen (success)\nDescription: Clean it (success)\nSteps:\n1. Go to the sink.\n2. Rinse it.").unwrap();
-        assert_eq!((skill.name.as_str(), skill.description.as_str()), ("Clean the kitchen", "Clean it"));
+        assert_eq!(
+            (skill.name.as_str(), skill.description.as_str()),
+            ("Clean the kitchen", "Clean it")
+        );
         // A lead-in line is not a name.
         assert!(parse_skill("Here is the skill:\n1. Go to the desk.\n2. Take the book.").is_err());
         // At most ten steps.
-        let long: String = (1..=30).map(|i| format!("{i}. Do thing number {i}.\n")).collect();
-        assert_eq!(parse_skill(&format!("Name: Long one\nSteps:\n{long}")).unwrap().steps.len(), MAX_STEPS);
+        let long: String = (1..=30)
+            .map(|i| format!("{i}. Do thing number {i}.\n"))
+            .collect();
+        assert_eq!(
+            parse_skill(&format!("Name: Long one\nSteps:\n{long}"))
+                .unwrap()
+                .steps
+                .len(),
+            MAX_STEPS
+        );
         // A step looping inside its line is cut to its first clause.
         let looping: Vec<String> = (1..40).map(|i| format!("open the sinkbasin {i}")).collect();
-        let skill = parse_skill(&format!("Name: Wash\nSteps:\n1. Go to the sink.\n2. {}", looping.join("; "))).unwrap();
+        let skill = parse_skill(&format!(
+            "Name: Wash\nSteps:\n1. Go to the sink.\n2. {}",
+            looping.join("; ")
+        ))
+        .unwrap();
         assert_eq!(skill.steps[1], "open the sinkbasin 1");
     }
 
@@ -482,7 +625,10 @@ mod tests {
     fn grounding_counts_episode_words_outside_the_example() {
         let source = content_words("Task: put a clean lettuce in diningtable (success)\nActions: go to fridge; take lettuce from fridge; clean lettuce with sinkbasin; open drawer");
         let grounded = parse_skill("Name: Clean lettuce\nSteps:\n1. Take the lettuce from the fridge.\n2. Rinse it in the sinkbasin.").unwrap();
-        assert_eq!(grounded_words(&grounded, &source), vec!["clean", "fridge", "lettuce", "sinkbasin", "take"]);
+        assert_eq!(
+            grounded_words(&grounded, &source),
+            vec!["clean", "fridge", "lettuce", "sinkbasin", "take"]
+        );
         // The example's domain: "open" and "message" are the example's words, "phone" is nobody's.
         let invented = parse_skill("Name: Use a phone to make a phone call\nSteps:\n1. Open the phone app and start a new message.\n2. Use the phone to make a call.").unwrap();
         assert!(grounded_words(&invented, &source).is_empty());

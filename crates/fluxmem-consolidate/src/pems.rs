@@ -42,7 +42,10 @@ pub struct PemsOptions {
 
 impl Default for PemsOptions {
     fn default() -> Self {
-        PemsOptions { length: LengthUnit::Tokens, divide_by_skills: false }
+        PemsOptions {
+            length: LengthUnit::Tokens,
+            divide_by_skills: false,
+        }
     }
 }
 
@@ -68,15 +71,34 @@ pub fn delta(current: &[f32], previous: Option<&[f32]>) -> f64 {
 }
 
 /// PEMS of a version with agreement `eta`, `length` and `delta`, for a run of `skills` skills.
-pub fn pems(eta: f64, length: usize, delta: f64, skills: usize, options: &PemsOptions) -> PemsScore {
+pub fn pems(
+    eta: f64,
+    length: usize,
+    delta: f64,
+    skills: usize,
+    options: &PemsOptions,
+) -> PemsScore {
     let l = length.max(2) as f64;
-    let eta_clean = if eta.is_finite() { eta.clamp(0.0, 1.0) } else { 0.0 };
-    let delta_clean = if delta.is_finite() { delta.clamp(0.0, 1.0) } else { 1.0 };
+    let eta_clean = if eta.is_finite() {
+        eta.clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
+    let delta_clean = if delta.is_finite() {
+        delta.clamp(0.0, 1.0)
+    } else {
+        1.0
+    };
     let mut score = eta_clean / l.ln() * (1.0 - delta_clean);
     if options.divide_by_skills {
         score /= skills.max(1) as f64;
     }
-    PemsScore { pems: score, eta: eta_clean, length, delta: delta_clean }
+    PemsScore {
+        pems: score,
+        eta: eta_clean,
+        length,
+        delta: delta_clean,
+    }
 }
 
 /// Words of `text`, the reference code's length.
@@ -93,7 +115,16 @@ mod tests {
         let options = PemsOptions::default();
         let score = pems(0.8, 20, 0.1, 3, &options);
         assert!((score.pems - 0.8 / (20f64).ln() * 0.9).abs() < 1e-12);
-        let divided = pems(0.8, 20, 0.1, 4, &PemsOptions { divide_by_skills: true, ..options });
+        let divided = pems(
+            0.8,
+            20,
+            0.1,
+            4,
+            &PemsOptions {
+                divide_by_skills: true,
+                ..options
+            },
+        );
         assert!((divided.pems - score.pems / 4.0).abs() < 1e-12);
         assert_eq!(pems(0.0, 20, 0.0, 1, &options).pems, 0.0);
     }
@@ -105,9 +136,16 @@ mod tests {
         for length in [0, 1, 2] {
             let score = pems(1.0, length, 0.0, 1, &options);
             assert!(score.pems.is_finite());
-            assert!((score.pems - expected).abs() < 1e-12, "l = {length}: {}", score.pems);
+            assert!(
+                (score.pems - expected).abs() < 1e-12,
+                "l = {length}: {}",
+                score.pems
+            );
         }
-        assert!(pems(1.0, 3, 0.0, 1, &options).pems < expected, "longer skills score lower");
+        assert!(
+            pems(1.0, 3, 0.0, 1, &options).pems < expected,
+            "longer skills score lower"
+        );
     }
 
     #[test]
@@ -116,12 +154,25 @@ mod tests {
         assert!(delta(&[1.0, 0.0], Some(&[2.0, 0.0])).abs() < 1e-7);
         assert!((delta(&[1.0, 0.0], Some(&[0.0, 1.0])) - 1.0).abs() < 1e-7);
         assert_eq!(delta(&[1.0, 0.0], Some(&[-1.0, 0.0])), 1.0, "clamped to 1");
-        for (a, b) in [([0.0, 0.0], [1.0, 0.0]), ([1.0, 0.0], [0.0, 0.0]), ([0.0, 0.0], [0.0, 0.0])] {
+        for (a, b) in [
+            ([0.0, 0.0], [1.0, 0.0]),
+            ([1.0, 0.0], [0.0, 0.0]),
+            ([0.0, 0.0], [0.0, 0.0]),
+        ] {
             let d = delta(&a, Some(&b));
             assert!(d.is_finite() && d == 1.0, "{d}");
             assert_eq!(pems(1.0, 10, d, 1, &PemsOptions::default()).pems, 0.0);
         }
-        let bad = pems(f64::NAN, 10, f64::NAN, 0, &PemsOptions { divide_by_skills: true, ..Default::default() });
+        let bad = pems(
+            f64::NAN,
+            10,
+            f64::NAN,
+            0,
+            &PemsOptions {
+                divide_by_skills: true,
+                ..Default::default()
+            },
+        );
         assert_eq!(bad.pems, 0.0, "NaN inputs never produce a NaN score");
     }
 

@@ -24,7 +24,8 @@ const BRIEF_ACTION_CHARS: usize = 90;
 /// Actions shown per compact episode at most.
 const BRIEF_ACTIONS: usize = 12;
 
-pub(crate) const SYSTEM: &str = "You write short, reusable skills for AI agents from logs of past tasks.";
+pub(crate) const SYSTEM: &str =
+    "You write short, reusable skills for AI agents from logs of past tasks.";
 
 /// The one-shot example's logs (an invented task from an unrelated domain).
 pub(crate) const EXAMPLE_LOGS: &str = "Task: send the weekly report to the sales team (success)\n\
@@ -79,8 +80,15 @@ pub fn episode_text(node: &Node) -> String {
 /// `Actions: a; b; c` (at most [`BRIEF_ACTIONS`] actions, each clipped, standalone numbers
 /// dropped, back-to-back repeats shown once; observations and `think:` thoughts dropped).
 pub fn episode_brief(node: &Node, show_outcome: bool) -> String {
-    let task = clip(&node.text.split_whitespace().collect::<Vec<_>>().join(" "), BRIEF_TASK_CHARS);
-    let outcome = if show_outcome { format!(" ({})", outcome_label(node)) } else { String::new() };
+    let task = clip(
+        &node.text.split_whitespace().collect::<Vec<_>>().join(" "),
+        BRIEF_TASK_CHARS,
+    );
+    let outcome = if show_outcome {
+        format!(" ({})", outcome_label(node))
+    } else {
+        String::new()
+    };
     let mut actions: Vec<String> = Vec::new();
     let mut more = false;
     for step in node.episode().into_iter().flat_map(|e| &e.steps) {
@@ -94,7 +102,14 @@ pub fn episode_brief(node: &Node, show_outcome: bool) -> String {
         }
         actions.push(line);
     }
-    let mut text = format!("Task: {task}{outcome}\nActions: {}", if actions.is_empty() { "none logged".to_string() } else { actions.join("; ") });
+    let mut text = format!(
+        "Task: {task}{outcome}\nActions: {}",
+        if actions.is_empty() {
+            "none logged".to_string()
+        } else {
+            actions.join("; ")
+        }
+    );
     if more {
         text.push_str("; ...");
     }
@@ -113,7 +128,9 @@ fn is_thought(line: &str) -> bool {
 /// and a skill should be general. Ids inside words or quotes (`u1`, `"ABC123"`) are kept.
 fn without_numbers(line: &str) -> String {
     line.split(' ')
-        .filter(|word| !(word.len() <= 3 && !word.is_empty() && word.chars().all(|c| c.is_ascii_digit())))
+        .filter(|word| {
+            !(word.len() <= 3 && !word.is_empty() && word.chars().all(|c| c.is_ascii_digit()))
+        })
         .collect::<Vec<_>>()
         .join(" ")
 }
@@ -126,7 +143,11 @@ fn action_line(step: &fluxmem_graph::Step, max_chars: usize) -> String {
         parts.push(clip(&action, max_chars));
     }
     for call in &step.tool_calls {
-        let arguments = call.arguments.split_whitespace().collect::<Vec<_>>().join(" ");
+        let arguments = call
+            .arguments
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
         parts.push(format!("{}({})", call.name, clip(&arguments, max_chars)));
     }
     // `;` separates actions in a compact episode.
@@ -136,7 +157,12 @@ fn action_line(step: &fluxmem_graph::Step, max_chars: usize) -> String {
 /// The episodes, most representative first, as compact blocks with their outcomes, while they
 /// fit in `budget` tokens of `generator` (the first one is always shown, cut if needed).
 /// Returns the text and the number of episodes shown.
-pub fn serialize_episodes(episodes: &[&Node], budget: usize, show_outcome: bool, generator: &dyn Generator) -> Result<(String, usize)> {
+pub fn serialize_episodes(
+    episodes: &[&Node],
+    budget: usize,
+    show_outcome: bool,
+    generator: &dyn Generator,
+) -> Result<(String, usize)> {
     let mut out = String::new();
     let mut used = 0;
     let mut shown = 0;
@@ -177,7 +203,10 @@ fn one_shot() -> Vec<ChatMessage> {
 /// First induction of a skill from a cluster: the one-shot exchange, then the real logs.
 pub fn induce(episodes: &str) -> Vec<ChatMessage> {
     let mut messages = one_shot();
-    messages.push(ChatMessage::new("user", format!("Logs:\n{episodes}\n\n{ASK}")));
+    messages.push(ChatMessage::new(
+        "user",
+        format!("Logs:\n{episodes}\n\n{ASK}"),
+    ));
     messages
 }
 
@@ -199,7 +228,10 @@ pub fn retry(episodes: &str) -> Vec<ChatMessage> {
     let user = format!(
         "Write one skill for these logs, in the same format as this example.\n\nExample:\n{EXAMPLE_SKILL}\n\nLogs:\n{episodes}\n\n{ASK}\n\nName:"
     );
-    vec![ChatMessage::new("system", SYSTEM), ChatMessage::new("user", user)]
+    vec![
+        ChatMessage::new("system", SYSTEM),
+        ChatMessage::new("user", user),
+    ]
 }
 
 /// The system turn of the naming prompt.
@@ -213,11 +245,20 @@ pub fn name_procedure(tasks: &[String], steps: &[String]) -> Vec<ChatMessage> {
     let mut seen = BTreeSet::new();
     let tasks: Vec<String> = tasks
         .iter()
-        .map(|t| clip(&t.split_whitespace().collect::<Vec<_>>().join(" "), BRIEF_TASK_CHARS))
+        .map(|t| {
+            clip(
+                &t.split_whitespace().collect::<Vec<_>>().join(" "),
+                BRIEF_TASK_CHARS,
+            )
+        })
         .filter(|t| seen.insert(t.to_lowercase()))
         .map(|t| format!("- {t}"))
         .collect();
-    let steps: Vec<String> = steps.iter().enumerate().map(|(i, s)| format!("{}. {s}", i + 1)).collect();
+    let steps: Vec<String> = steps
+        .iter()
+        .enumerate()
+        .map(|(i, s)| format!("{}. {s}", i + 1))
+        .collect();
     let user = format!(
         "Requests that agents handled successfully with one procedure:\n{}\n\nThe procedure (every step is in the logs):\n{}\n\n\
          Name the procedure for any request of this kind: no names, places, dates, codes or amounts \
@@ -226,7 +267,10 @@ pub fn name_procedure(tasks: &[String], steps: &[String]) -> Vec<ChatMessage> {
         tasks.join("\n"),
         steps.join("\n")
     );
-    vec![ChatMessage::new("system", NAME_SYSTEM), ChatMessage::new("user", user)]
+    vec![
+        ChatMessage::new("system", NAME_SYSTEM),
+        ChatMessage::new("user", user),
+    ]
 }
 
 /// True when no word of `name` (of 4 letters or more) is a word of the `tasks` or `steps`,
@@ -234,7 +278,12 @@ pub fn name_procedure(tasks: &[String], steps: &[String]) -> Vec<ChatMessage> {
 /// logs say ("Repeat procedure").
 pub fn ungrounded_name(name: &str, tasks: &[String], steps: &[String]) -> bool {
     let stem = |w: &str| -> String { w.to_lowercase().chars().take(5).collect() };
-    let words = |text: &str| -> Vec<String> { text.split(|c: char| !c.is_alphanumeric()).filter(|w| w.chars().count() >= 4).map(stem).collect() };
+    let words = |text: &str| -> Vec<String> {
+        text.split(|c: char| !c.is_alphanumeric())
+            .filter(|w| w.chars().count() >= 4)
+            .map(stem)
+            .collect()
+    };
     let known: BTreeSet<String> = tasks.iter().chain(steps).flat_map(|t| words(t)).collect();
     let own = words(name);
     !own.is_empty() && !own.iter().any(|w| known.contains(w))
@@ -266,14 +315,24 @@ fn split_camel_case(name: &str) -> String {
 ///
 /// `description` is also checked with one task: a word capitalised inside it (not its first
 /// word) that a task has and no step has is a proper name or a code (`Ivan`, `JFK`).
-pub fn instance_word(answer: &str, description: &str, tasks: &[String], steps: &[String]) -> Option<String> {
+pub fn instance_word(
+    answer: &str,
+    description: &str,
+    tasks: &[String],
+    steps: &[String],
+) -> Option<String> {
     let words = |text: &str| -> BTreeSet<String> {
-        text.split(|c: char| !c.is_alphanumeric()).filter(|w| w.chars().count() >= 3).map(str::to_lowercase).collect()
+        text.split(|c: char| !c.is_alphanumeric())
+            .filter(|w| w.chars().count() >= 3)
+            .map(str::to_lowercase)
+            .collect()
     };
     let per_task: Vec<BTreeSet<String>> = tasks.iter().map(|t| words(t)).collect();
     let in_steps: BTreeSet<String> = steps.iter().flat_map(|s| words(s)).collect();
     if tasks.len() >= 2 {
-        if let Some(word) = words(answer).into_iter().find(|w| !in_steps.contains(w) && per_task.iter().filter(|t| t.contains(w)).count() == 1) {
+        if let Some(word) = words(answer).into_iter().find(|w| {
+            !in_steps.contains(w) && per_task.iter().filter(|t| t.contains(w)).count() == 1
+        }) {
             return Some(word);
         }
     }
@@ -293,25 +352,55 @@ pub fn parse_name(answer: &str) -> std::result::Result<(String, String), String>
     let mut name = None;
     let mut description = None;
     for line in answer.lines() {
-        let line = line.trim().trim_start_matches(['-', '*', '#', ' ']).replace("**", "");
-        let Some((key, value)) = line.split_once(':') else { continue };
-        let value = value.trim().trim_matches(['"', '`', '*']).trim().to_string();
+        let line = line
+            .trim()
+            .trim_start_matches(['-', '*', '#', ' '])
+            .replace("**", "");
+        let Some((key, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value
+            .trim()
+            .trim_matches(['"', '`', '*'])
+            .trim()
+            .to_string();
         match key.trim().to_lowercase().as_str() {
-            "name" if name.is_none() => name = Some(value.trim_matches(['"', '`', '*', '.', '\'']).trim().to_string()),
+            "name" if name.is_none() => {
+                name = Some(
+                    value
+                        .trim_matches(['"', '`', '*', '.', '\''])
+                        .trim()
+                        .to_string(),
+                )
+            }
             "description" if description.is_none() => description = Some(value),
             _ => {}
         }
     }
-    let name = name.filter(|n| !n.is_empty()).map(|n| split_camel_case(&n)).ok_or("no `Name:` line")?;
-    let description = description.filter(|d| !d.is_empty()).ok_or("no `Description:` line")?;
-    if name.contains(['<', '>']) || description.contains(['<', '>']) || name.contains("2 to 6 words") {
+    let name = name
+        .filter(|n| !n.is_empty())
+        .map(|n| split_camel_case(&n))
+        .ok_or("no `Name:` line")?;
+    let description = description
+        .filter(|d| !d.is_empty())
+        .ok_or("no `Description:` line")?;
+    if name.contains(['<', '>'])
+        || description.contains(['<', '>'])
+        || name.contains("2 to 6 words")
+    {
         return Err("repeats the answer format's placeholders".into());
     }
     if name.chars().count() > 64 || name.split_whitespace().count() > 8 {
-        return Err(format!("the name is too long ({} characters)", name.chars().count()));
+        return Err(format!(
+            "the name is too long ({} characters)",
+            name.chars().count()
+        ));
     }
     if description.chars().count() > 300 {
-        return Err(format!("the description is too long ({} characters)", description.chars().count()));
+        return Err(format!(
+            "the description is too long ({} characters)",
+            description.chars().count()
+        ));
     }
     Ok((name, description))
 }
@@ -328,13 +417,32 @@ mod naming_tests {
     #[test]
     fn naming_answers_parse_with_markdown_and_refuse_placeholders() {
         let ok = parse_name("**Name:** Cancel a reservation\n**Description:** Use when a user asks to cancel a booking.").unwrap();
-        assert_eq!(ok, ("Cancel a reservation".to_string(), "Use when a user asks to cancel a booking.".to_string()));
-        let ok = parse_name("Sure!\n- Name: \"Change flights\".\n- Description: Use when dates change.\nExtra: x").unwrap();
+        assert_eq!(
+            ok,
+            (
+                "Cancel a reservation".to_string(),
+                "Use when a user asks to cancel a booking.".to_string()
+            )
+        );
+        let ok = parse_name(
+            "Sure!\n- Name: \"Change flights\".\n- Description: Use when dates change.\nExtra: x",
+        )
+        .unwrap();
         assert_eq!(ok.0, "Change flights");
-        assert_eq!(parse_name("Name: CancelFlightReservation\nDescription: d").unwrap().0, "Cancel flight reservation");
+        assert_eq!(
+            parse_name("Name: CancelFlightReservation\nDescription: d")
+                .unwrap()
+                .0,
+            "Cancel flight reservation"
+        );
         assert_eq!(parse_name("Name: JSON\nDescription: d").unwrap().0, "JSON");
-        assert!(parse_name("Name: <2 to 6 words saying what the procedure does>\nDescription: Use when <x>").is_err());
-        assert!(parse_name("Name: Cancel").unwrap_err().contains("Description"));
+        assert!(parse_name(
+            "Name: <2 to 6 words saying what the procedure does>\nDescription: Use when <x>"
+        )
+        .is_err());
+        assert!(parse_name("Name: Cancel")
+            .unwrap_err()
+            .contains("Description"));
         assert!(parse_name(&format!("Name: {}\nDescription: d", "word ".repeat(12))).is_err());
     }
 
@@ -349,28 +457,81 @@ mod naming_tests {
 
     #[test]
     fn the_naming_prompt_lists_each_task_once() {
-        let messages = name_procedure(&["put two cellphone in sofa".into(), "Put two  cellphone in sofa".into()], &["Go to <place>.".into()]);
-        assert_eq!(messages[1].content.matches("cellphone").count(), 1, "{}", messages[1].content);
+        let messages = name_procedure(
+            &[
+                "put two cellphone in sofa".into(),
+                "Put two  cellphone in sofa".into(),
+            ],
+            &["Go to <place>.".into()],
+        );
+        assert_eq!(
+            messages[1].content.matches("cellphone").count(),
+            1,
+            "{}",
+            messages[1].content
+        );
     }
 
     #[test]
     fn instance_words_are_the_ones_only_one_task_has() {
-        let tasks = vec!["cancel my flight from mco to clt".to_string(), "please cancel my flight to jfk".to_string()];
+        let tasks = vec![
+            "cancel my flight from mco to clt".to_string(),
+            "please cancel my flight to jfk".to_string(),
+        ];
         let steps = vec!["Call `cancel_reservation`.".to_string()];
-        assert_eq!(instance_word("Cancel a flight to JFK", "", &tasks, &steps).as_deref(), Some("jfk"));
-        assert_eq!(instance_word("Cancel a flight reservation", "", &tasks, &steps), None, "`reservation` is in a step");
-        assert_eq!(instance_word("Cancel a flight to JFK", "", &tasks[..1], &steps), None, "one task: nothing to compare");
+        assert_eq!(
+            instance_word("Cancel a flight to JFK", "", &tasks, &steps).as_deref(),
+            Some("jfk")
+        );
+        assert_eq!(
+            instance_word("Cancel a flight reservation", "", &tasks, &steps),
+            None,
+            "`reservation` is in a step"
+        );
+        assert_eq!(
+            instance_word("Cancel a flight to JFK", "", &tasks[..1], &steps),
+            None,
+            "one task: nothing to compare"
+        );
         let one = vec!["book the same flights for my friend ivan".to_string()];
-        assert_eq!(instance_word("", "Books flights for a friend Ivan.", &one, &steps).as_deref(), Some("ivan"), "a proper name");
-        assert_eq!(instance_word("", "Use when a friend needs the same flights.", &one, &steps), None);
+        assert_eq!(
+            instance_word("", "Books flights for a friend Ivan.", &one, &steps).as_deref(),
+            Some("ivan"),
+            "a proper name"
+        );
+        assert_eq!(
+            instance_word(
+                "",
+                "Use when a friend needs the same flights.",
+                &one,
+                &steps
+            ),
+            None
+        );
     }
 
     #[test]
     fn the_naming_prompt_shows_tasks_and_numbered_steps() {
-        let messages = name_procedure(&["cancel my  flight\nplease".into()], &["Call `get_reservation_details`.".into(), "Call `cancel_reservation`.".into()]);
+        let messages = name_procedure(
+            &["cancel my  flight\nplease".into()],
+            &[
+                "Call `get_reservation_details`.".into(),
+                "Call `cancel_reservation`.".into(),
+            ],
+        );
         assert_eq!(messages.len(), 2);
-        assert!(messages[1].content.contains("- cancel my flight please"), "{}", messages[1].content);
-        assert!(messages[1].content.contains("1. Call `get_reservation_details`.\n2. Call `cancel_reservation`."), "{}", messages[1].content);
+        assert!(
+            messages[1].content.contains("- cancel my flight please"),
+            "{}",
+            messages[1].content
+        );
+        assert!(
+            messages[1]
+                .content
+                .contains("1. Call `get_reservation_details`.\n2. Call `cancel_reservation`."),
+            "{}",
+            messages[1].content
+        );
     }
 }
 
@@ -381,18 +542,47 @@ mod tests {
 
     fn node() -> Node {
         let mut steps = vec![
-            Step { observation: "a very long observation ".repeat(50), action: "go to fridge 1".into(), ..Default::default() },
-            Step { action: "go to fridge 2".into(), ..Default::default() },
-            Step { action: "think: now I open it".into(), ..Default::default() },
-            Step { action: "open; fridge 1".into(), ..Default::default() },
             Step {
-                tool_calls: vec![ToolCall { name: "get_user".into(), arguments: "{\"id\": \"u1\"}".into(), ..Default::default() }],
+                observation: "a very long observation ".repeat(50),
+                action: "go to fridge 1".into(),
+                ..Default::default()
+            },
+            Step {
+                action: "go to fridge 2".into(),
+                ..Default::default()
+            },
+            Step {
+                action: "think: now I open it".into(),
+                ..Default::default()
+            },
+            Step {
+                action: "open; fridge 1".into(),
+                ..Default::default()
+            },
+            Step {
+                tool_calls: vec![ToolCall {
+                    name: "get_user".into(),
+                    arguments: "{\"id\": \"u1\"}".into(),
+                    ..Default::default()
+                }],
                 ..Default::default()
             },
         ];
-        steps.extend((0..20).map(|i| Step { action: format!("step s{i}"), ..Default::default() }));
-        let outcome = Outcome { success: Some(false), reward: None, feedback: None };
-        Node::new(NodeBody::Episodic(Episode { steps, outcome }), "default", "put a   clean\nlettuce in diningtable", &["t"])
+        steps.extend((0..20).map(|i| Step {
+            action: format!("step s{i}"),
+            ..Default::default()
+        }));
+        let outcome = Outcome {
+            success: Some(false),
+            reward: None,
+            feedback: None,
+        };
+        Node::new(
+            NodeBody::Episodic(Episode { steps, outcome }),
+            "default",
+            "put a   clean\nlettuce in diningtable",
+            &["t"],
+        )
     }
 
     #[test]
@@ -402,9 +592,19 @@ mod tests {
         assert!(brief.starts_with("Task: put a clean lettuce in diningtable (failure)\nActions: go to fridge; open, fridge; get_user({\"id\": \"u1\"}); step s0"));
         assert!(!brief.contains("observation"), "observations dropped");
         assert!(!brief.contains("think"), "thoughts dropped");
-        assert_eq!(brief.matches("go to fridge").count(), 1, "back-to-back repeat (up to numbers) shown once");
-        assert_eq!(without_numbers("take lettuce 1 from diningtable 12 for user u1 at 2024"), "take lettuce from diningtable for user u1 at 2024");
-        assert!(brief.ends_with("; ..."), "capped at {BRIEF_ACTIONS} actions: {brief}");
+        assert_eq!(
+            brief.matches("go to fridge").count(),
+            1,
+            "back-to-back repeat (up to numbers) shown once"
+        );
+        assert_eq!(
+            without_numbers("take lettuce 1 from diningtable 12 for user u1 at 2024"),
+            "take lettuce from diningtable for user u1 at 2024"
+        );
+        assert!(
+            brief.ends_with("; ..."),
+            "capped at {BRIEF_ACTIONS} actions: {brief}"
+        );
         assert_eq!(brief.split("; ").count(), BRIEF_ACTIONS + 1);
     }
 
@@ -412,7 +612,10 @@ mod tests {
     fn assert_no_placeholders(messages: &[ChatMessage]) {
         for message in messages {
             let text = &message.content;
-            assert!(!text.contains('<') && !text.contains('>'), "angle brackets in {text}");
+            assert!(
+                !text.contains('<') && !text.contains('>'),
+                "angle brackets in {text}"
+            );
             for i in 0..10 {
                 assert!(!text.contains(&format!("[{i}]")), "[{i}] in {text}");
             }
@@ -428,7 +631,10 @@ mod tests {
         assert_no_placeholders(&retry(episodes));
         // The example is an earlier assistant turn in the exact format and parses.
         let messages = induce(episodes);
-        assert_eq!(messages.iter().map(|m| m.role.as_str()).collect::<Vec<_>>(), ["system", "user", "assistant", "user"]);
+        assert_eq!(
+            messages.iter().map(|m| m.role.as_str()).collect::<Vec<_>>(),
+            ["system", "user", "assistant", "user"]
+        );
         assert!(messages[3].content.contains(episodes));
         let example = crate::parse::parse_skill_text(EXAMPLE_SKILL).unwrap();
         assert_eq!(example.name, EXAMPLE_NAME);

@@ -83,7 +83,13 @@ pub struct EmbedOptions {
 
 impl Default for EmbedOptions {
     fn default() -> Self {
-        EmbedOptions { batch_size: 256, commit_every: 2048, reembed: false, shard: Shard::ALL, window: 16384 }
+        EmbedOptions {
+            batch_size: 256,
+            commit_every: 2048,
+            reembed: false,
+            shard: Shard::ALL,
+            window: 16384,
+        }
     }
 }
 
@@ -127,7 +133,12 @@ pub fn embed_store(
     let dim = embedder.dim();
     if let Some(stored) = writer.manifest().embedding_model.clone() {
         if (stored.id != model || stored.dim != dim) && !options.reembed {
-            return Err(Error::ModelMismatch { store_model: stored.id, store_dim: stored.dim, model, dim });
+            return Err(Error::ModelMismatch {
+                store_model: stored.id,
+                store_dim: stored.dim,
+                model,
+                dim,
+            });
         }
     }
     if options.reembed {
@@ -164,18 +175,37 @@ pub fn embed_store(
     // else the first node this run embedded it for (`ran`: what this run holds follows the
     // night).
     let mut ran: BTreeMap<String, NodeId> = BTreeMap::new();
-    let mut report = EmbedReport { nodes, already: nodes - lacking.len(), ..EmbedReport::default() };
+    let mut report = EmbedReport {
+        nodes,
+        already: nodes - lacking.len(),
+        ..EmbedReport::default()
+    };
     progress.start(lacking.len() as u64);
     let commit_every = options.commit_every.max(1);
-    let window = options.window.max(1).checked_next_multiple_of(commit_every).unwrap_or(usize::MAX);
+    let window = options
+        .window
+        .max(1)
+        .checked_next_multiple_of(commit_every)
+        .unwrap_or(usize::MAX);
     for nodes in lacking.chunks(window) {
         let of: BTreeSet<NodeId> = nodes.iter().cloned().collect();
-        let scan = Scan { nodes: true, nodes_of: Some(of.clone()), steps: Rows::Of(of), ..Default::default() };
+        let scan = Scan {
+            nodes: true,
+            nodes_of: Some(of.clone()),
+            steps: Rows::Of(of),
+            ..Default::default()
+        };
         let rows = writer.store().scan_at(writer.manifest(), &scan)?.nodes;
-        let todo: Vec<(NodeId, String)> = nodes.iter().map(|id| (id.clone(), rows[id].embedding_text())).collect();
+        let todo: Vec<(NodeId, String)> = nodes
+            .iter()
+            .map(|id| (id.clone(), rows[id].embedding_text()))
+            .collect();
         drop(rows);
         // The vectors of stored texts that a node to embed repeats, read by their node.
-        let hashes: BTreeSet<String> = todo.iter().map(|(_, text)| sha256_hex(text.as_bytes())).collect();
+        let hashes: BTreeSet<String> = todo
+            .iter()
+            .map(|(_, text)| sha256_hex(text.as_bytes()))
+            .collect();
         let mut holder: BTreeMap<&str, String> = BTreeMap::new();
         stored.embedding_keys(&mut |node, m, hash| {
             if m != model {
@@ -192,24 +222,49 @@ pub fn embed_store(
         })?;
         let holders: BTreeSet<NodeId> = hashes
             .iter()
-            .filter_map(|h| holder.get(h.as_str()).map(|n| NodeId(n.clone())).or_else(|| ran.get(h).cloned()))
+            .filter_map(|h| {
+                holder
+                    .get(h.as_str())
+                    .map(|n| NodeId(n.clone()))
+                    .or_else(|| ran.get(h).cloned())
+            })
             .collect();
         drop(holder);
         let mut cache: BTreeMap<String, Vec<f32>> = BTreeMap::new();
         if !holders.is_empty() {
-            let stored = writer.store().scan_at(writer.manifest(), &Scan { vectors: Rows::Of(holders), ..Default::default() })?;
-            for embedding in stored.embeddings.into_values().filter(|e| e.model_id == model) {
+            let stored = writer.store().scan_at(
+                writer.manifest(),
+                &Scan {
+                    vectors: Rows::Of(holders),
+                    ..Default::default()
+                },
+            )?;
+            for embedding in stored
+                .embeddings
+                .into_values()
+                .filter(|e| e.model_id == model)
+            {
                 cache.insert(embedding.text_sha256, embedding.vector);
             }
         }
         for chunk in todo.chunks(commit_every) {
-            let delta = embed_chunk(embedder, options, &model, dim, chunk, &mut cache, &mut report, progress)?;
+            let delta = embed_chunk(
+                embedder,
+                options,
+                &model,
+                dim,
+                chunk,
+                &mut cache,
+                &mut report,
+                progress,
+            )?;
             if !delta.is_empty() {
                 // Vectors only for nodes without one (of this model, the store's only one): new keys.
                 writer.commit_new(&delta, commit_info(run_id, &report, &model))?;
                 report.commits += 1;
                 for embedding in delta.embeddings.into_values() {
-                    ran.entry(embedding.text_sha256).or_insert(embedding.node_id);
+                    ran.entry(embedding.text_sha256)
+                        .or_insert(embedding.node_id);
                 }
             }
         }
@@ -224,7 +279,9 @@ type Fast = foldhash::fast::FixedState;
 /// (a node to embed taken for embedded would need a collision of 128-bit SHA-256 prefixes).
 fn digest(id: &str) -> [u8; 16] {
     use sha2::Digest;
-    sha2::Sha256::digest(id.as_bytes())[..16].try_into().expect("16 bytes")
+    sha2::Sha256::digest(id.as_bytes())[..16]
+        .try_into()
+        .expect("16 bytes")
 }
 
 /// Embeds `chunk` (node ids with their texts): each text not in `cache` once (the first node
@@ -265,27 +322,71 @@ fn embed_chunk(
     }
     progress.advance((chunk.len() - missing.len()) as u64);
     for (id, hash) in waiting {
-        let vector = cache.get(&hash).expect("every waiting text was embedded or cached").clone();
-        delta.upsert_embedding(Embedding { node_id: id.clone(), model_id: model.to_string(), text_sha256: hash, vector });
+        let vector = cache
+            .get(&hash)
+            .expect("every waiting text was embedded or cached")
+            .clone();
+        delta.upsert_embedding(Embedding {
+            node_id: id.clone(),
+            model_id: model.to_string(),
+            text_sha256: hash,
+            vector,
+        });
     }
     Ok(delta)
 }
 
 /// Replaces every embedding of the store with `embedder`'s, in one commit (the whole graph is
 /// read and rewritten; other models' vectors are dropped, this model's kept).
-fn reembed(writer: &mut Writer, embedder: &dyn Embedder, options: &EmbedOptions, run_id: &str, progress: &mut dyn Progress) -> Result<EmbedReport> {
+fn reembed(
+    writer: &mut Writer,
+    embedder: &dyn Embedder,
+    options: &EmbedOptions,
+    run_id: &str,
+    progress: &mut dyn Progress,
+) -> Result<EmbedReport> {
     let model = embedder.model_id().to_string();
     let dim = embedder.dim();
     let mut graph = writer.store().load()?;
     graph.embeddings.retain(|(_, m), _| m == &model);
-    let lacking: Vec<NodeId> = graph.nodes.keys().filter(|id| !graph.embeddings.contains_key(&((*id).clone(), model.clone()))).filter(|id| options.shard.owns(id.as_str())).cloned().collect();
-    let mut report = EmbedReport { nodes: graph.nodes.len(), already: graph.nodes.len() - lacking.len(), ..EmbedReport::default() };
-    let todo: Vec<(NodeId, String)> = lacking.iter().map(|id| (id.clone(), graph.nodes[id].embedding_text())).collect();
-    let mut cache: BTreeMap<String, Vec<f32>> = graph.embeddings.values().map(|e| (e.text_sha256.clone(), e.vector.clone())).collect();
+    let lacking: Vec<NodeId> = graph
+        .nodes
+        .keys()
+        .filter(|id| {
+            !graph
+                .embeddings
+                .contains_key(&((*id).clone(), model.clone()))
+        })
+        .filter(|id| options.shard.owns(id.as_str()))
+        .cloned()
+        .collect();
+    let mut report = EmbedReport {
+        nodes: graph.nodes.len(),
+        already: graph.nodes.len() - lacking.len(),
+        ..EmbedReport::default()
+    };
+    let todo: Vec<(NodeId, String)> = lacking
+        .iter()
+        .map(|id| (id.clone(), graph.nodes[id].embedding_text()))
+        .collect();
+    let mut cache: BTreeMap<String, Vec<f32>> = graph
+        .embeddings
+        .values()
+        .map(|e| (e.text_sha256.clone(), e.vector.clone()))
+        .collect();
     progress.start(todo.len() as u64);
     let mut fresh = Graph::default();
     for chunk in todo.chunks(options.commit_every.max(1)) {
-        fresh.apply(embed_chunk(embedder, options, &model, dim, chunk, &mut cache, &mut report, progress)?);
+        fresh.apply(embed_chunk(
+            embedder,
+            options,
+            &model,
+            dim,
+            chunk,
+            &mut cache,
+            &mut report,
+            progress,
+        )?);
     }
     graph.apply(fresh);
     writer.replace(&graph, commit_info(run_id, &report, &model))?;
@@ -294,17 +395,33 @@ fn reembed(writer: &mut Writer, embedder: &dyn Embedder, options: &EmbedOptions,
 }
 
 fn commit_info(run_id: &str, report: &EmbedReport, model: &str) -> CommitInfo {
-    let summary = serde_json::json!({ "model": model, "embedded": report.embedded, "cached": report.cached });
-    CommitInfo { stage: "embed".into(), run_id: run_id.into(), summary, progress: Default::default() }
+    let summary =
+        serde_json::json!({ "model": model, "embedded": report.embedded, "cached": report.cached });
+    CommitInfo {
+        stage: "embed".into(),
+        run_id: run_id.into(),
+        summary,
+        progress: Default::default(),
+    }
 }
 
 fn check_output(model: &str, dim: usize, count: usize, vectors: &[Vec<f32>]) -> Result<()> {
-    let bad = |got: String, expected: String| Error::BadOutput { model: model.into(), got, expected };
+    let bad = |got: String, expected: String| Error::BadOutput {
+        model: model.into(),
+        got,
+        expected,
+    };
     if vectors.len() != count {
-        return Err(bad(format!("{} vectors", vectors.len()), format!("{count}")));
+        return Err(bad(
+            format!("{} vectors", vectors.len()),
+            format!("{count}"),
+        ));
     }
     match vectors.iter().find(|v| v.len() != dim) {
-        Some(v) => Err(bad(format!("a vector of {} floats", v.len()), format!("{dim}"))),
+        Some(v) => Err(bad(
+            format!("a vector of {} floats", v.len()),
+            format!("{dim}"),
+        )),
         None => Ok(()),
     }
 }

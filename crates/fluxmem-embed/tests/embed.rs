@@ -16,7 +16,12 @@ struct Counting {
 
 impl Counting {
     fn new(fail_after_calls: usize) -> Counting {
-        Counting { inner: HashEmbedder::new(16), texts: AtomicUsize::new(0), calls: AtomicUsize::new(0), fail_after_calls }
+        Counting {
+            inner: HashEmbedder::new(16),
+            texts: AtomicUsize::new(0),
+            calls: AtomicUsize::new(0),
+            fail_after_calls,
+        }
     }
 }
 
@@ -43,36 +48,90 @@ fn store_with(texts: &[&str]) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let mut graph = Graph::default();
     for (i, text) in texts.iter().enumerate() {
-        let body = NodeBody::Semantic(Semantic { source: "doc".into(), position: i as i64, time: None, group: None });
-        graph.insert_node(Node::new(body, "default", text, &["doc", &i.to_string(), text]));
+        let body = NodeBody::Semantic(Semantic {
+            source: "doc".into(),
+            position: i as i64,
+            time: None,
+            group: None,
+        });
+        graph.insert_node(Node::new(
+            body,
+            "default",
+            text,
+            &["doc", &i.to_string(), text],
+        ));
     }
-    Writer::open(dir.path()).unwrap().commit(&graph, CommitInfo { stage: "ingest".into(), ..Default::default() }).unwrap();
+    Writer::open(dir.path())
+        .unwrap()
+        .commit(
+            &graph,
+            CommitInfo {
+                stage: "ingest".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
     dir
 }
 
-const TEXTS: [&str; 7] = ["alpha beta", "gamma", "alpha beta", "delta epsilon", "zeta", "eta theta", "gamma"];
+const TEXTS: [&str; 7] = [
+    "alpha beta",
+    "gamma",
+    "alpha beta",
+    "delta epsilon",
+    "zeta",
+    "eta theta",
+    "gamma",
+];
 
 #[test]
 fn embeds_every_node_once_and_reuses_vectors_of_identical_text() {
     let dir = store_with(&TEXTS);
     let mut writer = Writer::open(dir.path()).unwrap();
     let embedder = Counting::new(usize::MAX);
-    let options = EmbedOptions { batch_size: 2, commit_every: 100, reembed: false, ..Default::default() };
+    let options = EmbedOptions {
+        batch_size: 2,
+        commit_every: 100,
+        reembed: false,
+        ..Default::default()
+    };
     let report = embed_store(&mut writer, &embedder, &options, "r1", &mut NoProgress).unwrap();
-    assert_eq!((report.nodes, report.embedded, report.cached, report.already), (7, 5, 2, 0));
-    assert_eq!(embedder.texts.load(Ordering::SeqCst), 5, "identical texts are embedded once");
+    assert_eq!(
+        (report.nodes, report.embedded, report.cached, report.already),
+        (7, 5, 2, 0)
+    );
+    assert_eq!(
+        embedder.texts.load(Ordering::SeqCst),
+        5,
+        "identical texts are embedded once"
+    );
     let graph = writer.store().load().unwrap();
     assert_eq!(graph.stats().embedded, 7);
     let again = embed_store(&mut writer, &embedder, &options, "r2", &mut NoProgress).unwrap();
-    assert_eq!((again.embedded, again.cached, again.already, again.commits), (0, 0, 7, 0));
+    assert_eq!(
+        (again.embedded, again.cached, again.already, again.commits),
+        (0, 0, 7, 0)
+    );
 }
 
 #[test]
 fn interrupted_run_keeps_its_commits_and_a_rerun_finishes_identically() {
     let reference_dir = store_with(&TEXTS);
-    let options = EmbedOptions { batch_size: 1, commit_every: 2, reembed: false, ..Default::default() };
+    let options = EmbedOptions {
+        batch_size: 1,
+        commit_every: 2,
+        reembed: false,
+        ..Default::default()
+    };
     let mut reference = Writer::open(reference_dir.path()).unwrap();
-    embed_store(&mut reference, &Counting::new(usize::MAX), &options, "r", &mut NoProgress).unwrap();
+    embed_store(
+        &mut reference,
+        &Counting::new(usize::MAX),
+        &options,
+        "r",
+        &mut NoProgress,
+    )
+    .unwrap();
     let expected = reference.store().load().unwrap();
 
     let dir = store_with(&TEXTS);
@@ -80,23 +139,46 @@ fn interrupted_run_keeps_its_commits_and_a_rerun_finishes_identically() {
     let crashing = Counting::new(3);
     assert!(embed_store(&mut writer, &crashing, &options, "r1", &mut NoProgress).is_err());
     let partial = writer.store().load().unwrap().stats().embedded;
-    assert!(partial > 0 && partial < 7, "some chunks were committed before the crash ({partial})");
+    assert!(
+        partial > 0 && partial < 7,
+        "some chunks were committed before the crash ({partial})"
+    );
     let resumed = Counting::new(usize::MAX);
     let report = embed_store(&mut writer, &resumed, &options, "r2", &mut NoProgress).unwrap();
     assert_eq!(report.already, partial);
-    assert_eq!(writer.store().load().unwrap().embeddings, expected.embeddings);
+    assert_eq!(
+        writer.store().load().unwrap().embeddings,
+        expected.embeddings
+    );
 }
 
 #[test]
 fn another_model_is_refused_until_reembed_migrates_the_store() {
     let dir = store_with(&TEXTS);
     let mut writer = Writer::open(dir.path()).unwrap();
-    embed_store(&mut writer, &HashEmbedder::new(16), &EmbedOptions::default(), "r1", &mut NoProgress).unwrap();
+    embed_store(
+        &mut writer,
+        &HashEmbedder::new(16),
+        &EmbedOptions::default(),
+        "r1",
+        &mut NoProgress,
+    )
+    .unwrap();
     let other = HashEmbedder::new(32);
-    let error = embed_store(&mut writer, &other, &EmbedOptions::default(), "r2", &mut NoProgress).unwrap_err();
+    let error = embed_store(
+        &mut writer,
+        &other,
+        &EmbedOptions::default(),
+        "r2",
+        &mut NoProgress,
+    )
+    .unwrap_err();
     assert!(matches!(error, Error::ModelMismatch { .. }));
     assert!(error.to_string().contains("--reembed"), "{error}");
-    let options = EmbedOptions { reembed: true, ..EmbedOptions::default() };
+    let options = EmbedOptions {
+        reembed: true,
+        ..EmbedOptions::default()
+    };
     let report = embed_store(&mut writer, &other, &options, "r3", &mut NoProgress).unwrap();
     assert_eq!(report.embedded, 5);
     let store = Store::open(dir.path()).unwrap();
@@ -104,7 +186,10 @@ fn another_model_is_refused_until_reembed_migrates_the_store() {
     assert_eq!(manifest.embedding_model.unwrap().dim, 32);
     let graph = store.load().unwrap();
     assert_eq!(graph.embeddings.len(), 7);
-    assert!(graph.embeddings.values().all(|e| e.model_id == "hash-32" && e.vector.len() == 32));
+    assert!(graph
+        .embeddings
+        .values()
+        .all(|e| e.model_id == "hash-32" && e.vector.len() == 32));
     assert_eq!(graph.nodes.len(), 7, "migration keeps every node");
 }
 
@@ -117,17 +202,30 @@ fn a_small_window_writes_the_same_shards_and_embeds_each_text_once() {
         let dir = store_with(&TEXTS);
         let mut writer = Writer::open(dir.path()).unwrap();
         let embedder = Counting::new(usize::MAX);
-        let options = EmbedOptions { batch_size: 1, commit_every: 2, window, ..Default::default() };
+        let options = EmbedOptions {
+            batch_size: 1,
+            commit_every: 2,
+            window,
+            ..Default::default()
+        };
         let report = embed_store(&mut writer, &embedder, &options, "r", &mut NoProgress).unwrap();
         let manifest = Store::open(dir.path()).unwrap().manifest().unwrap();
-        let files: Vec<(String, u64, String)> = manifest.shards.iter().map(|s| (s.table.clone(), s.rows, s.sha256.clone())).collect();
+        let files: Vec<(String, u64, String)> = manifest
+            .shards
+            .iter()
+            .map(|s| (s.table.clone(), s.rows, s.sha256.clone()))
+            .collect();
         (report, embedder.texts.load(Ordering::SeqCst), files)
     };
     let (whole, whole_texts, whole_files) = shards(1_000);
     let (small, small_texts, small_files) = shards(2);
     assert_eq!((whole.embedded, whole.cached, whole.commits), (5, 2, 4));
     assert_eq!(small, whole);
-    assert_eq!((small_texts, whole_texts), (5, 5), "a text of an earlier window is not embedded again");
+    assert_eq!(
+        (small_texts, whole_texts),
+        (5, 5),
+        "a text of an earlier window is not embedded again"
+    );
     assert_eq!(small_files, whole_files);
 }
 
@@ -138,26 +236,74 @@ fn a_small_window_writes_the_same_shards_and_embeds_each_text_once() {
 fn a_later_night_reads_repeated_texts_back_from_the_history() {
     let dir = store_with(&TEXTS);
     let mut writer = Writer::open(dir.path()).unwrap();
-    let options = EmbedOptions { batch_size: 1, commit_every: 2, window: 2, ..Default::default() };
-    embed_store(&mut writer, &Counting::new(usize::MAX), &options, "r1", &mut NoProgress).unwrap();
+    let options = EmbedOptions {
+        batch_size: 1,
+        commit_every: 2,
+        window: 2,
+        ..Default::default()
+    };
+    embed_store(
+        &mut writer,
+        &Counting::new(usize::MAX),
+        &options,
+        "r1",
+        &mut NoProgress,
+    )
+    .unwrap();
     let mut night = Graph::default();
-    for (i, text) in ["gamma", "zeta", "iota kappa", "alpha beta", "iota kappa"].iter().enumerate() {
-        let body = NodeBody::Semantic(Semantic { source: "doc2".into(), position: i as i64, time: None, group: None });
-        night.insert_node(Node::new(body, "default", text, &["doc2", &i.to_string(), text]));
+    for (i, text) in ["gamma", "zeta", "iota kappa", "alpha beta", "iota kappa"]
+        .iter()
+        .enumerate()
+    {
+        let body = NodeBody::Semantic(Semantic {
+            source: "doc2".into(),
+            position: i as i64,
+            time: None,
+            group: None,
+        });
+        night.insert_node(Node::new(
+            body,
+            "default",
+            text,
+            &["doc2", &i.to_string(), text],
+        ));
     }
-    writer.commit(&night, CommitInfo { stage: "ingest".into(), ..Default::default() }).unwrap();
+    writer
+        .commit(
+            &night,
+            CommitInfo {
+                stage: "ingest".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
     let embedder = Counting::new(usize::MAX);
     let report = embed_store(&mut writer, &embedder, &options, "r2", &mut NoProgress).unwrap();
-    assert_eq!((report.nodes, report.already, report.embedded, report.cached), (12, 7, 1, 4), "{report:?}");
-    assert_eq!(embedder.texts.load(Ordering::SeqCst), 1, "only `iota kappa` is new");
+    assert_eq!(
+        (report.nodes, report.already, report.embedded, report.cached),
+        (12, 7, 1, 4),
+        "{report:?}"
+    );
+    assert_eq!(
+        embedder.texts.load(Ordering::SeqCst),
+        1,
+        "only `iota kappa` is new"
+    );
     let graph = writer.store().load().unwrap();
     assert_eq!(graph.embeddings.len(), 12);
     // Nodes of one text have one vector, the history's.
     for node in graph.nodes.values() {
         let vector = &graph.embeddings[&(node.id.clone(), "hash-16".to_string())].vector;
-        let same_text = graph.nodes.values().filter(|n| n.text == node.text).map(|n| &graph.embeddings[&(n.id.clone(), "hash-16".to_string())].vector);
+        let same_text = graph
+            .nodes
+            .values()
+            .filter(|n| n.text == node.text)
+            .map(|n| &graph.embeddings[&(n.id.clone(), "hash-16".to_string())].vector);
         assert!(same_text.into_iter().all(|v| v == vector), "{}", node.text);
     }
     let again = embed_store(&mut writer, &embedder, &options, "r3", &mut NoProgress).unwrap();
-    assert_eq!((again.embedded, again.cached, again.already, again.commits), (0, 0, 12, 0));
+    assert_eq!(
+        (again.embedded, again.cached, again.already, again.commits),
+        (0, 0, 12, 0)
+    );
 }

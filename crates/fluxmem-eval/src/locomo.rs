@@ -10,9 +10,9 @@ use fluxmem_connect::{pack, Candidate, Entry, RetrievalConfig, SemanticIndex, Un
 use fluxmem_graph::{Graph, NodeId};
 use fluxmem_models::{Embedder, Generator, Judge};
 use fluxmem_refine::{refine_query, LoopModels, LoopOptions, Neighbours, Verifier};
-use sha2::{Digest, Sha256};
 use serde::Serialize;
 use serde_json::Value;
+use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -62,7 +62,10 @@ impl Default for LocomoOptions {
                 ..RetrievalConfig::default()
             },
             units: Units::CONTEXT,
-            refine: LoopOptions { rounds: 0, ..LoopOptions::default() },
+            refine: LoopOptions {
+                rounds: 0,
+                ..LoopOptions::default()
+            },
         }
     }
 }
@@ -195,19 +198,37 @@ pub struct SystemReport {
 
 /// Reads a LoCoMo file into conversations (raw JSON), questions and their gold evidence.
 pub fn read(path: &Path, options: &LocomoOptions) -> Result<(Vec<Value>, Vec<(Question, Gold)>)> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.into(), source })?;
-    let data: Vec<Value> =
-        serde_json::from_str(&text).map_err(|e| Error::Data { path: path.into(), reason: format!("not a LoCoMo array: {e}") })?;
-    let wanted = |id: &str| options.conversations.is_empty() || options.conversations.iter().any(|c| c == id);
-    let conversations: Vec<Value> =
-        data.into_iter().filter(|c| c["sample_id"].as_str().is_some_and(wanted)).collect();
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.into(),
+        source,
+    })?;
+    let data: Vec<Value> = serde_json::from_str(&text).map_err(|e| Error::Data {
+        path: path.into(),
+        reason: format!("not a LoCoMo array: {e}"),
+    })?;
+    let wanted = |id: &str| {
+        options.conversations.is_empty() || options.conversations.iter().any(|c| c == id)
+    };
+    let conversations: Vec<Value> = data
+        .into_iter()
+        .filter(|c| c["sample_id"].as_str().is_some_and(wanted))
+        .collect();
     for id in &options.conversations {
-        if !conversations.iter().any(|c| c["sample_id"].as_str() == Some(id)) {
-            return Err(Error::Data { path: path.into(), reason: format!("no conversation `{id}`") });
+        if !conversations
+            .iter()
+            .any(|c| c["sample_id"].as_str() == Some(id))
+        {
+            return Err(Error::Data {
+                path: path.into(),
+                reason: format!("no conversation `{id}`"),
+            });
         }
     }
     if let Some(bad) = options.categories.iter().find(|c| !(1..=5).contains(*c)) {
-        return Err(Error::Data { path: path.into(), reason: format!("no category {bad}: LoCoMo's are 1 to 5") });
+        return Err(Error::Data {
+            path: path.into(),
+            reason: format!("no category {bad}: LoCoMo's are 1 to 5"),
+        });
     }
     let wanted_category = |category: u64| {
         if options.categories.is_empty() {
@@ -218,14 +239,26 @@ pub fn read(path: &Path, options: &LocomoOptions) -> Result<(Vec<Value>, Vec<(Qu
     };
     let mut questions = Vec::new();
     for conversation in &conversations {
-        let id = conversation["sample_id"].as_str().unwrap_or_default().to_string();
+        let id = conversation["sample_id"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
         for qa in conversation["qa"].as_array().into_iter().flatten() {
             let category = qa["category"].as_u64().unwrap_or(0);
             if !wanted_category(category) {
                 continue;
             }
-            let evidence = qa["evidence"].as_array().into_iter().flatten().filter_map(|e| e.as_str().map(str::to_string)).collect();
-            let question = Question { conversation: id.clone(), text: qa["question"].as_str().unwrap_or_default().to_string(), category };
+            let evidence = qa["evidence"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|e| e.as_str().map(str::to_string))
+                .collect();
+            let question = Question {
+                conversation: id.clone(),
+                text: qa["question"].as_str().unwrap_or_default().to_string(),
+                category,
+            };
             questions.push((question, Gold { evidence }));
         }
     }
@@ -241,7 +274,9 @@ pub fn seeded_sample<T>(items: Vec<T>, n: usize, seed: u64) -> Vec<T> {
     let mut order: Vec<usize> = (0..items.len()).collect();
     let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
     for i in (1..order.len()).rev() {
-        state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
         order.swap(i, (state >> 33) as usize % (i + 1));
     }
     let mut keep: Vec<usize> = order.into_iter().take(n).collect();
@@ -252,7 +287,12 @@ pub fn seeded_sample<T>(items: Vec<T>, n: usize, seed: u64) -> Vec<T> {
 
 /// Normalises a malformed dialogue id (`D:11:26` -> `D11:26`, `D30:05` -> `D30:5`).
 fn normalize_dia_id(id: &str) -> Option<String> {
-    let numbers: Vec<u32> = id.trim_start_matches('D').split(':').filter(|p| !p.is_empty()).map(|p| p.parse().ok()).collect::<Option<_>>()?;
+    let numbers: Vec<u32> = id
+        .trim_start_matches('D')
+        .split(':')
+        .filter(|p| !p.is_empty())
+        .map(|p| p.parse().ok())
+        .collect::<Option<_>>()?;
     match numbers.as_slice() {
         [session, turn] => Some(format!("D{session}:{turn}")),
         _ => None,
@@ -272,12 +312,18 @@ pub fn evaluate(
     let (conversations, questions) = read(path, options)?;
     let total = questions.len();
     let mut evidence = EvidenceCounts::default();
-    let mut results: BTreeMap<&str, Vec<(u64, QuestionResult)>> = SYSTEMS.iter().map(|s| (*s, Vec::new())).collect();
+    let mut results: BTreeMap<&str, Vec<(u64, QuestionResult)>> =
+        SYSTEMS.iter().map(|s| (*s, Vec::new())).collect();
     let mut conversation_tokens = BTreeMap::new();
     let (mut done, mut skipped) = (0, 0);
     // `hybrid` is the configured fusion without the judge and without structure, over each
     // turn's own text: plain hybrid retrieval, what a store of items without a graph gives.
-    let hybrid_config = RetrievalConfig { judge_top: 0, adjacency: 0.0, entity: 0.0, ..options.retrieval.clone() };
+    let hybrid_config = RetrievalConfig {
+        judge_top: 0,
+        adjacency: 0.0,
+        entity: 0.0,
+        ..options.retrieval.clone()
+    };
     let mut refine = RefineSummary {
         rounds: options.refine.rounds,
         budget: options.refine.budget,
@@ -305,11 +351,20 @@ pub fn evaluate(
             memo.borrow_mut().insert(text.to_string(), n);
             Ok(n)
         };
-        let all_lines: Vec<String> = (0..index.len()).map(|i| fluxmem_connect::line(&graph, index.id(i))).collect();
-        conversation_tokens.insert(id.to_string(), embedder.count_tokens(&all_lines.join("\n"))?);
+        let all_lines: Vec<String> = (0..index.len())
+            .map(|i| fluxmem_connect::line(&graph, index.id(i)))
+            .collect();
+        conversation_tokens.insert(
+            id.to_string(),
+            embedder.count_tokens(&all_lines.join("\n"))?,
+        );
         // Questions run in their order against one evolving graph: links that earlier questions'
         // loops persisted are there for later ones.
-        for (position, (question, gold)) in questions.iter().filter(|(q, _)| q.conversation == id).enumerate() {
+        for (position, (question, gold)) in questions
+            .iter()
+            .filter(|(q, _)| q.conversation == id)
+            .enumerate()
+        {
             // Retrieval: the question text only.
             let query_vector = embedder.embed(&[question.text.as_str()])?.remove(0);
             let all = index.len();
@@ -319,29 +374,60 @@ pub fn evaluate(
                 Some(text) => embedder.embed(&[text.as_str()])?.remove(0),
                 None => query_vector.clone(),
             };
-            let stage1 = units.hybrid(&question.text, &dense_vector, &options.retrieval, judge.as_deref_mut())?;
+            let stage1 = units.hybrid(
+                &question.text,
+                &dense_vector,
+                &options.retrieval,
+                judge.as_deref_mut(),
+            )?;
             // Each round's edit (if any) and context, to score what the edits did.
             let mut loop_rounds: Vec<(Option<String>, Vec<NodeId>, f32)> = Vec::new();
             let fluxmem: Vec<Entry> = if options.refine.rounds == 0 {
                 entries(&stage1)
             } else {
-                let mut boxed = fluxmem_refine::verifier(judge.as_deref_mut().map(|j| j as &mut dyn Judge), &units);
+                let mut boxed = fluxmem_refine::verifier(
+                    judge.as_deref_mut().map(|j| j as &mut dyn Judge),
+                    &units,
+                );
                 let verifier: &mut dyn Verifier = &mut *boxed;
                 let before = verifier.usage();
                 refine.verifier = verifier.name();
-                let mut models = LoopModels { verifier, embedder, generator: generator.as_deref_mut().map(|g| g as &mut dyn Generator), count_tokens: &count };
+                let mut models = LoopModels {
+                    verifier,
+                    embedder,
+                    generator: generator.as_deref_mut().map(|g| g as &mut dyn Generator),
+                    count_tokens: &count,
+                };
                 let run_id = format!("eval-refine@{id}");
-                let outcome = refine_query(&graph, &units, &neighbours, &question.text, &stage1, &mut models, &options.refine, &run_id, position as i64)?;
+                let outcome = refine_query(
+                    &graph,
+                    &units,
+                    &neighbours,
+                    &question.text,
+                    &stage1,
+                    &mut models,
+                    &options.refine,
+                    &run_id,
+                    position as i64,
+                )?;
                 let after = models.verifier.usage();
                 verifier_usage.calls += after.calls - before.calls;
                 verifier_usage.prompt_tokens += after.prompt_tokens - before.prompt_tokens;
                 refine.questions += 1;
                 refine.sufficient += usize::from(outcome.sufficient);
-                refine.mean_edit_rounds += outcome.rounds.iter().filter(|r| r.edit.is_some()).count() as f64;
+                refine.mean_edit_rounds +=
+                    outcome.rounds.iter().filter(|r| r.edit.is_some()).count() as f64;
                 for round in &outcome.rounds {
-                    *refine.attributions.entry(round.attribution.clone()).or_default() += 1;
+                    *refine
+                        .attributions
+                        .entry(round.attribution.clone())
+                        .or_default() += 1;
                 }
-                loop_rounds = outcome.rounds.iter().map(|r| (r.edit.clone(), r.context.clone(), r.sufficiency)).collect();
+                loop_rounds = outcome
+                    .rounds
+                    .iter()
+                    .map(|r| (r.edit.clone(), r.context.clone(), r.sufficiency))
+                    .collect();
                 for edit in &outcome.attempted {
                     *refine.edits_attempted.entry(edit.kind.clone()).or_default() += 1;
                 }
@@ -356,7 +442,10 @@ pub fn evaluate(
             let rankings: [(&str, Vec<Entry>); 4] = [
                 ("bm25", entries(&index.bm25(&question.text, all))),
                 ("dense", entries(&index.dense(&query_vector, all)?)),
-                ("hybrid", entries(&index.hybrid(&question.text, &query_vector, &hybrid_config, None)?)),
+                (
+                    "hybrid",
+                    entries(&index.hybrid(&question.text, &query_vector, &hybrid_config, None)?),
+                ),
                 ("fluxmem", fluxmem),
             ];
             for (system, ranking) in &rankings {
@@ -374,25 +463,44 @@ pub fn evaluate(
                 continue;
             };
             // Each round's context recall, once: for the edits and for the curve over rounds.
-            let round_recalls: Vec<f64> = loop_rounds.iter().map(|(_, context, _)| recall(&turns(&graph, context), &evidence_ids)).collect();
-            let edits: Vec<Option<&str>> = loop_rounds.iter().map(|(edit, ..)| edit.as_deref()).collect();
+            let round_recalls: Vec<f64> = loop_rounds
+                .iter()
+                .map(|(_, context, _)| recall(&turns(&graph, context), &evidence_ids))
+                .collect();
+            let edits: Vec<Option<&str>> = loop_rounds
+                .iter()
+                .map(|(edit, ..)| edit.as_deref())
+                .collect();
             score_edits(&edits, &round_recalls, &mut refine.edit_effects);
             if let (Some(first), Some(&last)) = (loop_rounds.first(), round_recalls.last()) {
                 refine.first_sufficiency.push(first.2);
-                refine.recall_by_round.resize(options.refine.rounds + 1, 0.0);
+                refine
+                    .recall_by_round
+                    .resize(options.refine.rounds + 1, 0.0);
                 for (t, sum) in refine.recall_by_round.iter_mut().enumerate() {
                     *sum += round_recalls.get(t).copied().unwrap_or(last);
                 }
             }
             for (system, ranking) in rankings {
                 let result = score(&graph, &ranking, &evidence_ids, &options.budgets, &count)?;
-                results.get_mut(system).expect("every system has a slot").push((question.category, result));
+                results
+                    .get_mut(system)
+                    .expect("every system has a slot")
+                    .push((question.category, result));
             }
             done += 1;
             progress(done + skipped, total);
         }
         for edit in &graph.edits {
-            fingerprint.update(format!("{}\0{}\0{}\0", edit.kind, edit.target, edit.after.as_deref().unwrap_or("")).as_bytes());
+            fingerprint.update(
+                format!(
+                    "{}\0{}\0{}\0",
+                    edit.kind,
+                    edit.target,
+                    edit.after.as_deref().unwrap_or("")
+                )
+                .as_bytes(),
+            );
         }
     }
     if let Some(generator) = generator.as_ref() {
@@ -401,13 +509,17 @@ pub fn evaluate(
         refine.generator_tokens = usage.prompt_tokens + usage.generated_tokens;
     }
     let scored = refine.first_sufficiency.len().max(1) as f64;
-    refine.recall_by_round.iter_mut().for_each(|sum| *sum /= scored);
+    refine
+        .recall_by_round
+        .iter_mut()
+        .for_each(|sum| *sum /= scored);
     if refine.questions > 0 {
         refine.mean_edit_rounds /= refine.questions as f64;
         refine.verifier_calls = verifier_usage.calls;
         refine.verifier_prompt_tokens = verifier_usage.prompt_tokens;
         refine.verifier_calls_per_question = verifier_usage.calls as f64 / refine.questions as f64;
-        refine.verifier_tokens_per_question = verifier_usage.prompt_tokens as f64 / refine.questions as f64;
+        refine.verifier_tokens_per_question =
+            verifier_usage.prompt_tokens as f64 / refine.questions as f64;
     }
     let usage = judge.as_ref().map(|j| j.usage()).unwrap_or_default();
     let systems = results
@@ -416,12 +528,22 @@ pub fn evaluate(
             let all: Vec<&QuestionResult> = per_question.iter().map(|(_, r)| r).collect();
             let mut by_category = BTreeMap::new();
             for category in 1..=5u64 {
-                let of: Vec<&QuestionResult> = per_question.iter().filter(|(c, _)| *c == category).map(|(_, r)| r).collect();
+                let of: Vec<&QuestionResult> = per_question
+                    .iter()
+                    .filter(|(c, _)| *c == category)
+                    .map(|(_, r)| r)
+                    .collect();
                 if !of.is_empty() {
                     by_category.insert(category.to_string(), Summary::of(&of));
                 }
             }
-            (system.to_string(), SystemReport { overall: Summary::of(&all), by_category })
+            (
+                system.to_string(),
+                SystemReport {
+                    overall: Summary::of(&all),
+                    by_category,
+                },
+            )
         })
         .collect();
     Ok(LocomoReport {
@@ -432,15 +554,26 @@ pub fn evaluate(
         judge_calls: usage.calls,
         judge_prompt_tokens: usage.prompt_tokens,
         refine,
-        fingerprint: fingerprint.finalize().iter().map(|b| format!("{b:02x}")).collect(),
+        fingerprint: fingerprint
+            .finalize()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect(),
     })
 }
 
 /// Node ids of `evidence`, or `None` when none resolves.
-fn resolve(evidence: &[String], dia_ids: &BTreeMap<String, NodeId>, counts: &mut EvidenceCounts) -> Option<Vec<NodeId>> {
+fn resolve(
+    evidence: &[String],
+    dia_ids: &BTreeMap<String, NodeId>,
+    counts: &mut EvidenceCounts,
+) -> Option<Vec<NodeId>> {
     let mut ids = Vec::new();
     // A few entries hold several ids in one string (`D8:6; D9:17`).
-    let split = evidence.iter().flat_map(|e| e.split(|c: char| c == ';' || c == ',' || c.is_whitespace())).filter(|e| !e.is_empty());
+    let split = evidence
+        .iter()
+        .flat_map(|e| e.split(|c: char| c == ';' || c == ',' || c.is_whitespace()))
+        .filter(|e| !e.is_empty());
     for raw in split {
         let raw = raw.to_string();
         counts.total += 1;
@@ -461,8 +594,16 @@ fn resolve(evidence: &[String], dia_ids: &BTreeMap<String, NodeId>, counts: &mut
 
 /// Adds what each edit of a loop did to the recall of its context: per round of the loop, in
 /// order, the edit applied after it (if any) and the recall of its context.
-fn score_edits(edits: &[Option<&str>], recalls: &[f64], effects: &mut BTreeMap<String, EditEffect>) {
-    for (t, edit) in edits.iter().enumerate().take(recalls.len().saturating_sub(1)) {
+fn score_edits(
+    edits: &[Option<&str>],
+    recalls: &[f64],
+    effects: &mut BTreeMap<String, EditEffect>,
+) {
+    for (t, edit) in edits
+        .iter()
+        .enumerate()
+        .take(recalls.len().saturating_sub(1))
+    {
         let Some(kind) = edit else { continue };
         let change = recalls[t + 1] - recalls[t];
         let effect = effects.entry(kind.to_string()).or_default();
@@ -474,14 +615,22 @@ fn score_edits(edits: &[Option<&str>], recalls: &[f64], effects: &mut BTreeMap<S
 }
 
 fn entries(candidates: &[Candidate]) -> Vec<Entry> {
-    candidates.iter().map(|c| (c.node_id.clone(), c.signals, c.score, String::new())).collect()
+    candidates
+        .iter()
+        .map(|c| (c.node_id.clone(), c.signals, c.score, String::new()))
+        .collect()
 }
 
 /// The turns a retrieved node holds: itself, or for a reshaped node the turns it `covers`.
 fn turns(graph: &Graph, ids: &[NodeId]) -> Vec<NodeId> {
     let mut out = Vec::new();
     for id in ids {
-        match graph.nodes.get(id).and_then(|n| n.metadata.get("covers")).and_then(Value::as_array) {
+        match graph
+            .nodes
+            .get(id)
+            .and_then(|n| n.metadata.get("covers"))
+            .and_then(Value::as_array)
+        {
             Some(covers) => out.extend(covers.iter().filter_map(Value::as_str).map(NodeId::from)),
             None => out.push(id.clone()),
         }
@@ -503,8 +652,14 @@ fn score(
     }
     for &budget in budgets {
         let context = pack(graph, ranking, budget, count)?;
-        let packed: Vec<NodeId> = context.items.iter().map(|item| item.node_id.clone()).collect();
-        result.recall_at_budget.insert(budget, recall(&turns(graph, &packed), evidence));
+        let packed: Vec<NodeId> = context
+            .items
+            .iter()
+            .map(|item| item.node_id.clone())
+            .collect();
+        result
+            .recall_at_budget
+            .insert(budget, recall(&turns(graph, &packed), evidence));
         result.context_tokens.insert(budget, context.tokens);
     }
     Ok(result)
@@ -512,28 +667,63 @@ fn score(
 
 /// Ingests one conversation into a fresh temporary store and embeds it; returns the graph and
 /// the map from dialogue id to node id.
-fn build_store(conversation: &Value, embedder: &dyn Embedder) -> Result<(Graph, BTreeMap<String, NodeId>)> {
-    let dir = tempfile::tempdir().map_err(|source| Error::Io { path: std::env::temp_dir(), source })?;
+fn build_store(
+    conversation: &Value,
+    embedder: &dyn Embedder,
+) -> Result<(Graph, BTreeMap<String, NodeId>)> {
+    let dir = tempfile::tempdir().map_err(|source| Error::Io {
+        path: std::env::temp_dir(),
+        source,
+    })?;
     let input = dir.path().join("conversation.json");
     let mut sole = conversation.clone();
     if let Some(object) = sole.as_object_mut() {
         // QA items are not memory: they never enter the store.
         object.remove("qa");
     }
-    std::fs::write(&input, serde_json::to_vec(&vec![sole]).expect("JSON serialises"))
-        .map_err(|source| Error::Io { path: input.clone(), source })?;
+    std::fs::write(
+        &input,
+        serde_json::to_vec(&vec![sole]).expect("JSON serialises"),
+    )
+    .map_err(|source| Error::Io {
+        path: input.clone(),
+        source,
+    })?;
     let mut writer = fluxmem_store::Writer::open(dir.path().join("store"))?;
-    let options = fluxmem_ingest::IngestOptions { format: Some(fluxmem_ingest::Format::Locomo), ..Default::default() };
-    let report = fluxmem_ingest::ingest(&mut writer, &[input], &options, "eval", &mut fluxmem_ingest::NoProgress)?;
+    let options = fluxmem_ingest::IngestOptions {
+        format: Some(fluxmem_ingest::Format::Locomo),
+        ..Default::default()
+    };
+    let report = fluxmem_ingest::ingest(
+        &mut writer,
+        &[input],
+        &options,
+        "eval",
+        &mut fluxmem_ingest::NoProgress,
+    )?;
     if report.quarantined > 0 {
-        return Err(Error::Data { path: "conversation".into(), reason: format!("{} turns could not be ingested", report.quarantined) });
+        return Err(Error::Data {
+            path: "conversation".into(),
+            reason: format!("{} turns could not be ingested", report.quarantined),
+        });
     }
-    fluxmem_embed::embed_store(&mut writer, embedder, &Default::default(), "eval", &mut fluxmem_embed::NoProgress)?;
+    fluxmem_embed::embed_store(
+        &mut writer,
+        embedder,
+        &Default::default(),
+        "eval",
+        &mut fluxmem_embed::NoProgress,
+    )?;
     let graph = writer.store().load()?;
     let dia_ids = graph
         .nodes
         .values()
-        .filter_map(|n| n.metadata.get("dia_id").and_then(Value::as_str).map(|d| (d.to_string(), n.id.clone())))
+        .filter_map(|n| {
+            n.metadata
+                .get("dia_id")
+                .and_then(Value::as_str)
+                .map(|d| (d.to_string(), n.id.clone()))
+        })
         .collect();
     Ok((graph, dia_ids))
 }
@@ -552,13 +742,22 @@ mod tests {
 
     #[test]
     fn evidence_strings_with_several_ids_resolve_and_repeats_count_once() {
-        let dia_ids: BTreeMap<String, NodeId> =
-            [("D1:1", "sem-a"), ("D2:1", "sem-b")].into_iter().map(|(d, n)| (d.to_string(), NodeId::from(n))).collect();
+        let dia_ids: BTreeMap<String, NodeId> = [("D1:1", "sem-a"), ("D2:1", "sem-b")]
+            .into_iter()
+            .map(|(d, n)| (d.to_string(), NodeId::from(n)))
+            .collect();
         let mut counts = EvidenceCounts::default();
-        let evidence = vec!["D1:1; D2:1".to_string(), "D2:01".to_string(), "D7:7".to_string()];
+        let evidence = vec![
+            "D1:1; D2:1".to_string(),
+            "D2:01".to_string(),
+            "D7:7".to_string(),
+        ];
         let ids = resolve(&evidence, &dia_ids, &mut counts).unwrap();
         assert_eq!(ids, vec![NodeId::from("sem-a"), NodeId::from("sem-b")]);
-        assert_eq!((counts.total, counts.resolved, counts.normalized), (4, 2, 1));
+        assert_eq!(
+            (counts.total, counts.resolved, counts.normalized),
+            (4, 2, 1)
+        );
         assert_eq!(counts.unresolved, vec!["D7:7".to_string()]);
     }
 
@@ -566,14 +765,30 @@ mod tests {
     fn each_edit_is_scored_by_the_recall_it_moved() {
         let ids = |names: &[&str]| names.iter().map(|n| NodeId::from(*n)).collect::<Vec<_>>();
         let evidence = ids(&["e1", "e2"]);
-        let contexts = [ids(&["a", "b"]), ids(&["a", "e1"]), ids(&["e1", "c"]), ids(&["e1", "e2"])];
-        let recalls: Vec<f64> = contexts.iter().map(|c| recall(&turns(&Graph::default(), c), &evidence)).collect();
-        let edits = [Some("link_expand"), Some("link_prune"), Some("link_expand"), None];
+        let contexts = [
+            ids(&["a", "b"]),
+            ids(&["a", "e1"]),
+            ids(&["e1", "c"]),
+            ids(&["e1", "e2"]),
+        ];
+        let recalls: Vec<f64> = contexts
+            .iter()
+            .map(|c| recall(&turns(&Graph::default(), c), &evidence))
+            .collect();
+        let edits = [
+            Some("link_expand"),
+            Some("link_prune"),
+            Some("link_expand"),
+            None,
+        ];
         let mut effects = BTreeMap::new();
         score_edits(&edits, &recalls, &mut effects);
         let expand = &effects["link_expand"];
         assert_eq!((expand.fired, expand.raised, expand.lowered), (2, 2, 0));
-        assert!((expand.recall_change - 1.0).abs() < 1e-12, "0 -> 0.5, then 0.5 -> 1: {expand:?}");
+        assert!(
+            (expand.recall_change - 1.0).abs() < 1e-12,
+            "0 -> 0.5, then 0.5 -> 1: {expand:?}"
+        );
         let prune = &effects["link_prune"];
         assert_eq!((prune.fired, prune.raised, prune.lowered), (1, 0, 0));
         assert_eq!(prune.recall_change, 0.0);
@@ -587,16 +802,54 @@ mod tests {
     fn categories_select_questions_and_unknown_ones_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tiny.json");
-        let qa: Vec<Value> = (1..=5).map(|c| serde_json::json!({"question": format!("q{c}"), "category": c, "evidence": []})).collect();
-        std::fs::write(&path, serde_json::json!([{"sample_id": "c1", "conversation": {}, "qa": qa}]).to_string()).unwrap();
+        let qa: Vec<Value> = (1..=5)
+            .map(
+                |c| serde_json::json!({"question": format!("q{c}"), "category": c, "evidence": []}),
+            )
+            .collect();
+        std::fs::write(
+            &path,
+            serde_json::json!([{"sample_id": "c1", "conversation": {}, "qa": qa}]).to_string(),
+        )
+        .unwrap();
         let categories_of = |options: &LocomoOptions| -> Vec<u64> {
-            read(&path, options).unwrap().1.iter().map(|(q, _)| q.category).collect()
+            read(&path, options)
+                .unwrap()
+                .1
+                .iter()
+                .map(|(q, _)| q.category)
+                .collect()
         };
         assert_eq!(categories_of(&LocomoOptions::default()), vec![1, 2, 3, 4]);
-        assert_eq!(categories_of(&LocomoOptions { include_adversarial: true, ..LocomoOptions::default() }), vec![1, 2, 3, 4, 5]);
-        assert_eq!(categories_of(&LocomoOptions { categories: vec![1, 4], ..LocomoOptions::default() }), vec![1, 4]);
-        assert_eq!(categories_of(&LocomoOptions { categories: vec![5], ..LocomoOptions::default() }), vec![5]);
-        let err = read(&path, &LocomoOptions { categories: vec![6], ..LocomoOptions::default() }).unwrap_err();
+        assert_eq!(
+            categories_of(&LocomoOptions {
+                include_adversarial: true,
+                ..LocomoOptions::default()
+            }),
+            vec![1, 2, 3, 4, 5]
+        );
+        assert_eq!(
+            categories_of(&LocomoOptions {
+                categories: vec![1, 4],
+                ..LocomoOptions::default()
+            }),
+            vec![1, 4]
+        );
+        assert_eq!(
+            categories_of(&LocomoOptions {
+                categories: vec![5],
+                ..LocomoOptions::default()
+            }),
+            vec![5]
+        );
+        let err = read(
+            &path,
+            &LocomoOptions {
+                categories: vec![6],
+                ..LocomoOptions::default()
+            },
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("no category 6"), "{err}");
     }
 

@@ -46,22 +46,44 @@ impl Summary {
     /// Averages `results`.
     pub fn of(results: &[&QuestionResult]) -> Summary {
         let n = results.len().max(1) as f64;
-        let mut summary = Summary { questions: results.len(), ..Summary::default() };
+        let mut summary = Summary {
+            questions: results.len(),
+            ..Summary::default()
+        };
         if results.is_empty() {
             return summary;
         }
         for (i, k) in KS.iter().enumerate() {
-            summary.recall_at_k.insert(format!("recall@{k}"), results.iter().map(|r| r.recall_at_k[i]).sum::<f64>() / n);
+            summary.recall_at_k.insert(
+                format!("recall@{k}"),
+                results.iter().map(|r| r.recall_at_k[i]).sum::<f64>() / n,
+            );
         }
-        let budgets: Vec<usize> = results.first().map(|r| r.recall_at_budget.keys().copied().collect()).unwrap_or_default();
+        let budgets: Vec<usize> = results
+            .first()
+            .map(|r| r.recall_at_budget.keys().copied().collect())
+            .unwrap_or_default();
         for budget in &budgets {
-            let recall = results.iter().map(|r| r.recall_at_budget[budget]).sum::<f64>() / n;
-            let tokens = results.iter().map(|r| r.context_tokens[budget] as f64).sum::<f64>() / n;
+            let recall = results
+                .iter()
+                .map(|r| r.recall_at_budget[budget])
+                .sum::<f64>()
+                / n;
+            let tokens = results
+                .iter()
+                .map(|r| r.context_tokens[budget] as f64)
+                .sum::<f64>()
+                / n;
             summary.recall_at_budget.insert(budget.to_string(), recall);
             summary.context_tokens.insert(budget.to_string(), tokens);
         }
-        let reference = if budgets.contains(&1024) { Some(1024) } else { budgets.last().copied() };
-        summary.mean_context_tokens = reference.map_or(0.0, |b| summary.context_tokens[&b.to_string()]);
+        let reference = if budgets.contains(&1024) {
+            Some(1024)
+        } else {
+            budgets.last().copied()
+        };
+        summary.mean_context_tokens =
+            reference.map_or(0.0, |b| summary.context_tokens[&b.to_string()]);
         summary
     }
 }
@@ -80,10 +102,16 @@ mod tests {
 
     #[test]
     fn summary_averages_per_budget() {
-        let mut a = QuestionResult { recall_at_k: [1.0, 1.0, 1.0, 1.0], ..Default::default() };
+        let mut a = QuestionResult {
+            recall_at_k: [1.0, 1.0, 1.0, 1.0],
+            ..Default::default()
+        };
         a.recall_at_budget.insert(256, 1.0);
         a.context_tokens.insert(256, 200);
-        let mut b = QuestionResult { recall_at_k: [0.0, 0.5, 1.0, 1.0], ..Default::default() };
+        let mut b = QuestionResult {
+            recall_at_k: [0.0, 0.5, 1.0, 1.0],
+            ..Default::default()
+        };
         b.recall_at_budget.insert(256, 0.0);
         b.context_tokens.insert(256, 100);
         let summary = Summary::of(&[&a, &b]);

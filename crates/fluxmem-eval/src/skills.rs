@@ -21,7 +21,9 @@
 //! A tool is "named" by a skill when a step writes it in backticks (`` `cancel_reservation` ``),
 //! which is how mined steps are worded.
 
-use fluxmem_consolidate::{consolidate_store, skill_records, ConsolidateOptions, Models, Progress, SkillRecord};
+use fluxmem_consolidate::{
+    consolidate_store, skill_records, ConsolidateOptions, Models, Progress, SkillRecord,
+};
 use fluxmem_graph::{Graph, NodeBody};
 use serde::Serialize;
 use serde_json::Value;
@@ -62,48 +64,95 @@ impl Prepared {
 /// Ingests and embeds `data` (tau-bench or ALFWorld, detected from the file) into a temporary
 /// store, and reads its gold labels.
 pub fn prepare(data: &Path, embedder: &dyn fluxmem_models::Embedder) -> Result<Prepared> {
-    let bytes = std::fs::read(data).map_err(|source| Error::Io { path: data.into(), source })?;
-    let benchmark = match fluxmem_ingest::Format::detect(data, &bytes) {
-        Some(fluxmem_ingest::Format::TauBench) => Benchmark::TauBench,
-        Some(fluxmem_ingest::Format::Alfworld) => Benchmark::Alfworld,
-        other => {
-            return Err(Error::Data {
+    let bytes = std::fs::read(data).map_err(|source| Error::Io {
+        path: data.into(),
+        source,
+    })?;
+    let benchmark =
+        match fluxmem_ingest::Format::detect(data, &bytes) {
+            Some(fluxmem_ingest::Format::TauBench) => Benchmark::TauBench,
+            Some(fluxmem_ingest::Format::Alfworld) => Benchmark::Alfworld,
+            other => return Err(Error::Data {
                 path: data.into(),
-                reason: format!("`eval skills` scores tau-bench or ALFWorld data; this file reads as {other:?}"),
-            })
-        }
-    };
+                reason: format!(
+                    "`eval skills` scores tau-bench or ALFWorld data; this file reads as {other:?}"
+                ),
+            }),
+        };
     let gold_actions = match benchmark {
         Benchmark::TauBench => tau_gold(data, &bytes)?,
         Benchmark::Alfworld => BTreeMap::new(),
     };
-    let dir = tempfile::tempdir().map_err(|source| Error::Io { path: std::env::temp_dir(), source })?;
+    let dir = tempfile::tempdir().map_err(|source| Error::Io {
+        path: std::env::temp_dir(),
+        source,
+    })?;
     let mut writer = fluxmem_store::Writer::open(dir.path().join("store"))?;
-    let format = if benchmark == Benchmark::TauBench { fluxmem_ingest::Format::TauBench } else { fluxmem_ingest::Format::Alfworld };
-    let options = fluxmem_ingest::IngestOptions { format: Some(format), ..Default::default() };
-    let report = fluxmem_ingest::ingest(&mut writer, &[data.to_path_buf()], &options, "eval", &mut fluxmem_ingest::NoProgress)?;
+    let format = if benchmark == Benchmark::TauBench {
+        fluxmem_ingest::Format::TauBench
+    } else {
+        fluxmem_ingest::Format::Alfworld
+    };
+    let options = fluxmem_ingest::IngestOptions {
+        format: Some(format),
+        ..Default::default()
+    };
+    let report = fluxmem_ingest::ingest(
+        &mut writer,
+        &[data.to_path_buf()],
+        &options,
+        "eval",
+        &mut fluxmem_ingest::NoProgress,
+    )?;
     if report.quarantined > 0 {
-        return Err(Error::Data { path: data.into(), reason: format!("{} records could not be ingested", report.quarantined) });
+        return Err(Error::Data {
+            path: data.into(),
+            reason: format!("{} records could not be ingested", report.quarantined),
+        });
     }
-    fluxmem_embed::embed_store(&mut writer, embedder, &Default::default(), "eval", &mut fluxmem_embed::NoProgress)?;
+    fluxmem_embed::embed_store(
+        &mut writer,
+        embedder,
+        &Default::default(),
+        "eval",
+        &mut fluxmem_embed::NoProgress,
+    )?;
     // One record per run or transcript, each one episode (its first node).
     let episodes = report.ingested as usize;
     drop(writer);
-    Ok(Prepared { dir, data: data.into(), benchmark, gold_actions, episodes })
+    Ok(Prepared {
+        dir,
+        data: data.into(),
+        benchmark,
+        gold_actions,
+        episodes,
+    })
 }
 
 fn tau_gold(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, Vec<String>>> {
-    let runs: Vec<Value> = serde_json::from_slice(bytes).map_err(|e| Error::Data { path: path.into(), reason: format!("not a JSON array of runs: {e}") })?;
+    let runs: Vec<Value> = serde_json::from_slice(bytes).map_err(|e| Error::Data {
+        path: path.into(),
+        reason: format!("not a JSON array of runs: {e}"),
+    })?;
     let mut gold = BTreeMap::new();
     for (i, run) in runs.iter().enumerate() {
         let task = match &run["task_id"] {
             Value::String(s) => s.clone(),
             Value::Number(n) => n.to_string(),
-            _ => return Err(Error::Data { path: path.into(), reason: format!("run {i}: field `task_id` is missing") }),
+            _ => {
+                return Err(Error::Data {
+                    path: path.into(),
+                    reason: format!("run {i}: field `task_id` is missing"),
+                })
+            }
         };
-        let actions = run["info"]["task"]["actions"].as_array().map_or_else(Vec::new, |a| {
-            a.iter().filter_map(|action| action["name"].as_str().map(str::to_string)).collect()
-        });
+        let actions = run["info"]["task"]["actions"]
+            .as_array()
+            .map_or_else(Vec::new, |a| {
+                a.iter()
+                    .filter_map(|action| action["name"].as_str().map(str::to_string))
+                    .collect()
+            });
         gold.entry(task).or_insert(actions);
     }
     Ok(gold)
@@ -204,12 +253,23 @@ pub fn evaluate(
     device: &candle_core::Device,
     progress: &mut dyn Progress,
 ) -> Result<GeneratorResult> {
-    let copy = tempfile::tempdir().map_err(|source| Error::Io { path: std::env::temp_dir(), source })?;
+    let copy = tempfile::tempdir().map_err(|source| Error::Io {
+        path: std::env::temp_dir(),
+        source,
+    })?;
     let store = copy.path().join("store");
     copy_store(&prepared.store(), &store)?;
     let mut writer = fluxmem_store::Writer::open(&store)?;
     let started = std::time::Instant::now();
-    let report = consolidate_store(&mut writer, models, options, "eval-skills", device, progress).map_err(|e| Error::Data {
+    let report = consolidate_store(
+        &mut writer,
+        models,
+        options,
+        "eval-skills",
+        device,
+        progress,
+    )
+    .map_err(|e| Error::Data {
         path: prepared.data.clone(),
         reason: format!("consolidate with generator {label}: {e}"),
     })?;
@@ -220,7 +280,10 @@ pub fn evaluate(
         .iter()
         .filter(|r| {
             let node = graph.nodes.get(&fluxmem_graph::NodeId::from(r.id.as_str()));
-            node.and_then(|n| n.metadata.get("wording")).and_then(|w| w.get("source")).and_then(Value::as_str) == Some("generator")
+            node.and_then(|n| n.metadata.get("wording"))
+                .and_then(|w| w.get("source"))
+                .and_then(Value::as_str)
+                == Some("generator")
         })
         .count();
     let mut result = GeneratorResult {
@@ -237,9 +300,15 @@ pub fn evaluate(
         ..Default::default()
     };
     match prepared.benchmark {
-        Benchmark::TauBench => result.tau = Some(score_tau(&graph, &records, &prepared.gold_actions)),
+        Benchmark::TauBench => {
+            result.tau = Some(score_tau(&graph, &records, &prepared.gold_actions))
+        }
         Benchmark::Alfworld => {
-            let clusters: Vec<Vec<String>> = report.cluster_list.iter().map(|c| c.episodes.iter().map(|id| id.to_string()).collect()).collect();
+            let clusters: Vec<Vec<String>> = report
+                .cluster_list
+                .iter()
+                .map(|c| c.episodes.iter().map(|id| id.to_string()).collect())
+                .collect();
             result.alfworld = Some(score_alfworld(&graph, &records, &clusters));
         }
     }
@@ -248,9 +317,18 @@ pub fn evaluate(
 }
 
 fn copy_store(from: &Path, to: &Path) -> Result<()> {
-    std::fs::create_dir_all(to).map_err(|source| Error::Io { path: to.into(), source })?;
-    for entry in std::fs::read_dir(from).map_err(|source| Error::Io { path: from.into(), source })? {
-        let entry = entry.map_err(|source| Error::Io { path: from.into(), source })?;
+    std::fs::create_dir_all(to).map_err(|source| Error::Io {
+        path: to.into(),
+        source,
+    })?;
+    for entry in std::fs::read_dir(from).map_err(|source| Error::Io {
+        path: from.into(),
+        source,
+    })? {
+        let entry = entry.map_err(|source| Error::Io {
+            path: from.into(),
+            source,
+        })?;
         let (source_path, target) = (entry.path(), to.join(entry.file_name()));
         if entry.file_name() == "LOCK" {
             continue;
@@ -258,7 +336,10 @@ fn copy_store(from: &Path, to: &Path) -> Result<()> {
         if source_path.is_dir() {
             copy_store(&source_path, &target)?;
         } else {
-            std::fs::copy(&source_path, &target).map_err(|source| Error::Io { path: source_path.clone(), source })?;
+            std::fs::copy(&source_path, &target).map_err(|source| Error::Io {
+                path: source_path.clone(),
+                source,
+            })?;
         }
     }
     Ok(())
@@ -271,7 +352,11 @@ pub fn named_tools(record: &SkillRecord) -> Vec<String> {
         let mut parts = step.split('`');
         parts.next();
         while let Some(inside) = parts.next() {
-            if !inside.is_empty() && inside.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            if !inside.is_empty()
+                && inside
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_')
+            {
                 tools.push(inside.to_string());
             }
             parts.next();
@@ -288,11 +373,17 @@ fn mean(values: &[f64]) -> f64 {
     }
 }
 
-fn score_tau(graph: &Graph, records: &[SkillRecord], gold: &BTreeMap<String, Vec<String>>) -> TauScores {
+fn score_tau(
+    graph: &Graph,
+    records: &[SkillRecord],
+    gold: &BTreeMap<String, Vec<String>>,
+) -> TauScores {
     // Runs per task, and the tools each run called.
     let mut runs: BTreeMap<String, Vec<(String, bool, BTreeSet<String>)>> = BTreeMap::new();
     for node in graph.nodes.values() {
-        let NodeBody::Episodic(episode) = &node.body else { continue };
+        let NodeBody::Episodic(episode) = &node.body else {
+            continue;
+        };
         let task = match node.metadata.get("task_id") {
             Some(Value::String(s)) => s.clone(),
             Some(Value::Number(n)) => n.to_string(),
@@ -301,40 +392,75 @@ fn score_tau(graph: &Graph, records: &[SkillRecord], gold: &BTreeMap<String, Vec
         if !gold.contains_key(&task) {
             continue;
         }
-        let used: BTreeSet<String> = episode.steps.iter().flat_map(|s| s.tool_calls.iter().map(|c| c.name.clone())).collect();
-        runs.entry(task).or_default().push((node.id.to_string(), episode.outcome.success == Some(true), used));
+        let used: BTreeSet<String> = episode
+            .steps
+            .iter()
+            .flat_map(|s| s.tool_calls.iter().map(|c| c.name.clone()))
+            .collect();
+        runs.entry(task).or_default().push((
+            node.id.to_string(),
+            episode.outcome.success == Some(true),
+            used,
+        ));
     }
-    let sources: Vec<BTreeSet<&str>> = records.iter().map(|r| r.source_episodes.iter().map(String::as_str).collect()).collect();
+    let sources: Vec<BTreeSet<&str>> = records
+        .iter()
+        .map(|r| r.source_episodes.iter().map(String::as_str).collect())
+        .collect();
     let mut tasks: Vec<(&String, &Vec<(String, bool, BTreeSet<String>)>)> = runs.iter().collect();
     tasks.sort_by_key(|(task, _)| (task.parse::<i64>().unwrap_or(i64::MAX), (*task).clone()));
-    let (mut coverage, mut recall, mut order, mut precision) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut coverage, mut recall, mut order, mut precision) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut per_task = Vec::new();
     for (task, episodes) in tasks {
-        let held = |i: usize| episodes.iter().filter(|(id, _, _)| sources[i].contains(id.as_str())).count();
+        let held = |i: usize| {
+            episodes
+                .iter()
+                .filter(|(id, _, _)| sources[i].contains(id.as_str()))
+                .count()
+        };
         // The skill holding most of the task's runs; ties go to the smaller id.
-        let best = (0..records.len()).max_by(|&a, &b| held(a).cmp(&held(b)).then(records[b].id.cmp(&records[a].id)));
+        let best = (0..records.len()).max_by(|&a, &b| {
+            held(a)
+                .cmp(&held(b))
+                .then(records[b].id.cmp(&records[a].id))
+        });
         let gold_tools = &gold[task];
         let (name, named, held_runs) = match best {
             Some(i) => (records[i].name.clone(), named_tools(&records[i]), held(i)),
             None => (String::new(), Vec::new(), 0),
         };
-        let mut row = TaskRow { task: task.clone(), skill: name, coverage: held_runs as f64 / episodes.len() as f64, gold: gold_tools.clone(), named: named.clone(), ..Default::default() };
+        let mut row = TaskRow {
+            task: task.clone(),
+            skill: name,
+            coverage: held_runs as f64 / episodes.len() as f64,
+            gold: gold_tools.clone(),
+            named: named.clone(),
+            ..Default::default()
+        };
         coverage.push(row.coverage);
         if !gold_tools.is_empty() {
             let gold_set: BTreeSet<&String> = gold_tools.iter().collect();
-            let r = gold_set.iter().filter(|t| named.contains(t)).count() as f64 / gold_set.len() as f64;
+            let r = gold_set.iter().filter(|t| named.contains(t)).count() as f64
+                / gold_set.len() as f64;
             let gold_names: Vec<&str> = gold_tools.iter().map(String::as_str).collect();
             let named_names: Vec<&str> = named.iter().map(String::as_str).collect();
-            let o = fluxmem_consolidate::lcs_len(&gold_names, &named_names) as f64 / gold_tools.len() as f64;
+            let o = fluxmem_consolidate::lcs_len(&gold_names, &named_names) as f64
+                / gold_tools.len() as f64;
             recall.push(r);
             order.push(o);
             row.recall = Some(r);
             row.order = Some(o);
         }
-        let wins: Vec<&BTreeSet<String>> = episodes.iter().filter(|(_, success, _)| *success).map(|(_, _, used)| used).collect();
+        let wins: Vec<&BTreeSet<String>> = episodes
+            .iter()
+            .filter(|(_, success, _)| *success)
+            .map(|(_, _, used)| used)
+            .collect();
         if !wins.is_empty() {
             let successful: BTreeSet<&String> = wins.iter().flat_map(|u| u.iter()).collect();
-            let p = named.iter().filter(|t| successful.contains(t)).count() as f64 / named.len().max(1) as f64;
+            let p = named.iter().filter(|t| successful.contains(t)).count() as f64
+                / named.len().max(1) as f64;
             precision.push(p);
             row.precision = Some(p);
         }
@@ -354,7 +480,13 @@ fn score_tau(graph: &Graph, records: &[SkillRecord], gold: &BTreeMap<String, Vec
 
 /// The verb of an action or a step: its first word, lower-cased (`go to` is one verb).
 fn verb(text: &str) -> Option<String> {
-    let mut words = text.split_whitespace().map(|w| w.trim_matches(|c: char| !c.is_alphanumeric()).to_lowercase()).filter(|w| !w.is_empty());
+    let mut words = text
+        .split_whitespace()
+        .map(|w| {
+            w.trim_matches(|c: char| !c.is_alphanumeric())
+                .to_lowercase()
+        })
+        .filter(|w| !w.is_empty());
     let first = words.next()?;
     if first == "go" && words.next().as_deref() == Some("to") {
         return Some("go to".into());
@@ -362,11 +494,23 @@ fn verb(text: &str) -> Option<String> {
     Some(first)
 }
 
-fn score_alfworld(graph: &Graph, records: &[SkillRecord], clusters: &[Vec<String>]) -> AlfworldScores {
+fn score_alfworld(
+    graph: &Graph,
+    records: &[SkillRecord],
+    clusters: &[Vec<String>],
+) -> AlfworldScores {
     let node = |id: &str| graph.nodes.get(&fluxmem_graph::NodeId::from(id));
-    let task_type = |id: &str| -> Option<String> { node(id).and_then(|n| n.metadata.get("task_type")).and_then(Value::as_str).map(str::to_string) };
+    let task_type = |id: &str| -> Option<String> {
+        node(id)
+            .and_then(|n| n.metadata.get("task_type"))
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
     // Purity and NMI over the clustered episodes with a task type.
-    let labelled: Vec<Vec<String>> = clusters.iter().map(|c| c.iter().filter_map(|id| task_type(id)).collect()).collect();
+    let labelled: Vec<Vec<String>> = clusters
+        .iter()
+        .map(|c| c.iter().filter_map(|id| task_type(id)).collect())
+        .collect();
     let n: usize = labelled.iter().map(Vec::len).sum();
     let mut purity = 0.0;
     let mut nmi = 0.0;
@@ -385,7 +529,11 @@ fn score_alfworld(graph: &Graph, records: &[SkillRecord], clusters: &[Vec<String
         purity /= n as f64;
         let n = n as f64;
         let entropy = |counts: &mut dyn Iterator<Item = usize>| -> f64 {
-            counts.filter(|&c| c > 0).map(|c| c as f64 / n).map(|p| -p * p.ln()).sum()
+            counts
+                .filter(|&c| c > 0)
+                .map(|c| c as f64 / n)
+                .map(|p| -p * p.ln())
+                .sum()
         };
         let h_clusters = entropy(&mut labelled.iter().map(Vec::len));
         let h_classes = entropy(&mut classes.values().copied());
@@ -397,7 +545,11 @@ fn score_alfworld(graph: &Graph, records: &[SkillRecord], clusters: &[Vec<String
             }
         }
         let denominator = (h_clusters + h_classes) / 2.0;
-        nmi = if denominator > 0.0 { mutual / denominator } else { 1.0 };
+        nmi = if denominator > 0.0 {
+            mutual / denominator
+        } else {
+            1.0
+        };
     }
     let (mut precision, mut recall) = (Vec::new(), Vec::new());
     for record in records {
@@ -406,9 +558,16 @@ fn score_alfworld(graph: &Graph, records: &[SkillRecord], clusters: &[Vec<String
         let mut sources = 0;
         for id in &record.source_episodes {
             let Some(source) = node(id) else { continue };
-            let NodeBody::Episodic(episode) = &source.body else { continue };
+            let NodeBody::Episodic(episode) = &source.body else {
+                continue;
+            };
             sources += 1;
-            let verbs: BTreeSet<String> = episode.steps.iter().filter_map(|s| verb(&s.action)).filter(|v| v != "think").collect();
+            let verbs: BTreeSet<String> = episode
+                .steps
+                .iter()
+                .filter_map(|s| verb(&s.action))
+                .filter(|v| v != "think")
+                .collect();
             for v in verbs {
                 *source_verbs.entry(v).or_insert(0) += 1;
             }
@@ -416,13 +575,31 @@ fn score_alfworld(graph: &Graph, records: &[SkillRecord], clusters: &[Vec<String
         if sources == 0 || skill_verbs.is_empty() {
             continue;
         }
-        precision.push(skill_verbs.iter().filter(|v| source_verbs.contains_key(*v)).count() as f64 / skill_verbs.len() as f64);
-        let common: Vec<&String> = source_verbs.iter().filter(|(_, &c)| 2 * c > sources).map(|(v, _)| v).collect();
+        precision.push(
+            skill_verbs
+                .iter()
+                .filter(|v| source_verbs.contains_key(*v))
+                .count() as f64
+                / skill_verbs.len() as f64,
+        );
+        let common: Vec<&String> = source_verbs
+            .iter()
+            .filter(|(_, &c)| 2 * c > sources)
+            .map(|(v, _)| v)
+            .collect();
         if !common.is_empty() {
-            recall.push(common.iter().filter(|v| skill_verbs.contains(**v)).count() as f64 / common.len() as f64);
+            recall.push(
+                common.iter().filter(|v| skill_verbs.contains(**v)).count() as f64
+                    / common.len() as f64,
+            );
         }
     }
-    AlfworldScores { purity, nmi, verb_precision: mean(&precision), verb_recall: mean(&recall) }
+    AlfworldScores {
+        purity,
+        nmi,
+        verb_precision: mean(&precision),
+        verb_recall: mean(&recall),
+    }
 }
 
 #[cfg(test)]
@@ -430,19 +607,32 @@ mod tests {
     use super::*;
 
     fn record(steps: &[&str]) -> SkillRecord {
-        SkillRecord { steps: steps.iter().map(|s| s.to_string()).collect(), ..Default::default() }
+        SkillRecord {
+            steps: steps.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
     }
 
     #[test]
     fn named_tools_are_the_backticked_identifiers_in_order() {
-        let r = record(&["Call `get_reservation_details` with `<reservation_id>`.", "Call `cancel_reservation`.", "Confirm with the user."]);
-        assert_eq!(named_tools(&r), vec!["get_reservation_details", "cancel_reservation"]);
+        let r = record(&[
+            "Call `get_reservation_details` with `<reservation_id>`.",
+            "Call `cancel_reservation`.",
+            "Confirm with the user.",
+        ]);
+        assert_eq!(
+            named_tools(&r),
+            vec!["get_reservation_details", "cancel_reservation"]
+        );
     }
 
     #[test]
     fn verbs_treat_go_to_as_one() {
         assert_eq!(verb("Go to <place>.").as_deref(), Some("go to"));
-        assert_eq!(verb("take apple 1 from countertop 2").as_deref(), Some("take"));
+        assert_eq!(
+            verb("take apple 1 from countertop 2").as_deref(),
+            Some("take")
+        );
         assert_eq!(verb("  ").as_deref(), None);
     }
 }

@@ -24,14 +24,29 @@ const DATA: &str = r#"[{"sample_id": "tiny",
    {"question": "Adversarial", "adversarial_answer": "x", "evidence": ["D1:1"], "category": 5}]}]"#;
 
 fn run(budgets: Vec<usize>) -> fluxmem_eval::locomo::LocomoReport {
-    run_on(DATA, LocomoOptions { budgets, ..LocomoOptions::default() })
+    run_on(
+        DATA,
+        LocomoOptions {
+            budgets,
+            ..LocomoOptions::default()
+        },
+    )
 }
 
 fn run_on(data: &str, options: LocomoOptions) -> fluxmem_eval::locomo::LocomoReport {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.json");
     std::fs::write(&path, data).unwrap();
-    evaluate(&path, &options, &HashEmbedder::new(64), None, None, &Device::Cpu, &mut |_, _| {}).unwrap()
+    evaluate(
+        &path,
+        &options,
+        &HashEmbedder::new(64),
+        None,
+        None,
+        &Device::Cpu,
+        &mut |_, _| {},
+    )
+    .unwrap()
 }
 
 /// The retrieval path never reads answers or evidence: with every answer and evidence id
@@ -40,29 +55,60 @@ fn run_on(data: &str, options: LocomoOptions) -> fluxmem_eval::locomo::LocomoRep
 #[test]
 fn retrieval_never_reads_answers_or_evidence() {
     let poisoned = DATA
-        .replace(r#""answer": "shelter""#, r#""answer": "D2:1 violin case Biscuit""#)
-        .replace(r#""answer": "violin""#, r#""answer": "puppy shelter adopted""#)
-        .replace(r#""evidence": ["D1:1"], "category": 4"#, r#""evidence": ["D2:2"], "category": 4"#)
+        .replace(
+            r#""answer": "shelter""#,
+            r#""answer": "D2:1 violin case Biscuit""#,
+        )
+        .replace(
+            r#""answer": "violin""#,
+            r#""answer": "puppy shelter adopted""#,
+        )
+        .replace(
+            r#""evidence": ["D1:1"], "category": 4"#,
+            r#""evidence": ["D2:2"], "category": 4"#,
+        )
         .replace(r#""evidence": ["D2:1"]"#, r#""evidence": ["D1:2"]"#)
-        .replace(r#""evidence": ["D1:3", "D2:02"]"#, r#""evidence": ["D1:1"]"#);
+        .replace(
+            r#""evidence": ["D1:3", "D2:02"]"#,
+            r#""evidence": ["D1:1"]"#,
+        );
     assert_ne!(poisoned, DATA);
     let options = || LocomoOptions {
         budgets: vec![16, 64],
-        refine: fluxmem_refine::LoopOptions { rounds: 3, budget: 16, ..Default::default() },
+        refine: fluxmem_refine::LoopOptions {
+            rounds: 3,
+            budget: 16,
+            ..Default::default()
+        },
         ..LocomoOptions::default()
     };
     let clean = run_on(DATA, options());
     let dirty = run_on(&poisoned, options());
     // Four questions: retrieval runs before the gold is read, so the one without resolvable
     // evidence is retrieved for too (and then left out of the scores).
-    assert_eq!(clean.refine.questions, 4, "the Stage II loop ran on every question");
+    assert_eq!(
+        clean.refine.questions, 4,
+        "the Stage II loop ran on every question"
+    );
     assert!(clean.refine.verifier_calls > 0);
-    assert_eq!(clean.fingerprint, dirty.fingerprint, "rankings and edits are independent of the gold data");
-    let scores = |r: &fluxmem_eval::locomo::LocomoReport| serde_json::to_string(&r.systems).unwrap();
-    assert_ne!(scores(&clean), scores(&dirty), "the scores do read the gold data");
+    assert_eq!(
+        clean.fingerprint, dirty.fingerprint,
+        "rankings and edits are independent of the gold data"
+    );
+    let scores =
+        |r: &fluxmem_eval::locomo::LocomoReport| serde_json::to_string(&r.systems).unwrap();
+    assert_ne!(
+        scores(&clean),
+        scores(&dirty),
+        "the scores do read the gold data"
+    );
     // And the fingerprint does see retrieval: other fusion weights change it.
     let mut reweighted = options();
-    reweighted.retrieval.weights = fluxmem_connect::FusionWeights { dense: 0.0, bm25: 1.0, judge: 0.0 };
+    reweighted.retrieval.weights = fluxmem_connect::FusionWeights {
+        dense: 0.0,
+        bm25: 1.0,
+        judge: 0.0,
+    };
     assert_ne!(run_on(DATA, reweighted).fingerprint, clean.fingerprint);
 }
 
@@ -79,13 +125,19 @@ fn known_answers_give_known_recall() {
     // stemming), so the multi-hop question finds 1 of its 2 turns: (1 + 1 + 0.5) / 3.
     assert!((bm25.recall_at_k["recall@5"] - 2.5 / 3.0).abs() < 1e-9);
     // Dense and hybrid rank all 5 turns, so recall@5 is complete.
-    assert_eq!(report.systems["hybrid"].overall.recall_at_k["recall@5"], 1.0);
+    assert_eq!(
+        report.systems["hybrid"].overall.recall_at_k["recall@5"],
+        1.0
+    );
     // A 4-token budget holds no line (the shortest line is 5 words with its time stamp).
     assert_eq!(bm25.recall_at_budget["4"], 0.0);
     assert_eq!(bm25.context_tokens["4"], 0.0);
     // A 1000-token budget holds the whole conversation for the systems that rank every turn.
     for system in ["dense", "hybrid", "fluxmem"] {
-        assert_eq!(report.systems[system].overall.recall_at_budget["1000"], 1.0, "{system}");
+        assert_eq!(
+            report.systems[system].overall.recall_at_budget["1000"], 1.0,
+            "{system}"
+        );
     }
     // BM25 ranks only turns sharing a term with the question: "chewed" is not "chew" (no
     // stemming), so the multi-hop question finds 1 of its 2 turns: (1 + 1 + 0.5) / 3.
@@ -121,22 +173,43 @@ fn the_fluxmem_system_is_hybrid_with_units_and_structure() {
     let plain = || LocomoOptions {
         budgets: vec![8, 1000],
         units: fluxmem_connect::Units::PLAIN,
-        retrieval: fluxmem_connect::RetrievalConfig { adjacency: 0.0, ..Default::default() },
+        retrieval: fluxmem_connect::RetrievalConfig {
+            adjacency: 0.0,
+            ..Default::default()
+        },
         ..LocomoOptions::default()
     };
     let report = run_on(DATA, plain());
-    let json = |r: &fluxmem_eval::locomo::LocomoReport, system: &str| serde_json::to_string(&r.systems[system]).unwrap();
+    let json = |r: &fluxmem_eval::locomo::LocomoReport, system: &str| {
+        serde_json::to_string(&r.systems[system]).unwrap()
+    };
     assert_eq!(json(&report, "fluxmem"), json(&report, "hybrid"));
-    let structured = run_on(DATA, LocomoOptions { budgets: vec![8, 1000], ..LocomoOptions::default() });
-    assert_ne!(structured.fingerprint, report.fingerprint, "units and structure change the fluxmem rankings");
+    let structured = run_on(
+        DATA,
+        LocomoOptions {
+            budgets: vec![8, 1000],
+            ..LocomoOptions::default()
+        },
+    );
+    assert_ne!(
+        structured.fingerprint, report.fingerprint,
+        "units and structure change the fluxmem rankings"
+    );
     for system in ["bm25", "dense", "hybrid"] {
-        assert_eq!(json(&structured, system), json(&report, system), "{system} is a baseline: it does not change");
+        assert_eq!(
+            json(&structured, system),
+            json(&report, system),
+            "{system} is a baseline: it does not change"
+        );
     }
     // Each part alone changes the rankings too.
     let mut adjacency_only = plain();
     adjacency_only.retrieval.adjacency = fluxmem_connect::DEFAULT_ADJACENCY;
     assert_ne!(run_on(DATA, adjacency_only).fingerprint, report.fingerprint);
-    let units_only = LocomoOptions { units: fluxmem_connect::Units::CONTEXT, ..plain() };
+    let units_only = LocomoOptions {
+        units: fluxmem_connect::Units::CONTEXT,
+        ..plain()
+    };
     assert_ne!(run_on(DATA, units_only).fingerprint, report.fingerprint);
     // Entities: the questions name Alice and Bob, speakers of the turns.
     let mut entity_only = plain();

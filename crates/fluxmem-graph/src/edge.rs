@@ -31,7 +31,9 @@ impl EdgeKind {
 
     /// Parses a `kind` column value.
     pub fn parse(value: &str) -> Option<EdgeKind> {
-        EdgeKind::ALL.into_iter().find(|kind| kind.as_str() == value)
+        EdgeKind::ALL
+            .into_iter()
+            .find(|kind| kind.as_str() == value)
     }
 }
 
@@ -74,6 +76,10 @@ pub struct Edge {
 impl Edge {
     /// The key of this edge.
     pub fn key(&self) -> EdgeKey {
-        EdgeKey { src: self.src.clone(), dst: self.dst.clone(), kind: self.kind }
+        EdgeKey {
+            src: self.src.clone(),
+            dst: self.dst.clone(),
+            kind: self.kind,
+        }
     }
 }

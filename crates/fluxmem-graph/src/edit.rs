@@ -51,7 +51,14 @@ pub enum Changed<'a> {
 
 impl Edit {
     /// An edit record of `changed`.
-    pub fn new(stage: &str, run_id: &str, kind: &str, changed: Changed<'_>, reason: &str, at: i64) -> Edit {
+    pub fn new(
+        stage: &str,
+        run_id: &str,
+        kind: &str,
+        changed: Changed<'_>,
+        reason: &str,
+        at: i64,
+    ) -> Edit {
         let (target, before, after) = match changed {
             Changed::Edge(before, after) => {
                 let edge = before.or(after).expect("an edge edit names an edge");
@@ -60,16 +67,28 @@ impl Edit {
                     (None, after) => after.map(|e| json(e)),
                     (Some(_), None) => None,
                 };
-                (format!("edge:{}>{}:{}", edge.src, edge.dst, edge.kind.as_str()), before.map(|e| json(e)), after_json)
+                (
+                    format!("edge:{}>{}:{}", edge.src, edge.dst, edge.kind.as_str()),
+                    before.map(|e| json(e)),
+                    after_json,
+                )
             }
             Changed::Node(before, after) => {
                 let node = before.or(after).expect("a node edit names a node");
-                (format!("node:{}", node.id), before.map(|n| json(n)), after.map(|n| json(n)))
+                (
+                    format!("node:{}", node.id),
+                    before.map(|n| json(n)),
+                    after.map(|n| json(n)),
+                )
             }
         };
         // The hash of this text, fed to the hasher as it is formatted (no string of it is made).
         let mut identity = Hashing(Sha256::new());
-        write!(identity, "{stage}\0{run_id}\0{kind}\0{target}\0{before:?}\0{after:?}\0{reason}\0{at}").expect("hashing cannot fail");
+        write!(
+            identity,
+            "{stage}\0{run_id}\0{kind}\0{target}\0{before:?}\0{after:?}\0{reason}\0{at}"
+        )
+        .expect("hashing cannot fail");
         Edit {
             id: crate::hex(&identity.0.finalize())[..32].to_string(),
             run_id: run_id.into(),
@@ -86,13 +105,21 @@ impl Edit {
     /// The edge after an edge edit, whole: `after` itself, or, when it holds only the changed
     /// fields, `before` with them applied. `None` for a node edit or a removal.
     pub fn edge_after(&self) -> Result<Option<Edge>> {
-        let parse_error = |e: serde_json::Error| crate::Error::Value { row: 0, column: "after".into(), reason: e.to_string() };
-        let (Some(after), true) = (&self.after, self.target.starts_with("edge:")) else { return Ok(None) };
+        let parse_error = |e: serde_json::Error| crate::Error::Value {
+            row: 0,
+            column: "after".into(),
+            reason: e.to_string(),
+        };
+        let (Some(after), true) = (&self.after, self.target.starts_with("edge:")) else {
+            return Ok(None);
+        };
         let after: serde_json::Value = serde_json::from_str(after).map_err(parse_error)?;
         if after.get("src").is_some() {
             return serde_json::from_value(after).map(Some).map_err(parse_error);
         }
-        let Some(before) = &self.before else { return Ok(None) };
+        let Some(before) = &self.before else {
+            return Ok(None);
+        };
         let mut whole: serde_json::Value = serde_json::from_str(before).map_err(parse_error)?;
         if let (Some(whole), Some(changed)) = (whole.as_object_mut(), after.as_object()) {
             for (key, value) in changed {
@@ -107,10 +134,16 @@ impl Edit {
     /// (nodes are immutable; undoing its creation means undoing the edges that use it).
     pub fn undo(&self) -> Result<Graph> {
         let mut delta = Graph::default();
-        let parse_error = |e: serde_json::Error| crate::Error::Value { row: 0, column: "before".into(), reason: e.to_string() };
+        let parse_error = |e: serde_json::Error| crate::Error::Value {
+            row: 0,
+            column: "before".into(),
+            reason: e.to_string(),
+        };
         if self.target.starts_with("edge:") {
             match (&self.before, &self.after) {
-                (Some(before), _) => delta.upsert_edge(serde_json::from_str(before).map_err(parse_error)?),
+                (Some(before), _) => {
+                    delta.upsert_edge(serde_json::from_str(before).map_err(parse_error)?)
+                }
                 (None, Some(after)) => {
                     let mut edge: Edge = serde_json::from_str(after).map_err(parse_error)?;
                     edge.active = false;
@@ -139,13 +172,29 @@ fn changed_fields(before: &Edge, after: &Edge) -> String {
     field("dst", before.dst != after.dst, &after.dst);
     field("kind", before.kind != after.kind, &after.kind);
     // As JSON numbers (what a comparison of the values did): -0.0 equals 0.0, NaN is null.
-    field("weight", serde_json::Value::from(before.weight) != serde_json::Value::from(after.weight), &after.weight);
-    field("evidence", before.evidence != after.evidence, &after.evidence);
+    field(
+        "weight",
+        serde_json::Value::from(before.weight) != serde_json::Value::from(after.weight),
+        &after.weight,
+    );
+    field(
+        "evidence",
+        before.evidence != after.evidence,
+        &after.evidence,
+    );
     field("stage", before.stage != after.stage, &after.stage);
     field("run_id", before.run_id != after.run_id, &after.run_id);
-    field("created_at", before.created_at != after.created_at, &after.created_at);
+    field(
+        "created_at",
+        before.created_at != after.created_at,
+        &after.created_at,
+    );
     field("active", before.active != after.active, &after.active);
-    field("metadata", before.metadata != after.metadata, &after.metadata);
+    field(
+        "metadata",
+        before.metadata != after.metadata,
+        &after.metadata,
+    );
     serde_json::Value::Object(changed).to_string()
 }
 
@@ -231,7 +280,11 @@ mod tests {
         });
         for a in &variants {
             for b in &variants {
-                assert_eq!(changed_fields(a, b), changed_as_values(a, b), "{a:?} -> {b:?}");
+                assert_eq!(
+                    changed_fields(a, b),
+                    changed_as_values(a, b),
+                    "{a:?} -> {b:?}"
+                );
             }
         }
     }
@@ -239,22 +292,58 @@ mod tests {
     #[test]
     fn undo_restores_the_edge_before_the_edit() {
         let (before, after) = (edge(0.5, true), edge(0.1, false));
-        let prune = Edit::new("refine", "r2", "link_prune", Changed::Edge(Some(&before), Some(&after)), "distractor", 9);
+        let prune = Edit::new(
+            "refine",
+            "r2",
+            "link_prune",
+            Changed::Edge(Some(&before), Some(&after)),
+            "distractor",
+            9,
+        );
         assert_eq!(prune.target, "edge:sem-a>epi-b:ground");
         let undo = prune.undo().unwrap();
         assert_eq!(undo.edges.values().next(), Some(&before));
-        let expand = Edit::new("refine", "r2", "link_expand", Changed::Edge(None, Some(&before)), "under-connected", 9);
-        assert!(!expand.undo().unwrap().edges.values().next().unwrap().active, "an added edge is deactivated");
+        let expand = Edit::new(
+            "refine",
+            "r2",
+            "link_expand",
+            Changed::Edge(None, Some(&before)),
+            "under-connected",
+            9,
+        );
+        assert!(
+            !expand.undo().unwrap().edges.values().next().unwrap().active,
+            "an added edge is deactivated"
+        );
         assert_ne!(prune.id, expand.id);
         // The id is the hash of the record's fields, joined by NULs (as every stored id).
-        let identity = format!("refine\0r2\0link_prune\0{}\0{:?}\0{:?}\0distractor\09", prune.target, prune.before, prune.after);
+        let identity = format!(
+            "refine\0r2\0link_prune\0{}\0{:?}\0{:?}\0distractor\09",
+            prune.target, prune.before, prune.after
+        );
         assert_eq!(prune.id, crate::sha256_hex(identity.as_bytes())[..32]);
         // The prune's `after` holds only what changed, and gives back the whole edge.
-        let changed: serde_json::Value = serde_json::from_str(prune.after.as_deref().unwrap()).unwrap();
+        let changed: serde_json::Value =
+            serde_json::from_str(prune.after.as_deref().unwrap()).unwrap();
         let keys: Vec<&String> = changed.as_object().unwrap().keys().collect();
         assert_eq!(keys, ["active", "weight"], "{changed}");
         assert_eq!(prune.edge_after().unwrap(), Some(after.clone()));
-        assert_eq!(expand.edge_after().unwrap(), Some(before.clone()), "a new edge's after is whole");
-        assert_eq!(prune.id, Edit::new("refine", "r2", "link_prune", Changed::Edge(Some(&before), Some(&after)), "distractor", 9).id);
+        assert_eq!(
+            expand.edge_after().unwrap(),
+            Some(before.clone()),
+            "a new edge's after is whole"
+        );
+        assert_eq!(
+            prune.id,
+            Edit::new(
+                "refine",
+                "r2",
+                "link_prune",
+                Changed::Edge(Some(&before), Some(&after)),
+                "distractor",
+                9
+            )
+            .id
+        );
     }
 }

@@ -38,8 +38,15 @@ pub struct GraphStats {
 impl GraphStats {
     /// The counts of nodes of `nodes`' kinds, of active edges of `active_edges`' kinds, and
     /// `embedded` nodes (the one rule [`Graph::stats`] and the store's column-only stats share).
-    pub fn count(nodes: impl IntoIterator<Item = NodeKind>, active_edges: impl IntoIterator<Item = EdgeKind>, embedded: usize) -> GraphStats {
-        let mut stats = GraphStats { embedded, ..GraphStats::default() };
+    pub fn count(
+        nodes: impl IntoIterator<Item = NodeKind>,
+        active_edges: impl IntoIterator<Item = EdgeKind>,
+        embedded: usize,
+    ) -> GraphStats {
+        let mut stats = GraphStats {
+            embedded,
+            ..GraphStats::default()
+        };
         for kind in nodes {
             match kind {
                 NodeKind::Semantic => stats.semantic += 1,
@@ -112,7 +119,10 @@ impl Graph {
 
     /// Inserts or replaces an embedding.
     pub fn upsert_embedding(&mut self, embedding: Embedding) {
-        self.embeddings.insert((embedding.node_id.clone(), embedding.model_id.clone()), embedding);
+        self.embeddings.insert(
+            (embedding.node_id.clone(), embedding.model_id.clone()),
+            embedding,
+        );
     }
 
     /// Applies every node, edge and embedding of `other` on top of this graph (later wins).
@@ -125,7 +135,10 @@ impl Graph {
 
     /// True when there is nothing in the graph.
     pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty() && self.edges.is_empty() && self.embeddings.is_empty() && self.edits.is_empty()
+        self.nodes.is_empty()
+            && self.edges.is_empty()
+            && self.embeddings.is_empty()
+            && self.edits.is_empty()
     }
 
     /// Counts per node kind, per active edge kind, and embedded nodes.
@@ -134,7 +147,10 @@ impl Graph {
         embedded.dedup();
         GraphStats::count(
             self.nodes.values().map(Node::kind),
-            self.edges.values().filter(|edge| edge.active).map(|edge| edge.kind),
+            self.edges
+                .values()
+                .filter(|edge| edge.active)
+                .map(|edge| edge.kind),
             embedded.len(),
         )
     }

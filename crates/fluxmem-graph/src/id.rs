@@ -6,7 +6,9 @@ use crate::NodeKind;
 /// A stable node id: `<kind prefix>-<32 hex digits of a SHA-256 of the node's content>`.
 ///
 /// The same content always gives the same id, which is what makes ingestion idempotent.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 #[serde(transparent)]
 pub struct NodeId(pub String);
 
@@ -16,7 +18,10 @@ impl NodeId {
     /// Parts are length-prefixed before hashing, so `["ab", "c"]` and `["a", "bc"]` differ.
     pub fn content(kind: NodeKind, tenant: &str, parts: &[&str]) -> NodeId {
         let mut hasher = Sha256::new();
-        for part in std::iter::once(kind.as_str()).chain(std::iter::once(tenant)).chain(parts.iter().copied()) {
+        for part in std::iter::once(kind.as_str())
+            .chain(std::iter::once(tenant))
+            .chain(parts.iter().copied())
+        {
             hasher.update((part.len() as u64).to_le_bytes());
             hasher.update(part.as_bytes());
         }
@@ -64,7 +69,11 @@ pub struct IdSet {
 /// The prefix and digest of a content-addressed id.
 fn digest(id: &str) -> Option<(&str, u128)> {
     let (prefix, digits) = id.split_once('-')?;
-    if digits.len() != 32 || !digits.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+    if digits.len() != 32
+        || !digits
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
         return None;
     }
     u128::from_str_radix(digits, 16).ok().map(|d| (prefix, d))
@@ -111,7 +120,11 @@ pub struct IdMap<V> {
 
 impl<V> Default for IdMap<V> {
     fn default() -> Self {
-        IdMap { digests: Vec::new(), other: Default::default(), other_bytes: 0 }
+        IdMap {
+            digests: Vec::new(),
+            other: Default::default(),
+            other_bytes: 0,
+        }
     }
 }
 
@@ -119,7 +132,11 @@ impl<V> IdMap<V> {
     /// The value of `id`.
     pub fn get(&self, id: &str) -> Option<&V> {
         match digest(id) {
-            Some((prefix, digest)) => self.digests.iter().find(|(p, _)| p == prefix).and_then(|(_, map)| map.get(&digest)),
+            Some((prefix, digest)) => self
+                .digests
+                .iter()
+                .find(|(p, _)| p == prefix)
+                .and_then(|(_, map)| map.get(&digest)),
             None => self.other.get(id),
         }
     }
@@ -135,7 +152,10 @@ impl<V> IdMap<V> {
             Some((prefix, digest)) => match self.digests.iter_mut().find(|(p, _)| p == prefix) {
                 Some((_, map)) => map.insert(digest, value),
                 None => {
-                    self.digests.push((prefix.to_string(), std::iter::once((digest, value)).collect()));
+                    self.digests.push((
+                        prefix.to_string(),
+                        std::iter::once((digest, value)).collect(),
+                    ));
                     None
                 }
             },
@@ -163,18 +183,28 @@ impl<V> IdMap<V> {
     /// each) and its other ids' strings.
     pub fn held_bytes(&self) -> usize {
         let slot = std::mem::size_of::<(u128, V)>() + 1;
-        let digests: usize = self.digests.iter().map(|(p, map)| p.len() + map.capacity() * slot).sum();
+        let digests: usize = self
+            .digests
+            .iter()
+            .map(|(p, map)| p.len() + map.capacity() * slot)
+            .sum();
         digests + self.other_bytes + self.other.capacity() * (57 + std::mem::size_of::<V>())
     }
 
     /// The values, in no particular order.
     pub fn values(&self) -> impl Iterator<Item = &V> {
-        self.digests.iter().flat_map(|(_, map)| map.values()).chain(self.other.values())
+        self.digests
+            .iter()
+            .flat_map(|(_, map)| map.values())
+            .chain(self.other.values())
     }
 
     /// The ids (written back as strings) with their values, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (String, &V)> {
-        let digests = self.digests.iter().flat_map(|(prefix, map)| map.iter().map(move |(digest, v)| (format!("{prefix}-{digest:032x}"), v)));
+        let digests = self.digests.iter().flat_map(|(prefix, map)| {
+            map.iter()
+                .map(move |(digest, v)| (format!("{prefix}-{digest:032x}"), v))
+        });
         digests.chain(self.other.iter().map(|(id, v)| (id.clone(), v)))
     }
 }
@@ -214,7 +244,10 @@ mod tests {
 
     #[test]
     fn sha256_matches_known_vector() {
-        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(
+            sha256_hex(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
     }
 }
 
@@ -231,7 +264,12 @@ mod id_set_tests {
         assert!(!set.insert(a.as_str()), "twice");
         assert!(set.contains(a.as_str()));
         // The same digits under another prefix, in upper case, or signed are other ids.
-        for other in [format!("sem-{hex_a}"), format!("epi-{}", hex_a.to_uppercase()), format!("epi-+{}", &hex_a[1..]), format!("epi-{}", &hex_a[..31])] {
+        for other in [
+            format!("sem-{hex_a}"),
+            format!("epi-{}", hex_a.to_uppercase()),
+            format!("epi-+{}", &hex_a[1..]),
+            format!("epi-{}", &hex_a[..31]),
+        ] {
             assert!(!set.contains(&other), "{other}");
             assert!(set.insert(&other), "{other}");
             assert!(set.contains(&other), "{other}");
@@ -242,7 +280,10 @@ mod id_set_tests {
 
     #[test]
     fn an_id_map_gives_back_each_id_and_value() {
-        let ids: Vec<String> = (0..50).map(|i| NodeId::content(NodeKind::Episodic, "t", &[&i.to_string()]).to_string()).chain(["doc-7".to_string(), "sem-ABC".to_string()]).collect();
+        let ids: Vec<String> = (0..50)
+            .map(|i| NodeId::content(NodeKind::Episodic, "t", &[&i.to_string()]).to_string())
+            .chain(["doc-7".to_string(), "sem-ABC".to_string()])
+            .collect();
         let mut map: IdMap<usize> = IdMap::default();
         for (i, id) in ids.iter().enumerate() {
             assert_eq!(map.insert(id, i), None);
@@ -255,9 +296,16 @@ mod id_set_tests {
         assert!(!map.contains(&format!("sem-{hex}")), "another prefix");
         let mut back: Vec<(String, usize)> = map.iter().map(|(id, v)| (id, *v)).collect();
         back.sort();
-        let mut expected: Vec<(String, usize)> = ids.iter().enumerate().map(|(i, id)| (id.clone(), if i == 3 { 99 } else { i })).collect();
+        let mut expected: Vec<(String, usize)> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| (id.clone(), if i == 3 { 99 } else { i }))
+            .collect();
         expected.sort();
         assert_eq!(back, expected, "the ids come back as they went in");
-        assert_eq!(map.values().sum::<usize>(), expected.iter().map(|(_, v)| v).sum::<usize>());
+        assert_eq!(
+            map.values().sum::<usize>(),
+            expected.iter().map(|(_, v)| v).sum::<usize>()
+        );
     }
 }

@@ -31,7 +31,9 @@ impl NodeKind {
 
     /// Parses a `kind` column value.
     pub fn parse(value: &str) -> Option<NodeKind> {
-        NodeKind::ALL.into_iter().find(|kind| kind.as_str() == value)
+        NodeKind::ALL
+            .into_iter()
+            .find(|kind| kind.as_str() == value)
     }
 
     pub(crate) fn id_prefix(self) -> &'static str {
@@ -206,7 +208,8 @@ impl Node {
                 let mut text = self.text.clone();
                 for step in &episode.steps {
                     let action = step.action.trim();
-                    let tools: Vec<&str> = step.tool_calls.iter().map(|c| c.name.as_str()).collect();
+                    let tools: Vec<&str> =
+                        step.tool_calls.iter().map(|c| c.name.as_str()).collect();
                     if !action.is_empty() || !tools.is_empty() {
                         text.push_str("\n- ");
                         text.push_str(action);

@@ -12,8 +12,8 @@
 //! them; timestamps are `Timestamp(Millisecond, "UTC")`.
 
 use arrow_array::builder::{
-    BooleanBuilder, FixedSizeListBuilder, Float32Builder, Float64Builder, Int64Builder, ListBuilder, StringBuilder,
-    TimestampMillisecondBuilder,
+    BooleanBuilder, FixedSizeListBuilder, Float32Builder, Float64Builder, Int64Builder,
+    ListBuilder, StringBuilder, TimestampMillisecondBuilder,
 };
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Float32Type, Float64Type, Int64Type, TimestampMillisecondType};
@@ -24,7 +24,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::{
-    Edge, EdgeKind, Edit, Embedding, Episode, Error, Node, NodeBody, NodeId, NodeKind, Outcome, Result, Semantic, Skill, Step,
+    Edge, EdgeKind, Edit, Embedding, Episode, Error, Node, NodeBody, NodeId, NodeKind, Outcome,
+    Result, Semantic, Skill, Step,
 };
 
 /// Names of the stored tables, in the order a commit writes them.
@@ -61,7 +62,11 @@ pub fn nodes_schema() -> SchemaRef {
         Field::new("version", DataType::Int64, true),
         Field::new("previous_versions", utf8_list(), true),
         Field::new("source_episodes", utf8_list(), true),
-        Field::new("pems_history", DataType::List(Arc::new(Field::new("item", DataType::Float64, true))), true),
+        Field::new(
+            "pems_history",
+            DataType::List(Arc::new(Field::new("item", DataType::Float64, true))),
+            true,
+        ),
     ]))
 }
 
@@ -100,7 +105,11 @@ pub fn embeddings_schema(dim: i32) -> SchemaRef {
         Field::new("node_id", DataType::Utf8, false),
         Field::new("model_id", DataType::Utf8, false),
         Field::new("text_sha256", DataType::Utf8, false),
-        Field::new("vector", DataType::FixedSizeList(Arc::new(Field::new("item", DataType::Float32, true)), dim), false),
+        Field::new(
+            "vector",
+            DataType::FixedSizeList(Arc::new(Field::new("item", DataType::Float32, true)), dim),
+            false,
+        ),
     ]))
 }
 
@@ -109,7 +118,9 @@ fn metadata_json(metadata: &BTreeMap<String, Value>) -> String {
 }
 
 /// The `nodes` and `steps` batches of `nodes`.
-pub fn nodes_to_batches<'a>(nodes: impl IntoIterator<Item = &'a Node>) -> Result<(RecordBatch, RecordBatch)> {
+pub fn nodes_to_batches<'a>(
+    nodes: impl IntoIterator<Item = &'a Node>,
+) -> Result<(RecordBatch, RecordBatch)> {
     let mut b = NodeBuilders::default();
     let mut s = StepBuilders::default();
     for node in nodes {
@@ -163,15 +174,22 @@ impl NodeBuilders {
             NodeBody::Semantic(semantic) => Some(semantic),
             _ => None,
         };
-        self.source.append_option(semantic.map(|s| s.source.as_str()));
+        self.source
+            .append_option(semantic.map(|s| s.source.as_str()));
         self.position.append_option(semantic.map(|s| s.position));
-        self.time.append_option(semantic.and_then(|s| s.time.as_deref()));
-        self.section.append_option(semantic.and_then(|s| s.group.as_deref()));
+        self.time
+            .append_option(semantic.and_then(|s| s.time.as_deref()));
+        self.section
+            .append_option(semantic.and_then(|s| s.group.as_deref()));
         let episode = node.episode();
-        self.success.append_option(episode.and_then(|e| e.outcome.success));
-        self.reward.append_option(episode.and_then(|e| e.outcome.reward));
-        self.outcome_feedback.append_option(episode.and_then(|e| e.outcome.feedback.as_deref()));
-        self.step_count.append_option(episode.map(|e| e.steps.len() as i64));
+        self.success
+            .append_option(episode.and_then(|e| e.outcome.success));
+        self.reward
+            .append_option(episode.and_then(|e| e.outcome.reward));
+        self.outcome_feedback
+            .append_option(episode.and_then(|e| e.outcome.feedback.as_deref()));
+        self.step_count
+            .append_option(episode.map(|e| e.steps.len() as i64));
         match &node.body {
             NodeBody::Procedural(skill) => {
                 self.version.append_value(skill.version);
@@ -241,8 +259,9 @@ impl StepBuilders {
         self.step_index.append_value(index as i64);
         self.observation.append_value(&step.observation);
         self.action.append_value(&step.action);
-        self.tool_calls
-            .append_value(serde_json::to_string(&step.tool_calls).expect("tool calls always serialize"));
+        self.tool_calls.append_value(
+            serde_json::to_string(&step.tool_calls).expect("tool calls always serialize"),
+        );
         self.feedback.append_option(step.feedback.as_deref());
         self.timestamp.append_option(step.timestamp);
     }
@@ -263,9 +282,17 @@ impl StepBuilders {
 
 /// The `edges` batch of `edges`.
 pub fn edges_to_batch<'a>(edges: impl IntoIterator<Item = &'a Edge>) -> Result<RecordBatch> {
-    let (mut src, mut dst, mut kind) = (StringBuilder::new(), StringBuilder::new(), StringBuilder::new());
+    let (mut src, mut dst, mut kind) = (
+        StringBuilder::new(),
+        StringBuilder::new(),
+        StringBuilder::new(),
+    );
     let (mut weight, mut evidence) = (Float32Builder::new(), Int64Builder::new());
-    let (mut stage, mut run_id, mut metadata) = (StringBuilder::new(), StringBuilder::new(), StringBuilder::new());
+    let (mut stage, mut run_id, mut metadata) = (
+        StringBuilder::new(),
+        StringBuilder::new(),
+        StringBuilder::new(),
+    );
     let (mut created_at, mut active) = (TimestampMillisecondBuilder::new(), BooleanBuilder::new());
     for edge in edges {
         src.append_value(edge.src.as_str());
@@ -295,8 +322,15 @@ pub fn edges_to_batch<'a>(edges: impl IntoIterator<Item = &'a Edge>) -> Result<R
 }
 
 /// The `embeddings` batch of `embeddings`, which must all have `dim` floats.
-pub fn embeddings_to_batch<'a>(dim: usize, embeddings: impl IntoIterator<Item = &'a Embedding>) -> Result<RecordBatch> {
-    let (mut node_id, mut model_id, mut text_sha) = (StringBuilder::new(), StringBuilder::new(), StringBuilder::new());
+pub fn embeddings_to_batch<'a>(
+    dim: usize,
+    embeddings: impl IntoIterator<Item = &'a Embedding>,
+) -> Result<RecordBatch> {
+    let (mut node_id, mut model_id, mut text_sha) = (
+        StringBuilder::new(),
+        StringBuilder::new(),
+        StringBuilder::new(),
+    );
     let mut vector = FixedSizeListBuilder::new(Float32Builder::new(), dim as i32)
         .with_field(Arc::new(Field::new("item", DataType::Float32, true)));
     for (row, embedding) in embeddings.into_iter().enumerate() {
@@ -304,7 +338,11 @@ pub fn embeddings_to_batch<'a>(dim: usize, embeddings: impl IntoIterator<Item = 
             return Err(Error::Value {
                 row,
                 column: "vector".into(),
-                reason: format!("{} floats for node {}, expected {dim}", embedding.vector.len(), embedding.node_id),
+                reason: format!(
+                    "{} floats for node {}, expected {dim}",
+                    embedding.vector.len(),
+                    embedding.node_id
+                ),
             });
         }
         node_id.append_value(embedding.node_id.as_str());
@@ -319,7 +357,10 @@ pub fn embeddings_to_batch<'a>(dim: usize, embeddings: impl IntoIterator<Item = 
         Arc::new(text_sha.finish()),
         Arc::new(vector.finish()),
     ];
-    Ok(RecordBatch::try_new(embeddings_schema(dim as i32), columns)?)
+    Ok(RecordBatch::try_new(
+        embeddings_schema(dim as i32),
+        columns,
+    )?)
 }
 
 /// Whether a column of type `actual` can be read as `expected`. A list's item field may have
@@ -342,9 +383,14 @@ struct Columns<'a> {
 impl<'a> Columns<'a> {
     fn new(batch: &'a RecordBatch, expected: &Schema) -> Result<Self> {
         for field in expected.fields() {
-            let actual = batch.schema().field_with_name(field.name()).map(|f| f.data_type().clone()).map_err(|_| {
-                Error::Schema { column: field.name().clone(), reason: "missing".into() }
-            })?;
+            let actual = batch
+                .schema()
+                .field_with_name(field.name())
+                .map(|f| f.data_type().clone())
+                .map_err(|_| Error::Schema {
+                    column: field.name().clone(),
+                    reason: "missing".into(),
+                })?;
             if !compatible(field.data_type(), &actual) {
                 return Err(Error::Schema {
                     column: field.name().clone(),
@@ -356,7 +402,9 @@ impl<'a> Columns<'a> {
     }
 
     fn array(&self, name: &str) -> &'a ArrayRef {
-        self.batch.column_by_name(name).expect("checked in Columns::new")
+        self.batch
+            .column_by_name(name)
+            .expect("checked in Columns::new")
     }
 
     fn str(&self, name: &str, row: usize) -> Option<&'a str> {
@@ -365,7 +413,11 @@ impl<'a> Columns<'a> {
     }
 
     fn req_str(&self, name: &str, row: usize) -> Result<&'a str> {
-        self.str(name, row).ok_or_else(|| Error::Value { row, column: name.into(), reason: "null".into() })
+        self.str(name, row).ok_or_else(|| Error::Value {
+            row,
+            column: name.into(),
+            reason: "null".into(),
+        })
     }
 
     fn i64(&self, name: &str, row: usize) -> Option<i64> {
@@ -390,39 +442,60 @@ impl<'a> Columns<'a> {
 
     fn metadata(&self, name: &str, row: usize) -> Result<BTreeMap<String, Value>> {
         let text = self.req_str(name, row)?;
-        serde_json::from_str(text).map_err(|e| Error::Value { row, column: name.into(), reason: e.to_string() })
+        serde_json::from_str(text).map_err(|e| Error::Value {
+            row,
+            column: name.into(),
+            reason: e.to_string(),
+        })
     }
 
     fn id_list(&self, name: &str, row: usize) -> Vec<NodeId> {
         let list = self.array(name).as_list::<i32>();
         let values = list.value(row);
         let strings = values.as_string::<i32>();
-        strings.iter().map(|v| NodeId(v.unwrap_or_default().to_string())).collect()
+        strings
+            .iter()
+            .map(|v| NodeId(v.unwrap_or_default().to_string()))
+            .collect()
     }
 
     fn f64_list(&self, name: &str, row: usize) -> Vec<f64> {
         let list = self.array(name).as_list::<i32>();
         let values = list.value(row);
-        values.as_primitive::<Float64Type>().iter().map(|v| v.unwrap_or(f64::NAN)).collect()
+        values
+            .as_primitive::<Float64Type>()
+            .iter()
+            .map(|v| v.unwrap_or(f64::NAN))
+            .collect()
     }
 }
 
 /// Nodes from a `nodes` batch; episodic nodes get their steps from `steps` (by episode id).
-pub fn nodes_from_batch(batch: &RecordBatch, steps: &BTreeMap<NodeId, Vec<Step>>) -> Result<Vec<Node>> {
+pub fn nodes_from_batch(
+    batch: &RecordBatch,
+    steps: &BTreeMap<NodeId, Vec<Step>>,
+) -> Result<Vec<Node>> {
     nodes_from_batch_with(batch, steps, &|_| true)
 }
 
 /// [`nodes_from_batch`] for a read that left some episodes' steps unread: only an episode for
 /// which `steps_read` is true must have as many steps in `steps` as its `step_count` says; the
 /// others come back with no steps.
-pub fn nodes_from_batch_with(batch: &RecordBatch, steps: &BTreeMap<NodeId, Vec<Step>>, steps_read: &dyn Fn(&NodeId) -> bool) -> Result<Vec<Node>> {
+pub fn nodes_from_batch_with(
+    batch: &RecordBatch,
+    steps: &BTreeMap<NodeId, Vec<Step>>,
+    steps_read: &dyn Fn(&NodeId) -> bool,
+) -> Result<Vec<Node>> {
     let c = Columns::new(batch, &nodes_schema())?;
     let mut nodes = Vec::with_capacity(batch.num_rows());
     for row in 0..batch.num_rows() {
         let id = NodeId(c.req_str("id", row)?.to_string());
         let kind_text = c.req_str("kind", row)?;
-        let kind = NodeKind::parse(kind_text)
-            .ok_or_else(|| Error::Value { row, column: "kind".into(), reason: format!("unknown kind `{kind_text}`") })?;
+        let kind = NodeKind::parse(kind_text).ok_or_else(|| Error::Value {
+            row,
+            column: "kind".into(),
+            reason: format!("unknown kind `{kind_text}`"),
+        })?;
         let body = match kind {
             NodeKind::Semantic => NodeBody::Semantic(Semantic {
                 source: c.req_str("source", row)?.to_string(),
@@ -451,7 +524,10 @@ pub fn nodes_from_batch_with(batch: &RecordBatch, steps: &BTreeMap<NodeId, Vec<S
                 return Err(Error::Value {
                     row,
                     column: "step_count".into(),
-                    reason: format!("episode {id} lists {expected} steps but {} are stored", episode.steps.len()),
+                    reason: format!(
+                        "episode {id} lists {expected} steps but {} are stored",
+                        episode.steps.len()
+                    ),
                 });
             }
         }
@@ -478,10 +554,18 @@ pub fn steps_from_batch(batch: &RecordBatch, into: &mut BTreeMap<NodeId, Vec<Ste
         let index = c.i64("step_index", row).unwrap_or_default();
         let steps = into.entry(episode).or_default();
         if index != steps.len() as i64 {
-            return Err(Error::Value { row, column: "step_index".into(), reason: format!("{index} out of order") });
+            return Err(Error::Value {
+                row,
+                column: "step_index".into(),
+                reason: format!("{index} out of order"),
+            });
         }
-        let tool_calls = serde_json::from_str(c.req_str("tool_calls", row)?)
-            .map_err(|e| Error::Value { row, column: "tool_calls".into(), reason: e.to_string() })?;
+        let tool_calls =
+            serde_json::from_str(c.req_str("tool_calls", row)?).map_err(|e| Error::Value {
+                row,
+                column: "tool_calls".into(),
+                reason: e.to_string(),
+            })?;
         steps.push(Step {
             observation: c.req_str("observation", row)?.to_string(),
             action: c.req_str("action", row)?.to_string(),
@@ -500,8 +584,11 @@ pub fn edges_from_batch(batch: &RecordBatch) -> Result<Vec<Edge>> {
     let mut edges = Vec::with_capacity(batch.num_rows());
     for row in 0..batch.num_rows() {
         let kind_text = c.req_str("kind", row)?;
-        let kind = EdgeKind::parse(kind_text)
-            .ok_or_else(|| Error::Value { row, column: "kind".into(), reason: format!("unknown kind `{kind_text}`") })?;
+        let kind = EdgeKind::parse(kind_text).ok_or_else(|| Error::Value {
+            row,
+            column: "kind".into(),
+            reason: format!("unknown kind `{kind_text}`"),
+        })?;
         edges.push(Edge {
             src: NodeId(c.req_str("src", row)?.to_string()),
             dst: NodeId(c.req_str("dst", row)?.to_string()),
@@ -556,7 +643,13 @@ pub fn edits_to_batch<'a>(edits: impl IntoIterator<Item = &'a Edit>) -> Result<R
     let mut columns: Vec<StringBuilder> = (0..8).map(|_| StringBuilder::new()).collect();
     let mut at = TimestampMillisecondBuilder::new();
     for edit in edits {
-        let values = [&edit.id, &edit.run_id, &edit.stage, &edit.kind, &edit.target];
+        let values = [
+            &edit.id,
+            &edit.run_id,
+            &edit.stage,
+            &edit.kind,
+            &edit.target,
+        ];
         for (builder, value) in columns.iter_mut().zip(values) {
             builder.append_value(value);
         }
@@ -565,7 +658,10 @@ pub fn edits_to_batch<'a>(edits: impl IntoIterator<Item = &'a Edit>) -> Result<R
         columns[7].append_value(&edit.reason);
         at.append_value(edit.at);
     }
-    let mut arrays: Vec<ArrayRef> = columns.iter_mut().map(|b| Arc::new(b.finish()) as ArrayRef).collect();
+    let mut arrays: Vec<ArrayRef> = columns
+        .iter_mut()
+        .map(|b| Arc::new(b.finish()) as ArrayRef)
+        .collect();
     arrays.push(Arc::new(at.finish().with_timezone("UTC")));
     Ok(RecordBatch::try_new(edits_schema(), arrays)?)
 }
@@ -598,9 +694,15 @@ mod tests {
     fn lists_are_compatible_whatever_their_item_field_is_called() {
         let ours = DataType::List(Arc::new(Field::new("item", DataType::Utf8, true)));
         let pyarrow = DataType::List(Arc::new(Field::new("element", DataType::Utf8, false)));
-        assert!(compatible(&ours, &pyarrow), "arrow-rs `item` vs the Parquet standard's `element`");
+        assert!(
+            compatible(&ours, &pyarrow),
+            "arrow-rs `item` vs the Parquet standard's `element`"
+        );
         let numbers = DataType::List(Arc::new(Field::new("element", DataType::Int64, true)));
-        assert!(!compatible(&ours, &numbers), "the item type still has to match");
+        assert!(
+            !compatible(&ours, &numbers),
+            "the item type still has to match"
+        );
         assert!(!compatible(&DataType::Utf8, &DataType::Int64));
     }
 
@@ -609,7 +711,12 @@ mod tests {
     #[test]
     fn a_batch_with_element_named_lists_reads() {
         let node = crate::Node::new(
-            crate::NodeBody::Procedural(crate::Skill { version: 1, source_episodes: vec![NodeId::from("epi-a")], pems_history: vec![0.5], ..Default::default() }),
+            crate::NodeBody::Procedural(crate::Skill {
+                version: 1,
+                source_episodes: vec![NodeId::from("epi-a")],
+                pems_history: vec![0.5],
+                ..Default::default()
+            }),
             "t",
             "skill",
             &["x"],
@@ -620,7 +727,15 @@ mod tests {
             .fields()
             .iter()
             .map(|f| match f.data_type() {
-                DataType::List(item) => Arc::new(Field::new(f.name(), DataType::List(Arc::new(Field::new("element", item.data_type().clone(), true))), f.is_nullable())),
+                DataType::List(item) => Arc::new(Field::new(
+                    f.name(),
+                    DataType::List(Arc::new(Field::new(
+                        "element",
+                        item.data_type().clone(),
+                        true,
+                    ))),
+                    f.is_nullable(),
+                )),
                 _ => f.clone(),
             })
             .collect();
@@ -631,7 +746,12 @@ mod tests {
             .map(|(column, field)| match field.data_type() {
                 DataType::List(item) => {
                     let list = column.as_list::<i32>();
-                    Arc::new(arrow_array::ListArray::new(item.clone(), list.offsets().clone(), list.values().clone(), list.nulls().cloned())) as ArrayRef
+                    Arc::new(arrow_array::ListArray::new(
+                        item.clone(),
+                        list.offsets().clone(),
+                        list.values().clone(),
+                        list.nulls().cloned(),
+                    )) as ArrayRef
                 }
                 _ => column.clone(),
             })

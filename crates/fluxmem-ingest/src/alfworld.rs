@@ -17,11 +17,20 @@ use crate::{Parsed, Record};
 const TASK_MARKER: &str = "Your task is to:";
 
 /// Parses an ALFWorld transcript file.
-pub(crate) fn parse(source: &Source, text: &str, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
+pub(crate) fn parse(
+    source: &Source,
+    text: &str,
+    emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
+) -> crate::Result<()> {
     let entries: BTreeMap<String, &RawValue> = match parse_at(text) {
         Ok(entries) => entries,
         Err((field, reason)) => {
-            let rejected = source.reject(1, "file", format!("not an ALFWorld object: {reason}"), source.bytes);
+            let rejected = source.reject(
+                1,
+                "file",
+                format!("not an ALFWorld object: {reason}"),
+                source.bytes,
+            );
             return emit(Parsed::Rejected(rejected.field(field)));
         }
     };
@@ -37,14 +46,27 @@ pub(crate) fn parse(source: &Source, text: &str, emit: &mut dyn FnMut(Parsed) ->
         let parsed = match parse_at::<Value>(raw.get()) {
             Ok(Value::String(transcript)) => match transcript_record(source, &name, &transcript) {
                 Ok(record) => Parsed::Record(record),
-                Err(reason) => Parsed::Rejected(source.reject(line, &name, reason, raw.get().as_bytes()).field(&name)),
+                Err(reason) => Parsed::Rejected(
+                    source
+                        .reject(line, &name, reason, raw.get().as_bytes())
+                        .field(&name),
+                ),
             },
             Ok(other) => Parsed::Rejected(
                 source
-                    .reject(line, &name, format!("transcript must be a string, got {}", type_name(&other)), raw.get().as_bytes())
+                    .reject(
+                        line,
+                        &name,
+                        format!("transcript must be a string, got {}", type_name(&other)),
+                        raw.get().as_bytes(),
+                    )
                     .field(&name),
             ),
-            Err((_, reason)) => Parsed::Rejected(source.reject(line, &name, reason, raw.get().as_bytes()).field(&name)),
+            Err((_, reason)) => Parsed::Rejected(
+                source
+                    .reject(line, &name, reason, raw.get().as_bytes())
+                    .field(&name),
+            ),
         };
         emit(parsed)?;
     }
@@ -57,7 +79,10 @@ pub(crate) fn split_transcript(transcript: &str) -> Result<(String, Vec<Step>), 
         return Err(format!("no `{TASK_MARKER}` line in the transcript"));
     };
     let task_line = transcript[task_at..].lines().next().unwrap_or_default();
-    let task = task_line[TASK_MARKER.len()..].trim().trim_end_matches('.').to_string();
+    let task = task_line[TASK_MARKER.len()..]
+        .trim()
+        .trim_end_matches('.')
+        .to_string();
     let mut steps = Vec::new();
     let mut observation = String::new();
     for line in transcript.lines() {
@@ -78,14 +103,21 @@ pub(crate) fn split_transcript(transcript: &str) -> Result<(String, Vec<Step>), 
     }
     let last = observation.trim();
     if !last.is_empty() {
-        steps.push(Step { observation: last.to_string(), ..Step::default() });
+        steps.push(Step {
+            observation: last.to_string(),
+            ..Step::default()
+        });
     }
     Ok((task, steps))
 }
 
 fn transcript_record(source: &Source, name: &str, transcript: &str) -> Result<Record, String> {
     let (task, steps) = split_transcript(transcript)?;
-    let outcome = Outcome { success: Some(true), reward: Some(1.0), feedback: None };
+    let outcome = Outcome {
+        success: Some(true),
+        reward: Some(1.0),
+        feedback: None,
+    };
     let mut node = source.node(
         NodeBody::Episodic(Episode { steps, outcome }),
         &task,
@@ -97,9 +129,11 @@ fn transcript_record(source: &Source, name: &str, transcript: &str) -> Result<Re
     let mut parts = name.split('_');
     if let (Some(style), Some(task_type)) = (parts.next(), parts.next()) {
         node.metadata.insert("style".into(), Value::from(style));
-        node.metadata.insert("task_type".into(), Value::from(task_type));
+        node.metadata
+            .insert("task_type".into(), Value::from(task_type));
     }
-    node.metadata.insert("outcome_source".into(), Value::from("demonstration"));
+    node.metadata
+        .insert("outcome_source".into(), Value::from("demonstration"));
     Ok(Record { nodes: vec![node] })
 }
 

@@ -48,17 +48,33 @@ pub(crate) struct Function {
 /// `call_ids`, per step in the order of its `tool_calls`) is `tool_call_id`, else (no id
 /// logged) the latest open call named `name`. A result starting with `Error` is also the step's
 /// feedback. A result that answers no open call is left to the observation only.
-pub(crate) fn attach_result(steps: &mut [Step], call_ids: &[Vec<Option<String>>], tool_call_id: Option<&str>, name: Option<&str>, content: &str) {
+pub(crate) fn attach_result(
+    steps: &mut [Step],
+    call_ids: &[Vec<Option<String>>],
+    tool_call_id: Option<&str>,
+    name: Option<&str>,
+    content: &str,
+) {
     let open_call = |by_id: bool, steps: &[Step]| -> Option<(usize, usize)> {
         (0..steps.len()).rev().find_map(|s| {
-            steps[s].tool_calls.iter().enumerate().rev().find_map(|(c, call)| {
-                let matches = if by_id {
-                    tool_call_id.is_some() && call_ids.get(s).and_then(|i| i.get(c)).and_then(|id| id.as_deref()) == tool_call_id
-                } else {
-                    tool_call_id.is_none() && Some(call.name.as_str()) == name
-                };
-                (call.result.is_none() && matches).then_some((s, c))
-            })
+            steps[s]
+                .tool_calls
+                .iter()
+                .enumerate()
+                .rev()
+                .find_map(|(c, call)| {
+                    let matches = if by_id {
+                        tool_call_id.is_some()
+                            && call_ids
+                                .get(s)
+                                .and_then(|i| i.get(c))
+                                .and_then(|id| id.as_deref())
+                                == tool_call_id
+                    } else {
+                        tool_call_id.is_none() && Some(call.name.as_str()) == name
+                    };
+                    (call.result.is_none() && matches).then_some((s, c))
+                })
         })
     };
     if let Some((s, c)) = open_call(true, steps).or_else(|| open_call(false, steps)) {

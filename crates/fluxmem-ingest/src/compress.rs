@@ -50,7 +50,11 @@ pub(crate) struct Opened {
 /// content as it is otherwise. A file whose name says `.gz` / `.zst` but whose bytes are not, or
 /// that fails to decompress, is an error that names the compression and what went wrong.
 pub(crate) fn open(path: &Path, bytes: Vec<u8>) -> Result<Opened, String> {
-    let extension = path.extension().and_then(|e| e.to_str()).unwrap_or_default().to_ascii_lowercase();
+    let extension = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
     let named = match extension.as_str() {
         "gz" | "gzip" => Some(Compression::Gzip),
         "zst" | "zstd" => Some(Compression::Zstd),
@@ -58,26 +62,47 @@ pub(crate) fn open(path: &Path, bytes: Vec<u8>) -> Result<Opened, String> {
     };
     let Some(compression) = Compression::sniff(&bytes) else {
         if let Some(named) = named {
-            return Err(format!("the name says {} but the content is not {} (no magic bytes)", named.name(), named.name()));
+            return Err(format!(
+                "the name says {} but the content is not {} (no magic bytes)",
+                named.name(),
+                named.name()
+            ));
         }
-        return Ok(Opened { bytes, detect_as: path.to_path_buf() });
+        return Ok(Opened {
+            bytes,
+            detect_as: path.to_path_buf(),
+        });
     };
-    let detect_as = if named.is_some() { path.with_extension("") } else { path.to_path_buf() };
+    let detect_as = if named.is_some() {
+        path.with_extension("")
+    } else {
+        path.to_path_buf()
+    };
     let mut out = Vec::new();
     let limit = MAX_DECOMPRESSED_BYTES + 1;
     let read = match compression {
-        Compression::Gzip => flate2::read::MultiGzDecoder::new(&bytes[..]).take(limit).read_to_end(&mut out),
+        Compression::Gzip => flate2::read::MultiGzDecoder::new(&bytes[..])
+            .take(limit)
+            .read_to_end(&mut out),
         Compression::Zstd => match zstd::stream::read::Decoder::new(&bytes[..]) {
             Ok(decoder) => decoder.take(limit).read_to_end(&mut out),
             Err(e) => Err(e),
         },
     };
     match read {
-        Err(e) => Err(format!("{} data does not decompress after {} bytes: {e}", compression.name(), out.len())),
-        Ok(_) if out.len() as u64 > MAX_DECOMPRESSED_BYTES => {
-            Err(format!("{} data decompresses to more than {MAX_DECOMPRESSED_BYTES} bytes", compression.name()))
-        }
-        Ok(_) => Ok(Opened { bytes: out, detect_as }),
+        Err(e) => Err(format!(
+            "{} data does not decompress after {} bytes: {e}",
+            compression.name(),
+            out.len()
+        )),
+        Ok(_) if out.len() as u64 > MAX_DECOMPRESSED_BYTES => Err(format!(
+            "{} data decompresses to more than {MAX_DECOMPRESSED_BYTES} bytes",
+            compression.name()
+        )),
+        Ok(_) => Ok(Opened {
+            bytes: out,
+            detect_as,
+        }),
     }
 }
 
@@ -96,9 +121,19 @@ mod tests {
     fn gzip_and_zstd_decompress_and_drop_their_extension() {
         let data = b"{\"a\": 1}\n".repeat(100);
         let opened = open(Path::new("logs/runs.jsonl.gz"), gzip(&data)).unwrap();
-        assert_eq!((opened.bytes, opened.detect_as), (data.clone(), PathBuf::from("logs/runs.jsonl")));
-        let opened = open(Path::new("logs/runs.jsonl.zst"), zstd::encode_all(&data[..], 3).unwrap()).unwrap();
-        assert_eq!((opened.bytes, opened.detect_as), (data.clone(), PathBuf::from("logs/runs.jsonl")));
+        assert_eq!(
+            (opened.bytes, opened.detect_as),
+            (data.clone(), PathBuf::from("logs/runs.jsonl"))
+        );
+        let opened = open(
+            Path::new("logs/runs.jsonl.zst"),
+            zstd::encode_all(&data[..], 3).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            (opened.bytes, opened.detect_as),
+            (data.clone(), PathBuf::from("logs/runs.jsonl"))
+        );
         // Magic bytes decide, not the name.
         let opened = open(Path::new("logs/runs.jsonl"), gzip(&data)).unwrap();
         assert_eq!(opened.bytes, data);
@@ -111,8 +146,13 @@ mod tests {
         let mut truncated = gzip(&b"x".repeat(10_000));
         truncated.truncate(truncated.len() / 2);
         let error = open(Path::new("a.gz"), truncated).err().unwrap();
-        assert!(error.starts_with("gzip data does not decompress"), "{error}");
-        let error = open(Path::new("a.zst"), b"plain text".to_vec()).err().unwrap();
+        assert!(
+            error.starts_with("gzip data does not decompress"),
+            "{error}"
+        );
+        let error = open(Path::new("a.zst"), b"plain text".to_vec())
+            .err()
+            .unwrap();
         assert!(error.contains("the name says zstd"), "{error}");
     }
 }

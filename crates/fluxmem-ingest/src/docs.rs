@@ -36,11 +36,22 @@ pub fn chunk(text: &str, max_words: usize) -> Vec<Chunk> {
             in_fence = !in_fence;
         }
         if !in_fence && is_heading(trimmed) {
-            current.absorb(std::mem::take(&mut paragraph), max_words, &section, &mut chunks);
+            current.absorb(
+                std::mem::take(&mut paragraph),
+                max_words,
+                &section,
+                &mut chunks,
+            );
             current.flush(&section, &mut chunks);
-            section = Some(trimmed.trim_start_matches('#').trim().to_string()).filter(|s| !s.is_empty());
+            section =
+                Some(trimmed.trim_start_matches('#').trim().to_string()).filter(|s| !s.is_empty());
         } else if trimmed.is_empty() {
-            current.absorb(std::mem::take(&mut paragraph), max_words, &section, &mut chunks);
+            current.absorb(
+                std::mem::take(&mut paragraph),
+                max_words,
+                &section,
+                &mut chunks,
+            );
         } else {
             paragraph.push_line(line_no, line);
         }
@@ -53,7 +64,11 @@ pub fn chunk(text: &str, max_words: usize) -> Vec<Chunk> {
 /// A Markdown ATX heading: 1-6 `#` then a space (or nothing).
 fn is_heading(line: &str) -> bool {
     let hashes = line.chars().take_while(|&c| c == '#').count();
-    (1..=6).contains(&hashes) && line[hashes..].chars().next().is_none_or(char::is_whitespace)
+    (1..=6).contains(&hashes)
+        && line[hashes..]
+            .chars()
+            .next()
+            .is_none_or(char::is_whitespace)
 }
 
 #[derive(Default)]
@@ -75,7 +90,13 @@ impl Pending {
     }
 
     /// Adds a finished paragraph to this chunk, flushing first if it would not fit.
-    fn absorb(&mut self, paragraph: Pending, max_words: usize, section: &Option<String>, out: &mut Vec<Chunk>) {
+    fn absorb(
+        &mut self,
+        paragraph: Pending,
+        max_words: usize,
+        section: &Option<String>,
+        out: &mut Vec<Chunk>,
+    ) {
         if paragraph.text.is_empty() {
             return;
         }
@@ -85,7 +106,11 @@ impl Pending {
         if paragraph.words > max_words {
             let words: Vec<&str> = paragraph.text.split_whitespace().collect();
             for piece in words.chunks(max_words) {
-                out.push(Chunk { text: piece.join(" "), line: paragraph.line, section: section.clone() });
+                out.push(Chunk {
+                    text: piece.join(" "),
+                    line: paragraph.line,
+                    section: section.clone(),
+                });
             }
             return;
         }
@@ -100,24 +125,47 @@ impl Pending {
 
     fn flush(&mut self, section: &Option<String>, out: &mut Vec<Chunk>) {
         if !self.text.trim().is_empty() {
-            out.push(Chunk { text: std::mem::take(&mut self.text), line: self.line, section: section.clone() });
+            out.push(Chunk {
+                text: std::mem::take(&mut self.text),
+                line: self.line,
+                section: section.clone(),
+            });
         }
         *self = Pending::default();
     }
 }
 
 /// Parses a text or Markdown document into one record per chunk.
-pub(crate) fn parse(source: &Source, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
+pub(crate) fn parse(
+    source: &Source,
+    emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
+) -> crate::Result<()> {
     let text = match std::str::from_utf8(source.bytes) {
         Ok(text) => text,
         Err(e) => {
             let line = source.line_at(e.valid_up_to());
-            let reason = format!("invalid UTF-8 at byte {} (the whole document is quarantined)", e.valid_up_to());
-            return emit(Parsed::Rejected(source.reject(line, "document", reason, source.bytes)));
+            let reason = format!(
+                "invalid UTF-8 at byte {} (the whole document is quarantined)",
+                e.valid_up_to()
+            );
+            return emit(Parsed::Rejected(source.reject(
+                line,
+                "document",
+                reason,
+                source.bytes,
+            )));
         }
     };
-    let name = source.path.rsplit('/').next().unwrap_or(&source.path).to_string();
-    for (position, chunk) in chunk(text, source.options.chunk_words).into_iter().enumerate() {
+    let name = source
+        .path
+        .rsplit('/')
+        .next()
+        .unwrap_or(&source.path)
+        .to_string();
+    for (position, chunk) in chunk(text, source.options.chunk_words)
+        .into_iter()
+        .enumerate()
+    {
         let locator = format!("chunk {position} (line {})", chunk.line);
         if let Some(rejected) = source.check_size(chunk.line, &locator, chunk.text.as_bytes()) {
             emit(rejected)?;
@@ -129,7 +177,13 @@ pub(crate) fn parse(source: &Source, emit: &mut dyn FnMut(Parsed) -> crate::Resu
             time: None,
             group: chunk.section.clone(),
         });
-        let node = source.node(body, &chunk.text, &[&name, &position.to_string(), &chunk.text], locator, None);
+        let node = source.node(
+            body,
+            &chunk.text,
+            &[&name, &position.to_string(), &chunk.text],
+            locator,
+            None,
+        );
         emit(Parsed::Record(Record { nodes: vec![node] }))?;
     }
     Ok(())
@@ -144,8 +198,22 @@ mod tests {
         let text = "intro line\n\n# Policy\n\none two three\n\nfour five\n\n## Baggage\nsix seven eight nine ten eleven\n";
         let chunks = chunk(text, 5);
         assert_eq!(chunks.len(), 4, "{chunks:?}");
-        assert_eq!(chunks[0], Chunk { text: "intro line".into(), line: 1, section: None });
-        assert_eq!(chunks[1], Chunk { text: "one two three\n\nfour five".into(), line: 5, section: Some("Policy".into()) });
+        assert_eq!(
+            chunks[0],
+            Chunk {
+                text: "intro line".into(),
+                line: 1,
+                section: None
+            }
+        );
+        assert_eq!(
+            chunks[1],
+            Chunk {
+                text: "one two three\n\nfour five".into(),
+                line: 5,
+                section: Some("Policy".into())
+            }
+        );
         assert_eq!(chunks[2].text, "six seven eight nine ten");
         assert_eq!(chunks[3].text, "eleven");
         assert_eq!(chunks[3].section.as_deref(), Some("Baggage"));
@@ -158,7 +226,9 @@ mod tests {
         let chunks = chunk(text, 100);
         assert_eq!(chunks.len(), 1, "{chunks:?}");
         assert_eq!(chunks[0].section.as_deref(), Some("Title"));
-        assert!(chunks[0].text.contains("# a shell comment") && chunks[0].text.contains("#hashtag"));
+        assert!(
+            chunks[0].text.contains("# a shell comment") && chunks[0].text.contains("#hashtag")
+        );
     }
 
     #[test]

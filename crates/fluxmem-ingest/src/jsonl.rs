@@ -92,30 +92,47 @@ struct FactRecord {
 
 /// Parses a JSONL file, one record per non-blank line. Lines end at `\n`, `\r\n` or a lone
 /// `\r`; a line must hold exactly one JSON value (content after it quarantines the line).
-pub(crate) fn parse(source: &Source, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
-    each_line(source, emit, |text, line_no, _| parse_line(source, line_no, text))
+pub(crate) fn parse(
+    source: &Source,
+    emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
+) -> crate::Result<()> {
+    each_line(source, emit, |text, line_no, _| {
+        parse_line(source, line_no, text)
+    })
 }
 
 fn parse_line(source: &Source, line_no: usize, text: &str) -> Result<Parsed, (String, String)> {
     let value: Value = parse_at(text)?;
     if !value.is_object() {
-        return Err((String::new(), format!("a record must be a JSON object, got {}", type_name(&value))));
+        return Err((
+            String::new(),
+            format!("a record must be a JSON object, got {}", type_name(&value)),
+        ));
     }
     let probe: Probe = parse_at(text)?;
     let canonical = value.to_string();
     match probe.kind.as_deref().unwrap_or("episode") {
         "episode" => episode(source, line_no, text, &canonical),
         "fact" => fact(source, line_no, text),
-        other => Err(("type".into(), format!("unknown record type `{other}` (expected `episode` or `fact`)"))),
+        other => Err((
+            "type".into(),
+            format!("unknown record type `{other}` (expected `episode` or `fact`)"),
+        )),
     }
 }
 
-fn episode(source: &Source, line_no: usize, text: &str, canonical: &str) -> Result<Parsed, (String, String)> {
+fn episode(
+    source: &Source,
+    line_no: usize,
+    text: &str,
+    canonical: &str,
+) -> Result<Parsed, (String, String)> {
     let mut record: EpisodeRecord = parse_at(text)?;
     let started_at = optional_timestamp("started_at".into(), record.started_at.as_ref())?;
     let mut steps = Vec::with_capacity(record.steps.len());
     for (index, step) in record.steps.into_iter().enumerate() {
-        let timestamp = optional_timestamp(format!("steps[{index}].timestamp"), step.timestamp.as_ref())?;
+        let timestamp =
+            optional_timestamp(format!("steps[{index}].timestamp"), step.timestamp.as_ref())?;
         steps.push(Step {
             observation: step.observation,
             action: step.action,
@@ -135,7 +152,11 @@ fn episode(source: &Source, line_no: usize, text: &str, canonical: &str) -> Resu
     record.extra.remove("type");
     let mut metadata = record.metadata;
     merge_extra(&mut metadata, record.extra);
-    let outcome = Outcome { success: record.outcome.success, reward: record.outcome.reward, feedback: record.outcome.feedback };
+    let outcome = Outcome {
+        success: record.outcome.success,
+        reward: record.outcome.reward,
+        feedback: record.outcome.feedback,
+    };
     let episode_id = record.episode_id.unwrap_or_default();
     if !episode_id.is_empty() {
         metadata.insert("episode_id".into(), Value::String(episode_id.clone()));
@@ -156,7 +177,12 @@ fn episode(source: &Source, line_no: usize, text: &str, canonical: &str) -> Resu
 fn fact(source: &Source, line_no: usize, text: &str) -> Result<Parsed, (String, String)> {
     let mut record: FactRecord = parse_at(text)?;
     record.extra.remove("type");
-    let name = source.path.rsplit('/').next().unwrap_or(&source.path).to_string();
+    let name = source
+        .path
+        .rsplit('/')
+        .next()
+        .unwrap_or(&source.path)
+        .to_string();
     let origin = record.source.unwrap_or(name);
     let position = record.position.unwrap_or(line_no as i64 - 1);
     let mut metadata = record.metadata;
@@ -164,7 +190,12 @@ fn fact(source: &Source, line_no: usize, text: &str) -> Result<Parsed, (String, 
     let mut node = source.node_of(
         record.tenant.as_deref(),
         record.agent_id.as_deref(),
-        NodeBody::Semantic(Semantic { source: origin.clone(), position, time: record.time, group: record.section }),
+        NodeBody::Semantic(Semantic {
+            source: origin.clone(),
+            position,
+            time: record.time,
+            group: record.section,
+        }),
         &record.text,
         &[&origin, &position.to_string(), &record.text],
         format!("line {line_no}"),
@@ -176,7 +207,10 @@ fn fact(source: &Source, line_no: usize, text: &str) -> Result<Parsed, (String, 
 
 /// The timestamp in `field`, if the record has one; an error names the field (it must be in the
 /// years 1970..=9999, see [`timestamp_ms`]).
-fn optional_timestamp(field: String, value: Option<&Value>) -> Result<Option<i64>, (String, String)> {
+fn optional_timestamp(
+    field: String,
+    value: Option<&Value>,
+) -> Result<Option<i64>, (String, String)> {
     match value {
         None => Ok(None),
         Some(value) => match timestamp_ms(&field, value) {
@@ -190,7 +224,11 @@ fn optional_timestamp(field: String, value: Option<&Value>) -> Result<Option<i64
 /// under `field:<name>` so neither value is lost.
 fn merge_extra(metadata: &mut BTreeMap<String, Value>, extra: BTreeMap<String, Value>) {
     for (key, value) in extra {
-        let key = if metadata.contains_key(&key) { format!("field:{key}") } else { key };
+        let key = if metadata.contains_key(&key) {
+            format!("field:{key}")
+        } else {
+            key
+        };
         metadata.insert(key, value);
     }
 }

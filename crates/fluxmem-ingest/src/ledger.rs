@@ -52,13 +52,21 @@ pub(crate) struct Ledger {
 /// Size and mtime (ns since the epoch) of a file, as the ledger compares them.
 pub(crate) fn stat(path: &Path) -> Option<(u64, i128)> {
     let metadata = std::fs::metadata(path).ok()?;
-    let mtime = metadata.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?.as_nanos() as i128;
+    let mtime = metadata
+        .modified()
+        .ok()?
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_nanos() as i128;
     Some((metadata.len(), mtime))
 }
 
 /// The absolute path of `path` as the ledger keys it.
 pub(crate) fn key_path(path: &Path) -> String {
-    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf()).display().to_string()
+    std::fs::canonicalize(path)
+        .unwrap_or_else(|_| path.to_path_buf())
+        .display()
+        .to_string()
 }
 
 impl Ledger {
@@ -83,7 +91,11 @@ impl Ledger {
             options.max_record_bytes,
             options.chunk_words
         );
-        Ledger { path, entries, settings }
+        Ledger {
+            path,
+            entries,
+            settings,
+        }
     }
 
     pub(crate) fn seen(&self, key: &str, size: u64, mtime_ns: i128) -> Seen {
@@ -95,10 +107,29 @@ impl Ledger {
     }
 
     /// Records a file whose records are committed.
-    pub(crate) fn record(&mut self, key: String, size: u64, mtime_ns: i128, sha256: String) -> Result<(), Error> {
-        let entry = Entry { path: key.clone(), size, mtime_ns, sha256, settings: self.settings.clone() };
-        let io = |source| Error::Ledger { path: self.path.clone(), source };
-        let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&self.path).map_err(io)?;
+    pub(crate) fn record(
+        &mut self,
+        key: String,
+        size: u64,
+        mtime_ns: i128,
+        sha256: String,
+    ) -> Result<(), Error> {
+        let entry = Entry {
+            path: key.clone(),
+            size,
+            mtime_ns,
+            sha256,
+            settings: self.settings.clone(),
+        };
+        let io = |source| Error::Ledger {
+            path: self.path.clone(),
+            source,
+        };
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)
+            .map_err(io)?;
         let mut line = serde_json::to_vec(&entry).expect("a ledger entry serialises");
         line.push(b'\n');
         file.write_all(&line).map_err(io)?;

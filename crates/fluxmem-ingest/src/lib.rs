@@ -98,13 +98,23 @@ impl Format {
 
     /// Guesses the format of `path` from its extension and first bytes.
     pub fn detect(path: &Path, bytes: &[u8]) -> Option<Format> {
-        let extension = path.extension().and_then(|e| e.to_str()).unwrap_or_default().to_ascii_lowercase();
+        let extension = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .unwrap_or_default()
+            .to_ascii_lowercase();
         match extension.as_str() {
             "jsonl" | "ndjson" => {
                 // The first record tells fluxmem's schema from a chat log.
                 let first = source::lines(bytes).find(|l| !l.iter().all(u8::is_ascii_whitespace));
-                let chat = first.and_then(|l| std::str::from_utf8(l).ok()).is_some_and(openai::looks_like);
-                return Some(if chat { Format::OpenaiChat } else { Format::Jsonl });
+                let chat = first
+                    .and_then(|l| std::str::from_utf8(l).ok())
+                    .is_some_and(openai::looks_like);
+                return Some(if chat {
+                    Format::OpenaiChat
+                } else {
+                    Format::Jsonl
+                });
             }
             "md" | "markdown" | "txt" | "text" | "rst" => return Some(Format::Docs),
             "json" => {}
@@ -112,7 +122,8 @@ impl Format {
         }
         let head = String::from_utf8_lossy(&bytes[..bytes.len().min(1 << 16)]);
         let trimmed = head.trim_start();
-        let locomo = head.contains("\"speaker_a\"") || (head.contains("\"qa\"") && head.contains("\"evidence\""));
+        let locomo = head.contains("\"speaker_a\"")
+            || (head.contains("\"qa\"") && head.contains("\"evidence\""));
         if otel::looks_like(trimmed) {
             Some(Format::Otel)
         } else if trimmed.starts_with('[') && locomo {
@@ -227,7 +238,11 @@ pub fn ingest(
 ) -> Result<IngestReport> {
     let manifest = writer.manifest().clone();
     let known = writer.store().node_ids(&manifest)?;
-    let quarantine_path = writer.store().dir().join("quarantine").join(format!("{run_id}.jsonl"));
+    let quarantine_path = writer
+        .store()
+        .dir()
+        .join("quarantine")
+        .join(format!("{run_id}.jsonl"));
     let expanded = walk::expand(inputs, options, writer.store().dir());
     let mut run = Run {
         writer,
@@ -249,7 +264,10 @@ pub fn ingest(
         run.accept(Parsed::Rejected(rejected), progress)?;
     }
     let files = expanded.files;
-    let total: u64 = files.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)).sum();
+    let total: u64 = files
+        .iter()
+        .map(|f| std::fs::metadata(f).map(|m| m.len()).unwrap_or(0))
+        .sum();
     progress.start(total);
     if inputs.iter().any(|p| p.as_os_str() == "-") {
         run.stdin(progress)?;
@@ -257,7 +275,8 @@ pub fn ingest(
     }
     // The ledger of files already ingested (unsharded runs only: shards split the records,
     // not the files).
-    let mut ledger = (!options.reread && options.shard.count <= 1).then(|| ledger::Ledger::open(run.writer.store().dir(), options));
+    let mut ledger = (!options.reread && options.shard.count <= 1)
+        .then(|| ledger::Ledger::open(run.writer.store().dir(), options));
     for file in &files {
         let key = ledger::key_path(file);
         let stat = ledger::stat(file);
@@ -324,13 +343,19 @@ impl Run<'_> {
     /// Reads (unless `read` holds the outcome of reading it already) and parses one file;
     /// returns the SHA-256 of its bytes when the ledger may record it (it was read, and it is
     /// not an OpenTelemetry file, whose spans wait for the batch).
-    fn file(&mut self, path: &Path, read: Option<std::io::Result<Vec<u8>>>, progress: &mut dyn Progress) -> Result<Option<String>> {
+    fn file(
+        &mut self,
+        path: &Path,
+        read: Option<std::io::Result<Vec<u8>>>,
+        progress: &mut dyn Progress,
+    ) -> Result<Option<String>> {
         let shown = path.display().to_string();
         self.report.files += 1;
         let bytes = match read.unwrap_or_else(|| std::fs::read(path)) {
             Ok(bytes) => bytes,
             Err(e) => {
-                let rejected = Rejected::new(&shown, 0, "file", format!("cannot read: {e}"), b"", 0);
+                let rejected =
+                    Rejected::new(&shown, 0, "file", format!("cannot read: {e}"), b"", 0);
                 self.accept(Parsed::Rejected(rejected), progress)?;
                 return Ok(None);
             }
@@ -349,7 +374,10 @@ impl Run<'_> {
 
     fn flush_quarantine(&mut self) -> Result<()> {
         if let Some(file) = self.quarantine.as_mut() {
-            file.flush().map_err(|source| Error::Quarantine { path: self.quarantine_path.clone(), source })?;
+            file.flush().map_err(|source| Error::Quarantine {
+                path: self.quarantine_path.clone(),
+                source,
+            })?;
         }
         Ok(())
     }
@@ -363,12 +391,20 @@ impl Run<'_> {
             return self.accept(Parsed::Rejected(rejected), progress);
         }
         // No name to detect the format from: `.jsonl` unless --format says otherwise.
-        self.content(STDIN, Path::new("stdin.jsonl"), bytes, None, progress).map(|_| ())
+        self.content(STDIN, Path::new("stdin.jsonl"), bytes, None, progress)
+            .map(|_| ())
     }
 
     /// Parses the content of one input (`shown` in records and errors; `path` for detection);
     /// returns the format it was read as, if one was found.
-    fn content(&mut self, shown: &str, path: &Path, bytes: Vec<u8>, mtime: Option<i64>, progress: &mut dyn Progress) -> Result<Option<Format>> {
+    fn content(
+        &mut self,
+        shown: &str,
+        path: &Path,
+        bytes: Vec<u8>,
+        mtime: Option<i64>,
+        progress: &mut dyn Progress,
+    ) -> Result<Option<Format>> {
         let read = bytes.len() as u64;
         let opened = match compress::open(path, bytes) {
             Ok(opened) => opened,
@@ -376,37 +412,67 @@ impl Run<'_> {
                 // One record for the whole file, with no excerpt: the bytes are not text.
                 let rejected = Rejected::new(shown, 0, "file", reason, b"", 0);
                 progress.advance(read, shown);
-                return self.accept(Parsed::Rejected(rejected), progress).map(|_| None);
+                return self
+                    .accept(Parsed::Rejected(rejected), progress)
+                    .map(|_| None);
             }
         };
         let bytes = opened.bytes;
-        let Some(format) = self.options.format.or_else(|| Format::detect(&opened.detect_as, &bytes)) else {
+        let Some(format) = self
+            .options
+            .format
+            .or_else(|| Format::detect(&opened.detect_as, &bytes))
+        else {
             let reason = "cannot tell the format from the name and content; pass --format";
             // A short excerpt only: an unknown file may be megabytes of binary data.
-            let rejected = Rejected::new(shown, 0, "file", reason, &bytes, self.options.max_record_bytes.min(UNKNOWN_EXCERPT_BYTES));
+            let rejected = Rejected::new(
+                shown,
+                0,
+                "file",
+                reason,
+                &bytes,
+                self.options.max_record_bytes.min(UNKNOWN_EXCERPT_BYTES),
+            );
             progress.advance(read, shown);
-            return self.accept(Parsed::Rejected(rejected), progress).map(|_| None);
+            return self
+                .accept(Parsed::Rejected(rejected), progress)
+                .map(|_| None);
         };
-        let source = Source { path: shown.to_string(), mtime, options: self.options, bytes: &bytes };
+        let source = Source {
+            path: shown.to_string(),
+            mtime,
+            options: self.options,
+            bytes: &bytes,
+        };
         let mut spans = std::mem::take(&mut self.otel_spans);
         let mut emit = |parsed: Parsed| self.accept(parsed, progress);
         match format {
             Format::Jsonl => jsonl::parse(&source, &mut emit)?,
             Format::OpenaiChat => openai::parse(&source, &mut emit)?,
             Format::Docs => docs::parse(&source, &mut emit)?,
-            Format::Locomo | Format::TauBench | Format::Alfworld | Format::Otel => match std::str::from_utf8(&bytes) {
-                Err(e) => {
-                    let reason = format!("invalid UTF-8 at byte {} (the whole file is quarantined)", e.valid_up_to());
-                    emit(Parsed::Rejected(source.reject(source.line_at(e.valid_up_to()), "file", reason, &bytes)))?;
+            Format::Locomo | Format::TauBench | Format::Alfworld | Format::Otel => {
+                match std::str::from_utf8(&bytes) {
+                    Err(e) => {
+                        let reason = format!(
+                            "invalid UTF-8 at byte {} (the whole file is quarantined)",
+                            e.valid_up_to()
+                        );
+                        emit(Parsed::Rejected(source.reject(
+                            source.line_at(e.valid_up_to()),
+                            "file",
+                            reason,
+                            &bytes,
+                        )))?;
+                    }
+                    Ok(text) => match format {
+                        Format::Locomo => locomo::parse(&source, text, &mut emit)?,
+                        Format::TauBench => tau::parse(&source, text, &mut emit)?,
+                        // Spans are grouped into episodes once every file is read.
+                        Format::Otel => otel::collect(&source, text, &mut spans, &mut emit)?,
+                        _ => alfworld::parse(&source, text, &mut emit)?,
+                    },
                 }
-                Ok(text) => match format {
-                    Format::Locomo => locomo::parse(&source, text, &mut emit)?,
-                    Format::TauBench => tau::parse(&source, text, &mut emit)?,
-                    // Spans are grouped into episodes once every file is read.
-                    Format::Otel => otel::collect(&source, text, &mut spans, &mut emit)?,
-                    _ => alfworld::parse(&source, text, &mut emit)?,
-                },
-            },
+            }
         }
         self.otel_spans = spans;
         progress.advance(read, shown);
@@ -415,7 +481,12 @@ impl Run<'_> {
 
     fn accept(&mut self, parsed: Parsed, progress: &mut dyn Progress) -> Result<()> {
         match parsed {
-            Parsed::Rejected(rejected) if !self.options.shard.owns(&format!("{}\0{}", rejected.file, rejected.line)) => {
+            Parsed::Rejected(rejected)
+                if !self
+                    .options
+                    .shard
+                    .owns(&format!("{}\0{}", rejected.file, rejected.line)) =>
+            {
                 self.report.read += 1;
                 self.report.other_shards += 1;
                 Ok(())
@@ -423,7 +494,9 @@ impl Run<'_> {
             Parsed::Rejected(rejected) => self.quarantine(rejected, progress),
             Parsed::Record(record) => {
                 self.report.read += 1;
-                let Some(own) = record.nodes.first() else { return Ok(()) };
+                let Some(own) = record.nodes.first() else {
+                    return Ok(());
+                };
                 if !self.options.shard.owns(own.id.as_str()) {
                     self.report.other_shards += 1;
                     return Ok(());
@@ -453,10 +526,16 @@ impl Run<'_> {
         self.report.quarantined += 1;
         progress.quarantined(&rejected);
         let path = self.quarantine_path.clone();
-        let io = |source| Error::Quarantine { path: path.clone(), source };
+        let io = |source| Error::Quarantine {
+            path: path.clone(),
+            source,
+        };
         if self.quarantine.is_none() {
-            std::fs::create_dir_all(path.parent().expect("quarantine file has a parent")).map_err(io)?;
-            self.quarantine = Some(std::io::BufWriter::new(std::fs::File::create(&path).map_err(io)?));
+            std::fs::create_dir_all(path.parent().expect("quarantine file has a parent"))
+                .map_err(io)?;
+            self.quarantine = Some(std::io::BufWriter::new(
+                std::fs::File::create(&path).map_err(io)?,
+            ));
             self.report.quarantine_file = Some(path.clone());
         }
         let file = self.quarantine.as_mut().expect("just opened");
@@ -471,10 +550,18 @@ impl Run<'_> {
         }
         // Quarantined records must be on disk before the commit that counts past them.
         if let Some(file) = self.quarantine.as_mut() {
-            file.flush().map_err(|source| Error::Quarantine { path: self.quarantine_path.clone(), source })?;
+            file.flush().map_err(|source| Error::Quarantine {
+                path: self.quarantine_path.clone(),
+                source,
+            })?;
         }
         let summary = serde_json::json!({ "nodes": self.pending.nodes.len(), "records": self.pending_records });
-        let info = CommitInfo { stage: "ingest".into(), run_id: self.run_id.to_string(), summary, progress: Default::default() };
+        let info = CommitInfo {
+            stage: "ingest".into(),
+            run_id: self.run_id.to_string(),
+            summary,
+            progress: Default::default(),
+        };
         // Only nodes whose ids the store does not hold (`known` says so, see `accept`): the
         // manifest's live counts carry forward.
         self.writer.commit_new(&self.pending, info)?;

@@ -11,12 +11,23 @@ use crate::source::{in_calendar, parse_at, Source};
 use crate::{Parsed, Record};
 
 /// Parses a LoCoMo file (a JSON array of conversations).
-pub(crate) fn parse(source: &Source, text: &str, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
+pub(crate) fn parse(
+    source: &Source,
+    text: &str,
+    emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
+) -> crate::Result<()> {
     let conversations: Vec<&RawValue> = match parse_at(text) {
         Ok(list) => list,
         Err((field, reason)) => {
             return emit(Parsed::Rejected(
-                source.reject(1, "file", format!("not a LoCoMo array: {reason}"), source.bytes).field(field),
+                source
+                    .reject(
+                        1,
+                        "file",
+                        format!("not a LoCoMo array: {reason}"),
+                        source.bytes,
+                    )
+                    .field(field),
             ))
         }
     };
@@ -26,13 +37,29 @@ pub(crate) fn parse(source: &Source, text: &str, emit: &mut dyn FnMut(Parsed) ->
     Ok(())
 }
 
-fn conversation(source: &Source, index: usize, raw: &RawValue, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
+fn conversation(
+    source: &Source,
+    index: usize,
+    raw: &RawValue,
+    emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
+) -> crate::Result<()> {
     let line = source.line_of(raw);
     let locator = format!("conversations[{index}]");
-    let reject = |field: &str, reason: String| Parsed::Rejected(source.reject(line, &locator, reason, raw.get().as_bytes()).field(field));
+    let reject = |field: &str, reason: String| {
+        Parsed::Rejected(
+            source
+                .reject(line, &locator, reason, raw.get().as_bytes())
+                .field(field),
+        )
+    };
     let top: BTreeMap<String, &RawValue> = match parse_at(raw.get()) {
         Ok(top) => top,
-        Err((field, reason)) => return emit(reject(&field, format!("conversation is not an object: {reason}"))),
+        Err((field, reason)) => {
+            return emit(reject(
+                &field,
+                format!("conversation is not an object: {reason}"),
+            ))
+        }
     };
     let sample_id = match top.get("sample_id").map(|v| parse_at::<String>(v.get())) {
         Some(Ok(id)) => id,
@@ -47,20 +74,30 @@ fn conversation(source: &Source, index: usize, raw: &RawValue, emit: &mut dyn Fn
     };
     let mut sessions: Vec<(u32, &RawValue)> = fields
         .iter()
-        .filter_map(|(key, value)| Some((key.strip_prefix("session_")?.parse::<u32>().ok()?, *value)))
+        .filter_map(|(key, value)| {
+            Some((key.strip_prefix("session_")?.parse::<u32>().ok()?, *value))
+        })
         .collect();
     sessions.sort_by_key(|(number, _)| *number);
     let mut position = 0i64;
     for (number, session_raw) in sessions {
         let session_key = format!("session_{number}");
-        let date_time: Option<String> =
-            fields.get(&format!("{session_key}_date_time")).and_then(|v| parse_at::<String>(v.get()).ok());
+        let date_time: Option<String> = fields
+            .get(&format!("{session_key}_date_time"))
+            .and_then(|v| parse_at::<String>(v.get()).ok());
         let turns: Vec<&RawValue> = match parse_at(session_raw.get()) {
             Ok(turns) => turns,
             Err((_, reason)) => {
                 let line = source.line_of(session_raw);
-                let rejected = source.reject(line, format!("{sample_id}/{session_key}"), reason, session_raw.get().as_bytes());
-                emit(Parsed::Rejected(rejected.field(format!("conversation.{session_key}"))))?;
+                let rejected = source.reject(
+                    line,
+                    format!("{sample_id}/{session_key}"),
+                    reason,
+                    session_raw.get().as_bytes(),
+                );
+                emit(Parsed::Rejected(
+                    rejected.field(format!("conversation.{session_key}")),
+                ))?;
                 continue;
             }
         };
@@ -101,15 +138,25 @@ struct Turn<'a> {
 impl Turn<'_> {
     fn parse(&self, source: &Source, raw: &RawValue) -> Parsed {
         let line = source.line_of(raw);
-        let fallback = format!("{}/{}[{}]", self.sample_id, self.session_key, self.turn_index);
+        let fallback = format!(
+            "{}/{}[{}]",
+            self.sample_id, self.session_key, self.turn_index
+        );
         if let Some(rejected) = source.check_size(line, &fallback, raw.get().as_bytes()) {
             return rejected;
         }
         let reject = |field: &str, reason: String| {
-            Parsed::Rejected(source.reject(line, &fallback, reason, raw.get().as_bytes()).field(field))
+            Parsed::Rejected(
+                source
+                    .reject(line, &fallback, reason, raw.get().as_bytes())
+                    .field(field),
+            )
         };
         if let Some(reason) = self.bad_time {
-            return reject(&format!("conversation.{}_date_time", self.session_key), reason.to_string());
+            return reject(
+                &format!("conversation.{}_date_time", self.session_key),
+                reason.to_string(),
+            );
         }
         let object: BTreeMap<String, Value> = match parse_at(raw.get()) {
             Ok(object) => object,
@@ -117,13 +164,25 @@ impl Turn<'_> {
         };
         let string = |key: &str| object.get(key).and_then(Value::as_str);
         let Some(dia_id) = string("dia_id") else {
-            return reject("dia_id", format!("missing or not a string ({})", object.get("dia_id").map_or("missing", type_name)));
+            return reject(
+                "dia_id",
+                format!(
+                    "missing or not a string ({})",
+                    object.get("dia_id").map_or("missing", type_name)
+                ),
+            );
         };
         let Some(speaker) = string("speaker") else {
             return reject("speaker", "missing or not a string".into());
         };
         let Some(said) = string("text") else {
-            return reject("text", format!("missing or not a string ({})", object.get("text").map_or("missing", type_name)));
+            return reject(
+                "text",
+                format!(
+                    "missing or not a string ({})",
+                    object.get("text").map_or("missing", type_name)
+                ),
+            );
         };
         let mut text = format!("{speaker}: {said}");
         if let Some(caption) = string("blip_caption") {
@@ -136,8 +195,17 @@ impl Turn<'_> {
             time: self.date_time.clone(),
             group: Some(self.session_key.to_string()),
         });
-        let mut node = source.node(body, &text, &[self.sample_id, dia_id, &text], locator, self.created_at);
-        node.metadata = object.into_iter().filter(|(key, _)| key != "text").collect();
+        let mut node = source.node(
+            body,
+            &text,
+            &[self.sample_id, dia_id, &text],
+            locator,
+            self.created_at,
+        );
+        node.metadata = object
+            .into_iter()
+            .filter(|(key, _)| key != "text")
+            .collect();
         Parsed::Record(Record { nodes: vec![node] })
     }
 }
@@ -157,9 +225,15 @@ mod tests {
     #[test]
     fn session_times_parse() {
         let ms = parse_session_time("1:56 pm on 8 May, 2023").expect("parses");
-        let expected = chrono::NaiveDate::from_ymd_opt(2023, 5, 8).unwrap().and_hms_opt(13, 56, 0).unwrap();
+        let expected = chrono::NaiveDate::from_ymd_opt(2023, 5, 8)
+            .unwrap()
+            .and_hms_opt(13, 56, 0)
+            .unwrap();
         assert_eq!(ms, expected.and_utc().timestamp_millis());
         assert!(parse_session_time("yesterday").is_none());
-        assert!(!in_calendar(parse_session_time("1:56 pm on 8 May, 1969").expect("parses")), "before 1970");
+        assert!(
+            !in_calendar(parse_session_time("1:56 pm on 8 May, 1969").expect("parses")),
+            "before 1970"
+        );
     }
 }

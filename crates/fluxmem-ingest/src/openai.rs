@@ -50,15 +50,26 @@ type Message = crate::chat::Message<Value>;
 
 /// True when `line` (the first record of a `.jsonl` file) is a chat log, not fluxmem's schema.
 pub(crate) fn looks_like(line: &str) -> bool {
-    let Ok(Value::Object(object)) = serde_json::from_str::<Value>(line) else { return false };
-    object.get("messages").is_some_and(Value::is_array) && !object.contains_key("task") && !object.contains_key("steps")
+    let Ok(Value::Object(object)) = serde_json::from_str::<Value>(line) else {
+        return false;
+    };
+    object.get("messages").is_some_and(Value::is_array)
+        && !object.contains_key("task")
+        && !object.contains_key("steps")
 }
 
 /// Parses a chat-log file, one conversation per non-blank line.
-pub(crate) fn parse(source: &Source, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
+pub(crate) fn parse(
+    source: &Source,
+    emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
+) -> crate::Result<()> {
     each_line(source, emit, |text, _, locator| {
         let conversation = parse_at::<Conversation>(text)?;
-        Ok(Parsed::Record(self::conversation(source, locator, conversation)?))
+        Ok(Parsed::Record(self::conversation(
+            source,
+            locator,
+            conversation,
+        )?))
     })
 }
 
@@ -72,49 +83,94 @@ fn content_text(content: &Option<Value>, field: &str) -> Result<String, (String,
             for (i, part) in parts.iter().enumerate() {
                 let kind = part.get("type").and_then(Value::as_str).unwrap_or("text");
                 match (kind, part.get("text")) {
-                    ("text" | "input_text" | "output_text", Some(Value::String(text))) => out.push(text.clone()),
+                    ("text" | "input_text" | "output_text", Some(Value::String(text))) => {
+                        out.push(text.clone())
+                    }
                     ("text" | "input_text" | "output_text", _) => {
-                        return Err((format!("{field}[{i}].text"), "a text part needs a string `text`".into()))
+                        return Err((
+                            format!("{field}[{i}].text"),
+                            "a text part needs a string `text`".into(),
+                        ))
                     }
                     (other, _) => out.push(format!("[{other}]")),
                 }
             }
             Ok(out.join("\n"))
         }
-        Some(other) => Err((field.into(), format!("`content` must be a string, null or a list of parts, got {}", type_name(other)))),
+        Some(other) => Err((
+            field.into(),
+            format!(
+                "`content` must be a string, null or a list of parts, got {}",
+                type_name(other)
+            ),
+        )),
     }
 }
 
 fn outcome(conversation: &Conversation) -> Result<Outcome, (String, String)> {
     let from_metadata = || Outcome {
-        success: conversation.metadata.get("success").and_then(Value::as_bool),
+        success: conversation
+            .metadata
+            .get("success")
+            .and_then(Value::as_bool),
         reward: conversation.metadata.get("reward").and_then(Value::as_f64),
         feedback: None,
     };
     match &conversation.outcome {
         None | Some(Value::Null) => Ok(from_metadata()),
-        Some(Value::Bool(success)) => Ok(Outcome { success: Some(*success), reward: None, feedback: None }),
+        Some(Value::Bool(success)) => Ok(Outcome {
+            success: Some(*success),
+            reward: None,
+            feedback: None,
+        }),
         Some(Value::Object(o)) => {
             let success = match o.get("success") {
                 None | Some(Value::Null) => None,
                 Some(Value::Bool(b)) => Some(*b),
-                Some(other) => return Err(("outcome.success".into(), format!("must be a boolean, got {}", type_name(other)))),
+                Some(other) => {
+                    return Err((
+                        "outcome.success".into(),
+                        format!("must be a boolean, got {}", type_name(other)),
+                    ))
+                }
             };
             let reward = match o.get("reward") {
                 None | Some(Value::Null) => None,
                 Some(Value::Number(n)) => n.as_f64(),
-                Some(other) => return Err(("outcome.reward".into(), format!("must be a number, got {}", type_name(other)))),
+                Some(other) => {
+                    return Err((
+                        "outcome.reward".into(),
+                        format!("must be a number, got {}", type_name(other)),
+                    ))
+                }
             };
-            let feedback = o.get("feedback").and_then(Value::as_str).map(str::to_string);
-            Ok(Outcome { success, reward, feedback })
+            let feedback = o
+                .get("feedback")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            Ok(Outcome {
+                success,
+                reward,
+                feedback,
+            })
         }
-        Some(other) => Err(("outcome".into(), format!("must be an object or a boolean, got {}", type_name(other)))),
+        Some(other) => Err((
+            "outcome".into(),
+            format!("must be an object or a boolean, got {}", type_name(other)),
+        )),
     }
 }
 
-fn conversation(source: &Source, locator: &str, conversation: Conversation) -> Result<Record, (String, String)> {
+fn conversation(
+    source: &Source,
+    locator: &str,
+    conversation: Conversation,
+) -> Result<Record, (String, String)> {
     if conversation.messages.is_empty() {
-        return Err(("messages".into(), "a conversation needs at least one message".into()));
+        return Err((
+            "messages".into(),
+            "a conversation needs at least one message".into(),
+        ));
     }
     let outcome = outcome(&conversation)?;
     let mut steps: Vec<Step> = Vec::new();
@@ -134,15 +190,28 @@ fn conversation(source: &Source, locator: &str, conversation: Conversation) -> R
                     observation: std::mem::take(&mut observation),
                     action: content,
                     tool_calls: calls
-                        .map(|call| ToolCall { name: call.function.name.clone(), arguments: scalar_text(&call.function.arguments), result: None })
+                        .map(|call| ToolCall {
+                            name: call.function.name.clone(),
+                            arguments: scalar_text(&call.function.arguments),
+                            result: None,
+                        })
                         .collect(),
                     feedback: None,
                     timestamp: None,
                 });
             }
             "tool" | "function" => {
-                attach_result(&mut steps, &call_ids, message.tool_call_id.as_deref(), message.name.as_deref(), &content);
-                push_observation(&mut observation, &format!("[{}] {content}", message.name.as_deref().unwrap_or("tool")));
+                attach_result(
+                    &mut steps,
+                    &call_ids,
+                    message.tool_call_id.as_deref(),
+                    message.name.as_deref(),
+                    &content,
+                );
+                push_observation(
+                    &mut observation,
+                    &format!("[{}] {content}", message.name.as_deref().unwrap_or("tool")),
+                );
             }
             "user" => {
                 if task.is_none() {
@@ -150,11 +219,19 @@ fn conversation(source: &Source, locator: &str, conversation: Conversation) -> R
                 }
                 push_observation(&mut observation, &format!("[user] {content}"));
             }
-            other => return Err((format!("messages[{i}].role"), format!("unknown role `{other}` (expected system, developer, user, assistant or tool)"))),
+            other => return Err((
+                format!("messages[{i}].role"),
+                format!(
+                    "unknown role `{other}` (expected system, developer, user, assistant or tool)"
+                ),
+            )),
         }
     }
     if !observation.is_empty() {
-        steps.push(Step { observation, ..Step::default() });
+        steps.push(Step {
+            observation,
+            ..Step::default()
+        });
     }
     let task = task.unwrap_or_default();
     let explicit_id = conversation
@@ -169,13 +246,38 @@ fn conversation(source: &Source, locator: &str, conversation: Conversation) -> R
             let key: Vec<Value> = conversation
                 .messages
                 .iter()
-                .map(|m| serde_json::json!([m.role, m.content, m.tool_calls.as_ref().map(|c| c.iter().map(|c| (c.function.name.clone(), c.function.arguments.clone())).collect::<Vec<_>>()), m.tool_call_id]))
+                .map(|m| {
+                    serde_json::json!([
+                        m.role,
+                        m.content,
+                        m.tool_calls.as_ref().map(|c| c
+                            .iter()
+                            .map(|c| (c.function.name.clone(), c.function.arguments.clone()))
+                            .collect::<Vec<_>>()),
+                        m.tool_call_id
+                    ])
+                })
                 .collect();
-            format!("messages:{}", sha256_hex(serde_json::to_string(&key).unwrap_or_default().as_bytes()))
+            format!(
+                "messages:{}",
+                sha256_hex(serde_json::to_string(&key).unwrap_or_default().as_bytes())
+            )
         }
     };
-    let tenant = conversation.tenant.clone().or_else(|| conversation.metadata.get("tenant").and_then(Value::as_str).map(str::to_string));
-    let agent = conversation.agent_id.clone().or_else(|| conversation.metadata.get("agent_id").and_then(Value::as_str).map(str::to_string));
+    let tenant = conversation.tenant.clone().or_else(|| {
+        conversation
+            .metadata
+            .get("tenant")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    });
+    let agent = conversation.agent_id.clone().or_else(|| {
+        conversation
+            .metadata
+            .get("agent_id")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    });
     let mut episode = source.node_of(
         tenant.as_deref(),
         agent.as_deref(),
@@ -185,16 +287,30 @@ fn conversation(source: &Source, locator: &str, conversation: Conversation) -> R
         locator.to_string(),
         None,
     );
-    let mut metadata: BTreeMap<String, Value> = conversation.metadata.iter().map(|(k, v)| (format!("metadata.{k}"), v.clone())).collect();
+    let mut metadata: BTreeMap<String, Value> = conversation
+        .metadata
+        .iter()
+        .map(|(k, v)| (format!("metadata.{k}"), v.clone()))
+        .collect();
     if let Some(id) = explicit_id {
         metadata.insert("conversation_id".into(), Value::from(id));
     }
     metadata.insert("format".into(), Value::from("openai-chat"));
     episode.metadata = metadata;
     let mut nodes = vec![episode];
-    for (i, prompt) in system.iter().enumerate().filter(|(_, p)| !p.trim().is_empty()) {
+    for (i, prompt) in system
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| !p.trim().is_empty())
+    {
         // In the conversation's tenant: a prompt's nodes never mix tenants.
-        nodes.extend(crate::tau::policy_nodes(source, &format!("{locator} system message {i}"), prompt, tenant.as_deref(), None));
+        nodes.extend(crate::tau::policy_nodes(
+            source,
+            &format!("{locator} system message {i}"),
+            prompt,
+            tenant.as_deref(),
+            None,
+        ));
     }
     Ok(Record { nodes })
 }

@@ -45,14 +45,21 @@ pub(crate) struct SpanRec {
 
 impl SpanRec {
     fn operation(&self) -> &str {
-        self.attributes.get("gen_ai.operation.name").and_then(Value::as_str).unwrap_or("")
+        self.attributes
+            .get("gen_ai.operation.name")
+            .and_then(Value::as_str)
+            .unwrap_or("")
     }
     fn text(&self, key: &str) -> Option<&str> {
         self.attributes.get(key).and_then(Value::as_str)
     }
     /// The tenant of the span's resource: `fluxmem.tenant`, else `service.name`, else `fallback`.
     fn tenant<'a>(&'a self, fallback: &'a str) -> &'a str {
-        self.resource.get("fluxmem.tenant").or_else(|| self.resource.get("service.name")).and_then(Value::as_str).unwrap_or(fallback)
+        self.resource
+            .get("fluxmem.tenant")
+            .or_else(|| self.resource.get("service.name"))
+            .and_then(Value::as_str)
+            .unwrap_or(fallback)
     }
 }
 
@@ -64,7 +71,9 @@ pub(crate) fn looks_like(head: &str) -> bool {
 /// An OTLP attribute value as JSON (`{"stringValue": "x"}` -> `"x"`, `intValue` strings to
 /// numbers, arrays and key-value lists recursively).
 fn any_value(value: &Value) -> Value {
-    let Some(object) = value.as_object() else { return Value::Null };
+    let Some(object) = value.as_object() else {
+        return Value::Null;
+    };
     if let Some(v) = object.get("stringValue") {
         return v.clone();
     }
@@ -73,48 +82,110 @@ fn any_value(value: &Value) -> Value {
     }
     if let Some(v) = object.get("intValue") {
         return match v {
-            Value::String(s) => s.parse::<i64>().map(Value::from).unwrap_or_else(|_| v.clone()),
+            Value::String(s) => s
+                .parse::<i64>()
+                .map(Value::from)
+                .unwrap_or_else(|_| v.clone()),
             other => other.clone(),
         };
     }
     if let Some(v) = object.get("doubleValue") {
         return v.clone();
     }
-    if let Some(values) = object.get("arrayValue").and_then(|a| a.get("values")).and_then(Value::as_array) {
+    if let Some(values) = object
+        .get("arrayValue")
+        .and_then(|a| a.get("values"))
+        .and_then(Value::as_array)
+    {
         return Value::Array(values.iter().map(any_value).collect());
     }
-    if let Some(values) = object.get("kvlistValue").and_then(|a| a.get("values")).and_then(Value::as_array) {
+    if let Some(values) = object
+        .get("kvlistValue")
+        .and_then(|a| a.get("values"))
+        .and_then(Value::as_array)
+    {
         return Value::Object(attributes(values).into_iter().collect());
     }
     Value::Null
 }
 
 fn attributes(list: &[Value]) -> BTreeMap<String, Value> {
-    list.iter().filter_map(|kv| Some((kv.get("key")?.as_str()?.to_string(), any_value(kv.get("value")?)))).collect()
+    list.iter()
+        .filter_map(|kv| {
+            Some((
+                kv.get("key")?.as_str()?.to_string(),
+                any_value(kv.get("value")?),
+            ))
+        })
+        .collect()
 }
 
 /// Reads the spans of one OTLP/JSON file into `spans`; a file or span that is not OTLP is
 /// rejected (the rest goes on).
-pub(crate) fn collect(source: &Source, text: &str, spans: &mut Vec<SpanRec>, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
+pub(crate) fn collect(
+    source: &Source,
+    text: &str,
+    spans: &mut Vec<SpanRec>,
+    emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
+) -> crate::Result<()> {
     let root: Value = match serde_json::from_str(text) {
         Ok(root) => root,
-        Err(e) => return emit(Parsed::Rejected(source.reject(e.line(), "file", format!("not OTLP/JSON: {e}"), source.bytes))),
+        Err(e) => {
+            return emit(Parsed::Rejected(source.reject(
+                e.line(),
+                "file",
+                format!("not OTLP/JSON: {e}"),
+                source.bytes,
+            )))
+        }
     };
     let Some(resource_spans) = root.get("resourceSpans").and_then(Value::as_array) else {
-        return emit(Parsed::Rejected(source.reject(1, "file", "not OTLP/JSON: no `resourceSpans` array", b"").field("resourceSpans")));
+        return emit(Parsed::Rejected(
+            source
+                .reject(1, "file", "not OTLP/JSON: no `resourceSpans` array", b"")
+                .field("resourceSpans"),
+        ));
     };
     for (r, resource_span) in resource_spans.iter().enumerate() {
-        let resource = resource_span.get("resource").and_then(|r| r.get("attributes")).and_then(Value::as_array).map(|a| attributes(a)).unwrap_or_default();
-        let scopes = resource_span.get("scopeSpans").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+        let resource = resource_span
+            .get("resource")
+            .and_then(|r| r.get("attributes"))
+            .and_then(Value::as_array)
+            .map(|a| attributes(a))
+            .unwrap_or_default();
+        let scopes = resource_span
+            .get("scopeSpans")
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
         for (s, scope) in scopes.iter().enumerate() {
-            let list = scope.get("spans").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+            let list = scope
+                .get("spans")
+                .and_then(Value::as_array)
+                .map(Vec::as_slice)
+                .unwrap_or_default();
             for (k, span) in list.iter().enumerate() {
                 let locator = format!("resourceSpans[{r}].scopeSpans[{s}].spans[{k}]");
                 let raw = span.to_string();
-                let reject = |field: &str, reason: &str| Parsed::Rejected(source.reject(0, &locator, reason, raw.as_bytes()).field(field));
-                let id_of = |key: &str| span.get(key).and_then(Value::as_str).filter(|s| !s.is_empty()).map(str::to_string);
+                let reject = |field: &str, reason: &str| {
+                    Parsed::Rejected(
+                        source
+                            .reject(0, &locator, reason, raw.as_bytes())
+                            .field(field),
+                    )
+                };
+                let id_of = |key: &str| {
+                    span.get(key)
+                        .and_then(Value::as_str)
+                        .filter(|s| !s.is_empty())
+                        .map(str::to_string)
+                };
                 let (Some(trace), Some(id)) = (id_of("traceId"), id_of("spanId")) else {
-                    let field = if id_of("traceId").is_none() { "traceId" } else { "spanId" };
+                    let field = if id_of("traceId").is_none() {
+                        "traceId"
+                    } else {
+                        "spanId"
+                    };
                     emit(reject(field, "a span needs a non-empty traceId and spanId"))?;
                     continue;
                 };
@@ -133,7 +204,11 @@ pub(crate) fn collect(source: &Source, text: &str, spans: &mut Vec<SpanRec>, emi
                         continue;
                     }
                 };
-                let attributes = span.get("attributes").and_then(Value::as_array).map(|a| attributes(a)).unwrap_or_default();
+                let attributes = span
+                    .get("attributes")
+                    .and_then(Value::as_array)
+                    .map(|a| attributes(a))
+                    .unwrap_or_default();
                 let status = span.get("status");
                 spans.push(SpanRec {
                     file: source.path.clone(),
@@ -145,8 +220,15 @@ pub(crate) fn collect(source: &Source, text: &str, spans: &mut Vec<SpanRec>, emi
                     start_ns,
                     attributes,
                     resource: resource.clone(),
-                    status: status.and_then(|s| s.get("code")).and_then(Value::as_i64).unwrap_or(0),
-                    status_message: status.and_then(|s| s.get("message")).and_then(Value::as_str).unwrap_or("").to_string(),
+                    status: status
+                        .and_then(|s| s.get("code"))
+                        .and_then(Value::as_i64)
+                        .unwrap_or(0),
+                    status_message: status
+                        .and_then(|s| s.get("message"))
+                        .and_then(Value::as_str)
+                        .unwrap_or("")
+                        .to_string(),
                 });
             }
         }
@@ -164,11 +246,20 @@ fn messages(span: &SpanRec, key: &str) -> Vec<Value> {
 }
 
 fn parts(message: &Value) -> &[Value] {
-    message.get("parts").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default()
+    message
+        .get("parts")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default()
 }
 
 fn part_text(part: &Value) -> Option<String> {
-    (part.get("type").and_then(Value::as_str) == Some("text")).then(|| part.get("content").and_then(Value::as_str).unwrap_or("").to_string())
+    (part.get("type").and_then(Value::as_str) == Some("text")).then(|| {
+        part.get("content")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string()
+    })
 }
 
 /// An attribute or part value as text; an absent (null) one is empty.
@@ -185,10 +276,16 @@ pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Pars
     // The same span twice (a file ingested twice in one batch) counts once.
     let mut by_id: BTreeMap<(String, String), SpanRec> = BTreeMap::new();
     for span in spans {
-        by_id.entry((span.trace.clone(), span.id.clone())).or_insert(span);
+        by_id
+            .entry((span.trace.clone(), span.id.clone()))
+            .or_insert(span);
     }
     let spans: Vec<SpanRec> = by_id.into_values().collect();
-    let index: BTreeMap<(&str, &str), usize> = spans.iter().enumerate().map(|(i, s)| ((s.trace.as_str(), s.id.as_str()), i)).collect();
+    let index: BTreeMap<(&str, &str), usize> = spans
+        .iter()
+        .enumerate()
+        .map(|(i, s)| ((s.trace.as_str(), s.id.as_str()), i))
+        .collect();
     let is_agent = |i: usize| spans[i].operation() == "invoke_agent";
     // The first agent span of each trace (by start time), for spans whose parents are missing.
     let mut first_agent: BTreeMap<&str, usize> = BTreeMap::new();
@@ -211,7 +308,11 @@ pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Pars
             if !seen.insert(at) {
                 break;
             }
-            match spans[at].parent.as_deref().and_then(|p| index.get(&(spans[at].trace.as_str(), p))) {
+            match spans[at]
+                .parent
+                .as_deref()
+                .and_then(|p| index.get(&(spans[at].trace.as_str(), p)))
+            {
                 Some(&parent) => at = parent,
                 None => break,
             }
@@ -235,7 +336,9 @@ pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Pars
     }
     let mut out = Vec::new();
     for (key, mut members) in groups {
-        members.sort_by(|&a, &b| (spans[a].start_ns, &spans[a].id).cmp(&(spans[b].start_ns, &spans[b].id)));
+        members.sort_by(|&a, &b| {
+            (spans[a].start_ns, &spans[a].id).cmp(&(spans[b].start_ns, &spans[b].id))
+        });
         let group: Vec<&SpanRec> = members.iter().map(|&i| &spans[i]).collect();
         out.push(Parsed::Record(episode(&key, &group, options)));
     }
@@ -243,7 +346,10 @@ pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Pars
 }
 
 fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
-    let agents: Vec<&&SpanRec> = spans.iter().filter(|s| s.operation() == "invoke_agent").collect();
+    let agents: Vec<&&SpanRec> = spans
+        .iter()
+        .filter(|s| s.operation() == "invoke_agent")
+        .collect();
     let lead = agents.first().copied().copied().unwrap_or(spans[0]);
     let mut steps: Vec<Step> = Vec::new();
     // Call id -> (step, call) of calls a chat span requested.
@@ -260,7 +366,8 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
         }
         if let Some(instructions) = span.attributes.get("gen_ai.system_instructions") {
             let parsed: Vec<Value> = match instructions {
-                Value::String(s) => serde_json::from_str(s).unwrap_or_else(|_| vec![serde_json::json!({"type": "text", "content": s})]),
+                Value::String(s) => serde_json::from_str(s)
+                    .unwrap_or_else(|_| vec![serde_json::json!({"type": "text", "content": s})]),
                 Value::Array(a) => a.clone(),
                 _ => Vec::new(),
             };
@@ -269,7 +376,9 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
                 system.push(text.join("\n"));
             }
         }
-        let timestamp = (span.start_ns > 0).then(|| (span.start_ns / 1_000_000) as i64).filter(|&ms| crate::source::in_calendar(ms));
+        let timestamp = (span.start_ns > 0)
+            .then(|| (span.start_ns / 1_000_000) as i64)
+            .filter(|&ms| crate::source::in_calendar(ms));
         match span.operation() {
             "chat" | "text_completion" | "generate_content" => {
                 for message in messages(span, "gen_ai.output.messages") {
@@ -277,27 +386,54 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
                     let mut tool_calls = Vec::new();
                     for part in parts(&message) {
                         match part.get("type").and_then(Value::as_str) {
-                            Some("text") => action.push(part.get("content").and_then(Value::as_str).unwrap_or("").to_string()),
+                            Some("text") => action.push(
+                                part.get("content")
+                                    .and_then(Value::as_str)
+                                    .unwrap_or("")
+                                    .to_string(),
+                            ),
                             Some("tool_call") => {
                                 if let Some(id) = part.get("id").and_then(Value::as_str) {
                                     calls.insert(id.to_string(), (steps.len(), tool_calls.len()));
                                 }
                                 tool_calls.push(ToolCall {
-                                    name: part.get("name").and_then(Value::as_str).unwrap_or("").to_string(),
-                                    arguments: part.get("arguments").map(text_of).unwrap_or_default(),
+                                    name: part
+                                        .get("name")
+                                        .and_then(Value::as_str)
+                                        .unwrap_or("")
+                                        .to_string(),
+                                    arguments: part
+                                        .get("arguments")
+                                        .map(text_of)
+                                        .unwrap_or_default(),
                                     result: None,
                                 });
                             }
                             _ => {}
                         }
                     }
-                    steps.push(Step { observation: String::new(), action: action.join("\n"), tool_calls, feedback: None, timestamp });
+                    steps.push(Step {
+                        observation: String::new(),
+                        action: action.join("\n"),
+                        tool_calls,
+                        feedback: None,
+                        timestamp,
+                    });
                 }
             }
             "execute_tool" => {
                 let result = span.attributes.get("gen_ai.tool.call.result").map(text_of);
-                let feedback = (span.status == 2).then(|| if span.status_message.is_empty() { "error".to_string() } else { span.status_message.clone() });
-                let requested = span.text("gen_ai.tool.call.id").and_then(|id| calls.get(id)).copied();
+                let feedback = (span.status == 2).then(|| {
+                    if span.status_message.is_empty() {
+                        "error".to_string()
+                    } else {
+                        span.status_message.clone()
+                    }
+                });
+                let requested = span
+                    .text("gen_ai.tool.call.id")
+                    .and_then(|id| calls.get(id))
+                    .copied();
                 match requested {
                     Some((s, c)) if steps[s].tool_calls[c].result.is_none() => {
                         steps[s].tool_calls[c].result = result;
@@ -309,8 +445,15 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
                         observation: String::new(),
                         action: String::new(),
                         tool_calls: vec![ToolCall {
-                            name: span.text("gen_ai.tool.name").unwrap_or(&span.locator).to_string(),
-                            arguments: span.attributes.get("gen_ai.tool.call.arguments").map(text_of).unwrap_or_default(),
+                            name: span
+                                .text("gen_ai.tool.name")
+                                .unwrap_or(&span.locator)
+                                .to_string(),
+                            arguments: span
+                                .attributes
+                                .get("gen_ai.tool.call.arguments")
+                                .map(text_of)
+                                .unwrap_or_default(),
                             result,
                         }],
                         feedback,
@@ -324,24 +467,55 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
     let last_agent = agents.last().copied().copied();
     let outcome = match last_agent {
         Some(agent) => {
-            let success = agent.attributes.get("fluxmem.outcome.success").and_then(Value::as_bool).or(match agent.status {
-                1 => Some(true),
-                2 => Some(false),
-                _ => None,
-            });
-            let reward = agent.attributes.get("fluxmem.outcome.reward").and_then(Value::as_f64);
-            let feedback = (agent.status == 2 && !agent.status_message.is_empty()).then(|| agent.status_message.clone());
-            Outcome { success, reward, feedback }
+            let success = agent
+                .attributes
+                .get("fluxmem.outcome.success")
+                .and_then(Value::as_bool)
+                .or(match agent.status {
+                    1 => Some(true),
+                    2 => Some(false),
+                    _ => None,
+                });
+            let reward = agent
+                .attributes
+                .get("fluxmem.outcome.reward")
+                .and_then(Value::as_f64);
+            let feedback = (agent.status == 2 && !agent.status_message.is_empty())
+                .then(|| agent.status_message.clone());
+            Outcome {
+                success,
+                reward,
+                feedback,
+            }
         }
         None => Outcome::default(),
     };
     // Every span of a group has this tenant (it is part of the group key).
     let tenant = lead.tenant(&options.tenant).to_string();
-    let agent = lead.text("gen_ai.agent.id").or_else(|| lead.text("gen_ai.agent.name")).map(str::to_string).or_else(|| options.agent_id.clone());
-    let created_at = spans.iter().filter(|s| s.start_ns > 0).map(|s| (s.start_ns / 1_000_000) as i64).min().filter(|&ms| crate::source::in_calendar(ms)).or(lead.mtime);
-    let task = task.unwrap_or_else(|| lead.text("gen_ai.agent.name").map(|a| format!("{a} run")).unwrap_or_default());
+    let agent = lead
+        .text("gen_ai.agent.id")
+        .or_else(|| lead.text("gen_ai.agent.name"))
+        .map(str::to_string)
+        .or_else(|| options.agent_id.clone());
+    let created_at = spans
+        .iter()
+        .filter(|s| s.start_ns > 0)
+        .map(|s| (s.start_ns / 1_000_000) as i64)
+        .min()
+        .filter(|&ms| crate::source::in_calendar(ms))
+        .or(lead.mtime);
+    let task = task.unwrap_or_else(|| {
+        lead.text("gen_ai.agent.name")
+            .map(|a| format!("{a} run"))
+            .unwrap_or_default()
+    });
     // The lead span's file, as the source of the episode and of its prompt's nodes.
-    let source = Source { path: lead.file.clone(), mtime: created_at, options, bytes: &[] };
+    let source = Source {
+        path: lead.file.clone(),
+        mtime: created_at,
+        options,
+        bytes: &[],
+    };
     let mut node = source.node_of(
         Some(&tenant),
         agent.as_deref(),
@@ -354,16 +528,36 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
     let files: BTreeSet<&str> = spans.iter().map(|s| s.file.as_str()).collect();
     node.metadata.insert("format".into(), Value::from("otel"));
     node.metadata.insert("otel.group".into(), Value::from(key));
-    node.metadata.insert("otel.spans".into(), Value::from(spans.len()));
-    node.metadata.insert("otel.traces".into(), Value::from(spans.iter().map(|s| s.trace.as_str()).collect::<BTreeSet<_>>().len()));
-    node.metadata.insert("otel.files".into(), Value::Array(files.iter().map(|f| Value::from(*f)).collect()));
+    node.metadata
+        .insert("otel.spans".into(), Value::from(spans.len()));
+    node.metadata.insert(
+        "otel.traces".into(),
+        Value::from(
+            spans
+                .iter()
+                .map(|s| s.trace.as_str())
+                .collect::<BTreeSet<_>>()
+                .len(),
+        ),
+    );
+    node.metadata.insert(
+        "otel.files".into(),
+        Value::Array(files.iter().map(|f| Value::from(*f)).collect()),
+    );
     if let Some(id) = lead.text("gen_ai.conversation.id") {
-        node.metadata.insert("conversation_id".into(), Value::from(id));
+        node.metadata
+            .insert("conversation_id".into(), Value::from(id));
     }
     let mut nodes = vec![node];
     for prompt in &system {
         let locator = format!("{} gen_ai.system_instructions", lead.locator);
-        nodes.extend(crate::tau::policy_nodes(&source, &locator, prompt, Some(&tenant), agent.as_deref()));
+        nodes.extend(crate::tau::policy_nodes(
+            &source,
+            &locator,
+            prompt,
+            Some(&tenant),
+            agent.as_deref(),
+        ));
     }
     Record { nodes }
 }

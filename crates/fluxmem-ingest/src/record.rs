@@ -41,7 +41,14 @@ pub enum Parsed {
 
 impl Rejected {
     /// A rejection of `raw` at `file`:`line`.
-    pub fn new(file: &str, line: usize, locator: impl Into<String>, reason: impl Into<String>, raw: &[u8], cap: usize) -> Self {
+    pub fn new(
+        file: &str,
+        line: usize,
+        locator: impl Into<String>,
+        reason: impl Into<String>,
+        raw: &[u8],
+        cap: usize,
+    ) -> Self {
         let mut end = raw.len().min(cap);
         // Do not cut a UTF-8 character in half (that would make valid input look invalid).
         while end < raw.len() && end > 0 && (raw[end] & 0b1100_0000) == 0b1000_0000 {
@@ -50,9 +57,20 @@ impl Rejected {
         let capped = &raw[..end];
         let (raw, raw_hex) = match std::str::from_utf8(capped) {
             Ok(text) => (text.to_string(), None),
-            Err(_) => (String::from_utf8_lossy(capped).into_owned(), Some(hex(capped))),
+            Err(_) => (
+                String::from_utf8_lossy(capped).into_owned(),
+                Some(hex(capped)),
+            ),
         };
-        Rejected { file: file.into(), line, locator: locator.into(), field: None, reason: reason.into(), raw, raw_hex }
+        Rejected {
+            file: file.into(),
+            line,
+            locator: locator.into(),
+            field: None,
+            reason: reason.into(),
+            raw,
+            raw_hex,
+        }
     }
 
     /// The same rejection, blaming `field`.

@@ -36,7 +36,14 @@ impl<'a> Source<'a> {
     }
 
     /// A node from this file: tenant, agent and provenance filled in.
-    pub fn node(&self, body: NodeBody, text: &str, identity: &[&str], locator: String, created_at: Option<i64>) -> Node {
+    pub fn node(
+        &self,
+        body: NodeBody,
+        text: &str,
+        identity: &[&str],
+        locator: String,
+        created_at: Option<i64>,
+    ) -> Node {
         self.node_of(None, None, body, text, identity, locator, created_at)
     }
 
@@ -53,7 +60,9 @@ impl<'a> Source<'a> {
         created_at: Option<i64>,
     ) -> Node {
         let mut node = Node::new(body, tenant.unwrap_or(&self.options.tenant), text, identity);
-        node.agent_id = agent.map(str::to_string).or_else(|| self.options.agent_id.clone());
+        node.agent_id = agent
+            .map(str::to_string)
+            .or_else(|| self.options.agent_id.clone());
         node.source_file = self.path.clone();
         node.source_locator = locator;
         node.created_at = created_at.or(self.mtime);
@@ -61,8 +70,21 @@ impl<'a> Source<'a> {
     }
 
     /// A rejection of `raw` at `line`.
-    pub fn reject(&self, line: usize, locator: impl Into<String>, reason: impl Into<String>, raw: &[u8]) -> Rejected {
-        Rejected::new(&self.path, line, locator, reason, raw, self.options.max_record_bytes)
+    pub fn reject(
+        &self,
+        line: usize,
+        locator: impl Into<String>,
+        reason: impl Into<String>,
+        raw: &[u8],
+    ) -> Rejected {
+        Rejected::new(
+            &self.path,
+            line,
+            locator,
+            reason,
+            raw,
+            self.options.max_record_bytes,
+        )
     }
 
     /// Rejects `raw` if it is over the record size limit.
@@ -72,7 +94,10 @@ impl<'a> Source<'a> {
             Parsed::Rejected(self.reject(
                 line,
                 locator,
-                format!("record is {} bytes, over the limit of {limit} (--max-record-bytes)", raw.len()),
+                format!(
+                    "record is {} bytes, over the limit of {limit} (--max-record-bytes)",
+                    raw.len()
+                ),
                 raw,
             ))
         })
@@ -103,23 +128,37 @@ pub(crate) fn each_line(
             continue;
         }
         let parsed = match std::str::from_utf8(raw_line) {
-            Err(e) => Parsed::Rejected(source.reject(line_no, &locator, format!("invalid UTF-8 at byte {} of the line", e.valid_up_to()), raw_line)),
-            Ok(text) => parse(text, line_no, &locator)
-                .unwrap_or_else(|(field, reason)| Parsed::Rejected(source.reject(line_no, &locator, reason, raw_line).field(field))),
+            Err(e) => Parsed::Rejected(source.reject(
+                line_no,
+                &locator,
+                format!("invalid UTF-8 at byte {} of the line", e.valid_up_to()),
+                raw_line,
+            )),
+            Ok(text) => parse(text, line_no, &locator).unwrap_or_else(|(field, reason)| {
+                Parsed::Rejected(
+                    source
+                        .reject(line_no, &locator, reason, raw_line)
+                        .field(field),
+                )
+            }),
         };
         emit(parsed)?;
     }
     Ok(())
 }
 
-pub(crate) fn parse_at<'de, T: serde::Deserialize<'de>>(raw: &'de str) -> Result<T, (String, String)> {
+pub(crate) fn parse_at<'de, T: serde::Deserialize<'de>>(
+    raw: &'de str,
+) -> Result<T, (String, String)> {
     let mut deserializer = serde_json::Deserializer::from_str(raw);
     let value: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
         let field = e.path().to_string();
         let inner = e.into_inner();
         (field, strip_position(&inner.to_string()))
     })?;
-    deserializer.end().map_err(|e| (String::new(), trailing_reason(&e)))?;
+    deserializer
+        .end()
+        .map_err(|e| (String::new(), trailing_reason(&e)))?;
     Ok(value)
 }
 
@@ -207,7 +246,11 @@ pub(crate) fn timestamp_ms(field: &str, value: &serde_json::Value) -> Result<i64
             Ok(t) => t.timestamp_millis(),
             Err(e) => return Err(format!("`{field}`: timestamp `{s}` is not RFC 3339: {e}")),
         },
-        other => return Err(format!("`{field}`: timestamp must be an RFC 3339 string or ms integer, got {other}")),
+        other => {
+            return Err(format!(
+                "`{field}`: timestamp must be an RFC 3339 string or ms integer, got {other}"
+            ))
+        }
     };
     if in_calendar(ms) {
         Ok(ms)
@@ -231,30 +274,57 @@ mod tests {
         assert_eq!(single, [&b"x"[..]]);
         assert_eq!(str_lines("one\rtwo\r").collect::<Vec<_>>(), ["one", "two"]);
         let options = IngestOptions::default();
-        let source = Source { path: "f".into(), mtime: None, options: &options, bytes };
+        let source = Source {
+            path: "f".into(),
+            mtime: None,
+            options: &options,
+            bytes,
+        };
         // Each line starts on the line `lines` numbers it.
-        let starts: Vec<usize> = line_spans(bytes).map(|span| source.line_at(span.start)).collect();
+        let starts: Vec<usize> = line_spans(bytes)
+            .map(|span| source.line_at(span.start))
+            .collect();
         assert_eq!(starts, [1, 2, 3, 4, 5, 6]);
     }
 
     #[test]
     fn trailing_content_after_a_value_is_an_error() {
-        let (_, reason) = parse_at::<serde_json::Value>(r#"{"task":"a"} {"task":"b"}"#).unwrap_err();
+        let (_, reason) =
+            parse_at::<serde_json::Value>(r#"{"task":"a"} {"task":"b"}"#).unwrap_err();
         assert_eq!(reason, "trailing content after the JSON value at column 14");
         let (_, reason) = parse_at::<serde_json::Value>("[1,\n2] x").unwrap_err();
-        assert_eq!(reason, "trailing content after the JSON value at column 4 of line 2");
-        assert!(parse_at::<serde_json::Value>("{\"a\":1}  \t\r\n").is_ok(), "trailing whitespace is fine");
+        assert_eq!(
+            reason,
+            "trailing content after the JSON value at column 4 of line 2"
+        );
+        assert!(
+            parse_at::<serde_json::Value>("{\"a\":1}  \t\r\n").is_ok(),
+            "trailing whitespace is fine"
+        );
     }
 
     #[test]
     fn timestamps_outside_the_calendar_are_refused() {
         use serde_json::json;
         assert_eq!(timestamp_ms("t", &json!(0)), Ok(0));
-        assert_eq!(timestamp_ms("t", &json!(MAX_TIMESTAMP_MS)), Ok(MAX_TIMESTAMP_MS));
+        assert_eq!(
+            timestamp_ms("t", &json!(MAX_TIMESTAMP_MS)),
+            Ok(MAX_TIMESTAMP_MS)
+        );
         assert_eq!(timestamp_ms("t", &json!("1970-01-01T00:00:00Z")), Ok(0));
-        for bad in [json!(i64::MAX), json!(-1), json!(MAX_TIMESTAMP_MS + 1), json!(u64::MAX), json!("1969-12-31T23:59:59Z"), json!("9999-12-31T23:59:59-01:00")] {
+        for bad in [
+            json!(i64::MAX),
+            json!(-1),
+            json!(MAX_TIMESTAMP_MS + 1),
+            json!(u64::MAX),
+            json!("1969-12-31T23:59:59Z"),
+            json!("9999-12-31T23:59:59-01:00"),
+        ] {
             let reason = timestamp_ms("started_at", &bad).unwrap_err();
-            assert!(reason.contains("`started_at`") && reason.contains("outside the years 1970..=9999"), "{bad}: {reason}");
+            assert!(
+                reason.contains("`started_at`") && reason.contains("outside the years 1970..=9999"),
+                "{bad}: {reason}"
+            );
         }
     }
 }

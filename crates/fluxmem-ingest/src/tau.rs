@@ -31,11 +31,20 @@ struct Run {
 type Message = crate::chat::Message<String>;
 
 /// Parses a tau-bench results file (a JSON array of runs).
-pub(crate) fn parse(source: &Source, text: &str, emit: &mut dyn FnMut(Parsed) -> crate::Result<()>) -> crate::Result<()> {
+pub(crate) fn parse(
+    source: &Source,
+    text: &str,
+    emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
+) -> crate::Result<()> {
     let runs: Vec<&RawValue> = match parse_at(text) {
         Ok(runs) => runs,
         Err((field, reason)) => {
-            let rejected = source.reject(1, "file", format!("not a tau-bench array: {reason}"), source.bytes);
+            let rejected = source.reject(
+                1,
+                "file",
+                format!("not a tau-bench array: {reason}"),
+                source.bytes,
+            );
             return emit(Parsed::Rejected(rejected.field(field)));
         }
     };
@@ -48,7 +57,11 @@ pub(crate) fn parse(source: &Source, text: &str, emit: &mut dyn FnMut(Parsed) ->
         }
         let parsed = match parse_at::<Run>(raw.get()) {
             Ok(run) => Parsed::Record(run_record(source, &locator, run)),
-            Err((field, reason)) => Parsed::Rejected(source.reject(line, &locator, reason, raw.get().as_bytes()).field(field)),
+            Err((field, reason)) => Parsed::Rejected(
+                source
+                    .reject(line, &locator, reason, raw.get().as_bytes())
+                    .field(field),
+            ),
         };
         emit(parsed)?;
     }
@@ -58,11 +71,25 @@ pub(crate) fn parse(source: &Source, text: &str, emit: &mut dyn FnMut(Parsed) ->
 fn run_record(source: &Source, locator: &str, run: Run) -> Record {
     let task_id = scalar_text(&run.task_id);
     let trial = run.trial.as_ref().map(scalar_text).unwrap_or_default();
-    let trajectory_hash = sha256_hex(serde_json::to_string(&run.traj.iter().map(message_key).collect::<Vec<_>>()).unwrap_or_default().as_bytes());
+    let trajectory_hash = sha256_hex(
+        serde_json::to_string(&run.traj.iter().map(message_key).collect::<Vec<_>>())
+            .unwrap_or_default()
+            .as_bytes(),
+    );
     let mut steps: Vec<Step> = Vec::new();
     // Per step, the ids of its calls (the same order as its `tool_calls`).
-    let call_ids: Vec<Vec<Option<String>>> =
-        run.traj.iter().filter(|m| m.role == "assistant").map(|m| m.tool_calls.iter().flatten().map(|c| c.id.clone()).collect()).collect();
+    let call_ids: Vec<Vec<Option<String>>> = run
+        .traj
+        .iter()
+        .filter(|m| m.role == "assistant")
+        .map(|m| {
+            m.tool_calls
+                .iter()
+                .flatten()
+                .map(|c| c.id.clone())
+                .collect()
+        })
+        .collect();
     let mut observation = String::new();
     let mut policy = None;
     let mut task = None;
@@ -88,8 +115,17 @@ fn run_record(source: &Source, locator: &str, run: Run) -> Record {
                 });
             }
             "tool" => {
-                attach_result(&mut steps, &call_ids, message.tool_call_id.as_deref(), message.name.as_deref(), &content);
-                push_observation(&mut observation, &format!("[{}] {content}", message.name.as_deref().unwrap_or("tool")));
+                attach_result(
+                    &mut steps,
+                    &call_ids,
+                    message.tool_call_id.as_deref(),
+                    message.name.as_deref(),
+                    &content,
+                );
+                push_observation(
+                    &mut observation,
+                    &format!("[{}] {content}", message.name.as_deref().unwrap_or("tool")),
+                );
             }
             _ => {
                 if task.is_none() && message.role == "user" {
@@ -100,10 +136,17 @@ fn run_record(source: &Source, locator: &str, run: Run) -> Record {
         }
     }
     if !observation.is_empty() {
-        steps.push(Step { observation, ..Step::default() });
+        steps.push(Step {
+            observation,
+            ..Step::default()
+        });
     }
     let success = run.reward >= 1.0 - 1e-9;
-    let outcome = Outcome { success: Some(success), reward: Some(run.reward), feedback: None };
+    let outcome = Outcome {
+        success: Some(success),
+        reward: Some(run.reward),
+        feedback: None,
+    };
     let task = task.unwrap_or_default();
     let mut metadata = BTreeMap::new();
     metadata.insert("task_id".to_string(), run.task_id.clone());
@@ -115,8 +158,11 @@ fn run_record(source: &Source, locator: &str, run: Run) -> Record {
             metadata.insert(format!("info.{key}"), value.clone());
         }
     }
-    let omitted: Vec<Value> =
-        ["info.task", "info.reward_info"].iter().filter(|k| run.info.contains_key(&k[5..])).map(|k| Value::from(*k)).collect();
+    let omitted: Vec<Value> = ["info.task", "info.reward_info"]
+        .iter()
+        .filter(|k| run.info.contains_key(&k[5..]))
+        .map(|k| Value::from(*k))
+        .collect();
     metadata.insert("omitted_fields".into(), Value::Array(omitted));
     let mut episode = source.node(
         NodeBody::Episodic(Episode { steps, outcome }),
@@ -128,7 +174,13 @@ fn run_record(source: &Source, locator: &str, run: Run) -> Record {
     episode.metadata = metadata;
     let mut nodes = vec![episode];
     if let Some(policy) = policy {
-        nodes.extend(policy_nodes(source, &format!("{locator}.traj[0]"), &policy, None, None));
+        nodes.extend(policy_nodes(
+            source,
+            &format!("{locator}.traj[0]"),
+            &policy,
+            None,
+            None,
+        ));
     }
     Record { nodes }
 }
@@ -136,7 +188,13 @@ fn run_record(source: &Source, locator: &str, run: Run) -> Record {
 /// The system prompt as semantic chunks; the source name is content-derived, so every run
 /// (in any file) carrying the same prompt shares the same nodes (within a tenant: `tenant`, or
 /// the ingest options'; `agent`, else the options', names who logged it).
-pub(crate) fn policy_nodes(source: &Source, locator: &str, policy: &str, tenant: Option<&str>, agent: Option<&str>) -> Vec<fluxmem_graph::Node> {
+pub(crate) fn policy_nodes(
+    source: &Source,
+    locator: &str,
+    policy: &str,
+    tenant: Option<&str>,
+    agent: Option<&str>,
+) -> Vec<fluxmem_graph::Node> {
     let name = format!("system-prompt-{}", &sha256_hex(policy.as_bytes())[..12]);
     chunk(policy, source.options.chunk_words)
         .into_iter()
@@ -148,8 +206,19 @@ pub(crate) fn policy_nodes(source: &Source, locator: &str, policy: &str, tenant:
                 time: None,
                 group: chunk.section.clone(),
             });
-            let chunk_locator = format!("{locator} chunk {position} (line {} of the prompt)", chunk.line);
-            source.node_of(tenant, agent, body, &chunk.text, &[&name, &position.to_string(), &chunk.text], chunk_locator, None)
+            let chunk_locator = format!(
+                "{locator} chunk {position} (line {} of the prompt)",
+                chunk.line
+            );
+            source.node_of(
+                tenant,
+                agent,
+                body,
+                &chunk.text,
+                &[&name, &position.to_string(), &chunk.text],
+                chunk_locator,
+                None,
+            )
         })
         .collect()
 }

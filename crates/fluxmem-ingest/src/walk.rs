@@ -36,7 +36,11 @@ pub(crate) struct Expanded {
 
 /// Expands `inputs` for a batch written to the store at `store`.
 pub(crate) fn expand(inputs: &[PathBuf], options: &IngestOptions, store: &Path) -> Expanded {
-    let mut walk = Walk { follow_symlinks: options.follow_symlinks, store: canonical(store), out: Expanded::default() };
+    let mut walk = Walk {
+        follow_symlinks: options.follow_symlinks,
+        store: canonical(store),
+        out: Expanded::default(),
+    };
     // `-` is standard input, read by the caller.
     for input in inputs.iter().filter(|p| p.as_os_str() != "-") {
         walk.input(input);
@@ -56,7 +60,10 @@ impl Walk {
     fn input(&mut self, input: &Path) {
         let is_link = std::fs::symlink_metadata(input).is_ok_and(|m| m.file_type().is_symlink());
         if is_link && !self.follow_symlinks {
-            let reason = format!("is a symbolic link{}; links are not followed: pass --follow-symlinks to read it", target_of(input));
+            let reason = format!(
+                "is a symbolic link{}; links are not followed: pass --follow-symlinks to read it",
+                target_of(input)
+            );
             return self.reject(input, reason);
         }
         if input.is_dir() {
@@ -67,7 +74,10 @@ impl Walk {
                 None => self.out.files.push(input.to_path_buf()),
             }
         } else {
-            self.reject(input, "input does not exist or is not a regular file".into());
+            self.reject(
+                input,
+                "input does not exist or is not a regular file".into(),
+            );
         }
     }
 
@@ -82,7 +92,11 @@ impl Walk {
         };
         entries.sort();
         for path in entries {
-            if !path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.')) {
+            if !path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with('.'))
+            {
                 self.entry(path);
             }
         }
@@ -101,7 +115,10 @@ impl Walk {
         } else if meta.file_type().is_symlink() && path.is_file() {
             self.file_link(path);
         } else {
-            self.reject(&path, "not a regular file (directory link, pipe or device); not read".into());
+            self.reject(
+                &path,
+                "not a regular file (directory link, pipe or device); not read".into(),
+            );
         }
     }
 
@@ -109,7 +126,10 @@ impl Walk {
     /// target lies in a fluxmem store.
     fn file_link(&mut self, path: PathBuf) {
         if !self.follow_symlinks {
-            let reason = format!("symbolic link{} not followed (pass --follow-symlinks to read it)", target_of(&path));
+            let reason = format!(
+                "symbolic link{} not followed (pass --follow-symlinks to read it)",
+                target_of(&path)
+            );
             return self.skip(path, reason);
         }
         match self.in_a_store(&path) {
@@ -129,7 +149,12 @@ impl Walk {
             ));
         }
         real.ancestors().skip(1).find_map(|dir| {
-            store_marker(dir).map(|why| format!("inside the fluxmem store {} ({why}); fluxmem does not ingest its stores", dir.display()))
+            store_marker(dir).map(|why| {
+                format!(
+                    "inside the fluxmem store {} ({why}); fluxmem does not ingest its stores",
+                    dir.display()
+                )
+            })
         })
     }
 
@@ -137,13 +162,20 @@ impl Walk {
     fn own_output(&self, dir: &Path) -> Option<String> {
         let real = canonical(dir);
         if real.starts_with(&self.store) {
-            return Some(format!("the store being written ({}) or a folder inside it", self.store.display()));
+            return Some(format!(
+                "the store being written ({}) or a folder inside it",
+                self.store.display()
+            ));
         }
         if let Some(why) = store_marker(dir) {
             return Some(format!("a fluxmem store ({why})"));
         }
-        let name = real.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        if name == "quarantine" || name == fluxmem_store::STAGING || name == fluxmem_store::SCRATCH {
+        let name = real
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if name == "quarantine" || name == fluxmem_store::STAGING || name == fluxmem_store::SCRATCH
+        {
             if let Some(why) = real.parent().and_then(store_marker) {
                 return Some(format!("the {name}/ folder of a fluxmem store ({why})"));
             }
@@ -156,7 +188,14 @@ impl Walk {
     }
 
     fn reject(&mut self, path: &Path, reason: String) {
-        self.out.rejected.push(Rejected::new(&path.display().to_string(), 0, "file", reason, b"", 0));
+        self.out.rejected.push(Rejected::new(
+            &path.display().to_string(),
+            0,
+            "file",
+            reason,
+            b"",
+            0,
+        ));
     }
 }
 
@@ -199,7 +238,9 @@ fn format_of(path: &Path) -> Option<String> {
 
 /// ` (to <target>)` for a link whose target can be read, else nothing.
 fn target_of(link: &Path) -> String {
-    std::fs::read_link(link).map(|target| format!(" (to {})", target.display())).unwrap_or_default()
+    std::fs::read_link(link)
+        .map(|target| format!(" (to {})", target.display()))
+        .unwrap_or_default()
 }
 
 /// `path` with links and `..` resolved, or as given when that fails.

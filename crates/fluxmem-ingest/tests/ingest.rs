@@ -15,7 +15,9 @@ fn repo() -> PathBuf {
 /// tests named `dev_data_*` use it; `scripts/test.sh` leaves them out, saying so, where it is
 /// missing. Run directly without it, such a test fails with this message rather than passing.
 fn dev_data() -> PathBuf {
-    let dir = std::env::var_os("FLUXMEM_DEV_DATA").map(PathBuf::from).unwrap_or_else(|| repo().join("../shared/data"));
+    let dir = std::env::var_os("FLUXMEM_DEV_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("../shared/data"));
     assert!(
         dir.is_dir(),
         "the dev data is expected at {} (the project's shared/ folder beside the repo, or FLUXMEM_DEV_DATA); \
@@ -32,13 +34,23 @@ fn run(store: &Path, inputs: &[PathBuf], options: &IngestOptions) -> IngestRepor
 fn run_as(store: &Path, inputs: &[PathBuf], options: &IngestOptions, run_id: &str) -> IngestReport {
     let mut writer = Writer::open(store).unwrap();
     let report = ingest(&mut writer, inputs, options, run_id, &mut NoProgress).unwrap();
-    assert_eq!(report.read, report.ingested + report.duplicates + report.quarantined, "counts reconcile: {report:?}");
+    assert_eq!(
+        report.read,
+        report.ingested + report.duplicates + report.quarantined,
+        "counts reconcile: {report:?}"
+    );
     report
 }
 
 fn quarantined(report: &IngestReport) -> Vec<Value> {
-    let Some(path) = &report.quarantine_file else { return Vec::new() };
-    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    let Some(path) = &report.quarantine_file else {
+        return Vec::new();
+    };
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 #[test]
@@ -46,32 +58,71 @@ fn malformed_corpus_is_quarantined_with_file_line_field_and_reason() {
     let store = tempfile::tempdir().unwrap();
     let corpus = repo().join("tests/data/malformed");
     let report = run(store.path(), &[corpus.clone()], &IngestOptions::default());
-    let expected: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(corpus.join("expected.json")).unwrap()).unwrap();
+    let expected: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(corpus.join("expected.json")).unwrap())
+            .unwrap();
     let mut got = quarantined(&report);
     // expected.json is not an input format we detect by content: it is quarantined too.
     got.retain(|q| !q["file"].as_str().unwrap().ends_with("expected.json"));
     assert_eq!(got.len(), expected.len(), "quarantined: {got:#?}");
     for (got, want) in got.iter().zip(&expected) {
         let file = got["file"].as_str().unwrap();
-        assert!(file.ends_with(want["file"].as_str().unwrap()), "{got} vs {want}");
+        assert!(
+            file.ends_with(want["file"].as_str().unwrap()),
+            "{got} vs {want}"
+        );
         assert_eq!(got["line"], want["line"], "line of {got}");
         assert_eq!(got["field"], want["field"], "field of {got}");
         let reason = got["reason"].as_str().unwrap();
-        assert!(reason.contains(want["reason"].as_str().unwrap()), "reason `{reason}` for {want}");
+        assert!(
+            reason.contains(want["reason"].as_str().unwrap()),
+            "reason `{reason}` for {want}"
+        );
     }
     // The invalid UTF-8 line is kept byte for byte.
-    let utf8 = got.iter().find(|q| q["file"].as_str().unwrap().ends_with("utf8.jsonl")).unwrap();
+    let utf8 = got
+        .iter()
+        .find(|q| q["file"].as_str().unwrap().ends_with("utf8.jsonl"))
+        .unwrap();
     assert!(utf8["raw_hex"].as_str().unwrap().contains("fffe"), "{utf8}");
     assert_eq!(report.quarantined as usize, expected.len() + 1);
     assert_eq!(report.ingested, 7, "{report:?}");
-    let graph = fluxmem_store::Store::open(store.path()).unwrap().load().unwrap();
-    assert!(graph.nodes.values().all(|n| !n.text.contains("never ingested")), "QA items are not memory");
-    let tau = graph.nodes.values().find(|n| n.kind() == NodeKind::Episodic && n.text == "hi").expect("tau episode");
+    let graph = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .load()
+        .unwrap();
+    assert!(
+        graph
+            .nodes
+            .values()
+            .all(|n| !n.text.contains("never ingested")),
+        "QA items are not memory"
+    );
+    let tau = graph
+        .nodes
+        .values()
+        .find(|n| n.kind() == NodeKind::Episodic && n.text == "hi")
+        .expect("tau episode");
     let episode = tau.episode().unwrap();
-    assert_eq!(episode.steps[0].tool_calls[0].result.as_deref(), Some("Error: nothing"));
-    assert_eq!(episode.steps[0].feedback.as_deref(), Some("Error: nothing"), "tool errors are step feedback");
-    assert!(!serde_json::to_string(&tau.metadata).unwrap().contains("hidden"), "gold task info is not stored");
-    assert_eq!(tau.metadata["omitted_fields"], serde_json::json!(["info.task"]));
+    assert_eq!(
+        episode.steps[0].tool_calls[0].result.as_deref(),
+        Some("Error: nothing")
+    );
+    assert_eq!(
+        episode.steps[0].feedback.as_deref(),
+        Some("Error: nothing"),
+        "tool errors are step feedback"
+    );
+    assert!(
+        !serde_json::to_string(&tau.metadata)
+            .unwrap()
+            .contains("hidden"),
+        "gold task info is not stored"
+    );
+    assert_eq!(
+        tau.metadata["omitted_fields"],
+        serde_json::json!(["info.task"])
+    );
 }
 
 #[test]
@@ -81,26 +132,55 @@ fn directory_walk_survives_symlink_loops_and_reports_them() {
     std::fs::create_dir(&input).unwrap();
     std::fs::write(input.join("a.jsonl"), "{\"task\":\"one\"}\n").unwrap();
     std::os::unix::fs::symlink(&input, input.join("loop")).unwrap();
-    let report = run(&dir.path().join("store"), &[input], &IngestOptions::default());
+    let report = run(
+        &dir.path().join("store"),
+        &[input],
+        &IngestOptions::default(),
+    );
     assert_eq!((report.ingested, report.quarantined), (1, 1));
     let rejected = quarantined(&report);
     assert!(rejected[0]["file"].as_str().unwrap().ends_with("loop"));
-    assert!(rejected[0]["reason"].as_str().unwrap().contains("not a regular file"));
+    assert!(rejected[0]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("not a regular file"));
 }
 
 #[test]
 fn oversize_records_are_quarantined() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("big.jsonl");
-    let big = format!("{{\"task\":\"{}\"}}\n{{\"task\":\"small\"}}\n", "x".repeat(5000));
+    let big = format!(
+        "{{\"task\":\"{}\"}}\n{{\"task\":\"small\"}}\n",
+        "x".repeat(5000)
+    );
     std::fs::write(&input, big).unwrap();
-    let options = IngestOptions { max_record_bytes: 1000, ..IngestOptions::default() };
+    let options = IngestOptions {
+        max_record_bytes: 1000,
+        ..IngestOptions::default()
+    };
     let report = run(&dir.path().join("store"), &[input], &options);
-    assert_eq!((report.read, report.ingested, report.quarantined), (2, 1, 1));
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (2, 1, 1)
+    );
     let rejected: Rejected = serde_json::from_value::<Value>(quarantined(&report)[0].clone())
-        .map(|v| Rejected::new(v["file"].as_str().unwrap(), v["line"].as_u64().unwrap() as usize, "", v["reason"].as_str().unwrap(), v["raw"].as_str().unwrap().as_bytes(), usize::MAX))
+        .map(|v| {
+            Rejected::new(
+                v["file"].as_str().unwrap(),
+                v["line"].as_u64().unwrap() as usize,
+                "",
+                v["reason"].as_str().unwrap(),
+                v["raw"].as_str().unwrap().as_bytes(),
+                usize::MAX,
+            )
+        })
         .unwrap();
-    assert!(rejected.reason.contains("over the limit of 1000"), "{}", rejected.reason);
+    assert!(
+        rejected.reason.contains("over the limit of 1000"),
+        "{}",
+        rejected.reason
+    );
     assert_eq!(rejected.raw.len(), 1000, "raw is capped at the limit");
 }
 
@@ -116,19 +196,46 @@ fn dev_data_gives_the_expected_counts_and_reingest_adds_nothing() {
     let report = run(store.path(), &inputs, &IngestOptions::default());
     assert_eq!(report.quarantined, 0);
     assert_eq!(report.ingested, 1763 + 84 + 24, "{report:?}");
-    let graph = fluxmem_store::Store::open(store.path()).unwrap().load().unwrap();
+    let graph = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .load()
+        .unwrap();
     let count = |kind: NodeKind, source_prefix: &str| {
-        graph.nodes.values().filter(|n| n.kind() == kind && n.source_file.contains(source_prefix)).count()
+        graph
+            .nodes
+            .values()
+            .filter(|n| n.kind() == kind && n.source_file.contains(source_prefix))
+            .count()
     };
-    assert_eq!(count(NodeKind::Semantic, "locomo"), 1763, "every LoCoMo turn is a node");
+    assert_eq!(
+        count(NodeKind::Semantic, "locomo"),
+        1763,
+        "every LoCoMo turn is a node"
+    );
     assert_eq!(count(NodeKind::Episodic, "tau-bench"), 84);
     assert_eq!(count(NodeKind::Episodic, "alfworld"), 24);
     let policy_chunks = count(NodeKind::Semantic, "tau-bench");
-    assert!(policy_chunks > 5, "the airline policy is chunked into semantic nodes ({policy_chunks})");
-    let successes = graph.nodes.values().filter_map(|n| n.episode()).filter(|e| e.outcome.success == Some(true)).count();
-    assert_eq!(successes, 35 + 24, "35 tau-bench runs have reward 1, ALFWorld demos succeed");
+    assert!(
+        policy_chunks > 5,
+        "the airline policy is chunked into semantic nodes ({policy_chunks})"
+    );
+    let successes = graph
+        .nodes
+        .values()
+        .filter_map(|n| n.episode())
+        .filter(|e| e.outcome.success == Some(true))
+        .count();
+    assert_eq!(
+        successes,
+        35 + 24,
+        "35 tau-bench runs have reward 1, ALFWorld demos succeed"
+    );
     // A LoCoMo turn keeps its dia_id, session and time.
-    let turn = graph.nodes.values().find(|n| n.source_locator == "conv-26/D1:1").expect("conv-26 D1:1");
+    let turn = graph
+        .nodes
+        .values()
+        .find(|n| n.source_locator == "conv-26/D1:1")
+        .expect("conv-26 D1:1");
     match &turn.body {
         NodeBody::Semantic(s) => {
             assert_eq!(s.group.as_deref(), Some("session_1"));
@@ -139,32 +246,80 @@ fn dev_data_gives_the_expected_counts_and_reingest_adds_nothing() {
     assert!(turn.text.starts_with("Caroline: "));
     assert_eq!(turn.metadata["dia_id"], "D1:1");
 
-    let before = fluxmem_store::Store::open(store.path()).unwrap().manifest().unwrap();
+    let before = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .manifest()
+        .unwrap();
     // The ledger knows every file unchanged: none is read again.
     let skipped = run(store.path(), &inputs, &IngestOptions::default());
-    assert_eq!((skipped.files, skipped.read, skipped.ingested), (0, 0, 0), "{skipped:?}");
+    assert_eq!(
+        (skipped.files, skipped.read, skipped.ingested),
+        (0, 0, 0),
+        "{skipped:?}"
+    );
     assert!(skipped.unchanged_files > 0, "{skipped:?}");
-    let again = run(store.path(), &inputs, &IngestOptions { reread: true, ..Default::default() });
-    assert_eq!((again.ingested, again.duplicates, again.nodes_added), (0, 1871, 0));
-    assert_eq!(again.files, skipped.unchanged_files, "--reread reads every file the ledger skipped");
-    let after = fluxmem_store::Store::open(store.path()).unwrap().manifest().unwrap();
-    assert_eq!(after.version, before.version, "re-ingesting commits nothing");
+    let again = run(
+        store.path(),
+        &inputs,
+        &IngestOptions {
+            reread: true,
+            ..Default::default()
+        },
+    );
+    assert_eq!(
+        (again.ingested, again.duplicates, again.nodes_added),
+        (0, 1871, 0)
+    );
+    assert_eq!(
+        again.files, skipped.unchanged_files,
+        "--reread reads every file the ledger skipped"
+    );
+    let after = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .manifest()
+        .unwrap();
+    assert_eq!(
+        after.version, before.version,
+        "re-ingesting commits nothing"
+    );
 }
 
 #[test]
 fn jsonl_sample_keeps_unknown_fields_and_tenants() {
     let store = tempfile::tempdir().unwrap();
-    let report = run(store.path(), &[repo().join("data/trajectories.jsonl")], &IngestOptions::default());
-    assert_eq!((report.read, report.ingested, report.quarantined), (9, 9, 0));
-    let graph = fluxmem_store::Store::open(store.path()).unwrap().load().unwrap();
-    let tenants: std::collections::BTreeSet<&str> = graph.nodes.values().map(|n| n.tenant.as_str()).collect();
+    let report = run(
+        store.path(),
+        &[repo().join("data/trajectories.jsonl")],
+        &IngestOptions::default(),
+    );
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (9, 9, 0)
+    );
+    let graph = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .load()
+        .unwrap();
+    let tenants: std::collections::BTreeSet<&str> =
+        graph.nodes.values().map(|n| n.tenant.as_str()).collect();
     assert_eq!(tenants, ["acme", "globex"].into_iter().collect());
-    let failed = graph.nodes.values().find(|n| n.metadata.get("episode_id") == Some(&Value::from("run-0002"))).unwrap();
+    let failed = graph
+        .nodes
+        .values()
+        .find(|n| n.metadata.get("episode_id") == Some(&Value::from("run-0002")))
+        .unwrap();
     let episode = failed.episode().unwrap();
     assert_eq!(episode.outcome.success, Some(false));
-    assert_eq!(episode.steps[1].tool_calls[0].result.as_deref(), Some("Error: refund window (30 days) has passed"));
+    assert_eq!(
+        episode.steps[1].tool_calls[0].result.as_deref(),
+        Some("Error: refund window (30 days) has passed")
+    );
     assert_eq!(failed.agent_id.as_deref(), Some("support-bot-2"));
-    assert_eq!(failed.created_at, Some(1_795_860_720_000), "started_at 2026-11-28T10:12:00Z");
+    assert_eq!(
+        failed.created_at,
+        Some(1_795_860_720_000),
+        "started_at 2026-11-28T10:12:00Z"
+    );
 }
 
 /// The texts of the nodes in the store at `store`, sorted.
@@ -177,22 +332,44 @@ fn texts(store: &Path) -> Vec<String> {
 
 /// The last path component of each skipped entry, in report order.
 fn skipped_names(report: &IngestReport) -> Vec<String> {
-    report.skipped.iter().map(|s| s.path.file_name().unwrap().to_string_lossy().into_owned()).collect()
+    report
+        .skipped
+        .iter()
+        .map(|s| s.path.file_name().unwrap().to_string_lossy().into_owned())
+        .collect()
 }
 
 #[test]
 fn trailing_content_after_the_json_value_of_a_line_is_quarantined() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("t.jsonl");
-    std::fs::write(&input, "{\"task\":\"a\"} {\"task\":\"b\"}\n{\"task\":\"x\"} garbage\n{\"task\":\"fine\"}  \t\n").unwrap();
-    let report = run(&dir.path().join("store"), &[input], &IngestOptions::default());
-    assert_eq!((report.read, report.ingested, report.quarantined), (3, 1, 2), "{report:?}");
+    std::fs::write(
+        &input,
+        "{\"task\":\"a\"} {\"task\":\"b\"}\n{\"task\":\"x\"} garbage\n{\"task\":\"fine\"}  \t\n",
+    )
+    .unwrap();
+    let report = run(
+        &dir.path().join("store"),
+        &[input],
+        &IngestOptions::default(),
+    );
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (3, 1, 2),
+        "{report:?}"
+    );
     let rejected = quarantined(&report);
     for (entry, line) in rejected.iter().zip([1, 2]) {
-        assert!(entry["file"].as_str().unwrap().ends_with("t.jsonl"), "{entry}");
+        assert!(
+            entry["file"].as_str().unwrap().ends_with("t.jsonl"),
+            "{entry}"
+        );
         assert_eq!(entry["line"], line, "{entry}");
         let reason = entry["reason"].as_str().unwrap();
-        assert!(reason.contains("trailing content after the JSON value at column 14"), "{reason}");
+        assert!(
+            reason.contains("trailing content after the JSON value at column 14"),
+            "{reason}"
+        );
     }
     assert_eq!(texts(&dir.path().join("store")), ["fine"]);
 }
@@ -201,22 +378,48 @@ fn trailing_content_after_the_json_value_of_a_line_is_quarantined() {
 fn whole_file_formats_refuse_trailing_content_too() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("alf.json");
-    let transcript = "You are in a room.\\nYour task is to: put a mug in the sink.\\n> go to sink 1\\nOK.";
-    std::fs::write(&input, format!("{{\"react_put_1\": \"{transcript}\"}}\n{{\"react_put_2\": \"{transcript}\"}}\n")).unwrap();
-    let options = IngestOptions { format: Some(Format::Alfworld), ..IngestOptions::default() };
+    let transcript =
+        "You are in a room.\\nYour task is to: put a mug in the sink.\\n> go to sink 1\\nOK.";
+    std::fs::write(
+        &input,
+        format!("{{\"react_put_1\": \"{transcript}\"}}\n{{\"react_put_2\": \"{transcript}\"}}\n"),
+    )
+    .unwrap();
+    let options = IngestOptions {
+        format: Some(Format::Alfworld),
+        ..IngestOptions::default()
+    };
     let report = run(&dir.path().join("store"), &[input], &options);
     assert_eq!((report.ingested, report.quarantined), (0, 1), "{report:?}");
-    let reason = quarantined(&report)[0]["reason"].as_str().unwrap().to_string();
-    assert!(reason.contains("trailing content after the JSON value at column 1 of line 2"), "{reason}");
+    let reason = quarantined(&report)[0]["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        reason.contains("trailing content after the JSON value at column 1 of line 2"),
+        "{reason}"
+    );
 }
 
 #[test]
 fn cr_only_line_endings_are_read_as_lines() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("mac.jsonl");
-    std::fs::write(&input, "{\"task\":\"one\"}\r{\"task\": 42}\r{\"task\":\"three\"}\r").unwrap();
-    let report = run(&dir.path().join("store"), &[input], &IngestOptions::default());
-    assert_eq!((report.read, report.ingested, report.quarantined), (3, 2, 1), "{report:?}");
+    std::fs::write(
+        &input,
+        "{\"task\":\"one\"}\r{\"task\": 42}\r{\"task\":\"three\"}\r",
+    )
+    .unwrap();
+    let report = run(
+        &dir.path().join("store"),
+        &[input],
+        &IngestOptions::default(),
+    );
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (3, 2, 1),
+        "{report:?}"
+    );
     let rejected = quarantined(&report);
     assert_eq!(rejected[0]["line"], 2, "{rejected:?}");
     assert_eq!(rejected[0]["field"], "task");
@@ -227,29 +430,82 @@ fn cr_only_line_endings_are_read_as_lines() {
 fn mixed_line_endings_keep_their_line_numbers() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("mixed.jsonl");
-    std::fs::write(&input, "{\"task\":\"lf\"}\n{\"task\":\"crlf\"}\r\n{\"task\":\"cr\"}\r\r\n{\"task\": 5}\n").unwrap();
-    let report = run(&dir.path().join("store"), &[input], &IngestOptions::default());
-    assert_eq!((report.read, report.ingested, report.quarantined), (4, 3, 1), "{report:?}");
-    assert_eq!(quarantined(&report)[0]["line"], 5, "line 4 is the blank line between `\\r` and `\\r\\n`");
+    std::fs::write(
+        &input,
+        "{\"task\":\"lf\"}\n{\"task\":\"crlf\"}\r\n{\"task\":\"cr\"}\r\r\n{\"task\": 5}\n",
+    )
+    .unwrap();
+    let report = run(
+        &dir.path().join("store"),
+        &[input],
+        &IngestOptions::default(),
+    );
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (4, 3, 1),
+        "{report:?}"
+    );
+    assert_eq!(
+        quarantined(&report)[0]["line"],
+        5,
+        "line 4 is the blank line between `\\r` and `\\r\\n`"
+    );
 }
 
 #[test]
 fn walking_next_to_the_store_skips_it_and_the_quarantine_does_not_grow() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().to_path_buf();
-    std::fs::write(input.join("a.jsonl"), "{\"task\":\"one\"}\n{\"task\": 42}\n").unwrap();
+    std::fs::write(
+        input.join("a.jsonl"),
+        "{\"task\":\"one\"}\n{\"task\": 42}\n",
+    )
+    .unwrap();
     let store = input.join("fluxmem-store");
     let first = run_as(&store, &[input.clone()], &IngestOptions::default(), "first");
-    assert_eq!((first.read, first.ingested, first.quarantined), (2, 1, 1), "{first:?}");
+    assert_eq!(
+        (first.read, first.ingested, first.quarantined),
+        (2, 1, 1),
+        "{first:?}"
+    );
     assert_eq!(skipped_names(&first), ["fluxmem-store"]);
-    assert!(first.skipped[0].reason.contains("store being written"), "{:?}", first.skipped);
-    let second = run_as(&store, &[input.clone()], &IngestOptions { reread: true, ..Default::default() }, "second");
-    assert_eq!((second.read, second.duplicates, second.quarantined), (2, 1, 1), "{second:?}");
+    assert!(
+        first.skipped[0].reason.contains("store being written"),
+        "{:?}",
+        first.skipped
+    );
+    let second = run_as(
+        &store,
+        &[input.clone()],
+        &IngestOptions {
+            reread: true,
+            ..Default::default()
+        },
+        "second",
+    );
+    assert_eq!(
+        (second.read, second.duplicates, second.quarantined),
+        (2, 1, 1),
+        "{second:?}"
+    );
     assert_eq!(skipped_names(&second), ["fluxmem-store"]);
-    assert_eq!(quarantined(&second).len(), 1, "the first run's quarantine is not re-ingested");
+    assert_eq!(
+        quarantined(&second).len(),
+        1,
+        "the first run's quarantine is not re-ingested"
+    );
     // An explicit folder inside the store is skipped too.
-    let inside = run_as(&store, &[store.join("quarantine")], &IngestOptions::default(), "third");
-    assert_eq!((inside.read, skipped_names(&inside)), (0, vec!["quarantine".to_string()]), "{inside:?}");
+    let inside = run_as(
+        &store,
+        &[store.join("quarantine")],
+        &IngestOptions::default(),
+        "third",
+    );
+    assert_eq!(
+        (inside.read, skipped_names(&inside)),
+        (0, vec!["quarantine".to_string()]),
+        "{inside:?}"
+    );
 }
 
 #[test]
@@ -262,26 +518,62 @@ fn other_stores_exports_and_run_reports_are_skipped_and_reported() {
         std::fs::write(path, text).unwrap();
     };
     write("a.jsonl", "{\"task\":\"one\"}\n");
-    write("old-store/manifest.json", "{\"format\":\"fluxmem-store\",\"schema_version\":1}");
+    write(
+        "old-store/manifest.json",
+        "{\"format\":\"fluxmem-store\",\"schema_version\":1}",
+    );
     write("old-store/x.jsonl", "{\"task\":\"from a store\"}\n");
     write("crashed/LOCK", "");
-    write("crashed/shards/y.jsonl", "{\"task\":\"from a crashed store\"}\n");
+    write(
+        "crashed/shards/y.jsonl",
+        "{\"task\":\"from a crashed store\"}\n",
+    );
     write("out/skills/release.json", "{\"format\":\"fluxmem-skills\"}");
     write("out/skills/skills.jsonl", "{\"task\":\"exported\"}\n");
     write("out/runs/r1/run.json", "{}");
     write("out/runs/r1/report.html", "<html></html>");
     write("out/runs/r1/z.jsonl", "{\"task\":\"from a report\"}\n");
     write("other/release.jsonl", "{\"task\":\"two\"}\n");
-    let report = run(&dir.path().join("store"), &[input.clone()], &IngestOptions::default());
-    assert_eq!((report.read, report.ingested, report.quarantined), (2, 2, 0), "{report:?}");
-    assert_eq!(skipped_names(&report), ["crashed", "old-store", "r1", "skills"], "{:?}", report.skipped);
+    let report = run(
+        &dir.path().join("store"),
+        &[input.clone()],
+        &IngestOptions::default(),
+    );
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (2, 2, 0),
+        "{report:?}"
+    );
+    assert_eq!(
+        skipped_names(&report),
+        ["crashed", "old-store", "r1", "skills"],
+        "{:?}",
+        report.skipped
+    );
     assert_eq!(texts(&dir.path().join("store")), ["one", "two"]);
     // The quarantine/ and staging/ folders of another store, named explicitly.
-    write("old-store/quarantine/q.jsonl", "{\"task\":\"quarantined before\"}\n");
-    write("old-store/staging/ingest-0-of-2/s.jsonl", "{\"task\":\"staged\"}\n");
-    let inputs = [input.join("old-store/quarantine"), input.join("old-store/staging")];
-    let again = run(&dir.path().join("store"), &inputs, &IngestOptions::default());
-    assert_eq!((again.read, skipped_names(&again)), (0, vec!["quarantine".to_string(), "staging".to_string()]), "{again:?}");
+    write(
+        "old-store/quarantine/q.jsonl",
+        "{\"task\":\"quarantined before\"}\n",
+    );
+    write(
+        "old-store/staging/ingest-0-of-2/s.jsonl",
+        "{\"task\":\"staged\"}\n",
+    );
+    let inputs = [
+        input.join("old-store/quarantine"),
+        input.join("old-store/staging"),
+    ];
+    let again = run(
+        &dir.path().join("store"),
+        &inputs,
+        &IngestOptions::default(),
+    );
+    assert_eq!(
+        (again.read, skipped_names(&again)),
+        (0, vec!["quarantine".to_string(), "staging".to_string()]),
+        "{again:?}"
+    );
 }
 
 #[test]
@@ -294,13 +586,38 @@ fn files_inside_a_store_named_explicitly_are_refused() {
     let own = first.quarantine_file.clone().expect("a quarantine file");
     let other = dir.path().join("old-store");
     std::fs::create_dir_all(&other).unwrap();
-    std::fs::write(other.join("manifest.json"), "{\"format\":\"fluxmem-store\"}").unwrap();
+    std::fs::write(
+        other.join("manifest.json"),
+        "{\"format\":\"fluxmem-store\"}",
+    )
+    .unwrap();
     std::fs::write(other.join("x.jsonl"), "{\"task\":\"from a store\"}\n").unwrap();
-    let report = run_as(&store, &[own, other.join("x.jsonl")], &IngestOptions::default(), "again");
-    assert_eq!((report.read, report.ingested, report.quarantined), (2, 0, 2), "{report:?}");
+    let report = run_as(
+        &store,
+        &[own, other.join("x.jsonl")],
+        &IngestOptions::default(),
+        "again",
+    );
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (2, 0, 2),
+        "{report:?}"
+    );
     let rejected = quarantined(&report);
-    assert!(rejected[0]["reason"].as_str().unwrap().contains("inside the store being written"), "{rejected:?}");
-    assert!(rejected[1]["reason"].as_str().unwrap().contains("inside the fluxmem store"), "{rejected:?}");
+    assert!(
+        rejected[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("inside the store being written"),
+        "{rejected:?}"
+    );
+    assert!(
+        rejected[1]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("inside the fluxmem store"),
+        "{rejected:?}"
+    );
 }
 
 #[test]
@@ -316,14 +633,40 @@ fn timestamps_outside_years_1970_to_9999_are_quarantined_naming_the_field() {
         r#"{"task":"epoch","started_at":0,"steps":[{"timestamp":"2026-01-01T00:00:00Z"}]}"#,
     ];
     std::fs::write(&input, lines.join("\n")).unwrap();
-    let report = run(&dir.path().join("store"), &[input], &IngestOptions::default());
-    assert_eq!((report.read, report.ingested, report.quarantined), (6, 2, 4), "{report:?}");
+    let report = run(
+        &dir.path().join("store"),
+        &[input],
+        &IngestOptions::default(),
+    );
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (6, 2, 4),
+        "{report:?}"
+    );
     let rejected = quarantined(&report);
-    let fields: Vec<&str> = rejected.iter().map(|r| r["field"].as_str().unwrap()).collect();
-    assert_eq!(fields, ["started_at", "started_at", "steps[0].timestamp", "started_at"]);
+    let fields: Vec<&str> = rejected
+        .iter()
+        .map(|r| r["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "started_at",
+            "started_at",
+            "steps[0].timestamp",
+            "started_at"
+        ]
+    );
     for entry in &rejected {
-        let (field, reason) = (entry["field"].as_str().unwrap(), entry["reason"].as_str().unwrap());
-        assert!(reason.contains(&format!("`{field}`")) && reason.contains("outside the years 1970..=9999"), "{reason}");
+        let (field, reason) = (
+            entry["field"].as_str().unwrap(),
+            entry["reason"].as_str().unwrap(),
+        );
+        assert!(
+            reason.contains(&format!("`{field}`"))
+                && reason.contains("outside the years 1970..=9999"),
+            "{reason}"
+        );
     }
     assert_eq!(texts(&dir.path().join("store")), ["epoch", "last ms"]);
 }
@@ -344,12 +687,24 @@ fn locomo_session_times_outside_the_calendar_quarantine_their_turns() {
         }
     }]);
     std::fs::write(&input, serde_json::to_string_pretty(&conversation).unwrap()).unwrap();
-    let options = IngestOptions { format: Some(Format::Locomo), ..IngestOptions::default() };
+    let options = IngestOptions {
+        format: Some(Format::Locomo),
+        ..IngestOptions::default()
+    };
     let report = run(&dir.path().join("store"), &[input], &options);
     assert_eq!((report.ingested, report.quarantined), (1, 1), "{report:?}");
     let rejected = quarantined(&report);
-    assert_eq!(rejected[0]["field"], "conversation.session_1_date_time", "{rejected:?}");
-    assert!(rejected[0]["reason"].as_str().unwrap().contains("outside the years 1970..=9999"), "{rejected:?}");
+    assert_eq!(
+        rejected[0]["field"], "conversation.session_1_date_time",
+        "{rejected:?}"
+    );
+    assert!(
+        rejected[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("outside the years 1970..=9999"),
+        "{rejected:?}"
+    );
     assert_eq!(texts(&dir.path().join("store")), ["B: in time"]);
 }
 
@@ -362,14 +717,33 @@ fn file_symlinks_in_a_walk_are_skipped_and_reported_unless_followed() {
     let outside = dir.path().join("secret.jsonl");
     std::fs::write(&outside, "{\"task\":\"outside the tree\"}\n").unwrap();
     std::os::unix::fs::symlink(&outside, input.join("link.jsonl")).unwrap();
-    let report = run(&dir.path().join("store"), &[input.clone()], &IngestOptions::default());
-    assert_eq!((report.read, report.ingested, report.quarantined), (1, 1, 0), "{report:?}");
+    let report = run(
+        &dir.path().join("store"),
+        &[input.clone()],
+        &IngestOptions::default(),
+    );
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (1, 1, 0),
+        "{report:?}"
+    );
     assert_eq!(skipped_names(&report), ["link.jsonl"]);
-    assert!(report.skipped[0].reason.contains("--follow-symlinks"), "{:?}", report.skipped);
+    assert!(
+        report.skipped[0].reason.contains("--follow-symlinks"),
+        "{:?}",
+        report.skipped
+    );
     assert_eq!(texts(&dir.path().join("store")), ["inside"]);
-    let options = IngestOptions { follow_symlinks: true, ..IngestOptions::default() };
+    let options = IngestOptions {
+        follow_symlinks: true,
+        ..IngestOptions::default()
+    };
     let followed = run(&dir.path().join("store2"), &[input], &options);
-    assert_eq!((followed.ingested, followed.skipped.len()), (2, 0), "{followed:?}");
+    assert_eq!(
+        (followed.ingested, followed.skipped.len()),
+        (2, 0),
+        "{followed:?}"
+    );
 }
 
 #[test]
@@ -379,22 +753,50 @@ fn a_symlink_named_as_an_input_is_refused_unless_followed() {
     std::fs::write(&target, "{\"task\":\"behind a link\"}\n").unwrap();
     let link = dir.path().join("link.jsonl");
     std::os::unix::fs::symlink(&target, &link).unwrap();
-    let report = run(&dir.path().join("store"), &[link.clone()], &IngestOptions::default());
-    assert_eq!((report.read, report.ingested, report.quarantined), (1, 0, 1), "{report:?}");
-    let reason = quarantined(&report)[0]["reason"].as_str().unwrap().to_string();
-    assert!(reason.contains("symbolic link") && reason.contains("pass --follow-symlinks"), "{reason}");
-    let options = IngestOptions { follow_symlinks: true, ..IngestOptions::default() };
+    let report = run(
+        &dir.path().join("store"),
+        &[link.clone()],
+        &IngestOptions::default(),
+    );
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (1, 0, 1),
+        "{report:?}"
+    );
+    let reason = quarantined(&report)[0]["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        reason.contains("symbolic link") && reason.contains("pass --follow-symlinks"),
+        "{reason}"
+    );
+    let options = IngestOptions {
+        follow_symlinks: true,
+        ..IngestOptions::default()
+    };
     let followed = run(&dir.path().join("store2"), &[link], &options);
-    assert_eq!((followed.ingested, followed.quarantined), (1, 0), "{followed:?}");
+    assert_eq!(
+        (followed.ingested, followed.quarantined),
+        (1, 0),
+        "{followed:?}"
+    );
 }
 
-fn episodes_by_conversation(store: &Path) -> std::collections::BTreeMap<String, fluxmem_graph::Node> {
+fn episodes_by_conversation(
+    store: &Path,
+) -> std::collections::BTreeMap<String, fluxmem_graph::Node> {
     let graph = fluxmem_store::Store::open(store).unwrap().load().unwrap();
     graph
         .nodes
         .values()
         .filter(|n| n.kind() == NodeKind::Episodic)
-        .filter_map(|n| Some((n.metadata.get("conversation_id")?.as_str()?.to_string(), n.clone())))
+        .filter_map(|n| {
+            Some((
+                n.metadata.get("conversation_id")?.as_str()?.to_string(),
+                n.clone(),
+            ))
+        })
         .collect()
 }
 
@@ -405,39 +807,101 @@ fn episodes_by_conversation(store: &Path) -> std::collections::BTreeMap<String, 
 fn openai_chat_logs_become_episodes() {
     let store = tempfile::tempdir().unwrap();
     let sample = repo().join("data/openai-chat/support.jsonl");
-    assert_eq!(Format::detect(&sample, &std::fs::read(&sample).unwrap()), Some(Format::OpenaiChat));
-    let report = run(store.path(), &[sample], &IngestOptions { tenant: "northwind".into(), ..Default::default() });
-    assert_eq!((report.read, report.ingested, report.duplicates, report.quarantined), (6, 5, 1, 0), "{report:?}");
+    assert_eq!(
+        Format::detect(&sample, &std::fs::read(&sample).unwrap()),
+        Some(Format::OpenaiChat)
+    );
+    let report = run(
+        store.path(),
+        &[sample],
+        &IngestOptions {
+            tenant: "northwind".into(),
+            ..Default::default()
+        },
+    );
+    assert_eq!(
+        (
+            report.read,
+            report.ingested,
+            report.duplicates,
+            report.quarantined
+        ),
+        (6, 5, 1, 0),
+        "{report:?}"
+    );
     let episodes = episodes_by_conversation(store.path());
-    assert_eq!(episodes.keys().map(String::as_str).collect::<Vec<_>>(), ["c-101", "c-102", "c-103", "c-104", "c-105"]);
+    assert_eq!(
+        episodes.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["c-101", "c-102", "c-103", "c-104", "c-105"]
+    );
     let refund = &episodes["c-101"];
-    assert_eq!(refund.text, "I want a refund for order #A1001, the book arrived damaged.");
+    assert_eq!(
+        refund.text,
+        "I want a refund for order #A1001, the book arrived damaged."
+    );
     assert_eq!(refund.tenant, "northwind");
     let steps = &refund.episode().unwrap().steps;
-    let calls: Vec<&str> = steps.iter().flat_map(|s| s.tool_calls.iter().map(|c| c.name.as_str())).collect();
+    let calls: Vec<&str> = steps
+        .iter()
+        .flat_map(|s| s.tool_calls.iter().map(|c| c.name.as_str()))
+        .collect();
     assert_eq!(calls, ["get_order", "refund_order"]);
-    assert_eq!(steps[1].tool_calls[0].result.as_deref(), Some("{\"refunded\":true}"));
-    assert_eq!(steps[0].tool_calls[0].arguments, "{\"order_id\": \"A1001\"}");
+    assert_eq!(
+        steps[1].tool_calls[0].result.as_deref(),
+        Some("{\"refunded\":true}")
+    );
+    assert_eq!(
+        steps[0].tool_calls[0].arguments,
+        "{\"order_id\": \"A1001\"}"
+    );
     assert_eq!(refund.episode().unwrap().outcome.success, Some(true));
     // Content parts: the text part is the task.
-    assert_eq!(episodes["c-102"].text, "Please refund order A1002, I changed my mind.");
+    assert_eq!(
+        episodes["c-102"].text,
+        "Please refund order A1002, I changed my mind."
+    );
     // A failed tool call is the step's feedback, and the outcome is a failure.
     let late = episodes["c-103"].episode().unwrap();
     assert_eq!(late.outcome.success, Some(false));
-    assert!(late.steps[1].feedback.as_deref().unwrap().starts_with("Error: refund window"));
+    assert!(late.steps[1]
+        .feedback
+        .as_deref()
+        .unwrap()
+        .starts_with("Error: refund window"));
     // Parallel calls in one step; the second has no result logged; the record's tenant wins.
     let parallel = &episodes["c-104"];
     assert_eq!(parallel.tenant, "northwind-eu");
     let first = &parallel.episode().unwrap().steps[0];
     assert_eq!(first.tool_calls.len(), 2);
-    assert_eq!(first.tool_calls[0].result.as_deref(), Some("{\"status\":\"shipped\"}"));
+    assert_eq!(
+        first.tool_calls[0].result.as_deref(),
+        Some("{\"status\":\"shipped\"}")
+    );
     assert_eq!(first.tool_calls[1].result, None);
     // The system prompt: semantic nodes in each tenant that logged it, shared within a tenant.
-    let graph = fluxmem_store::Store::open(store.path()).unwrap().load().unwrap();
-    let prompt_tenants: std::collections::BTreeSet<&str> =
-        graph.nodes.values().filter(|n| n.kind() == NodeKind::Semantic).map(|n| n.tenant.as_str()).collect();
-    assert_eq!(prompt_tenants, ["northwind", "northwind-eu"].into_iter().collect());
-    assert_eq!(graph.nodes.values().filter(|n| n.kind() == NodeKind::Semantic).count(), 2, "one chunk per tenant");
+    let graph = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .load()
+        .unwrap();
+    let prompt_tenants: std::collections::BTreeSet<&str> = graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == NodeKind::Semantic)
+        .map(|n| n.tenant.as_str())
+        .collect();
+    assert_eq!(
+        prompt_tenants,
+        ["northwind", "northwind-eu"].into_iter().collect()
+    );
+    assert_eq!(
+        graph
+            .nodes
+            .values()
+            .filter(|n| n.kind() == NodeKind::Semantic)
+            .count(),
+        2,
+        "one chunk per tenant"
+    );
 }
 
 #[test]
@@ -455,11 +919,23 @@ fn malformed_chat_lines_are_quarantined_naming_line_and_field() {
     let store = tempfile::tempdir().unwrap();
     let report = run(store.path(), &[file], &IngestOptions::default());
     assert_eq!((report.ingested, report.quarantined), (1, 4));
-    let got: Vec<(u64, String)> =
-        quarantined(&report).iter().map(|q| (q["line"].as_u64().unwrap(), q["field"].as_str().unwrap_or("").to_string())).collect();
+    let got: Vec<(u64, String)> = quarantined(&report)
+        .iter()
+        .map(|q| {
+            (
+                q["line"].as_u64().unwrap(),
+                q["field"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
     assert_eq!(
         got,
-        [(2, "messages[0].content".to_string()), (3, "messages[0].role".into()), (4, "outcome.success".into()), (5, "messages".into())]
+        [
+            (2, "messages[0].content".to_string()),
+            (3, "messages[0].role".into()),
+            (4, "outcome.success".into()),
+            (5, "messages".into())
+        ]
     );
 }
 
@@ -476,31 +952,77 @@ fn compressed_files_are_read_and_broken_ones_are_one_record() {
     gz.write_all(&chat).unwrap();
     std::fs::write(dir.path().join("chat.jsonl.gz"), gz.finish().unwrap()).unwrap();
     let trajectories = std::fs::read(repo().join("data/trajectories.jsonl")).unwrap();
-    std::fs::write(dir.path().join("trajectories.jsonl.zst"), zstd::encode_all(&trajectories[..], 3).unwrap()).unwrap();
+    std::fs::write(
+        dir.path().join("trajectories.jsonl.zst"),
+        zstd::encode_all(&trajectories[..], 3).unwrap(),
+    )
+    .unwrap();
     let mut broken = std::fs::read(dir.path().join("chat.jsonl.gz")).unwrap();
     broken.truncate(broken.len() / 2);
     std::fs::write(dir.path().join("broken.jsonl.gz"), broken).unwrap();
-    let binary: Vec<u8> = (0..200_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let binary: Vec<u8> = (0..200_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
     std::fs::write(dir.path().join("blob.bin"), &binary).unwrap();
     let store = tempfile::tempdir().unwrap();
-    let report = run(store.path(), &[dir.path().to_path_buf()], &IngestOptions::default());
+    let report = run(
+        store.path(),
+        &[dir.path().to_path_buf()],
+        &IngestOptions::default(),
+    );
     // 6 chat lines (1 duplicate) + 9 trajectories; 2 files quarantined whole.
-    assert_eq!((report.files, report.ingested, report.duplicates, report.quarantined), (4, 14, 1, 2), "{report:?}");
+    assert_eq!(
+        (
+            report.files,
+            report.ingested,
+            report.duplicates,
+            report.quarantined
+        ),
+        (4, 14, 1, 2),
+        "{report:?}"
+    );
     let rejected = quarantined(&report);
-    let broken = rejected.iter().find(|q| q["file"].as_str().unwrap().ends_with("broken.jsonl.gz")).unwrap();
-    assert!(broken["reason"].as_str().unwrap().starts_with("gzip data does not decompress"), "{broken}");
+    let broken = rejected
+        .iter()
+        .find(|q| q["file"].as_str().unwrap().ends_with("broken.jsonl.gz"))
+        .unwrap();
+    assert!(
+        broken["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("gzip data does not decompress"),
+        "{broken}"
+    );
     assert_eq!(broken["raw"], "");
-    let blob = rejected.iter().find(|q| q["file"].as_str().unwrap().ends_with("blob.bin")).unwrap();
-    assert!(blob["reason"].as_str().unwrap().contains("cannot tell the format"), "{blob}");
+    let blob = rejected
+        .iter()
+        .find(|q| q["file"].as_str().unwrap().ends_with("blob.bin"))
+        .unwrap();
+    assert!(
+        blob["reason"]
+            .as_str()
+            .unwrap()
+            .contains("cannot tell the format"),
+        "{blob}"
+    );
     let line = serde_json::to_string(blob).unwrap();
-    assert!(line.len() < 2_000, "a short excerpt, not the file: {} bytes", line.len());
+    assert!(
+        line.len() < 2_000,
+        "a short excerpt, not the file: {} bytes",
+        line.len()
+    );
     let episodes = episodes_by_conversation(store.path());
     assert_eq!(episodes.len(), 5, "the chat log inside the .gz");
 }
 
 fn otel_episodes(store: &Path) -> Vec<fluxmem_graph::Node> {
     let graph = fluxmem_store::Store::open(store).unwrap().load().unwrap();
-    let mut episodes: Vec<fluxmem_graph::Node> = graph.nodes.values().filter(|n| n.kind() == NodeKind::Episodic).cloned().collect();
+    let mut episodes: Vec<fluxmem_graph::Node> = graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == NodeKind::Episodic)
+        .cloned()
+        .collect();
     episodes.sort_by_key(|n| n.created_at);
     episodes
 }
@@ -512,26 +1034,66 @@ fn otel_episodes(store: &Path) -> Vec<fluxmem_graph::Node> {
 fn otel_genai_traces_become_episodes() {
     let store = tempfile::tempdir().unwrap();
     let sample = repo().join("data/otel/ops-traces.json");
-    assert_eq!(Format::detect(&sample, &std::fs::read(&sample).unwrap()), Some(Format::Otel));
+    assert_eq!(
+        Format::detect(&sample, &std::fs::read(&sample).unwrap()),
+        Some(Format::Otel)
+    );
     let report = run(store.path(), &[sample], &IngestOptions::default());
-    assert_eq!((report.read, report.ingested, report.quarantined), (2, 2, 0), "{report:?}");
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (2, 2, 0),
+        "{report:?}"
+    );
     let episodes = otel_episodes(store.path());
     let fixed = &episodes[0];
-    assert_eq!(fixed.text, "Service checkout-api is returning 502s, please fix it.");
-    assert_eq!((fixed.tenant.as_str(), fixed.agent_id.as_deref()), ("globex-ops", Some("ops-bot-7")));
+    assert_eq!(
+        fixed.text,
+        "Service checkout-api is returning 502s, please fix it."
+    );
+    assert_eq!(
+        (fixed.tenant.as_str(), fixed.agent_id.as_deref()),
+        ("globex-ops", Some("ops-bot-7"))
+    );
     assert_eq!(fixed.metadata["conversation_id"], "conv-ops-1");
     let episode = fixed.episode().unwrap();
     assert_eq!(episode.outcome.success, Some(true));
-    let calls: Vec<(&str, Option<&str>)> =
-        episode.steps.iter().flat_map(|s| s.tool_calls.iter().map(|c| (c.name.as_str(), c.result.as_deref()))).collect();
-    assert_eq!(calls, [("get_health", Some("{\"status\":\"down\"}")), ("restart_service", Some("{\"restarted\":true}"))]);
+    let calls: Vec<(&str, Option<&str>)> = episode
+        .steps
+        .iter()
+        .flat_map(|s| {
+            s.tool_calls
+                .iter()
+                .map(|c| (c.name.as_str(), c.result.as_deref()))
+        })
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            ("get_health", Some("{\"status\":\"down\"}")),
+            ("restart_service", Some("{\"restarted\":true}"))
+        ]
+    );
     assert_eq!(episode.steps.last().unwrap().action, "Done.");
     let failed = episodes[1].episode().unwrap();
     assert_eq!(failed.outcome.success, Some(false));
-    assert_eq!(failed.outcome.feedback.as_deref(), Some("service still down"));
-    assert_eq!(failed.steps[1].feedback.as_deref(), Some("Error: permission denied"), "the tool span's ERROR status");
-    let graph = fluxmem_store::Store::open(store.path()).unwrap().load().unwrap();
-    let semantic: Vec<&fluxmem_graph::Node> = graph.nodes.values().filter(|n| n.kind() == NodeKind::Semantic).collect();
+    assert_eq!(
+        failed.outcome.feedback.as_deref(),
+        Some("service still down")
+    );
+    assert_eq!(
+        failed.steps[1].feedback.as_deref(),
+        Some("Error: permission denied"),
+        "the tool span's ERROR status"
+    );
+    let graph = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .load()
+        .unwrap();
+    let semantic: Vec<&fluxmem_graph::Node> = graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == NodeKind::Semantic)
+        .collect();
     assert_eq!(semantic.len(), 1, "both runs share the system instructions");
     assert_eq!(semantic[0].tenant, "globex-ops");
 }
@@ -540,9 +1102,14 @@ fn otel_genai_traces_become_episodes() {
 /// and a trace with no agent span: the spans are grouped after every file is read.
 #[test]
 fn otel_traces_split_across_files_and_broken_trees_are_grouped() {
-    let sample: Value = serde_json::from_slice(&std::fs::read(repo().join("data/otel/ops-traces.json")).unwrap()).unwrap();
+    let sample: Value =
+        serde_json::from_slice(&std::fs::read(repo().join("data/otel/ops-traces.json")).unwrap())
+            .unwrap();
     let resource = sample["resourceSpans"][0].clone();
-    let spans = resource["scopeSpans"][0]["spans"].as_array().unwrap().clone();
+    let spans = resource["scopeSpans"][0]["spans"]
+        .as_array()
+        .unwrap()
+        .clone();
     let file_of = |spans: &[Value]| {
         let mut r = resource.clone();
         r["scopeSpans"][0]["spans"] = Value::Array(spans.to_vec());
@@ -562,21 +1129,63 @@ fn otel_traces_split_across_files_and_broken_trees_are_grouped() {
     std::fs::write(dir.path().join("a.json"), file_of(&spans[..3]).to_string()).unwrap();
     std::fs::write(dir.path().join("b.json"), file_of(&second_half).to_string()).unwrap();
     std::fs::write(dir.path().join("c.json"), file_of(&spans[..3]).to_string()).unwrap();
-    std::fs::write(dir.path().join("d.json"), file_of(&[lone, broken]).to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("d.json"),
+        file_of(&[lone, broken]).to_string(),
+    )
+    .unwrap();
     let store = tempfile::tempdir().unwrap();
-    let report = run(store.path(), &[dir.path().to_path_buf()], &IngestOptions::default());
+    let report = run(
+        store.path(),
+        &[dir.path().to_path_buf()],
+        &IngestOptions::default(),
+    );
     assert_eq!((report.ingested, report.quarantined), (3, 1), "{report:?}");
     let rejected = quarantined(&report);
     assert_eq!(rejected[0]["field"], "spanId");
-    assert!(rejected[0]["locator"].as_str().unwrap().contains("spans[1]"), "{}", rejected[0]);
+    assert!(
+        rejected[0]["locator"]
+            .as_str()
+            .unwrap()
+            .contains("spans[1]"),
+        "{}",
+        rejected[0]
+    );
     let episodes = otel_episodes(store.path());
-    let first = episodes.iter().find(|e| e.metadata.get("conversation_id") == Some(&Value::from("conv-ops-1"))).unwrap();
-    assert_eq!(first.metadata["otel.spans"], 6, "every span of the trace, counted once");
-    assert_eq!(first.episode().unwrap().steps.iter().flat_map(|s| &s.tool_calls).count(), 2);
-    let lone = episodes.iter().find(|e| e.metadata["otel.group"].as_str().unwrap().starts_with("trace:")).unwrap();
+    let first = episodes
+        .iter()
+        .find(|e| e.metadata.get("conversation_id") == Some(&Value::from("conv-ops-1")))
+        .unwrap();
+    assert_eq!(
+        first.metadata["otel.spans"], 6,
+        "every span of the trace, counted once"
+    );
+    assert_eq!(
+        first
+            .episode()
+            .unwrap()
+            .steps
+            .iter()
+            .flat_map(|s| &s.tool_calls)
+            .count(),
+        2
+    );
+    let lone = episodes
+        .iter()
+        .find(|e| {
+            e.metadata["otel.group"]
+                .as_str()
+                .unwrap()
+                .starts_with("trace:")
+        })
+        .unwrap();
     assert_eq!(lone.episode().unwrap().steps[0].tool_calls[0].name, "ping");
     // Reading the same files again adds nothing.
-    let again = run(store.path(), &[dir.path().to_path_buf()], &IngestOptions::default());
+    let again = run(
+        store.path(),
+        &[dir.path().to_path_buf()],
+        &IngestOptions::default(),
+    );
     assert_eq!((again.ingested, again.duplicates), (0, 3));
 }
 
@@ -584,10 +1193,9 @@ fn otel_traces_split_across_files_and_broken_trees_are_grouped() {
 /// the same conversation id) gives each tenant its own episode: tenants never mix.
 #[test]
 fn otel_spans_of_two_tenants_are_never_one_episode() {
-    let attribute = |key: &str, value: &str| serde_json::json!({"key": key, "value": {"stringValue": value}});
-    let resource = |service: &str, spans: Vec<Value>| {
-        serde_json::json!({"resource": {"attributes": [attribute("service.name", service)]}, "scopeSpans": [{"spans": spans}]})
-    };
+    let attribute =
+        |key: &str, value: &str| serde_json::json!({"key": key, "value": {"stringValue": value}});
+    let resource = |service: &str, spans: Vec<Value>| serde_json::json!({"resource": {"attributes": [attribute("service.name", service)]}, "scopeSpans": [{"spans": spans}]});
     let trace = "0af7651916cd43dd8448eb211c80319c";
     let agent = serde_json::json!({
         "traceId": trace, "spanId": "b7ad6b7169203331", "startTimeUnixNano": "1795860000000000000",
@@ -603,16 +1211,33 @@ fn otel_spans_of_two_tenants_are_never_one_episode() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("t.json"), file.to_string()).unwrap();
     let store = tempfile::tempdir().unwrap();
-    let report = run(store.path(), &[dir.path().join("t.json")], &IngestOptions::default());
+    let report = run(
+        store.path(),
+        &[dir.path().join("t.json")],
+        &IngestOptions::default(),
+    );
     assert_eq!((report.ingested, report.quarantined), (2, 0), "{report:?}");
     let episodes = otel_episodes(store.path());
     let tenants: Vec<&str> = episodes.iter().map(|e| e.tenant.as_str()).collect();
-    assert_eq!(tenants.iter().copied().collect::<std::collections::BTreeSet<_>>(), ["shop-a", "shop-b"].into_iter().collect());
+    assert_eq!(
+        tenants
+            .iter()
+            .copied()
+            .collect::<std::collections::BTreeSet<_>>(),
+        ["shop-a", "shop-b"].into_iter().collect()
+    );
     let b = episodes.iter().find(|e| e.tenant == "shop-b").unwrap();
-    assert_eq!(b.episode().unwrap().steps[0].tool_calls[0].name, "get_order", "shop-b's own span, in shop-b");
+    assert_eq!(
+        b.episode().unwrap().steps[0].tool_calls[0].name,
+        "get_order",
+        "shop-b's own span, in shop-b"
+    );
     let a = episodes.iter().find(|e| e.tenant == "shop-a").unwrap();
     assert_eq!(a.text, "look up order 7");
-    assert!(a.episode().unwrap().steps.is_empty(), "shop-b's tool call is not in shop-a's episode");
+    assert!(
+        a.episode().unwrap().steps.is_empty(),
+        "shop-b's tool call is not in shop-a's episode"
+    );
 }
 
 /// The ledger skips files already ingested: unchanged (size and mtime), touched but the same
@@ -629,27 +1254,71 @@ fn the_ledger_reads_only_new_logs() {
     std::fs::write(&a, "{\"task\":\"one\"}\n").unwrap();
     std::fs::write(logs.join("bad.jsonl"), "{\"task\": 7}\n").unwrap();
     let first = run_as(&store, &[logs.clone()], &IngestOptions::default(), "n1");
-    assert_eq!((first.files, first.ingested, first.quarantined, first.unchanged_files), (2, 1, 1, 0), "{first:?}");
+    assert_eq!(
+        (
+            first.files,
+            first.ingested,
+            first.quarantined,
+            first.unchanged_files
+        ),
+        (2, 1, 1, 0),
+        "{first:?}"
+    );
     let ledger = std::fs::read_to_string(store.join(fluxmem_ingest::LEDGER)).unwrap();
     assert_eq!(ledger.lines().count(), 2, "{ledger}");
-    assert_eq!(quarantined(&first).len(), 1, "the quarantined record is on disk");
+    assert_eq!(
+        quarantined(&first).len(),
+        1,
+        "the quarantined record is on disk"
+    );
 
     let second = run_as(&store, &[logs.clone()], &IngestOptions::default(), "n2");
-    assert_eq!((second.files, second.read, second.unchanged_files, second.quarantine_file.is_some()), (0, 0, 2, false), "{second:?}");
+    assert_eq!(
+        (
+            second.files,
+            second.read,
+            second.unchanged_files,
+            second.quarantine_file.is_some()
+        ),
+        (0, 0, 2, false),
+        "{second:?}"
+    );
 
     // Touched: new mtime, same bytes: hashed and skipped.
     let file = std::fs::File::options().append(true).open(&a).unwrap();
-    file.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5)).unwrap();
+    file.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
+        .unwrap();
     drop(file);
     let touched = run_as(&store, &[logs.clone()], &IngestOptions::default(), "n3");
-    assert_eq!((touched.files, touched.unchanged_files), (0, 2), "{touched:?}");
+    assert_eq!(
+        (touched.files, touched.unchanged_files),
+        (0, 2),
+        "{touched:?}"
+    );
 
     // Grown: read again; the old record is a duplicate, the new one is ingested.
     std::fs::write(&a, "{\"task\":\"one\"}\n{\"task\":\"two\"}\n").unwrap();
     let grown = run_as(&store, &[logs.clone()], &IngestOptions::default(), "n4");
-    assert_eq!((grown.files, grown.ingested, grown.duplicates, grown.unchanged_files), (1, 1, 1, 1), "{grown:?}");
+    assert_eq!(
+        (
+            grown.files,
+            grown.ingested,
+            grown.duplicates,
+            grown.unchanged_files
+        ),
+        (1, 1, 1, 1),
+        "{grown:?}"
+    );
 
     // Other settings: the same file read for another tenant is new work.
-    let other = run_as(&store, &[a.clone()], &IngestOptions { tenant: "globex".into(), ..Default::default() }, "n5");
+    let other = run_as(
+        &store,
+        &[a.clone()],
+        &IngestOptions {
+            tenant: "globex".into(),
+            ..Default::default()
+        },
+        "n5",
+    );
     assert_eq!((other.files, other.ingested), (1, 2), "{other:?}");
 }

@@ -35,7 +35,11 @@ pub const PAD_BUCKET: usize = 16;
 /// The padded length of a text of `tokens` tokens: its own length rounded up to the next
 /// multiple of [`PAD_BUCKET`], at most `max_len`.
 pub fn bucket_len(tokens: usize, max_len: usize) -> usize {
-    tokens.max(1).div_ceil(PAD_BUCKET).saturating_mul(PAD_BUCKET).min(max_len.max(tokens))
+    tokens
+        .max(1)
+        .div_ceil(PAD_BUCKET)
+        .saturating_mul(PAD_BUCKET)
+        .min(max_len.max(tokens))
 }
 
 /// How token vectors become one sentence vector.
@@ -100,7 +104,10 @@ pub struct SentenceEmbedder {
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(path).at(path)?;
-    serde_json::from_str(&text).map_err(|e| Error::Format { path: path.into(), reason: e.to_string() })
+    serde_json::from_str(&text).map_err(|e| Error::Format {
+        path: path.into(),
+        reason: e.to_string(),
+    })
 }
 
 impl SentenceEmbedder {
@@ -111,10 +118,18 @@ impl SentenceEmbedder {
     }
 
     /// [`SentenceEmbedder::load`] with the forward pass chosen; `Native` needs the CPU.
-    pub fn load_with(dir: &Path, model_id: &str, device: &Device, backend: BertBackend) -> Result<SentenceEmbedder> {
+    pub fn load_with(
+        dir: &Path,
+        model_id: &str,
+        device: &Device,
+        backend: BertBackend,
+    ) -> Result<SentenceEmbedder> {
         let config_path = dir.join("config.json");
-        let config: Config = serde_json::from_value(read_json(&config_path)?)
-            .map_err(|e| Error::Format { path: config_path.clone(), reason: e.to_string() })?;
+        let config: Config =
+            serde_json::from_value(read_json(&config_path)?).map_err(|e| Error::Format {
+                path: config_path.clone(),
+                reason: e.to_string(),
+            })?;
         let pooling_path = dir.join("1_Pooling/config.json");
         let pooling = if pooling_path.exists() {
             let value = read_json(&pooling_path)?;
@@ -123,24 +138,35 @@ impl SentenceEmbedder {
             } else if value["pooling_mode_cls_token"].as_bool() == Some(true) {
                 Pooling::Cls
             } else {
-                return Err(Error::Format { path: pooling_path, reason: "only mean and CLS pooling are supported".into() });
+                return Err(Error::Format {
+                    path: pooling_path,
+                    reason: "only mean and CLS pooling are supported".into(),
+                });
             }
         } else {
             Pooling::Mean
         };
         let st_config = dir.join("sentence_bert_config.json");
-        let max_len = if st_config.exists() { read_json(&st_config)?["max_seq_length"].as_u64() } else { None }
-            .map(|n| n as usize)
-            .unwrap_or(config.max_position_embeddings)
-            .min(config.max_position_embeddings);
+        let max_len = if st_config.exists() {
+            read_json(&st_config)?["max_seq_length"].as_u64()
+        } else {
+            None
+        }
+        .map(|n| n as usize)
+        .unwrap_or(config.max_position_embeddings)
+        .min(config.max_position_embeddings);
         let modules = dir.join("modules.json");
         let normalize = modules.exists() && read_json(&modules)?.to_string().contains("Normalize");
         let tokenizer_path = dir.join("tokenizer.json");
-        let mut tokenizer = Tokenizer::from_file(&tokenizer_path)
-            .map_err(|e| Error::Format { path: tokenizer_path.clone(), reason: e.to_string() })?;
+        let mut tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|e| Error::Format {
+            path: tokenizer_path.clone(),
+            reason: e.to_string(),
+        })?;
         tokenizer.with_padding(None);
         let mut counter = tokenizer.clone();
-        counter.with_truncation(None).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        counter
+            .with_truncation(None)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
         tokenizer
             .with_truncation(Some(TruncationParams {
                 max_length: max_len,
@@ -151,15 +177,28 @@ impl SentenceEmbedder {
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
         let weights = dir.join("model.safetensors");
         let model = match backend {
-            BertBackend::Native | BertBackend::NativeAvx2 | BertBackend::NativePortable if !device.is_cpu() => {
-                return Err(Error::Format { path: weights, reason: "the native BERT forward runs on the CPU only".into() })
+            BertBackend::Native | BertBackend::NativeAvx2 | BertBackend::NativePortable
+                if !device.is_cpu() =>
+            {
+                return Err(Error::Format {
+                    path: weights,
+                    reason: "the native BERT forward runs on the CPU only".into(),
+                })
             }
-            BertBackend::Native => Encoder::Native(CpuBert::load(&weights, &config, KernelChoice::Best)?),
-            BertBackend::NativeAvx2 => Encoder::Native(CpuBert::load(&weights, &config, KernelChoice::Avx2)?),
-            BertBackend::NativePortable => Encoder::Native(CpuBert::load(&weights, &config, KernelChoice::Gemm)?),
+            BertBackend::Native => {
+                Encoder::Native(CpuBert::load(&weights, &config, KernelChoice::Best)?)
+            }
+            BertBackend::NativeAvx2 => {
+                Encoder::Native(CpuBert::load(&weights, &config, KernelChoice::Avx2)?)
+            }
+            BertBackend::NativePortable => {
+                Encoder::Native(CpuBert::load(&weights, &config, KernelChoice::Gemm)?)
+            }
             BertBackend::Candle => {
                 // Safety: the file is memory-mapped read-only; the cache is not modified while in use.
-                let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, device)? };
+                let vb = unsafe {
+                    VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, device)?
+                };
                 Encoder::Candle(BertModel::load(vb, &config)?)
             }
         };
@@ -189,7 +228,11 @@ impl SentenceEmbedder {
     /// use one thread for its matrix products: set `RAYON_NUM_THREADS=1` (as
     /// `benches/embed_vs_python.py` does); otherwise the workers fight over the cores.
     pub fn with_workers(mut self, workers: usize) -> Self {
-        self.workers = if self.device.is_cpu() { workers.max(1) } else { 1 };
+        self.workers = if self.device.is_cpu() {
+            workers.max(1)
+        } else {
+            1
+        };
         self
     }
 
@@ -219,8 +262,14 @@ impl SentenceEmbedder {
 
     /// Token ids of every text (truncated), in order.
     pub fn tokenize(&self, texts: &[&str]) -> Result<Vec<Vec<u32>>> {
-        let encodings = self.tokenizer.encode_batch(texts.to_vec(), true).map_err(|e| Error::Tokenizer(e.to_string()))?;
-        Ok(encodings.into_iter().map(|e| e.get_ids().to_vec()).collect())
+        let encodings = self
+            .tokenizer
+            .encode_batch(texts.to_vec(), true)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        Ok(encodings
+            .into_iter()
+            .map(|e| e.get_ids().to_vec())
+            .collect())
     }
 
     /// Embeds one batch of tokenized texts with the native forward: packed, no padding.
@@ -254,7 +303,12 @@ impl SentenceEmbedder {
 
     /// Embeds one batch of tokenized texts of one bucket, padded to `padded` tokens (and, on
     /// a GPU, to `batch_size` rows).
-    fn embed_batch(&self, model: &BertModel, batch: &[&Vec<u32>], padded: usize) -> Result<Vec<Vec<f32>>> {
+    fn embed_batch(
+        &self,
+        model: &BertModel,
+        batch: &[&Vec<u32>],
+        padded: usize,
+    ) -> Result<Vec<Vec<f32>>> {
         let longest = padded.max(1);
         let real_rows = batch.len();
         let mut rows: Vec<&Vec<u32>> = batch.to_vec();
@@ -308,10 +362,22 @@ impl Embedder for SentenceEmbedder {
         let tokenized = self.tokenize(texts)?;
         let native = matches!(self.model, Encoder::Native(_));
         // The native forward packs texts without padding: one "bucket" for all, longest first.
-        let bucket = |i: usize| if native { 0 } else { bucket_len(tokenized[i].len(), self.max_len) };
+        let bucket = |i: usize| {
+            if native {
+                0
+            } else {
+                bucket_len(tokenized[i].len(), self.max_len)
+            }
+        };
         // Longest bucket first; a batch never spans two buckets (see the module docs).
         let mut order: Vec<usize> = (0..texts.len()).collect();
-        order.sort_by_key(|&i| (std::cmp::Reverse(bucket(i)), std::cmp::Reverse(tokenized[i].len()), i));
+        order.sort_by_key(|&i| {
+            (
+                std::cmp::Reverse(bucket(i)),
+                std::cmp::Reverse(tokenized[i].len()),
+                i,
+            )
+        });
         let mut batches: Vec<Vec<usize>> = Vec::new();
         for group in order.chunk_by(|&a, &b| bucket(a) == bucket(b)) {
             batches.extend(group.chunks(self.batch_size).map(<[usize]>::to_vec));
@@ -325,19 +391,27 @@ impl Embedder for SentenceEmbedder {
         };
         let results: Vec<Result<Vec<Vec<f32>>>> = if self.workers > 1 && batches.len() > 1 {
             let workers = self.workers.min(batches.len());
-            let mut per_worker: Vec<Vec<(usize, Result<Vec<Vec<f32>>>)>> = std::thread::scope(|scope| {
-                let handles: Vec<_> = (0..workers)
-                    .map(|worker| {
-                        let batches = &batches;
-                        let run = &run;
-                        scope.spawn(move || {
-                            (worker..batches.len()).step_by(workers).map(|b| (b, run(&batches[b]))).collect::<Vec<_>>()
+            let mut per_worker: Vec<Vec<(usize, Result<Vec<Vec<f32>>>)>> =
+                std::thread::scope(|scope| {
+                    let handles: Vec<_> = (0..workers)
+                        .map(|worker| {
+                            let batches = &batches;
+                            let run = &run;
+                            scope.spawn(move || {
+                                (worker..batches.len())
+                                    .step_by(workers)
+                                    .map(|b| (b, run(&batches[b])))
+                                    .collect::<Vec<_>>()
+                            })
                         })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().expect("embedding worker panicked")).collect()
-            });
-            let mut flat: Vec<(usize, Result<Vec<Vec<f32>>>)> = per_worker.drain(..).flatten().collect();
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|h| h.join().expect("embedding worker panicked"))
+                        .collect()
+                });
+            let mut flat: Vec<(usize, Result<Vec<Vec<f32>>>)> =
+                per_worker.drain(..).flatten().collect();
             flat.sort_by_key(|(b, _)| *b);
             flat.into_iter().map(|(_, r)| r).collect()
         } else {
@@ -353,7 +427,10 @@ impl Embedder for SentenceEmbedder {
     }
 
     fn count_tokens(&self, text: &str) -> Result<usize> {
-        let encoding = self.counter.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let encoding = self
+            .counter
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
         Ok(encoding.get_ids().len())
     }
 }

@@ -124,17 +124,33 @@ impl Weights {
         if tensor.dims() != shape {
             return Err(Error::Format {
                 path: self.path.clone(),
-                reason: format!("tensor {key} has shape {:?}, expected {shape:?}", tensor.dims()),
+                reason: format!(
+                    "tensor {key} has shape {:?}, expected {shape:?}",
+                    tensor.dims()
+                ),
             });
         }
-        Ok(tensor.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        Ok(tensor
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
     }
 
     /// A layer norm's scale and shift, named `weight`/`bias` or (older checkpoints) `gamma`/`beta`.
     fn norm(&self, name: &str, size: usize) -> Result<Norm> {
-        let has = |suffix: &str| self.tensors.contains_key(&format!("{}{name}.{suffix}", self.prefix));
-        let (w, b) = if !has("weight") && has("gamma") { ("gamma", "beta") } else { ("weight", "bias") };
-        Ok(Norm { weight: self.get(&format!("{name}.{w}"), &[size])?, bias: self.get(&format!("{name}.{b}"), &[size])? })
+        let has = |suffix: &str| {
+            self.tensors
+                .contains_key(&format!("{}{name}.{suffix}", self.prefix))
+        };
+        let (w, b) = if !has("weight") && has("gamma") {
+            ("gamma", "beta")
+        } else {
+            ("weight", "bias")
+        };
+        Ok(Norm {
+            weight: self.get(&format!("{name}.{w}"), &[size])?,
+            bias: self.get(&format!("{name}.{b}"), &[size])?,
+        })
     }
 
     fn linear(&self, name: &str, inputs: usize, outputs: usize) -> Result<Linear> {
@@ -154,21 +170,44 @@ impl CpuBert {
     /// `choice`: which matrix kernel runs the linear layers.
     pub(crate) fn load(weights: &Path, config: &Config, choice: KernelChoice) -> Result<CpuBert> {
         let tensors = candle_core::safetensors::load(weights, &Device::Cpu)?;
-        let prefixes = ["".to_string(), "bert.".to_string(), config.model_type.as_ref().map(|t| format!("{t}.")).unwrap_or_default()];
+        let prefixes = [
+            "".to_string(),
+            "bert.".to_string(),
+            config
+                .model_type
+                .as_ref()
+                .map(|t| format!("{t}."))
+                .unwrap_or_default(),
+        ];
         let prefix = prefixes
             .iter()
             .find(|p| tensors.contains_key(&format!("{p}embeddings.word_embeddings.weight")))
             .cloned()
-            .ok_or_else(|| Error::Format { path: weights.into(), reason: "no embeddings.word_embeddings.weight tensor".into() })?;
-        let w = Weights { tensors, prefix, path: weights.into() };
+            .ok_or_else(|| Error::Format {
+                path: weights.into(),
+                reason: "no embeddings.word_embeddings.weight tensor".into(),
+            })?;
+        let w = Weights {
+            tensors,
+            prefix,
+            path: weights.into(),
+        };
         let h = config.hidden_size;
         if config.num_attention_heads == 0 || h % config.num_attention_heads != 0 {
-            return Err(Error::Format { path: weights.into(), reason: "hidden size is not a multiple of the head count".into() });
+            return Err(Error::Format {
+                path: weights.into(),
+                reason: "hidden size is not a multiple of the head count".into(),
+            });
         }
         let kernel = match choice {
             KernelChoice::Best if avx512_available() => Some(Isa::Avx512),
             KernelChoice::Best | KernelChoice::Avx2 if avx2_available() => Some(Isa::Avx2),
-            KernelChoice::Avx2 => return Err(Error::Format { path: weights.into(), reason: "the AVX2 kernel was asked for on a CPU without AVX2 and FMA".into() }),
+            KernelChoice::Avx2 => {
+                return Err(Error::Format {
+                    path: weights.into(),
+                    reason: "the AVX2 kernel was asked for on a CPU without AVX2 and FMA".into(),
+                })
+            }
             KernelChoice::Best | KernelChoice::Gemm => None,
         };
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
@@ -186,21 +225,37 @@ impl CpuBert {
             };
             layers.push(Layer {
                 qkv: qkv.pack(kernel),
-                attention_out: w.linear(&format!("{p}.attention.output.dense"), h, h)?.pack(kernel),
+                attention_out: w
+                    .linear(&format!("{p}.attention.output.dense"), h, h)?
+                    .pack(kernel),
                 attention_norm: w.norm(&format!("{p}.attention.output.LayerNorm"), h)?,
-                up: w.linear(&format!("{p}.intermediate.dense"), h, config.intermediate_size)?.pack(kernel),
-                down: w.linear(&format!("{p}.output.dense"), config.intermediate_size, h)?.pack(kernel),
+                up: w
+                    .linear(
+                        &format!("{p}.intermediate.dense"),
+                        h,
+                        config.intermediate_size,
+                    )?
+                    .pack(kernel),
+                down: w
+                    .linear(&format!("{p}.output.dense"), config.intermediate_size, h)?
+                    .pack(kernel),
                 out_norm: w.norm(&format!("{p}.output.LayerNorm"), h)?,
             });
         }
-        let token_type = w.get("embeddings.token_type_embeddings.weight", &[config.type_vocab_size, h])?;
+        let token_type = w.get(
+            "embeddings.token_type_embeddings.weight",
+            &[config.type_vocab_size, h],
+        )?;
         Ok(CpuBert {
             hidden: h,
             heads: config.num_attention_heads,
             eps: config.layer_norm_eps as f32,
             act: config.hidden_act,
             word: w.get("embeddings.word_embeddings.weight", &[config.vocab_size, h])?,
-            position: w.get("embeddings.position_embeddings.weight", &[config.max_position_embeddings, h])?,
+            position: w.get(
+                "embeddings.position_embeddings.weight",
+                &[config.max_position_embeddings, h],
+            )?,
             token_type: token_type[..h].to_vec(),
             max_positions: config.max_position_embeddings,
             embedding_norm: w.norm("embeddings.LayerNorm", h)?,
@@ -228,12 +283,17 @@ impl CpuBert {
         let mut row = 0;
         for tokens in texts {
             if tokens.is_empty() || tokens.len() > self.max_positions {
-                return Err(Error::Tokenizer(format!("a text of {} tokens does not fit the model", tokens.len())));
+                return Err(Error::Tokenizer(format!(
+                    "a text of {} tokens does not fit the model",
+                    tokens.len()
+                )));
             }
             spans.push((row, tokens.len()));
             for (position, &id) in tokens.iter().enumerate() {
                 let id = id as usize;
-                let word = self.word.get(id * h..(id + 1) * h).ok_or_else(|| Error::Tokenizer(format!("token id {id} is outside the vocabulary")))?;
+                let word = self.word.get(id * h..(id + 1) * h).ok_or_else(|| {
+                    Error::Tokenizer(format!("token id {id} is outside the vocabulary"))
+                })?;
                 let out = &mut x[row * h..(row + 1) * h];
                 let pos = &self.position[position * h..(position + 1) * h];
                 for j in 0..h {
@@ -273,36 +333,74 @@ impl CpuBert {
         let d = h / self.heads;
         let scale = 1.0 / (d as f32).sqrt();
         let out = SendPtr(context.as_mut_ptr());
-        let tasks: Vec<(usize, usize, usize)> =
-            spans.iter().flat_map(|&(start, len)| (0..self.heads).map(move |head| (start, len, head))).collect();
-        tasks.par_iter().for_each_init(Vec::new, |scores: &mut Vec<f32>, &(start, len, head)| {
-            scores.clear();
-            scores.resize(len * len, 0.0);
-            let q = qkv[start * 3 * h + head * d..].as_ptr();
-            let k = qkv[start * 3 * h + h + head * d..].as_ptr();
-            let v = qkv[start * 3 * h + 2 * h + head * d..].as_ptr();
-            let stride = (3 * h) as isize;
-            // Safety: q, k and v point at `len` rows of `stride` inside `qkv` (the slices above
-            // start inside it and the span's rows are within `rows`); `scores` holds len x len.
-            unsafe {
-                gemm::gemm(
-                    len, len, d, scores.as_mut_ptr(), 1, len as isize, false, q, 1, stride, k, stride, 1, 0.0, scale, false, false,
-                    false, Parallelism::None,
-                );
-            }
-            for row in scores.chunks_exact_mut(len) {
-                softmax(row);
-            }
-            // Safety: every task writes the `d` columns of its own head in its own text's rows,
-            // so no two tasks touch the same element; the rows are within `context`.
-            unsafe {
-                let dst = out.get().add(start * h + head * d);
-                gemm::gemm(
-                    len, d, len, dst, 1, h as isize, false, scores.as_ptr(), 1, len as isize, v, 1, stride, 0.0, 1.0, false,
-                    false, false, Parallelism::None,
-                );
-            }
-        });
+        let tasks: Vec<(usize, usize, usize)> = spans
+            .iter()
+            .flat_map(|&(start, len)| (0..self.heads).map(move |head| (start, len, head)))
+            .collect();
+        tasks
+            .par_iter()
+            .for_each_init(Vec::new, |scores: &mut Vec<f32>, &(start, len, head)| {
+                scores.clear();
+                scores.resize(len * len, 0.0);
+                let q = qkv[start * 3 * h + head * d..].as_ptr();
+                let k = qkv[start * 3 * h + h + head * d..].as_ptr();
+                let v = qkv[start * 3 * h + 2 * h + head * d..].as_ptr();
+                let stride = (3 * h) as isize;
+                // Safety: q, k and v point at `len` rows of `stride` inside `qkv` (the slices above
+                // start inside it and the span's rows are within `rows`); `scores` holds len x len.
+                unsafe {
+                    gemm::gemm(
+                        len,
+                        len,
+                        d,
+                        scores.as_mut_ptr(),
+                        1,
+                        len as isize,
+                        false,
+                        q,
+                        1,
+                        stride,
+                        k,
+                        stride,
+                        1,
+                        0.0,
+                        scale,
+                        false,
+                        false,
+                        false,
+                        Parallelism::None,
+                    );
+                }
+                for row in scores.chunks_exact_mut(len) {
+                    softmax(row);
+                }
+                // Safety: every task writes the `d` columns of its own head in its own text's rows,
+                // so no two tasks touch the same element; the rows are within `context`.
+                unsafe {
+                    let dst = out.get().add(start * h + head * d);
+                    gemm::gemm(
+                        len,
+                        d,
+                        len,
+                        dst,
+                        1,
+                        h as isize,
+                        false,
+                        scores.as_ptr(),
+                        1,
+                        len as isize,
+                        v,
+                        1,
+                        stride,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        Parallelism::None,
+                    );
+                }
+            });
     }
 }
 
@@ -327,7 +425,10 @@ fn parallelism() -> Parallelism {
 /// `out = x W^T + b (+ residual)`, for `rows` rows.
 fn linear(x: &[f32], rows: usize, layer: &Linear, residual: Option<&[f32]>, out: &mut [f32]) {
     let (k, n) = (layer.inputs, layer.outputs);
-    assert!(x.len() >= rows * k && out.len() >= rows * n, "linear layer buffers too small");
+    assert!(
+        x.len() >= rows * k && out.len() >= rows * n,
+        "linear layer buffers too small"
+    );
     par_chunks(&mut out[..rows * n], PAR_ROWS * n, |block, chunk| {
         for (r, row) in chunk.chunks_exact_mut(n).enumerate() {
             row.copy_from_slice(&layer.bias);
@@ -428,9 +529,19 @@ mod kernel {
 
     /// `out[rows, n] += x[rows, k] W^T`; `rows` is a multiple of [`MR`]; `isa` is one this CPU
     /// has (checked before packing).
-    pub(super) fn linear(x: &[f32], rows: usize, k: usize, packed: &[f32], n: usize, out: &mut [f32], isa: Isa) {
+    pub(super) fn linear(
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        packed: &[f32],
+        n: usize,
+        out: &mut [f32],
+        isa: Isa,
+    ) {
         use rayon::prelude::*;
-        assert!(rows % MR == 0 && x.len() >= rows * k && out.len() >= rows * n && packed.len() == n * k);
+        assert!(
+            rows % MR == 0 && x.len() >= rows * k && out.len() >= rows * n && packed.len() == n * k
+        );
         let run = |lhs: &mut Vec<f32>, (x, out): (&[f32], &mut [f32])| {
             // The block's rows interleaved (`k x MR`), so the kernel reads them as one stream.
             lhs.resize(MR * k, 0.0);
@@ -443,7 +554,9 @@ mod kernel {
             // holds k x MR values, `out` MR rows of `n`, `packed` n * k values.
             unsafe {
                 match isa {
-                    Isa::Avx512 => block_avx512(lhs.as_ptr(), k, packed.as_ptr(), n, out.as_mut_ptr()),
+                    Isa::Avx512 => {
+                        block_avx512(lhs.as_ptr(), k, packed.as_ptr(), n, out.as_mut_ptr())
+                    }
                     Isa::Avx2 => block_avx2(lhs.as_ptr(), k, packed.as_ptr(), n, out.as_mut_ptr()),
                 }
             }
@@ -451,10 +564,14 @@ mod kernel {
         let x = &x[..rows * k];
         let out = &mut out[..rows * n];
         if rayon::current_num_threads() > 1 {
-            x.par_chunks(MR * k).zip(out.par_chunks_mut(MR * n)).for_each_init(Vec::new, run);
+            x.par_chunks(MR * k)
+                .zip(out.par_chunks_mut(MR * n))
+                .for_each_init(Vec::new, run);
         } else {
             let mut lhs = Vec::new();
-            x.chunks(MR * k).zip(out.chunks_mut(MR * n)).for_each(|pair| run(&mut lhs, pair));
+            x.chunks(MR * k)
+                .zip(out.chunks_mut(MR * n))
+                .for_each(|pair| run(&mut lhs, pair));
         }
     }
 
@@ -525,7 +642,9 @@ mod kernel {
 fn par_chunks(x: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
     use rayon::prelude::*;
     if rayon::current_num_threads() > 1 && x.len() > chunk {
-        x.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
+        x.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
     } else {
         x.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
     }
@@ -535,7 +654,9 @@ fn par_chunks(x: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync 
 const PAR_ROWS: usize = 64;
 
 fn layer_norm(x: &mut [f32], width: usize, norm: &Norm, eps: f32) {
-    par_chunks(x, PAR_ROWS * width, |_, rows| layer_norm_rows(rows, width, norm, eps));
+    par_chunks(x, PAR_ROWS * width, |_, rows| {
+        layer_norm_rows(rows, width, norm, eps)
+    });
 }
 
 fn layer_norm_rows(x: &mut [f32], width: usize, norm: &Norm, eps: f32) {
@@ -563,7 +684,9 @@ fn activate(x: &mut [f32], act: HiddenAct) {
 
 fn activate_chunk(x: &mut [f32], act: HiddenAct) {
     match act {
-        HiddenAct::Gelu => x.iter_mut().for_each(|v| *v = 0.5 * *v * (1.0 + erf(*v * std::f32::consts::FRAC_1_SQRT_2))),
+        HiddenAct::Gelu => x
+            .iter_mut()
+            .for_each(|v| *v = 0.5 * *v * (1.0 + erf(*v * std::f32::consts::FRAC_1_SQRT_2))),
         HiddenAct::GeluApproximate => x.iter_mut().for_each(|v| {
             let c = (2.0 / std::f32::consts::PI).sqrt();
             *v = 0.5 * *v * (1.0 + (c * (*v + 0.044715 * *v * *v * *v)).tanh());

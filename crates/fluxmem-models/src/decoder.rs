@@ -54,8 +54,16 @@ struct Lin {
 impl Lin {
     fn new(main: QMatMul) -> Result<Lin> {
         Ok(match Native::of(&main)? {
-            Some(native) => Lin { main: None, small: None, native: Some((native, usize::MAX)) },
-            None => Lin { main: Some(main), small: None, native: None },
+            Some(native) => Lin {
+                main: None,
+                small: None,
+                native: Some((native, usize::MAX)),
+            },
+            None => Lin {
+                main: Some(main),
+                small: None,
+                native: None,
+            },
         })
     }
 
@@ -84,7 +92,9 @@ impl Module for Lin {
             (_, Some((native, most)), _) if rows <= *most => native.forward(xs),
             (_, _, Some(copy)) if rows <= SMALL_ROWS => copy.forward(xs),
             (Some(main), _, _) => main.forward(xs),
-            (None, _, _) => candle_core::bail!("a weight matrix without a copy for inputs of {rows} rows"),
+            (None, _, _) => {
+                candle_core::bail!("a weight matrix without a copy for inputs of {rows} rows")
+            }
         }
     }
 }
@@ -149,11 +159,25 @@ impl Cache {
         if rows.len() == self.rows() && rows.iter().enumerate().all(|(i, &r)| i == r) {
             return Ok(());
         }
-        let device = self.layers.iter().flatten().next().map(|(k, _)| k.device().clone());
+        let device = self
+            .layers
+            .iter()
+            .flatten()
+            .next()
+            .map(|(k, _)| k.device().clone());
         if let Some(device) = device {
-            let index = Tensor::new(rows.iter().map(|&r| r as u32).collect::<Vec<_>>().as_slice(), &device)?;
+            let index = Tensor::new(
+                rows.iter()
+                    .map(|&r| r as u32)
+                    .collect::<Vec<_>>()
+                    .as_slice(),
+                &device,
+            )?;
             for layer in self.layers.iter_mut().flatten() {
-                *layer = (layer.0.index_select(&index, 0)?, layer.1.index_select(&index, 0)?);
+                *layer = (
+                    layer.0.index_select(&index, 0)?,
+                    layer.1.index_select(&index, 0)?,
+                );
             }
         }
         self.start = rows.iter().map(|&r| self.start[r]).collect();
@@ -205,8 +229,16 @@ pub struct Decoder {
     device: Device,
 }
 
-fn rotary_tables(head_dim: usize, freq_base: f32, positions: usize, device: &Device) -> Result<(Tensor, Tensor)> {
-    let theta: Vec<f32> = (0..head_dim).step_by(2).map(|i| 1f32 / freq_base.powf(i as f32 / head_dim as f32)).collect();
+fn rotary_tables(
+    head_dim: usize,
+    freq_base: f32,
+    positions: usize,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let theta: Vec<f32> = (0..head_dim)
+        .step_by(2)
+        .map(|i| 1f32 / freq_base.powf(i as f32 / head_dim as f32))
+        .collect();
     let theta = Tensor::new(theta.as_slice(), device)?;
     let angles = Tensor::arange(0, positions as u32, device)?
         .to_dtype(DType::F32)?
@@ -216,7 +248,11 @@ fn rotary_tables(head_dim: usize, freq_base: f32, positions: usize, device: &Dev
 }
 
 /// The output projection: `output.weight`, or the token embeddings when they are tied.
-fn output_matrix<R: std::io::Seek + std::io::Read>(ct: &gguf_file::Content, reader: &mut R, device: &Device) -> Result<QMatMul> {
+fn output_matrix<R: std::io::Seek + std::io::Read>(
+    ct: &gguf_file::Content,
+    reader: &mut R,
+    device: &Device,
+) -> Result<QMatMul> {
     match ct.tensor(reader, "output.weight", device) {
         Ok(v) => QMatMul::from_qtensor(v),
         Err(_) => QMatMul::from_qtensor(ct.tensor(reader, "token_embd.weight", device)?),
@@ -225,8 +261,17 @@ fn output_matrix<R: std::io::Seek + std::io::Read>(ct: &gguf_file::Content, read
 
 impl Decoder {
     /// Loads a `llama` or `qwen2` model from GGUF `ct` read from `reader`.
-    pub fn from_gguf<R: std::io::Seek + std::io::Read>(ct: gguf_file::Content, reader: &mut R, device: &Device) -> Result<Self> {
-        let arch = ct.metadata.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
+    pub fn from_gguf<R: std::io::Seek + std::io::Read>(
+        ct: gguf_file::Content,
+        reader: &mut R,
+        device: &Device,
+    ) -> Result<Self> {
+        let arch = ct
+            .metadata
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_default();
         let (neox, bias) = match arch.as_str() {
             "llama" => (false, false),
             "qwen2" => (true, true),
@@ -242,18 +287,29 @@ impl Decoder {
         let n_head = get("attention.head_count")?.to_u32()? as usize;
         let n_kv_head = get("attention.head_count_kv")?.to_u32()? as usize;
         let embedding_length = get("embedding_length")?.to_u32()? as usize;
-        let context_length = get("context_length").and_then(|v| v.to_u32()).unwrap_or(2048) as usize;
+        let context_length = get("context_length")
+            .and_then(|v| v.to_u32())
+            .unwrap_or(2048) as usize;
         let block_count = get("block_count")?.to_u32()? as usize;
         let eps = get("attention.layer_norm_rms_epsilon")?.to_f32()? as f64;
-        let freq_base = get("rope.freq_base").and_then(|m| m.to_f32()).unwrap_or(10000f32);
+        let freq_base = get("rope.freq_base")
+            .and_then(|m| m.to_f32())
+            .unwrap_or(10000f32);
         let head_dim = embedding_length / n_head;
-        let rope_dim = get("rope.dimension_count").and_then(|v| v.to_u32()).map(|d| d as usize).unwrap_or(head_dim);
+        let rope_dim = get("rope.dimension_count")
+            .and_then(|v| v.to_u32())
+            .map(|d| d as usize)
+            .unwrap_or(head_dim);
         if rope_dim != head_dim {
-            candle_core::bail!("partial rotary embeddings ({rope_dim} of {head_dim} dimensions) are not supported");
+            candle_core::bail!(
+                "partial rotary embeddings ({rope_dim} of {head_dim} dimensions) are not supported"
+            );
         }
         let positions = context_length.min(MAX_POSITIONS);
 
-        let embeddings = ct.tensor(reader, "token_embd.weight", device)?.dequantize(device)?;
+        let embeddings = ct
+            .tensor(reader, "token_embd.weight", device)?
+            .dequantize(device)?;
         let norm = RmsNorm::from_qtensor(ct.tensor(reader, "output_norm.weight", device)?, eps)?;
         let output = Lin::new(output_matrix(&ct, reader, device)?)?;
         let (cos, sin) = rotary_tables(head_dim, freq_base, positions, device)?;
@@ -261,9 +317,17 @@ impl Decoder {
         for i in 0..block_count {
             let mut t = |name: &str| ct.tensor(reader, &format!("blk.{i}.{name}"), device);
             let mut m = |name: &str| Lin::new(QMatMul::from_qtensor(t(name)?)?);
-            let mlp = Mlp { gate: m("ffn_gate.weight")?, down: m("ffn_down.weight")?, up: m("ffn_up.weight")? };
+            let mlp = Mlp {
+                gate: m("ffn_gate.weight")?,
+                down: m("ffn_down.weight")?,
+                up: m("ffn_up.weight")?,
+            };
             let bias = if bias {
-                Some((t("attn_q.bias")?.dequantize(device)?, t("attn_k.bias")?.dequantize(device)?, t("attn_v.bias")?.dequantize(device)?))
+                Some((
+                    t("attn_q.bias")?.dequantize(device)?,
+                    t("attn_k.bias")?.dequantize(device)?,
+                    t("attn_v.bias")?.dequantize(device)?,
+                ))
             } else {
                 None
             };
@@ -287,7 +351,12 @@ impl Decoder {
             cos,
             sin,
             neg_inf: Tensor::new(f32::NEG_INFINITY, device)?,
-            dims: Dims { n_head, n_kv_head, head_dim, neox },
+            dims: Dims {
+                n_head,
+                n_kv_head,
+                head_dim,
+                neox,
+            },
             positions,
             device: device.clone(),
         })
@@ -296,10 +365,17 @@ impl Decoder {
     /// Adds a second copy of every weight matrix, from `ct` (the same model, its matrices in
     /// another form), used for inputs of at most [`SMALL_ROWS`] rows: decode steps. The
     /// embeddings, norms and biases stay those of `self`.
-    pub fn with_small_inputs<R: std::io::Seek + std::io::Read>(mut self, ct: gguf_file::Content, reader: &mut R, device: &Device) -> Result<Self> {
+    pub fn with_small_inputs<R: std::io::Seek + std::io::Read>(
+        mut self,
+        ct: gguf_file::Content,
+        reader: &mut R,
+        device: &Device,
+    ) -> Result<Self> {
         self.output.set_small(output_matrix(&ct, reader, device)?)?;
         for (i, layer) in self.layers.iter_mut().enumerate() {
-            let mut t = |name: &str| QMatMul::from_qtensor(ct.tensor(reader, &format!("blk.{i}.{name}"), device)?);
+            let mut t = |name: &str| {
+                QMatMul::from_qtensor(ct.tensor(reader, &format!("blk.{i}.{name}"), device)?)
+            };
             layer.mlp.gate.set_small(t("ffn_gate.weight")?)?;
             layer.mlp.down.set_small(t("ffn_down.weight")?)?;
             layer.mlp.up.set_small(t("ffn_up.weight")?)?;
@@ -313,7 +389,11 @@ impl Decoder {
 
     /// An empty cache for a batch of `rows` sequences.
     pub fn cache(&self, rows: usize) -> Cache {
-        Cache { layers: vec![None; self.layers.len()], start: vec![0; rows], len: 0 }
+        Cache {
+            layers: vec![None; self.layers.len()],
+            start: vec![0; rows],
+            len: 0,
+        }
     }
 
     /// `rows` as one (rows, longest) input, `pad` filling the short rows on `side`.
@@ -353,28 +433,50 @@ impl Decoder {
 
     /// Runs `input` (rows, seq) after what `cache` holds, and returns the logits (n, vocab) at
     /// the `(row, position in input)` pairs of `at`, in that order.
-    pub fn forward(&self, input: &Tensor, cache: &mut Cache, at: &[(usize, usize)]) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        input: &Tensor,
+        cache: &mut Cache,
+        at: &[(usize, usize)],
+    ) -> Result<Tensor> {
         let (b, seq) = input.dims2()?;
         if b != cache.rows() {
             candle_core::bail!("a batch of {b} rows on a cache of {}", cache.rows());
         }
         let past = cache.len;
         if past + seq > self.positions {
-            candle_core::bail!("{} positions exceed the model's usable context of {}", past + seq, self.positions);
+            candle_core::bail!(
+                "{} positions exceed the model's usable context of {}",
+                past + seq,
+                self.positions
+            );
         }
         let (cos, sin) = self.rotary(cache, seq)?;
         let mask = self.mask(cache, seq)?;
         let mut hidden = self.embeddings.forward(input)?;
         for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let residual = hidden.clone();
-            let attn = self.attention(layer, slot, &layer.attention_norm.forward(&hidden)?, mask.as_ref(), &cos, &sin, past)?;
+            let attn = self.attention(
+                layer,
+                slot,
+                &layer.attention_norm.forward(&hidden)?,
+                mask.as_ref(),
+                &cos,
+                &sin,
+                past,
+            )?;
             let x = (attn + residual)?;
             let residual = x.clone();
             hidden = (layer.mlp.forward(&layer.ffn_norm.forward(&x)?)? + residual)?;
         }
         cache.len += seq;
-        let index: Vec<u32> = at.iter().map(|&(row, pos)| (row * seq + pos) as u32).collect();
-        let picked = hidden.reshape((b * seq, ()))?.index_select(&Tensor::new(index.as_slice(), &self.device)?, 0)?;
+        let index: Vec<u32> = at
+            .iter()
+            .map(|&(row, pos)| (row * seq + pos) as u32)
+            .collect();
+        let picked = hidden
+            .reshape((b * seq, ()))?
+            .index_select(&Tensor::new(index.as_slice(), &self.device)?, 0)?;
         self.output.forward(&self.norm.forward(&picked)?)
     }
 
@@ -383,13 +485,23 @@ impl Decoder {
     /// tokens take the positions they would have alone.
     fn rotary(&self, cache: &Cache, seq: usize) -> Result<(Tensor, Tensor)> {
         if cache.start.iter().all(|&s| s == 0) {
-            return Ok((self.cos.narrow(0, cache.len, seq)?, self.sin.narrow(0, cache.len, seq)?));
+            return Ok((
+                self.cos.narrow(0, cache.len, seq)?,
+                self.sin.narrow(0, cache.len, seq)?,
+            ));
         }
-        let index: Vec<u32> =
-            cache.start.iter().flat_map(|&start| (0..seq).map(move |t| (cache.len + t).saturating_sub(start) as u32)).collect();
+        let index: Vec<u32> = cache
+            .start
+            .iter()
+            .flat_map(|&start| (0..seq).map(move |t| (cache.len + t).saturating_sub(start) as u32))
+            .collect();
         let index = Tensor::new(index.as_slice(), &self.device)?;
         let half = self.dims.head_dim / 2;
-        let pick = |table: &Tensor| table.index_select(&index, 0)?.reshape((cache.rows(), seq, half));
+        let pick = |table: &Tensor| {
+            table
+                .index_select(&index, 0)?
+                .reshape((cache.rows(), seq, half))
+        };
         Ok((pick(&self.cos)?, pick(&self.sin)?))
     }
 
@@ -407,10 +519,16 @@ impl Decoder {
         for &start in &cache.start {
             for t in 0..seq {
                 let query = cache.len + t;
-                mask.extend((0..keys).map(|key| u8::from(key > query || (key < start && key != query))));
+                mask.extend(
+                    (0..keys).map(|key| u8::from(key > query || (key < start && key != query))),
+                );
             }
         }
-        Ok(Some(Tensor::from_vec(mask, (cache.rows(), 1, seq, keys), &self.device)?))
+        Ok(Some(Tensor::from_vec(
+            mask,
+            (cache.rows(), 1, seq, keys),
+            &self.device,
+        )?))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -424,21 +542,48 @@ impl Decoder {
         sin: &Tensor,
         past: usize,
     ) -> Result<Tensor> {
-        let Dims { n_head, n_kv_head, head_dim, neox } = self.dims;
+        let Dims {
+            n_head,
+            n_kv_head,
+            head_dim,
+            neox,
+        } = self.dims;
         let (b, seq, n_embd) = x.dims3()?;
-        let (mut q, mut k, mut v) = (layer.wq.forward(x)?, layer.wk.forward(x)?, layer.wv.forward(x)?);
+        let (mut q, mut k, mut v) = (
+            layer.wq.forward(x)?,
+            layer.wk.forward(x)?,
+            layer.wv.forward(x)?,
+        );
         if let Some((bq, bk, bv)) = &layer.bias {
             q = q.broadcast_add(bq)?;
             k = k.broadcast_add(bk)?;
             v = v.broadcast_add(bv)?;
         }
-        let q = q.reshape((b, seq, n_head, head_dim))?.transpose(1, 2)?.contiguous()?;
-        let k = k.reshape((b, seq, n_kv_head, head_dim))?.transpose(1, 2)?.contiguous()?;
-        let v = v.reshape((b, seq, n_kv_head, head_dim))?.transpose(1, 2)?.contiguous()?;
-        let rope = |x: &Tensor| if neox { candle_nn::rotary_emb::rope(x, cos, sin) } else { candle_nn::rotary_emb::rope_i(x, cos, sin) };
+        let q = q
+            .reshape((b, seq, n_head, head_dim))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let k = k
+            .reshape((b, seq, n_kv_head, head_dim))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let v = v
+            .reshape((b, seq, n_kv_head, head_dim))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let rope = |x: &Tensor| {
+            if neox {
+                candle_nn::rotary_emb::rope(x, cos, sin)
+            } else {
+                candle_nn::rotary_emb::rope_i(x, cos, sin)
+            }
+        };
         let (q, k) = (rope(&q)?, rope(&k)?);
         let (k, v) = match slot.as_ref() {
-            Some((k_cache, v_cache)) if past > 0 => (Tensor::cat(&[k_cache, &k], 2)?, Tensor::cat(&[v_cache, &v], 2)?),
+            Some((k_cache, v_cache)) if past > 0 => (
+                Tensor::cat(&[k_cache, &k], 2)?,
+                Tensor::cat(&[v_cache, &v], 2)?,
+            ),
             _ => (k, v),
         };
         *slot = Some((k.clone(), v.clone()));

@@ -21,14 +21,20 @@ impl std::str::FromStr for DeviceChoice {
     type Err = Error;
 
     fn from_str(value: &str) -> Result<Self> {
-        let bad = |reason: &str| Error::Device { requested: value.to_string(), reason: reason.to_string() };
+        let bad = |reason: &str| Error::Device {
+            requested: value.to_string(),
+            reason: reason.to_string(),
+        };
         match value {
             "auto" => Ok(DeviceChoice::Auto),
             "cpu" => Ok(DeviceChoice::Cpu),
             "metal" => Ok(DeviceChoice::Metal),
             "cuda" => Ok(DeviceChoice::Cuda(0)),
             other => match other.strip_prefix("cuda:") {
-                Some(ordinal) => ordinal.parse().map(DeviceChoice::Cuda).map_err(|_| bad("expected cuda:<ordinal>")),
+                Some(ordinal) => ordinal
+                    .parse()
+                    .map(DeviceChoice::Cuda)
+                    .map_err(|_| bad("expected cuda:<ordinal>")),
                 None => Err(bad("expected auto, cpu, cuda, cuda:N or metal")),
             },
         }
@@ -40,11 +46,16 @@ impl DeviceChoice {
     pub fn device(&self) -> Result<Device> {
         let unavailable = |what: &str, e: candle_core::Error| Error::Device {
             requested: what.to_string(),
-            reason: format!("{e} (was fluxmem built with `--features {}`?)", what.split(':').next().unwrap_or(what)),
+            reason: format!(
+                "{e} (was fluxmem built with `--features {}`?)",
+                what.split(':').next().unwrap_or(what)
+            ),
         };
         match self {
             DeviceChoice::Cpu => Ok(Device::Cpu),
-            DeviceChoice::Cuda(ordinal) => Device::new_cuda(*ordinal).map_err(|e| unavailable(&format!("cuda:{ordinal}"), e)),
+            DeviceChoice::Cuda(ordinal) => {
+                Device::new_cuda(*ordinal).map_err(|e| unavailable(&format!("cuda:{ordinal}"), e))
+            }
             DeviceChoice::Metal => Device::new_metal(0).map_err(|e| unavailable("metal", e)),
             DeviceChoice::Auto => {
                 if candle_core::utils::cuda_is_available() {
@@ -70,11 +81,20 @@ mod tests {
     #[test]
     fn parses_device_choices() {
         assert_eq!("auto".parse::<DeviceChoice>().unwrap(), DeviceChoice::Auto);
-        assert_eq!("cuda:3".parse::<DeviceChoice>().unwrap(), DeviceChoice::Cuda(3));
-        assert_eq!("cuda".parse::<DeviceChoice>().unwrap(), DeviceChoice::Cuda(0));
+        assert_eq!(
+            "cuda:3".parse::<DeviceChoice>().unwrap(),
+            DeviceChoice::Cuda(3)
+        );
+        assert_eq!(
+            "cuda".parse::<DeviceChoice>().unwrap(),
+            DeviceChoice::Cuda(0)
+        );
         assert!("tpu".parse::<DeviceChoice>().is_err());
         assert!("cuda:x".parse::<DeviceChoice>().is_err());
         assert!(matches!(DeviceChoice::Cpu.device().unwrap(), Device::Cpu));
-        assert!(matches!(DeviceChoice::Auto.device().unwrap(), Device::Cpu) || cfg!(any(feature = "cuda", feature = "metal")));
+        assert!(
+            matches!(DeviceChoice::Auto.device().unwrap(), Device::Cpu)
+                || cfg!(any(feature = "cuda", feature = "metal"))
+        );
     }
 }

@@ -27,7 +27,10 @@ pub struct HashEmbedder {
 impl HashEmbedder {
     /// A hashing embedder of `dim` dimensions.
     pub fn new(dim: usize) -> HashEmbedder {
-        HashEmbedder { dim: dim.max(1), model_id: format!("hash-{dim}") }
+        HashEmbedder {
+            dim: dim.max(1),
+            model_id: format!("hash-{dim}"),
+        }
     }
 }
 
@@ -48,7 +51,11 @@ impl Embedder for HashEmbedder {
                 for word in words(text) {
                     // The first 48 bits of the word's SHA-256 (its first 12 hex digits).
                     let digest = Sha256::digest(word.as_bytes());
-                    let bucket = digest[..6].iter().fold(0u64, |acc, &b| (acc << 8) | b as u64) as usize % self.dim;
+                    let bucket = digest[..6]
+                        .iter()
+                        .fold(0u64, |acc, &b| (acc << 8) | b as u64)
+                        as usize
+                        % self.dim;
                     vector[bucket] += 1.0;
                 }
                 normalize(&mut vector);
@@ -63,7 +70,9 @@ impl Embedder for HashEmbedder {
 }
 
 fn words(text: &str) -> impl Iterator<Item = String> + '_ {
-    text.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).map(str::to_lowercase)
+    text.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_lowercase)
 }
 
 /// Scales `vector` to unit length (a zero vector stays zero).
@@ -77,7 +86,8 @@ pub fn normalize(vector: &mut [f32]) {
 /// Cosine similarity of two vectors (0 when either is zero).
 pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
     let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
-    let norms = a.iter().map(|v| v * v).sum::<f32>().sqrt() * b.iter().map(|v| v * v).sum::<f32>().sqrt();
+    let norms =
+        a.iter().map(|v| v * v).sum::<f32>().sqrt() * b.iter().map(|v| v * v).sum::<f32>().sqrt();
     if norms > 0.0 {
         dot / norms
     } else {
@@ -92,7 +102,14 @@ mod tests {
     #[test]
     fn hash_embedder_is_deterministic_and_normalised() {
         let embedder = HashEmbedder::new(64);
-        let vectors = embedder.embed(&["refund the order", "Refund the ORDER", "restart the job", ""]).unwrap();
+        let vectors = embedder
+            .embed(&[
+                "refund the order",
+                "Refund the ORDER",
+                "restart the job",
+                "",
+            ])
+            .unwrap();
         assert_eq!(vectors[0], vectors[1]);
         assert!((cosine(&vectors[0], &vectors[0]) - 1.0).abs() < 1e-6);
         assert!(cosine(&vectors[0], &vectors[2]) < cosine(&vectors[0], &vectors[1]));

@@ -14,7 +14,10 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message with `role`.
     pub fn new(role: &str, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -35,7 +38,13 @@ pub struct GenerateParams {
 
 impl Default for GenerateParams {
     fn default() -> Self {
-        GenerateParams { max_tokens: 256, temperature: 0.0, top_p: None, seed: 42, stop: Vec::new() }
+        GenerateParams {
+            max_tokens: 256,
+            temperature: 0.0,
+            top_p: None,
+            seed: 42,
+            stop: Vec::new(),
+        }
     }
 }
 
@@ -72,22 +81,38 @@ pub trait Generator: Send {
     /// The model's chat template applied to `messages`, ending where the assistant's reply starts.
     fn chat_prompt(&self, messages: &[ChatMessage]) -> String;
     /// Generates the assistant's reply to `messages`.
-    fn generate(&mut self, messages: &[ChatMessage], params: &GenerateParams) -> Result<Generation>;
+    fn generate(&mut self, messages: &[ChatMessage], params: &GenerateParams)
+        -> Result<Generation>;
     /// For each suffix: the log-probabilities of the next token being each of `options`'
     /// first tokens, after the prompt text `prefix + suffix`. The prefix is run once and its
     /// cache shared by all suffixes.
-    fn next_token_logprobs(&mut self, prefix: &str, suffixes: &[String], options: &[&str]) -> Result<Vec<Vec<f32>>>;
+    fn next_token_logprobs(
+        &mut self,
+        prefix: &str,
+        suffixes: &[String],
+        options: &[&str],
+    ) -> Result<Vec<Vec<f32>>>;
     /// Generates the replies to several conversations, in their order: the same replies as
     /// [`Generator::generate`] on each (each sequence samples with its own generator seeded by
     /// `params.seed`), up to float rounding, run together where the model can batch.
-    fn generate_batch(&mut self, conversations: &[Vec<ChatMessage>], params: &GenerateParams) -> Result<Vec<Generation>> {
-        conversations.iter().map(|messages| self.generate(messages, params)).collect()
+    fn generate_batch(
+        &mut self,
+        conversations: &[Vec<ChatMessage>],
+        params: &GenerateParams,
+    ) -> Result<Vec<Generation>> {
+        conversations
+            .iter()
+            .map(|messages| self.generate(messages, params))
+            .collect()
     }
     /// For each `(context, continuation)` pair: log P(continuation | context), the sum of the
     /// log-probabilities of the continuation's tokens after the context's (each text tokenized
     /// on its own, both non-empty). Query-likelihood scoring is built on it.
     fn continuation_logprobs(&mut self, _pairs: &[(String, String)]) -> Result<Vec<f32>> {
-        Err(crate::Error::Unsupported { model: self.model_id().to_string(), reason: "no continuation scoring".into() })
+        Err(crate::Error::Unsupported {
+            model: self.model_id().to_string(),
+            reason: "no continuation scoring".into(),
+        })
     }
     /// Number of tokens in `text`.
     fn count_tokens(&self, text: &str) -> Result<usize>;

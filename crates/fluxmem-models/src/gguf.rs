@@ -118,16 +118,26 @@ pub const DEFAULT_BATCH: usize = 16;
 
 impl GgufGenerator {
     /// Loads `dir/model.gguf` (and `dir/tokenizer.json` when present) on `device`.
-    pub fn load(dir: &Path, model_id: &str, device: &Device, path: WeightPath) -> Result<GgufGenerator> {
+    pub fn load(
+        dir: &Path,
+        model_id: &str,
+        device: &Device,
+        path: WeightPath,
+    ) -> Result<GgufGenerator> {
         let file_path = dir.join("model.gguf");
         let mut file = std::fs::File::open(&file_path).at(&file_path)?;
         let path = path.resolve(file.metadata().at(&file_path)?.len());
-        let content = gguf_file::Content::read(&mut file)
-            .map_err(|e| Error::Format { path: file_path.clone(), reason: format!("not a GGUF file: {e}") })?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| Error::Format {
+            path: file_path.clone(),
+            reason: format!("not a GGUF file: {e}"),
+        })?;
         let architecture = metadata_string(&content, "general.architecture").unwrap_or_default();
         let tokenizer_json = dir.join("tokenizer.json");
         let tokenizer = if tokenizer_json.exists() {
-            Tokenizer::from_file(&tokenizer_json).map_err(|e| Error::Format { path: tokenizer_json, reason: e.to_string() })?
+            Tokenizer::from_file(&tokenizer_json).map_err(|e| Error::Format {
+                path: tokenizer_json,
+                reason: e.to_string(),
+            })?
         } else {
             tokenizer_from_gguf(&content, &file_path)?
         };
@@ -140,16 +150,26 @@ impl GgufGenerator {
             context_length = context_length.min(crate::decoder::MAX_POSITIONS);
         }
         // The decode-step copy of the mixed path, read before the file is handed on.
-        let small = if path == WeightPath::Mixed && (architecture == "llama" || architecture == "qwen2") {
-            let mut cursor = std::io::Cursor::new(requantized_gguf(&content, &mut file, &file_path, GgmlDType::Q8_0)?);
-            Some((gguf_file::Content::read(&mut cursor)?, cursor))
-        } else {
-            None
-        };
+        let small =
+            if path == WeightPath::Mixed && (architecture == "llama" || architecture == "qwen2") {
+                let mut cursor = std::io::Cursor::new(requantized_gguf(
+                    &content,
+                    &mut file,
+                    &file_path,
+                    GgmlDType::Q8_0,
+                )?);
+                Some((gguf_file::Content::read(&mut cursor)?, cursor))
+            } else {
+                None
+            };
         let (content, mut reader): (gguf_file::Content, Box<dyn ReadSeek>) = match path {
             WeightPath::Quantized => (content, Box::new(file)),
             WeightPath::Dequantized | WeightPath::Q8 | WeightPath::Mixed | WeightPath::Prompts => {
-                let target = if path == WeightPath::Q8 { GgmlDType::Q8_0 } else { GgmlDType::F32 };
+                let target = if path == WeightPath::Q8 {
+                    GgmlDType::Q8_0
+                } else {
+                    GgmlDType::F32
+                };
                 let bytes = requantized_gguf(&content, &mut file, &file_path, target)?;
                 let mut cursor = std::io::Cursor::new(bytes);
                 let content = gguf_file::Content::read(&mut cursor)?;
@@ -160,21 +180,39 @@ impl GgufGenerator {
             "llama" | "qwen2" => {
                 let decoder = Decoder::from_gguf(content, &mut reader, device)?;
                 Model::Decoder(match small {
-                    Some((content, mut cursor)) => decoder.with_small_inputs(content, &mut cursor, device)?,
+                    Some((content, mut cursor)) => {
+                        decoder.with_small_inputs(content, &mut cursor, device)?
+                    }
                     None => decoder,
                 })
             }
-            "gemma3" => Model::Gemma3(quantized_gemma3::ModelWeights::from_gguf(content, &mut reader, device)?),
+            "gemma3" => Model::Gemma3(quantized_gemma3::ModelWeights::from_gguf(
+                content,
+                &mut reader,
+                device,
+            )?),
             other => {
-                return Err(Error::Format { path: file_path, reason: format!("architecture `{other}` is not supported (llama, qwen2, gemma3)") })
+                return Err(Error::Format {
+                    path: file_path,
+                    reason: format!(
+                        "architecture `{other}` is not supported (llama, qwen2, gemma3)"
+                    ),
+                })
             }
         };
-        let template = if architecture == "gemma3" { Template::Gemma } else { Template::ChatMl };
+        let template = if architecture == "gemma3" {
+            Template::Gemma
+        } else {
+            Template::ChatMl
+        };
         let stop_tokens: &[&str] = match template {
             Template::ChatMl => &["<|im_end|>", "<|endoftext|>"],
             Template::Gemma => &["<end_of_turn>", "<eos>"],
         };
-        let stop_ids = stop_tokens.iter().filter_map(|t| tokenizer.token_to_id(t)).collect();
+        let stop_ids = stop_tokens
+            .iter()
+            .filter_map(|t| tokenizer.token_to_id(t))
+            .collect();
         Ok(GgufGenerator {
             model,
             tokenizer,
@@ -213,13 +251,19 @@ impl GgufGenerator {
 
     fn check_context(&self, positions: usize) -> Result<()> {
         if positions > self.context_length {
-            return Err(Error::Tokenizer(format!("prompt of {positions} tokens exceeds the model's context of {}", self.context_length)));
+            return Err(Error::Tokenizer(format!(
+                "prompt of {positions} tokens exceeds the model's context of {}",
+                self.context_length
+            )));
         }
         Ok(())
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self.tokenizer.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let encoding = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -229,7 +273,9 @@ impl GgufGenerator {
         self.check_context(position + tokens.len())?;
         let input = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
         let logits = match (&self.model, state) {
-            (Model::Decoder(decoder), State::Decoder(cache)) => decoder.forward(&input, cache, &[(0, tokens.len() - 1)])?,
+            (Model::Decoder(decoder), State::Decoder(cache)) => {
+                decoder.forward(&input, cache, &[(0, tokens.len() - 1)])?
+            }
             (Model::Gemma3(_), State::Gemma3(model)) => model.forward(&input, position)?,
             _ => unreachable!("a state always comes from its own model"),
         };
@@ -239,7 +285,12 @@ impl GgufGenerator {
     /// [`Generator::generate_batch`] on the decoder: prompts sorted by length (less padding),
     /// `batch_size` at a time, each batch prefilled in one padded forward and decoded one token
     /// a step for all its unfinished sequences; a sequence that finishes leaves the batch.
-    fn decode_batches(&self, decoder: &Decoder, prompts: &[Vec<u32>], params: &GenerateParams) -> Result<Vec<Generation>> {
+    fn decode_batches(
+        &self,
+        decoder: &Decoder,
+        prompts: &[Vec<u32>],
+        params: &GenerateParams,
+    ) -> Result<Vec<Generation>> {
         let order = by_length(prompts.len(), |i| prompts[i].len());
         let mut out: Vec<Option<Generation>> = vec![None; prompts.len()];
         let temperature = (params.temperature > 0.0).then_some(params.temperature);
@@ -250,7 +301,10 @@ impl GgufGenerator {
             let mut cache = decoder.cache(rows.len());
             let mut logits = decoder.forward_padded(&rows, self.pad_id(), &mut cache)?;
             // Per sequence, as `generate` would run it alone: its own seeded sampler.
-            let mut samplers: Vec<LogitsProcessor> = chunk.iter().map(|_| LogitsProcessor::new(params.seed, temperature, params.top_p)).collect();
+            let mut samplers: Vec<LogitsProcessor> = chunk
+                .iter()
+                .map(|_| LogitsProcessor::new(params.seed, temperature, params.top_p))
+                .collect();
             let mut generated: Vec<Vec<u32>> = vec![Vec::new(); chunk.len()];
             let mut texts: Vec<String> = vec![String::new(); chunk.len()];
             let mut finish: Vec<&'static str> = vec!["length"; chunk.len()];
@@ -263,14 +317,23 @@ impl GgufGenerator {
                     if generated[seq].len() >= params.max_tokens {
                         continue;
                     }
-                    let next = samplers[seq].sample(&logits.get(row)?.to_dtype(candle_core::DType::F32)?)?;
+                    let next = samplers[seq]
+                        .sample(&logits.get(row)?.to_dtype(candle_core::DType::F32)?)?;
                     if self.stop_ids.contains(&next) {
                         finish[seq] = "stop";
                         continue;
                     }
                     generated[seq].push(next);
-                    let mut text = self.tokenizer.decode(&generated[seq], true).map_err(|e| Error::Tokenizer(e.to_string()))?;
-                    if let Some(at) = params.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+                    let mut text = self
+                        .tokenizer
+                        .decode(&generated[seq], true)
+                        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+                    if let Some(at) = params
+                        .stop
+                        .iter()
+                        .filter_map(|s| text.find(s.as_str()))
+                        .min()
+                    {
                         text.truncate(at);
                         texts[seq] = text;
                         finish[seq] = "stop";
@@ -301,7 +364,10 @@ impl GgufGenerator {
                 });
             }
         }
-        Ok(out.into_iter().map(|g| g.expect("every prompt is in one chunk")).collect())
+        Ok(out
+            .into_iter()
+            .map(|g| g.expect("every prompt is in one chunk"))
+            .collect())
     }
 
     /// [`Generator::continuation_logprobs`] on token ids: per pair, the continuation tokens'
@@ -313,7 +379,10 @@ impl GgufGenerator {
         if let Model::Decoder(decoder) = &self.model {
             let order = by_length(pairs.len(), |i| pairs[i].0.len() + pairs[i].1.len());
             for chunk in order.chunks(self.batch_size) {
-                let rows: Vec<Vec<u32>> = chunk.iter().map(|&i| [pairs[i].0.as_slice(), pairs[i].1.as_slice()].concat()).collect();
+                let rows: Vec<Vec<u32>> = chunk
+                    .iter()
+                    .map(|&i| [pairs[i].0.as_slice(), pairs[i].1.as_slice()].concat())
+                    .collect();
                 let width = rows.iter().map(Vec::len).max().unwrap_or(0);
                 self.check_context(width)?;
                 // Right padding: a row's real tokens never see the pads after them.
@@ -329,7 +398,9 @@ impl GgufGenerator {
                 }
                 let mut cache = decoder.cache(rows.len());
                 let input = decoder.padded(&rows, self.pad_id(), Side::Right)?;
-                let log_probs = crate::decoder::log_softmax_rows(&decoder.forward(&input, &mut cache, &at)?)?.to_vec2::<f32>()?;
+                let log_probs =
+                    crate::decoder::log_softmax_rows(&decoder.forward(&input, &mut cache, &at)?)?
+                        .to_vec2::<f32>()?;
                 let mut k = 0;
                 for &i in chunk {
                     for _ in 0..pairs[i].1.len() {
@@ -376,13 +447,22 @@ trait ReadSeek: std::io::Read + std::io::Seek {}
 impl<T: std::io::Read + std::io::Seek> ReadSeek for T {}
 
 fn metadata_string(content: &gguf_file::Content, key: &str) -> Option<String> {
-    content.metadata.get(key).and_then(|v| v.to_string().ok()).cloned()
+    content
+        .metadata
+        .get(key)
+        .and_then(|v| v.to_string().ok())
+        .cloned()
 }
 
 /// The GGUF file re-encoded (in memory) with every quantized matrix converted to `target`
 /// (f32: dense matmuls; Q8_0: fast quantized kernels). Tensors whose row length does not fit
 /// the target's block size stay as they are.
-fn requantized_gguf(content: &gguf_file::Content, file: &mut std::fs::File, path: &Path, target: GgmlDType) -> Result<Vec<u8>> {
+fn requantized_gguf(
+    content: &gguf_file::Content,
+    file: &mut std::fs::File,
+    path: &Path,
+    target: GgmlDType,
+) -> Result<Vec<u8>> {
     let mut tensors: Vec<(String, QTensor)> = Vec::with_capacity(content.tensor_infos.len());
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
@@ -395,7 +475,11 @@ fn requantized_gguf(content: &gguf_file::Content, file: &mut std::fs::File, path
             // matrix is as fast as stored as it is requantized, and requantizing it to Q8_0
             // would read more bytes a decode step, lose a little precision and take longer to
             // load (docs/models.md).
-            GgmlDType::Q4K | GgmlDType::Q6K if target == GgmlDType::Q8_0 && crate::native::runs(GgmlDType::Q4K) => tensor,
+            GgmlDType::Q4K | GgmlDType::Q6K
+                if target == GgmlDType::Q8_0 && crate::native::runs(GgmlDType::Q4K) =>
+            {
+                tensor
+            }
             _ => {
                 let row = tensor.shape().dims().last().copied().unwrap_or(0);
                 if row % target.block_size() == 0 {
@@ -407,11 +491,17 @@ fn requantized_gguf(content: &gguf_file::Content, file: &mut std::fs::File, path
         };
         tensors.push((name.clone(), tensor));
     }
-    let metadata: Vec<(&str, &gguf_file::Value)> = content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let metadata: Vec<(&str, &gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let mut out = std::io::Cursor::new(Vec::new());
-    gguf_file::write(&mut out, &metadata, &tensor_refs)
-        .map_err(|e| Error::Format { path: path.into(), reason: format!("re-encoding dequantized weights: {e}") })?;
+    gguf_file::write(&mut out, &metadata, &tensor_refs).map_err(|e| Error::Format {
+        path: path.into(),
+        reason: format!("re-encoding dequantized weights: {e}"),
+    })?;
     Ok(out.into_inner())
 }
 
@@ -425,7 +515,10 @@ impl Generator for GgufGenerator {
         match self.template {
             Template::ChatMl => {
                 for message in messages {
-                    prompt.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", message.role, message.content));
+                    prompt.push_str(&format!(
+                        "<|im_start|>{}\n{}<|im_end|>\n",
+                        message.role, message.content
+                    ));
                 }
                 prompt.push_str("<|im_start|>assistant\n");
             }
@@ -438,8 +531,13 @@ impl Generator for GgufGenerator {
                         "system" => pending_system = format!("{}\n\n", message.content),
                         role => {
                             let role = if role == "assistant" { "model" } else { "user" };
-                            let text = format!("{}{}", std::mem::take(&mut pending_system), message.content);
-                            prompt.push_str(&format!("<start_of_turn>{role}\n{text}<end_of_turn>\n"));
+                            let text = format!(
+                                "{}{}",
+                                std::mem::take(&mut pending_system),
+                                message.content
+                            );
+                            prompt
+                                .push_str(&format!("<start_of_turn>{role}\n{text}<end_of_turn>\n"));
                         }
                     }
                 }
@@ -449,7 +547,11 @@ impl Generator for GgufGenerator {
         prompt
     }
 
-    fn generate(&mut self, messages: &[ChatMessage], params: &GenerateParams) -> Result<Generation> {
+    fn generate(
+        &mut self,
+        messages: &[ChatMessage],
+        params: &GenerateParams,
+    ) -> Result<Generation> {
         let prompt = self.encode(&self.chat_prompt(messages))?;
         let mut model = self.model.start();
         let temperature = (params.temperature > 0.0).then_some(params.temperature);
@@ -465,8 +567,16 @@ impl Generator for GgufGenerator {
                 break;
             }
             generated.push(next);
-            text = self.tokenizer.decode(&generated, true).map_err(|e| Error::Tokenizer(e.to_string()))?;
-            if let Some(at) = params.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+            text = self
+                .tokenizer
+                .decode(&generated, true)
+                .map_err(|e| Error::Tokenizer(e.to_string()))?;
+            if let Some(at) = params
+                .stop
+                .iter()
+                .filter_map(|s| text.find(s.as_str()))
+                .min()
+            {
                 text.truncate(at);
                 finish = "stop";
                 break;
@@ -476,16 +586,34 @@ impl Generator for GgufGenerator {
         self.usage.calls += 1;
         self.usage.prompt_tokens += prompt.len();
         self.usage.generated_tokens += generated.len();
-        Ok(Generation { text, prompt_tokens: prompt.len(), generated_tokens: generated.len(), finish })
+        Ok(Generation {
+            text,
+            prompt_tokens: prompt.len(),
+            generated_tokens: generated.len(),
+            finish,
+        })
     }
 
-    fn next_token_logprobs(&mut self, prefix: &str, suffixes: &[String], options: &[&str]) -> Result<Vec<Vec<f32>>> {
+    fn next_token_logprobs(
+        &mut self,
+        prefix: &str,
+        suffixes: &[String],
+        options: &[&str],
+    ) -> Result<Vec<Vec<f32>>> {
         let option_ids: Vec<u32> = options
             .iter()
-            .map(|o| self.encode(o)?.first().copied().ok_or_else(|| Error::Tokenizer(format!("option `{o}` has no tokens"))))
+            .map(|o| {
+                self.encode(o)?
+                    .first()
+                    .copied()
+                    .ok_or_else(|| Error::Tokenizer(format!("option `{o}` has no tokens")))
+            })
             .collect::<Result<_>>()?;
         if !self.model.continues_from_cache() {
-            let whole: Vec<String> = suffixes.iter().map(|suffix| format!("{prefix}{suffix}")).collect();
+            let whole: Vec<String> = suffixes
+                .iter()
+                .map(|suffix| format!("{prefix}{suffix}"))
+                .collect();
             let mut out = Vec::with_capacity(whole.len());
             for prompt in &whole {
                 let ids = self.encode(prompt)?;
@@ -498,11 +626,20 @@ impl Generator for GgufGenerator {
         }
         let prefix_ids = self.encode(prefix)?;
         let mut base = self.model.start();
-        let prefix_logits = if prefix_ids.is_empty() { None } else { Some(self.run(&mut base, &prefix_ids, 0)?) };
+        let prefix_logits = if prefix_ids.is_empty() {
+            None
+        } else {
+            Some(self.run(&mut base, &prefix_ids, 0)?)
+        };
         self.usage.prompt_tokens += prefix_ids.len();
-        let suffix_ids: Vec<Vec<u32>> = suffixes.iter().map(|s| self.encode(s)).collect::<Result<_>>()?;
+        let suffix_ids: Vec<Vec<u32>> = suffixes
+            .iter()
+            .map(|s| self.encode(s))
+            .collect::<Result<_>>()?;
         if prefix_logits.is_none() && suffix_ids.iter().any(Vec::is_empty) {
-            return Err(Error::Tokenizer("nothing to score: empty prefix and suffix".into()));
+            return Err(Error::Tokenizer(
+                "nothing to score: empty prefix and suffix".into(),
+            ));
         }
         let mut out = vec![Vec::new(); suffixes.len()];
         // Suffixes with tokens run `batch_size` at a time after the prefix's cache, forked once
@@ -514,17 +651,35 @@ impl Generator for GgufGenerator {
             Model::Decoder(decoder) if self.batch_size > 1 => Some(decoder),
             _ => None,
         };
-        let order: Vec<usize> = by_length(suffixes.len(), |i| suffix_ids[i].len()).into_iter().filter(|&i| !suffix_ids[i].is_empty()).collect();
-        for chunk in order.chunks(if decoder.is_some() { self.batch_size } else { 1 }) {
+        let order: Vec<usize> = by_length(suffixes.len(), |i| suffix_ids[i].len())
+            .into_iter()
+            .filter(|&i| !suffix_ids[i].is_empty())
+            .collect();
+        for chunk in order.chunks(if decoder.is_some() {
+            self.batch_size
+        } else {
+            1
+        }) {
             let logits: Vec<Tensor> = match (decoder, &base) {
                 (Some(decoder), State::Decoder(cache)) => {
-                    let rows: Vec<Vec<u32>> = chunk.iter().map(|&i| suffix_ids[i].clone()).collect();
-                    self.check_context(prefix_ids.len() + rows.iter().map(Vec::len).max().unwrap_or(0))?;
+                    let rows: Vec<Vec<u32>> =
+                        chunk.iter().map(|&i| suffix_ids[i].clone()).collect();
+                    self.check_context(
+                        prefix_ids.len() + rows.iter().map(Vec::len).max().unwrap_or(0),
+                    )?;
                     let mut cache = cache.repeat_row(0, rows.len())?;
-                    let at: Vec<(usize, usize)> = rows.iter().enumerate().map(|(r, t)| (r, t.len() - 1)).collect();
+                    let at: Vec<(usize, usize)> = rows
+                        .iter()
+                        .enumerate()
+                        .map(|(r, t)| (r, t.len() - 1))
+                        .collect();
                     let input = decoder.padded(&rows, self.pad_id(), Side::Right)?;
-                    let all = decoder.forward(&input, &mut cache, &at)?.to_dtype(candle_core::DType::F32)?;
-                    (0..rows.len()).map(|r| all.get(r)).collect::<candle_core::Result<_>>()?
+                    let all = decoder
+                        .forward(&input, &mut cache, &at)?
+                        .to_dtype(candle_core::DType::F32)?;
+                    (0..rows.len())
+                        .map(|r| all.get(r))
+                        .collect::<candle_core::Result<_>>()?
                 }
                 _ => vec![self.run(&mut base.clone(), &suffix_ids[chunk[0]], prefix_ids.len())?],
             };
@@ -540,16 +695,31 @@ impl Generator for GgufGenerator {
         Ok(out)
     }
 
-    fn generate_batch(&mut self, conversations: &[Vec<ChatMessage>], params: &GenerateParams) -> Result<Vec<Generation>> {
+    fn generate_batch(
+        &mut self,
+        conversations: &[Vec<ChatMessage>],
+        params: &GenerateParams,
+    ) -> Result<Vec<Generation>> {
         let Model::Decoder(decoder) = &self.model else {
-            return conversations.iter().map(|messages| self.generate(messages, params)).collect();
+            return conversations
+                .iter()
+                .map(|messages| self.generate(messages, params))
+                .collect();
         };
         if self.batch_size <= 1 {
-            return conversations.iter().map(|messages| self.generate(messages, params)).collect();
+            return conversations
+                .iter()
+                .map(|messages| self.generate(messages, params))
+                .collect();
         }
-        let prompts: Vec<Vec<u32>> = conversations.iter().map(|m| self.encode(&self.chat_prompt(m))).collect::<Result<_>>()?;
+        let prompts: Vec<Vec<u32>> = conversations
+            .iter()
+            .map(|m| self.encode(&self.chat_prompt(m)))
+            .collect::<Result<_>>()?;
         if let Some(i) = prompts.iter().position(Vec::is_empty) {
-            return Err(Error::Tokenizer(format!("conversation {i} has an empty prompt")));
+            return Err(Error::Tokenizer(format!(
+                "conversation {i} has an empty prompt"
+            )));
         }
         let generations = self.decode_batches(decoder, &prompts, params)?;
         for generation in &generations {
@@ -565,7 +735,9 @@ impl Generator for GgufGenerator {
         for (i, (context, continuation)) in pairs.iter().enumerate() {
             let (context, continuation) = (self.encode(context)?, self.encode(continuation)?);
             if context.is_empty() || continuation.is_empty() {
-                return Err(Error::Tokenizer(format!("pair {i}: the context and the continuation must both have tokens")));
+                return Err(Error::Tokenizer(format!(
+                    "pair {i}: the context and the continuation must both have tokens"
+                )));
             }
             ids.push((context, continuation));
         }
@@ -589,18 +761,50 @@ mod tests {
     /// and 0.5B files against the 1.5B's, by their sizes as shipped).
     #[test]
     fn prompt_weights_follow_the_model_size() {
-        let sizes = [(98_362_432, "SmolLM2-135M Q4_1"), (491_400_064, "Qwen2.5-Coder-0.5B Q4_K_M"), (1_117_320_768, "Qwen2.5-Coder-1.5B Q4_K_M")];
+        let sizes = [
+            (98_362_432, "SmolLM2-135M Q4_1"),
+            (491_400_064, "Qwen2.5-Coder-0.5B Q4_K_M"),
+            (1_117_320_768, "Qwen2.5-Coder-1.5B Q4_K_M"),
+        ];
         if crate::native::available() {
             for (bytes, file) in sizes {
-                assert_eq!(WeightPath::Prompts.resolve(bytes), WeightPath::Q8, "{file}: fluxmem's kernels");
+                assert_eq!(
+                    WeightPath::Prompts.resolve(bytes),
+                    WeightPath::Q8,
+                    "{file}: fluxmem's kernels"
+                );
             }
         } else {
-            assert_eq!(WeightPath::Prompts.resolve(sizes[0].0), WeightPath::Dequantized, "{}", sizes[0].1);
-            assert_eq!(WeightPath::Prompts.resolve(sizes[1].0), WeightPath::Dequantized, "{}", sizes[1].1);
-            assert_eq!(WeightPath::Prompts.resolve(sizes[2].0), WeightPath::Quantized, "{}", sizes[2].1);
+            assert_eq!(
+                WeightPath::Prompts.resolve(sizes[0].0),
+                WeightPath::Dequantized,
+                "{}",
+                sizes[0].1
+            );
+            assert_eq!(
+                WeightPath::Prompts.resolve(sizes[1].0),
+                WeightPath::Dequantized,
+                "{}",
+                sizes[1].1
+            );
+            assert_eq!(
+                WeightPath::Prompts.resolve(sizes[2].0),
+                WeightPath::Quantized,
+                "{}",
+                sizes[2].1
+            );
         }
-        for path in [WeightPath::Quantized, WeightPath::Dequantized, WeightPath::Q8, WeightPath::Mixed] {
-            assert_eq!(path.resolve(1_117_320_768), path, "the others are themselves");
+        for path in [
+            WeightPath::Quantized,
+            WeightPath::Dequantized,
+            WeightPath::Q8,
+            WeightPath::Mixed,
+        ] {
+            assert_eq!(
+                path.resolve(1_117_320_768),
+                path,
+                "the others are themselves"
+            );
         }
     }
 }

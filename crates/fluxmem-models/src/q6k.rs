@@ -73,7 +73,11 @@ impl Q6KRows {
         const BYTES: usize = SUPER / 2 + SUPER / 4 + SUBS + 2;
         let supers = k / SUPER;
         if data.len() != out * supers * BYTES {
-            candle_core::bail!("a Q6_K matrix of {out} x {k} holds {} bytes, not {}", data.len(), out * supers * BYTES);
+            candle_core::bail!(
+                "a Q6_K matrix of {out} x {k} holds {} bytes, not {}",
+                data.len(),
+                out * supers * BYTES
+            );
         }
         let tiles = out.div_ceil(TILE);
         let mut low = vec![0u8; tiles * supers * TILE_LOW];
@@ -90,7 +94,8 @@ impl Q6KRows {
                 for j in 0..SUBS {
                     scales[(at * SUBS + j) * TILE + row] = block[192 + j] as i8;
                 }
-                factors[at * TILE + row] = half::f16::from_le_bytes([block[208], block[209]]).to_f32();
+                factors[at * TILE + row] =
+                    half::f16::from_le_bytes([block[208], block[209]]).to_f32();
                 // The file's order (ggml's dequantize_row_q6_K): per 128 weights, 64 bytes of
                 // low bits and 32 of high bits, in four runs of 32 weights.
                 let quant = |v: usize| {
@@ -103,18 +108,28 @@ impl Q6KRows {
                 let tile = &mut low[at * TILE_LOW..(at + 1) * TILE_LOW];
                 for g in 0..SUPER / 8 {
                     for j in 0..4 {
-                        tile[g * TILE * 4 + row * 4 + j] = (quant(8 * g + j) & 0xF) | ((quant(8 * g + j + 4) & 0xF) << 4);
+                        tile[g * TILE * 4 + row * 4 + j] =
+                            (quant(8 * g + j) & 0xF) | ((quant(8 * g + j + 4) & 0xF) << 4);
                     }
                 }
                 let tile = &mut high[at * TILE_HIGH..(at + 1) * TILE_HIGH];
                 for p in 0..SUPER / 16 {
                     for j in 0..4 {
-                        tile[p * TILE * 4 + row * 4 + j] = (0..4).map(|i| (quant(16 * p + 4 * i + j) >> 4) << (2 * i)).sum();
+                        tile[p * TILE * 4 + row * 4 + j] = (0..4)
+                            .map(|i| (quant(16 * p + 4 * i + j) >> 4) << (2 * i))
+                            .sum();
                     }
                 }
             }
         }
-        Ok(Q6KRows { out, k, low, high, scales, factors })
+        Ok(Q6KRows {
+            out,
+            k,
+            low,
+            high,
+            scales,
+            factors,
+        })
     }
 
     /// (out, k).
@@ -126,7 +141,12 @@ impl Q6KRows {
     fn tile(&self, t: usize) -> Tile<'_> {
         let supers = self.k / SUPER;
         let (a, b) = (t * supers, (t + 1) * supers);
-        Tile { low: &self.low[a * TILE_LOW..b * TILE_LOW], high: &self.high[a * TILE_HIGH..b * TILE_HIGH], scales: &self.scales[a * SUBS * TILE..b * SUBS * TILE], factors: &self.factors[a * TILE..b * TILE] }
+        Tile {
+            low: &self.low[a * TILE_LOW..b * TILE_LOW],
+            high: &self.high[a * TILE_HIGH..b * TILE_HIGH],
+            scales: &self.scales[a * SUBS * TILE..b * SUBS * TILE],
+            factors: &self.factors[a * TILE..b * TILE],
+        }
     }
 
     /// `rows` input rows of `k` values times the matrix: (rows, out).
@@ -136,7 +156,13 @@ impl Q6KRows {
         drive_tiles(self.out, rows, k, |tile, first, count, two, results| {
             let rows = |m: usize| input.row(first + m.min(count - 1), k, 0..supers);
             let x = [rows(0), rows(1), rows(2), rows(3)];
-            run_unit::<Q6K>([self.tile(tile), self.tile(tile + two as usize)], two, x, count, results)
+            run_unit::<Q6K>(
+                [self.tile(tile), self.tile(tile + two as usize)],
+                two,
+                x,
+                count,
+                results,
+            )
         })
     }
 }
@@ -168,7 +194,11 @@ impl Tile<'_> {
         let low = if j < 4 { byte & 0xF } else { byte >> 4 };
         let (p, i) = (v / 16, v % 16);
         let high = (self.high[s * TILE_HIGH + p * TILE * 4 + row * 4 + i % 4] >> (2 * (i / 4))) & 3;
-        (low | (high << 4), self.scales[(s * SUBS + v / 16) * TILE + row], self.factors[s * TILE + row])
+        (
+            low | (high << 4),
+            self.scales[(s * SUBS + v / 16) * TILE + row],
+            self.factors[s * TILE + row],
+        )
     }
 }
 
@@ -183,7 +213,9 @@ fn reference(w: Tile, x: Row) -> [f32; TILE] {
             for j in 0..SUBS {
                 let (_, sc, d) = w.weight(s, row, 16 * j);
                 let sc = d * sc as f32;
-                let dot: i32 = (16 * j..16 * (j + 1)).map(|v| w.weight(s, row, v).0 as i32 * x.quants[s * SUPER + v] as i32).sum();
+                let dot: i32 = (16 * j..16 * (j + 1))
+                    .map(|v| w.weight(s, row, v).0 as i32 * x.quants[s * SUPER + v] as i32)
+                    .sum();
                 products += sc * dot as f32;
                 offsets += sc * x.sums[16 * s + j];
             }
@@ -199,7 +231,11 @@ fn reference(w: Tile, x: Row) -> [f32; TILE] {
 /// added times `d·sc·dx`, less `d·sc` times the row's `32·dx·Σx`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row<'_>; M], results: &mut TileResults) {
+unsafe fn kernel_avx512<const M: usize, const N: usize>(
+    w: [Tile; N],
+    x: [Row<'_>; M],
+    results: &mut TileResults,
+) {
     use std::arch::x86_64::*;
     let supers = x[0].scales.len();
     let low4 = _mm512_set1_epi8(0x0F);
@@ -209,30 +245,56 @@ unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row<'_
         // SAFETY (every load below): each tile holds `supers` super-blocks (2,048 low bytes,
         // 1,024 high bytes, 256 scales, 16 factors), each row `supers` (256 quants, 1 scale, 16
         // sums).
-        let d: [__m512; N] = std::array::from_fn(|n| unsafe { _mm512_loadu_ps(w[n].factors.as_ptr().add(s * TILE)) });
-        let dx: [__m512; M] = std::array::from_fn(|m| unsafe { _mm512_set1_ps(*x[m].scales.get_unchecked(s)) });
+        let d: [__m512; N] = std::array::from_fn(|n| unsafe {
+            _mm512_loadu_ps(w[n].factors.as_ptr().add(s * TILE))
+        });
+        let dx: [__m512; M] =
+            std::array::from_fn(|m| unsafe { _mm512_set1_ps(*x[m].scales.get_unchecked(s)) });
         for j in 0..SUBS {
-            let (lo_at, hi_at) = (s * TILE_LOW + 2 * j * TILE * 4, s * TILE_HIGH + j * TILE * 4);
+            let (lo_at, hi_at) = (
+                s * TILE_LOW + 2 * j * TILE * 4,
+                s * TILE_HIGH + j * TILE * 4,
+            );
             let quants: [[__m512i; 4]; N] = std::array::from_fn(|n| unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(w[n].low.as_ptr().wrapping_add(lo_at + PREFETCH) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(w[n].low.as_ptr().wrapping_add(lo_at + PREFETCH + 64) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(w[n].high.as_ptr().wrapping_add(hi_at + PREFETCH / 2) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(
+                    w[n].low.as_ptr().wrapping_add(lo_at + PREFETCH) as *const i8
+                );
+                _mm_prefetch::<_MM_HINT_T0>(
+                    w[n].low.as_ptr().wrapping_add(lo_at + PREFETCH + 64) as *const i8
+                );
+                _mm_prefetch::<_MM_HINT_T0>(
+                    w[n].high.as_ptr().wrapping_add(hi_at + PREFETCH / 2) as *const i8
+                );
                 let first = _mm512_loadu_si512(w[n].low.as_ptr().add(lo_at) as *const _);
-                let second = _mm512_loadu_si512(w[n].low.as_ptr().add(lo_at + TILE * 4) as *const _);
+                let second =
+                    _mm512_loadu_si512(w[n].low.as_ptr().add(lo_at + TILE * 4) as *const _);
                 let high = _mm512_loadu_si512(w[n].high.as_ptr().add(hi_at) as *const _);
                 // Weights 0-3, 4-7 of the first group and 8-11, 12-15 of the second: the low
                 // nibbles, then the high ones, each with its two top bits moved to bits 4-5.
                 [
-                    _mm512_or_si512(_mm512_and_si512(first, low4), _mm512_and_si512(_mm512_slli_epi16(high, 4), top)),
-                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(first, 4), low4), _mm512_and_si512(_mm512_slli_epi16(high, 2), top)),
+                    _mm512_or_si512(
+                        _mm512_and_si512(first, low4),
+                        _mm512_and_si512(_mm512_slli_epi16(high, 4), top),
+                    ),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16(first, 4), low4),
+                        _mm512_and_si512(_mm512_slli_epi16(high, 2), top),
+                    ),
                     _mm512_or_si512(_mm512_and_si512(second, low4), _mm512_and_si512(high, top)),
-                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(second, 4), low4), _mm512_and_si512(_mm512_srli_epi16(high, 2), top)),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16(second, 4), low4),
+                        _mm512_and_si512(_mm512_srli_epi16(high, 2), top),
+                    ),
                 ]
             });
             let mut sums = [[_mm512_setzero_si512(); N]; M];
             for m in 0..M {
                 let xq = x[m].quants.as_ptr();
-                let four = |i: usize| unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(xq.add(s * SUPER + 16 * j + 4 * i) as *const i32)) };
+                let four = |i: usize| unsafe {
+                    _mm512_set1_epi32(std::ptr::read_unaligned(
+                        xq.add(s * SUPER + 16 * j + 4 * i) as *const i32
+                    ))
+                };
                 let inputs = [four(0), four(1), four(2), four(3)];
                 for n in 0..N {
                     for i in 0..4 {
@@ -240,11 +302,26 @@ unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row<'_
                     }
                 }
             }
-            let scale: [__m512; N] = std::array::from_fn(|n| unsafe { _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(w[n].scales.as_ptr().add((s * SUBS + j) * TILE) as *const _))), d[n]) });
+            let scale: [__m512; N] = std::array::from_fn(|n| unsafe {
+                _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        w[n].scales.as_ptr().add((s * SUBS + j) * TILE) as *const _,
+                    ))),
+                    d[n],
+                )
+            });
             for m in 0..M {
                 let offset = unsafe { _mm512_set1_ps(*x[m].sums.get_unchecked(16 * s + j)) };
                 for n in 0..N {
-                    acc[m][n] = _mm512_fnmadd_ps(scale[n], offset, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m][n]), _mm512_mul_ps(scale[n], dx[m]), acc[m][n]));
+                    acc[m][n] = _mm512_fnmadd_ps(
+                        scale[n],
+                        offset,
+                        _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(sums[m][n]),
+                            _mm512_mul_ps(scale[n], dx[m]),
+                            acc[m][n],
+                        ),
+                    );
                 }
             }
         }
@@ -273,12 +350,20 @@ mod tests {
     fn the_kernel_matches_the_reference_and_candle() {
         eprintln!("AVX-512 VNNI kernel on this CPU: {}", cpu_has_kernel());
         for (out, k) in [(7usize, 256usize), (40, 512), (33, 2048)] {
-            let weights: Vec<f32> = (0..out * k).map(|i| ((i as f32 * 0.618).sin() * 3.0) + if i % 97 == 0 { -9.0 } else { 0.0 } + (i / k) as f32 * 0.1).collect();
+            let weights: Vec<f32> = (0..out * k)
+                .map(|i| {
+                    ((i as f32 * 0.618).sin() * 3.0)
+                        + if i % 97 == 0 { -9.0 } else { 0.0 }
+                        + (i / k) as f32 * 0.1
+                })
+                .collect();
             let w = Tensor::from_vec(weights, (out, k), &Device::Cpu).unwrap();
             let q = QTensor::quantize(&w, GgmlDType::Q6K).unwrap();
             let dequantized: Vec<Vec<f32>> = q.dequantize(&Device::Cpu).unwrap().to_vec2().unwrap();
             let candle = QMatMul::from_qtensor(q).unwrap();
-            let QMatMul::QTensor(q) = &candle else { unreachable!("a quantized matrix") };
+            let QMatMul::QTensor(q) = &candle else {
+                unreachable!("a quantized matrix")
+            };
             let repacked = Q6KRows::from_qtensor(q).unwrap();
             // The repacked layout gives back candle's weights.
             for o in 0..out {
@@ -286,14 +371,23 @@ mod tests {
                 for v in 0..k {
                     let (u, sc, d) = tile.weight(v / SUPER, o % TILE, v % SUPER);
                     let value = d * sc as f32 * (u as f32 - 32.0);
-                    assert!((value - dequantized[o][v]).abs() <= 1e-5 * dequantized[o][v].abs().max(1.0), "{out}x{k}: weight ({o}, {v}) is {value}, candle's {}", dequantized[o][v]);
+                    assert!(
+                        (value - dequantized[o][v]).abs()
+                            <= 1e-5 * dequantized[o][v].abs().max(1.0),
+                        "{out}x{k}: weight ({o}, {v}) is {value}, candle's {}",
+                        dequantized[o][v]
+                    );
                 }
             }
             let native = Native::Q6K(repacked);
-            let Native::Q6K(repacked) = &native else { unreachable!("a Q6_K matrix") };
+            let Native::Q6K(repacked) = &native else {
+                unreachable!("a Q6_K matrix")
+            };
             let mut alone: Vec<Vec<f32>> = Vec::new();
             for rows in [1usize, 2, 3, 5, 9] {
-                let input: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.377).cos() * 2.0).collect();
+                let input: Vec<f32> = (0..rows * k)
+                    .map(|i| (i as f32 * 0.377).cos() * 2.0)
+                    .collect();
                 let xs = Tensor::from_vec(input.clone(), (rows, k), &Device::Cpu).unwrap();
                 let got: Vec<Vec<f32>> = native.forward(&xs).unwrap().to_vec2().unwrap();
                 let theirs: Vec<Vec<f32>> = candle.forward(&xs).unwrap().to_vec2().unwrap();
@@ -301,13 +395,31 @@ mod tests {
                 let supers = k / SUPER;
                 for r in 0..rows {
                     for o in 0..out {
-                        let reference = super::reference(repacked.tile(o / TILE), quantized.row(r, k, 0..supers))[o % TILE];
-                        let magnitude: f32 = (0..k).map(|i| (dequantized[o][i] * input[r * k + i]).abs()).sum();
-                        assert!((got[r][o] - reference).abs() <= 1e-5 * magnitude.max(1.0), "{out}x{k}, row {r}, output {o}: {} against {reference}", got[r][o]);
+                        let reference = super::reference(
+                            repacked.tile(o / TILE),
+                            quantized.row(r, k, 0..supers),
+                        )[o % TILE];
+                        let magnitude: f32 = (0..k)
+                            .map(|i| (dequantized[o][i] * input[r * k + i]).abs())
+                            .sum();
+                        assert!(
+                            (got[r][o] - reference).abs() <= 1e-5 * magnitude.max(1.0),
+                            "{out}x{k}, row {r}, output {o}: {} against {reference}",
+                            got[r][o]
+                        );
                         let exact: f32 = (0..k).map(|i| dequantized[o][i] * input[r * k + i]).sum();
                         let loose = 1e-2 * magnitude.max(1.0);
-                        assert!((got[r][o] - exact).abs() <= loose, "{out}x{k}, row {r}, output {o}: {} against the exact {exact}", got[r][o]);
-                        assert!((got[r][o] - theirs[r][o]).abs() <= loose, "{out}x{k}, row {r}, output {o}: {} against candle's {}", got[r][o], theirs[r][o]);
+                        assert!(
+                            (got[r][o] - exact).abs() <= loose,
+                            "{out}x{k}, row {r}, output {o}: {} against the exact {exact}",
+                            got[r][o]
+                        );
+                        assert!(
+                            (got[r][o] - theirs[r][o]).abs() <= loose,
+                            "{out}x{k}, row {r}, output {o}: {} against candle's {}",
+                            got[r][o],
+                            theirs[r][o]
+                        );
                     }
                 }
                 // The rows are a prefix of one sequence: row 0's outputs do not depend on how
@@ -315,7 +427,11 @@ mod tests {
                 if rows == 1 {
                     alone = got.clone();
                 }
-                assert_eq!(got[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), alone[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{out}x{k}: row 0 among {rows}");
+                assert_eq!(
+                    got[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    alone[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{out}x{k}: row 0 among {rows}"
+                );
             }
         }
     }

@@ -55,7 +55,11 @@ impl Q8Rows {
         const BYTES: usize = 2 + BLOCK;
         let blocks = k / BLOCK;
         if data.len() != out * blocks * BYTES {
-            candle_core::bail!("a Q8_0 matrix of {out} x {k} holds {} bytes, not {}", data.len(), out * blocks * BYTES);
+            candle_core::bail!(
+                "a Q8_0 matrix of {out} x {k} holds {} bytes, not {}",
+                data.len(),
+                out * blocks * BYTES
+            );
         }
         let tiles = out.div_ceil(TILE);
         // Padding rows: quants of 0 (128 offset) and scale 0.
@@ -73,7 +77,12 @@ impl Q8Rows {
                 }
             }
         }
-        Ok(Q8Rows { out, k, quants, scales })
+        Ok(Q8Rows {
+            out,
+            k,
+            quants,
+            scales,
+        })
     }
 
     /// (out, k).
@@ -85,12 +94,20 @@ impl Q8Rows {
     pub(crate) fn matmul(&self, values: &[f32], rows: usize) -> Vec<f32> {
         let input = quantize(values, self.k);
         let blocks = self.k / BLOCK;
-        let w = |t: usize| Tile { quants: &self.quants[t * blocks * BLOCK * TILE..(t + 1) * blocks * BLOCK * TILE], scales: &self.scales[t * blocks * TILE..(t + 1) * blocks * TILE] };
-        drive_tiles(self.out, rows, self.k, |tile, first, count, two, results| {
-            let rows = |m: usize| input.row(first + m.min(count - 1), blocks);
-            let x = [rows(0), rows(1), rows(2), rows(3)];
-            run_unit::<Q8>([w(tile), w(tile + two as usize)], two, x, count, results)
-        })
+        let w = |t: usize| Tile {
+            quants: &self.quants[t * blocks * BLOCK * TILE..(t + 1) * blocks * BLOCK * TILE],
+            scales: &self.scales[t * blocks * TILE..(t + 1) * blocks * TILE],
+        };
+        drive_tiles(
+            self.out,
+            rows,
+            self.k,
+            |tile, first, count, two, results| {
+                let rows = |m: usize| input.row(first + m.min(count - 1), blocks);
+                let x = [rows(0), rows(1), rows(2), rows(3)];
+                run_unit::<Q8>([w(tile), w(tile + two as usize)], two, x, count, results)
+            },
+        )
     }
 }
 
@@ -121,7 +138,11 @@ struct Row<'a> {
 impl Input {
     fn row(&self, r: usize, blocks: usize) -> Row<'_> {
         let (a, b) = (r * blocks, (r + 1) * blocks);
-        Row { quants: &self.quants[a * BLOCK..b * BLOCK], scales: &self.scales[a..b], offsets: &self.offsets[a..b] }
+        Row {
+            quants: &self.quants[a * BLOCK..b * BLOCK],
+            scales: &self.scales[a..b],
+            offsets: &self.offsets[a..b],
+        }
     }
 }
 
@@ -130,12 +151,18 @@ impl Input {
 fn quantize(values: &[f32], k: usize) -> Input {
     debug_assert!(k % BLOCK == 0);
     let blocks = values.len() / BLOCK;
-    let mut input = Input { quants: Vec::with_capacity(values.len()), scales: Vec::with_capacity(blocks), offsets: Vec::with_capacity(blocks) };
+    let mut input = Input {
+        quants: Vec::with_capacity(values.len()),
+        scales: Vec::with_capacity(blocks),
+        offsets: Vec::with_capacity(blocks),
+    };
     for block in values.chunks_exact(BLOCK) {
         let start = input.quants.len();
         let d = quantize_block(block, &mut input.quants);
         input.scales.push(d);
-        input.offsets.push(128.0 * input.quants[start..].iter().map(|&v| v as i32).sum::<i32>() as f32);
+        input
+            .offsets
+            .push(128.0 * input.quants[start..].iter().map(|&v| v as i32).sum::<i32>() as f32);
     }
     input
 }
@@ -149,7 +176,8 @@ fn reference(w: Tile, x: Row) -> [f32; TILE] {
         for (row, y) in out.iter_mut().enumerate() {
             let mut sum = 0i32;
             for i in 0..BLOCK {
-                sum += w.quants[b * BLOCK * TILE + (i / 4) * TILE * 4 + row * 4 + i % 4] as i32 * x.quants[b * BLOCK + i] as i32;
+                sum += w.quants[b * BLOCK * TILE + (i / 4) * TILE * 4 + row * 4 + i % 4] as i32
+                    * x.quants[b * BLOCK + i] as i32;
             }
             *y += (sum as f32 - offset) * (w.scales[b * TILE + row] * dx);
         }
@@ -159,7 +187,11 @@ fn reference(w: Tile, x: Row) -> [f32; TILE] {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M], results: &mut TileResults) {
+unsafe fn kernel_avx512<const M: usize, const N: usize>(
+    w: [Tile; N],
+    x: [Row; M],
+    results: &mut TileResults,
+) {
     use std::arch::x86_64::*;
     let blocks = x[0].scales.len();
     let mut acc = [[_mm512_setzero_ps(); N]; M];
@@ -168,17 +200,31 @@ unsafe fn kernel_avx512<const M: usize, const N: usize>(w: [Tile; N], x: [Row; M
         for g in 0..BLOCK / 4 {
             // SAFETY: each tile holds `blocks` blocks of 512 quant bytes and 16 scales, each
             // row `blocks` blocks of 32 quants, a scale and an offset.
-            let weights: [__m512i; N] = std::array::from_fn(|n| unsafe { _mm512_loadu_si512(w[n].quants.as_ptr().add(b * BLOCK * TILE + g * TILE * 4) as *const _) });
+            let weights: [__m512i; N] = std::array::from_fn(|n| unsafe {
+                _mm512_loadu_si512(
+                    w[n].quants.as_ptr().add(b * BLOCK * TILE + g * TILE * 4) as *const _
+                )
+            });
             for m in 0..M {
-                let four = unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(x[m].quants.as_ptr().add(b * BLOCK + g * 4) as *const i32)) };
+                let four = unsafe {
+                    _mm512_set1_epi32(std::ptr::read_unaligned(
+                        x[m].quants.as_ptr().add(b * BLOCK + g * 4) as *const i32,
+                    ))
+                };
                 for n in 0..N {
                     sums[m][n] = _mm512_dpbusd_epi32(sums[m][n], weights[n], four);
                 }
             }
         }
-        let scales: [__m512; N] = std::array::from_fn(|n| unsafe { _mm512_loadu_ps(w[n].scales.as_ptr().add(b * TILE)) });
+        let scales: [__m512; N] =
+            std::array::from_fn(|n| unsafe { _mm512_loadu_ps(w[n].scales.as_ptr().add(b * TILE)) });
         for m in 0..M {
-            let (dx, offset) = unsafe { (_mm512_set1_ps(*x[m].scales.get_unchecked(b)), _mm512_set1_ps(*x[m].offsets.get_unchecked(b))) };
+            let (dx, offset) = unsafe {
+                (
+                    _mm512_set1_ps(*x[m].scales.get_unchecked(b)),
+                    _mm512_set1_ps(*x[m].offsets.get_unchecked(b)),
+                )
+            };
             for n in 0..N {
                 let sum = _mm512_sub_ps(_mm512_cvtepi32_ps(sums[m][n]), offset);
                 acc[m][n] = _mm512_fmadd_ps(sum, _mm512_mul_ps(scales[n], dx), acc[m][n]);
@@ -208,7 +254,9 @@ mod tests {
     fn the_kernel_matches_the_reference_and_candle() {
         eprintln!("AVX-512 VNNI kernel on this CPU: {}", cpu_has_kernel());
         for (out, k) in [(40usize, 64usize), (33, 96), (70, 576), (12, 1120)] {
-            let weights: Vec<f32> = (0..out * k).map(|i| ((i as f32 * 0.618).sin() * 3.0) + if i % 97 == 0 { -9.0 } else { 0.0 }).collect();
+            let weights: Vec<f32> = (0..out * k)
+                .map(|i| ((i as f32 * 0.618).sin() * 3.0) + if i % 97 == 0 { -9.0 } else { 0.0 })
+                .collect();
             let w_values = weights.clone();
             let w = Tensor::from_vec(weights, (out, k), &Device::Cpu).unwrap();
             let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
@@ -218,24 +266,51 @@ mod tests {
                 QMatMul::QTensor(q) => Native::Q8(Q8Rows::from_qtensor(q).unwrap()),
                 _ => unreachable!("a quantized matrix"),
             };
-            let Native::Q8(tiles) = &native else { unreachable!("a Q8_0 matrix") };
-            assert!(tiles.quants.iter().any(|&v| v <= 1), "weights reach the lowest quants");
+            let Native::Q8(tiles) = &native else {
+                unreachable!("a Q8_0 matrix")
+            };
+            assert!(
+                tiles.quants.iter().any(|&v| v <= 1),
+                "weights reach the lowest quants"
+            );
             let mut alone: Vec<Vec<f32>> = Vec::new();
             for rows in [1usize, 2, 3, 5, 9] {
-                let input: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.377).cos() * 2.0).collect();
+                let input: Vec<f32> = (0..rows * k)
+                    .map(|i| (i as f32 * 0.377).cos() * 2.0)
+                    .collect();
                 let xs = Tensor::from_vec(input.clone(), (rows, k), &Device::Cpu).unwrap();
                 let got: Vec<Vec<f32>> = native.forward(&xs).unwrap().to_vec2().unwrap();
-                let theirs: Vec<Vec<f32>> = candle_core::Module::forward(&candle, &xs).unwrap().to_vec2().unwrap();
+                let theirs: Vec<Vec<f32>> = candle_core::Module::forward(&candle, &xs)
+                    .unwrap()
+                    .to_vec2()
+                    .unwrap();
                 let quantized = quantize(&input, k);
                 for r in 0..rows {
                     for o in 0..out {
-                        let reference: f32 = (0..k).map(|i| dequantized[o][i] * quantized.quants[r * k + i] as f32 * quantized.scales[(r * k + i) / BLOCK]).sum();
-                        let magnitude: f32 = (0..k).map(|i| (w_values[o * k + i] * input[r * k + i]).abs()).sum();
-                        assert!((got[r][o] - reference).abs() <= 1e-5 * magnitude.max(1.0), "{out}x{k}, row {r}, output {o}: {} against {reference}", got[r][o]);
+                        let reference: f32 = (0..k)
+                            .map(|i| {
+                                dequantized[o][i]
+                                    * quantized.quants[r * k + i] as f32
+                                    * quantized.scales[(r * k + i) / BLOCK]
+                            })
+                            .sum();
+                        let magnitude: f32 = (0..k)
+                            .map(|i| (w_values[o * k + i] * input[r * k + i]).abs())
+                            .sum();
+                        assert!(
+                            (got[r][o] - reference).abs() <= 1e-5 * magnitude.max(1.0),
+                            "{out}x{k}, row {r}, output {o}: {} against {reference}",
+                            got[r][o]
+                        );
                         // candle keeps the input's scales as f16 (a relative error of 2^-11 on each
                         // block's products, 5e-4), against the size of the products summed.
                         let loose = 2e-3 * magnitude.max(1.0);
-                        assert!((got[r][o] - theirs[r][o]).abs() <= loose, "{out}x{k}, row {r}, output {o}: {} against candle's {}", got[r][o], theirs[r][o]);
+                        assert!(
+                            (got[r][o] - theirs[r][o]).abs() <= loose,
+                            "{out}x{k}, row {r}, output {o}: {} against candle's {}",
+                            got[r][o],
+                            theirs[r][o]
+                        );
                     }
                 }
                 // The rows are the same inputs each time (a prefix of one sequence): row r's
@@ -243,7 +318,11 @@ mod tests {
                 if rows == 1 {
                     alone = got.clone();
                 }
-                assert_eq!(got[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), alone[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{out}x{k}: row 0 among {rows}");
+                assert_eq!(
+                    got[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    alone[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{out}x{k}: row 0 among {rows}"
+                );
             }
         }
     }

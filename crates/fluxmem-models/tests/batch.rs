@@ -6,14 +6,18 @@
 //! AVX-512 VNNI; elsewhere candle's kernels run it and that case is not compared). Needs the
 //! models of scripts/test.sh; a missing model fails with the command that fetches it.
 
-use fluxmem_models::{ChatMessage, DeviceChoice, GenerateParams, Generator, Judge, LlmJudge, QlJudge, WeightPath};
+use fluxmem_models::{
+    ChatMessage, DeviceChoice, GenerateParams, Generator, Judge, LlmJudge, QlJudge, WeightPath,
+};
 
 fn generator(name: &str, batch: usize) -> fluxmem_models::GgufGenerator {
     generator_with(name, batch, WeightPath::Dequantized)
 }
 
 fn generator_with(name: &str, batch: usize, path: WeightPath) -> fluxmem_models::GgufGenerator {
-    fluxmem_models::load_generator(name, &DeviceChoice::Cpu, path).unwrap_or_else(|e| panic!("{e}")).with_batch_size(batch)
+    fluxmem_models::load_generator(name, &DeviceChoice::Cpu, path)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_batch_size(batch)
 }
 
 /// Conversations of different lengths: the batch is left-padded.
@@ -40,20 +44,42 @@ fn check_batch_equals_one_at_a_time_on(model: &str, all: bool, path: WeightPath)
     let mut batched = generator_with(model, 4, path);
     let mut alone = generator_with(model, 1, path);
     let params = [
-        GenerateParams { max_tokens: 24, ..Default::default() },
-        GenerateParams { max_tokens: 16, temperature: 0.8, seed: 3, ..Default::default() },
-        GenerateParams { max_tokens: 24, stop: vec![".".into()], ..Default::default() },
+        GenerateParams {
+            max_tokens: 24,
+            ..Default::default()
+        },
+        GenerateParams {
+            max_tokens: 16,
+            temperature: 0.8,
+            seed: 3,
+            ..Default::default()
+        },
+        GenerateParams {
+            max_tokens: 24,
+            stop: vec![".".into()],
+            ..Default::default()
+        },
     ];
     let params = if all { &params[..] } else { &params[..1] };
     for params in params {
         // 5 conversations in batches of 4: a full batch (sequences leave it as they finish)
         // and a batch of one.
         let together = batched.generate_batch(&conversations, params).unwrap();
-        let each: Vec<_> = conversations.iter().map(|m| alone.generate(m, params).unwrap()).collect();
+        let each: Vec<_> = conversations
+            .iter()
+            .map(|m| alone.generate(m, params).unwrap())
+            .collect();
         assert_eq!(together, each, "{model}, {params:?}");
-        assert!(together.iter().any(|g| g.generated_tokens > 3), "{together:?}");
+        assert!(
+            together.iter().any(|g| g.generated_tokens > 3),
+            "{together:?}"
+        );
     }
-    assert_eq!(batched.usage().calls, 5 * params.len(), "every sequence is one call");
+    assert_eq!(
+        batched.usage().calls,
+        5 * params.len(),
+        "every sequence is one call"
+    );
 }
 
 #[test]
@@ -74,24 +100,39 @@ fn batched_generation_on_fluxmem_kernels_gives_each_conversation_its_own_reply()
         eprintln!("this CPU has no AVX-512 VNNI: candle's kernels run the Q8 path, not compared");
         return;
     }
-    check_batch_equals_one_at_a_time_on("qwen2.5-coder-0.5b-instruct-q4_k_m", false, WeightPath::Q8);
+    check_batch_equals_one_at_a_time_on(
+        "qwen2.5-coder-0.5b-instruct-q4_k_m",
+        false,
+        WeightPath::Q8,
+    );
 }
 
 #[test]
 fn continuation_scoring_agrees_with_next_token_scoring_and_with_itself_in_a_batch() {
     let mut batched = generator("smollm2-135m-instruct-q4_1", 8);
     let context = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\nThe capital of France is";
-    assert_eq!(batched.count_tokens(" Paris").unwrap(), 1, "a one-token continuation");
+    assert_eq!(
+        batched.count_tokens(" Paris").unwrap(),
+        1,
+        "a one-token continuation"
+    );
     // One token: the same log-probability as the next-token path (one sequence, last logits).
-    let one = batched.continuation_logprobs(&[(context.to_string(), " Paris".to_string())]).unwrap()[0];
-    let next = batched.next_token_logprobs(context, &[String::new()], &[" Paris"]).unwrap()[0][0];
+    let one = batched
+        .continuation_logprobs(&[(context.to_string(), " Paris".to_string())])
+        .unwrap()[0];
+    let next = batched
+        .next_token_logprobs(context, &[String::new()], &[" Paris"])
+        .unwrap()[0][0];
     assert!((one - next).abs() < 1e-3, "{one} vs {next}");
     // Longer continuations, scored alone and in one right-padded batch with others.
     let pairs: Vec<(String, String)> = [
         (context, " Paris."),
         (context, " Berlin."),
         (context, " Paris, a city on the Seine."),
-        ("<|im_start|>user\nBananas are", " yellow fruit that grow in bunches on large plants."),
+        (
+            "<|im_start|>user\nBananas are",
+            " yellow fruit that grow in bunches on large plants.",
+        ),
         ("Hi", " there"),
     ]
     .iter()
@@ -100,13 +141,29 @@ fn continuation_scoring_agrees_with_next_token_scoring_and_with_itself_in_a_batc
     let together = batched.continuation_logprobs(&pairs).unwrap();
     let mut alone = generator("smollm2-135m-instruct-q4_1", 1);
     for (pair, lp) in pairs.iter().zip(&together) {
-        let single = alone.continuation_logprobs(std::slice::from_ref(pair)).unwrap()[0];
-        assert!((single - lp).abs() < 1e-3, "{pair:?}: {single} alone vs {lp} in a batch");
+        let single = alone
+            .continuation_logprobs(std::slice::from_ref(pair))
+            .unwrap()[0];
+        assert!(
+            (single - lp).abs() < 1e-3,
+            "{pair:?}: {single} alone vs {lp} in a batch"
+        );
         assert!(lp.is_finite() && *lp < 0.0);
     }
-    assert_eq!(batched.count_tokens(" Berlin.").unwrap(), batched.count_tokens(" Paris.").unwrap());
-    assert!(together[0] > together[1], "Paris is likelier than Berlin: {together:?}");
-    assert!(batched.continuation_logprobs(&[(String::new(), "x".into())]).is_err(), "an empty context is refused");
+    assert_eq!(
+        batched.count_tokens(" Berlin.").unwrap(),
+        batched.count_tokens(" Paris.").unwrap()
+    );
+    assert!(
+        together[0] > together[1],
+        "Paris is likelier than Berlin: {together:?}"
+    );
+    assert!(
+        batched
+            .continuation_logprobs(&[(String::new(), "x".into())])
+            .is_err(),
+        "an empty context is refused"
+    );
 }
 
 #[test]
@@ -117,7 +174,11 @@ fn judges_score_the_same_in_a_batch_and_prefer_the_passage_that_answers() {
         "Melanie: I'm swamped with the kids & work.",
         "Melanie: We went camping last weekend with the kids, it was a lot of fun.",
     ];
-    let yes_no = |batch| LlmJudge::new(generator("smollm2-135m-instruct-q4_1", batch)).score(query, &passages).unwrap();
+    let yes_no = |batch| {
+        LlmJudge::new(generator("smollm2-135m-instruct-q4_1", batch))
+            .score(query, &passages)
+            .unwrap()
+    };
     let (batched, single) = (yes_no(8), yes_no(1));
     for (a, b) in batched.iter().zip(&single) {
         assert!((a - b).abs() < 1e-4, "{batched:?} vs {single:?}");
@@ -125,9 +186,15 @@ fn judges_score_the_same_in_a_batch_and_prefer_the_passage_that_answers() {
     let mut ql = QlJudge::new(generator("smollm2-135m-instruct-q4_1", 8));
     let scores = ql.score(query, &passages).unwrap();
     assert!(scores.iter().all(|s| (0.0..=1.0).contains(s)), "{scores:?}");
-    assert!(scores[0] > scores[1] && scores[0] > scores[2], "the answering passage lifts the query most: {scores:?}");
+    assert!(
+        scores[0] > scores[1] && scores[0] > scores[2],
+        "the answering passage lifts the query most: {scores:?}"
+    );
     let mut ql_single = QlJudge::new(generator("smollm2-135m-instruct-q4_1", 1));
-    for (a, b) in scores.iter().zip(ql_single.score(query, &passages).unwrap()) {
+    for (a, b) in scores
+        .iter()
+        .zip(ql_single.score(query, &passages).unwrap())
+    {
         assert!((a - b).abs() < 1e-4);
     }
 }

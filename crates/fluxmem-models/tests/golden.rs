@@ -6,25 +6,44 @@ use fluxmem_models::{cosine, BertBackend, DeviceChoice, Embedder, SentenceEmbedd
 use serde_json::Value;
 
 fn golden() -> (Vec<String>, Vec<Vec<f32>>) {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/data/golden/all-minilm-l6-v2.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/data/golden/all-minilm-l6-v2.json"
+    );
     let data: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let sentences = data["sentences"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect();
+    let sentences = data["sentences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_string())
+        .collect();
     let vectors = data["vectors"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|v| v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
+        .map(|v| {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        })
         .collect();
     (sentences, vectors)
 }
 
 fn device() -> DeviceChoice {
-    std::env::var("FLUXMEM_TEST_DEVICE").unwrap_or_else(|_| "cpu".into()).parse::<DeviceChoice>().unwrap()
+    std::env::var("FLUXMEM_TEST_DEVICE")
+        .unwrap_or_else(|_| "cpu".into())
+        .parse::<DeviceChoice>()
+        .unwrap()
 }
 
 /// The default embedder of the test device (on the CPU: the native forward).
 fn embedder(batch_size: usize) -> SentenceEmbedder {
-    fluxmem_models::load_embedder(fluxmem_models::DEFAULT_EMBEDDER, &device()).unwrap_or_else(|e| panic!("{e}")).with_batch_size(batch_size)
+    fluxmem_models::load_embedder(fluxmem_models::DEFAULT_EMBEDDER, &device())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_batch_size(batch_size)
 }
 
 /// Every forward pass the test device runs: on the CPU the native one (with its best kernel),
@@ -56,9 +75,16 @@ fn the_cpu_default_is_the_native_forward() {
         assert_eq!(embedder.backend(), BertBackend::Native);
         assert_ne!(embedder.kernel(), "candle");
         let portable = embedder_with(BertBackend::NativePortable, 32);
-        assert_eq!((portable.backend(), portable.kernel()), (BertBackend::NativePortable, "gemm"));
+        assert_eq!(
+            (portable.backend(), portable.kernel()),
+            (BertBackend::NativePortable, "gemm")
+        );
         if has_avx2() {
-            assert_ne!(embedder.kernel(), "gemm", "a CPU with AVX2 and FMA runs fluxmem's kernel");
+            assert_ne!(
+                embedder.kernel(),
+                "gemm",
+                "a CPU with AVX2 and FMA runs fluxmem's kernel"
+            );
             assert_eq!(embedder_with(BertBackend::NativeAvx2, 32).kernel(), "avx2");
         }
     }
@@ -87,8 +113,16 @@ fn the_avx2_kernel_gives_the_default_kernels_bits() {
     let refs: Vec<&str> = sentences.iter().map(String::as_str).collect();
     let default = embedder(5);
     let avx2 = embedder_with(BertBackend::NativeAvx2, 5);
-    assert_eq!((default.backend(), avx2.backend()), (BertBackend::Native, BertBackend::NativeAvx2));
-    assert_eq!(default.embed(&refs).unwrap(), avx2.embed(&refs).unwrap(), "{} vs avx2", default.kernel());
+    assert_eq!(
+        (default.backend(), avx2.backend()),
+        (BertBackend::Native, BertBackend::NativeAvx2)
+    );
+    assert_eq!(
+        default.embed(&refs).unwrap(),
+        avx2.embed(&refs).unwrap(),
+        "{} vs avx2",
+        default.kernel()
+    );
 }
 
 #[test]
@@ -102,9 +136,19 @@ fn matches_sentence_transformers_reference() {
             for ((sentence, got), want) in sentences.iter().zip(&got).zip(&expected) {
                 assert_eq!(got.len(), 384);
                 let similarity = cosine(got, want);
-                assert!(similarity >= 0.9999, "{backend:?}: cosine {similarity} for {sentence:?} at batch size {batch_size}");
-                let max_diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-                assert!(max_diff < 1e-4, "{backend:?}: max abs diff {max_diff} for {sentence:?}");
+                assert!(
+                    similarity >= 0.9999,
+                    "{backend:?}: cosine {similarity} for {sentence:?} at batch size {batch_size}"
+                );
+                let max_diff = got
+                    .iter()
+                    .zip(want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(
+                    max_diff < 1e-4,
+                    "{backend:?}: max abs diff {max_diff} for {sentence:?}"
+                );
             }
         }
     }
@@ -117,7 +161,11 @@ fn counts_tokens_without_truncation_and_truncates_embedding_input() {
     assert!(embedder.count_tokens(&long).unwrap() > 500);
     assert_eq!(embedder.count_tokens("hello world").unwrap(), 2);
     let ids = embedder.tokenize(&[&long]).unwrap();
-    assert_eq!(ids[0].len(), embedder.max_len(), "input truncated at the model's max length");
+    assert_eq!(
+        ids[0].len(),
+        embedder.max_len(),
+        "input truncated at the model's max length"
+    );
     assert_eq!(embedder.max_len(), 256);
 }
 
@@ -133,7 +181,10 @@ fn a_vector_does_not_depend_on_its_batch_mates() {
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     for backend in backends() {
         let single = embedder_with(backend, 32);
-        let alone: Vec<Vec<f32>> = refs.iter().map(|t| single.embed(&[t]).unwrap().remove(0)).collect();
+        let alone: Vec<Vec<f32>> = refs
+            .iter()
+            .map(|t| single.embed(&[t]).unwrap().remove(0))
+            .collect();
         for batch_size in [1, 3, 32] {
             let together = embedder_with(backend, batch_size).embed(&refs).unwrap();
             for ((text, a), b) in refs.iter().zip(&alone).zip(&together) {

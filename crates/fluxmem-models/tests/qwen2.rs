@@ -7,7 +7,8 @@ use fluxmem_models::{ChatMessage, DeviceChoice, GenerateParams, Generator, Weigh
 const MODEL: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m";
 
 fn generator(path: WeightPath) -> fluxmem_models::GgufGenerator {
-    fluxmem_models::load_generator(MODEL, &DeviceChoice::Cpu, path).unwrap_or_else(|e| panic!("{e}"))
+    fluxmem_models::load_generator(MODEL, &DeviceChoice::Cpu, path)
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The tokenizer built from the GGUF metadata (qwen2 pre-tokenizer) gives exactly the ids
@@ -37,7 +38,11 @@ fn qwen2_tokenizer_matches_llama_cpp() {
     for (text, expected) in cases {
         let ids = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
         assert_eq!(ids, expected, "tokens of {text:?}");
-        assert_eq!(tokenizer.decode(&ids, false).unwrap(), text, "round trip of {text:?}");
+        assert_eq!(
+            tokenizer.decode(&ids, false).unwrap(),
+            text,
+            "round trip of {text:?}"
+        );
     }
 }
 
@@ -47,9 +52,15 @@ fn qwen2_tokenizer_matches_llama_cpp() {
 fn qwen2_generates_a_correct_answer_and_stops_at_end_of_turn() {
     let messages = [
         ChatMessage::new("system", "You are a helpful assistant."),
-        ChatMessage::new("user", "What is the capital of France? Answer in one sentence."),
+        ChatMessage::new(
+            "user",
+            "What is the capital of France? Answer in one sentence.",
+        ),
     ];
-    let params = GenerateParams { max_tokens: 40, ..Default::default() };
+    let params = GenerateParams {
+        max_tokens: 40,
+        ..Default::default()
+    };
     for path in [WeightPath::Quantized, WeightPath::Q8] {
         let mut generator = generator(path);
         assert_eq!(
@@ -73,30 +84,56 @@ fn qwen2_generates_a_correct_answer_and_stops_at_end_of_turn() {
 fn qwen2_shared_prefix_scoring_equals_scoring_each_prompt_whole() {
     let mut generator = generator(WeightPath::Dequantized);
     let prefix = "<|im_start|>user\nIs the sky blue on a clear day?\nPassage:\n";
-    let suffixes = vec!["Clear skies look blue.<|im_end|>\n<|im_start|>assistant\n".to_string(), "Grass is green.<|im_end|>\n<|im_start|>assistant\n".to_string()];
-    let shared = generator.next_token_logprobs(prefix, &suffixes, &["Yes", "No"]).unwrap();
+    let suffixes = vec![
+        "Clear skies look blue.<|im_end|>\n<|im_start|>assistant\n".to_string(),
+        "Grass is green.<|im_end|>\n<|im_start|>assistant\n".to_string(),
+    ];
+    let shared = generator
+        .next_token_logprobs(prefix, &suffixes, &["Yes", "No"])
+        .unwrap();
     for (suffix, scores) in suffixes.iter().zip(&shared) {
-        let whole = generator.next_token_logprobs("", &[format!("{prefix}{suffix}")], &["Yes", "No"]).unwrap();
+        let whole = generator
+            .next_token_logprobs("", &[format!("{prefix}{suffix}")], &["Yes", "No"])
+            .unwrap();
         for (a, b) in scores.iter().zip(&whole[0]) {
             assert!((a - b).abs() < 1e-3, "shared {a} vs whole {b}");
         }
     }
 }
 
-
 /// The 1.5B checkpoint (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M as shipped) loads, shares the
 /// 0.5B's tokenizer and answers correctly.
 #[test]
 fn qwen2_1_5b_generates_a_correct_answer() {
-    let mut generator = fluxmem_models::load_generator("qwen2.5-coder-1.5b-instruct-q4_k_m", &DeviceChoice::Cpu, WeightPath::Quantized)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let ids = generator.tokenizer().encode("Hello world", false).unwrap().get_ids().to_vec();
+    let mut generator = fluxmem_models::load_generator(
+        "qwen2.5-coder-1.5b-instruct-q4_k_m",
+        &DeviceChoice::Cpu,
+        WeightPath::Quantized,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let ids = generator
+        .tokenizer()
+        .encode("Hello world", false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
     assert_eq!(ids, [9707, 1879]);
     let messages = [
         ChatMessage::new("system", "You are a helpful assistant."),
-        ChatMessage::new("user", "What is the capital of France? Answer in one sentence."),
+        ChatMessage::new(
+            "user",
+            "What is the capital of France? Answer in one sentence.",
+        ),
     ];
-    let answer = generator.generate(&messages, &GenerateParams { max_tokens: 40, ..Default::default() }).unwrap();
+    let answer = generator
+        .generate(
+            &messages,
+            &GenerateParams {
+                max_tokens: 40,
+                ..Default::default()
+            },
+        )
+        .unwrap();
     assert_eq!(answer.finish, "stop", "{:?}", answer.text);
     assert!(answer.text.contains("Paris"), "{:?}", answer.text);
 }

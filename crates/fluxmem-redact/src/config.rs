@@ -29,19 +29,29 @@ pub struct RedactConfig {
 
 impl Default for RedactConfig {
     fn default() -> RedactConfig {
-        RedactConfig { enabled: true, kinds: Kind::ALL.into_iter().collect(), allow: Vec::new() }
+        RedactConfig {
+            enabled: true,
+            kinds: Kind::ALL.into_iter().collect(),
+            allow: Vec::new(),
+        }
     }
 }
 
 impl RedactConfig {
     /// A configuration that redacts nothing.
     pub fn disabled() -> RedactConfig {
-        RedactConfig { enabled: false, ..RedactConfig::default() }
+        RedactConfig {
+            enabled: false,
+            ..RedactConfig::default()
+        }
     }
 
     /// The default configuration limited to `kinds`.
     pub fn only(kinds: impl IntoIterator<Item = Kind>) -> RedactConfig {
-        RedactConfig { kinds: kinds.into_iter().collect(), ..RedactConfig::default() }
+        RedactConfig {
+            kinds: kinds.into_iter().collect(),
+            ..RedactConfig::default()
+        }
     }
 }
 
@@ -56,7 +66,8 @@ mod tests {
         assert!(config.enabled);
         assert_eq!(config.kinds.len(), Kind::ALL.len());
 
-        let config: RedactConfig = serde_json::from_str(r#"{"kinds": ["email", "ip"], "allow": ["a@b.io"]}"#).unwrap();
+        let config: RedactConfig =
+            serde_json::from_str(r#"{"kinds": ["email", "ip"], "allow": ["a@b.io"]}"#).unwrap();
         assert_eq!(config.kinds, BTreeSet::from([Kind::Email, Kind::Ip]));
         assert_eq!(config.allow, vec!["a@b.io".to_owned()]);
     }

@@ -30,7 +30,14 @@ pub enum Kind {
 
 impl Kind {
     /// Every kind, in declaration (and serialisation) order.
-    pub const ALL: [Kind; 6] = [Kind::Email, Kind::Phone, Kind::Card, Kind::Iban, Kind::Secret, Kind::Ip];
+    pub const ALL: [Kind; 6] = [
+        Kind::Email,
+        Kind::Phone,
+        Kind::Card,
+        Kind::Iban,
+        Kind::Secret,
+        Kind::Ip,
+    ];
 
     /// The lowercase name used in configuration files and counts: `email`, `phone`, `card`,
     /// `iban`, `secret` or `ip`.
@@ -83,7 +90,12 @@ impl FromStr for Kind {
 
     /// Parses a lowercase name (`"email"`, `"phone"`, `"card"`, `"iban"`, `"secret"`, `"ip"`).
     fn from_str(name: &str) -> Result<Kind, Error> {
-        Kind::ALL.into_iter().find(|kind| kind.name() == name).ok_or_else(|| Error::UnknownKind { name: name.to_owned() })
+        Kind::ALL
+            .into_iter()
+            .find(|kind| kind.name() == name)
+            .ok_or_else(|| Error::UnknownKind {
+                name: name.to_owned(),
+            })
     }
 }
 
@@ -153,7 +165,9 @@ mod tests {
             assert_eq!(kind.placeholder(), format!("<{kind}>"));
             assert_eq!(serde_json::to_string(&kind).unwrap(), format!("\"{kind}\""));
         }
-        assert!(matches!("Email".parse::<Kind>(), Err(Error::UnknownKind { name }) if name == "Email"));
+        assert!(
+            matches!("Email".parse::<Kind>(), Err(Error::UnknownKind { name }) if name == "Email")
+        );
         assert!("ssn".parse::<Kind>().is_err());
     }
 
@@ -170,7 +184,13 @@ mod tests {
         assert_eq!(counts.get(Kind::Card), 3);
         assert_eq!(counts.get(Kind::Ip), 0);
         assert_eq!(counts.total(), 4);
-        assert_eq!(counts.iter().collect::<Vec<_>>(), vec![(Kind::Email, 1), (Kind::Card, 3)]);
-        assert_eq!(serde_json::to_string(&counts).unwrap(), r#"{"email":1,"card":3}"#);
+        assert_eq!(
+            counts.iter().collect::<Vec<_>>(),
+            vec![(Kind::Email, 1), (Kind::Card, 3)]
+        );
+        assert_eq!(
+            serde_json::to_string(&counts).unwrap(),
+            r#"{"email":1,"card":3}"#
+        );
     }
 }

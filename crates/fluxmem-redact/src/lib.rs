@@ -58,7 +58,9 @@ pub use scan::{ENTROPY_MIN_BITS, ENTROPY_MIN_LEN, PHONE_MAX_DIGITS, PHONE_MIN_DI
 #[non_exhaustive]
 pub enum Error {
     /// A kind name that is not one of `email`, `phone`, `card`, `iban`, `secret`, `ip`.
-    #[error("unknown redaction kind `{name}` (expected one of email, phone, card, iban, secret, ip)")]
+    #[error(
+        "unknown redaction kind `{name}` (expected one of email, phone, card, iban, secret, ip)"
+    )]
     UnknownKind {
         /// The name as given.
         name: String,

@@ -42,7 +42,12 @@ impl Default for Redactor {
 impl Redactor {
     /// A redactor for `config`.
     pub fn new(config: RedactConfig) -> Redactor {
-        let allow = config.allow.iter().filter(|entry| !entry.is_empty()).cloned().collect();
+        let allow = config
+            .allow
+            .iter()
+            .filter(|entry| !entry.is_empty())
+            .cloned()
+            .collect();
         Redactor { config, allow }
     }
 
@@ -113,7 +118,12 @@ impl Redactor {
         if found.is_empty() {
             return None;
         }
-        found.sort_unstable_by(|a, b| a.start.cmp(&b.start).then(b.end.cmp(&a.end)).then(a.kind.rank().cmp(&b.kind.rank())));
+        found.sort_unstable_by(|a, b| {
+            a.start
+                .cmp(&b.start)
+                .then(b.end.cmp(&a.end))
+                .then(a.kind.rank().cmp(&b.kind.rank()))
+        });
         let mut out = String::with_capacity(text.len());
         let mut cursor = 0;
         let mut index = 0;
@@ -142,7 +152,10 @@ impl Redactor {
         }
         let mut spans: Vec<(usize, usize)> = Vec::new();
         for entry in &self.allow {
-            spans.extend(text.match_indices(entry.as_str()).map(|(at, _)| (at, at + entry.len())));
+            spans.extend(
+                text.match_indices(entry.as_str())
+                    .map(|(at, _)| (at, at + entry.len())),
+            );
         }
         spans.sort_unstable();
         // reach[i]: the furthest end among spans[..=i], so "some span starting at or before
@@ -167,7 +180,10 @@ impl Redactor {
 
 /// An e-mail address directly inside `<` and `>` is replaced together with them.
 fn widen(bytes: &[u8], kind: Kind, start: usize, end: usize, cursor: usize) -> (usize, usize) {
-    let bracketed = kind == Kind::Email && start > cursor && bytes[start - 1] == b'<' && bytes.get(end) == Some(&b'>');
+    let bracketed = kind == Kind::Email
+        && start > cursor
+        && bytes[start - 1] == b'<'
+        && bytes.get(end) == Some(&b'>');
     if bracketed {
         (start - 1, end + 1)
     } else {
@@ -204,10 +220,20 @@ mod tests {
 
     #[test]
     fn allowed_strings_survive() {
-        let config = RedactConfig { allow: vec!["ops@example.com".into(), "call 555-123-4567 (test line)".into(), String::new()], ..RedactConfig::default() };
+        let config = RedactConfig {
+            allow: vec![
+                "ops@example.com".into(),
+                "call 555-123-4567 (test line)".into(),
+                String::new(),
+            ],
+            ..RedactConfig::default()
+        };
         let redactor = Redactor::new(config);
         let out = redactor.redact("ops@example.com, bob@example.com, <ops@example.com>, call 555-123-4567 (test line), 555-123-4567");
-        assert_eq!(out.text, "ops@example.com, <email>, <ops@example.com>, call 555-123-4567 (test line), <phone>");
+        assert_eq!(
+            out.text,
+            "ops@example.com, <email>, <ops@example.com>, call 555-123-4567 (test line), <phone>"
+        );
         assert_eq!(out.counts.get(Kind::Email), 1);
         assert_eq!(out.counts.get(Kind::Phone), 1);
     }

@@ -22,15 +22,27 @@ fn assert_unchanged(texts: &[&str]) {
 
 #[test]
 fn emails() {
-    assert_eq!(redact("Contact <alice@example.org> or bob.smith+tag@mail.example.co.uk."), "Contact <email> or <email>.");
-    assert_eq!(redact("\"Ann\" <ann@corp.io>, cc: ops@corp.io"), "\"Ann\" <email>, cc: <email>");
+    assert_eq!(
+        redact("Contact <alice@example.org> or bob.smith+tag@mail.example.co.uk."),
+        "Contact <email> or <email>."
+    );
+    assert_eq!(
+        redact("\"Ann\" <ann@corp.io>, cc: ops@corp.io"),
+        "\"Ann\" <email>, cc: <email>"
+    );
     assert_unchanged(&["@handle says hi", "user@localhost", "meet @ 10:30", "a@b.c"]);
 }
 
 #[test]
 fn phones() {
-    assert_eq!(redact("call +1 (555) 123-4567 or +44 20 7946 0958"), "call <phone> or <phone>");
-    assert_eq!(redact("office (555) 123-4567, home 555.123.4567, fr 06 12 34 56 78"), "office <phone>, home <phone>, fr <phone>");
+    assert_eq!(
+        redact("call +1 (555) 123-4567 or +44 20 7946 0958"),
+        "call <phone> or <phone>"
+    );
+    assert_eq!(
+        redact("office (555) 123-4567, home 555.123.4567, fr 06 12 34 56 78"),
+        "office <phone>, home <phone>, fr <phone>"
+    );
     assert_eq!(redact("tel:+15551234567"), "tel:<phone>");
 }
 
@@ -48,26 +60,54 @@ fn dates_times_amounts_and_ids_are_not_phones_or_cards() {
 
 #[test]
 fn cards() {
-    assert_eq!(redact("card 4111 1111 1111 1111, exp 12/26"), "card <card>, exp 12/26");
-    assert_eq!(redact("4111-1111-1111-1111 and 4111111111111111"), "<card> and <card>");
+    assert_eq!(
+        redact("card 4111 1111 1111 1111, exp 12/26"),
+        "card <card>, exp 12/26"
+    );
+    assert_eq!(
+        redact("4111-1111-1111-1111 and 4111111111111111"),
+        "<card> and <card>"
+    );
     assert_eq!(redact("amex 3782 822463 10005"), "amex <card>");
-    assert_unchanged(&["card 4111 1111 1111 1112", "4111111111111121", "ref 1111 1111 1111 1117"]);
+    assert_unchanged(&[
+        "card 4111 1111 1111 1112",
+        "4111111111111121",
+        "ref 1111 1111 1111 1117",
+    ]);
 }
 
 #[test]
 fn ibans() {
-    assert_eq!(redact("IBAN: GB82 WEST 1234 5698 7654 32."), "IBAN: <iban>.");
+    assert_eq!(
+        redact("IBAN: GB82 WEST 1234 5698 7654 32."),
+        "IBAN: <iban>."
+    );
     assert_eq!(redact("to DE89370400440532013000 today"), "to <iban> today");
-    assert_unchanged(&["IBAN: GB82 WEST 1234 5698 7654 33.", "GB83WEST12345698765432"]);
+    assert_unchanged(&[
+        "IBAN: GB82 WEST 1234 5698 7654 33.",
+        "GB83WEST12345698765432",
+    ]);
 }
 
 #[test]
 fn secrets() {
-    assert_eq!(redact("OPENAI_API_KEY=sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8t"), "OPENAI_API_KEY=<secret>");
-    assert_eq!(redact("aws AKIAIOSFODNN7EXAMPLE / wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"), "aws <secret> / <secret>");
+    assert_eq!(
+        redact("OPENAI_API_KEY=sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8t"),
+        "OPENAI_API_KEY=<secret>"
+    );
+    assert_eq!(
+        redact("aws AKIAIOSFODNN7EXAMPLE / wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"),
+        "aws <secret> / <secret>"
+    );
     assert_eq!(redact("stripe sk_live_4eC39HqLyjWDarjtT1zdp7dc, github ghp_16C7e42F292c6912E7710c838347Ae178B4a"), "stripe <secret>, github <secret>");
-    assert_eq!(redact("slack xoxb-17653672481-19874698323-pdFZKVeTuE8sk7oOcBrzbqgy"), "slack <secret>");
-    assert_eq!(redact("Authorization: Bearer abc123def456ghi789"), "Authorization: Bearer <secret>");
+    assert_eq!(
+        redact("slack xoxb-17653672481-19874698323-pdFZKVeTuE8sk7oOcBrzbqgy"),
+        "slack <secret>"
+    );
+    assert_eq!(
+        redact("Authorization: Bearer abc123def456ghi789"),
+        "Authorization: Bearer <secret>"
+    );
     assert_eq!(redact("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U ok"), "jwt <secret> ok");
     assert_eq!(redact("token=tR8vP2xL6qN4wK9mZ3bH7cJ5;"), "token=<secret>;");
     assert_unchanged(&[
@@ -80,9 +120,20 @@ fn secrets() {
 
 #[test]
 fn ips() {
-    assert_eq!(redact("ssh 10.0.0.1 and [2001:db8::1]:22, mapped ::ffff:192.0.2.1"), "ssh <ip> and [<ip>]:22, mapped <ip>");
-    assert_eq!(redact("listen 0.0.0.0:8080, net 192.168.1.0/24"), "listen <ip>:8080, net <ip>/24");
-    assert_unchanged(&["999.1.1.1", "version 1.2.3 and 1.2.3.4.5, v1.2.3.4", "at 12:30:45 from 00:1a:2b:3c:4d:5e", "std::vec::Vec"]);
+    assert_eq!(
+        redact("ssh 10.0.0.1 and [2001:db8::1]:22, mapped ::ffff:192.0.2.1"),
+        "ssh <ip> and [<ip>]:22, mapped <ip>"
+    );
+    assert_eq!(
+        redact("listen 0.0.0.0:8080, net 192.168.1.0/24"),
+        "listen <ip>:8080, net <ip>/24"
+    );
+    assert_unchanged(&[
+        "999.1.1.1",
+        "version 1.2.3 and 1.2.3.4.5, v1.2.3.4",
+        "at 12:30:45 from 00:1a:2b:3c:4d:5e",
+        "std::vec::Vec",
+    ]);
 }
 
 #[test]
@@ -94,11 +145,21 @@ fn placeholders_keep_text_readable_and_counts_add_up() {
         out.text,
         "Hi, I'm Ann (<email>, <phone>). Card <card>, IBAN <iban>, server <ip>, key <secret>. Mail <email> again."
     );
-    for (kind, n) in [(Kind::Email, 2), (Kind::Phone, 1), (Kind::Card, 1), (Kind::Iban, 1), (Kind::Ip, 1), (Kind::Secret, 1)] {
+    for (kind, n) in [
+        (Kind::Email, 2),
+        (Kind::Phone, 1),
+        (Kind::Card, 1),
+        (Kind::Iban, 1),
+        (Kind::Ip, 1),
+        (Kind::Secret, 1),
+    ] {
         assert_eq!(out.counts.get(kind), n, "{kind}");
     }
     assert_eq!(out.counts.total(), 7);
-    assert_eq!(serde_json::to_value(&out.counts).unwrap(), json!({"email": 2, "phone": 1, "card": 1, "iban": 1, "secret": 1, "ip": 1}));
+    assert_eq!(
+        serde_json::to_value(&out.counts).unwrap(),
+        json!({"email": 2, "phone": 1, "card": 1, "iban": 1, "secret": 1, "ip": 1})
+    );
 
     // redact_into adds to the counts it is given.
     let mut counts = Counts::new();
@@ -110,16 +171,29 @@ fn placeholders_keep_text_readable_and_counts_add_up() {
 
 #[test]
 fn allow_list_keeps_exact_strings() {
-    let config = RedactConfig { allow: vec!["support@fluxmem.dev".into(), "127.0.0.1".into()], ..RedactConfig::default() };
-    let out = Redactor::new(config).redact("support@fluxmem.dev on 127.0.0.1 told bob@fluxmem.dev about 10.0.0.1");
-    assert_eq!(out.text, "support@fluxmem.dev on 127.0.0.1 told <email> about <ip>");
+    let config = RedactConfig {
+        allow: vec!["support@fluxmem.dev".into(), "127.0.0.1".into()],
+        ..RedactConfig::default()
+    };
+    let out = Redactor::new(config)
+        .redact("support@fluxmem.dev on 127.0.0.1 told bob@fluxmem.dev about 10.0.0.1");
+    assert_eq!(
+        out.text,
+        "support@fluxmem.dev on 127.0.0.1 told <email> about <ip>"
+    );
     assert_eq!(out.counts.total(), 2);
 }
 
 #[test]
 fn disabled_or_empty_config_is_identity() {
     let text = "bob@example.com 4111 1111 1111 1111 10.0.0.1";
-    for config in [RedactConfig::disabled(), RedactConfig { kinds: BTreeSet::new(), ..RedactConfig::default() }] {
+    for config in [
+        RedactConfig::disabled(),
+        RedactConfig {
+            kinds: BTreeSet::new(),
+            ..RedactConfig::default()
+        },
+    ] {
         let redactor = Redactor::new(config);
         assert!(!redactor.is_active());
         let out = redactor.redact(text);
@@ -140,12 +214,23 @@ fn only_enabled_kinds_are_redacted() {
 
 #[test]
 fn config_parses_from_a_table() {
-    let config: RedactConfig = serde_json::from_value(json!({"enabled": true, "kinds": ["email", "secret"], "allow": ["x@y.io"]})).unwrap();
+    let config: RedactConfig = serde_json::from_value(
+        json!({"enabled": true, "kinds": ["email", "secret"], "allow": ["x@y.io"]}),
+    )
+    .unwrap();
     assert_eq!(config.kinds, BTreeSet::from([Kind::Email, Kind::Secret]));
-    assert!(serde_json::from_value::<RedactConfig>(json!({"kinds": ["email"], "extra": 1})).is_err());
+    assert!(
+        serde_json::from_value::<RedactConfig>(json!({"kinds": ["email"], "extra": 1})).is_err()
+    );
     assert!(serde_json::from_value::<RedactConfig>(json!({"kinds": ["ssn"]})).is_err());
-    assert!(matches!("ssn".parse::<Kind>(), Err(Error::UnknownKind { .. })));
-    assert_eq!(Kind::ALL.map(|kind| kind.to_string()), ["email", "phone", "card", "iban", "secret", "ip"]);
+    assert!(matches!(
+        "ssn".parse::<Kind>(),
+        Err(Error::UnknownKind { .. })
+    ));
+    assert_eq!(
+        Kind::ALL.map(|kind| kind.to_string()),
+        ["email", "phone", "card", "iban", "secret", "ip"]
+    );
 }
 
 #[test]
@@ -218,30 +303,36 @@ fn long_and_pathological_texts() {
 
 /// A Luhn-valid 16-digit card number with a network prefix of 3 to 6.
 fn card_number() -> impl Strategy<Value = String> {
-    (prop::sample::select(vec![b'3', b'4', b'5', b'6']), prop::collection::vec(0u8..10, 14)).prop_map(|(first, rest)| {
-        let mut digits: Vec<u8> = std::iter::once(first).chain(rest.into_iter().map(|digit| b'0' + digit)).collect();
-        // The check digit: the payload's rightmost digit is the first one doubled.
-        let sum: u32 = digits
-            .iter()
-            .rev()
-            .enumerate()
-            .map(|(position, &digit)| {
-                let value = u32::from(digit - b'0');
-                if position % 2 == 0 {
-                    let doubled = value * 2;
-                    if doubled > 9 {
-                        doubled - 9
+    (
+        prop::sample::select(vec![b'3', b'4', b'5', b'6']),
+        prop::collection::vec(0u8..10, 14),
+    )
+        .prop_map(|(first, rest)| {
+            let mut digits: Vec<u8> = std::iter::once(first)
+                .chain(rest.into_iter().map(|digit| b'0' + digit))
+                .collect();
+            // The check digit: the payload's rightmost digit is the first one doubled.
+            let sum: u32 = digits
+                .iter()
+                .rev()
+                .enumerate()
+                .map(|(position, &digit)| {
+                    let value = u32::from(digit - b'0');
+                    if position % 2 == 0 {
+                        let doubled = value * 2;
+                        if doubled > 9 {
+                            doubled - 9
+                        } else {
+                            doubled
+                        }
                     } else {
-                        doubled
+                        value
                     }
-                } else {
-                    value
-                }
-            })
-            .sum();
-        digits.push(b'0' + u8::try_from((10 - sum % 10) % 10).unwrap());
-        String::from_utf8(digits).unwrap()
-    })
+                })
+                .sum();
+            digits.push(b'0' + u8::try_from((10 - sum % 10) % 10).unwrap());
+            String::from_utf8(digits).unwrap()
+        })
 }
 
 fn luhn_ok(digits: &str) -> bool {

@@ -50,8 +50,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use crate::query::STAGE;
 // Stage I's progress callbacks serve here too (counted in edges assessed).
-use fluxmem_connect::Progress;
 use crate::Result;
+use fluxmem_connect::Progress;
 
 /// The maps keyed by node ids (millions of lookups a night): a fast hash, seeded fixed.
 type Fast = foldhash::fast::FixedState;
@@ -90,7 +90,18 @@ pub struct CreditOptions {
 
 impl Default for CreditOptions {
     fn default() -> Self {
-        CreditOptions { prior: 2.0, prune_below: 0.5, min_evidence: 3, link_failures: true, max_failure_links: 3, tolerance: 0.05, prior_drift: 0.02, commit_every: 100_000, full: false, max_delta_share: 0.5 }
+        CreditOptions {
+            prior: 2.0,
+            prune_below: 0.5,
+            min_evidence: 3,
+            link_failures: true,
+            max_failure_links: 3,
+            tolerance: 0.05,
+            prior_drift: 0.02,
+            commit_every: 100_000,
+            full: false,
+            max_delta_share: 0.5,
+        }
     }
 }
 
@@ -193,10 +204,21 @@ impl Nodes {
             }
             None => 0,
         };
-        let info = Info { tenant, outcome, episode: n.episode().is_some(), semantic: n.kind() == NodeKind::Semantic, task, time: n.created_at.unwrap_or(0) };
+        let info = Info {
+            tenant,
+            outcome,
+            episode: n.episode().is_some(),
+            semantic: n.kind() == NodeKind::Semantic,
+            task,
+            time: n.created_at.unwrap_or(0),
+        };
         self.info.insert(n.id.clone(), info);
         if info.semantic {
-            if let Some(stats) = n.metadata.get(STATS_KEY).and_then(|v| serde_json::from_value::<CreditStats>(v.clone()).ok()) {
+            if let Some(stats) = n
+                .metadata
+                .get(STATS_KEY)
+                .and_then(|v| serde_json::from_value::<CreditStats>(v.clone()).ok())
+            {
                 self.stats.insert(n.id.clone(), stats);
             }
         }
@@ -218,9 +240,14 @@ fn intern(names: &mut Vec<String>, ids: &mut HashMap<String, u32, Fast>, name: &
 /// then decisions) and keeps only the edges it changes.
 trait Edges {
     /// Every edge of these kinds: source, destination, kind, and whether it names a `relation`.
-    fn ends(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&str, &str, EdgeKind, bool)) -> Result<()>;
+    fn ends(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&str, &str, EdgeKind, bool))
+        -> Result<()>;
     /// Every edge as a [`View`] to `decide` on; the edges it gives a verdict, whole, to `then`.
-    fn decide(&self, decide: &mut dyn FnMut(&View<'_>) -> Option<Verdict>, then: &mut dyn FnMut(Edge, Verdict)) -> Result<()>;
+    fn decide(
+        &self,
+        decide: &mut dyn FnMut(&View<'_>) -> Option<Verdict>,
+        then: &mut dyn FnMut(Edge, Verdict),
+    ) -> Result<()>;
 }
 
 /// The credit keys of an edge's metadata, as stored (compared as JSON values, as the whole
@@ -284,20 +311,48 @@ enum Verdict {
     /// A cross-tenant edge, deactivated for good.
     Isolate,
     /// New credit (and maybe a new state).
-    Credit { credit: f64, evidence: usize, stage1_weight: f64, stage1_evidence: i64, why: Why, kind: &'static str, reason: String },
+    Credit {
+        credit: f64,
+        evidence: usize,
+        stage1_weight: f64,
+        stage1_evidence: i64,
+        why: Why,
+        kind: &'static str,
+        reason: String,
+    },
 }
 
 impl Edges for Graph {
-    fn ends(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&str, &str, EdgeKind, bool)) -> Result<()> {
-        for e in self.edges.values().filter(|e| kinds.is_empty() || kinds.contains(&e.kind)) {
+    fn ends(
+        &self,
+        kinds: &[EdgeKind],
+        f: &mut dyn FnMut(&str, &str, EdgeKind, bool),
+    ) -> Result<()> {
+        for e in self
+            .edges
+            .values()
+            .filter(|e| kinds.is_empty() || kinds.contains(&e.kind))
+        {
             f(e.src.as_str(), e.dst.as_str(), e.kind, !counts(e));
         }
         Ok(())
     }
 
-    fn decide(&self, decide: &mut dyn FnMut(&View<'_>) -> Option<Verdict>, then: &mut dyn FnMut(Edge, Verdict)) -> Result<()> {
+    fn decide(
+        &self,
+        decide: &mut dyn FnMut(&View<'_>) -> Option<Verdict>,
+        then: &mut dyn FnMut(Edge, Verdict),
+    ) -> Result<()> {
         for e in self.edges.values() {
-            let view = View { src: e.src.as_str(), dst: e.dst.as_str(), kind: e.kind, weight: e.weight, evidence: e.evidence, active: e.active, meta: CreditMeta::of(&e.metadata) };
+            let view = View {
+                src: e.src.as_str(),
+                dst: e.dst.as_str(),
+                kind: e.kind,
+                weight: e.weight,
+                evidence: e.evidence,
+                active: e.active,
+                meta: CreditMeta::of(&e.metadata),
+            };
             if let Some(verdict) = decide(&view) {
                 then(e.clone(), verdict);
             }
@@ -307,15 +362,34 @@ impl Edges for Graph {
 }
 
 impl Edges for fluxmem_store::Live<'_> {
-    fn ends(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&str, &str, EdgeKind, bool)) -> Result<()> {
+    fn ends(
+        &self,
+        kinds: &[EdgeKind],
+        f: &mut dyn FnMut(&str, &str, EdgeKind, bool),
+    ) -> Result<()> {
         Ok(self.edge_ends(kinds, f)?)
     }
 
-    fn decide(&self, decide: &mut dyn FnMut(&View<'_>) -> Option<Verdict>, then: &mut dyn FnMut(Edge, Verdict)) -> Result<()> {
+    fn decide(
+        &self,
+        decide: &mut dyn FnMut(&View<'_>) -> Option<Verdict>,
+        then: &mut dyn FnMut(Edge, Verdict),
+    ) -> Result<()> {
         Ok(self.edges_deciding(
             &mut |row| {
-                let meta = CreditMeta { relation: row.relation, ..CreditMeta::parse(row.metadata)? };
-                Ok(decide(&View { src: row.src, dst: row.dst, kind: row.kind, weight: row.weight, evidence: row.evidence, active: row.active, meta }))
+                let meta = CreditMeta {
+                    relation: row.relation,
+                    ..CreditMeta::parse(row.metadata)?
+                };
+                Ok(decide(&View {
+                    src: row.src,
+                    dst: row.dst,
+                    kind: row.kind,
+                    weight: row.weight,
+                    evidence: row.evidence,
+                    active: row.active,
+                    meta,
+                }))
             },
             then,
         )?)
@@ -342,7 +416,12 @@ impl SrcMemo {
     }
 
     /// `info[src]` and `behind[src]` (once `behind` is complete).
-    fn info_and_sum(&mut self, info: &HashMap<NodeId, Info, Fast>, behind: &HashMap<NodeId, (u64, usize), Fast>, src: &str) -> (Option<Info>, Option<(u64, usize)>) {
+    fn info_and_sum(
+        &mut self,
+        info: &HashMap<NodeId, Info, Fast>,
+        behind: &HashMap<NodeId, (u64, usize), Fast>,
+        src: &str,
+    ) -> (Option<Info>, Option<(u64, usize)>) {
         if !self.remember(src) {
             self.info = info.get(src).copied();
             self.sum = behind.get(src).copied();
@@ -363,7 +442,12 @@ struct Run {
 
 impl Run {
     /// Makes `src` the current source (ending the run of another) and returns `info[src]`.
-    fn enter(&mut self, src: &str, info: &HashMap<NodeId, Info, Fast>, behind: &mut HashMap<NodeId, (u64, usize), Fast>) -> Option<Info> {
+    fn enter(
+        &mut self,
+        src: &str,
+        info: &HashMap<NodeId, Info, Fast>,
+        behind: &mut HashMap<NodeId, (u64, usize), Fast>,
+    ) -> Option<Info> {
         if self.src.as_deref() != Some(src) {
             self.flush(behind);
             let key = self.src.get_or_insert_with(String::new);
@@ -376,7 +460,9 @@ impl Run {
 
     /// Adds the run's sum to `behind[src]`.
     fn flush(&mut self, behind: &mut HashMap<NodeId, (u64, usize), Fast>) {
-        let Some(src) = self.src.as_deref().filter(|_| self.n > 0) else { return };
+        let Some(src) = self.src.as_deref().filter(|_| self.n > 0) else {
+            return;
+        };
         match behind.get_mut(src) {
             Some(entry) => *entry = (entry.0 + self.sum, entry.1 + self.n),
             None => {
@@ -410,7 +496,8 @@ const FIXED: f64 = (1u64 << 32) as f64;
 /// the full pass, the night's sums and a whole node's recount.
 fn counted(s: Option<&Info>, d: &Info) -> Option<u64> {
     let r = d.outcome?;
-    s.is_none_or(|s| s.tenant == d.tenant).then(|| (r * FIXED).round() as u64)
+    s.is_none_or(|s| s.tenant == d.tenant)
+        .then(|| (r * FIXED).round() as u64)
 }
 
 /// The metadata key under which a semantic node keeps its credit statistics ([`CreditStats`]).
@@ -457,7 +544,11 @@ fn settings(options: &CreditOptions) -> String {
 
 /// The new state of every edge the outcomes speak to, and the links to add; the graph is not
 /// changed. Returns (changed edges with their edit kind and reason, report counts).
-pub fn assign(graph: &Graph, options: &CreditOptions, run_id: &str) -> (Vec<(Edge, &'static str, String)>, CreditReport) {
+pub fn assign(
+    graph: &Graph,
+    options: &CreditOptions,
+    run_id: &str,
+) -> (Vec<(Edge, &'static str, String)>, CreditReport) {
     assign_with_priors(graph, options, run_id, &BTreeMap::new())
 }
 
@@ -474,22 +565,40 @@ pub fn assign_with_priors(
     graph.nodes.values().for_each(|n| nodes.add(n));
     let mut report = CreditReport::default();
     let (outcomes, base) = rates(&nodes, options, priors, &mut report);
-    let assigned = assign_over(&nodes, &outcomes, &base, graph, options, run_id, report).expect("an in-memory graph reads without error");
-    (assigned.changes.into_iter().map(|c| (c.next, c.kind, c.reason)).collect(), assigned.report)
+    let assigned = assign_over(&nodes, &outcomes, &base, graph, options, run_id, report)
+        .expect("an in-memory graph reads without error");
+    (
+        assigned
+            .changes
+            .into_iter()
+            .map(|c| (c.next, c.kind, c.reason))
+            .collect(),
+        assigned.report,
+    )
 }
 
 /// The episodes with an outcome (in id order) and each tenant's base rate: its prior while the
 /// current rate stays within `prior_drift` of it, else the current rate (named in
 /// `base_rate_estimated`). Fills the report's counts of episodes and rates.
-fn rates<'n>(nodes: &'n Nodes, options: &CreditOptions, priors: &BTreeMap<String, f64>, report: &mut CreditReport) -> (Vec<(&'n NodeId, f64)>, HashMap<u32, f64, Fast>) {
+fn rates<'n>(
+    nodes: &'n Nodes,
+    options: &CreditOptions,
+    priors: &BTreeMap<String, f64>,
+    report: &mut CreditReport,
+) -> (Vec<(&'n NodeId, f64)>, HashMap<u32, f64, Fast>) {
     let info = &nodes.info;
-    let mut outcomes: Vec<(&NodeId, f64)> = info.iter().filter_map(|(id, i)| i.outcome.map(|r| (id, r))).collect();
+    let mut outcomes: Vec<(&NodeId, f64)> = info
+        .iter()
+        .filter_map(|(id, i)| i.outcome.map(|r| (id, r)))
+        .collect();
     outcomes.sort_by(|a, b| a.0.cmp(b.0));
     report.episodes = info.values().filter(|i| i.episode).count();
     report.with_outcome = outcomes.len();
     let mut per_tenant: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
     for (id, r) in &outcomes {
-        let entry = per_tenant.entry(nodes.tenants[info[*id].tenant as usize].as_str()).or_default();
+        let entry = per_tenant
+            .entry(nodes.tenants[info[*id].tenant as usize].as_str())
+            .or_default();
         entry.0 += r;
         entry.1 += 1;
     }
@@ -545,7 +654,9 @@ impl Decider<'_> {
         if !within {
             report.cross_tenant += 1;
             // Deactivated for good, unless it already is.
-            if view.active || view.meta.pruned_by.as_ref().and_then(Value::as_str) != Some("isolation") {
+            if view.active
+                || view.meta.pruned_by.as_ref().and_then(Value::as_str) != Some("isolation")
+            {
                 report.isolated += 1;
                 return Some(Verdict::Isolate);
             }
@@ -555,18 +666,32 @@ impl Decider<'_> {
         let dst_rate = dst_info.and_then(|i| self.base.get(&i.tenant)).copied();
         let (credit, evidence) = match view.kind {
             EdgeKind::Ground if !view.meta.relation => match (src_behind, dst_rate) {
-                (Some((sum, n)), Some(p)) if dst_outcome.is_some() => (credit_of(sum, n, p, options.prior), n),
+                (Some((sum, n)), Some(p)) if dst_outcome.is_some() => {
+                    (credit_of(sum, n, p, options.prior), n)
+                }
                 _ => return None,
             },
-            EdgeKind::Link if !view.meta.relation && src_info.is_some_and(|i| i.episode) => match (dst_outcome, dst_rate) {
-                (Some(r), Some(p)) => (((r + options.prior * p) / (1.0 + options.prior)) / p, 1),
-                _ => return None,
-            },
+            EdgeKind::Link if !view.meta.relation && src_info.is_some_and(|i| i.episode) => {
+                match (dst_outcome, dst_rate) {
+                    (Some(r), Some(p)) => {
+                        (((r + options.prior * p) / (1.0 + options.prior)) / p, 1)
+                    }
+                    _ => return None,
+                }
+            }
             _ => return None,
         };
         let meta = &view.meta;
-        let stage1_weight = meta.stage1_weight.as_ref().and_then(Value::as_f64).unwrap_or(view.weight as f64);
-        let stage1_evidence = meta.stage1_evidence.as_ref().and_then(Value::as_i64).unwrap_or(view.evidence);
+        let stage1_weight = meta
+            .stage1_weight
+            .as_ref()
+            .and_then(Value::as_f64)
+            .unwrap_or(view.weight as f64);
+        let stage1_evidence = meta
+            .stage1_evidence
+            .as_ref()
+            .and_then(Value::as_i64)
+            .unwrap_or(view.evidence);
         let pruned_by_credit = meta.pruned_by.as_ref().and_then(Value::as_str) == Some("credit");
         let (why, active) = if prunes(credit, evidence, options) {
             if view.active {
@@ -603,11 +728,16 @@ impl Decider<'_> {
         let writes = !same && (state_changed || moved);
         if view.kind == EdgeKind::Ground {
             // The credit this edge holds after the run: the new one when written, else the stored.
-            let holds = if writes { round6(credit) } else { stored.unwrap_or(round6(credit)) };
+            let holds = if writes {
+                round6(credit)
+            } else {
+                stored.unwrap_or(round6(credit))
+            };
             match self.ranges.get_mut(view.src) {
                 Some(range) => *range = (range.0.min(holds), range.1.max(holds)),
                 None => {
-                    self.ranges.insert(NodeId(view.src.to_string()), (holds, holds));
+                    self.ranges
+                        .insert(NodeId(view.src.to_string()), (holds, holds));
                 }
             }
         }
@@ -618,14 +748,37 @@ impl Decider<'_> {
             return None;
         }
         let (kind, reason) = match why {
-            Why::Prune => ("link_prune", format!("credit {credit:.3} < {} over {evidence} outcomes: present in failures", options.prune_below)),
-            Why::Recovered => ("credit", format!("credit {credit:.3} recovered over {evidence} outcomes")),
-            Why::Credit => ("credit", format!("credit {credit:.3} over {evidence} outcomes (base rate {:.3})", dst_rate.unwrap_or_default())),
+            Why::Prune => (
+                "link_prune",
+                format!(
+                    "credit {credit:.3} < {} over {evidence} outcomes: present in failures",
+                    options.prune_below
+                ),
+            ),
+            Why::Recovered => (
+                "credit",
+                format!("credit {credit:.3} recovered over {evidence} outcomes"),
+            ),
+            Why::Credit => (
+                "credit",
+                format!(
+                    "credit {credit:.3} over {evidence} outcomes (base rate {:.3})",
+                    dst_rate.unwrap_or_default()
+                ),
+            ),
         };
         if kind == "credit" {
             report.reweighted += 1;
         }
-        Some(Verdict::Credit { credit, evidence, stage1_weight, stage1_evidence, why, kind, reason })
+        Some(Verdict::Credit {
+            credit,
+            evidence,
+            stage1_weight,
+            stage1_evidence,
+            why,
+            kind,
+            reason,
+        })
     }
 }
 
@@ -650,11 +803,26 @@ fn change(edge: Edge, verdict: Verdict, run_id: &str) -> Change {
         Verdict::Isolate => {
             next.active = false;
             next.metadata.insert("pruned_by".into(), "isolation".into());
-            Change { before: Some(edge), next, kind: "link_prune", reason: "cross-tenant edge (isolation)".into() }
+            Change {
+                before: Some(edge),
+                next,
+                kind: "link_prune",
+                reason: "cross-tenant edge (isolation)".into(),
+            }
         }
-        Verdict::Credit { credit, evidence, stage1_weight, stage1_evidence, why, kind, reason } => {
-            next.metadata.insert("stage1_weight".into(), stage1_weight.into());
-            next.metadata.insert("stage1_evidence".into(), stage1_evidence.into());
+        Verdict::Credit {
+            credit,
+            evidence,
+            stage1_weight,
+            stage1_evidence,
+            why,
+            kind,
+            reason,
+        } => {
+            next.metadata
+                .insert("stage1_weight".into(), stage1_weight.into());
+            next.metadata
+                .insert("stage1_evidence".into(), stage1_evidence.into());
             next.metadata.insert("credit".into(), round6(credit).into());
             next.metadata.insert("outcomes".into(), evidence.into());
             next.weight = (stage1_weight * credit) as f32;
@@ -670,21 +838,36 @@ fn change(edge: Edge, verdict: Verdict, run_id: &str) -> Change {
                 }
                 Why::Credit => {}
             }
-            Change { before: Some(edge), next, kind, reason }
+            Change {
+                before: Some(edge),
+                next,
+                kind,
+                reason,
+            }
         }
     }
 }
 
 /// The light view of a whole edge.
 fn view_of(e: &Edge) -> View<'_> {
-    View { src: e.src.as_str(), dst: e.dst.as_str(), kind: e.kind, weight: e.weight, evidence: e.evidence, active: e.active, meta: CreditMeta::of(&e.metadata) }
+    View {
+        src: e.src.as_str(),
+        dst: e.dst.as_str(),
+        kind: e.kind,
+        weight: e.weight,
+        evidence: e.evidence,
+        active: e.active,
+        meta: CreditMeta::of(&e.metadata),
+    }
 }
 
 /// Whether a link from `src` to `dst` joins a failure to a success of its task (it counts
 /// towards the failure's cap of links).
 fn joins_failure_to_success(info: &HashMap<NodeId, Info, Fast>, src: &str, dst: &str) -> bool {
     match (info.get(src), info.get(dst)) {
-        (Some(s), Some(d)) => matches!((s.outcome, d.outcome), (Some(a), Some(b)) if a < 0.5 && b >= 0.5 && s.task == d.task),
+        (Some(s), Some(d)) => {
+            matches!((s.outcome, d.outcome), (Some(a), Some(b)) if a < 0.5 && b >= 0.5 && s.task == d.task)
+        }
         _ => false,
     }
 }
@@ -714,32 +897,63 @@ fn assign_over(
     let mut behind: HashMap<NodeId, (u64, usize), Fast> = HashMap::default();
     let mut failure_links: HashSet<(NodeId, NodeId), Fast> = HashSet::default();
     let mut run = Run::default();
-    edges.ends(&[EdgeKind::Ground, EdgeKind::Link], &mut |src, dst, kind, relation| match kind {
-        EdgeKind::Ground if !relation => {
-            let Some(d) = info.get(dst).filter(|d| d.outcome.is_some()) else { return };
-            if let Some(units) = counted(run.enter(src, info, &mut behind).as_ref(), d) {
-                run.sum += units;
-                run.n += 1;
+    edges.ends(
+        &[EdgeKind::Ground, EdgeKind::Link],
+        &mut |src, dst, kind, relation| match kind {
+            EdgeKind::Ground if !relation => {
+                let Some(d) = info.get(dst).filter(|d| d.outcome.is_some()) else {
+                    return;
+                };
+                if let Some(units) = counted(run.enter(src, info, &mut behind).as_ref(), d) {
+                    run.sum += units;
+                    run.n += 1;
+                }
             }
-        }
-        EdgeKind::Link if options.link_failures => {
-            if joins_failure_to_success(info, src, dst) {
-                failure_links.insert((NodeId(src.to_string()), NodeId(dst.to_string())));
+            EdgeKind::Link if options.link_failures => {
+                if joins_failure_to_success(info, src, dst) {
+                    failure_links.insert((NodeId(src.to_string()), NodeId(dst.to_string())));
+                }
             }
-        }
-        _ => {}
-    })?;
+            _ => {}
+        },
+    )?;
     run.flush(&mut behind);
 
     // Pass 2: edge by edge, what changes; only the rows that change are decoded whole.
     let mut changes = Vec::new();
-    let mut decider = Decider { info, behind: &behind, base, options, memo: SrcMemo::default(), ranges: HashMap::default() };
-    edges.decide(&mut |view| decider.decide(view, &mut report), &mut |edge, verdict| changes.push(change(edge, verdict, run_id)))?;
+    let mut decider = Decider {
+        info,
+        behind: &behind,
+        base,
+        options,
+        memo: SrcMemo::default(),
+        ranges: HashMap::default(),
+    };
+    edges.decide(
+        &mut |view| decider.decide(view, &mut report),
+        &mut |edge, verdict| changes.push(change(edge, verdict, run_id)),
+    )?;
     let ranges = std::mem::take(&mut decider.ranges);
     // Key order, whatever order the edges were read in.
-    changes.sort_by(|a, b| (&a.next.src, &a.next.dst, a.next.kind).cmp(&(&b.next.src, &b.next.dst, b.next.kind)));
-    expand(nodes, outcomes, &failure_links, options, run_id, None, &mut changes, &mut report);
-    Ok(Assigned { changes, report, behind, ranges })
+    changes.sort_by(|a, b| {
+        (&a.next.src, &a.next.dst, a.next.kind).cmp(&(&b.next.src, &b.next.dst, b.next.kind))
+    });
+    expand(
+        nodes,
+        outcomes,
+        &failure_links,
+        options,
+        run_id,
+        None,
+        &mut changes,
+        &mut report,
+    );
+    Ok(Assigned {
+        changes,
+        report,
+        behind,
+        ranges,
+    })
 }
 
 /// Link Expand over failures: each failure (of those in `only`, when given) gets links to the
@@ -769,7 +983,9 @@ fn expand(
     let mut tasks: BTreeMap<&str, (Vec<(i64, &NodeId)>, Vec<&NodeId>)> = BTreeMap::new();
     for (id, r) in outcomes {
         let i = &info[*id];
-        let entry = tasks.entry(nodes.tasks[i.task as usize].as_str()).or_default();
+        let entry = tasks
+            .entry(nodes.tasks[i.task as usize].as_str())
+            .or_default();
         if *r >= 0.5 {
             entry.0.push((i.time, id));
         } else if only.is_none_or(|only| only.contains(id)) {
@@ -785,7 +1001,10 @@ fn expand(
             }
             // The successes nearest in time, ties by id.
             let at = info[*failure].time;
-            let mut nearest: Vec<(u64, &NodeId)> = successes.iter().map(|(t, s)| ((t - at).unsigned_abs(), *s)).collect();
+            let mut nearest: Vec<(u64, &NodeId)> = successes
+                .iter()
+                .map(|(t, s)| ((t - at).unsigned_abs(), *s))
+                .collect();
             nearest.sort_unstable();
             for (_, success) in nearest {
                 if budget == 0 {
@@ -864,11 +1083,25 @@ fn assign_delta(
     // does not hold). The rows of other stages' commits since, and of shards that may mix old
     // and new rows (a compaction merged them), may be rewrites of old nodes: Link Expand reads
     // their links from the store, and a fact among them without statistics is counted whole.
-    let ingests: BTreeSet<u64> = manifest.commits.iter().filter(|c| c.stage == "ingest").map(|c| c.version).collect();
+    let ingests: BTreeSet<u64> = manifest
+        .commits
+        .iter()
+        .filter(|c| c.stage == "ingest")
+        .map(|c| c.version)
+        .collect();
     let (mut ingested, mut other) = (since.added.clone(), since.mixed.clone());
-    ingested.shards.retain(|s| s.table == "nodes" && ingests.contains(&s.commit));
+    ingested
+        .shards
+        .retain(|s| s.table == "nodes" && ingests.contains(&s.commit));
     other.shards.retain(|s| s.table == "nodes");
-    other.shards.extend(since.added.shards.iter().filter(|s| s.table == "nodes" && !ingests.contains(&s.commit)).cloned());
+    other.shards.extend(
+        since
+            .added
+            .shards
+            .iter()
+            .filter(|s| s.table == "nodes" && !ingests.contains(&s.commit))
+            .cloned(),
+    );
     let mut new_nodes: HashSet<NodeId, Fast> = HashSet::default();
     store.live(&ingested, "nodes")?.ids(&mut |id| {
         new_nodes.insert(NodeId(id.to_string()));
@@ -882,21 +1115,34 @@ fn assign_delta(
     // The edges added since, and those of mixed shards (reading an old edge again changes
     // nothing: a counted one has its node read whole, the others decide as before).
     let mut read = since.added.clone();
-    read.shards.extend(since.mixed.shards.iter().filter(|s| s.table == "edges").cloned());
+    read.shards.extend(
+        since
+            .mixed
+            .shards
+            .iter()
+            .filter(|s| s.table == "edges")
+            .cloned(),
+    );
     let mut edges: BTreeMap<(NodeId, NodeId, EdgeKind), Edge> = BTreeMap::new();
     store.live(&read, "edges")?.edges(&[], &mut |e| {
         edges.insert((e.src.clone(), e.dst.clone(), e.kind), e);
     })?;
 
     // The night's contributions, its rewritten counted edges, and its failure links.
-    let mut behind: HashMap<NodeId, (u64, usize), Fast> = nodes.stats.iter().map(|(id, s)| (id.clone(), (s.sum, s.n as usize))).collect();
+    let mut behind: HashMap<NodeId, (u64, usize), Fast> = nodes
+        .stats
+        .iter()
+        .map(|(id, s)| (id.clone(), (s.sum, s.n as usize)))
+        .collect();
     let mut added: BTreeSet<NodeId> = BTreeSet::new();
     let mut whole: BTreeSet<NodeId> = BTreeSet::new();
     let mut failure_links: HashSet<(NodeId, NodeId), Fast> = HashSet::default();
     for e in edges.values() {
         match e.kind {
             EdgeKind::Ground if counts(e) => {
-                let (Some(d), s) = (info.get(&e.dst), info.get(&e.src)) else { continue };
+                let (Some(d), s) = (info.get(&e.dst), info.get(&e.src)) else {
+                    continue;
+                };
                 let Some(units) = counted(s, d) else { continue };
                 // A source not in the store or not semantic (it holds no statistics): the full pass.
                 if !s.is_some_and(|s| s.semantic) {
@@ -912,7 +1158,10 @@ fn assign_delta(
                     added.insert(e.src.clone());
                 }
             }
-            EdgeKind::Link if options.link_failures && joins_failure_to_success(info, e.src.as_str(), e.dst.as_str()) => {
+            EdgeKind::Link
+                if options.link_failures
+                    && joins_failure_to_success(info, e.src.as_str(), e.dst.as_str()) =>
+            {
                 failure_links.insert((e.src.clone(), e.dst.clone()));
             }
             _ => {}
@@ -926,24 +1175,40 @@ fn assign_delta(
     }
     // The nodes whose old edges may change: credit out of the stored range, or across the line.
     for src in &added {
-        let Some(old) = nodes.stats.get(src).filter(|s| s.n > 0) else { continue };
-        let Some(p) = info.get(src).and_then(|i| base.get(&i.tenant)).copied() else { continue };
+        let Some(old) = nodes.stats.get(src).filter(|s| s.n > 0) else {
+            continue;
+        };
+        let Some(p) = info.get(src).and_then(|i| base.get(&i.tenant)).copied() else {
+            continue;
+        };
         let (sum, n) = behind[src];
         let now = credit_of(sum, n, p, options.prior);
         let was = credit_of(old.sum, old.n as usize, p, options.prior);
-        if prunes(now, n, options) != prunes(was, old.n as usize, options) || (old.lo - now).abs() > options.tolerance || (old.hi - now).abs() > options.tolerance {
+        if prunes(now, n, options) != prunes(was, old.n as usize, options)
+            || (old.lo - now).abs() > options.tolerance
+            || (old.hi - now).abs() > options.tolerance
+        {
             whole.insert(src.clone());
         }
     }
     if !whole.is_empty() {
         // Every ground edge of the whole nodes, and their outcomes counted from those edges (the
         // rule of the full pass), not from the stored sums.
-        let scan = Scan { edges: true, edges_from: Some(whole.clone()), edge_kinds: vec![EdgeKind::Ground], ..Default::default() };
+        let scan = Scan {
+            edges: true,
+            edges_from: Some(whole.clone()),
+            edge_kinds: vec![EdgeKind::Ground],
+            ..Default::default()
+        };
         for src in &whole {
             behind.remove(src);
         }
         for (key, e) in store.scan_at(manifest, &scan)?.edges {
-            if let Some(units) = info.get(&e.dst).filter(|_| counts(&e)).and_then(|d| counted(info.get(&e.src), d)) {
+            if let Some(units) = info
+                .get(&e.dst)
+                .filter(|_| counts(&e))
+                .and_then(|d| counted(info.get(&e.src), d))
+            {
                 let entry = behind.entry(e.src.clone()).or_default();
                 entry.0 += units;
                 entry.1 += 1;
@@ -986,7 +1251,12 @@ fn assign_delta(
             }
         }
         if !older.is_empty() {
-            let scan = Scan { edges: true, edges_from: Some(older), edge_kinds: vec![EdgeKind::Link], ..Default::default() };
+            let scan = Scan {
+                edges: true,
+                edges_from: Some(older),
+                edge_kinds: vec![EdgeKind::Link],
+                ..Default::default()
+            };
             for (key, _) in store.scan_at(manifest, &scan)?.edges {
                 if joins_failure_to_success(info, key.src.as_str(), key.dst.as_str()) {
                     failure_links.insert((key.src, key.dst));
@@ -997,7 +1267,14 @@ fn assign_delta(
 
     // The night's edges and the whole nodes' edges, decided in key order.
     let mut changes = Vec::new();
-    let mut decider = Decider { info, behind: &behind, base, options, memo: SrcMemo::default(), ranges: HashMap::default() };
+    let mut decider = Decider {
+        info,
+        behind: &behind,
+        base,
+        options,
+        memo: SrcMemo::default(),
+        ranges: HashMap::default(),
+    };
     let decided = edges.len() as u64;
     for e in edges.into_values() {
         if let Some(verdict) = decider.decide(&view_of(&e), &mut report) {
@@ -1008,15 +1285,35 @@ fn assign_delta(
     let mut ranges = std::mem::take(&mut decider.ranges);
     // A node decided on only for its new edges keeps its old edges' credits too.
     for src in added.difference(&whole) {
-        if let (Some(old), Some(range)) = (nodes.stats.get(src).filter(|s| s.n > 0), ranges.get_mut(src)) {
+        if let (Some(old), Some(range)) = (
+            nodes.stats.get(src).filter(|s| s.n > 0),
+            ranges.get_mut(src),
+        ) {
             *range = (range.0.min(old.lo), range.1.max(old.hi));
         }
     }
-    expand(nodes, outcomes, &failure_links, options, run_id, Some(&only), &mut changes, &mut report);
+    expand(
+        nodes,
+        outcomes,
+        &failure_links,
+        options,
+        run_id,
+        Some(&only),
+        &mut changes,
+        &mut report,
+    );
     report.delta = true;
     report.edges_decided = decided as usize;
     let sources = added.union(&whole).cloned().collect();
-    Ok(Some((Assigned { changes, report, behind, ranges }, Touched { sources, whole })))
+    Ok(Some((
+        Assigned {
+            changes,
+            report,
+            behind,
+            ranges,
+        },
+        Touched { sources, whole },
+    )))
 }
 
 /// Runs credit assignment over the store and commits the changes (edges, their edit records,
@@ -1033,10 +1330,22 @@ fn assign_delta(
 /// Commits hold `commit_every` changed edges or more: a node's ground edges and its statistics
 /// always go in one commit, so an interrupted run leaves every node's statistics equal to the
 /// outcomes its stored edges count, and the next run resumes from them.
-pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, progress: &mut dyn Progress) -> Result<CreditReport> {
+pub fn refine_store(
+    writer: &mut Writer,
+    options: &CreditOptions,
+    run_id: &str,
+    progress: &mut dyn Progress,
+) -> Result<CreditReport> {
     let manifest = writer.manifest().clone();
-    let priors: BTreeMap<String, f64> = manifest.progress.get(BASE_RATE_MARKER).and_then(|v| serde_json::from_value(v.clone()).ok()).unwrap_or_default();
-    let watermark: Option<Watermark> = manifest.progress.get(WATERMARK_MARKER).and_then(|v| serde_json::from_value(v.clone()).ok());
+    let priors: BTreeMap<String, f64> = manifest
+        .progress
+        .get(BASE_RATE_MARKER)
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
+        .unwrap_or_default();
+    let watermark: Option<Watermark> = manifest
+        .progress
+        .get(WATERMARK_MARKER)
+        .and_then(|v| serde_json::from_value(v.clone()).ok());
     let settings = settings(options);
     let (assigned, touched, nodes, at) = {
         let store = writer.store();
@@ -1054,14 +1363,36 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
         let (outcomes, base) = rates(&nodes, options, &priors, &mut report);
         // A night that added more than `max_delta_share` of the stored edge rows is read as a
         // full pass: it streams the edges, where a delta pass holds the night's edges decoded.
-        let edge_rows = |m: &Manifest| m.shards.iter().filter(|s| s.table == "edges").map(|s| s.rows).sum::<u64>() as f64;
+        let edge_rows = |m: &Manifest| {
+            m.shards
+                .iter()
+                .filter(|s| s.table == "edges")
+                .map(|s| s.rows)
+                .sum::<u64>() as f64
+        };
         let since = watermark
             .as_ref()
-            .filter(|w| !options.full && w.settings == settings && report.base_rate_estimated.is_empty())
+            .filter(|w| {
+                !options.full && w.settings == settings && report.base_rate_estimated.is_empty()
+            })
             .map(|w| manifest.since(w.version, &["nodes", "edges"]))
-            .filter(|since| edge_rows(&since.added) + edge_rows(&since.mixed) <= options.max_delta_share * edge_rows(&manifest));
+            .filter(|since| {
+                edge_rows(&since.added) + edge_rows(&since.mixed)
+                    <= options.max_delta_share * edge_rows(&manifest)
+            });
         let delta = match &since {
-            Some(since) => assign_delta(store, &manifest, since, &nodes, &outcomes, &base, options, run_id, report.clone(), progress)?,
+            Some(since) => assign_delta(
+                store,
+                &manifest,
+                since,
+                &nodes,
+                &outcomes,
+                &base,
+                options,
+                run_id,
+                report.clone(),
+                progress,
+            )?,
             None => None,
         };
         let (assigned, touched) = match delta {
@@ -1070,7 +1401,8 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
                 let edges = store.live(&manifest, "edges")?;
                 progress.start(edges.len());
                 report.edges_decided = edges.len() as usize;
-                let assigned = assign_over(&nodes, &outcomes, &base, &edges, options, run_id, report)?;
+                let assigned =
+                    assign_over(&nodes, &outcomes, &base, &edges, options, run_id, report)?;
                 progress.advance(edges.len());
                 (assigned, None)
             }
@@ -1078,7 +1410,12 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
         drop(outcomes);
         (assigned, touched, nodes, at)
     };
-    let Assigned { changes, mut report, behind, ranges } = assigned;
+    let Assigned {
+        changes,
+        mut report,
+        behind,
+        ranges,
+    } = assigned;
 
     // The statistics that change: every node's after a full pass, the touched ones' after a delta.
     let candidates: Vec<&NodeId> = match &touched {
@@ -1087,11 +1424,18 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
     };
     let mut stats: BTreeMap<NodeId, CreditStats> = BTreeMap::new();
     for src in candidates {
-        let (Some(&(sum, n)), Some(&(lo, hi))) = (behind.get(src), ranges.get(src)) else { continue };
+        let (Some(&(sum, n)), Some(&(lo, hi))) = (behind.get(src), ranges.get(src)) else {
+            continue;
+        };
         if n == 0 {
             continue;
         }
-        let next = CreditStats { sum, n: n as u64, lo, hi };
+        let next = CreditStats {
+            sum,
+            n: n as u64,
+            lo,
+            hi,
+        };
         if nodes.stats.get(src) != Some(&next) {
             stats.insert(src.clone(), next);
         }
@@ -1099,10 +1443,18 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
     drop(nodes);
     let mut rows: BTreeMap<NodeId, Node> = BTreeMap::new();
     if !stats.is_empty() {
-        let scan = Scan { nodes: true, nodes_of: Some(stats.keys().cloned().collect()), node_kinds: vec![NodeKind::Semantic], ..Default::default() };
+        let scan = Scan {
+            nodes: true,
+            nodes_of: Some(stats.keys().cloned().collect()),
+            node_kinds: vec![NodeKind::Semantic],
+            ..Default::default()
+        };
         for (id, mut node) in writer.store().scan_at(&manifest, &scan)?.nodes {
             if let Some(next) = stats.get(&id) {
-                node.metadata.insert(STATS_KEY.into(), serde_json::to_value(next).expect("statistics serialise"));
+                node.metadata.insert(
+                    STATS_KEY.into(),
+                    serde_json::to_value(next).expect("statistics serialise"),
+                );
                 rows.insert(id, node);
             }
         }
@@ -1122,7 +1474,9 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
     // Where each commit starts: after `commit_every` edges, at the next change of source.
     let mut starts: Vec<usize> = vec![0];
     for i in 1..changes.len() {
-        if i - starts[starts.len() - 1] >= options.commit_every.max(1) && changes[i].next.src != changes[i - 1].next.src {
+        if i - starts[starts.len() - 1] >= options.commit_every.max(1)
+            && changes[i].next.src != changes[i - 1].next.src
+        {
             starts.push(i);
         }
     }
@@ -1136,7 +1490,14 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
             if let Some(node) = rows.remove(&change.next.src) {
                 delta.upsert_node(node);
             }
-            delta.edits.push(Edit::new(STAGE, run_id, change.kind, Changed::Edge(change.before.as_ref(), Some(&change.next)), &change.reason, at));
+            delta.edits.push(Edit::new(
+                STAGE,
+                run_id,
+                change.kind,
+                Changed::Edge(change.before.as_ref(), Some(&change.next)),
+                &change.reason,
+                at,
+            ));
             delta.upsert_edge(change.next);
         }
         let mut progress: BTreeMap<String, Value> = BTreeMap::new();
@@ -1151,13 +1512,27 @@ pub fn refine_store(writer: &mut Writer, options: &CreditOptions, run_id: &str, 
             for (_, node) in std::mem::take(&mut rows) {
                 delta.upsert_node(node);
             }
-            let mark = Watermark { version: writer.manifest().version + 1, settings: settings.clone() };
-            progress.insert(WATERMARK_MARKER.to_string(), serde_json::to_value(mark).expect("the watermark serialises"));
+            let mark = Watermark {
+                version: writer.manifest().version + 1,
+                settings: settings.clone(),
+            };
+            progress.insert(
+                WATERMARK_MARKER.to_string(),
+                serde_json::to_value(mark).expect("the watermark serialises"),
+            );
         }
         report.edits += delta.edits.len();
         report.commits += 1;
         let summary = serde_json::to_value(&report).expect("the report serialises");
-        writer.commit(&delta, CommitInfo { stage: STAGE.into(), run_id: run_id.into(), summary, progress })?;
+        writer.commit(
+            &delta,
+            CommitInfo {
+                stage: STAGE.into(),
+                run_id: run_id.into(),
+                summary,
+                progress,
+            },
+        )?;
     }
     Ok(report)
 }

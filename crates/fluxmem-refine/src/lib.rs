@@ -18,10 +18,16 @@ pub mod credit;
 pub mod query;
 mod verify;
 
-pub use credit::{assign, assign_with_priors, outcome, refine_store, CreditOptions, CreditReport, CreditStats, BASE_RATE_MARKER, STATS_KEY, WATERMARK_MARKER};
+pub use credit::{
+    assign, assign_with_priors, outcome, refine_store, CreditOptions, CreditReport, CreditStats,
+    BASE_RATE_MARKER, STATS_KEY, WATERMARK_MARKER,
+};
 /// Progress of [`refine_store`] (edges assessed): Stage I's callbacks, shared.
 pub use fluxmem_connect::{NoProgress, Progress};
-pub use query::{refine_query, LoopModels, LoopOptions, LoopOutcome, Neighbours, Round, DEFAULT_MERGE_ABOVE, STAGE};
+pub use query::{
+    refine_query, LoopModels, LoopOptions, LoopOutcome, Neighbours, Round, DEFAULT_MERGE_ABOVE,
+    STAGE,
+};
 pub use verify::{verifier, CoverageVerifier, JudgeVerifier, Verifier};
 
 /// Errors of Stage II.

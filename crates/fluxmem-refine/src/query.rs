@@ -43,7 +43,9 @@
 //! leaves the graph as it was, but its last context is still what the query gets.
 
 use fluxmem_connect::{line, pack, Candidate, Context, Entry, SemanticIndex, Signals};
-use fluxmem_graph::{sha256_hex, Changed, Edge, EdgeKey, EdgeKind, Edit, Embedding, Graph, Node, NodeBody, NodeId};
+use fluxmem_graph::{
+    sha256_hex, Changed, Edge, EdgeKey, EdgeKind, Edit, Embedding, Graph, Node, NodeBody, NodeId,
+};
 use fluxmem_models::{ChatMessage, Embedder, GenerateParams, Generator};
 use serde::Serialize;
 use serde_json::Value;
@@ -172,7 +174,14 @@ impl Neighbours {
             .values()
             .filter(|n| n.tenant == tenant && !n.metadata.contains_key("reshaped_from"))
             .filter_map(|n| match &n.body {
-                NodeBody::Semantic(s) => Some(((s.source.clone(), s.group.clone().unwrap_or_default(), s.position), n.id.clone())),
+                NodeBody::Semantic(s) => Some((
+                    (
+                        s.source.clone(),
+                        s.group.clone().unwrap_or_default(),
+                        s.position,
+                    ),
+                    n.id.clone(),
+                )),
                 _ => None,
             })
             .collect();
@@ -181,8 +190,14 @@ impl Neighbours {
 
     /// The node `offset` positions away from `node` in the same source group.
     pub fn at(&self, node: &Node, offset: i64) -> Option<&NodeId> {
-        let NodeBody::Semantic(s) = &node.body else { return None };
-        self.by_position.get(&(s.source.clone(), s.group.clone().unwrap_or_default(), s.position + offset))
+        let NodeBody::Semantic(s) = &node.body else {
+            return None;
+        };
+        self.by_position.get(&(
+            s.source.clone(),
+            s.group.clone().unwrap_or_default(),
+            s.position + offset,
+        ))
     }
 }
 
@@ -207,19 +222,34 @@ impl View<'_> {
     /// The node's vector under `model` (the delta's first: a reshaped node's).
     fn vector(&self, id: &NodeId, model: &str) -> Option<&[f32]> {
         let key = (id.clone(), model.to_string());
-        self.delta.embeddings.get(&key).or_else(|| self.base.embeddings.get(&key)).map(|e| e.vector.as_slice())
+        self.delta
+            .embeddings
+            .get(&key)
+            .or_else(|| self.base.embeddings.get(&key))
+            .map(|e| e.vector.as_slice())
     }
 
     fn edge(&self, key: &EdgeKey) -> Option<&Edge> {
-        self.delta.edges.get(key).or_else(|| self.base.edges.get(key))
+        self.delta
+            .edges
+            .get(key)
+            .or_else(|| self.base.edges.get(key))
     }
 
     /// Edges out of `src` (delta versions win), in key order.
     fn edges_from(&self, src: &NodeId) -> Vec<&Edge> {
-        let start = EdgeKey { src: src.clone(), dst: NodeId(String::new()), kind: EdgeKind::Ground };
+        let start = EdgeKey {
+            src: src.clone(),
+            dst: NodeId(String::new()),
+            kind: EdgeKind::Ground,
+        };
         let mut out: BTreeMap<&EdgeKey, &Edge> = BTreeMap::new();
         for graph in [self.base, &self.delta] {
-            for (key, edge) in graph.edges.range(start.clone()..).take_while(|(k, _)| &k.src == src) {
+            for (key, edge) in graph
+                .edges
+                .range(start.clone()..)
+                .take_while(|(k, _)| &k.src == src)
+            {
                 out.insert(key, edge);
             }
         }
@@ -229,7 +259,11 @@ impl View<'_> {
     fn edges_touching(&self, id: &NodeId) -> Vec<Edge> {
         let mut out: BTreeMap<EdgeKey, Edge> = BTreeMap::new();
         for graph in [self.base, &self.delta] {
-            for (key, edge) in graph.edges.iter().filter(|(k, _)| &k.src == id || &k.dst == id) {
+            for (key, edge) in graph
+                .edges
+                .iter()
+                .filter(|(k, _)| &k.src == id || &k.dst == id)
+            {
                 out.insert(key.clone(), edge.clone());
             }
         }
@@ -238,7 +272,14 @@ impl View<'_> {
 
     fn set_edge(&mut self, edge: Edge, kind: &str, reason: &str, run_id: &str, at: i64) -> Edit {
         let before = self.edge(&edge.key()).cloned();
-        let edit = Edit::new(STAGE, run_id, kind, Changed::Edge(before.as_ref(), Some(&edge)), reason, at);
+        let edit = Edit::new(
+            STAGE,
+            run_id,
+            kind,
+            Changed::Edge(before.as_ref(), Some(&edge)),
+            reason,
+            at,
+        );
         self.delta.upsert_edge(edge);
         edit
     }
@@ -264,7 +305,11 @@ pub fn refine_query(
     run_id: &str,
     at: i64,
 ) -> Result<LoopOutcome> {
-    let mut view = View { base: graph, delta: Graph::default(), tenant: index.tenant() };
+    let mut view = View {
+        base: graph,
+        delta: Graph::default(),
+        tenant: index.tenant(),
+    };
     let mut excluded: BTreeSet<NodeId> = BTreeSet::new();
     let mut rounds = Vec::new();
     let mut attempted = Vec::new();
@@ -276,13 +321,46 @@ pub fn refine_query(
         let ranking = swap(arrange(&view, stage1, &excluded, options.anchors), &swaps);
         let context = pack_view(&view, &ranking, options.budget, models.count_tokens)?;
         let sufficiency = models.verifier.sufficient(query, &context.text())?;
-        let sufficient = sufficiency >= options.sufficient_at.unwrap_or_else(|| models.verifier.sufficient_at());
+        let sufficient = sufficiency
+            >= options
+                .sufficient_at
+                .unwrap_or_else(|| models.verifier.sufficient_at());
         if sufficient || rounds.len() >= options.rounds {
-            let attribution = if sufficient { "sufficient" } else { "out of rounds" };
-            rounds.push(Round { sufficiency, items: context.items.len(), attribution: attribution.into(), edit: None, context: ids(&context) });
+            let attribution = if sufficient {
+                "sufficient"
+            } else {
+                "out of rounds"
+            };
+            rounds.push(Round {
+                sufficiency,
+                items: context.items.len(),
+                attribution: attribution.into(),
+                edit: None,
+                context: ids(&context),
+            });
             let new_nodes = view.delta.nodes.values().cloned().collect();
-            let delta = if sufficient { persist(view, &context, &attempted, &created_links, options, run_id, at) } else { Graph::default() };
-            return Ok(LoopOutcome { ranking, context, rounds, sufficient, delta, attempted, new_nodes });
+            let delta = if sufficient {
+                persist(
+                    view,
+                    &context,
+                    &attempted,
+                    &created_links,
+                    options,
+                    run_id,
+                    at,
+                )
+            } else {
+                Graph::default()
+            };
+            return Ok(LoopOutcome {
+                ranking,
+                context,
+                rounds,
+                sufficient,
+                delta,
+                attempted,
+                new_nodes,
+            });
         }
         let lines: Vec<&str> = context.items.iter().map(|i| i.line.as_str()).collect();
         let scores = models.verifier.item_scores(query, &lines)?;
@@ -293,12 +371,23 @@ pub fn refine_query(
                 (0..scores.len()).find(|&i| {
                     scores[i] >= below
                         && context.items[i].tokens < options.reshape_below
-                        && view.node(&context.items[i].node_id).is_some_and(|n| reshapable(&view, neighbours, n))
+                        && view
+                            .node(&context.items[i].node_id)
+                            .is_some_and(|n| reshapable(&view, neighbours, n))
                 })
             })
             .flatten();
         let redundant = (options.merge_above > 0.0)
-            .then(|| redundant_pair(&view, &context, &scores, below, models.embedder.model_id(), options.merge_above))
+            .then(|| {
+                redundant_pair(
+                    &view,
+                    &context,
+                    &scores,
+                    below,
+                    models.embedder.model_id(),
+                    options.merge_above,
+                )
+            })
             .flatten();
         let mut order: Vec<&str> = Vec::new();
         if !distractors.is_empty() && distractors.len() * 3 >= context.items.len() {
@@ -311,28 +400,72 @@ pub fn refine_query(
             order.push("under-connection");
         }
         for fallback in ["over-connection", "under-connection"] {
-            if !order.contains(&fallback) && (fallback != "over-connection" || !distractors.is_empty()) {
+            if !order.contains(&fallback)
+                && (fallback != "over-connection" || !distractors.is_empty())
+            {
                 order.push(fallback);
             }
         }
         let mut applied = None;
         for attribution in &order {
             let edits = match *attribution {
-                "over-connection" => prune(&mut view, &context, &distractors, options.prune_k, &mut excluded, query, run_id, at),
+                "over-connection" => prune(
+                    &mut view,
+                    &context,
+                    &distractors,
+                    options.prune_k,
+                    &mut excluded,
+                    query,
+                    run_id,
+                    at,
+                ),
                 "redundancy" => {
                     let (first, second) = redundant.expect("redundancy only with a pair");
-                    let pair = [&context.items[first].node_id, &context.items[second].node_id];
+                    let pair = [
+                        &context.items[first].node_id,
+                        &context.items[second].node_id,
+                    ];
                     merge_nodes(&mut view, pair, models, query, run_id, at)?
                 }
                 "granularity" => {
                     let item = &context.items[reshape.expect("granularity only with a candidate")];
-                    reshape_node(&mut view, neighbours, &item.node_id, models, query, run_id, at)?
+                    reshape_node(
+                        &mut view,
+                        neighbours,
+                        &item.node_id,
+                        models,
+                        query,
+                        run_id,
+                        at,
+                    )?
                 }
                 _ => {
                     let before = created_links.len();
-                    let edits = expand(&mut view, index, neighbours, query, stage1, &context, &excluded, models, options, run_id, at, &mut created_links)?;
-                    let brought: Vec<NodeId> = created_links[before..].iter().map(|key| key.dst.clone()).collect();
-                    swaps.extend(make_room(&context, &scores, options.anchors, &swaps, brought));
+                    let edits = expand(
+                        &mut view,
+                        index,
+                        neighbours,
+                        query,
+                        stage1,
+                        &context,
+                        &excluded,
+                        models,
+                        options,
+                        run_id,
+                        at,
+                        &mut created_links,
+                    )?;
+                    let brought: Vec<NodeId> = created_links[before..]
+                        .iter()
+                        .map(|key| key.dst.clone())
+                        .collect();
+                    swaps.extend(make_room(
+                        &context,
+                        &scores,
+                        options.anchors,
+                        &swaps,
+                        brought,
+                    ));
                     edits
                 }
             };
@@ -345,31 +478,64 @@ pub fn refine_query(
         }
         match applied {
             Some((attribution, kind)) => {
-                rounds.push(Round { sufficiency, items: context.items.len(), attribution, edit: Some(kind), context: ids(&context) });
+                rounds.push(Round {
+                    sufficiency,
+                    items: context.items.len(),
+                    attribution,
+                    edit: Some(kind),
+                    context: ids(&context),
+                });
             }
             None => {
-                rounds.push(Round { sufficiency, items: context.items.len(), attribution: "stuck".into(), edit: None, context: ids(&context) });
+                rounds.push(Round {
+                    sufficiency,
+                    items: context.items.len(),
+                    attribution: "stuck".into(),
+                    edit: None,
+                    context: ids(&context),
+                });
                 let new_nodes = view.delta.nodes.values().cloned().collect();
-                return Ok(LoopOutcome { ranking, context, rounds, sufficient: false, delta: Graph::default(), attempted, new_nodes });
+                return Ok(LoopOutcome {
+                    ranking,
+                    context,
+                    rounds,
+                    sufficient: false,
+                    delta: Graph::default(),
+                    attempted,
+                    new_nodes,
+                });
             }
         }
     }
 }
 
 fn ids(context: &Context) -> Vec<NodeId> {
-    context.items.iter().map(|item| item.node_id.clone()).collect()
+    context
+        .items
+        .iter()
+        .map(|item| item.node_id.clone())
+        .collect()
 }
 
 /// The Stage I ranking with the graph's refine links applied: reshaped nodes take their
 /// originals' place, nodes pruned from one of the anchors (the `anchors` best) or from this
 /// query are left out, and nodes linked from an anchor by an active expand link follow it.
-fn arrange(view: &View<'_>, stage1: &[Candidate], excluded: &BTreeSet<NodeId>, anchors: usize) -> Vec<Entry> {
+fn arrange(
+    view: &View<'_>,
+    stage1: &[Candidate],
+    excluded: &BTreeSet<NodeId>,
+    anchors: usize,
+) -> Vec<Entry> {
     let substitute = |id: &NodeId| -> (NodeId, Option<NodeId>) {
         let mut current = id.clone();
         let mut from = None;
         // Follow reshape chains (bounded, in case of a cycle in hand-made data).
         for _ in 0..8 {
-            let next = view.edges_from(&current).into_iter().find(|e| e.active && relation(e) == Some("reshaped_into")).map(|e| e.dst.clone());
+            let next = view
+                .edges_from(&current)
+                .into_iter()
+                .find(|e| e.active && relation(e) == Some("reshaped_into"))
+                .map(|e| e.dst.clone());
             match next {
                 Some(next) if view.own(&next).is_some() => {
                     from.get_or_insert_with(|| current.clone());
@@ -394,20 +560,35 @@ fn arrange(view: &View<'_>, stage1: &[Candidate], excluded: &BTreeSet<NodeId>, a
         }
         (id, c.signals, c.score, why)
     };
-    let base: Vec<Entry> =
-        stage1.iter().map(entry).filter(|(id, ..)| !excluded.contains(id) && view.own(id).is_some()).collect();
-    let anchor_ids: Vec<NodeId> = base.iter().take(anchors).map(|(id, ..)| id.clone()).collect();
+    let base: Vec<Entry> = stage1
+        .iter()
+        .map(entry)
+        .filter(|(id, ..)| !excluded.contains(id) && view.own(id).is_some())
+        .collect();
+    let anchor_ids: Vec<NodeId> = base
+        .iter()
+        .take(anchors)
+        .map(|(id, ..)| id.clone())
+        .collect();
     let mut pruned: BTreeSet<NodeId> = BTreeSet::new();
     let mut linked: BTreeMap<NodeId, Vec<(NodeId, f32)>> = BTreeMap::new();
     for anchor in &anchor_ids {
         for edge in view.edges_from(anchor) {
             let cut = edge.metadata.get("pruned").and_then(Value::as_bool) == Some(true);
             match (relation(edge), edge.active) {
-                (Some("prune"), true) | (Some("expand"), false) if (relation(edge) == Some("prune") || cut) && !anchor_ids.contains(&edge.dst) => {
+                (Some("prune"), true) | (Some("expand"), false)
+                    if (relation(edge) == Some("prune") || cut)
+                        && !anchor_ids.contains(&edge.dst) =>
+                {
                     pruned.insert(edge.dst.clone());
                 }
-                (Some("expand"), true) if !excluded.contains(&edge.dst) && view.own(&edge.dst).is_some() => {
-                    linked.entry(anchor.clone()).or_default().push((edge.dst.clone(), edge.weight));
+                (Some("expand"), true)
+                    if !excluded.contains(&edge.dst) && view.own(&edge.dst).is_some() =>
+                {
+                    linked
+                        .entry(anchor.clone())
+                        .or_default()
+                        .push((edge.dst.clone(), edge.weight));
                 }
                 _ => {}
             }
@@ -436,11 +617,24 @@ fn arrange(view: &View<'_>, stage1: &[Candidate], excluded: &BTreeSet<NodeId>, a
 /// Pairs each item an expansion brought in (best first) with the context item it replaces: the
 /// ones the verifier scored lowest (the later first among equals), never an anchor, an item
 /// already swapped or one brought in.
-fn make_room(context: &Context, scores: &[f32], anchors: usize, swaps: &[(NodeId, NodeId)], brought: Vec<NodeId>) -> Vec<(NodeId, NodeId)> {
-    let taken = |id: &NodeId| swaps.iter().any(|(out, inn)| out == id || inn == id) || brought.contains(id);
-    let mut weakest: Vec<usize> = (anchors.min(context.items.len())..context.items.len()).filter(|&i| !taken(&context.items[i].node_id)).collect();
+fn make_room(
+    context: &Context,
+    scores: &[f32],
+    anchors: usize,
+    swaps: &[(NodeId, NodeId)],
+    brought: Vec<NodeId>,
+) -> Vec<(NodeId, NodeId)> {
+    let taken =
+        |id: &NodeId| swaps.iter().any(|(out, inn)| out == id || inn == id) || brought.contains(id);
+    let mut weakest: Vec<usize> = (anchors.min(context.items.len())..context.items.len())
+        .filter(|&i| !taken(&context.items[i].node_id))
+        .collect();
     weakest.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]).then(b.cmp(&a)));
-    weakest.into_iter().zip(brought).map(|(i, inn)| (context.items[i].node_id.clone(), inn)).collect()
+    weakest
+        .into_iter()
+        .zip(brought)
+        .map(|(i, inn)| (context.items[i].node_id.clone(), inn))
+        .collect()
 }
 
 /// Applies this query's swaps to a ranking: each item brought in takes the place of the item it
@@ -448,7 +642,12 @@ fn make_room(context: &Context, scores: &[f32], anchors: usize, swaps: &[(NodeId
 fn swap(mut ranking: Vec<Entry>, swaps: &[(NodeId, NodeId)]) -> Vec<Entry> {
     let mut moved_out = Vec::new();
     for (out, inn) in swaps {
-        let (Some(at_out), Some(at_in)) = (ranking.iter().position(|e| &e.0 == out), ranking.iter().position(|e| &e.0 == inn)) else { continue };
+        let (Some(at_out), Some(at_in)) = (
+            ranking.iter().position(|e| &e.0 == out),
+            ranking.iter().position(|e| &e.0 == inn),
+        ) else {
+            continue;
+        };
         let entry_in = ranking.remove(at_in);
         let at_out = if at_in < at_out { at_out - 1 } else { at_out };
         let entry_out = std::mem::replace(&mut ranking[at_out], entry_in);
@@ -486,7 +685,13 @@ fn prune(
     run_id: &str,
     at: i64,
 ) -> Vec<Edit> {
-    let Some(anchor) = context.items.iter().enumerate().find(|(i, _)| !distractors.contains(i)).map(|(_, item)| item.node_id.clone()) else {
+    let Some(anchor) = context
+        .items
+        .iter()
+        .enumerate()
+        .find(|(i, _)| !distractors.contains(i))
+        .map(|(_, item)| item.node_id.clone())
+    else {
         // Everything is a distractor: nothing to anchor a prune on; leave them for expansion.
         return Vec::new();
     };
@@ -497,7 +702,11 @@ fn prune(
         if target == anchor || !excluded.insert(target.clone()) {
             continue;
         }
-        let key = EdgeKey { src: anchor.clone(), dst: target.clone(), kind: EdgeKind::Link };
+        let key = EdgeKey {
+            src: anchor.clone(),
+            dst: target.clone(),
+            kind: EdgeKind::Link,
+        };
         let mut edge = match view.edge(&key).cloned() {
             // An expand link to a distractor is cut: deactivated and marked pruned.
             Some(mut existing) if relation(&existing) == Some("expand") => {
@@ -511,7 +720,10 @@ fn prune(
         };
         edge.stage = STAGE.into();
         edge.run_id = run_id.into();
-        let reason = format!("over-connection: the verifier scored this item as a distractor for query {:?}", clip(query));
+        let reason = format!(
+            "over-connection: the verifier scored this item as a distractor for query {:?}",
+            clip(query)
+        );
         edits.push(view.set_edge(edge, "link_prune", &reason, run_id, at));
     }
     edits
@@ -533,25 +745,47 @@ fn expand(
     created: &mut Vec<EdgeKey>,
 ) -> Result<Vec<Edit>> {
     let in_context: BTreeSet<&NodeId> = context.items.iter().map(|i| &i.node_id).collect();
-    let Some(top) = context.items.first().map(|i| i.node_id.clone()) else { return Ok(Vec::new()) };
+    let Some(top) = context.items.first().map(|i| i.node_id.clone()) else {
+        return Ok(Vec::new());
+    };
     let mut pool: Vec<(NodeId, NodeId, &'static str)> = Vec::new(); // (candidate, anchor, source)
-    let add = |pool: &mut Vec<(NodeId, NodeId, &'static str)>, id: &NodeId, anchor: &NodeId, source: &'static str| {
-        if !in_context.contains(id) && !excluded.contains(id) && !pool.iter().any(|(c, ..)| c == id) && view.own(id).is_some() {
+    let add = |pool: &mut Vec<(NodeId, NodeId, &'static str)>,
+               id: &NodeId,
+               anchor: &NodeId,
+               source: &'static str| {
+        if !in_context.contains(id)
+            && !excluded.contains(id)
+            && !pool.iter().any(|(c, ..)| c == id)
+            && view.own(id).is_some()
+        {
             pool.push((id.clone(), anchor.clone(), source));
         }
     };
     // Graph neighbours of the best items: adjacent turns, then their active edges.
     for item in context.items.iter().take(options.anchors) {
-        let Some(node) = view.node(&item.node_id).cloned() else { continue };
-        let origin = node.metadata.get("reshaped_from").and_then(Value::as_str).map(NodeId::from);
-        let positional = origin.as_ref().and_then(|o| view.node(o).cloned()).unwrap_or_else(|| node.clone());
+        let Some(node) = view.node(&item.node_id).cloned() else {
+            continue;
+        };
+        let origin = node
+            .metadata
+            .get("reshaped_from")
+            .and_then(Value::as_str)
+            .map(NodeId::from);
+        let positional = origin
+            .as_ref()
+            .and_then(|o| view.node(o).cloned())
+            .unwrap_or_else(|| node.clone());
         for offset in [-1, 1] {
             if let Some(id) = neighbours.at(&positional, offset) {
                 add(&mut pool, id, &item.node_id, "adjacent");
             }
         }
-        let edges: Vec<NodeId> =
-            view.edges_from(&item.node_id).into_iter().filter(|e| e.active && relation(e).is_none()).map(|e| e.dst.clone()).collect();
+        let edges: Vec<NodeId> = view
+            .edges_from(&item.node_id)
+            .into_iter()
+            .filter(|e| e.active && relation(e).is_none())
+            .map(|e| e.dst.clone())
+            .collect();
         for id in edges.iter().take(options.expand_pool) {
             add(&mut pool, id, &item.node_id, "edge");
         }
@@ -560,14 +794,21 @@ fn expand(
     // on the whole query otherwise.
     let context_text = context.text();
     let present: BTreeSet<String> = fluxmem_connect::terms(&context_text).into_iter().collect();
-    let missing: Vec<String> = fluxmem_connect::terms(query).into_iter().filter(|t| !present.contains(t)).collect();
+    let missing: Vec<String> = fluxmem_connect::terms(query)
+        .into_iter()
+        .filter(|t| !present.contains(t))
+        .collect();
     if !missing.is_empty() {
         for candidate in index.bm25(&missing.join(" "), options.expand_pool) {
             add(&mut pool, &candidate.node_id, &top, "feedback");
         }
     }
     // The query's next candidates that did not make it into the context.
-    for candidate in stage1.iter().filter(|c| !in_context.contains(&c.node_id)).take(options.expand_pool) {
+    for candidate in stage1
+        .iter()
+        .filter(|c| !in_context.contains(&c.node_id))
+        .take(options.expand_pool)
+    {
         add(&mut pool, &candidate.node_id, &top, "query");
     }
     if pool.is_empty() {
@@ -582,10 +823,22 @@ fn expand(
     let mut edits = Vec::new();
     for &i in ranked.iter().take(options.expand_k) {
         let (candidate, anchor, source) = &pool[i];
-        let key = EdgeKey { src: anchor.clone(), dst: candidate.clone(), kind: EdgeKind::Link };
+        let key = EdgeKey {
+            src: anchor.clone(),
+            dst: candidate.clone(),
+            kind: EdgeKind::Link,
+        };
         let mut edge = match view.edge(&key).cloned() {
             Some(existing) if relation(&existing) == Some("expand") => existing,
-            _ => new_link(view, anchor, candidate, options.link_weight, "expand", run_id, at),
+            _ => new_link(
+                view,
+                anchor,
+                candidate,
+                options.link_weight,
+                "expand",
+                run_id,
+                at,
+            ),
         };
         edge.active = true;
         edge.stage = STAGE.into();
@@ -604,23 +857,40 @@ fn expand(
 
 /// The first pair of useful items (context order) whose vectors under `model` have a cosine of
 /// at least `above`: redundant, so one summary can hold both.
-fn redundant_pair(view: &View<'_>, context: &Context, scores: &[f32], below: f32, model: &str, above: f32) -> Option<(usize, usize)> {
+fn redundant_pair(
+    view: &View<'_>,
+    context: &Context,
+    scores: &[f32],
+    below: f32,
+    model: &str,
+    above: f32,
+) -> Option<(usize, usize)> {
     let vectors: Vec<Option<&[f32]>> = context
         .items
         .iter()
         .zip(scores)
-        .map(|(item, &score)| (score >= below).then(|| view.vector(&item.node_id, model)).flatten())
+        .map(|(item, &score)| {
+            (score >= below)
+                .then(|| view.vector(&item.node_id, model))
+                .flatten()
+        })
         .collect();
     (0..vectors.len()).find_map(|i| {
         let a = vectors[i]?;
-        (i + 1..vectors.len()).find(|&j| vectors[j].is_some_and(|b| fluxmem_models::cosine(a, b) >= above)).map(|j| (i, j))
+        (i + 1..vectors.len())
+            .find(|&j| vectors[j].is_some_and(|b| fluxmem_models::cosine(a, b) >= above))
+            .map(|j| (i, j))
     })
 }
 
 /// The turns a node holds: those it `covers` (a reshaped or merged node), else itself.
 fn covered(node: &Node) -> Vec<String> {
     match node.metadata.get("covers").and_then(Value::as_array) {
-        Some(covers) => covers.iter().filter_map(Value::as_str).map(str::to_string).collect(),
+        Some(covers) => covers
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::to_string)
+            .collect(),
         None => vec![node.id.as_str().to_string()],
     }
 }
@@ -650,7 +920,9 @@ fn sentences(text: &str) -> Vec<&str> {
     let mut start = 0;
     let mut chars = text.char_indices().peekable();
     while let Some((at, c)) = chars.next() {
-        if matches!(c, '.' | '!' | '?') && chars.peek().is_some_and(|(_, next)| next.is_whitespace()) {
+        if matches!(c, '.' | '!' | '?')
+            && chars.peek().is_some_and(|(_, next)| next.is_whitespace())
+        {
             out.push(text[start..at + c.len_utf8()].trim());
             start = at + c.len_utf8();
         }
@@ -662,8 +934,18 @@ fn sentences(text: &str) -> Vec<&str> {
 
 /// Node Reshape (coarser): one summary node for two redundant items, keeping both originals'
 /// provenance (`merged_from`, `covers`) and edges; each original links to it (`reshaped_into`).
-fn merge_nodes(view: &mut View<'_>, pair: [&NodeId; 2], models: &mut LoopModels<'_>, query: &str, run_id: &str, at: i64) -> Result<Vec<Edit>> {
-    let (Some(first), Some(second)) = (view.own(pair[0]).cloned(), view.own(pair[1]).cloned()) else { return Ok(Vec::new()) };
+fn merge_nodes(
+    view: &mut View<'_>,
+    pair: [&NodeId; 2],
+    models: &mut LoopModels<'_>,
+    query: &str,
+    run_id: &str,
+    at: i64,
+) -> Result<Vec<Edit>> {
+    let (Some(first), Some(second)) = (view.own(pair[0]).cloned(), view.own(pair[1]).cloned())
+    else {
+        return Ok(Vec::new());
+    };
     let deterministic = merged_text(&first.text, &second.text);
     let (text, how) = match models.generator.as_deref_mut() {
         Some(generator) => {
@@ -671,7 +953,13 @@ fn merge_nodes(view: &mut View<'_>, pair: [&NodeId; 2], models: &mut LoopModels<
                 "These two notes say nearly the same thing. Merge them into one statement on one line that keeps every name, date and fact of either, saying each once.\n\n1. {}\n2. {}",
                 first.text, second.text
             );
-            let reply = generator.generate(&[ChatMessage::new("user", prompt)], &GenerateParams { max_tokens: 128, ..Default::default() })?;
+            let reply = generator.generate(
+                &[ChatMessage::new("user", prompt)],
+                &GenerateParams {
+                    max_tokens: 128,
+                    ..Default::default()
+                },
+            )?;
             let merged = reply.text.split_whitespace().collect::<Vec<_>>().join(" ");
             if merged.is_empty() {
                 (deterministic, "deterministic (empty merge)".to_string())
@@ -679,18 +967,34 @@ fn merge_nodes(view: &mut View<'_>, pair: [&NodeId; 2], models: &mut LoopModels<
                 (merged, format!("merged by {}", generator.model_id()))
             }
         }
-        None => (deterministic, "deterministic: the second's new sentences after the first".to_string()),
+        None => (
+            deterministic,
+            "deterministic: the second's new sentences after the first".to_string(),
+        ),
     };
-    let mut node = Node::new(first.body.clone(), &first.tenant, &text, &["merge", first.id.as_str(), second.id.as_str(), &text]);
+    let mut node = Node::new(
+        first.body.clone(),
+        &first.tenant,
+        &text,
+        &["merge", first.id.as_str(), second.id.as_str(), &text],
+    );
     node.agent_id = first.agent_id.clone();
     node.source_file = first.source_file.clone();
     node.source_locator = format!("{} (merged)", first.source_locator);
     node.created_at = first.created_at.max(second.created_at);
     node.metadata = first.metadata.clone();
-    node.metadata.insert("reshaped_from".into(), first.id.as_str().into());
-    node.metadata.insert("merged_from".into(), Value::from(vec![first.id.as_str().to_string(), second.id.as_str().to_string()]));
+    node.metadata
+        .insert("reshaped_from".into(), first.id.as_str().into());
+    node.metadata.insert(
+        "merged_from".into(),
+        Value::from(vec![
+            first.id.as_str().to_string(),
+            second.id.as_str().to_string(),
+        ]),
+    );
     node.metadata.insert("reshape".into(), "coarser".into());
-    node.metadata.insert("reshape_method".into(), how.clone().into());
+    node.metadata
+        .insert("reshape_method".into(), how.clone().into());
     let mut covers = covered(&first);
     for id in covered(&second) {
         if !covers.contains(&id) {
@@ -698,8 +1002,20 @@ fn merge_nodes(view: &mut View<'_>, pair: [&NodeId; 2], models: &mut LoopModels<
         }
     }
     node.metadata.insert("covers".into(), Value::from(covers));
-    let reason = format!("redundancy: two useful items of query {:?} say nearly the same; coarser: {how}", clip(query));
-    install_reshaped(view, node, &[&first.id, &second.id], "node_merge", &reason, models, run_id, at)
+    let reason = format!(
+        "redundancy: two useful items of query {:?} say nearly the same; coarser: {how}",
+        clip(query)
+    );
+    install_reshaped(
+        view,
+        node,
+        &[&first.id, &second.id],
+        "node_merge",
+        &reason,
+        models,
+        run_id,
+        at,
+    )
 }
 
 /// Puts a reshaped or merged node into the loop's delta in the place of `originals`: re-embeds
@@ -725,14 +1041,25 @@ fn install_reshaped(
         text_sha256: sha256_hex(embed_text.as_bytes()),
         vector,
     });
-    let mut edits = vec![Edit::new(STAGE, run_id, kind, Changed::Node(None, Some(&node)), reason, at)];
+    let mut edits = vec![Edit::new(
+        STAGE,
+        run_id,
+        kind,
+        Changed::Node(None, Some(&node)),
+        reason,
+        at,
+    )];
     view.delta.upsert_node(node.clone());
     // Copies in the order the originals' edges are read; a later copy of the same key replaces
     // an earlier one only when heavier.
     let mut copies: Vec<Edge> = Vec::new();
     for &original in originals {
         for edge in view.edges_touching(original) {
-            let other = if &edge.src == original { &edge.dst } else { &edge.src };
+            let other = if &edge.src == original {
+                &edge.dst
+            } else {
+                &edge.src
+            };
             let between = other != original && originals.contains(&other);
             if between || view.node(other).is_some_and(|n| n.tenant != node.tenant) {
                 continue;
@@ -746,7 +1073,10 @@ fn install_reshaped(
             }
             copy.stage = STAGE.into();
             copy.run_id = run_id.into();
-            copy.metadata.insert("copied_from".into(), format!("{}>{}", edge.src, edge.dst).into());
+            copy.metadata.insert(
+                "copied_from".into(),
+                format!("{}>{}", edge.src, edge.dst).into(),
+            );
             match copies.iter_mut().find(|kept| kept.key() == copy.key()) {
                 Some(kept) if kept.weight < copy.weight => *kept = copy,
                 Some(_) => {}
@@ -767,7 +1097,10 @@ fn install_reshaped(
 fn reshapable(view: &View<'_>, neighbours: &Neighbours, node: &Node) -> bool {
     !node.metadata.contains_key("reshaped_from")
         && neighbours.at(node, -1).is_some()
-        && !view.edges_from(&node.id).iter().any(|e| e.active && relation(e) == Some("reshaped_into"))
+        && !view
+            .edges_from(&node.id)
+            .iter()
+            .any(|e| e.active && relation(e) == Some("reshaped_into"))
 }
 
 fn reshape_node(
@@ -779,8 +1112,12 @@ fn reshape_node(
     run_id: &str,
     at: i64,
 ) -> Result<Vec<Edit>> {
-    let Some(old) = view.node(id).cloned() else { return Ok(Vec::new()) };
-    let Some(previous) = neighbours.at(&old, -1).and_then(|p| view.node(p)).cloned() else { return Ok(Vec::new()) };
+    let Some(old) = view.node(id).cloned() else {
+        return Ok(Vec::new());
+    };
+    let Some(previous) = neighbours.at(&old, -1).and_then(|p| view.node(p)).cloned() else {
+        return Ok(Vec::new());
+    };
     // One line: contexts are line-per-item.
     let joined = format!("{} / {}", previous.text, old.text);
     let (text, how) = match models.generator.as_deref_mut() {
@@ -788,29 +1125,63 @@ fn reshape_node(
             let prompt = format!(
                 "Rewrite the second part of this conversation excerpt (after the slash) as one self-contained statement on one line, adding the context it needs from the first part. Keep every name, date and fact.\n\n{joined}"
             );
-            let reply = generator.generate(&[ChatMessage::new("user", prompt)], &GenerateParams { max_tokens: 96, ..Default::default() })?;
+            let reply = generator.generate(
+                &[ChatMessage::new("user", prompt)],
+                &GenerateParams {
+                    max_tokens: 96,
+                    ..Default::default()
+                },
+            )?;
             let rewritten = reply.text.split_whitespace().collect::<Vec<_>>().join(" ");
             let rewritten = rewritten.as_str();
             if rewritten.is_empty() {
                 (joined.clone(), "joined (empty rewrite)".to_string())
             } else {
-                (rewritten.to_string(), format!("rewritten by {}", generator.model_id()))
+                (
+                    rewritten.to_string(),
+                    format!("rewritten by {}", generator.model_id()),
+                )
             }
         }
         None => (joined.clone(), "joined with the preceding item".to_string()),
     };
-    let mut node = Node::new(old.body.clone(), &old.tenant, &text, &["reshape", old.id.as_str(), previous.id.as_str(), &text]);
+    let mut node = Node::new(
+        old.body.clone(),
+        &old.tenant,
+        &text,
+        &["reshape", old.id.as_str(), previous.id.as_str(), &text],
+    );
     node.agent_id = old.agent_id.clone();
     node.source_file = old.source_file.clone();
     node.source_locator = format!("{} (reshaped)", old.source_locator);
     node.created_at = old.created_at;
     node.metadata = old.metadata.clone();
-    node.metadata.insert("reshaped_from".into(), old.id.as_str().into());
+    node.metadata
+        .insert("reshaped_from".into(), old.id.as_str().into());
     node.metadata.insert("reshape".into(), "finer".into());
-    node.metadata.insert("reshape_method".into(), how.clone().into());
-    node.metadata.insert("covers".into(), Value::from(vec![previous.id.as_str().to_string(), old.id.as_str().to_string()]));
-    let reason = format!("granularity: a useful item of query {:?} is too short to stand alone; finer: {how}", clip(query));
-    install_reshaped(view, node, &[&old.id], "node_reshape", &reason, models, run_id, at)
+    node.metadata
+        .insert("reshape_method".into(), how.clone().into());
+    node.metadata.insert(
+        "covers".into(),
+        Value::from(vec![
+            previous.id.as_str().to_string(),
+            old.id.as_str().to_string(),
+        ]),
+    );
+    let reason = format!(
+        "granularity: a useful item of query {:?} is too short to stand alone; finer: {how}",
+        clip(query)
+    );
+    install_reshaped(
+        view,
+        node,
+        &[&old.id],
+        "node_reshape",
+        &reason,
+        models,
+        run_id,
+        at,
+    )
 }
 
 /// Keeps the loop's delta after a sufficient context: links in the context gain weight and one
@@ -834,7 +1205,13 @@ fn persist(
         if let Some(mut edge) = view.edge(key).cloned() {
             edge.weight += options.gain * (1.0 - edge.weight);
             edge.evidence += 1;
-            credit_edits.push(view.set_edge(edge, "credit", "the link was in a context the verifier found sufficient", run_id, at));
+            credit_edits.push(view.set_edge(
+                edge,
+                "credit",
+                "the link was in a context the verifier found sufficient",
+                run_id,
+                at,
+            ));
         }
     }
     let mut delta = view.delta;
@@ -843,7 +1220,15 @@ fn persist(
     delta
 }
 
-fn new_link(view: &View<'_>, src: &NodeId, dst: &NodeId, weight: f32, relation: &str, run_id: &str, at: i64) -> Edge {
+fn new_link(
+    view: &View<'_>,
+    src: &NodeId,
+    dst: &NodeId,
+    weight: f32,
+    relation: &str,
+    run_id: &str,
+    at: i64,
+) -> Edge {
     let time = |id: &NodeId| view.node(id).and_then(|n| n.created_at).unwrap_or(0);
     let mut metadata = BTreeMap::new();
     metadata.insert("relation".into(), Value::from(relation));
@@ -883,9 +1268,15 @@ mod tests {
     #[test]
     fn the_deterministic_merge_says_each_sentence_once() {
         // An exact repeat adds nothing; a sentence with a new term is kept, one already said is not.
-        assert_eq!(merged_text("Deploy failed: disk full.", "Deploy failed: disk full."), "Deploy failed: disk full.");
         assert_eq!(
-            merged_text("Deploy failed:\n disk full.", "Disk full! Deploy failed. Cleaned /tmp and retried?"),
+            merged_text("Deploy failed: disk full.", "Deploy failed: disk full."),
+            "Deploy failed: disk full."
+        );
+        assert_eq!(
+            merged_text(
+                "Deploy failed:\n disk full.",
+                "Disk full! Deploy failed. Cleaned /tmp and retried?"
+            ),
             "Deploy failed: disk full. / Cleaned /tmp and retried?"
         );
         assert_eq!(sentences("a. b!c ? d"), vec!["a.", "b!c ?", "d"]);

@@ -29,7 +29,10 @@ pub trait Verifier {
 }
 
 /// The verifier of a loop: the judge when there is one, else the coverage fallback over `index`.
-pub fn verifier<'a>(judge: Option<&'a mut dyn Judge>, index: &'a SemanticIndex) -> Box<dyn Verifier + 'a> {
+pub fn verifier<'a>(
+    judge: Option<&'a mut dyn Judge>,
+    index: &'a SemanticIndex,
+) -> Box<dyn Verifier + 'a> {
     match judge {
         Some(judge) => Box::new(JudgeVerifier::new(judge)),
         None => Box::new(CoverageVerifier::new(index)),
@@ -57,13 +60,23 @@ pub struct JudgeVerifier<'a> {
 impl<'a> JudgeVerifier<'a> {
     /// A verifier on `judge`.
     pub fn new(judge: &'a mut dyn Judge) -> Self {
-        JudgeVerifier { judge, sufficient_at: 0.5, distractor_below: 0.3, top_lines: 8, scores: Default::default() }
+        JudgeVerifier {
+            judge,
+            sufficient_at: 0.5,
+            distractor_below: 0.3,
+            top_lines: 8,
+            scores: Default::default(),
+        }
     }
 
     /// The judge's scores of `items`, each judged once per query.
     fn scores(&mut self, query: &str, items: &[&str]) -> Result<Vec<f32>> {
         let key = |item: &str| (query.to_string(), item.to_string());
-        let mut new: Vec<&str> = items.iter().copied().filter(|item| !self.scores.contains_key(&key(item))).collect();
+        let mut new: Vec<&str> = items
+            .iter()
+            .copied()
+            .filter(|item| !self.scores.contains_key(&key(item)))
+            .collect();
         new.sort_unstable();
         new.dedup();
         if !new.is_empty() {
@@ -80,7 +93,11 @@ impl Verifier for JudgeVerifier<'_> {
         if self.judge.judges_contexts() {
             return Ok(self.judge.sufficient(query, context)?);
         }
-        let lines: Vec<&str> = context.lines().filter(|l| !l.trim().is_empty()).take(self.top_lines).collect();
+        let lines: Vec<&str> = context
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .take(self.top_lines)
+            .collect();
         Ok(self.scores(query, &lines)?.into_iter().fold(0.0, f32::max))
     }
     fn item_scores(&mut self, query: &str, items: &[&str]) -> Result<Vec<f32>> {
@@ -120,7 +137,12 @@ pub struct CoverageVerifier<'a> {
 impl<'a> CoverageVerifier<'a> {
     /// A verifier over the memory `index`.
     pub fn new(index: &'a SemanticIndex) -> Self {
-        CoverageVerifier { index, max_df: 0.2, top_lines: Some(8), checks: 0 }
+        CoverageVerifier {
+            index,
+            max_df: 0.2,
+            top_lines: Some(8),
+            checks: 0,
+        }
     }
 
     /// The key terms of `query`.
@@ -157,7 +179,16 @@ impl Verifier for CoverageVerifier<'_> {
     fn item_scores(&mut self, query: &str, items: &[&str]) -> Result<Vec<f32>> {
         self.checks += items.len();
         let key = self.key_terms(query);
-        Ok(items.iter().map(|item| if key.is_empty() { 1.0 } else { Self::covered(&key, item) as f32 / key.len() as f32 }).collect())
+        Ok(items
+            .iter()
+            .map(|item| {
+                if key.is_empty() {
+                    1.0
+                } else {
+                    Self::covered(&key, item) as f32 / key.len() as f32
+                }
+            })
+            .collect())
     }
     fn sufficient_at(&self) -> f32 {
         1.0
@@ -167,7 +198,10 @@ impl Verifier for CoverageVerifier<'_> {
     }
     fn usage(&self) -> Usage {
         // No model runs: the checks are counted as calls with no tokens.
-        Usage { calls: self.checks, ..Usage::default() }
+        Usage {
+            calls: self.checks,
+            ..Usage::default()
+        }
     }
     fn name(&self) -> String {
         "coverage".into()
@@ -187,7 +221,10 @@ mod tests {
     impl Judge for Numbered {
         fn score(&mut self, _query: &str, passages: &[&str]) -> fluxmem_models::Result<Vec<f32>> {
             self.asked += passages.len();
-            Ok(passages.iter().map(|p| p.trim_start_matches("item ").parse::<f32>().unwrap() / 10.0).collect())
+            Ok(passages
+                .iter()
+                .map(|p| p.trim_start_matches("item ").parse::<f32>().unwrap() / 10.0)
+                .collect())
         }
         fn sufficient(&mut self, _query: &str, _context: &str) -> fluxmem_models::Result<f32> {
             Ok(0.99)
@@ -205,19 +242,36 @@ mod tests {
 
     #[test]
     fn a_judge_of_items_tests_the_context_by_its_best_top_line() {
-        let context = (0..10).map(|i| format!("item {}", [2, 1, 3, 0, 4, 1, 2, 3, 9, 9][i])).collect::<Vec<_>>().join("\n");
-        let mut judge = Numbered { whole: false, asked: 0 };
+        let context = (0..10)
+            .map(|i| format!("item {}", [2, 1, 3, 0, 4, 1, 2, 3, 9, 9][i]))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let mut judge = Numbered {
+            whole: false,
+            asked: 0,
+        };
         let mut verifier = JudgeVerifier::new(&mut judge);
         // The best of the first 8 lines (0.4): the two 0.9 lines come after them.
         assert!((verifier.sufficient("q", &context).unwrap() - 0.4).abs() < 1e-6);
         let lines: Vec<&str> = context.lines().collect();
         let scores = verifier.item_scores("q", &lines).unwrap();
-        assert!((scores[8] - 0.9).abs() < 1e-6 && (scores[3] - 0.0).abs() < 1e-6, "{scores:?}");
+        assert!(
+            (scores[8] - 0.9).abs() < 1e-6 && (scores[3] - 0.0).abs() < 1e-6,
+            "{scores:?}"
+        );
         // Each distinct line was judged once: 5 distinct in the first 8, then only "item 9".
         assert_eq!(judge.asked, 6);
         // A judge of whole contexts is asked about the context itself.
-        let mut whole = Numbered { whole: true, asked: 0 };
-        assert_eq!(JudgeVerifier::new(&mut whole).sufficient("q", &context).unwrap(), 0.99);
+        let mut whole = Numbered {
+            whole: true,
+            asked: 0,
+        };
+        assert_eq!(
+            JudgeVerifier::new(&mut whole)
+                .sufficient("q", &context)
+                .unwrap(),
+            0.99
+        );
         assert_eq!(whole.asked, 0);
     }
 }

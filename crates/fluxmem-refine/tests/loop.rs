@@ -26,10 +26,20 @@ fn graph(embedder: &HashEmbedder) -> (Graph, Vec<NodeId>) {
     let mut ids = Vec::new();
     for (i, text) in TURNS.iter().enumerate() {
         let group = if i < 3 { "session_1" } else { "session_2" };
-        let body = NodeBody::Semantic(Semantic { source: "conv".into(), position: i as i64, time: None, group: Some(group.into()) });
+        let body = NodeBody::Semantic(Semantic {
+            source: "conv".into(),
+            position: i as i64,
+            time: None,
+            group: Some(group.into()),
+        });
         let node = Node::new(body, "t", text, &["conv", &i.to_string()]);
         let vector = embedder.embed(&[text]).unwrap().remove(0);
-        graph.upsert_embedding(Embedding { node_id: node.id.clone(), model_id: embedder.model_id().into(), text_sha256: String::new(), vector });
+        graph.upsert_embedding(Embedding {
+            node_id: node.id.clone(),
+            model_id: embedder.model_id().into(),
+            text_sha256: String::new(),
+            vector,
+        });
         ids.push(node.id.clone());
         graph.insert_node(node);
     }
@@ -41,7 +51,13 @@ fn ranking(order: &[&NodeId]) -> Vec<Candidate> {
     order
         .iter()
         .enumerate()
-        .map(|(i, id)| Candidate { index: i, node_id: (*id).clone(), signals: Signals::default(), score: 1.0 - i as f32 / 100.0, structure: Default::default() })
+        .map(|(i, id)| Candidate {
+            index: i,
+            node_id: (*id).clone(),
+            signals: Signals::default(),
+            score: 1.0 - i as f32 / 100.0,
+            structure: Default::default(),
+        })
         .collect()
 }
 
@@ -55,7 +71,11 @@ struct Scripted {
 impl Verifier for Scripted {
     fn sufficient(&mut self, _query: &str, context: &str) -> fluxmem_refine::Result<f32> {
         self.calls += 1;
-        Ok(if context.lines().any(self.enough) { 1.0 } else { 0.0 })
+        Ok(if context.lines().any(self.enough) {
+            1.0
+        } else {
+            0.0
+        })
     }
     fn item_scores(&mut self, _query: &str, items: &[&str]) -> fluxmem_refine::Result<Vec<f32>> {
         self.calls += items.len();
@@ -68,7 +88,10 @@ impl Verifier for Scripted {
         0.3
     }
     fn usage(&self) -> Usage {
-        Usage { calls: self.calls, ..Usage::default() }
+        Usage {
+            calls: self.calls,
+            ..Usage::default()
+        }
     }
     fn name(&self) -> String {
         "scripted".into()
@@ -79,11 +102,33 @@ fn words(text: &str) -> fluxmem_connect::Result<usize> {
     Ok(text.split_whitespace().count())
 }
 
-fn run(graph: &Graph, stage1: &[Candidate], verifier: &mut Scripted, options: &LoopOptions, embedder: &HashEmbedder) -> LoopOutcome {
+fn run(
+    graph: &Graph,
+    stage1: &[Candidate],
+    verifier: &mut Scripted,
+    options: &LoopOptions,
+    embedder: &HashEmbedder,
+) -> LoopOutcome {
     let index = SemanticIndex::build(graph, "t", embedder.model_id(), &Device::Cpu).unwrap();
     let neighbours = Neighbours::build(graph, "t");
-    let mut models = LoopModels { verifier, embedder, generator: None, count_tokens: &words };
-    refine_query(graph, &index, &neighbours, "what is the puppy called", stage1, &mut models, options, "run-1", 7).unwrap()
+    let mut models = LoopModels {
+        verifier,
+        embedder,
+        generator: None,
+        count_tokens: &words,
+    };
+    refine_query(
+        graph,
+        &index,
+        &neighbours,
+        "what is the puppy called",
+        stage1,
+        &mut models,
+        options,
+        "run-1",
+        7,
+    )
+    .unwrap()
 }
 
 /// A connect-stage ground edge of weight 0.7 from a turn to an episode.
@@ -103,7 +148,12 @@ fn ground(src: &NodeId, episode: &NodeId) -> Edge {
 }
 
 fn context_ids(outcome: &LoopOutcome) -> Vec<NodeId> {
-    outcome.context.items.iter().map(|i| i.node_id.clone()).collect()
+    outcome
+        .context
+        .items
+        .iter()
+        .map(|i| i.node_id.clone())
+        .collect()
 }
 
 fn relation(edge: &Edge) -> Option<&str> {
@@ -129,7 +179,9 @@ const OPTIONS: LoopOptions = LoopOptions {
 fn link_expand_brings_in_the_adjacent_turn_and_persists_on_success() {
     let embedder = HashEmbedder::new(32);
     let (graph, ids) = graph(&embedder);
-    let stage1 = ranking(&[&ids[1], &ids[3], &ids[4], &ids[5], &ids[6], &ids[0], &ids[2]]);
+    let stage1 = ranking(&[
+        &ids[1], &ids[3], &ids[4], &ids[5], &ids[6], &ids[0], &ids[2],
+    ]);
     let mut verifier = Scripted {
         enough: |line| line.contains("Biscuit"),
         score: |item| match item {
@@ -143,16 +195,43 @@ fn link_expand_brings_in_the_adjacent_turn_and_persists_on_success() {
     // Round 0: [puppy, weather, train]: no distractor (all >= 0.3), so under-connection; the
     // turn after the anchor ("Biscuit", 1.0) beats the turn before it (0.45) and is linked in,
     // in the place of the item the verifier scored lowest (weather, 0.35), not of the last one.
-    assert_eq!(context_ids(&outcome)[..3], [ids[1].clone(), ids[2].clone(), ids[4].clone()]);
-    assert!(!context_ids(&outcome).contains(&ids[3]), "the weakest item by the verifier made room");
+    assert_eq!(
+        context_ids(&outcome)[..3],
+        [ids[1].clone(), ids[2].clone(), ids[4].clone()]
+    );
+    assert!(
+        !context_ids(&outcome).contains(&ids[3]),
+        "the weakest item by the verifier made room"
+    );
     assert!(outcome.sufficient);
-    let attributions: Vec<&str> = outcome.rounds.iter().map(|r| r.attribution.as_str()).collect();
+    let attributions: Vec<&str> = outcome
+        .rounds
+        .iter()
+        .map(|r| r.attribution.as_str())
+        .collect();
     assert_eq!(attributions, ["under-connection", "sufficient"]);
-    let link = &outcome.delta.edges.values().find(|e| e.src == ids[1] && e.dst == ids[2]).expect("expand link");
-    assert_eq!((link.kind, relation(link), link.active), (EdgeKind::Link, Some("expand"), true));
-    assert!((link.weight - 0.6).abs() < 1e-6, "0.5 + 0.2 * (1 - 0.5) after the success: {}", link.weight);
+    let link = &outcome
+        .delta
+        .edges
+        .values()
+        .find(|e| e.src == ids[1] && e.dst == ids[2])
+        .expect("expand link");
+    assert_eq!(
+        (link.kind, relation(link), link.active),
+        (EdgeKind::Link, Some("expand"), true)
+    );
+    assert!(
+        (link.weight - 0.6).abs() < 1e-6,
+        "0.5 + 0.2 * (1 - 0.5) after the success: {}",
+        link.weight
+    );
     assert_eq!(link.evidence, 2);
-    let kinds: Vec<&str> = outcome.delta.edits.iter().map(|e| e.kind.as_str()).collect();
+    let kinds: Vec<&str> = outcome
+        .delta
+        .edits
+        .iter()
+        .map(|e| e.kind.as_str())
+        .collect();
     assert_eq!(kinds, ["link_expand", "credit"]);
     assert!(outcome.delta.edits[0].reason.contains("under-connection"));
 
@@ -169,10 +248,18 @@ fn link_expand_brings_in_the_adjacent_turn_and_persists_on_success() {
 fn link_prune_cuts_distractors_and_later_queries_leave_them_out() {
     let embedder = HashEmbedder::new(32);
     let (graph, ids) = graph(&embedder);
-    let stage1 = ranking(&[&ids[1], &ids[3], &ids[4], &ids[2], &ids[5], &ids[6], &ids[0]]);
+    let stage1 = ranking(&[
+        &ids[1], &ids[3], &ids[4], &ids[2], &ids[5], &ids[6], &ids[0],
+    ]);
     let mut verifier = Scripted {
         enough: |line| line.contains("Biscuit"),
-        score: |item| if item.contains("weather") || item.contains("train") { 0.0 } else { 0.9 },
+        score: |item| {
+            if item.contains("weather") || item.contains("train") {
+                0.0
+            } else {
+                0.9
+            }
+        },
         calls: 0,
     };
     let outcome = run(&graph, &stage1, &mut verifier, &OPTIONS, &embedder);
@@ -180,14 +267,36 @@ fn link_prune_cuts_distractors_and_later_queries_leave_them_out() {
     assert_eq!(outcome.rounds[0].attribution, "over-connection");
     assert_eq!(outcome.rounds[0].edit.as_deref(), Some("link_prune"));
     let context = context_ids(&outcome);
-    assert!(context.contains(&ids[2]), "the freed budget takes the next candidate, Biscuit");
-    assert!(!context.contains(&ids[3]) && !context.contains(&ids[4]), "distractors are out");
+    assert!(
+        context.contains(&ids[2]),
+        "the freed budget takes the next candidate, Biscuit"
+    );
+    assert!(
+        !context.contains(&ids[3]) && !context.contains(&ids[4]),
+        "distractors are out"
+    );
     assert!(outcome.sufficient);
     for distractor in [&ids[3], &ids[4]] {
-        let edge = outcome.delta.edges.values().find(|e| &e.dst == distractor).expect("prune link");
-        assert_eq!((&edge.src, relation(edge), edge.active), (&ids[1], Some("prune"), true));
+        let edge = outcome
+            .delta
+            .edges
+            .values()
+            .find(|e| &e.dst == distractor)
+            .expect("prune link");
+        assert_eq!(
+            (&edge.src, relation(edge), edge.active),
+            (&ids[1], Some("prune"), true)
+        );
     }
-    assert_eq!(outcome.delta.edits.iter().filter(|e| e.kind == "link_prune").count(), 2);
+    assert_eq!(
+        outcome
+            .delta
+            .edits
+            .iter()
+            .filter(|e| e.kind == "link_prune")
+            .count(),
+        2
+    );
 
     // Persisted: the next query anchored on the same turn never sees the distractors.
     let mut evolved = graph.clone();
@@ -204,76 +313,162 @@ fn node_reshape_makes_a_finer_node_that_takes_the_old_ones_place() {
     // An episode the short turn grounds: the reshaped node must keep this connection.
     let episode = NodeId::from("epi-1");
     graph.upsert_edge(ground(&ids[2], &episode));
-    let stage1 = ranking(&[&ids[2], &ids[3], &ids[4], &ids[5], &ids[6], &ids[0], &ids[1]]);
+    let stage1 = ranking(&[
+        &ids[2], &ids[3], &ids[4], &ids[5], &ids[6], &ids[0], &ids[1],
+    ]);
     let mut verifier = Scripted {
         // Sufficient only when one item says both what was adopted and its name.
         enough: |line| line.contains("adopted") && line.contains("Biscuit"),
         score: |item| if item.contains("Biscuit") { 1.0 } else { 0.4 },
         calls: 0,
     };
-    let options = LoopOptions { reshape_below: 5, ..OPTIONS };
+    let options = LoopOptions {
+        reshape_below: 5,
+        ..OPTIONS
+    };
     let outcome = run(&graph, &stage1, &mut verifier, &options, &embedder);
     assert_eq!(outcome.rounds[0].attribution, "granularity");
     assert!(outcome.sufficient);
-    let new = outcome.delta.nodes.values().next().expect("a reshaped node");
+    let new = outcome
+        .delta
+        .nodes
+        .values()
+        .next()
+        .expect("a reshaped node");
     assert_eq!(outcome.delta.nodes.len(), 1);
     assert_eq!(new.text, format!("{} / {}", TURNS[1], TURNS[2]));
     assert_eq!(new.metadata["reshaped_from"], Value::from(ids[2].as_str()));
-    assert_eq!(new.metadata["covers"], serde_json::json!([ids[1].as_str(), ids[2].as_str()]));
+    assert_eq!(
+        new.metadata["covers"],
+        serde_json::json!([ids[1].as_str(), ids[2].as_str()])
+    );
     // In the context in place of the old node, re-embedded with the store's model.
     assert_eq!(context_ids(&outcome)[0], new.id);
     let embedding = &outcome.delta.embeddings[&(new.id.clone(), embedder.model_id().to_string())];
-    assert_eq!(embedding.vector, embedder.embed(&[new.embedding_text().as_str()]).unwrap()[0]);
+    assert_eq!(
+        embedding.vector,
+        embedder.embed(&[new.embedding_text().as_str()]).unwrap()[0]
+    );
     // It keeps the old node's edges, and the old node points to it.
-    let copied = outcome.delta.edges.values().find(|e| e.src == new.id && e.dst == episode).expect("copied ground edge");
+    let copied = outcome
+        .delta
+        .edges
+        .values()
+        .find(|e| e.src == new.id && e.dst == episode)
+        .expect("copied ground edge");
     assert_eq!((copied.kind, copied.weight), (EdgeKind::Ground, 0.7));
-    let into = outcome.delta.edges.values().find(|e| e.src == ids[2] && e.dst == new.id).expect("reshaped_into link");
+    let into = outcome
+        .delta
+        .edges
+        .values()
+        .find(|e| e.src == ids[2] && e.dst == new.id)
+        .expect("reshaped_into link");
     assert_eq!(relation(into), Some("reshaped_into"));
-    assert!(outcome.delta.edits.iter().any(|e| e.kind == "node_reshape" && e.target == format!("node:{}", new.id)));
+    assert!(outcome
+        .delta
+        .edits
+        .iter()
+        .any(|e| e.kind == "node_reshape" && e.target == format!("node:{}", new.id)));
 }
 
 #[test]
 fn a_failed_loop_keeps_nothing_and_stops_after_t_rounds() {
     let embedder = HashEmbedder::new(32);
     let (graph, ids) = graph(&embedder);
-    let stage1 = ranking(&[&ids[1], &ids[3], &ids[4], &ids[5], &ids[6], &ids[0], &ids[2]]);
-    let mut verifier = Scripted { enough: |_| false, score: |_| 0.9, calls: 0 };
+    let stage1 = ranking(&[
+        &ids[1], &ids[3], &ids[4], &ids[5], &ids[6], &ids[0], &ids[2],
+    ]);
+    let mut verifier = Scripted {
+        enough: |_| false,
+        score: |_| 0.9,
+        calls: 0,
+    };
     let outcome = run(&graph, &stage1, &mut verifier, &OPTIONS, &embedder);
     assert!(!outcome.sufficient);
-    assert_eq!(outcome.rounds.len(), OPTIONS.rounds + 1, "T edits, T + 1 verifications");
+    assert_eq!(
+        outcome.rounds.len(),
+        OPTIONS.rounds + 1,
+        "T edits, T + 1 verifications"
+    );
     assert!(!outcome.attempted.is_empty());
-    assert!(outcome.delta.is_empty(), "edits of a failed loop do not persist");
+    assert!(
+        outcome.delta.is_empty(),
+        "edits of a failed loop do not persist"
+    );
     // T = 0 is Stage I: one verification, no edit.
-    let zero = run(&graph, &stage1, &mut verifier, &LoopOptions { rounds: 0, ..OPTIONS }, &embedder);
+    let zero = run(
+        &graph,
+        &stage1,
+        &mut verifier,
+        &LoopOptions {
+            rounds: 0,
+            ..OPTIONS
+        },
+        &embedder,
+    );
     assert_eq!(zero.rounds.len(), 1);
-    assert_eq!(context_ids(&zero), vec![ids[1].clone(), ids[3].clone(), ids[4].clone()]);
+    assert_eq!(
+        context_ids(&zero),
+        vec![ids[1].clone(), ids[3].clone(), ids[4].clone()]
+    );
     // The stopping score can be set: at 0 the first context (scored 0) is sufficient.
-    let at_zero = run(&graph, &stage1, &mut verifier, &LoopOptions { sufficient_at: Some(0.0), ..OPTIONS }, &embedder);
+    let at_zero = run(
+        &graph,
+        &stage1,
+        &mut verifier,
+        &LoopOptions {
+            sufficient_at: Some(0.0),
+            ..OPTIONS
+        },
+        &embedder,
+    );
     assert!(at_zero.sufficient && at_zero.rounds.len() == 1 && at_zero.attempted.is_empty());
     // Every round carries its context.
     assert_eq!(outcome.rounds[0].context, context_ids(&zero));
-    assert_eq!(outcome.rounds.last().unwrap().context, context_ids(&outcome));
+    assert_eq!(
+        outcome.rounds.last().unwrap().context,
+        context_ids(&outcome)
+    );
 }
 
 #[test]
 fn edit_log_round_trips_through_the_store_and_undo_lifts_the_prune() {
     let embedder = HashEmbedder::new(32);
     let (graph, ids) = graph(&embedder);
-    let stage1 = ranking(&[&ids[1], &ids[3], &ids[4], &ids[2], &ids[5], &ids[6], &ids[0]]);
+    let stage1 = ranking(&[
+        &ids[1], &ids[3], &ids[4], &ids[2], &ids[5], &ids[6], &ids[0],
+    ]);
     let mut verifier = Scripted {
         enough: |line| line.contains("Biscuit"),
-        score: |item| if item.contains("weather") || item.contains("train") { 0.0 } else { 0.9 },
+        score: |item| {
+            if item.contains("weather") || item.contains("train") {
+                0.0
+            } else {
+                0.9
+            }
+        },
         calls: 0,
     };
     let outcome = run(&graph, &stage1, &mut verifier, &OPTIONS, &embedder);
     let dir = tempfile::tempdir().unwrap();
     let mut writer = Writer::open(dir.path().join("store")).unwrap();
-    let info = |stage: &str| CommitInfo { stage: stage.into(), run_id: "r".into(), summary: Value::Null, progress: Default::default() };
+    let info = |stage: &str| CommitInfo {
+        stage: stage.into(),
+        run_id: "r".into(),
+        summary: Value::Null,
+        progress: Default::default(),
+    };
     writer.commit(&graph, info("ingest")).unwrap();
     writer.commit(&outcome.delta, info("refine")).unwrap();
     let stored = writer.store().load().unwrap();
-    assert_eq!(stored.edits, outcome.delta.edits, "the edit log round-trips");
-    assert!(stored.edits.iter().all(|e| e.run_id == "run-1" && e.stage == "refine"));
+    assert_eq!(
+        stored.edits, outcome.delta.edits,
+        "the edit log round-trips"
+    );
+    assert!(stored
+        .edits
+        .iter()
+        .all(|e| e.run_id == "run-1" && e.stage == "refine"));
 
     // Undo every edit, newest first, and commit the undo.
     let mut undo = Graph::default();
@@ -282,9 +477,25 @@ fn edit_log_round_trips_through_the_store_and_undo_lifts_the_prune() {
     }
     writer.commit(&undo, info("undo")).unwrap();
     let undone = writer.store().load().unwrap();
-    let back = run(&undone, &stage1, &mut verifier, &LoopOptions { rounds: 0, ..OPTIONS }, &embedder);
-    assert_eq!(context_ids(&back), vec![ids[1].clone(), ids[3].clone(), ids[4].clone()], "the prune is lifted");
-    assert!(undone.edges.values().all(|e| !e.active), "the links the edits made are inactive");
+    let back = run(
+        &undone,
+        &stage1,
+        &mut verifier,
+        &LoopOptions {
+            rounds: 0,
+            ..OPTIONS
+        },
+        &embedder,
+    );
+    assert_eq!(
+        context_ids(&back),
+        vec![ids[1].clone(), ids[3].clone(), ids[4].clone()],
+        "the prune is lifted"
+    );
+    assert!(
+        undone.edges.values().all(|e| !e.active),
+        "the links the edits made are inactive"
+    );
 }
 
 #[test]
@@ -293,47 +504,108 @@ fn node_merge_makes_one_summary_of_two_redundant_items_and_frees_their_budget() 
     let (mut graph, ids) = graph(&embedder);
     // A second, longer telling of the adoption, in another session: redundant with ids[1].
     let text = "Alice: I adopted a puppy from the shelter. It was a rainy day in May.";
-    let body = NodeBody::Semantic(Semantic { source: "conv".into(), position: 9, time: None, group: Some("session_3".into()) });
+    let body = NodeBody::Semantic(Semantic {
+        source: "conv".into(),
+        position: 9,
+        time: None,
+        group: Some("session_3".into()),
+    });
     let dup = Node::new(body, "t", text, &["conv", "9"]);
     let vector = embedder.embed(&[text]).unwrap().remove(0);
-    graph.upsert_embedding(Embedding { node_id: dup.id.clone(), model_id: embedder.model_id().into(), text_sha256: String::new(), vector });
+    graph.upsert_embedding(Embedding {
+        node_id: dup.id.clone(),
+        model_id: embedder.model_id().into(),
+        text_sha256: String::new(),
+        vector,
+    });
     let dup_id = dup.id.clone();
     graph.insert_node(dup);
     let episode = NodeId::from("epi-1");
     graph.upsert_edge(ground(&dup_id, &episode));
     let vectors = embedder.embed(&[TURNS[1], text]).unwrap();
     let cosine = fluxmem_models::cosine(&vectors[0], &vectors[1]);
-    assert!(cosine >= 0.7, "the premise: the two tellings are close ({cosine})");
+    assert!(
+        cosine >= 0.7,
+        "the premise: the two tellings are close ({cosine})"
+    );
     // Round 0 under 30 words: puppy (7), the long telling (15 + 1), then only the short turns fit.
-    let stage1 = ranking(&[&ids[1], &dup_id, &ids[5], &ids[4], &ids[6], &ids[0], &ids[2], &ids[3]]);
-    let score: fn(&str) -> f32 = |item| if item.contains("puppy") || item.contains("yellow") { 1.0 } else { 0.4 };
-    let mut verifier = Scripted { enough: |line| line.contains("yellow"), score, calls: 0 };
-    let options = LoopOptions { merge_above: 0.7, ..OPTIONS };
+    let stage1 = ranking(&[
+        &ids[1], &dup_id, &ids[5], &ids[4], &ids[6], &ids[0], &ids[2], &ids[3],
+    ]);
+    let score: fn(&str) -> f32 = |item| {
+        if item.contains("puppy") || item.contains("yellow") {
+            1.0
+        } else {
+            0.4
+        }
+    };
+    let mut verifier = Scripted {
+        enough: |line| line.contains("yellow"),
+        score,
+        calls: 0,
+    };
+    let options = LoopOptions {
+        merge_above: 0.7,
+        ..OPTIONS
+    };
     let outcome = run(&graph, &stage1, &mut verifier, &options, &embedder);
-    let attributions: Vec<&str> = outcome.rounds.iter().map(|r| r.attribution.as_str()).collect();
+    let attributions: Vec<&str> = outcome
+        .rounds
+        .iter()
+        .map(|r| r.attribution.as_str())
+        .collect();
     assert_eq!(attributions, ["redundancy", "sufficient"]);
     assert_eq!(outcome.rounds[0].edit.as_deref(), Some("node_merge"));
     assert!(outcome.sufficient);
     let merged = outcome.delta.nodes.values().next().expect("a merged node");
     assert_eq!(outcome.delta.nodes.len(), 1);
     // The first text, then only what the second adds.
-    assert_eq!(merged.text, format!("{} / It was a rainy day in May.", TURNS[1]));
+    assert_eq!(
+        merged.text,
+        format!("{} / It was a rainy day in May.", TURNS[1])
+    );
     assert_eq!(merged.metadata["reshape"], Value::from("coarser"));
-    assert_eq!(merged.metadata["merged_from"], serde_json::json!([ids[1].as_str(), dup_id.as_str()]));
-    assert_eq!(merged.metadata["covers"], serde_json::json!([ids[1].as_str(), dup_id.as_str()]));
+    assert_eq!(
+        merged.metadata["merged_from"],
+        serde_json::json!([ids[1].as_str(), dup_id.as_str()])
+    );
+    assert_eq!(
+        merged.metadata["covers"],
+        serde_json::json!([ids[1].as_str(), dup_id.as_str()])
+    );
     // Shown once, in the better original's place; the budget the other held brought in the
     // item the verifier wanted.
-    assert_eq!(context_ids(&outcome)[..2], [merged.id.clone(), ids[5].clone()]);
+    assert_eq!(
+        context_ids(&outcome)[..2],
+        [merged.id.clone(), ids[5].clone()]
+    );
     assert!(!context_ids(&outcome).contains(&ids[1]) && !context_ids(&outcome).contains(&dup_id));
     // It keeps the originals' edges and both originals point to it; it is re-embedded.
-    let copied = outcome.delta.edges.values().find(|e| e.src == merged.id && e.dst == episode).expect("copied ground edge");
+    let copied = outcome
+        .delta
+        .edges
+        .values()
+        .find(|e| e.src == merged.id && e.dst == episode)
+        .expect("copied ground edge");
     assert_eq!((copied.kind, copied.weight), (EdgeKind::Ground, 0.7));
     for original in [&ids[1], &dup_id] {
-        let into = outcome.delta.edges.values().find(|e| &e.src == original && e.dst == merged.id).expect("reshaped_into link");
+        let into = outcome
+            .delta
+            .edges
+            .values()
+            .find(|e| &e.src == original && e.dst == merged.id)
+            .expect("reshaped_into link");
         assert_eq!(relation(into), Some("reshaped_into"));
     }
-    assert!(outcome.delta.embeddings.contains_key(&(merged.id.clone(), embedder.model_id().to_string())));
-    assert!(outcome.delta.edits.iter().any(|e| e.kind == "node_merge" && e.target == format!("node:{}", merged.id)));
+    assert!(outcome
+        .delta
+        .embeddings
+        .contains_key(&(merged.id.clone(), embedder.model_id().to_string())));
+    assert!(outcome
+        .delta
+        .edits
+        .iter()
+        .any(|e| e.kind == "node_merge" && e.target == format!("node:{}", merged.id)));
     // With merging off the same context goes to expansion instead.
     let off = run(&graph, &stage1, &mut verifier, &OPTIONS, &embedder);
     assert_ne!(off.rounds[0].attribution, "redundancy");

@@ -5,17 +5,35 @@
 //! tenants' candidates.
 
 use candle_core::Device;
-use fluxmem_connect::{connect_store, tenants, Candidate, ConnectOptions, RetrievalConfig, Retriever};
-use fluxmem_graph::{sha256_hex, Edge, EdgeKey, EdgeKind, Embedding, Episode, Graph, Node, NodeBody, NodeId, NodeKind, Outcome, Semantic, Step};
+use fluxmem_connect::{
+    connect_store, tenants, Candidate, ConnectOptions, RetrievalConfig, Retriever,
+};
+use fluxmem_graph::{
+    sha256_hex, Edge, EdgeKey, EdgeKind, Embedding, Episode, Graph, Node, NodeBody, NodeId,
+    NodeKind, Outcome, Semantic, Step,
+};
 use fluxmem_models::{Embedder, HashEmbedder};
-use fluxmem_refine::{refine_query, refine_store, CreditOptions, LoopModels, LoopOptions, Neighbours, NoProgress};
+use fluxmem_refine::{
+    refine_query, refine_store, CreditOptions, LoopModels, LoopOptions, Neighbours, NoProgress,
+};
 use fluxmem_store::{CommitInfo, Writer};
 use proptest::prelude::*;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// A small shared vocabulary, so that every tenant's texts look alike.
-const WORDS: [&str; 10] = ["refund", "order", "card", "address", "damaged", "secret", "warehouse", "invoice", "cancel", "flight"];
+const WORDS: [&str; 10] = [
+    "refund",
+    "order",
+    "card",
+    "address",
+    "damaged",
+    "secret",
+    "warehouse",
+    "invoice",
+    "cancel",
+    "flight",
+];
 const TENANTS: [&str; 3] = ["acme", "globex", "initech"];
 const QUERY: &str = "refund the damaged order to the card";
 
@@ -28,12 +46,26 @@ struct Spec {
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
-    (0..TENANTS.len(), prop::collection::vec(0..WORDS.len(), 2..6), any::<bool>(), prop::option::of(any::<bool>()))
-        .prop_map(|(tenant, words, episode, success)| Spec { tenant, words, episode, success })
+    (
+        0..TENANTS.len(),
+        prop::collection::vec(0..WORDS.len(), 2..6),
+        any::<bool>(),
+        prop::option::of(any::<bool>()),
+    )
+        .prop_map(|(tenant, words, episode, success)| Spec {
+            tenant,
+            words,
+            episode,
+            success,
+        })
 }
 
 fn text_of(spec: &Spec) -> String {
-    spec.words.iter().map(|&w| WORDS[w]).collect::<Vec<_>>().join(" ")
+    spec.words
+        .iter()
+        .map(|&w| WORDS[w])
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Nodes of the specs, embedded. Facts of every tenant share one source and session, at
@@ -43,21 +75,43 @@ fn graph_of(specs: &[Spec], embedder: &HashEmbedder) -> Graph {
     for (i, spec) in specs.iter().enumerate() {
         let text = text_of(spec);
         let body = if spec.episode {
-            let step = Step { observation: text.clone(), action: WORDS[spec.words[0]].into(), ..Default::default() };
-            NodeBody::Episodic(Episode { steps: vec![step], outcome: Outcome { success: spec.success, reward: None, feedback: None } })
+            let step = Step {
+                observation: text.clone(),
+                action: WORDS[spec.words[0]].into(),
+                ..Default::default()
+            };
+            NodeBody::Episodic(Episode {
+                steps: vec![step],
+                outcome: Outcome {
+                    success: spec.success,
+                    reward: None,
+                    feedback: None,
+                },
+            })
         } else {
-            NodeBody::Semantic(Semantic { source: "shared.md".into(), position: i as i64, time: None, group: Some("s1".into()) })
+            NodeBody::Semantic(Semantic {
+                source: "shared.md".into(),
+                position: i as i64,
+                time: None,
+                group: Some("s1".into()),
+            })
         };
         let mut node = Node::new(body, TENANTS[spec.tenant], &text, &[&i.to_string()]);
         node.source_file = "shared.jsonl".into();
         node.created_at = Some(1000 + i as i64);
         if spec.episode {
-            node.metadata.insert("task_id".into(), Value::from(WORDS[spec.words[0]]));
+            node.metadata
+                .insert("task_id".into(), Value::from(WORDS[spec.words[0]]));
         }
         let embedded = node.embedding_text();
         let vector = embedder.embed(&[embedded.as_str()]).unwrap().remove(0);
         let model_id = embedder.model_id().to_string();
-        graph.upsert_embedding(Embedding { node_id: node.id.clone(), model_id, text_sha256: sha256_hex(embedded.as_bytes()), vector });
+        graph.upsert_embedding(Embedding {
+            node_id: node.id.clone(),
+            model_id,
+            text_sha256: sha256_hex(embedded.as_bytes()),
+            vector,
+        });
         graph.insert_node(node);
     }
     graph
@@ -72,7 +126,11 @@ fn legacy_edges(graph: &Graph, pairs: &[(usize, usize)]) -> Vec<Edge> {
         if src.tenant == dst.tenant {
             continue;
         }
-        let kind = if src.kind() == NodeKind::Semantic && dst.kind() == NodeKind::Episodic { EdgeKind::Ground } else { EdgeKind::Link };
+        let kind = if src.kind() == NodeKind::Semantic && dst.kind() == NodeKind::Episodic {
+            EdgeKind::Ground
+        } else {
+            EdgeKind::Link
+        };
         let edge = Edge {
             src: src.id.clone(),
             dst: dst.id.clone(),
@@ -91,7 +149,11 @@ fn legacy_edges(graph: &Graph, pairs: &[(usize, usize)]) -> Vec<Edge> {
 }
 
 fn tenant_of<'g>(graph: &'g Graph, extra: &'g Graph, id: &NodeId) -> Option<&'g str> {
-    extra.nodes.get(id).or_else(|| graph.nodes.get(id)).map(|n| n.tenant.as_str())
+    extra
+        .nodes
+        .get(id)
+        .or_else(|| graph.nodes.get(id))
+        .map(|n| n.tenant.as_str())
 }
 
 fn words(text: &str) -> fluxmem_connect::Result<usize> {
@@ -100,7 +162,12 @@ fn words(text: &str) -> fluxmem_connect::Result<usize> {
 
 /// Connects and refines the specs' store (with the legacy edges committed first); returns the
 /// stored graph and the legacy edge keys.
-fn connected_and_refined(dir: &std::path::Path, specs: &[Spec], pairs: &[(usize, usize)], embedder: &HashEmbedder) -> (Graph, BTreeSet<EdgeKey>) {
+fn connected_and_refined(
+    dir: &std::path::Path,
+    specs: &[Spec],
+    pairs: &[(usize, usize)],
+    embedder: &HashEmbedder,
+) -> (Graph, BTreeSet<EdgeKey>) {
     let mut graph = graph_of(specs, embedder);
     let legacy = legacy_edges(&graph, pairs);
     let keys: BTreeSet<EdgeKey> = legacy.iter().map(Edge::key).collect();
@@ -108,12 +175,42 @@ fn connected_and_refined(dir: &std::path::Path, specs: &[Spec], pairs: &[(usize,
         graph.upsert_edge(edge);
     }
     let mut writer = Writer::open(dir.join("store")).unwrap();
-    writer.commit(&graph, CommitInfo { stage: "ingest".into(), run_id: "i".into(), summary: Value::Null, progress: Default::default() }).unwrap();
-    let options = ConnectOptions { ground_k: 2, link_k: 3, commit_every: 4, ..Default::default() };
-    connect_store(&mut writer, embedder, &options, "connect@p", &Device::Cpu, &mut NoProgress).unwrap();
-    let credit = CreditOptions { min_evidence: 1, ..Default::default() };
+    writer
+        .commit(
+            &graph,
+            CommitInfo {
+                stage: "ingest".into(),
+                run_id: "i".into(),
+                summary: Value::Null,
+                progress: Default::default(),
+            },
+        )
+        .unwrap();
+    let options = ConnectOptions {
+        ground_k: 2,
+        link_k: 3,
+        commit_every: 4,
+        ..Default::default()
+    };
+    connect_store(
+        &mut writer,
+        embedder,
+        &options,
+        "connect@p",
+        &Device::Cpu,
+        &mut NoProgress,
+    )
+    .unwrap();
+    let credit = CreditOptions {
+        min_evidence: 1,
+        ..Default::default()
+    };
     let first = refine_store(&mut writer, &credit, "refine@p", &mut NoProgress).unwrap();
-    assert_eq!(first.cross_tenant, keys.len(), "every legacy edge is seen as crossing");
+    assert_eq!(
+        first.cross_tenant,
+        keys.len(),
+        "every legacy edge is seen as crossing"
+    );
     let again = refine_store(&mut writer, &credit, "refine@p2", &mut NoProgress).unwrap();
     assert_eq!(again.edits, 0, "a second refine changes nothing");
     (writer.store().load().unwrap(), keys)

@@ -229,7 +229,11 @@ fn reasons(page: &mut String, run: &RunRecord) {
         return;
     }
     let word = run.status.split(':').next().unwrap_or_default().trim();
-    let word = if word.is_empty() { "not recorded" } else { word };
+    let word = if word.is_empty() {
+        "not recorded"
+    } else {
+        word
+    };
     let _ = writeln!(
         page,
         "<div class=\"reasons {}\" id=\"reasons\">\n<p><strong>Why the status is {}:</strong></p>\n<ul>",
@@ -501,8 +505,15 @@ fn redaction(page: &mut String, redacted: &std::collections::BTreeMap<String, u6
         page.push_str("<p class=\"empty\">nothing redacted</p>\n</section>\n");
         return;
     }
-    let parts: Vec<String> = redacted.iter().filter(|(_, n)| **n > 0).map(|(kind, n)| format!("{} {}", count(*n), escape(kind))).collect();
-    page.push_str(&format!("<p class=\"summary-line\">Replaced by placeholders: {}.</p>\n</section>\n", parts.join(", ")));
+    let parts: Vec<String> = redacted
+        .iter()
+        .filter(|(_, n)| **n > 0)
+        .map(|(kind, n)| format!("{} {}", count(*n), escape(kind)))
+        .collect();
+    page.push_str(&format!(
+        "<p class=\"summary-line\">Replaced by placeholders: {}.</p>\n</section>\n",
+        parts.join(", ")
+    ));
 }
 
 fn quarantine(page: &mut String, quarantine: &QuarantineSummary) {

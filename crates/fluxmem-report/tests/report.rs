@@ -40,7 +40,9 @@ fn realistic() -> RunRecord {
         finished_at: "2026-05-01T02:05:30Z".into(),
         status: "partial".into(),
         reasons: vec!["ingest: 21 records quarantined".into()],
-        redacted: [("card".to_string(), 1), ("email".to_string(), 2)].into_iter().collect(),
+        redacted: [("card".to_string(), 1), ("email".to_string(), 2)]
+            .into_iter()
+            .collect(),
         store: "store".into(),
         manifest_version_before: 3,
         manifest_version_after: 9,
@@ -249,9 +251,7 @@ fn report_degraded_record_shows_an_amber_badge_and_its_reasons_first() {
     assert!(html.contains(
         r#"<span class="badge degraded">degraded: 0 of 6 clusters gave a skill (6 failed)</span>"#
     ));
-    assert!(
-        html.contains(r#"<span class="badge degraded">degraded: 0 skills exported</span>"#)
-    );
+    assert!(html.contains(r#"<span class="badge degraded">degraded: 0 skills exported</span>"#));
     assert!(html.contains(
         r#"<span class="badge warn">partial: 1 of 6 clusters gave a skill (5 failed)</span>"#
     ));
@@ -263,8 +263,7 @@ fn report_degraded_record_shows_an_amber_badge_and_its_reasons_first() {
     };
     let html = render_html(&ok).unwrap();
     assert!(
-        html.contains(r#"<span class="badge ok">ok</span>"#)
-            && !html.contains(r#"id="reasons""#)
+        html.contains(r#"<span class="badge ok">ok</span>"#) && !html.contains(r#"id="reasons""#)
     );
 }
 
@@ -272,7 +271,11 @@ fn report_degraded_record_shows_an_amber_badge_and_its_reasons_first() {
 fn report_run_json_without_reasons_still_reads() {
     // run.json files written before `reasons` existed.
     let mut value = serde_json::to_value(realistic()).unwrap();
-    value.as_object_mut().unwrap().remove("reasons").expect("reasons is serialised");
+    value
+        .as_object_mut()
+        .unwrap()
+        .remove("reasons")
+        .expect("reasons is serialised");
     let back: RunRecord = serde_json::from_value(value).unwrap();
     assert!(back.reasons.is_empty());
     assert_eq!(back.status, "partial");
@@ -392,7 +395,14 @@ fn report_write_report_fails_cleanly_on_a_file_in_the_way() {
 #[test]
 fn report_counts_what_redaction_replaced() {
     let html = fluxmem_report::render_html(&realistic()).unwrap();
-    assert!(html.contains("<h2>Redaction</h2>") && html.contains("1 card, 2 email"), "redaction counts per kind");
-    let quiet = fluxmem_report::render_html(&RunRecord { status: "ok".into(), ..Default::default() }).unwrap();
+    assert!(
+        html.contains("<h2>Redaction</h2>") && html.contains("1 card, 2 email"),
+        "redaction counts per kind"
+    );
+    let quiet = fluxmem_report::render_html(&RunRecord {
+        status: "ok".into(),
+        ..Default::default()
+    })
+    .unwrap();
     assert!(quiet.contains("nothing redacted"));
 }

@@ -34,9 +34,9 @@ use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use crate::manifest::{CommitRecord, LiveCounts, Manifest, RetiredShard, ShardEntry};
-use crate::store::{fault_point, sync_dir, write_manifest, write_shards, SHARDS};
-use crate::scan::{sorted, text_column};
 use crate::merge::{self, EdgeSink, EmbeddingSink, Keyed, NodeRows, NodeSink, Run, Stop};
+use crate::scan::{sorted, text_column};
+use crate::store::{fault_point, sync_dir, write_manifest, write_shards, SHARDS};
 use crate::{shard, CommitInfo, Error, Result, Store, Writer};
 
 /// When compaction rewrites and merges shards.
@@ -57,7 +57,12 @@ pub struct CompactPolicy {
 
 impl Default for CompactPolicy {
     fn default() -> Self {
-        CompactPolicy { max_dead_fraction: 1.0 / 3.0, merge_factor: 8, min_level_rows: 1000, batch_rows: 4096 }
+        CompactPolicy {
+            max_dead_fraction: 1.0 / 3.0,
+            merge_factor: 8,
+            min_level_rows: 1000,
+            batch_rows: 4096,
+        }
     }
 }
 
@@ -148,7 +153,11 @@ pub(crate) fn key_of(parts: &[&str]) -> Key {
 /// `groups` come in commit order, each the shards of `table` whose rows are counted on from one
 /// to the next. Reads only the key columns: the readers' fallback for a shard out of key order
 /// ([`Store::live`]).
-pub(crate) fn winning_rows<'e>(store: &Store, table: &str, groups: impl Iterator<Item = Vec<&'e ShardEntry>>) -> Result<KeyMap<(usize, usize)>> {
+pub(crate) fn winning_rows<'e>(
+    store: &Store,
+    table: &str,
+    groups: impl Iterator<Item = Vec<&'e ShardEntry>>,
+) -> Result<KeyMap<(usize, usize)>> {
     let mut last: KeyMap<(usize, usize)> = KeyMap::default();
     let keys = key_columns(table);
     for (index, group) in groups.enumerate() {
@@ -156,7 +165,10 @@ pub(crate) fn winning_rows<'e>(store: &Store, table: &str, groups: impl Iterator
         for entry in group {
             for batch in shard::open(&store.dir, entry, Some(keys), shard::DEFAULT_BATCH_ROWS)? {
                 let batch = batch?;
-                let strings: Vec<&arrow_array::StringArray> = keys.iter().map(|name| text_column(store, entry, &batch, name)).collect::<Result<_>>()?;
+                let strings: Vec<&arrow_array::StringArray> = keys
+                    .iter()
+                    .map(|name| text_column(store, entry, &batch, name))
+                    .collect::<Result<_>>()?;
                 let mut parts: Vec<&str> = Vec::with_capacity(strings.len());
                 for i in 0..batch.num_rows() {
                     parts.clear();
@@ -171,7 +183,8 @@ pub(crate) fn winning_rows<'e>(store: &Store, table: &str, groups: impl Iterator
 }
 
 /// Compaction's row codes for the live counts: a node row's code is its kind's index here...
-pub(crate) const NODE_CODES: [NodeKind; 3] = [NodeKind::Semantic, NodeKind::Episodic, NodeKind::Procedural];
+pub(crate) const NODE_CODES: [NodeKind; 3] =
+    [NodeKind::Semantic, NodeKind::Episodic, NodeKind::Procedural];
 /// ...an edge row's is 0 when inactive, else its kind's index here plus 1.
 pub(crate) const EDGE_CODES: [EdgeKind; 3] = [EdgeKind::Ground, EdgeKind::Distill, EdgeKind::Link];
 
@@ -216,7 +229,8 @@ impl Writer {
                 entry.rewritten += after.rewritten;
                 entry.merged += after.merged;
                 entry.in_memory.extend(after.in_memory);
-                (entry.shards_after, entry.rows_after, entry.bytes_after) = (after.shards_after, after.rows_after, after.bytes_after);
+                (entry.shards_after, entry.rows_after, entry.bytes_after) =
+                    (after.shards_after, after.rows_after, after.bytes_after);
             }
         }
         Ok(total)
@@ -236,7 +250,10 @@ impl Writer {
                 reason: "this is a sharded run's staging store (it reads the main store's shards); compact the main store after the merge".into(),
             });
         }
-        let policy = CompactPolicy { merge_factor: policy.merge_factor.max(2), ..policy.clone() };
+        let policy = CompactPolicy {
+            merge_factor: policy.merge_factor.max(2),
+            ..policy.clone()
+        };
         crate::keys::sweep(&dir, &|file| dir.join(file).exists())?;
         let mut manifest = self.manifest.clone();
         let version = manifest.version + 1;
@@ -249,7 +266,10 @@ impl Writer {
             let (units, table_counts) = self.live_units(&manifest, table)?;
             counts = counts + table_counts;
             let mut stats = TableCompaction {
-                shards_before: units.iter().map(|u| u.entries.iter().filter(|e| e.table == table).count()).sum(),
+                shards_before: units
+                    .iter()
+                    .map(|u| u.entries.iter().filter(|e| e.table == table).count())
+                    .sum(),
                 rows_before: units.iter().map(|u| u.rows).sum(),
                 live_rows: units.iter().map(|u| u.live).sum(),
                 bytes_before: units.iter().flat_map(|u| &u.entries).map(|e| e.bytes).sum(),
@@ -263,7 +283,10 @@ impl Writer {
                     selected.insert(index);
                     stats.rewritten += 1;
                 }
-                groups.entry(level(unit.live, &policy)).or_default().push(index);
+                groups
+                    .entry(level(unit.live, &policy))
+                    .or_default()
+                    .push(index);
             }
             let mut outputs_of_table: Vec<Vec<usize>> = Vec::new();
             for members in groups.values() {
@@ -271,7 +294,11 @@ impl Writer {
                     stats.merged += members.len();
                     outputs_of_table.push(members.clone());
                 } else {
-                    let lone: Vec<usize> = members.iter().copied().filter(|i| selected.contains(i)).collect();
+                    let lone: Vec<usize> = members
+                        .iter()
+                        .copied()
+                        .filter(|i| selected.contains(i))
+                        .collect();
                     if !lone.is_empty() {
                         outputs_of_table.push(lone);
                     }
@@ -279,7 +306,14 @@ impl Writer {
             }
             for members in outputs_of_table {
                 let start = part;
-                let written = match self.merge_streaming(table, &members, &units, version, &mut part, policy.batch_rows) {
+                let written = match self.merge_streaming(
+                    table,
+                    &members,
+                    &units,
+                    version,
+                    &mut part,
+                    policy.batch_rows,
+                ) {
                     Ok(written) => written,
                     Err(Stop::Failed(error)) => return Err(error),
                     Err(Stop::Unordered(reason)) => {
@@ -293,7 +327,10 @@ impl Writer {
                 for index in &members {
                     removed.extend(units[*index].entries.iter().map(|e| e.file.clone()));
                 }
-                outputs.extend(spanning(written, members.iter().flat_map(|&i| &units[i].entries)));
+                outputs.extend(spanning(
+                    written,
+                    members.iter().flat_map(|&i| &units[i].entries),
+                ));
             }
             report.tables.insert(table.to_string(), stats);
         }
@@ -308,14 +345,24 @@ impl Writer {
         };
         if let Some(last) = edits.last() {
             let tail_level = level(last.rows, &policy);
-            let run: Vec<&ShardEntry> = edits.iter().rev().take_while(|e| level(e.rows, &policy) == tail_level).collect();
+            let run: Vec<&ShardEntry> = edits
+                .iter()
+                .rev()
+                .take_while(|e| level(e.rows, &policy) == tail_level)
+                .collect();
             if run.len() >= policy.merge_factor {
                 let in_order: Vec<&ShardEntry> = run.iter().rev().copied().collect();
                 let mut next_part = || {
                     part += 1;
                     part - 1
                 };
-                let written = merge::concatenate_edits(&self.store.dir, &in_order, version, &mut next_part, policy.batch_rows)?;
+                let written = merge::concatenate_edits(
+                    &self.store.dir,
+                    &in_order,
+                    version,
+                    &mut next_part,
+                    policy.batch_rows,
+                )?;
                 outputs.extend(spanning(written, in_order.iter().copied()));
                 removed.extend(in_order.iter().map(|e| e.file.clone()));
                 edit_stats.merged = run.len();
@@ -326,9 +373,20 @@ impl Writer {
             if manifest.current_counts() != Some(counts) {
                 // Nothing to merge, but the counts are new: a commit of the counts alone.
                 manifest.version = version;
-                manifest.live_counts = Some(LiveCounts { version, stats: counts });
+                manifest.live_counts = Some(LiveCounts {
+                    version,
+                    stats: counts,
+                });
                 let summary = serde_json::json!({ "counted": true });
-                self.land(manifest, CommitInfo { stage: "compact".into(), run_id: run_id.into(), summary, progress: Default::default() })?;
+                self.land(
+                    manifest,
+                    CommitInfo {
+                        stage: "compact".into(),
+                        run_id: run_id.into(),
+                        summary,
+                        progress: Default::default(),
+                    },
+                )?;
                 report.counted = true;
             }
             let manifest = self.manifest.clone();
@@ -342,13 +400,26 @@ impl Writer {
         report.retired = removed.len();
         manifest.shards.retain(|s| !removed.contains(&s.file));
         manifest.shards.extend(outputs);
-        manifest.retired.extend(removed.iter().map(|file| RetiredShard { file: file.clone(), version }));
+        manifest
+            .retired
+            .extend(removed.iter().map(|file| RetiredShard {
+                file: file.clone(),
+                version,
+            }));
         manifest.version = version;
         // Compaction keeps every live row: the counts of the old shards hold for the new ones.
-        manifest.live_counts = Some(LiveCounts { version, stats: counts });
+        manifest.live_counts = Some(LiveCounts {
+            version,
+            stats: counts,
+        });
         report.counted = true;
         let summary = serde_json::to_value(&report).expect("the report serialises");
-        let info = CommitInfo { stage: "compact".into(), run_id: run_id.into(), summary, progress: Default::default() };
+        let info = CommitInfo {
+            stage: "compact".into(),
+            run_id: run_id.into(),
+            summary,
+            progress: Default::default(),
+        };
         self.land(manifest, info)?;
         fault_point("after-manifest", version);
         report.committed = true;
@@ -360,10 +431,23 @@ impl Writer {
     /// Fills the after-columns of `report` from `manifest`.
     fn finish_report(&self, report: &mut CompactReport, manifest: &Manifest) {
         for (table, stats) in report.tables.iter_mut() {
-            let entries: Vec<&ShardEntry> = manifest.shards.iter().filter(|s| &s.table == table).collect();
+            let entries: Vec<&ShardEntry> = manifest
+                .shards
+                .iter()
+                .filter(|s| &s.table == table)
+                .collect();
             stats.shards_after = entries.len();
             stats.rows_after = entries.iter().map(|e| e.rows).sum();
-            let steps: u64 = if table == "nodes" { manifest.shards.iter().filter(|s| s.table == "steps").map(|s| s.bytes).sum() } else { 0 };
+            let steps: u64 = if table == "nodes" {
+                manifest
+                    .shards
+                    .iter()
+                    .filter(|s| s.table == "steps")
+                    .map(|s| s.bytes)
+                    .sum()
+            } else {
+                0
+            };
             stats.bytes_after = entries.iter().map(|e| e.bytes).sum::<u64>() + steps;
         }
     }
@@ -380,19 +464,33 @@ impl Writer {
         let entries = sorted(manifest, table);
         let mut units: Vec<Unit> = Vec::new();
         for entry in entries {
-            let joins_previous = table == "nodes" && units.last().is_some_and(|u| u.entries[0].commit == entry.commit);
+            let joins_previous = table == "nodes"
+                && units
+                    .last()
+                    .is_some_and(|u| u.entries[0].commit == entry.commit);
             if joins_previous {
                 let unit = units.last_mut().expect("checked");
                 unit.rows += entry.rows;
                 unit.entries.push(entry);
             } else {
-                units.push(Unit { rows: entry.rows, entries: vec![entry], live: 0, flags: Vec::new() });
+                units.push(Unit {
+                    rows: entry.rows,
+                    entries: vec![entry],
+                    live: 0,
+                    flags: Vec::new(),
+                });
             }
         }
         if table == "nodes" {
             for unit in &mut units {
                 let commit = unit.entries[0].commit;
-                unit.entries.extend(manifest.shards.iter().filter(|s| s.table == "steps" && s.commit == commit).cloned());
+                unit.entries.extend(
+                    manifest
+                        .shards
+                        .iter()
+                        .filter(|s| s.table == "steps" && s.commit == commit)
+                        .cloned(),
+                );
             }
         }
         let dir = &self.store.dir;
@@ -400,8 +498,12 @@ impl Writer {
         let mut embedded = KeySet::default();
         let mut counts = GraphStats::default();
         for (index, unit) in units.iter_mut().enumerate().rev() {
-            let shards: Vec<&ShardEntry> = unit.entries.iter().filter(|e| e.table == table).collect();
-            let indexes: Vec<crate::keys::KeyIndex> = shards.iter().map(|e| crate::keys::read_or_make(dir, e, true)).collect::<Result<_>>()?;
+            let shards: Vec<&ShardEntry> =
+                unit.entries.iter().filter(|e| e.table == table).collect();
+            let indexes: Vec<crate::keys::KeyIndex> = shards
+                .iter()
+                .map(|e| crate::keys::read_or_make(dir, e, true))
+                .collect::<Result<_>>()?;
             let look_only = index == 0 && indexes.len() == 1 && indexes[0].ordered;
             let mut flags = vec![false; indexes.iter().map(|i| i.len()).sum()];
             let mut offset = flags.len();
@@ -410,7 +512,11 @@ impl Writer {
                 offset -= keys.len();
                 for row in (0..keys.len()).rev() {
                     let key = &keys.keys[row];
-                    let live = if look_only { !later.contains(key) } else { later.insert(*key) };
+                    let live = if look_only {
+                        !later.contains(key)
+                    } else {
+                        later.insert(*key)
+                    };
                     if !live {
                         continue;
                     }
@@ -421,14 +527,27 @@ impl Writer {
                             Some(NodeKind::Semantic) => counts.semantic += 1,
                             Some(NodeKind::Episodic) => counts.episodic += 1,
                             Some(NodeKind::Procedural) => counts.procedural += 1,
-                            None => return Err(self.store.corrupt(shards[0], format!("key index: unknown node code {}", aux[0]))),
+                            None => {
+                                return Err(self.store.corrupt(
+                                    shards[0],
+                                    format!("key index: unknown node code {}", aux[0]),
+                                ))
+                            }
                         },
-                        "edges" => match aux[0].checked_sub(1).map(|code| EDGE_CODES.get(code as usize)) {
+                        "edges" => match aux[0]
+                            .checked_sub(1)
+                            .map(|code| EDGE_CODES.get(code as usize))
+                        {
                             None => {}
                             Some(Some(EdgeKind::Ground)) => counts.ground += 1,
                             Some(Some(EdgeKind::Distill)) => counts.distill += 1,
                             Some(Some(EdgeKind::Link)) => counts.link += 1,
-                            Some(None) => return Err(self.store.corrupt(shards[0], format!("key index: unknown edge code {}", aux[0]))),
+                            Some(None) => {
+                                return Err(self.store.corrupt(
+                                    shards[0],
+                                    format!("key index: unknown edge code {}", aux[0]),
+                                ))
+                            }
                         },
                         _ => {
                             embedded.insert(aux.try_into().expect("16 bytes"));
@@ -471,29 +590,62 @@ impl Writer {
                 let mut runs = Vec::new();
                 for &index in members {
                     let unit = &units[index];
-                    let steps: Vec<&ShardEntry> = unit.entries.iter().filter(|e| e.table == "steps").collect();
+                    let steps: Vec<&ShardEntry> =
+                        unit.entries.iter().filter(|e| e.table == "steps").collect();
                     let mut paired = 0;
                     let mut row = 0usize;
                     for entry in unit.entries.iter().filter(|e| e.table == "nodes") {
                         let part = part_of(entry);
-                        let own = steps.iter().copied().find(|s| part.is_some() && part_of(s) == part);
+                        let own = steps
+                            .iter()
+                            .copied()
+                            .find(|s| part.is_some() && part_of(s) == part);
                         paired += usize::from(own.is_some());
-                        runs.push(Run::new(index, row, entry.file.clone(), Box::new(NodeRows::open(dir, entry, own, batch_rows)?)));
+                        runs.push(Run::new(
+                            index,
+                            row,
+                            entry.file.clone(),
+                            Box::new(NodeRows::open(dir, entry, own, batch_rows)?),
+                        ));
                         row += entry.rows as usize;
                     }
                     if paired != steps.len() {
-                        return Err(Stop::Unordered(format!("commit {}: a steps shard without its nodes shard's part", unit.entries[0].commit)));
+                        return Err(Stop::Unordered(format!(
+                            "commit {}: a steps shard without its nodes shard's part",
+                            unit.entries[0].commit
+                        )));
                     }
                 }
-                merge::merge(runs, last, batch_rows, NodeSink::new(dir, version, &mut next_part))
+                merge::merge(
+                    runs,
+                    last,
+                    batch_rows,
+                    NodeSink::new(dir, version, &mut next_part),
+                )
             }
             "edges" => {
                 let runs = Self::runs(dir, members, units, batch_rows, schema::edges_from_batch)?;
-                merge::merge(runs, last, batch_rows, EdgeSink::new(dir, version, &mut next_part))
+                merge::merge(
+                    runs,
+                    last,
+                    batch_rows,
+                    EdgeSink::new(dir, version, &mut next_part),
+                )
             }
             _ => {
-                let runs = Self::runs(dir, members, units, batch_rows, schema::embeddings_from_batch)?;
-                merge::merge(runs, last, batch_rows, EmbeddingSink::new(dir, version, &mut next_part))
+                let runs = Self::runs(
+                    dir,
+                    members,
+                    units,
+                    batch_rows,
+                    schema::embeddings_from_batch,
+                )?;
+                merge::merge(
+                    runs,
+                    last,
+                    batch_rows,
+                    EmbeddingSink::new(dir, version, &mut next_part),
+                )
             }
         }
     }
@@ -510,7 +662,12 @@ impl Writer {
         for &index in members {
             let mut row = 0usize;
             for entry in &units[index].entries {
-                runs.push(Run::new(index, row, entry.file.clone(), merge::rows_of(dir, entry, batch_rows, decode)?));
+                runs.push(Run::new(
+                    index,
+                    row,
+                    entry.file.clone(),
+                    merge::rows_of(dir, entry, batch_rows, decode)?,
+                ));
                 row += entry.rows as usize;
             }
         }
@@ -532,13 +689,16 @@ impl Writer {
                     for entry in unit.entries.iter().filter(|e| e.table == "steps") {
                         for batch in shard::batches(dir, entry, None)? {
                             let batch = batch?;
-                            schema::steps_from_batch(&batch, &mut steps).map_err(|e| corrupt(dir, entry, e))?;
+                            schema::steps_from_batch(&batch, &mut steps)
+                                .map_err(|e| corrupt(dir, entry, e))?;
                         }
                     }
                     for entry in unit.entries.iter().filter(|e| e.table == "nodes") {
                         for batch in shard::batches(dir, entry, None)? {
                             let batch = batch?;
-                            for node in schema::nodes_from_batch(&batch, &steps).map_err(|e| corrupt(dir, entry, e))? {
+                            for node in schema::nodes_from_batch(&batch, &steps)
+                                .map_err(|e| corrupt(dir, entry, e))?
+                            {
                                 if wins(row) {
                                     graph.upsert_node(node);
                                 }
@@ -551,7 +711,9 @@ impl Writer {
                     for entry in &unit.entries {
                         for batch in shard::batches(dir, entry, None)? {
                             let batch = batch?;
-                            for edge in schema::edges_from_batch(&batch).map_err(|e| corrupt(dir, entry, e))? {
+                            for edge in schema::edges_from_batch(&batch)
+                                .map_err(|e| corrupt(dir, entry, e))?
+                            {
                                 if wins(row) {
                                     graph.upsert_edge(edge);
                                 }
@@ -564,7 +726,9 @@ impl Writer {
                     for entry in &unit.entries {
                         for batch in shard::batches(dir, entry, None)? {
                             let batch = batch?;
-                            for embedding in schema::embeddings_from_batch(&batch).map_err(|e| corrupt(dir, entry, e))? {
+                            for embedding in schema::embeddings_from_batch(&batch)
+                                .map_err(|e| corrupt(dir, entry, e))?
+                            {
                                 if wins(row) {
                                     graph.upsert_embedding(embedding);
                                 }
@@ -580,7 +744,12 @@ impl Writer {
 
     /// Writes `graph`'s tables as shards of commit `version`, parts numbered on from `part`
     /// (one compaction commit writes many shards of a table).
-    fn write_graph(&self, graph: &Graph, version: u64, part: &mut usize) -> Result<Vec<ShardEntry>> {
+    fn write_graph(
+        &self,
+        graph: &Graph,
+        version: u64,
+        part: &mut usize,
+    ) -> Result<Vec<ShardEntry>> {
         write_shards(&self.store.dir, graph, version, &mut |_| {
             *part += 1;
             *part - 1
@@ -611,8 +780,13 @@ impl Writer {
 /// A compaction's output shards, each marked with the commits whose rows its `members` held
 /// ([`ShardEntry::rows_span`]): their rows keep their age for readers that follow a store
 /// from a version on ([`Manifest::since`]).
-fn spanning<'a>(mut written: Vec<ShardEntry>, members: impl Iterator<Item = &'a ShardEntry>) -> Vec<ShardEntry> {
-    let (from, through) = members.map(ShardEntry::rows_span).fold((u64::MAX, 0), |(a, b), (c, d)| (a.min(c), b.max(d)));
+fn spanning<'a>(
+    mut written: Vec<ShardEntry>,
+    members: impl Iterator<Item = &'a ShardEntry>,
+) -> Vec<ShardEntry> {
+    let (from, through) = members
+        .map(ShardEntry::rows_span)
+        .fold((u64::MAX, 0), |(a, b), (c, d)| (a.min(c), b.max(d)));
     for entry in &mut written {
         entry.rows_from = Some(from);
         entry.rows_through = Some(through);
@@ -636,9 +810,16 @@ fn archive_commit_log(dir: &std::path::Path, manifest: &mut Manifest) -> Result<
     if manifest.commits.len() <= MANIFEST_COMMIT_LOG {
         return Ok(());
     }
-    let older: Vec<CommitRecord> = manifest.commits.drain(..manifest.commits.len() - MANIFEST_COMMIT_LOG).collect();
+    let older: Vec<CommitRecord> = manifest
+        .commits
+        .drain(..manifest.commits.len() - MANIFEST_COMMIT_LOG)
+        .collect();
     let path = dir.join(HISTORY);
-    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&path).at(&path)?;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .at(&path)?;
     let mut text = Vec::new();
     for record in &older {
         serde_json::to_writer(&mut text, record).expect("a commit record serialises");
@@ -664,7 +845,9 @@ fn delete_retired(dir: &std::path::Path, manifest: &mut Manifest) -> Result<()> 
         if due && retired.file.starts_with(SHARDS) && !live.contains(retired.file.as_str()) {
             let path = dir.join(&retired.file);
             match std::fs::remove_file(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::Io { path, source: e }),
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::Io { path, source: e })
+                }
                 _ => {}
             }
             crate::keys::remove(dir, &retired.file)?;
@@ -678,11 +861,16 @@ fn delete_retired(dir: &std::path::Path, manifest: &mut Manifest) -> Result<()> 
 
 /// True when the store has a staging store (a sharded run started and not merged).
 pub(crate) fn staging_in_progress(dir: &std::path::Path) -> bool {
-    std::fs::read_dir(dir.join(crate::STAGING)).map(|mut entries| entries.next().is_some()).unwrap_or(false)
+    std::fs::read_dir(dir.join(crate::STAGING))
+        .map(|mut entries| entries.next().is_some())
+        .unwrap_or(false)
 }
 
 fn corrupt(dir: &std::path::Path, entry: &ShardEntry, source: fluxmem_graph::Error) -> Error {
-    Error::Corrupt { path: dir.join(&entry.file), reason: source.to_string() }
+    Error::Corrupt {
+        path: dir.join(&entry.file),
+        reason: source.to_string(),
+    }
 }
 
 /// A ground edge `epi-<i>` -> `sem-1` for this crate's unit tests.
@@ -717,35 +905,85 @@ mod tests {
             for i in night * 5..night * 5 + 10 {
                 delta.upsert_edge(test_edge(i, night as f32, true));
             }
-            writer.commit(&delta, CommitInfo { stage: "t".into(), run_id: "r".into(), ..Default::default() }).unwrap();
+            writer
+                .commit(
+                    &delta,
+                    CommitInfo {
+                        stage: "t".into(),
+                        run_id: "r".into(),
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
         }
         let expected = writer.store().load().unwrap();
         // The first edge shard, its rows reversed, in place of the original.
         let mut manifest = writer.manifest.clone();
-        let at = manifest.shards.iter().position(|s| s.table == "edges").unwrap();
+        let at = manifest
+            .shards
+            .iter()
+            .position(|s| s.table == "edges")
+            .unwrap();
         let original = manifest.shards[at].clone();
         let batch = shard::read(dir.path(), &original, None).unwrap().remove(0);
         let reversed: arrow_array::UInt32Array = (0..batch.num_rows() as u32).rev().collect();
-        let columns = batch.columns().iter().map(|c| arrow_select::take::take(c, &reversed, None).unwrap()).collect();
+        let columns = batch
+            .columns()
+            .iter()
+            .map(|c| arrow_select::take::take(c, &reversed, None).unwrap())
+            .collect();
         let batch = arrow_array::RecordBatch::try_new(batch.schema(), columns).unwrap();
-        manifest.shards[at] = shard::write(dir.path(), "edges", original.commit, 7, &batch).unwrap();
+        manifest.shards[at] =
+            shard::write(dir.path(), "edges", original.commit, 7, &batch).unwrap();
         manifest.version += 1;
-        writer.land(manifest, CommitInfo { stage: "t".into(), run_id: "r".into(), ..Default::default() }).unwrap();
-        assert_eq!(writer.store().load().unwrap(), expected, "the reversed shard holds the same rows");
+        writer
+            .land(
+                manifest,
+                CommitInfo {
+                    stage: "t".into(),
+                    run_id: "r".into(),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            writer.store().load().unwrap(),
+            expected,
+            "the reversed shard holds the same rows"
+        );
         // The streamed live rows over it (a shard out of key order: the winning-row map) are
         // the loaded edges, each once.
         let live = writer.store().live(&writer.manifest, "edges").unwrap();
         let mut streamed = BTreeMap::new();
-        live.edges(&[], &mut |e| assert!(streamed.insert(e.key(), e).is_none(), "each live edge once")).unwrap();
+        live.edges(&[], &mut |e| {
+            assert!(streamed.insert(e.key(), e).is_none(), "each live edge once")
+        })
+        .unwrap();
         assert_eq!(live.len() as usize, expected.edges.len());
         assert_eq!(streamed, expected.edges);
-        let policy = CompactPolicy { merge_factor: 2, min_level_rows: 1, batch_rows: 4, ..Default::default() };
+        let policy = CompactPolicy {
+            merge_factor: 2,
+            min_level_rows: 1,
+            batch_rows: 4,
+            ..Default::default()
+        };
         let report = writer.compact(&policy, "c").unwrap();
         assert!(report.tables["edges"].merged >= 2, "{report:?}");
-        assert_eq!(report.tables["edges"].in_memory.len(), 1, "the merge holding the reversed shard: {report:?}");
-        assert_eq!(writer.store().load().unwrap(), expected, "the same live rows after the merge");
+        assert_eq!(
+            report.tables["edges"].in_memory.len(),
+            1,
+            "the merge holding the reversed shard: {report:?}"
+        );
+        assert_eq!(
+            writer.store().load().unwrap(),
+            expected,
+            "the same live rows after the merge"
+        );
         // No temporary file of the abandoned streaming merge is left.
-        let names: Vec<String> = std::fs::read_dir(dir.path().join("shards")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        let names: Vec<String> = std::fs::read_dir(dir.path().join("shards"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
         assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
     }
 }

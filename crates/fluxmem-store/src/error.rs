@@ -32,7 +32,9 @@ pub enum Error {
         supported: u32,
     },
     /// The directory holds no fluxmem store (no manifest).
-    #[error("{path}: no fluxmem store here (no manifest.json); run `fluxmem ingest` to create one")]
+    #[error(
+        "{path}: no fluxmem store here (no manifest.json); run `fluxmem ingest` to create one"
+    )]
     NotAStore {
         /// The directory.
         path: PathBuf,
@@ -128,6 +130,9 @@ pub(crate) trait IoContext<T> {
 
 impl<T> IoContext<T> for std::io::Result<T> {
     fn at(self, path: &std::path::Path) -> Result<T> {
-        self.map_err(|source| Error::Io { path: path.to_path_buf(), source })
+        self.map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 }

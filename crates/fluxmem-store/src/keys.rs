@@ -84,17 +84,43 @@ impl IndexBuilder {
     /// A builder for `table`; `None` when the table has no keys.
     pub fn new(table: &str) -> Option<IndexBuilder> {
         let width = aux_width(table)?;
-        Some(IndexBuilder { table: table.into(), index: KeyIndex { keys: Vec::new(), aux: Vec::new(), width, ordered: true }, previous: Vec::new() })
+        Some(IndexBuilder {
+            table: table.into(),
+            index: KeyIndex {
+                keys: Vec::new(),
+                aux: Vec::new(),
+                width,
+                ordered: true,
+            },
+            previous: Vec::new(),
+        })
     }
 
     /// Adds `batch`'s rows; the batch holds the key columns and, for nodes, `kind`, for
     /// edges, `kind` and `active`. The error names what is wrong with the batch.
     pub fn push(&mut self, batch: &RecordBatch) -> std::result::Result<(), String> {
-        let text = |name: &str| batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| format!("column `{name}` is missing or not text"));
-        let keys: Vec<&arrow_array::StringArray> = key_columns(&self.table).iter().map(|name| text(name)).collect::<std::result::Result<_, _>>()?;
-        let kinds = if self.table == "embeddings" { None } else { Some(text("kind")?) };
+        let text = |name: &str| {
+            batch
+                .column_by_name(name)
+                .and_then(|c| c.as_string_opt::<i32>())
+                .ok_or_else(|| format!("column `{name}` is missing or not text"))
+        };
+        let keys: Vec<&arrow_array::StringArray> = key_columns(&self.table)
+            .iter()
+            .map(|name| text(name))
+            .collect::<std::result::Result<_, _>>()?;
+        let kinds = if self.table == "embeddings" {
+            None
+        } else {
+            Some(text("kind")?)
+        };
         let active = if self.table == "edges" {
-            Some(batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or("column `active` is missing or not boolean")?)
+            Some(
+                batch
+                    .column_by_name("active")
+                    .and_then(|c| c.as_boolean_opt())
+                    .ok_or("column `active` is missing or not boolean")?,
+            )
         } else {
             None
         };
@@ -103,7 +129,10 @@ impl IndexBuilder {
         for i in 0..batch.num_rows() {
             parts.clear();
             parts.extend(keys.iter().map(|s| s.value(i)));
-            if self.index.ordered && !self.previous.is_empty() && key_order(&self.table, &self.previous, &parts) != std::cmp::Ordering::Less {
+            if self.index.ordered
+                && !self.previous.is_empty()
+                && key_order(&self.table, &self.previous, &parts) != std::cmp::Ordering::Less
+            {
                 self.index.ordered = false;
             }
             if self.index.ordered {
@@ -116,12 +145,24 @@ impl IndexBuilder {
             self.index.keys.push(key_of(&parts));
             match (self.table.as_str(), kinds) {
                 ("nodes", Some(kinds)) => {
-                    let kind = NodeKind::parse(kinds.value(i)).ok_or_else(|| format!("row {i}: unknown node kind `{}`", kinds.value(i)))?;
-                    self.index.aux.push(NODE_CODES.iter().position(|k| *k == kind).expect("every kind has a code") as u8);
+                    let kind = NodeKind::parse(kinds.value(i)).ok_or_else(|| {
+                        format!("row {i}: unknown node kind `{}`", kinds.value(i))
+                    })?;
+                    self.index.aux.push(
+                        NODE_CODES
+                            .iter()
+                            .position(|k| *k == kind)
+                            .expect("every kind has a code") as u8,
+                    );
                 }
                 (_, Some(kinds)) => {
-                    let kind = EdgeKind::parse(kinds.value(i)).ok_or_else(|| format!("row {i}: unknown edge kind `{}`", kinds.value(i)))?;
-                    let code = EDGE_CODES.iter().position(|k| *k == kind).expect("every kind has a code") as u8;
+                    let kind = EdgeKind::parse(kinds.value(i)).ok_or_else(|| {
+                        format!("row {i}: unknown edge kind `{}`", kinds.value(i))
+                    })?;
+                    let code = EDGE_CODES
+                        .iter()
+                        .position(|k| *k == kind)
+                        .expect("every kind has a code") as u8;
                     let active = active.is_some_and(|a| !a.is_null(i) && a.value(i));
                     self.index.aux.push(if active { code + 1 } else { 0 });
                 }
@@ -140,7 +181,11 @@ impl IndexBuilder {
 /// for edges the destination and the kind (in [`EdgeKind`]'s order), for embeddings the model.
 fn key_order(table: &str, a: &[String], b: &[&str]) -> std::cmp::Ordering {
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        let order = if table == "edges" && i == 2 { EdgeKind::parse(x).cmp(&EdgeKind::parse(y)) } else { x.as_str().cmp(y) };
+        let order = if table == "edges" && i == 2 {
+            EdgeKind::parse(x).cmp(&EdgeKind::parse(y))
+        } else {
+            x.as_str().cmp(y)
+        };
         if order.is_ne() {
             return order;
         }
@@ -221,7 +266,11 @@ fn checksum(header: &[u8], body: &[u8]) -> [u8; 32] {
 pub(crate) fn read(dir: &Path, entry: &ShardEntry) -> Option<KeyIndex> {
     let width = aux_width(&entry.table)?;
     let bytes = std::fs::read(path(dir, entry)).ok()?;
-    if bytes.len() < HEADER || &bytes[..8] != MAGIC || entry.sha256.len() != 64 || &bytes[8..72] != entry.sha256.as_bytes() {
+    if bytes.len() < HEADER
+        || &bytes[..8] != MAGIC
+        || entry.sha256.len() != 64
+        || &bytes[8..72] != entry.sha256.as_bytes()
+    {
         return None;
     }
     let rows = u64::from_le_bytes(bytes[72..80].try_into().ok()?);
@@ -229,12 +278,22 @@ pub(crate) fn read(dir: &Path, entry: &ShardEntry) -> Option<KeyIndex> {
         return None;
     }
     let body = &bytes[HEADER..];
-    if body.len() as u64 != rows * (16 + width as u64) || checksum(&bytes[..82], body)[..] != bytes[82..114] {
+    if body.len() as u64 != rows * (16 + width as u64)
+        || checksum(&bytes[..82], body)[..] != bytes[82..114]
+    {
         return None;
     }
     let (keys, aux) = body.split_at(rows as usize * 16);
-    let keys = keys.chunks_exact(16).map(|k| k.try_into().expect("16 bytes")).collect();
-    Some(KeyIndex { keys, aux: aux.to_vec(), width, ordered: bytes[81] == 1 })
+    let keys = keys
+        .chunks_exact(16)
+        .map(|k| k.try_into().expect("16 bytes"))
+        .collect();
+    Some(KeyIndex {
+        keys,
+        aux: aux.to_vec(),
+        width,
+        ordered: bytes[81] == 1,
+    })
 }
 
 /// `entry`'s key index: read, or else made from the shard's key columns (and, with `keep`,
@@ -243,14 +302,27 @@ pub(crate) fn read_or_make(dir: &Path, entry: &ShardEntry, keep: bool) -> Result
     if let Some(index) = read(dir, entry) {
         return Ok(index);
     }
-    let mut builder = IndexBuilder::new(&entry.table).ok_or_else(|| Error::Corrupt { path: dir.join(&entry.file), reason: format!("table `{}` has no keys", entry.table) })?;
+    let mut builder = IndexBuilder::new(&entry.table).ok_or_else(|| Error::Corrupt {
+        path: dir.join(&entry.file),
+        reason: format!("table `{}` has no keys", entry.table),
+    })?;
     let columns = index_columns(&entry.table);
     for batch in shard::open(dir, entry, Some(&columns), shard::DEFAULT_BATCH_ROWS)? {
-        builder.push(&batch?).map_err(|reason| Error::Corrupt { path: dir.join(&entry.file), reason })?;
+        builder.push(&batch?).map_err(|reason| Error::Corrupt {
+            path: dir.join(&entry.file),
+            reason,
+        })?;
     }
     let index = builder.finish();
     if index.len() as u64 != entry.rows {
-        return Err(Error::Corrupt { path: dir.join(&entry.file), reason: format!("{} rows read, the manifest says {}", index.len(), entry.rows) });
+        return Err(Error::Corrupt {
+            path: dir.join(&entry.file),
+            reason: format!(
+                "{} rows read, the manifest says {}",
+                index.len(),
+                entry.rows
+            ),
+        });
     }
     if keep {
         self::keep(dir, entry, &index);
@@ -271,11 +343,15 @@ pub(crate) fn remove(dir: &Path, file: &str) -> Result<()> {
 /// store no longer holds: garbage of this module's own (see the module docs). Returns how many.
 pub(crate) fn sweep(dir: &Path, keep: &dyn Fn(&str) -> bool) -> Result<usize> {
     let folder = dir.join(KEYS);
-    let Ok(entries) = std::fs::read_dir(&folder) else { return Ok(0) };
+    let Ok(entries) = std::fs::read_dir(&folder) else {
+        return Ok(0);
+    };
     let mut removed = 0;
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let shard = name.strip_suffix(".keys.tmp").or_else(|| name.strip_suffix(".keys"));
+        let shard = name
+            .strip_suffix(".keys.tmp")
+            .or_else(|| name.strip_suffix(".keys"));
         let Some(shard) = shard else { continue };
         if name.ends_with(".tmp") || !keep(&format!("{}/{shard}", crate::store::SHARDS)) {
             std::fs::remove_file(entry.path()).at(&entry.path())?;
@@ -302,14 +378,36 @@ mod tests {
         for i in 0..5 {
             delta.upsert_edge(crate::compact::test_edge(i, 1.0, i != 2));
         }
-        writer.commit(&delta, CommitInfo { stage: "t".into(), ..Default::default() }).unwrap();
-        let entry = writer.manifest.shards.iter().find(|s| s.table == "edges").unwrap().clone();
+        writer
+            .commit(
+                &delta,
+                CommitInfo {
+                    stage: "t".into(),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        let entry = writer
+            .manifest
+            .shards
+            .iter()
+            .find(|s| s.table == "edges")
+            .unwrap()
+            .clone();
         let index = read(dir.path(), &entry).expect("the commit wrote the index");
-        let expected: Vec<Key> = delta.edges.values().map(|e| key_of(&[e.src.as_str(), e.dst.as_str(), e.kind.as_str()])).collect();
+        let expected: Vec<Key> = delta
+            .edges
+            .values()
+            .map(|e| key_of(&[e.src.as_str(), e.dst.as_str(), e.kind.as_str()]))
+            .collect();
         assert_eq!(index.keys, expected);
         assert!(index.ordered);
         let codes: Vec<u8> = (0..5).map(|i| index.aux(i)[0]).collect();
-        assert_eq!(codes, vec![1, 1, 0, 1, 1], "ground is code 0 + 1; the inactive edge is 0");
+        assert_eq!(
+            codes,
+            vec![1, 1, 0, 1, 1],
+            "ground is code 0 + 1; the inactive edge is 0"
+        );
         // Made from the shard, it is the same.
         std::fs::remove_file(path(dir.path(), &entry)).unwrap();
         assert!(read(dir.path(), &entry).is_none());
@@ -324,11 +422,22 @@ mod tests {
         assert!(read(dir.path(), &entry).is_none(), "a damaged body");
         assert_eq!(read_or_make(dir.path(), &entry, false).unwrap(), index);
         // Another shard's index under this shard's name: not used.
-        let other = ShardEntry { sha256: "0".repeat(64), ..entry.clone() };
+        let other = ShardEntry {
+            sha256: "0".repeat(64),
+            ..entry.clone()
+        };
         write(dir.path(), &other, &index).unwrap();
         assert!(read(dir.path(), &entry).is_none(), "made from another file");
         // A sweep keeps what the store holds and deletes the rest.
-        write(dir.path(), &ShardEntry { file: "shards/edges-00000009-000-abcdef012345.parquet".into(), ..entry.clone() }, &index).unwrap();
+        write(
+            dir.path(),
+            &ShardEntry {
+                file: "shards/edges-00000009-000-abcdef012345.parquet".into(),
+                ..entry.clone()
+            },
+            &index,
+        )
+        .unwrap();
         std::fs::write(dir.path().join(KEYS).join("x.keys.tmp"), b"").unwrap();
         let listed = entry.file.clone();
         assert_eq!(sweep(dir.path(), &|file| file == listed).unwrap(), 2);
@@ -338,7 +447,10 @@ mod tests {
         let staging = dir.path().join("staging").join("connect-1-of-2");
         std::fs::create_dir_all(&staging).unwrap();
         write(dir.path(), &entry, &index).unwrap();
-        let seen_from_staging = ShardEntry { file: format!("../../{}", entry.file), ..entry.clone() };
+        let seen_from_staging = ShardEntry {
+            file: format!("../../{}", entry.file),
+            ..entry.clone()
+        };
         assert_eq!(read(&staging, &seen_from_staging).as_ref(), Some(&index));
     }
 }

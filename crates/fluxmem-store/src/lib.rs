@@ -66,11 +66,17 @@ mod shard;
 mod staging;
 mod store;
 
-pub use compact::{CompactPolicy, CompactReport, TableCompaction, HISTORY, KEEP_RETIRED_COMMITS, MANIFEST_COMMIT_LOG};
+pub use compact::{
+    CompactPolicy, CompactReport, TableCompaction, HISTORY, KEEP_RETIRED_COMMITS,
+    MANIFEST_COMMIT_LOG,
+};
 pub use error::{Error, Result};
 pub use live::{EdgeRow, Live};
 pub use lock::WriterLock;
-pub use manifest::{CommitRecord, EmbeddingModel, LiveCounts, Manifest, RetiredShard, ShardEntry, Since, FORMAT, SCHEMA_VERSION};
+pub use manifest::{
+    CommitRecord, EmbeddingModel, LiveCounts, Manifest, RetiredShard, ShardEntry, Since, FORMAT,
+    SCHEMA_VERSION,
+};
 pub use recover::{recover, RecoverReport};
 pub use scan::{EdgeHead, Rows, Scan};
 pub use staging::{staging_dir, MergeReport, Shard, STAGING};

@@ -64,7 +64,13 @@ impl Store {
             return Ok(live);
         }
         let last = winning_rows(self, table, entries.iter().map(|e| vec![e]))?;
-        let mut shards: Vec<(ShardEntry, Vec<bool>)> = entries.into_iter().map(|e| { let rows = e.rows as usize; (e, vec![false; rows]) }).collect();
+        let mut shards: Vec<(ShardEntry, Vec<bool>)> = entries
+            .into_iter()
+            .map(|e| {
+                let rows = e.rows as usize;
+                (e, vec![false; rows])
+            })
+            .collect();
         for &(index, row) in last.values() {
             let flags = &mut shards[index].1;
             if row >= flags.len() {
@@ -73,7 +79,11 @@ impl Store {
             }
             flags[row] = true;
         }
-        Ok(Live { store: self, shards, live: last.len() as u64 })
+        Ok(Live {
+            store: self,
+            shards,
+            live: last.len() as u64,
+        })
     }
 
     /// [`Store::live`] by reading the shards newest first; `None` when a shard is not in strict
@@ -102,7 +112,11 @@ impl Store {
             shards.push((entry.clone(), flags));
         }
         shards.reverse();
-        Ok(Some(Live { store: self, shards, live }))
+        Ok(Some(Live {
+            store: self,
+            shards,
+            live,
+        }))
     }
 }
 
@@ -123,8 +137,12 @@ impl Live<'_> {
         let kinds: Vec<&str> = kinds.iter().map(|k| k.as_str()).collect();
         self.each_batch(None, &mut |entry, batch, live| {
             let kind = text_column(self.store, entry, batch, "kind")?;
-            let batch = self.select(entry, batch, |i| live[i] && (kinds.is_empty() || kinds.contains(&kind.value(i))))?;
-            for edge in schema::edges_from_batch(&batch).map_err(|e| self.store.corrupt(entry, e.to_string()))? {
+            let batch = self.select(entry, batch, |i| {
+                live[i] && (kinds.is_empty() || kinds.contains(&kind.value(i)))
+            })?;
+            for edge in schema::edges_from_batch(&batch)
+                .map_err(|e| self.store.corrupt(entry, e.to_string()))?
+            {
                 f(edge);
             }
             Ok(())
@@ -137,7 +155,9 @@ impl Live<'_> {
         let no_steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
         self.each_batch(None, &mut |entry, batch, live| {
             let batch = self.select(entry, batch, |i| live[i])?;
-            for node in schema::nodes_from_batch_with(&batch, &no_steps, &|_| false).map_err(|e| self.store.corrupt(entry, e.to_string()))? {
+            for node in schema::nodes_from_batch_with(&batch, &no_steps, &|_| false)
+                .map_err(|e| self.store.corrupt(entry, e.to_string()))?
+            {
                 f(node);
             }
             Ok(())
@@ -149,7 +169,9 @@ impl Live<'_> {
     pub fn embeddings(&self, f: &mut dyn FnMut(Embedding)) -> Result<()> {
         self.each_batch(None, &mut |entry, batch, live| {
             let batch = self.select(entry, batch, |i| live[i])?;
-            for embedding in schema::embeddings_from_batch(&batch).map_err(|e| self.store.corrupt(entry, e.to_string()))? {
+            for embedding in schema::embeddings_from_batch(&batch)
+                .map_err(|e| self.store.corrupt(entry, e.to_string()))?
+            {
                 f(embedding);
             }
             Ok(())
@@ -161,7 +183,9 @@ impl Live<'_> {
     pub fn ids(&self, f: &mut dyn FnMut(&str)) -> Result<()> {
         self.each_batch(Some(&["id"]), &mut |entry, batch, live| {
             let id = text_column(self.store, entry, batch, "id")?;
-            (0..batch.num_rows()).filter(|&r| live[r]).for_each(|r| f(id.value(r)));
+            (0..batch.num_rows())
+                .filter(|&r| live[r])
+                .for_each(|r| f(id.value(r)));
             Ok(())
         })
     }
@@ -173,7 +197,9 @@ impl Live<'_> {
         self.each_batch(Some(&columns), &mut |entry, batch, live| {
             let text = |name: &str| text_column(self.store, entry, batch, name);
             let (node, model, hash) = (text("node_id")?, text("model_id")?, text("text_sha256")?);
-            (0..batch.num_rows()).filter(|&r| live[r]).for_each(|r| f(node.value(r), model.value(r), hash.value(r)));
+            (0..batch.num_rows())
+                .filter(|&r| live[r])
+                .for_each(|r| f(node.value(r), model.value(r), hash.value(r)));
             Ok(())
         })
     }
@@ -181,17 +207,32 @@ impl Live<'_> {
     /// The ends of every live edge of the given kinds (every kind when `kinds` is empty), with
     /// whether its metadata names a `relation` (a Stage II link), in shard order: four of the
     /// ten columns, no weights, runs or metadata maps decoded, nothing allocated per row.
-    pub fn edge_ends(&self, kinds: &[EdgeKind], f: &mut dyn FnMut(&str, &str, EdgeKind, bool)) -> Result<()> {
+    pub fn edge_ends(
+        &self,
+        kinds: &[EdgeKind],
+        f: &mut dyn FnMut(&str, &str, EdgeKind, bool),
+    ) -> Result<()> {
         let columns = ["src", "dst", "kind", "metadata"];
         self.each_batch(Some(&columns), &mut |entry, batch, live| {
             let text = |name: &str| text_column(self.store, entry, batch, name);
-            let (src, dst, kind, metadata) = (text("src")?, text("dst")?, text("kind")?, text("metadata")?);
+            let (src, dst, kind, metadata) =
+                (text("src")?, text("dst")?, text("kind")?, text("metadata")?);
             for row in (0..batch.num_rows()).filter(|&r| live[r]) {
-                let kind = EdgeKind::parse(kind.value(row)).ok_or_else(|| self.store.corrupt(entry, format!("row {row}: unknown edge kind `{}`", kind.value(row))))?;
+                let kind = EdgeKind::parse(kind.value(row)).ok_or_else(|| {
+                    self.store.corrupt(
+                        entry,
+                        format!("row {row}: unknown edge kind `{}`", kind.value(row)),
+                    )
+                })?;
                 if !kinds.is_empty() && !kinds.contains(&kind) {
                     continue;
                 }
-                f(src.value(row), dst.value(row), kind, names_relation(metadata.value(row)));
+                f(
+                    src.value(row),
+                    dst.value(row),
+                    kind,
+                    names_relation(metadata.value(row)),
+                );
             }
             Ok(())
         })
@@ -209,14 +250,38 @@ impl Live<'_> {
         use arrow_array::types::{Float32Type, Int64Type};
         self.each_batch(None, &mut |entry, batch, live| {
             let text = |name: &str| text_column(self.store, entry, batch, name);
-            let (src, dst, kind, metadata) = (text("src")?, text("dst")?, text("kind")?, text("metadata")?);
-            let weight = batch.column_by_name("weight").and_then(|c| c.as_primitive_opt::<Float32Type>()).ok_or_else(|| self.store.corrupt(entry, "column `weight` is not f32".into()))?;
-            let evidence = batch.column_by_name("evidence").and_then(|c| c.as_primitive_opt::<Int64Type>()).ok_or_else(|| self.store.corrupt(entry, "column `evidence` is not i64".into()))?;
-            let active = batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or_else(|| self.store.corrupt(entry, "column `active` is not boolean".into()))?;
+            let (src, dst, kind, metadata) =
+                (text("src")?, text("dst")?, text("kind")?, text("metadata")?);
+            let weight = batch
+                .column_by_name("weight")
+                .and_then(|c| c.as_primitive_opt::<Float32Type>())
+                .ok_or_else(|| {
+                    self.store
+                        .corrupt(entry, "column `weight` is not f32".into())
+                })?;
+            let evidence = batch
+                .column_by_name("evidence")
+                .and_then(|c| c.as_primitive_opt::<Int64Type>())
+                .ok_or_else(|| {
+                    self.store
+                        .corrupt(entry, "column `evidence` is not i64".into())
+                })?;
+            let active = batch
+                .column_by_name("active")
+                .and_then(|c| c.as_boolean_opt())
+                .ok_or_else(|| {
+                    self.store
+                        .corrupt(entry, "column `active` is not boolean".into())
+                })?;
             let mut picked = Vec::new();
             let mut mask = vec![false; batch.num_rows()];
             for row in (0..batch.num_rows()).filter(|&r| live[r]) {
-                let kind = EdgeKind::parse(kind.value(row)).ok_or_else(|| self.store.corrupt(entry, format!("row {row}: unknown edge kind `{}`", kind.value(row))))?;
+                let kind = EdgeKind::parse(kind.value(row)).ok_or_else(|| {
+                    self.store.corrupt(
+                        entry,
+                        format!("row {row}: unknown edge kind `{}`", kind.value(row)),
+                    )
+                })?;
                 let view = EdgeRow {
                     src: src.value(row),
                     dst: dst.value(row),
@@ -225,10 +290,16 @@ impl Live<'_> {
                     evidence: evidence.value(row),
                     // As the schema decodes it: a missing flag is active.
                     active: active.is_null(row) || active.value(row),
-                    metadata: if metadata.is_null(row) { "{}" } else { metadata.value(row) },
+                    metadata: if metadata.is_null(row) {
+                        "{}"
+                    } else {
+                        metadata.value(row)
+                    },
                     relation: !metadata.is_null(row) && names_relation(metadata.value(row)),
                 };
-                if let Some(decision) = decide(&view).map_err(|reason| self.store.corrupt(entry, format!("row {row}: {reason}")))? {
+                if let Some(decision) = decide(&view)
+                    .map_err(|reason| self.store.corrupt(entry, format!("row {row}: {reason}")))?
+                {
                     mask[row] = true;
                     picked.push(decision);
                 }
@@ -237,7 +308,8 @@ impl Live<'_> {
                 return Ok(());
             }
             let batch = self.select(entry, batch, |i| mask[i])?;
-            let edges = schema::edges_from_batch(&batch).map_err(|e| self.store.corrupt(entry, e.to_string()))?;
+            let edges = schema::edges_from_batch(&batch)
+                .map_err(|e| self.store.corrupt(entry, e.to_string()))?;
             for (edge, decision) in edges.into_iter().zip(picked) {
                 then(edge, decision);
             }
@@ -246,14 +318,26 @@ impl Live<'_> {
     }
 
     /// The rows `keep` picks of one of `entry`'s batches.
-    fn select(&self, entry: &ShardEntry, batch: &RecordBatch, keep: impl Fn(usize) -> bool) -> Result<RecordBatch> {
+    fn select(
+        &self,
+        entry: &ShardEntry,
+        batch: &RecordBatch,
+        keep: impl Fn(usize) -> bool,
+    ) -> Result<RecordBatch> {
         let mask: BooleanArray = (0..batch.num_rows()).map(|i| Some(keep(i))).collect();
-        arrow_select::filter::filter_record_batch(batch, &mask).map_err(|e| self.store.corrupt(entry, format!("cannot filter rows: {e}")))
+        arrow_select::filter::filter_record_batch(batch, &mask).map_err(|e| {
+            self.store
+                .corrupt(entry, format!("cannot filter rows: {e}"))
+        })
     }
 
     /// Every batch of every shard (the `columns` asked for, all when `None`) with its rows'
     /// live flags.
-    fn each_batch(&self, columns: Option<&[&str]>, f: &mut dyn FnMut(&ShardEntry, &RecordBatch, &[bool]) -> Result<()>) -> Result<()> {
+    fn each_batch(
+        &self,
+        columns: Option<&[&str]>,
+        f: &mut dyn FnMut(&ShardEntry, &RecordBatch, &[bool]) -> Result<()>,
+    ) -> Result<()> {
         for (entry, flags) in &self.shards {
             if !flags.iter().any(|&l| l) {
                 continue;
@@ -262,7 +346,12 @@ impl Live<'_> {
             for batch in shard::batches(&self.store.dir, entry, columns)? {
                 let batch = batch?;
                 let end = start + batch.num_rows();
-                let live = flags.get(start..end).ok_or_else(|| self.store.corrupt(entry, format!("{end} rows, the key columns had {}", flags.len())))?;
+                let live = flags.get(start..end).ok_or_else(|| {
+                    self.store.corrupt(
+                        entry,
+                        format!("{end} rows, the key columns had {}", flags.len()),
+                    )
+                })?;
                 f(entry, &batch, live)?;
                 start = end;
             }

@@ -21,13 +21,23 @@ impl WriterLock {
     /// Takes the lock of the store at `dir`, or fails with [`Error::Locked`].
     pub fn acquire(dir: &Path) -> Result<WriterLock> {
         let path = dir.join("LOCK");
-        let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).at(&path)?;
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .at(&path)?;
         match file.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
                 let mut holder = String::new();
                 let _ = file.read_to_string(&mut holder);
-                let holder = if holder.trim().is_empty() { "unknown holder".to_string() } else { holder.trim().to_string() };
+                let holder = if holder.trim().is_empty() {
+                    "unknown holder".to_string()
+                } else {
+                    holder.trim().to_string()
+                };
                 return Err(Error::Locked { path, holder });
             }
             Err(std::fs::TryLockError::Error(source)) => return Err(Error::Io { path, source }),
@@ -65,5 +75,7 @@ impl Drop for WriterLock {
 }
 
 fn hostname() -> String {
-    std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into())
+    std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
 }

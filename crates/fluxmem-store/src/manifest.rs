@@ -103,7 +103,10 @@ impl ShardEntry {
     /// The commits whose rows the shard holds, oldest and newest: its own commit for a
     /// commit's shard; for a compaction's output, the span of the shards it merged.
     pub fn rows_span(&self) -> (u64, u64) {
-        (self.rows_from.unwrap_or(self.commit), self.rows_through.unwrap_or(self.commit))
+        (
+            self.rows_from.unwrap_or(self.commit),
+            self.rows_through.unwrap_or(self.commit),
+        )
     }
 }
 
@@ -144,13 +147,18 @@ impl Manifest {
             commits: Vec::new(),
             progress: BTreeMap::new(),
             retired: Vec::new(),
-            live_counts: Some(LiveCounts { version: 0, stats: fluxmem_graph::GraphStats::default() }),
+            live_counts: Some(LiveCounts {
+                version: 0,
+                stats: fluxmem_graph::GraphStats::default(),
+            }),
         }
     }
 
     /// The live counts, if they hold for this manifest's commit.
     pub fn current_counts(&self) -> Option<fluxmem_graph::GraphStats> {
-        self.live_counts.filter(|c| c.version == self.version).map(|c| c.stats)
+        self.live_counts
+            .filter(|c| c.version == self.version)
+            .map(|c| c.stats)
     }
 
     /// What the commits after `version` added to `tables` (a stage that has seen the store at
@@ -159,40 +167,75 @@ impl Manifest {
     /// whose span is not known, such as a compaction output of an older build or a shard
     /// recovery found on disk). Every row committed after `version` is in one of the two.
     pub fn since(&self, version: u64, tables: &[&str]) -> Since {
-        let compactions: std::collections::BTreeSet<u64> = self.commits.iter().filter(|c| c.stage == "compact").map(|c| c.version).collect();
-        let recorded: std::collections::BTreeSet<u64> = self.commits.iter().map(|c| c.version).collect();
-        let cut = |shards: Vec<ShardEntry>| Manifest { shards, commits: Vec::new(), progress: BTreeMap::new(), retired: Vec::new(), live_counts: None, ..self.clone() };
+        let compactions: std::collections::BTreeSet<u64> = self
+            .commits
+            .iter()
+            .filter(|c| c.stage == "compact")
+            .map(|c| c.version)
+            .collect();
+        let recorded: std::collections::BTreeSet<u64> =
+            self.commits.iter().map(|c| c.version).collect();
+        let cut = |shards: Vec<ShardEntry>| Manifest {
+            shards,
+            commits: Vec::new(),
+            progress: BTreeMap::new(),
+            retired: Vec::new(),
+            live_counts: None,
+            ..self.clone()
+        };
         let (mut added, mut mixed) = (Vec::new(), Vec::new());
-        for entry in self.shards.iter().filter(|s| tables.contains(&s.table.as_str())) {
+        for entry in self
+            .shards
+            .iter()
+            .filter(|s| tables.contains(&s.table.as_str()))
+        {
             let (from, through) = entry.rows_span();
             if through <= version {
                 continue;
             }
             // A shard without a span is a commit's own only if its commit is on record and
             // was not a compaction.
-            let own = entry.rows_from.is_some() || (recorded.contains(&entry.commit) && !compactions.contains(&entry.commit));
+            let own = entry.rows_from.is_some()
+                || (recorded.contains(&entry.commit) && !compactions.contains(&entry.commit));
             if from > version && own {
                 added.push(entry.clone());
             } else {
                 mixed.push(entry.clone());
             }
         }
-        Since { added: cut(added), mixed: cut(mixed) }
+        Since {
+            added: cut(added),
+            mixed: cut(mixed),
+        }
     }
 
     /// Reads and checks the manifest at `path`.
     pub fn read(path: &Path) -> Result<Manifest> {
         let text = std::fs::read(path).at(path)?;
-        let value: Value = serde_json::from_slice(&text)
-            .map_err(|e| Error::Corrupt { path: path.into(), reason: format!("manifest is not JSON: {e}") })?;
+        let value: Value = serde_json::from_slice(&text).map_err(|e| Error::Corrupt {
+            path: path.into(),
+            reason: format!("manifest is not JSON: {e}"),
+        })?;
         if value.get("format").and_then(Value::as_str) != Some(FORMAT) {
-            return Err(Error::Corrupt { path: path.into(), reason: format!("not a {FORMAT} manifest") });
+            return Err(Error::Corrupt {
+                path: path.into(),
+                reason: format!("not a {FORMAT} manifest"),
+            });
         }
-        let found = value.get("schema_version").and_then(Value::as_u64).unwrap_or(0) as u32;
+        let found = value
+            .get("schema_version")
+            .and_then(Value::as_u64)
+            .unwrap_or(0) as u32;
         if found != SCHEMA_VERSION {
-            return Err(Error::UnsupportedVersion { path: path.into(), found, supported: SCHEMA_VERSION });
+            return Err(Error::UnsupportedVersion {
+                path: path.into(),
+                found,
+                supported: SCHEMA_VERSION,
+            });
         }
-        serde_json::from_value(value)
-            .map_err(|e| Error::Corrupt { path: path.into(), reason: format!("bad manifest: {e}") })
+        serde_json::from_value(value).map_err(|e| Error::Corrupt {
+            path: path.into(),
+            reason: format!("bad manifest: {e}"),
+        })
     }
 }

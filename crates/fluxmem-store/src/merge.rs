@@ -79,8 +79,20 @@ pub(crate) struct Run<'a, T: Keyed> {
 }
 
 impl<'a, T: Keyed> Run<'a, T> {
-    pub(crate) fn new(unit: usize, row: usize, file: String, batches: Box<dyn Iterator<Item = Flow<Vec<T>>> + 'a>) -> Self {
-        Run { unit, row, file, batches, items: Vec::new().into_iter(), previous: None }
+    pub(crate) fn new(
+        unit: usize,
+        row: usize,
+        file: String,
+        batches: Box<dyn Iterator<Item = Flow<Vec<T>>> + 'a>,
+    ) -> Self {
+        Run {
+            unit,
+            row,
+            file,
+            batches,
+            items: Vec::new().into_iter(),
+            previous: None,
+        }
     }
 
     /// The next row of this run that wins its key, checking the run's order on the way.
@@ -97,13 +109,25 @@ impl<'a, T: Keyed> Run<'a, T> {
                 },
             };
             let order = item.order();
-            if self.previous.as_ref().is_some_and(|previous| *previous >= order) {
-                return Err(Stop::Unordered(format!("{}: row {} is not in key order", self.file, self.row)));
+            if self
+                .previous
+                .as_ref()
+                .is_some_and(|previous| *previous >= order)
+            {
+                return Err(Stop::Unordered(format!(
+                    "{}: row {} is not in key order",
+                    self.file, self.row
+                )));
             }
             self.previous = Some(order);
             let row = self.row;
             self.row += 1;
-            if live.get(self.unit).and_then(|flags| flags.get(row)).copied().unwrap_or(false) {
+            if live
+                .get(self.unit)
+                .and_then(|flags| flags.get(row))
+                .copied()
+                .unwrap_or(false)
+            {
                 return Ok(Some(item));
             }
         }
@@ -118,7 +142,12 @@ pub(crate) trait Sink<T> {
 }
 
 /// Merges `runs` by key, writing the winning rows to `sink` `batch_rows` at a time.
-pub(crate) fn merge<T: Keyed, S: Sink<T>>(runs: Vec<Run<'_, T>>, live: &[&[bool]], batch_rows: usize, mut sink: S) -> Flow<Vec<ShardEntry>> {
+pub(crate) fn merge<T: Keyed, S: Sink<T>>(
+    runs: Vec<Run<'_, T>>,
+    live: &[&[bool]],
+    batch_rows: usize,
+    mut sink: S,
+) -> Flow<Vec<ShardEntry>> {
     let mut runs = runs;
     let mut heads: Vec<Option<T>> = Vec::with_capacity(runs.len());
     let mut heap: BinaryHeap<Reverse<(T::Order, usize)>> = BinaryHeap::new();
@@ -164,7 +193,13 @@ impl<'p> Lazy<'p> {
         }
         if self.writer.is_none() {
             let part = *self.part.get_or_insert_with(|| (self.next_part)());
-            self.writer = Some(ShardWriter::create(self.dir, self.table, self.version, part, batch.schema())?);
+            self.writer = Some(ShardWriter::create(
+                self.dir,
+                self.table,
+                self.version,
+                part,
+                batch.schema(),
+            )?);
         }
         self.writer.as_mut().expect("opened").write(batch)
     }
@@ -175,7 +210,10 @@ impl<'p> Lazy<'p> {
 }
 
 fn graph_error(dir: &Path, source: fluxmem_graph::Error) -> Error {
-    Error::Graph { path: dir.to_path_buf(), source }
+    Error::Graph {
+        path: dir.to_path_buf(),
+        source,
+    }
 }
 
 /// Nodes and their steps, under one part number.
@@ -186,19 +224,44 @@ pub(crate) struct NodeSink<'p> {
 }
 
 impl<'p> NodeSink<'p> {
-    pub(crate) fn new(dir: &'p Path, version: u64, next_part: &'p mut dyn FnMut() -> usize) -> Self {
-        NodeSink { dir, nodes: Lazy { dir, table: "nodes", version, part: None, next_part, writer: None }, steps: None }
+    pub(crate) fn new(
+        dir: &'p Path,
+        version: u64,
+        next_part: &'p mut dyn FnMut() -> usize,
+    ) -> Self {
+        NodeSink {
+            dir,
+            nodes: Lazy {
+                dir,
+                table: "nodes",
+                version,
+                part: None,
+                next_part,
+                writer: None,
+            },
+            steps: None,
+        }
     }
 }
 
 impl Sink<Node> for NodeSink<'_> {
     fn write(&mut self, rows: &[Node]) -> Result<()> {
-        let (nodes, steps) = schema::nodes_to_batches(rows).map_err(|e| graph_error(self.dir, e))?;
+        let (nodes, steps) =
+            schema::nodes_to_batches(rows).map_err(|e| graph_error(self.dir, e))?;
         self.nodes.write(&nodes)?;
         if steps.num_rows() > 0 {
             if self.steps.is_none() {
-                let part = self.nodes.part.expect("the nodes shard opened with its first rows");
-                self.steps = Some(ShardWriter::create(self.dir, "steps", self.nodes.version, part, steps.schema())?);
+                let part = self
+                    .nodes
+                    .part
+                    .expect("the nodes shard opened with its first rows");
+                self.steps = Some(ShardWriter::create(
+                    self.dir,
+                    "steps",
+                    self.nodes.version,
+                    part,
+                    steps.schema(),
+                )?);
             }
             self.steps.as_mut().expect("opened").write(&steps)?;
         }
@@ -219,8 +282,22 @@ pub(crate) struct EdgeSink<'p> {
 }
 
 impl<'p> EdgeSink<'p> {
-    pub(crate) fn new(dir: &'p Path, version: u64, next_part: &'p mut dyn FnMut() -> usize) -> Self {
-        EdgeSink { dir, edges: Lazy { dir, table: "edges", version, part: None, next_part, writer: None } }
+    pub(crate) fn new(
+        dir: &'p Path,
+        version: u64,
+        next_part: &'p mut dyn FnMut() -> usize,
+    ) -> Self {
+        EdgeSink {
+            dir,
+            edges: Lazy {
+                dir,
+                table: "edges",
+                version,
+                part: None,
+                next_part,
+                writer: None,
+            },
+        }
     }
 }
 
@@ -245,8 +322,17 @@ pub(crate) struct EmbeddingSink<'p> {
 }
 
 impl<'p> EmbeddingSink<'p> {
-    pub(crate) fn new(dir: &'p Path, version: u64, next_part: &'p mut dyn FnMut() -> usize) -> Self {
-        EmbeddingSink { dir, version, next_part, by_model: BTreeMap::new() }
+    pub(crate) fn new(
+        dir: &'p Path,
+        version: u64,
+        next_part: &'p mut dyn FnMut() -> usize,
+    ) -> Self {
+        EmbeddingSink {
+            dir,
+            version,
+            next_part,
+            by_model: BTreeMap::new(),
+        }
     }
 }
 
@@ -257,18 +343,34 @@ impl Sink<Embedding> for EmbeddingSink<'_> {
             by_model.entry(row.model_id.as_str()).or_default().push(row);
         }
         for (model, rows) in by_model {
-            let batch = schema::embeddings_to_batch(rows[0].vector.len(), rows.iter().copied()).map_err(|e| graph_error(self.dir, e))?;
+            let batch = schema::embeddings_to_batch(rows[0].vector.len(), rows.iter().copied())
+                .map_err(|e| graph_error(self.dir, e))?;
             if !self.by_model.contains_key(model) {
                 let part = (self.next_part)();
-                self.by_model.insert(model.to_string(), ShardWriter::create(self.dir, "embeddings", self.version, part, batch.schema())?);
+                self.by_model.insert(
+                    model.to_string(),
+                    ShardWriter::create(
+                        self.dir,
+                        "embeddings",
+                        self.version,
+                        part,
+                        batch.schema(),
+                    )?,
+                );
             }
-            self.by_model.get_mut(model).expect("opened").write(&batch)?;
+            self.by_model
+                .get_mut(model)
+                .expect("opened")
+                .write(&batch)?;
         }
         Ok(())
     }
 
     fn finish(self) -> Result<Vec<ShardEntry>> {
-        self.by_model.into_values().map(ShardWriter::finish).collect()
+        self.by_model
+            .into_values()
+            .map(ShardWriter::finish)
+            .collect()
     }
 }
 
@@ -283,7 +385,12 @@ pub(crate) fn rows_of<'a, T: 'a>(
     let batches = shard::open(dir, entry, None, batch_rows)?;
     Ok(Box::new(batches.map(move |batch| {
         let batch = batch?;
-        decode(&batch).map_err(|e| Stop::Failed(Error::Corrupt { path: dir.join(&file), reason: e.to_string() }))
+        decode(&batch).map_err(|e| {
+            Stop::Failed(Error::Corrupt {
+                path: dir.join(&file),
+                reason: e.to_string(),
+            })
+        })
     })))
 }
 
@@ -300,19 +407,29 @@ pub(crate) struct NodeRows<'a> {
 }
 
 impl<'a> NodeRows<'a> {
-    pub(crate) fn open(dir: &'a Path, nodes: &ShardEntry, steps: Option<&ShardEntry>, batch_rows: usize) -> Result<Self> {
+    pub(crate) fn open(
+        dir: &'a Path,
+        nodes: &ShardEntry,
+        steps: Option<&ShardEntry>,
+        batch_rows: usize,
+    ) -> Result<Self> {
         Ok(NodeRows {
             dir,
             nodes: shard::open(dir, nodes, None, batch_rows)?,
             nodes_file: nodes.file.clone(),
-            steps: steps.map(|entry| shard::open(dir, entry, None, batch_rows)).transpose()?,
+            steps: steps
+                .map(|entry| shard::open(dir, entry, None, batch_rows))
+                .transpose()?,
             steps_file: steps.map(|entry| entry.file.clone()).unwrap_or_default(),
             pending: BTreeMap::new(),
         })
     }
 
     fn corrupt(&self, file: &str, source: fluxmem_graph::Error) -> Stop {
-        Stop::Failed(Error::Corrupt { path: self.dir.join(file), reason: source.to_string() })
+        Stop::Failed(Error::Corrupt {
+            path: self.dir.join(file),
+            reason: source.to_string(),
+        })
     }
 
     fn next_batch(&mut self) -> Flow<Option<Vec<Node>>> {
@@ -322,7 +439,10 @@ impl<'a> NodeRows<'a> {
                 None => false,
             };
             if !self.pending.is_empty() || more_steps {
-                return Err(Stop::Unordered(format!("{}: steps of episodes that {} does not hold in order", self.steps_file, self.nodes_file)));
+                return Err(Stop::Unordered(format!(
+                    "{}: steps of episodes that {} does not hold in order",
+                    self.steps_file, self.nodes_file
+                )));
             }
             return Ok(None);
         };
@@ -330,13 +450,22 @@ impl<'a> NodeRows<'a> {
         let ids = batch
             .column_by_name("id")
             .and_then(|c| c.as_string_opt::<i32>())
-            .ok_or_else(|| Stop::Failed(Error::Corrupt { path: self.dir.join(&self.nodes_file), reason: "column `id` is not text".into() }))?;
+            .ok_or_else(|| {
+                Stop::Failed(Error::Corrupt {
+                    path: self.dir.join(&self.nodes_file),
+                    reason: "column `id` is not text".into(),
+                })
+            })?;
         if ids.is_empty() {
             return Ok(Some(Vec::new()));
         }
         let last_id = ids.value(ids.len() - 1).to_string();
         while let Some(steps) = &mut self.steps {
-            if self.pending.last_key_value().is_some_and(|(id, _)| id.as_str() > last_id.as_str()) {
+            if self
+                .pending
+                .last_key_value()
+                .is_some_and(|(id, _)| id.as_str() > last_id.as_str())
+            {
                 break;
             }
             match steps.next() {
@@ -362,7 +491,10 @@ impl<'a> NodeRows<'a> {
         };
         let held: std::collections::HashSet<&str> = (0..ids.len()).map(|i| ids.value(i)).collect();
         if let Some(orphan) = claimed.keys().find(|id| !held.contains(id.as_str())) {
-            return Err(Stop::Unordered(format!("{}: steps of `{orphan}` out of its nodes' order in {}", self.steps_file, self.nodes_file)));
+            return Err(Stop::Unordered(format!(
+                "{}: steps of `{orphan}` out of its nodes' order in {}",
+                self.steps_file, self.nodes_file
+            )));
         }
         Ok(Some(nodes))
     }
@@ -377,11 +509,27 @@ impl Iterator for NodeRows<'_> {
 }
 
 /// Concatenates `entries` (edit shards, in log order) into one shard, a batch at a time.
-pub(crate) fn concatenate_edits(dir: &Path, entries: &[&ShardEntry], version: u64, next_part: &mut dyn FnMut() -> usize, batch_rows: usize) -> Result<Vec<ShardEntry>> {
-    let mut out = Lazy { dir, table: "edits", version, part: None, next_part, writer: None };
+pub(crate) fn concatenate_edits(
+    dir: &Path,
+    entries: &[&ShardEntry],
+    version: u64,
+    next_part: &mut dyn FnMut() -> usize,
+    batch_rows: usize,
+) -> Result<Vec<ShardEntry>> {
+    let mut out = Lazy {
+        dir,
+        table: "edits",
+        version,
+        part: None,
+        next_part,
+        writer: None,
+    };
     for entry in entries {
         for batch in shard::open(dir, entry, None, batch_rows)? {
-            let edits = schema::edits_from_batch(&batch?).map_err(|e| Error::Corrupt { path: dir.join(&entry.file), reason: e.to_string() })?;
+            let edits = schema::edits_from_batch(&batch?).map_err(|e| Error::Corrupt {
+                path: dir.join(&entry.file),
+                reason: e.to_string(),
+            })?;
             out.write(&schema::edits_to_batch(&edits).map_err(|e| graph_error(dir, e))?)?;
         }
     }
@@ -410,7 +558,12 @@ mod tests {
 
     /// A run over `batches` of unit `unit`.
     fn run(unit: usize, batches: Vec<Vec<Edge>>) -> Run<'static, Edge> {
-        Run::new(unit, 0, format!("unit-{unit}"), Box::new(batches.into_iter().map(Ok)))
+        Run::new(
+            unit,
+            0,
+            format!("unit-{unit}"),
+            Box::new(batches.into_iter().map(Ok)),
+        )
     }
 
     /// Keeps what it is given.
@@ -447,18 +600,40 @@ mod tests {
 
     #[test]
     fn merges_runs_by_key_keeping_only_the_winning_rows_in_batches() {
-        let old = vec![edge("a", "x", 1.0), edge("b", "x", 1.0), edge("c", "x", 1.0), edge("e", "x", 1.0)];
-        let new = vec![edge("b", "x", 2.0), edge("d", "x", 2.0), edge("e", "x", 2.0)];
+        let old = vec![
+            edge("a", "x", 1.0),
+            edge("b", "x", 1.0),
+            edge("c", "x", 1.0),
+            edge("e", "x", 1.0),
+        ];
+        let new = vec![
+            edge("b", "x", 2.0),
+            edge("d", "x", 2.0),
+            edge("e", "x", 2.0),
+        ];
         let last = winners(&[old.clone(), new.clone()]);
         // The old unit's rows come in two batches, split inside the run.
-        let runs = vec![run(0, vec![old[..3].to_vec(), old[3..].to_vec()]), run(1, vec![new.clone()])];
+        let runs = vec![
+            run(0, vec![old[..3].to_vec(), old[3..].to_vec()]),
+            run(1, vec![new.clone()]),
+        ];
         let mut written = Vec::new();
-        let entries = merge(runs, &slices(&last), 2, Collect(&mut written)).map_err(|_| "merge stopped").unwrap();
+        let entries = merge(runs, &slices(&last), 2, Collect(&mut written))
+            .map_err(|_| "merge stopped")
+            .unwrap();
         assert!(entries.is_empty());
         let sizes: Vec<usize> = written.iter().map(Vec::len).collect();
         assert_eq!(sizes, vec![2, 2, 1], "written two rows at a time");
-        let rows: Vec<(String, f32)> = written.concat().iter().map(|e| (e.src.0.clone(), e.weight)).collect();
-        let expected: Vec<(String, f32)> = [("a", 1.0), ("b", 2.0), ("c", 1.0), ("d", 2.0), ("e", 2.0)].iter().map(|(s, w)| (s.to_string(), *w)).collect();
+        let rows: Vec<(String, f32)> = written
+            .concat()
+            .iter()
+            .map(|e| (e.src.0.clone(), e.weight))
+            .collect();
+        let expected: Vec<(String, f32)> =
+            [("a", 1.0), ("b", 2.0), ("c", 1.0), ("d", 2.0), ("e", 2.0)]
+                .iter()
+                .map(|(s, w)| (s.to_string(), *w))
+                .collect();
         assert_eq!(rows, expected, "key order, the newest row of each key");
     }
 
@@ -467,15 +642,28 @@ mod tests {
         let rows = vec![edge("b", "x", 1.0), edge("a", "x", 1.0)];
         let last = winners(&[rows.clone()]);
         let mut written = Vec::new();
-        match merge(vec![run(0, vec![rows])], &slices(&last), 8, Collect(&mut written)) {
-            Err(Stop::Unordered(reason)) => assert!(reason.contains("unit-0") && reason.contains("row 1"), "{reason}"),
+        match merge(
+            vec![run(0, vec![rows])],
+            &slices(&last),
+            8,
+            Collect(&mut written),
+        ) {
+            Err(Stop::Unordered(reason)) => assert!(
+                reason.contains("unit-0") && reason.contains("row 1"),
+                "{reason}"
+            ),
             Err(Stop::Failed(e)) => panic!("failed instead: {e}"),
             Ok(_) => panic!("an unordered run merged"),
         }
         // A row that loses its key is checked too: order is the run's, not the winners'.
         let rows = vec![edge("b", "x", 1.0), edge("a", "x", 1.0)];
         let last = winners(&[rows.clone(), vec![edge("a", "x", 2.0)]]);
-        let stopped = merge(vec![run(0, vec![rows])], &slices(&last), 8, Collect(&mut Vec::new()));
+        let stopped = merge(
+            vec![run(0, vec![rows])],
+            &slices(&last),
+            8,
+            Collect(&mut Vec::new()),
+        );
         assert!(matches!(stopped, Err(Stop::Unordered(_))));
     }
 }

@@ -45,11 +45,20 @@ pub(crate) fn parse_shard_name(name: &str) -> Option<ShardName> {
     let part = parts.next()?;
     let commit = parts.next()?;
     let table = parts.next()?;
-    let hex = |s: &str| s.len() == 12 && s.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
+    let hex = |s: &str| {
+        s.len() == 12
+            && s.bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    };
     if table.is_empty() || commit.len() < 8 || part.len() < 3 || !hex(sha_prefix) {
         return None;
     }
-    Some(ShardName { table: table.into(), commit: commit.parse().ok()?, part: part.parse().ok()?, sha_prefix: sha_prefix.into() })
+    Some(ShardName {
+        table: table.into(),
+        commit: commit.parse().ok()?,
+        part: part.parse().ok()?,
+        sha_prefix: sha_prefix.into(),
+    })
 }
 
 /// What [`recover`] did.
@@ -80,23 +89,36 @@ pub struct RecoverReport {
 pub fn recover(dir: &Path) -> Result<RecoverReport> {
     let shards_dir = dir.join(SHARDS);
     if !shards_dir.is_dir() {
-        return Err(Error::Recover { path: dir.into(), reason: "no shards/ directory: nothing to recover from".into() });
+        return Err(Error::Recover {
+            path: dir.into(),
+            reason: "no shards/ directory: nothing to recover from".into(),
+        });
     }
     let _lock = WriterLock::acquire(dir)?;
     let manifest_path = dir.join(MANIFEST);
-    let mut report = RecoverReport { store: dir.into(), ..Default::default() };
+    let mut report = RecoverReport {
+        store: dir.into(),
+        ..Default::default()
+    };
     if manifest_path.exists() {
         match Manifest::read(&manifest_path) {
-            Ok(manifest) => {
-                return Err(Error::Recover {
-                    path: dir.into(),
-                    reason: format!("the store has a readable manifest (version {}); there is nothing to recover", manifest.version),
-                })
-            }
+            Ok(manifest) => return Err(Error::Recover {
+                path: dir.into(),
+                reason: format!(
+                    "the store has a readable manifest (version {}); there is nothing to recover",
+                    manifest.version
+                ),
+            }),
             Err(error) => {
-                let aside = (0..).map(|n| dir.join(format!("{MANIFEST}.corrupt-{n}"))).find(|p| !p.exists()).expect("a free name");
+                let aside = (0..)
+                    .map(|n| dir.join(format!("{MANIFEST}.corrupt-{n}")))
+                    .find(|p| !p.exists())
+                    .expect("a free name");
                 std::fs::rename(&manifest_path, &aside).at(&aside)?;
-                report.unproven.push(format!("the unreadable manifest ({error}) was moved to {}", aside.display()));
+                report.unproven.push(format!(
+                    "the unreadable manifest ({error}) was moved to {}",
+                    aside.display()
+                ));
                 report.moved_aside = Some(aside);
             }
         }
@@ -105,26 +127,45 @@ pub fn recover(dir: &Path) -> Result<RecoverReport> {
     let verified = verify_shards(&shards_dir, &mut report)?;
     let base = adopt_temporary(dir, &verified, &mut report)?;
     let mut manifest = base.unwrap_or_else(Manifest::empty);
-    let listed: std::collections::BTreeSet<String> = manifest.shards.iter().map(|s| s.file.clone()).collect();
+    let listed: std::collections::BTreeSet<String> =
+        manifest.shards.iter().map(|s| s.file.clone()).collect();
     let base_version = manifest.version;
-    let mut added: Vec<ShardEntry> = verified.values().filter(|s| !listed.contains(&s.file)).cloned().collect();
+    let mut added: Vec<ShardEntry> = verified
+        .values()
+        .filter(|s| !listed.contains(&s.file))
+        .cloned()
+        .collect();
     added.sort_by(|a, b| (a.commit, &a.file).cmp(&(b.commit, &b.file)));
     if report.adopted_temporary.is_some() {
         // Shards at or below the adopted manifest's version that it does not list were
         // superseded or abandoned; only newer ones are added.
         for entry in added.iter().filter(|s| s.commit <= base_version) {
-            report.rejected.push((entry.file.clone(), "not listed by the adopted manifest (superseded or abandoned); left in place".into()));
+            report.rejected.push((
+                entry.file.clone(),
+                "not listed by the adopted manifest (superseded or abandoned); left in place"
+                    .into(),
+            ));
         }
         added.retain(|s| s.commit > base_version);
     }
     manifest.shards.extend(added);
-    manifest.shards.sort_by(|a, b| (a.commit, &a.file).cmp(&(b.commit, &b.file)));
-    manifest.version = manifest.shards.iter().map(|s| s.commit).max().unwrap_or(0).max(base_version);
+    manifest
+        .shards
+        .sort_by(|a, b| (a.commit, &a.file).cmp(&(b.commit, &b.file)));
+    manifest.version = manifest
+        .shards
+        .iter()
+        .map(|s| s.commit)
+        .max()
+        .unwrap_or(0)
+        .max(base_version);
     // Rebuilt from the shards: the counts of any earlier manifest need not hold.
     manifest.live_counts = None;
-    let known: std::collections::BTreeSet<u64> = manifest.commits.iter().map(|c| c.version).collect();
+    let known: std::collections::BTreeSet<u64> =
+        manifest.commits.iter().map(|c| c.version).collect();
     let at = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-    let commits: std::collections::BTreeSet<u64> = manifest.shards.iter().map(|s| s.commit).collect();
+    let commits: std::collections::BTreeSet<u64> =
+        manifest.shards.iter().map(|s| s.commit).collect();
     for commit in commits.iter().filter(|c| !known.contains(c)) {
         manifest.commits.push(CommitRecord {
             version: *commit,
@@ -166,7 +207,10 @@ pub fn recover(dir: &Path) -> Result<RecoverReport> {
 }
 
 /// Every shard file that matches its name: content hash prefix, table tag, schema version.
-fn verify_shards(shards_dir: &Path, report: &mut RecoverReport) -> Result<BTreeMap<String, ShardEntry>> {
+fn verify_shards(
+    shards_dir: &Path,
+    report: &mut RecoverReport,
+) -> Result<BTreeMap<String, ShardEntry>> {
     let mut names: Vec<String> = std::fs::read_dir(shards_dir)
         .at(shards_dir)?
         .flatten()
@@ -178,7 +222,13 @@ fn verify_shards(shards_dir: &Path, report: &mut RecoverReport) -> Result<BTreeM
         let file = format!("{SHARDS}/{name}");
         match verify_one(&shards_dir.join(&name), &name) {
             Ok(entry) => {
-                verified.insert(file, ShardEntry { file: format!("{SHARDS}/{name}"), ..entry });
+                verified.insert(
+                    file,
+                    ShardEntry {
+                        file: format!("{SHARDS}/{name}"),
+                        ..entry
+                    },
+                );
             }
             Err(reason) => report.rejected.push((file, reason)),
         }
@@ -187,22 +237,38 @@ fn verify_shards(shards_dir: &Path, report: &mut RecoverReport) -> Result<BTreeM
 }
 
 fn verify_one(path: &Path, name: &str) -> std::result::Result<ShardEntry, String> {
-    let parsed = parse_shard_name(name).ok_or("not a fluxmem shard name (<table>-<commit>-<part>-<sha12>.parquet)")?;
+    let parsed = parse_shard_name(name)
+        .ok_or("not a fluxmem shard name (<table>-<commit>-<part>-<sha12>.parquet)")?;
     let bytes = std::fs::read(path).map_err(|e| format!("unreadable: {e}"))?;
     let sha256 = fluxmem_graph::sha256_hex(&bytes);
     if !sha256.starts_with(&parsed.sha_prefix) {
-        return Err(format!("content hash {} does not match the name's {}: damaged or partly written", &sha256[..12], parsed.sha_prefix));
+        return Err(format!(
+            "content hash {} does not match the name's {}: damaged or partly written",
+            &sha256[..12],
+            parsed.sha_prefix
+        ));
     }
-    let reader = SerializedFileReader::new(bytes::Bytes::from(bytes.clone())).map_err(|e| format!("not a readable Parquet file: {e}"))?;
+    let reader = SerializedFileReader::new(bytes::Bytes::from(bytes.clone()))
+        .map_err(|e| format!("not a readable Parquet file: {e}"))?;
     let metadata = reader.metadata().file_metadata();
     let lookup = |key: &str| {
-        metadata.key_value_metadata().and_then(|kvs| kvs.iter().find(|kv| kv.key == key)).and_then(|kv| kv.value.clone())
+        metadata
+            .key_value_metadata()
+            .and_then(|kvs| kvs.iter().find(|kv| kv.key == key))
+            .and_then(|kv| kv.value.clone())
     };
     if lookup(crate::shard::TABLE_KEY).as_deref() != Some(parsed.table.as_str()) {
-        return Err(format!("table tag {:?} does not match the name's `{}`", lookup(crate::shard::TABLE_KEY), parsed.table));
+        return Err(format!(
+            "table tag {:?} does not match the name's `{}`",
+            lookup(crate::shard::TABLE_KEY),
+            parsed.table
+        ));
     }
     if lookup(crate::shard::VERSION_KEY) != Some(SCHEMA_VERSION.to_string()) {
-        return Err(format!("schema version {:?}, this fluxmem reads {SCHEMA_VERSION}", lookup(crate::shard::VERSION_KEY)));
+        return Err(format!(
+            "schema version {:?}, this fluxmem reads {SCHEMA_VERSION}",
+            lookup(crate::shard::VERSION_KEY)
+        ));
     }
     Ok(ShardEntry {
         table: parsed.table,
@@ -217,10 +283,18 @@ fn verify_one(path: &Path, name: &str) -> std::result::Result<ShardEntry, String
 }
 
 /// The newest temporary manifest whose every listed shard verified, if any.
-fn adopt_temporary(dir: &Path, verified: &BTreeMap<String, ShardEntry>, report: &mut RecoverReport) -> Result<Option<Manifest>> {
+fn adopt_temporary(
+    dir: &Path,
+    verified: &BTreeMap<String, ShardEntry>,
+    report: &mut RecoverReport,
+) -> Result<Option<Manifest>> {
     let mut candidates: Vec<(u64, PathBuf, Manifest)> = Vec::new();
     for entry in std::fs::read_dir(dir).at(dir)?.flatten() {
-        if !entry.file_name().to_string_lossy().starts_with("manifest.json.tmp") {
+        if !entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with("manifest.json.tmp")
+        {
             continue;
         }
         let path = entry.path();
@@ -229,9 +303,21 @@ fn adopt_temporary(dir: &Path, verified: &BTreeMap<String, ShardEntry>, report: 
                 // The span a compaction records (`rows_from`, `rows_through`) is the manifest's
                 // to say: a file does not carry it.
                 let same = |listed: &ShardEntry| {
-                    verified.get(&listed.file).is_some_and(|found| *found == ShardEntry { rows_from: None, rows_through: None, ..listed.clone() })
+                    verified.get(&listed.file).is_some_and(|found| {
+                        *found
+                            == ShardEntry {
+                                rows_from: None,
+                                rows_through: None,
+                                ..listed.clone()
+                            }
+                    })
                 };
-                let missing: Vec<&str> = manifest.shards.iter().filter(|s| !same(s)).map(|s| s.file.as_str()).collect();
+                let missing: Vec<&str> = manifest
+                    .shards
+                    .iter()
+                    .filter(|s| !same(s))
+                    .map(|s| s.file.as_str())
+                    .collect();
                 if missing.is_empty() {
                     candidates.push((manifest.version, path, manifest));
                 } else {
@@ -241,7 +327,10 @@ fn adopt_temporary(dir: &Path, verified: &BTreeMap<String, ShardEntry>, report: 
                     ));
                 }
             }
-            Err(error) => report.rejected.push((path.display().to_string(), format!("temporary manifest unreadable: {error}"))),
+            Err(error) => report.rejected.push((
+                path.display().to_string(),
+                format!("temporary manifest unreadable: {error}"),
+            )),
         }
     }
     candidates.sort_by_key(|(version, _, _)| *version);
@@ -252,16 +341,40 @@ fn adopt_temporary(dir: &Path, verified: &BTreeMap<String, ShardEntry>, report: 
 }
 
 /// The store's embedding model, from the newest embeddings shard (its `model_id` and vector size).
-fn embedding_model(dir: &Path, manifest: &Manifest, report: &mut RecoverReport) -> Result<Option<EmbeddingModel>> {
-    let Some(entry) = manifest.shards.iter().rev().find(|s| s.table == "embeddings") else { return Ok(None) };
+fn embedding_model(
+    dir: &Path,
+    manifest: &Manifest,
+    report: &mut RecoverReport,
+) -> Result<Option<EmbeddingModel>> {
+    let Some(entry) = manifest
+        .shards
+        .iter()
+        .rev()
+        .find(|s| s.table == "embeddings")
+    else {
+        return Ok(None);
+    };
     let batches = crate::shard::read(dir, entry, None)?;
     for batch in &batches {
-        let embeddings = fluxmem_graph::schema::embeddings_from_batch(batch)
-            .map_err(|e| Error::Corrupt { path: dir.join(&entry.file), reason: e.to_string() })?;
+        let embeddings =
+            fluxmem_graph::schema::embeddings_from_batch(batch).map_err(|e| Error::Corrupt {
+                path: dir.join(&entry.file),
+                reason: e.to_string(),
+            })?;
         if let Some(first) = embeddings.first() {
-            let model = EmbeddingModel { id: first.model_id.clone(), dim: first.vector.len() };
-            if manifest.embedding_model.as_ref().is_some_and(|m| m != &model) {
-                report.unproven.push(format!("the adopted manifest named another embedding model than {}", model.id));
+            let model = EmbeddingModel {
+                id: first.model_id.clone(),
+                dim: first.vector.len(),
+            };
+            if manifest
+                .embedding_model
+                .as_ref()
+                .is_some_and(|m| m != &model)
+            {
+                report.unproven.push(format!(
+                    "the adopted manifest named another embedding model than {}",
+                    model.id
+                ));
             }
             return Ok(Some(model));
         }
@@ -276,8 +389,22 @@ mod tests {
     #[test]
     fn shard_names_parse() {
         let parsed = parse_shard_name("edges-00000012-003-0123456789ab.parquet").unwrap();
-        assert_eq!(parsed, ShardName { table: "edges".into(), commit: 12, part: 3, sha_prefix: "0123456789ab".into() });
-        for bad in ["edges-12-003-0123456789ab.parquet", "edges-00000012-003-0123.parquet", "x.parquet", "edges-00000012-003-0123456789ab.csv", "LOCK"] {
+        assert_eq!(
+            parsed,
+            ShardName {
+                table: "edges".into(),
+                commit: 12,
+                part: 3,
+                sha_prefix: "0123456789ab".into()
+            }
+        );
+        for bad in [
+            "edges-12-003-0123456789ab.parquet",
+            "edges-00000012-003-0123.parquet",
+            "x.parquet",
+            "edges-00000012-003-0123456789ab.csv",
+            "LOCK",
+        ] {
             assert_eq!(parse_shard_name(bad), None, "{bad}");
         }
     }

@@ -73,13 +73,24 @@ pub struct Scan {
 impl Scan {
     /// Everything.
     pub fn all() -> Scan {
-        Scan { nodes: true, steps: Rows::All, edges: true, vectors: Rows::All, edits: true, ..Default::default() }
+        Scan {
+            nodes: true,
+            steps: Rows::All,
+            edges: true,
+            vectors: Rows::All,
+            edits: true,
+            ..Default::default()
+        }
     }
 
     /// Node rows and edges, no steps, vectors or edits. (Credit assignment, which only folds
     /// over them, streams them instead: [`Store::live`].)
     pub fn nodes_and_edges() -> Scan {
-        Scan { nodes: true, edges: true, ..Default::default() }
+        Scan {
+            nodes: true,
+            edges: true,
+            ..Default::default()
+        }
     }
 }
 
@@ -114,15 +125,21 @@ impl Store {
         let node_kinds: Vec<&str> = scan.node_kinds.iter().map(|k| k.as_str()).collect();
         let edit_kinds: Vec<&str> = scan.edit_kinds.iter().map(String::as_str).collect();
         for commit in commits {
-            let shards: Vec<&ShardEntry> = manifest.shards.iter().filter(|s| s.commit == commit).collect();
+            let shards: Vec<&ShardEntry> = manifest
+                .shards
+                .iter()
+                .filter(|s| s.commit == commit)
+                .collect();
             let mut steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
             if scan.nodes && scan.steps.wants() {
                 for entry in shards.iter().filter(|s| s.table == "steps") {
                     let of = |v: &str| scan.steps.contains(v);
-                    let only = matches!(scan.steps, Rows::Of(_)).then_some(("episode_id", &of as &dyn Fn(&str) -> bool));
+                    let only = matches!(scan.steps, Rows::Of(_))
+                        .then_some(("episode_id", &of as &dyn Fn(&str) -> bool));
                     for batch in self.rows_where(entry, only)? {
                         let batch = batch?;
-                        schema::steps_from_batch(&batch, &mut steps).map_err(|e| self.corrupt(entry, e.to_string()))?;
+                        schema::steps_from_batch(&batch, &mut steps)
+                            .map_err(|e| self.corrupt(entry, e.to_string()))?;
                     }
                 }
             }
@@ -131,7 +148,8 @@ impl Store {
                     "steps" => {}
                     "nodes" if scan.nodes => {
                         let steps_read = |id: &NodeId| scan.steps.contains(id.as_str());
-                        let of_ids = |v: &str| scan.nodes_of.as_ref().is_none_or(|ids| ids.contains(v));
+                        let of_ids =
+                            |v: &str| scan.nodes_of.as_ref().is_none_or(|ids| ids.contains(v));
                         let of_kinds = |v: &str| node_kinds.contains(&v);
                         let only = match (&scan.nodes_of, node_kinds.is_empty()) {
                             (Some(_), _) => Some(("id", &of_ids as &dyn Fn(&str) -> bool)),
@@ -140,15 +158,20 @@ impl Store {
                         };
                         for batch in self.rows_where(entry, only)? {
                             let batch = batch?;
-                            let nodes = schema::nodes_from_batch_with(&batch, &steps, &steps_read).map_err(|e| self.corrupt(entry, e.to_string()))?;
+                            let nodes = schema::nodes_from_batch_with(&batch, &steps, &steps_read)
+                                .map_err(|e| self.corrupt(entry, e.to_string()))?;
                             // Filtered on `id`, the kinds are left to check (a node's id fixes its kind).
                             let kinds_left = scan.nodes_of.is_some() && !scan.node_kinds.is_empty();
-                            nodes.into_iter().filter(|n| !kinds_left || scan.node_kinds.contains(&n.kind())).for_each(|n| graph.upsert_node(n));
+                            nodes
+                                .into_iter()
+                                .filter(|n| !kinds_left || scan.node_kinds.contains(&n.kind()))
+                                .for_each(|n| graph.upsert_node(n));
                         }
                     }
                     "edges" if scan.edges => {
                         let of_kinds = |v: &str| edge_kinds.contains(&v);
-                        let from = |v: &str| scan.edges_from.as_ref().is_none_or(|ids| ids.contains(v));
+                        let from =
+                            |v: &str| scan.edges_from.as_ref().is_none_or(|ids| ids.contains(v));
                         let only = match (&scan.edges_from, edge_kinds.is_empty()) {
                             (Some(_), _) => Some(("src", &from as &dyn Fn(&str) -> bool)),
                             (None, false) => Some(("kind", &of_kinds as &dyn Fn(&str) -> bool)),
@@ -158,18 +181,31 @@ impl Store {
                         let kinds_left = scan.edges_from.is_some() && !scan.edge_kinds.is_empty();
                         for batch in self.rows_where(entry, only)? {
                             let batch = batch?;
-                            let edges = schema::edges_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
-                            edges.into_iter().filter(|e| !kinds_left || scan.edge_kinds.contains(&e.kind)).for_each(|e| graph.upsert_edge(e));
+                            let edges = schema::edges_from_batch(&batch)
+                                .map_err(|e| self.corrupt(entry, e.to_string()))?;
+                            edges
+                                .into_iter()
+                                .filter(|e| !kinds_left || scan.edge_kinds.contains(&e.kind))
+                                .for_each(|e| graph.upsert_edge(e));
                         }
                     }
                     "edits" if scan.edits => {
                         let of = |v: &str| edit_kinds.contains(&v);
-                        for batch in self.rows_where(entry, (!edit_kinds.is_empty()).then_some(("kind", &of as &dyn Fn(&str) -> bool)))? {
+                        for batch in self.rows_where(
+                            entry,
+                            (!edit_kinds.is_empty())
+                                .then_some(("kind", &of as &dyn Fn(&str) -> bool)),
+                        )? {
                             let batch = batch?;
-                            graph.edits.extend(schema::edits_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?);
+                            graph.edits.extend(
+                                schema::edits_from_batch(&batch)
+                                    .map_err(|e| self.corrupt(entry, e.to_string()))?,
+                            );
                         }
                     }
-                    "embeddings" if scan.vectors.wants() || scan.embedding_keys => self.scan_embeddings(entry, scan, &mut graph)?,
+                    "embeddings" if scan.vectors.wants() || scan.embedding_keys => {
+                        self.scan_embeddings(entry, scan, &mut graph)?
+                    }
                     "nodes" | "edges" | "edits" | "embeddings" => {}
                     other => {
                         return Err(Error::Corrupt {
@@ -186,19 +222,41 @@ impl Store {
     /// Every live edge's key with whether it is active and whether its metadata names a
     /// `relation` (Stage II links), reading five of the ten columns and decoding no weights,
     /// runs, times or metadata maps.
-    pub fn edge_heads(&self, manifest: &Manifest) -> Result<BTreeMap<(NodeId, NodeId, EdgeKind), EdgeHead>> {
+    pub fn edge_heads(
+        &self,
+        manifest: &Manifest,
+    ) -> Result<BTreeMap<(NodeId, NodeId, EdgeKind), EdgeHead>> {
         let mut heads = BTreeMap::new();
         let columns = ["src", "dst", "kind", "active", "metadata"];
         for entry in sorted(manifest, "edges") {
             for batch in shard::batches(&self.dir, &entry, Some(&columns))? {
                 let batch = batch?;
                 let text = |name: &str| text_column(self, &entry, &batch, name);
-                let (src, dst, kind, metadata) = (text("src")?, text("dst")?, text("kind")?, text("metadata")?);
-                let active = batch.column_by_name("active").and_then(|c| c.as_boolean_opt()).ok_or_else(|| self.corrupt(&entry, "column `active` is not boolean".into()))?;
+                let (src, dst, kind, metadata) =
+                    (text("src")?, text("dst")?, text("kind")?, text("metadata")?);
+                let active = batch
+                    .column_by_name("active")
+                    .and_then(|c| c.as_boolean_opt())
+                    .ok_or_else(|| self.corrupt(&entry, "column `active` is not boolean".into()))?;
                 for row in 0..batch.num_rows() {
-                    let kind = EdgeKind::parse(kind.value(row)).ok_or_else(|| self.corrupt(&entry, format!("row {row}: unknown edge kind `{}`", kind.value(row))))?;
-                    let head = EdgeHead { active: !active.is_null(row) && active.value(row), relation: names_relation(metadata.value(row)) };
-                    heads.insert((NodeId(src.value(row).to_string()), NodeId(dst.value(row).to_string()), kind), head);
+                    let kind = EdgeKind::parse(kind.value(row)).ok_or_else(|| {
+                        self.corrupt(
+                            &entry,
+                            format!("row {row}: unknown edge kind `{}`", kind.value(row)),
+                        )
+                    })?;
+                    let head = EdgeHead {
+                        active: !active.is_null(row) && active.value(row),
+                        relation: names_relation(metadata.value(row)),
+                    };
+                    heads.insert(
+                        (
+                            NodeId(src.value(row).to_string()),
+                            NodeId(dst.value(row).to_string()),
+                            kind,
+                        ),
+                        head,
+                    );
                 }
             }
         }
@@ -211,9 +269,17 @@ impl Store {
         for entry in sorted(manifest, "nodes") {
             for batch in shard::batches(&self.dir, &entry, Some(&["id", "kind"]))? {
                 let batch = batch?;
-                let (ids, kind) = (text_column(self, &entry, &batch, "id")?, text_column(self, &entry, &batch, "kind")?);
+                let (ids, kind) = (
+                    text_column(self, &entry, &batch, "id")?,
+                    text_column(self, &entry, &batch, "kind")?,
+                );
                 for row in 0..batch.num_rows() {
-                    let parsed = NodeKind::parse(kind.value(row)).ok_or_else(|| self.corrupt(&entry, format!("row {row}: unknown node kind `{}`", kind.value(row))))?;
+                    let parsed = NodeKind::parse(kind.value(row)).ok_or_else(|| {
+                        self.corrupt(
+                            &entry,
+                            format!("row {row}: unknown node kind `{}`", kind.value(row)),
+                        )
+                    })?;
                     kinds.insert(NodeId(ids.value(row).to_string()), parsed);
                 }
             }
@@ -227,9 +293,15 @@ impl Store {
         for entry in sorted(manifest, "embeddings") {
             for batch in shard::batches(&self.dir, &entry, Some(&["node_id", "model_id"]))? {
                 let batch = batch?;
-                let (ids, models) = (text_column(self, &entry, &batch, "node_id")?, text_column(self, &entry, &batch, "model_id")?);
+                let (ids, models) = (
+                    text_column(self, &entry, &batch, "node_id")?,
+                    text_column(self, &entry, &batch, "model_id")?,
+                );
                 for row in 0..batch.num_rows() {
-                    keys.insert((NodeId(ids.value(row).to_string()), models.value(row).to_string()));
+                    keys.insert((
+                        NodeId(ids.value(row).to_string()),
+                        models.value(row).to_string(),
+                    ));
                 }
             }
         }
@@ -240,11 +312,15 @@ impl Store {
         if scan.vectors == Rows::All || !scan.embedding_keys {
             // Whole rows only (all of them, or the filtered ones).
             let of = |v: &str| scan.vectors.contains(v);
-            let only = matches!(scan.vectors, Rows::Of(_)).then_some(("node_id", &of as &dyn Fn(&str) -> bool));
+            let only = matches!(scan.vectors, Rows::Of(_))
+                .then_some(("node_id", &of as &dyn Fn(&str) -> bool));
             for batch in self.rows_where(entry, only)? {
                 let batch = batch?;
-                let embeddings = schema::embeddings_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
-                embeddings.into_iter().for_each(|e| graph.upsert_embedding(e));
+                let embeddings = schema::embeddings_from_batch(&batch)
+                    .map_err(|e| self.corrupt(entry, e.to_string()))?;
+                embeddings
+                    .into_iter()
+                    .for_each(|e| graph.upsert_embedding(e));
             }
             return Ok(());
         }
@@ -253,7 +329,10 @@ impl Store {
         let mut wanted = BTreeSet::new();
         for batch in shard::batches(&self.dir, entry, Some(&columns))? {
             let batch = batch?;
-            let strings: Vec<_> = columns.iter().map(|name| text_column(self, entry, &batch, name)).collect::<Result<_>>()?;
+            let strings: Vec<_> = columns
+                .iter()
+                .map(|name| text_column(self, entry, &batch, name))
+                .collect::<Result<_>>()?;
             for row in 0..batch.num_rows() {
                 let node_id = strings[0].value(row);
                 if scan.vectors.contains(node_id) {
@@ -270,8 +349,11 @@ impl Store {
         if !wanted.is_empty() {
             for batch in self.rows_where(entry, Some(("node_id", &|v: &str| wanted.contains(v))))? {
                 let batch = batch?;
-                let embeddings = schema::embeddings_from_batch(&batch).map_err(|e| self.corrupt(entry, e.to_string()))?;
-                embeddings.into_iter().for_each(|e| graph.upsert_embedding(e));
+                let embeddings = schema::embeddings_from_batch(&batch)
+                    .map_err(|e| self.corrupt(entry, e.to_string()))?;
+                embeddings
+                    .into_iter()
+                    .for_each(|e| graph.upsert_embedding(e));
             }
         }
         Ok(())
@@ -279,7 +361,11 @@ impl Store {
 
     /// The batches of the shard `entry`: every row, or with `only = (column, keep)` the rows
     /// whose text `column` passes `keep`, the other columns decoded for those rows only.
-    fn rows_where(&self, entry: &ShardEntry, only: Option<(&str, &dyn Fn(&str) -> bool)>) -> Result<std::iter::Flatten<std::option::IntoIter<shard::Batches>>> {
+    fn rows_where(
+        &self,
+        entry: &ShardEntry,
+        only: Option<(&str, &dyn Fn(&str) -> bool)>,
+    ) -> Result<std::iter::Flatten<std::option::IntoIter<shard::Batches>>> {
         let batches = match only {
             None => Some(shard::batches(&self.dir, entry, None)?),
             Some((column, keep)) => shard::select(&self.dir, entry, column, keep)?,
@@ -288,7 +374,10 @@ impl Store {
     }
 
     pub(crate) fn corrupt(&self, entry: &ShardEntry, reason: String) -> Error {
-        Error::Corrupt { path: self.dir.join(&entry.file), reason }
+        Error::Corrupt {
+            path: self.dir.join(&entry.file),
+            reason,
+        }
     }
 }
 
@@ -305,17 +394,32 @@ pub struct EdgeHead {
 /// when the key may be there.
 pub(crate) fn names_relation(metadata: &str) -> bool {
     metadata.contains("\"relation\"")
-        && serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(metadata).map(|m| m.contains_key("relation")).unwrap_or(false)
+        && serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(metadata)
+            .map(|m| m.contains_key("relation"))
+            .unwrap_or(false)
 }
 
 /// The shards of `table` in commit order (later rows win).
 pub(crate) fn sorted(manifest: &Manifest, table: &str) -> Vec<ShardEntry> {
-    let mut entries: Vec<ShardEntry> = manifest.shards.iter().filter(|s| s.table == table).cloned().collect();
+    let mut entries: Vec<ShardEntry> = manifest
+        .shards
+        .iter()
+        .filter(|s| s.table == table)
+        .cloned()
+        .collect();
     entries.sort_by(|a, b| (a.commit, &a.file).cmp(&(b.commit, &b.file)));
     entries
 }
 
 /// The text column `name` of a shard's batch.
-pub(crate) fn text_column<'b>(store: &Store, entry: &ShardEntry, batch: &'b RecordBatch, name: &str) -> Result<&'b arrow_array::StringArray> {
-    batch.column_by_name(name).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| store.corrupt(entry, format!("column `{name}` is not text")))
+pub(crate) fn text_column<'b>(
+    store: &Store,
+    entry: &ShardEntry,
+    batch: &'b RecordBatch,
+    name: &str,
+) -> Result<&'b arrow_array::StringArray> {
+    batch
+        .column_by_name(name)
+        .and_then(|c| c.as_string_opt::<i32>())
+        .ok_or_else(|| store.corrupt(entry, format!("column `{name}` is not text")))
 }

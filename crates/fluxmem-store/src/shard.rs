@@ -1,7 +1,9 @@
 //! Writing and verified reading of single Parquet shard files.
 
 use arrow_array::RecordBatch;
-use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder};
+use parquet::arrow::arrow_reader::{
+    ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder,
+};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
 use parquet::file::metadata::{KeyValue, PageIndexPolicy};
@@ -36,14 +38,18 @@ fn properties(table: &str) -> WriterProperties {
 }
 
 fn encode_error(table: &str) -> impl Fn(parquet::errors::ParquetError) -> Error + '_ {
-    move |e| Error::Corrupt { path: format!("<new {table} shard>").into(), reason: format!("cannot encode: {e}") }
+    move |e| Error::Corrupt {
+        path: format!("<new {table} shard>").into(),
+        reason: format!("cannot encode: {e}"),
+    }
 }
 
 /// Encodes `batch` as a Parquet file of `table` (in memory).
 fn encode(table: &str, batch: &RecordBatch) -> Result<Vec<u8>> {
     let mut buffer = Vec::new();
     let parquet_error = encode_error(table);
-    let mut writer = ArrowWriter::try_new(&mut buffer, batch.schema(), Some(properties(table))).map_err(&parquet_error)?;
+    let mut writer = ArrowWriter::try_new(&mut buffer, batch.schema(), Some(properties(table)))
+        .map_err(&parquet_error)?;
     writer.write(batch).map_err(&parquet_error)?;
     writer.close().map_err(&parquet_error)?;
     Ok(buffer)
@@ -107,21 +113,47 @@ pub(crate) struct ShardWriter {
 
 impl ShardWriter {
     /// Starts shard `part` of `table` for commit `commit` under `dir`.
-    pub(crate) fn create(dir: &Path, table: &str, commit: u64, part: usize, schema: arrow_schema::SchemaRef) -> Result<ShardWriter> {
+    pub(crate) fn create(
+        dir: &Path,
+        table: &str,
+        commit: u64,
+        part: usize,
+        schema: arrow_schema::SchemaRef,
+    ) -> Result<ShardWriter> {
         let temporary = dir.join("shards").join(temporary_name(table, commit, part));
         let file = std::fs::File::create(&temporary).at(&temporary)?;
-        let out = HashingFile { file: std::io::BufWriter::with_capacity(1 << 20, file), hasher: Sha256::new(), bytes: 0 };
-        let writer = ArrowWriter::try_new(out, schema, Some(properties(table))).map_err(encode_error(table))?;
-        Ok(ShardWriter { dir: dir.to_path_buf(), table: table.into(), commit, part, temporary, writer: Some(writer), rows: 0, index: IndexBuilder::new(table) })
+        let out = HashingFile {
+            file: std::io::BufWriter::with_capacity(1 << 20, file),
+            hasher: Sha256::new(),
+            bytes: 0,
+        };
+        let writer = ArrowWriter::try_new(out, schema, Some(properties(table)))
+            .map_err(encode_error(table))?;
+        Ok(ShardWriter {
+            dir: dir.to_path_buf(),
+            table: table.into(),
+            commit,
+            part,
+            temporary,
+            writer: Some(writer),
+            rows: 0,
+            index: IndexBuilder::new(table),
+        })
     }
 
     /// Appends `batch`'s rows.
     pub(crate) fn write(&mut self, batch: &RecordBatch) -> Result<()> {
-        let writer = self.writer.as_mut().expect("a shard writer is open until finished");
+        let writer = self
+            .writer
+            .as_mut()
+            .expect("a shard writer is open until finished");
         writer.write(batch).map_err(encode_error(&self.table))?;
         self.rows += batch.num_rows() as u64;
         if let Some(index) = &mut self.index {
-            index.push(batch).map_err(|reason| Error::Corrupt { path: self.temporary.clone(), reason })?;
+            index.push(batch).map_err(|reason| Error::Corrupt {
+                path: self.temporary.clone(),
+                reason,
+            })?;
         }
         Ok(())
     }
@@ -130,14 +162,36 @@ impl ShardWriter {
     pub(crate) fn finish(mut self) -> Result<ShardEntry> {
         let writer = self.writer.take().expect("a shard writer is finished once");
         let out = writer.into_inner().map_err(encode_error(&self.table))?;
-        let HashingFile { file, hasher, bytes } = out;
-        let file = file.into_inner().map_err(|e| Error::Io { path: self.temporary.clone(), source: e.into_error() })?;
+        let HashingFile {
+            file,
+            hasher,
+            bytes,
+        } = out;
+        let file = file.into_inner().map_err(|e| Error::Io {
+            path: self.temporary.clone(),
+            source: e.into_error(),
+        })?;
         file.sync_all().at(&self.temporary)?;
         let sha256 = fluxmem_graph::hex(&hasher.finalize());
-        let name = format!("shards/{}-{:08}-{:03}-{}.parquet", self.table, self.commit, self.part, &sha256[..12]);
+        let name = format!(
+            "shards/{}-{:08}-{:03}-{}.parquet",
+            self.table,
+            self.commit,
+            self.part,
+            &sha256[..12]
+        );
         let path = self.dir.join(&name);
         std::fs::rename(&self.temporary, &path).at(&path)?;
-        let entry = ShardEntry { table: self.table.clone(), file: name, rows: self.rows, bytes, sha256, commit: self.commit, rows_from: None, rows_through: None };
+        let entry = ShardEntry {
+            table: self.table.clone(),
+            file: name,
+            rows: self.rows,
+            bytes,
+            sha256,
+            commit: self.commit,
+            rows_from: None,
+            rows_through: None,
+        };
         if let Some(index) = self.index.take() {
             keys::keep(&self.dir, &entry, &index.finish());
         }
@@ -158,24 +212,49 @@ impl Drop for ShardWriter {
 ///
 /// The file name carries the commit and a content hash, so a retried commit rewrites the same
 /// file with the same bytes.
-pub(crate) fn write(dir: &Path, table: &str, commit: u64, part: usize, batch: &RecordBatch) -> Result<ShardEntry> {
+pub(crate) fn write(
+    dir: &Path,
+    table: &str,
+    commit: u64,
+    part: usize,
+    batch: &RecordBatch,
+) -> Result<ShardEntry> {
     let bytes = encode(table, batch)?;
     let sha256 = fluxmem_graph::sha256_hex(&bytes);
-    let file = format!("shards/{table}-{commit:08}-{part:03}-{}.parquet", &sha256[..12]);
+    let file = format!(
+        "shards/{table}-{commit:08}-{part:03}-{}.parquet",
+        &sha256[..12]
+    );
     let path = dir.join(&file);
     let mut out = std::fs::File::create(&path).at(&path)?;
     out.write_all(&bytes).at(&path)?;
     out.sync_all().at(&path)?;
-    let entry = ShardEntry { table: table.into(), file, rows: batch.num_rows() as u64, bytes: bytes.len() as u64, sha256, commit, rows_from: None, rows_through: None };
+    let entry = ShardEntry {
+        table: table.into(),
+        file,
+        rows: batch.num_rows() as u64,
+        bytes: bytes.len() as u64,
+        sha256,
+        commit,
+        rows_from: None,
+        rows_through: None,
+    };
     if let Some(mut index) = IndexBuilder::new(table) {
-        index.push(batch).map_err(|reason| Error::Corrupt { path: path.clone(), reason })?;
+        index.push(batch).map_err(|reason| Error::Corrupt {
+            path: path.clone(),
+            reason,
+        })?;
         keys::keep(dir, &entry, &index.finish());
     }
     Ok(entry)
 }
 
 /// Reads the shard `entry` under `dir`, verifying its checksum, table and row count.
-pub(crate) fn read(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>) -> Result<Vec<RecordBatch>> {
+pub(crate) fn read(
+    dir: &Path,
+    entry: &ShardEntry,
+    columns: Option<&[&str]>,
+) -> Result<Vec<RecordBatch>> {
     open(dir, entry, columns, DEFAULT_BATCH_ROWS)?.collect()
 }
 
@@ -199,17 +278,33 @@ impl Iterator for Batches {
 
     fn next(&mut self) -> Option<Result<RecordBatch>> {
         let next = self.reader.next()?;
-        Some(next.map_err(|e| Error::Corrupt { path: self.path.clone(), reason: format!("cannot decode: {e}") }))
+        Some(next.map_err(|e| Error::Corrupt {
+            path: self.path.clone(),
+            reason: format!("cannot decode: {e}"),
+        }))
     }
 }
 
 /// Opens the shard `entry` under `dir` for reading `batch_rows` rows at a time: its size and
 /// checksum are verified first (one pass over the file, in bounded memory), then its table tag,
 /// schema version and row count (from the footer). Only `columns` are decoded (all: `None`).
-pub(crate) fn open(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>, batch_rows: usize) -> Result<Batches> {
+pub(crate) fn open(
+    dir: &Path,
+    entry: &ShardEntry,
+    columns: Option<&[&str]>,
+    batch_rows: usize,
+) -> Result<Batches> {
     let shard = Verified::open(dir, entry, PageIndexPolicy::Skip)?;
-    let reader = shard.builder()?.project(columns).with_batch_size(batch_rows.max(1)).build().map_err(|e| shard.corrupt(format!("cannot read: {e}")))?;
-    Ok(Batches { reader, path: shard.path })
+    let reader = shard
+        .builder()?
+        .project(columns)
+        .with_batch_size(batch_rows.max(1))
+        .build()
+        .map_err(|e| shard.corrupt(format!("cannot read: {e}")))?;
+    Ok(Batches {
+        reader,
+        path: shard.path,
+    })
 }
 
 /// The rows of the shard `entry` whose text column `key` passes `keep`, [`DEFAULT_BATCH_ROWS`]
@@ -217,16 +312,33 @@ pub(crate) fn open(dir: &Path, entry: &ShardEntry, columns: Option<&[&str]>, bat
 /// column is decoded, and the other columns are decoded at the selected rows only, their pages
 /// without a selected row skipped (the offset index). `None`: no row passes, and nothing but
 /// the key column was decoded.
-pub(crate) fn select(dir: &Path, entry: &ShardEntry, key: &str, keep: &dyn Fn(&str) -> bool) -> Result<Option<Batches>> {
+pub(crate) fn select(
+    dir: &Path,
+    entry: &ShardEntry,
+    key: &str,
+    keep: &dyn Fn(&str) -> bool,
+) -> Result<Option<Batches>> {
     use arrow_array::cast::AsArray;
     use arrow_array::{Array, BooleanArray};
     let shard = Verified::open(dir, entry, PageIndexPolicy::Optional)?;
-    let keys = shard.builder()?.project(Some(&[key])).with_batch_size(DEFAULT_BATCH_ROWS).build().map_err(|e| shard.corrupt(format!("cannot read: {e}")))?;
+    let keys = shard
+        .builder()?
+        .project(Some(&[key]))
+        .with_batch_size(DEFAULT_BATCH_ROWS)
+        .build()
+        .map_err(|e| shard.corrupt(format!("cannot read: {e}")))?;
     let mut masks = Vec::new();
     for batch in keys {
         let batch = batch.map_err(|e| shard.corrupt(format!("cannot decode: {e}")))?;
-        let values = batch.column_by_name(key).and_then(|c| c.as_string_opt::<i32>()).ok_or_else(|| shard.corrupt(format!("column `{key}` is missing or not text")))?;
-        masks.push((0..values.len()).map(|i| Some(values.is_valid(i) && keep(values.value(i)))).collect::<BooleanArray>());
+        let values = batch
+            .column_by_name(key)
+            .and_then(|c| c.as_string_opt::<i32>())
+            .ok_or_else(|| shard.corrupt(format!("column `{key}` is missing or not text")))?;
+        masks.push(
+            (0..values.len())
+                .map(|i| Some(values.is_valid(i) && keep(values.value(i))))
+                .collect::<BooleanArray>(),
+        );
     }
     let selection = parquet::arrow::arrow_reader::RowSelection::from_filters(&masks);
     if !selection.selects_any() {
@@ -239,7 +351,10 @@ pub(crate) fn select(dir: &Path, entry: &ShardEntry, key: &str, keep: &dyn Fn(&s
         .with_batch_size(DEFAULT_BATCH_ROWS)
         .build()
         .map_err(|e| shard.corrupt(format!("cannot read: {e}")))?;
-    Ok(Some(Batches { reader, path: shard.path }))
+    Ok(Some(Batches {
+        reader,
+        path: shard.path,
+    }))
 }
 
 /// A shard file whose size, checksum, table tag, schema version and row count were verified,
@@ -254,12 +369,18 @@ struct Verified {
 impl Verified {
     fn open(dir: &Path, entry: &ShardEntry, offset_index: PageIndexPolicy) -> Result<Verified> {
         let path = dir.join(&entry.file);
-        let corrupt = |reason: String| Error::Corrupt { path: path.clone(), reason };
+        let corrupt = |reason: String| Error::Corrupt {
+            path: path.clone(),
+            reason,
+        };
         let mut file = std::fs::File::open(&path).map_err(|source| {
             if source.kind() == std::io::ErrorKind::NotFound {
                 corrupt("shard listed in the manifest is missing".into())
             } else {
-                Error::Io { path: path.clone(), source }
+                Error::Io {
+                    path: path.clone(),
+                    source,
+                }
             }
         })?;
         let mut hasher = Sha256::new();
@@ -274,36 +395,72 @@ impl Verified {
             bytes += n as u64;
         }
         if bytes != entry.bytes {
-            return Err(corrupt(format!("{bytes} bytes, the manifest says {}", entry.bytes)));
+            return Err(corrupt(format!(
+                "{bytes} bytes, the manifest says {}",
+                entry.bytes
+            )));
         }
         let actual = fluxmem_graph::hex(&hasher.finalize());
         if actual != entry.sha256 {
-            return Err(corrupt(format!("checksum mismatch: sha256 {actual}, the manifest says {}", entry.sha256)));
+            return Err(corrupt(format!(
+                "checksum mismatch: sha256 {actual}, the manifest says {}",
+                entry.sha256
+            )));
         }
         let options = ArrowReaderOptions::new().with_offset_index_policy(offset_index);
-        let metadata = ArrowReaderMetadata::load(&file, options).map_err(|e| corrupt(format!("not a readable Parquet file: {e}")))?;
-        let tags = metadata.metadata().file_metadata().key_value_metadata().cloned().unwrap_or_default();
-        let lookup = |key: &str| tags.iter().find(|kv| kv.key == key).and_then(|kv| kv.value.clone());
+        let metadata = ArrowReaderMetadata::load(&file, options)
+            .map_err(|e| corrupt(format!("not a readable Parquet file: {e}")))?;
+        let tags = metadata
+            .metadata()
+            .file_metadata()
+            .key_value_metadata()
+            .cloned()
+            .unwrap_or_default();
+        let lookup = |key: &str| {
+            tags.iter()
+                .find(|kv| kv.key == key)
+                .and_then(|kv| kv.value.clone())
+        };
         if lookup(TABLE_KEY).as_deref() != Some(entry.table.as_str()) {
-            return Err(corrupt(format!("not a fluxmem `{}` shard (table tag {:?})", entry.table, lookup(TABLE_KEY))));
+            return Err(corrupt(format!(
+                "not a fluxmem `{}` shard (table tag {:?})",
+                entry.table,
+                lookup(TABLE_KEY)
+            )));
         }
         if lookup(VERSION_KEY) != Some(SCHEMA_VERSION.to_string()) {
-            return Err(corrupt(format!("shard schema version {:?}, expected {SCHEMA_VERSION}", lookup(VERSION_KEY))));
+            return Err(corrupt(format!(
+                "shard schema version {:?}, expected {SCHEMA_VERSION}",
+                lookup(VERSION_KEY)
+            )));
         }
         let rows = metadata.metadata().file_metadata().num_rows();
         if rows as u64 != entry.rows {
-            return Err(corrupt(format!("{rows} rows, the manifest says {}", entry.rows)));
+            return Err(corrupt(format!(
+                "{rows} rows, the manifest says {}",
+                entry.rows
+            )));
         }
-        Ok(Verified { file, metadata, path })
+        Ok(Verified {
+            file,
+            metadata,
+            path,
+        })
     }
 
     fn builder(&self) -> Result<Builder> {
         let file = self.file.try_clone().at(&self.path)?;
-        Ok(Builder(ParquetRecordBatchReaderBuilder::new_with_metadata(file, self.metadata.clone())))
+        Ok(Builder(ParquetRecordBatchReaderBuilder::new_with_metadata(
+            file,
+            self.metadata.clone(),
+        )))
     }
 
     fn corrupt(&self, reason: String) -> Error {
-        Error::Corrupt { path: self.path.clone(), reason }
+        Error::Corrupt {
+            path: self.path.clone(),
+            reason,
+        }
     }
 }
 
@@ -315,7 +472,10 @@ impl Builder {
     fn project(self, columns: Option<&[&str]>) -> ParquetRecordBatchReaderBuilder<std::fs::File> {
         match columns {
             Some(columns) => {
-                let mask = parquet::arrow::ProjectionMask::columns(self.0.parquet_schema(), columns.iter().copied());
+                let mask = parquet::arrow::ProjectionMask::columns(
+                    self.0.parquet_schema(),
+                    columns.iter().copied(),
+                );
                 self.0.with_projection(mask)
             }
             None => self.0,
@@ -339,13 +499,45 @@ mod tests {
         std::fs::create_dir_all(dir.path().join("shards")).unwrap();
         let ids = StringArray::from_iter_values((0..20_000).map(|i| format!("k{i:05}")));
         let n = Int64Array::from_iter_values(0..20_000);
-        let batch = RecordBatch::try_from_iter([("id", Arc::new(ids) as ArrayRef), ("n", Arc::new(n) as ArrayRef)]).unwrap();
+        let batch = RecordBatch::try_from_iter([
+            ("id", Arc::new(ids) as ArrayRef),
+            ("n", Arc::new(n) as ArrayRef),
+        ])
+        .unwrap();
         let entry = write(dir.path(), "t", 1, 0, &batch).unwrap();
-        assert!(select(dir.path(), &entry, "id", &|_| false).unwrap().is_none());
-        let read: Vec<RecordBatch> = select(dir.path(), &entry, "id", &|k| k.ends_with("99")).unwrap().unwrap().collect::<Result<_>>().unwrap();
-        let n: Vec<i64> = read.iter().flat_map(|b| b.column_by_name("n").unwrap().as_primitive::<Int64Type>().values().to_vec()).collect();
-        assert_eq!(n, (0..20_000).filter(|i| i % 100 == 99).collect::<Vec<i64>>());
-        let ids: Vec<String> = read.iter().flat_map(|b| b.column_by_name("id").unwrap().as_string::<i32>().iter().map(|v| v.unwrap().to_string()).collect::<Vec<_>>()).collect();
+        assert!(select(dir.path(), &entry, "id", &|_| false)
+            .unwrap()
+            .is_none());
+        let read: Vec<RecordBatch> = select(dir.path(), &entry, "id", &|k| k.ends_with("99"))
+            .unwrap()
+            .unwrap()
+            .collect::<Result<_>>()
+            .unwrap();
+        let n: Vec<i64> = read
+            .iter()
+            .flat_map(|b| {
+                b.column_by_name("n")
+                    .unwrap()
+                    .as_primitive::<Int64Type>()
+                    .values()
+                    .to_vec()
+            })
+            .collect();
+        assert_eq!(
+            n,
+            (0..20_000).filter(|i| i % 100 == 99).collect::<Vec<i64>>()
+        );
+        let ids: Vec<String> = read
+            .iter()
+            .flat_map(|b| {
+                b.column_by_name("id")
+                    .unwrap()
+                    .as_string::<i32>()
+                    .iter()
+                    .map(|v| v.unwrap().to_string())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
         assert_eq!(ids.first().map(String::as_str), Some("k00099"));
         assert_eq!(ids.len(), 200);
     }

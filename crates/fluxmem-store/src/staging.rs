@@ -52,8 +52,13 @@ impl std::fmt::Display for Shard {
 impl std::str::FromStr for Shard {
     type Err = Error;
     fn from_str(value: &str) -> Result<Shard> {
-        let bad = |reason: &str| Error::BadShard { value: value.into(), reason: reason.into() };
-        let (index, count) = value.split_once('/').ok_or_else(|| bad("expected I/N, e.g. 0/4"))?;
+        let bad = |reason: &str| Error::BadShard {
+            value: value.into(),
+            reason: reason.into(),
+        };
+        let (index, count) = value
+            .split_once('/')
+            .ok_or_else(|| bad("expected I/N, e.g. 0/4"))?;
         let index: usize = index.trim().parse().map_err(|_| bad("I is not a number"))?;
         let count: usize = count.trim().parse().map_err(|_| bad("N is not a number"))?;
         if count == 0 {
@@ -98,7 +103,9 @@ fn staging_marker(manifest: &Manifest) -> Option<&Value> {
 }
 
 fn base_version(manifest: &Manifest) -> Option<u64> {
-    staging_marker(manifest).and_then(|s| s.get("base_version")).and_then(Value::as_u64)
+    staging_marker(manifest)
+        .and_then(|s| s.get("base_version"))
+        .and_then(Value::as_u64)
 }
 
 /// Creates the main store if it has no manifest yet. Shards started at the same moment on a
@@ -150,10 +157,13 @@ impl Writer {
 
     /// Marks this staging store's shard as finished (merge refuses unfinished shards).
     pub fn finish_staging(&mut self, run_id: &str) -> Result<()> {
-        let mut marker = staging_marker(self.manifest()).cloned().ok_or_else(|| Error::Staging {
-            path: self.store().dir().to_path_buf(),
-            reason: "not a staging store".into(),
-        })?;
+        let mut marker =
+            staging_marker(self.manifest())
+                .cloned()
+                .ok_or_else(|| Error::Staging {
+                    path: self.store().dir().to_path_buf(),
+                    reason: "not a staging store".into(),
+                })?;
         marker["done"] = Value::Bool(true);
         let info = CommitInfo {
             stage: "shard-done".into(),
@@ -168,29 +178,47 @@ impl Writer {
     /// Merges the `count` finished staging stores of `stage` into this (main) store: the union
     /// of their own data in one commit (shard order, later shards win on equal keys), their
     /// quarantine files moved under `<store>/quarantine/`, then the staging stores removed.
-    pub fn merge_staging(&mut self, stage: &str, count: usize, mut info: CommitInfo) -> Result<MergeReport> {
+    pub fn merge_staging(
+        &mut self,
+        stage: &str,
+        count: usize,
+        mut info: CommitInfo,
+    ) -> Result<MergeReport> {
         let main = self.store().dir().to_path_buf();
         let merged_key = format!("merged.{stage}");
-        let mut report = MergeReport { shards: count, ..Default::default() };
+        let mut report = MergeReport {
+            shards: count,
+            ..Default::default()
+        };
         let mut delta = fluxmem_graph::Graph::default();
         let mut dirs = Vec::new();
         let mut already = false;
         for index in 0..count {
             let shard = Shard { index, count };
             let dir = staging_dir(&main, stage, shard);
-            let missing = |reason: String| Error::Staging { path: dir.clone(), reason };
+            let missing = |reason: String| Error::Staging {
+                path: dir.clone(),
+                reason,
+            };
             if !dir.join(MANIFEST).is_file() {
-                return Err(missing(format!("shard {shard} of `{stage}` has no staging store; run it with --shard {shard}")));
+                return Err(missing(format!(
+                    "shard {shard} of `{stage}` has no staging store; run it with --shard {shard}"
+                )));
             }
             let manifest = Manifest::read(&dir.join(MANIFEST))?;
-            let marker = staging_marker(&manifest).ok_or_else(|| missing("not a staging store".into()))?;
+            let marker =
+                staging_marker(&manifest).ok_or_else(|| missing("not a staging store".into()))?;
             if marker.get("done").and_then(Value::as_bool) != Some(true) {
                 return Err(missing(format!("shard {shard} of `{stage}` has not finished; run it again with --shard {shard}")));
             }
             let base = base_version(&manifest);
             let merged = self.manifest().progress.get(&merged_key);
             if base != Some(self.manifest().version) {
-                if merged.and_then(|m| m.get("base_version")).and_then(Value::as_u64) == base {
+                if merged
+                    .and_then(|m| m.get("base_version"))
+                    .and_then(Value::as_u64)
+                    == base
+                {
                     already = true;
                     dirs.push(dir);
                     continue;
@@ -201,8 +229,16 @@ impl Writer {
                     self.manifest().version
                 )));
             }
-            let own: Vec<_> = manifest.shards.iter().filter(|s| !s.file.starts_with(TO_MAIN)).cloned().collect();
-            let graph = Store { dir: dir.clone() }.load_at(&Manifest { shards: own, ..manifest.clone() })?;
+            let own: Vec<_> = manifest
+                .shards
+                .iter()
+                .filter(|s| !s.file.starts_with(TO_MAIN))
+                .cloned()
+                .collect();
+            let graph = Store { dir: dir.clone() }.load_at(&Manifest {
+                shards: own,
+                ..manifest.clone()
+            })?;
             delta.apply(graph);
             dirs.push(dir);
         }
@@ -210,13 +246,19 @@ impl Writer {
             // Quarantine files first: once the commit lands, the staging stores may go.
             for (index, dir) in dirs.iter().enumerate() {
                 let quarantine = dir.join("quarantine");
-                let Ok(entries) = std::fs::read_dir(&quarantine) else { continue };
+                let Ok(entries) = std::fs::read_dir(&quarantine) else {
+                    continue;
+                };
                 let target = main.join("quarantine");
                 std::fs::create_dir_all(&target).at(&target)?;
                 let mut files: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
                 files.sort();
                 for file in files {
-                    let name = format!("{stage}-{}-{}", Shard { index, count }.name(), file.file_name().unwrap_or_default().to_string_lossy());
+                    let name = format!(
+                        "{stage}-{}-{}",
+                        Shard { index, count }.name(),
+                        file.file_name().unwrap_or_default().to_string_lossy()
+                    );
                     let to = target.join(name);
                     std::fs::copy(&file, &to).at(&to)?;
                     report.quarantine_files.push(to);
@@ -226,7 +268,10 @@ impl Writer {
             report.edges = delta.edges.len();
             report.embeddings = delta.embeddings.len();
             report.edits = delta.edits.len();
-            info.progress.insert(merged_key, serde_json::json!({ "shards": count, "base_version": self.manifest().version }));
+            info.progress.insert(
+                merged_key,
+                serde_json::json!({ "shards": count, "base_version": self.manifest().version }),
+            );
             self.commit(&delta, info)?;
             report.committed = true;
         }
@@ -246,16 +291,26 @@ mod tests {
         let keys: Vec<String> = (0..1000).map(|i| format!("node-{i}")).collect();
         let shards: Vec<Shard> = (0..4).map(|index| Shard { index, count: 4 }).collect();
         for key in &keys {
-            assert_eq!(shards.iter().filter(|s| s.owns(key)).count(), 1, "{key} belongs to exactly one shard");
+            assert_eq!(
+                shards.iter().filter(|s| s.owns(key)).count(),
+                1,
+                "{key} belongs to exactly one shard"
+            );
         }
-        let sizes: Vec<usize> = shards.iter().map(|s| keys.iter().filter(|k| s.owns(k)).count()).collect();
+        let sizes: Vec<usize> = shards
+            .iter()
+            .map(|s| keys.iter().filter(|k| s.owns(k)).count())
+            .collect();
         assert!(sizes.iter().all(|&n| n > 150), "roughly even: {sizes:?}");
         assert!(keys.iter().all(|k| Shard::ALL.owns(k)));
     }
 
     #[test]
     fn shard_values_parse_with_clear_errors() {
-        assert_eq!("2/4".parse::<Shard>().unwrap(), Shard { index: 2, count: 4 });
+        assert_eq!(
+            "2/4".parse::<Shard>().unwrap(),
+            Shard { index: 2, count: 4 }
+        );
         assert_eq!(Shard { index: 2, count: 4 }.to_string(), "2/4");
         for bad in ["4/4", "1/0", "x/2", "3", ""] {
             let error = bad.parse::<Shard>().unwrap_err().to_string();

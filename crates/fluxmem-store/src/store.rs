@@ -97,9 +97,21 @@ impl Store {
     /// Counts of the commit of `manifest`, from the shards: reads the key and kind columns of
     /// nodes, edges and embeddings (and edges' `active` and `metadata`), nothing else.
     pub fn count_live(&self, manifest: &Manifest) -> Result<GraphStats> {
-        let embedded: BTreeSet<NodeId> = self.embedding_keys(manifest)?.into_iter().map(|(id, _)| id).collect();
-        let active_edges = self.edge_heads(manifest)?.into_iter().filter(|(_, head)| head.active).map(|((_, _, kind), _)| kind);
-        Ok(GraphStats::count(self.node_kinds(manifest)?.into_values(), active_edges, embedded.len()))
+        let embedded: BTreeSet<NodeId> = self
+            .embedding_keys(manifest)?
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        let active_edges = self
+            .edge_heads(manifest)?
+            .into_iter()
+            .filter(|(_, head)| head.active)
+            .map(|((_, _, kind), _)| kind);
+        Ok(GraphStats::count(
+            self.node_kinds(manifest)?.into_values(),
+            active_edges,
+            embedded.len(),
+        ))
     }
 }
 
@@ -130,7 +142,15 @@ impl Writer {
                 .map(|entries| {
                     entries.flatten().any(|e| {
                         let name = e.file_name().to_string_lossy().into_owned();
-                        !matches!(name.as_str(), "LOCK" | SHARDS | crate::keys::KEYS | "quarantine" | crate::STAGING | crate::SCRATCH) && !name.starts_with("manifest.json.tmp")
+                        !matches!(
+                            name.as_str(),
+                            "LOCK"
+                                | SHARDS
+                                | crate::keys::KEYS
+                                | "quarantine"
+                                | crate::STAGING
+                                | crate::SCRATCH
+                        ) && !name.starts_with("manifest.json.tmp")
                     })
                 })
                 .unwrap_or(false);
@@ -152,7 +172,12 @@ impl Writer {
             let hash = write_manifest(&dir, &empty, None)?;
             (empty, hash)
         };
-        let writer = Writer { store: Store { dir }, lock, manifest, manifest_sha256 };
+        let writer = Writer {
+            store: Store { dir },
+            lock,
+            manifest,
+            manifest_sha256,
+        };
         writer.remove_interrupted()?;
         Ok(writer)
     }
@@ -160,7 +185,11 @@ impl Writer {
     /// [`Writer::open`], waiting up to `wait` for a lock another writer holds (polling every
     /// 200 ms); `on_wait` is called once, with the holder, when the wait begins. Any other error,
     /// or the lock still held at the deadline, is returned as it is.
-    pub fn open_waiting(dir: impl Into<PathBuf>, wait: std::time::Duration, mut on_wait: impl FnMut(&str)) -> Result<Writer> {
+    pub fn open_waiting(
+        dir: impl Into<PathBuf>,
+        wait: std::time::Duration,
+        mut on_wait: impl FnMut(&str),
+    ) -> Result<Writer> {
         let dir = dir.into();
         let deadline = std::time::Instant::now() + wait;
         let mut told = false;
@@ -171,7 +200,10 @@ impl Writer {
                         on_wait(&holder);
                         told = true;
                     }
-                    std::thread::sleep(std::time::Duration::from_millis(200).min(deadline - std::time::Instant::now()));
+                    std::thread::sleep(
+                        std::time::Duration::from_millis(200)
+                            .min(deadline - std::time::Instant::now()),
+                    );
                 }
                 other => return other,
             }
@@ -210,8 +242,13 @@ impl Writer {
     /// counts here would be wrong.
     pub fn commit_new(&mut self, delta: &Graph, info: CommitInfo) -> Result<&Manifest> {
         let mut manifest = self.manifest.clone();
-        let counts = manifest.current_counts().map(|before| before + delta.stats());
-        manifest.live_counts = counts.map(|stats| LiveCounts { version: manifest.version + 1, stats });
+        let counts = manifest
+            .current_counts()
+            .map(|before| before + delta.stats());
+        manifest.live_counts = counts.map(|stats| LiveCounts {
+            version: manifest.version + 1,
+            stats,
+        });
         self.write_commit(&mut manifest, delta, info)?;
         Ok(&self.manifest)
     }
@@ -224,13 +261,26 @@ impl Writer {
         let mut manifest = self.manifest.clone();
         manifest.shards.clear();
         manifest.embedding_model = None;
-        manifest.live_counts = Some(LiveCounts { version: manifest.version + 1, stats: graph.stats() });
+        manifest.live_counts = Some(LiveCounts {
+            version: manifest.version + 1,
+            stats: graph.stats(),
+        });
         self.write_commit(&mut manifest, graph, info)?;
-        let live: BTreeSet<&str> = self.manifest.shards.iter().map(|s| s.file.as_str()).collect();
-        for entry in old.iter().filter(|s| !live.contains(s.file.as_str()) && s.file.starts_with(SHARDS)) {
+        let live: BTreeSet<&str> = self
+            .manifest
+            .shards
+            .iter()
+            .map(|s| s.file.as_str())
+            .collect();
+        for entry in old
+            .iter()
+            .filter(|s| !live.contains(s.file.as_str()) && s.file.starts_with(SHARDS))
+        {
             let path = self.store.dir.join(&entry.file);
             match std::fs::remove_file(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::Io { path, source: e }),
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::Io { path, source: e })
+                }
                 _ => {}
             }
             crate::keys::remove(&self.store.dir, &entry.file)?;
@@ -243,7 +293,12 @@ impl Writer {
     /// version). Nothing deletes them: they may be another writer's data (`fluxmem store
     /// recover` can tell).
     pub fn unlisted_shards(&self) -> Result<Vec<String>> {
-        let mut live: BTreeSet<&str> = self.manifest.shards.iter().map(|s| s.file.as_str()).collect();
+        let mut live: BTreeSet<&str> = self
+            .manifest
+            .shards
+            .iter()
+            .map(|s| s.file.as_str())
+            .collect();
         live.extend(self.manifest.retired.iter().map(|r| r.file.as_str()));
         let shards_dir = self.store.dir.join(SHARDS);
         let mut unlisted = Vec::new();
@@ -257,7 +312,12 @@ impl Writer {
         Ok(unlisted)
     }
 
-    fn write_commit(&mut self, manifest: &mut Manifest, delta: &Graph, info: CommitInfo) -> Result<()> {
+    fn write_commit(
+        &mut self,
+        manifest: &mut Manifest,
+        delta: &Graph,
+        info: CommitInfo,
+    ) -> Result<()> {
         let dir = self.store.dir.clone();
         let version = manifest.version + 1;
         let by_model = check_embeddings(manifest, delta)?;
@@ -269,7 +329,10 @@ impl Writer {
             *part - 1
         })?;
         for (model, embeddings) in &by_model {
-            manifest.embedding_model = Some(EmbeddingModel { id: model.clone(), dim: embeddings[0].vector.len() });
+            manifest.embedding_model = Some(EmbeddingModel {
+                id: model.clone(),
+                dim: embeddings[0].vector.len(),
+            });
         }
         if !new_shards.is_empty() {
             // The new shard files' directory entries must be durable before the manifest that
@@ -295,20 +358,30 @@ impl Writer {
     fn remove_interrupted(&self) -> Result<()> {
         let dir = &self.store.dir;
         let shards_dir = dir.join(SHARDS);
-        let live: BTreeSet<&str> = self.manifest.shards.iter().map(|s| s.file.as_str()).collect();
+        let live: BTreeSet<&str> = self
+            .manifest
+            .shards
+            .iter()
+            .map(|s| s.file.as_str())
+            .collect();
         for entry in std::fs::read_dir(&shards_dir).at(&shards_dir)?.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             let listed = live.contains(format!("{SHARDS}/{name}").as_str());
             let commit = crate::recover::parse_shard_name(&name).map(|parsed| parsed.commit);
             // A streaming writer's temporary file (compaction's merges) is named by its commit too.
-            let commit = commit.or_else(|| crate::shard::parse_temporary_name(&name).map(|(_, commit)| commit));
+            let commit = commit
+                .or_else(|| crate::shard::parse_temporary_name(&name).map(|(_, commit)| commit));
             let interrupted = commit.is_some_and(|commit| commit > self.manifest.version);
             if !listed && interrupted {
                 std::fs::remove_file(entry.path()).at(&entry.path())?;
             }
         }
         for entry in std::fs::read_dir(dir).at(dir)?.flatten() {
-            if entry.file_name().to_string_lossy().starts_with("manifest.json.tmp") {
+            if entry
+                .file_name()
+                .to_string_lossy()
+                .starts_with("manifest.json.tmp")
+            {
                 std::fs::remove_file(entry.path()).at(&entry.path())?;
             }
         }
@@ -322,13 +395,28 @@ impl Writer {
 /// manifest: it is a store whose manifest was lost, and writing a new empty manifest there
 /// would orphan (and a later cleanup delete) all of its data.
 fn check_no_manifest(dir: &Path) -> Result<()> {
-    let shards = std::fs::read_dir(dir.join(SHARDS)).map(|entries| entries.flatten().count()).unwrap_or(0);
+    let shards = std::fs::read_dir(dir.join(SHARDS))
+        .map(|entries| entries.flatten().count())
+        .unwrap_or(0);
     let temporary = std::fs::read_dir(dir)
-        .map(|entries| entries.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("manifest.json.tmp")).count())
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .starts_with("manifest.json.tmp")
+                })
+                .count()
+        })
         .unwrap_or(0);
     // A temporary manifest alone (a crash while creating a new store) holds no data.
     if shards > 0 {
-        return Err(Error::NoManifest { path: dir.to_path_buf(), shards, temporary });
+        return Err(Error::NoManifest {
+            path: dir.to_path_buf(),
+            shards,
+            temporary,
+        });
     }
     Ok(())
 }
@@ -340,16 +428,27 @@ fn read_manifest_with_hash(path: &Path) -> Result<(Manifest, String)> {
 }
 
 /// Groups the delta's embeddings by model, refusing a model or dimension other than the store's.
-fn check_embeddings<'a>(manifest: &Manifest, delta: &'a Graph) -> Result<BTreeMap<String, Vec<&'a Embedding>>> {
+fn check_embeddings<'a>(
+    manifest: &Manifest,
+    delta: &'a Graph,
+) -> Result<BTreeMap<String, Vec<&'a Embedding>>> {
     let mut by_model: BTreeMap<String, Vec<&Embedding>> = BTreeMap::new();
     for embedding in delta.embeddings.values() {
-        by_model.entry(embedding.model_id.clone()).or_default().push(embedding);
+        by_model
+            .entry(embedding.model_id.clone())
+            .or_default()
+            .push(embedding);
     }
     let mut expected = manifest.embedding_model.clone();
     for (model, embeddings) in &by_model {
         let dim = embeddings[0].vector.len();
-        let expected_model = expected.get_or_insert_with(|| EmbeddingModel { id: model.clone(), dim });
-        let mismatch = embeddings.iter().find(|e| e.vector.len() != expected_model.dim);
+        let expected_model = expected.get_or_insert_with(|| EmbeddingModel {
+            id: model.clone(),
+            dim,
+        });
+        let mismatch = embeddings
+            .iter()
+            .find(|e| e.vector.len() != expected_model.dim);
         if &expected_model.id != model || mismatch.is_some() {
             return Err(Error::ModelMismatch {
                 store_model: expected_model.id.clone(),
@@ -365,10 +464,16 @@ fn check_embeddings<'a>(manifest: &Manifest, delta: &'a Graph) -> Result<BTreeMa
 /// Writes `delta`'s tables as shards of commit `version`: nodes (their steps under the nodes
 /// shard's part number), edges, edits, and one embeddings shard per model, in model order.
 /// `part(table)` numbers each shard. The caller checks the embeddings' models and dimensions.
-pub(crate) fn write_shards(dir: &Path, delta: &Graph, version: u64, part: &mut dyn FnMut(&str) -> usize) -> Result<Vec<ShardEntry>> {
+pub(crate) fn write_shards(
+    dir: &Path,
+    delta: &Graph,
+    version: u64,
+    part: &mut dyn FnMut(&str) -> usize,
+) -> Result<Vec<ShardEntry>> {
     let mut written = Vec::new();
     if !delta.nodes.is_empty() {
-        let (nodes, steps) = schema::nodes_to_batches(delta.nodes.values()).map_err(|e| graph_error(dir, e))?;
+        let (nodes, steps) =
+            schema::nodes_to_batches(delta.nodes.values()).map_err(|e| graph_error(dir, e))?;
         let index = part("nodes");
         written.push(shard::write(dir, "nodes", version, index, &nodes)?);
         if steps.num_rows() > 0 {
@@ -376,7 +481,8 @@ pub(crate) fn write_shards(dir: &Path, delta: &Graph, version: u64, part: &mut d
         }
     }
     if !delta.edges.is_empty() {
-        let edges = schema::edges_to_batch(delta.edges.values()).map_err(|e| graph_error(dir, e))?;
+        let edges =
+            schema::edges_to_batch(delta.edges.values()).map_err(|e| graph_error(dir, e))?;
         written.push(shard::write(dir, "edges", version, part("edges"), &edges)?);
     }
     if !delta.edits.is_empty() {
@@ -385,18 +491,31 @@ pub(crate) fn write_shards(dir: &Path, delta: &Graph, version: u64, part: &mut d
     }
     let mut by_model: BTreeMap<&str, Vec<&Embedding>> = BTreeMap::new();
     for embedding in delta.embeddings.values() {
-        by_model.entry(embedding.model_id.as_str()).or_default().push(embedding);
+        by_model
+            .entry(embedding.model_id.as_str())
+            .or_default()
+            .push(embedding);
     }
     for embeddings in by_model.values() {
         let dim = embeddings[0].vector.len();
-        let batch = schema::embeddings_to_batch(dim, embeddings.iter().copied()).map_err(|e| graph_error(dir, e))?;
-        written.push(shard::write(dir, "embeddings", version, part("embeddings"), &batch)?);
+        let batch = schema::embeddings_to_batch(dim, embeddings.iter().copied())
+            .map_err(|e| graph_error(dir, e))?;
+        written.push(shard::write(
+            dir,
+            "embeddings",
+            version,
+            part("embeddings"),
+            &batch,
+        )?);
     }
     Ok(written)
 }
 
 fn graph_error(dir: &Path, source: fluxmem_graph::Error) -> Error {
-    Error::Graph { path: dir.to_path_buf(), source }
+    Error::Graph {
+        path: dir.to_path_buf(),
+        source,
+    }
 }
 
 /// Writes `manifest` as `<dir>/manifest.json` atomically: temp file, fsync, rename, fsync dir.
@@ -406,7 +525,11 @@ fn graph_error(dir: &Path, source: fluxmem_graph::Error) -> Error {
 /// writer read or wrote last); otherwise another writer committed meanwhile (the lock was
 /// lost, e.g. its file deleted) and the write is refused with [`Error::Conflict`] before the
 /// rename, so neither writer's commit is overwritten and nothing is deleted.
-pub(crate) fn write_manifest(dir: &Path, manifest: &Manifest, expected: Option<&str>) -> Result<String> {
+pub(crate) fn write_manifest(
+    dir: &Path,
+    manifest: &Manifest,
+    expected: Option<&str>,
+) -> Result<String> {
     use std::io::Write;
     let path = dir.join(MANIFEST);
     let tmp = dir.join(format!("{MANIFEST}.tmp-{}", std::process::id()));
@@ -423,7 +546,9 @@ pub(crate) fn write_manifest(dir: &Path, manifest: &Manifest, expected: Option<&
         if changed {
             let _ = std::fs::remove_file(&tmp);
             let found = match current {
-                Ok(_) => Manifest::read(&path).map(|m| format!("version {}", m.version)).unwrap_or_else(|e| e.to_string()),
+                Ok(_) => Manifest::read(&path)
+                    .map(|m| format!("version {}", m.version))
+                    .unwrap_or_else(|e| e.to_string()),
                 Err(e) => format!("unreadable: {e}"),
             };
             return Err(Error::Conflict {

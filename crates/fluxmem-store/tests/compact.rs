@@ -1,20 +1,42 @@
 //! Compaction: amplification stays bounded over many nights, live rows never change, readers of
 //! an earlier manifest keep working, the edit log keeps its order, the manifest stays small.
 
-use fluxmem_graph::{Changed, Edge, EdgeKind, Edit, Embedding, Episode, Graph, Node, NodeBody, NodeId, Outcome, Step};
-use fluxmem_store::{CommitInfo, CompactPolicy, Error, Shard, Store, Writer, KEEP_RETIRED_COMMITS, MANIFEST_COMMIT_LOG};
+use fluxmem_graph::{
+    Changed, Edge, EdgeKind, Edit, Embedding, Episode, Graph, Node, NodeBody, NodeId, Outcome, Step,
+};
+use fluxmem_store::{
+    CommitInfo, CompactPolicy, Error, Shard, Store, Writer, KEEP_RETIRED_COMMITS,
+    MANIFEST_COMMIT_LOG,
+};
 use std::collections::BTreeMap;
 
 fn info(stage: &str) -> CommitInfo {
-    CommitInfo { stage: stage.into(), run_id: "test-run".into(), ..Default::default() }
+    CommitInfo {
+        stage: stage.into(),
+        run_id: "test-run".into(),
+        ..Default::default()
+    }
 }
 
 fn episode(i: usize, night: usize) -> Node {
     let steps = (0..3)
-        .map(|s| Step { observation: format!("obs {i}.{s}"), action: format!("act {s}"), tool_calls: vec![], feedback: None, timestamp: None })
+        .map(|s| Step {
+            observation: format!("obs {i}.{s}"),
+            action: format!("act {s}"),
+            tool_calls: vec![],
+            feedback: None,
+            timestamp: None,
+        })
         .collect();
     let mut node = Node::new(
-        NodeBody::Episodic(Episode { steps, outcome: Outcome { success: Some(i % 3 != 0), reward: None, feedback: None } }),
+        NodeBody::Episodic(Episode {
+            steps,
+            outcome: Outcome {
+                success: Some(i % 3 != 0),
+                reward: None,
+                feedback: None,
+            },
+        }),
         if i % 2 == 0 { "acme" } else { "globex" },
         &format!("task {i}"),
         &["episode", &i.to_string()],
@@ -43,12 +65,23 @@ fn edge(src: &NodeId, i: usize, weight: f32) -> Edge {
 /// batches so that every merge streams its members over many batches (an episode's steps split
 /// across them).
 fn policy() -> CompactPolicy {
-    CompactPolicy { min_level_rows: 20, merge_factor: 4, batch_rows: 7, ..Default::default() }
+    CompactPolicy {
+        min_level_rows: 20,
+        merge_factor: 4,
+        batch_rows: 7,
+        ..Default::default()
+    }
 }
 
 /// Rows stored per live row of `table`, computed from the manifest and the loaded graph.
 fn amplification(writer: &Writer, table: &str, live: usize) -> f64 {
-    let stored: u64 = writer.manifest().shards.iter().filter(|s| s.table == table).map(|s| s.rows).sum();
+    let stored: u64 = writer
+        .manifest()
+        .shards
+        .iter()
+        .filter(|s| s.table == table)
+        .map(|s| s.rows)
+        .sum();
     stored as f64 / live.max(1) as f64
 }
 
@@ -66,14 +99,22 @@ fn ten_nights_of_rewrites_stay_within_the_amplification_bound_with_the_same_live
             for k in 0..3 {
                 delta.upsert_edge(edge(&node.id, next_episode * 3 + k, 1.0));
             }
-            delta.upsert_embedding(Embedding { node_id: node.id.clone(), model_id: "m".into(), text_sha256: "h".into(), vector: vec![night as f32; 4] });
+            delta.upsert_embedding(Embedding {
+                node_id: node.id.clone(),
+                model_id: "m".into(),
+                text_sha256: "h".into(),
+                vector: vec![night as f32; 4],
+            });
             delta.upsert_node(node);
             next_episode += 1;
         }
         // A third of the old edges reweighted and a tenth of the old episodes rewritten.
         let old: Vec<Edge> = expected.edges.values().cloned().collect();
         for (i, e) in old.iter().enumerate().filter(|(i, _)| (i + night) % 3 == 0) {
-            delta.upsert_edge(Edge { weight: night as f32 + i as f32 / 1000.0, ..e.clone() });
+            delta.upsert_edge(Edge {
+                weight: night as f32 + i as f32 / 1000.0,
+                ..e.clone()
+            });
         }
         let old_nodes: Vec<Node> = expected.nodes.values().cloned().collect();
         for node in old_nodes.iter().step_by(10) {
@@ -81,12 +122,27 @@ fn ten_nights_of_rewrites_stay_within_the_amplification_bound_with_the_same_live
             again.metadata.insert("night".into(), night.into());
             delta.upsert_node(again);
         }
-        let edit_target = expected.edges.values().next().cloned().unwrap_or_else(|| edge(&NodeId("epi-x".into()), 0, 1.0));
-        delta.edits.push(Edit::new("refine", "r", "credit", Changed::Edge(None, Some(&edit_target)), &format!("night {night}"), night as i64));
+        let edit_target = expected
+            .edges
+            .values()
+            .next()
+            .cloned()
+            .unwrap_or_else(|| edge(&NodeId("epi-x".into()), 0, 1.0));
+        delta.edits.push(Edit::new(
+            "refine",
+            "r",
+            "credit",
+            Changed::Edge(None, Some(&edit_target)),
+            &format!("night {night}"),
+            night as i64,
+        ));
         writer.commit(&delta, info("night")).unwrap();
         expected.apply(delta);
         let before = writer.store().load().unwrap();
-        assert_eq!(before, expected, "night {night}: the store holds the live rows");
+        assert_eq!(
+            before, expected,
+            "night {night}: the store holds the live rows"
+        );
         // The key indexes compaction reads are derived data: gone, damaged, or another shard's,
         // they are made again from the shards, with the same outcome.
         let keys = dir.path().join("keys");
@@ -102,43 +158,95 @@ fn ten_nights_of_rewrites_stay_within_the_amplification_bound_with_the_same_live
                 }
             }
             7 => {
-                let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(&keys).unwrap().map(|f| f.unwrap().path()).filter(|p| p.to_string_lossy().contains("edges-")).collect();
+                let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(&keys)
+                    .unwrap()
+                    .map(|f| f.unwrap().path())
+                    .filter(|p| p.to_string_lossy().contains("edges-"))
+                    .collect();
                 files.sort();
                 std::fs::copy(&files[0], &files[files.len() - 1]).unwrap();
             }
             _ => {}
         }
-        let report = writer.compact(&policy(), &format!("compact-{night}")).unwrap();
+        let report = writer
+            .compact(&policy(), &format!("compact-{night}"))
+            .unwrap();
         let after = writer.store().load().unwrap();
-        assert_eq!(after, expected, "night {night}: compaction changed no live row (edits included, in order)");
-        assert_eq!(writer.manifest().current_counts(), Some(expected.stats()), "night {night}: the live counts");
-        for (table, live) in [("nodes", expected.nodes.len()), ("edges", expected.edges.len()), ("embeddings", expected.embeddings.len())] {
+        assert_eq!(
+            after, expected,
+            "night {night}: compaction changed no live row (edits included, in order)"
+        );
+        assert_eq!(
+            writer.manifest().current_counts(),
+            Some(expected.stats()),
+            "night {night}: the live counts"
+        );
+        for (table, live) in [
+            ("nodes", expected.nodes.len()),
+            ("edges", expected.edges.len()),
+            ("embeddings", expected.embeddings.len()),
+        ] {
             let amp = amplification(&writer, table, live);
-            assert!(amp <= 1.5, "night {night}: {table} amplification {amp:.3} > 1.5 ({report:?})");
-            assert_eq!(report.tables[table].live_rows as usize, live, "night {night}: {table} live rows");
-            assert!(report.tables[table].in_memory.is_empty(), "night {night}: {table} merges stream (every shard is in key order)");
+            assert!(
+                amp <= 1.5,
+                "night {night}: {table} amplification {amp:.3} > 1.5 ({report:?})"
+            );
+            assert_eq!(
+                report.tables[table].live_rows as usize, live,
+                "night {night}: {table} live rows"
+            );
+            assert!(
+                report.tables[table].in_memory.is_empty(),
+                "night {night}: {table} merges stream (every shard is in key order)"
+            );
         }
         // Steps follow their nodes: as many step rows as the live episodes have steps, give or
         // take those of dead node rows in shards not yet rewritten.
-        let steps: u64 = writer.manifest().shards.iter().filter(|s| s.table == "steps").map(|s| s.rows).sum();
-        assert!(steps as f64 <= 1.5 * 3.0 * expected.nodes.len() as f64, "night {night}: {steps} step rows");
+        let steps: u64 = writer
+            .manifest()
+            .shards
+            .iter()
+            .filter(|s| s.table == "steps")
+            .map(|s| s.rows)
+            .sum();
+        assert!(
+            steps as f64 <= 1.5 * 3.0 * expected.nodes.len() as f64,
+            "night {night}: {steps} step rows"
+        );
     }
-    let edges = writer.manifest().shards.iter().filter(|s| s.table == "edges").count();
-    assert!(edges <= 12, "log merge keeps the shard count small: {edges} edge shards after 10 nights");
+    let edges = writer
+        .manifest()
+        .shards
+        .iter()
+        .filter(|s| s.table == "edges")
+        .count();
+    assert!(
+        edges <= 12,
+        "log merge keeps the shard count small: {edges} edge shards after 10 nights"
+    );
     // Every file on disk is listed or retired (waiting for readers), nothing else.
     let manifest = writer.manifest().clone();
-    let files = std::fs::read_dir(dir.path().join("shards")).unwrap().count();
+    let files = std::fs::read_dir(dir.path().join("shards"))
+        .unwrap()
+        .count();
     assert_eq!(files, manifest.shards.len() + manifest.retired.len());
     assert!(writer.unlisted_shards().unwrap().is_empty());
     // A key index for each keyed shard on disk, and none for a shard that is gone.
-    let mut indexes: Vec<String> = std::fs::read_dir(dir.path().join("keys")).unwrap().map(|f| f.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let mut indexes: Vec<String> = std::fs::read_dir(dir.path().join("keys"))
+        .unwrap()
+        .map(|f| f.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
     indexes.sort();
     let mut keyed: Vec<String> = manifest
         .shards
         .iter()
         .map(|s| s.file.clone())
         .chain(manifest.retired.iter().map(|r| r.file.clone()))
-        .filter(|f| ["nodes-", "edges-", "embeddings-"].iter().any(|t| f.starts_with(&format!("shards/{t}"))))
+        .filter(|f| {
+            ["nodes-", "edges-", "embeddings-"]
+                .iter()
+                .any(|t| f.starts_with(&format!("shards/{t}")))
+        })
         .map(|f| format!("{}.keys", f.trim_start_matches("shards/")))
         .collect();
     keyed.sort();
@@ -151,7 +259,11 @@ fn nights_compacted(dir: &std::path::Path, batch_rows: usize) -> Vec<(String, St
 }
 
 /// [`nights_compacted`], with the key indexes deleted before each compaction when `no_indexes`.
-fn nights_compacted_with(dir: &std::path::Path, batch_rows: usize, no_indexes: bool) -> Vec<(String, String)> {
+fn nights_compacted_with(
+    dir: &std::path::Path,
+    batch_rows: usize,
+    no_indexes: bool,
+) -> Vec<(String, String)> {
     let mut writer = Writer::open(dir).unwrap();
     for night in 0..5 {
         let mut delta = Graph::default();
@@ -159,16 +271,34 @@ fn nights_compacted_with(dir: &std::path::Path, batch_rows: usize, no_indexes: b
             // Ten of each night's episodes are the previous night's, rewritten.
             let node = episode(i, night);
             delta.upsert_edge(edge(&node.id, i, night as f32));
-            delta.upsert_embedding(Embedding { node_id: node.id.clone(), model_id: "m".into(), text_sha256: "h".into(), vector: vec![night as f32; 4] });
+            delta.upsert_embedding(Embedding {
+                node_id: node.id.clone(),
+                model_id: "m".into(),
+                text_sha256: "h".into(),
+                vector: vec![night as f32; 4],
+            });
             delta.upsert_node(node);
         }
         writer.commit(&delta, info("night")).unwrap();
         if no_indexes {
             std::fs::remove_dir_all(dir.join("keys")).unwrap();
         }
-        writer.compact(&CompactPolicy { batch_rows, ..policy() }, "c").unwrap();
+        writer
+            .compact(
+                &CompactPolicy {
+                    batch_rows,
+                    ..policy()
+                },
+                "c",
+            )
+            .unwrap();
     }
-    let mut shards: Vec<(String, String)> = writer.manifest().shards.iter().map(|s| (s.table.clone(), s.sha256.clone())).collect();
+    let mut shards: Vec<(String, String)> = writer
+        .manifest()
+        .shards
+        .iter()
+        .map(|s| (s.table.clone(), s.sha256.clone()))
+        .collect();
     shards.sort();
     shards
 }
@@ -178,11 +308,24 @@ fn a_merge_writes_the_same_shards_whatever_its_batch_size() {
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let small = nights_compacted(a.path(), 3);
     let large = nights_compacted(b.path(), 100_000);
-    assert!(small.iter().any(|(table, _)| table == "steps"), "the nights merged nodes with steps: {small:?}");
-    assert_eq!(small, large, "merging 3 rows at a time or all at once writes the same bytes");
+    assert!(
+        small.iter().any(|(table, _)| table == "steps"),
+        "the nights merged nodes with steps: {small:?}"
+    );
+    assert_eq!(
+        small, large,
+        "merging 3 rows at a time or all at once writes the same bytes"
+    );
     let c = tempfile::tempdir().unwrap();
-    assert_eq!(nights_compacted_with(c.path(), 3, true), small, "the same bytes with the key indexes made from the shards each night");
-    let loaded = (Store::open(a.path()).unwrap().load().unwrap(), Store::open(b.path()).unwrap().load().unwrap());
+    assert_eq!(
+        nights_compacted_with(c.path(), 3, true),
+        small,
+        "the same bytes with the key indexes made from the shards each night"
+    );
+    let loaded = (
+        Store::open(a.path()).unwrap().load().unwrap(),
+        Store::open(b.path()).unwrap().load().unwrap(),
+    );
     assert_eq!(loaded.0, loaded.1);
 }
 
@@ -200,16 +343,40 @@ fn a_reader_of_the_previous_manifest_still_reads_and_a_late_reader_reloads() {
         expected.apply(delta);
     }
     let old = Store::open(dir.path()).unwrap().manifest().unwrap();
-    let report = writer.compact(&CompactPolicy { merge_factor: 8, ..Default::default() }, "c").unwrap();
+    let report = writer
+        .compact(
+            &CompactPolicy {
+                merge_factor: 8,
+                ..Default::default()
+            },
+            "c",
+        )
+        .unwrap();
     assert!(report.committed && report.retired > 0, "{report:?}");
     let store = Store::open(dir.path()).unwrap();
-    assert_eq!(store.load_at(&old).unwrap(), expected, "the retired files are still there for a reader of the old manifest");
+    assert_eq!(
+        store.load_at(&old).unwrap(),
+        expected,
+        "the retired files are still there for a reader of the old manifest"
+    );
     for n in 0..KEEP_RETIRED_COMMITS {
-        writer.commit(&Graph::default(), info(&format!("later-{n}"))).unwrap();
+        writer
+            .commit(&Graph::default(), info(&format!("later-{n}")))
+            .unwrap();
     }
-    assert!(writer.manifest().retired.is_empty(), "deleted {KEEP_RETIRED_COMMITS} commits later");
-    assert!(store.load_at(&old).is_err(), "an old manifest's files are gone by then");
-    assert_eq!(store.load().unwrap(), expected, "load() reads the current manifest");
+    assert!(
+        writer.manifest().retired.is_empty(),
+        "deleted {KEEP_RETIRED_COMMITS} commits later"
+    );
+    assert!(
+        store.load_at(&old).is_err(),
+        "an old manifest's files are gone by then"
+    );
+    assert_eq!(
+        store.load().unwrap(),
+        expected,
+        "load() reads the current manifest"
+    );
 }
 
 #[test]
@@ -231,11 +398,21 @@ fn compaction_is_refused_while_a_sharded_run_is_staged_and_keeps_retired_files()
     assert!(matches!(error, Error::Staging { .. }), "{error}");
     assert!(error.to_string().contains("sharded run"), "{error}");
     for n in 0..3 {
-        writer.commit(&Graph::default(), info(&format!("later-{n}"))).unwrap();
+        writer
+            .commit(&Graph::default(), info(&format!("later-{n}")))
+            .unwrap();
     }
-    assert_eq!(writer.manifest().retired.len(), retired, "a staging store reads the main shards by path: nothing deleted");
+    assert_eq!(
+        writer.manifest().retired.len(),
+        retired,
+        "a staging store reads the main shards by path: nothing deleted"
+    );
     for entry in &writer.manifest().retired {
-        assert!(dir.path().join(&entry.file).is_file(), "{} kept", entry.file);
+        assert!(
+            dir.path().join(&entry.file).is_file(),
+            "{} kept",
+            entry.file
+        );
     }
 }
 
@@ -245,14 +422,27 @@ fn the_manifest_keeps_a_bounded_commit_log_and_the_rest_goes_to_history() {
     let mut writer = Writer::open(dir.path()).unwrap();
     let commits = MANIFEST_COMMIT_LOG + 36;
     for n in 0..commits {
-        writer.commit(&Graph::default(), info(&format!("c{n}"))).unwrap();
+        writer
+            .commit(&Graph::default(), info(&format!("c{n}")))
+            .unwrap();
     }
     let manifest = writer.manifest();
     assert_eq!(manifest.commits.len(), MANIFEST_COMMIT_LOG);
     assert_eq!(manifest.commits.last().unwrap().version, commits as u64);
     let history = std::fs::read_to_string(dir.path().join(fluxmem_store::HISTORY)).unwrap();
-    let versions: Vec<u64> = history.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["version"].as_u64().unwrap()).collect();
-    assert_eq!(versions, (1..=36).collect::<Vec<u64>>(), "the older records, in order, none lost");
+    let versions: Vec<u64> = history
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["version"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        versions,
+        (1..=36).collect::<Vec<u64>>(),
+        "the older records, in order, none lost"
+    );
 }
 
 #[test]
@@ -267,8 +457,15 @@ fn nothing_to_compact_writes_nothing() {
     // manifest-only commit, no shard), the second finds nothing at all to do.
     let report = writer.compact(&CompactPolicy::default(), "c").unwrap();
     assert!(!report.committed && report.counted);
-    assert_eq!(writer.manifest().shards, shards, "no shard written or retired");
-    assert_eq!(writer.manifest().current_counts().map(|c| c.episodic), Some(1));
+    assert_eq!(
+        writer.manifest().shards,
+        shards,
+        "no shard written or retired"
+    );
+    assert_eq!(
+        writer.manifest().current_counts().map(|c| c.episodic),
+        Some(1)
+    );
     let version = writer.manifest().version;
     let report = writer.compact(&CompactPolicy::default(), "c").unwrap();
     assert!(!report.committed && !report.counted);

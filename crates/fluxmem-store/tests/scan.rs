@@ -1,20 +1,65 @@
 //! Projected, filtered scans read the same rows as the whole graph, minus what was left out.
 
-use fluxmem_graph::{Changed, Edge, EdgeKind, Edit, Embedding, Episode, Graph, Node, NodeBody, NodeId, NodeKind, Outcome, Semantic, Step};
+use fluxmem_graph::{
+    Changed, Edge, EdgeKind, Edit, Embedding, Episode, Graph, Node, NodeBody, NodeId, NodeKind,
+    Outcome, Semantic, Step,
+};
 use fluxmem_store::{CommitInfo, Rows, Scan, Writer};
 use std::collections::BTreeSet;
 
 fn info() -> CommitInfo {
-    CommitInfo { stage: "test".into(), run_id: "r".into(), ..Default::default() }
+    CommitInfo {
+        stage: "test".into(),
+        run_id: "r".into(),
+        ..Default::default()
+    }
 }
 
 fn episode(i: usize, version: usize) -> Node {
-    let steps = (0..2).map(|s| Step { observation: format!("obs {i}.{s}.{version}"), action: "a".into(), tool_calls: vec![], feedback: None, timestamp: None }).collect();
-    Node::new(NodeBody::Episodic(Episode { steps, outcome: Outcome { success: Some(i % 2 == 0), reward: None, feedback: None } }), "t", &format!("task {i}"), &[&i.to_string()])
+    let steps = (0..2)
+        .map(|s| Step {
+            observation: format!("obs {i}.{s}.{version}"),
+            action: "a".into(),
+            tool_calls: vec![],
+            feedback: None,
+            timestamp: None,
+        })
+        .collect();
+    Node::new(
+        NodeBody::Episodic(Episode {
+            steps,
+            outcome: Outcome {
+                success: Some(i % 2 == 0),
+                reward: None,
+                feedback: None,
+            },
+        }),
+        "t",
+        &format!("task {i}"),
+        &[&i.to_string()],
+    )
 }
 
-fn edge(src: &NodeId, dst: &NodeId, kind: EdgeKind, weight: f32, stage: &str, active: bool) -> Edge {
-    Edge { src: src.clone(), dst: dst.clone(), kind, weight, evidence: 1, stage: stage.into(), run_id: "r".into(), created_at: 0, active, metadata: Default::default() }
+fn edge(
+    src: &NodeId,
+    dst: &NodeId,
+    kind: EdgeKind,
+    weight: f32,
+    stage: &str,
+    active: bool,
+) -> Edge {
+    Edge {
+        src: src.clone(),
+        dst: dst.clone(),
+        kind,
+        weight,
+        evidence: 1,
+        stage: stage.into(),
+        run_id: "r".into(),
+        created_at: 0,
+        active,
+        metadata: Default::default(),
+    }
 }
 
 /// Three commits; the second rewrites episodes 0 and 1 (new steps) and an embedding.
@@ -22,19 +67,48 @@ fn store() -> (tempfile::TempDir, Graph) {
     let dir = tempfile::tempdir().unwrap();
     let mut writer = Writer::open(dir.path()).unwrap();
     let mut all = Graph::default();
-    let fact = Node::new(NodeBody::Semantic(Semantic { source: "doc".into(), position: 0, time: None, group: None }), "t", "a fact", &["f"]);
+    let fact = Node::new(
+        NodeBody::Semantic(Semantic {
+            source: "doc".into(),
+            position: 0,
+            time: None,
+            group: None,
+        }),
+        "t",
+        "a fact",
+        &["f"],
+    );
     for commit in 0..3 {
         let mut delta = Graph::default();
         for i in 0..4 {
             if commit == 0 || (commit == 1 && i < 2) {
                 let node = episode(i, commit);
-                delta.upsert_embedding(Embedding { node_id: node.id.clone(), model_id: "m".into(), text_sha256: format!("h{i}.{commit}"), vector: vec![commit as f32, i as f32] });
+                delta.upsert_embedding(Embedding {
+                    node_id: node.id.clone(),
+                    model_id: "m".into(),
+                    text_sha256: format!("h{i}.{commit}"),
+                    vector: vec![commit as f32, i as f32],
+                });
                 delta.upsert_node(node);
             }
         }
         if commit == 2 {
-            let edge = edge(&fact.id, &episode(0, 0).id, EdgeKind::Ground, 0.5, "connect", true);
-            delta.edits.push(Edit::new("refine", "r", "credit", Changed::Edge(None, Some(&edge)), "why", 0));
+            let edge = edge(
+                &fact.id,
+                &episode(0, 0).id,
+                EdgeKind::Ground,
+                0.5,
+                "connect",
+                true,
+            );
+            delta.edits.push(Edit::new(
+                "refine",
+                "r",
+                "credit",
+                Changed::Edge(None, Some(&edge)),
+                "why",
+                0,
+            ));
             delta.upsert_edge(edge);
             delta.upsert_node(fact.clone());
         }
@@ -63,32 +137,83 @@ fn scans_read_what_they_ask_for_and_nothing_else() {
     assert_eq!(store.scan(&Scan::all()).unwrap().0, all);
 
     let (credit, _) = store.scan(&Scan::nodes_and_edges()).unwrap();
-    let expected = Graph { embeddings: Default::default(), edits: Vec::new(), ..without_steps(all.clone(), &BTreeSet::new()) };
-    assert_eq!(credit, expected, "node rows without steps, edges, no vectors or edits");
-    assert!(credit.nodes.values().filter_map(|n| n.episode()).all(|e| e.steps.is_empty()));
+    let expected = Graph {
+        embeddings: Default::default(),
+        edits: Vec::new(),
+        ..without_steps(all.clone(), &BTreeSet::new())
+    };
+    assert_eq!(
+        credit, expected,
+        "node rows without steps, edges, no vectors or edits"
+    );
+    assert!(credit
+        .nodes
+        .values()
+        .filter_map(|n| n.episode())
+        .all(|e| e.steps.is_empty()));
 
     // The steps of two episodes: the rewritten one (its newest steps) and one never rewritten.
     let keep: BTreeSet<NodeId> = [episode(0, 1).id, episode(3, 0).id].into_iter().collect();
-    let (some, _) = store.scan(&Scan { nodes: true, steps: Rows::Of(keep.clone()), ..Default::default() }).unwrap();
+    let (some, _) = store
+        .scan(&Scan {
+            nodes: true,
+            steps: Rows::Of(keep.clone()),
+            ..Default::default()
+        })
+        .unwrap();
     assert_eq!(some.nodes, without_steps(all.clone(), &keep).nodes);
-    assert!(some.nodes[&episode(0, 1).id].episode().unwrap().steps[0].observation.ends_with(".1"), "the newest commit's steps");
+    assert!(
+        some.nodes[&episode(0, 1).id].episode().unwrap().steps[0]
+            .observation
+            .ends_with(".1"),
+        "the newest commit's steps"
+    );
 
     // The rows of those two nodes only, with their steps: what embed reads of the nodes it embeds.
-    let (only, _) = store.scan(&Scan { nodes: true, nodes_of: Some(keep.clone()), steps: Rows::Of(keep.clone()), ..Default::default() }).unwrap();
+    let (only, _) = store
+        .scan(&Scan {
+            nodes: true,
+            nodes_of: Some(keep.clone()),
+            steps: Rows::Of(keep.clone()),
+            ..Default::default()
+        })
+        .unwrap();
     let mut wanted = all.nodes.clone();
     wanted.retain(|id, _| keep.contains(id));
-    assert_eq!(only.nodes, wanted, "the newest rows of the ids asked for, whole, and no other node");
+    assert_eq!(
+        only.nodes, wanted,
+        "the newest rows of the ids asked for, whole, and no other node"
+    );
     assert!(only.edges.is_empty() && only.embeddings.is_empty());
 
     // The nodes of one kind (filtered on the kind column), and of one kind among given ids.
-    let (facts, _) = store.scan(&Scan { nodes: true, node_kinds: vec![NodeKind::Semantic], ..Default::default() }).unwrap();
+    let (facts, _) = store
+        .scan(&Scan {
+            nodes: true,
+            node_kinds: vec![NodeKind::Semantic],
+            ..Default::default()
+        })
+        .unwrap();
     let mut wanted = all.nodes.clone();
     wanted.retain(|_, n| n.kind() == NodeKind::Semantic);
     assert_eq!(wanted.len(), 1);
     assert_eq!(facts.nodes, wanted, "the semantic node only");
-    let (none, _) = store.scan(&Scan { nodes: true, nodes_of: Some(keep.clone()), node_kinds: vec![NodeKind::Semantic], ..Default::default() }).unwrap();
+    let (none, _) = store
+        .scan(&Scan {
+            nodes: true,
+            nodes_of: Some(keep.clone()),
+            node_kinds: vec![NodeKind::Semantic],
+            ..Default::default()
+        })
+        .unwrap();
     assert!(none.nodes.is_empty(), "the ids asked for are episodes");
-    let (episodes, _) = store.scan(&Scan { nodes: true, node_kinds: vec![NodeKind::Episodic, NodeKind::Procedural], ..Default::default() }).unwrap();
+    let (episodes, _) = store
+        .scan(&Scan {
+            nodes: true,
+            node_kinds: vec![NodeKind::Episodic, NodeKind::Procedural],
+            ..Default::default()
+        })
+        .unwrap();
     let mut wanted = without_steps(all.clone(), &BTreeSet::new()).nodes;
     wanted.retain(|_, n| n.kind() != NodeKind::Semantic);
     assert_eq!(wanted.len(), 4);
@@ -96,18 +221,35 @@ fn scans_read_what_they_ask_for_and_nothing_else() {
 
     // Keys of every embedding (the newest row's hash), vectors of one node only.
     let one: BTreeSet<NodeId> = [episode(1, 0).id].into_iter().collect();
-    let (keys, _) = store.scan(&Scan { embedding_keys: true, vectors: Rows::Of(one.clone()), ..Default::default() }).unwrap();
+    let (keys, _) = store
+        .scan(&Scan {
+            embedding_keys: true,
+            vectors: Rows::Of(one.clone()),
+            ..Default::default()
+        })
+        .unwrap();
     assert_eq!(keys.embeddings.len(), all.embeddings.len());
     for (key, embedding) in &keys.embeddings {
-        assert_eq!(embedding.text_sha256, all.embeddings[key].text_sha256, "{key:?}");
+        assert_eq!(
+            embedding.text_sha256, all.embeddings[key].text_sha256,
+            "{key:?}"
+        );
         if one.contains(&key.0) {
-            assert_eq!(embedding.vector, all.embeddings[key].vector, "the asked-for vector, of the newest row");
+            assert_eq!(
+                embedding.vector, all.embeddings[key].vector,
+                "the asked-for vector, of the newest row"
+            );
         } else {
             assert!(embedding.vector.is_empty(), "{key:?}: vector left unread");
         }
     }
     assert!(keys.nodes.is_empty() && keys.edges.is_empty() && keys.edits.is_empty());
-    let (vectors, _) = store.scan(&Scan { vectors: Rows::Of(one.clone()), ..Default::default() }).unwrap();
+    let (vectors, _) = store
+        .scan(&Scan {
+            vectors: Rows::Of(one.clone()),
+            ..Default::default()
+        })
+        .unwrap();
     assert_eq!(vectors.embeddings.len(), 1);
 }
 
@@ -145,15 +287,38 @@ fn edge_and_edit_kind_filters_keep_those_kinds_only() {
     let (a, b) = (episode(1, 1).id, episode(2, 0).id);
     for (kind, weight) in [(EdgeKind::Distill, 0.25), (EdgeKind::Link, 1.0)] {
         let edge = edge(&a, &b, kind, weight, "consolidate", true);
-        delta.edits.push(Edit::new("consolidate", "r", if kind == EdgeKind::Distill { "distill" } else { "skill_failed" }, Changed::Edge(None, Some(&edge)), "why", 0));
+        delta.edits.push(Edit::new(
+            "consolidate",
+            "r",
+            if kind == EdgeKind::Distill {
+                "distill"
+            } else {
+                "skill_failed"
+            },
+            Changed::Edge(None, Some(&edge)),
+            "why",
+            0,
+        ));
         delta.upsert_edge(edge);
     }
     writer.commit(&delta, info()).unwrap();
     // A later commit rewrites the distill edge: the filtered scan sees the newest row.
     let mut later = Graph::default();
-    let mut edge = delta.edges.values().find(|e| e.kind == EdgeKind::Distill).unwrap().clone();
+    let mut edge = delta
+        .edges
+        .values()
+        .find(|e| e.kind == EdgeKind::Distill)
+        .unwrap()
+        .clone();
     edge.active = false;
-    later.edits.push(Edit::new("consolidate", "r", "skill_failed", Changed::Edge(None, Some(&edge)), "second", 1));
+    later.edits.push(Edit::new(
+        "consolidate",
+        "r",
+        "skill_failed",
+        Changed::Edge(None, Some(&edge)),
+        "second",
+        1,
+    ));
     later.upsert_edge(edge.clone());
     writer.commit(&later, info()).unwrap();
     let mut whole = all.clone();
@@ -161,17 +326,44 @@ fn edge_and_edit_kind_filters_keep_those_kinds_only() {
     whole.apply(later);
 
     let store = fluxmem_store::Store::open(dir.path()).unwrap();
-    let scan = Scan { edges: true, edge_kinds: vec![EdgeKind::Distill], edits: true, edit_kinds: vec!["skill_failed".into()], ..Default::default() };
+    let scan = Scan {
+        edges: true,
+        edge_kinds: vec![EdgeKind::Distill],
+        edits: true,
+        edit_kinds: vec!["skill_failed".into()],
+        ..Default::default()
+    };
     let (read, _) = store.scan(&scan).unwrap();
-    let distill: Vec<&Edge> = whole.edges.values().filter(|e| e.kind == EdgeKind::Distill).collect();
+    let distill: Vec<&Edge> = whole
+        .edges
+        .values()
+        .filter(|e| e.kind == EdgeKind::Distill)
+        .collect();
     assert_eq!(read.edges.values().collect::<Vec<_>>(), distill);
-    assert!(!read.edges.values().next().unwrap().active, "the newest row of the edge");
-    let failed: Vec<&Edit> = whole.edits.iter().filter(|e| e.kind == "skill_failed").collect();
+    assert!(
+        !read.edges.values().next().unwrap().active,
+        "the newest row of the edge"
+    );
+    let failed: Vec<&Edit> = whole
+        .edits
+        .iter()
+        .filter(|e| e.kind == "skill_failed")
+        .collect();
     assert_eq!(failed.len(), 2);
-    assert_eq!(read.edits.iter().collect::<Vec<_>>(), failed, "in log order");
+    assert_eq!(
+        read.edits.iter().collect::<Vec<_>>(),
+        failed,
+        "in log order"
+    );
     assert!(read.nodes.is_empty() && read.embeddings.is_empty());
     // Without filters, every kind.
-    let (every, _) = store.scan(&Scan { edges: true, edits: true, ..Default::default() }).unwrap();
+    let (every, _) = store
+        .scan(&Scan {
+            edges: true,
+            edits: true,
+            ..Default::default()
+        })
+        .unwrap();
     assert_eq!(every.edges, whole.edges);
     assert_eq!(every.edits, whole.edits);
 }
@@ -182,7 +374,17 @@ fn edge_and_edit_kind_filters_keep_those_kinds_only() {
 fn live_streams_each_live_row_once_and_skips_superseded_ones() {
     let dir = tempfile::tempdir().unwrap();
     let mut writer = Writer::open(dir.path()).unwrap();
-    let fact = Node::new(NodeBody::Semantic(Semantic { source: "doc".into(), position: 0, time: None, group: None }), "t", "a fact", &["f"]);
+    let fact = Node::new(
+        NodeBody::Semantic(Semantic {
+            source: "doc".into(),
+            position: 0,
+            time: None,
+            group: None,
+        }),
+        "t",
+        "a fact",
+        &["f"],
+    );
     let episodes: Vec<Node> = (0..6).map(|i| episode(i, 0)).collect();
     for commit in 0..4usize {
         let mut delta = Graph::default();
@@ -192,9 +394,23 @@ fn live_streams_each_live_row_once_and_skips_superseded_ones() {
         for (i, e) in episodes.iter().enumerate() {
             // Commit 0 writes every edge; later commits rewrite some (their old rows die).
             if commit == 0 || i % (commit + 1) == 0 {
-                delta.upsert_edge(edge(&fact.id, &e.id, EdgeKind::Ground, commit as f32, "connect", true));
+                delta.upsert_edge(edge(
+                    &fact.id,
+                    &e.id,
+                    EdgeKind::Ground,
+                    commit as f32,
+                    "connect",
+                    true,
+                ));
                 if i > 0 {
-                    delta.upsert_edge(edge(&e.id, &episodes[i - 1].id, EdgeKind::Link, 10.0 + commit as f32, "connect", commit % 2 == 0));
+                    delta.upsert_edge(edge(
+                        &e.id,
+                        &episodes[i - 1].id,
+                        EdgeKind::Link,
+                        10.0 + commit as f32,
+                        "connect",
+                        commit % 2 == 0,
+                    ));
                 }
             }
             if commit == 0 || (commit == 2 && i < 3) {
@@ -211,25 +427,56 @@ fn live_streams_each_live_row_once_and_skips_superseded_ones() {
         live_edges.edges(&[], &mut |e| streamed.push(e)).unwrap();
         assert_eq!(streamed.len(), loaded.edges.len(), "each live edge once");
         for e in &streamed {
-            assert_eq!(&loaded.edges[&e.key()], e, "the winning row of {:?}", e.key());
+            assert_eq!(
+                &loaded.edges[&e.key()],
+                e,
+                "the winning row of {:?}",
+                e.key()
+            );
         }
         let mut grounds = Vec::new();
-        live_edges.edges(&[EdgeKind::Ground], &mut |e| grounds.push(e)).unwrap();
+        live_edges
+            .edges(&[EdgeKind::Ground], &mut |e| grounds.push(e))
+            .unwrap();
         assert_eq!(grounds.len(), 6);
         assert!(grounds.iter().all(|e| e.kind == EdgeKind::Ground));
         let mut nodes = Vec::new();
-        writer.store().live(writer.manifest(), "nodes").unwrap().nodes(&mut |n| nodes.push(n)).unwrap();
+        writer
+            .store()
+            .live(writer.manifest(), "nodes")
+            .unwrap()
+            .nodes(&mut |n| nodes.push(n))
+            .unwrap();
         assert_eq!(nodes.len(), loaded.nodes.len());
         for n in &nodes {
             let whole = &loaded.nodes[&n.id];
-            assert_eq!((&n.text, n.kind(), &n.metadata), (&whole.text, whole.kind(), &whole.metadata));
-            assert!(n.episode().is_none_or(|e| e.steps.is_empty()), "steps are not read");
+            assert_eq!(
+                (&n.text, n.kind(), &n.metadata),
+                (&whole.text, whole.kind(), &whole.metadata)
+            );
+            assert!(
+                n.episode().is_none_or(|e| e.steps.is_empty()),
+                "steps are not read"
+            );
         }
         streamed
     };
     let before = check(&writer);
-    assert!(before.iter().any(|e| e.weight == 3.0) && before.iter().any(|e| e.weight == 0.0), "rows of the first and the last commit are live");
-    let report = writer.compact(&fluxmem_store::CompactPolicy { max_dead_fraction: 0.0, merge_factor: 2, min_level_rows: 1, ..Default::default() }, "c").unwrap();
+    assert!(
+        before.iter().any(|e| e.weight == 3.0) && before.iter().any(|e| e.weight == 0.0),
+        "rows of the first and the last commit are live"
+    );
+    let report = writer
+        .compact(
+            &fluxmem_store::CompactPolicy {
+                max_dead_fraction: 0.0,
+                merge_factor: 2,
+                min_level_rows: 1,
+                ..Default::default()
+            },
+            "c",
+        )
+        .unwrap();
     assert!(report.committed);
     let mut after = check(&writer);
     let mut before = before;
@@ -248,18 +495,36 @@ fn filtered_reads_over_many_batches_and_pages_give_the_whole_reads_rows() {
     let mut delta = Graph::default();
     for i in 0..30_000 {
         let id = NodeId(format!("ep-{i:06}"));
-        delta.upsert_embedding(Embedding { node_id: id, model_id: "m".into(), text_sha256: format!("h{i}"), vector: vec![i as f32, (i % 7) as f32, 1.0, -(i as f32)] });
+        delta.upsert_embedding(Embedding {
+            node_id: id,
+            model_id: "m".into(),
+            text_sha256: format!("h{i}"),
+            vector: vec![i as f32, (i % 7) as f32, 1.0, -(i as f32)],
+        });
     }
     writer.commit(&delta, info()).unwrap();
     let store = fluxmem_store::Store::open(dir.path()).unwrap();
     // Ids spread over every batch, the first and the last row among them.
-    let some: BTreeSet<NodeId> = (0..30_000).filter(|i| i % 997 == 0 || *i == 29_999 || (8190..8195).contains(i)).map(|i| NodeId(format!("ep-{i:06}"))).collect();
-    let (read, _) = store.scan(&Scan { vectors: Rows::Of(some.clone()), ..Default::default() }).unwrap();
+    let some: BTreeSet<NodeId> = (0..30_000)
+        .filter(|i| i % 997 == 0 || *i == 29_999 || (8190..8195).contains(i))
+        .map(|i| NodeId(format!("ep-{i:06}")))
+        .collect();
+    let (read, _) = store
+        .scan(&Scan {
+            vectors: Rows::Of(some.clone()),
+            ..Default::default()
+        })
+        .unwrap();
     let mut wanted = delta.embeddings.clone();
     wanted.retain(|(id, _), _| some.contains(id));
     assert_eq!(read.embeddings.len(), some.len());
     assert_eq!(read.embeddings, wanted);
     let none: BTreeSet<NodeId> = [NodeId("ep-absent".into())].into_iter().collect();
-    let (read, _) = store.scan(&Scan { vectors: Rows::Of(none), ..Default::default() }).unwrap();
+    let (read, _) = store
+        .scan(&Scan {
+            vectors: Rows::Of(none),
+            ..Default::default()
+        })
+        .unwrap();
     assert!(read.embeddings.is_empty());
 }

@@ -25,8 +25,12 @@ fn is_domain(byte: u8) -> bool {
 /// walked over at most once as part of a local part and once as part of a domain.
 pub(super) fn scan(bytes: &[u8], out: &mut Vec<Candidate>) {
     for (at, _) in bytes.iter().enumerate().filter(|&(_, &byte)| byte == b'@') {
-        let Some(start) = local_start(bytes, at) else { continue };
-        let Some(end) = domain_end(bytes, at + 1) else { continue };
+        let Some(start) = local_start(bytes, at) else {
+            continue;
+        };
+        let Some(end) = domain_end(bytes, at + 1) else {
+            continue;
+        };
         out.push(Candidate::new(start, end, Kind::Email));
     }
 }
@@ -51,7 +55,10 @@ fn domain_end(bytes: &[u8], from: usize) -> Option<usize> {
         end += 1;
     }
     // An empty label ends the domain ("a@b.com..x" is "a@b.com").
-    if let Some(double) = bytes[from..end].windows(2).position(|pair| pair[0] == b'.' && pair[1] == b'.') {
+    if let Some(double) = bytes[from..end]
+        .windows(2)
+        .position(|pair| pair[0] == b'.' && pair[1] == b'.')
+    {
         end = from + double;
     }
     while end > from && matches!(bytes[end - 1], b'.' | b'-') {
@@ -64,7 +71,10 @@ fn domain_end(bytes: &[u8], from: usize) -> Option<usize> {
     let mut labels = 0;
     let mut last: &[u8] = &[];
     for label in domain.split(|&byte| byte == b'.') {
-        let bad = label.is_empty() || label.len() > MAX_LABEL || label[0] == b'-' || label[label.len() - 1] == b'-';
+        let bad = label.is_empty()
+            || label.len() > MAX_LABEL
+            || label[0] == b'-'
+            || label[label.len() - 1] == b'-';
         if bad {
             return None;
         }
@@ -87,8 +97,14 @@ mod tests {
     #[test]
     fn finds_addresses() {
         assert_eq!(emails("write to bob@example.com."), vec!["bob@example.com"]);
-        assert_eq!(emails("Bob <bob.smith+tag@mail.example.co.uk>"), vec!["bob.smith+tag@mail.example.co.uk"]);
-        assert_eq!(emails("mailto:a_b-c%d@x-y.io, second@z.org"), vec!["a_b-c%d@x-y.io", "second@z.org"]);
+        assert_eq!(
+            emails("Bob <bob.smith+tag@mail.example.co.uk>"),
+            vec!["bob.smith+tag@mail.example.co.uk"]
+        );
+        assert_eq!(
+            emails("mailto:a_b-c%d@x-y.io, second@z.org"),
+            vec!["a_b-c%d@x-y.io", "second@z.org"]
+        );
         assert_eq!(emails("(ops@Example.COM)"), vec!["ops@Example.COM"]);
         assert_eq!(emails("x@y@b.com"), vec!["y@b.com"]);
         assert_eq!(emails("...lead@team.dev-"), vec!["lead@team.dev"]);
@@ -96,7 +112,18 @@ mod tests {
 
     #[test]
     fn ignores_non_addresses() {
-        for text in ["@handle", "user@", "user@localhost", "a@b.c", "a@b.c0m", "x@-bad.com", "a.@b.com", "meet @ 10.30", "@@", "a@.com"] {
+        for text in [
+            "@handle",
+            "user@",
+            "user@localhost",
+            "a@b.c",
+            "a@b.c0m",
+            "x@-bad.com",
+            "a.@b.com",
+            "meet @ 10.30",
+            "@@",
+            "a@.com",
+        ] {
             assert!(emails(text).is_empty(), "{text}: {:?}", emails(text));
         }
         let long_local = format!("{}@example.com", "a".repeat(65));

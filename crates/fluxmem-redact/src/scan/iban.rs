@@ -33,7 +33,11 @@ pub(super) fn scan(bytes: &[u8], out: &mut Vec<Candidate>) {
 /// The number of IBAN characters (capitals and digits) from `from` on, counting at most
 /// `MAX_LEN + 1`.
 fn block_len(bytes: &[u8], from: usize) -> usize {
-    bytes[from.min(bytes.len())..].iter().take(MAX_LEN + 1).take_while(|&&byte| is_iban_char(byte)).count()
+    bytes[from.min(bytes.len())..]
+        .iter()
+        .take(MAX_LEN + 1)
+        .take_while(|&&byte| is_iban_char(byte))
+        .count()
 }
 
 fn glued_after(bytes: &[u8], end: usize) -> bool {
@@ -43,7 +47,10 @@ fn glued_after(bytes: &[u8], end: usize) -> bool {
 /// A valid IBAN starting at `start`: its end.
 fn iban_at(bytes: &[u8], start: usize) -> Option<usize> {
     let head = &bytes[start..start + 4];
-    let head_ok = head[0].is_ascii_uppercase() && head[1].is_ascii_uppercase() && head[2].is_ascii_digit() && head[3].is_ascii_digit();
+    let head_ok = head[0].is_ascii_uppercase()
+        && head[1].is_ascii_uppercase()
+        && head[2].is_ascii_digit()
+        && head[3].is_ascii_digit();
     if !head_ok || before(bytes, start).is_some_and(is_word) {
         return None;
     }
@@ -60,7 +67,11 @@ fn iban_at(bytes: &[u8], start: usize) -> Option<usize> {
     while bytes.get(pos) == Some(&b' ') {
         let block = pos + 1;
         let length = block_len(bytes, block);
-        if length == 0 || length > 4 || chars.len() + length > MAX_LEN || glued_after(bytes, block + length) {
+        if length == 0
+            || length > 4
+            || chars.len() + length > MAX_LEN
+            || glued_after(bytes, block + length)
+        {
             break;
         }
         chars.extend_from_slice(&bytes[block..block + length]);
@@ -72,7 +83,10 @@ fn iban_at(bytes: &[u8], start: usize) -> Option<usize> {
             break;
         }
     }
-    ends.iter().rev().find(|&&(count, _)| mod97_ok(&chars[..count])).map(|&(_, end)| end)
+    ends.iter()
+        .rev()
+        .find(|&&(count, _)| mod97_ok(&chars[..count]))
+        .map(|&(_, end)| end)
 }
 
 /// The ISO 7064 mod-97 check: the first four characters moved to the end, letters read as
@@ -100,15 +114,35 @@ mod tests {
 
     #[test]
     fn finds_valid_ibans() {
-        assert_eq!(ibans("pay to GB82 WEST 1234 5698 7654 32 today"), vec!["GB82 WEST 1234 5698 7654 32"]);
-        assert_eq!(ibans("GB82WEST12345698765432."), vec!["GB82WEST12345698765432"]);
-        assert_eq!(ibans("iban: DE89 3704 0044 0532 0130 00, thanks"), vec!["DE89 3704 0044 0532 0130 00"]);
-        assert_eq!(ibans("FR14 2004 1010 0505 0001 3M02 606 and NL91ABNA0417164300"), vec!["FR14 2004 1010 0505 0001 3M02 606", "NL91ABNA0417164300"]);
+        assert_eq!(
+            ibans("pay to GB82 WEST 1234 5698 7654 32 today"),
+            vec!["GB82 WEST 1234 5698 7654 32"]
+        );
+        assert_eq!(
+            ibans("GB82WEST12345698765432."),
+            vec!["GB82WEST12345698765432"]
+        );
+        assert_eq!(
+            ibans("iban: DE89 3704 0044 0532 0130 00, thanks"),
+            vec!["DE89 3704 0044 0532 0130 00"]
+        );
+        assert_eq!(
+            ibans("FR14 2004 1010 0505 0001 3M02 606 and NL91ABNA0417164300"),
+            vec!["FR14 2004 1010 0505 0001 3M02 606", "NL91ABNA0417164300"]
+        );
     }
 
     #[test]
     fn ignores_invalid_ibans() {
-        for text in ["GB82 WEST 1234 5698 7654 33", "GB83WEST12345698765432", "xGB82WEST12345698765432", "GB82WEST12345698765432x", "gb82 west 1234 5698 7654 32", "AB12", "GB82 WEST"] {
+        for text in [
+            "GB82 WEST 1234 5698 7654 33",
+            "GB83WEST12345698765432",
+            "xGB82WEST12345698765432",
+            "GB82WEST12345698765432x",
+            "gb82 west 1234 5698 7654 32",
+            "AB12",
+            "GB82 WEST",
+        ] {
             assert!(ibans(text).is_empty(), "{text}: {:?}", ibans(text));
         }
     }

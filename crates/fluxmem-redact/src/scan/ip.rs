@@ -45,7 +45,9 @@ pub(super) fn ipv4_at(bytes: &[u8], start: usize) -> Option<usize> {
         if digits.is_empty() || digits.len() > 3 || (digits.len() > 1 && digits[0] == b'0') {
             return None;
         }
-        let value = digits.iter().fold(0u32, |value, &digit| value * 10 + u32::from(digit - b'0'));
+        let value = digits
+            .iter()
+            .fold(0u32, |value, &digit| value * 10 + u32::from(digit - b'0'));
         if value > 255 {
             return None;
         }
@@ -59,7 +61,9 @@ fn bounded_ipv4_at(bytes: &[u8], start: usize) -> Option<usize> {
         return None;
     }
     let end = ipv4_at(bytes, start)?;
-    let glued = at(bytes, end, is_word) || (at(bytes, end, |byte| byte == b'.') && at(bytes, end + 1, |byte| byte.is_ascii_digit()));
+    let glued = at(bytes, end, is_word)
+        || (at(bytes, end, |byte| byte == b'.')
+            && at(bytes, end + 1, |byte| byte.is_ascii_digit()));
     (!glued).then_some(end)
 }
 
@@ -110,15 +114,22 @@ fn ipv6_at(bytes: &[u8], start: usize) -> Option<usize> {
             compressed = true;
             pos += 2;
             end = pos;
-        } else if at(bytes, pos, |byte| byte == b':') && at(bytes, pos + 1, |byte| byte.is_ascii_hexdigit()) {
+        } else if at(bytes, pos, |byte| byte == b':')
+            && at(bytes, pos + 1, |byte| byte.is_ascii_hexdigit())
+        {
             pos += 1;
         } else {
             break;
         }
     }
-    let enough = if compressed { (3..=7).contains(&groups) } else { groups == 8 };
+    let enough = if compressed {
+        (3..=7).contains(&groups)
+    } else {
+        groups == 8
+    };
     let glued = at(bytes, end, |byte| is_word(byte) || byte == b':')
-        || (at(bytes, end, |byte| byte == b'.') && at(bytes, end + 1, |byte| byte.is_ascii_digit()));
+        || (at(bytes, end, |byte| byte == b'.')
+            && at(bytes, end + 1, |byte| byte.is_ascii_digit()));
     (enough && has_digit && !glued).then_some(end)
 }
 
@@ -134,13 +145,26 @@ mod tests {
     #[test]
     fn finds_ipv4() {
         assert_eq!(ips("host 10.0.0.1 is up"), vec!["10.0.0.1"]);
-        assert_eq!(ips("from 192.168.1.254:8080 and 0.0.0.0/0"), vec!["192.168.1.254", "0.0.0.0"]);
+        assert_eq!(
+            ips("from 192.168.1.254:8080 and 0.0.0.0/0"),
+            vec!["192.168.1.254", "0.0.0.0"]
+        );
         assert_eq!(ips("(255.255.255.255)."), vec!["255.255.255.255"]);
     }
 
     #[test]
     fn ignores_non_ipv4() {
-        for text in ["999.1.1.1", "1.2.3", "v1.2.3.4", "1.2.3.4.5", "10.0.0.256", "01.2.3.4", "1.2.3.4a", "version 1.2.3 released", "2024.05.01"] {
+        for text in [
+            "999.1.1.1",
+            "1.2.3",
+            "v1.2.3.4",
+            "1.2.3.4.5",
+            "10.0.0.256",
+            "01.2.3.4",
+            "1.2.3.4a",
+            "version 1.2.3 released",
+            "2024.05.01",
+        ] {
             assert!(ips(text).is_empty(), "{text}: {:?}", ips(text));
         }
     }
@@ -148,14 +172,33 @@ mod tests {
     #[test]
     fn finds_ipv6() {
         assert_eq!(ips("addr 2001:db8::1 ok"), vec!["2001:db8::1"]);
-        assert_eq!(ips("[2001:0db8:85a3:0000:0000:8a2e:0370:7334]:443"), vec!["2001:0db8:85a3:0000:0000:8a2e:0370:7334"]);
-        assert_eq!(ips("mapped ::ffff:192.0.2.1 here"), vec!["::ffff:192.0.2.1"]);
-        assert_eq!(ips("fe80::1ff:fe23:4567:890a%eth0"), vec!["fe80::1ff:fe23:4567:890a"]);
+        assert_eq!(
+            ips("[2001:0db8:85a3:0000:0000:8a2e:0370:7334]:443"),
+            vec!["2001:0db8:85a3:0000:0000:8a2e:0370:7334"]
+        );
+        assert_eq!(
+            ips("mapped ::ffff:192.0.2.1 here"),
+            vec!["::ffff:192.0.2.1"]
+        );
+        assert_eq!(
+            ips("fe80::1ff:fe23:4567:890a%eth0"),
+            vec!["fe80::1ff:fe23:4567:890a"]
+        );
     }
 
     #[test]
     fn ignores_non_ipv6() {
-        for text in ["12:30:45", "00:1a:2b:3c:4d:5e", "std::vec::Vec", "abc::def", "a::b:c", "::1", "fe80::1", "1:2:3:4:5:6:7", "1::2::3"] {
+        for text in [
+            "12:30:45",
+            "00:1a:2b:3c:4d:5e",
+            "std::vec::Vec",
+            "abc::def",
+            "a::b:c",
+            "::1",
+            "fe80::1",
+            "1:2:3:4:5:6:7",
+            "1::2::3",
+        ] {
             assert!(ips(text).is_empty(), "{text}: {:?}", ips(text));
         }
     }

@@ -5,8 +5,8 @@
 //! starts at an ASCII byte and ends right after one.
 
 mod email;
-mod ip;
 mod iban;
+mod ip;
 mod number;
 mod secret;
 
@@ -80,7 +80,10 @@ mod tests {
         let mut found: Vec<Candidate> = candidates(text.as_bytes(), &BTreeSet::from([kind]));
         found.sort_by_key(|candidate| (candidate.start, candidate.end));
         found.dedup();
-        found.into_iter().map(|candidate| &text[candidate.start..candidate.end]).collect()
+        found
+            .into_iter()
+            .map(|candidate| &text[candidate.start..candidate.end])
+            .collect()
     }
 
     #[test]
@@ -88,7 +91,10 @@ mod tests {
         let text = "bob@example.com, +44 20 7946 0958, 4111 1111 1111 1111, GB82 WEST 1234 5698 7654 32, 10.0.0.1";
         for kind in Kind::ALL {
             let found = candidates(text.as_bytes(), &BTreeSet::from([kind]));
-            assert!(found.iter().all(|candidate| candidate.kind == kind), "{kind}: {found:?}");
+            assert!(
+                found.iter().all(|candidate| candidate.kind == kind),
+                "{kind}: {found:?}"
+            );
         }
         assert_eq!(spans(text, Kind::Email), vec!["bob@example.com"]);
         assert_eq!(spans(text, Kind::Ip), vec!["10.0.0.1"]);

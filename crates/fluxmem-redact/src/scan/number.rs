@@ -65,7 +65,13 @@ pub(super) fn scan(bytes: &[u8], phones: bool, cards: bool, out: &mut Vec<Candid
         }
         if cards {
             let last = groups[groups.len() - 1];
-            push_cards(bytes, &groups, open_before, boundary_after(bytes, last.1), out);
+            push_cards(
+                bytes,
+                &groups,
+                open_before,
+                boundary_after(bytes, last.1),
+                out,
+            );
         }
         index = run.end.max(index + 1);
     }
@@ -114,7 +120,12 @@ fn read_run(bytes: &[u8], start: usize, groups: &mut Vec<Group>) -> Run {
         end += 1;
         open = false;
     }
-    Run { start, end, plus, balanced: !open }
+    Run {
+        start,
+        end,
+        plus,
+        balanced: !open,
+    }
 }
 
 /// Reads the gap after a group ending at `pos`: where the next group starts, if one follows.
@@ -153,7 +164,9 @@ fn boundary_before(bytes: &[u8], start: usize) -> bool {
     match before(bytes, start) {
         None => true,
         Some(byte) if is_word(byte) => false,
-        Some(b'.' | b'-' | b'/' | b',' | b'+') => !before(bytes, start - 1).is_some_and(|byte| byte.is_ascii_alphanumeric()),
+        Some(b'.' | b'-' | b'/' | b',' | b'+') => {
+            !before(bytes, start - 1).is_some_and(|byte| byte.is_ascii_alphanumeric())
+        }
         Some(_) => true,
     }
 }
@@ -163,7 +176,9 @@ fn boundary_after(bytes: &[u8], end: usize) -> bool {
     match bytes.get(end) {
         None => true,
         Some(&byte) if is_word(byte) => false,
-        Some(b'.' | b'-' | b'/' | b',') => !bytes.get(end + 1).is_some_and(u8::is_ascii_alphanumeric),
+        Some(b'.' | b'-' | b'/' | b',') => {
+            !bytes.get(end + 1).is_some_and(u8::is_ascii_alphanumeric)
+        }
         Some(_) => true,
     }
 }
@@ -185,7 +200,9 @@ fn is_phone(bytes: &[u8], run: &Run, groups: &[Group]) -> bool {
         return false;
     }
     let lengths: Vec<usize> = groups.iter().map(|&group| group_len(group)).collect();
-    let trunk = (2..=6).contains(&lengths.len()) && bytes[groups[0].0] == b'0' && lengths.iter().all(|&length| length >= 2);
+    let trunk = (2..=6).contains(&lengths.len())
+        && bytes[groups[0].0] == b'0'
+        && lengths.iter().all(|&length| length >= 2);
     let north_american = match lengths.as_slice() {
         [3, 3, 4] => true,
         [1, 3, 3, 4] => bytes[groups[0].0] == b'1',
@@ -197,7 +214,10 @@ fn is_phone(bytes: &[u8], run: &Run, groups: &[Group]) -> bool {
 /// Three consecutive groups shaped like a date (`2024-05-01`, `01.05.2024`) with the same
 /// `-` or `.` between them.
 fn has_date(bytes: &[u8], groups: &[Group]) -> bool {
-    let year = |group: Group| group_len(group) == 4 && (bytes[group.0..].starts_with(b"19") || bytes[group.0..].starts_with(b"20"));
+    let year = |group: Group| {
+        group_len(group) == 4
+            && (bytes[group.0..].starts_with(b"19") || bytes[group.0..].starts_with(b"20"))
+    };
     let small = |group: Group| (1..=2).contains(&group_len(group));
     (0..groups.len().saturating_sub(2)).any(|index| {
         let (first, second) = (gap(bytes, groups, index), gap(bytes, groups, index + 1));
@@ -216,7 +236,13 @@ fn is_dotted_quad(bytes: &[u8], groups: &[Group]) -> bool {
 
 /// Pushes the card numbers among the windows of `groups`. `open_before` / `open_after` say
 /// whether the run's first group / last group may start / end a card.
-fn push_cards(bytes: &[u8], groups: &[Group], open_before: bool, open_after: bool, out: &mut Vec<Candidate>) {
+fn push_cards(
+    bytes: &[u8],
+    groups: &[Group],
+    open_before: bool,
+    open_after: bool,
+    out: &mut Vec<Candidate>,
+) {
     let mut index = 0;
     while index < groups.len() {
         match card_at(bytes, groups, index, open_before || index > 0, open_after) {
@@ -230,7 +256,13 @@ fn push_cards(bytes: &[u8], groups: &[Group], open_before: bool, open_after: boo
 }
 
 /// The last group of the longest card window starting at group `first`, if any.
-fn card_at(bytes: &[u8], groups: &[Group], first: usize, open_before: bool, open_after: bool) -> Option<usize> {
+fn card_at(
+    bytes: &[u8],
+    groups: &[Group],
+    first: usize,
+    open_before: bool,
+    open_after: bool,
+) -> Option<usize> {
     if !open_before {
         return None;
     }
@@ -240,10 +272,17 @@ fn card_at(bytes: &[u8], groups: &[Group], first: usize, open_before: bool, open
     if (13..=19).contains(&len(first)) {
         lasts[0] = Some(first);
     }
-    if first + 2 < count && len(first) == 4 && len(first + 1) == 6 && matches!(len(first + 2), 4 | 5) {
+    if first + 2 < count
+        && len(first) == 4
+        && len(first + 1) == 6
+        && matches!(len(first + 2), 4 | 5)
+    {
         lasts[1] = Some(first + 2);
     }
-    if first + 3 < count && (first..first + 3).all(|index| len(index) == 4) && (1..=4).contains(&len(first + 3)) {
+    if first + 3 < count
+        && (first..first + 3).all(|index| len(index) == 4)
+        && (1..=4).contains(&len(first + 3))
+    {
         lasts[2] = Some(first + 3);
         if len(first + 3) == 4 && first + 4 < count && (1..=3).contains(&len(first + 4)) {
             lasts[3] = Some(first + 4);
@@ -254,7 +293,9 @@ fn card_at(bytes: &[u8], groups: &[Group], first: usize, open_before: bool, open
         if last + 1 == count && !open_after {
             continue;
         }
-        let Some(digits) = card_digits(bytes, groups, first, last) else { continue };
+        let Some(digits) = card_digits(bytes, groups, first, last) else {
+            continue;
+        };
         if best.is_none_or(|(most, _)| digits.len() > most) {
             best = Some((digits.len(), last));
         }
@@ -264,7 +305,11 @@ fn card_at(bytes: &[u8], groups: &[Group], first: usize, open_before: bool, open
 
 /// The digits of groups `first..=last` when they form a valid card number.
 fn card_digits(bytes: &[u8], groups: &[Group], first: usize, last: usize) -> Option<Vec<u8>> {
-    let separator: &[u8] = if first < last { gap(bytes, groups, first) } else { b"" };
+    let separator: &[u8] = if first < last {
+        gap(bytes, groups, first)
+    } else {
+        b""
+    };
     let separators_ok = (first..last).all(|index| {
         let between = gap(bytes, groups, index);
         between == separator && (between == b" " || between == b"-")
@@ -272,7 +317,9 @@ fn card_digits(bytes: &[u8], groups: &[Group], first: usize, last: usize) -> Opt
     if !separators_ok {
         return None;
     }
-    let digits: Vec<u8> = (first..=last).flat_map(|index| bytes[groups[index].0..groups[index].1].iter().copied()).collect();
+    let digits: Vec<u8> = (first..=last)
+        .flat_map(|index| bytes[groups[index].0..groups[index].1].iter().copied())
+        .collect();
     let network = match digits[0] {
         b'3'..=b'6' => true,
         b'2' => (b'2'..=b'7').contains(&digits[1]),
@@ -328,11 +375,23 @@ mod tests {
 
     #[test]
     fn finds_phone_numbers() {
-        assert_eq!(phones("call +1 (555) 123-4567 now"), vec!["+1 (555) 123-4567"]);
-        assert_eq!(phones("uk +44 20 7946 0958, fr +33 6 12 34 56 78."), vec!["+44 20 7946 0958", "+33 6 12 34 56 78"]);
+        assert_eq!(
+            phones("call +1 (555) 123-4567 now"),
+            vec!["+1 (555) 123-4567"]
+        );
+        assert_eq!(
+            phones("uk +44 20 7946 0958, fr +33 6 12 34 56 78."),
+            vec!["+44 20 7946 0958", "+33 6 12 34 56 78"]
+        );
         assert_eq!(phones("tel:+15551234567"), vec!["+15551234567"]);
-        assert_eq!(phones("(555) 123-4567 or 555.123.4567 or 1-555-123-4567"), vec!["(555) 123-4567", "555.123.4567", "1-555-123-4567"]);
-        assert_eq!(phones("office 020 7946 0958; mobile 06 12 34 56 78; (030) 1234 5678"), vec!["020 7946 0958", "06 12 34 56 78", "(030) 1234 5678"]);
+        assert_eq!(
+            phones("(555) 123-4567 or 555.123.4567 or 1-555-123-4567"),
+            vec!["(555) 123-4567", "555.123.4567", "1-555-123-4567"]
+        );
+        assert_eq!(
+            phones("office 020 7946 0958; mobile 06 12 34 56 78; (030) 1234 5678"),
+            vec!["020 7946 0958", "06 12 34 56 78", "(030) 1234 5678"]
+        );
     }
 
     #[test]
@@ -360,11 +419,17 @@ mod tests {
 
     #[test]
     fn finds_luhn_valid_cards() {
-        assert_eq!(cards("card 4111 1111 1111 1111 exp 12/26"), vec!["4111 1111 1111 1111"]);
+        assert_eq!(
+            cards("card 4111 1111 1111 1111 exp 12/26"),
+            vec!["4111 1111 1111 1111"]
+        );
         assert_eq!(cards("4111-1111-1111-1111"), vec!["4111-1111-1111-1111"]);
         assert_eq!(cards("pan=4111111111111111;"), vec!["4111111111111111"]);
         assert_eq!(cards("amex 3782 822463 10005."), vec!["3782 822463 10005"]);
-        assert_eq!(cards("mc 5500 0000 0000 0004 and visa 4012888888881881"), vec!["5500 0000 0000 0004", "4012888888881881"]);
+        assert_eq!(
+            cards("mc 5500 0000 0000 0004 and visa 4012888888881881"),
+            vec!["5500 0000 0000 0004", "4012888888881881"]
+        );
     }
 
     #[test]

@@ -68,17 +68,72 @@ fn is_upper_digit(byte: u8) -> bool {
 }
 
 const PREFIXES: &[Prefix] = &[
-    Prefix { prefix: b"sk-", body: is_word_dash, min: 20, exact: false },
-    Prefix { prefix: b"sk_live_", body: is_alnum, min: 16, exact: false },
-    Prefix { prefix: b"pk_live_", body: is_alnum, min: 16, exact: false },
-    Prefix { prefix: b"ghp_", body: is_alnum, min: 30, exact: false },
-    Prefix { prefix: b"gho_", body: is_alnum, min: 30, exact: false },
-    Prefix { prefix: b"github_pat_", body: is_word, min: 22, exact: false },
-    Prefix { prefix: b"xoxb-", body: is_alnum_dash, min: 10, exact: false },
-    Prefix { prefix: b"xoxp-", body: is_alnum_dash, min: 10, exact: false },
-    Prefix { prefix: b"AKIA", body: is_upper_digit, min: 16, exact: true },
-    Prefix { prefix: b"ASIA", body: is_upper_digit, min: 16, exact: true },
-    Prefix { prefix: b"AIza", body: is_word_dash, min: 30, exact: false },
+    Prefix {
+        prefix: b"sk-",
+        body: is_word_dash,
+        min: 20,
+        exact: false,
+    },
+    Prefix {
+        prefix: b"sk_live_",
+        body: is_alnum,
+        min: 16,
+        exact: false,
+    },
+    Prefix {
+        prefix: b"pk_live_",
+        body: is_alnum,
+        min: 16,
+        exact: false,
+    },
+    Prefix {
+        prefix: b"ghp_",
+        body: is_alnum,
+        min: 30,
+        exact: false,
+    },
+    Prefix {
+        prefix: b"gho_",
+        body: is_alnum,
+        min: 30,
+        exact: false,
+    },
+    Prefix {
+        prefix: b"github_pat_",
+        body: is_word,
+        min: 22,
+        exact: false,
+    },
+    Prefix {
+        prefix: b"xoxb-",
+        body: is_alnum_dash,
+        min: 10,
+        exact: false,
+    },
+    Prefix {
+        prefix: b"xoxp-",
+        body: is_alnum_dash,
+        min: 10,
+        exact: false,
+    },
+    Prefix {
+        prefix: b"AKIA",
+        body: is_upper_digit,
+        min: 16,
+        exact: true,
+    },
+    Prefix {
+        prefix: b"ASIA",
+        body: is_upper_digit,
+        min: 16,
+        exact: true,
+    },
+    Prefix {
+        prefix: b"AIza",
+        body: is_word_dash,
+        min: 30,
+        exact: false,
+    },
 ];
 
 /// Pushes every secret in `bytes`: prefixed keys, JWTs and bearer tokens, then high-entropy
@@ -115,16 +170,26 @@ fn known_forms(bytes: &[u8], out: &mut Vec<Candidate>) {
 
 fn prefixed_at(bytes: &[u8], start: usize) -> Option<(usize, usize)> {
     let rest = &bytes[start..];
-    PREFIXES.iter().filter(|rule| rest.starts_with(rule.prefix)).find_map(|rule| {
-        let body_start = start + rule.prefix.len();
-        let mut end = body_start;
-        while end < bytes.len() && (rule.body)(bytes[end]) && !(rule.exact && end - body_start == rule.min) {
-            end += 1;
-        }
-        let length = end - body_start;
-        let ok = if rule.exact { length == rule.min && !bytes.get(end).is_some_and(u8::is_ascii_alphanumeric) } else { length >= rule.min };
-        ok.then_some((start, end))
-    })
+    PREFIXES
+        .iter()
+        .filter(|rule| rest.starts_with(rule.prefix))
+        .find_map(|rule| {
+            let body_start = start + rule.prefix.len();
+            let mut end = body_start;
+            while end < bytes.len()
+                && (rule.body)(bytes[end])
+                && !(rule.exact && end - body_start == rule.min)
+            {
+                end += 1;
+            }
+            let length = end - body_start;
+            let ok = if rule.exact {
+                length == rule.min && !bytes.get(end).is_some_and(u8::is_ascii_alphanumeric)
+            } else {
+                length >= rule.min
+            };
+            ok.then_some((start, end))
+        })
 }
 
 fn is_base64url(byte: u8) -> bool {
@@ -133,7 +198,10 @@ fn is_base64url(byte: u8) -> bool {
 
 /// The end of the base64url run starting at `from`.
 fn base64url_end(bytes: &[u8], from: usize) -> usize {
-    from + bytes[from.min(bytes.len())..].iter().take_while(|&&byte| is_base64url(byte)).count()
+    from + bytes[from.min(bytes.len())..]
+        .iter()
+        .take_while(|&&byte| is_base64url(byte))
+        .count()
 }
 
 fn jwt_at(bytes: &[u8], start: usize, floor: &mut usize) -> Option<(usize, usize)> {
@@ -188,7 +256,8 @@ fn bearer_at(bytes: &[u8], start: usize) -> Option<(usize, usize)> {
     }
     let token = &bytes[token_start..end];
     let has = |test: fn(&u8) -> bool| token.iter().any(test);
-    let looks_random = has(u8::is_ascii_digit) || (token.len() >= 20 && has(u8::is_ascii_uppercase) && has(u8::is_ascii_lowercase));
+    let looks_random = has(u8::is_ascii_digit)
+        || (token.len() >= 20 && has(u8::is_ascii_uppercase) && has(u8::is_ascii_lowercase));
     (token.len() >= BEARER_MIN && looks_random).then_some((token_start, end))
 }
 
@@ -231,7 +300,11 @@ fn judge_token(bytes: &[u8], start: usize, end: usize, out: &mut Vec<Candidate>)
     let mut segment_start = start;
     for segment in token.split(|&byte| byte == b'/') {
         if is_high_entropy(segment) {
-            out.push(Candidate::new(segment_start, segment_start + segment.len(), Kind::Secret));
+            out.push(Candidate::new(
+                segment_start,
+                segment_start + segment.len(),
+                Kind::Secret,
+            ));
         }
         segment_start += segment.len() + 1;
     }
@@ -244,7 +317,12 @@ fn looks_like_path(token: &[u8]) -> bool {
         && token
             .split(|&byte| byte == b'/')
             .enumerate()
-            .any(|(index, segment)| index > 0 && index + 1 < segments && segment.len() >= 3 && segment.iter().all(u8::is_ascii_lowercase))
+            .any(|(index, segment)| {
+                index > 0
+                    && index + 1 < segments
+                    && segment.len() >= 3
+                    && segment.iter().all(u8::is_ascii_lowercase)
+            })
 }
 
 /// The entropy rule for one token or path segment.
@@ -256,10 +334,9 @@ pub(crate) fn is_high_entropy(token: &[u8]) -> bool {
     if !(has(u8::is_ascii_lowercase) && has(u8::is_ascii_uppercase) && has(u8::is_ascii_digit)) {
         return false;
     }
-    let camel_like = token
-        .iter()
-        .enumerate()
-        .all(|(index, byte)| !byte.is_ascii_uppercase() || token.get(index + 1).is_some_and(u8::is_ascii_lowercase));
+    let camel_like = token.iter().enumerate().all(|(index, byte)| {
+        !byte.is_ascii_uppercase() || token.get(index + 1).is_some_and(u8::is_ascii_lowercase)
+    });
     !camel_like && shannon_entropy(token) >= ENTROPY_MIN_BITS
 }
 
@@ -319,7 +396,14 @@ mod tests {
 
     #[test]
     fn ignores_prefix_lookalikes() {
-        for text in ["use sk-learn for this", "task-1234567890abcdefghijklmnop", "AKIAIOSFODNN7EXAMPL", "AKIAIOSFODNN7EXAMPLE1", "xoxb-short", "ghp_tooShort123"] {
+        for text in [
+            "use sk-learn for this",
+            "task-1234567890abcdefghijklmnop",
+            "AKIAIOSFODNN7EXAMPL",
+            "AKIAIOSFODNN7EXAMPLE1",
+            "xoxb-short",
+            "ghp_tooShort123",
+        ] {
             assert!(secrets(text).is_empty(), "{text}: {:?}", secrets(text));
         }
     }
@@ -329,8 +413,14 @@ mod tests {
         let jwt = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U";
         let text = format!("token={jwt}; next");
         assert!(secrets(&text).contains(&jwt), "{:?}", secrets(&text));
-        assert_eq!(secrets("Authorization: Bearer abc123def456ghi."), vec!["abc123def456ghi"]);
-        assert_eq!(secrets("authorization: bearer dGhpcyBpcyBhIHRva2Vu=="), vec!["dGhpcyBpcyBhIHRva2Vu=="]);
+        assert_eq!(
+            secrets("Authorization: Bearer abc123def456ghi."),
+            vec!["abc123def456ghi"]
+        );
+        assert_eq!(
+            secrets("authorization: bearer dGhpcyBpcyBhIHRva2Vu=="),
+            vec!["dGhpcyBpcyBhIHRva2Vu=="]
+        );
         assert!(secrets("the Bearer authentication scheme").is_empty());
         assert!(secrets("Bearer token").is_empty());
     }
@@ -342,7 +432,9 @@ mod tests {
         assert!(is_high_entropy(b"wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"));
         // Too short, lowercase hex, a UUID, camel case, one letter case only.
         assert!(!is_high_entropy(b"tR8vP2xL6qN4wK9mZ3bH7cJ"));
-        assert!(!is_high_entropy(b"ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"));
+        assert!(!is_high_entropy(
+            b"ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        ));
         assert!(!is_high_entropy(b"123e4567-e89b-12d3-a456-426614174000"));
         assert!(!is_high_entropy(b"getUserAccountBalance2024Report"));
         assert!(!is_high_entropy(b"MyVeryLongClassNameForTesting123"));
@@ -351,9 +443,14 @@ mod tests {
 
     #[test]
     fn high_entropy_tokens_in_text() {
-        assert_eq!(secrets("aws_secret=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY done"), vec!["wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"]);
         assert_eq!(
-            secrets("https://hooks.example.com/services/T0A1B2C3D/B4E5F6G7H/Qm9Xr2LT7Kp4Wz8Nv3Jy6Hs1a"),
+            secrets("aws_secret=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY done"),
+            vec!["wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"]
+        );
+        assert_eq!(
+            secrets(
+                "https://hooks.example.com/services/T0A1B2C3D/B4E5F6G7H/Qm9Xr2LT7Kp4Wz8Nv3Jy6Hs1a"
+            ),
             vec!["Qm9Xr2LT7Kp4Wz8Nv3Jy6Hs1a"]
         );
         for text in [
