@@ -849,7 +849,7 @@ fn compaction_keeps_the_live_rows_for_duckdb_and_resumes_after_a_kill() {
             for (i, id) in ids
                 .iter()
                 .enumerate()
-                .filter(|(i, _)| (i + night as usize) % 2 == 0)
+                .filter(|(i, _)| (i + night as usize).is_multiple_of(2))
             {
                 let vector = (0..8)
                     .map(|j| (night * 8 + j) as f32 + i as f32 / 1000.0)
@@ -1026,6 +1026,7 @@ fn the_hash_embedder_runs_embed_and_connect_without_weights() {
 
 /// The live edges without the run that wrote them, and the refine edit log as (kind, target,
 /// before, after, reason), in log order, the records' run ids left out.
+#[allow(clippy::type_complexity)] // (edges, edit rows) as the assertions compare them
 fn refined(
     store: &Path,
 ) -> (
@@ -1183,6 +1184,7 @@ fn a_delta_refine_killed_after_a_commit_resumes_to_the_full_result() {
         .map(String::from)
         .collect();
     // Night 1: episodes of both tenants; night 2: the rest.
+    #[allow(clippy::type_complexity)] // the two nights' numbered lines
     let (first, second): (Vec<(usize, &String)>, Vec<(usize, &String)>) = lines
         .iter()
         .enumerate()

@@ -504,8 +504,8 @@ impl GroupSize {
             self.measured.0 += held_bytes(node);
             self.measured.1 += 1;
         }
-        if self.measured.1 > 0 {
-            self.per_episode = (self.measured.0 / self.measured.1).max(1);
+        if let Some(per_episode) = self.measured.0.checked_div(self.measured.1) {
+            self.per_episode = per_episode.max(1);
         }
     }
 }

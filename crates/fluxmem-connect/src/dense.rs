@@ -282,7 +282,10 @@ mod tests {
             .collect();
         let index = DenseIndex::new(&vectors, 3, &Device::Cpu).unwrap();
         let query = vec![1.0, 0.0, 0.5];
-        let got = index.top_k(&[query.clone()], 5).unwrap().remove(0);
+        let got = index
+            .top_k(std::slice::from_ref(&query), 5)
+            .unwrap()
+            .remove(0);
         let mut expected: Vec<(usize, f32)> = vectors
             .iter()
             .enumerate()

@@ -206,6 +206,8 @@ struct FactReader {
     path: PathBuf,
 }
 
+/// A fact with its ordinal in the partition and its stored vector, if it has one.
+type NumberedFact = (u32, Fact, Option<Vec<f32>>);
 impl FactReader {
     fn open(path: &Path) -> Result<FactReader> {
         Ok(FactReader {
@@ -526,11 +528,7 @@ impl SpilledFacts {
 
     /// The facts of `tenants` in partition `p` (in id order), each with its ordinal and its
     /// vector of the model if it has one.
-    fn joined(
-        &self,
-        p: usize,
-        tenants: &HashSet<u32>,
-    ) -> Result<Vec<(u32, Fact, Option<Vec<f32>>)>> {
+    fn joined(&self, p: usize, tenants: &HashSet<u32>) -> Result<Vec<NumberedFact>> {
         let mut facts: Vec<(u32, Fact)> = Vec::new();
         self.numbered(p, tenants, &mut |ordinal, fact| facts.push((ordinal, fact)))?;
         let wanted: HashSet<&str> = facts.iter().map(|(_, f)| f.id.as_str()).collect();

@@ -563,6 +563,8 @@ fn speakers(graph: &Graph, ids: &[NodeId]) -> (Vec<Option<u32>>, Vec<String>) {
 /// nodes of one `source` and `group` (a dialogue session; a document without groups is one),
 /// ordered by `position`, then id.
 fn neighbours(graph: &Graph, ids: &[NodeId]) -> Vec<[Option<u32>; 2]> {
+    // (source, group) -> (position, index) of its nodes.
+    #[allow(clippy::type_complexity)] // a local grouping, read only in this function
     let mut groups: std::collections::BTreeMap<(&str, Option<&str>), Vec<(i64, u32)>> =
         Default::default();
     for (i, id) in ids.iter().enumerate() {

@@ -780,22 +780,21 @@ fn a_spilled_fact_without_a_vector_is_named() {
     let late = dir.path().join("late.jsonl");
     // A fact of each tenant without a vector: the first tenant by name is named, whichever id
     // is lower, as the whole indexes (built tenant by tenant) name it.
-    let lines: String = [
-        "{\"type\":\"fact\",\"tenant\":\"acme\",\"text\":\"Exchanges need the receipt.\"}\n",
-    ]
-    .into_iter()
-    .chain(
-        (0..8)
-            .map(|i| {
-                format!(
+    let lines: String =
+        ["{\"type\":\"fact\",\"tenant\":\"acme\",\"text\":\"Exchanges need the receipt.\"}\n"]
+            .into_iter()
+            .chain(
+                (0..8)
+                    .map(|i| {
+                        format!(
                     "{{\"type\":\"fact\",\"tenant\":\"globex\",\"text\":\"Globex rule {i}.\"}}\n"
                 )
-            })
-            .collect::<Vec<_>>()
-            .iter()
-            .map(String::as_str),
-    )
-    .collect();
+                    })
+                    .collect::<Vec<_>>()
+                    .iter()
+                    .map(String::as_str),
+            )
+            .collect();
     std::fs::write(&late, lines).unwrap();
     fluxmem_ingest::ingest(
         &mut writer,

@@ -1011,7 +1011,7 @@ pub(crate) fn markdown_inline(text: &str) -> String {
         .filter(|l| !l.is_empty())
         .collect::<Vec<_>>()
         .join(" ");
-    let balanced = flat.matches('`').count() % 2 == 0;
+    let balanced = flat.matches('`').count().is_multiple_of(2);
     let mut out = String::with_capacity(flat.len() + 8);
     let mut in_code = false;
     for (i, c) in flat.chars().enumerate() {

@@ -39,6 +39,7 @@ pub struct Round {
 
 /// The result of maturing one cluster.
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // one per cluster, moved a few times: boxing buys nothing
 pub enum Matured {
     /// A skill with every round.
     Skill {

@@ -938,7 +938,7 @@ mod tests {
     #[test]
     fn clusters_split_by_the_acting_tools_of_their_successes() {
         let call = |name: &str| format!(r#"tool:{name} {{"id":"x"}}"#);
-        let nodes = vec![
+        let nodes = [
             episode(
                 "cancel 1",
                 &[

@@ -197,6 +197,7 @@ pub struct SystemReport {
 }
 
 /// Reads a LoCoMo file into conversations (raw JSON), questions and their gold evidence.
+#[allow(clippy::type_complexity)] // the two lists the doc names; an alias would hide them
 pub fn read(path: &Path, options: &LocomoOptions) -> Result<(Vec<Value>, Vec<(Question, Gold)>)> {
     let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
         path: path.into(),

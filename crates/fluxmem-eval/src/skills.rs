@@ -68,17 +68,18 @@ pub fn prepare(data: &Path, embedder: &dyn fluxmem_models::Embedder) -> Result<P
         path: data.into(),
         source,
     })?;
-    let benchmark =
-        match fluxmem_ingest::Format::detect(data, &bytes) {
-            Some(fluxmem_ingest::Format::TauBench) => Benchmark::TauBench,
-            Some(fluxmem_ingest::Format::Alfworld) => Benchmark::Alfworld,
-            other => return Err(Error::Data {
+    let benchmark = match fluxmem_ingest::Format::detect(data, &bytes) {
+        Some(fluxmem_ingest::Format::TauBench) => Benchmark::TauBench,
+        Some(fluxmem_ingest::Format::Alfworld) => Benchmark::Alfworld,
+        other => {
+            return Err(Error::Data {
                 path: data.into(),
                 reason: format!(
                     "`eval skills` scores tau-bench or ALFWorld data; this file reads as {other:?}"
                 ),
-            }),
-        };
+            })
+        }
+    };
     let gold_actions = match benchmark {
         Benchmark::TauBench => tau_gold(data, &bytes)?,
         Benchmark::Alfworld => BTreeMap::new(),
@@ -407,6 +408,7 @@ fn score_tau(
         .iter()
         .map(|r| r.source_episodes.iter().map(String::as_str).collect())
         .collect();
+    #[allow(clippy::type_complexity)] // `runs` by task, sorted below
     let mut tasks: Vec<(&String, &Vec<(String, bool, BTreeSet<String>)>)> = runs.iter().collect();
     tasks.sort_by_key(|(task, _)| (task.parse::<i64>().unwrap_or(i64::MAX), (*task).clone()));
     let (mut coverage, mut recall, mut order, mut precision) =

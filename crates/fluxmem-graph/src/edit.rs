@@ -64,12 +64,12 @@ impl Edit {
                 let edge = before.or(after).expect("an edge edit names an edge");
                 let after_json = match (before, after) {
                     (Some(before), Some(after)) => Some(changed_fields(before, after)),
-                    (None, after) => after.map(|e| json(e)),
+                    (None, after) => after.map(json),
                     (Some(_), None) => None,
                 };
                 (
                     format!("edge:{}>{}:{}", edge.src, edge.dst, edge.kind.as_str()),
-                    before.map(|e| json(e)),
+                    before.map(json),
                     after_json,
                 )
             }
@@ -77,8 +77,8 @@ impl Edit {
                 let node = before.or(after).expect("a node edit names a node");
                 (
                     format!("node:{}", node.id),
-                    before.map(|n| json(n)),
-                    after.map(|n| json(n)),
+                    before.map(json),
+                    after.map(json),
                 )
             }
         };
@@ -172,11 +172,7 @@ fn changed_fields(before: &Edge, after: &Edge) -> String {
     field("dst", before.dst != after.dst, &after.dst);
     field("kind", before.kind != after.kind, &after.kind);
     // As JSON numbers (what a comparison of the values did): -0.0 equals 0.0, NaN is null.
-    field(
-        "weight",
-        serde_json::Value::from(before.weight) != serde_json::Value::from(after.weight),
-        &after.weight,
-    );
+    field("weight", before.weight != after.weight, &after.weight);
     field(
         "evidence",
         before.evidence != after.evidence,

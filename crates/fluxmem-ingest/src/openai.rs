@@ -219,12 +219,14 @@ fn conversation(
                 }
                 push_observation(&mut observation, &format!("[user] {content}"));
             }
-            other => return Err((
-                format!("messages[{i}].role"),
-                format!(
+            other => {
+                return Err((
+                    format!("messages[{i}].role"),
+                    format!(
                     "unknown role `{other}` (expected system, developer, user, assistant or tool)"
                 ),
-            )),
+                ))
+            }
         }
     }
     if !observation.is_empty() {

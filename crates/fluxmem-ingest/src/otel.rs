@@ -377,7 +377,7 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
             }
         }
         let timestamp = (span.start_ns > 0)
-            .then(|| (span.start_ns / 1_000_000) as i64)
+            .then_some((span.start_ns / 1_000_000) as i64)
             .filter(|&ms| crate::source::in_calendar(ms));
         match span.operation() {
             "chat" | "text_completion" | "generate_content" => {

@@ -57,7 +57,11 @@ fn quarantined(report: &IngestReport) -> Vec<Value> {
 fn malformed_corpus_is_quarantined_with_file_line_field_and_reason() {
     let store = tempfile::tempdir().unwrap();
     let corpus = repo().join("tests/data/malformed");
-    let report = run(store.path(), &[corpus.clone()], &IngestOptions::default());
+    let report = run(
+        store.path(),
+        std::slice::from_ref(&corpus),
+        &IngestOptions::default(),
+    );
     let expected: Vec<Value> =
         serde_json::from_str(&std::fs::read_to_string(corpus.join("expected.json")).unwrap())
             .unwrap();
@@ -462,7 +466,12 @@ fn walking_next_to_the_store_skips_it_and_the_quarantine_does_not_grow() {
     )
     .unwrap();
     let store = input.join("fluxmem-store");
-    let first = run_as(&store, &[input.clone()], &IngestOptions::default(), "first");
+    let first = run_as(
+        &store,
+        std::slice::from_ref(&input),
+        &IngestOptions::default(),
+        "first",
+    );
     assert_eq!(
         (first.read, first.ingested, first.quarantined),
         (2, 1, 1),
@@ -476,7 +485,7 @@ fn walking_next_to_the_store_skips_it_and_the_quarantine_does_not_grow() {
     );
     let second = run_as(
         &store,
-        &[input.clone()],
+        std::slice::from_ref(&input),
         &IngestOptions {
             reread: true,
             ..Default::default()
@@ -536,7 +545,7 @@ fn other_stores_exports_and_run_reports_are_skipped_and_reported() {
     write("other/release.jsonl", "{\"task\":\"two\"}\n");
     let report = run(
         &dir.path().join("store"),
-        &[input.clone()],
+        std::slice::from_ref(&input),
         &IngestOptions::default(),
     );
     assert_eq!(
@@ -719,7 +728,7 @@ fn file_symlinks_in_a_walk_are_skipped_and_reported_unless_followed() {
     std::os::unix::fs::symlink(&outside, input.join("link.jsonl")).unwrap();
     let report = run(
         &dir.path().join("store"),
-        &[input.clone()],
+        std::slice::from_ref(&input),
         &IngestOptions::default(),
     );
     assert_eq!(
@@ -755,7 +764,7 @@ fn a_symlink_named_as_an_input_is_refused_unless_followed() {
     std::os::unix::fs::symlink(&target, &link).unwrap();
     let report = run(
         &dir.path().join("store"),
-        &[link.clone()],
+        std::slice::from_ref(&link),
         &IngestOptions::default(),
     );
     assert_eq!(
@@ -1253,7 +1262,12 @@ fn the_ledger_reads_only_new_logs() {
     let a = logs.join("a.jsonl");
     std::fs::write(&a, "{\"task\":\"one\"}\n").unwrap();
     std::fs::write(logs.join("bad.jsonl"), "{\"task\": 7}\n").unwrap();
-    let first = run_as(&store, &[logs.clone()], &IngestOptions::default(), "n1");
+    let first = run_as(
+        &store,
+        std::slice::from_ref(&logs),
+        &IngestOptions::default(),
+        "n1",
+    );
     assert_eq!(
         (
             first.files,
@@ -1272,7 +1286,12 @@ fn the_ledger_reads_only_new_logs() {
         "the quarantined record is on disk"
     );
 
-    let second = run_as(&store, &[logs.clone()], &IngestOptions::default(), "n2");
+    let second = run_as(
+        &store,
+        std::slice::from_ref(&logs),
+        &IngestOptions::default(),
+        "n2",
+    );
     assert_eq!(
         (
             second.files,
@@ -1289,7 +1308,12 @@ fn the_ledger_reads_only_new_logs() {
     file.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
         .unwrap();
     drop(file);
-    let touched = run_as(&store, &[logs.clone()], &IngestOptions::default(), "n3");
+    let touched = run_as(
+        &store,
+        std::slice::from_ref(&logs),
+        &IngestOptions::default(),
+        "n3",
+    );
     assert_eq!(
         (touched.files, touched.unchanged_files),
         (0, 2),
@@ -1298,7 +1322,12 @@ fn the_ledger_reads_only_new_logs() {
 
     // Grown: read again; the old record is a duplicate, the new one is ingested.
     std::fs::write(&a, "{\"task\":\"one\"}\n{\"task\":\"two\"}\n").unwrap();
-    let grown = run_as(&store, &[logs.clone()], &IngestOptions::default(), "n4");
+    let grown = run_as(
+        &store,
+        std::slice::from_ref(&logs),
+        &IngestOptions::default(),
+        "n4",
+    );
     assert_eq!(
         (
             grown.files,
@@ -1313,7 +1342,7 @@ fn the_ledger_reads_only_new_logs() {
     // Other settings: the same file read for another tenant is new work.
     let other = run_as(
         &store,
-        &[a.clone()],
+        std::slice::from_ref(&a),
         &IngestOptions {
             tenant: "globex".into(),
             ..Default::default()

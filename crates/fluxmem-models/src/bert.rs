@@ -391,6 +391,7 @@ impl Embedder for SentenceEmbedder {
         };
         let results: Vec<Result<Vec<Vec<f32>>>> = if self.workers > 1 && batches.len() > 1 {
             let workers = self.workers.min(batches.len());
+            #[allow(clippy::type_complexity)] // each worker's (batch index, vectors) results
             let mut per_worker: Vec<Vec<(usize, Result<Vec<Vec<f32>>>)>> =
                 std::thread::scope(|scope| {
                     let handles: Vec<_> = (0..workers)

@@ -71,7 +71,7 @@ impl Linear {
     /// Repacks the weights for fluxmem's kernel `isa` when the shape suits it.
     fn pack(mut self, isa: Option<Isa>) -> Linear {
         #[cfg(target_arch = "x86_64")]
-        if isa.is_some() && self.outputs % kernel::NR == 0 {
+        if isa.is_some() && self.outputs.is_multiple_of(kernel::NR) {
             self.weight = kernel::pack(&self.weight, self.outputs, self.inputs);
             self.packed = isa;
         }
@@ -193,7 +193,7 @@ impl CpuBert {
             path: weights.into(),
         };
         let h = config.hidden_size;
-        if config.num_attention_heads == 0 || h % config.num_attention_heads != 0 {
+        if config.num_attention_heads == 0 || !h.is_multiple_of(config.num_attention_heads) {
             return Err(Error::Format {
                 path: weights.into(),
                 reason: "hidden size is not a multiple of the head count".into(),
@@ -540,7 +540,10 @@ mod kernel {
     ) {
         use rayon::prelude::*;
         assert!(
-            rows % MR == 0 && x.len() >= rows * k && out.len() >= rows * n && packed.len() == n * k
+            rows.is_multiple_of(MR)
+                && x.len() >= rows * k
+                && out.len() >= rows * n
+                && packed.len() == n * k
         );
         let run = |lhs: &mut Vec<f32>, (x, out): (&[f32], &mut [f32])| {
             // The block's rows interleaved (`k x MR`), so the kernel reads them as one stream.
@@ -709,7 +712,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 5e-1;
     let e = p * r * r + r + 1.0;
     e * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }

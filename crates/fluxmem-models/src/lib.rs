@@ -162,6 +162,24 @@ pub fn judge_is_ql(setting: &str) -> bool {
     setting == "ql" || setting.starts_with("ql:")
 }
 
+/// Loads the GGUF generator called `name` from the cache on `device`.
+pub fn load_generator(
+    name: &str,
+    device: &DeviceChoice,
+    path: WeightPath,
+) -> Result<GgufGenerator> {
+    let manifest = ModelManifest::load()?;
+    let spec = manifest.get(name)?;
+    if spec.kind != "generator" {
+        return Err(Error::Unknown {
+            name: format!("{name} (not a generator)"),
+            known: String::new(),
+        });
+    }
+    let dir = spec.require(&cache_dir())?;
+    GgufGenerator::load(&dir, &spec.model_id(), &device.device()?, path)
+}
+
 #[cfg(test)]
 mod judge_setting_tests {
     use super::*;
@@ -190,22 +208,4 @@ mod judge_setting_tests {
             assert!(error.contains(bad) && error.contains("ql:MODEL"), "{error}");
         }
     }
-}
-
-/// Loads the GGUF generator called `name` from the cache on `device`.
-pub fn load_generator(
-    name: &str,
-    device: &DeviceChoice,
-    path: WeightPath,
-) -> Result<GgufGenerator> {
-    let manifest = ModelManifest::load()?;
-    let spec = manifest.get(name)?;
-    if spec.kind != "generator" {
-        return Err(Error::Unknown {
-            name: format!("{name} (not a generator)"),
-            known: String::new(),
-        });
-    }
-    let dir = spec.require(&cache_dir())?;
-    GgufGenerator::load(&dir, &spec.model_id(), &device.device()?, path)
 }

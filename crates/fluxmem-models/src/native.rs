@@ -145,7 +145,7 @@ impl SuperInput {
         k: usize,
         sums: impl Fn(f32, &[i8]) -> [f32; 16],
     ) -> SuperInput {
-        debug_assert!(k % SUPER == 0);
+        debug_assert!(k.is_multiple_of(SUPER));
         let supers = values.len() / SUPER;
         let mut input = SuperInput {
             quants: Vec::with_capacity(values.len()),

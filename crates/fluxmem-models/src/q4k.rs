@@ -351,16 +351,14 @@ mod tests {
             };
             let repacked = Q4KRows::from_qtensor(q).unwrap();
             // The repacked layout gives back candle's weights.
-            for o in 0..out {
+            for (o, row) in dequantized.iter().enumerate() {
                 let tile = repacked.tile(o / TILE);
-                for v in 0..k {
+                for (v, &expected) in row.iter().enumerate() {
                     let (q, sc, m, d, dmin) = tile.weight(v / SUPER, o % TILE, v % SUPER);
                     let value = d * sc as f32 * q as f32 - dmin * m as f32;
                     assert!(
-                        (value - dequantized[o][v]).abs()
-                            <= 1e-5 * dequantized[o][v].abs().max(1.0),
-                        "{out}x{k}: weight ({o}, {v}) is {value}, candle's {}",
-                        dequantized[o][v]
+                        (value - expected).abs() <= 1e-5 * expected.abs().max(1.0),
+                        "{out}x{k}: weight ({o}, {v}) is {value}, candle's {expected}"
                     );
                 }
             }

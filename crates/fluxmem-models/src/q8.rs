@@ -149,7 +149,7 @@ impl Input {
 /// Quantizes rows of `k` values to Q8_0 as candle does: per block of 32, the scale max|x| /
 /// 127 and each value rounded to the nearest of its multiples (the scale kept as f32).
 fn quantize(values: &[f32], k: usize) -> Input {
-    debug_assert!(k % BLOCK == 0);
+    debug_assert!(k.is_multiple_of(BLOCK));
     let blocks = values.len() / BLOCK;
     let mut input = Input {
         quants: Vec::with_capacity(values.len()),

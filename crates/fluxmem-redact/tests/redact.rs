@@ -354,7 +354,7 @@ fn luhn_ok(digits: &str) -> bool {
             }
         })
         .sum();
-    sum % 10 == 0
+    sum.is_multiple_of(10)
 }
 
 /// Pieces that exercise the detectors and their edges.

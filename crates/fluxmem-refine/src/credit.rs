@@ -580,6 +580,7 @@ pub fn assign_with_priors(
 /// The episodes with an outcome (in id order) and each tenant's base rate: its prior while the
 /// current rate stays within `prior_drift` of it, else the current rate (named in
 /// `base_rate_estimated`). Fills the report's counts of episodes and rates.
+#[allow(clippy::type_complexity)] // (outcomes by episode, priors by task), both documented above
 fn rates<'n>(
     nodes: &'n Nodes,
     options: &CreditOptions,
@@ -909,10 +910,8 @@ fn assign_over(
                     run.n += 1;
                 }
             }
-            EdgeKind::Link if options.link_failures => {
-                if joins_failure_to_success(info, src, dst) {
-                    failure_links.insert((NodeId(src.to_string()), NodeId(dst.to_string())));
-                }
+            EdgeKind::Link if options.link_failures && joins_failure_to_success(info, src, dst) => {
+                failure_links.insert((NodeId(src.to_string()), NodeId(dst.to_string())));
             }
             _ => {}
         },
@@ -980,6 +979,7 @@ fn expand(
         *linked.entry(failure).or_default() += 1;
     }
     // Per task: its successes (with their times) and failures, in id order.
+    #[allow(clippy::type_complexity)] // task -> (successes with times, failures)
     let mut tasks: BTreeMap<&str, (Vec<(i64, &NodeId)>, Vec<&NodeId>)> = BTreeMap::new();
     for (id, r) in outcomes {
         let i = &info[*id];
@@ -1540,7 +1540,7 @@ pub fn refine_store(
 /// Edges whose credit is computed: Stage I edges and those credit assignment manages, not the
 /// links of the query loop or of failure-success expansion.
 fn counts(edge: &Edge) -> bool {
-    edge.metadata.get("relation").is_none()
+    !edge.metadata.contains_key("relation")
 }
 
 fn round6(value: f64) -> f64 {

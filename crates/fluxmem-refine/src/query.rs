@@ -675,6 +675,7 @@ fn pack_view(
     Ok(pack(&nodes, head, budget, count)?)
 }
 
+#[allow(clippy::too_many_arguments)] // the edit's inputs and its record's (query, run, time)
 fn prune(
     view: &mut View<'_>,
     context: &Context,

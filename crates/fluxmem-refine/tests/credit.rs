@@ -276,7 +276,7 @@ fn credit_never_crosses_tenants() {
         );
         assert_eq!(isolated.metadata["pruned_by"], Value::from("isolation"));
         assert!(
-            isolated.metadata.get("credit").is_none(),
+            !isolated.metadata.contains_key("credit"),
             "no credit either way"
         );
     }

@@ -79,7 +79,7 @@ fn night(night: usize, from: usize, to: usize, facts: &[Vec<Node>]) -> Graph {
         // A rare task: its first success comes on night 4, after failures that had no link.
         let rare = j % 17 == 5;
         let success = if rare {
-            night >= 4 && h(j, 4) % 2 == 0
+            night >= 4 && h(j, 4).is_multiple_of(2)
         } else {
             h(j, 3) % 100 < rate
         };

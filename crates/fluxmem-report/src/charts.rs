@@ -93,9 +93,7 @@ fn shorten(label: &str, max: usize) -> String {
 
 /// Formats a count or a duration for a bar's end label.
 fn short_number(value: f64) -> String {
-    if value == value.trunc() && value.abs() < 1e9 {
-        format!("{value:.0}")
-    } else if value.abs() >= 100.0 {
+    if (value == value.trunc() && value.abs() < 1e9) || value.abs() >= 100.0 {
         format!("{value:.0}")
     } else if value.abs() >= 10.0 {
         format!("{value:.1}")

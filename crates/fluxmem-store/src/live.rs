@@ -333,6 +333,7 @@ impl Live<'_> {
 
     /// Every batch of every shard (the `columns` asked for, all when `None`) with its rows'
     /// live flags.
+    #[allow(clippy::type_complexity)] // a callback of (shard, batch, live flags)
     fn each_batch(
         &self,
         columns: Option<&[&str]>,

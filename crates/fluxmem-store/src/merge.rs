@@ -640,7 +640,7 @@ mod tests {
     #[test]
     fn a_run_out_of_key_order_stops_the_merge() {
         let rows = vec![edge("b", "x", 1.0), edge("a", "x", 1.0)];
-        let last = winners(&[rows.clone()]);
+        let last = winners(std::slice::from_ref(&rows));
         let mut written = Vec::new();
         match merge(
             vec![run(0, vec![rows])],

@@ -102,13 +102,15 @@ pub fn recover(dir: &Path) -> Result<RecoverReport> {
     };
     if manifest_path.exists() {
         match Manifest::read(&manifest_path) {
-            Ok(manifest) => return Err(Error::Recover {
-                path: dir.into(),
-                reason: format!(
+            Ok(manifest) => {
+                return Err(Error::Recover {
+                    path: dir.into(),
+                    reason: format!(
                     "the store has a readable manifest (version {}); there is nothing to recover",
                     manifest.version
                 ),
-            }),
+                })
+            }
             Err(error) => {
                 let aside = (0..)
                     .map(|n| dir.join(format!("{MANIFEST}.corrupt-{n}")))

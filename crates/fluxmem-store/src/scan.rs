@@ -361,6 +361,7 @@ impl Store {
 
     /// The batches of the shard `entry`: every row, or with `only = (column, keep)` the rows
     /// whose text `column` passes `keep`, the other columns decoded for those rows only.
+    #[allow(clippy::type_complexity)] // the column filter and the batches' iterator, both spelled out
     fn rows_where(
         &self,
         entry: &ShardEntry,

@@ -32,12 +32,16 @@ fn episode(i: usize, night: usize) -> Node {
         NodeBody::Episodic(Episode {
             steps,
             outcome: Outcome {
-                success: Some(i % 3 != 0),
+                success: Some(!i.is_multiple_of(3)),
                 reward: None,
                 feedback: None,
             },
         }),
-        if i % 2 == 0 { "acme" } else { "globex" },
+        if i.is_multiple_of(2) {
+            "acme"
+        } else {
+            "globex"
+        },
         &format!("task {i}"),
         &["episode", &i.to_string()],
     );

@@ -19,7 +19,7 @@ fn episode(i: usize) -> Node {
         NodeBody::Episodic(Episode {
             steps: vec![],
             outcome: Outcome {
-                success: Some(i % 2 == 0),
+                success: Some(i.is_multiple_of(2)),
                 reward: None,
                 feedback: None,
             },

@@ -29,7 +29,7 @@ fn episode(i: usize, version: usize) -> Node {
         NodeBody::Episodic(Episode {
             steps,
             outcome: Outcome {
-                success: Some(i % 2 == 0),
+                success: Some(i.is_multiple_of(2)),
                 reward: None,
                 feedback: None,
             },
