@@ -69,6 +69,11 @@ impl Default for CompactPolicy {
 /// Commits a retired shard file stays on disk after it left the manifest.
 pub const KEEP_RETIRED_COMMITS: u64 = 2;
 
+/// How long a retired shard file stays on disk after it left the manifest, at least (and
+/// [`KEEP_RETIRED_COMMITS`] commits): a reader that read the older manifest has this long to
+/// read its shards. Set per writer with `Writer::keep_retired_for`.
+pub const DEFAULT_RETIRED_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// What compaction found and did for one table.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct TableCompaction {
@@ -405,6 +410,7 @@ impl Writer {
             .extend(removed.iter().map(|file| RetiredShard {
                 file: file.clone(),
                 version,
+                at_ms: Some(chrono::Utc::now().timestamp_millis()),
             }));
         manifest.version = version;
         // Compaction keeps every live row: the counts of the old shards hold for the new ones.
@@ -770,7 +776,7 @@ impl Writer {
             summary: info.summary,
         });
         archive_commit_log(&dir, &mut manifest)?;
-        delete_retired(&dir, &mut manifest)?;
+        delete_retired(&dir, &mut manifest, self.retired_grace)?;
         self.manifest_sha256 = write_manifest(&dir, &manifest, Some(&self.manifest_sha256))?;
         self.manifest = manifest;
         Ok(())
@@ -831,17 +837,27 @@ fn archive_commit_log(dir: &std::path::Path, manifest: &mut Manifest) -> Result<
 }
 
 /// Deletes the retired files whose time is up ([`KEEP_RETIRED_COMMITS`] commits after they
-/// left the manifest) and drops them from `manifest.retired`. A file is deleted before the
+/// left the manifest, and `grace` after, so that a reader that started on an older manifest
+/// has that long to finish) and drops them from `manifest.retired`. A file is deleted before the
 /// manifest that forgets it is written, so a crash leaves it listed as retired (and gone),
 /// never on disk and unlisted. Nothing is deleted while a staging store exists.
-fn delete_retired(dir: &std::path::Path, manifest: &mut Manifest) -> Result<()> {
+fn delete_retired(
+    dir: &std::path::Path,
+    manifest: &mut Manifest,
+    grace: std::time::Duration,
+) -> Result<()> {
     if manifest.retired.is_empty() || staging_in_progress(dir) {
         return Ok(());
     }
     let live: BTreeSet<&str> = manifest.shards.iter().map(|s| s.file.as_str()).collect();
     let mut kept = Vec::new();
+    let now = chrono::Utc::now().timestamp_millis();
+    let grace = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
     for retired in std::mem::take(&mut manifest.retired) {
-        let due = retired.version + KEEP_RETIRED_COMMITS <= manifest.version;
+        let aged = retired
+            .at_ms
+            .is_none_or(|at| now.saturating_sub(at) >= grace);
+        let due = retired.version + KEEP_RETIRED_COMMITS <= manifest.version && aged;
         if due && retired.file.starts_with(SHARDS) && !live.contains(retired.file.as_str()) {
             let path = dir.join(&retired.file);
             match std::fs::remove_file(&path) {

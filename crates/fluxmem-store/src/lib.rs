@@ -67,8 +67,8 @@ mod staging;
 mod store;
 
 pub use compact::{
-    CompactPolicy, CompactReport, TableCompaction, HISTORY, KEEP_RETIRED_COMMITS,
-    MANIFEST_COMMIT_LOG,
+    CompactPolicy, CompactReport, TableCompaction, DEFAULT_RETIRED_GRACE, HISTORY,
+    KEEP_RETIRED_COMMITS, MANIFEST_COMMIT_LOG,
 };
 pub use error::{Error, Result};
 pub use live::{EdgeRow, Live};

@@ -1,18 +1,31 @@
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Seek, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use crate::error::IoContext;
 use crate::{Error, Result};
 
-/// The writer lock: an OS advisory lock on `<store>/LOCK`, released when the holder exits.
+/// How long a refused writer waits for the holder's description to appear in an empty `LOCK`
+/// (the holder writes it right after taking the lock).
+const HOLDER_WAIT: Duration = Duration::from_secs(2);
+
+/// The writer lock: an OS advisory lock (`flock`) on the store directory itself, released when
+/// the holder exits, and `<store>/LOCK`, which names the holder.
 ///
-/// The file also records who holds it. After a crash the OS lock is gone but the file still
-/// names the dead holder: the next writer takes the lock and reports the stale holder through
-/// [`WriterLock::stale`], so nothing has to be removed by hand.
+/// The lock is on the directory, not on the `LOCK` file, so deleting `LOCK` (by hand, or by a
+/// cleanup script) lets no second writer in: a writer may delete the leftovers of interrupted
+/// commits at open because no other writer can be running. `LOCK` is replaced atomically (a
+/// temporary file renamed over it) right after the lock is taken, so a refused writer reads a
+/// whole description; one that reads none waits briefly for it.
+///
+/// After a crash the OS lock is gone but `LOCK` still names the dead holder: the next writer
+/// takes the lock and reports the stale holder through [`WriterLock::stale`], so nothing has to
+/// be removed by hand.
 #[derive(Debug)]
 pub struct WriterLock {
-    file: File,
+    /// The locked directory handle; the OS releases the lock when it closes.
+    directory: File,
     path: PathBuf,
     stale: Option<String>,
 }
@@ -21,41 +34,36 @@ impl WriterLock {
     /// Takes the lock of the store at `dir`, or fails with [`Error::Locked`].
     pub fn acquire(dir: &Path) -> Result<WriterLock> {
         let path = dir.join("LOCK");
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .at(&path)?;
-        match file.try_lock() {
+        let directory = File::open(dir).at(dir)?;
+        match directory.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
-                let mut holder = String::new();
-                let _ = file.read_to_string(&mut holder);
-                let holder = if holder.trim().is_empty() {
-                    "unknown holder".to_string()
-                } else {
-                    holder.trim().to_string()
-                };
-                return Err(Error::Locked { path, holder });
+                return Err(Error::Locked {
+                    holder: wait_for_holder(&path),
+                    path,
+                })
             }
-            Err(std::fs::TryLockError::Error(source)) => return Err(Error::Io { path, source }),
+            Err(std::fs::TryLockError::Error(source)) => {
+                return Err(Error::Io {
+                    path: dir.to_path_buf(),
+                    source,
+                })
+            }
         }
-        let mut previous = String::new();
-        file.read_to_string(&mut previous).at(&path)?;
-        let stale = (!previous.trim().is_empty()).then(|| previous.trim().to_string());
+        let previous = read_holder(&path);
+        let stale = (!previous.is_empty()).then_some(previous);
         let holder = format!(
             "pid {} on {} since {}",
             std::process::id(),
             hostname(),
             chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
         );
-        file.set_len(0).at(&path)?;
-        file.rewind().at(&path)?;
-        file.write_all(holder.as_bytes()).at(&path)?;
-        file.sync_all().at(&path)?;
-        Ok(WriterLock { file, path, stale })
+        write_atomically(dir, &path, holder.as_bytes())?;
+        Ok(WriterLock {
+            directory,
+            path,
+            stale,
+        })
     }
 
     /// The holder named by a lock file left behind by a writer that did not exit cleanly.
@@ -66,12 +74,53 @@ impl WriterLock {
 
 impl Drop for WriterLock {
     fn drop(&mut self) {
-        // A clean exit empties the file, so the next writer does not report a stale lock.
-        let _ = self.file.set_len(0);
-        let _ = self.file.sync_all();
-        let _ = self.file.unlock();
-        let _ = &self.path;
+        // A clean exit empties the description, so the next writer does not report a stale
+        // lock; then the directory handle closes and the OS lock goes with it.
+        if let Some(dir) = self.path.parent() {
+            let _ = write_atomically(dir, &self.path, b"");
+        }
+        let _ = self.directory.unlock();
     }
+}
+
+/// The trimmed contents of `LOCK` (empty when it is missing or empty).
+fn read_holder(path: &Path) -> String {
+    std::fs::read_to_string(path)
+        .map(|text| text.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// The description of the writer that holds the lock, waiting up to [`HOLDER_WAIT`] for one
+/// that has just taken it to write it.
+fn wait_for_holder(path: &Path) -> String {
+    let deadline = Instant::now() + HOLDER_WAIT;
+    loop {
+        if !path.exists() {
+            return "unknown holder: the LOCK file that names it was deleted".to_string();
+        }
+        let holder = read_holder(path);
+        if !holder.is_empty() {
+            return holder;
+        }
+        if Instant::now() >= deadline {
+            return "unknown holder: its LOCK description is empty".to_string();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Replaces `path` with `bytes` by writing a temporary file beside it and renaming it over.
+fn write_atomically(dir: &Path, path: &Path, bytes: &[u8]) -> Result<()> {
+    let temporary = dir.join(format!("LOCK.tmp-{}", std::process::id()));
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&temporary)
+        .at(&temporary)?;
+    file.write_all(bytes).at(&temporary)?;
+    file.sync_all().at(&temporary)?;
+    std::fs::rename(&temporary, path).at(path)
 }
 
 fn hostname() -> String {

@@ -63,6 +63,9 @@ pub struct RetiredShard {
     pub file: String,
     /// The manifest version that dropped it.
     pub version: u64,
+    /// When it was dropped (Unix milliseconds); absent in manifests written before this field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at_ms: Option<i64>,
 }
 
 /// The model behind the stored embeddings.

@@ -96,23 +96,32 @@ impl Scan {
 
 impl Store {
     /// The part of the current commit's graph that `scan` asks for, read through column
-    /// projection and row filters; reloads the manifest if a compaction deleted a shard
-    /// meanwhile (as [`Store::load`]).
+    /// projection and row filters. A read that fails while the manifest has moved on (a
+    /// compaction retired a shard and, its grace over, deleted it) starts again from the new
+    /// manifest, as often as the manifest keeps moving; a failure at an unchanged manifest is
+    /// returned (that is real damage).
     pub fn scan(&self, scan: &Scan) -> Result<(Graph, Manifest)> {
+        self.read_current(|manifest| self.scan_at(manifest, scan))
+    }
+
+    /// Runs `read` on the current manifest; when it fails and the manifest has moved on
+    /// meanwhile, runs it again on the new one, as often as the manifest keeps moving. The
+    /// one place lock-free readers recover from a compaction deleting what they were reading.
+    pub fn read_current<T>(
+        &self,
+        mut read: impl FnMut(&Manifest) -> Result<T>,
+    ) -> Result<(T, Manifest)> {
         let mut manifest = self.manifest()?;
-        let mut tries = 0;
         loop {
-            match self.scan_at(&manifest, scan) {
-                Err(error) if tries < 3 => {
+            match read(&manifest) {
+                Ok(value) => return Ok((value, manifest)),
+                Err(error) => {
                     let now = self.manifest()?;
                     if now.version == manifest.version {
                         return Err(error);
                     }
                     manifest = now;
-                    tries += 1;
                 }
-                Ok(graph) => return Ok((graph, manifest)),
-                Err(error) => return Err(error),
             }
         }
     }

@@ -86,12 +86,10 @@ impl Store {
     /// [`crate::LiveCounts`] hold for the commit, else counted from the shards
     /// ([`Store::count_live`]).
     pub fn stats(&self) -> Result<(GraphStats, Manifest)> {
-        let manifest = self.manifest()?;
-        if let Some(stats) = manifest.current_counts() {
-            return Ok((stats, manifest));
-        }
-        let stats = self.count_live(&manifest)?;
-        Ok((stats, manifest))
+        self.read_current(|manifest| match manifest.current_counts() {
+            Some(stats) => Ok(stats),
+            None => self.count_live(manifest),
+        })
     }
 
     /// Counts of the commit of `manifest`, from the shards: reads the key and kind columns of
@@ -124,6 +122,8 @@ pub struct Writer {
     /// SHA-256 of the `manifest.json` bytes this writer read or wrote last: a commit replaces
     /// the manifest only if it is still this one (compare and swap).
     pub(crate) manifest_sha256: String,
+    /// How long retired shard files stay for readers ([`crate::DEFAULT_RETIRED_GRACE`]).
+    pub(crate) retired_grace: std::time::Duration,
 }
 
 impl Writer {
@@ -151,6 +151,7 @@ impl Writer {
                                 | crate::STAGING
                                 | crate::SCRATCH
                         ) && !name.starts_with("manifest.json.tmp")
+                            && !name.starts_with("LOCK.tmp-")
                     })
                 })
                 .unwrap_or(false);
@@ -177,6 +178,7 @@ impl Writer {
             lock,
             manifest,
             manifest_sha256,
+            retired_grace: crate::DEFAULT_RETIRED_GRACE,
         };
         writer.remove_interrupted()?;
         Ok(writer)
@@ -218,6 +220,13 @@ impl Writer {
     /// A read handle on the same store.
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Keeps the shard files a compaction retires for `grace` (and
+    /// [`crate::KEEP_RETIRED_COMMITS`] commits) before a commit deletes them, instead of
+    /// [`crate::DEFAULT_RETIRED_GRACE`]: the time a reader of an older manifest has to finish.
+    pub fn keep_retired_for(&mut self, grace: std::time::Duration) {
+        self.retired_grace = grace;
     }
 
     /// The holder named by a stale lock this writer recovered, if any.
@@ -377,11 +386,10 @@ impl Writer {
             }
         }
         for entry in std::fs::read_dir(dir).at(dir)?.flatten() {
-            if entry
-                .file_name()
-                .to_string_lossy()
-                .starts_with("manifest.json.tmp")
-            {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            // A lock description's temporary is a dead holder's: only the lock's holder writes
+            // one, and this writer (the holder) renamed its own over `LOCK` already.
+            if name.starts_with("manifest.json.tmp") || name.starts_with("LOCK.tmp-") {
                 std::fs::remove_file(entry.path()).at(&entry.path())?;
             }
         }

@@ -707,13 +707,21 @@ fn recover_adopts_a_temporary_manifest_that_lists_compacted_shards() {
 }
 
 /// Issue 13.3: with the LOCK file deleted, two writers both ran and the first one's manifest
-/// overwrote the second's commit, whose shards were later deleted as orphans.
+/// overwrote the second's commit, whose shards were later deleted as orphans. Issue 40.0: the
+/// second one's open-time cleanup deleted the first one's in-flight shard. The lock is now on
+/// the store directory, so a deleted LOCK file lets nobody in; a writer that bypasses the lock
+/// altogether (here: a commit made in a copy and put in place behind the first writer's back)
+/// still cannot be overwritten, by the manifest's compare-and-swap.
 #[test]
 fn a_writer_whose_lock_was_lost_cannot_overwrite_another_writers_commit() {
     let (dir, graph) = committed_store();
     let mut first = Writer::open(dir.path()).unwrap();
     std::fs::remove_file(dir.path().join("LOCK")).unwrap();
-    let mut second = Writer::open(dir.path()).unwrap();
+    let refused = Writer::open(dir.path()).unwrap_err();
+    assert!(matches!(refused, Error::Locked { .. }), "{refused}");
+    let copy = tempfile::tempdir().unwrap();
+    copy_files(dir.path(), copy.path());
+    let mut second = Writer::open(copy.path()).unwrap();
     let mut theirs = Graph::default();
     let body = NodeBody::Semantic(Semantic {
         source: "doc".into(),
@@ -728,6 +736,22 @@ fn a_writer_whose_lock_was_lost_cannot_overwrite_another_writers_commit() {
         &["doc", "second"],
     ));
     second.commit(&theirs, info("ingest")).unwrap();
+    drop(second);
+    // The foreign commit lands: its shards first, its manifest last.
+    for entry in std::fs::read_dir(copy.path().join("shards"))
+        .unwrap()
+        .flatten()
+    {
+        let target = dir.path().join("shards").join(entry.file_name());
+        if !target.exists() {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+    std::fs::copy(
+        copy.path().join("manifest.json"),
+        dir.path().join("manifest.json"),
+    )
+    .unwrap();
     let mut ours = Graph::default();
     let body = NodeBody::Semantic(Semantic {
         source: "doc".into(),
@@ -745,7 +769,6 @@ fn a_writer_whose_lock_was_lost_cannot_overwrite_another_writers_commit() {
     assert!(matches!(error, Error::Conflict { .. }), "{error}");
     assert!(error.to_string().contains("nothing was deleted"), "{error}");
     drop(first);
-    drop(second);
     let loaded = Store::open(dir.path()).unwrap().load().unwrap();
     assert_eq!(
         loaded.nodes.len(),
@@ -765,4 +788,62 @@ fn a_writer_whose_lock_was_lost_cannot_overwrite_another_writers_commit() {
         1,
         "the abandoned commit's shard is reported, not deleted"
     );
+}
+
+/// Copies the files of `from` (not its folders' contents but `shards/`, one level) into `to`.
+fn copy_files(from: &std::path::Path, to: &std::path::Path) {
+    for entry in std::fs::read_dir(from).unwrap().flatten() {
+        let target = to.join(entry.file_name());
+        if entry.path().is_dir() {
+            if entry.file_name() == "shards" {
+                std::fs::create_dir_all(&target).unwrap();
+                copy_files(&entry.path(), &target);
+            }
+        } else if entry.file_name() != "LOCK" {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// Issue 40.0, raced: while a writer commits, LOCK is deleted and a second writer tries to open
+/// the store, a thousand times. The second is refused every time (so its open-time cleanup never
+/// runs), and after each race the store reads whole with every commit of the first.
+#[test]
+fn a_deleted_lock_never_lets_a_second_writer_delete_a_running_writers_files() {
+    for round in 0..1000u32 {
+        let dir = tempfile::tempdir().unwrap();
+        drop(Writer::open(dir.path()).unwrap());
+        let (opened_tx, opened_rx) = std::sync::mpsc::channel();
+        let path = dir.path().to_path_buf();
+        let first = std::thread::spawn(move || {
+            let mut writer = Writer::open(&path).unwrap();
+            opened_tx.send(()).unwrap();
+            for part in 0..2u32 {
+                let mut delta = Graph::default();
+                delta.insert_node(Node::new(
+                    NodeBody::Semantic(Semantic {
+                        source: "race".into(),
+                        position: i64::from(round * 2 + part),
+                        time: None,
+                        group: None,
+                    }),
+                    "default",
+                    &format!("fact {round}.{part}"),
+                    &["race", &format!("{round}.{part}")],
+                ));
+                writer.commit(&delta, info("ingest")).unwrap();
+            }
+        });
+        opened_rx.recv().unwrap();
+        let _ = std::fs::remove_file(dir.path().join("LOCK"));
+        match Writer::open(dir.path()) {
+            Err(Error::Locked { .. }) => {}
+            // The first writer finished before this open: it may go ahead.
+            Ok(writer) => drop(writer),
+            Err(other) => panic!("round {round}: {other}"),
+        }
+        first.join().unwrap();
+        let loaded = Store::open(dir.path()).unwrap().load().unwrap();
+        assert_eq!(loaded.nodes.len(), 2, "round {round}");
+    }
 }
