@@ -921,6 +921,34 @@ fn agentskills() -> PathBuf {
     path
 }
 
+/// Secrets in the disguises issue 40's probes found leaking: an AWS key id (which a
+/// description template may lowercase), a card number with odd spacing, an `sk-` key split by
+/// a space, an e-mail percent-encoded in a query string, a bare ten-digit phone number and a JWT
+/// cut short.
+const DISGUISED: &str = "Key AKIAIOSFODNN7ACMEXYZ, card 4111 11 11 1111 1111, token sk-proj-Ab3dEf6h Ij9kLm2nOp5qRs8t, reset https://x.example/r?to=alice.secret%40acme-corp.com, call 5551234567, jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIi";
+
+/// Fails when any secret of [`DISGUISED`] is readable in `text`: compared without case, spaces
+/// or hyphens between digits, and percent-decoded.
+fn assert_no_disguised_secret(text: &str) {
+    let folded = text.to_lowercase().replace("%40", "@");
+    let squeezed: String = folded.chars().filter(|c| *c != ' ').collect();
+    let digits_joined = squeezed.replace('-', "");
+    // Distinctive prefixes, so that a secret cut short (a description truncated) counts too.
+    for (secret, haystack) in [
+        ("akiaiosfodnn7", &squeezed),
+        ("4111111111111111", &digits_joined),
+        ("ab3def6h", &squeezed),
+        ("ij9klm2n", &squeezed),
+        ("alice.secret", &folded),
+        ("5551234567", &digits_joined),
+        ("eyjhbgci", &squeezed),
+    ] {
+        assert!(
+            !haystack.contains(secret),
+            "`{secret}` left the store in disguise"
+        );
+    }
+}
 /// Template skills (no generator) from every sample format: the run is `ok`, every cluster of
 /// the samples gives a skill, and every exported SKILL.md passes the Agent Skills reference
 /// validator, with its provenance next to it.
@@ -968,7 +996,7 @@ dir = "runs"
         .map(|i| {
             serde_json::json!({
                 "tenant": "private", "episode_id": format!("p-{i}"),
-                "task": format!("Email the invoice to alice{i}@example.com and charge card 4111 1111 1111 1111"),
+                "task": format!("Email the invoice to alice{i}@example.com and charge card 4111 1111 1111 1111. {DISGUISED}"),
                 "steps": [
                     {"observation": "User wants the invoice", "action": "Looking it up.",
                      "tool_calls": [{"name": "find_invoice", "arguments": {"email": format!("alice{i}@example.com")}, "result": "Error: no invoice for alice@example.com"}]},
@@ -996,6 +1024,23 @@ dir = "runs"
     {
         leaving.push_str(&std::fs::read_to_string(&path).unwrap());
     }
+    // And what `query` prints for the tenant (redacted unless --no-redact).
+    let store = dir.path().join("store");
+    let query = ok(run(fluxmem().arg("query").arg("--store").arg(&store).args(
+        [
+            "--tenant",
+            "private",
+            "--budget",
+            "4096",
+            "Email the invoice",
+        ],
+    )));
+    let printed = String::from_utf8_lossy(&query.stdout).into_owned();
+    assert!(
+        printed.contains("invoice"),
+        "the query finds the tenant's facts: {printed}"
+    );
+    leaving.push_str(&printed);
     for secret in [
         "alice1@example.com",
         "alice@example.com",
@@ -1003,6 +1048,22 @@ dir = "runs"
     ] {
         assert!(!leaving.contains(secret), "`{secret}` left the store");
     }
+    assert_no_disguised_secret(&leaving);
+    let raw = ok(run(fluxmem().arg("query").arg("--store").arg(&store).args(
+        [
+            "--tenant",
+            "private",
+            "--budget",
+            "4096",
+            "--no-redact",
+            "Email the invoice",
+        ],
+    )));
+    assert!(
+        String::from_utf8_lossy(&raw.stdout).contains("alice1@example.com")
+            || String::from_utf8_lossy(&raw.stdout).contains("alice2@example.com"),
+        "--no-redact prints the store's text as it is"
+    );
     assert!(
         leaving.contains("<email>"),
         "placeholders keep the text readable"

@@ -12,6 +12,11 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device = device_choice.device()?;
     let (units, adjacency, entity) = super::structure_flags(&args.structure)?;
     super::check_loop_flags(&args.refine)?;
+    let mut config = fluxmem_connect::RetrievalConfig {
+        adjacency,
+        entity,
+        ..super::retrieval_config(&args.fusion, &args.weights, args.judge_top)?
+    };
     let store = fluxmem_store::Store::open(&settings.store)?;
     let mut graph = store.load()?;
     let tenant = resolve_tenant(&graph, args.tenant.as_deref())?;
@@ -30,15 +35,9 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         eprintln!("warning: {not_embedded} nodes of tenant `{tenant}` have no `{}` embedding and were left out; run `fluxmem embed`", embedder.model_id());
     }
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
-    let config = fluxmem_connect::RetrievalConfig {
-        adjacency,
-        entity,
-        ..super::retrieval_config(
-            &args.fusion,
-            &args.weights,
-            if judge.is_some() { args.judge_top } else { 0 },
-        )?
-    };
+    if judge.is_none() {
+        config.judge_top = 0;
+    }
     let query_vector = embedder.embed(&[args.text.as_str()])?.remove(0);
     // With entities on, the dense signal reads the query without the speakers it names.
     let dense_vector = match retriever.semantic().dense_query(&args.text, &config) {
@@ -148,15 +147,27 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     };
     // Reshaped nodes may live only in the loop's delta: pack against the graph with it.
     let context = pack(&graph, &entries, args.budget, &count)?;
+    // What leaves the store passes the redactor, unless a trusted caller turns it off.
+    let redactor = if args.no_redact {
+        fluxmem_redact::Redactor::new(fluxmem_redact::RedactConfig {
+            enabled: false,
+            ..Default::default()
+        })
+    } else {
+        fluxmem_redact::Redactor::default()
+    };
+    let mut redacted = fluxmem_redact::Counts::new();
     if args.json {
         let mut report = serde_json::to_value(&context)?;
+        redactor.redact_json(&mut report, &mut redacted);
         if let Some(object) = report.as_object_mut() {
             object.insert("tenant".into(), tenant.clone().into());
             object.insert("not_embedded".into(), not_embedded.into());
+            object.insert("redacted".into(), serde_json::to_value(&redacted)?);
         }
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        println!("{}", context.text());
+        println!("{}", redactor.redact_into(&context.text(), &mut redacted));
         eprintln!(
             "{} items, {} of {} tokens",
             context.items.len(),

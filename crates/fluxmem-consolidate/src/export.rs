@@ -341,9 +341,12 @@ fn yaml_string(value: &str) -> String {
 ///   skill release ([`Error::Io`] naming them). Unlisted files are neither deleted nor carried
 ///   over into the new release: move them away, or export elsewhere.
 ///
-/// Leftovers of a killed export (`.<name>.tmp-*`, `.<name>.old-*` next to `out`) are not
-/// removed by later exports, since another export may be using them; they are safe to delete.
-/// The temporary names never reach the output, which stays byte-identical across runs.
+/// Leftovers of a killed export (`.<name>.tmp-<pid>-<n>`, `.<name>.old-<pid>-<n>` next to
+/// `out`) are removed by the next export to `out` once its release is in place, when the
+/// process that made them is provably gone (no `/proc/<pid>` where `/proc` is mounted);
+/// otherwise they are kept, since another export may be using them. The temporary names never
+/// reach the output, which stays byte-identical across runs. An `out` inside the store's own
+/// directory is refused.
 pub fn export_skills(store: &Store, out: &Path, options: &ExportOptions) -> Result<ExportReport> {
     export_skills_with(store, out, options, &fluxmem_redact::Redactor::default())
 }
@@ -406,11 +409,16 @@ pub fn export_skills_with(
         }
     }
     let target = Target::resolve(out)?;
+    target.refuse_inside(store.dir())?;
     let existing = inspect(&target.dir)?;
     let previous = previous_release(&target.dir);
     let changes = changes(previous.as_ref(), &manifest, &records, &left_out);
     std::fs::create_dir_all(&target.parent).map_err(|e| io(&target.parent, e))?;
     let scratch = Scratch::create(target.sibling("tmp"))?;
+    let last_pass = LastPass {
+        redactor,
+        counts: Default::default(),
+    };
     let files = write_release(
         &scratch.path,
         out,
@@ -419,8 +427,11 @@ pub fn export_skills_with(
         &records,
         options,
         &changes,
+        &last_pass,
     )?;
+    redacted.merge(&last_pass.counts.into_inner());
     target.install(scratch, existing)?;
+    target.sweep_stale();
     let count = |kind: &str| changes.iter().filter(|c| c["change"] == kind).count();
     Ok(ExportReport {
         skills: records.len(),
@@ -580,6 +591,28 @@ fn changes_md(changes: &[Value]) -> String {
 /// Writes the release's files and its manifest into `dir` (the temporary directory), each
 /// fsynced, then fsyncs every folder; returns the files, relative to the release. `out`, the
 /// final directory, only names files in error messages.
+/// The redaction pass every exported text goes through last, after templating, truncation and
+/// serialisation: what the record-level pass could not see (a secret a template changed the
+/// case of, or one that spans two fields) is caught in the file as written.
+struct LastPass<'a> {
+    redactor: &'a fluxmem_redact::Redactor,
+    counts: std::cell::RefCell<fluxmem_redact::Counts>,
+}
+
+impl LastPass<'_> {
+    fn text(&self, text: &str) -> String {
+        self.redactor
+            .redact_into(text, &mut self.counts.borrow_mut())
+    }
+
+    fn json(&self, mut value: Value) -> Value {
+        self.redactor
+            .redact_json(&mut value, &mut self.counts.borrow_mut());
+        value
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // the release's inputs, each read once; a struct would only rename them
 fn write_release(
     dir: &Path,
     out: &Path,
@@ -588,9 +621,13 @@ fn write_release(
     records: &[SkillRecord],
     options: &ExportOptions,
     changes: &[Value],
+    last_pass: &LastPass,
 ) -> Result<Vec<String>> {
     let mut files = Vec::new();
-    write(&dir.join(CHANGES_FILE), changes_md(changes).as_bytes())?;
+    write(
+        &dir.join(CHANGES_FILE),
+        last_pass.text(&changes_md(changes)).as_bytes(),
+    )?;
     files.push(CHANGES_FILE.to_string());
     match options.format {
         ExportFormat::SkillMd => {
@@ -598,9 +635,12 @@ fn write_release(
                 let folder = dir.join(&record.slug);
                 // Slugs are unique, so a folder that already exists would be a bug: fail.
                 std::fs::create_dir(&folder).map_err(|e| io(&folder, e))?;
-                write(&folder.join("SKILL.md"), skill_md(record).as_bytes())?;
-                let provenance =
-                    serde_json::to_vec_pretty(&provenance(record)).expect("provenance serialises");
+                write(
+                    &folder.join("SKILL.md"),
+                    last_pass.text(&skill_md(record)).as_bytes(),
+                )?;
+                let provenance = serde_json::to_vec_pretty(&last_pass.json(provenance(record)))
+                    .expect("provenance serialises");
                 write(&folder.join(PROVENANCE_FILE), &provenance)?;
                 sync_dir(&folder)?;
                 files.push(format!("{}/SKILL.md", record.slug));
@@ -610,6 +650,8 @@ fn write_release(
         ExportFormat::Jsonl => {
             let mut body = String::new();
             for record in records {
+                // The record's texts passed the redactor field by field (`redact_record`), and
+                // serialising does not change them.
                 body.push_str(&serde_json::to_string(record).expect("records serialise"));
                 body.push('\n');
             }
@@ -622,7 +664,9 @@ fn write_release(
             files.push("skills.parquet".into());
         }
     }
-    let release = release_manifest(manifest, graph, records, options, &files, changes);
+    let release = last_pass.json(release_manifest(
+        manifest, graph, records, options, &files, changes,
+    ));
     let mut bytes = serde_json::to_vec_pretty(&release).expect("JSON values serialise");
     bytes.push(b'\n');
     write(&dir.join(RELEASE_FILE), &bytes)?;
@@ -736,6 +780,73 @@ impl Target {
             name,
             tag,
         })
+    }
+
+    /// Refuses an export directory inside the store directory `store` (or the store itself):
+    /// the release would sit among the shards, and a store's cleanup could not tell it apart.
+    fn refuse_inside(&self, store: &Path) -> Result<()> {
+        let store = std::fs::canonicalize(store).map_err(|e| io(store, e))?;
+        // The export directory may not exist yet: judge by its nearest existing ancestor.
+        let absolute = match std::env::current_dir() {
+            Ok(cwd) => cwd.join(&self.dir),
+            Err(e) => return Err(io(&self.dir, e)),
+        };
+        let mut existing = absolute.as_path();
+        while !existing.exists() {
+            match existing.parent() {
+                Some(parent) => existing = parent,
+                None => break,
+            }
+        }
+        let real = std::fs::canonicalize(existing)
+            .map_err(|e| io(existing, e))?
+            .join(absolute.strip_prefix(existing).unwrap_or(Path::new("")));
+        if real.starts_with(&store) {
+            return Err(refused(
+                &self.dir,
+                format!(
+                    "is inside the store {}; export to a directory outside it",
+                    store.display()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Removes the leftovers of killed exports to this directory (`.<name>.tmp-<pid>-<n>`,
+    /// `.<name>.old-<pid>-<n>`) whose process is provably gone; returns how many.
+    fn sweep_stale(&self) -> usize {
+        if !Path::new("/proc/self").exists() {
+            return 0; // no way to prove a process gone
+        }
+        let mut prefix = OsString::from(".");
+        prefix.push(&self.name);
+        let prefix = prefix.to_string_lossy().into_owned();
+        let Ok(entries) = std::fs::read_dir(&self.parent) else {
+            return 0;
+        };
+        let mut removed = 0;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix(&prefix) else {
+                continue;
+            };
+            let Some(tag) = rest
+                .strip_prefix(".tmp-")
+                .or_else(|| rest.strip_prefix(".old-"))
+            else {
+                continue;
+            };
+            let Some((pid, counter)) = tag.split_once('-') else {
+                continue;
+            };
+            let ours = pid.parse::<u32>().is_ok() && counter.parse::<u64>().is_ok();
+            let alive = Path::new("/proc").join(pid).exists();
+            if ours && !alive && std::fs::remove_dir_all(entry.path()).is_ok() {
+                removed += 1;
+            }
+        }
+        removed
     }
 
     /// `<parent>/.<name>.<what>-<tag>`.

@@ -578,9 +578,15 @@ fn pitfalls(
 }
 
 /// The words most of the successes' tasks share, in the first task's order; other words `…`.
+/// Each task is redacted first: splitting, lowercasing and truncating would otherwise disguise
+/// a secret from the redaction that runs on the finished skill (an AWS key id lowercased and
+/// cut short is no longer one).
 fn task_pattern(successes: &[&Node]) -> String {
+    let redactor = fluxmem_redact::Redactor::default();
     let words = |node: &Node| -> Vec<String> {
-        node.text
+        redactor
+            .redact(&node.text)
+            .text
             .split_whitespace()
             .map(|w| {
                 w.trim_matches(|c: char| !c.is_alphanumeric())

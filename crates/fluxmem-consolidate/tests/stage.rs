@@ -1229,6 +1229,62 @@ fn export_writes_a_complete_release_and_leaves_no_temporary_directory() {
     );
 }
 
+/// Issue 40.6: a killed export's temporaries are swept by the next export to the same place
+/// (only names of ours whose process is gone; a live process's are kept), and an export
+/// directory inside the store is refused.
+#[test]
+fn export_sweeps_dead_exports_temporaries_and_refuses_a_directory_inside_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let handle = skill_store(dir.path());
+    let parent = dir.path().join("exports");
+    let out = parent.join("skills");
+    let options = ExportOptions {
+        format: ExportFormat::SkillMd,
+        tenant: None,
+        min_pems: None,
+        min_eta: None,
+        min_support: 0,
+    };
+    // Leftovers of a killed export (a pid above any Linux pid_max, so surely gone), one of a
+    // running process (this test's), and a name that is not ours.
+    let live = format!(".skills.tmp-{}-0", std::process::id());
+    for name in [
+        ".skills.tmp-99999999-3",
+        ".skills.old-99999999-4",
+        live.as_str(),
+        ".skills.tmp-x",
+    ] {
+        std::fs::create_dir_all(parent.join(name)).unwrap();
+        std::fs::write(parent.join(name).join("SKILL.md"), "left over").unwrap();
+    }
+    export_skills(&handle, &out, &options).unwrap();
+    let mut expected = vec![
+        ".skills.tmp-x".to_string(),
+        live.clone(),
+        "skills".to_string(),
+    ];
+    if !std::path::Path::new("/proc/self").exists() {
+        // Without /proc no process can be proved gone: everything stays.
+        expected.extend([
+            ".skills.old-99999999-4".into(),
+            ".skills.tmp-99999999-3".into(),
+        ]);
+    }
+    expected.sort();
+    assert_eq!(
+        entries(&parent),
+        expected,
+        "dead exports' leftovers swept, nothing else"
+    );
+    for inside in [
+        dir.path().join("store"),
+        dir.path().join("store").join("shards").join("x"),
+    ] {
+        let error = export_skills(&handle, &inside, &options).unwrap_err();
+        assert!(error.to_string().contains("inside the store"), "{error}");
+    }
+}
+
 #[test]
 fn export_replaces_an_earlier_export_and_refuses_files_it_did_not_write() {
     let dir = tempfile::tempdir().unwrap();

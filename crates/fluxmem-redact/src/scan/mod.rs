@@ -4,6 +4,7 @@
 //! All detectors match ASCII only, so every span starts and ends on a `char` boundary: a span
 //! starts at an ASCII byte and ends right after one.
 
+mod decoded;
 mod email;
 mod iban;
 mod ip;
@@ -32,9 +33,17 @@ impl Candidate {
     }
 }
 
-/// Every match of the enabled `kinds` in `bytes`, in no particular order; matches of different
-/// detectors may overlap.
+/// Every match of the enabled `kinds` in `bytes` and in its decoded views (percent-encoding,
+/// base64: see `decoded.rs`), in no particular order; matches of different detectors may
+/// overlap.
 pub(crate) fn candidates(bytes: &[u8], kinds: &BTreeSet<Kind>) -> Vec<Candidate> {
+    let mut found = direct(bytes, kinds);
+    decoded::scan(bytes, kinds, &mut found);
+    found
+}
+
+/// The matches of the detectors on `bytes` as written.
+fn direct(bytes: &[u8], kinds: &BTreeSet<Kind>) -> Vec<Candidate> {
     let on = |kind: Kind| kinds.contains(&kind);
     let mut found = Vec::new();
     if on(Kind::Email) {

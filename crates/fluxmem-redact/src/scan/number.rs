@@ -15,14 +15,19 @@
 //!
 //! and that contains no date (`2024-05-01 14` is not a phone number: three groups shaped
 //! year-month-day or day-month-year with the same `-` or `.` between them) and is not a dotted
-//! quad (an IPv4 address). Bare digit strings without `+` (`123456789`, order numbers, Unix
-//! times) are not phone numbers.
+//! quad (an IPv4 address). A bare string of ten digits is a phone number when it has the North
+//! American plan's shape (an area code starting with 2-9: `5551234567`, or
+//! `15551234567` with the country code); other bare digit strings (`123456789`, order numbers,
+//! Unix times, which start with 1) are not.
 //!
 //! **Card**: a window of consecutive groups of a run, written as one group of 13 to 19 digits,
 //! or as 4-4-4-N (N 1 to 4), 4-4-4-4-N (N 1 to 3), 4-6-5 or 4-6-4 with one separator (all
 //! spaces or all hyphens), whose first digit is 3, 4, 5 or 6 or whose first two are 22-27 (the
 //! card networks' ranges; this also keeps compact timestamps like `20240501123045` out), and
-//! whose digits pass the Luhn check.
+//! whose digits pass the Luhn check. The same number typed with odd spacing is a card too: any
+//! window of groups of at most 6 digits, joined by single spaces or hyphens (mixed allowed), 13
+//! to 19 digits in all, with a network prefix and a valid Luhn check (`4111 11 11 1111 1111`,
+//! `4 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1`, `4111 1111-1111 1111`).
 
 use super::{before, is_word, Candidate};
 use crate::Kind;
@@ -203,12 +208,21 @@ fn is_phone(bytes: &[u8], run: &Run, groups: &[Group]) -> bool {
     let trunk = (2..=6).contains(&lengths.len())
         && bytes[groups[0].0] == b'0'
         && lengths.iter().all(|&length| length >= 2);
+    let first = groups[0].0;
     let north_american = match lengths.as_slice() {
         [3, 3, 4] => true,
-        [1, 3, 3, 4] => bytes[groups[0].0] == b'1',
+        [1, 3, 3, 4] => bytes[first] == b'1',
+        [10] => is_nanp(&bytes[first..first + 10]),
+        [11] => bytes[first] == b'1' && is_nanp(&bytes[first + 1..first + 11]),
         _ => false,
     };
     trunk || north_american
+}
+
+/// Ten digits in the North American numbering plan's shape: an area code starting with 2-9
+/// (`5551234567`). Unix times in seconds (`1714567890`) start with 1.
+fn is_nanp(digits: &[u8]) -> bool {
+    digits.len() == 10 && digits[0] >= b'2'
 }
 
 /// Three consecutive groups shaped like a date (`2024-05-01`, `01.05.2024`) with the same
@@ -289,6 +303,9 @@ fn card_at(
         }
     }
     let mut best: Option<(usize, usize)> = None;
+    if let Some((digits, last)) = loose_card_at(bytes, groups, first, open_after) {
+        best = Some((digits, last));
+    }
     for last in lasts.into_iter().flatten() {
         if last + 1 == count && !open_after {
             continue;
@@ -301,6 +318,50 @@ fn card_at(
         }
     }
     best.map(|(_, last)| last)
+}
+
+/// The longest window of groups from `first` in any grouping (the disguise of a number typed
+/// with odd spacing, `4111 11 11 1111 1111` or `4 1 1 1 ...`): groups of at most
+/// [`LOOSE_GROUP_MAX`] digits, each gap one space or one hyphen (mixed allowed), 13 to 19 digits
+/// in all, a card network's prefix and a valid Luhn check. Returns its digit count and last group.
+fn loose_card_at(
+    bytes: &[u8],
+    groups: &[Group],
+    first: usize,
+    open_after: bool,
+) -> Option<(usize, usize)> {
+    let mut digits: Vec<u8> = Vec::new();
+    let mut best = None;
+    for last in first..groups.len() {
+        if last > first && !matches!(gap(bytes, groups, last - 1), b" " | b"-") {
+            break;
+        }
+        if group_len(groups[last]) > LOOSE_GROUP_MAX {
+            break;
+        }
+        digits.extend_from_slice(&bytes[groups[last].0..groups[last].1]);
+        if digits.len() > 19 {
+            break;
+        }
+        let closes = last + 1 < groups.len() || open_after;
+        if digits.len() >= 13 && closes && is_card_number(&digits) {
+            best = Some((digits.len(), last));
+        }
+    }
+    best
+}
+
+/// Longest group of a card number in any grouping ([`loose_card_at`]): the 4-6-5 form's 6.
+const LOOSE_GROUP_MAX: usize = 6;
+
+/// True when ASCII `digits` start with a card network's prefix (3-6, or 22-27) and pass Luhn.
+fn is_card_number(digits: &[u8]) -> bool {
+    let network = match digits[0] {
+        b'3'..=b'6' => true,
+        b'2' => (b'2'..=b'7').contains(&digits[1]),
+        _ => false,
+    };
+    network && luhn(digits)
 }
 
 /// The digits of groups `first..=last` when they form a valid card number.
@@ -320,12 +381,7 @@ fn card_digits(bytes: &[u8], groups: &[Group], first: usize, last: usize) -> Opt
     let digits: Vec<u8> = (first..=last)
         .flat_map(|index| bytes[groups[index].0..groups[index].1].iter().copied())
         .collect();
-    let network = match digits[0] {
-        b'3'..=b'6' => true,
-        b'2' => (b'2'..=b'7').contains(&digits[1]),
-        _ => false,
-    };
-    (network && luhn(&digits)).then_some(digits)
+    is_card_number(&digits).then_some(digits)
 }
 
 /// The Luhn checksum of ASCII digits.
@@ -385,6 +441,10 @@ mod tests {
         );
         assert_eq!(phones("tel:+15551234567"), vec!["+15551234567"]);
         assert_eq!(
+            phones("call 5551234567 or 15551234567"),
+            vec!["5551234567", "15551234567"]
+        );
+        assert_eq!(
             phones("(555) 123-4567 or 555.123.4567 or 1-555-123-4567"),
             vec!["(555) 123-4567", "555.123.4567", "1-555-123-4567"]
         );
@@ -404,6 +464,7 @@ mod tests {
             "$1,234,567.89",
             "order 123456789 shipped",
             "unix 1714567890",
+            "id 0551234567 and 25551234567",
             "reservation ZFA04Y, user #W2378156",
             "ids W2378156-555-1234 and abc555-123-4567",
             "3 4 5 6 7 8 9 10 11",
@@ -426,6 +487,16 @@ mod tests {
         assert_eq!(cards("4111-1111-1111-1111"), vec!["4111-1111-1111-1111"]);
         assert_eq!(cards("pan=4111111111111111;"), vec!["4111111111111111"]);
         assert_eq!(cards("amex 3782 822463 10005."), vec!["3782 822463 10005"]);
+        // Odd groupings of the same digits (a disguise, not a layout).
+        for text in [
+            "4111 11 11 1111 1111",
+            "4 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1",
+            "4111 1111-1111 1111",
+            "41 11-11 11 11 11 11 11",
+            "41111 1111 1111 111",
+        ] {
+            assert_eq!(cards(&format!("pay with {text} today")), vec![text]);
+        }
         assert_eq!(
             cards("mc 5500 0000 0000 0004 and visa 4012888888881881"),
             vec!["5500 0000 0000 0004", "4012888888881881"]
@@ -437,10 +508,8 @@ mod tests {
         let texts = [
             "4111 1111 1111 1112",
             "4111111111111121",
-            "4111 1111-1111 1111",
             "x4111111111111111",
             "4111111111111111x",
-            "41111 1111 1111 111",
             "20240501123045",
             "1111 1111 1111 1117",
             "2024-05-01",

@@ -12,8 +12,12 @@
 //! | `AKIA`, `ASIA` (AWS access key ids) | `[A-Z0-9]` | exactly 16, not followed by a letter or digit |
 //! | `AIza` (Google) | `[A-Za-z0-9_-]` | 30 or more |
 //!
-//! JSON Web Tokens: `eyJ` + base64url (10+ bytes in all), `.`, base64url (10+), and an
-//! optional `.` + signature. `Bearer <token>` (any case): the token after one or more spaces,
+//! A prefix in another case (`akia...`, after a template lowercased the text) matches a body
+//! in any case that holds a digit. A key split by spaces goes on across single spaces while
+//! the next chunk is 4+ body bytes with a letter and a digit (`sk- Ab3d...`).
+//!
+//! JSON Web Tokens, whole or cut short: `eyJ` (the base64 of `{"`) + base64url, 10+ bytes in
+//! all, then optional `.`-joined parts (payload, signature) of any length. `Bearer <token>` (any case): the token after one or more spaces,
 //! `[A-Za-z0-9._~+/-]` and trailing `=`, at least 8 bytes with a digit, or 20 bytes with both
 //! letter cases; only the token is replaced (`Bearer <secret>`).
 //!
@@ -170,27 +174,65 @@ fn known_forms(bytes: &[u8], out: &mut Vec<Candidate>) {
 
 fn prefixed_at(bytes: &[u8], start: usize) -> Option<(usize, usize)> {
     let rest = &bytes[start..];
-    PREFIXES
-        .iter()
-        .filter(|rule| rest.starts_with(rule.prefix))
-        .find_map(|rule| {
-            let body_start = start + rule.prefix.len();
-            let mut end = body_start;
-            while end < bytes.len()
-                && (rule.body)(bytes[end])
-                && !(rule.exact && end - body_start == rule.min)
-            {
-                end += 1;
-            }
-            let length = end - body_start;
-            let ok = if rule.exact {
-                length == rule.min && !bytes.get(end).is_some_and(u8::is_ascii_alphanumeric)
-            } else {
-                length >= rule.min
-            };
-            ok.then_some((start, end))
-        })
+    PREFIXES.iter().find_map(|rule| {
+        let head = rest.get(..rule.prefix.len())?;
+        if !head.eq_ignore_ascii_case(rule.prefix) {
+            return None;
+        }
+        // A prefix in another case (a template lowercased the text) takes a body in any case,
+        // and must hold a digit so that ordinary words stay.
+        let folded = head != rule.prefix;
+        let body =
+            |byte: u8| (rule.body)(byte) || (folded && (rule.body)(byte.to_ascii_uppercase()));
+        let (end, length, has_digit) = key_body(bytes, start + rule.prefix.len(), &body, rule);
+        let ok = if rule.exact {
+            length == rule.min && !bytes.get(end).is_some_and(u8::is_ascii_alphanumeric)
+        } else {
+            length >= rule.min
+        };
+        (ok && (has_digit || !folded)).then_some((start, end))
+    })
 }
+
+/// The body of a prefixed key from `from`: its end, its length without the spaces inside it,
+/// and whether it holds a digit. A key split by a space goes on across single spaces while the
+/// next chunk is [`SPLIT_CHUNK_MIN`] or more body bytes with a letter and a digit (`sk- Ab3d...`,
+/// `sk-Ab3dEf6h Ij9kLm2n...`); an `exact` body stops at its length.
+fn key_body(
+    bytes: &[u8],
+    from: usize,
+    body: &dyn Fn(u8) -> bool,
+    rule: &Prefix,
+) -> (usize, usize, bool) {
+    let mut end = from;
+    let mut length = 0;
+    let mut has_digit = false;
+    loop {
+        while end < bytes.len() && body(bytes[end]) && !(rule.exact && length == rule.min) {
+            has_digit |= bytes[end].is_ascii_digit();
+            end += 1;
+            length += 1;
+        }
+        if bytes.get(end) != Some(&b' ') || (rule.exact && length == rule.min) {
+            return (end, length, has_digit);
+        }
+        let chunk = bytes[end + 1..]
+            .iter()
+            .take_while(|&&byte| body(byte))
+            .copied()
+            .collect::<Vec<u8>>();
+        let random = chunk.len() >= SPLIT_CHUNK_MIN
+            && chunk.iter().any(u8::is_ascii_digit)
+            && chunk.iter().any(u8::is_ascii_alphabetic);
+        if !random {
+            return (end, length, has_digit);
+        }
+        end += 1;
+    }
+}
+
+/// Fewest bytes of a chunk that continues a key across a space ([`key_body`]).
+const SPLIT_CHUNK_MIN: usize = 4;
 
 fn is_base64url(byte: u8) -> bool {
     byte.is_ascii_alphanumeric() || byte == b'_' || byte == b'-'
@@ -210,14 +252,16 @@ fn jwt_at(bytes: &[u8], start: usize, floor: &mut usize) -> Option<(usize, usize
     }
     let header_end = base64url_end(bytes, start);
     *floor = header_end;
-    if header_end - start < JWT_PART_MIN || bytes.get(header_end) != Some(&b'.') {
+    if header_end - start < JWT_PART_MIN {
         return None;
+    }
+    // A fragment (a token cut short, or its header alone) is still a token: `eyJ` is the
+    // base64 of `{"`, which no word starts with.
+    if bytes.get(header_end) != Some(&b'.') {
+        return Some((start, header_end));
     }
     let payload_end = base64url_end(bytes, header_end + 1);
-    if payload_end - (header_end + 1) < JWT_PART_MIN {
-        return None;
-    }
-    let mut end = payload_end;
+    let mut end = payload_end.max(header_end);
     if bytes.get(payload_end) == Some(&b'.') {
         let signature_end = base64url_end(bytes, payload_end + 1);
         if signature_end > payload_end + 1 {
@@ -387,6 +431,10 @@ mod tests {
             "xoxp-1234567890-abcdefghij",
             "AKIAIOSFODNN7EXAMPLE",
             "AIzaSyDaGmWKa4JsXZ-HjGw7ISLn_3namBGewQe",
+            // Disguises: lowercased, split by spaces.
+            "akiaiosfodnn7acmexyz",
+            "sk-proj-Ab3dEf6h Ij9kLm2nOp5qRs8t",
+            "sk- Ab3dEf6hIj9kLm2nOp5q",
         ];
         for key in keys {
             let text = format!("key: {key} (rotate it)");
@@ -403,6 +451,8 @@ mod tests {
             "AKIAIOSFODNN7EXAMPLE1",
             "xoxb-short",
             "ghp_tooShort123",
+            "asiapacificregionalofficeholder",
+            "sk-learn and more words",
         ] {
             assert!(secrets(text).is_empty(), "{text}: {:?}", secrets(text));
         }
@@ -421,6 +471,13 @@ mod tests {
             secrets("authorization: bearer dGhpcyBpcyBhIHRva2Vu=="),
             vec!["dGhpcyBpcyBhIHRva2Vu=="]
         );
+        // Cut short: a header alone, or a payload's first bytes.
+        assert_eq!(
+            secrets("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIi… was cut"),
+            vec!["eyJhbGciOiJIUzI1NiJ9.eyJzdWIi"]
+        );
+        assert_eq!(secrets("h=eyJhbGciOiJIUz"), vec!["eyJhbGciOiJIUz"]);
+        assert!(secrets("the eyJ prefix, eyJhb").is_empty());
         assert!(secrets("the Bearer authentication scheme").is_empty());
         assert!(secrets("Bearer token").is_empty());
     }
