@@ -175,6 +175,10 @@ pub struct ConnectArgs {
 #[derive(Debug, Args)]
 pub struct QueryArgs {
     /// Token budget of the context (tokens of the embedding model's tokenizer).
+    /// Print the context as stored, without the redaction pass (for a trusted caller; by
+    /// default e-mails, phone numbers, cards, IBANs, secrets and IPs are replaced).
+    #[arg(long)]
+    pub no_redact: bool,
     #[arg(long, default_value_t = 1024)]
     pub budget: usize,
     /// Print the items as JSON with their scores and why each was included.
@@ -584,6 +588,11 @@ pub struct IngestArgs {
     /// Commit at least every this many records.
     #[arg(long, default_value_t = 5000)]
     pub batch_records: usize,
+
+    /// Commit after a file once this many files were read since the last commit (many small
+    /// files make a handful of commits, not one a file).
+    #[arg(long, default_value_t = 1000)]
+    pub batch_files: usize,
 
     /// Read symbolic links to files. Without it a directory walk skips them (each reported on
     /// stderr) and a link named as an input is quarantined. Links to directories are never

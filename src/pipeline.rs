@@ -133,6 +133,8 @@ pub struct Ingest {
     pub chunk_words: usize,
     /// Commit at least every this many records.
     pub batch_records: usize,
+    /// Commit after a file once this many files were read since the last commit.
+    pub batch_files: usize,
     /// Read every input again, ignoring the ledger of files already ingested.
     pub reread: bool,
 }
@@ -144,6 +146,7 @@ impl Default for Ingest {
             max_record_bytes: defaults.max_record_bytes,
             chunk_words: defaults.chunk_words,
             batch_records: defaults.batch_records,
+            batch_files: defaults.batch_files,
             reread: defaults.reread,
         }
     }
@@ -481,6 +484,7 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
         Ok(())
     };
     positive("ingest.batch_records", p.ingest.batch_records)?;
+    positive("ingest.batch_files", p.ingest.batch_files)?;
     positive("ingest.chunk_words", p.ingest.chunk_words)?;
     positive("ingest.max_record_bytes", p.ingest.max_record_bytes)?;
     positive("embed.batch_size", p.embed.batch_size)?;

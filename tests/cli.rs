@@ -1147,6 +1147,26 @@ fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill()
         credit_stats(&one),
         "and the same credit statistics"
     );
+    // Issue 40.10: the resumed run carries on under the run id of the run it finishes (its
+    // edges and edits are labelled as the uninterrupted run's are).
+    let run_ids = |store: &Path| {
+        let graph = fluxmem_store::Store::open(store).unwrap().load().unwrap();
+        let edges: Vec<(String, String)> = graph
+            .edges
+            .values()
+            .map(|e| (format!("{}>{}", e.src, e.dst), e.run_id.clone()))
+            .collect();
+        let edits: std::collections::BTreeSet<String> = graph
+            .edits
+            .iter()
+            .filter(|e| e.stage == "refine")
+            .map(|e| e.run_id.clone())
+            .collect();
+        (edges, edits)
+    };
+    let (small_ids, killed_ids) = (run_ids(&small), run_ids(&killed));
+    assert_eq!(small_ids.1.len(), 1, "one refine run: {:?}", small_ids.1);
+    assert_eq!(killed_ids, small_ids, "the same run ids after a kill");
 }
 
 /// Copies every file under `from` to the same place under `to` (a store, for runs side by side).
@@ -1327,4 +1347,139 @@ fn a_delta_refine_killed_after_a_commit_resumes_to_the_full_result() {
     );
     assert_eq!(credit_stats(&killed), credit_stats(&one));
     assert!(!credit_stats(&one).is_empty());
+}
+
+/// Issue 40.1: `consolidate` killed at every commit point (and by SIGKILL) and started again
+/// ends with exactly the store of an uninterrupted run. With `--recluster-share 1` a run that
+/// planned its clusters afresh would, on restart, fit the unfinished clusters' episodes into
+/// the skills already made and never make the rest; the plan kept in the store prevents it.
+#[test]
+fn killed_consolidate_resumes_to_exactly_the_uninterrupted_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base");
+    let output = run(fluxmem(&base).arg("ingest").arg(repo().join("data")));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let output = run(fluxmem(&base).args(["embed", "--model", "hash-48"]));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let before = fluxmem_store::Store::open(&base)
+        .unwrap()
+        .manifest()
+        .unwrap()
+        .version;
+    let consolidate = |store: &Path| {
+        let mut command = fluxmem(store);
+        command.args([
+            "consolidate",
+            "--json",
+            "--model",
+            "hash-48",
+            "--generator",
+            "none",
+            "--device",
+            "cpu",
+            "--recluster-share",
+            "1",
+        ]);
+        command
+    };
+    let reference = dir.path().join("reference");
+    copy_tree(&base, &reference);
+    let output = run(&mut consolidate(&reference));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report = stdout_json(&output);
+    let commits = report["commits"].as_u64().unwrap();
+    assert!(
+        commits >= 3,
+        "the samples give several cluster commits: {report}"
+    );
+    let expected = shard_list(&reference);
+    let expected_graph = fluxmem_store::Store::open(&reference)
+        .unwrap()
+        .load()
+        .unwrap();
+    let after = fluxmem_store::Store::open(&reference)
+        .unwrap()
+        .manifest()
+        .unwrap();
+    assert_eq!(
+        after.version,
+        before + commits,
+        "one commit per cluster, none more"
+    );
+    assert!(
+        after
+            .progress
+            .get("consolidate.plan")
+            .is_none_or(Value::is_null),
+        "a finished run leaves no open plan"
+    );
+    for version in before + 1..=before + commits {
+        for point in ["before-manifest", "after-manifest"] {
+            let store = dir.path().join(format!("crash-{point}-{version}"));
+            copy_tree(&base, &store);
+            let crashed =
+                run(consolidate(&store).env("FLUXMEM_FAULT", format!("{point}:{version}")));
+            assert!(
+                !crashed.status.success(),
+                "the fault at {point}:{version} fired"
+            );
+            let resumed = run(&mut consolidate(&store));
+            assert!(
+                resumed.status.success(),
+                "{}",
+                String::from_utf8_lossy(&resumed.stderr)
+            );
+            let resumed_report = stdout_json(&resumed);
+            // The plan is open from the first commit until the last one closes it.
+            let open = match point {
+                "after-manifest" => version < before + commits,
+                _ => version > before + 1,
+            };
+            assert_eq!(
+                resumed_report["resumed"], open,
+                "{point}:{version}: {resumed_report}"
+            );
+            assert_eq!(
+                shard_list(&store),
+                expected,
+                "store after a crash at {point}:{version} and a re-run: {resumed_report}"
+            );
+            std::fs::remove_dir_all(&store).unwrap();
+        }
+    }
+    for delay_ms in [20u64, 60, 150] {
+        let store = dir.path().join(format!("kill-{delay_ms}"));
+        copy_tree(&base, &store);
+        let mut child = consolidate(&store).spawn().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        let _ = child.kill();
+        let _ = child.wait();
+        let resumed = run(&mut consolidate(&store));
+        assert!(
+            resumed.status.success(),
+            "{}",
+            String::from_utf8_lossy(&resumed.stderr)
+        );
+        assert_eq!(
+            shard_list(&store),
+            expected,
+            "after SIGKILL at {delay_ms} ms"
+        );
+        assert_eq!(
+            fluxmem_store::Store::open(&store).unwrap().load().unwrap(),
+            expected_graph
+        );
+    }
 }

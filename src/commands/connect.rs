@@ -9,7 +9,6 @@ use crate::progress::CountBar;
 
 pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     // Flag values first, before a model is loaded or the store opened.
-    crate::cli::check_weights(&args.weights)?;
     let retrieval = super::retrieval_config(&args.fusion, &args.weights, 0)?;
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
@@ -26,7 +25,7 @@ pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let mut writer = open_writer(settings)?;
     // Edges record the run that wrote them; the id depends only on the store state it started
     // from, so the same store and options always give the same shards.
-    let run_id = format!("connect@v{}", writer.manifest().version);
+    let run_id = super::stage_run_id(writer.manifest(), fluxmem_connect::STAGE);
     let mut bar = CountBar::new(settings.progress, "connect");
     let report = connect_store(
         &mut writer,

@@ -26,7 +26,7 @@ pub fn run(args: ConsolidateArgs, settings: &Settings) -> anyhow::Result<ExitCod
     let mut writer = open_writer(settings)?;
     // Nodes, edges and edits record the run; the id depends only on the store state it started
     // from, so the same store and options always give the same shards.
-    let run_id = format!("consolidate@v{}", writer.manifest().version);
+    let run_id = super::stage_run_id(writer.manifest(), fluxmem_consolidate::STAGE);
     let mut models = Models {
         embedder: embedder.as_ref(),
         generator: generator.as_mut().map(|g| g as &mut dyn Generator),

@@ -14,6 +14,8 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         max_record_bytes: args.max_record_bytes,
         chunk_words: args.chunk_words,
         batch_records: args.batch_records.max(1),
+        batch_files: args.batch_files.max(1),
+        batch_bytes: IngestOptions::default().batch_bytes,
         shard: fluxmem_store::Shard::ALL,
         follow_symlinks: args.follow_symlinks,
         reread: args.reread,

@@ -71,6 +71,24 @@ pub fn run_id(stage: &str) -> String {
     )
 }
 
+/// The run id of a stage that writes ids into the store (`connect`, `refine`, `consolidate`):
+/// `<stage>@v<V>`, where V is the version the stage's work started from, the last commit not
+/// made by `stage` itself. The id follows from the work, not the attempt: a run killed after
+/// some commits and started again carries on under the same id, so its edges, edits and
+/// locators match an uninterrupted run's.
+pub fn stage_run_id(manifest: &fluxmem_store::Manifest, stage: &str) -> String {
+    let base = match manifest.commits.iter().rev().find(|c| c.stage != stage) {
+        Some(commit) => commit.version,
+        // Every commit the manifest still logs is this stage's: the work started before the
+        // first of them.
+        None => manifest
+            .commits
+            .first()
+            .map_or(manifest.version, |first| first.version.saturating_sub(1)),
+    };
+    format!("{stage}@v{base}")
+}
+
 /// Opens the store for writing and warns about a recovered stale lock.
 pub fn open_writer(settings: &Settings) -> anyhow::Result<fluxmem_store::Writer> {
     open_writer_at(&settings.store, settings)
@@ -104,6 +122,7 @@ pub fn retrieval_config(
     judge_top: usize,
 ) -> anyhow::Result<fluxmem_connect::RetrievalConfig> {
     let fusion: fluxmem_connect::FusionMode = fusion.parse().map_err(anyhow::Error::msg)?;
+    crate::cli::check_weights(weights)?;
     let [dense, bm25, judge] = weights else {
         anyhow::bail!(
             "--weights takes three numbers (dense, BM25, judge), got {}",

@@ -31,7 +31,7 @@ pub fn run(args: RefineArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     };
     let mut writer = open_writer(settings)?;
     // The run id depends only on the store state it started from: same store, same shards.
-    let run_id = format!("refine@v{}", writer.manifest().version);
+    let run_id = super::stage_run_id(writer.manifest(), fluxmem_refine::STAGE);
     let mut bar = CountBar::new(settings.progress, "refine");
     let report = refine_store(&mut writer, &options, &run_id, &mut bar)
         .with_context(|| format!("refining the store {}", settings.store.display()))?;

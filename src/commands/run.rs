@@ -425,6 +425,8 @@ impl Ctx<'_> {
                 max_record_bytes: p.ingest.max_record_bytes,
                 chunk_words: p.ingest.chunk_words,
                 batch_records: p.ingest.batch_records,
+                batch_files: p.ingest.batch_files,
+                batch_bytes: fluxmem_ingest::IngestOptions::default().batch_bytes,
                 shard,
                 follow_symlinks: false,
                 reread: p.ingest.reread,

@@ -22,6 +22,9 @@ use crate::facts::{fact_bytes, Query, Spill, SpilledFacts, FOLDER};
 use crate::retrieve::{RetrievalConfig, SemanticIndex};
 use crate::{Error, Result};
 
+/// The stage name written on connect's commits (and in its run ids).
+pub const STAGE: &str = "connect";
+
 /// How to connect.
 #[derive(Debug, Clone)]
 pub struct ConnectOptions {
@@ -438,7 +441,7 @@ pub fn connect_store(
                 writer.commit(
                     &delta,
                     CommitInfo {
-                        stage: "connect".into(),
+                        stage: STAGE.into(),
                         run_id: run_id.into(),
                         summary,
                         progress: Default::default(),
@@ -861,7 +864,7 @@ fn edge(
         kind,
         weight,
         evidence,
-        stage: "connect".into(),
+        stage: STAGE.into(),
         run_id: run_id.into(),
         created_at: src.1.max(dst.1),
         active: true,

@@ -7,7 +7,7 @@ use fluxmem_graph::{
 };
 use fluxmem_models::Usage;
 use fluxmem_store::{CommitInfo, Rows, Scan, Writer};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -217,8 +217,11 @@ pub struct ConsolidateReport {
     pub generator: TokenUsage,
     /// Judge use of the whole run.
     pub judge: TokenUsage,
-    /// Commits made (0 or 1).
+    /// Commits made (one per cluster that changed the store).
     pub commits: usize,
+    /// True when this run finished the cluster plan of a run that was killed (its clusters, in
+    /// its order, under its run id), rather than clustering anew.
+    pub resumed: bool,
     /// Matured skills.
     pub skills: Vec<SkillReport>,
     /// Failed clusters.
@@ -285,10 +288,196 @@ pub fn consolidate_store(
         .filter(|e| e.stage == STAGE && e.kind == "skill_failed")
         .map(|e| (e.target.as_str(), e.reason.starts_with(NO_PROCEDURE_REASON)))
         .collect();
+    let (plans, run_id) = match open_plan(writer, &graph, options)? {
+        Some((plans, stored_run_id, tally)) => {
+            report.resumed = true;
+            tally.apply(&mut report);
+            (plans, stored_run_id)
+        }
+        None => {
+            let (plans, tally) = plan_clusters(&graph, &tenants, &latest, &model, options, device)?;
+            tally.apply(&mut report);
+            (plans, run_id.to_string())
+        }
+    };
+    let run_id = run_id.as_str();
+    progress.start(plans.len() as u64);
+    let done = done_count(writer);
+    // The last cluster with work: its commit closes the plan.
+    let last = plans
+        .iter()
+        .rposition(|plan| settled(plan, options, &failed_before).is_none());
+    let stored = StoredPlan::of(run_id, shard_key(options), &plans, &report).to_value();
     let mut delta = Graph::default();
+    for (position, plan) in plans.iter().enumerate() {
+        if position < done {
+            // Committed before the run was killed; its commit is in the store.
+            progress.advance(1);
+            continue;
+        }
+        let cluster = handle(
+            plan,
+            &graph,
+            models,
+            options,
+            run_id,
+            &failed_before,
+            &mut delta,
+            &mut report,
+        )?;
+        // One commit per cluster: a run killed later keeps the generation done so far. The
+        // plan rides on the run's first commit and the count of clusters handled on every one,
+        // so the run started again finishes exactly the clusters left. No later cluster reads
+        // this one's delta (each works from the snapshot read above).
+        if !delta.is_empty() {
+            let summary = json!({
+                "tenant": cluster.tenant, "status": cluster.status, "episodes": cluster.episodes.len(),
+                "generator": report.generator_model, "judge": report.judge_model,
+            });
+            let closing = Some(position) == last;
+            let mut marker = BTreeMap::new();
+            marker.insert(
+                PLAN_MARKER.to_string(),
+                if closing { Value::Null } else { stored.clone() },
+            );
+            marker.insert(
+                DONE_MARKER.to_string(),
+                if closing {
+                    Value::Null
+                } else {
+                    json!(position + 1)
+                },
+            );
+            writer.commit(
+                &delta,
+                CommitInfo {
+                    stage: STAGE.into(),
+                    run_id: run_id.into(),
+                    summary,
+                    progress: marker,
+                },
+            )?;
+            report.commits += 1;
+            delta = Graph::default();
+        }
+        report.cluster_list.push(cluster);
+        progress.advance(1);
+    }
+    close_plan(writer, run_id)?;
+    report.generator = TokenUsage::between(generator_start, generator_usage(models));
+    report.judge = models
+        .judge
+        .as_ref()
+        .map(|j| TokenUsage::between(judge_start, j.usage()))
+        .unwrap_or_default();
+    Ok(report)
+}
+
+/// The manifest progress key of an unfinished run's cluster plan ([`StoredPlan`]).
+pub const PLAN_MARKER: &str = "consolidate.plan";
+/// The manifest progress key of how many of the plan's clusters are handled.
+pub const DONE_MARKER: &str = "consolidate.done";
+
+/// Counts of the planning step, kept with the plan so a resumed run reports what the run it
+/// finishes planned.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Tally {
+    episodes: usize,
+    clusters: usize,
+    other_shards: usize,
+    tenants_assigned: usize,
+    tenants_clustered: usize,
+    unassigned: usize,
+}
+
+impl Tally {
+    fn of(report: &ConsolidateReport) -> Tally {
+        Tally {
+            episodes: report.episodes,
+            clusters: report.clusters,
+            other_shards: report.other_shards,
+            tenants_assigned: report.tenants_assigned,
+            tenants_clustered: report.tenants_clustered,
+            unassigned: report.unassigned,
+        }
+    }
+
+    fn apply(&self, report: &mut ConsolidateReport) {
+        report.episodes = self.episodes;
+        report.clusters = self.clusters;
+        report.other_shards = self.other_shards;
+        report.tenants_assigned = self.tenants_assigned;
+        report.tenants_clustered = self.tenants_clustered;
+        report.unassigned = self.unassigned;
+    }
+}
+
+/// The cluster plan of a run, as the store keeps it while the run is unfinished: every
+/// cluster in the order the run handles them, with the skill each updates (by id).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StoredPlan {
+    run_id: String,
+    /// The shard this plan is for (`Shard`'s index and count), so a sharded run never follows
+    /// another shard's plan.
+    shard: (usize, usize),
+    tally: Tally,
+    clusters: Vec<StoredCluster>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StoredCluster {
+    tenant: String,
+    index: usize,
+    episodes: Vec<NodeId>,
+    weights: Vec<f32>,
+    previous: Option<NodeId>,
+    skills: usize,
+}
+
+impl StoredPlan {
+    fn of(
+        run_id: &str,
+        shard: (usize, usize),
+        plans: &[Plan<'_>],
+        report: &ConsolidateReport,
+    ) -> StoredPlan {
+        StoredPlan {
+            run_id: run_id.to_string(),
+            shard,
+            tally: Tally::of(report),
+            clusters: plans
+                .iter()
+                .map(|plan| StoredCluster {
+                    tenant: plan.tenant.clone(),
+                    index: plan.index,
+                    episodes: plan.episodes.clone(),
+                    weights: plan.weights.clone(),
+                    previous: plan.previous.map(|node| node.id.clone()),
+                    skills: plan.skills,
+                })
+                .collect(),
+        }
+    }
+
+    fn to_value(&self) -> Value {
+        serde_json::to_value(self).expect("plans serialise")
+    }
+}
+
+/// Plans every tenant's clusters: assigned to the clusters of its latest skills where they
+/// still fit, clustered anew otherwise. Empty clusters (k-means may leave one) are no work.
+fn plan_clusters<'g>(
+    graph: &'g Graph,
+    tenants: &TenantEpisodes,
+    latest: &[&'g Node],
+    model: &str,
+    options: &ConsolidateOptions,
+    device: &Device,
+) -> Result<(Vec<Plan<'g>>, Tally)> {
+    let mut tally = Tally::default();
     let mut plans = Vec::new();
-    for (tenant, (ids, vectors)) in &tenants {
-        report.episodes += ids.len();
+    for (tenant, (ids, vectors)) in tenants {
+        tally.episodes += ids.len();
         let existing: Vec<&Node> = latest
             .iter()
             .copied()
@@ -301,12 +490,12 @@ pub fn consolidate_store(
         };
         let (members, similarity, matches) = match assigned {
             Some(assigned) => {
-                report.tenants_assigned += 1;
-                report.unassigned += assigned.unassigned;
+                tally.tenants_assigned += 1;
+                tally.unassigned += assigned.unassigned;
                 (assigned.members, assigned.similarity, assigned.skills)
             }
             None => {
-                report.tenants_clustered += 1;
+                tally.tenants_clustered += 1;
                 let clustering = kmeans(vectors, &options.kmeans, device)?;
                 let (members, centroids) = if options.split_by_procedure {
                     crate::mine::split_by_procedure(
@@ -319,17 +508,19 @@ pub fn consolidate_store(
                 } else {
                     (clustering.members(), clustering.centroids.clone())
                 };
-                let matches = match_skills(
-                    &members, ids, &centroids, &existing, &graph, &model, options,
-                );
+                let matches =
+                    match_skills(&members, ids, &centroids, &existing, graph, model, options);
                 (members, clustering.similarity, matches)
             }
         };
-        report.clusters += members.len();
+        tally.clusters += members.iter().filter(|rows| !rows.is_empty()).count();
         for (index, rows) in members.iter().enumerate() {
+            if rows.is_empty() {
+                continue;
+            }
             let episodes: Vec<NodeId> = rows.iter().map(|&r| ids[r].clone()).collect();
             if !options.shard.owns(&cluster_target(&episodes)) {
-                report.other_shards += 1;
+                tally.other_shards += 1;
                 continue;
             }
             let weights: Vec<f32> = rows.iter().map(|&r| similarity[r]).collect();
@@ -343,48 +534,101 @@ pub fn consolidate_store(
             });
         }
     }
-    progress.start(plans.len() as u64);
-    for plan in plans {
-        let cluster = handle(
-            &plan,
-            &graph,
-            models,
-            options,
-            run_id,
-            &failed_before,
-            &mut delta,
-            &mut report,
-        )?;
-        // One commit per cluster: a run killed later keeps the generation done so far, and the
-        // run started again finds those clusters unchanged. No later cluster reads this one's
-        // delta (each works from the snapshot read above).
-        if !delta.is_empty() {
-            let summary = json!({
-                "tenant": cluster.tenant, "status": cluster.status, "episodes": cluster.episodes.len(),
-                "generator": report.generator_model, "judge": report.judge_model,
-            });
-            writer.commit(
-                &delta,
-                CommitInfo {
-                    stage: STAGE.into(),
-                    run_id: run_id.into(),
-                    summary,
-                    progress: Default::default(),
-                },
-            )?;
-            report.commits += 1;
-            delta = Graph::default();
-        }
-        report.cluster_list.push(cluster);
-        progress.advance(1);
+    Ok((plans, tally))
+}
+
+/// The plan of a killed run of this shard, if the store holds one: its clusters (each skill it
+/// updates looked up in `graph`), its run id and its planning counts.
+#[allow(clippy::type_complexity)] // the three parts of the plan, named in the doc
+fn open_plan<'g>(
+    writer: &Writer,
+    graph: &'g Graph,
+    options: &ConsolidateOptions,
+) -> Result<Option<(Vec<Plan<'g>>, String, Tally)>> {
+    let Some(value) = writer
+        .manifest()
+        .progress
+        .get(PLAN_MARKER)
+        .filter(|v| !v.is_null())
+    else {
+        return Ok(None);
+    };
+    let stored: StoredPlan = serde_json::from_value(value.clone()).map_err(|e| Error::Plan {
+        reason: format!("the store's `{PLAN_MARKER}` is unreadable: {e}"),
+    })?;
+    if stored.shard != shard_key(options) {
+        return Ok(None);
     }
-    report.generator = TokenUsage::between(generator_start, generator_usage(models));
-    report.judge = models
-        .judge
-        .as_ref()
-        .map(|j| TokenUsage::between(judge_start, j.usage()))
-        .unwrap_or_default();
-    Ok(report)
+    let mut plans = Vec::with_capacity(stored.clusters.len());
+    for cluster in stored.clusters {
+        let previous = match &cluster.previous {
+            Some(id) => Some(graph.nodes.get(id).ok_or_else(|| Error::Plan {
+                reason: format!("the unfinished plan updates skill {id}, which the store lacks"),
+            })?),
+            None => None,
+        };
+        if let Some(missing) = cluster
+            .episodes
+            .iter()
+            .find(|id| !graph.nodes.contains_key(*id))
+        {
+            return Err(Error::Plan {
+                reason: format!("the unfinished plan's episode {missing} is not in the store"),
+            });
+        }
+        plans.push(Plan {
+            tenant: cluster.tenant,
+            index: cluster.index,
+            episodes: cluster.episodes,
+            weights: cluster.weights,
+            previous,
+            skills: cluster.skills,
+        });
+    }
+    Ok(Some((plans, stored.run_id, stored.tally)))
+}
+
+/// The shard a plan is for, as stored.
+fn shard_key(options: &ConsolidateOptions) -> (usize, usize) {
+    (options.shard.index, options.shard.count)
+}
+
+/// How many clusters of the store's unfinished plan are handled (0 without one).
+fn done_count(writer: &Writer) -> usize {
+    writer
+        .manifest()
+        .progress
+        .get(DONE_MARKER)
+        .and_then(Value::as_u64)
+        .map_or(0, |done| done as usize)
+}
+
+/// Clears the plan markers if they are still open once every cluster is handled (the last
+/// cluster with work clears them with its commit, so this commits only if that cluster,
+/// against expectation, changed nothing).
+fn close_plan(writer: &mut Writer, run_id: &str) -> Result<()> {
+    let open = writer
+        .manifest()
+        .progress
+        .get(PLAN_MARKER)
+        .is_some_and(|v| !v.is_null());
+    if !open {
+        return Ok(());
+    }
+    let progress = [PLAN_MARKER, DONE_MARKER]
+        .into_iter()
+        .map(|key| (key.to_string(), Value::Null))
+        .collect();
+    writer.commit(
+        &Graph::default(),
+        CommitInfo {
+            stage: STAGE.into(),
+            run_id: run_id.into(),
+            summary: json!({ "plan": "finished" }),
+            progress,
+        },
+    )?;
+    Ok(())
 }
 
 /// A tenant's episodes assigned to the clusters of its latest skills.
@@ -659,6 +903,38 @@ fn match_skills<'g>(
     matched
 }
 
+/// The status of a cluster that needs no work, or `None` when it does: `unchanged` (the
+/// skill's sources are the cluster), `kept` (changed by less than `reinduce_share`),
+/// `no_procedure` (the same members shared no procedure before) or `failed_earlier`.
+fn settled(
+    plan: &Plan<'_>,
+    options: &ConsolidateOptions,
+    failed_before: &BTreeMap<&str, bool>,
+) -> Option<&'static str> {
+    let sorted: BTreeSet<&NodeId> = plan.episodes.iter().collect();
+    if let Some(previous) = plan.previous {
+        let sources: BTreeSet<&NodeId> = skill_of(previous).source_episodes.iter().collect();
+        if sources == sorted {
+            return Some("unchanged");
+        }
+        if options.reinduce_share > 0.0 {
+            let base = sources.len().max(1) as f64;
+            let gained = sorted.difference(&sources).count() as f64 / base;
+            let lost = sources.difference(&sorted).count() as f64 / base;
+            if gained < options.reinduce_share && lost < options.reinduce_share {
+                return Some("kept");
+            }
+        }
+        return None;
+    }
+    match failed_before.get(cluster_target(&plan.episodes).as_str()) {
+        // Mining is deterministic: the same members still share no procedure.
+        Some(true) => Some("no_procedure"),
+        Some(false) if !options.retry_failed => Some("failed_earlier"),
+        _ => None,
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn handle(
     plan: &Plan<'_>,
@@ -676,46 +952,23 @@ fn handle(
         status: String::new(),
         skill: None,
     };
-    let sorted: BTreeSet<&NodeId> = plan.episodes.iter().collect();
-    if let Some(previous) = plan.previous {
-        let sources: BTreeSet<&NodeId> = skill_of(previous).source_episodes.iter().collect();
-        if sources == sorted {
-            report.skills_unchanged += 1;
-            cluster.status = "unchanged".into();
-            cluster.skill = Some(previous.id.clone());
-            return Ok(cluster);
-        }
-        if options.reinduce_share > 0.0 {
-            let base = sources.len().max(1) as f64;
-            let gained = sorted.difference(&sources).count() as f64 / base;
-            let lost = sources.difference(&sorted).count() as f64 / base;
-            if gained < options.reinduce_share && lost < options.reinduce_share {
-                report.skills_kept += 1;
-                cluster.status = "kept".into();
-                cluster.skill = Some(previous.id.clone());
-                return Ok(cluster);
-            }
-        }
-    }
-    let key: Vec<&str> = sorted.iter().map(|id| id.as_str()).collect();
-    let target = cluster_target(&plan.episodes);
-    if plan.previous.is_none() {
-        match failed_before.get(target.as_str()) {
-            Some(true) => {
-                // Mining is deterministic: the same members still share no procedure.
+    if let Some(status) = settled(plan, options, failed_before) {
+        match status {
+            "unchanged" => report.skills_unchanged += 1,
+            "kept" => report.skills_kept += 1,
+            "no_procedure" => {
                 report.failed += 1;
                 report.no_procedure += 1;
-                cluster.status = "no_procedure".into();
-                return Ok(cluster);
             }
-            Some(false) if !options.retry_failed => {
-                report.failed_earlier += 1;
-                cluster.status = "failed_earlier".into();
-                return Ok(cluster);
-            }
-            _ => {}
+            _ => report.failed_earlier += 1,
         }
+        cluster.status = status.into();
+        cluster.skill = plan.previous.map(|node| node.id.clone());
+        return Ok(cluster);
     }
+    let sorted: BTreeSet<&NodeId> = plan.episodes.iter().collect();
+    let key: Vec<&str> = sorted.iter().map(|id| id.as_str()).collect();
+    let target = cluster_target(&plan.episodes);
     let episodes: Vec<&Node> = plan.episodes.iter().map(|id| &graph.nodes[id]).collect();
     let previous = match plan.previous {
         Some(node) => {

@@ -102,6 +102,13 @@ pub enum Error {
         /// The cause.
         reason: String,
     },
+    /// The cluster plan an unfinished run left in the store cannot be followed (unreadable, or
+    /// naming a node the store lacks): the store was changed by hand or damaged.
+    #[error("cannot resume the unfinished consolidation: {reason}")]
+    Plan {
+        /// What is wrong with the plan.
+        reason: String,
+    },
 }
 
 /// Result with this crate's [`Error`].

@@ -16,8 +16,11 @@
 //! - what fluxmem writes (the store being written, other stores, exports, run reports) is never
 //!   read back, and file links are read only with [`IngestOptions::follow_symlinks`]: what a walk
 //!   leaves out is listed in [`IngestReport::skipped`], never dropped silently;
-//! - commits happen per file and every [`IngestOptions::batch_records`] records, at points that
-//!   depend only on the input, so a killed run started again ends with the same store.
+//! - commits happen every [`IngestOptions::batch_records`] new records, and after a file once
+//!   the files (or bytes) read since the last commit reach [`IngestOptions::batch_files`] (or
+//!   [`IngestOptions::batch_bytes`]), at points that depend only on the input, so a killed run
+//!   started again ends with the same store; a directory of many small files makes a handful
+//!   of commits, not one a file. The ledger records a file once a commit holds its records.
 //!
 //! ```no_run
 //! use fluxmem_ingest::{ingest, IngestOptions, NoProgress};
@@ -46,7 +49,7 @@ pub use compress::{Compression, MAX_DECOMPRESSED_BYTES};
 pub use docs::{chunk, Chunk};
 pub use error::{Error, Result};
 pub use ledger::LEDGER;
-pub use record::{Parsed, Record, Rejected};
+pub use record::{Parsed, Record, Rejected, EXCERPT_BYTES};
 pub use walk::Skipped;
 
 use fluxmem_graph::Graph;
@@ -153,6 +156,10 @@ pub struct IngestOptions {
     pub chunk_words: usize,
     /// Commit at least every this many records.
     pub batch_records: usize,
+    /// Commit after a file once this many files were read since the last commit.
+    pub batch_files: usize,
+    /// Commit after a file once this many input bytes were read since the last commit.
+    pub batch_bytes: u64,
     /// The part of the input this run owns (sharded runs); [`Shard::ALL`] by default.
     pub shard: Shard,
     /// Read symbolic links to files (`--follow-symlinks`); off by default, when a walk skips
@@ -173,6 +180,8 @@ impl Default for IngestOptions {
             max_record_bytes: 8 << 20,
             chunk_words: 120,
             batch_records: 5000,
+            batch_files: 1000,
+            batch_bytes: 256 << 20,
             shard: Shard::ALL,
             follow_symlinks: false,
             reread: false,
@@ -244,6 +253,7 @@ pub fn ingest(
         .join("quarantine")
         .join(format!("{run_id}.jsonl"));
     let expanded = walk::expand(inputs, options, writer.store().dir());
+    let writer_dir = writer.store().dir().to_path_buf();
     let mut run = Run {
         writer,
         options,
@@ -255,6 +265,12 @@ pub fn ingest(
         quarantine_path,
         quarantine: None,
         otel_spans: Vec::new(),
+        // The ledger of files already ingested (unsharded runs only: shards split the
+        // records, not the files).
+        ledger: (!options.reread && options.shard.count <= 1)
+            .then(|| ledger::Ledger::open(&writer_dir, options)),
+        awaiting: Vec::new(),
+        group: (0, 0),
     };
     for skipped in &expanded.skipped {
         progress.skipped(skipped);
@@ -273,16 +289,12 @@ pub fn ingest(
         run.stdin(progress)?;
         run.commit()?;
     }
-    // The ledger of files already ingested (unsharded runs only: shards split the records,
-    // not the files).
-    let mut ledger = (!options.reread && options.shard.count <= 1)
-        .then(|| ledger::Ledger::open(run.writer.store().dir(), options));
     for file in &files {
         let key = ledger::key_path(file);
         let stat = ledger::stat(file);
         // Bytes read to compare a changed file's hash are parsed from memory, not read again.
         let mut read = None;
-        if let (Some(ledger), Some((size, mtime))) = (ledger.as_mut(), stat) {
+        if let (Some(ledger), Some((size, mtime))) = (run.ledger.as_mut(), stat) {
             let unchanged = match ledger.seen(&key, size, mtime) {
                 ledger::Seen::Unchanged => true,
                 ledger::Seen::Maybe(hash) => match std::fs::read(file) {
@@ -304,11 +316,13 @@ pub fn ingest(
             }
         }
         let sha256 = run.file(file, read, progress)?;
-        run.commit()?;
-        if let (Some(ledger), Some((size, mtime)), Some(sha256)) = (ledger.as_mut(), stat, sha256) {
-            // The file's quarantined records too must be on disk before the ledger skips it.
-            run.flush_quarantine()?;
-            ledger.record(key, size, mtime, sha256)?;
+        if let (Some(_), Some((size, mtime)), Some(sha256)) = (&run.ledger, stat, sha256) {
+            run.awaiting.push((key, size, mtime, sha256));
+        }
+        run.group.0 += 1;
+        run.group.1 += stat.map_or(0, |(size, _)| size);
+        if run.group.0 >= options.batch_files.max(1) || run.group.1 >= options.batch_bytes {
+            run.commit()?;
         }
     }
     for parsed in otel::episodes(std::mem::take(&mut run.otel_spans), options) {
@@ -337,6 +351,12 @@ struct Run<'a> {
     quarantine: Option<std::io::BufWriter<std::fs::File>>,
     /// OpenTelemetry spans of the batch, grouped into episodes after the last file.
     otel_spans: Vec<otel::SpanRec>,
+    ledger: Option<ledger::Ledger>,
+    /// Files read whole whose records wait for the next commit before the ledger records
+    /// them: (key, size, mtime, SHA-256).
+    awaiting: Vec<(String, u64, i128, String)>,
+    /// Files and bytes read since the last commit.
+    group: (usize, u64),
 }
 
 impl Run<'_> {
@@ -544,7 +564,24 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// Commits the pending records (if any), then records in the ledger the files read whole
+    /// before it, and starts a new group.
     fn commit(&mut self) -> Result<()> {
+        self.commit_pending()?;
+        self.group = (0, 0);
+        if !self.awaiting.is_empty() {
+            // The files' quarantined records too must be on disk before the ledger skips them.
+            self.flush_quarantine()?;
+            if let Some(ledger) = self.ledger.as_mut() {
+                for (key, size, mtime, sha256) in std::mem::take(&mut self.awaiting) {
+                    ledger.record(key, size, mtime, sha256)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn commit_pending(&mut self) -> Result<()> {
         if self.pending.is_empty() {
             return Ok(());
         }

@@ -23,12 +23,26 @@ pub struct Rejected {
     pub field: Option<String>,
     /// What is wrong.
     pub reason: String,
-    /// The record as read (lossy UTF-8, capped at the record size limit).
+    /// The record as read (lossy UTF-8), its first [`EXCERPT_BYTES`] at most (less where the
+    /// record size limit is lower); the whole record stays in the input file, found by
+    /// `offset`, `bytes` and `sha256`.
     pub raw: String,
-    /// The exact bytes in hex when they are not valid UTF-8, so nothing is lost.
+    /// The excerpt's exact bytes in hex when they are not valid UTF-8.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub raw_hex: Option<String>,
+    /// The whole record's length in bytes.
+    pub bytes: usize,
+    /// SHA-256 of the whole record's bytes.
+    pub sha256: String,
+    /// Byte offset of the record in the (decompressed) input, when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offset: Option<usize>,
 }
+
+/// Most bytes of a rejected record kept in the quarantine file: a few KB say what the record
+/// is; its length, hash and offset find the rest in the input (a file of huge bad records must
+/// not make a quarantine file as large, or larger once escaped).
+pub const EXCERPT_BYTES: usize = 4096;
 
 /// What a parser hands to the ingestion driver for each record it reads.
 #[derive(Debug, Clone)]
@@ -49,11 +63,12 @@ impl Rejected {
         raw: &[u8],
         cap: usize,
     ) -> Self {
-        let mut end = raw.len().min(cap);
+        let mut end = raw.len().min(cap).min(EXCERPT_BYTES);
         // Do not cut a UTF-8 character in half (that would make valid input look invalid).
         while end < raw.len() && end > 0 && (raw[end] & 0b1100_0000) == 0b1000_0000 {
             end -= 1;
         }
+        let whole = raw;
         let capped = &raw[..end];
         let (raw, raw_hex) = match std::str::from_utf8(capped) {
             Ok(text) => (text.to_string(), None),
@@ -70,7 +85,16 @@ impl Rejected {
             reason: reason.into(),
             raw,
             raw_hex,
+            bytes: whole.len(),
+            sha256: fluxmem_graph::sha256_hex(whole),
+            offset: None,
         }
+    }
+
+    /// The same rejection, at byte `offset` of its input.
+    pub fn at_offset(mut self, offset: usize) -> Self {
+        self.offset = Some(offset);
+        self
     }
 
     /// The same rejection, blaming `field`.

@@ -77,14 +77,22 @@ impl<'a> Source<'a> {
         reason: impl Into<String>,
         raw: &[u8],
     ) -> Rejected {
-        Rejected::new(
+        let rejected = Rejected::new(
             &self.path,
             line,
             locator,
             reason,
             raw,
             self.options.max_record_bytes,
-        )
+        );
+        // A record cut from the input knows where it sits in it.
+        let start = self.bytes.as_ptr() as usize;
+        let at = raw.as_ptr() as usize;
+        if !raw.is_empty() && at >= start && at + raw.len() <= start + self.bytes.len() {
+            rejected.at_offset(at - start)
+        } else {
+            rejected
+        }
     }
 
     /// Rejects `raw` if it is over the record size limit.

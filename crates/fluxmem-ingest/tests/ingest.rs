@@ -188,6 +188,42 @@ fn oversize_records_are_quarantined() {
     assert_eq!(rejected.raw.len(), 1000, "raw is capped at the limit");
 }
 
+/// Issue 40.13: a huge bad record keeps a bounded excerpt in the quarantine file, with the
+/// whole record's length, hash and offset, so the record is found in its input and the
+/// quarantine does not grow as large as the input (or larger, once escaped).
+#[test]
+fn quarantined_records_keep_a_bounded_excerpt_with_hash_and_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("logs.jsonl");
+    let good = r#"{"task": "t", "steps": [{"observation": "o", "action": "a"}]}"#;
+    let bad = format!("{{\"task\": \"{}\"", "\u{0}".repeat(200_000));
+    std::fs::write(&input, format!("{good}\n{bad}\n")).unwrap();
+    let report = run(
+        &dir.path().join("store"),
+        std::slice::from_ref(&input),
+        &IngestOptions::default(),
+    );
+    assert_eq!((report.ingested, report.quarantined), (1, 1), "{report:?}");
+    let record = &quarantined(&report)[0];
+    assert!(
+        record["raw"].as_str().unwrap().len() <= fluxmem_ingest::EXCERPT_BYTES,
+        "bounded"
+    );
+    assert_eq!(record["bytes"], bad.len());
+    assert_eq!(record["offset"], good.len() + 1);
+    assert_eq!(
+        record["sha256"].as_str().unwrap(),
+        fluxmem_graph::sha256_hex(bad.as_bytes())
+    );
+    let size = std::fs::metadata(report.quarantine_file.as_ref().unwrap())
+        .unwrap()
+        .len();
+    assert!(
+        size < 64 * 1024,
+        "quarantine file of {size} bytes for a 200 KB record"
+    );
+}
+
 #[test]
 fn dev_data_gives_the_expected_counts_and_reingest_adds_nothing() {
     let data = dev_data();
@@ -1350,4 +1386,47 @@ fn the_ledger_reads_only_new_logs() {
         "n5",
     );
     assert_eq!((other.files, other.ingested), (1, 2), "{other:?}");
+}
+
+/// Issue 40.9: a directory of many small files commits in groups (here 2,500 one-record files
+/// make 3 commits, not 2,500), the ledger knows every file afterwards, and the manifest lists a
+/// handful of shards.
+#[test]
+fn many_small_files_commit_in_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    for i in 0..2500 {
+        let record = format!(
+            r#"{{"episode_id": "e{i}", "task": "task {i}", "steps": [{{"observation": "o{i}", "action": "a{i}"}}]}}"#
+        );
+        std::fs::write(logs.join(format!("{i:05}.jsonl")), record + "\n").unwrap();
+    }
+    let store = dir.path().join("store");
+    let report = run(
+        &store,
+        std::slice::from_ref(&logs),
+        &IngestOptions::default(),
+    );
+    assert_eq!((report.files, report.ingested), (2500, 2500), "{report:?}");
+    assert_eq!(report.commits, 3, "groups of 1,000 files: {report:?}");
+    let manifest = fluxmem_store::Store::open(&store)
+        .unwrap()
+        .manifest()
+        .unwrap();
+    assert!(
+        manifest.shards.len() <= 6,
+        "{} shards",
+        manifest.shards.len()
+    );
+    let again = run(
+        &store,
+        std::slice::from_ref(&logs),
+        &IngestOptions::default(),
+    );
+    assert_eq!(
+        (again.unchanged_files, again.commits),
+        (2500, 0),
+        "{again:?}"
+    );
 }
