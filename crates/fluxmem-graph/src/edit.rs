@@ -172,7 +172,10 @@ fn changed_fields(before: &Edge, after: &Edge) -> String {
     field("dst", before.dst != after.dst, &after.dst);
     field("kind", before.kind != after.kind, &after.kind);
     // As JSON numbers (what a comparison of the values did): -0.0 equals 0.0, NaN is null.
-    field("weight", before.weight != after.weight, &after.weight);
+    #[allow(clippy::cmp_owned)] // compared as JSON values on purpose: NaN is null, so equal
+    let weight_changed =
+        serde_json::Value::from(before.weight) != serde_json::Value::from(after.weight);
+    field("weight", weight_changed, &after.weight);
     field(
         "evidence",
         before.evidence != after.evidence,
