@@ -34,31 +34,28 @@ impl IngestBar {
     }
 }
 
-impl fluxmem_ingest::Progress for IngestBar {
+impl fluxmem_graph::Progress for IngestBar {
     fn start(&mut self, total_bytes: u64) {
         self.bar.set_length(total_bytes);
     }
 
-    fn advance(&mut self, bytes: u64, file: &str) {
+    fn advance(&mut self, bytes: u64) {
         self.bar.inc(bytes);
+    }
+
+    fn working_on(&mut self, file: &str) {
         let name = file.rsplit('/').next().unwrap_or(file);
         self.bar
             .set_message(format!("{name} ({} quarantined)", self.quarantined));
     }
 
-    fn quarantined(&mut self, rejected: &fluxmem_ingest::Rejected) {
-        self.quarantined += 1;
-        let field = rejected
-            .field
-            .as_deref()
-            .map(|f| format!(", field {f}"))
-            .unwrap_or_default();
-        self.bar.suspend(|| {
-            eprintln!(
-                "quarantined: {}:{} ({}{}): {}",
-                rejected.file, rejected.line, rejected.locator, field, rejected.reason
-            )
-        });
+    /// Quarantined records are printed as they happen; skipped inputs are listed by the
+    /// command from the report.
+    fn notice(&mut self, kind: &str, message: &str) {
+        if kind == "quarantined" {
+            self.quarantined += 1;
+            self.bar.suspend(|| eprintln!("quarantined: {message}"));
+        }
     }
 }
 
@@ -98,27 +95,7 @@ impl CountBar {
     }
 }
 
-impl fluxmem_embed::Progress for CountBar {
-    fn start(&mut self, total: u64) {
-        self.bar.set_length(total);
-    }
-
-    fn advance(&mut self, done: u64) {
-        self.bar.inc(done);
-    }
-}
-
-impl fluxmem_connect::Progress for CountBar {
-    fn start(&mut self, total: u64) {
-        self.bar.set_length(total);
-    }
-
-    fn advance(&mut self, done: u64) {
-        self.bar.inc(done);
-    }
-}
-
-impl fluxmem_consolidate::Progress for CountBar {
+impl fluxmem_graph::Progress for CountBar {
     fn start(&mut self, total: u64) {
         self.bar.set_length(total);
     }

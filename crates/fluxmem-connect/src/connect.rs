@@ -97,16 +97,7 @@ pub struct ConnectReport {
 
 /// Progress callbacks of a stage that works through countable items (episodes to connect;
 /// Stage II's edges to assess).
-pub trait Progress {
-    /// `total` items to do.
-    fn start(&mut self, _total: u64) {}
-    /// `done` more are done.
-    fn advance(&mut self, _done: u64) {}
-}
-
-/// A [`Progress`] that shows nothing.
-pub struct NoProgress;
-impl Progress for NoProgress {}
+pub use fluxmem_graph::{NoProgress, Progress};
 
 /// What connect keeps of every episode in the store: its tenant (interned) and time. The link
 /// search needs the tenant of every stored vector it reads, and a link's time is the later of

@@ -231,16 +231,7 @@ pub struct ConsolidateReport {
 }
 
 /// Progress callbacks.
-pub trait Progress {
-    /// `total` clusters to handle.
-    fn start(&mut self, _total: u64) {}
-    /// `done` more are handled.
-    fn advance(&mut self, _done: u64) {}
-}
-
-/// A [`Progress`] that shows nothing.
-pub struct NoProgress;
-impl Progress for NoProgress {}
+pub use fluxmem_graph::{NoProgress, Progress};
 
 /// How the edit of a cluster that shares no procedure starts its reason.
 const NO_PROCEDURE_REASON: &str = "no skill for a cluster of ";

@@ -110,16 +110,7 @@ pub struct EmbedReport {
 }
 
 /// Progress callbacks.
-pub trait Progress {
-    /// `total` nodes need a vector.
-    fn start(&mut self, _total: u64) {}
-    /// `done` more nodes have one.
-    fn advance(&mut self, _done: u64) {}
-}
-
-/// A [`Progress`] that shows nothing.
-pub struct NoProgress;
-impl Progress for NoProgress {}
+pub use fluxmem_graph::{NoProgress, Progress};
 
 /// Embeds every node of the store that lacks a vector for `embedder`'s model.
 pub fn embed_store(

@@ -33,6 +33,7 @@ mod error;
 mod graph;
 mod id;
 mod node;
+mod progress;
 pub mod schema;
 
 pub use edge::{Edge, EdgeKey, EdgeKind};
@@ -41,3 +42,4 @@ pub use error::{Error, Result};
 pub use graph::{Embedding, Graph, GraphStats};
 pub use id::{hex, sha256_hex, IdMap, IdSet, NodeId};
 pub use node::{Episode, Node, NodeBody, NodeKind, Outcome, Semantic, Skill, Step, ToolCall};
+pub use progress::{NoProgress, Progress};

@@ -219,20 +219,11 @@ pub struct IngestReport {
 }
 
 /// Progress callbacks; the CLI draws a bar from them, tests ignore them.
-pub trait Progress {
-    /// The batch holds `total_bytes` bytes of input.
-    fn start(&mut self, _total_bytes: u64) {}
-    /// `bytes` more bytes are done; `file` is being read.
-    fn advance(&mut self, _bytes: u64, _file: &str) {}
-    /// A record was quarantined.
-    fn quarantined(&mut self, _rejected: &Rejected) {}
-    /// The input walk left a directory or link out (also listed in [`IngestReport::skipped`]).
-    fn skipped(&mut self, _skipped: &Skipped) {}
-}
-
-/// A [`Progress`] that shows nothing.
-pub struct NoProgress;
-impl Progress for NoProgress {}
+/// Ingest counts input bytes; it names each file with [`Progress::working_on`], and tells
+/// of each quarantined record (kind `quarantined`, the message of [`Rejected::describe`]) and
+/// each input the walk left out (kind `skipped`, also in [`IngestReport::skipped`]) with
+/// [`Progress::notice`].
+pub use fluxmem_graph::{NoProgress, Progress};
 
 /// Ingests every file under `inputs` into the store of `writer`.
 ///
@@ -273,7 +264,10 @@ pub fn ingest(
         group: (0, 0),
     };
     for skipped in &expanded.skipped {
-        progress.skipped(skipped);
+        progress.notice(
+            "skipped",
+            &format!("{}: {}", skipped.path.display(), skipped.reason),
+        );
     }
     run.report.skipped = expanded.skipped;
     for rejected in expanded.rejected {
@@ -311,7 +305,8 @@ pub fn ingest(
             };
             if unchanged {
                 run.report.unchanged_files += 1;
-                progress.advance(size, &file.display().to_string());
+                progress.working_on(&file.display().to_string());
+                progress.advance(size);
                 continue;
             }
         }
@@ -431,7 +426,8 @@ impl Run<'_> {
             Err(reason) => {
                 // One record for the whole file, with no excerpt: the bytes are not text.
                 let rejected = Rejected::new(shown, 0, "file", reason, b"", 0);
-                progress.advance(read, shown);
+                progress.working_on(shown);
+                progress.advance(read);
                 return self
                     .accept(Parsed::Rejected(rejected), progress)
                     .map(|_| None);
@@ -453,7 +449,8 @@ impl Run<'_> {
                 &bytes,
                 self.options.max_record_bytes.min(UNKNOWN_EXCERPT_BYTES),
             );
-            progress.advance(read, shown);
+            progress.working_on(shown);
+            progress.advance(read);
             return self
                 .accept(Parsed::Rejected(rejected), progress)
                 .map(|_| None);
@@ -495,7 +492,8 @@ impl Run<'_> {
             }
         }
         self.otel_spans = spans;
-        progress.advance(read, shown);
+        progress.working_on(shown);
+        progress.advance(read);
         Ok(Some(format))
     }
 
@@ -544,7 +542,7 @@ impl Run<'_> {
     fn quarantine(&mut self, rejected: Rejected, progress: &mut dyn Progress) -> Result<()> {
         self.report.read += 1;
         self.report.quarantined += 1;
-        progress.quarantined(&rejected);
+        progress.notice("quarantined", &rejected.describe());
         let path = self.quarantine_path.clone();
         let io = |source| Error::Quarantine {
             path: path.clone(),

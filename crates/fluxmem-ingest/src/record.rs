@@ -91,6 +91,19 @@ impl Rejected {
         }
     }
 
+    /// One line for a person: `file:line (locator, field f): reason`.
+    pub fn describe(&self) -> String {
+        let field = self
+            .field
+            .as_deref()
+            .map(|f| format!(", field {f}"))
+            .unwrap_or_default();
+        format!(
+            "{}:{} ({}{}): {}",
+            self.file, self.line, self.locator, field, self.reason
+        )
+    }
+
     /// The same rejection, at byte `offset` of its input.
     pub fn at_offset(mut self, offset: usize) -> Self {
         self.offset = Some(offset);
