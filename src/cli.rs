@@ -124,6 +124,10 @@ pub struct CompactArgs {
 /// `fluxmem store recover`.
 #[derive(Debug, Args)]
 pub struct RecoverArgs {
+    /// When the manifest lists shard files that are gone: commit a manifest without them,
+    /// losing their rows (named in the report). Without it, recovery only says what is lost.
+    #[arg(long)]
+    pub accept_loss: bool,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,

@@ -5,7 +5,10 @@ use std::process::ExitCode;
 use crate::cli::{CompactArgs, RecoverArgs, Settings};
 
 pub fn recover(args: RecoverArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
-    let report = fluxmem_store::recover(&settings.store)?;
+    let options = fluxmem_store::RecoverOptions {
+        accept_loss: args.accept_loss,
+    };
+    let report = fluxmem_store::recover_with(&settings.store, options)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
         return Ok(ExitCode::SUCCESS);
@@ -29,6 +32,17 @@ pub fn recover(args: RecoverArgs, settings: &Settings) -> anyhow::Result<ExitCod
     }
     for (file, reason) in &report.rejected {
         println!("  left out (kept in place): {file}: {reason}");
+    }
+    for (file, output) in &report.superseded {
+        println!(
+            "  left out (kept in place): {file}: superseded by the compaction output {output}"
+        );
+    }
+    for lost in &report.lost {
+        println!(
+            "  lost: {} ({} rows of {}, commit {})",
+            lost.file, lost.rows, lost.table, lost.commit
+        );
     }
     for note in &report.unproven {
         println!("  not proven: {note}");

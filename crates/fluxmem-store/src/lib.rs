@@ -77,7 +77,7 @@ pub use manifest::{
     CommitRecord, EmbeddingModel, LiveCounts, Manifest, RetiredShard, ShardEntry, Since, FORMAT,
     SCHEMA_VERSION,
 };
-pub use recover::{recover, RecoverReport};
+pub use recover::{recover, recover_with, LostShard, RecoverOptions, RecoverReport};
 pub use scan::{EdgeHead, Rows, Scan};
 pub use staging::{staging_dir, MergeReport, Shard, STAGING};
 pub use store::{CommitInfo, Store, Writer};

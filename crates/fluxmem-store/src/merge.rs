@@ -533,6 +533,11 @@ pub(crate) fn concatenate_edits(
             out.write(&schema::edits_to_batch(&edits).map_err(|e| graph_error(dir, e))?)?;
         }
     }
+    // Edit rows have no key: only this record lets recovery drop the inputs a crash left.
+    if let Some(writer) = out.writer.as_mut() {
+        let files: Vec<String> = entries.iter().map(|e| e.file.clone()).collect();
+        writer.merged_from(&files);
+    }
     Ok(out.finish()?.into_iter().collect())
 }
 

@@ -15,6 +15,16 @@
 //! witness there is: recovery then adopts it (and its commit log and progress) and adds any
 //! verified shard of a newer commit it does not list.
 //!
+//! An edit-log shard written by compaction names the shards it concatenated
+//! (`fluxmem.merged_from` in its metadata): those inputs, when still on disk, are superseded
+//! and left out (edit rows have no key, so adopting both would count every edit twice); they
+//! are reported in [`RecoverReport::superseded`].
+//!
+//! A store whose manifest reads fine but lists shard files that are gone is the other case
+//! recovery handles: [`recover_with`] reports each missing file with its table and rows, and
+//! only with [`RecoverOptions::accept_loss`] commits a manifest without them (a new version,
+//! its commit record naming what was lost). Without it nothing is written.
+//!
 //! Nothing is deleted: files that fail verification stay where they are and are reported.
 
 use parquet::file::reader::{FileReader, SerializedFileReader};
@@ -80,13 +90,47 @@ pub struct RecoverReport {
     pub unproven: Vec<String>,
     /// Where an unreadable `manifest.json` was moved before rebuilding, if there was one.
     pub moved_aside: Option<PathBuf>,
+    /// Shards left out because a compaction's output holds their rows: (file, the output).
+    pub superseded: Vec<(String, String)>,
+    /// Shards the readable manifest listed whose files are gone (see [`recover_with`]).
+    pub lost: Vec<LostShard>,
+}
+
+/// A shard file the manifest lists and the store lacks.
+#[derive(Debug, Clone, Serialize)]
+pub struct LostShard {
+    /// Its path in the store.
+    pub file: String,
+    /// Its table.
+    pub table: String,
+    /// The commit that wrote it.
+    pub commit: u64,
+    /// The rows it held (per the manifest): lost with it, unless a newer row of the same key
+    /// lives in another shard.
+    pub rows: u64,
+}
+
+/// How [`recover_with`] may change a store.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RecoverOptions {
+    /// Commit a manifest without the listed shards that are gone, losing their rows.
+    pub accept_loss: bool,
 }
 
 /// Rebuilds `<dir>/manifest.json` from the shard files, holding the writer lock.
 ///
-/// Refuses a store whose manifest reads fine. An unreadable manifest is first moved aside to
-/// `manifest.json.corrupt-<n>`; nothing else is renamed or deleted.
+/// Refuses a store whose manifest reads fine and lists only files that exist. An unreadable
+/// manifest is first moved aside to `manifest.json.corrupt-<n>`; nothing else is renamed or
+/// deleted.
 pub fn recover(dir: &Path) -> Result<RecoverReport> {
+    recover_with(dir, RecoverOptions::default())
+}
+
+/// [`recover`], and for a readable manifest that lists missing shard files: with
+/// `accept_loss`, a new manifest without them (their rows are lost, and named in
+/// [`RecoverReport::lost`]); without it, [`Error::Recover`] naming each missing file and its
+/// rows, and nothing written.
+pub fn recover_with(dir: &Path, options: RecoverOptions) -> Result<RecoverReport> {
     let shards_dir = dir.join(SHARDS);
     if !shards_dir.is_dir() {
         return Err(Error::Recover {
@@ -102,15 +146,7 @@ pub fn recover(dir: &Path) -> Result<RecoverReport> {
     };
     if manifest_path.exists() {
         match Manifest::read(&manifest_path) {
-            Ok(manifest) => {
-                return Err(Error::Recover {
-                    path: dir.into(),
-                    reason: format!(
-                    "the store has a readable manifest (version {}); there is nothing to recover",
-                    manifest.version
-                ),
-                })
-            }
+            Ok(manifest) => return drop_lost(dir, manifest, options, report),
             Err(error) => {
                 let aside = (0..)
                     .map(|n| dir.join(format!("{MANIFEST}.corrupt-{n}")))
@@ -126,7 +162,8 @@ pub fn recover(dir: &Path) -> Result<RecoverReport> {
         }
     }
 
-    let verified = verify_shards(&shards_dir, &mut report)?;
+    let (mut verified, merged) = verify_shards(&shards_dir, &mut report)?;
+    drop_superseded(&mut verified, &merged, &mut report);
     let base = adopt_temporary(dir, &verified, &mut report)?;
     let mut manifest = base.unwrap_or_else(Manifest::empty);
     let listed: std::collections::BTreeSet<String> =
@@ -194,8 +231,9 @@ pub fn recover(dir: &Path) -> Result<RecoverReport> {
                 .into(),
         );
         report.unproven.push(
-            "a shard superseded by a compaction (`replace`) whose cleanup did not finish would be listed again; \
-             its rows lose to newer commits' rows for the same key, but rows the compaction dropped come back"
+            "a node, edge or embedding shard superseded by a compaction whose cleanup did not finish would be listed again; \
+             its rows lose to newer commits' rows for the same key, but rows the compaction dropped come back \
+             (edit-log shards name their inputs, which are left out: see `superseded`)"
                 .into(),
         );
     }
@@ -208,11 +246,108 @@ pub fn recover(dir: &Path) -> Result<RecoverReport> {
     Ok(report)
 }
 
-/// Every shard file that matches its name: content hash prefix, table tag, schema version.
+/// A readable manifest: the listed shards that are gone, dropped from a new manifest when
+/// `options.accept_loss` says so (see [`recover_with`]).
+fn drop_lost(
+    dir: &Path,
+    manifest: Manifest,
+    options: RecoverOptions,
+    mut report: RecoverReport,
+) -> Result<RecoverReport> {
+    report.lost = manifest
+        .shards
+        .iter()
+        .filter(|entry| !dir.join(&entry.file).is_file())
+        .map(|entry| LostShard {
+            file: entry.file.clone(),
+            table: entry.table.clone(),
+            commit: entry.commit,
+            rows: entry.rows,
+        })
+        .collect();
+    if report.lost.is_empty() {
+        return Err(Error::Recover {
+            path: dir.into(),
+            reason: format!(
+                "the store has a readable manifest (version {}) and every shard it lists is there; there is nothing to recover",
+                manifest.version
+            ),
+        });
+    }
+    let lost_list: Vec<String> = report
+        .lost
+        .iter()
+        .map(|l| format!("{} ({} rows of {})", l.file, l.rows, l.table))
+        .collect();
+    if !options.accept_loss {
+        return Err(Error::Recover {
+            path: dir.into(),
+            reason: format!(
+                "{} shard file(s) the manifest lists are missing: {}; restore them, or run `fluxmem store recover --accept-loss` to commit a manifest without them (their rows are lost)",
+                report.lost.len(),
+                lost_list.join(", ")
+            ),
+        });
+    }
+    let sha =
+        fluxmem_graph::sha256_hex(&std::fs::read(dir.join(MANIFEST)).at(&dir.join(MANIFEST))?);
+    let gone: std::collections::BTreeSet<&str> =
+        report.lost.iter().map(|l| l.file.as_str()).collect();
+    let mut next = manifest.clone();
+    next.shards.retain(|s| !gone.contains(s.file.as_str()));
+    next.retired.retain(|r| dir.join(&r.file).is_file());
+    next.version += 1;
+    next.live_counts = None;
+    next.commits.push(CommitRecord {
+        version: next.version,
+        stage: "recover".into(),
+        run_id: String::new(),
+        at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+        summary: serde_json::json!({ "lost": lost_list }),
+    });
+    for lost in &report.lost {
+        crate::keys::remove(dir, &lost.file)?;
+    }
+    write_manifest(dir, &next, Some(&sha))?;
+    report.unproven.push(
+        "rows of the lost shards are gone unless a newer row of the same key lives in another shard; stages whose progress markers passed them will not redo them"
+            .into(),
+    );
+    for entry in &next.shards {
+        *report.shards.entry(entry.table.clone()).or_default() += 1;
+        *report.rows.entry(entry.table.clone()).or_default() += entry.rows;
+    }
+    report.version = next.version;
+    Ok(report)
+}
+
+/// Leaves out of `verified` every shard a verified compaction output names as merged into it.
+fn drop_superseded(
+    verified: &mut BTreeMap<String, ShardEntry>,
+    merged: &MergedFrom,
+    report: &mut RecoverReport,
+) {
+    for (output, inputs) in merged {
+        if !verified.contains_key(output) {
+            continue;
+        }
+        for input in inputs {
+            if verified.remove(input).is_some() {
+                report.superseded.push((input.clone(), output.clone()));
+            }
+        }
+    }
+}
+
+/// Compaction outputs (by file) and the files each names as merged into it.
+type MergedFrom = BTreeMap<String, Vec<String>>;
+
+/// Every shard file that matches its name: content hash prefix, table tag, schema version;
+/// and what each compaction output among them names as merged into it.
 fn verify_shards(
     shards_dir: &Path,
     report: &mut RecoverReport,
-) -> Result<BTreeMap<String, ShardEntry>> {
+) -> Result<(BTreeMap<String, ShardEntry>, MergedFrom)> {
     let mut names: Vec<String> = std::fs::read_dir(shards_dir)
         .at(shards_dir)?
         .flatten()
@@ -220,10 +355,14 @@ fn verify_shards(
         .collect();
     names.sort();
     let mut verified = BTreeMap::new();
+    let mut merged = BTreeMap::new();
     for name in names {
         let file = format!("{SHARDS}/{name}");
         match verify_one(&shards_dir.join(&name), &name) {
-            Ok(entry) => {
+            Ok((entry, inputs)) => {
+                if !inputs.is_empty() {
+                    merged.insert(file.clone(), inputs);
+                }
                 verified.insert(
                     file,
                     ShardEntry {
@@ -235,10 +374,12 @@ fn verify_shards(
             Err(reason) => report.rejected.push((file, reason)),
         }
     }
-    Ok(verified)
+    Ok((verified, merged))
 }
 
-fn verify_one(path: &Path, name: &str) -> std::result::Result<ShardEntry, String> {
+/// The entry of the shard at `path` when it matches its name, and the files it names as merged
+/// into it (empty for any shard but a compaction's edit-log output).
+fn verify_one(path: &Path, name: &str) -> std::result::Result<(ShardEntry, Vec<String>), String> {
     let parsed = parse_shard_name(name)
         .ok_or("not a fluxmem shard name (<table>-<commit>-<part>-<sha12>.parquet)")?;
     let bytes = std::fs::read(path).map_err(|e| format!("unreadable: {e}"))?;
@@ -272,16 +413,26 @@ fn verify_one(path: &Path, name: &str) -> std::result::Result<ShardEntry, String
             lookup(crate::shard::VERSION_KEY)
         ));
     }
-    Ok(ShardEntry {
-        table: parsed.table,
-        file: String::new(),
-        rows: metadata.num_rows().max(0) as u64,
-        bytes: bytes.len() as u64,
-        sha256,
-        commit: parsed.commit,
-        rows_from: None,
-        rows_through: None,
-    })
+    let merged_from: Vec<String> = lookup(crate::shard::MERGED_FROM_KEY)
+        .map(|list| {
+            serde_json::from_str(&list)
+                .map_err(|e| format!("unreadable {}: {e}", crate::shard::MERGED_FROM_KEY))
+        })
+        .transpose()?
+        .unwrap_or_default();
+    Ok((
+        ShardEntry {
+            table: parsed.table,
+            file: String::new(),
+            rows: metadata.num_rows().max(0) as u64,
+            bytes: bytes.len() as u64,
+            sha256,
+            commit: parsed.commit,
+            rows_from: None,
+            rows_through: None,
+        },
+        merged_from,
+    ))
 }
 
 /// The newest temporary manifest whose every listed shard verified, if any.

@@ -21,6 +21,9 @@ use crate::{Error, Result};
 pub(crate) const TABLE_KEY: &str = "fluxmem.table";
 /// Key-value metadata key holding the schema version.
 pub(crate) const VERSION_KEY: &str = "fluxmem.schema_version";
+/// Key-value metadata key of a compaction's output: the shard files (a JSON array of their
+/// paths) whose rows it holds, so that recovery can prove them superseded.
+pub(crate) const MERGED_FROM_KEY: &str = "fluxmem.merged_from";
 
 /// Rows of a shard's row group (the unit a writer buffers, and a reader's statistics cover).
 pub(crate) const ROW_GROUP_ROWS: usize = 128 * 1024;
@@ -156,6 +159,16 @@ impl ShardWriter {
             })?;
         }
         Ok(())
+    }
+
+    /// Records in the file's metadata the shard files whose rows it holds ([`MERGED_FROM_KEY`]).
+    pub(crate) fn merged_from(&mut self, files: &[String]) {
+        let writer = self
+            .writer
+            .as_mut()
+            .expect("a shard writer is open until finished");
+        let list = serde_json::to_string(files).expect("file names serialise");
+        writer.append_key_value_metadata(KeyValue::new(MERGED_FROM_KEY.into(), list));
     }
 
     /// Closes the file, makes it durable and gives it its content-addressed name.

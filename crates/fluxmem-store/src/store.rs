@@ -86,9 +86,22 @@ impl Store {
     /// [`crate::LiveCounts`] hold for the commit, else counted from the shards
     /// ([`Store::count_live`]).
     pub fn stats(&self) -> Result<(GraphStats, Manifest)> {
-        self.read_current(|manifest| match manifest.current_counts() {
-            Some(stats) => Ok(stats),
-            None => self.count_live(manifest),
+        self.read_current(|manifest| {
+            // Counts from the manifest alone would hide a lost shard: check the files are there.
+            if let Some(gone) = manifest
+                .shards
+                .iter()
+                .find(|s| !self.dir.join(&s.file).is_file())
+            {
+                return Err(Error::Corrupt {
+                    path: self.dir.join(&gone.file),
+                    reason: "shard listed in the manifest is missing; `fluxmem store recover` says what is lost and can commit a manifest without it (--accept-loss)".into(),
+                });
+            }
+            match manifest.current_counts() {
+                Some(stats) => Ok(stats),
+                None => self.count_live(manifest),
+            }
         })
     }
 

@@ -550,3 +550,103 @@ fn readers_under_a_compacting_writer_never_see_a_false_corruption() {
         );
     }
 }
+
+/// A store of `nights` commits, each an episode, an edge and an edit row.
+fn nights_with_edits(dir: &std::path::Path, nights: usize) -> Writer {
+    let mut writer = Writer::open(dir).unwrap();
+    for i in 0..nights {
+        let mut delta = Graph::default();
+        let node = episode(i, 0);
+        let e = edge(&node.id, i, 1.0);
+        delta.edits.push(Edit::new(
+            "refine",
+            "test-run",
+            "link_expand",
+            Changed::Edge(None, Some(&e)),
+            &format!("night {i}"),
+            i as i64,
+        ));
+        delta.upsert_edge(e);
+        delta.upsert_node(node);
+        writer.commit(&delta, info("night")).unwrap();
+    }
+    writer
+}
+
+/// Issue 40.3: with the manifest lost while a compaction's inputs still wait for deletion,
+/// recovery used to adopt both the inputs and the output, doubling the edit log. The output
+/// names its inputs, so recovery leaves them out and says so.
+#[test]
+fn recovery_after_a_compaction_keeps_the_edit_log_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = nights_with_edits(dir.path(), 8);
+    let report = writer
+        .compact(
+            &CompactPolicy {
+                merge_factor: 4,
+                ..Default::default()
+            },
+            "c",
+        )
+        .unwrap();
+    assert!(report.committed && report.retired > 0, "{report:?}");
+    let expected = writer.store().load().unwrap();
+    assert_eq!(expected.edits.len(), 8);
+    drop(writer);
+    std::fs::remove_file(dir.path().join("manifest.json")).unwrap();
+    let recovered = fluxmem_store::recover(dir.path()).unwrap();
+    assert!(!recovered.superseded.is_empty(), "{recovered:?}");
+    let loaded = Store::open(dir.path()).unwrap().load().unwrap();
+    assert_eq!(loaded.edits.len(), 8, "each edit once");
+    assert_eq!(loaded.nodes, expected.nodes);
+    assert_eq!(loaded.edges, expected.edges);
+}
+
+/// Issue 40.8: a deleted shard file is a state recovery handles: `stats` fails naming it,
+/// `store recover` names what is lost and writes nothing, and with `accept_loss` commits a
+/// manifest without it; the store then reads (without the lost rows).
+#[test]
+fn a_missing_shard_is_reported_and_dropped_only_when_the_loss_is_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let writer = nights_with_edits(dir.path(), 3);
+    let manifest = writer.manifest().clone();
+    drop(writer);
+    let victim = manifest
+        .shards
+        .iter()
+        .find(|s| s.table == "edges" && s.commit == 2)
+        .unwrap()
+        .clone();
+    std::fs::remove_file(dir.path().join(&victim.file)).unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    let error = store.stats().unwrap_err();
+    assert!(error.to_string().contains("missing"), "{error}");
+    let refused = fluxmem_store::recover(dir.path()).unwrap_err();
+    assert!(refused.to_string().contains(&victim.file), "{refused}");
+    assert!(refused.to_string().contains("--accept-loss"), "{refused}");
+    assert_eq!(
+        store.manifest().unwrap(),
+        manifest,
+        "nothing written without --accept-loss"
+    );
+    let report = fluxmem_store::recover_with(
+        dir.path(),
+        fluxmem_store::RecoverOptions { accept_loss: true },
+    )
+    .unwrap();
+    assert_eq!(report.lost.len(), 1);
+    assert_eq!(
+        (report.lost[0].file.as_str(), report.lost[0].rows),
+        (victim.file.as_str(), victim.rows)
+    );
+    let after = store.manifest().unwrap();
+    assert_eq!(after.version, manifest.version + 1);
+    assert_eq!(after.commits.last().unwrap().stage, "recover");
+    let loaded = store.load().unwrap();
+    assert_eq!(
+        loaded.edges.len(),
+        2,
+        "the lost edge is gone, the others stay"
+    );
+    assert!(store.stats().is_ok());
+}
