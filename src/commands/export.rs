@@ -27,8 +27,16 @@ pub fn skills(args: ExportSkillsArgs, settings: &Settings) -> anyhow::Result<Exi
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
+        let change = if report.unchanged {
+            "unchanged: the release in place held these skills already".to_string()
+        } else {
+            format!(
+                "{} added, {} updated, {} retired",
+                report.added, report.updated, report.retired
+            )
+        };
         println!(
-            "{} skills exported to {} ({} left out by the filters); release manifest {}",
+            "{} skills exported to {} ({} left out by the filters; {change}); release manifest {}",
             report.skills,
             args.out.display(),
             report.filtered_out,

@@ -132,6 +132,9 @@ pub struct ExportReport {
     pub updated: usize,
     /// Skills that release had and this one has not.
     pub retired: usize,
+    /// True when the release in place already held exactly these skills of this store
+    /// version: it is written again byte for byte, and nothing is added, updated or retired.
+    pub unchanged: bool,
     /// What redaction replaced, per kind.
     pub redacted: fluxmem_redact::Counts,
     /// Files written, relative to the output directory.
@@ -412,6 +415,9 @@ pub fn export_skills_with(
     target.refuse_inside(store.dir())?;
     let existing = inspect(&target.dir)?;
     let previous = previous_release(&target.dir);
+    let unchanged = previous
+        .as_ref()
+        .is_some_and(|previous| same_release(previous, &manifest, &records));
     let changes = changes(previous.as_ref(), &manifest, &records, &left_out);
     std::fs::create_dir_all(&target.parent).map_err(|e| io(&target.parent, e))?;
     let scratch = Scratch::create(target.sibling("tmp"))?;
@@ -432,13 +438,21 @@ pub fn export_skills_with(
     redacted.merge(&last_pass.counts.into_inner());
     target.install(scratch, existing)?;
     target.sweep_stale();
-    let count = |kind: &str| changes.iter().filter(|c| c["change"] == kind).count();
+    // Against the release in place: an unchanged one repeats its own list of changes.
+    let count = |kind: &str| {
+        if unchanged {
+            0
+        } else {
+            changes.iter().filter(|c| c["change"] == kind).count()
+        }
+    };
     Ok(ExportReport {
         skills: records.len(),
         filtered_out: total - records.len(),
         added: count("added"),
         updated: count("updated"),
         retired: count("retired"),
+        unchanged,
         redacted,
         files,
         release: out.join(RELEASE_FILE),
@@ -469,6 +483,22 @@ fn redact_record(
     record
 }
 
+/// True when `previous` (a release manifest) holds exactly `records`' skills, exported from
+/// the store version of `manifest`.
+fn same_release(
+    previous: &Value,
+    manifest: &fluxmem_store::Manifest,
+    records: &[SkillRecord],
+) -> bool {
+    let same_store = previous["store"]["manifest_version"].as_u64() == Some(manifest.version);
+    let old_ids: BTreeSet<&str> = previous["skills"]
+        .as_array()
+        .map(|skills| skills.iter().filter_map(|s| s["id"].as_str()).collect())
+        .unwrap_or_default();
+    let new_ids: BTreeSet<&str> = records.iter().map(|r| r.id.as_str()).collect();
+    same_store && old_ids == new_ids
+}
+
 /// The changes file of every release.
 pub const CHANGES_FILE: &str = "CHANGES.md";
 
@@ -494,14 +524,9 @@ fn changes(
         .and_then(|p| p["skills"].as_array())
         .map(|s| s.iter().collect())
         .unwrap_or_default();
-    if let Some(previous) = previous {
-        let same_store = previous["store"]["manifest_version"].as_u64() == Some(manifest.version);
-        let old_ids: BTreeSet<&str> = old.iter().filter_map(|s| s["id"].as_str()).collect();
-        let new_ids: BTreeSet<&str> = records.iter().map(|r| r.id.as_str()).collect();
-        if same_store && old_ids == new_ids {
-            if let Some(list) = previous["changes"].as_array() {
-                return list.clone();
-            }
+    if let Some(previous) = previous.filter(|p| same_release(p, manifest, records)) {
+        if let Some(list) = previous["changes"].as_array() {
+            return list.clone();
         }
     }
     let by_lineage: BTreeMap<&str, &Value> = old

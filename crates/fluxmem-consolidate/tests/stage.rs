@@ -1047,11 +1047,17 @@ fn export_is_byte_identical_and_filters() {
         );
         let report = export_skills(&handle, &a, &options).unwrap();
         assert_eq!(report.skills, 3);
+        assert!(!report.unchanged && report.added == 3, "{report:?}");
         export_skills(&handle, &b, &options).unwrap();
         assert_eq!(files(&a), files(&b), "{format:?} export is byte-identical");
-        // Exporting again into the same directory replaces the earlier export.
-        export_skills(&handle, &a, &options).unwrap();
+        // Exporting again into the same directory replaces the earlier export, byte for byte,
+        // and says the release is unchanged (issue 40.11: it listed every skill as added).
+        let again = export_skills(&handle, &a, &options).unwrap();
         assert_eq!(files(&a), files(&b));
+        assert!(
+            again.unchanged && (again.added, again.updated, again.retired) == (0, 0, 0),
+            "{again:?}"
+        );
     }
     let md = dir.path().join("SkillMd-a");
     let release: serde_json::Value =
