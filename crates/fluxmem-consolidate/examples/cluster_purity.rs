@@ -1,10 +1,11 @@
-//! Purity and NMI of the consolidate stage's k-means against a metadata label, without any
-//! generator call (same function, options and episode order as `fluxmem consolidate` for a
-//! single-tenant store):
+//! Purity and NMI of the consolidate stage's k-means against a label read from each episode's
+//! source locator (its `_`-separated part LABEL_PART: ALFWorld names are
+//! `<style>_<task type>_<n>`, and the store holds no label), without any generator call (same
+//! function, options and episode order as `fluxmem consolidate` for a single-tenant store):
 //!
 //! ```text
-//! cargo run --example cluster_purity -- STORE LABEL_KEY SEED K [K ...]
-//! cargo run --example cluster_purity -- /tmp/alf task_type 0 3 6
+//! cargo run --example cluster_purity -- STORE LABEL_PART SEED K [K ...]
+//! cargo run --example cluster_purity -- /tmp/alf 1 0 3 6
 //! ```
 
 use candle_core::Device;
@@ -14,9 +15,10 @@ use std::collections::BTreeMap;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [store, key, seed, ks @ ..] = args.as_slice() else {
-        return Err("usage: cluster_purity STORE LABEL_KEY SEED K [K ...]".into());
+    let [store, part, seed, ks @ ..] = args.as_slice() else {
+        return Err("usage: cluster_purity STORE LABEL_PART SEED K [K ...]".into());
     };
+    let part: usize = part.parse()?;
     let graph = fluxmem_store::Store::open(store)?.load()?;
     let mut labels = Vec::new();
     let mut vectors = Vec::new();
@@ -34,9 +36,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             return Err(format!("{} has no embedding", node.id).into());
         };
         labels.push(
-            node.metadata
-                .get(key)
-                .and_then(|v| v.as_str())
+            node.source_locator
+                .split('_')
+                .nth(part)
                 .unwrap_or("?")
                 .to_string(),
         );

@@ -1,12 +1,13 @@
 //! One skill induction on real episodes of a store, for trying prompts and generators:
 //!
 //! ```text
-//! cargo run --example induce_one -- STORE GENERATOR METADATA_KEY=VALUE [EPISODES]
-//! cargo run --example induce_one -- /tmp/alf smollm2-135m-instruct-q4_1 task_type=clean 3
+//! cargo run --example induce_one -- STORE GENERATOR LOCATOR_PART [EPISODES]
+//! cargo run --example induce_one -- /tmp/alf smollm2-135m-instruct-q4_1 _clean_ 3
 //! ```
 //!
-//! Picks the first EPISODES (default 3) episodes whose metadata KEY equals VALUE (in id
-//! order), induces one skill (prompt budget 600, at most 200 new tokens, Q8 weights, CPU), and prints the prompt,
+//! Picks the first EPISODES (default 3) episodes whose source locator (the record's name in
+//! its file; ALFWorld names carry the task type, which the store itself never holds) contains
+//! LOCATOR_PART (in id order), induces one skill (prompt budget 600, at most 200 new tokens, Q8 weights, CPU), and prints the prompt,
 //! the skill or every rejected answer, the tokens and the time.
 
 use fluxmem_consolidate::{induce_skill, ConsolidateOptions};
@@ -16,18 +17,14 @@ use fluxmem_models::{DeviceChoice, Generator, WeightPath};
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [store, generator, filter, rest @ ..] = args.as_slice() else {
-        return Err("usage: induce_one STORE GENERATOR KEY=VALUE [EPISODES]".into());
+        return Err("usage: induce_one STORE GENERATOR LOCATOR_PART [EPISODES]".into());
     };
     let count: usize = rest.first().map(|n| n.parse()).transpose()?.unwrap_or(3);
-    let (key, value) = filter.split_once('=').ok_or("filter must be KEY=VALUE")?;
     let graph = fluxmem_store::Store::open(store)?.load()?;
     let episodes: Vec<_> = graph
         .nodes
         .values()
-        .filter(|n| {
-            n.kind() == NodeKind::Episodic
-                && n.metadata.get(key).and_then(|v| v.as_str()) == Some(value)
-        })
+        .filter(|n| n.kind() == NodeKind::Episodic && n.source_locator.contains(filter.as_str()))
         .take(count)
         .collect();
     let loaded = std::time::Instant::now();

@@ -310,7 +310,8 @@ pub fn evaluate(
                 .iter()
                 .map(|c| c.episodes.iter().map(|id| id.to_string()).collect())
                 .collect();
-            result.alfworld = Some(score_alfworld(&graph, &records, &clusters));
+            let labels = alfworld_labels(&prepared.data)?;
+            result.alfworld = Some(score_alfworld(&graph, &records, &clusters, &labels));
         }
     }
     result.records = records;
@@ -496,17 +497,35 @@ fn verb(text: &str) -> Option<String> {
     Some(first)
 }
 
+/// The ALFWorld task type of each trajectory of the data file, by name: the label the
+/// clusters are scored against, read from the source file (`<style>_<task type>_<n>` names),
+/// never from the store.
+fn alfworld_labels(data: &Path) -> Result<BTreeMap<String, String>> {
+    let text = std::fs::read_to_string(data).map_err(|source| Error::Io {
+        path: data.into(),
+        source,
+    })?;
+    let value: Value = serde_json::from_str(&text).map_err(|e| Error::Data {
+        path: data.into(),
+        reason: format!("not JSON: {e}"),
+    })?;
+    let names = value.as_object().map(|o| o.keys()).into_iter().flatten();
+    Ok(names
+        .filter_map(|name| Some((name.clone(), name.split('_').nth(1)?.to_string())))
+        .collect())
+}
+
 fn score_alfworld(
     graph: &Graph,
     records: &[SkillRecord],
     clusters: &[Vec<String>],
+    labels: &BTreeMap<String, String>,
 ) -> AlfworldScores {
     let node = |id: &str| graph.nodes.get(&fluxmem_graph::NodeId::from(id));
     let task_type = |id: &str| -> Option<String> {
         node(id)
-            .and_then(|n| n.metadata.get("task_type"))
-            .and_then(Value::as_str)
-            .map(str::to_string)
+            .and_then(|n| labels.get(&n.source_locator))
+            .cloned()
     };
     // Purity and NMI over the clustered episodes with a task type.
     let labelled: Vec<Vec<String>> = clusters

@@ -125,13 +125,8 @@ fn transcript_record(source: &Source, name: &str, transcript: &str) -> Result<Re
         name.to_string(),
         None,
     );
-    node.metadata.insert("name".into(), Value::from(name));
-    let mut parts = name.split('_');
-    if let (Some(style), Some(task_type)) = (parts.next(), parts.next()) {
-        node.metadata.insert("style".into(), Value::from(style));
-        node.metadata
-            .insert("task_type".into(), Value::from(task_type));
-    }
+    // The trajectory's name (its `source_locator`) encodes the benchmark's task type, an
+    // evaluation label: nothing of it goes into the metadata, where a stage could read it.
     node.metadata
         .insert("outcome_source".into(), Value::from("demonstration"));
     Ok(Record { nodes: vec![node] })

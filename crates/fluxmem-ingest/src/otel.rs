@@ -204,12 +204,20 @@ pub(crate) fn collect(
                         continue;
                     }
                 };
-                let attributes = span
-                    .get("attributes")
-                    .and_then(Value::as_array)
-                    .map(|a| attributes(a))
-                    .unwrap_or_default();
+                // A field of the wrong type is an error naming its path, never read as absent.
+                let attributes = match span.get("attributes") {
+                    None | Some(Value::Null) => BTreeMap::new(),
+                    Some(Value::Array(list)) => attributes(list),
+                    Some(_) => {
+                        emit(reject("attributes", "not an array of key-value attributes"))?;
+                        continue;
+                    }
+                };
                 let status = span.get("status");
+                if status.is_some_and(|s| !s.is_object() && !s.is_null()) {
+                    emit(reject("status", "not an object with `code` and `message`"))?;
+                    continue;
+                }
                 spans.push(SpanRec {
                     file: source.path.clone(),
                     locator: format!("{locator} (span {id})"),

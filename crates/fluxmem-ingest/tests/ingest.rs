@@ -1430,3 +1430,76 @@ fn many_small_files_commit_in_groups() {
         "{again:?}"
     );
 }
+
+/// Issue 40.13: an OTel span whose `attributes` (or `status`) has the wrong type is
+/// quarantined with the field's name and the span's path, not read as a span without them.
+#[test]
+fn otel_span_fields_of_the_wrong_type_are_quarantined_with_their_path() {
+    let sample: Value =
+        serde_json::from_slice(&std::fs::read(repo().join("data/otel/ops-traces.json")).unwrap())
+            .unwrap();
+    let mut file = sample.clone();
+    let spans = file["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        .as_array_mut()
+        .unwrap();
+    spans[0]["attributes"] = Value::from("gen_ai.operation.name=chat");
+    spans[1]["status"] = Value::from("ERROR");
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("traces.json");
+    std::fs::write(&input, file.to_string()).unwrap();
+    let store = tempfile::tempdir().unwrap();
+    let report = run(store.path(), &[input], &IngestOptions::default());
+    assert_eq!(report.quarantined, 2, "{report:?}");
+    let rejected = quarantined(&report);
+    let fields: Vec<&str> = rejected
+        .iter()
+        .map(|r| r["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(fields, ["attributes", "status"]);
+    assert!(
+        rejected[0]["locator"]
+            .as_str()
+            .unwrap()
+            .ends_with("spans[0]"),
+        "{}",
+        rejected[0]
+    );
+}
+
+/// Issue 45.5: evaluation labels stay out of the store. An ALFWorld trajectory's name encodes
+/// its task type (`<style>_<task type>_<n>`, the label `eval skills` scores clusters against);
+/// no stored node carries it, or any part of the name, in its metadata.
+#[test]
+fn evaluation_labels_are_not_stored_in_node_metadata() {
+    let store = tempfile::tempdir().unwrap();
+    let report = run(
+        store.path(),
+        &[repo().join("data/alfworld")],
+        &IngestOptions {
+            format: Some(fluxmem_ingest::Format::Alfworld),
+            ..Default::default()
+        },
+    );
+    assert!(report.ingested > 0, "{report:?}");
+    let graph = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .load()
+        .unwrap();
+    let mut checked = 0;
+    for node in graph.nodes.values() {
+        let parts: Vec<&str> = node.source_locator.split('_').collect();
+        let Some(label) = parts.get(1) else { continue };
+        checked += 1;
+        for (key, value) in &node.metadata {
+            let text = value.to_string();
+            assert!(
+                !["task_type", "style", "name", "label"].contains(&key.as_str())
+                    && !text.contains(label)
+                    && !text.contains(&node.source_locator),
+                "{}: metadata {key} = {text} carries the label `{label}`",
+                node.source_locator
+            );
+        }
+    }
+    assert!(checked > 0, "the sample's trajectories have labelled names");
+}
