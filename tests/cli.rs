@@ -232,27 +232,54 @@ fn killed_ingest_resumes_to_exactly_the_uninterrupted_store() {
     }
 
     // SIGKILL at arbitrary moments.
-    for delay_ms in [5u64, 15, 30, 60, 120] {
-        let store = dir.path().join(format!("kill-{delay_ms}"));
-        let mut child = ingest_cmd(&store).spawn().unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
-        let _ = child.kill();
-        let _ = child.wait();
-        let resumed = run(&mut ingest_cmd(&store));
-        assert!(
-            resumed.status.success(),
-            "{}",
-            String::from_utf8_lossy(&resumed.stderr)
-        );
-        assert_eq!(
-            shard_list(&store),
-            expected,
-            "store after SIGKILL at {delay_ms} ms and a re-run"
-        );
-        assert_eq!(
-            fluxmem_store::Store::open(&store).unwrap().load().unwrap(),
-            expected_graph
-        );
+    let fresh = |_: &Path| {};
+    let killed = Killed {
+        dir: dir.path(),
+        expected: &expected,
+        expected_graph: &expected_graph,
+    };
+    killed.resume_after_sigkill(&[5, 15, 30, 60, 120], &fresh, &ingest_cmd);
+}
+
+/// A stage's store after an uninterrupted run, to compare killed runs with.
+struct Killed<'a> {
+    dir: &'a Path,
+    expected: &'a [(String, u64, String)],
+    expected_graph: &'a fluxmem_graph::Graph,
+}
+
+impl Killed<'_> {
+    /// For each delay: a store made by `prepare`, `command` on it killed (SIGKILL) after the
+    /// delay, then run again to the end; the store must be the uninterrupted one.
+    fn resume_after_sigkill(
+        &self,
+        delays_ms: &[u64],
+        prepare: &dyn Fn(&Path),
+        command: &dyn Fn(&Path) -> Command,
+    ) {
+        for &delay_ms in delays_ms {
+            let store = self.dir.join(format!("kill-{delay_ms}"));
+            prepare(&store);
+            let mut child = command(&store).spawn().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+            let _ = child.kill();
+            let _ = child.wait();
+            let resumed = run(&mut command(&store));
+            assert!(
+                resumed.status.success(),
+                "{}",
+                String::from_utf8_lossy(&resumed.stderr)
+            );
+            assert_eq!(
+                shard_list(&store),
+                self.expected,
+                "store after SIGKILL at {delay_ms} ms and a re-run"
+            );
+            assert_eq!(
+                &fluxmem_store::Store::open(&store).unwrap().load().unwrap(),
+                self.expected_graph
+            );
+        }
     }
 }
 
@@ -1459,27 +1486,10 @@ fn killed_consolidate_resumes_to_exactly_the_uninterrupted_store() {
             std::fs::remove_dir_all(&store).unwrap();
         }
     }
-    for delay_ms in [20u64, 60, 150] {
-        let store = dir.path().join(format!("kill-{delay_ms}"));
-        copy_tree(&base, &store);
-        let mut child = consolidate(&store).spawn().unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
-        let _ = child.kill();
-        let _ = child.wait();
-        let resumed = run(&mut consolidate(&store));
-        assert!(
-            resumed.status.success(),
-            "{}",
-            String::from_utf8_lossy(&resumed.stderr)
-        );
-        assert_eq!(
-            shard_list(&store),
-            expected,
-            "after SIGKILL at {delay_ms} ms"
-        );
-        assert_eq!(
-            fluxmem_store::Store::open(&store).unwrap().load().unwrap(),
-            expected_graph
-        );
-    }
+    let killed = Killed {
+        dir: dir.path(),
+        expected: &expected,
+        expected_graph: &expected_graph,
+    };
+    killed.resume_after_sigkill(&[20, 60, 150], &|store: &Path| copy_tree(&base, store), &consolidate);
 }
