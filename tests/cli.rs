@@ -1491,5 +1491,9 @@ fn killed_consolidate_resumes_to_exactly_the_uninterrupted_store() {
         expected: &expected,
         expected_graph: &expected_graph,
     };
-    killed.resume_after_sigkill(&[20, 60, 150], &|store: &Path| copy_tree(&base, store), &consolidate);
+    killed.resume_after_sigkill(
+        &[20, 60, 150],
+        &|store: &Path| copy_tree(&base, store),
+        &consolidate,
+    );
 }
