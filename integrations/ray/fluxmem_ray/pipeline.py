@@ -1,11 +1,11 @@
 """Runs a fluxmem pipeline on a Ray cluster.
 
-For each map stage (ingest, embed, connect) the driver builds a Ray Data dataset of shard
+For each map stage (ingest, embed, connect, consolidate) the driver builds a Ray Data dataset of shard
 indices 0..N-1 (``from_items``) and runs ``map_batches`` over it with an actor pool
 (``ActorPoolStrategy(size=workers)``, ``num_gpus`` per actor when the cluster has GPUs). Each actor runs one
 ``fluxmem run P --run-id R --stage S --shard I/N`` subprocess per shard and returns the stage
 record it prints. When all N shards are done the driver runs the merge (``--merge N``), which
-commits their union into the main store. The global stages (refine, consolidate, export) run
+commits their union into the main store. The global stages (refine, export) run
 once, as one Ray task (with ``num_gpus`` when there are GPUs), in order.
 
 Known limits, stated plainly:
@@ -15,8 +15,9 @@ Known limits, stated plainly:
   node (the driver included) must see the store directory, the pipeline file, its inputs and
   the binary at the same paths (a shared filesystem). An Arrow-IPC streaming worker that keeps
   the models loaded across batches is not built.
-- Clustering and consolidation run on one node (``--stage consolidate``), like the other
-  global stages; see docs/scale-out.md for the clustering-at-scale choice.
+- Consolidate is a map stage: every shard clusters the same store and induces the skills of the
+  clusters it owns (by a hash of the cluster's episodes); see docs/scale-out.md for the
+  clustering-at-scale choice.
 - Stages already marked done in the store for the run id are skipped, so a re-run of a killed
   driver resumes; a re-run shard resumes its staging store.
 """
