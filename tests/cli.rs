@@ -1452,6 +1452,21 @@ fn killed_consolidate_resumes_to_exactly_the_uninterrupted_store() {
             .is_none_or(Value::is_null),
         "a finished run leaves no open plan"
     );
+    // While a run is unfinished, the manifest names its plan's file (the plan itself, every
+    // episode id of the night, is not in the manifest rewritten at every commit).
+    let midway = dir.path().join("midway");
+    copy_tree(&base, &midway);
+    let crashed =
+        run(consolidate(&midway).env("FLUXMEM_FAULT", format!("after-manifest:{}", before + 1)));
+    assert!(!crashed.status.success());
+    let open = fluxmem_store::Store::open(&midway)
+        .unwrap()
+        .manifest()
+        .unwrap();
+    let marker = &open.progress["consolidate.plan"];
+    let file = marker["file"].as_str().unwrap();
+    assert!(midway.join(file).is_file(), "{marker}");
+    assert!(marker.get("clusters").is_none(), "{marker}");
     for version in before + 1..=before + commits {
         for point in ["before-manifest", "after-manifest"] {
             let store = dir.path().join(format!("crash-{point}-{version}"));
@@ -1483,6 +1498,10 @@ fn killed_consolidate_resumes_to_exactly_the_uninterrupted_store() {
                 expected,
                 "store after a crash at {point}:{version} and a re-run: {resumed_report}"
             );
+            let plans = std::fs::read_dir(store.join("scratch/consolidate"))
+                .map(|entries| entries.count())
+                .unwrap_or(0);
+            assert_eq!(plans, 0, "the finished run's plan file is gone");
             std::fs::remove_dir_all(&store).unwrap();
         }
     }

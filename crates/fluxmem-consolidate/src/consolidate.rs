@@ -10,6 +10,7 @@ use fluxmem_store::{CommitInfo, Rows, Scan, Writer};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 
 use crate::kmeans::{kmeans, KMeansOptions};
 use crate::mature::{mature, Attempt, Job, Matured, Models, Round};
@@ -298,7 +299,16 @@ pub fn consolidate_store(
     let last = plans
         .iter()
         .rposition(|plan| settled(plan, options, &failed_before).is_none());
-    let stored = StoredPlan::of(run_id, shard_key(options), &plans, &report).to_value();
+    let stored = StoredPlan::of(run_id, shard_key(options), &plans, &report);
+    // The marker naming the plan's file: the open one when resuming, else written with the
+    // run's first commit. Any other plan file is a dead run's (killed before its first commit
+    // landed: no marker names it) and goes.
+    let mut marker_value = if report.resumed {
+        open_marker(writer).cloned()
+    } else {
+        None
+    };
+    sweep_plans(writer.store().dir(), marker_value.as_ref())?;
     let mut delta = Graph::default();
     for (position, plan) in plans.iter().enumerate() {
         if position < done {
@@ -326,11 +336,17 @@ pub fn consolidate_store(
                 "generator": report.generator_model, "judge": report.judge_model,
             });
             let closing = Some(position) == last;
+            let plan_marker = match (&marker_value, closing) {
+                (_, true) => Value::Null,
+                (Some(open), false) => open.clone(),
+                (None, false) => {
+                    let saved = save_plan(writer.store().dir(), &stored, shard_key(options))?;
+                    marker_value = Some(saved.clone());
+                    saved
+                }
+            };
             let mut marker = BTreeMap::new();
-            marker.insert(
-                PLAN_MARKER.to_string(),
-                if closing { Value::Null } else { stored.clone() },
-            );
+            marker.insert(PLAN_MARKER.to_string(), plan_marker);
             marker.insert(
                 DONE_MARKER.to_string(),
                 if closing {
@@ -355,6 +371,7 @@ pub fn consolidate_store(
         progress.advance(1);
     }
     close_plan(writer, run_id)?;
+    sweep_plans(writer.store().dir(), None)?;
     report.generator = TokenUsage::between(generator_start, generator_usage(models));
     report.judge = models
         .judge
@@ -364,7 +381,8 @@ pub fn consolidate_store(
     Ok(report)
 }
 
-/// The manifest progress key of an unfinished run's cluster plan ([`StoredPlan`]).
+/// The manifest progress key of an unfinished run's cluster plan: the name, hash and shard of
+/// the file that holds it (`scratch/consolidate/plan-*.json`, a [`StoredPlan`]).
 pub const PLAN_MARKER: &str = "consolidate.plan";
 /// The manifest progress key of how many of the plan's clusters are handled.
 pub const DONE_MARKER: &str = "consolidate.done";
@@ -449,10 +467,95 @@ impl StoredPlan {
                 .collect(),
         }
     }
+}
 
-    fn to_value(&self) -> Value {
-        serde_json::to_value(self).expect("plans serialise")
+/// The folder of the plan files of unfinished runs, inside the store's scratch folder. Only
+/// consolidate writes there, under the writer lock.
+const PLAN_FOLDER: &str = "consolidate";
+
+/// Writes `plan` to `scratch/consolidate/plan-<sha256 prefix>.json` (a temporary file, synced,
+/// renamed) and returns the manifest marker that names it: the plan of a fleet's night holds
+/// every episode id, so it lives in a file of its own and the manifest, rewritten at every
+/// commit, holds only its name and hash.
+fn save_plan(dir: &Path, plan: &StoredPlan, shard: (usize, usize)) -> Result<Value> {
+    let bytes = serde_json::to_vec(plan).expect("plans serialise");
+    let sha256 = sha256_hex(&bytes);
+    let folder = dir.join(fluxmem_store::SCRATCH).join(PLAN_FOLDER);
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    std::fs::create_dir_all(&folder).map_err(io(&folder))?;
+    let name = format!("plan-{}.json", &sha256[..16]);
+    let temporary = folder.join(format!(".{name}.tmp"));
+    let mut file = std::fs::File::create(&temporary).map_err(io(&temporary))?;
+    std::io::Write::write_all(&mut file, &bytes).map_err(io(&temporary))?;
+    file.sync_all().map_err(io(&temporary))?;
+    let path = folder.join(&name);
+    std::fs::rename(&temporary, &path).map_err(io(&path))?;
+    if cfg!(unix) {
+        std::fs::File::open(&folder)
+            .and_then(|f| f.sync_all())
+            .map_err(io(&folder))?;
     }
+    Ok(json!({
+        "file": format!("{}/{PLAN_FOLDER}/{name}", fluxmem_store::SCRATCH),
+        "sha256": sha256,
+        "shard": [shard.0, shard.1],
+    }))
+}
+
+/// The plan the marker `marker` names, checked against its hash.
+fn load_plan(dir: &Path, marker: &Value) -> Result<StoredPlan> {
+    let file = marker["file"].as_str().ok_or_else(|| Error::Plan {
+        reason: format!("the store's `{PLAN_MARKER}` names no file: {marker}"),
+    })?;
+    let path = dir.join(file);
+    let bytes = std::fs::read(&path).map_err(|source| Error::Io {
+        path: path.clone(),
+        source,
+    })?;
+    if Some(sha256_hex(&bytes).as_str()) != marker["sha256"].as_str() {
+        return Err(Error::Plan {
+            reason: format!(
+                "{} does not match the hash its marker records",
+                path.display()
+            ),
+        });
+    }
+    serde_json::from_slice(&bytes).map_err(|e| Error::Plan {
+        reason: format!("{} is unreadable: {e}", path.display()),
+    })
+}
+
+/// Removes the plan files (and their temporaries) that `keep` (an open marker) does not name.
+fn sweep_plans(dir: &Path, keep: Option<&Value>) -> Result<()> {
+    let folder = dir.join(fluxmem_store::SCRATCH).join(PLAN_FOLDER);
+    let Ok(entries) = std::fs::read_dir(&folder) else {
+        return Ok(());
+    };
+    let kept = keep.and_then(|m| m["file"].as_str());
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let relative = format!("{}/{PLAN_FOLDER}/{name}", fluxmem_store::SCRATCH);
+        let ours = name.starts_with("plan-") || name.starts_with(".plan-");
+        if ours && Some(relative.as_str()) != kept {
+            std::fs::remove_file(entry.path()).map_err(|source| Error::Io {
+                path: entry.path(),
+                source,
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// The store's open plan marker, if any.
+fn open_marker(writer: &Writer) -> Option<&Value> {
+    writer
+        .manifest()
+        .progress
+        .get(PLAN_MARKER)
+        .filter(|v| !v.is_null())
 }
 
 /// Plans every tenant's clusters: assigned to the clusters of its latest skills where they
@@ -536,18 +639,16 @@ fn open_plan<'g>(
     graph: &'g Graph,
     options: &ConsolidateOptions,
 ) -> Result<Option<(Vec<Plan<'g>>, String, Tally)>> {
-    let Some(value) = writer
-        .manifest()
-        .progress
-        .get(PLAN_MARKER)
-        .filter(|v| !v.is_null())
-    else {
+    let Some(marker) = open_marker(writer) else {
         return Ok(None);
     };
-    let stored: StoredPlan = serde_json::from_value(value.clone()).map_err(|e| Error::Plan {
-        reason: format!("the store's `{PLAN_MARKER}` is unreadable: {e}"),
-    })?;
-    if stored.shard != shard_key(options) {
+    // A staging store inherits its main store's markers: another shard's plan is not ours.
+    let shard = shard_key(options);
+    if marker["shard"] != json!([shard.0, shard.1]) {
+        return Ok(None);
+    }
+    let stored = load_plan(writer.store().dir(), marker)?;
+    if stored.shard != shard {
         return Ok(None);
     }
     let mut plans = Vec::with_capacity(stored.clusters.len());
@@ -598,12 +699,7 @@ fn done_count(writer: &Writer) -> usize {
 /// cluster with work clears them with its commit, so this commits only if that cluster,
 /// against expectation, changed nothing).
 fn close_plan(writer: &mut Writer, run_id: &str) -> Result<()> {
-    let open = writer
-        .manifest()
-        .progress
-        .get(PLAN_MARKER)
-        .is_some_and(|v| !v.is_null());
-    if !open {
+    if open_marker(writer).is_none() {
         return Ok(());
     }
     let progress = [PLAN_MARKER, DONE_MARKER]
