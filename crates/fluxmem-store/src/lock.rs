@@ -96,7 +96,7 @@ fn wait_for_holder(path: &Path) -> String {
     let deadline = Instant::now() + HOLDER_WAIT;
     loop {
         if !path.exists() {
-            return "unknown holder: the LOCK file that names it was deleted".to_string();
+            return "unknown holder: no LOCK file names it (a new store whose writer has just started, or LOCK was deleted)".to_string();
         }
         let holder = read_holder(path);
         if !holder.is_empty() {
