@@ -299,16 +299,17 @@ pub fn consolidate_store(
     let last = plans
         .iter()
         .rposition(|plan| settled(plan, options, &failed_before).is_none());
-    let stored = StoredPlan::of(run_id, shard_key(options), &plans, &report);
-    // The marker naming the plan's file: the open one when resuming, else written with the
-    // run's first commit. Any other plan file is a dead run's (killed before its first commit
-    // landed: no marker names it) and goes.
-    let mut marker_value = if report.resumed {
+    // The plan's file: the open marker's when resuming, else written with the run's first
+    // commit (the marker then stays in the manifest until the last commit clears it). Any
+    // other plan file is a dead run's (killed before its first commit landed: no marker names
+    // it) and goes.
+    let resumed_marker = if report.resumed {
         open_marker(writer).cloned()
     } else {
         None
     };
-    sweep_plans(writer.store().dir(), marker_value.as_ref())?;
+    sweep_plans(writer.store().dir(), resumed_marker.as_ref())?;
+    let mut plan_saved = resumed_marker.is_some();
     let mut delta = Graph::default();
     for (position, plan) in plans.iter().enumerate() {
         if position < done {
@@ -335,26 +336,19 @@ pub fn consolidate_store(
                 "tenant": cluster.tenant, "status": cluster.status, "episodes": cluster.episodes.len(),
                 "generator": report.generator_model, "judge": report.judge_model,
             });
-            let closing = Some(position) == last;
-            let plan_marker = match (&marker_value, closing) {
-                (_, true) => Value::Null,
-                (Some(open), false) => open.clone(),
-                (None, false) => {
-                    let saved = save_plan(writer.store().dir(), &stored, shard_key(options))?;
-                    marker_value = Some(saved.clone());
-                    saved
-                }
-            };
             let mut marker = BTreeMap::new();
-            marker.insert(PLAN_MARKER.to_string(), plan_marker);
-            marker.insert(
-                DONE_MARKER.to_string(),
-                if closing {
-                    Value::Null
-                } else {
-                    json!(position + 1)
-                },
-            );
+            if Some(position) == last {
+                marker.insert(PLAN_MARKER.to_string(), Value::Null);
+                marker.insert(DONE_MARKER.to_string(), Value::Null);
+            } else {
+                if !plan_saved {
+                    let plan = StoredPlan::of(run_id, shard_key(options), &plans, &report);
+                    let saved = save_plan(writer.store().dir(), &plan)?;
+                    marker.insert(PLAN_MARKER.to_string(), saved);
+                    plan_saved = true;
+                }
+                marker.insert(DONE_MARKER.to_string(), json!(position + 1));
+            }
             writer.commit(
                 &delta,
                 CommitInfo {
@@ -477,7 +471,7 @@ const PLAN_FOLDER: &str = "consolidate";
 /// renamed) and returns the manifest marker that names it: the plan of a fleet's night holds
 /// every episode id, so it lives in a file of its own and the manifest, rewritten at every
 /// commit, holds only its name and hash.
-fn save_plan(dir: &Path, plan: &StoredPlan, shard: (usize, usize)) -> Result<Value> {
+fn save_plan(dir: &Path, plan: &StoredPlan) -> Result<Value> {
     let bytes = serde_json::to_vec(plan).expect("plans serialise");
     let sha256 = sha256_hex(&bytes);
     let folder = dir.join(fluxmem_store::SCRATCH).join(PLAN_FOLDER);
@@ -501,7 +495,7 @@ fn save_plan(dir: &Path, plan: &StoredPlan, shard: (usize, usize)) -> Result<Val
     Ok(json!({
         "file": format!("{}/{PLAN_FOLDER}/{name}", fluxmem_store::SCRATCH),
         "sha256": sha256,
-        "shard": [shard.0, shard.1],
+        "shard": [plan.shard.0, plan.shard.1],
     }))
 }
 

@@ -418,12 +418,12 @@ pub fn export_skills_with(
     let unchanged = previous
         .as_ref()
         .is_some_and(|previous| same_release(previous, &manifest, &records));
-    let changes = changes(previous.as_ref(), &manifest, &records, &left_out);
+    let changes = changes(previous.as_ref(), unchanged, &records, &left_out);
     std::fs::create_dir_all(&target.parent).map_err(|e| io(&target.parent, e))?;
     let scratch = Scratch::create(target.sibling("tmp"))?;
-    let last_pass = LastPass {
+    let mut last_pass = LastPass {
         redactor,
-        counts: Default::default(),
+        counts: fluxmem_redact::Counts::new(),
     };
     let files = write_release(
         &scratch.path,
@@ -433,9 +433,9 @@ pub fn export_skills_with(
         &records,
         options,
         &changes,
-        &last_pass,
+        &mut last_pass,
     )?;
-    redacted.merge(&last_pass.counts.into_inner());
+    redacted.merge(&last_pass.counts);
     target.install(scratch, existing)?;
     target.sweep_stale();
     // Against the release in place: an unchanged one repeats its own list of changes.
@@ -512,11 +512,11 @@ fn previous_release(dir: &Path) -> Option<Value> {
 /// did not have), `updated` (a new version of a lineage, with the version, PEMS and eta before
 /// and after), `unchanged` and `retired` (a lineage it had that this release has not: its cluster
 /// is gone, or a filter such as the eta minimum leaves it out, with the reason from `left_out`;
-/// listed, never dropped silently). Re-exporting the same store state keeps the previous
-/// release's list, so the output stays byte-identical.
+/// listed, never dropped silently). Re-exporting the same store state (`unchanged`, see
+/// [`same_release`]) keeps the previous release's list, so the output stays byte-identical.
 fn changes(
     previous: Option<&Value>,
-    manifest: &fluxmem_store::Manifest,
+    unchanged: bool,
     records: &[SkillRecord],
     left_out: &BTreeMap<String, String>,
 ) -> Vec<Value> {
@@ -524,10 +524,11 @@ fn changes(
         .and_then(|p| p["skills"].as_array())
         .map(|s| s.iter().collect())
         .unwrap_or_default();
-    if let Some(previous) = previous.filter(|p| same_release(p, manifest, records)) {
-        if let Some(list) = previous["changes"].as_array() {
-            return list.clone();
-        }
+    if let Some(list) = previous
+        .filter(|_| unchanged)
+        .and_then(|p| p["changes"].as_array())
+    {
+        return list.clone();
     }
     let by_lineage: BTreeMap<&str, &Value> = old
         .iter()
@@ -613,30 +614,28 @@ fn changes_md(changes: &[Value]) -> String {
     text
 }
 
-/// Writes the release's files and its manifest into `dir` (the temporary directory), each
-/// fsynced, then fsyncs every folder; returns the files, relative to the release. `out`, the
-/// final directory, only names files in error messages.
 /// The redaction pass every exported text goes through last, after templating, truncation and
 /// serialisation: what the record-level pass could not see (a secret a template changed the
 /// case of, or one that spans two fields) is caught in the file as written.
 struct LastPass<'a> {
     redactor: &'a fluxmem_redact::Redactor,
-    counts: std::cell::RefCell<fluxmem_redact::Counts>,
+    counts: fluxmem_redact::Counts,
 }
 
 impl LastPass<'_> {
-    fn text(&self, text: &str) -> String {
-        self.redactor
-            .redact_into(text, &mut self.counts.borrow_mut())
+    fn text(&mut self, text: &str) -> String {
+        self.redactor.redact_into(text, &mut self.counts)
     }
 
-    fn json(&self, mut value: Value) -> Value {
-        self.redactor
-            .redact_json(&mut value, &mut self.counts.borrow_mut());
+    fn json(&mut self, mut value: Value) -> Value {
+        self.redactor.redact_json(&mut value, &mut self.counts);
         value
     }
 }
 
+/// Writes the release's files and its manifest into `dir` (the temporary directory), each
+/// fsynced, then fsyncs every folder; returns the files, relative to the release. `out`, the
+/// final directory, only names files in error messages.
 #[allow(clippy::too_many_arguments)] // the release's inputs, each read once; a struct would only rename them
 fn write_release(
     dir: &Path,
@@ -646,7 +645,7 @@ fn write_release(
     records: &[SkillRecord],
     options: &ExportOptions,
     changes: &[Value],
-    last_pass: &LastPass,
+    last_pass: &mut LastPass,
 ) -> Result<Vec<String>> {
     let mut files = Vec::new();
     write(
