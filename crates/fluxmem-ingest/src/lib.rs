@@ -44,7 +44,9 @@ mod source;
 mod tau;
 mod walk;
 
-pub use compress::{Compression, MAX_DECOMPRESSED_BYTES};
+pub use compress::{
+    Compression, MAX_DECOMPRESSED_BYTES, MAX_DECOMPRESSION_RATIO, RATIO_FLOOR_BYTES,
+};
 
 pub use docs::{chunk, Chunk};
 pub use error::{Error, Result};

@@ -91,19 +91,22 @@ fn read_holder(path: &Path) -> String {
 }
 
 /// The description of the writer that holds the lock, waiting up to [`HOLDER_WAIT`] for one
-/// that has just taken it to write it.
+/// that has just taken it to write it (also when `LOCK` does not exist yet).
 fn wait_for_holder(path: &Path) -> String {
     let deadline = Instant::now() + HOLDER_WAIT;
     loop {
-        if !path.exists() {
-            return "unknown holder: no LOCK file names it (a new store whose writer has just started, or LOCK was deleted)".to_string();
-        }
+        // A missing LOCK is waited for like an empty one: on a new store the holder creates it
+        // right after taking the lock.
         let holder = read_holder(path);
         if !holder.is_empty() {
             return holder;
         }
         if Instant::now() >= deadline {
-            return "unknown holder: its LOCK description is empty".to_string();
+            return if path.exists() {
+                "unknown holder: its LOCK description is empty".to_string()
+            } else {
+                "unknown holder: no LOCK file names it (LOCK was deleted)".to_string()
+            };
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -127,4 +130,42 @@ fn hostname() -> String {
     std::fs::read_to_string("/etc/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "localhost".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Barrier};
+
+    #[test]
+    fn two_writers_starting_together_on_a_new_store_name_the_holder() {
+        // Issue 40.7: the refused writer said "unknown holder" when it looked before the
+        // winner had written LOCK. Each round races two writers on a brand-new store.
+        for round in 0..200 {
+            let dir = tempfile::tempdir().unwrap();
+            let (start, tried) = (Arc::new(Barrier::new(2)), Arc::new(Barrier::new(2)));
+            let racers: Vec<_> = (0..2)
+                .map(|_| {
+                    let dir = dir.path().to_path_buf();
+                    let (start, tried) = (start.clone(), tried.clone());
+                    std::thread::spawn(move || {
+                        start.wait();
+                        let taken = WriterLock::acquire(&dir);
+                        // The winner holds the lock until both have tried.
+                        tried.wait();
+                        taken.map(|_| ()).map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            let results: Vec<_> = racers.into_iter().map(|r| r.join().unwrap()).collect();
+            let refused: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+            for error in &refused {
+                assert!(
+                    error.contains("pid ") && !error.contains("unknown holder"),
+                    "round {round}: {error}"
+                );
+            }
+            assert_eq!(refused.len(), 1, "round {round}: {results:?}");
+        }
+    }
 }
