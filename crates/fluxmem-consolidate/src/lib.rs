@@ -24,6 +24,7 @@
 
 mod consolidate;
 mod export;
+pub mod flow;
 mod kmeans;
 mod mature;
 mod mine;

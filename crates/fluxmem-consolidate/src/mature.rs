@@ -228,7 +228,7 @@ fn split<'g>(episodes: &[&'g Node]) -> Split<'g> {
 fn pitfalls_of(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> Vec<String> {
     let dropped: Vec<&str> = (0..skeleton.steps.len())
         .filter(|i| !kept.contains(i))
-        .map(|i| skeleton.steps[i].text.trim_end_matches('.'))
+        .map(|i| skeleton.steps[i].short.trim_end_matches('.'))
         .collect();
     skeleton
         .preconditions
@@ -381,7 +381,7 @@ fn word(
     let steps: Vec<String> = skeleton
         .steps
         .iter()
-        .map(|s| redactor.redact(&s.text).text)
+        .map(|s| redactor.redact(&s.short).text)
         .collect();
     let messages = prompt::name_procedure(&tasks, &steps);
     // Two lines need few tokens; the options' limit still bounds every answer.
@@ -540,9 +540,9 @@ fn foreign_tool(
 fn template_words(skeleton: &crate::mine::Skeleton) -> (String, String) {
     let pattern = skeleton.task_pattern.trim();
     let mut acting: Vec<String> = Vec::new();
-    for tool in skeleton.steps.iter().filter_map(|s| s.tool.as_deref()) {
-        let human = tool.replace('_', " ");
-        if !crate::mine::is_read_tool(tool) && !acting.contains(&human) {
+    for step in skeleton.steps.iter().filter(|s| s.acting) {
+        let human = step.tool.as_deref().unwrap_or_default().replace('_', " ");
+        if !acting.contains(&human) {
             acting.push(human);
         }
     }
@@ -556,7 +556,7 @@ fn template_words(skeleton: &crate::mine::Skeleton) -> (String, String) {
             .steps
             .iter()
             .take(2)
-            .map(|s| s.text.trim_end_matches('.').to_string())
+            .map(|s| s.short.trim_end_matches('.').to_string())
             .collect::<Vec<_>>()
             .join(", then ")
     };
@@ -775,6 +775,8 @@ mod tests {
         SkeletonStep {
             key: key.into(),
             text: key.into(),
+            short: key.into(),
+            acting: false,
             tool: None,
             support: 1.0,
             failure_support: None,

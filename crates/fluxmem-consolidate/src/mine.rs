@@ -28,6 +28,7 @@
 //! (`clean <object> with sinkbasin`); tool argument values are never shown (they are instance
 //! data: ids, names, amounts, possibly personal).
 
+use crate::flow::{Source, ToolRoles};
 use fluxmem_graph::Node;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -46,6 +47,9 @@ pub struct MineOptions {
     pub critical_gap: f64,
     /// Steps kept at most (the best supported, in order).
     pub max_steps: usize,
+    /// A skill needs at least this many successes (default 2: one success is one story, not
+    /// a procedure).
+    pub min_successes: usize,
 }
 
 impl Default for MineOptions {
@@ -56,6 +60,7 @@ impl Default for MineOptions {
             branch_support: 0.25,
             critical_gap: 0.5,
             max_steps: 12,
+            min_successes: 2,
         }
     }
 }
@@ -75,6 +80,13 @@ pub struct Signed {
     pub values: Vec<String>,
     /// An error the step met (tool error, feedback, "Nothing happens").
     pub error: Option<String>,
+    /// For a tool call, the sources of each slot's value, in slot order ([`crate::flow`]).
+    pub sources: Vec<BTreeSet<Source>>,
+    /// For a tool call, whether each slot's value was long enough to trace.
+    pub traced: Vec<bool>,
+    /// The slots whose values changed between consecutive repeats of the step (a loop:
+    /// "for each").
+    pub varying: BTreeSet<String>,
 }
 
 /// A step of a skeleton.
@@ -82,8 +94,13 @@ pub struct Signed {
 pub struct SkeletonStep {
     /// The signature.
     pub key: String,
-    /// The step as a skill shows it (`Call \`get_order\` with <order_id>.`).
+    /// The step as a skill shows it, with where its arguments come from (`Call \`get_order\`
+    /// with \`order_id\` (from the user, 3 of 3 runs).`).
     pub text: String,
+    /// The step alone (`Call \`get_order\` with \`order_id\`.`), as rules and checks name it.
+    pub short: String,
+    /// The tool is an acting one ([`crate::flow::ToolRoles`]), for a tool call.
+    pub acting: bool,
     /// The tool, for a tool call.
     pub tool: Option<String>,
     /// Share of the successes aligned to it.
@@ -122,11 +139,13 @@ const MESSAGE: &str = "message the user";
 /// Text actions longer than this are free text (a message), not a command.
 const MAX_COMMAND_WORDS: usize = 10;
 
-/// The episode's steps as signatures, consecutive repeats collapsed.
+/// The episode's steps as signatures, consecutive repeats collapsed (a repeat with other
+/// values marks those slots as varying: a loop).
 pub fn signatures(node: &Node) -> Vec<Signed> {
     let Some(episode) = node.episode() else {
         return Vec::new();
     };
+    let mut flows = crate::flow::episode_flow(node).into_iter();
     let mut out: Vec<Signed> = Vec::new();
     for (index, step) in episode.steps.iter().enumerate() {
         let next_observation = episode
@@ -139,18 +158,17 @@ pub fn signatures(node: &Node) -> Vec<Signed> {
                 .into_iter()
                 .collect()
         } else {
-            step.tool_calls.iter().map(tool_signature).collect()
+            step.tool_calls
+                .iter()
+                .map(|call| tool_signature(call, flows.next()))
+                .collect()
         };
         if let (Some(feedback), Some(last)) = (&step.feedback, signed.last_mut()) {
             last.error.get_or_insert_with(|| feedback.clone());
         }
         for item in signed.drain(..) {
             match out.last_mut() {
-                Some(previous) if previous.key == item.key => {
-                    if previous.error.is_none() {
-                        previous.error = item.error;
-                    }
-                }
+                Some(previous) if previous.key == item.key => absorb_repeat(previous, item),
                 _ => out.push(item),
             }
         }
@@ -158,7 +176,27 @@ pub fn signatures(node: &Node) -> Vec<Signed> {
     out
 }
 
-fn tool_signature(call: &fluxmem_graph::ToolCall) -> Signed {
+/// Folds a consecutive repeat of a step into the first: its error when the first had none,
+/// its sources, and the slots whose value changed.
+fn absorb_repeat(previous: &mut Signed, repeat: Signed) {
+    if previous.error.is_none() {
+        previous.error = repeat.error;
+    }
+    for (slot, (before, after)) in previous
+        .slots
+        .iter()
+        .zip(previous.values.iter().zip(&repeat.values))
+    {
+        if before != after {
+            previous.varying.insert(slot.clone());
+        }
+    }
+    for (mine, theirs) in previous.sources.iter_mut().zip(repeat.sources) {
+        mine.extend(theirs);
+    }
+}
+
+fn tool_signature(call: &fluxmem_graph::ToolCall, flow: Option<crate::flow::CallFlow>) -> Signed {
     let arguments: BTreeMap<String, serde_json::Value> =
         serde_json::from_str(&call.arguments).unwrap_or_default();
     let slots: Vec<String> = arguments.keys().cloned().collect();
@@ -168,13 +206,30 @@ fn tool_signature(call: &fluxmem_graph::ToolCall) -> Signed {
         .as_deref()
         .filter(|r| is_error(r))
         .map(str::to_string);
+    let flow = flow
+        .filter(|f| f.tool == call.name)
+        .unwrap_or_else(|| crate::flow::CallFlow {
+            step: 0,
+            tool: call.name.clone(),
+            sources: BTreeMap::new(),
+            traced: BTreeSet::new(),
+            fed_later: false,
+            empty_result: false,
+            has_result: false,
+        });
     Signed {
         key: format!("call {}({})", call.name, slots.join(",")),
         tool: Some(call.name.clone()),
+        sources: slots
+            .iter()
+            .map(|s| flow.sources.get(s).cloned().unwrap_or_default())
+            .collect(),
+        traced: slots.iter().map(|s| flow.traced.contains(s)).collect(),
         slots,
         frame: Vec::new(),
         values,
         error,
+        varying: BTreeSet::new(),
     }
 }
 
@@ -214,6 +269,9 @@ fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
             frame: vec![MESSAGE.into()],
             values: Vec::new(),
             error: None,
+            sources: Vec::new(),
+            traced: Vec::new(),
+            varying: BTreeSet::new(),
         });
     }
     let (verb, rest) = if words.len() > 1 && words[0] == "go" && words[1] == "to" {
@@ -266,6 +324,9 @@ fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
         frame,
         values,
         error,
+        sources: Vec::new(),
+        traced: Vec::new(),
+        varying: BTreeSet::new(),
     })
 }
 
@@ -355,12 +416,14 @@ fn align(sequences: &[Vec<Signed>]) -> Vec<Column> {
 /// The skeleton of `successes` (most representative first) contrasted with `failures`, or
 /// `None` when the successes share fewer than 2 steps.
 pub fn mine(successes: &[&Node], failures: &[&Node], options: &MineOptions) -> Option<Skeleton> {
-    let sequences: Vec<Vec<Signed>> = successes.iter().map(|n| signatures(n)).collect();
-    let failed: Vec<Vec<Signed>> = failures.iter().map(|n| signatures(n)).collect();
     let n = successes.len();
-    if n == 0 {
+    if n == 0 || n < options.min_successes {
         return None;
     }
+    let roles = ToolRoles::learn(successes.iter().chain(failures).copied());
+    let steps_of = |node: &&Node| without_noise(signatures(node), &roles);
+    let sequences: Vec<Vec<Signed>> = successes.iter().map(steps_of).collect();
+    let failed: Vec<Vec<Signed>> = failures.iter().map(steps_of).collect();
     let profile = align(&sequences);
     let holders = |column: &Column| {
         column
@@ -381,6 +444,14 @@ pub fn mine(successes: &[&Node], failures: &[&Node], options: &MineOptions) -> O
         .map(|(i, c)| (i, support(c)))
         .filter(|(_, s)| *s + 1e-12 >= options.min_support)
         .collect();
+    // A column next to another of the same step is one step (the alignment split a repeat).
+    kept.dedup_by(|later, earlier| {
+        let same = profile[later.0].key == profile[earlier.0].key;
+        if same {
+            earlier.1 = earlier.1.max(later.1);
+        }
+        same
+    });
     if kept.len() > options.max_steps {
         let mut by_support = kept.clone();
         by_support.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -405,10 +476,13 @@ pub fn mine(successes: &[&Node], failures: &[&Node], options: &MineOptions) -> O
         .map(|&(i, share)| {
             let column = &profile[i];
             let failure_support = failure_share(&column.key);
+            let tool = column.occurrences[0].1.tool.clone();
             SkeletonStep {
                 key: column.key.clone(),
                 text: render_step(column),
-                tool: column.occurrences[0].1.tool.clone(),
+                short: render_short(column),
+                acting: tool.as_deref().is_some_and(|t| roles.is_acting(t)),
+                tool,
                 support: share,
                 failure_support,
                 critical: failure_support
@@ -443,8 +517,104 @@ pub fn mine(successes: &[&Node], failures: &[&Node], options: &MineOptions) -> O
     })
 }
 
-/// How a column reads in a skill.
+/// The episode's signatures without calls of noise tools, repeats that their removal made
+/// consecutive collapsed again.
+fn without_noise(sequence: Vec<Signed>, roles: &ToolRoles) -> Vec<Signed> {
+    let mut out: Vec<Signed> = Vec::with_capacity(sequence.len());
+    for item in sequence {
+        if item.tool.as_deref().is_some_and(|t| roles.is_noise(t)) {
+            continue;
+        }
+        match out.last_mut() {
+            Some(previous) if previous.key == item.key => absorb_repeat(previous, item),
+            _ => out.push(item),
+        }
+    }
+    out
+}
+
+/// A tool step with where each argument comes from, counted over the column's runs:
+/// ``Call `refund_order` with `order_id` (from the user in 3 of 3 runs).``; a step that the
+/// runs repeat with other values for one slot is a loop (``For each `reservation_id`: ...``).
 fn render_step(column: &Column) -> String {
+    let first = &column.occurrences[0].1;
+    if first.tool.is_none() {
+        return render_short(column);
+    }
+    let runs = column.occurrences.len();
+    let looping: BTreeMap<&String, usize> =
+        column
+            .occurrences
+            .iter()
+            .fold(BTreeMap::new(), |mut counts, (_, s)| {
+                for slot in &s.varying {
+                    *counts.entry(slot).or_default() += 1;
+                }
+                counts
+            });
+    let loop_slot = looping
+        .iter()
+        .filter(|(_, c)| 2 * **c >= runs)
+        .max_by_key(|(slot, c)| (**c, std::cmp::Reverse(**slot)))
+        .map(|(slot, _)| slot.as_str());
+    let slots: Vec<String> = first
+        .slots
+        .iter()
+        .enumerate()
+        .map(|(i, slot)| match slot_origin(column, i) {
+            Some(origin) => format!("`{slot}` ({origin})"),
+            None => format!("`{slot}`"),
+        })
+        .collect();
+    let tool = first.tool.as_deref().unwrap_or_default();
+    let call = if slots.is_empty() {
+        format!("`{tool}`")
+    } else {
+        format!("`{tool}` with {}", slots.join(", "))
+    };
+    match loop_slot {
+        Some(slot) => format!("For each `{slot}`, call {call}."),
+        None => format!("Call {call}."),
+    }
+}
+
+/// Where the values of slot `i` came from over the column's runs: the two most frequent
+/// sources with their counts; else whether the value was the same in every run.
+fn slot_origin(column: &Column, i: usize) -> Option<String> {
+    let runs = column.occurrences.len();
+    let mut counts: BTreeMap<&Source, usize> = BTreeMap::new();
+    for (_, signed) in &column.occurrences {
+        for source in signed.sources.get(i).into_iter().flatten() {
+            *counts.entry(source).or_default() += 1;
+        }
+    }
+    let mut ranked: Vec<(&Source, usize)> = counts.into_iter().collect();
+    ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    if !ranked.is_empty() {
+        let said: Vec<String> = ranked
+            .iter()
+            .take(2)
+            .map(|(source, count)| format!("{} in {count} of {runs} runs", source.describe()))
+            .collect();
+        return Some(said.join("; "));
+    }
+    let first = column.occurrences[0].1.values.get(i);
+    let constant = column
+        .occurrences
+        .iter()
+        .all(|(_, s)| s.values.get(i) == first);
+    if constant && runs > 1 {
+        return Some(format!("the same value in all {runs} runs"));
+    }
+    let traced = column
+        .occurrences
+        .iter()
+        .any(|(_, s)| s.traced.get(i).copied().unwrap_or(false));
+    traced.then(|| "not in the user's messages or earlier results".to_string())
+}
+
+/// How a column reads in a skill, without data flow (rules and checks name steps this way).
+fn render_short(column: &Column) -> String {
     let first = &column.occurrences[0].1;
     let constant = |slot: usize| -> Option<&str> {
         let value = first.values.get(slot)?;
@@ -455,7 +625,7 @@ fn render_step(column: &Column) -> String {
             .then_some(value.as_str())
     };
     if let Some(tool) = &first.tool {
-        let slots: Vec<String> = first.slots.iter().map(|s| format!("<{s}>")).collect();
+        let slots: Vec<String> = first.slots.iter().map(|s| format!("`{s}`")).collect();
         return if slots.is_empty() {
             format!("Call `{tool}`.")
         } else {
@@ -529,11 +699,14 @@ fn preconditions(
                     _ => false,
                 });
             if ordered && broken {
-                rules.push(format!(
+                let rule = format!(
                     "{} must come before: {}",
-                    trim_period(&a.text),
-                    trim_period(&b.text)
-                ));
+                    trim_period(&a.short),
+                    trim_period(&b.short)
+                );
+                if !rules.contains(&rule) {
+                    rules.push(rule);
+                }
             }
         }
     }
@@ -545,34 +718,54 @@ fn trim_period(text: &str) -> &str {
     text.strip_suffix('.').unwrap_or(text)
 }
 
-/// Errors met at the skeleton's steps, in any episode of the cluster.
+/// Errors met at the skeleton's steps, in any episode of the cluster: one check per step
+/// (a step that is in the skeleton twice is said once), with the most frequent error (digits
+/// aside) as its example.
 fn pitfalls(
     steps: &[SkeletonStep],
     successes: &[Vec<Signed>],
     failures: &[Vec<Signed>],
 ) -> Vec<String> {
     let mut out = Vec::new();
+    let mut said = BTreeSet::new();
     for step in steps {
+        if !said.insert(step.key.as_str()) {
+            continue;
+        }
         let occurrences: Vec<&Signed> = successes
             .iter()
             .chain(failures)
             .flatten()
             .filter(|s| s.key == step.key)
             .collect();
-        let errors: Vec<&str> = occurrences
-            .iter()
-            .filter_map(|s| s.error.as_deref())
-            .collect();
-        if let Some(example) = errors.first() {
-            let example: String = example.chars().take(120).collect();
-            out.push(format!(
-                "{}: {} of {} logged runs of this step went wrong, e.g. \"{}\"",
-                trim_period(&step.text),
-                errors.len(),
-                occurrences.len(),
-                example.replace('"', "'").replace('\n', " ")
-            ));
+        let mut kinds: BTreeMap<String, (usize, &str)> = BTreeMap::new();
+        for error in occurrences.iter().filter_map(|s| s.error.as_deref()) {
+            let kind: String = error
+                .chars()
+                .take(120)
+                .map(|c| if c.is_ascii_digit() { '#' } else { c })
+                .collect();
+            kinds.entry(kind).or_insert((0, error)).0 += 1;
         }
+        let errors: usize = kinds.values().map(|(count, _)| count).sum();
+        let Some((_, (count, example))) = kinds
+            .iter()
+            .max_by(|a, b| a.1 .0.cmp(&b.1 .0).then(b.0.cmp(a.0)))
+        else {
+            continue;
+        };
+        let example: String = example.chars().take(120).collect();
+        let example = example.replace('"', "'").replace('\n', " ");
+        let most = if kinds.len() > 1 {
+            format!(" ({count} of them with \"{example}\")")
+        } else {
+            format!(" with \"{example}\"")
+        };
+        out.push(format!(
+            "{}: {errors} of {} logged runs of this step failed{most}; check before calling it",
+            trim_period(&step.short),
+            occurrences.len(),
+        ));
     }
     out
 }
@@ -599,8 +792,10 @@ fn task_pattern(successes: &[&Node]) -> String {
     let Some(first) = all.first() else {
         return String::new();
     };
-    let shared =
-        |word: &str| all.iter().filter(|w| w.iter().any(|x| x == word)).count() * 2 >= all.len();
+    // Shared: in at least half of the tasks and in at least two, so a pattern is never one
+    // user's message.
+    let needed = all.len().div_ceil(2).max(2);
+    let shared = |word: &str| all.iter().filter(|w| w.iter().any(|x| x == word)).count() >= needed;
     let mut pattern: Vec<&str> = Vec::new();
     for word in first {
         if word.chars().all(|c| c.is_ascii_digit()) {
@@ -619,30 +814,13 @@ fn task_pattern(successes: &[&Node]) -> String {
     text
 }
 
-/// Tool-name prefixes of tools that only read (`get_order`, `search_flights`, `think`): a
-/// procedure is told apart, and a skill named, by the tools that do more.
-pub const READ_PREFIXES: [&str; 8] = [
-    "get_",
-    "search_",
-    "list_",
-    "find_",
-    "lookup_",
-    "read_",
-    "calculate",
-    "think",
-];
-
-/// True for a tool that, by its name, only reads.
-pub fn is_read_tool(name: &str) -> bool {
-    READ_PREFIXES.iter().any(|p| name.starts_with(p))
-}
-
-/// The tools an episode calls that do more than read.
-fn acting_tools(node: &Node) -> BTreeSet<String> {
+/// The acting tools an episode calls ([`ToolRoles::is_acting`], learned from the episode's
+/// cluster).
+fn acting_tools(node: &Node, roles: &ToolRoles) -> BTreeSet<String> {
     signatures(node)
         .into_iter()
         .filter_map(|s| s.tool)
-        .filter(|t| !is_read_tool(t))
+        .filter(|t| roles.is_acting(t))
         .collect()
 }
 
@@ -670,7 +848,11 @@ pub fn split_by_procedure<'g>(
     };
     let (mut out_members, mut out_centroids) = (Vec::new(), Vec::new());
     for (rows, centroid) in members.iter().zip(centroids) {
-        let acting: Vec<BTreeSet<String>> = rows.iter().map(|&r| acting_tools(node(r))).collect();
+        let roles = ToolRoles::learn(rows.iter().map(|&r| node(r)));
+        let acting: Vec<BTreeSet<String>> = rows
+            .iter()
+            .map(|&r| acting_tools(node(r), &roles))
+            .collect();
         let mut counts: BTreeMap<&BTreeSet<String>, usize> = BTreeMap::new();
         for (i, &r) in rows.iter().enumerate() {
             if success(r) && !acting[i].is_empty() {
@@ -909,8 +1091,8 @@ mod tests {
         assert_eq!(
             texts,
             [
-                "Call `get_reservation_details` with <reservation_id>.",
-                "Call `cancel_reservation` with <reservation_id>."
+                "Call `get_reservation_details` with `reservation_id`.",
+                "Call `cancel_reservation` with `reservation_id`."
             ]
         );
         assert!(skeleton.steps[0].critical && !skeleton.steps[1].critical);
@@ -932,6 +1114,144 @@ mod tests {
         );
     }
 
+    /// A tau-bench-like change: the user id from the task, the payment method from the user
+    /// record, a scratchpad call with an empty result between them, and a loop over
+    /// reservations in one run.
+    fn change_run(user: &str, card: &str, reservations: &[&str], success: bool) -> Node {
+        let task = format!("hi, i am {user} and i want to pay with my card");
+        let profile = format!(
+            r#"{{"name": "x", "payment_methods": [{{"id": "gift_card_1"}}, {{"id": "{card}"}}], "reservations": [{}]}}"#,
+            reservations
+                .iter()
+                .map(|r| format!("\"{r}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let mut actions = vec![
+            format!(r#"tool:get_user_details {{"user_id":"{user}"}} => {profile}"#),
+            r#"tool:think {"thought":"the user wants to pay"} => "#.to_string(),
+        ];
+        for r in reservations {
+            actions.push(format!(
+                r#"tool:get_reservation_details {{"reservation_id":"{r}"}} => {{"reservation_id": "{r}", "status": "ok"}}"#
+            ));
+        }
+        actions.push(format!(
+            r#"tool:pay_balance {{"payment_id":"{card}","reservation_id":"{}"}} => receipt"#,
+            reservations[0]
+        ));
+        let refs: Vec<&str> = actions.iter().map(String::as_str).collect();
+        episode(&task, &refs, success)
+    }
+
+    /// Checks a data-flow claim against an episode independently of `flow.rs`: the value of
+    /// `slot` in the call of `tool` is a leaf at `path` of an earlier `source` result.
+    fn holds(node: &Node, tool: &str, slot: &str, source: &str, path: &str) -> bool {
+        let steps = &node.episode().unwrap().steps;
+        let position = steps
+            .iter()
+            .position(|s| s.tool_calls.iter().any(|c| c.name == tool));
+        let Some(position) = position else {
+            return false;
+        };
+        let call = steps[position]
+            .tool_calls
+            .iter()
+            .find(|c| c.name == tool)
+            .unwrap();
+        let arguments: serde_json::Value = serde_json::from_str(&call.arguments).unwrap();
+        let value = &arguments[slot];
+        let leaves = |result: &serde_json::Value| -> Vec<serde_json::Value> {
+            let mut current = vec![result.clone()];
+            for part in path.split('.') {
+                let (key, all) = match part.strip_suffix("[*]") {
+                    Some(key) => (key, true),
+                    None => (part, false),
+                };
+                current = current
+                    .iter()
+                    .map(|v| v[key].clone())
+                    .flat_map(|v| {
+                        if all {
+                            v.as_array().cloned().unwrap_or_default()
+                        } else {
+                            vec![v]
+                        }
+                    })
+                    .collect();
+            }
+            current
+        };
+        steps[..position]
+            .iter()
+            .flat_map(|s| &s.tool_calls)
+            .any(|c| {
+                c.name == source
+                    && c.result
+                        .as_deref()
+                        .and_then(|r| serde_json::from_str(r).ok())
+                        .is_some_and(|r| leaves(&r).contains(value))
+            })
+    }
+
+    #[test]
+    fn steps_say_where_their_arguments_come_from_with_the_support_the_runs_give() {
+        let runs = [
+            change_run("mia_kim_11", "credit_card_42", &["ABC123"], true),
+            change_run("noah_lee_22", "credit_card_17", &["QWE456", "ZXC789"], true),
+            change_run("ava_cho_33", "credit_card_99", &["RTY321", "FGH654"], true),
+        ];
+        let refs: Vec<&Node> = runs.iter().collect();
+        let skeleton = mine(&refs, &[], &MineOptions::default()).unwrap();
+        let texts: Vec<&str> = skeleton.steps.iter().map(|s| s.text.as_str()).collect();
+        assert_eq!(
+            texts,
+            [
+                "Call `get_user_details` with `user_id` (from the user in 3 of 3 runs).",
+                "For each `reservation_id`, call `get_reservation_details` with `reservation_id` (from `get_user_details` → `reservations[*]` in 3 of 3 runs).",
+                "Call `pay_balance` with `payment_id` (from `get_user_details` → `payment_methods[*].id` in 3 of 3 runs), `reservation_id` (from `get_reservation_details` → `reservation_id` in 3 of 3 runs)."
+            ],
+            "{texts:#?}"
+        );
+        // The scratchpad tool (every result empty, never used later) is not a step; the tool
+        // whose results feed nothing is the acting one and names the procedure.
+        assert!(!texts.iter().any(|t| t.contains("think")));
+        assert_eq!(
+            skeleton
+                .steps
+                .iter()
+                .filter(|s| s.acting)
+                .map(|s| s.tool.as_deref().unwrap())
+                .collect::<Vec<_>>(),
+            ["pay_balance"]
+        );
+        // Every claim of a result source holds in as many runs as it says.
+        for (tool, slot, source, path, claimed) in [
+            (
+                "pay_balance",
+                "payment_id",
+                "get_user_details",
+                "payment_methods[*].id",
+                3,
+            ),
+            (
+                "get_reservation_details",
+                "reservation_id",
+                "get_user_details",
+                "reservations[*]",
+                3,
+            ),
+        ] {
+            let holding = runs
+                .iter()
+                .filter(|n| holds(n, tool, slot, source, path))
+                .count();
+            assert_eq!(holding, claimed, "{tool}.{slot} from {source} {path}");
+        }
+        // One success is not a procedure.
+        assert!(mine(&refs[..1], &[], &MineOptions::default()).is_none());
+    }
+
     #[test]
     fn successes_without_a_shared_procedure_give_no_skeleton() {
         let a = episode("a", &["open drawer 1", "look"], true);
@@ -943,7 +1263,16 @@ mod tests {
 
     #[test]
     fn clusters_split_by_the_acting_tools_of_their_successes() {
-        let call = |name: &str| format!(r#"tool:{name} {{"id":"x"}}"#);
+        // Readers return what the next call takes (the id); acting tools return a receipt.
+        // The roles are learned from that, not from the names.
+        let call = |name: &str| {
+            let result = if name.starts_with("get_") {
+                r#"{"id": "r-100"}"#
+            } else {
+                "done"
+            };
+            format!(r#"tool:{name} {{"id":"r-100"}} => {result}"#)
+        };
         let nodes = [
             episode(
                 "cancel 1",

@@ -1,0 +1,239 @@
+//! Data flow of tool arguments: where each argument value of a call came from, found in the
+//! episode itself, with no model and no tool names.
+//!
+//! For every call, each leaf of its arguments (a string or number of at least
+//! [`MIN_TRACE_CHARS`] characters; `flights[0].date` is a leaf of `flights`) is looked up in
+//! what the agent had seen before the call:
+//!
+//! - the **result of an earlier call**, the most recent one first: a JSON leaf equal to the
+//!   value gives the call's tool and the leaf's path with array indexes as `[*]`
+//!   (`get_user_details` → `payment_methods[*].id`); a result that is not JSON, or holds the
+//!   value only inside a longer text, gives the tool with no path;
+//! - the **user**: the task and the observations up to the call, with every earlier call's
+//!   result text taken out, hold the value (case-insensitive).
+//!
+//! Both may hold a value; both are recorded. Values themselves are never kept beyond the
+//! analysis (they are instance data): only their sources leave this module.
+//!
+//! The same pass tells what each call's result did for the episode: whether a later call took
+//! an argument from it ([`CallFlow::fed_later`]) and whether it was empty. A tool whose logged
+//! results are all empty and never feed a later call records nothing the procedure needs (a
+//! scratchpad): the miner leaves it out ([`ToolRoles`]).
+
+use fluxmem_graph::Node;
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Argument values shorter than this (as text) are not traced: `1`, `no` or `NY` would be
+/// found by chance in almost any earlier text.
+pub const MIN_TRACE_CHARS: usize = 3;
+
+/// Where an argument value came from.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Source {
+    /// The result of an earlier call of `tool`, at `path` (`""` when the value is inside a
+    /// text result rather than a JSON leaf).
+    Result { tool: String, path: String },
+    /// The task or a message of the user before the call.
+    User,
+}
+
+impl Source {
+    /// How a skill says it.
+    pub fn describe(&self) -> String {
+        match self {
+            Source::User => "from the user".to_string(),
+            Source::Result { tool, path } if path.is_empty() => {
+                format!("from the result of `{tool}`")
+            }
+            Source::Result { tool, path } => format!("from `{tool}` → `{path}`"),
+        }
+    }
+}
+
+/// One call of an episode, as the data flow sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallFlow {
+    /// Index of the step the call is in.
+    pub step: usize,
+    /// The tool.
+    pub tool: String,
+    /// For each top-level argument key (sorted), the sources of its traced leaves.
+    pub sources: BTreeMap<String, BTreeSet<Source>>,
+    /// Argument keys with at least one traced leaf (a value long enough to trace).
+    pub traced: BTreeSet<String>,
+    /// A later call of the episode took an argument value from this call's result.
+    pub fed_later: bool,
+    /// The result was logged and empty.
+    pub empty_result: bool,
+    /// The result was logged.
+    pub has_result: bool,
+}
+
+/// The calls of `node`'s episode in order, with the sources of their arguments.
+pub fn episode_flow(node: &Node) -> Vec<CallFlow> {
+    let Some(episode) = node.episode() else {
+        return Vec::new();
+    };
+    struct Earlier {
+        tool: String,
+        result: String,
+        leaves: BTreeMap<String, String>,
+    }
+    let mut earlier: Vec<Earlier> = Vec::new();
+    let mut out: Vec<CallFlow> = Vec::new();
+    let mut seen = node.text.to_lowercase();
+    for (index, step) in episode.steps.iter().enumerate() {
+        seen.push('\n');
+        seen.push_str(&step.observation.to_lowercase());
+        for call in &step.tool_calls {
+            let user_text = earlier.iter().fold(seen.clone(), |text, e| {
+                if e.result.len() >= MIN_TRACE_CHARS {
+                    text.replace(&e.result, " ")
+                } else {
+                    text
+                }
+            });
+            let arguments: BTreeMap<String, Value> =
+                serde_json::from_str(&call.arguments).unwrap_or_default();
+            let mut sources: BTreeMap<String, BTreeSet<Source>> = BTreeMap::new();
+            let mut traced = BTreeSet::new();
+            for (key, value) in &arguments {
+                let entry = sources.entry(key.clone()).or_default();
+                for leaf in leaf_values(value) {
+                    if leaf.chars().count() < MIN_TRACE_CHARS {
+                        continue;
+                    }
+                    traced.insert(key.clone());
+                    if user_text.contains(&leaf) {
+                        entry.insert(Source::User);
+                    }
+                    let found = earlier.iter().enumerate().rev().find_map(|(i, e)| {
+                        e.leaves
+                            .get(&leaf)
+                            .map(|path| (i, path.clone()))
+                            .or_else(|| e.result.contains(&leaf).then(|| (i, String::new())))
+                    });
+                    if let Some((i, path)) = found {
+                        // `out` and `earlier` hold the same calls, in order.
+                        out[i].fed_later = true;
+                        entry.insert(Source::Result {
+                            tool: earlier[i].tool.clone(),
+                            path,
+                        });
+                    }
+                }
+            }
+            let result = call.result.as_deref().unwrap_or("").to_lowercase();
+            out.push(CallFlow {
+                step: index,
+                tool: call.name.clone(),
+                sources,
+                traced,
+                fed_later: false,
+                empty_result: call.result.as_deref().is_some_and(|r| r.trim().is_empty()),
+                has_result: call.result.is_some(),
+            });
+            earlier.push(Earlier {
+                tool: call.name.clone(),
+                leaves: result_leaves(&result),
+                result,
+            });
+        }
+    }
+    out
+}
+
+/// The traceable leaves of an argument value, lower-cased (numbers as JSON writes them).
+fn leaf_values(value: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    walk(value, String::new(), &mut |_, leaf| out.push(leaf));
+    out
+}
+
+/// The leaves of a JSON result, each with the first path it is found at (`[*]` for indexes).
+fn result_leaves(result: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    if let Ok(value) = serde_json::from_str::<Value>(result) {
+        walk(&value, String::new(), &mut |path, leaf| {
+            if leaf.chars().count() >= MIN_TRACE_CHARS {
+                out.entry(leaf).or_insert(path);
+            }
+        });
+    }
+    out
+}
+
+fn walk(value: &Value, path: String, visit: &mut dyn FnMut(String, String)) {
+    match value {
+        Value::String(s) => visit(path, s.trim().to_lowercase()),
+        Value::Number(n) => visit(path, n.to_string()),
+        Value::Array(items) => {
+            for item in items {
+                walk(item, format!("{path}[*]"), visit);
+            }
+        }
+        Value::Object(fields) => {
+            for (key, item) in fields {
+                let path = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
+                walk(item, path, visit);
+            }
+        }
+        Value::Bool(_) | Value::Null => {}
+    }
+}
+
+/// What the calls of a set of episodes say about each tool, learned from the logs (no tool
+/// names): a tool whose logged results are all empty and never feed a later call is
+/// **noise** (it changes nothing the logs show and returns nothing); a tool whose results feed
+/// a later call in at least half of its calls is a **reader** (it fetches what later steps
+/// use); the rest are **acting** tools (their calls end a line of work: a change, a transfer).
+#[derive(Debug, Clone, Default)]
+pub struct ToolRoles {
+    /// Per tool: calls, calls that fed a later call, calls with a logged empty result, calls
+    /// with a logged result.
+    counts: BTreeMap<String, [usize; 4]>,
+}
+
+impl ToolRoles {
+    /// Learns the roles from `nodes`' episodes.
+    pub fn learn<'a>(nodes: impl IntoIterator<Item = &'a Node>) -> ToolRoles {
+        let mut roles = ToolRoles::default();
+        for node in nodes {
+            for call in episode_flow(node) {
+                let entry = roles.counts.entry(call.tool).or_default();
+                entry[0] += 1;
+                entry[1] += usize::from(call.fed_later);
+                entry[2] += usize::from(call.empty_result);
+                entry[3] += usize::from(call.has_result);
+            }
+        }
+        roles
+    }
+
+    /// The tool records nothing the procedure needs: every call has a logged, empty result
+    /// and none fed a later call.
+    pub fn is_noise(&self, tool: &str) -> bool {
+        self.counts
+            .get(tool)
+            .is_some_and(|[calls, fed, empty, logged]| {
+                *calls > 0 && *fed == 0 && empty == calls && logged == calls
+            })
+    }
+
+    /// The tool's results feed a later call in at least half of its calls.
+    pub fn is_reader(&self, tool: &str) -> bool {
+        self.counts
+            .get(tool)
+            .is_some_and(|[calls, fed, ..]| *calls > 0 && 2 * fed >= *calls)
+    }
+
+    /// Neither noise nor a reader: its calls do the work.
+    pub fn is_acting(&self, tool: &str) -> bool {
+        self.counts.contains_key(tool) && !self.is_noise(tool) && !self.is_reader(tool)
+    }
+}
