@@ -360,6 +360,18 @@ pub struct EvalSkillsArgs {
     /// Print one line per task (tau-bench) after the table.
     #[arg(long)]
     pub per_task: bool,
+    /// Replay unseen episodes with this local model, with and without the skills (tau-bench):
+    /// a share of the runs is kept from consolidation and each of their tool calls is asked of
+    /// the model (see `fluxmem_eval::replay`).
+    #[arg(long, value_name = "MODEL")]
+    pub replay: Option<String>,
+    /// With --replay: keep runs unseen by `episode` or by `task` (no task on both sides).
+    #[arg(long, default_value = "episode")]
+    pub split: String,
+    /// With --replay: replay at most this many steps (a seeded sample, the same steps for every
+    /// condition); 0: all.
+    #[arg(long, default_value_t = 0)]
+    pub replay_sample: usize,
     /// Embedding model.
     #[arg(long, default_value = fluxmem_models::DEFAULT_EMBEDDER)]
     pub model: String,

@@ -194,7 +194,31 @@ pub fn skills(args: EvalSkillsArgs, settings: &Settings) -> anyhow::Result<ExitC
         "eval skills: ingesting and embedding {}",
         args.data.display()
     );
-    let prepared = prepare(&args.data, &embedder)
+    let split: fluxmem_eval::replay::Split = args
+        .split
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--split: {e}"))?;
+    let mut replayer = match &args.replay {
+        None => None,
+        Some(model) => {
+            let spec = manifest
+                .get(model)
+                .with_context(|| format!("--replay {model}"))?;
+            if spec.kind != "generator" {
+                anyhow::bail!(
+                    "--replay {model}: `{model}` is a {}, not a generator",
+                    spec.kind
+                );
+            }
+            Some(fluxmem_models::load_generator(
+                model,
+                &device_choice,
+                weights,
+            )?)
+        }
+    };
+    let holdout = replayer.is_some().then_some((split, args.seed));
+    let prepared = prepare(&args.data, &embedder, holdout)
         .with_context(|| format!("preparing {}", args.data.display()))?;
     let mut results: Vec<GeneratorResult> = Vec::new();
     for name in &args.generators {
@@ -218,8 +242,32 @@ pub fn skills(args: EvalSkillsArgs, settings: &Settings) -> anyhow::Result<ExitC
             judge: None,
         };
         let mut bar = CountBar::new(settings.progress, "consolidate");
-        let result = evaluate(&prepared, name, &mut models, &options, &device, &mut bar)?;
+        let mut result = evaluate(&prepared, name, &mut models, &options, &device, &mut bar)?;
         bar.finish();
+        if let Some(replayer) = replayer.as_mut() {
+            eprintln!(
+                "eval skills: replaying {} unseen episodes with {} ({} skills)",
+                prepared.unseen.len(),
+                fluxmem_models::Generator::model_id(replayer),
+                result.records.len()
+            );
+            let options = fluxmem_eval::replay::ReplayOptions {
+                split,
+                sample: args.replay_sample,
+                seed: args.seed,
+                ..Default::default()
+            };
+            result.replay = Some(fluxmem_eval::replay::replay(
+                &prepared.unseen,
+                &result.records,
+                &embedder,
+                replayer,
+                &options,
+                &mut |condition, done, total| {
+                    eprintln!("eval skills: replay {condition}: {done} of {total} prompts")
+                },
+            )?);
+        }
         results.push(result);
     }
     print_skills_table(&prepared, &results, args.per_task);
@@ -290,6 +338,56 @@ fn print_skills_table(
     }
     if let Some(t) = results.first().and_then(|r| r.tau.as_ref()) {
         println!("tau-bench: {} tasks, recall and order over {} with gold actions, precision over {} with a successful run", t.tasks, t.with_gold, t.with_success);
+    }
+    for r in results {
+        let Some(replay) = &r.replay else { continue };
+        println!(
+            "replay with {} ({} split): {} unseen successful episodes, {} of {} steps; {} prompts, {} prompt + {} generated tokens, {:.0} s; {} unreadable replies; messages instead of a call: {:?}",
+            replay.model,
+            match replay.split {
+                Some(fluxmem_eval::replay::Split::Task) => "task",
+                _ => "episode",
+            },
+            replay.episodes,
+            replay.steps,
+            replay.steps_available,
+            replay.prompts,
+            replay.prompt_tokens,
+            replay.generated_tokens,
+            replay.seconds,
+            replay.unreadable,
+            replay.messages
+        );
+        println!(
+            "  {:<28} {:>6} {:>16} {:>6} {:>16} {:>7}",
+            format!("generator {}", r.generator),
+            "tool",
+            "tool 95% CI",
+            "args",
+            "args 95% CI",
+            "values"
+        );
+        for (name, c) in &replay.conditions {
+            println!(
+                "  {:<28} {:>6.3} {:>16} {:>6.3} {:>16} {:>7.3}",
+                name,
+                c.tool_accuracy,
+                format!("[{:.3}, {:.3}]", c.tool_ci95[0], c.tool_ci95[1]),
+                c.args_accuracy,
+                format!("[{:.3}, {:.3}]", c.ci95[0], c.ci95[1]),
+                c.values_accuracy
+            );
+        }
+        for s in &replay.per_skill {
+            println!(
+                "    skill {:<40} steps {:>3}  args without {:.2}  with {:.2}  skill only {:.2}",
+                format!("{:?}", s.skill),
+                s.steps,
+                s.without,
+                s.with,
+                s.skill_only
+            );
+        }
     }
     if per_task {
         for r in results {

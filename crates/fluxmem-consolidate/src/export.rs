@@ -370,7 +370,7 @@ pub fn export_skills_with(
         node_kinds: vec![NodeKind::Procedural],
         ..Default::default()
     };
-    let (graph, manifest) = store.scan(&scan)?;
+    let (mut graph, manifest) = store.scan(&scan)?;
     let mut redacted = fluxmem_redact::Counts::new();
     let all: Vec<SkillRecord> = skill_records(&graph)
         .into_iter()
@@ -410,6 +410,9 @@ pub fn export_skills_with(
             }
             None => records.push(record),
         }
+    }
+    if options.format == ExportFormat::SkillMd {
+        read_eval_episodes(store, &mut graph, &records)?;
     }
     let target = Target::resolve(out)?;
     target.refuse_inside(store.dir())?;
@@ -633,6 +636,119 @@ impl LastPass<'_> {
     }
 }
 
+/// The name of a skill folder's eval cases, under `evals/` (the Agent Skills layout).
+const EVALS_FILE: &str = "evals.json";
+
+/// Cases at most in a skill's `evals/evals.json`.
+const MAX_EVAL_CASES: usize = 5;
+
+/// The ids of the episodes a skill's eta was measured on (its `measured_on` metadata).
+fn measured_on(graph: &Graph, record: &SkillRecord) -> Vec<String> {
+    graph
+        .nodes
+        .get(&fluxmem_graph::NodeId::from(record.id.as_str()))
+        .and_then(|n| n.metadata.get("measured_on"))
+        .and_then(Value::as_array)
+        .map(|ids| {
+            ids.iter()
+                .filter_map(|id| id.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Adds to `graph` the episodes (with their steps) that the released skills' eval cases are
+/// built from: a projected read of those rows only.
+fn read_eval_episodes(store: &Store, graph: &mut Graph, records: &[SkillRecord]) -> Result<()> {
+    let ids: BTreeSet<fluxmem_graph::NodeId> = records
+        .iter()
+        .flat_map(|r| measured_on(graph, r))
+        .map(|id| fluxmem_graph::NodeId::from(id.as_str()))
+        .collect();
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let scan = fluxmem_store::Scan {
+        nodes: true,
+        nodes_of: Some(ids.clone()),
+        steps: fluxmem_store::Rows::Of(ids),
+        ..Default::default()
+    };
+    let (episodes, _) = store.scan(&scan)?;
+    graph.nodes.extend(episodes.nodes);
+    Ok(())
+}
+
+/// A skill's eval cases in the Agent Skills format (`skill_name`, `evals`: `id`, `prompt`,
+/// `expected_output`, `files`, `assertions`): one case per successful episode that eta was
+/// measured on (the episodes kept back from mining when the cluster had enough successes, as
+/// `source` says), at most [`MAX_EVAL_CASES`]. The prompt is the episode's task; the expected
+/// output is its tool calls in order; the assertions are the calls the skill's steps name, in
+/// their order, and its checks. An agent run on the prompt with the skill can be graded on
+/// them.
+fn evals_json(record: &SkillRecord, graph: &Graph) -> Value {
+    let kept_back = record.eta_source.contains("held-out");
+    let source = if kept_back {
+        "an episode kept back from mining"
+    } else {
+        "an episode the skill was mined from (too few successes to keep some back)"
+    };
+    let measured = measured_on(graph, record);
+    let calls: Vec<String> = record
+        .steps
+        .iter()
+        .filter_map(|step| {
+            let at = step.to_lowercase().find("call `")?;
+            let rest = &step[at + "call `".len()..];
+            rest.split('`').next().map(str::to_string)
+        })
+        .collect();
+    let mut assertions: Vec<String> = calls
+        .iter()
+        .map(|tool| format!("The agent calls `{tool}`."))
+        .collect();
+    if calls.len() > 1 {
+        assertions.push(format!(
+            "The calls come in this order: {}.",
+            calls
+                .iter()
+                .map(|t| format!("`{t}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    assertions.extend(record.pitfalls.iter().map(|p| format!("It heeds: {p}")));
+    let cases: Vec<Value> = measured
+        .iter()
+        .filter_map(|id| graph.nodes.get(&fluxmem_graph::NodeId::from(id.as_str())))
+        .filter(|n| n.episode().and_then(|e| e.outcome.success) == Some(true))
+        .take(MAX_EVAL_CASES)
+        .enumerate()
+        .map(|(i, episode)| {
+            let tools: Vec<String> = episode
+                .episode()
+                .into_iter()
+                .flat_map(|e| &e.steps)
+                .flat_map(|s| &s.tool_calls)
+                .map(|c| format!("`{}`", c.name))
+                .collect();
+            json!({
+                "id": i + 1,
+                "prompt": episode.text.trim(),
+                "expected_output": if tools.is_empty() {
+                    "The task is done as in the logged run.".to_string()
+                } else {
+                    format!("The task is done with these tool calls, in order: {}.", tools.join(", "))
+                },
+                "files": [],
+                "assertions": assertions,
+                "source": source,
+            })
+        })
+        .collect();
+    json!({ "skill_name": record.slug, "evals": cases })
+}
+
 /// Writes the release's files and its manifest into `dir` (the temporary directory), each
 /// fsynced, then fsyncs every folder; returns the files, relative to the release. `out`, the
 /// final directory, only names files in error messages.
@@ -666,9 +782,16 @@ fn write_release(
                 let provenance = serde_json::to_vec_pretty(&last_pass.json(provenance(record)))
                     .expect("provenance serialises");
                 write(&folder.join(PROVENANCE_FILE), &provenance)?;
+                let evals_dir = folder.join("evals");
+                std::fs::create_dir(&evals_dir).map_err(|e| io(&evals_dir, e))?;
+                let evals = serde_json::to_vec_pretty(&last_pass.json(evals_json(record, graph)))
+                    .expect("evals serialise");
+                write(&evals_dir.join(EVALS_FILE), &evals)?;
+                sync_dir(&evals_dir)?;
                 sync_dir(&folder)?;
                 files.push(format!("{}/SKILL.md", record.slug));
                 files.push(format!("{}/{PROVENANCE_FILE}", record.slug));
+                files.push(format!("{}/evals/{EVALS_FILE}", record.slug));
             }
         }
         ExportFormat::Jsonl => {
@@ -1506,8 +1629,8 @@ mod tests {
         let before = tree(&out);
         assert_eq!(
             before.len(),
-            6,
-            "two SKILL.md, their provenance.json, CHANGES.md and the release manifest"
+            8,
+            "two SKILL.md, their provenance.json and evals/evals.json, CHANGES.md and the release manifest"
         );
         assert_eq!(entries(&parent), vec!["skills"]);
 

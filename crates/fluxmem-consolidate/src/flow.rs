@@ -79,6 +79,8 @@ pub fn episode_flow(node: &Node) -> Vec<CallFlow> {
         tool: String,
         result: String,
         leaves: BTreeMap<String, String>,
+        /// The call's own argument values: a result that echoes them fed nothing new.
+        given: BTreeSet<String>,
     }
     let mut earlier: Vec<Earlier> = Vec::new();
     let mut out: Vec<CallFlow> = Vec::new();
@@ -108,18 +110,28 @@ pub fn episode_flow(node: &Node) -> Vec<CallFlow> {
                     if user_text.contains(&leaf) {
                         entry.insert(Source::User);
                     }
-                    let found = earlier.iter().enumerate().rev().find_map(|(i, e)| {
-                        e.leaves
-                            .get(&leaf)
-                            .map(|path| (i, path.clone()))
-                            .or_else(|| e.result.contains(&leaf).then(|| (i, String::new())))
-                    });
-                    if let Some((i, path)) = found {
-                        // `out` and `earlier` hold the same calls, in order.
-                        out[i].fed_later = true;
+                    let holders: Vec<(usize, String)> = earlier
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, e)| {
+                            e.leaves
+                                .get(&leaf)
+                                .map(|path| (i, path.clone()))
+                                .or_else(|| e.result.contains(&leaf).then(|| (i, String::new())))
+                        })
+                        .collect();
+                    // Every earlier call of another tool that returned the value (and was not
+                    // given it) fed this one; the most recent is the source a skill names.
+                    for (i, _) in &holders {
+                        if earlier[*i].tool != call.name && !earlier[*i].given.contains(&leaf) {
+                            // `out` and `earlier` hold the same calls, in order.
+                            out[*i].fed_later = true;
+                        }
+                    }
+                    if let Some((i, path)) = holders.last() {
                         entry.insert(Source::Result {
-                            tool: earlier[i].tool.clone(),
-                            path,
+                            tool: earlier[*i].tool.clone(),
+                            path: path.clone(),
                         });
                     }
                 }
@@ -138,6 +150,7 @@ pub fn episode_flow(node: &Node) -> Vec<CallFlow> {
                 tool: call.name.clone(),
                 leaves: result_leaves(&result),
                 result,
+                given: arguments.values().flat_map(leaf_values).collect(),
             });
         }
     }
@@ -187,11 +200,29 @@ fn walk(value: &Value, path: String, visit: &mut dyn FnMut(String, String)) {
     }
 }
 
-/// What the calls of a set of episodes say about each tool, learned from the logs (no tool
-/// names): a tool whose logged results are all empty and never feed a later call is
-/// **noise** (it changes nothing the logs show and returns nothing); a tool whose results feed
-/// a later call in at least half of its calls is a **reader** (it fetches what later steps
-/// use); the rest are **acting** tools (their calls end a line of work: a change, a transfer).
+/// Tool-name verbs that say a tool reads (`get_order`, `search_flights`): the convention of
+/// tool APIs in general, not any one dataset's tool list.
+pub const READ_VERBS: [&str; 8] = [
+    "get", "search", "list", "find", "lookup", "read", "fetch", "query",
+];
+
+/// Whether the tool's name starts with a read verb (`get_order`, `listFiles`, `search`).
+pub fn named_as_read(tool: &str) -> bool {
+    let lower = tool.to_ascii_lowercase();
+    READ_VERBS.iter().any(|verb| {
+        lower.strip_prefix(verb).is_some_and(|rest| {
+            rest.is_empty()
+                || rest.starts_with(['_', '-', '.'])
+                || tool[verb.len()..].starts_with(|c: char| c.is_ascii_uppercase())
+        })
+    })
+}
+
+/// What the calls of a set of episodes say about each tool, learned from the logs: a tool
+/// whose logged results are all empty and never feed a later call is **noise** (it returns
+/// nothing the procedure uses: a scratchpad); a tool named with a read verb, or whose results
+/// feed a call of another tool in at least half of its calls, is a **reader**; the rest are
+/// **acting** tools (their calls end a line of work: a change, a transfer).
 #[derive(Debug, Clone, Default)]
 pub struct ToolRoles {
     /// Per tool: calls, calls that fed a later call, calls with a logged empty result, calls
@@ -215,25 +246,46 @@ impl ToolRoles {
         roles
     }
 
-    /// The tool records nothing the procedure needs: every call has a logged, empty result
-    /// and none fed a later call.
+    /// The tool records nothing the procedure needs: no call fed a later one and every logged
+    /// result (at least one) is empty.
     pub fn is_noise(&self, tool: &str) -> bool {
         self.counts
             .get(tool)
-            .is_some_and(|[calls, fed, empty, logged]| {
-                *calls > 0 && *fed == 0 && empty == calls && logged == calls
-            })
+            .is_some_and(|[_, fed, empty, logged]| *fed == 0 && *logged > 0 && empty == logged)
     }
 
-    /// The tool's results feed a later call in at least half of its calls.
+    /// Named with a read verb, or its results feed another tool in at least half its calls.
     pub fn is_reader(&self, tool: &str) -> bool {
-        self.counts
-            .get(tool)
-            .is_some_and(|[calls, fed, ..]| *calls > 0 && 2 * fed >= *calls)
+        named_as_read(tool)
+            || self
+                .counts
+                .get(tool)
+                .is_some_and(|[calls, fed, ..]| *calls > 0 && 2 * fed >= *calls)
     }
 
     /// Neither noise nor a reader: its calls do the work.
     pub fn is_acting(&self, tool: &str) -> bool {
         self.counts.contains_key(tool) && !self.is_noise(tool) && !self.is_reader(tool)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_verbs_are_whole_words_of_the_name() {
+        for read in [
+            "get_order",
+            "search",
+            "listFiles",
+            "lookup-user",
+            "fetch.page",
+        ] {
+            assert!(named_as_read(read), "{read}");
+        }
+        for act in ["getaway_book", "cancel_order", "listen", "update_query"] {
+            assert!(!named_as_read(act), "{act}");
+        }
     }
 }

@@ -1101,6 +1101,31 @@ fn export_is_byte_identical_and_filters() {
             "SKILL.md lacks {key:?}:\n{skill_md}"
         );
     }
+    // The skill's eval cases travel with it (Agent Skills' evals/evals.json): each case a
+    // task the skill was measured on, with the tool calls its run made.
+    let evals: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(md.join(slug).join("evals/evals.json")).unwrap())
+            .unwrap();
+    assert_eq!(evals["skill_name"], slug);
+    let cases = evals["evals"].as_array().unwrap();
+    assert!(!cases.is_empty(), "{evals:#}");
+    for (i, case) in cases.iter().enumerate() {
+        assert_eq!(case["id"], i + 1);
+        assert!(
+            case["prompt"].as_str().is_some_and(|p| !p.is_empty()),
+            "{case:#}"
+        );
+        assert!(
+            case["expected_output"]
+                .as_str()
+                .is_some_and(|e| e.contains('`')),
+            "{case:#}"
+        );
+        assert!(
+            case["assertions"].as_array().is_some_and(|a| !a.is_empty()),
+            "{case:#}"
+        );
+    }
     let jsonl = std::fs::read_to_string(dir.path().join("Jsonl-a/skills.jsonl")).unwrap();
     let record: serde_json::Value = serde_json::from_str(jsonl.lines().next().unwrap()).unwrap();
     assert!(record["pems_history"]
@@ -1312,8 +1337,8 @@ fn export_replaces_an_earlier_export_and_refuses_files_it_did_not_write() {
     let skill_md = files(&out);
     assert_eq!(
         skill_md.len(),
-        8,
-        "three SKILL.md, their provenance.json, CHANGES.md and the release manifest"
+        11,
+        "three SKILL.md, their provenance.json and evals/evals.json, CHANGES.md and the release manifest"
     );
     let slug = entries(&out)
         .into_iter()

@@ -5,6 +5,7 @@
 
 pub mod locomo;
 pub mod metrics;
+pub mod replay;
 pub mod skills;
 
 /// Errors of the evaluation harnesses.

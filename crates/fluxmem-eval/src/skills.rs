@@ -51,8 +51,10 @@ pub struct Prepared {
     pub benchmark: Benchmark,
     /// tau-bench: gold tool names per task id.
     gold_actions: BTreeMap<String, Vec<String>>,
-    /// Episodes ingested.
+    /// Episodes ingested (the seen ones, with a holdout).
     pub episodes: usize,
+    /// With a holdout: the unseen episodes, ingested apart (consolidation never reads them).
+    pub unseen: Vec<fluxmem_graph::Node>,
 }
 
 impl Prepared {
@@ -63,7 +65,14 @@ impl Prepared {
 
 /// Ingests and embeds `data` (tau-bench or ALFWorld, detected from the file) into a temporary
 /// store, and reads its gold labels.
-pub fn prepare(data: &Path, embedder: &dyn fluxmem_models::Embedder) -> Result<Prepared> {
+/// With `holdout`, the tau-bench runs are split first ([`crate::replay::unseen`] by episode
+/// index or by task id): only the seen part is ingested into the store consolidation reads;
+/// the unseen part is ingested into a store of its own and kept in [`Prepared::unseen`].
+pub fn prepare(
+    data: &Path,
+    embedder: &dyn fluxmem_models::Embedder,
+    holdout: Option<(crate::replay::Split, u64)>,
+) -> Result<Prepared> {
     let bytes = std::fs::read(data).map_err(|source| Error::Io {
         path: data.into(),
         source,
@@ -88,6 +97,46 @@ pub fn prepare(data: &Path, embedder: &dyn fluxmem_models::Embedder) -> Result<P
         path: std::env::temp_dir(),
         source,
     })?;
+    let (inputs, unseen) = match holdout {
+        None => (data.to_path_buf(), Vec::new()),
+        Some(_) if benchmark != Benchmark::TauBench => {
+            return Err(Error::Data {
+                path: data.into(),
+                reason: "--replay scores tool calls: it needs tau-bench runs (ALFWorld transcripts have no tool calls)".into(),
+            })
+        }
+        Some((split, seed)) => {
+            let (seen, unseen) = split_runs(data, &bytes, split, seed)?;
+            let seen_path = dir.path().join("seen.json");
+            let unseen_path = dir.path().join("unseen.json");
+            for (path, runs) in [(&seen_path, &seen), (&unseen_path, &unseen)] {
+                std::fs::write(path, serde_json::to_vec(runs).expect("runs serialise"))
+                    .map_err(|source| Error::Io {
+                        path: path.clone(),
+                        source,
+                    })?;
+            }
+            let unseen_store = dir.path().join("unseen-store");
+            let mut writer = fluxmem_store::Writer::open(&unseen_store)?;
+            fluxmem_ingest::ingest(
+                &mut writer,
+                &[unseen_path],
+                &fluxmem_ingest::IngestOptions {
+                    format: Some(fluxmem_ingest::Format::TauBench),
+                    ..Default::default()
+                },
+                "eval",
+                &mut fluxmem_ingest::NoProgress,
+            )?;
+            let graph = writer.store().load()?;
+            let nodes: Vec<fluxmem_graph::Node> = graph
+                .nodes
+                .into_values()
+                .filter(|n| n.episode().is_some())
+                .collect();
+            (seen_path, nodes)
+        }
+    };
     let mut writer = fluxmem_store::Writer::open(dir.path().join("store"))?;
     let format = if benchmark == Benchmark::TauBench {
         fluxmem_ingest::Format::TauBench
@@ -100,7 +149,7 @@ pub fn prepare(data: &Path, embedder: &dyn fluxmem_models::Embedder) -> Result<P
     };
     let report = fluxmem_ingest::ingest(
         &mut writer,
-        &[data.to_path_buf()],
+        &[inputs],
         &options,
         "eval",
         &mut fluxmem_ingest::NoProgress,
@@ -127,7 +176,35 @@ pub fn prepare(data: &Path, embedder: &dyn fluxmem_models::Embedder) -> Result<P
         benchmark,
         gold_actions,
         episodes,
+        unseen,
     })
+}
+
+/// The runs of a tau-bench file split into (seen, unseen) by [`crate::replay::unseen`]: the
+/// key is the run's index (episode split) or its task id (task split).
+fn split_runs(
+    path: &Path,
+    bytes: &[u8],
+    split: crate::replay::Split,
+    seed: u64,
+) -> Result<(Vec<Value>, Vec<Value>)> {
+    let runs: Vec<Value> = serde_json::from_slice(bytes).map_err(|e| Error::Data {
+        path: path.into(),
+        reason: format!("not a JSON array of runs: {e}"),
+    })?;
+    let (mut seen, mut unseen) = (Vec::new(), Vec::new());
+    for (i, run) in runs.into_iter().enumerate() {
+        let key = match split {
+            crate::replay::Split::Episode => format!("run {i}"),
+            crate::replay::Split::Task => format!("task {}", run["task_id"]),
+        };
+        if crate::replay::unseen(&key, seed) {
+            unseen.push(run);
+        } else {
+            seen.push(run);
+        }
+    }
+    Ok((seen, unseen))
 }
 
 fn tau_gold(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, Vec<String>>> {
@@ -186,6 +263,8 @@ pub struct GeneratorResult {
     pub tau: Option<TauScores>,
     /// ALFWorld scores.
     pub alfworld: Option<AlfworldScores>,
+    /// With `--replay`: the replay of the unseen episodes with and without these skills.
+    pub replay: Option<crate::replay::ReplayReport>,
     /// The skills (as exported).
     pub records: Vec<SkillRecord>,
 }
@@ -347,21 +426,19 @@ fn copy_store(from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The tools a skill names: identifiers in backticks in its steps, in order.
+/// The tools a skill calls: in each step, the backticked identifier after "call" (a step also
+/// names its arguments and the tools their values come from, which are not calls), in order.
 pub fn named_tools(record: &SkillRecord) -> Vec<String> {
     let mut tools = Vec::new();
     for step in &record.steps {
-        let mut parts = step.split('`');
-        parts.next();
-        while let Some(inside) = parts.next() {
-            if !inside.is_empty()
-                && inside
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_')
-            {
-                tools.push(inside.to_string());
-            }
-            parts.next();
+        let lower = step.to_lowercase();
+        let Some(at) = lower.find("call `") else {
+            continue;
+        };
+        let rest = &step[at + "call `".len()..];
+        let name = rest.split('`').next().unwrap_or_default();
+        if !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            tools.push(name.to_string());
         }
     }
     tools
@@ -635,10 +712,10 @@ mod tests {
     }
 
     #[test]
-    fn named_tools_are_the_backticked_identifiers_in_order() {
+    fn named_tools_are_the_called_tools_in_order() {
         let r = record(&[
-            "Call `get_reservation_details` with `<reservation_id>`.",
-            "Call `cancel_reservation`.",
+            "Call `get_reservation_details` with `reservation_id` (from the user in 2 of 2 runs).",
+            "For each `flight_id`, call `cancel_reservation` with `flight_id` (from `search_flights` → `[*].id` in 2 of 2 runs).",
             "Confirm with the user.",
         ]);
         assert_eq!(

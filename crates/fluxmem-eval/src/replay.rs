@@ -1,0 +1,750 @@
+//! `fluxmem eval skills --replay MODEL`: does a skill help an agent act?
+//!
+//! The logged episodes are split, seeded, into the ones consolidation sees and the ones it does
+//! not ([`Split`]: by episode, or by task so that no task is on both sides). For every tool
+//! call of the unseen successful episodes (the **steps**), a local model gets the tool list
+//! (names and argument keys, from the logs), the task and the steps so far (messages and
+//! results clipped), and is asked for the next action as JSON. Three conditions, on the same
+//! steps:
+//!
+//! - `without`: no skill;
+//! - `with`: the skill that retrieval picks for the task (the highest cosine between the
+//!   task's and the skill's embeddings, same tenant), its text added to the system prompt;
+//! - `skill_only`: no model: the skill's next step not yet taken (the skill's calls matched in
+//!   order against the calls made so far).
+//!
+//! Scores per step: **tool** (the right tool), **args** (the right tool with exactly the right
+//! argument keys: the step accuracy), **values** (of the target's argument values that the
+//! prompt's history contains, the share given exactly; steps with none are left out of it).
+//! Each mean comes with a bootstrap 95% interval (1,000 resamples of the steps, seeded).
+//!
+//! The scorer reads the logged calls of unseen episodes only as the answers to score against;
+//! nothing of them reaches consolidation.
+
+use fluxmem_consolidate::SkillRecord;
+use fluxmem_graph::Node;
+use fluxmem_models::{ChatMessage, Embedder, GenerateParams, Generator};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::Result;
+
+/// How episodes are split into seen and unseen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Split {
+    /// Each episode on its own.
+    Episode,
+    /// Each task on its own: every run of a task is on the same side.
+    Task,
+}
+
+impl std::str::FromStr for Split {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "episode" => Ok(Split::Episode),
+            "task" => Ok(Split::Task),
+            other => Err(format!("`{other}` is not a split: use episode or task")),
+        }
+    }
+}
+
+/// Share of the episodes (or tasks) kept unseen.
+pub const UNSEEN_SHARE: f64 = 0.25;
+
+/// Whether the item with this key is unseen, by a seeded hash (the same on every machine).
+pub fn unseen(key: &str, seed: u64) -> bool {
+    let digest = Sha256::digest(format!("{seed}:{key}").as_bytes());
+    let draw = u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"));
+    (draw % 10_000) as f64 / 10_000.0 < UNSEEN_SHARE
+}
+
+/// What the replay runs.
+#[derive(Debug, Clone)]
+pub struct ReplayOptions {
+    /// The split the unseen episodes came from (reported).
+    pub split: Split,
+    /// Steps replayed at most (seeded sample, the same for every condition); 0: all.
+    pub sample: usize,
+    /// Seed of the sample, the bootstrap and generation.
+    pub seed: u64,
+    /// Prompts per generation call (1: one at a time, which prefills long prompts fastest
+    /// on a CPU; padded batches of long prompts were slower here).
+    pub batch: usize,
+    /// Characters of history kept (the most recent).
+    pub history_chars: usize,
+    /// Tokens a reply may take.
+    pub max_tokens: usize,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        ReplayOptions {
+            split: Split::Episode,
+            sample: 0,
+            seed: 0,
+            batch: 1,
+            history_chars: 1_500,
+            max_tokens: 64,
+        }
+    }
+}
+
+/// The scores of one condition.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ConditionScores {
+    /// Share of steps with the right tool.
+    pub tool_accuracy: f64,
+    /// Share of steps with the right tool and argument keys (step accuracy).
+    pub args_accuracy: f64,
+    /// Mean share of the traceable argument values given exactly.
+    pub values_accuracy: f64,
+    /// Bootstrap 95% interval of `args_accuracy`.
+    pub ci95: [f64; 2],
+    /// Bootstrap 95% interval of `tool_accuracy`.
+    pub tool_ci95: [f64; 2],
+    /// Steps scored.
+    pub steps: usize,
+}
+
+/// One skill's steps (those whose task retrieval gave it).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SkillReplay {
+    /// The skill's name.
+    pub skill: String,
+    /// Steps whose task picked it.
+    pub steps: usize,
+    /// Step accuracy without and with it, and from it alone.
+    pub without: f64,
+    /// With it.
+    pub with: f64,
+    /// The skill alone.
+    pub skill_only: f64,
+}
+
+/// The replay's report.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ReplayReport {
+    /// The model.
+    pub model: String,
+    /// The split.
+    pub split: Option<Split>,
+    /// Unseen successful episodes.
+    pub episodes: usize,
+    /// Steps scored (after sampling).
+    pub steps: usize,
+    /// Steps there were before sampling.
+    pub steps_available: usize,
+    /// `without`, `with`, `skill_only`.
+    pub conditions: BTreeMap<String, ConditionScores>,
+    /// Per skill.
+    pub per_skill: Vec<SkillReplay>,
+    /// Prompts run.
+    pub prompts: usize,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub generated_tokens: usize,
+    /// Wall seconds of the generations.
+    pub seconds: f64,
+    /// Replies that held no readable action (scored wrong).
+    pub unreadable: usize,
+    /// Replies to messages instead of a tool call.
+    pub messages: BTreeMap<String, usize>,
+    /// The first replies of each model condition, verbatim, with the call they should have
+    /// made (for reading what the model does).
+    pub examples: Vec<ReplayExample>,
+}
+
+/// One reply, verbatim.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ReplayExample {
+    /// `without` or `with`.
+    pub condition: String,
+    /// The tool the logged run called.
+    pub expected_tool: String,
+    /// The model's reply.
+    pub reply: String,
+}
+
+/// Replies kept verbatim per model condition.
+const EXAMPLES: usize = 3;
+
+/// A call to predict.
+struct Target {
+    episode: usize,
+    task: String,
+    history: String,
+    tool: String,
+    arguments: Map<String, Value>,
+    /// Tools called before it in the episode.
+    called: Vec<String>,
+}
+
+/// A predicted action.
+#[derive(Debug, Clone, PartialEq)]
+struct Action {
+    /// The tool called; empty for a message to the user.
+    tool: String,
+    arguments: Map<String, Value>,
+}
+
+/// Replays the unseen `episodes` with and without `skills`.
+pub fn replay(
+    episodes: &[Node],
+    skills: &[SkillRecord],
+    embedder: &dyn Embedder,
+    generator: &mut dyn Generator,
+    options: &ReplayOptions,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<ReplayReport> {
+    let successful: Vec<&Node> = episodes
+        .iter()
+        .filter(|n| n.episode().and_then(|e| e.outcome.success) == Some(true))
+        .collect();
+    let tools = tool_list(episodes);
+    let mut targets: Vec<Target> = successful
+        .iter()
+        .enumerate()
+        .flat_map(|(i, node)| targets_of(i, node, options.history_chars))
+        .collect();
+    let available = targets.len();
+    if options.sample > 0 && options.sample < targets.len() {
+        let mut keyed: Vec<(Vec<u8>, Target)> = targets
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let key = Sha256::digest(format!("{}:{i}", options.seed).as_bytes()).to_vec();
+                (key, t)
+            })
+            .collect();
+        keyed.sort_by(|a, b| a.0.cmp(&b.0));
+        keyed.truncate(options.sample);
+        targets = keyed.into_iter().map(|(_, t)| t).collect();
+        targets.sort_by_key(|t| t.episode);
+    }
+    let picked = pick_skills(&successful, skills, embedder)?;
+    let system = system_prompt(&tools);
+    let mut report = ReplayReport {
+        model: generator.model_id().to_string(),
+        split: Some(options.split),
+        episodes: successful.len(),
+        steps: targets.len(),
+        steps_available: available,
+        ..Default::default()
+    };
+    let conversation = |target: &Target, skill: Option<&SkillRecord>| -> Vec<ChatMessage> {
+        let mut system = system.clone();
+        if let Some(skill) = skill {
+            system.push_str("\n\nA skill mined from earlier runs of tasks like this one:\n\n");
+            system.push_str(&skill_text(skill));
+        }
+        vec![
+            ChatMessage::new("system", system),
+            ChatMessage::new(
+                "user",
+                format!(
+                    "Task: {}\n\nSo far:\n{}\n\nThe next action, as one line of JSON:",
+                    target.task, target.history
+                ),
+            ),
+        ]
+    };
+    let without: Vec<Vec<ChatMessage>> = targets.iter().map(|t| conversation(t, None)).collect();
+    let with: Vec<Vec<ChatMessage>> = targets
+        .iter()
+        .map(|t| conversation(t, picked[t.episode].map(|i| &skills[i])))
+        .collect();
+    let params = GenerateParams {
+        max_tokens: options.max_tokens,
+        seed: options.seed,
+        ..Default::default()
+    };
+    let started = std::time::Instant::now();
+    let mut predictions: BTreeMap<&str, Vec<Option<Action>>> = BTreeMap::new();
+    for (name, conversations) in [("without", &without), ("with", &with)] {
+        let mut out = Vec::new();
+        for chunk in conversations.chunks(options.batch.max(1)) {
+            let generations = if chunk.len() == 1 {
+                vec![generator.generate(&chunk[0], &params)?]
+            } else {
+                generator.generate_batch(chunk, &params)?
+            };
+            progress(name, out.len() + chunk.len(), conversations.len());
+            for generation in generations {
+                report.prompts += 1;
+                report.prompt_tokens += generation.prompt_tokens;
+                report.generated_tokens += generation.generated_tokens;
+                let action = parse_action(&generation.text);
+                report.unreadable += usize::from(action.is_none());
+                if action.as_ref().is_some_and(|a| a.tool.is_empty()) {
+                    *report.messages.entry(name.to_string()).or_default() += 1;
+                }
+                if out.len() < EXAMPLES {
+                    report.examples.push(ReplayExample {
+                        condition: name.to_string(),
+                        expected_tool: targets[out.len()].tool.clone(),
+                        reply: generation.text.clone(),
+                    });
+                }
+                out.push(action);
+            }
+        }
+        predictions.insert(name, out);
+    }
+    report.seconds = started.elapsed().as_secs_f64();
+    let skill_only: Vec<Option<Action>> = targets
+        .iter()
+        .map(|t| picked[t.episode].and_then(|i| next_skill_step(&skills[i], &t.called)))
+        .collect();
+    predictions.insert("skill_only", skill_only);
+    let mut per_step: BTreeMap<&str, Vec<Score>> = BTreeMap::new();
+    for (name, actions) in &predictions {
+        let scores = targets
+            .iter()
+            .zip(actions)
+            .map(|(t, a)| score(t, a.as_ref()))
+            .collect();
+        per_step.insert(name, scores);
+    }
+    for (name, scores) in &per_step {
+        report
+            .conditions
+            .insert(name.to_string(), summarize(scores, options.seed));
+    }
+    let mut by_skill: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, target) in targets.iter().enumerate() {
+        if let Some(skill) = picked[target.episode] {
+            by_skill.entry(skill).or_default().push(i);
+        }
+    }
+    for (skill, steps) in by_skill {
+        let mean = |name: &str| {
+            steps
+                .iter()
+                .map(|&i| f64::from(u8::from(per_step[name][i].args)))
+                .sum::<f64>()
+                / steps.len() as f64
+        };
+        report.per_skill.push(SkillReplay {
+            skill: skills[skill].name.clone(),
+            steps: steps.len(),
+            without: mean("without"),
+            with: mean("with"),
+            skill_only: mean("skill_only"),
+        });
+    }
+    Ok(report)
+}
+
+/// Every tool the episodes call, with the union of its argument keys.
+fn tool_list(episodes: &[Node]) -> BTreeMap<String, BTreeSet<String>> {
+    let mut tools: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for episode in episodes.iter().filter_map(|n| n.episode()) {
+        for call in episode.steps.iter().flat_map(|s| &s.tool_calls) {
+            let keys = arguments(&call.arguments)
+                .keys()
+                .cloned()
+                .collect::<Vec<_>>();
+            tools.entry(call.name.clone()).or_default().extend(keys);
+        }
+    }
+    tools
+}
+
+fn arguments(text: &str) -> Map<String, Value> {
+    serde_json::from_str::<Map<String, Value>>(text).unwrap_or_default()
+}
+
+fn system_prompt(tools: &BTreeMap<String, BTreeSet<String>>) -> String {
+    let mut text = String::from(
+        "You are an agent that completes the user's task with tools. The tools and their argument keys:\n",
+    );
+    for (tool, keys) in tools {
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        text.push_str(&format!("- {tool}({})\n", keys.join(", ")));
+    }
+    text.push_str(
+        "\nAnswer with the next action only, as one line of JSON: {\"tool\": \"<name>\", \"arguments\": {...}} to call a tool, or {\"message\": \"<text>\"} to write to the user.",
+    );
+    text
+}
+
+/// The text of a skill as the `with` condition shows it.
+pub fn skill_text(skill: &SkillRecord) -> String {
+    let mut text = format!("# {}\n\n{}\n\nSteps:\n", skill.name, skill.description);
+    for (i, step) in skill.steps.iter().enumerate() {
+        text.push_str(&format!("{}. {step}\n", i + 1));
+    }
+    if !skill.pitfalls.is_empty() {
+        text.push_str("\nChecks:\n");
+        for pitfall in &skill.pitfalls {
+            text.push_str(&format!("- {pitfall}\n"));
+        }
+    }
+    text
+}
+
+fn clip(text: &str, chars: usize) -> String {
+    let text = text.trim();
+    if text.chars().count() <= chars {
+        return text.to_string();
+    }
+    text.chars().take(chars).collect::<String>() + "…"
+}
+
+/// The calls of one successful episode, each with the history before it.
+fn targets_of(index: usize, node: &Node, history_chars: usize) -> Vec<Target> {
+    let Some(episode) = node.episode() else {
+        return Vec::new();
+    };
+    let mut lines: Vec<String> = Vec::new();
+    let mut called: Vec<String> = Vec::new();
+    let mut out = Vec::new();
+    for step in &episode.steps {
+        for line in step.observation.lines().filter(|l| !l.trim().is_empty()) {
+            lines.push(clip(line, 160));
+        }
+        if !step.action.trim().is_empty() {
+            lines.push(format!("[assistant] {}", clip(&step.action, 160)));
+        }
+        for call in &step.tool_calls {
+            let history = lines.join("\n");
+            let start = history
+                .char_indices()
+                .rev()
+                .nth(history_chars)
+                .map_or(0, |(i, _)| i);
+            out.push(Target {
+                episode: index,
+                task: clip(&node.text, 300),
+                history: if start > 0 {
+                    format!("…{}", &history[start..])
+                } else {
+                    history
+                },
+                tool: call.name.clone(),
+                arguments: arguments(&call.arguments),
+                called: called.clone(),
+            });
+            lines.push(format!(
+                "[call] {} {}",
+                call.name,
+                clip(&call.arguments, 200)
+            ));
+            called.push(call.name.clone());
+        }
+    }
+    out
+}
+
+/// For each episode, the skill retrieval picks: the highest cosine of the task's embedding
+/// with the skill text's, among the skills of the episode's tenant.
+fn pick_skills(
+    episodes: &[&Node],
+    skills: &[SkillRecord],
+    embedder: &dyn Embedder,
+) -> Result<Vec<Option<usize>>> {
+    if skills.is_empty() {
+        return Ok(vec![None; episodes.len()]);
+    }
+    let texts: Vec<String> = skills.iter().map(skill_text).collect();
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let skill_vectors = embedder.embed(&refs)?;
+    let tasks: Vec<&str> = episodes.iter().map(|n| n.text.as_str()).collect();
+    let task_vectors = embedder.embed(&tasks)?;
+    Ok(episodes
+        .iter()
+        .zip(&task_vectors)
+        .map(|(node, task)| {
+            skills
+                .iter()
+                .zip(&skill_vectors)
+                .enumerate()
+                .filter(|(_, (s, _))| s.tenant == node.tenant)
+                .map(|(i, (_, v))| (i, dot(task, v)))
+                .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+                .map(|(i, _)| i)
+        })
+        .collect())
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// The first JSON object in a reply, read as an action.
+fn parse_action(reply: &str) -> Option<Action> {
+    let start = reply.find('{')?;
+    let value: Value = serde_json::Deserializer::from_str(&reply[start..])
+        .into_iter::<Value>()
+        .next()?
+        .ok()?;
+    let tool = match value.get("tool").or_else(|| value.get("name")) {
+        Some(tool) => tool.as_str()?.to_string(),
+        // A message to the user: a readable action that calls no tool.
+        None if value.get("message").is_some() => String::new(),
+        None => return None,
+    };
+    let arguments = match value.get("arguments").or_else(|| value.get("args")) {
+        Some(Value::Object(map)) => map.clone(),
+        Some(Value::String(text)) => arguments(text),
+        _ => Map::new(),
+    };
+    Some(Action { tool, arguments })
+}
+
+/// The skill's steps as calls: the tool after "call" and the argument keys named after it
+/// (outside the parentheses that say where values come from).
+fn skill_calls(skill: &SkillRecord) -> Vec<Action> {
+    let mut out = Vec::new();
+    for step in &skill.steps {
+        let Some(at) = step.to_lowercase().find("call `") else {
+            continue;
+        };
+        let rest = &step[at + "call `".len()..];
+        let Some((tool, after)) = rest.split_once('`') else {
+            continue;
+        };
+        let mut keys = Map::new();
+        let (mut depth, mut inside, mut current) = (0usize, false, String::new());
+        for c in after.chars() {
+            match c {
+                '(' if !inside => depth += 1,
+                ')' if !inside => depth = depth.saturating_sub(1),
+                '`' if depth == 0 => {
+                    if inside {
+                        keys.insert(std::mem::take(&mut current), Value::Null);
+                    }
+                    inside = !inside;
+                }
+                c if inside => current.push(c),
+                _ => {}
+            }
+        }
+        out.push(Action {
+            tool: tool.to_string(),
+            arguments: keys,
+        });
+    }
+    out
+}
+
+/// The skill's first step not yet taken: its calls matched in order against the calls made.
+fn next_skill_step(skill: &SkillRecord, called: &[String]) -> Option<Action> {
+    let steps = skill_calls(skill);
+    let mut next = 0;
+    for tool in called {
+        if let Some(offset) = steps[next..].iter().position(|s| &s.tool == tool) {
+            next += offset + 1;
+        }
+    }
+    steps.get(next).cloned()
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Score {
+    tool: bool,
+    args: bool,
+    /// (given exactly, traceable).
+    values: (usize, usize),
+}
+
+fn score(target: &Target, action: Option<&Action>) -> Score {
+    let history = target.history.to_lowercase();
+    let traceable: Vec<(&String, &Value)> = target
+        .arguments
+        .iter()
+        .filter(|(_, v)| {
+            let text = match v {
+                Value::String(s) => s.to_lowercase(),
+                other => other.to_string(),
+            };
+            text.chars().count() >= 3 && history.contains(&text)
+        })
+        .collect();
+    let Some(action) = action else {
+        return Score {
+            tool: false,
+            args: false,
+            values: (0, traceable.len()),
+        };
+    };
+    let tool = action.tool == target.tool;
+    let keys = |m: &Map<String, Value>| m.keys().cloned().collect::<BTreeSet<_>>();
+    let args = tool && keys(&action.arguments) == keys(&target.arguments);
+    let same = |a: &Value, b: &Value| match (a, b) {
+        (Value::String(x), Value::String(y)) => x.trim().eq_ignore_ascii_case(y.trim()),
+        _ => a == b,
+    };
+    let given = traceable
+        .iter()
+        .filter(|(k, v)| tool && action.arguments.get(*k).is_some_and(|p| same(p, v)))
+        .count();
+    Score {
+        tool,
+        args,
+        values: (given, traceable.len()),
+    }
+}
+
+fn summarize(scores: &[Score], seed: u64) -> ConditionScores {
+    let tool: Vec<f64> = scores.iter().map(|s| f64::from(u8::from(s.tool))).collect();
+    let args: Vec<f64> = scores.iter().map(|s| f64::from(u8::from(s.args))).collect();
+    let values: Vec<f64> = scores
+        .iter()
+        .filter(|s| s.values.1 > 0)
+        .map(|s| s.values.0 as f64 / s.values.1 as f64)
+        .collect();
+    ConditionScores {
+        tool_accuracy: mean(&tool),
+        args_accuracy: mean(&args),
+        values_accuracy: mean(&values),
+        ci95: bootstrap(&args, seed),
+        tool_ci95: bootstrap(&tool, seed),
+        steps: scores.len(),
+    }
+}
+
+fn mean(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        0.0
+    } else {
+        values.iter().sum::<f64>() / values.len() as f64
+    }
+}
+
+/// Resamples of the bootstrap.
+pub const BOOTSTRAP_RESAMPLES: usize = 1_000;
+
+/// Percentile bootstrap 95% interval of the mean of `values` (splitmix64, seeded).
+pub fn bootstrap(values: &[f64], seed: u64) -> [f64; 2] {
+    if values.is_empty() {
+        return [0.0, 0.0];
+    }
+    let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let n = values.len();
+    let mut means: Vec<f64> = (0..BOOTSTRAP_RESAMPLES)
+        .map(|_| {
+            (0..n)
+                .map(|_| values[(next() % n as u64) as usize])
+                .sum::<f64>()
+                / n as f64
+        })
+        .collect();
+    means.sort_by(f64::total_cmp);
+    let at = |q: f64| means[((q * (BOOTSTRAP_RESAMPLES - 1) as f64).round()) as usize];
+    [at(0.025), at(0.975)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn skill(steps: &[&str]) -> SkillRecord {
+        SkillRecord {
+            steps: steps.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_skill_alone_predicts_its_next_untaken_step_with_its_keys() {
+        let s = skill(&[
+            "Call `get_user_details` with `user_id` (from the user in 3 of 3 runs).",
+            "For each `reservation_id`, call `get_reservation_details` with `reservation_id` (from `get_user_details` → `reservations[*]` in 3 of 3 runs).",
+            "Call `cancel_reservation` with `reservation_id` (from the user in 2 of 3 runs), `reason`.",
+        ]);
+        let next = |called: &[&str]| {
+            let called: Vec<String> = called.iter().map(|c| c.to_string()).collect();
+            next_skill_step(&s, &called)
+                .map(|a| (a.tool, a.arguments.keys().cloned().collect::<Vec<_>>()))
+        };
+        assert_eq!(
+            next(&[]),
+            Some(("get_user_details".into(), vec!["user_id".into()]))
+        );
+        assert_eq!(
+            next(&["get_user_details", "think"]),
+            Some((
+                "get_reservation_details".into(),
+                vec!["reservation_id".into()]
+            ))
+        );
+        assert_eq!(
+            next(&["get_user_details", "get_reservation_details"]),
+            Some((
+                "cancel_reservation".into(),
+                vec!["reason".into(), "reservation_id".into()]
+            ))
+        );
+        assert_eq!(
+            next(&[
+                "get_user_details",
+                "get_reservation_details",
+                "cancel_reservation"
+            ]),
+            None
+        );
+    }
+
+    #[test]
+    fn replies_parse_and_score_tool_keys_and_traceable_values() {
+        let target = Target {
+            episode: 0,
+            task: "cancel".into(),
+            history: "[user] my id is mia_kim_11 and reservation ABC123".into(),
+            tool: "cancel_reservation".into(),
+            arguments: arguments(r#"{"reservation_id": "ABC123", "reason": "x"}"#),
+            called: Vec::new(),
+        };
+        let reply = r#"Sure. {"tool": "cancel_reservation", "arguments": {"reservation_id": "abc123", "reason": "other"}} trailing"#;
+        let s = score(&target, parse_action(reply).as_ref());
+        assert!(s.tool && s.args);
+        assert_eq!(
+            s.values,
+            (1, 1),
+            "only ABC123 is in the history; it is given"
+        );
+        let wrong_keys = parse_action(
+            r#"{"tool": "cancel_reservation", "arguments": "{\"reservation_id\": \"ABC123\"}"}"#,
+        );
+        let s = score(&target, wrong_keys.as_ref());
+        assert!(s.tool && !s.args);
+        assert_eq!(s.values, (1, 1));
+        let s = score(&target, parse_action("I will cancel it.").as_ref());
+        assert!(!s.tool && !s.args && s.values == (0, 1));
+    }
+
+    #[test]
+    fn the_bootstrap_interval_holds_the_mean_and_narrows_with_more_steps() {
+        let few: Vec<f64> = (0..10).map(|i| f64::from(u8::from(i % 2 == 0))).collect();
+        let many: Vec<f64> = (0..1000).map(|i| f64::from(u8::from(i % 2 == 0))).collect();
+        let [lo, hi] = bootstrap(&few, 1);
+        assert!(lo < 0.5 && 0.5 < hi, "{lo} {hi}");
+        let [lo2, hi2] = bootstrap(&many, 1);
+        assert!(
+            lo2 <= 0.5 && 0.5 <= hi2 && hi2 - lo2 < hi - lo,
+            "{lo2} {hi2}"
+        );
+        assert_eq!(bootstrap(&few, 1), bootstrap(&few, 1), "seeded");
+    }
+
+    #[test]
+    fn the_split_is_seeded_and_near_its_share() {
+        let unseen_count = (0..4000).filter(|i| unseen(&i.to_string(), 7)).count();
+        assert!((800..1200).contains(&unseen_count), "{unseen_count}");
+        assert_eq!(unseen("task-3", 7), unseen("task-3", 7));
+        assert!((0..50).any(|i| unseen(&i.to_string(), 7) != unseen(&i.to_string(), 8)));
+    }
+}
