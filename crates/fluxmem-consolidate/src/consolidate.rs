@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
+use crate::flow::ToolRoles;
 use crate::kmeans::{kmeans, KMeansOptions};
 use crate::mature::{mature, Attempt, Job, Matured, Models, Round};
 use crate::pems::{PemsOptions, PemsScore};
@@ -271,6 +272,17 @@ pub fn consolidate_store(
     let generator_start = generator_usage(models);
     let judge_start = models.judge.as_ref().map(|j| j.usage()).unwrap_or_default();
     let tenants = episodes_by_tenant(&graph, options, &model)?;
+    // What each tool does, learned from all of a tenant's episodes (the same on a resumed or
+    // sharded run: it depends on the snapshot only).
+    let roles: BTreeMap<String, ToolRoles> = tenants
+        .iter()
+        .map(|(tenant, (ids, _))| {
+            (
+                tenant.clone(),
+                ToolRoles::learn(ids.iter().map(|id| &graph.nodes[id])),
+            )
+        })
+        .collect();
     let latest = latest_skills(&graph);
     // Clusters that failed before, and whether they failed for sharing no procedure (a finding
     // that holds as long as the cluster's members do, so it is reported again, not re-mined).
@@ -287,7 +299,8 @@ pub fn consolidate_store(
             (plans, stored_run_id)
         }
         None => {
-            let (plans, tally) = plan_clusters(&graph, &tenants, &latest, &model, options, device)?;
+            let (plans, tally) =
+                plan_clusters(&graph, &tenants, &roles, &latest, &model, options, device)?;
             tally.apply(&mut report);
             (plans, run_id.to_string())
         }
@@ -320,6 +333,7 @@ pub fn consolidate_store(
         let cluster = handle(
             plan,
             &graph,
+            &roles[&plan.tenant],
             models,
             options,
             run_id,
@@ -554,9 +568,11 @@ fn open_marker(writer: &Writer) -> Option<&Value> {
 
 /// Plans every tenant's clusters: assigned to the clusters of its latest skills where they
 /// still fit, clustered anew otherwise. Empty clusters (k-means may leave one) are no work.
+#[allow(clippy::too_many_arguments)] // the snapshot's parts and the run's settings, each read once
 fn plan_clusters<'g>(
     graph: &'g Graph,
     tenants: &TenantEpisodes,
+    roles: &BTreeMap<String, ToolRoles>,
     latest: &[&'g Node],
     model: &str,
     options: &ConsolidateOptions,
@@ -591,6 +607,7 @@ fn plan_clusters<'g>(
                         &clustering.centroids,
                         vectors,
                         |r| &graph.nodes[&ids[r]],
+                        &roles[tenant],
                         options.mine.min_count,
                     )
                 } else {
@@ -1020,6 +1037,7 @@ fn settled(
 fn handle(
     plan: &Plan<'_>,
     graph: &Graph,
+    roles: &ToolRoles,
     models: &mut Models<'_>,
     options: &ConsolidateOptions,
     run_id: &str,
@@ -1061,7 +1079,11 @@ fn handle(
         }
         None => None,
     };
-    let job = Job { episodes, previous };
+    let job = Job {
+        episodes,
+        previous,
+        roles,
+    };
     let generator_before = generator_usage(models);
     let judge_before = models.judge.as_ref().map(|j| j.usage()).unwrap_or_default();
     let started = std::time::Instant::now();

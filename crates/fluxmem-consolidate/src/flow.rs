@@ -68,6 +68,34 @@ pub struct CallFlow {
     pub empty_result: bool,
     /// The result was logged.
     pub has_result: bool,
+    /// What the agent saw right before the call (its step's observation, earlier results
+    /// taken out) opens a line with an agreement ([`AGREEMENTS`]): the user said yes to it.
+    pub agreed: bool,
+}
+
+/// Words that open a user's agreement (`yes, go ahead`). English only: a fleet in another
+/// language sees no confirmations, never wrong ones.
+pub const AGREEMENTS: [&str; 9] = [
+    "yes",
+    "yeah",
+    "yep",
+    "sure",
+    "ok",
+    "okay",
+    "confirm",
+    "confirmed",
+    "proceed",
+];
+
+/// Whether a line opens with an agreement (within its first three words, after a role tag
+/// such as `[user]`).
+fn agrees(line: &str) -> bool {
+    line.to_lowercase()
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .skip_while(|w| *w == "user")
+        .take(3)
+        .any(|w| AGREEMENTS.contains(&w))
 }
 
 /// The calls of `node`'s episode in order, with the sources of their arguments.
@@ -137,6 +165,16 @@ pub fn episode_flow(node: &Node) -> Vec<CallFlow> {
                 }
             }
             let result = call.result.as_deref().unwrap_or("").to_lowercase();
+            let observation = earlier
+                .iter()
+                .fold(step.observation.to_lowercase(), |text, e| {
+                    if e.result.len() >= MIN_TRACE_CHARS {
+                        text.replace(&e.result, " ")
+                    } else {
+                        text
+                    }
+                });
+            let agreed = observation.lines().any(agrees);
             out.push(CallFlow {
                 step: index,
                 tool: call.name.clone(),
@@ -145,6 +183,7 @@ pub fn episode_flow(node: &Node) -> Vec<CallFlow> {
                 fed_later: false,
                 empty_result: call.result.as_deref().is_some_and(|r| r.trim().is_empty()),
                 has_result: call.result.is_some(),
+                agreed,
             });
             earlier.push(Earlier {
                 tool: call.name.clone(),
@@ -221,26 +260,44 @@ pub fn named_as_read(tool: &str) -> bool {
 /// What the calls of a set of episodes say about each tool, learned from the logs: a tool
 /// whose logged results are all empty and never feed a later call is **noise** (it returns
 /// nothing the procedure uses: a scratchpad); a tool named with a read verb, or whose results
-/// feed a call of another tool in at least half of its calls, is a **reader**; the rest are
-/// **acting** tools (their calls end a line of work: a change, a transfer).
+/// feed a call of another tool in at least half of its calls, is a **reader**; of the rest,
+/// a tool whose calls are mostly followed by a call of another such tool **prepares** that
+/// call (a computation before a booking); the others are **acting** tools: their calls end a
+/// line of work (a change, a transfer), and they name a procedure.
 #[derive(Debug, Clone, Default)]
 pub struct ToolRoles {
     /// Per tool: calls, calls that fed a later call, calls with a logged empty result, calls
-    /// with a logged result.
-    counts: BTreeMap<String, [usize; 4]>,
+    /// with a logged result, calls followed (in their episode) by a call of another tool that
+    /// is neither noise nor a reader.
+    counts: BTreeMap<String, [usize; 5]>,
 }
 
 impl ToolRoles {
     /// Learns the roles from `nodes`' episodes.
     pub fn learn<'a>(nodes: impl IntoIterator<Item = &'a Node>) -> ToolRoles {
+        let flows: Vec<Vec<CallFlow>> = nodes.into_iter().map(episode_flow).collect();
         let mut roles = ToolRoles::default();
-        for node in nodes {
-            for call in episode_flow(node) {
-                let entry = roles.counts.entry(call.tool).or_default();
-                entry[0] += 1;
-                entry[1] += usize::from(call.fed_later);
-                entry[2] += usize::from(call.empty_result);
-                entry[3] += usize::from(call.has_result);
+        for call in flows.iter().flatten() {
+            let entry = roles.counts.entry(call.tool.clone()).or_default();
+            entry[0] += 1;
+            entry[1] += usize::from(call.fed_later);
+            entry[2] += usize::from(call.empty_result);
+            entry[3] += usize::from(call.has_result);
+        }
+        let doers: BTreeSet<String> = roles
+            .counts
+            .keys()
+            .filter(|t| !roles.is_noise(t) && !roles.is_reader(t))
+            .cloned()
+            .collect();
+        for flow in &flows {
+            for (i, call) in flow.iter().enumerate() {
+                let followed = flow[i + 1..]
+                    .iter()
+                    .any(|later| later.tool != call.tool && doers.contains(&later.tool));
+                if followed {
+                    roles.counts.get_mut(&call.tool).expect("counted")[4] += 1;
+                }
             }
         }
         roles
@@ -251,7 +308,7 @@ impl ToolRoles {
     pub fn is_noise(&self, tool: &str) -> bool {
         self.counts
             .get(tool)
-            .is_some_and(|[_, fed, empty, logged]| *fed == 0 && *logged > 0 && empty == logged)
+            .is_some_and(|[_, fed, empty, logged, _]| *fed == 0 && *logged > 0 && empty == logged)
     }
 
     /// Named with a read verb, or its results feed another tool in at least half its calls.
@@ -263,15 +320,26 @@ impl ToolRoles {
                 .is_some_and(|[calls, fed, ..]| *calls > 0 && 2 * fed >= *calls)
     }
 
-    /// Neither noise nor a reader: its calls do the work.
+    /// Neither noise nor a reader, and not mostly followed by another tool that does work.
     pub fn is_acting(&self, tool: &str) -> bool {
-        self.counts.contains_key(tool) && !self.is_noise(tool) && !self.is_reader(tool)
+        self.counts.get(tool).is_some_and(|[calls, .., followed]| {
+            !self.is_noise(tool) && !self.is_reader(tool) && 2 * followed < *calls
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn agreements_open_a_line() {
+        assert!(agrees("[user] yes, please go ahead"));
+        assert!(agrees("ok"));
+        assert!(agrees("[user] Sure thing."));
+        assert!(!agrees("[user] i am not sure about the date"));
+        assert!(!agrees("[get_order] {\"status\": \"confirmed\"}"));
+    }
 
     #[test]
     fn read_verbs_are_whole_words_of_the_name() {

@@ -88,6 +88,8 @@ pub(crate) struct Job<'g> {
     pub episodes: Vec<&'g Node>,
     /// The previous version's text and vector, when this run updates a skill.
     pub previous: Option<(String, Vec<f32>)>,
+    /// What each of the tenant's tools does ([`crate::flow::ToolRoles`]).
+    pub roles: &'g crate::flow::ToolRoles,
 }
 
 /// Distinct episode words (see [`grounded_words`]) a skill must use to be about its episodes.
@@ -230,12 +232,21 @@ fn pitfalls_of(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> Vec<String> 
         .filter(|i| !kept.contains(i))
         .map(|i| skeleton.steps[i].short.trim_end_matches('.'))
         .collect();
+    // Where the successes part ways: the less supported steps, each with its share.
+    let branches = skeleton.branches.iter().map(|(step, share)| {
+        format!(
+            "Some runs also take another path: {} (in {:.0}% of the successful runs)",
+            step.trim_end_matches('.'),
+            share * 100.0
+        )
+    });
     skeleton
         .preconditions
         .iter()
         .chain(&skeleton.pitfalls)
         .filter(|p| !dropped.iter().any(|d| p.contains(d)))
         .cloned()
+        .chain(branches)
         .collect()
 }
 
@@ -255,7 +266,9 @@ pub(crate) fn mature(
     skills: usize,
 ) -> Result<Matured> {
     let split = split(&job.episodes);
-    let Some(skeleton) = crate::mine::mine(&split.successes, &split.failures, &options.mine) else {
+    let Some(skeleton) =
+        crate::mine::mine(&split.successes, &split.failures, &options.mine, job.roles)
+    else {
         let reason = format!(
             "its {} successful episode(s) share no procedure: fewer than 2 steps are in at least {:.0}% of them",
             split.successes.len(),
@@ -547,8 +560,23 @@ fn template_words(skeleton: &crate::mine::Skeleton) -> (String, String) {
         }
     }
     let readable_pattern = pattern.split_whitespace().filter(|w| *w != "…").count() >= 2;
+    // Without an acting tool, the tools the steps call say what the procedure does; the
+    // tasks' words are never a name (they are a user's message).
+    let called: Vec<String> = skeleton
+        .steps
+        .iter()
+        .filter_map(|s| s.tool.as_deref())
+        .map(|t| t.replace('_', " "))
+        .fold(Vec::new(), |mut out, t| {
+            if !out.contains(&t) {
+                out.push(t);
+            }
+            out
+        });
     let name = if !acting.is_empty() {
         acting.into_iter().take(2).collect::<Vec<_>>().join(" and ")
+    } else if !called.is_empty() {
+        called.into_iter().take(2).collect::<Vec<_>>().join(" and ")
     } else if readable_pattern {
         pattern.to_string()
     } else {

@@ -87,6 +87,8 @@ pub struct Signed {
     /// The slots whose values changed between consecutive repeats of the step (a loop:
     /// "for each").
     pub varying: BTreeSet<String>,
+    /// For a tool call, the user agreed right before it ([`crate::flow::CallFlow::agreed`]).
+    pub agreed: bool,
 }
 
 /// A step of a skeleton.
@@ -130,10 +132,16 @@ pub struct Skeleton {
     pub task_pattern: String,
 }
 
-/// Words that separate the slots of a text action.
-const FRAME_WORDS: [&str; 12] = [
-    "to", "from", "in", "on", "into", "onto", "with", "at", "under", "in/on", "for", "of",
+/// Words that separate the slots of a text action: English prepositions. A token of
+/// prepositions joined by `/` (`in/on`) is one too ([`is_frame_word`]).
+const FRAME_WORDS: [&str; 11] = [
+    "to", "from", "in", "on", "into", "onto", "with", "at", "under", "for", "of",
 ];
+
+/// A preposition, or prepositions joined by `/`.
+fn is_frame_word(word: &str) -> bool {
+    word.split('/').all(|part| FRAME_WORDS.contains(&part))
+}
 /// The signature of a free-text turn.
 const MESSAGE: &str = "message the user";
 /// Text actions longer than this are free text (a message), not a command.
@@ -216,6 +224,7 @@ fn tool_signature(call: &fluxmem_graph::ToolCall, flow: Option<crate::flow::Call
             fed_later: false,
             empty_result: false,
             has_result: false,
+            agreed: false,
         });
     Signed {
         key: format!("call {}({})", call.name, slots.join(",")),
@@ -225,6 +234,7 @@ fn tool_signature(call: &fluxmem_graph::ToolCall, flow: Option<crate::flow::Call
             .map(|s| flow.sources.get(s).cloned().unwrap_or_default())
             .collect(),
         traced: slots.iter().map(|s| flow.traced.contains(s)).collect(),
+        agreed: flow.agreed,
         slots,
         frame: Vec::new(),
         values,
@@ -272,6 +282,7 @@ fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
             sources: Vec::new(),
             traced: Vec::new(),
             varying: BTreeSet::new(),
+            agreed: false,
         });
     }
     let (verb, rest) = if words.len() > 1 && words[0] == "go" && words[1] == "to" {
@@ -290,7 +301,7 @@ fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
         }
     };
     for word in rest {
-        if FRAME_WORDS.contains(&word.as_str()) {
+        if is_frame_word(word) {
             flush(&mut current, &mut values, &mut frame);
             frame.push(word.clone());
         } else if word.chars().all(|c| c.is_ascii_digit()) {
@@ -327,6 +338,7 @@ fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
         sources: Vec::new(),
         traced: Vec::new(),
         varying: BTreeSet::new(),
+        agreed: false,
     })
 }
 
@@ -414,14 +426,19 @@ fn align(sequences: &[Vec<Signed>]) -> Vec<Column> {
 }
 
 /// The skeleton of `successes` (most representative first) contrasted with `failures`, or
-/// `None` when the successes share fewer than 2 steps.
-pub fn mine(successes: &[&Node], failures: &[&Node], options: &MineOptions) -> Option<Skeleton> {
+/// `None` when the successes are fewer than `min_successes` or share fewer than 2 steps.
+/// `roles` (learned from the tenant's episodes) says which tools are noise and which act.
+pub fn mine(
+    successes: &[&Node],
+    failures: &[&Node],
+    options: &MineOptions,
+    roles: &ToolRoles,
+) -> Option<Skeleton> {
     let n = successes.len();
     if n == 0 || n < options.min_successes {
         return None;
     }
-    let roles = ToolRoles::learn(successes.iter().chain(failures).copied());
-    let steps_of = |node: &&Node| without_noise(signatures(node), &roles);
+    let steps_of = |node: &&Node| without_noise(signatures(node), roles);
     let sequences: Vec<Vec<Signed>> = successes.iter().map(steps_of).collect();
     let failed: Vec<Vec<Signed>> = failures.iter().map(steps_of).collect();
     let profile = align(&sequences);
@@ -477,11 +494,12 @@ pub fn mine(successes: &[&Node], failures: &[&Node], options: &MineOptions) -> O
             let column = &profile[i];
             let failure_support = failure_share(&column.key);
             let tool = column.occurrences[0].1.tool.clone();
+            let acting = tool.as_deref().is_some_and(|t| roles.is_acting(t));
             SkeletonStep {
                 key: column.key.clone(),
-                text: render_step(column),
+                text: render_step(column, acting),
                 short: render_short(column),
-                acting: tool.as_deref().is_some_and(|t| roles.is_acting(t)),
+                acting,
                 tool,
                 support: share,
                 failure_support,
@@ -493,17 +511,27 @@ pub fn mine(successes: &[&Node], failures: &[&Node], options: &MineOptions) -> O
     if steps.len() < 2 {
         return None;
     }
-    let kept_set: BTreeSet<usize> = kept.iter().map(|(i, _)| *i).collect();
-    let branches = profile
-        .iter()
-        .enumerate()
-        .filter(|(i, c)| {
-            !kept_set.contains(i)
-                && c.key != MESSAGE
-                && support(c) + 1e-12 >= options.branch_support
-        })
-        .map(|(_, c)| (render_step(c), support(c)))
-        .collect();
+    // Branches: steps of other columns, each step once (its best share), never a step that
+    // is already in the skeleton.
+    let kept_keys: BTreeSet<&str> = steps.iter().map(|s| s.key.as_str()).collect();
+    let mut branches: Vec<(String, f64)> = Vec::new();
+    let mut branch_keys: Vec<&str> = Vec::new();
+    for column in &profile {
+        let share = support(column);
+        if kept_keys.contains(column.key.as_str())
+            || column.key == MESSAGE
+            || share + 1e-12 < options.branch_support
+        {
+            continue;
+        }
+        match branch_keys.iter().position(|k| *k == column.key) {
+            Some(at) => branches[at].1 = branches[at].1.max(share),
+            None => {
+                branch_keys.push(&column.key);
+                branches.push((render_short(column), share));
+            }
+        }
+    }
     let preconditions = preconditions(&steps, &sequences, &failed);
     let pitfalls = pitfalls(&steps, &sequences, &failed);
     Some(Skeleton {
@@ -535,8 +563,9 @@ fn without_noise(sequence: Vec<Signed>, roles: &ToolRoles) -> Vec<Signed> {
 
 /// A tool step with where each argument comes from, counted over the column's runs:
 /// ``Call `refund_order` with `order_id` (from the user in 3 of 3 runs).``; a step that the
-/// runs repeat with other values for one slot is a loop (``For each `reservation_id`: ...``).
-fn render_step(column: &Column) -> String {
+/// runs repeat with other values for one slot is a loop (``For each `reservation_id`: ...``);
+/// an acting step that most runs make right after the user agreed says so first.
+fn render_step(column: &Column, acting: bool) -> String {
     let first = &column.occurrences[0].1;
     if first.tool.is_none() {
         return render_short(column);
@@ -572,10 +601,21 @@ fn render_step(column: &Column) -> String {
     } else {
         format!("`{tool}` with {}", slots.join(", "))
     };
-    match loop_slot {
-        Some(slot) => format!("For each `{slot}`, call {call}."),
-        None => format!("Call {call}."),
+    let agreed = column.occurrences.iter().filter(|(_, s)| s.agreed).count();
+    let confirm = if acting && 2 * agreed > runs {
+        format!("After the user confirms ({agreed} of {runs} runs), ")
+    } else {
+        String::new()
+    };
+    let text = match loop_slot {
+        Some(slot) => format!("for each `{slot}`, call {call}."),
+        None => format!("call {call}."),
+    };
+    let mut line = confirm + &text;
+    if let Some(first) = line.get(0..1) {
+        line = first.to_uppercase() + &line[1..];
     }
+    line
 }
 
 /// Where the values of slot `i` came from over the column's runs: the two most frequent
@@ -661,10 +701,12 @@ fn render_short(column: &Column) -> String {
 
 /// A readable name for a text action's slot, from the word before it.
 fn slot_type(previous: &str, right_after_verb: bool) -> &'static str {
+    // `in/on` reads as its first preposition.
+    let previous = previous.split('/').next().unwrap_or(previous);
     match previous {
         "go to" | "to" | "at" => "place",
         "from" => "source",
-        "in" | "on" | "into" | "onto" | "in/on" | "under" => "receptacle",
+        "in" | "on" | "into" | "onto" | "under" => "receptacle",
         "with" => "tool",
         _ if right_after_verb => "object",
         _ => "value",
@@ -838,6 +880,7 @@ pub fn split_by_procedure<'g>(
     centroids: &[Vec<f32>],
     vectors: &[Vec<f32>],
     node: impl Fn(usize) -> &'g Node,
+    roles: &ToolRoles,
     min_count: usize,
 ) -> (Vec<Vec<usize>>, Vec<Vec<f32>>) {
     let success = |r: usize| {
@@ -848,11 +891,8 @@ pub fn split_by_procedure<'g>(
     };
     let (mut out_members, mut out_centroids) = (Vec::new(), Vec::new());
     for (rows, centroid) in members.iter().zip(centroids) {
-        let roles = ToolRoles::learn(rows.iter().map(|&r| node(r)));
-        let acting: Vec<BTreeSet<String>> = rows
-            .iter()
-            .map(|&r| acting_tools(node(r), &roles))
-            .collect();
+        let acting: Vec<BTreeSet<String>> =
+            rows.iter().map(|&r| acting_tools(node(r), roles)).collect();
         let mut counts: BTreeMap<&BTreeSet<String>, usize> = BTreeMap::new();
         for (i, &r) in rows.iter().enumerate() {
             if success(r) && !acting[i].is_empty() {
@@ -972,6 +1012,11 @@ mod tests {
         )
     }
 
+    /// The roles a tenant of these episodes would have.
+    fn roles_of(successes: &[&Node], failures: &[&Node]) -> ToolRoles {
+        ToolRoles::learn(successes.iter().chain(failures).copied())
+    }
+
     #[test]
     fn text_actions_become_slotted_signatures() {
         let node = episode(
@@ -1031,7 +1076,13 @@ mod tests {
             ],
             true,
         );
-        let skeleton = mine(&[&a, &b, &c], &[], &MineOptions::default()).unwrap();
+        let skeleton = mine(
+            &[&a, &b, &c],
+            &[],
+            &MineOptions::default(),
+            &roles_of(&[&a, &b, &c], &[]),
+        )
+        .unwrap();
         let texts: Vec<&str> = skeleton.steps.iter().map(|s| s.text.as_str()).collect();
         assert!(texts.contains(&"Take <object> from <source>."), "{texts:?}");
         assert!(
@@ -1086,7 +1137,13 @@ mod tests {
             min_support: 0.75,
             ..MineOptions::default()
         };
-        let skeleton = mine(&[&ok1, &ok2], &[&bad], &options).unwrap();
+        let skeleton = mine(
+            &[&ok1, &ok2],
+            &[&bad],
+            &options,
+            &roles_of(&[&ok1, &ok2], &[&bad]),
+        )
+        .unwrap();
         let texts: Vec<&str> = skeleton.steps.iter().map(|s| s.text.as_str()).collect();
         assert_eq!(
             texts,
@@ -1202,7 +1259,7 @@ mod tests {
             change_run("ava_cho_33", "credit_card_99", &["RTY321", "FGH654"], true),
         ];
         let refs: Vec<&Node> = runs.iter().collect();
-        let skeleton = mine(&refs, &[], &MineOptions::default()).unwrap();
+        let skeleton = mine(&refs, &[], &MineOptions::default(), &roles_of(&refs, &[])).unwrap();
         let texts: Vec<&str> = skeleton.steps.iter().map(|s| s.text.as_str()).collect();
         assert_eq!(
             texts,
@@ -1249,7 +1306,13 @@ mod tests {
             assert_eq!(holding, claimed, "{tool}.{slot} from {source} {path}");
         }
         // One success is not a procedure.
-        assert!(mine(&refs[..1], &[], &MineOptions::default()).is_none());
+        assert!(mine(
+            &refs[..1],
+            &[],
+            &MineOptions::default(),
+            &roles_of(&refs[..1], &[])
+        )
+        .is_none());
     }
 
     #[test]
@@ -1257,8 +1320,14 @@ mod tests {
         let a = episode("a", &["open drawer 1", "look"], true);
         let b = episode("b", &["inventory", "go to bed 1"], true);
         let c = episode("c", &["examine book 1", "use desklamp 1"], true);
-        assert!(mine(&[&a, &b, &c], &[], &MineOptions::default()).is_none());
-        assert!(mine(&[], &[&a], &MineOptions::default()).is_none());
+        assert!(mine(
+            &[&a, &b, &c],
+            &[],
+            &MineOptions::default(),
+            &roles_of(&[&a, &b, &c], &[])
+        )
+        .is_none());
+        assert!(mine(&[], &[&a], &MineOptions::default(), &roles_of(&[], &[&a])).is_none());
     }
 
     #[test]
@@ -1314,11 +1383,13 @@ mod tests {
             episode("odd", &[&call("book_reservation")], true),
         ];
         let vectors: Vec<Vec<f32>> = (0..nodes.len()).map(|i| vec![1.0, i as f32]).collect();
+        let roles = ToolRoles::learn(nodes.iter());
         let (members, centroids) = split_by_procedure(
             &[vec![0, 1, 2, 3, 4, 5]],
             &[vec![1.0, 0.0]],
             &vectors,
             |r| &nodes[r],
+            &roles,
             2,
         );
         assert_eq!(
@@ -1331,8 +1402,14 @@ mod tests {
             .iter()
             .all(|c| (c.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-5));
         // One procedure only: left alone.
-        let (same, _) =
-            split_by_procedure(&[vec![0, 2]], &[vec![1.0, 0.0]], &vectors, |r| &nodes[r], 2);
+        let (same, _) = split_by_procedure(
+            &[vec![0, 2]],
+            &[vec![1.0, 0.0]],
+            &vectors,
+            |r| &nodes[r],
+            &roles,
+            2,
+        );
         assert_eq!(same, vec![vec![0, 2]]);
         // One procedure that two successes share and a success that does something else: split.
         let (one, _) = split_by_procedure(
@@ -1340,6 +1417,7 @@ mod tests {
             &[vec![1.0, 0.0]],
             &vectors,
             |r| &nodes[r],
+            &roles,
             2,
         );
         assert_eq!(one, vec![vec![0, 2], vec![5]]);
