@@ -340,6 +340,15 @@ fn print_skills_table(
         println!("tau-bench: {} tasks, recall and order over {} with gold actions, precision over {} with a successful run", t.tasks, t.with_gold, t.with_success);
     }
     for r in results {
+        println!(
+            "generator {}: {} skill names taken from a task, {} consecutive duplicate steps, {} duplicate pitfalls",
+            r.generator,
+            r.lint.names_from_tasks,
+            r.lint.consecutive_duplicate_steps,
+            r.lint.duplicate_pitfalls
+        );
+    }
+    for r in results {
         let Some(replay) = &r.replay else { continue };
         println!(
             "replay with {} ({} split): {} unseen successful episodes, {} of {} steps; {} prompts, {} prompt + {} generated tokens, {:.0} s; {} unreadable replies; messages instead of a call: {:?}",

@@ -717,7 +717,14 @@ fn evals_json(record: &SkillRecord, graph: &Graph) -> Value {
                 .join(", ")
         ));
     }
-    assertions.extend(record.pitfalls.iter().map(|p| format!("It heeds: {p}")));
+    // Checks and orders are assertions; the other paths some runs took are not.
+    assertions.extend(
+        record
+            .pitfalls
+            .iter()
+            .filter(|p| !p.starts_with(crate::mature::BRANCH_PREFIX))
+            .map(|p| format!("It heeds: {p}")),
+    );
     let cases: Vec<Value> = measured
         .iter()
         .filter_map(|id| graph.nodes.get(&fluxmem_graph::NodeId::from(id.as_str())))

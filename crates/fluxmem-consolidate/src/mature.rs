@@ -225,6 +225,9 @@ fn split<'g>(episodes: &[&'g Node]) -> Split<'g> {
     out
 }
 
+/// How a skill's line about another path some runs took starts.
+pub(crate) const BRANCH_PREFIX: &str = "Some runs also take another path:";
+
 /// The preconditions and pitfalls that speak only of kept steps (a rewrite that drops a step
 /// drops what was said about it).
 fn pitfalls_of(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> Vec<String> {
@@ -235,7 +238,7 @@ fn pitfalls_of(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> Vec<String> 
     // Where the successes part ways: the less supported steps, each with its share.
     let branches = skeleton.branches.iter().map(|(step, share)| {
         format!(
-            "Some runs also take another path: {} (in {:.0}% of the successful runs)",
+            "{BRANCH_PREFIX} {} (in {:.0}% of the successful runs)",
             step.trim_end_matches('.'),
             share * 100.0
         )

@@ -518,8 +518,13 @@ pub fn mine(
     let mut branch_keys: Vec<&str> = Vec::new();
     for column in &profile {
         let share = support(column);
+        // Where the steps call tools, a path is another call: the agent's short replies to
+        // the user are not one (and hold instance data).
+        let other_kind =
+            steps.iter().any(|s| s.tool.is_some()) && column.occurrences[0].1.tool.is_none();
         if kept_keys.contains(column.key.as_str())
             || column.key == MESSAGE
+            || other_kind
             || share + 1e-12 < options.branch_support
         {
             continue;
@@ -656,13 +661,16 @@ fn slot_origin(column: &Column, i: usize) -> Option<String> {
 /// How a column reads in a skill, without data flow (rules and checks name steps this way).
 fn render_short(column: &Column) -> String {
     let first = &column.occurrences[0].1;
+    // A value is shown only when at least two runs agree on it (one run's value is instance
+    // data, not part of the procedure).
     let constant = |slot: usize| -> Option<&str> {
         let value = first.values.get(slot)?;
-        column
-            .occurrences
-            .iter()
-            .all(|(_, s)| s.values.get(slot) == Some(value))
-            .then_some(value.as_str())
+        (column.occurrences.len() >= 2
+            && column
+                .occurrences
+                .iter()
+                .all(|(_, s)| s.values.get(slot) == Some(value)))
+        .then_some(value.as_str())
     };
     if let Some(tool) = &first.tool {
         let slots: Vec<String> = first.slots.iter().map(|s| format!("`{s}`")).collect();
@@ -684,7 +692,8 @@ fn render_short(column: &Column) -> String {
                 .unwrap_or("");
             words.push(match constant(slot) {
                 Some(value) => value.to_string(),
-                None => format!("<{}>", slot_type(previous, position == 1)),
+                // A code span: no Markdown escape is needed, so the raw text reads clean.
+                None => format!("`{}`", slot_type(previous, position == 1)),
             });
             slot += 1;
         } else {
@@ -1084,12 +1093,12 @@ mod tests {
         )
         .unwrap();
         let texts: Vec<&str> = skeleton.steps.iter().map(|s| s.text.as_str()).collect();
-        assert!(texts.contains(&"Take <object> from <source>."), "{texts:?}");
+        assert!(texts.contains(&"Take `object` from `source`."), "{texts:?}");
         assert!(
-            texts.contains(&"Clean <object> with sinkbasin."),
+            texts.contains(&"Clean `object` with sinkbasin."),
             "constant slot shown: {texts:?}"
         );
-        assert!(texts.contains(&"Put <object> in/on fridge."), "{texts:?}");
+        assert!(texts.contains(&"Put `object` in/on fridge."), "{texts:?}");
         assert!(
             !texts.iter().any(|t| t.starts_with("Open")),
             "one success of three is under the share: {texts:?}"
@@ -1099,8 +1108,8 @@ mod tests {
             skeleton
                 .branches
                 .iter()
-                .any(|(text, share)| text == "Open cabinet." && (*share - 1.0 / 3.0).abs() < 1e-9),
-            "the open is a branch: {:?}",
+                .any(|(text, share)| text == "Open `object`." && (*share - 1.0 / 3.0).abs() < 1e-9),
+            "the open is a branch, its one run's value not shown: {:?}",
             skeleton.branches
         );
         assert_eq!(skeleton.task_pattern, "clean some … and put it in fridge");

@@ -263,6 +263,8 @@ pub struct GeneratorResult {
     pub tau: Option<TauScores>,
     /// ALFWorld scores.
     pub alfworld: Option<AlfworldScores>,
+    /// What a reader would object to in the skills' text.
+    pub lint: SkillLint,
     /// With `--replay`: the replay of the unseen episodes with and without these skills.
     pub replay: Option<crate::replay::ReplayReport>,
     /// The skills (as exported).
@@ -309,6 +311,39 @@ pub struct TaskRow {
     pub gold: Vec<String>,
     /// The skill's named tools.
     pub named: Vec<String>,
+}
+
+/// What a reader would object to in a set of skills (issue 41's checks), counted.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SkillLint {
+    /// Skills whose name (lower-cased, at least three words) is a part of an episode's task:
+    /// named after a user's message.
+    pub names_from_tasks: usize,
+    /// Steps equal to the step before them.
+    pub consecutive_duplicate_steps: usize,
+    /// Pitfall lines said twice in one skill.
+    pub duplicate_pitfalls: usize,
+}
+
+fn lint(graph: &Graph, records: &[SkillRecord]) -> SkillLint {
+    let tasks: Vec<String> = graph
+        .nodes
+        .values()
+        .filter(|n| matches!(n.body, NodeBody::Episodic(_)))
+        .map(|n| n.text.to_lowercase())
+        .collect();
+    let mut out = SkillLint::default();
+    for record in records {
+        let name = record.name.to_lowercase().replace('…', " ");
+        let words: Vec<&str> = name.split_whitespace().collect();
+        if words.len() >= 3 && tasks.iter().any(|t| t.contains(&words.join(" "))) {
+            out.names_from_tasks += 1;
+        }
+        out.consecutive_duplicate_steps += record.steps.windows(2).filter(|w| w[0] == w[1]).count();
+        let distinct: BTreeSet<&String> = record.pitfalls.iter().collect();
+        out.duplicate_pitfalls += record.pitfalls.len() - distinct.len();
+    }
+    out
 }
 
 /// ALFWorld scores.
@@ -393,6 +428,7 @@ pub fn evaluate(
             result.alfworld = Some(score_alfworld(&graph, &records, &clusters, &labels));
         }
     }
+    result.lint = lint(&graph, &records);
     result.records = records;
     Ok(result)
 }
