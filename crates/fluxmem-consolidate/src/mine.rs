@@ -805,8 +805,9 @@ fn pitfalls(
         else {
             continue;
         };
-        let example: String = example.chars().take(120).collect();
-        let example = example.replace('"', "'").replace('\n', " ");
+        let example = instance_free(&example.chars().take(120).collect::<String>())
+            .replace('"', "'")
+            .replace('\n', " ");
         let most = if kinds.len() > 1 {
             format!(" ({count} of them with \"{example}\")")
         } else {
@@ -819,6 +820,26 @@ fn pitfalls(
         ));
     }
     out
+}
+
+/// An error message without its instance data: a word holding a digit (an id, a date, an
+/// amount) becomes `…`.
+fn instance_free(text: &str) -> String {
+    text.split(' ')
+        .map(|word| {
+            if word.chars().any(|c| c.is_ascii_digit()) {
+                let end: String = word
+                    .chars()
+                    .rev()
+                    .take_while(|c| matches!(c, ',' | '.' | ';' | ':' | ')'))
+                    .collect();
+                format!("…{}", end.chars().rev().collect::<String>())
+            } else {
+                word.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The words most of the successes' tasks share, in the first task's order; other words `…`.
@@ -1322,6 +1343,15 @@ mod tests {
             &roles_of(&refs[..1], &[])
         )
         .is_none());
+    }
+
+    #[test]
+    fn error_examples_lose_their_instance_data() {
+        assert_eq!(
+            instance_free("Error: flight HAT030 not available on date 2024-05-13."),
+            "Error: flight … not available on date …."
+        );
+        assert_eq!(instance_free("not enough seats"), "not enough seats");
     }
 
     #[test]

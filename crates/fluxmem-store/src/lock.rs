@@ -35,21 +35,7 @@ impl WriterLock {
     pub fn acquire(dir: &Path) -> Result<WriterLock> {
         let path = dir.join("LOCK");
         let directory = File::open(dir).at(dir)?;
-        match directory.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(Error::Locked {
-                    holder: wait_for_holder(&path),
-                    path,
-                })
-            }
-            Err(std::fs::TryLockError::Error(source)) => {
-                return Err(Error::Io {
-                    path: dir.to_path_buf(),
-                    source,
-                })
-            }
-        }
+        take(&directory, dir, &path)?;
         let previous = read_holder(&path);
         let stale = (!previous.is_empty()).then_some(previous);
         let holder = format!(
@@ -90,25 +76,37 @@ fn read_holder(path: &Path) -> String {
         .unwrap_or_default()
 }
 
-/// The description of the writer that holds the lock, waiting up to [`HOLDER_WAIT`] for one
-/// that has just taken it to write it (also when `LOCK` does not exist yet).
-fn wait_for_holder(path: &Path) -> String {
+/// Takes the OS lock on `directory`, or fails with [`Error::Locked`] naming the holder. A
+/// holder that has just taken the lock may not have written `LOCK` yet (on a new store it does
+/// not exist yet): the refused writer waits up to [`HOLDER_WAIT`] for the description, trying
+/// the lock again meanwhile, so a holder that finishes in that time lets it in.
+fn take(directory: &File, dir: &Path, path: &Path) -> Result<()> {
     let deadline = Instant::now() + HOLDER_WAIT;
     loop {
-        // A missing LOCK is waited for like an empty one: on a new store the holder creates it
-        // right after taking the lock.
+        match directory.try_lock() {
+            Ok(()) => return Ok(()),
+            Err(std::fs::TryLockError::Error(source)) => {
+                return Err(Error::Io {
+                    path: dir.to_path_buf(),
+                    source,
+                })
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {}
+        }
         let holder = read_holder(path);
-        if !holder.is_empty() {
-            return holder;
+        if !holder.is_empty() || Instant::now() >= deadline {
+            return Err(Error::Locked {
+                holder: if !holder.is_empty() {
+                    holder
+                } else if path.exists() {
+                    "unknown holder: its LOCK description is empty".to_string()
+                } else {
+                    "unknown holder: no LOCK file names it (LOCK was deleted)".to_string()
+                },
+                path: path.to_path_buf(),
+            });
         }
-        if Instant::now() >= deadline {
-            return if path.exists() {
-                "unknown holder: its LOCK description is empty".to_string()
-            } else {
-                "unknown holder: no LOCK file names it (LOCK was deleted)".to_string()
-            };
-        }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
