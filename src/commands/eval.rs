@@ -170,15 +170,7 @@ pub fn skills(args: EvalSkillsArgs, settings: &Settings) -> anyhow::Result<ExitC
     // Every generator named must exist before anything runs.
     let manifest = fluxmem_models::ModelManifest::load()?;
     for name in args.generators.iter().filter(|g| g.as_str() != "none") {
-        let spec = manifest
-            .get(name)
-            .with_context(|| format!("--generators {name}"))?;
-        if spec.kind != "generator" {
-            anyhow::bail!(
-                "--generators {name}: `{name}` is a {}, not a generator",
-                spec.kind
-            );
-        }
+        check_generator(&manifest, "--generators", name)?;
     }
     let options = fluxmem_consolidate::ConsolidateOptions {
         kmeans: fluxmem_consolidate::KMeansOptions {
@@ -201,15 +193,7 @@ pub fn skills(args: EvalSkillsArgs, settings: &Settings) -> anyhow::Result<ExitC
     let mut replayer = match &args.replay {
         None => None,
         Some(model) => {
-            let spec = manifest
-                .get(model)
-                .with_context(|| format!("--replay {model}"))?;
-            if spec.kind != "generator" {
-                anyhow::bail!(
-                    "--replay {model}: `{model}` is a {}, not a generator",
-                    spec.kind
-                );
-            }
+            check_generator(&manifest, "--replay", model)?;
             Some(fluxmem_models::load_generator(
                 model,
                 &device_choice,
@@ -277,6 +261,24 @@ pub fn skills(args: EvalSkillsArgs, settings: &Settings) -> anyhow::Result<ExitC
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `name` (given with `flag`) is a generator of the model manifest.
+fn check_generator(
+    manifest: &fluxmem_models::ModelManifest,
+    flag: &str,
+    name: &str,
+) -> anyhow::Result<()> {
+    let spec = manifest
+        .get(name)
+        .with_context(|| format!("{flag} {name}"))?;
+    if spec.kind != "generator" {
+        anyhow::bail!(
+            "{flag} {name}: `{name}` is a {}, not a generator",
+            spec.kind
+        );
+    }
+    Ok(())
 }
 
 fn print_skills_table(

@@ -697,11 +697,7 @@ fn evals_json(record: &SkillRecord, graph: &Graph) -> Value {
     let calls: Vec<String> = record
         .steps
         .iter()
-        .filter_map(|step| {
-            let at = step.to_lowercase().find("call `")?;
-            let rest = &step[at + "call `".len()..];
-            rest.split('`').next().map(str::to_string)
-        })
+        .filter_map(|step| crate::mine::step_call(step).map(|(tool, _)| tool.to_string()))
         .collect();
     let mut assertions: Vec<String> = calls
         .iter()

@@ -42,7 +42,9 @@ pub use export::{
 };
 pub use kmeans::{auto_clusters, kmeans, Clustering, KMeansOptions, SplitMix64, KMEANS_BLOCK_ROWS};
 pub use mature::{induce_skill, Attempt, Matured, Models, Round, Wording};
-pub use mine::{coverage, lcs_len, mine, signatures, MineOptions, Signed, Skeleton, SkeletonStep};
+pub use mine::{
+    coverage, lcs_len, mine, signatures, step_call, MineOptions, Signed, Skeleton, SkeletonStep,
+};
 pub use parse::{parse_skill, SkillText};
 pub use pems::{delta, pems, word_count, LengthUnit, PemsOptions, PemsScore};
 pub use prompt::{episode_brief, episode_text, outcome_label, EXAMPLE_NAME};

@@ -550,6 +550,26 @@ pub fn mine(
     })
 }
 
+/// The tool a mined step calls and the text after its name: the backticked name after "call"
+/// or "Call" (``Call `get_order` with ...``, ``For each `x`, call `get_order` ...``); a step
+/// also names its arguments and the tools their values come from, which are not calls.
+pub fn step_call(step: &str) -> Option<(&str, &str)> {
+    step.match_indices("all `").find_map(|(at, _)| {
+        let word_start = at.checked_sub(1)?;
+        let starts = matches!(&step[word_start..at], "c" | "C")
+            && (word_start == 0 || step[..word_start].ends_with(' '));
+        if !starts {
+            return None;
+        }
+        let (tool, after) = step[at + "all `".len()..].split_once('`')?;
+        let plain = !tool.is_empty()
+            && tool
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+        plain.then_some((tool, after))
+    })
+}
+
 /// The episode's signatures without calls of noise tools, repeats that their removal made
 /// consecutive collapsed again.
 fn without_noise(sequence: Vec<Signed>, roles: &ToolRoles) -> Vec<Signed> {
@@ -1343,6 +1363,23 @@ mod tests {
             &roles_of(&refs[..1], &[])
         )
         .is_none());
+    }
+
+    #[test]
+    fn the_called_tool_is_read_off_a_step() {
+        assert_eq!(
+            step_call("Call `get_order` with `order_id` (from the user in 2 of 2 runs)."),
+            Some((
+                "get_order",
+                " with `order_id` (from the user in 2 of 2 runs)."
+            ))
+        );
+        assert_eq!(
+            step_call("For each `x`, call `fetch.page` with `x`.").map(|c| c.0),
+            Some("fetch.page")
+        );
+        assert_eq!(step_call("Recall `x` later."), None);
+        assert_eq!(step_call("Go to `place`."), None);
     }
 
     #[test]

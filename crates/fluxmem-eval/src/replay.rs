@@ -502,11 +502,7 @@ fn parse_action(reply: &str) -> Option<Action> {
 fn skill_calls(skill: &SkillRecord) -> Vec<Action> {
     let mut out = Vec::new();
     for step in &skill.steps {
-        let Some(at) = step.to_lowercase().find("call `") else {
-            continue;
-        };
-        let rest = &step[at + "call `".len()..];
-        let Some((tool, after)) = rest.split_once('`') else {
+        let Some((tool, after)) = fluxmem_consolidate::step_call(step) else {
             continue;
         };
         let mut keys = Map::new();

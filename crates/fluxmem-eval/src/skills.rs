@@ -467,14 +467,8 @@ fn copy_store(from: &Path, to: &Path) -> Result<()> {
 pub fn named_tools(record: &SkillRecord) -> Vec<String> {
     let mut tools = Vec::new();
     for step in &record.steps {
-        let lower = step.to_lowercase();
-        let Some(at) = lower.find("call `") else {
-            continue;
-        };
-        let rest = &step[at + "call `".len()..];
-        let name = rest.split('`').next().unwrap_or_default();
-        if !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            tools.push(name.to_string());
+        if let Some((tool, _)) = fluxmem_consolidate::step_call(step) {
+            tools.push(tool.to_string());
         }
     }
     tools
