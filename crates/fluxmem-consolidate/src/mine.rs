@@ -24,9 +24,17 @@
 //! 5. **Pitfalls** come from per-step feedback: tool results that are errors, step feedback, and
 //!    text actions answered by "Nothing happens".
 //!
-//! A slot whose value is the same in every supporting occurrence is shown as that value
-//! (`clean <object> with sinkbasin`); tool argument values are never shown (they are instance
-//! data: ids, names, amounts, possibly personal).
+//! 6. **Data flow** ([`crate::flow`]): a tool step says where each argument's value came from
+//!    in the runs aligned to it (the user, or an earlier call's result at a JSON path), with
+//!    counts; a step repeated with other values is a loop ("for each"); an acting step most
+//!    runs take right after the user agreed says so. Tool roles (reader, noise, acting) are
+//!    learned per tenant from its logs: noise calls (a scratchpad) are not steps, acting tools
+//!    name the skill.
+//!
+//! A text action's slot whose value is the same in every supporting occurrence (at least two)
+//! is shown as that value (`clean `object` with sinkbasin`); tool argument values are never
+//! shown (they are instance data: ids, names, amounts, possibly personal), and a check's error
+//! example loses its words with digits. A skill needs [`MineOptions::min_successes`] (2).
 
 use crate::flow::{Source, ToolRoles};
 use fluxmem_graph::Node;
