@@ -9,8 +9,10 @@
 //!   value gives the call's tool and the leaf's path with array indexes as `[*]`
 //!   (`get_user_details` → `payment_methods[*].id`); a result that is not JSON, or holds the
 //!   value only inside a longer text, gives the tool with no path;
-//! - the **user**: the task and the observations up to the call, with every earlier call's
-//!   result text taken out, hold the value (case-insensitive).
+//! - the **user**: the task and the observations up to the call, each observation with the
+//!   result texts of the calls before it taken out, hold the value (case-insensitive). Each
+//!   observation is cleaned once, so the pass costs the episode's text times its calls, not
+//!   that squared.
 //!
 //! Both may hold a value; both are recorded. Values themselves are never kept beyond the
 //! analysis (they are instance data): only their sources leave this module.
@@ -68,8 +70,8 @@ pub struct CallFlow {
     pub empty_result: bool,
     /// The result was logged.
     pub has_result: bool,
-    /// What the agent saw right before the call (its step's observation, earlier results
-    /// taken out) opens a line with an agreement ([`AGREEMENTS`]): the user said yes to it.
+    /// What the agent saw right before the call (its step's observation, the results of the
+    /// calls before the step taken out) opens a line with an agreement ([`AGREEMENTS`]): the user said yes to it.
     pub agreed: bool,
 }
 
@@ -112,18 +114,20 @@ pub fn episode_flow(node: &Node) -> Vec<CallFlow> {
     }
     let mut earlier: Vec<Earlier> = Vec::new();
     let mut out: Vec<CallFlow> = Vec::new();
-    let mut seen = node.text.to_lowercase();
+    // What the user said so far: the task, then each observation with the results of the calls
+    // before it taken out, each cleaned once as its step begins.
+    let mut user_text = node.text.to_lowercase();
     for (index, step) in episode.steps.iter().enumerate() {
-        seen.push('\n');
-        seen.push_str(&step.observation.to_lowercase());
-        for call in &step.tool_calls {
-            let user_text = earlier.iter().fold(seen.clone(), |text, e| {
-                if e.result.len() >= MIN_TRACE_CHARS {
-                    text.replace(&e.result, " ")
-                } else {
-                    text
-                }
+        let observation = earlier
+            .iter()
+            .filter(|e| e.result.len() >= MIN_TRACE_CHARS)
+            .fold(step.observation.to_lowercase(), |text, e| {
+                text.replace(&e.result, " ")
             });
+        let agreed = observation.lines().any(agrees);
+        user_text.push('\n');
+        user_text.push_str(&observation);
+        for call in &step.tool_calls {
             let arguments: BTreeMap<String, Value> =
                 serde_json::from_str(&call.arguments).unwrap_or_default();
             let mut sources: BTreeMap<String, BTreeSet<Source>> = BTreeMap::new();
@@ -165,16 +169,6 @@ pub fn episode_flow(node: &Node) -> Vec<CallFlow> {
                 }
             }
             let result = call.result.as_deref().unwrap_or("").to_lowercase();
-            let observation = earlier
-                .iter()
-                .fold(step.observation.to_lowercase(), |text, e| {
-                    if e.result.len() >= MIN_TRACE_CHARS {
-                        text.replace(&e.result, " ")
-                    } else {
-                        text
-                    }
-                });
-            let agreed = observation.lines().any(agrees);
             out.push(CallFlow {
                 step: index,
                 tool: call.name.clone(),

@@ -555,31 +555,31 @@ fn foreign_tool(
 /// else what the successes' tasks share.
 fn template_words(skeleton: &crate::mine::Skeleton) -> (String, String) {
     let pattern = skeleton.task_pattern.trim();
-    let mut acting: Vec<String> = Vec::new();
-    for step in skeleton.steps.iter().filter(|s| s.acting) {
-        let human = step.tool.as_deref().unwrap_or_default().replace('_', " ");
-        if !acting.contains(&human) {
-            acting.push(human);
-        }
-    }
-    let readable_pattern = pattern.split_whitespace().filter(|w| *w != "…").count() >= 2;
-    // Without an acting tool, the tools the steps call say what the procedure does; the
-    // tasks' words are never a name (they are a user's message).
-    let called: Vec<String> = skeleton
-        .steps
-        .iter()
-        .filter_map(|s| s.tool.as_deref())
-        .map(|t| t.replace('_', " "))
-        .fold(Vec::new(), |mut out, t| {
-            if !out.contains(&t) {
-                out.push(t);
+    // The procedure in its tools' words: the first two distinct tools of the steps `keep` takes.
+    let tools_named = |keep: &dyn Fn(&crate::mine::SkeletonStep) -> bool| -> String {
+        let mut words: Vec<String> = Vec::new();
+        for tool in skeleton
+            .steps
+            .iter()
+            .filter(|s| keep(s))
+            .filter_map(|s| s.tool.as_deref())
+        {
+            let human = tool.replace('_', " ");
+            if !words.contains(&human) {
+                words.push(human);
             }
-            out
-        });
+        }
+        words.into_iter().take(2).collect::<Vec<_>>().join(" and ")
+    };
+    let readable_pattern = pattern.split_whitespace().filter(|w| *w != "…").count() >= 2;
+    // Named by its acting tools; without one, by the tools its steps call: the tasks' words are
+    // never a tool procedure's name (they are a user's message).
+    let acting = tools_named(&|s| s.acting);
+    let called = tools_named(&|_| true);
     let name = if !acting.is_empty() {
-        acting.into_iter().take(2).collect::<Vec<_>>().join(" and ")
+        acting
     } else if !called.is_empty() {
-        called.into_iter().take(2).collect::<Vec<_>>().join(" and ")
+        called
     } else if readable_pattern {
         pattern.to_string()
     } else {

@@ -183,13 +183,18 @@ pub fn signatures(node: &Node) -> Vec<Signed> {
             last.error.get_or_insert_with(|| feedback.clone());
         }
         for item in signed.drain(..) {
-            match out.last_mut() {
-                Some(previous) if previous.key == item.key => absorb_repeat(previous, item),
-                _ => out.push(item),
-            }
+            push_collapsed(&mut out, item);
         }
     }
     out
+}
+
+/// Appends `item` to `out`, or folds it into the last step when it repeats it.
+fn push_collapsed(out: &mut Vec<Signed>, item: Signed) {
+    match out.last_mut() {
+        Some(previous) if previous.key == item.key => absorb_repeat(previous, item),
+        _ => out.push(item),
+    }
 }
 
 /// Folds a consecutive repeat of a step into the first: its error when the first had none,
@@ -586,10 +591,7 @@ fn without_noise(sequence: Vec<Signed>, roles: &ToolRoles) -> Vec<Signed> {
         if item.tool.as_deref().is_some_and(|t| roles.is_noise(t)) {
             continue;
         }
-        match out.last_mut() {
-            Some(previous) if previous.key == item.key => absorb_repeat(previous, item),
-            _ => out.push(item),
-        }
+        push_collapsed(&mut out, item);
     }
     out
 }

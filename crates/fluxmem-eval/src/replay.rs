@@ -29,6 +29,7 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::skills::mean;
 use crate::Result;
 
 /// How episodes are split into seen and unseen.
@@ -465,15 +466,11 @@ fn pick_skills(
                 .zip(&skill_vectors)
                 .enumerate()
                 .filter(|(_, (s, _))| s.tenant == node.tenant)
-                .map(|(i, (_, v))| (i, dot(task, v)))
+                .map(|(i, (_, v))| (i, fluxmem_models::cosine(task, v)))
                 .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
                 .map(|(i, _)| i)
         })
         .collect())
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 /// The first JSON object in a reply, read as an action.
@@ -559,7 +556,8 @@ fn score(target: &Target, action: Option<&Action>) -> Score {
                 Value::String(s) => s.to_lowercase(),
                 other => other.to_string(),
             };
-            text.chars().count() >= 3 && history.contains(&text)
+            text.chars().count() >= fluxmem_consolidate::flow::MIN_TRACE_CHARS
+                && history.contains(&text)
         })
         .collect();
     let Some(action) = action else {
@@ -605,35 +603,20 @@ fn summarize(scores: &[Score], seed: u64) -> ConditionScores {
     }
 }
 
-fn mean(values: &[f64]) -> f64 {
-    if values.is_empty() {
-        0.0
-    } else {
-        values.iter().sum::<f64>() / values.len() as f64
-    }
-}
-
 /// Resamples of the bootstrap.
 pub const BOOTSTRAP_RESAMPLES: usize = 1_000;
 
-/// Percentile bootstrap 95% interval of the mean of `values` (splitmix64, seeded).
+/// Percentile bootstrap 95% interval of the mean of `values` (seeded SplitMix64 draws).
 pub fn bootstrap(values: &[f64], seed: u64) -> [f64; 2] {
     if values.is_empty() {
         return [0.0, 0.0];
     }
-    let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
-    let mut next = move || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
+    let mut draws = fluxmem_consolidate::SplitMix64::new(seed ^ 0x9e37_79b9_7f4a_7c15);
     let n = values.len();
     let mut means: Vec<f64> = (0..BOOTSTRAP_RESAMPLES)
         .map(|_| {
             (0..n)
-                .map(|_| values[(next() % n as u64) as usize])
+                .map(|_| values[(draws.next_u64() % n as u64) as usize])
                 .sum::<f64>()
                 / n as f64
         })

@@ -474,7 +474,8 @@ pub fn named_tools(record: &SkillRecord) -> Vec<String> {
     tools
 }
 
-fn mean(values: &[f64]) -> f64 {
+/// The mean of `values` (0 for none).
+pub(crate) fn mean(values: &[f64]) -> f64 {
     if values.is_empty() {
         0.0
     } else {
