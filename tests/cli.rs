@@ -33,6 +33,12 @@ fn ingest_samples(store: &Path) {
         .arg("ingest")
         .arg(repo().join("data/trajectories.jsonl"))
         .arg(repo().join("data/knowledge")));
+    assert_succeeded(&output);
+}
+
+/// The command succeeded; its stderr is the failure message otherwise (reported at the caller).
+#[track_caller]
+fn assert_succeeded(output: &Output) {
     assert!(
         output.status.success(),
         "{}",
@@ -55,11 +61,7 @@ fn main_job_on_the_samples_ingests_and_prints_stats() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let output = run(fluxmem(&store).arg("ingest").arg(repo().join("data")));
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(text.contains("0 quarantined"), "{text}");
     let stats = stdout_json(&run(fluxmem(&store).args(["stats", "--json"])));
@@ -211,11 +213,7 @@ fn killed_ingest_resumes_to_exactly_the_uninterrupted_store() {
                 "the fault at {point}:{version} fired"
             );
             let resumed = run(&mut ingest_cmd(&store));
-            assert!(
-                resumed.status.success(),
-                "{}",
-                String::from_utf8_lossy(&resumed.stderr)
-            );
+            assert_succeeded(&resumed);
             assert!(
                 String::from_utf8_lossy(&resumed.stderr).contains("stale store lock"),
                 "the crash left a stale lock"
@@ -265,11 +263,7 @@ impl Killed<'_> {
             let _ = child.kill();
             let _ = child.wait();
             let resumed = run(&mut command(&store));
-            assert!(
-                resumed.status.success(),
-                "{}",
-                String::from_utf8_lossy(&resumed.stderr)
-            );
+            assert_succeeded(&resumed);
             assert_eq!(
                 shard_list(&store),
                 self.expected,
@@ -304,11 +298,7 @@ fn shards_are_plain_parquet_for_pyarrow_and_duckdb() {
         .arg("ingest")
         .arg(repo().join("tests/data/locomo/tiny_locomo.json"))
         .arg(repo().join("data")));
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     // Embeddings come from the embed stage; here a few known vectors exercise the column type.
     let mut writer = fluxmem_store::Writer::open(&store).unwrap();
     let graph = writer.store().load().unwrap();
@@ -361,20 +351,12 @@ fn shards_rewritten_by_pyarrow_read_back_the_same() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let output = run(fluxmem(&store).arg("ingest").arg(repo().join("data")));
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     let before = fluxmem_store::Store::open(&store).unwrap().load().unwrap();
     let output = run(Command::new(python())
         .arg(repo().join("tests/python/rewrite_shards.py"))
         .arg(&store));
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     let after = fluxmem_store::Store::open(&store)
         .unwrap()
         .load()
@@ -456,11 +438,7 @@ fn export_skills_twice_is_byte_identical_and_bad_flags_exit_1() {
                 "export", "skills", "--format", "skill-md", "--json", "--out",
             ])
             .arg(out));
-        assert!(
-            output.status.success(),
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        assert_succeeded(&output);
         assert_eq!(stdout_json(&output)["skills"], 1);
     }
     assert_eq!(read_all(&a), read_all(&b));
@@ -498,11 +476,7 @@ fn embeddings_are_the_same_bits_at_any_thread_count() {
             .args(["models", "embed"])
             .args(texts)
             .env("RAYON_NUM_THREADS", threads));
-        assert!(
-            output.status.success(),
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        assert_succeeded(&output);
         output.stdout
     };
     let one = embed("1");
@@ -537,11 +511,7 @@ fn generation_is_the_same_at_any_thread_count() {
                     prompt,
                 ])
                 .env("RAYON_NUM_THREADS", threads));
-            assert!(
-                output.status.success(),
-                "{}",
-                String::from_utf8_lossy(&output.stderr)
-            );
+            assert_succeeded(&output);
             String::from_utf8(output.stdout).unwrap()
         };
         let one = generate("1");
@@ -850,11 +820,7 @@ fn wait_takes_the_lock_when_the_holder_lets_go() {
     std::thread::sleep(std::time::Duration::from_millis(1500));
     drop(writer);
     let output = child.wait_with_output().unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     assert!(String::from_utf8_lossy(&output.stderr)
         .contains("waiting up to 60s for the store lock held by pid"));
 }
@@ -906,11 +872,7 @@ fn compaction_keeps_the_live_rows_for_duckdb_and_resumes_after_a_kill() {
         let output = run(Command::new(python())
             .arg(repo().join("tests/python/live_rows.py"))
             .arg(store));
-        assert!(
-            output.status.success(),
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        assert_succeeded(&output);
         stdout_json(&output)
     };
     let compact = |store: &Path| run(fluxmem(store).args(["store", "compact", "--json"]));
@@ -927,11 +889,7 @@ fn compaction_keeps_the_live_rows_for_duckdb_and_resumes_after_a_kill() {
         .unwrap()
         .version;
     let output = compact(&reference);
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     let report = stdout_json(&output);
     assert_eq!(report["committed"], true, "{report}");
     for table in ["nodes", "embeddings"] {
@@ -964,11 +922,7 @@ fn compaction_keeps_the_live_rows_for_duckdb_and_resumes_after_a_kill() {
             .env("FLUXMEM_FAULT", format!("{point}:{}", version + 1)));
         assert!(!crashed.status.success(), "the fault at {point} fired");
         let resumed = compact(&store);
-        assert!(
-            resumed.status.success(),
-            "{}",
-            String::from_utf8_lossy(&resumed.stderr)
-        );
+        assert_succeeded(&resumed);
         assert_eq!(
             shard_list(&store),
             expected,
@@ -997,11 +951,7 @@ fn the_hash_embedder_runs_embed_and_connect_without_weights() {
     let store = dir.path().join("store");
     ingest_samples(&store);
     let output = run(fluxmem(&store).args(["embed", "--json", "--model", "hash-48"]));
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     let report = stdout_json(&output);
     assert_eq!(report["model"], "hash-48");
     let graph = fluxmem_store::Store::open(&store).unwrap().load().unwrap();
@@ -1016,11 +966,7 @@ fn the_hash_embedder_runs_embed_and_connect_without_weights() {
         .values()
         .all(|e| e.model_id == "hash-48" && e.vector.len() == 48));
     let output = run(fluxmem(&store).args(["connect", "--json", "--model", "hash-48"]));
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     let report = stdout_json(&output);
     assert!(
         report["connected"].as_u64().unwrap() > 0 && report["ground_edges"].as_u64().unwrap() > 0,
@@ -1091,11 +1037,7 @@ fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill()
     ingest_samples(&connected);
     for stage in ["embed", "connect"] {
         let output = run(fluxmem(&connected).args([stage, "--model", "hash-48"]));
-        assert!(
-            output.status.success(),
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        assert_succeeded(&output);
     }
     let copy = |name: &str| {
         let to = dir.path().join(name);
@@ -1110,11 +1052,7 @@ fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill()
         .version;
     let one = copy("one");
     let output = run(fluxmem(&one).args(["refine", "--json"]));
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     let report = stdout_json(&output);
     let edits = report["edits"].as_u64().unwrap();
     assert!(edits > 20 && report["commits"] == 1, "{report}");
@@ -1122,11 +1060,7 @@ fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill()
 
     let small = copy("small");
     let output = run(fluxmem(&small).args(["refine", "--json", "--commit-every", "7"]));
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     // A commit ends between two sources only: 7 edges or more a commit.
     let commits = stdout_json(&output)["commits"].as_u64().unwrap();
     assert!(
@@ -1154,11 +1088,7 @@ fn refine_in_small_commits_gives_the_one_commit_store_and_resumes_after_a_kill()
         .unwrap();
     assert!(landed >= 7 && landed < edits, "{landed}");
     let resumed = run(fluxmem(&killed).args(["refine", "--json", "--commit-every", "7"]));
-    assert!(
-        resumed.status.success(),
-        "{}",
-        String::from_utf8_lossy(&resumed.stderr)
-    );
+    assert_succeeded(&resumed);
     assert_eq!(
         stdout_json(&resumed)["edits"].as_u64().unwrap(),
         edits - landed,
@@ -1385,17 +1315,9 @@ fn killed_consolidate_resumes_to_exactly_the_uninterrupted_store() {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("base");
     let output = run(fluxmem(&base).arg("ingest").arg(repo().join("data")));
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     let output = run(fluxmem(&base).args(["embed", "--model", "hash-48"]));
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     let before = fluxmem_store::Store::open(&base)
         .unwrap()
         .manifest()
@@ -1420,11 +1342,7 @@ fn killed_consolidate_resumes_to_exactly_the_uninterrupted_store() {
     let reference = dir.path().join("reference");
     copy_tree(&base, &reference);
     let output = run(&mut consolidate(&reference));
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert_succeeded(&output);
     let report = stdout_json(&output);
     let commits = report["commits"].as_u64().unwrap();
     assert!(
@@ -1478,11 +1396,7 @@ fn killed_consolidate_resumes_to_exactly_the_uninterrupted_store() {
                 "the fault at {point}:{version} fired"
             );
             let resumed = run(&mut consolidate(&store));
-            assert!(
-                resumed.status.success(),
-                "{}",
-                String::from_utf8_lossy(&resumed.stderr)
-            );
+            assert_succeeded(&resumed);
             let resumed_report = stdout_json(&resumed);
             // The plan is open from the first commit until the last one closes it.
             let open = match point {
