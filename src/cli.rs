@@ -651,6 +651,14 @@ pub struct ConsolidateArgs {
     /// model) or a generator's name, scoring by yes/no; ql or ql:MODEL, by query likelihood.
     #[arg(long, default_value = "none")]
     pub judge: String,
+    /// eta from a replay model: `replay` (the default generator) or `replay:MODEL` gives each
+    /// skill version the step accuracy of MODEL acting with it on kept-back runs (see
+    /// docs/consolidate.md); `coverage` (default): model-free. Not with `--judge`.
+    #[arg(long, default_value = "coverage")]
+    pub eta: String,
+    /// With `--eta replay`: logged calls replayed per measurement at most (0: all).
+    #[arg(long, default_value_t = fluxmem_consolidate::ConsolidateOptions::default().replay_steps)]
+    pub replay_steps: usize,
     /// Generator that words skills (name and description around the procedure mined from the
     /// logs); `none`: template skills, no model.
     #[arg(long, default_value = fluxmem_models::DEFAULT_GENERATOR)]

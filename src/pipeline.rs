@@ -274,6 +274,11 @@ pub struct Consolidate {
     pub max_tokens: usize,
     /// Episodes the judge replays per version.
     pub judge_episodes: usize,
+    /// eta: `coverage` (model-free), `replay` or `replay:MODEL` (a model's step accuracy with
+    /// the skill on kept-back runs); not with `models.judge`.
+    pub eta: String,
+    /// With a replay eta: logged calls replayed per measurement at most (0: all).
+    pub replay_steps: usize,
     /// A skill is re-induced only when its cluster gained or lost at least this share of its
     /// source episodes (0: on any change).
     pub reinduce_share: f64,
@@ -298,6 +303,8 @@ impl Default for Consolidate {
             prompt_budget: d.prompt_budget,
             max_tokens: d.max_tokens,
             judge_episodes: d.judge_episodes,
+            eta: "coverage".into(),
+            replay_steps: d.replay_steps,
             reinduce_share: d.reinduce_share,
             assign: d.assign,
             recluster_share: d.recluster_share,
@@ -497,6 +504,15 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     positive("consolidate.max_tokens", p.consolidate.max_tokens)?;
     if let Err(e) = fluxmem_models::judge_model(&p.models.judge) {
         bail!("key `models.judge`: {e}");
+    }
+    match fluxmem_models::eta_model(&p.consolidate.eta) {
+        Err(e) => bail!("key `consolidate.eta`: {e}"),
+        Ok(Some(_)) if p.models.judge != "none" => bail!(
+            "key `consolidate.eta` = `{}` with `models.judge` = `{}`: eta is measured one way; name one",
+            p.consolidate.eta,
+            p.models.judge
+        ),
+        Ok(_) => {}
     }
     p.models
         .device
@@ -786,6 +802,17 @@ mod tests {
             bad.contains("p.toml") && bad.contains("key `models.judge`"),
             "{bad}"
         );
+        let eta = parse("name = \"x\"\n[consolidate]\neta = \"judge\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(eta.contains("key `consolidate.eta`"), "{eta}");
+        let both =
+            parse("name = \"x\"\n[models]\njudge = \"llm\"\n[consolidate]\neta = \"replay\"\n")
+                .unwrap_err()
+                .to_string();
+        assert!(both.contains("eta is measured one way"), "{both}");
+        let replay = parse("name = \"x\"\n[consolidate]\neta = \"replay\"\n").unwrap();
+        assert_eq!(replay.pipeline.consolidate.eta, "replay");
         let clusters = parse("name = \"x\"\n[consolidate]\nclusters = 0\n")
             .unwrap_err()
             .to_string();

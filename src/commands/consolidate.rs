@@ -22,6 +22,7 @@ pub fn run(args: ConsolidateArgs, settings: &Settings) -> anyhow::Result<ExitCod
             super::models::weight_path(&args.weights)?,
         )?),
     };
+    let mut replayer = super::replayer_from_flag(&args.eta, &args.judge, &device_choice)?;
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
     let mut writer = open_writer(settings)?;
     // Nodes, edges and edits record the run; the id depends only on the store state it started
@@ -31,6 +32,7 @@ pub fn run(args: ConsolidateArgs, settings: &Settings) -> anyhow::Result<ExitCod
         embedder: embedder.as_ref(),
         generator: generator.as_mut().map(|g| g as &mut dyn Generator),
         judge: judge.as_mut().map(|j| j as &mut dyn Judge),
+        replayer: replayer.as_mut().map(|r| r as &mut dyn Generator),
     };
     let mut bar = CountBar::new(settings.progress, "consolidate");
     let started = std::time::Instant::now();
@@ -88,6 +90,7 @@ fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
         prompt_budget: args.prompt_budget,
         max_tokens: args.max_tokens,
         judge_episodes: args.judge_episodes,
+        replay_steps: args.replay_steps,
         tenant: args.tenant.clone(),
         retry_failed: args.retry_failed,
         split_by_procedure: !args.no_procedure_split,

@@ -224,6 +224,7 @@ pub fn skills(args: EvalSkillsArgs, settings: &Settings) -> anyhow::Result<ExitC
                 .as_mut()
                 .map(|g| g as &mut dyn fluxmem_models::Generator),
             judge: None,
+            replayer: None,
         };
         let mut bar = CountBar::new(settings.progress, "consolidate");
         let mut result = evaluate(&prepared, name, &mut models, &options, &device, &mut bar)?;

@@ -175,6 +175,26 @@ pub fn judge_from_flag(
     }))
 }
 
+/// The replay model an eta setting names (`coverage`: none), with the weights that prefill
+/// fastest (replay is mostly prompt processing); an error when a judge is also named.
+pub fn replayer_from_flag(
+    eta: &str,
+    judge: &str,
+    device: &fluxmem_models::DeviceChoice,
+) -> anyhow::Result<Option<fluxmem_models::GgufGenerator>> {
+    let Some(model) = fluxmem_models::eta_model(eta)? else {
+        return Ok(None);
+    };
+    if fluxmem_models::judge_model(judge)?.is_some() {
+        anyhow::bail!("eta `{eta}` and judge `{judge}`: eta is measured one way; name one");
+    }
+    Ok(Some(fluxmem_models::load_generator(
+        &model,
+        device,
+        fluxmem_models::WeightPath::Prompts,
+    )?))
+}
+
 /// The `--clusters` flag: `auto` (None) or a positive number of clusters per tenant.
 pub fn clusters_flag(value: &str) -> anyhow::Result<Option<usize>> {
     match value {

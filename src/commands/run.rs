@@ -175,6 +175,9 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         if let Some(judge) = fluxmem_models::judge_model(&p.models.judge)? {
             record.models.insert("judge".into(), model_id(&judge));
         }
+        if let Some(replayer) = fluxmem_models::eta_model(&p.consolidate.eta)? {
+            record.models.insert("eta".into(), model_id(&replayer));
+        }
     }
     let mut failure = None;
     for (i, stage) in stages.iter().enumerate() {
@@ -648,6 +651,10 @@ impl Ctx<'_> {
         if let Some(judge) = fluxmem_models::judge_model(&models.judge)? {
             ensure_model(&judge)?;
         }
+        if let Some(replayer) = fluxmem_models::eta_model(&c.eta)? {
+            ensure_model(&replayer)?;
+        }
+        let mut replayer = super::replayer_from_flag(&c.eta, &models.judge, &self.device_choice)?;
         let mut judge = super::judge_from_flag(&models.judge, &self.device_choice)?;
         let options = fluxmem_consolidate::ConsolidateOptions {
             kmeans: fluxmem_consolidate::KMeansOptions {
@@ -665,6 +672,7 @@ impl Ctx<'_> {
             prompt_budget: c.prompt_budget,
             max_tokens: c.max_tokens,
             judge_episodes: c.judge_episodes,
+            replay_steps: c.replay_steps,
             reinduce_share: c.reinduce_share,
             assign: c.assign,
             recluster_share: c.recluster_share,
@@ -678,6 +686,7 @@ impl Ctx<'_> {
             embedder,
             generator: generator.as_mut().map(|g| g as &mut dyn Generator),
             judge: judge.as_mut().map(|j| j as &mut dyn Judge),
+            replayer: replayer.as_mut().map(|r| r as &mut dyn Generator),
         };
         let mut bar = CountBar::new(progress, "consolidate");
         let report = fluxmem_consolidate::consolidate_store(
@@ -704,7 +713,9 @@ impl Ctx<'_> {
         self.usage
             .insert("generator".into(), usage(&report.generator));
         if report.judge.calls > 0 {
-            self.usage.insert("judge".into(), usage(&report.judge));
+            // The model that measured eta: a replay model (`consolidate.eta`) or the judge.
+            let key = if c.eta == "coverage" { "judge" } else { "eta" };
+            self.usage.insert(key.into(), usage(&report.judge));
         }
         self.pems = Some(pems_summary(
             &report,

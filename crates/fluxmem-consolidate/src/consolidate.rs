@@ -42,6 +42,9 @@ pub struct ConsolidateOptions {
     pub judge_episodes: usize,
     /// Judge probability at which a skill counts as consistent with an episode.
     pub judge_threshold: f32,
+    /// With a replay model: logged calls replayed per eta measurement at most (spread evenly
+    /// over the measuring episodes' calls; 0: all).
+    pub replay_steps: usize,
     /// Only this tenant (default: every tenant, each clustered on its own).
     pub tenant: Option<String>,
     /// A cluster updates an existing skill when at least this share of the skill's source
@@ -84,6 +87,7 @@ impl Default for ConsolidateOptions {
             max_tokens: 320,
             judge_episodes: 8,
             judge_threshold: 0.5,
+            replay_steps: 8,
             tenant: None,
             match_overlap: 0.5,
             match_similarity: 0.9,
@@ -207,11 +211,12 @@ pub struct ConsolidateReport {
     pub failed_earlier: usize,
     /// Clusters whose successes share no procedure (no skill to write; also counted in `failed`).
     pub no_procedure: usize,
-    /// `judge` or `logged success rate (no judge)`.
+    /// What eta was measured with: `sequence coverage`, `judge (MODEL)` or `replay step
+    /// accuracy (MODEL)`.
     pub eta_source: String,
     /// The generator.
     pub generator_model: String,
-    /// The judge, if any.
+    /// The model that measured eta (replay model or judge), if any.
     pub judge_model: Option<String>,
     /// The embedding model.
     pub embedding_model: String,
@@ -257,20 +262,20 @@ pub fn consolidate_store(
             });
         }
     }
-    let judge_model = models.judge.as_ref().map(|j| j.model_id().to_string());
+    let judge_model = models
+        .replayer
+        .as_ref()
+        .map(|r| r.model_id().to_string())
+        .or_else(|| models.judge.as_ref().map(|j| j.model_id().to_string()));
     let mut report = ConsolidateReport {
-        eta_source: if judge_model.is_some() {
-            "judge".into()
-        } else {
-            "sequence coverage of kept-back episodes (no judge)".into()
-        },
+        eta_source: crate::mature::eta_name(models),
         generator_model: generator_id(models),
         judge_model,
         embedding_model: model.clone(),
         ..Default::default()
     };
     let generator_start = generator_usage(models);
-    let judge_start = models.judge.as_ref().map(|j| j.usage()).unwrap_or_default();
+    let judge_start = eta_model_usage(models);
     let tenants = episodes_by_tenant(&graph, options, &model)?;
     // What each tool does, learned from all of a tenant's episodes (the same on a resumed or
     // sharded run: it depends on the snapshot only).
@@ -381,12 +386,17 @@ pub fn consolidate_store(
     close_plan(writer, run_id)?;
     sweep_plans(writer.store().dir(), None)?;
     report.generator = TokenUsage::between(generator_start, generator_usage(models));
-    report.judge = models
-        .judge
-        .as_ref()
-        .map(|j| TokenUsage::between(judge_start, j.usage()))
-        .unwrap_or_default();
+    report.judge = TokenUsage::between(judge_start, eta_model_usage(models));
     Ok(report)
+}
+
+/// What the model that measures eta (replay model or judge) has used so far.
+fn eta_model_usage(models: &Models<'_>) -> Usage {
+    match (&models.replayer, &models.judge) {
+        (Some(replayer), _) => replayer.usage(),
+        (None, Some(judge)) => judge.usage(),
+        (None, None) => Usage::default(),
+    }
 }
 
 /// The manifest progress key of an unfinished run's cluster plan: the name, hash and shard of
@@ -1305,14 +1315,7 @@ fn skill_node(
             "wording",
             serde_json::to_value(mined.wording).expect("wording serialises"),
         ),
-        (
-            "eta_source",
-            json!(if models.judge.is_some() {
-                "judge"
-            } else {
-                mined.eta_scope
-            }),
-        ),
+        ("eta_source", json!(mined.eta_scope)),
         ("generator", json!(generator_id(models))),
         (
             "judge",

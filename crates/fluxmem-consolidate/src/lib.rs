@@ -31,6 +31,7 @@ mod mine;
 mod parse;
 mod pems;
 mod prompt;
+pub mod replay;
 
 pub use consolidate::{
     consolidate_store, latest_skills, ClusterReport, ConsolidateOptions, ConsolidateReport,

@@ -1,5 +1,31 @@
 //! One skill's life in a run: induction from its cluster (with a repair retry), then the PEMS
 //! loop (score, rewrite, re-embed, re-score) until |delta PEMS| < epsilon or the round limit.
+//!
+//! **eta**, the agreement in PEMS = eta / ln(l) * (1 - delta), is measured on episodes the
+//! procedure was not mined from: every [`HOLDOUT_EVERY`]-th episode of the cluster is kept
+//! back, and the kept-back episodes are split in two (alternately):
+//!
+//! - the **choosing** half picks each rewrite (the step whose drop raises sequence coverage
+//!   the most) and the kept round (the highest PEMS with the choosing half's eta);
+//! - the **reporting** half gives the eta that is stored and reported, so that the rounds'
+//!   choice does not inflate it.
+//!
+//! With fewer than 2 kept-back episodes both halves are the same episodes, and with too few
+//! successes to keep any back both are the whole cluster (in-sample); the skill's `eta_source`
+//! says which. eta itself is one of:
+//!
+//! - a **replay model** (`Models::replayer`): the step accuracy of a local model that is given
+//!   the skill and, for each logged call of the measuring successes (at most
+//!   `replay_steps`), the task and the steps so far, and must name the call's tool and argument
+//!   keys ([`crate::replay`]): eta means "helps an agent act";
+//! - a **judge** (`Models::judge`): the share of measuring episodes where the judge finds the
+//!   skill consistent with a success or inconsistent with a failure;
+//! - neither (the default, model-free): sequence coverage, how far each success follows the
+//!   skill's steps in order (LCS) and each failure does not.
+//!
+//! A rewrite never adds a step (every step stays proven by the logs), and a round is kept only
+//! when its PEMS on the choosing half beats the earlier rounds', so with a model a rewrite is kept
+//! only when the model's eta rises enough to pay for it.
 
 use fluxmem_graph::Node;
 use fluxmem_models::{Embedder, GenerateParams, Generator, Judge};
@@ -33,8 +59,10 @@ pub struct Round {
     /// Its embedding.
     #[serde(skip)]
     pub vector: Vec<f32>,
-    /// Its score.
+    /// Its score (eta from the reporting episodes).
     pub score: PemsScore,
+    /// Its score with eta from the choosing episodes, which picks the kept round.
+    pub choice: PemsScore,
 }
 
 /// The result of maturing one cluster.
@@ -78,8 +106,11 @@ pub struct Models<'a> {
     pub embedder: &'a dyn Embedder,
     /// Words skills (name, description); `None`: template skills from the mined procedure.
     pub generator: Option<&'a mut dyn Generator>,
-    /// Replays skills against episodes; `None`: eta is the logged success rate.
+    /// Judges skills against episodes; `None`: eta from the replay model or model-free.
     pub judge: Option<&'a mut dyn Judge>,
+    /// Replays logged calls with the skill (eta = step accuracy, see the module docs); takes
+    /// precedence over `judge`.
+    pub replayer: Option<&'a mut dyn Generator>,
 }
 
 /// What a cluster brings to the loop.
@@ -192,6 +223,86 @@ struct Split<'g> {
     held_out: Vec<&'g Node>,
 }
 
+/// Episodes that measure a skill, read once: their step keys (coverage), the calls of their
+/// successes (replay) and the episodes (judge).
+struct Measuring<'g> {
+    episodes: Vec<&'g Node>,
+    measured: Vec<Measured>,
+    steps: Vec<crate::replay::ReplayStep>,
+}
+
+/// Characters of history a replayed call is shown.
+const REPLAY_HISTORY_CHARS: usize = 1_500;
+/// Tokens a replayed reply may take (one JSON action).
+const REPLAY_TOKENS: usize = 64;
+
+impl<'g> Measuring<'g> {
+    fn new(episodes: Vec<&'g Node>, replay_steps: usize) -> Self {
+        let steps: Vec<crate::replay::ReplayStep> = episodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| succeeded(n))
+            .flat_map(|(i, n)| crate::replay::steps_of(i, n, REPLAY_HISTORY_CHARS))
+            .collect();
+        Measuring {
+            measured: measure(&episodes),
+            steps: spread(steps, replay_steps),
+            episodes,
+        }
+    }
+}
+
+/// At most `cap` of `items` (0: all), spread evenly over them in order.
+fn spread<T>(items: Vec<T>, cap: usize) -> Vec<T> {
+    if cap == 0 || items.len() <= cap {
+        return items;
+    }
+    let len = items.len();
+    let picked: BTreeSet<usize> = (0..cap).map(|i| i * len / cap).collect();
+    items
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| picked.contains(i))
+        .map(|(_, item)| item)
+        .collect()
+}
+
+/// The choosing and reporting episodes of a split (see the module docs), and the words that
+/// say which they are.
+fn measuring_sets<'g>(
+    split: &Split<'g>,
+    all: &[&'g Node],
+    replay_steps: usize,
+) -> (Measuring<'g>, Option<Measuring<'g>>, &'static str) {
+    if split.held_out.is_empty() {
+        let scope = "in-sample (too few successes to keep some back)";
+        return (Measuring::new(all.to_vec(), replay_steps), None, scope);
+    }
+    if split.held_out.len() < 2 {
+        let scope = "held-out; rewrites chosen on the same episode (one kept back)";
+        return (
+            Measuring::new(split.held_out.clone(), replay_steps),
+            None,
+            scope,
+        );
+    }
+    let half = |parity: usize| -> Vec<&'g Node> {
+        split
+            .held_out
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 2 == parity)
+            .map(|(_, n)| *n)
+            .collect()
+    };
+    let (choose, report) = (half(0), half(1));
+    (
+        Measuring::new(report, replay_steps),
+        Some(Measuring::new(choose, replay_steps)),
+        "held-out; rewrites chosen on other kept-back episodes",
+    )
+}
+
 fn succeeded(node: &Node) -> bool {
     node.episode()
         .and_then(|e| e.outcome.success)
@@ -279,15 +390,21 @@ pub(crate) fn mature(
         );
         return Ok(Matured::NoProcedure { reason });
     };
-    let (held_out, eta_scope) = if split.held_out.is_empty() {
-        (
-            job.episodes.clone(),
-            "in-sample sequence coverage (too few successes to keep some back)",
-        )
+    let (report_set, choose_set, held) =
+        measuring_sets(&split, &job.episodes, options.replay_steps);
+    // A replay model needs logged tool calls to replay; a cluster of text actions is measured
+    // model-free, and says so.
+    let replay = models.replayer.is_some()
+        && !report_set.steps.is_empty()
+        && choose_set.as_ref().is_none_or(|c| !c.steps.is_empty());
+    let eta_scope = if models.replayer.is_some() && !replay {
+        format!("sequence coverage (no kept-back tool call to replay), {held}")
     } else {
-        (split.held_out.clone(), "held-out sequence coverage")
+        format!("{}, {held}", eta_name(models))
     };
-    let measured = measure(&held_out);
+    // The tools a replayed call may name: every tool the cluster's episodes call.
+    let system =
+        crate::replay::system_prompt(&crate::replay::tool_list(job.episodes.iter().copied()));
     let mut attempts = Vec::new();
     let (name, description, wording) = word(&skeleton, job, models, options, &mut attempts)?;
     let mut kept: Vec<usize> = (0..skeleton.steps.len()).collect();
@@ -310,28 +427,26 @@ pub(crate) fn mature(
             .iter()
             .map(|&i| skeleton.steps[i].key.as_str())
             .collect();
-        let eta = match models.judge.as_deref_mut() {
-            Some(judge) => judge_eta(&text, &job.episodes, judge, options)?,
-            None => coverage_eta(&keys, &measured),
+        let eta = measure_eta(&text, &keys, &report_set, models, options, &system, replay)?;
+        let choice_eta = match &choose_set {
+            Some(choose) => measure_eta(&text, &keys, choose, models, options, &system, replay)?,
+            None => eta,
         };
         let length = match (options.pems.length, models.generator.as_deref()) {
             (LengthUnit::Tokens, Some(generator)) => generator.count_tokens(&text)?,
             _ => word_count(&text),
         };
-        let score = pems(
-            eta,
-            length,
-            delta(&vector, previous_vector.as_deref()),
-            skills,
-            &options.pems,
-        );
-        let change = rounds.last().map(|r| (score.pems - r.score.pems).abs());
+        let delta = delta(&vector, previous_vector.as_deref());
+        let score = pems(eta, length, delta, skills, &options.pems);
+        let choice = pems(choice_eta, length, delta, skills, &options.pems);
+        let change = rounds.last().map(|r| (choice.pems - r.choice.pems).abs());
         rounds.push(Round {
             round,
             text,
             skill: current,
             vector: vector.clone(),
             score,
+            choice,
         });
         if change.is_some_and(|c| c < options.epsilon) {
             converged = Some(round);
@@ -340,18 +455,20 @@ pub(crate) fn mature(
         if round == options.max_rounds {
             break;
         }
-        // The rewrite: drop the one non-critical step whose absence raises eta the most on the
-        // measuring episodes (never adds a step: every step stays proven by the logs).
-        match best_drop(&skeleton, &kept, &measured) {
-            Some(position) if models.judge.is_none() => {
+        // The rewrite: drop the one non-critical step whose absence raises sequence coverage
+        // the most on the choosing episodes (never adds a step: every step stays proven by the
+        // logs); whether it is kept is the next round's score on the same episodes.
+        let choosing = choose_set.as_ref().unwrap_or(&report_set);
+        match best_drop(&skeleton, &kept, &choosing.measured) {
+            Some(position) => {
                 kept.remove(position);
             }
-            _ => break,
+            None => break,
         }
         previous_vector = Some(vector);
     }
     let best = best_round(&rounds);
-    let measured_on = held_out.iter().map(|n| n.id.clone()).collect();
+    let measured_on = report_set.episodes.iter().map(|n| n.id.clone()).collect();
     Ok(Matured::Skill {
         rounds,
         best,
@@ -359,7 +476,7 @@ pub(crate) fn mature(
         rejected: attempts,
         skeleton,
         wording,
-        eta_scope: eta_scope.to_string(),
+        eta_scope,
         measured_on,
     })
 }
@@ -691,11 +808,11 @@ fn best_drop(
     best.map(|(position, _)| position)
 }
 
-/// The highest PEMS, the earliest on ties.
+/// The highest PEMS on the choosing episodes, the earliest on ties.
 pub(crate) fn best_round(rounds: &[Round]) -> usize {
     let mut best = 0;
     for (i, round) in rounds.iter().enumerate() {
-        if round.score.pems > rounds[best].score.pems {
+        if round.choice.pems > rounds[best].choice.pems {
             best = i;
         }
     }
@@ -744,6 +861,46 @@ fn generate_skill(
             attempts.push(Attempt { raw, problem });
             None
         }
+    }
+}
+
+/// What eta is measured with, as the skill's `eta_source` starts.
+pub(crate) fn eta_name(models: &Models<'_>) -> String {
+    if let Some(replayer) = models.replayer.as_deref() {
+        format!("replay step accuracy ({})", replayer.model_id())
+    } else if let Some(judge) = models.judge.as_deref() {
+        format!("judge ({})", judge.model_id())
+    } else {
+        "sequence coverage".to_string()
+    }
+}
+
+/// eta of a version on one set of measuring episodes (see the module docs); `replay`: with
+/// the replay model (else with the judge, or model-free).
+#[allow(clippy::too_many_arguments)] // the version, its episodes, the models and the prompt
+fn measure_eta(
+    text: &str,
+    keys: &[&str],
+    on: &Measuring<'_>,
+    models: &mut Models<'_>,
+    options: &ConsolidateOptions,
+    system: &str,
+    replay: bool,
+) -> Result<f64> {
+    if let Some(replayer) = models.replayer.as_deref_mut().filter(|_| replay) {
+        let params = GenerateParams {
+            max_tokens: REPLAY_TOKENS,
+            ..params(options)
+        };
+        return crate::replay::step_accuracy(&on.steps, system, Some(text), replayer, &params);
+    }
+    match models
+        .judge
+        .as_deref_mut()
+        .filter(|_| models.replayer.is_none())
+    {
+        Some(judge) => judge_eta(text, &on.episodes, judge, options),
+        None => Ok(coverage_eta(keys, &on.measured)),
     }
 }
 
@@ -893,5 +1050,43 @@ mod tests {
         assert_eq!((s.successes.len(), s.failures.len()), (3, 1));
         let few = split(&refs[..2]);
         assert!(few.held_out.is_empty(), "too few to keep any back");
+    }
+
+    #[test]
+    fn the_episodes_that_choose_rewrites_are_not_the_ones_that_report_eta() {
+        let nodes: Vec<Node> = (0..12)
+            .map(|i| episode(&[&format!("look {i}")], i != 4))
+            .collect();
+        let refs: Vec<&Node> = nodes.iter().collect();
+        let ids = |m: &Measuring<'_>| -> BTreeSet<String> {
+            m.episodes.iter().map(|n| n.id.to_string()).collect()
+        };
+        let s = split(&refs);
+        assert_eq!(s.held_out.len(), 4);
+        let (report, choose, scope) = measuring_sets(&s, &refs, 0);
+        let choose = choose.expect("4 kept back: two halves");
+        assert!(ids(&report).is_disjoint(&ids(&choose)), "{scope}");
+        let held: BTreeSet<String> = s.held_out.iter().map(|n| n.id.to_string()).collect();
+        let union: BTreeSet<String> = ids(&report).union(&ids(&choose)).cloned().collect();
+        assert_eq!(union, held, "every kept-back episode measures, none other");
+        assert_eq!((report.episodes.len(), choose.episodes.len()), (2, 2));
+        // One kept back: it both chooses and reports, and the scope says so.
+        let one = split(&refs[..5]);
+        assert_eq!(one.held_out.len(), 1);
+        let (report, choose, scope) = measuring_sets(&one, &refs[..5], 0);
+        assert!(choose.is_none() && report.episodes.len() == 1);
+        assert!(scope.contains("same episode"), "{scope}");
+        // None kept back: in-sample, said.
+        let none = split(&refs[..2]);
+        let (report, choose, scope) = measuring_sets(&none, &refs[..2], 0);
+        assert!(choose.is_none() && report.episodes.len() == 2);
+        assert!(scope.starts_with("in-sample"), "{scope}");
+    }
+
+    #[test]
+    fn spread_takes_at_most_its_cap_evenly_and_in_order() {
+        assert_eq!(spread((0..10).collect(), 4), vec![0, 2, 5, 7]);
+        assert_eq!(spread((0..3).collect(), 4), vec![0, 1, 2]);
+        assert_eq!(spread((0..3).collect(), 0), vec![0, 1, 2]);
     }
 }

@@ -1,7 +1,9 @@
 //! PEMS, the skill score of Stage III: PEMS = eta / ln(l) * (1 - delta).
 //!
-//! - `eta`: how well the skill agrees with its source episodes (judge replay, or the logged
-//!   success rate when there is no judge);
+//! - `eta`: how well the skill agrees with episodes it was not mined from, in [0, 1]: a replay
+//!   model's step accuracy acting with the skill, a judge's agreement with the logged outcomes,
+//!   or (model-free, the default) sequence coverage of the successes and not of the failures.
+//!   Which episodes measure it and which choose the rewrites: `mature.rs`'s module docs;
 //! - `l`: the skill's length in tokens of the generator (or in words), clamped to l >= 2 so
 //!   ln(l) > 0;
 //! - `delta` = 1 - cos(this version's embedding, the previous version's), clamped to [0, 1];

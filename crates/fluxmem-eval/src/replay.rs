@@ -21,13 +21,17 @@
 //! The scorer reads the logged calls of unseen episodes only as the answers to score against;
 //! nothing of them reaches consolidation.
 
+use fluxmem_consolidate::replay::{
+    conversation, parse_action, score, steps_of, system_prompt, tool_list, Action, ReplayStep,
+    StepScore,
+};
 use fluxmem_consolidate::SkillRecord;
 use fluxmem_graph::Node;
 use fluxmem_models::{ChatMessage, Embedder, GenerateParams, Generator};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use crate::skills::mean;
 use crate::Result;
@@ -174,25 +178,6 @@ pub struct ReplayExample {
 /// Replies kept verbatim per model condition.
 const EXAMPLES: usize = 3;
 
-/// A call to predict.
-struct Target {
-    episode: usize,
-    task: String,
-    history: String,
-    tool: String,
-    arguments: Map<String, Value>,
-    /// Tools called before it in the episode.
-    called: Vec<String>,
-}
-
-/// A predicted action.
-#[derive(Debug, Clone, PartialEq)]
-struct Action {
-    /// The tool called; empty for a message to the user.
-    tool: String,
-    arguments: Map<String, Value>,
-}
-
 /// Replays the unseen `episodes` with and without `skills`.
 pub fn replay(
     episodes: &[Node],
@@ -207,14 +192,14 @@ pub fn replay(
         .filter(|n| n.episode().and_then(|e| e.outcome.success) == Some(true))
         .collect();
     let tools = tool_list(episodes);
-    let mut targets: Vec<Target> = successful
+    let mut targets: Vec<ReplayStep> = successful
         .iter()
         .enumerate()
-        .flat_map(|(i, node)| targets_of(i, node, options.history_chars))
+        .flat_map(|(i, node)| steps_of(i, node, options.history_chars))
         .collect();
     let available = targets.len();
     if options.sample > 0 && options.sample < targets.len() {
-        let mut keyed: Vec<(Vec<u8>, Target)> = targets
+        let mut keyed: Vec<(Vec<u8>, ReplayStep)> = targets
             .into_iter()
             .enumerate()
             .map(|(i, t)| {
@@ -237,22 +222,8 @@ pub fn replay(
         steps_available: available,
         ..Default::default()
     };
-    let conversation = |target: &Target, skill: Option<&SkillRecord>| -> Vec<ChatMessage> {
-        let mut system = system.clone();
-        if let Some(skill) = skill {
-            system.push_str("\n\nA skill mined from earlier runs of tasks like this one:\n\n");
-            system.push_str(&skill_text(skill));
-        }
-        vec![
-            ChatMessage::new("system", system),
-            ChatMessage::new(
-                "user",
-                format!(
-                    "Task: {}\n\nSo far:\n{}\n\nThe next action, as one line of JSON:",
-                    target.task, target.history
-                ),
-            ),
-        ]
+    let conversation = |target: &ReplayStep, skill: Option<&SkillRecord>| -> Vec<ChatMessage> {
+        conversation(&system, target, skill.map(skill_text).as_deref())
     };
     let without: Vec<Vec<ChatMessage>> = targets.iter().map(|t| conversation(t, None)).collect();
     let with: Vec<Vec<ChatMessage>> = targets
@@ -302,7 +273,7 @@ pub fn replay(
         .map(|t| picked[t.episode].and_then(|i| next_skill_step(&skills[i], &t.called)))
         .collect();
     predictions.insert("skill_only", skill_only);
-    let mut per_step: BTreeMap<&str, Vec<Score>> = BTreeMap::new();
+    let mut per_step: BTreeMap<&str, Vec<StepScore>> = BTreeMap::new();
     for (name, actions) in &predictions {
         let scores = targets
             .iter()
@@ -341,39 +312,6 @@ pub fn replay(
     Ok(report)
 }
 
-/// Every tool the episodes call, with the union of its argument keys.
-fn tool_list(episodes: &[Node]) -> BTreeMap<String, BTreeSet<String>> {
-    let mut tools: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for episode in episodes.iter().filter_map(|n| n.episode()) {
-        for call in episode.steps.iter().flat_map(|s| &s.tool_calls) {
-            let keys = arguments(&call.arguments)
-                .keys()
-                .cloned()
-                .collect::<Vec<_>>();
-            tools.entry(call.name.clone()).or_default().extend(keys);
-        }
-    }
-    tools
-}
-
-fn arguments(text: &str) -> Map<String, Value> {
-    serde_json::from_str::<Map<String, Value>>(text).unwrap_or_default()
-}
-
-fn system_prompt(tools: &BTreeMap<String, BTreeSet<String>>) -> String {
-    let mut text = String::from(
-        "You are an agent that completes the user's task with tools. The tools and their argument keys:\n",
-    );
-    for (tool, keys) in tools {
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        text.push_str(&format!("- {tool}({})\n", keys.join(", ")));
-    }
-    text.push_str(
-        "\nAnswer with the next action only, as one line of JSON: {\"tool\": \"<name>\", \"arguments\": {...}} to call a tool, or {\"message\": \"<text>\"} to write to the user.",
-    );
-    text
-}
-
 /// The text of a skill as the `with` condition shows it.
 pub fn skill_text(skill: &SkillRecord) -> String {
     let mut text = format!("# {}\n\n{}\n\nSteps:\n", skill.name, skill.description);
@@ -387,59 +325,6 @@ pub fn skill_text(skill: &SkillRecord) -> String {
         }
     }
     text
-}
-
-fn clip(text: &str, chars: usize) -> String {
-    let text = text.trim();
-    if text.chars().count() <= chars {
-        return text.to_string();
-    }
-    text.chars().take(chars).collect::<String>() + "…"
-}
-
-/// The calls of one successful episode, each with the history before it.
-fn targets_of(index: usize, node: &Node, history_chars: usize) -> Vec<Target> {
-    let Some(episode) = node.episode() else {
-        return Vec::new();
-    };
-    let mut lines: Vec<String> = Vec::new();
-    let mut called: Vec<String> = Vec::new();
-    let mut out = Vec::new();
-    for step in &episode.steps {
-        for line in step.observation.lines().filter(|l| !l.trim().is_empty()) {
-            lines.push(clip(line, 160));
-        }
-        if !step.action.trim().is_empty() {
-            lines.push(format!("[assistant] {}", clip(&step.action, 160)));
-        }
-        for call in &step.tool_calls {
-            let history = lines.join("\n");
-            let start = history
-                .char_indices()
-                .rev()
-                .nth(history_chars)
-                .map_or(0, |(i, _)| i);
-            out.push(Target {
-                episode: index,
-                task: clip(&node.text, 300),
-                history: if start > 0 {
-                    format!("…{}", &history[start..])
-                } else {
-                    history
-                },
-                tool: call.name.clone(),
-                arguments: arguments(&call.arguments),
-                called: called.clone(),
-            });
-            lines.push(format!(
-                "[call] {} {}",
-                call.name,
-                clip(&call.arguments, 200)
-            ));
-            called.push(call.name.clone());
-        }
-    }
-    out
 }
 
 /// For each episode, the skill retrieval picks: the highest cosine of the task's embedding
@@ -471,27 +356,6 @@ fn pick_skills(
                 .map(|(i, _)| i)
         })
         .collect())
-}
-
-/// The first JSON object in a reply, read as an action.
-fn parse_action(reply: &str) -> Option<Action> {
-    let start = reply.find('{')?;
-    let value: Value = serde_json::Deserializer::from_str(&reply[start..])
-        .into_iter::<Value>()
-        .next()?
-        .ok()?;
-    let tool = match value.get("tool").or_else(|| value.get("name")) {
-        Some(tool) => tool.as_str()?.to_string(),
-        // A message to the user: a readable action that calls no tool.
-        None if value.get("message").is_some() => String::new(),
-        None => return None,
-    };
-    let arguments = match value.get("arguments").or_else(|| value.get("args")) {
-        Some(Value::Object(map)) => map.clone(),
-        Some(Value::String(text)) => arguments(text),
-        _ => Map::new(),
-    };
-    Some(Action { tool, arguments })
 }
 
 /// The skill's steps as calls: the tool after "call" and the argument keys named after it
@@ -538,54 +402,7 @@ fn next_skill_step(skill: &SkillRecord, called: &[String]) -> Option<Action> {
     steps.get(next).cloned()
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Score {
-    tool: bool,
-    args: bool,
-    /// (given exactly, traceable).
-    values: (usize, usize),
-}
-
-fn score(target: &Target, action: Option<&Action>) -> Score {
-    let history = target.history.to_lowercase();
-    let traceable: Vec<(&String, &Value)> = target
-        .arguments
-        .iter()
-        .filter(|(_, v)| {
-            let text = match v {
-                Value::String(s) => s.to_lowercase(),
-                other => other.to_string(),
-            };
-            text.chars().count() >= fluxmem_consolidate::flow::MIN_TRACE_CHARS
-                && history.contains(&text)
-        })
-        .collect();
-    let Some(action) = action else {
-        return Score {
-            tool: false,
-            args: false,
-            values: (0, traceable.len()),
-        };
-    };
-    let tool = action.tool == target.tool;
-    let keys = |m: &Map<String, Value>| m.keys().cloned().collect::<BTreeSet<_>>();
-    let args = tool && keys(&action.arguments) == keys(&target.arguments);
-    let same = |a: &Value, b: &Value| match (a, b) {
-        (Value::String(x), Value::String(y)) => x.trim().eq_ignore_ascii_case(y.trim()),
-        _ => a == b,
-    };
-    let given = traceable
-        .iter()
-        .filter(|(k, v)| tool && action.arguments.get(*k).is_some_and(|p| same(p, v)))
-        .count();
-    Score {
-        tool,
-        args,
-        values: (given, traceable.len()),
-    }
-}
-
-fn summarize(scores: &[Score], seed: u64) -> ConditionScores {
+fn summarize(scores: &[StepScore], seed: u64) -> ConditionScores {
     let tool: Vec<f64> = scores.iter().map(|s| f64::from(u8::from(s.tool))).collect();
     let args: Vec<f64> = scores.iter().map(|s| f64::from(u8::from(s.args))).collect();
     let values: Vec<f64> = scores
@@ -675,34 +492,6 @@ mod tests {
             ]),
             None
         );
-    }
-
-    #[test]
-    fn replies_parse_and_score_tool_keys_and_traceable_values() {
-        let target = Target {
-            episode: 0,
-            task: "cancel".into(),
-            history: "[user] my id is mia_kim_11 and reservation ABC123".into(),
-            tool: "cancel_reservation".into(),
-            arguments: arguments(r#"{"reservation_id": "ABC123", "reason": "x"}"#),
-            called: Vec::new(),
-        };
-        let reply = r#"Sure. {"tool": "cancel_reservation", "arguments": {"reservation_id": "abc123", "reason": "other"}} trailing"#;
-        let s = score(&target, parse_action(reply).as_ref());
-        assert!(s.tool && s.args);
-        assert_eq!(
-            s.values,
-            (1, 1),
-            "only ABC123 is in the history; it is given"
-        );
-        let wrong_keys = parse_action(
-            r#"{"tool": "cancel_reservation", "arguments": "{\"reservation_id\": \"ABC123\"}"}"#,
-        );
-        let s = score(&target, wrong_keys.as_ref());
-        assert!(s.tool && !s.args);
-        assert_eq!(s.values, (1, 1));
-        let s = score(&target, parse_action("I will cancel it.").as_ref());
-        assert!(!s.tool && !s.args && s.values == (0, 1));
     }
 
     #[test]

@@ -126,6 +126,28 @@ fn embedder_from_cache(
     SentenceEmbedder::load_with(&dir, &spec.model_id(), device, backend)
 }
 
+/// The replay model named by an eta setting: `coverage` (model-free, `None`), `replay` (the
+/// default generator) or `replay:MODEL` for a generator MODEL of the manifest.
+pub fn eta_model(setting: &str) -> Result<Option<String>> {
+    let unknown = || {
+        Error::Unknown {
+        name: format!("eta `{setting}`"),
+        known: format!("coverage (model-free), replay ({DEFAULT_GENERATOR}) or replay:MODEL for a generator MODEL"),
+    }
+    };
+    match setting {
+        "coverage" => Ok(None),
+        "replay" => Ok(Some(DEFAULT_GENERATOR.to_string())),
+        setting => {
+            let name = setting.strip_prefix("replay:").ok_or_else(unknown)?;
+            match ModelManifest::load()?.get(name) {
+                Ok(spec) if spec.kind == "generator" => Ok(Some(name.to_string())),
+                _ => Err(unknown()),
+            }
+        }
+    }
+}
+
 /// The generator model a judge setting names: `none` gives `None`, `llm` and `ql` the default
 /// judge ([`DEFAULT_JUDGE`]), `MODEL` and `ql:MODEL` a generator of the manifest. `ql` settings
 /// score by query likelihood ([`QlJudge`], see [`judge_is_ql`]), the others by yes/no
@@ -186,6 +208,21 @@ mod judge_setting_tests {
 
     #[test]
     fn judge_settings_name_the_model_and_the_scoring() {
+        assert_eq!(eta_model("coverage").unwrap(), None);
+        assert_eq!(
+            eta_model("replay").unwrap().as_deref(),
+            Some(DEFAULT_GENERATOR)
+        );
+        assert_eq!(
+            eta_model("replay:smollm2-135m-instruct-q4_1")
+                .unwrap()
+                .as_deref(),
+            Some("smollm2-135m-instruct-q4_1")
+        );
+        for bad in ["judge", "replay:nope", "replay:all-minilm-l6-v2"] {
+            let error = eta_model(bad).unwrap_err().to_string();
+            assert!(error.contains(&format!("eta `{bad}`")), "{error}");
+        }
         assert_eq!(judge_model("none").unwrap(), None);
         assert_eq!(judge_model("llm").unwrap().as_deref(), Some(DEFAULT_JUDGE));
         assert_eq!(judge_model("ql").unwrap().as_deref(), Some(DEFAULT_JUDGE));
