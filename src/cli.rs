@@ -334,6 +334,21 @@ pub enum EvalCommand {
     /// The data goes into a fresh temporary store and is embedded once; each generator
     /// consolidates its own copy. Prints one row per generator with wall time, calls and tokens.
     Skills(EvalSkillsArgs),
+    /// Ingest's outcome rule against the outcomes the files log, hidden from the rule: a
+    /// confusion table per file (rule answer x logged outcome) and by the part of the rule that
+    /// decided.
+    Outcomes(EvalOutcomesArgs),
+}
+
+/// `fluxmem eval outcomes`.
+#[derive(Debug, Args)]
+pub struct EvalOutcomesArgs {
+    /// Files with logged outcomes (any format ingest reads).
+    #[arg(long = "data", required = true)]
+    pub data: Vec<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `fluxmem eval skills`.
@@ -659,6 +674,11 @@ pub struct ConsolidateArgs {
     /// With `--eta replay`: logged calls replayed per measurement at most (0: all).
     #[arg(long, default_value_t = fluxmem_consolidate::ConsolidateOptions::default().replay_steps)]
     pub replay_steps: usize,
+    /// Outcome sources to believe, comma-separated: logged, status (span status), inferred
+    /// (ingest's rule), judged; an episode whose outcome came from another source counts as of
+    /// unknown outcome. Default: all.
+    #[arg(long, default_value = "logged,status,inferred,judged")]
+    pub outcomes: String,
     /// Generator that words skills (name and description around the procedure mined from the
     /// logs); `none`: template skills, no model.
     #[arg(long, default_value = fluxmem_models::DEFAULT_GENERATOR)]

@@ -279,6 +279,8 @@ pub struct Consolidate {
     pub eta: String,
     /// With a replay eta: logged calls replayed per measurement at most (0: all).
     pub replay_steps: usize,
+    /// Outcome sources to believe, comma-separated (see `consolidate --outcomes`).
+    pub outcomes: String,
     /// A skill is re-induced only when its cluster gained or lost at least this share of its
     /// source episodes (0: on any change).
     pub reinduce_share: f64,
@@ -305,6 +307,7 @@ impl Default for Consolidate {
             judge_episodes: d.judge_episodes,
             eta: "coverage".into(),
             replay_steps: d.replay_steps,
+            outcomes: d.outcomes.join(","),
             reinduce_share: d.reinduce_share,
             assign: d.assign,
             recluster_share: d.recluster_share,
@@ -505,6 +508,7 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
     if let Err(e) = fluxmem_models::judge_model(&p.models.judge) {
         bail!("key `models.judge`: {e}");
     }
+    crate::commands::outcomes_flag("key `consolidate.outcomes`", &p.consolidate.outcomes)?;
     match fluxmem_models::eta_model(&p.consolidate.eta) {
         Err(e) => bail!("key `consolidate.eta`: {e}"),
         Ok(Some(_)) if p.models.judge != "none" => bail!(

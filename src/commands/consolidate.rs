@@ -91,6 +91,7 @@ fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
         max_tokens: args.max_tokens,
         judge_episodes: args.judge_episodes,
         replay_steps: args.replay_steps,
+        outcomes: super::outcomes_flag("--outcomes", &args.outcomes)?,
         tenant: args.tenant.clone(),
         retry_failed: args.retry_failed,
         split_by_procedure: !args.no_procedure_split,
@@ -112,6 +113,16 @@ pub fn assignment_line(report: &ConsolidateReport) -> Option<String> {
     })
 }
 
+/// The episodes by outcome source, as one line.
+pub fn outcomes_line(report: &ConsolidateReport) -> String {
+    let parts: Vec<String> = report
+        .outcome_sources
+        .iter()
+        .map(|(source, n)| format!("{n} {source}"))
+        .collect();
+    format!("outcomes of the episodes read: {}", parts.join(", "))
+}
+
 fn print_human(report: &ConsolidateReport, seconds: f64) {
     println!(
         "{} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} kept, {} failed ({} sharing no procedure, {} failed earlier); {} commit(s), {:.1}s",
@@ -130,6 +141,7 @@ fn print_human(report: &ConsolidateReport, seconds: f64) {
     if let Some(line) = assignment_line(report) {
         println!("{line}");
     }
+    println!("{}", outcomes_line(report));
     println!(
         "generator {}: {} calls, {} prompt + {} generated tokens; eta from {}{}",
         report.generator_model,
@@ -140,7 +152,10 @@ fn print_human(report: &ConsolidateReport, seconds: f64) {
         report
             .judge_model
             .as_ref()
-            .map(|j| format!(" ({j}, {} judged episodes)", report.judge.calls))
+            .map(|_| format!(
+                ": {} calls, {} prompt + {} generated tokens",
+                report.judge.calls, report.judge.prompt_tokens, report.judge.generated_tokens
+            ))
             .unwrap_or_default()
     );
     for skill in &report.skills {

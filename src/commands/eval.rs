@@ -422,3 +422,34 @@ fn print_skills_table(
         }
     }
 }
+
+/// `fluxmem eval outcomes`: the outcome rule against logged outcomes, one table per file.
+pub fn outcomes(args: crate::cli::EvalOutcomesArgs) -> anyhow::Result<ExitCode> {
+    let mut results = Vec::new();
+    for data in &args.data {
+        results.push(fluxmem_eval::outcomes::outcome_rule(data)?);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    for result in &results {
+        println!(
+            "{}: {} episodes with a logged outcome; the rule decides {:.0}% of them, {:.0}% of its decisions right",
+            result.file,
+            result.episodes,
+            result.coverage() * 100.0,
+            result.precision_of_decided() * 100.0
+        );
+        println!("  rule says    logged success  logged failure");
+        for answer in ["success", "failure", "unknown"] {
+            let [s, f] = result.table.get(answer).copied().unwrap_or_default();
+            println!("  {answer:<12} {s:>14}  {f:>14}");
+        }
+        println!("  by the part of the rule that decided:");
+        for (rule, [s, f]) in &result.by_rule {
+            println!("    {rule:<48} {s:>4} success  {f:>4} failure");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

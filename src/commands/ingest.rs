@@ -39,6 +39,7 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             "quarantine_file": report.quarantine_file,
             "nodes_added": report.nodes_added,
             "unchanged_files": report.unchanged_files,
+            "outcomes": report.outcomes,
         });
         println!("{json}");
     } else {
@@ -54,6 +55,17 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         }
         if let Some(path) = &report.quarantine_file {
             println!("quarantine file: {}", path.display());
+        }
+        if !report.outcomes.is_empty() {
+            let parts: Vec<String> = report
+                .outcomes
+                .iter()
+                .map(|(source, n)| format!("{n} {source}"))
+                .collect();
+            println!(
+                "outcomes of the new episodes: {} (inferred: ingest's rule, see docs/formats/outcomes.md)",
+                parts.join(", ")
+            );
         }
         let (stats, manifest) = writer.store().stats()?;
         super::stats::print_table(&stats, manifest.version, &settings.store);

@@ -31,6 +31,7 @@ pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
         Command::Run(args) => run::run(args, settings),
         Command::Eval(crate::cli::EvalCommand::Locomo(args)) => eval::locomo(args, settings),
         Command::Eval(crate::cli::EvalCommand::Skills(args)) => eval::skills(args, settings),
+        Command::Eval(crate::cli::EvalCommand::Outcomes(args)) => eval::outcomes(args),
         Command::Consolidate(args) => consolidate::run(args, settings),
         Command::Export(crate::cli::ExportCommand::Skills(args)) => export::skills(args, settings),
         Command::Store(crate::cli::StoreCommand::Recover(args)) => store::recover(args, settings),
@@ -193,6 +194,30 @@ pub fn replayer_from_flag(
         device,
         fluxmem_models::WeightPath::Prompts,
     )?))
+}
+
+/// A list of outcome sources (`--outcomes`, `consolidate.outcomes`): comma-separated names
+/// of [`fluxmem_consolidate::OUTCOME_SOURCES`], at least one.
+pub fn outcomes_flag(name: &str, value: &str) -> anyhow::Result<Vec<String>> {
+    let sources: Vec<String> = value
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
+    let known = fluxmem_consolidate::OUTCOME_SOURCES;
+    if let Some(bad) = sources.iter().find(|s| !known.contains(&s.as_str())) {
+        anyhow::bail!(
+            "{name} `{value}`: unknown source `{bad}`; expected some of {}",
+            known.join(", ")
+        );
+    }
+    if sources.is_empty() {
+        anyhow::bail!(
+            "{name} `{value}`: name at least one of {}",
+            known.join(", ")
+        );
+    }
+    Ok(sources)
 }
 
 /// The `--clusters` flag: `auto` (None) or a positive number of clusters per tenant.

@@ -673,6 +673,7 @@ impl Ctx<'_> {
             max_tokens: c.max_tokens,
             judge_episodes: c.judge_episodes,
             replay_steps: c.replay_steps,
+            outcomes: super::outcomes_flag("key `consolidate.outcomes`", &c.outcomes)?,
             reinduce_share: c.reinduce_share,
             assign: c.assign,
             recluster_share: c.recluster_share,

@@ -21,6 +21,9 @@ use crate::{Error, Result};
 /// The stage name written on nodes, edges, edits and commits.
 pub const STAGE: &str = "consolidate";
 
+/// The outcome sources an episode's `outcome_source` can name, besides `none`.
+pub const OUTCOME_SOURCES: [&str; 4] = ["logged", "status", "inferred", "judged"];
+
 /// How to consolidate.
 #[derive(Debug, Clone)]
 pub struct ConsolidateOptions {
@@ -42,6 +45,10 @@ pub struct ConsolidateOptions {
     pub judge_episodes: usize,
     /// Judge probability at which a skill counts as consistent with an episode.
     pub judge_threshold: f32,
+    /// The outcome sources consolidation believes (`logged`, `status`, `inferred`, `judged`;
+    /// see `fluxmem_ingest::outcome`): an episode whose outcome came from another source is
+    /// treated as of unknown outcome. Default: all four.
+    pub outcomes: Vec<String>,
     /// With a replay model: logged calls replayed per eta measurement at most (spread evenly
     /// over the measuring episodes' calls; 0: all).
     pub replay_steps: usize,
@@ -88,6 +95,7 @@ impl Default for ConsolidateOptions {
             judge_episodes: 8,
             judge_threshold: 0.5,
             replay_steps: 8,
+            outcomes: OUTCOME_SOURCES.iter().map(|s| s.to_string()).collect(),
             tenant: None,
             match_overlap: 0.5,
             match_similarity: 0.9,
@@ -220,6 +228,9 @@ pub struct ConsolidateReport {
     pub judge_model: Option<String>,
     /// The embedding model.
     pub embedding_model: String,
+    /// Episodes read, by the source of their outcome; a source not believed
+    /// ([`ConsolidateOptions::outcomes`]) is counted as `SOURCE (not believed)`.
+    pub outcome_sources: BTreeMap<String, usize>,
     /// Generator use of the whole run.
     pub generator: TokenUsage,
     /// Judge use of the whole run.
@@ -252,7 +263,8 @@ pub fn consolidate_store(
     device: &Device,
     progress: &mut dyn Progress,
 ) -> Result<ConsolidateReport> {
-    let graph = read(writer)?;
+    let mut graph = read(writer)?;
+    let outcome_sources = believe_outcomes(&mut graph, options);
     let model = models.embedder.model_id().to_string();
     if let Some(stored) = &writer.manifest().embedding_model {
         if stored.id != model {
@@ -272,6 +284,7 @@ pub fn consolidate_store(
         generator_model: generator_id(models),
         judge_model,
         embedding_model: model.clone(),
+        outcome_sources,
         ..Default::default()
     };
     let generator_start = generator_usage(models);
@@ -843,6 +856,30 @@ pub fn assign<'g>(
 /// (a new version retires its predecessor's) and the `skill_failed` records of the edit log;
 /// not the ground and link edges, the facts' vectors or the rest of the edit log, which are
 /// most of a store.
+/// Forgets the outcomes of episodes whose source `options.outcomes` does not name (they count
+/// as unknown), and counts the episodes (of the options' tenant) by source.
+fn believe_outcomes(graph: &mut Graph, options: &ConsolidateOptions) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for node in graph.nodes.values_mut() {
+        if options.tenant.as_ref().is_some_and(|t| t != &node.tenant) {
+            continue;
+        }
+        let source = node.outcome_source().to_string();
+        let NodeBody::Episodic(episode) = &mut node.body else {
+            continue;
+        };
+        let believed = source == "none" || options.outcomes.contains(&source);
+        let key = if believed {
+            source
+        } else {
+            episode.outcome.success = None;
+            format!("{source} (not believed)")
+        };
+        *counts.entry(key).or_default() += 1;
+    }
+    counts
+}
+
 fn read(writer: &Writer) -> Result<Graph> {
     let store = writer.store();
     let scan = Scan {

@@ -35,7 +35,7 @@ pub mod replay;
 
 pub use consolidate::{
     consolidate_store, latest_skills, ClusterReport, ConsolidateOptions, ConsolidateReport,
-    FailedCluster, NoProgress, Progress, SkillReport, TokenUsage, STAGE,
+    FailedCluster, NoProgress, Progress, SkillReport, TokenUsage, OUTCOME_SOURCES, STAGE,
 };
 pub use export::{
     check_export_target, export_skills, export_skills_with, skill_records, ExportFormat,

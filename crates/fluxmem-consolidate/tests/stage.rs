@@ -1843,3 +1843,40 @@ fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+#[test]
+fn outcomes_of_sources_not_believed_count_as_unknown_and_are_reported() {
+    let sources = |outcomes: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("store");
+        let mut episodes = three_families(4);
+        for node in episodes.iter_mut() {
+            let failed = node.episode().unwrap().outcome.success == Some(false);
+            let source = if failed { "inferred" } else { "logged" };
+            node.metadata
+                .insert("outcome_source".into(), serde_json::Value::from(source));
+        }
+        add_episodes(&store, episodes);
+        let mut generator = Scripted::new(family_skill);
+        let options = ConsolidateOptions {
+            outcomes: outcomes.iter().map(|s| s.to_string()).collect(),
+            ..options(3)
+        };
+        let report = run(&store, &mut generator, None, &options);
+        report
+            .outcome_sources
+            .into_iter()
+            .collect::<Vec<(String, usize)>>()
+    };
+    assert_eq!(
+        sources(&["logged", "status", "inferred", "judged"]),
+        [("inferred".to_string(), 3), ("logged".to_string(), 9)]
+    );
+    assert_eq!(
+        sources(&["logged"]),
+        [
+            ("inferred (not believed)".to_string(), 3),
+            ("logged".to_string(), 9)
+        ]
+    );
+}

@@ -5,6 +5,7 @@
 
 pub mod locomo;
 pub mod metrics;
+pub mod outcomes;
 pub mod replay;
 pub mod skills;
 

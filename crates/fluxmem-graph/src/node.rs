@@ -196,6 +196,17 @@ impl Node {
             _ => None,
         }
     }
+
+    /// Where an episode's outcome came from: its `metadata.outcome_source` (`logged`, `status`,
+    /// `inferred`, `judged` or `none`, set by ingest), else `logged` when it has an outcome (a
+    /// store written before sources were recorded) and `none` when it has not.
+    pub fn outcome_source(&self) -> &str {
+        match self.metadata.get("outcome_source").and_then(Value::as_str) {
+            Some(source) => source,
+            None if self.episode().is_some_and(|e| e.outcome.success.is_some()) => "logged",
+            None => "none",
+        }
+    }
 }
 
 impl Node {

@@ -3,7 +3,8 @@
 //! then `> action` lines each followed by the environment's observation.
 //!
 //! The transcripts are expert demonstrations that reach their goal, so episodes are stored
-//! with `success: true` and `metadata.outcome_source = "demonstration"`.
+//! with `success: true`, `metadata.outcome_source = "logged"` and `metadata.outcome_rule =
+//! "expert demonstration"`.
 
 use fluxmem_graph::{sha256_hex, Episode, NodeBody, Outcome, Step};
 use serde_json::value::RawValue;
@@ -127,8 +128,11 @@ fn transcript_record(source: &Source, name: &str, transcript: &str) -> Result<Re
     );
     // The trajectory's name (its `source_locator`) encodes the benchmark's task type, an
     // evaluation label: nothing of it goes into the metadata, where a stage could read it.
+    // The file says these runs reach their goal: a logged outcome, of a demonstration.
     node.metadata
-        .insert("outcome_source".into(), Value::from("demonstration"));
+        .insert("outcome_source".into(), Value::from("logged"));
+    node.metadata
+        .insert("outcome_rule".into(), Value::from("expert demonstration"));
     Ok(Record { nodes: vec![node] })
 }
 

@@ -39,6 +39,7 @@ mod ledger;
 mod locomo;
 mod openai;
 mod otel;
+pub mod outcome;
 mod record;
 mod source;
 mod tau;
@@ -215,6 +216,9 @@ pub struct IngestReport {
     pub unchanged_files: u64,
     /// Commits made.
     pub commits: u64,
+    /// Episodes stored, by where their outcome came from (`logged`, `status`, `inferred`,
+    /// `none`; see [`outcome`]).
+    pub outcomes: std::collections::BTreeMap<String, u64>,
     /// Directories and links the input walk left out on purpose (fluxmem stores, exports and
     /// run reports; file links without `follow_symlinks`), with why. Not records: not in `read`.
     pub skipped: Vec<Skipped>,
@@ -526,8 +530,16 @@ impl Run<'_> {
                     return Ok(());
                 }
                 self.report.ingested += 1;
-                for node in record.nodes {
+                for mut node in record.nodes {
                     if self.known.insert(node.id.as_str()) {
+                        if node.episode().is_some() {
+                            outcome::label(&mut node);
+                            *self
+                                .report
+                                .outcomes
+                                .entry(outcome::source_of(&node).to_string())
+                                .or_default() += 1;
+                        }
                         self.report.nodes_added += 1;
                         self.pending.insert_node(node);
                     }

@@ -473,17 +473,21 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
         }
     }
     let last_agent = agents.last().copied().copied();
+    // Whether the agent span's status (not an explicit attribute) gave the outcome.
+    let mut from_status = false;
     let outcome = match last_agent {
         Some(agent) => {
-            let success = agent
+            let logged = agent
                 .attributes
                 .get("fluxmem.outcome.success")
-                .and_then(Value::as_bool)
-                .or(match agent.status {
-                    1 => Some(true),
-                    2 => Some(false),
-                    _ => None,
-                });
+                .and_then(Value::as_bool);
+            let status = match agent.status {
+                1 => Some(true),
+                2 => Some(false),
+                _ => None,
+            };
+            from_status = logged.is_none() && status.is_some();
+            let success = logged.or(status);
             let reward = agent
                 .attributes
                 .get("fluxmem.outcome.reward")
@@ -535,6 +539,10 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
     );
     let files: BTreeSet<&str> = spans.iter().map(|s| s.file.as_str()).collect();
     node.metadata.insert("format".into(), Value::from("otel"));
+    if from_status {
+        node.metadata
+            .insert("outcome_source".into(), Value::from("status"));
+    }
     node.metadata.insert("otel.group".into(), Value::from(key));
     node.metadata
         .insert("otel.spans".into(), Value::from(spans.len()));

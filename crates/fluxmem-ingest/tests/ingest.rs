@@ -1119,6 +1119,12 @@ fn otel_genai_traces_become_episodes() {
         ]
     );
     assert_eq!(episode.steps.last().unwrap().action, "Done.");
+    assert_eq!(
+        fixed.outcome_source(),
+        "status",
+        "the agent span's OK status"
+    );
+    assert_eq!(episodes[1].outcome_source(), "status", "its ERROR status");
     let failed = episodes[1].episode().unwrap();
     assert_eq!(failed.outcome.success, Some(false));
     assert_eq!(
@@ -1502,4 +1508,48 @@ fn evaluation_labels_are_not_stored_in_node_metadata() {
         }
     }
     assert!(checked > 0, "the sample's trajectories have labelled names");
+}
+
+#[test]
+fn every_episode_says_where_its_outcome_came_from_and_the_rule_fills_unlogged_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("chats.jsonl");
+    let lines = [
+        // Logged.
+        r#"{"id": "logged", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "outcome": {"success": false}}"#,
+        // No outcome, ended with an answer: presumed success.
+        r#"{"id": "answered", "messages": [{"role": "user", "content": "order 7?"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{\"id\": 7}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "{\"state\": \"sent\"}"}, {"role": "assistant", "content": "It was sent."}, {"role": "user", "content": "great, thanks"}]}"#,
+        // No outcome, the user complains after the answer: failure.
+        r#"{"id": "complained", "messages": [{"role": "user", "content": "order 8?"}, {"role": "assistant", "content": "It was sent."}, {"role": "user", "content": "That is wrong, it never left."}]}"#,
+        // No outcome, the last call failed: failure.
+        r#"{"id": "errored", "messages": [{"role": "user", "content": "order 9?"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c2", "type": "function", "function": {"name": "lookup", "arguments": "{\"id\": 9}"}}]}, {"role": "tool", "tool_call_id": "c2", "content": "Error: timeout"}]}"#,
+        // No outcome, ended on a call (a hand-off): unknown.
+        r#"{"id": "handed", "messages": [{"role": "user", "content": "a human please"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c3", "type": "function", "function": {"name": "escalate", "arguments": "{}"}}]}]}"#,
+    ];
+    std::fs::write(&log, lines.join("\n")).unwrap();
+    let store = dir.path().join("store");
+    let report = run(&store, &[log], &IngestOptions::default());
+    let counts: Vec<(&str, u64)> = report
+        .outcomes
+        .iter()
+        .map(|(k, v)| (k.as_str(), *v))
+        .collect();
+    assert_eq!(counts, [("inferred", 3), ("logged", 1), ("none", 1)]);
+    let episodes = episodes_by_conversation(&store);
+    let seen = |id: &str| {
+        let node = &episodes[id];
+        (
+            node.outcome_source().to_string(),
+            node.episode().unwrap().outcome.success,
+        )
+    };
+    assert_eq!(seen("logged"), ("logged".into(), Some(false)));
+    assert_eq!(seen("answered"), ("inferred".into(), Some(true)));
+    assert_eq!(seen("complained"), ("inferred".into(), Some(false)));
+    assert_eq!(seen("errored"), ("inferred".into(), Some(false)));
+    assert_eq!(seen("handed"), ("none".into(), None));
+    assert_eq!(
+        episodes["handed"].metadata["outcome_rule"],
+        "ended on a tool call, not an answer"
+    );
 }
