@@ -35,6 +35,7 @@ mod compress;
 mod docs;
 mod error;
 mod jsonl;
+mod layouts;
 mod ledger;
 mod locomo;
 mod openai;
@@ -112,11 +113,15 @@ impl Format {
         match extension.as_str() {
             "jsonl" | "ndjson" => {
                 // The first record tells fluxmem's schema from a chat log.
-                let first = source::lines(bytes).find(|l| !l.iter().all(u8::is_ascii_whitespace));
-                let chat = first
+                // The first record tells fluxmem's schema from OTLP (the Collector's file
+                // exporter) and from chat logs.
+                let first = source::lines(bytes)
+                    .find(|l| !l.iter().all(u8::is_ascii_whitespace))
                     .and_then(|l| std::str::from_utf8(l).ok())
-                    .is_some_and(openai::looks_like);
-                return Some(if chat {
+                    .unwrap_or_default();
+                return Some(if otel::looks_like(first) {
+                    Format::Otel
+                } else if openai::looks_like(first) {
                     Format::OpenaiChat
                 } else {
                     Format::Jsonl

@@ -41,6 +41,8 @@ pub(crate) struct SpanRec {
     resource: BTreeMap<String, Value>,
     status: i64,
     status_message: String,
+    /// The first `exception` event's `exception.type: exception.message`.
+    exception: Option<String>,
 }
 
 impl SpanRec {
@@ -63,7 +65,8 @@ impl SpanRec {
     }
 }
 
-/// True when the head of a `.json` file is an OTLP/JSON trace export.
+/// True when the head of a `.json` file, or the first line of a `.jsonl` one, is an OTLP/JSON
+/// trace export.
 pub(crate) fn looks_like(head: &str) -> bool {
     head.trim_start().starts_with('{') && head.contains("\"resourceSpans\"")
 }
@@ -120,29 +123,77 @@ fn attributes(list: &[Value]) -> BTreeMap<String, Value> {
         .collect()
 }
 
-/// Reads the spans of one OTLP/JSON file into `spans`; a file or span that is not OTLP is
-/// rejected (the rest goes on).
+/// Reads the spans of one OTLP/JSON file into `spans`: one export request (`resourceSpans`), or
+/// JSON Lines of them as the OpenTelemetry Collector's file exporter writes (one request a
+/// line), told apart by content: the file is JSON Lines when its first non-blank line is a
+/// whole JSON object. A file, line or span that is not OTLP is rejected (the rest goes on).
 pub(crate) fn collect(
     source: &Source,
     text: &str,
     spans: &mut Vec<SpanRec>,
     emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
 ) -> crate::Result<()> {
-    let root: Value = match serde_json::from_str(text) {
-        Ok(root) => root,
-        Err(e) => {
-            return emit(Parsed::Rejected(source.reject(
-                e.line(),
-                "file",
-                format!("not OTLP/JSON: {e}"),
-                source.bytes,
-            )))
+    let first = text.lines().enumerate().find(|(_, l)| !l.trim().is_empty());
+    let json_lines = first
+        .is_some_and(|(_, l)| matches!(serde_json::from_str::<Value>(l), Ok(Value::Object(_))));
+    if !json_lines {
+        let root: Value = match serde_json::from_str(text) {
+            Ok(root) => root,
+            Err(e) => {
+                return emit(Parsed::Rejected(source.reject(
+                    e.line(),
+                    "file",
+                    format!("not OTLP/JSON: {e}"),
+                    source.bytes,
+                )))
+            }
+        };
+        return collect_request(source, &root, None, spans, emit);
+    }
+    for (index, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
         }
+        let line_no = index + 1;
+        let locator = format!("line {line_no}");
+        if let Some(rejected) = source.check_size(line_no, &locator, line.as_bytes()) {
+            emit(rejected)?;
+            continue;
+        }
+        match serde_json::from_str::<Value>(line) {
+            Ok(root) => collect_request(source, &root, Some(line_no), spans, emit)?,
+            Err(e) => emit(Parsed::Rejected(source.reject(
+                line_no,
+                &locator,
+                format!("not an OTLP/JSON export request: {e}"),
+                line.as_bytes(),
+            )))?,
+        }
+    }
+    Ok(())
+}
+
+/// Reads the spans of one export request (`line`: its line in a JSON Lines file).
+fn collect_request(
+    source: &Source,
+    root: &Value,
+    line: Option<usize>,
+    spans: &mut Vec<SpanRec>,
+    emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
+) -> crate::Result<()> {
+    let at = |path: String| match line {
+        Some(n) => format!("line {n}: {path}"),
+        None => path,
     };
     let Some(resource_spans) = root.get("resourceSpans").and_then(Value::as_array) else {
         return emit(Parsed::Rejected(
             source
-                .reject(1, "file", "not OTLP/JSON: no `resourceSpans` array", b"")
+                .reject(
+                    line.unwrap_or(1),
+                    at("file".into()),
+                    "not OTLP/JSON: no `resourceSpans` array",
+                    b"",
+                )
                 .field("resourceSpans"),
         ));
     };
@@ -165,12 +216,12 @@ pub(crate) fn collect(
                 .map(Vec::as_slice)
                 .unwrap_or_default();
             for (k, span) in list.iter().enumerate() {
-                let locator = format!("resourceSpans[{r}].scopeSpans[{s}].spans[{k}]");
+                let locator = at(format!("resourceSpans[{r}].scopeSpans[{s}].spans[{k}]"));
                 let raw = span.to_string();
                 let reject = |field: &str, reason: &str| {
                     Parsed::Rejected(
                         source
-                            .reject(0, &locator, reason, raw.as_bytes())
+                            .reject(line.unwrap_or(0), &locator, reason, raw.as_bytes())
                             .field(field),
                     )
                 };
@@ -218,6 +269,22 @@ pub(crate) fn collect(
                     emit(reject("status", "not an object with `code` and `message`"))?;
                     continue;
                 }
+                let exception = span
+                    .get("events")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .find(|e| e.get("name").and_then(Value::as_str) == Some("exception"))
+                    .and_then(|e| e.get("attributes").and_then(Value::as_array))
+                    .map(|list| {
+                        let a = self::attributes(list);
+                        let field = |k: &str| a.get(k).map(text_of).unwrap_or_default();
+                        match (field("exception.type"), field("exception.message")) {
+                            (t, m) if t.is_empty() => m,
+                            (t, m) if m.is_empty() => t,
+                            (t, m) => format!("{t}: {m}"),
+                        }
+                    });
                 spans.push(SpanRec {
                     file: source.path.clone(),
                     locator: format!("{locator} (span {id})"),
@@ -237,6 +304,7 @@ pub(crate) fn collect(
                         .and_then(Value::as_str)
                         .unwrap_or("")
                         .to_string(),
+                    exception,
                 });
             }
         }
@@ -348,9 +416,47 @@ pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Pars
             (spans[a].start_ns, &spans[a].id).cmp(&(spans[b].start_ns, &spans[b].id))
         });
         let group: Vec<&SpanRec> = members.iter().map(|&i| &spans[i]).collect();
-        out.push(Parsed::Record(episode(&key, &group, options)));
+        out.push(understood(episode(&key, &group, options), &group));
     }
     out
+}
+
+/// The group's episode, or, when no span of it was understood (no task, no step), a rejection
+/// that says what the spans were: never a silent empty episode.
+fn understood(record: Record, group: &[&SpanRec]) -> Parsed {
+    let node = &record.nodes[0];
+    let empty = node.text.trim().is_empty() && node.episode().is_some_and(|e| e.steps.is_empty());
+    if !empty {
+        return Parsed::Record(record);
+    }
+    let lead = group[0];
+    let kinds: BTreeSet<String> = group
+        .iter()
+        .map(|s| {
+            let operation = s.operation();
+            if !operation.is_empty() {
+                format!("gen_ai.operation.name={operation}")
+            } else if let Some(kind) = s.text("openinference.span.kind") {
+                format!("openinference.span.kind={kind}")
+            } else {
+                "no gen_ai.operation.name".to_string()
+            }
+        })
+        .collect();
+    let reason = format!(
+        "{} span(s) of trace {} give no task and no step: none is a GenAI span fluxmem reads ({}); see docs/formats/otel.md",
+        group.len(),
+        lead.trace,
+        kinds.into_iter().collect::<Vec<_>>().join(", ")
+    );
+    Parsed::Rejected(crate::Rejected::new(
+        &lead.file,
+        0,
+        lead.locator.clone(),
+        reason,
+        b"",
+        usize::MAX,
+    ))
 }
 
 fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
@@ -431,13 +537,21 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
             }
             "execute_tool" => {
                 let result = span.attributes.get("gen_ai.tool.call.result").map(text_of);
-                let feedback = (span.status == 2).then(|| {
-                    if span.status_message.is_empty() {
-                        "error".to_string()
-                    } else {
-                        span.status_message.clone()
-                    }
-                });
+                // A failed tool's message: the status message, else the `exception` event's,
+                // else `error.type`, else the result it returned, else just "error".
+                let feedback = (span.status == 2 || span.attributes.contains_key("error.type"))
+                    .then(|| {
+                        [
+                            Some(span.status_message.clone()),
+                            span.exception.clone(),
+                            span.text("error.type").map(str::to_string),
+                            result.clone(),
+                        ]
+                        .into_iter()
+                        .flatten()
+                        .find(|m| !m.trim().is_empty())
+                        .unwrap_or_else(|| "error".to_string())
+                    });
                 let requested = span
                     .text("gen_ai.tool.call.id")
                     .and_then(|id| calls.get(id))

@@ -11,8 +11,9 @@
 //! The rule, stated before it was measured (docs/formats/outcomes.md has its confusion table on
 //! dev data whose outcomes were hidden from it):
 //!
-//! - **failure** when the run's last acting step ended in a tool error (a step's feedback), or
-//!   when the user's last words after the agent's final answer complain ([`COMPLAINTS`]);
+//! - **failure** when the run's last acting step ended in a tool error (a step's feedback), when
+//!   a tool's error was never followed by a call of the same tool without one, or when the
+//!   user's words after the agent's final answer complain ([`COMPLAINTS`]);
 //! - **success** (presumed) when the run ended with an answer to the user (a message, not a
 //!   tool call), with no error in that step and no complaint after it;
 //! - **unknown** otherwise: a run that ended on a tool call (a hand-off, a cut log) or has no
@@ -66,12 +67,25 @@ pub fn infer(episode: &Episode) -> Inferred {
         return decided(None, "no acting step");
     };
     let step = &episode.steps[last];
-    if step
-        .feedback
-        .as_deref()
-        .is_some_and(|f| !f.trim().is_empty())
-    {
+    let errored =
+        |s: &fluxmem_graph::Step| s.feedback.as_deref().is_some_and(|f| !f.trim().is_empty());
+    if errored(step) {
         return decided(Some(false), "ended in a tool error");
+    }
+    // An error no later call of the same tool recovered from.
+    let unrecovered = episode.steps.iter().enumerate().any(|(i, s)| {
+        errored(s)
+            && s.tool_calls.iter().any(|failed| {
+                !episode.steps[i + 1..].iter().any(|later| {
+                    !errored(later) && later.tool_calls.iter().any(|c| c.name == failed.name)
+                })
+            })
+    });
+    if unrecovered {
+        return decided(
+            Some(false),
+            "a tool error no later call of that tool recovered",
+        );
     }
     let after: String = episode.steps[last + 1..]
         .iter()
@@ -93,7 +107,7 @@ pub fn label(node: &mut Node) {
     let NodeBody::Episodic(episode) = &mut node.body else {
         return;
     };
-    if node.metadata.get("outcome_source").is_some() {
+    if node.metadata.contains_key("outcome_source") {
         return;
     }
     let source = if episode.outcome.success.is_some() || episode.outcome.reward.is_some() {
@@ -168,6 +182,27 @@ mod tests {
             Some("Error: no such order"),
         )]);
         assert_eq!(infer(&errored).success, Some(false));
+        let apologised = episode(vec![
+            step(
+                "[user] refund order 7",
+                "",
+                Some("refund"),
+                Some("Error: timeout"),
+            ),
+            step("[refund] Error: timeout", "Sorry, it failed.", None, None),
+        ]);
+        assert_eq!(infer(&apologised).success, Some(false));
+        let retried = episode(vec![
+            step(
+                "[user] refund order 7",
+                "",
+                Some("refund"),
+                Some("Error: timeout"),
+            ),
+            step("[refund] Error: timeout", "", Some("refund"), None),
+            step("[refund] {}", "Refunded.", None, None),
+        ]);
+        assert_eq!(infer(&retried).success, Some(true));
         let handed_off = episode(vec![
             step("[user] refund order 7", "", Some("lookup"), None),
             step("[lookup] {}", "", Some("escalate"), None),

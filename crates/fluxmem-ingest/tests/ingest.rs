@@ -1553,3 +1553,340 @@ fn every_episode_says_where_its_outcome_came_from_and_the_rule_fills_unlogged_on
         "ended on a tool call, not an answer"
     );
 }
+
+/// The fixtures the real emitters wrote (scripts/fixtures/generate.sh; versions in
+/// tests/data/formats/VERSIONS.txt).
+fn fixture(name: &str) -> PathBuf {
+    repo().join("tests/data/formats").join(name)
+}
+
+/// The episodes of a store, by task, with (tool, result) of each call, the last action and the
+/// outcome with its source.
+type Seen = (Vec<(String, Option<String>)>, String, Option<bool>, String);
+
+fn seen_episodes(store: &Path) -> std::collections::BTreeMap<String, (Seen, fluxmem_graph::Node)> {
+    let graph = fluxmem_store::Store::open(store).unwrap().load().unwrap();
+    graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == NodeKind::Episodic)
+        .map(|n| {
+            let episode = n.episode().unwrap();
+            let calls = episode
+                .steps
+                .iter()
+                .flat_map(|s| {
+                    s.tool_calls
+                        .iter()
+                        .map(|c| (c.name.clone(), c.result.clone()))
+                })
+                .collect();
+            let last = episode
+                .steps
+                .iter()
+                .rev()
+                .find(|s| !s.action.is_empty())
+                .map(|s| s.action.clone())
+                .unwrap_or_default();
+            let seen = (
+                calls,
+                last,
+                episode.outcome.success,
+                n.outcome_source().to_string(),
+            );
+            (n.text.clone(), (seen, n.clone()))
+        })
+        .collect()
+}
+
+fn call(name: &str, result: Option<&str>) -> (String, Option<String>) {
+    (name.to_string(), result.map(str::to_string))
+}
+
+#[test]
+fn the_collectors_otlp_json_lines_are_read_line_by_line_with_errors_and_outcomes() {
+    let store = tempfile::tempdir().unwrap();
+    let file = fixture("otlp-collector.jsonl");
+    assert_eq!(
+        Format::detect(&file, &std::fs::read(&file).unwrap()),
+        Some(Format::Otel),
+        "detected by content in a .jsonl file"
+    );
+    let report = run(store.path(), &[file], &IngestOptions::default());
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (3, 3, 0),
+        "{report:?}"
+    );
+    let episodes = seen_episodes(store.path());
+    let lookup = |id: &str| format!("{{\"order_id\":\"{id}\",\"status\":\"delivered\"}}");
+    let (seen, node) = &episodes["Please refund order A-100, it arrived broken."];
+    assert_eq!(
+        seen,
+        &(
+            vec![
+                call("get_order", Some(&lookup("A-100"))),
+                call("refund_order", Some("{\"refunded\":true}"))
+            ],
+            "Your refund is on its way.".to_string(),
+            Some(true),
+            "inferred".to_string()
+        ),
+        "an UNSET agent status: the rule presumes success"
+    );
+    assert_eq!(node.tenant, "acme-support");
+    assert_eq!(node.metadata["conversation_id"], "conv-1");
+    let (seen, node) = &episodes["Refund order B-200 please."];
+    assert_eq!(
+        seen.0,
+        vec![
+            call("get_order", Some(&lookup("B-200"))),
+            call("refund_order", None)
+        ]
+    );
+    assert_eq!(
+        (seen.2, seen.3.as_str()),
+        (Some(false), "inferred"),
+        "the refund's error was never recovered"
+    );
+    let refund_step = node
+        .episode()
+        .unwrap()
+        .steps
+        .iter()
+        .find(|s| s.tool_calls.iter().any(|c| c.name == "refund_order"))
+        .unwrap();
+    assert_eq!(
+        refund_step.feedback.as_deref(),
+        Some("payment provider timeout")
+    );
+    assert!(episodes.contains_key("I want my money back for order C-300."));
+    // A bad line is quarantined with its line; the others go on.
+    let dir = tempfile::tempdir().unwrap();
+    let broken = dir.path().join("broken.jsonl");
+    let text = std::fs::read_to_string(fixture("otlp-collector.jsonl")).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    std::fs::write(
+        &broken,
+        format!("{}\n{{\"resourceSpans\": [\n{}\n", lines[0], lines[1]),
+    )
+    .unwrap();
+    let report = run(
+        &dir.path().join("store"),
+        &[broken],
+        &IngestOptions::default(),
+    );
+    assert_eq!((report.ingested, report.quarantined), (3, 1), "{report:?}");
+    let bad = quarantined(&report);
+    assert_eq!(bad[0]["line"], 2, "{bad:?}");
+}
+
+#[test]
+fn a_proxys_per_call_log_is_one_episode_per_agent_run() {
+    let store = tempfile::tempdir().unwrap();
+    let file = fixture("proxy-calls.jsonl");
+    assert_eq!(
+        Format::detect(&file, &std::fs::read(&file).unwrap()),
+        Some(Format::OpenaiChat)
+    );
+    let report = run(store.path(), &[file], &IngestOptions::default());
+    assert_eq!(
+        (
+            report.read,
+            report.ingested,
+            report.duplicates,
+            report.quarantined
+        ),
+        (6, 2, 4, 0),
+        "three calls a run: the last holds the run, the earlier ones add nothing: {report:?}"
+    );
+    let episodes = seen_episodes(store.path());
+    let lookup = |id: &str| format!("{{\"order_id\": \"{id}\", \"status\": \"delivered\"}}");
+    let (seen, node) = &episodes["Please refund order A-100."];
+    assert_eq!(
+        seen,
+        &(
+            vec![
+                call("get_order", Some(&lookup("A-100"))),
+                call("refund_order", Some("{\"refunded\": true}"))
+            ],
+            "Your refund is on its way.".to_string(),
+            Some(true),
+            "inferred".to_string()
+        )
+    );
+    assert_eq!(node.metadata["layout"], "proxy");
+    assert_eq!(node.metadata["versions"], 3);
+    assert_eq!(
+        node.metadata["tools"][1]["function"]["name"],
+        "refund_order"
+    );
+    let (seen, _) = &episodes["Please refund order B-200."];
+    assert_eq!(
+        seen.0[1],
+        call("refund_order", Some("Error: payment provider timeout"))
+    );
+    assert_eq!((seen.2, seen.3.as_str()), (Some(false), "inferred"));
+    // Ingested again: nothing new.
+    let again = run(
+        store.path(),
+        &[fixture("proxy-calls.jsonl")],
+        &IngestOptions {
+            reread: true,
+            ..Default::default()
+        },
+    );
+    assert_eq!((again.ingested, again.duplicates), (0, 6));
+}
+
+#[test]
+fn the_openai_sdks_dumps_legacy_function_calls_and_langchain_dumps_keep_their_calls() {
+    let store = tempfile::tempdir().unwrap();
+    let files: Vec<PathBuf> = [
+        "openai-model-dump.jsonl",
+        "openai-function-call.jsonl",
+        "langchain-messages.jsonl",
+    ]
+    .iter()
+    .map(|f| fixture(f))
+    .collect();
+    for file in &files {
+        assert_eq!(
+            Format::detect(file, &std::fs::read(file).unwrap()),
+            Some(Format::OpenaiChat),
+            "{file:?}"
+        );
+    }
+    let report = run(store.path(), &files, &IngestOptions::default());
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (5, 5, 0),
+        "{report:?}"
+    );
+    let episodes = seen_episodes(store.path());
+    let by_id = |id: &str| {
+        episodes
+            .values()
+            .find(|(_, n)| n.metadata.get("conversation_id").and_then(Value::as_str) == Some(id))
+            .unwrap_or_else(|| panic!("no episode {id}"))
+    };
+    // model_dump() with nulls kept and left out: the same calls.
+    for id in ["dump-nulls", "dump-no-nulls"] {
+        let names: Vec<&str> = by_id(id).0 .0.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["get_order", "refund_order"], "{id}");
+    }
+    let (_, tooled) = by_id("dump-no-nulls");
+    assert_eq!(tooled.metadata["parallel_tool_calls"], false);
+    assert_eq!(tooled.metadata["tools"][0]["function"]["name"], "get_order");
+    // Legacy function calling: the call's name, arguments and result.
+    let (seen, node) = by_id("legacy-1");
+    assert_eq!(
+        seen.0,
+        vec![call("get_order", Some("{\"status\": \"delivered\"}"))]
+    );
+    let arguments = &node.episode().unwrap().steps[0].tool_calls[0].arguments;
+    assert_eq!(arguments, "{\"order_id\": \"C-300\"}");
+    // LangChain: types mapped, tool calls with their ids and results, the system prompt shared.
+    let (seen, node) = &episodes["Please refund order D-400."];
+    assert_eq!(
+        seen.0,
+        vec![
+            call("get_order", Some("{\"status\": \"delivered\"}")),
+            call("refund_order", Some("{\"refunded\": true}"))
+        ]
+    );
+    assert_eq!(seen.1, "Done: order D-400 is refunded.");
+    assert_eq!(node.metadata["layout"], "langchain");
+    let arguments = &node.episode().unwrap().steps[0].tool_calls[0].arguments;
+    assert_eq!(
+        serde_json::from_str::<Value>(arguments).unwrap(),
+        serde_json::json!({"order_id": "D-400"})
+    );
+}
+
+#[test]
+fn a_conversation_logged_again_longer_is_one_episode_with_the_new_turns() {
+    let store = tempfile::tempdir().unwrap();
+    let report = run(
+        store.path(),
+        &[fixture("openai-grown.jsonl")],
+        &IngestOptions::default(),
+    );
+    assert_eq!(
+        (report.read, report.ingested, report.duplicates),
+        (2, 1, 1),
+        "{report:?}"
+    );
+    let episodes = seen_episodes(store.path());
+    let (seen, node) = &episodes["Please refund order A-100."];
+    assert_eq!(
+        seen.1, "Order A-101 has not shipped yet.",
+        "the later, longer version"
+    );
+    assert_eq!(node.metadata["versions"], 2);
+    // A version with the same id that is not a prefix contradicts it: its own episode, marked.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("conflict.jsonl");
+    std::fs::write(
+        &file,
+        concat!(
+            r#"{"id": "c", "messages": [{"role": "user", "content": "refund 1"}, {"role": "assistant", "content": "done"}]}"#,
+            "\n",
+            r#"{"id": "c", "messages": [{"role": "user", "content": "refund 2"}, {"role": "assistant", "content": "done"}, {"role": "user", "content": "thanks"}]}"#,
+            "\n"
+        ),
+    )
+    .unwrap();
+    let report = run(
+        &dir.path().join("store"),
+        &[file],
+        &IngestOptions::default(),
+    );
+    assert_eq!((report.ingested, report.duplicates), (2, 0), "{report:?}");
+    let episodes = seen_episodes(&dir.path().join("store"));
+    let (_, shorter) = &episodes["refund 1"];
+    assert!(
+        shorter.metadata["conflicts_with"]
+            .as_str()
+            .unwrap()
+            .contains("line 2"),
+        "{:?}",
+        shorter.metadata
+    );
+}
+
+#[test]
+fn spans_fluxmem_does_not_read_are_quarantined_with_what_they_were_never_an_empty_episode() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("phoenix.json");
+    // OpenInference attribute names (what Phoenix's instrumentations write), no gen_ai.* ones.
+    let span = |id: &str, kind: &str| {
+        serde_json::json!({
+            "traceId": "0af7651916cd43dd8448eb211c80319c", "spanId": id, "name": kind,
+            "startTimeUnixNano": "1767225600000000000",
+            "attributes": [
+                {"key": "openinference.span.kind", "value": {"stringValue": kind}},
+                {"key": "llm.input_messages.0.message.role", "value": {"stringValue": "user"}},
+                {"key": "llm.input_messages.0.message.content", "value": {"stringValue": "hi"}}
+            ]
+        })
+    };
+    let doc = serde_json::json!({"resourceSpans": [{"scopeSpans": [{"spans": [
+        span("b7ad6b7169203331", "LLM"), span("b7ad6b7169203332", "TOOL")
+    ]}]}]});
+    std::fs::write(&file, doc.to_string()).unwrap();
+    let report = run(
+        &dir.path().join("store"),
+        &[file],
+        &IngestOptions::default(),
+    );
+    assert_eq!((report.ingested, report.quarantined), (0, 1), "{report:?}");
+    let reason = quarantined(&report)[0]["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        reason.contains("no task and no step") && reason.contains("openinference.span.kind=LLM"),
+        "{reason}"
+    );
+}
