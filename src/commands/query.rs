@@ -1,5 +1,5 @@
 use anyhow::Context as _;
-use fluxmem_connect::{pack, resolve_tenant, semantic_entry, Entry, Retriever, Unembedded};
+use fluxmem_connect::{pack, resolve_tenant_among, semantic_entry, Entry, Retriever, Unembedded};
 use fluxmem_models::{DeviceChoice, Generator, Judge};
 use fluxmem_refine::{refine_query, LoopModels, Neighbours};
 use fluxmem_store::CommitInfo;
@@ -18,8 +18,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         ..super::retrieval_config(&args.fusion, &args.weights, args.judge_top)?
     };
     let store = fluxmem_store::Store::open(&settings.store)?;
-    let mut graph = store.load()?;
-    let tenant = resolve_tenant(&graph, args.tenant.as_deref())?;
+    let (mut graph, tenant) = read_tenant(&store, args.tenant.as_deref())?;
     let embedder = super::embedder(&args.model, &device_choice, None)?;
     // Only the tenant's nodes; those not embedded yet are left out and counted.
     let retriever = Retriever::build_units(
@@ -176,4 +175,29 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The query's tenant and its part of the store, read at one manifest version: which tenant
+/// owns each node (two columns), then that tenant's nodes, steps, edges and vectors through
+/// row filters on their id columns. Other tenants' rows are never decoded.
+fn read_tenant(
+    store: &fluxmem_store::Store,
+    requested: Option<&str>,
+) -> anyhow::Result<(fluxmem_graph::Graph, String)> {
+    let (read, _) = store.read_current(|manifest| {
+        let owners = store.node_tenants(manifest)?;
+        let known: std::collections::BTreeSet<&String> = owners.values().collect();
+        let tenant = match resolve_tenant_among(known.into_iter().cloned().collect(), requested) {
+            Ok(tenant) => tenant,
+            Err(error) => return Ok(Err(error)),
+        };
+        let ids: std::collections::BTreeSet<fluxmem_graph::NodeId> = owners
+            .into_iter()
+            .filter(|(_, t)| *t == tenant)
+            .map(|(id, _)| id)
+            .collect();
+        let graph = store.scan_at(manifest, &fluxmem_store::Scan::of_tenant(&ids))?;
+        Ok(Ok((graph, tenant)))
+    })?;
+    Ok(read?)
 }

@@ -40,7 +40,7 @@ pub use retrieve::{
     Candidate, Lift, RetrievalConfig, SemanticIndex, Units, DEFAULT_ADJACENCY, DEFAULT_ENTITY,
 };
 pub use retriever::{semantic_entry, structure_note, Entry, Retriever};
-pub use tenant::{resolve_tenant, tenants, DEFAULT_TENANT};
+pub use tenant::{resolve_tenant, resolve_tenant_among, tenants, DEFAULT_TENANT};
 
 /// Errors of Stage I.
 #[derive(Debug, thiserror::Error)]

@@ -20,7 +20,12 @@ pub fn tenants(graph: &Graph) -> Vec<String> {
 /// ([`Error::TenantRequired`]); a tenant without nodes is [`Error::UnknownTenant`]. A store
 /// without nodes answers in `requested`, or [`DEFAULT_TENANT`].
 pub fn resolve_tenant(graph: &Graph, requested: Option<&str>) -> Result<String> {
-    let known = tenants(graph);
+    resolve_tenant_among(tenants(graph), requested)
+}
+
+/// [`resolve_tenant`] over the store's tenants, sorted (a reader that has not read the graph:
+/// `Store::node_tenants`).
+pub fn resolve_tenant_among(known: Vec<String>, requested: Option<&str>) -> Result<String> {
     match requested {
         Some(tenant) if known.is_empty() || known.iter().any(|t| t == tenant) => {
             Ok(tenant.to_string())

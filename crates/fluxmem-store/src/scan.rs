@@ -83,6 +83,21 @@ impl Scan {
         }
     }
 
+    /// What one tenant's reader reads: its nodes with their steps, the edges from them and
+    /// their vectors, filtered on the id columns before any row is decoded (`ids`: the
+    /// tenant's node ids, from [`Store::node_tenants`]).
+    pub fn of_tenant(ids: &BTreeSet<NodeId>) -> Scan {
+        Scan {
+            nodes: true,
+            nodes_of: Some(ids.clone()),
+            steps: Rows::Of(ids.clone()),
+            edges: true,
+            edges_from: Some(ids.clone()),
+            vectors: Rows::Of(ids.clone()),
+            ..Default::default()
+        }
+    }
+
     /// Node rows and edges, no steps, vectors or edits. (Credit assignment, which only folds
     /// over them, streams them instead: [`Store::live`].)
     pub fn nodes_and_edges() -> Scan {
@@ -270,6 +285,28 @@ impl Store {
             }
         }
         Ok(heads)
+    }
+
+    /// Live node ids with their tenant (two columns of `nodes`): what a reader of one tenant
+    /// needs to know which rows to read.
+    pub fn node_tenants(&self, manifest: &Manifest) -> Result<BTreeMap<NodeId, String>> {
+        let mut tenants = BTreeMap::new();
+        for entry in sorted(manifest, "nodes") {
+            for batch in shard::batches(&self.dir, &entry, Some(&["id", "tenant"]))? {
+                let batch = batch?;
+                let (ids, tenant) = (
+                    text_column(self, &entry, &batch, "id")?,
+                    text_column(self, &entry, &batch, "tenant")?,
+                );
+                for row in 0..batch.num_rows() {
+                    tenants.insert(
+                        NodeId(ids.value(row).to_string()),
+                        tenant.value(row).to_string(),
+                    );
+                }
+            }
+        }
+        Ok(tenants)
     }
 
     /// Live node ids with their kind (two columns of `nodes`).

@@ -528,3 +528,48 @@ fn filtered_reads_over_many_batches_and_pages_give_the_whole_reads_rows() {
         .unwrap();
     assert!(read.embeddings.is_empty());
 }
+
+#[test]
+fn a_tenants_scan_reads_its_nodes_steps_edges_and_vectors_and_nothing_of_another() {
+    let (dir, _) = store();
+    // A second tenant, with an episode, a vector and an edge of its own.
+    let mut other = Graph::default();
+    let theirs = Node::new(
+        NodeBody::Episodic(Episode::default()),
+        "u",
+        "their task",
+        &["theirs"],
+    );
+    other.upsert_embedding(Embedding {
+        node_id: theirs.id.clone(),
+        model_id: "m".into(),
+        text_sha256: "hu".into(),
+        vector: vec![9.0, 9.0],
+    });
+    other.upsert_edge(edge(&theirs.id, &theirs.id, EdgeKind::Link, 1.0, "refine", true));
+    other.upsert_node(theirs.clone());
+    Writer::open(dir.path()).unwrap().commit(&other, info()).unwrap();
+    let store = fluxmem_store::Store::open(dir.path()).unwrap();
+    let whole = store.load().unwrap();
+    let manifest = store.manifest().unwrap();
+    let owners = store.node_tenants(&manifest).unwrap();
+    assert_eq!(owners.len(), whole.nodes.len());
+    assert!(owners.iter().all(|(id, t)| &whole.nodes[id].tenant == t));
+    for tenant in ["t", "u"] {
+        let ids: BTreeSet<NodeId> = owners
+            .iter()
+            .filter(|(_, t)| *t == tenant)
+            .map(|(id, _)| id.clone())
+            .collect();
+        let read = store.scan_at(&manifest, &Scan::of_tenant(&ids)).unwrap();
+        let mut expected = whole.clone();
+        expected.nodes.retain(|id, _| ids.contains(id));
+        expected.edges.retain(|_, e| ids.contains(&e.src));
+        expected.embeddings.retain(|(id, _), _| ids.contains(id));
+        expected.edits.clear();
+        assert_eq!(read.nodes, expected.nodes, "{tenant}");
+        assert_eq!(read.edges, expected.edges, "{tenant}");
+        assert_eq!(read.embeddings, expected.embeddings, "{tenant}");
+        assert!(read.nodes.values().all(|n| n.tenant == tenant));
+    }
+}
