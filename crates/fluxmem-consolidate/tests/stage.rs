@@ -1001,12 +1001,7 @@ fn judge_eta_counts_consistent_successes_and_inconsistent_failures_of_kept_back_
         );
         // The judge finds every skill consistent with its own family's episodes: the kept-back
         // successes agree, a kept-back failure does not.
-        let measured: Vec<&Node> = skill.metadata["measured_on"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|id| &graph.nodes[id.as_str().unwrap()])
-            .collect();
+        let measured = measured_on(&graph, skill);
         assert!(!measured.is_empty());
         let successes = measured
             .iter()
@@ -1128,12 +1123,7 @@ fn replay_eta_is_the_step_accuracy_of_a_model_acting_with_the_skill_on_kept_back
         let eta = skill.metadata["rounds"][0]["score"]["eta"]
             .as_f64()
             .unwrap();
-        let measured: Vec<&Node> = skill.metadata["measured_on"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|id| &graph.nodes[id.as_str().unwrap()])
-            .collect();
+        let measured = measured_on(&graph, skill);
         let has_calls = measured.iter().any(|n| {
             n.episode()
                 .unwrap()
@@ -1163,6 +1153,16 @@ fn replay_eta_is_the_step_accuracy_of_a_model_acting_with_the_skill_on_kept_back
     let tasks: std::collections::BTreeSet<String> = seen.lock().unwrap().iter().cloned().collect();
     assert!(!tasks.is_empty());
     assert!(tasks.len() <= 2 * 3, "{tasks:?}");
+}
+
+/// The episodes a skill's eta was reported on (its `measured_on`).
+fn measured_on<'g>(graph: &'g Graph, skill: &Node) -> Vec<&'g Node> {
+    skill.metadata["measured_on"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| &graph.nodes[id.as_str().unwrap()])
+        .collect()
 }
 
 fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
