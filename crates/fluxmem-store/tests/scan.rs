@@ -546,9 +546,19 @@ fn a_tenants_scan_reads_its_nodes_steps_edges_and_vectors_and_nothing_of_another
         text_sha256: "hu".into(),
         vector: vec![9.0, 9.0],
     });
-    other.upsert_edge(edge(&theirs.id, &theirs.id, EdgeKind::Link, 1.0, "refine", true));
+    other.upsert_edge(edge(
+        &theirs.id,
+        &theirs.id,
+        EdgeKind::Link,
+        1.0,
+        "refine",
+        true,
+    ));
     other.upsert_node(theirs.clone());
-    Writer::open(dir.path()).unwrap().commit(&other, info()).unwrap();
+    Writer::open(dir.path())
+        .unwrap()
+        .commit(&other, info())
+        .unwrap();
     let store = fluxmem_store::Store::open(dir.path()).unwrap();
     let whole = store.load().unwrap();
     let manifest = store.manifest().unwrap();
