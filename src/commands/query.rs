@@ -18,7 +18,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         ..super::retrieval_config(&args.fusion, &args.weights, args.judge_top)?
     };
     let store = fluxmem_store::Store::open(&settings.store)?;
-    let (mut graph, tenant) = read_tenant(&store, args.tenant.as_deref())?;
+    let (mut graph, tenant, read_version) = read_tenant(&store, args.tenant.as_deref())?;
     let embedder = super::embedder(&args.model, &device_choice, None)?;
     // Only the tenant's nodes; those not embedded yet are left out and counted.
     let retriever = Retriever::build_units(
@@ -78,8 +78,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             generator: generator.as_mut().map(|g| g as &mut dyn Generator),
             count_tokens: &count,
         };
-        let manifest = store.manifest()?;
-        let run_id = format!("query@v{}", manifest.version);
+        let run_id = format!("query@v{read_version}");
         let at = chrono::Utc::now().timestamp_millis();
         let outcome = refine_query(
             &graph,
@@ -116,23 +115,26 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             let mut writer = super::open_writer(settings)?;
             let summary =
                 serde_json::json!({ "query": args.text, "edits": outcome.delta.edits.len() });
-            writer
-                .commit(
-                    &outcome.delta,
-                    CommitInfo {
-                        stage: "refine".into(),
-                        run_id,
-                        summary,
-                        progress: Default::default(),
-                    },
-                )
+            let info = CommitInfo {
+                stage: "refine".into(),
+                run_id,
+                summary,
+                progress: Default::default(),
+            };
+            let committed = commit_at(&mut writer, read_version, &outcome.delta, info)
                 .with_context(|| {
                     format!("committing the refinement to {}", settings.store.display())
                 })?;
-            eprintln!(
-                "refine: {} edits committed to the store",
-                outcome.delta.edits.len()
-            );
+            match committed {
+                Ok(()) => eprintln!(
+                    "refine: {} edits committed to the store",
+                    outcome.delta.edits.len()
+                ),
+                Err(now) => eprintln!(
+                    "refine: not committed: the store moved from version {read_version}, which this query read, to {now} (another writer committed); the {} edits were computed on what it no longer is, run the query again to refine",
+                    outcome.delta.edits.len()
+                ),
+            }
         } else if !outcome.attempted.is_empty() {
             eprintln!(
                 "refine: the context stayed insufficient; {} attempted edits were not kept",
@@ -177,14 +179,14 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The query's tenant and its part of the store, read at one manifest version: which tenant
-/// owns each node (two columns), then that tenant's nodes, steps, edges and vectors through
-/// row filters on their id columns. Other tenants' rows are never decoded.
+/// The query's tenant and its part of the store, read at one manifest version (returned):
+/// which tenant owns each node (two columns), then that tenant's nodes, steps, edges and
+/// vectors through row filters on their id columns. Other tenants' rows are never decoded.
 fn read_tenant(
     store: &fluxmem_store::Store,
     requested: Option<&str>,
-) -> anyhow::Result<(fluxmem_graph::Graph, String)> {
-    let (read, _) = store.read_current(|manifest| {
+) -> anyhow::Result<(fluxmem_graph::Graph, String, u64)> {
+    let (read, manifest) = store.read_current(|manifest| {
         let owners = store.node_tenants(manifest)?;
         let known: std::collections::BTreeSet<&String> = owners.values().collect();
         let tenant = match resolve_tenant_among(known.into_iter().cloned().collect(), requested) {
@@ -199,5 +201,64 @@ fn read_tenant(
         let graph = store.scan_at(manifest, &fluxmem_store::Scan::of_tenant(&ids))?;
         Ok(Ok((graph, tenant)))
     })?;
-    Ok(read?)
+    let (graph, tenant) = read?;
+    Ok((graph, tenant, manifest.version))
+}
+
+/// Commits `delta` only when the store is still at `read_version`, the version it was computed
+/// from (compare and swap: the writer holds the lock, so nothing commits between the check and
+/// the commit); `Err(version now)` when another writer committed in between, and nothing is
+/// written.
+fn commit_at(
+    writer: &mut fluxmem_store::Writer,
+    read_version: u64,
+    delta: &fluxmem_graph::Graph,
+    info: CommitInfo,
+) -> fluxmem_store::Result<Result<(), u64>> {
+    let now = writer.manifest().version;
+    if now != read_version {
+        return Ok(Err(now));
+    }
+    writer.commit(delta, info)?;
+    Ok(Ok(()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refinement_commits_only_over_the_version_it_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut writer = fluxmem_store::Writer::open(dir.path()).unwrap();
+        let node = |text: &str| {
+            fluxmem_graph::Node::new(
+                fluxmem_graph::NodeBody::Episodic(fluxmem_graph::Episode::default()),
+                "t",
+                text,
+                &[text],
+            )
+        };
+        let mut first = fluxmem_graph::Graph::default();
+        first.upsert_node(node("one"));
+        writer.commit(&first, CommitInfo::default()).unwrap();
+        let read_version = writer.manifest().version;
+        let mut delta = fluxmem_graph::Graph::default();
+        delta.upsert_node(node("two"));
+        // Another commit lands after the read: the refinement is not written over it.
+        let mut other = fluxmem_graph::Graph::default();
+        other.upsert_node(node("three"));
+        writer.commit(&other, CommitInfo::default()).unwrap();
+        let moved = commit_at(&mut writer, read_version, &delta, CommitInfo::default()).unwrap();
+        assert_eq!(moved, Err(read_version + 1));
+        let store = fluxmem_store::Store::open(dir.path()).unwrap();
+        assert_eq!(store.load().unwrap().nodes.len(), 2, "nothing written");
+        // At the version it read, it commits.
+        let now = writer.manifest().version;
+        assert_eq!(
+            commit_at(&mut writer, now, &delta, CommitInfo::default()).unwrap(),
+            Ok(())
+        );
+        assert_eq!(store.load().unwrap().nodes.len(), 3);
+    }
 }
