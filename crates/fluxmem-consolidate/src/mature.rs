@@ -237,16 +237,24 @@ const REPLAY_HISTORY_CHARS: usize = 1_500;
 const REPLAY_TOKENS: usize = 64;
 
 impl<'g> Measuring<'g> {
-    fn new(episodes: Vec<&'g Node>, replay_steps: usize) -> Self {
-        let steps: Vec<crate::replay::ReplayStep> = episodes
-            .iter()
-            .enumerate()
-            .filter(|(_, n)| succeeded(n))
-            .flat_map(|(i, n)| crate::replay::steps_of(i, n, REPLAY_HISTORY_CHARS))
-            .collect();
+    /// `replay_steps`: with a replay model, the calls replayed at most (0: all); `None`: no
+    /// replay model, and no call is read out of the episodes.
+    fn new(episodes: Vec<&'g Node>, replay_steps: Option<usize>) -> Self {
+        let steps = match replay_steps {
+            None => Vec::new(),
+            Some(cap) => spread(
+                episodes
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, n)| succeeded(n))
+                    .flat_map(|(i, n)| crate::replay::steps_of(i, n, REPLAY_HISTORY_CHARS))
+                    .collect(),
+                cap,
+            ),
+        };
         Measuring {
             measured: measure(&episodes),
-            steps: spread(steps, replay_steps),
+            steps,
             episodes,
         }
     }
@@ -272,7 +280,7 @@ fn spread<T>(items: Vec<T>, cap: usize) -> Vec<T> {
 fn measuring_sets<'g>(
     split: &Split<'g>,
     all: &[&'g Node],
-    replay_steps: usize,
+    replay_steps: Option<usize>,
 ) -> (Measuring<'g>, Option<Measuring<'g>>, &'static str) {
     if split.held_out.is_empty() {
         let scope = "in-sample (too few successes to keep some back)";
@@ -390,8 +398,8 @@ pub(crate) fn mature(
         );
         return Ok(Matured::NoProcedure { reason });
     };
-    let (report_set, choose_set, held) =
-        measuring_sets(&split, &job.episodes, options.replay_steps);
+    let replay_steps = models.replayer.is_some().then_some(options.replay_steps);
+    let (report_set, choose_set, held) = measuring_sets(&split, &job.episodes, replay_steps);
     // A replay model needs logged tool calls to replay; a cluster of text actions is measured
     // model-free, and says so.
     let replay = models.replayer.is_some()
@@ -403,8 +411,11 @@ pub(crate) fn mature(
         format!("{}, {held}", eta_name(models))
     };
     // The tools a replayed call may name: every tool the cluster's episodes call.
-    let system =
-        crate::replay::system_prompt(&crate::replay::tool_list(job.episodes.iter().copied()));
+    let system = if replay {
+        crate::replay::system_prompt(&crate::replay::tool_list(job.episodes.iter().copied()))
+    } else {
+        String::new()
+    };
     let mut attempts = Vec::new();
     let (name, description, wording) = word(&skeleton, job, models, options, &mut attempts)?;
     let mut kept: Vec<usize> = (0..skeleton.steps.len()).collect();
@@ -1063,7 +1074,7 @@ mod tests {
         };
         let s = split(&refs);
         assert_eq!(s.held_out.len(), 4);
-        let (report, choose, scope) = measuring_sets(&s, &refs, 0);
+        let (report, choose, scope) = measuring_sets(&s, &refs, None);
         let choose = choose.expect("4 kept back: two halves");
         assert!(ids(&report).is_disjoint(&ids(&choose)), "{scope}");
         let held: BTreeSet<String> = s.held_out.iter().map(|n| n.id.to_string()).collect();
@@ -1073,12 +1084,12 @@ mod tests {
         // One kept back: it both chooses and reports, and the scope says so.
         let one = split(&refs[..5]);
         assert_eq!(one.held_out.len(), 1);
-        let (report, choose, scope) = measuring_sets(&one, &refs[..5], 0);
+        let (report, choose, scope) = measuring_sets(&one, &refs[..5], None);
         assert!(choose.is_none() && report.episodes.len() == 1);
         assert!(scope.contains("same episode"), "{scope}");
         // None kept back: in-sample, said.
         let none = split(&refs[..2]);
-        let (report, choose, scope) = measuring_sets(&none, &refs[..2], 0);
+        let (report, choose, scope) = measuring_sets(&none, &refs[..2], None);
         assert!(choose.is_none() && report.episodes.len() == 2);
         assert!(scope.starts_with("in-sample"), "{scope}");
     }

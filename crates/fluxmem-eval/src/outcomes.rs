@@ -69,7 +69,16 @@ pub fn outcome_rule(data: &Path) -> Result<OutcomeConfusion> {
         "eval-outcomes",
         &mut fluxmem_ingest::NoProgress,
     )?;
-    let graph = writer.store().load()?;
+    // The episodes with their steps; nothing else of the store is needed.
+    let graph = writer.store().scan_at(
+        writer.manifest(),
+        &fluxmem_store::Scan {
+            nodes: true,
+            node_kinds: vec![fluxmem_graph::NodeKind::Episodic],
+            steps: fluxmem_store::Rows::All,
+            ..Default::default()
+        },
+    )?;
     let mut out = OutcomeConfusion {
         file: data.display().to_string(),
         ..Default::default()

@@ -542,7 +542,7 @@ impl Run<'_> {
                             *self
                                 .report
                                 .outcomes
-                                .entry(outcome::source_of(&node).to_string())
+                                .entry(node.outcome_source().to_string())
                                 .or_default() += 1;
                         }
                         self.report.nodes_added += 1;

@@ -127,11 +127,6 @@ pub fn label(node: &mut Node) {
         .insert("outcome_source".into(), Value::from(source));
 }
 
-/// An episode's outcome source as stored ([`Node::outcome_source`]).
-pub fn source_of(node: &Node) -> &str {
-    node.outcome_source()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -227,12 +222,12 @@ mod tests {
         };
         let mut logged = Node::new(body(Some(false)), "t", "hi", &["a"]);
         label(&mut logged);
-        assert_eq!(source_of(&logged), "logged");
+        assert_eq!(logged.outcome_source(), "logged");
         assert_eq!(logged.episode().unwrap().outcome.success, Some(false));
         let mut unknown = Node::new(body(None), "t", "hi", &["b"]);
         let id = unknown.id.clone();
         label(&mut unknown);
-        assert_eq!(source_of(&unknown), "inferred");
+        assert_eq!(unknown.outcome_source(), "inferred");
         assert_eq!(unknown.episode().unwrap().outcome.success, Some(true));
         assert_eq!(
             unknown.id, id,
@@ -243,6 +238,6 @@ mod tests {
             .metadata
             .insert("outcome_source".into(), Value::from("status"));
         label(&mut status);
-        assert_eq!(source_of(&status), "status");
+        assert_eq!(status.outcome_source(), "status");
     }
 }
