@@ -30,14 +30,15 @@
 
 use fluxmem_graph::{schema, EdgeKind, Graph, GraphStats, NodeId, NodeKind, Step};
 use serde::Serialize;
-use sha2::{Digest, Sha256};
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 
-use crate::manifest::{CommitRecord, LiveCounts, Manifest, RetiredShard, ShardEntry};
+use crate::keys::{KeySet, EDGE_CODES, NODE_CODES};
+use crate::layout::{fault_point, staging_in_progress, sync_dir, SHARDS, STAGING};
+use crate::manifest::{LiveCounts, Manifest, RetiredShard, ShardEntry};
 use crate::merge::{self, EdgeSink, EmbeddingSink, Keyed, NodeRows, NodeSink, Run, Stop};
-use crate::scan::{sorted, text_column};
-use crate::store::{fault_point, sync_dir, write_manifest, write_shards, SHARDS};
-use crate::{shard, CommitInfo, Error, Result, Store, Writer};
+use crate::scan::sorted;
+use crate::store::write_shards;
+use crate::{keys, shard, CommitInfo, Error, Result, Writer};
 
 /// When compaction rewrites and merges shards.
 #[derive(Debug, Clone, Serialize)]
@@ -65,14 +66,6 @@ impl Default for CompactPolicy {
         }
     }
 }
-
-/// Commits a retired shard file stays on disk after it left the manifest.
-pub const KEEP_RETIRED_COMMITS: u64 = 2;
-
-/// How long a retired shard file stays on disk after it left the manifest, at least (and
-/// [`KEEP_RETIRED_COMMITS`] commits): a reader that read the older manifest has this long to
-/// read its shards. Set per writer with `Writer::keep_retired_for`.
-pub const DEFAULT_RETIRED_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// What compaction found and did for one table.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -136,71 +129,6 @@ struct Unit {
     flags: Vec<bool>,
 }
 
-pub(crate) type Key = [u8; 16];
-
-/// A map keyed by row keys: a key is already a hash, so a fast hash of it is enough; seeded
-/// fixed, so nothing depends on a per-process seed.
-pub(crate) type KeyMap<V> = HashMap<Key, V, foldhash::fast::FixedState>;
-
-/// A set of row keys, hashed as [`KeyMap`]'s keys are.
-pub(crate) type KeySet = HashSet<Key, foldhash::fast::FixedState>;
-
-pub(crate) fn key_of(parts: &[&str]) -> Key {
-    let mut hasher = Sha256::new();
-    for part in parts {
-        hasher.update(part.as_bytes());
-        hasher.update([0]);
-    }
-    hasher.finalize()[..16].try_into().expect("16 bytes")
-}
-
-/// For each key of `table`, the position (group, row) of its winning row (the last one written).
-/// `groups` come in commit order, each the shards of `table` whose rows are counted on from one
-/// to the next. Reads only the key columns: the readers' fallback for a shard out of key order
-/// ([`Store::live`]).
-pub(crate) fn winning_rows<'e>(
-    store: &Store,
-    table: &str,
-    groups: impl Iterator<Item = Vec<&'e ShardEntry>>,
-) -> Result<KeyMap<(usize, usize)>> {
-    let mut last: KeyMap<(usize, usize)> = KeyMap::default();
-    let keys = key_columns(table);
-    for (index, group) in groups.enumerate() {
-        let mut row = 0usize;
-        for entry in group {
-            for batch in shard::open(&store.dir, entry, Some(keys), shard::DEFAULT_BATCH_ROWS)? {
-                let batch = batch?;
-                let strings: Vec<&arrow_array::StringArray> = keys
-                    .iter()
-                    .map(|name| text_column(store, entry, &batch, name))
-                    .collect::<Result<_>>()?;
-                let mut parts: Vec<&str> = Vec::with_capacity(strings.len());
-                for i in 0..batch.num_rows() {
-                    parts.clear();
-                    parts.extend(strings.iter().map(|s| s.value(i)));
-                    last.insert(key_of(&parts), (index, row));
-                    row += 1;
-                }
-            }
-        }
-    }
-    Ok(last)
-}
-
-/// Compaction's row codes for the live counts: a node row's code is its kind's index here...
-pub(crate) const NODE_CODES: [NodeKind; 3] =
-    [NodeKind::Semantic, NodeKind::Episodic, NodeKind::Procedural];
-/// ...an edge row's is 0 when inactive, else its kind's index here plus 1.
-pub(crate) const EDGE_CODES: [EdgeKind; 3] = [EdgeKind::Ground, EdgeKind::Distill, EdgeKind::Link];
-
-pub(crate) fn key_columns(table: &str) -> &'static [&'static str] {
-    match table {
-        "nodes" => &["id"],
-        "edges" => &["src", "dst", "kind"],
-        _ => &["node_id", "model_id"],
-    }
-}
-
 fn level(rows: u64, policy: &CompactPolicy) -> u32 {
     let mut level = 0;
     let mut bound = policy.min_level_rows.max(1) * policy.merge_factor as u64;
@@ -209,6 +137,57 @@ fn level(rows: u64, policy: &CompactPolicy) -> u32 {
         bound = bound.saturating_mul(policy.merge_factor as u64);
     }
     level
+}
+
+/// What a compaction pass writes and retires, over its tables.
+#[derive(Default)]
+struct Outputs {
+    /// The shards written.
+    written: Vec<ShardEntry>,
+    /// The files merged away.
+    removed: BTreeSet<String>,
+    /// The next part number of the pass's commit.
+    part: usize,
+}
+
+/// The sets of units merged into one: each level that holds `merge_factor` units or more,
+/// and, of the other levels, the units whose dead share is above `max_dead_fraction` (each
+/// level's together). Counts the rewritten and merged units in `stats`.
+fn merge_sets(
+    units: &[Unit],
+    policy: &CompactPolicy,
+    stats: &mut TableCompaction,
+) -> Vec<Vec<usize>> {
+    let mut groups: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+    let mut selected: BTreeSet<usize> = BTreeSet::new();
+    for (index, unit) in units.iter().enumerate() {
+        let dead = unit.rows - unit.live;
+        if unit.rows > 0 && dead as f64 > policy.max_dead_fraction * unit.rows as f64 {
+            selected.insert(index);
+            stats.rewritten += 1;
+        }
+        groups
+            .entry(level(unit.live, policy))
+            .or_default()
+            .push(index);
+    }
+    let mut sets: Vec<Vec<usize>> = Vec::new();
+    for members in groups.values() {
+        if members.len() >= policy.merge_factor {
+            stats.merged += members.len();
+            sets.push(members.clone());
+        } else {
+            let lone: Vec<usize> = members
+                .iter()
+                .copied()
+                .filter(|i| selected.contains(i))
+                .collect();
+            if !lone.is_empty() {
+                sets.push(lone);
+            }
+        }
+    }
+    sets
 }
 
 impl Writer {
@@ -243,171 +222,206 @@ impl Writer {
 
     fn compact_pass(&mut self, policy: &CompactPolicy, run_id: &str) -> Result<CompactReport> {
         let dir = self.store.dir.clone();
-        if staging_in_progress(&dir) {
+        self.check_not_staging()?;
+        let policy = CompactPolicy {
+            merge_factor: policy.merge_factor.max(2),
+            ..policy.clone()
+        };
+        keys::sweep(&dir, &|file| dir.join(file).exists())?;
+        let manifest = self.manifest.clone();
+        let version = manifest.version + 1;
+        let mut report = CompactReport::default();
+        let mut out = Outputs::default();
+        let mut counts = GraphStats::default();
+        for table in ["nodes", "edges", "embeddings"] {
+            let (stats, table_counts) =
+                self.compact_table(&manifest, table, &policy, version, &mut out)?;
+            counts = counts + table_counts;
+            report.tables.insert(table.to_string(), stats);
+        }
+        let edits = self.compact_edits(&manifest, &policy, version, &mut out)?;
+        report.tables.insert("edits".into(), edits);
+        if out.removed.is_empty() {
+            self.commit_counts(manifest, version, counts, run_id, &mut report)?;
+        } else {
+            self.commit_outputs(manifest, version, counts, out, run_id, &mut report)?;
+        }
+        let manifest = self.manifest.clone();
+        self.finish_report(&mut report, &manifest);
+        Ok(report)
+    }
+
+    /// Refuses to compact while a sharded run's staging store exists (its merge needs the
+    /// store version it started from), and to compact a staging store.
+    fn check_not_staging(&self) -> Result<()> {
+        let dir = &self.store.dir;
+        if staging_in_progress(dir) {
             return Err(Error::Staging {
-                path: dir.join(crate::STAGING),
+                path: dir.join(STAGING),
                 reason: "a sharded run is in progress (staging stores exist); merge or remove it before compacting".into(),
             });
         }
         if self.manifest.progress.contains_key("staging") {
             return Err(Error::Staging {
-                path: dir,
+                path: dir.clone(),
                 reason: "this is a sharded run's staging store (it reads the main store's shards); compact the main store after the merge".into(),
             });
         }
-        let policy = CompactPolicy {
-            merge_factor: policy.merge_factor.max(2),
-            ..policy.clone()
+        Ok(())
+    }
+
+    /// Rewrites and merges the units of a keyed table that the policy selects; what it found
+    /// and did, and the counts of the table's live rows.
+    fn compact_table(
+        &mut self,
+        manifest: &Manifest,
+        table: &str,
+        policy: &CompactPolicy,
+        version: u64,
+        out: &mut Outputs,
+    ) -> Result<(TableCompaction, GraphStats)> {
+        let (units, counts) = self.live_units(manifest, table)?;
+        let mut stats = TableCompaction {
+            shards_before: units
+                .iter()
+                .map(|u| u.entries.iter().filter(|e| e.table == table).count())
+                .sum(),
+            rows_before: units.iter().map(|u| u.rows).sum(),
+            live_rows: units.iter().map(|u| u.live).sum(),
+            bytes_before: units.iter().flat_map(|u| &u.entries).map(|e| e.bytes).sum(),
+            ..Default::default()
         };
-        crate::keys::sweep(&dir, &|file| dir.join(file).exists())?;
-        let mut manifest = self.manifest.clone();
-        let version = manifest.version + 1;
-        let mut report = CompactReport::default();
-        let mut outputs: Vec<ShardEntry> = Vec::new();
-        let mut removed: BTreeSet<String> = BTreeSet::new();
-        let mut part = 0usize;
-        let mut counts = GraphStats::default();
-        for table in ["nodes", "edges", "embeddings"] {
-            let (units, table_counts) = self.live_units(&manifest, table)?;
-            counts = counts + table_counts;
-            let mut stats = TableCompaction {
-                shards_before: units
-                    .iter()
-                    .map(|u| u.entries.iter().filter(|e| e.table == table).count())
-                    .sum(),
-                rows_before: units.iter().map(|u| u.rows).sum(),
-                live_rows: units.iter().map(|u| u.live).sum(),
-                bytes_before: units.iter().flat_map(|u| &u.entries).map(|e| e.bytes).sum(),
-                ..Default::default()
+        for members in merge_sets(&units, policy, &mut stats) {
+            let start = out.part;
+            let written = match self.merge_streaming(
+                table,
+                &members,
+                &units,
+                version,
+                &mut out.part,
+                policy.batch_rows,
+            ) {
+                Ok(written) => written,
+                Err(Stop::Failed(error)) => return Err(error),
+                Err(Stop::Unordered(reason)) => {
+                    // A member out of key order (not one this crate wrote): merged in memory.
+                    out.part = start;
+                    stats.in_memory.push(reason);
+                    let graph = self.live_rows_of(table, &members, &units)?;
+                    self.write_graph(&graph, version, &mut out.part)?
+                }
             };
-            let mut groups: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-            let mut selected: BTreeSet<usize> = BTreeSet::new();
-            for (index, unit) in units.iter().enumerate() {
-                let dead = unit.rows - unit.live;
-                if unit.rows > 0 && dead as f64 > policy.max_dead_fraction * unit.rows as f64 {
-                    selected.insert(index);
-                    stats.rewritten += 1;
-                }
-                groups
-                    .entry(level(unit.live, &policy))
-                    .or_default()
-                    .push(index);
+            for index in &members {
+                out.removed
+                    .extend(units[*index].entries.iter().map(|e| e.file.clone()));
             }
-            let mut outputs_of_table: Vec<Vec<usize>> = Vec::new();
-            for members in groups.values() {
-                if members.len() >= policy.merge_factor {
-                    stats.merged += members.len();
-                    outputs_of_table.push(members.clone());
-                } else {
-                    let lone: Vec<usize> = members
-                        .iter()
-                        .copied()
-                        .filter(|i| selected.contains(i))
-                        .collect();
-                    if !lone.is_empty() {
-                        outputs_of_table.push(lone);
-                    }
-                }
-            }
-            for members in outputs_of_table {
-                let start = part;
-                let written = match self.merge_streaming(
-                    table,
-                    &members,
-                    &units,
-                    version,
-                    &mut part,
-                    policy.batch_rows,
-                ) {
-                    Ok(written) => written,
-                    Err(Stop::Failed(error)) => return Err(error),
-                    Err(Stop::Unordered(reason)) => {
-                        // A member out of key order (not one this crate wrote): merged in memory.
-                        part = start;
-                        stats.in_memory.push(reason);
-                        let graph = self.live_rows_of(table, &members, &units)?;
-                        self.write_graph(&graph, version, &mut part)?
-                    }
-                };
-                for index in &members {
-                    removed.extend(units[*index].entries.iter().map(|e| e.file.clone()));
-                }
-                outputs.extend(spanning(
-                    written,
-                    members.iter().flat_map(|&i| &units[i].entries),
-                ));
-            }
-            report.tables.insert(table.to_string(), stats);
+            out.written.extend(spanning(
+                written,
+                members.iter().flat_map(|&i| &units[i].entries),
+            ));
         }
-        // The edit log: the trailing run of same-level shards, once it is merge_factor long.
-        let edits: Vec<ShardEntry> = sorted(&manifest, "edits");
-        let mut edit_stats = TableCompaction {
+        Ok((stats, counts))
+    }
+
+    /// The edit log: the trailing run of same-level shards, concatenated once it is
+    /// `merge_factor` long.
+    fn compact_edits(
+        &mut self,
+        manifest: &Manifest,
+        policy: &CompactPolicy,
+        version: u64,
+        out: &mut Outputs,
+    ) -> Result<TableCompaction> {
+        let edits: Vec<ShardEntry> = sorted(manifest, "edits");
+        let mut stats = TableCompaction {
             shards_before: edits.len(),
             rows_before: edits.iter().map(|e| e.rows).sum(),
             live_rows: edits.iter().map(|e| e.rows).sum(),
             bytes_before: edits.iter().map(|e| e.bytes).sum(),
             ..Default::default()
         };
-        if let Some(last) = edits.last() {
-            let tail_level = level(last.rows, &policy);
-            let run: Vec<&ShardEntry> = edits
-                .iter()
-                .rev()
-                .take_while(|e| level(e.rows, &policy) == tail_level)
-                .collect();
-            if run.len() >= policy.merge_factor {
-                let in_order: Vec<&ShardEntry> = run.iter().rev().copied().collect();
-                let mut next_part = || {
-                    part += 1;
-                    part - 1
-                };
-                let written = merge::concatenate_edits(
-                    &self.store.dir,
-                    &in_order,
-                    version,
-                    &mut next_part,
-                    policy.batch_rows,
-                )?;
-                outputs.extend(spanning(written, in_order.iter().copied()));
-                removed.extend(in_order.iter().map(|e| e.file.clone()));
-                edit_stats.merged = run.len();
-            }
+        let Some(last) = edits.last() else {
+            return Ok(stats);
+        };
+        let tail_level = level(last.rows, policy);
+        let run: Vec<&ShardEntry> = edits
+            .iter()
+            .rev()
+            .take_while(|e| level(e.rows, policy) == tail_level)
+            .collect();
+        if run.len() >= policy.merge_factor {
+            let in_order: Vec<&ShardEntry> = run.iter().rev().copied().collect();
+            let mut next_part = || {
+                out.part += 1;
+                out.part - 1
+            };
+            let written = merge::concatenate_edits(
+                &self.store.dir,
+                &in_order,
+                version,
+                &mut next_part,
+                policy.batch_rows,
+            )?;
+            out.written
+                .extend(spanning(written, in_order.iter().copied()));
+            out.removed.extend(in_order.iter().map(|e| e.file.clone()));
+            stats.merged = run.len();
         }
-        report.tables.insert("edits".into(), edit_stats);
-        if removed.is_empty() {
-            if manifest.current_counts() != Some(counts) {
-                // Nothing to merge, but the counts are new: a commit of the counts alone.
-                manifest.version = version;
-                manifest.live_counts = Some(LiveCounts {
-                    version,
-                    stats: counts,
-                });
-                let summary = serde_json::json!({ "counted": true });
-                self.land(
-                    manifest,
-                    CommitInfo {
-                        stage: "compact".into(),
-                        run_id: run_id.into(),
-                        summary,
-                        progress: Default::default(),
-                    },
-                )?;
-                report.counted = true;
-            }
-            let manifest = self.manifest.clone();
-            self.finish_report(&mut report, &manifest);
-            return Ok(report);
+        Ok(stats)
+    }
+
+    /// Nothing to merge: when the live counts are new, a commit of the counts alone.
+    fn commit_counts(
+        &mut self,
+        mut manifest: Manifest,
+        version: u64,
+        counts: GraphStats,
+        run_id: &str,
+        report: &mut CompactReport,
+    ) -> Result<()> {
+        if manifest.current_counts() == Some(counts) {
+            return Ok(());
         }
-        if !outputs.is_empty() {
-            sync_dir(&dir.join(SHARDS))?;
+        manifest.version = version;
+        manifest.live_counts = Some(LiveCounts {
+            version,
+            stats: counts,
+        });
+        let summary = serde_json::json!({ "counted": true });
+        self.land(
+            manifest,
+            CommitInfo {
+                stage: "compact".into(),
+                run_id: run_id.into(),
+                summary,
+                progress: Default::default(),
+            },
+        )?;
+        report.counted = true;
+        Ok(())
+    }
+
+    /// Commits the written shards in place of the merged-away ones, which stay on disk as
+    /// retired files.
+    fn commit_outputs(
+        &mut self,
+        mut manifest: Manifest,
+        version: u64,
+        counts: GraphStats,
+        out: Outputs,
+        run_id: &str,
+        report: &mut CompactReport,
+    ) -> Result<()> {
+        if !out.written.is_empty() {
+            sync_dir(&self.store.dir.join(SHARDS))?;
         }
         fault_point("before-manifest", version);
-        report.retired = removed.len();
-        manifest.shards.retain(|s| !removed.contains(&s.file));
-        manifest.shards.extend(outputs);
+        report.retired = out.removed.len();
+        manifest.shards.retain(|s| !out.removed.contains(&s.file));
+        manifest.shards.extend(out.written);
         manifest
             .retired
-            .extend(removed.iter().map(|file| RetiredShard {
+            .extend(out.removed.iter().map(|file| RetiredShard {
                 file: file.clone(),
                 version,
                 at_ms: Some(chrono::Utc::now().timestamp_millis()),
@@ -419,7 +433,7 @@ impl Writer {
             stats: counts,
         });
         report.counted = true;
-        let summary = serde_json::to_value(&report).expect("the report serialises");
+        let summary = serde_json::to_value(&*report).expect("the report serialises");
         let info = CommitInfo {
             stage: "compact".into(),
             run_id: run_id.into(),
@@ -429,9 +443,7 @@ impl Writer {
         self.land(manifest, info)?;
         fault_point("after-manifest", version);
         report.committed = true;
-        let manifest = self.manifest.clone();
-        self.finish_report(&mut report, &manifest);
-        Ok(report)
+        Ok(())
     }
 
     /// Fills the after-columns of `report` from `manifest`.
@@ -506,9 +518,9 @@ impl Writer {
         for (index, unit) in units.iter_mut().enumerate().rev() {
             let shards: Vec<&ShardEntry> =
                 unit.entries.iter().filter(|e| e.table == table).collect();
-            let indexes: Vec<crate::keys::KeyIndex> = shards
+            let indexes: Vec<keys::KeyIndex> = shards
                 .iter()
-                .map(|e| crate::keys::read_or_make(dir, e, true))
+                .map(|e| shard::key_index(dir, e, true))
                 .collect::<Result<_>>()?;
             let look_only = index == 0 && indexes.len() == 1 && indexes[0].ordered;
             let mut flags = vec![false; indexes.iter().map(|i| i.len()).sum()];
@@ -589,7 +601,7 @@ impl Writer {
         };
         let part_of = |entry: &ShardEntry| {
             let name = entry.file.rsplit('/').next().unwrap_or(&entry.file);
-            crate::recover::parse_shard_name(name).map(|parsed| parsed.part)
+            shard::parse_shard_name(name).map(|parsed| parsed.part)
         };
         match table {
             "nodes" => {
@@ -761,26 +773,6 @@ impl Writer {
             *part - 1
         })
     }
-
-    /// Writes `manifest` (its version already set) as the next commit: records the commit,
-    /// bounds the commit log, deletes retired files whose time is up, compare-and-swaps the
-    /// manifest in.
-    pub(crate) fn land(&mut self, mut manifest: Manifest, info: CommitInfo) -> Result<()> {
-        let dir = self.store.dir.clone();
-        manifest.progress.extend(info.progress);
-        manifest.commits.push(CommitRecord {
-            version: manifest.version,
-            stage: info.stage,
-            run_id: info.run_id,
-            at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-            summary: info.summary,
-        });
-        archive_commit_log(&dir, &mut manifest)?;
-        delete_retired(&dir, &mut manifest, self.retired_grace)?;
-        self.manifest_sha256 = write_manifest(&dir, &manifest, Some(&self.manifest_sha256))?;
-        self.manifest = manifest;
-        Ok(())
-    }
 }
 
 /// A compaction's output shards, each marked with the commits whose rows its `members` held
@@ -800,109 +792,10 @@ fn spanning<'a>(
     written
 }
 
-/// Commit records kept in the manifest; older ones move to `history.jsonl` beside it, so the
-/// manifest stays O(live shards).
-pub const MANIFEST_COMMIT_LOG: usize = 64;
-
-/// The commit log file of records that left the manifest.
-pub const HISTORY: &str = "history.jsonl";
-
-/// Moves all but the last [`MANIFEST_COMMIT_LOG`] commit records to `history.jsonl`
-/// (appended and synced before the manifest that drops them is written; a crash in between
-/// can only repeat records there, never lose one).
-fn archive_commit_log(dir: &std::path::Path, manifest: &mut Manifest) -> Result<()> {
-    use crate::error::IoContext;
-    use std::io::Write;
-    if manifest.commits.len() <= MANIFEST_COMMIT_LOG {
-        return Ok(());
-    }
-    let older: Vec<CommitRecord> = manifest
-        .commits
-        .drain(..manifest.commits.len() - MANIFEST_COMMIT_LOG)
-        .collect();
-    let path = dir.join(HISTORY);
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .at(&path)?;
-    let mut text = Vec::new();
-    for record in &older {
-        serde_json::to_writer(&mut text, record).expect("a commit record serialises");
-        text.push(b'\n');
-    }
-    file.write_all(&text).at(&path)?;
-    file.sync_all().at(&path)?;
-    Ok(())
-}
-
-/// Deletes the retired files whose time is up ([`KEEP_RETIRED_COMMITS`] commits after they
-/// left the manifest, and `grace` after, so that a reader that started on an older manifest
-/// has that long to finish) and drops them from `manifest.retired`. A file is deleted before the
-/// manifest that forgets it is written, so a crash leaves it listed as retired (and gone),
-/// never on disk and unlisted. Nothing is deleted while a staging store exists.
-fn delete_retired(
-    dir: &std::path::Path,
-    manifest: &mut Manifest,
-    grace: std::time::Duration,
-) -> Result<()> {
-    if manifest.retired.is_empty() || staging_in_progress(dir) {
-        return Ok(());
-    }
-    let live: BTreeSet<&str> = manifest.shards.iter().map(|s| s.file.as_str()).collect();
-    let mut kept = Vec::new();
-    let now = chrono::Utc::now().timestamp_millis();
-    let grace = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
-    for retired in std::mem::take(&mut manifest.retired) {
-        let aged = retired
-            .at_ms
-            .is_none_or(|at| now.saturating_sub(at) >= grace);
-        let due = retired.version + KEEP_RETIRED_COMMITS <= manifest.version && aged;
-        if due && retired.file.starts_with(SHARDS) && !live.contains(retired.file.as_str()) {
-            let path = dir.join(&retired.file);
-            match std::fs::remove_file(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(Error::Io { path, source: e })
-                }
-                _ => {}
-            }
-            crate::keys::remove(dir, &retired.file)?;
-        } else {
-            kept.push(retired);
-        }
-    }
-    manifest.retired = kept;
-    Ok(())
-}
-
-/// True when the store has a staging store (a sharded run started and not merged).
-pub(crate) fn staging_in_progress(dir: &std::path::Path) -> bool {
-    std::fs::read_dir(dir.join(crate::STAGING))
-        .map(|mut entries| entries.next().is_some())
-        .unwrap_or(false)
-}
-
 fn corrupt(dir: &std::path::Path, entry: &ShardEntry, source: fluxmem_graph::Error) -> Error {
     Error::Corrupt {
         path: dir.join(&entry.file),
         reason: source.to_string(),
-    }
-}
-
-/// A ground edge `epi-<i>` -> `sem-1` for this crate's unit tests.
-#[cfg(test)]
-pub(crate) fn test_edge(i: usize, weight: f32, active: bool) -> fluxmem_graph::Edge {
-    fluxmem_graph::Edge {
-        src: NodeId(format!("epi-{i:04}")),
-        dst: NodeId("sem-1".into()),
-        kind: EdgeKind::Ground,
-        weight,
-        evidence: 1,
-        stage: "t".into(),
-        run_id: "r".into(),
-        created_at: 0,
-        active,
-        metadata: BTreeMap::new(),
     }
 }
 
@@ -919,7 +812,7 @@ mod tests {
         for night in 0..3 {
             let mut delta = Graph::default();
             for i in night * 5..night * 5 + 10 {
-                delta.upsert_edge(test_edge(i, night as f32, true));
+                delta.upsert_edge(crate::testing::test_edge(i, night as f32, true));
             }
             writer
                 .commit(

@@ -30,12 +30,48 @@ use arrow_array::cast::AsArray;
 use arrow_array::{Array, RecordBatch};
 use fluxmem_graph::{EdgeKind, NodeKind};
 use sha2::{Digest, Sha256};
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use crate::compact::{key_columns, key_of, Key, EDGE_CODES, NODE_CODES};
 use crate::error::IoContext;
+use crate::layout::SHARDS;
 use crate::manifest::ShardEntry;
-use crate::{shard, Error, Result};
+use crate::{Error, Result};
+
+/// A row's key: the first 16 bytes of the SHA-256 of its key columns ([`key_of`]).
+pub(crate) type Key = [u8; 16];
+
+/// A map keyed by row keys: a key is already a hash, so a fast hash of it is enough; seeded
+/// fixed, so nothing depends on a per-process seed.
+/// A row's key: the first 16 bytes of the SHA-256 of its key columns ([`key_of`]).
+pub(crate) type KeyMap<V> = HashMap<Key, V, foldhash::fast::FixedState>;
+
+/// A set of row keys, hashed as [`KeyMap`]'s keys are.
+/// A row's key: the first 16 bytes of the SHA-256 of its key columns ([`key_of`]).
+pub(crate) type KeySet = HashSet<Key, foldhash::fast::FixedState>;
+
+pub(crate) fn key_of(parts: &[&str]) -> Key {
+    let mut hasher = Sha256::new();
+    for part in parts {
+        hasher.update(part.as_bytes());
+        hasher.update([0]);
+    }
+    hasher.finalize()[..16].try_into().expect("16 bytes")
+}
+
+/// Compaction's row codes for the live counts: a node row's code is its kind's index here...
+pub(crate) const NODE_CODES: [NodeKind; 3] =
+    [NodeKind::Semantic, NodeKind::Episodic, NodeKind::Procedural];
+/// ...an edge row's is 0 when inactive, else its kind's index here plus 1.
+pub(crate) const EDGE_CODES: [EdgeKind; 3] = [EdgeKind::Ground, EdgeKind::Distill, EdgeKind::Link];
+
+pub(crate) fn key_columns(table: &str) -> &'static [&'static str] {
+    match table {
+        "nodes" => &["id"],
+        "edges" => &["src", "dst", "kind"],
+        _ => &["node_id", "model_id"],
+    }
+}
 
 /// The directory of key indexes, beside `shards/`.
 pub const KEYS: &str = "keys";
@@ -194,7 +230,7 @@ fn key_order(table: &str, a: &[String], b: &[&str]) -> std::cmp::Ordering {
 }
 
 /// The columns [`IndexBuilder::push`] reads of `table`.
-fn index_columns(table: &str) -> Vec<&'static str> {
+pub(crate) fn index_columns(table: &str) -> Vec<&'static str> {
     let mut columns = key_columns(table).to_vec();
     match table {
         "nodes" => columns.push("kind"),
@@ -296,40 +332,6 @@ pub(crate) fn read(dir: &Path, entry: &ShardEntry) -> Option<KeyIndex> {
     })
 }
 
-/// `entry`'s key index: read, or else made from the shard's key columns (and, with `keep`,
-/// written for the next time).
-pub(crate) fn read_or_make(dir: &Path, entry: &ShardEntry, keep: bool) -> Result<KeyIndex> {
-    if let Some(index) = read(dir, entry) {
-        return Ok(index);
-    }
-    let mut builder = IndexBuilder::new(&entry.table).ok_or_else(|| Error::Corrupt {
-        path: dir.join(&entry.file),
-        reason: format!("table `{}` has no keys", entry.table),
-    })?;
-    let columns = index_columns(&entry.table);
-    for batch in shard::open(dir, entry, Some(&columns), shard::DEFAULT_BATCH_ROWS)? {
-        builder.push(&batch?).map_err(|reason| Error::Corrupt {
-            path: dir.join(&entry.file),
-            reason,
-        })?;
-    }
-    let index = builder.finish();
-    if index.len() as u64 != entry.rows {
-        return Err(Error::Corrupt {
-            path: dir.join(&entry.file),
-            reason: format!(
-                "{} rows read, the manifest says {}",
-                index.len(),
-                entry.rows
-            ),
-        });
-    }
-    if keep {
-        self::keep(dir, entry, &index);
-    }
-    Ok(index)
-}
-
 /// Deletes the key index of the shard file `file` (a path under the store), if any.
 pub(crate) fn remove(dir: &Path, file: &str) -> Result<()> {
     let path = index_path(dir, file);
@@ -353,7 +355,7 @@ pub(crate) fn sweep(dir: &Path, keep: &dyn Fn(&str) -> bool) -> Result<usize> {
             .strip_suffix(".keys.tmp")
             .or_else(|| name.strip_suffix(".keys"));
         let Some(shard) = shard else { continue };
-        if name.ends_with(".tmp") || !keep(&format!("{}/{shard}", crate::store::SHARDS)) {
+        if name.ends_with(".tmp") || !keep(&format!("{}/{shard}", SHARDS)) {
             std::fs::remove_file(entry.path()).at(&entry.path())?;
             removed += 1;
         }
@@ -376,7 +378,7 @@ mod tests {
         let mut writer = Writer::open(dir.path()).unwrap();
         let mut delta = Graph::default();
         for i in 0..5 {
-            delta.upsert_edge(crate::compact::test_edge(i, 1.0, i != 2));
+            delta.upsert_edge(crate::testing::test_edge(i, 1.0, i != 2));
         }
         writer
             .commit(
@@ -411,7 +413,10 @@ mod tests {
         // Made from the shard, it is the same.
         std::fs::remove_file(path(dir.path(), &entry)).unwrap();
         assert!(read(dir.path(), &entry).is_none());
-        assert_eq!(read_or_make(dir.path(), &entry, true).unwrap(), index);
+        assert_eq!(
+            crate::shard::key_index(dir.path(), &entry, true).unwrap(),
+            index
+        );
         assert_eq!(read(dir.path(), &entry).as_ref(), Some(&index), "kept");
         // One flipped byte of the body: not used.
         let file = path(dir.path(), &entry);
@@ -420,7 +425,10 @@ mod tests {
         bytes[last] ^= 1;
         std::fs::write(&file, &bytes).unwrap();
         assert!(read(dir.path(), &entry).is_none(), "a damaged body");
-        assert_eq!(read_or_make(dir.path(), &entry, false).unwrap(), index);
+        assert_eq!(
+            crate::shard::key_index(dir.path(), &entry, false).unwrap(),
+            index
+        );
         // Another shard's index under this shard's name: not used.
         let other = ShardEntry {
             sha256: "0".repeat(64),

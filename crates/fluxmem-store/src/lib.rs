@@ -36,6 +36,19 @@
 //! store directory is mounted. [`Writer::merge_staging`] then commits the union of the N
 //! shards' own data to the main store in one atomic commit and removes the staging stores.
 //!
+//! Modules, in layers (lowest first; each module imports only modules listed before it, which
+//! the unit test `layers::modules_import_only_the_layers_below_them` checks, so each file reads
+//! with only what is below it):
+//! 1. **format**: `error`; `manifest` (the commit's JSON); `lock` (the writer lock); `layout`
+//!    (the directory's names, the manifest's atomic compare-and-swap write, directory syncs);
+//! 2. **rows**: `keys` (row keys and their index files); `shard` (writing and verified reading
+//!    of one Parquet file, shard names);
+//! 3. **commit**: `store` ([`Store`], [`Writer`]: opening, committing, retiring files);
+//!    `recover` (a manifest rebuilt from the shards);
+//! 4. **read**: `scan` (filtered, projected reads into a graph); `merge` (streamed k-way merges
+//!    of shards by key); `live` (streamed live rows of one table);
+//! 5. **rewrite**: `compact` ([`Writer::compact`]); `staging` (sharded runs' staging stores).
+//!
 //! ```
 //! use fluxmem_graph::{Graph, Node, NodeBody, Semantic};
 //! use fluxmem_store::{CommitInfo, Store, Writer};
@@ -53,24 +66,32 @@
 //! assert_eq!(loaded, graph);
 //! ```
 
-mod compact;
 mod error;
-mod keys;
-mod live;
+mod layout;
 mod lock;
 mod manifest;
-mod merge;
-mod recover;
-mod scan;
+
+mod keys;
 mod shard;
-mod staging;
+
+mod recover;
 mod store;
 
-pub use compact::{
-    CompactPolicy, CompactReport, TableCompaction, DEFAULT_RETIRED_GRACE, HISTORY,
-    KEEP_RETIRED_COMMITS, MANIFEST_COMMIT_LOG,
-};
+mod live;
+mod scan;
+
+mod compact;
+mod merge;
+mod staging;
+
+#[cfg(test)]
+mod layers;
+#[cfg(test)]
+mod testing;
+
+pub use compact::{CompactPolicy, CompactReport, TableCompaction};
 pub use error::{Error, Result};
+pub use layout::{SCRATCH, STAGING};
 pub use live::{EdgeRow, Live};
 pub use lock::WriterLock;
 pub use manifest::{
@@ -79,9 +100,8 @@ pub use manifest::{
 };
 pub use recover::{recover, recover_with, LostShard, RecoverOptions, RecoverReport};
 pub use scan::{EdgeHead, Rows, Scan};
-pub use staging::{staging_dir, MergeReport, Shard, STAGING};
-pub use store::{CommitInfo, Store, Writer};
-
-/// The folder of a store where a stage running under the writer lock keeps scratch files
-/// for the length of a run (connect's spilled facts); each stage deletes its own.
-pub const SCRATCH: &str = "scratch";
+pub use staging::{staging_dir, MergeReport, Shard};
+pub use store::{
+    CommitInfo, Store, Writer, DEFAULT_RETIRED_GRACE, HISTORY, KEEP_RETIRED_COMMITS,
+    MANIFEST_COMMIT_LOG,
+};

@@ -12,7 +12,7 @@ use arrow_array::{Array, BooleanArray, RecordBatch};
 use fluxmem_graph::{schema, Edge, EdgeKind, Embedding, Node, NodeId, Step};
 use std::collections::BTreeMap;
 
-use crate::compact::{winning_rows, KeySet};
+use crate::keys::{key_columns, key_of, KeyMap, KeySet};
 use crate::manifest::{Manifest, ShardEntry};
 use crate::scan::{names_relation, sorted, text_column};
 use crate::{shard, Result, Store};
@@ -96,7 +96,7 @@ impl Store {
             let oldest = index == 0;
             // The shard's key index where it has a sound one, else made here from its key
             // columns (not kept: a reader holds no lock), which checks their order.
-            let keys = crate::keys::read_or_make(&self.dir, entry, false)?;
+            let keys = shard::key_index(&self.dir, entry, false)?;
             if !keys.ordered {
                 return Ok(None);
             }
@@ -359,4 +359,37 @@ impl Live<'_> {
         }
         Ok(())
     }
+}
+
+/// For each key of `table`, the position (group, row) of its winning row (the last one written).
+/// `groups` come in commit order, each the shards of `table` whose rows are counted on from one
+/// to the next. Reads only the key columns: the readers' fallback for a shard out of key order
+/// ([`Store::live`]).
+pub(crate) fn winning_rows<'e>(
+    store: &Store,
+    table: &str,
+    groups: impl Iterator<Item = Vec<&'e ShardEntry>>,
+) -> Result<KeyMap<(usize, usize)>> {
+    let mut last: KeyMap<(usize, usize)> = KeyMap::default();
+    let keys = key_columns(table);
+    for (index, group) in groups.enumerate() {
+        let mut row = 0usize;
+        for entry in group {
+            for batch in shard::open(&store.dir, entry, Some(keys), shard::DEFAULT_BATCH_ROWS)? {
+                let batch = batch?;
+                let strings: Vec<&arrow_array::StringArray> = keys
+                    .iter()
+                    .map(|name| text_column(store, entry, &batch, name))
+                    .collect::<Result<_>>()?;
+                let mut parts: Vec<&str> = Vec::with_capacity(strings.len());
+                for i in 0..batch.num_rows() {
+                    parts.clear();
+                    parts.extend(strings.iter().map(|s| s.value(i)));
+                    last.insert(key_of(&parts), (index, row));
+                    row += 1;
+                }
+            }
+        }
+    }
+    Ok(last)
 }

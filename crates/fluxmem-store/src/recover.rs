@@ -33,43 +33,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
+use crate::layout::{write_manifest, MANIFEST, SHARDS};
 use crate::lock::WriterLock;
 use crate::manifest::{CommitRecord, EmbeddingModel, Manifest, ShardEntry, SCHEMA_VERSION};
-use crate::store::{write_manifest, MANIFEST, SHARDS};
+use crate::shard::parse_shard_name;
 use crate::{Error, Result};
-
-/// The parts of a shard file name.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ShardName {
-    pub table: String,
-    pub commit: u64,
-    pub part: usize,
-    pub sha_prefix: String,
-}
-
-/// Parses `<table>-<commit:08>-<part:03>-<sha256[..12]>.parquet`; `None` for any other name.
-pub(crate) fn parse_shard_name(name: &str) -> Option<ShardName> {
-    let stem = name.strip_suffix(".parquet")?;
-    let mut parts = stem.rsplitn(4, '-');
-    let sha_prefix = parts.next()?;
-    let part = parts.next()?;
-    let commit = parts.next()?;
-    let table = parts.next()?;
-    let hex = |s: &str| {
-        s.len() == 12
-            && s.bytes()
-                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
-    };
-    if table.is_empty() || commit.len() < 8 || part.len() < 3 || !hex(sha_prefix) {
-        return None;
-    }
-    Some(ShardName {
-        table: table.into(),
-        commit: commit.parse().ok()?,
-        part: part.parse().ok()?,
-        sha_prefix: sha_prefix.into(),
-    })
-}
 
 /// What [`recover`] did.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -533,32 +501,4 @@ fn embedding_model(
         }
     }
     Ok(None)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn shard_names_parse() {
-        let parsed = parse_shard_name("edges-00000012-003-0123456789ab.parquet").unwrap();
-        assert_eq!(
-            parsed,
-            ShardName {
-                table: "edges".into(),
-                commit: 12,
-                part: 3,
-                sha_prefix: "0123456789ab".into()
-            }
-        );
-        for bad in [
-            "edges-12-003-0123456789ab.parquet",
-            "edges-00000012-003-0123.parquet",
-            "x.parquet",
-            "edges-00000012-003-0123456789ab.csv",
-            "LOCK",
-        ] {
-            assert_eq!(parse_shard_name(bad), None, "{bad}");
-        }
-    }
 }

@@ -3,9 +3,10 @@
 
 use arrow_array::cast::AsArray;
 use arrow_array::{Array, RecordBatch};
-use fluxmem_graph::{schema, EdgeKind, Embedding, Graph, NodeId, NodeKind, Step};
+use fluxmem_graph::{schema, EdgeKind, Embedding, Graph, GraphStats, NodeId, NodeKind, Step};
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::layout::MANIFEST;
 use crate::manifest::{Manifest, ShardEntry};
 use crate::{shard, Error, Result, Store};
 
@@ -110,6 +111,78 @@ impl Scan {
 }
 
 impl Store {
+    /// The whole graph of the current commit. A shard that cannot be read while the manifest
+    /// has moved on (a compaction retired and, commits later, deleted it) makes the read start
+    /// again from the new manifest; any other failure is returned.
+    pub fn load(&self) -> Result<Graph> {
+        self.scan(&Scan::all()).map(|(graph, _)| graph)
+    }
+
+    /// The whole graph of the commit `manifest` describes, every shard verified.
+    pub fn load_at(&self, manifest: &Manifest) -> Result<Graph> {
+        self.scan_at(manifest, &Scan::all())
+    }
+
+    /// Ids of all stored nodes (reads only the `id` column), held compactly ([`fluxmem_graph::IdSet`]:
+    /// 16 bytes a content-addressed id).
+    pub fn node_ids(&self, manifest: &Manifest) -> Result<fluxmem_graph::IdSet> {
+        let mut ids = fluxmem_graph::IdSet::default();
+        for entry in manifest.shards.iter().filter(|s| s.table == "nodes") {
+            for batch in shard::batches(&self.dir, entry, Some(&["id"]))? {
+                let batch = batch?;
+                let column = batch.column(0);
+                let strings = arrow_array::cast::AsArray::as_string::<i32>(column.as_ref());
+                for id in strings.iter().flatten() {
+                    ids.insert(id);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Counts of the current commit, with its manifest: from the manifest when its
+    /// [`crate::LiveCounts`] hold for the commit, else counted from the shards
+    /// ([`Store::count_live`]).
+    pub fn stats(&self) -> Result<(GraphStats, Manifest)> {
+        self.read_current(|manifest| {
+            // Counts from the manifest alone would hide a lost shard: check the files are there.
+            if let Some(gone) = manifest
+                .shards
+                .iter()
+                .find(|s| !self.dir.join(&s.file).is_file())
+            {
+                return Err(Error::Corrupt {
+                    path: self.dir.join(&gone.file),
+                    reason: "shard listed in the manifest is missing; `fluxmem store recover` says what is lost and can commit a manifest without it (--accept-loss)".into(),
+                });
+            }
+            match manifest.current_counts() {
+                Some(stats) => Ok(stats),
+                None => self.count_live(manifest),
+            }
+        })
+    }
+
+    /// Counts of the commit of `manifest`, from the shards: reads the key and kind columns of
+    /// nodes, edges and embeddings (and edges' `active` and `metadata`), nothing else.
+    pub fn count_live(&self, manifest: &Manifest) -> Result<GraphStats> {
+        let embedded: BTreeSet<NodeId> = self
+            .embedding_keys(manifest)?
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        let active_edges = self
+            .edge_heads(manifest)?
+            .into_iter()
+            .filter(|(_, head)| head.active)
+            .map(|((_, _, kind), _)| kind);
+        Ok(GraphStats::count(
+            self.node_kinds(manifest)?.into_values(),
+            active_edges,
+            embedded.len(),
+        ))
+    }
+
     /// The part of the current commit's graph that `scan` asks for, read through column
     /// projection and row filters. A read that fails while the manifest has moved on (a
     /// compaction retired a shard and, its grace over, deleted it) starts again from the new
@@ -233,7 +306,7 @@ impl Store {
                     "nodes" | "edges" | "edits" | "embeddings" => {}
                     other => {
                         return Err(Error::Corrupt {
-                            path: self.dir.join(crate::store::MANIFEST),
+                            path: self.dir.join(MANIFEST),
                             reason: format!("unknown table `{other}` for {}", entry.file),
                         })
                     }

@@ -13,7 +13,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
-use crate::keys::{self, IndexBuilder};
+use crate::keys::{self, IndexBuilder, KeyIndex};
 use crate::manifest::{ShardEntry, SCHEMA_VERSION};
 use crate::{Error, Result};
 
@@ -496,6 +496,73 @@ impl Builder {
     }
 }
 
+/// The parts of a shard file name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ShardName {
+    pub table: String,
+    pub commit: u64,
+    pub part: usize,
+    pub sha_prefix: String,
+}
+
+/// Parses `<table>-<commit:08>-<part:03>-<sha256[..12]>.parquet`; `None` for any other name.
+pub(crate) fn parse_shard_name(name: &str) -> Option<ShardName> {
+    let stem = name.strip_suffix(".parquet")?;
+    let mut parts = stem.rsplitn(4, '-');
+    let sha_prefix = parts.next()?;
+    let part = parts.next()?;
+    let commit = parts.next()?;
+    let table = parts.next()?;
+    let hex = |s: &str| {
+        s.len() == 12
+            && s.bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    };
+    if table.is_empty() || commit.len() < 8 || part.len() < 3 || !hex(sha_prefix) {
+        return None;
+    }
+    Some(ShardName {
+        table: table.into(),
+        commit: commit.parse().ok()?,
+        part: part.parse().ok()?,
+        sha_prefix: sha_prefix.into(),
+    })
+}
+
+/// `entry`'s key index: read, or else made from the shard's key columns (and, with `keep`,
+/// written for the next time).
+pub(crate) fn key_index(dir: &Path, entry: &ShardEntry, keep: bool) -> Result<KeyIndex> {
+    if let Some(index) = keys::read(dir, entry) {
+        return Ok(index);
+    }
+    let mut builder = IndexBuilder::new(&entry.table).ok_or_else(|| Error::Corrupt {
+        path: dir.join(&entry.file),
+        reason: format!("table `{}` has no keys", entry.table),
+    })?;
+    let columns = keys::index_columns(&entry.table);
+    for batch in open(dir, entry, Some(&columns), DEFAULT_BATCH_ROWS)? {
+        builder.push(&batch?).map_err(|reason| Error::Corrupt {
+            path: dir.join(&entry.file),
+            reason,
+        })?;
+    }
+    let index = builder.finish();
+    if index.len() as u64 != entry.rows {
+        return Err(Error::Corrupt {
+            path: dir.join(&entry.file),
+            reason: format!(
+                "{} rows read, the manifest says {}",
+                index.len(),
+                entry.rows
+            ),
+        });
+    }
+    if keep {
+        keys::keep(dir, entry, &index);
+    }
+    Ok(index)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -503,6 +570,29 @@ mod tests {
     use arrow_array::types::Int64Type;
     use arrow_array::{ArrayRef, Int64Array, StringArray};
     use std::sync::Arc;
+
+    #[test]
+    fn shard_names_parse() {
+        let parsed = parse_shard_name("edges-00000012-003-0123456789ab.parquet").unwrap();
+        assert_eq!(
+            parsed,
+            ShardName {
+                table: "edges".into(),
+                commit: 12,
+                part: 3,
+                sha_prefix: "0123456789ab".into()
+            }
+        );
+        for bad in [
+            "edges-12-003-0123456789ab.parquet",
+            "edges-00000012-003-0123.parquet",
+            "x.parquet",
+            "edges-00000012-003-0123456789ab.csv",
+            "LOCK",
+        ] {
+            assert_eq!(parse_shard_name(bad), None, "{bad}");
+        }
+    }
 
     /// A shard of 20,000 rows (several batches and pages): `select` gives the rows whose key
     /// passes, every column, in order, and nothing (`None`) when no key passes.

@@ -5,12 +5,9 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
+use crate::layout::{write_manifest, MANIFEST, SHARDS, STAGING};
 use crate::manifest::Manifest;
-use crate::store::{write_manifest, MANIFEST, SHARDS};
 use crate::{CommitInfo, Error, Result, Store, Writer};
-
-/// The directory under a store that holds the staging stores of sharded runs.
-pub const STAGING: &str = "staging";
 
 /// Shard `index` of `count`: a deterministic 1/count of a stage's work, chosen by hashing each
 /// work item's key (a node id, an input record's position), so every item belongs to exactly

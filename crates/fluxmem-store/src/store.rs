@@ -1,16 +1,16 @@
 use fluxmem_graph::schema;
-use fluxmem_graph::{Embedding, Graph, GraphStats, NodeId};
+use fluxmem_graph::{Embedding, Graph};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
+use crate::layout::{
+    fault_point, staging_in_progress, sync_dir, write_manifest, MANIFEST, SCRATCH, SHARDS, STAGING,
+};
 use crate::lock::WriterLock;
-use crate::manifest::{EmbeddingModel, LiveCounts, Manifest, ShardEntry};
-use crate::{shard, Error, Result};
-
-pub(crate) const MANIFEST: &str = "manifest.json";
-pub(crate) const SHARDS: &str = "shards";
+use crate::manifest::{CommitRecord, EmbeddingModel, LiveCounts, Manifest, ShardEntry};
+use crate::{keys, shard, Error, Result};
 
 /// A read handle on a store directory. Readers take no lock: they read one manifest and the
 /// immutable shards it lists.
@@ -52,78 +52,6 @@ impl Store {
     pub fn manifest(&self) -> Result<Manifest> {
         Manifest::read(&self.dir.join(MANIFEST))
     }
-
-    /// The whole graph of the current commit. A shard that cannot be read while the manifest
-    /// has moved on (a compaction retired and, commits later, deleted it) makes the read start
-    /// again from the new manifest; any other failure is returned.
-    pub fn load(&self) -> Result<Graph> {
-        self.scan(&crate::Scan::all()).map(|(graph, _)| graph)
-    }
-
-    /// The whole graph of the commit `manifest` describes, every shard verified.
-    pub fn load_at(&self, manifest: &Manifest) -> Result<Graph> {
-        self.scan_at(manifest, &crate::Scan::all())
-    }
-
-    /// Ids of all stored nodes (reads only the `id` column), held compactly ([`fluxmem_graph::IdSet`]:
-    /// 16 bytes a content-addressed id).
-    pub fn node_ids(&self, manifest: &Manifest) -> Result<fluxmem_graph::IdSet> {
-        let mut ids = fluxmem_graph::IdSet::default();
-        for entry in manifest.shards.iter().filter(|s| s.table == "nodes") {
-            for batch in shard::batches(&self.dir, entry, Some(&["id"]))? {
-                let batch = batch?;
-                let column = batch.column(0);
-                let strings = arrow_array::cast::AsArray::as_string::<i32>(column.as_ref());
-                for id in strings.iter().flatten() {
-                    ids.insert(id);
-                }
-            }
-        }
-        Ok(ids)
-    }
-
-    /// Counts of the current commit, with its manifest: from the manifest when its
-    /// [`crate::LiveCounts`] hold for the commit, else counted from the shards
-    /// ([`Store::count_live`]).
-    pub fn stats(&self) -> Result<(GraphStats, Manifest)> {
-        self.read_current(|manifest| {
-            // Counts from the manifest alone would hide a lost shard: check the files are there.
-            if let Some(gone) = manifest
-                .shards
-                .iter()
-                .find(|s| !self.dir.join(&s.file).is_file())
-            {
-                return Err(Error::Corrupt {
-                    path: self.dir.join(&gone.file),
-                    reason: "shard listed in the manifest is missing; `fluxmem store recover` says what is lost and can commit a manifest without it (--accept-loss)".into(),
-                });
-            }
-            match manifest.current_counts() {
-                Some(stats) => Ok(stats),
-                None => self.count_live(manifest),
-            }
-        })
-    }
-
-    /// Counts of the commit of `manifest`, from the shards: reads the key and kind columns of
-    /// nodes, edges and embeddings (and edges' `active` and `metadata`), nothing else.
-    pub fn count_live(&self, manifest: &Manifest) -> Result<GraphStats> {
-        let embedded: BTreeSet<NodeId> = self
-            .embedding_keys(manifest)?
-            .into_iter()
-            .map(|(id, _)| id)
-            .collect();
-        let active_edges = self
-            .edge_heads(manifest)?
-            .into_iter()
-            .filter(|(_, head)| head.active)
-            .map(|((_, _, kind), _)| kind);
-        Ok(GraphStats::count(
-            self.node_kinds(manifest)?.into_values(),
-            active_edges,
-            embedded.len(),
-        ))
-    }
 }
 
 /// The single writer of a store: holds the lock, commits atomically.
@@ -157,12 +85,7 @@ impl Writer {
                         let name = e.file_name().to_string_lossy().into_owned();
                         !matches!(
                             name.as_str(),
-                            "LOCK"
-                                | SHARDS
-                                | crate::keys::KEYS
-                                | "quarantine"
-                                | crate::STAGING
-                                | crate::SCRATCH
+                            "LOCK" | SHARDS | keys::KEYS | "quarantine" | STAGING | SCRATCH
                         ) && !name.starts_with("manifest.json.tmp")
                             && !name.starts_with("LOCK.tmp-")
                     })
@@ -191,7 +114,7 @@ impl Writer {
             lock,
             manifest,
             manifest_sha256,
-            retired_grace: crate::DEFAULT_RETIRED_GRACE,
+            retired_grace: DEFAULT_RETIRED_GRACE,
         };
         writer.remove_interrupted()?;
         Ok(writer)
@@ -305,7 +228,7 @@ impl Writer {
                 }
                 _ => {}
             }
-            crate::keys::remove(&self.store.dir, &entry.file)?;
+            keys::remove(&self.store.dir, &entry.file)?;
         }
         Ok(&self.manifest)
     }
@@ -389,10 +312,10 @@ impl Writer {
         for entry in std::fs::read_dir(&shards_dir).at(&shards_dir)?.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             let listed = live.contains(format!("{SHARDS}/{name}").as_str());
-            let commit = crate::recover::parse_shard_name(&name).map(|parsed| parsed.commit);
+            let commit = shard::parse_shard_name(&name).map(|parsed| parsed.commit);
             // A streaming writer's temporary file (compaction's merges) is named by its commit too.
-            let commit = commit
-                .or_else(|| crate::shard::parse_temporary_name(&name).map(|(_, commit)| commit));
+            let commit =
+                commit.or_else(|| shard::parse_temporary_name(&name).map(|(_, commit)| commit));
             let interrupted = commit.is_some_and(|commit| commit > self.manifest.version);
             if !listed && interrupted {
                 std::fs::remove_file(entry.path()).at(&entry.path())?;
@@ -407,9 +330,113 @@ impl Writer {
             }
         }
         // Key indexes of shard files that are gone (derived data: see `keys.rs`).
-        crate::keys::sweep(dir, &|file| dir.join(file).exists())?;
+        keys::sweep(dir, &|file| dir.join(file).exists())?;
         Ok(())
     }
+}
+
+/// Commits a retired shard file stays on disk after it left the manifest.
+pub const KEEP_RETIRED_COMMITS: u64 = 2;
+
+/// How long a retired shard file stays on disk after it left the manifest, at least (and
+/// [`KEEP_RETIRED_COMMITS`] commits): a reader that read the older manifest has this long to
+/// read its shards. Set per writer with `Writer::keep_retired_for`.
+pub const DEFAULT_RETIRED_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
+
+impl Writer {
+    /// Writes `manifest` (its version already set) as the next commit: records the commit,
+    /// bounds the commit log, deletes retired files whose time is up, compare-and-swaps the
+    /// manifest in.
+    pub(crate) fn land(&mut self, mut manifest: Manifest, info: CommitInfo) -> Result<()> {
+        let dir = self.store.dir.clone();
+        manifest.progress.extend(info.progress);
+        manifest.commits.push(CommitRecord {
+            version: manifest.version,
+            stage: info.stage,
+            run_id: info.run_id,
+            at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            summary: info.summary,
+        });
+        archive_commit_log(&dir, &mut manifest)?;
+        delete_retired(&dir, &mut manifest, self.retired_grace)?;
+        self.manifest_sha256 = write_manifest(&dir, &manifest, Some(&self.manifest_sha256))?;
+        self.manifest = manifest;
+        Ok(())
+    }
+}
+
+/// Commit records kept in the manifest; older ones move to `history.jsonl` beside it, so the
+/// manifest stays O(live shards).
+pub const MANIFEST_COMMIT_LOG: usize = 64;
+
+/// The commit log file of records that left the manifest.
+pub const HISTORY: &str = "history.jsonl";
+
+/// Moves all but the last [`MANIFEST_COMMIT_LOG`] commit records to `history.jsonl`
+/// (appended and synced before the manifest that drops them is written; a crash in between
+/// can only repeat records there, never lose one).
+fn archive_commit_log(dir: &std::path::Path, manifest: &mut Manifest) -> Result<()> {
+    use std::io::Write;
+    if manifest.commits.len() <= MANIFEST_COMMIT_LOG {
+        return Ok(());
+    }
+    let older: Vec<CommitRecord> = manifest
+        .commits
+        .drain(..manifest.commits.len() - MANIFEST_COMMIT_LOG)
+        .collect();
+    let path = dir.join(HISTORY);
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .at(&path)?;
+    let mut text = Vec::new();
+    for record in &older {
+        serde_json::to_writer(&mut text, record).expect("a commit record serialises");
+        text.push(b'\n');
+    }
+    file.write_all(&text).at(&path)?;
+    file.sync_all().at(&path)?;
+    Ok(())
+}
+
+/// Deletes the retired files whose time is up ([`KEEP_RETIRED_COMMITS`] commits after they
+/// left the manifest, and `grace` after, so that a reader that started on an older manifest
+/// has that long to finish) and drops them from `manifest.retired`. A file is deleted before the
+/// manifest that forgets it is written, so a crash leaves it listed as retired (and gone),
+/// never on disk and unlisted. Nothing is deleted while a staging store exists.
+fn delete_retired(
+    dir: &std::path::Path,
+    manifest: &mut Manifest,
+    grace: std::time::Duration,
+) -> Result<()> {
+    if manifest.retired.is_empty() || staging_in_progress(dir) {
+        return Ok(());
+    }
+    let live: BTreeSet<&str> = manifest.shards.iter().map(|s| s.file.as_str()).collect();
+    let mut kept = Vec::new();
+    let now = chrono::Utc::now().timestamp_millis();
+    let grace = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
+    for retired in std::mem::take(&mut manifest.retired) {
+        let aged = retired
+            .at_ms
+            .is_none_or(|at| now.saturating_sub(at) >= grace);
+        let due = retired.version + KEEP_RETIRED_COMMITS <= manifest.version && aged;
+        if due && retired.file.starts_with(SHARDS) && !live.contains(retired.file.as_str()) {
+            let path = dir.join(&retired.file);
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::Io { path, source: e })
+                }
+                _ => {}
+            }
+            keys::remove(dir, &retired.file)?;
+        } else {
+            kept.push(retired);
+        }
+    }
+    manifest.retired = kept;
+    Ok(())
 }
 
 /// Refuses a directory without `manifest.json` that still holds shard files or a temporary
@@ -536,70 +563,5 @@ fn graph_error(dir: &Path, source: fluxmem_graph::Error) -> Error {
     Error::Graph {
         path: dir.to_path_buf(),
         source,
-    }
-}
-
-/// Writes `manifest` as `<dir>/manifest.json` atomically: temp file, fsync, rename, fsync dir.
-/// Returns the SHA-256 of the bytes written.
-///
-/// With `expected`, the manifest on disk must still be the one with that hash (the one this
-/// writer read or wrote last); otherwise another writer committed meanwhile (the lock was
-/// lost, e.g. its file deleted) and the write is refused with [`Error::Conflict`] before the
-/// rename, so neither writer's commit is overwritten and nothing is deleted.
-pub(crate) fn write_manifest(
-    dir: &Path,
-    manifest: &Manifest,
-    expected: Option<&str>,
-) -> Result<String> {
-    use std::io::Write;
-    let path = dir.join(MANIFEST);
-    let tmp = dir.join(format!("{MANIFEST}.tmp-{}", std::process::id()));
-    let text = serde_json::to_vec_pretty(manifest).expect("a manifest always serializes");
-    let mut file = std::fs::File::create(&tmp).at(&tmp)?;
-    file.write_all(&text).at(&tmp)?;
-    file.sync_all().at(&tmp)?;
-    if let Some(expected) = expected {
-        let current = std::fs::read(&path).map(|bytes| fluxmem_graph::sha256_hex(&bytes));
-        let changed = match &current {
-            Ok(hash) => hash != expected,
-            Err(_) => true,
-        };
-        if changed {
-            let _ = std::fs::remove_file(&tmp);
-            let found = match current {
-                Ok(_) => Manifest::read(&path)
-                    .map(|m| format!("version {}", m.version))
-                    .unwrap_or_else(|e| e.to_string()),
-                Err(e) => format!("unreadable: {e}"),
-            };
-            return Err(Error::Conflict {
-                path,
-                reason: format!(
-                    "the manifest changed under this writer (now {found}; this writer was about to write version {}): \
-                     another writer committed while this one held the lock (was the LOCK file deleted?); \
-                     this commit is abandoned and nothing was deleted",
-                    manifest.version
-                ),
-            });
-        }
-    }
-    std::fs::rename(&tmp, &path).at(&path)?;
-    sync_dir(dir)?;
-    Ok(fluxmem_graph::sha256_hex(&text))
-}
-
-/// Fsyncs the directory `dir` itself, so the entries created or renamed in it survive a crash.
-pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).at(dir)
-}
-
-/// Test hook: `FLUXMEM_FAULT=<point>:<version>` aborts the process at that point of that commit
-/// (`before-manifest`: shards written, manifest not; `after-manifest`: commit done). It lets
-/// the crash tests hit the exact window between shard and manifest writes.
-pub(crate) fn fault_point(point: &str, version: u64) {
-    if let Ok(spec) = std::env::var("FLUXMEM_FAULT") {
-        if spec == format!("{point}:{version}") {
-            std::process::abort();
-        }
     }
 }
