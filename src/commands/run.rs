@@ -22,7 +22,63 @@ use crate::progress::{CountBar, IngestBar};
 
 pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let loaded = pipeline::load(&args.pipeline)?;
-    let p = &loaded.pipeline;
+    let shard = check_stage_flags(&args)?;
+    let store_dir = loaded
+        .pipeline
+        .store
+        .as_ref()
+        .map(|s| loaded.resolve(s))
+        .unwrap_or_else(|| settings.store.clone());
+    // Inputs are resolved before any work, so a missing input stops the run up front.
+    let groups = resolve_inputs(&loaded)?;
+    let run_id = run_id_of(&args, &loaded, &groups)?;
+    check_outputs(&loaded, &args, &run_id, shard.is_some())?;
+    let mut ctx = Ctx {
+        loaded: &loaded,
+        settings,
+        run_id: run_id.clone(),
+        device_choice: loaded.pipeline.models.device.parse()?,
+        embedder: None,
+        usage: BTreeMap::new(),
+        pems: None,
+        quarantine_files: Vec::new(),
+        outputs: Vec::new(),
+        quarantined: 0,
+    };
+    if let Some(count) = args.merge {
+        return merge_shards(&loaded, &args, settings, &store_dir, &run_id, count);
+    }
+    if let Some(shard) = shard {
+        return run_shard(&mut ctx, &args, &store_dir, &groups, shard);
+    }
+    let stages: Vec<&str> = match args.stage.as_deref() {
+        Some(stage) => vec![stage],
+        None => STAGES.to_vec(),
+    };
+    let started_at = now();
+    let mut writer = open_main(&store_dir, settings)?;
+    let mut record = new_record(&loaded, &run_id, &store_dir, &writer, &stages, started_at)?;
+    let failure = run_stages(&mut ctx, &mut writer, &groups, &stages, &mut record)?;
+    if failure.is_none() && args.stage.is_none() && loaded.pipeline.compact.enabled {
+        record.compaction = Some(compact(&mut writer, &loaded, &run_id)?);
+    }
+    record.manifest_version_after = writer.manifest().version;
+    drop(writer);
+    let record = finish_record(&mut ctx, record, &args, failure.as_ref())?;
+    if let Some(error) = failure {
+        return Err(error);
+    }
+    Ok(if record.status == DEGRADED {
+        ExitCode::from(crate::EXIT_DEGRADED)
+    } else if record.quarantine.records > 0 {
+        ExitCode::from(crate::EXIT_QUARANTINED)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// Checks `--stage`, `--shard` and `--merge` together; the shard, if any.
+fn check_stage_flags(args: &RunArgs) -> anyhow::Result<Option<Shard>> {
     if let Some(stage) = &args.stage {
         if !STAGES.contains(&stage.as_str()) {
             bail!("--stage `{stage}`: expected one of {}", STAGES.join(", "));
@@ -49,16 +105,16 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     if let Some(id) = &args.run_id {
         pipeline::check_run_id(id).map_err(|e| anyhow::anyhow!("--run-id {e}"))?;
     }
-    let store_dir = p
-        .store
-        .as_ref()
-        .map(|s| loaded.resolve(s))
-        .unwrap_or_else(|| settings.store.clone());
-    // Inputs are resolved before any work, so a missing input stops the run up front.
+    Ok(shard)
+}
+
+/// Each input's files; a required pattern that matches nothing stops the run, an optional one
+/// is a warning.
+fn resolve_inputs(loaded: &Loaded) -> anyhow::Result<Vec<(&Input, Vec<PathBuf>)>> {
     let mut groups: Vec<(&Input, Vec<PathBuf>)> = Vec::new();
     let mut warnings = Vec::new();
-    for (i, input) in p.inputs.iter().enumerate() {
-        let (files, unmatched) = pipeline::expand(&loaded, input)?;
+    for (i, input) in loaded.pipeline.inputs.iter().enumerate() {
+        let (files, unmatched) = pipeline::expand(loaded, input)?;
         for pattern in unmatched {
             if input.required {
                 bail!("{}: key `inputs[{i}].paths`: `{pattern}` matches no file (set `required = false` to allow)", loaded.path.display());
@@ -70,99 +126,114 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     for warning in &warnings {
         eprintln!("warning: {warning}");
     }
-    let run_id = match &args.run_id {
-        Some(id) => id.clone(),
-        None => {
-            let id = default_run_id(&loaded, &groups);
-            pipeline::check_run_id(&id).map_err(|e| {
-                anyhow::anyhow!(
-                    "{}: key `name`: the default run id {e}",
-                    loaded.path.display()
-                )
-            })?;
-            id
-        }
-    };
-    check_outputs(&loaded, &args, &run_id, shard.is_some())?;
-    let device_choice: DeviceChoice = p.models.device.parse()?;
-    let mut ctx = Ctx {
-        loaded: &loaded,
-        settings,
-        run_id: run_id.clone(),
-        device_choice,
-        embedder: None,
-        usage: BTreeMap::new(),
-        pems: None,
-        quarantine_files: Vec::new(),
-        outputs: Vec::new(),
-        quarantined: 0,
-    };
-    if let Some(count) = args.merge {
-        let stage = args.stage.as_deref().expect("checked above");
-        let mut writer = open_main(&store_dir, settings)?;
-        let started = Instant::now();
-        let info = CommitInfo {
-            stage: format!("merge-{stage}"),
-            run_id: format!("{stage}@{run_id}"),
-            ..Default::default()
-        };
-        let report = writer
-            .merge_staging(stage, count, info)
-            .with_context(|| format!("merging the {count} shards of `{stage}`"))?;
-        mark_done(&mut writer, stage, &run_id, &json!({ "shards": count }))?;
-        let record = StageRecord {
-            name: stage.into(),
-            status: if report.committed {
-                "merged".into()
-            } else {
-                "merged earlier (cleanup only)".into()
-            },
-            seconds: started.elapsed().as_secs_f64(),
-            counts_out: counts(&[
-                ("shards", count),
-                ("nodes", report.nodes),
-                ("edges", report.edges),
-                ("embeddings", report.embeddings),
-                ("edits", report.edits),
-            ]),
-            details: serde_json::to_value(&report)?,
-            ..Default::default()
-        };
-        add_stage_to_report(&loaded, &run_id, &store_dir, &record)?;
-        println!("{}", serde_json::to_string(&record)?);
-        return Ok(ExitCode::SUCCESS);
+    Ok(groups)
+}
+
+/// `--run-id`, or the default one of the pipeline and its inputs.
+fn run_id_of(
+    args: &RunArgs,
+    loaded: &Loaded,
+    groups: &[(&Input, Vec<PathBuf>)],
+) -> anyhow::Result<String> {
+    if let Some(id) = &args.run_id {
+        return Ok(id.clone());
     }
-    if let Some(shard) = shard {
-        let stage = args.stage.as_deref().expect("checked above");
-        let mut writer = Writer::open_staging(&store_dir, stage, shard)?;
-        eprintln!(
-            "fluxmem run: {stage}, shard {shard}, staging store {}",
-            writer.store().dir().display()
-        );
-        let record = ctx.stage(stage, &mut writer, &groups, shard)?;
-        writer.finish_staging(&format!("{stage}@{run_id}"))?;
-        println!("{}", serde_json::to_string(&record)?);
-        return Ok(if record.status.starts_with(DEGRADED) {
-            ExitCode::from(crate::EXIT_DEGRADED)
-        } else if ctx.quarantined > 0 {
-            ExitCode::from(crate::EXIT_QUARANTINED)
+    let id = default_run_id(loaded, groups);
+    pipeline::check_run_id(&id).map_err(|e| {
+        anyhow::anyhow!(
+            "{}: key `name`: the default run id {e}",
+            loaded.path.display()
+        )
+    })?;
+    Ok(id)
+}
+
+/// `--merge N`: commits the N staging stores of `--stage` to the main store.
+fn merge_shards(
+    loaded: &Loaded,
+    args: &RunArgs,
+    settings: &Settings,
+    store_dir: &Path,
+    run_id: &str,
+    count: usize,
+) -> anyhow::Result<ExitCode> {
+    let stage = args.stage.as_deref().expect("checked above");
+    let mut writer = open_main(store_dir, settings)?;
+    let started = Instant::now();
+    let info = CommitInfo {
+        stage: format!("merge-{stage}"),
+        run_id: format!("{stage}@{run_id}"),
+        ..Default::default()
+    };
+    let report = writer
+        .merge_staging(stage, count, info)
+        .with_context(|| format!("merging the {count} shards of `{stage}`"))?;
+    mark_done(&mut writer, stage, run_id, &json!({ "shards": count }))?;
+    let record = StageRecord {
+        name: stage.into(),
+        status: if report.committed {
+            "merged".into()
         } else {
-            ExitCode::SUCCESS
-        });
-    }
-    let stages: Vec<&str> = match args.stage.as_deref() {
-        Some(stage) => vec![stage],
-        None => STAGES.to_vec(),
+            "merged earlier (cleanup only)".into()
+        },
+        seconds: started.elapsed().as_secs_f64(),
+        counts_out: counts(&[
+            ("shards", count),
+            ("nodes", report.nodes),
+            ("edges", report.edges),
+            ("embeddings", report.embeddings),
+            ("edits", report.edits),
+        ]),
+        details: serde_json::to_value(&report)?,
+        ..Default::default()
     };
-    let started_at = now();
-    let mut writer = open_main(&store_dir, settings)?;
-    let version_before = writer.manifest().version;
+    add_stage_to_report(loaded, run_id, store_dir, &record)?;
+    println!("{}", serde_json::to_string(&record)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--shard I/N`: runs `--stage` for shard I of N into its staging store.
+fn run_shard(
+    ctx: &mut Ctx<'_>,
+    args: &RunArgs,
+    store_dir: &Path,
+    groups: &[(&Input, Vec<PathBuf>)],
+    shard: Shard,
+) -> anyhow::Result<ExitCode> {
+    let stage = args.stage.as_deref().expect("checked above");
+    let mut writer = Writer::open_staging(store_dir, stage, shard)?;
+    eprintln!(
+        "fluxmem run: {stage}, shard {shard}, staging store {}",
+        writer.store().dir().display()
+    );
+    let record = ctx.stage(stage, &mut writer, groups, shard)?;
+    writer.finish_staging(&format!("{stage}@{}", ctx.run_id))?;
+    println!("{}", serde_json::to_string(&record)?);
+    Ok(if record.status.starts_with(DEGRADED) {
+        ExitCode::from(crate::EXIT_DEGRADED)
+    } else if ctx.quarantined > 0 {
+        ExitCode::from(crate::EXIT_QUARANTINED)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// The run's record before its stages: where, when, and the models the stages will use.
+fn new_record(
+    loaded: &Loaded,
+    run_id: &str,
+    store_dir: &Path,
+    writer: &Writer,
+    stages: &[&str],
+    started_at: String,
+) -> anyhow::Result<RunRecord> {
+    let p = &loaded.pipeline;
     let mut record = RunRecord {
         pipeline: loaded.path.display().to_string(),
-        run_id: run_id.clone(),
+        run_id: run_id.to_string(),
         started_at,
         store: store_dir.display().to_string(),
-        manifest_version_before: version_before,
+        manifest_version_before: writer.manifest().version,
         ..Default::default()
     };
     record
@@ -179,7 +250,19 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             record.models.insert("eta".into(), model_id(&replayer));
         }
     }
-    let mut failure = None;
+    Ok(record)
+}
+
+/// Runs `stages` in order on the main store, skipping those this run id finished before
+/// (resume). A stage's failure stops the run: it is returned, with its record kept.
+fn run_stages(
+    ctx: &mut Ctx<'_>,
+    writer: &mut Writer,
+    groups: &[(&Input, Vec<PathBuf>)],
+    stages: &[&str],
+    record: &mut RunRecord,
+) -> anyhow::Result<Option<anyhow::Error>> {
+    let run_id = ctx.run_id.clone();
     for (i, stage) in stages.iter().enumerate() {
         eprintln!("fluxmem run: [{}/{}] {stage}", i + 1, stages.len());
         let done = writer
@@ -198,9 +281,9 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             });
             continue;
         }
-        match ctx.stage(stage, &mut writer, &groups, Shard::ALL) {
+        match ctx.stage(stage, writer, groups, Shard::ALL) {
             Ok(stage_record) => {
-                mark_done(&mut writer, stage, &run_id, &json!(stage_record.counts_out))?;
+                mark_done(writer, stage, &run_id, &json!(stage_record.counts_out))?;
                 record.stages.push(stage_record);
             }
             Err(error) => {
@@ -209,32 +292,44 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
                     status: format!("failed: {error:#}"),
                     ..Default::default()
                 });
-                failure = Some(error.context(format!("stage `{stage}`")));
-                break;
+                return Ok(Some(error.context(format!("stage `{stage}`"))));
             }
         }
     }
-    if failure.is_none() && args.stage.is_none() && p.compact.enabled {
-        eprintln!("fluxmem run: compacting the store");
-        let started = std::time::Instant::now();
-        let report = writer
-            .compact(&p.compact.policy(), &run_id)
-            .context("compacting the store after the stages")?;
-        eprintln!(
-            "  {} ({:.1}s)",
-            compaction_line(&report),
-            started.elapsed().as_secs_f64()
-        );
-        record.compaction = Some(serde_json::to_value(&report)?);
-    }
-    record.manifest_version_after = writer.manifest().version;
-    drop(writer);
+    Ok(None)
+}
+
+/// Compacts the store after the night's stages; the compaction report.
+fn compact(writer: &mut Writer, loaded: &Loaded, run_id: &str) -> anyhow::Result<Value> {
+    eprintln!("fluxmem run: compacting the store");
+    let started = std::time::Instant::now();
+    let report = writer
+        .compact(&loaded.pipeline.compact.policy(), run_id)
+        .context("compacting the store after the stages")?;
+    eprintln!(
+        "  {} ({:.1}s)",
+        compaction_line(&report),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(serde_json::to_value(&report)?)
+}
+
+/// Completes the run's record (usage, PEMS, quarantine, outputs; the earlier stage records
+/// of the run id), settles its status, and writes and prints it, redacted.
+fn finish_record(
+    ctx: &mut Ctx<'_>,
+    mut record: RunRecord,
+    args: &RunArgs,
+    failure: Option<&anyhow::Error>,
+) -> anyhow::Result<RunRecord> {
+    let loaded = ctx.loaded;
+    let p = &loaded.pipeline;
     record.model_usage = ctx.usage.clone();
     record.pems = ctx.pems.take();
     record.quarantine = quarantine_summary(&ctx.quarantine_files)?;
     record.outputs = ctx.outputs.clone();
     record.finished_at = now();
-    let report_dir = loaded.resolve(&p.report.dir).join(&run_id);
+    let report_dir = loaded.resolve(&p.report.dir).join(&ctx.run_id);
     accumulate(
         &mut record,
         &report_dir.join(fluxmem_report::RUN_JSON),
@@ -242,7 +337,7 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     );
     // After `accumulate`: a resumed run (or one stage of a distributed run) is judged on every
     // stage record of the run id, not only on the stages this call ran.
-    settle(&mut record, failure.as_ref());
+    settle(&mut record, failure);
     for file in [fluxmem_report::RUN_JSON, fluxmem_report::REPORT_HTML] {
         let path = report_dir.join(file).display().to_string();
         if !record.outputs.contains(&path) {
@@ -261,16 +356,7 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             json_path.display()
         );
     }
-    if let Some(error) = failure {
-        return Err(error);
-    }
-    Ok(if record.status == DEGRADED {
-        ExitCode::from(crate::EXIT_DEGRADED)
-    } else if record.quarantine.records > 0 {
-        ExitCode::from(crate::EXIT_QUARANTINED)
-    } else {
-        ExitCode::SUCCESS
-    })
+    Ok(record)
 }
 
 /// Checks the output targets of this call before any work (before the store is opened or

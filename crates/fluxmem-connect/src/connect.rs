@@ -138,46 +138,156 @@ pub fn connect_store(
     crate::facts::sweep(&store.dir().join(fluxmem_store::SCRATCH).join(FOLDER))?;
     // Which episodes are connected, from a stream of the live edges' ends.
     let connected = connected_episodes(store, &manifest)?;
-    // The episodes this run connects: not connected before, and this shard's.
-    let to_connect =
-        |id: &NodeId| !connected.contains(id.as_str()) && options.shard.owns(id.as_str());
-    // One stream of the live node rows: the semantic nodes whole, the episodes' tenant and time.
-    let mut tenants: Vec<String> = Vec::new();
+    let mut nodes = read_nodes(store, &manifest, &connected, options, embedder.dim())?;
+    let mut report = ConnectReport {
+        episodes: nodes.episodes.len(),
+        already: nodes.episodes.len() - nodes.todo.len(),
+        ..Default::default()
+    };
+    if nodes.todo.is_empty() {
+        return Ok(report);
+    }
+    // What is kept of every stored episode (its id, tenant and time; the connected ones' ids)
+    // is counted first; the rest of the budget is shared out.
+    let memory = options
+        .memory
+        .saturating_sub(connected.held_bytes() + nodes.episodes.held_bytes());
+    drop(connected);
+    let search = fact_search(store, &manifest, &mut nodes, &model, memory / 4, device)?;
+    let todo = nodes.todo_in_order();
+    report.fact_partitions = search.partitions();
+    // Half of the budget is the link search's; a quarter holds a group of the night's episodes
+    // whole (their steps are the queries).
+    let links = LinkSearch {
+        store,
+        manifest: &manifest,
+        episodes: &nodes.episodes,
+        tenants: nodes.tenants.len(),
+        model: &model,
+        dim: embedder.dim(),
+        k: options.link_k,
+        memory: memory / 2,
+        device,
+    };
+    let night = Night {
+        embedder,
+        options,
+        run_id,
+        device,
+        nodes: &nodes,
+        search: &search,
+        facts_share: memory / 4,
+    };
+    let commit_every = options.commit_every.max(1);
+    let mut sizing = GroupSize::new(memory / 4, &manifest, commit_every, nodes.episodes.len());
+    progress.start(todo.len() as u64);
+    let mut start = 0;
+    while start < todo.len() {
+        // A group of whole commits, so that where a commit ends does not depend on the budget.
+        let group = &todo[start..(start + sizing.episodes()).min(todo.len())];
+        start += group.len();
+        let group_ids: BTreeSet<NodeId> = group.iter().map(|(id, _)| (*id).clone()).collect();
+        let group_graph = read_group(store, &manifest, &group_ids, options.per_step)?;
+        sizing.measured(group_graph.nodes.values());
+        let neighbours = links.neighbours(&group_ids)?;
+        report.groups += 1;
+        for chunk in group.chunks(commit_every) {
+            let delta = night.chunk_edges(chunk, &group_graph, &neighbours, &mut report)?;
+            if !delta.is_empty() {
+                commit(writer, &delta, run_id, &report)?;
+                report.commits += 1;
+            }
+            progress.advance(chunk.len() as u64);
+        }
+    }
+    Ok(report)
+}
+
+/// What connect keeps of one stream of the live node rows: every stored episode's tenant and
+/// time, the episodes to connect, and the semantic nodes (held whole, or spilled).
+struct Nodes {
+    /// Tenant names, interned ([`Seen::tenant`] indexes them).
+    tenants: Vec<String>,
+    episodes: IdMap<Seen>,
+    /// The semantic nodes held whole (none once they were spilled).
+    facts: Graph,
+    spill: Option<Spill>,
+    /// The episodes this run connects.
+    todo: BTreeSet<NodeId>,
+}
+
+impl Nodes {
+    /// The episodes to connect with their tenants, in id order (commit boundaries depend
+    /// only on the data).
+    fn todo_in_order(&self) -> Vec<Todo<'_>> {
+        self.todo
+            .iter()
+            .map(|id| {
+                let seen = self
+                    .episodes
+                    .get(id.as_str())
+                    .expect("an episode to connect is an episode");
+                (id, self.tenants[seen.tenant as usize].as_str())
+            })
+            .collect()
+    }
+
+    /// An episode's time, or a semantic node's; 0 when it has none.
+    fn time(&self, id: &NodeId) -> i64 {
+        self.episodes
+            .get(id.as_str())
+            .map(|e| e.time)
+            .or_else(|| self.facts.nodes.get(id).and_then(|n| n.created_at))
+            .unwrap_or(0)
+    }
+}
+
+/// One stream of the live node rows: the semantic nodes whole (spilled to scratch files once
+/// they outgrow their quarter of the budget, see `facts.rs`), every episode's tenant and time,
+/// and the episodes to connect: not connected before, and this shard's.
+fn read_nodes(
+    store: &fluxmem_store::Store,
+    manifest: &fluxmem_store::Manifest,
+    connected: &IdSet,
+    options: &ConnectOptions,
+    dim: usize,
+) -> Result<Nodes> {
+    let mut nodes = Nodes {
+        tenants: Vec::new(),
+        episodes: IdMap::default(),
+        facts: Graph::default(),
+        spill: None,
+        todo: BTreeSet::new(),
+    };
     let mut tenant_ids: BTreeMap<String, u32> = BTreeMap::new();
-    let mut episodes: IdMap<Seen> = IdMap::default();
-    let mut facts = Graph::default();
-    let mut todo_ids: BTreeSet<NodeId> = BTreeSet::new();
-    // The facts are held whole while they fit their quarter of the budget, and spilled to
-    // scratch files once they do not (see `facts.rs`). Connect's ranking has no adjacency
-    // term, which the spilled search does not compute: with one, the facts stay whole.
+    // Connect's ranking has no adjacency term, which the spilled search does not compute:
+    // with one, the facts stay whole.
     let spillable = options.retrieval.adjacency == 0.0 && options.retrieval.judge_top == 0;
-    let dim = embedder.dim();
     let mut held = 0usize;
-    let mut spill: Option<Spill> = None;
     let mut failure: Option<Error> = None;
     store
-        .live(&manifest, "nodes")?
+        .live(manifest, "nodes")?
         .nodes(&mut |node| match node.kind() {
             NodeKind::Semantic => {
-                if let Some(spill) = spill.as_mut() {
+                if let Some(spill) = nodes.spill.as_mut() {
                     spill.add(&node);
                     return;
                 }
                 held += fact_bytes(node.id.as_str(), &node.text, dim) + held_bytes(&node);
-                facts.nodes.insert(node.id.clone(), node);
+                nodes.facts.nodes.insert(node.id.clone(), node);
                 // The budget less what is kept of every stored episode (counted first).
                 let facts_share = options
                     .memory
-                    .saturating_sub(connected.held_bytes() + episodes.held_bytes())
+                    .saturating_sub(connected.held_bytes() + nodes.episodes.held_bytes())
                     / 4;
                 if spillable && held > facts_share && failure.is_none() {
                     match Spill::create(&store.dir().join(fluxmem_store::SCRATCH).join(FOLDER), dim)
                     {
                         Ok(mut started) => {
-                            std::mem::take(&mut facts.nodes)
+                            std::mem::take(&mut nodes.facts.nodes)
                                 .into_values()
                                 .for_each(|n| started.add(&n));
-                            spill = Some(started);
+                            nodes.spill = Some(started);
                         }
                         Err(e) => failure = Some(e),
                     }
@@ -187,16 +297,16 @@ pub fn connect_store(
                 let tenant = match tenant_ids.get(&node.tenant) {
                     Some(&t) => t,
                     None => {
-                        let t = tenants.len() as u32;
-                        tenants.push(node.tenant.clone());
+                        let t = nodes.tenants.len() as u32;
+                        nodes.tenants.push(node.tenant.clone());
                         tenant_ids.insert(node.tenant.clone(), t);
                         t
                     }
                 };
-                if to_connect(&node.id) {
-                    todo_ids.insert(node.id.clone());
+                if !connected.contains(node.id.as_str()) && options.shard.owns(node.id.as_str()) {
+                    nodes.todo.insert(node.id.clone());
                 }
-                episodes.insert(
+                nodes.episodes.insert(
                     node.id.as_str(),
                     Seen {
                         tenant,
@@ -206,244 +316,227 @@ pub fn connect_store(
             }
             NodeKind::Procedural => {}
         })?;
-    if let Some(e) = failure {
-        return Err(e);
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(nodes),
     }
-    let mut report = ConnectReport {
-        episodes: episodes.len(),
-        already: episodes.len() - todo_ids.len(),
-        ..Default::default()
-    };
-    if todo_ids.is_empty() {
-        return Ok(report);
-    }
-    // What is kept of every stored episode (its id, tenant and time; the connected ones' ids)
-    // is counted first; the rest of the budget is shared out.
-    let memory = options
-        .memory
-        .saturating_sub(connected.held_bytes() + episodes.held_bytes());
-    drop(connected);
-    let facts_share = memory / 4;
-    // Every episode in id order (commit boundaries depend only on the data).
-    let todo: Vec<Todo<'_>> = todo_ids
-        .iter()
-        .map(|id| {
-            (
-                id,
-                tenants[episodes
-                    .get(id.as_str())
-                    .expect("an episode to connect is an episode")
-                    .tenant as usize]
-                    .as_str(),
-            )
-        })
-        .collect();
-    let todo_tenants: Vec<&str> = todo
-        .iter()
-        .map(|&(_, tenant)| tenant)
-        .collect::<BTreeSet<_>>()
-        .into_iter()
-        .collect();
-    let search = match spill {
-        Some(spill) => {
-            // Every other node's vector goes to the scratch files; the partitions fit half of
-            // the facts' share, the query batches' pools the other half.
-            let spilled = spill.vectors(
-                store,
-                &manifest,
-                &model,
-                &|id| episodes.contains(id.as_str()),
-                facts_share / 2,
-            )?;
-            spilled.check(&todo_tenants)?;
-            report.fact_partitions = spilled.partitions();
-            FactSearch::Spilled(spilled)
-        }
-        None => {
-            // The semantic nodes' vectors.
-            let fact_ids: BTreeSet<NodeId> = facts.nodes.keys().cloned().collect();
-            if !fact_ids.is_empty() {
-                facts.embeddings = store
-                    .scan_at(
-                        &manifest,
-                        &Scan {
-                            vectors: Rows::Of(fact_ids),
-                            ..Default::default()
-                        },
-                    )?
-                    .embeddings;
-            }
-            // The semantic index of each tenant with episodes to connect (its BM25 statistics
-            // are the tenant's own).
-            let mut semantic: BTreeMap<String, SemanticIndex> = BTreeMap::new();
-            for &tenant in &todo_tenants {
-                semantic.insert(
-                    tenant.to_string(),
-                    SemanticIndex::build(&facts, tenant, &model, device)?,
-                );
-            }
-            FactSearch::Whole(semantic)
-        }
-    };
+}
 
-    // Half of the budget is the link search's; a quarter holds a group of the night's episodes
-    // whole (their steps are the queries).
-    let links_search = LinkSearch {
-        store,
-        manifest: &manifest,
-        episodes: &episodes,
-        tenants: tenants.len(),
-        model: &model,
-        dim: embedder.dim(),
-        k: options.link_k,
-        memory: memory / 2,
-        device,
-    };
-    let time = |id: &NodeId| {
-        episodes
-            .get(id.as_str())
-            .map(|e| e.time)
-            .or_else(|| facts.nodes.get(id).and_then(|n| n.created_at))
-            .unwrap_or(0)
-    };
-    let commit_every = options.commit_every.max(1);
-    let mut sizing = GroupSize::new(memory / 4, &manifest, commit_every, episodes.len());
-    progress.start(todo.len() as u64);
-    let mut start = 0;
-    while start < todo.len() {
-        // A group of whole commits, so that where a commit ends does not depend on the budget.
-        let group = &todo[start..(start + sizing.episodes()).min(todo.len())];
-        start += group.len();
-        let group_ids: BTreeSet<NodeId> = group.iter().map(|(id, _)| (*id).clone()).collect();
-        let steps = if options.per_step {
-            Rows::Of(group_ids.clone())
-        } else {
-            Rows::None
-        };
-        let todo_graph = store.scan_at(
-            &manifest,
-            &Scan {
-                nodes: true,
-                nodes_of: Some(group_ids.clone()),
-                steps,
-                ..Default::default()
-            },
+/// The search of the facts of the tenants with episodes to connect: each tenant's semantic
+/// index (its BM25 statistics are the tenant's own) over the facts held whole, with their
+/// vectors; or, when the facts were spilled, their vectors in the scratch files too, in
+/// partitions that fit half of `facts_share` (the query batches' pools get the other half).
+fn fact_search(
+    store: &fluxmem_store::Store,
+    manifest: &fluxmem_store::Manifest,
+    nodes: &mut Nodes,
+    model: &str,
+    facts_share: usize,
+    device: &Device,
+) -> Result<FactSearch> {
+    let todo_tenants: BTreeSet<String> = nodes
+        .todo_in_order()
+        .into_iter()
+        .map(|(_, tenant)| tenant.to_string())
+        .collect();
+    let todo_tenants: Vec<&str> = todo_tenants.iter().map(String::as_str).collect();
+    if let Some(spill) = nodes.spill.take() {
+        let episodes = &nodes.episodes;
+        let spilled = spill.vectors(
+            store,
+            manifest,
+            model,
+            &|id| episodes.contains(id.as_str()),
+            facts_share / 2,
         )?;
-        sizing.measured(todo_graph.nodes.values());
-        let links = links_search.neighbours(&group_ids)?;
-        report.groups += 1;
-        for chunk in group.chunks(commit_every) {
-            let mut delta = Graph::default();
-            // All the chunk's step queries in one embedder call (sorted by length inside).
-            let queries: Vec<Vec<&str>> = chunk
-                .iter()
-                .map(|(id, _)| ground_queries(&todo_graph, id, options.per_step))
-                .collect();
-            let flat: Vec<&str> = queries.iter().flatten().copied().collect();
-            let flat_vectors = embedder.embed(&flat)?;
-            // Each query's ranking of its tenant's facts: the best `ground_k` (node, fused
-            // score, node time).
-            let rankings: Vec<Vec<(NodeId, f32, i64)>> = match &search {
-                FactSearch::Whole(semantic) => {
-                    let mut out = Vec::with_capacity(flat.len());
-                    let mut vectors = flat_vectors.iter();
-                    for (&(_, tenant), episode_queries) in chunk.iter().zip(&queries) {
-                        let query_vectors: Vec<Vec<f32>> = vectors
-                            .by_ref()
-                            .take(episode_queries.len())
-                            .cloned()
-                            .collect();
-                        let index = &semantic[tenant];
-                        if index.is_empty() {
-                            out.extend(episode_queries.iter().map(|_| Vec::new()));
-                            continue;
-                        }
-                        // The episode's step queries against the tenant's facts in one matrix product.
-                        for ranked in index.hybrid_many(
-                            episode_queries,
-                            &query_vectors,
-                            &options.retrieval,
-                        )? {
-                            out.push(
-                                ranked
-                                    .into_iter()
-                                    .take(options.ground_k)
-                                    .map(|c| {
-                                        let t = time(&c.node_id);
-                                        (c.node_id, c.score, t)
-                                    })
-                                    .collect(),
-                            );
-                        }
-                    }
-                    out
-                }
-                FactSearch::Spilled(spilled) => {
-                    let mut asked = Vec::with_capacity(flat.len());
-                    for (&(_, tenant), episode_queries) in chunk.iter().zip(&queries) {
-                        asked.extend(episode_queries.iter().map(|text| Query {
-                            tenant,
-                            text,
-                            vector: &[],
-                        }));
-                    }
-                    for (query, vector) in asked.iter_mut().zip(&flat_vectors) {
-                        query.vector = vector;
-                    }
-                    spilled.search(
-                        &asked,
-                        &options.retrieval,
-                        options.ground_k,
-                        facts_share / 2,
-                        device,
-                    )?
-                }
-            };
-            let mut rankings = rankings.into_iter();
-            for (&(episode, _), episode_queries) in chunk.iter().zip(&queries) {
-                for (neighbour, cosine) in links.get(episode).into_iter().flatten() {
-                    delta.upsert_edge(edge(
-                        (episode, time(episode)),
-                        (neighbour, time(neighbour)),
-                        EdgeKind::Link,
-                        *cosine,
-                        1,
-                        run_id,
-                    ));
-                    report.link_edges += 1;
-                }
-                for (node, (weight, evidence, node_time)) in
-                    ground(rankings.by_ref().take(episode_queries.len()))
-                {
-                    delta.upsert_edge(edge(
-                        (&node, node_time),
-                        (episode, time(episode)),
-                        EdgeKind::Ground,
-                        weight,
-                        evidence,
-                        run_id,
-                    ));
-                    report.ground_edges += 1;
-                }
-                report.connected += 1;
+        spilled.check(&todo_tenants)?;
+        return Ok(FactSearch::Spilled(spilled));
+    }
+    let fact_ids: BTreeSet<NodeId> = nodes.facts.nodes.keys().cloned().collect();
+    if !fact_ids.is_empty() {
+        nodes.facts.embeddings = store
+            .scan_at(
+                manifest,
+                &Scan {
+                    vectors: Rows::Of(fact_ids),
+                    ..Default::default()
+                },
+            )?
+            .embeddings;
+    }
+    let mut semantic: BTreeMap<String, SemanticIndex> = BTreeMap::new();
+    for &tenant in &todo_tenants {
+        semantic.insert(
+            tenant.to_string(),
+            SemanticIndex::build(&nodes.facts, tenant, model, device)?,
+        );
+    }
+    Ok(FactSearch::Whole(semantic))
+}
+
+/// A group of the night's episodes, whole: their nodes, and their steps when each step is a
+/// ground query.
+fn read_group(
+    store: &fluxmem_store::Store,
+    manifest: &fluxmem_store::Manifest,
+    group: &BTreeSet<NodeId>,
+    per_step: bool,
+) -> Result<Graph> {
+    let steps = if per_step {
+        Rows::Of(group.clone())
+    } else {
+        Rows::None
+    };
+    Ok(store.scan_at(
+        manifest,
+        &Scan {
+            nodes: true,
+            nodes_of: Some(group.clone()),
+            steps,
+            ..Default::default()
+        },
+    )?)
+}
+
+/// What every chunk of the night is connected with.
+struct Night<'a> {
+    embedder: &'a dyn Embedder,
+    options: &'a ConnectOptions,
+    run_id: &'a str,
+    device: &'a Device,
+    nodes: &'a Nodes,
+    search: &'a FactSearch,
+    facts_share: usize,
+}
+
+impl Night<'_> {
+    /// The edges of one chunk of episodes (one commit): each episode's link edges to its
+    /// `neighbours`, and its ground edges to the facts its queries retrieve.
+    fn chunk_edges(
+        &self,
+        chunk: &[Todo<'_>],
+        group: &Graph,
+        neighbours: &BTreeMap<NodeId, Vec<(NodeId, f32)>>,
+        report: &mut ConnectReport,
+    ) -> Result<Graph> {
+        let queries: Vec<Vec<&str>> = chunk
+            .iter()
+            .map(|(id, _)| ground_queries(group, id, self.options.per_step))
+            .collect();
+        let mut rankings = self.rankings(chunk, &queries)?.into_iter();
+        let time = |id: &NodeId| self.nodes.time(id);
+        let mut delta = Graph::default();
+        for (&(episode, _), episode_queries) in chunk.iter().zip(&queries) {
+            for (neighbour, cosine) in neighbours.get(episode).into_iter().flatten() {
+                delta.upsert_edge(edge(
+                    (episode, time(episode)),
+                    (neighbour, time(neighbour)),
+                    EdgeKind::Link,
+                    *cosine,
+                    1,
+                    self.run_id,
+                ));
+                report.link_edges += 1;
             }
-            if !delta.is_empty() {
-                let summary = serde_json::json!({ "connected": report.connected, "ground_edges": report.ground_edges, "link_edges": report.link_edges });
-                writer.commit(
-                    &delta,
-                    CommitInfo {
-                        stage: STAGE.into(),
-                        run_id: run_id.into(),
-                        summary,
-                        progress: Default::default(),
-                    },
-                )?;
-                report.commits += 1;
+            for (node, (weight, evidence, node_time)) in
+                ground(rankings.by_ref().take(episode_queries.len()))
+            {
+                delta.upsert_edge(edge(
+                    (&node, node_time),
+                    (episode, time(episode)),
+                    EdgeKind::Ground,
+                    weight,
+                    evidence,
+                    self.run_id,
+                ));
+                report.ground_edges += 1;
             }
-            progress.advance(chunk.len() as u64);
+            report.connected += 1;
+        }
+        Ok(delta)
+    }
+
+    /// Each query's ranking of its tenant's facts, in query order: the best `ground_k` (node,
+    /// fused score, node time). All the chunk's queries are embedded in one call (sorted by
+    /// length inside).
+    fn rankings(
+        &self,
+        chunk: &[Todo<'_>],
+        queries: &[Vec<&str>],
+    ) -> Result<Vec<Vec<(NodeId, f32, i64)>>> {
+        let flat: Vec<&str> = queries.iter().flatten().copied().collect();
+        let flat_vectors = self.embedder.embed(&flat)?;
+        let options = self.options;
+        match self.search {
+            FactSearch::Whole(semantic) => {
+                let mut out = Vec::with_capacity(flat.len());
+                let mut vectors = flat_vectors.iter();
+                for (&(_, tenant), episode_queries) in chunk.iter().zip(queries) {
+                    let query_vectors: Vec<Vec<f32>> = vectors
+                        .by_ref()
+                        .take(episode_queries.len())
+                        .cloned()
+                        .collect();
+                    let index = &semantic[tenant];
+                    if index.is_empty() {
+                        out.extend(episode_queries.iter().map(|_| Vec::new()));
+                        continue;
+                    }
+                    // The episode's step queries against the tenant's facts in one matrix product.
+                    for ranked in
+                        index.hybrid_many(episode_queries, &query_vectors, &options.retrieval)?
+                    {
+                        out.push(
+                            ranked
+                                .into_iter()
+                                .take(options.ground_k)
+                                .map(|c| {
+                                    let t = self.nodes.time(&c.node_id);
+                                    (c.node_id, c.score, t)
+                                })
+                                .collect(),
+                        );
+                    }
+                }
+                Ok(out)
+            }
+            FactSearch::Spilled(spilled) => {
+                let mut asked = Vec::with_capacity(flat.len());
+                for (&(_, tenant), episode_queries) in chunk.iter().zip(queries) {
+                    asked.extend(episode_queries.iter().map(|text| Query {
+                        tenant,
+                        text,
+                        vector: &[],
+                    }));
+                }
+                for (query, vector) in asked.iter_mut().zip(&flat_vectors) {
+                    query.vector = vector;
+                }
+                spilled.search(
+                    &asked,
+                    &options.retrieval,
+                    options.ground_k,
+                    self.facts_share / 2,
+                    self.device,
+                )
+            }
         }
     }
-    Ok(report)
+}
+
+/// Commits one chunk's edges, with the run's counts so far.
+fn commit(writer: &mut Writer, delta: &Graph, run_id: &str, report: &ConnectReport) -> Result<()> {
+    let summary = serde_json::json!({ "connected": report.connected, "ground_edges": report.ground_edges, "link_edges": report.link_edges });
+    writer.commit(
+        delta,
+        CommitInfo {
+            stage: STAGE.into(),
+            run_id: run_id.into(),
+            summary,
+            progress: Default::default(),
+        },
+    )?;
+    Ok(())
 }
 
 /// How many of the night's episodes a group holds whole: as many whole commits as fit the
@@ -836,6 +929,16 @@ fn ground(
 enum FactSearch {
     Whole(BTreeMap<String, SemanticIndex>),
     Spilled(SpilledFacts),
+}
+
+impl FactSearch {
+    /// The partitions the facts were spilled to; 0 when they are held whole.
+    fn partitions(&self) -> usize {
+        match self {
+            FactSearch::Whole(_) => 0,
+            FactSearch::Spilled(spilled) => spilled.partitions(),
+        }
+    }
 }
 
 /// An edge of this stage, between two nodes given with their `created_at`. Its time is the

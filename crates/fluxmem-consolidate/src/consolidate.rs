@@ -1092,108 +1092,43 @@ fn handle(
     delta: &mut Graph,
     report: &mut ConsolidateReport,
 ) -> Result<ClusterReport> {
-    let mut cluster = ClusterReport {
-        tenant: plan.tenant.clone(),
-        episodes: plan.episodes.clone(),
-        status: String::new(),
-        skill: None,
-    };
     if let Some(status) = settled(plan, options, failed_before) {
-        match status {
-            "unchanged" => report.skills_unchanged += 1,
-            "kept" => report.skills_kept += 1,
-            "no_procedure" => {
-                report.failed += 1;
-                report.no_procedure += 1;
-            }
-            _ => report.failed_earlier += 1,
-        }
-        cluster.status = status.into();
-        cluster.skill = plan.previous.map(|node| node.id.clone());
-        return Ok(cluster);
+        count_settled(status, report);
+        return Ok(ClusterReport {
+            tenant: plan.tenant.clone(),
+            episodes: plan.episodes.clone(),
+            status: status.into(),
+            skill: plan.previous.map(|node| node.id.clone()),
+        });
     }
-    let sorted: BTreeSet<&NodeId> = plan.episodes.iter().collect();
-    let key: Vec<&str> = sorted.iter().map(|id| id.as_str()).collect();
-    let target = cluster_target(&plan.episodes);
-    let episodes: Vec<&Node> = plan.episodes.iter().map(|id| &graph.nodes[id]).collect();
-    let previous = match plan.previous {
-        Some(node) => {
-            let vector = graph
-                .embeddings
-                .get(&(node.id.clone(), models.embedder.model_id().to_string()))
-                .map(|e| e.vector.clone());
-            Some((node.text.clone(), vector.unwrap_or_default()))
-        }
-        None => None,
-    };
-    let job = Job {
-        episodes,
-        previous,
-        roles,
-    };
-    let generator_before = generator_usage(models);
-    let judge_before = models.judge.as_ref().map(|j| j.usage()).unwrap_or_default();
+    let job = job_of(plan, graph, roles, models.embedder.model_id());
+    let usage_before = (
+        generator_usage(models),
+        models.judge.as_ref().map(|j| j.usage()).unwrap_or_default(),
+    );
     let started = std::time::Instant::now();
     let matured = mature(&job, models, options, plan.skills)?;
-    let created_at = job
-        .episodes
-        .iter()
-        .filter_map(|n| n.created_at)
-        .max()
-        .unwrap_or(0);
-    let no_procedure = matches!(matured, Matured::NoProcedure { .. });
-    let matured = match matured {
-        Matured::NoProcedure { reason } => Matured::Failed {
-            attempts: vec![Attempt {
+    let result = Outcome {
+        plan,
+        run_id,
+        created_at: job
+            .episodes
+            .iter()
+            .filter_map(|n| n.created_at)
+            .max()
+            .unwrap_or(0),
+        delta,
+        report,
+    };
+    Ok(match matured {
+        Matured::NoProcedure { reason } => {
+            let attempts = vec![Attempt {
                 raw: String::new(),
                 problem: reason,
-            }],
-        },
-        other => other,
-    };
-    match matured {
-        Matured::NoProcedure { .. } => unreachable!("mapped to Failed above"),
-        Matured::Failed { attempts } => {
-            let after =
-                json!({ "tenant": plan.tenant, "episodes": plan.episodes, "attempts": attempts });
-            let reason = match attempts.first() {
-                Some(attempt) if no_procedure => format!(
-                    "{NO_PROCEDURE_REASON}{} episodes: {}",
-                    plan.episodes.len(),
-                    attempt.problem
-                ),
-                _ => format!(
-                    "no readable skill for a cluster of {} episodes",
-                    plan.episodes.len()
-                ),
-            };
-            let after = serde_json::to_string(&after).expect("JSON values serialise");
-            let identity = format!("{STAGE}\0{run_id}\0skill_failed\0{target}\0{after}");
-            delta.edits.push(Edit {
-                id: sha256_hex(identity.as_bytes())[..32].to_string(),
-                run_id: run_id.into(),
-                stage: STAGE.into(),
-                kind: "skill_failed".into(),
-                target: target.clone(),
-                before: None,
-                after: Some(after),
-                reason,
-                at: created_at,
-            });
-            report.failed += 1;
-            report.no_procedure += usize::from(no_procedure);
-            report.failures.push(FailedCluster {
-                tenant: plan.tenant.clone(),
-                target,
-                episodes: plan.episodes.clone(),
-                attempts,
-            });
-            cluster.status = if no_procedure {
-                "no_procedure".into()
-            } else {
-                "failed".into()
-            };
+            }];
+            result.failed(attempts, true)
         }
+        Matured::Failed { attempts } => result.failed(attempts, false),
         Matured::Skill {
             rounds,
             best,
@@ -1211,52 +1146,189 @@ fn handle(
                 measured_on: &measured_on,
             };
             let node = skill_node(
-                plan, &rounds, best, converged, &rejected, &mined, models, options, run_id,
-                created_at, &key,
-            );
-            let status = if plan.previous.is_some() {
-                "updated"
-            } else {
-                "new"
-            };
-            record(
-                delta,
-                graph,
                 plan,
-                &node,
-                &rounds[best],
-                models.embedder.model_id(),
+                &rounds,
+                best,
+                converged,
+                &rejected,
+                &mined,
+                models,
+                options,
                 run_id,
+                result.created_at,
+                &cluster_key(plan),
             );
-            if plan.previous.is_some() {
-                report.skills_updated += 1;
-            } else {
-                report.skills_new += 1;
-            }
-            report.skills.push(SkillReport {
-                id: node.id.clone(),
+            let mut result = result;
+            let mut skill = result.kept(graph, node, &rounds, best, models.embedder.model_id());
+            skill.converged_round = converged;
+            skill.generator = TokenUsage::between(usage_before.0, generator_usage(models));
+            skill.judge = models
+                .judge
+                .as_ref()
+                .map(|j| TokenUsage::between(usage_before.1, j.usage()))
+                .unwrap_or_default();
+            skill.seconds = started.elapsed().as_secs_f64();
+            let cluster = ClusterReport {
                 tenant: plan.tenant.clone(),
-                name: rounds[best].skill.name.clone(),
-                status: status.into(),
-                version: skill_of(&node).version,
-                support: plan.episodes.len(),
-                rounds: rounds.iter().map(|r| r.score).collect(),
-                best_round: best + 1,
-                converged_round: converged,
-                generator: TokenUsage::between(generator_before, generator_usage(models)),
-                judge: models
-                    .judge
-                    .as_ref()
-                    .map(|j| TokenUsage::between(judge_before, j.usage()))
-                    .unwrap_or_default(),
-                seconds: started.elapsed().as_secs_f64(),
-            });
-            cluster.status = status.into();
-            cluster.skill = Some(node.id.clone());
-            delta.upsert_node(node);
+                episodes: plan.episodes.clone(),
+                status: skill.status.clone(),
+                skill: Some(skill.id.clone()),
+            };
+            result.report.skills.push(skill);
+            cluster
+        }
+    })
+}
+
+/// Counts a cluster left as it was (see [`settled`]).
+fn count_settled(status: &str, report: &mut ConsolidateReport) {
+    match status {
+        "unchanged" => report.skills_unchanged += 1,
+        "kept" => report.skills_kept += 1,
+        "no_procedure" => {
+            report.failed += 1;
+            report.no_procedure += 1;
+        }
+        _ => report.failed_earlier += 1,
+    }
+}
+
+/// A cluster's episodes, with the skill it updates (its text and vector), as maturing reads
+/// them.
+fn job_of<'g>(plan: &Plan<'g>, graph: &'g Graph, roles: &'g ToolRoles, model: &str) -> Job<'g> {
+    let previous = plan.previous.map(|node| {
+        let vector = graph
+            .embeddings
+            .get(&(node.id.clone(), model.to_string()))
+            .map(|e| e.vector.clone());
+        (node.text.clone(), vector.unwrap_or_default())
+    });
+    Job {
+        episodes: plan.episodes.iter().map(|id| &graph.nodes[id]).collect(),
+        previous,
+        roles,
+    }
+}
+
+/// The key of a cluster's skill: its episodes' ids, sorted.
+fn cluster_key<'p>(plan: &'p Plan<'_>) -> Vec<&'p str> {
+    let sorted: BTreeSet<&NodeId> = plan.episodes.iter().collect();
+    sorted.iter().map(|id| id.as_str()).collect()
+}
+
+/// A matured skill's status: `updated` where the cluster had one, else `new`.
+fn result_status(plan: &Plan<'_>) -> &'static str {
+    if plan.previous.is_some() {
+        "updated"
+    } else {
+        "new"
+    }
+}
+
+/// Where a matured cluster's result is written: the night's delta and report.
+struct Outcome<'a, 'p> {
+    plan: &'a Plan<'p>,
+    run_id: &'a str,
+    /// The newest episode's time: the skill's and the edits' (the data's, not the clock's).
+    created_at: i64,
+    delta: &'a mut Graph,
+    report: &'a mut ConsolidateReport,
+}
+
+impl Outcome<'_, '_> {
+    /// A cluster that gave no skill: a `skill_failed` edit with its attempts, and the counts.
+    fn failed(self, attempts: Vec<Attempt>, no_procedure: bool) -> ClusterReport {
+        let plan = self.plan;
+        let target = cluster_target(&plan.episodes);
+        let after =
+            json!({ "tenant": plan.tenant, "episodes": plan.episodes, "attempts": attempts });
+        let reason = match attempts.first() {
+            Some(attempt) if no_procedure => format!(
+                "{NO_PROCEDURE_REASON}{} episodes: {}",
+                plan.episodes.len(),
+                attempt.problem
+            ),
+            _ => format!(
+                "no readable skill for a cluster of {} episodes",
+                plan.episodes.len()
+            ),
+        };
+        let after = serde_json::to_string(&after).expect("JSON values serialise");
+        let identity = format!("{STAGE}\0{}\0skill_failed\0{target}\0{after}", self.run_id);
+        self.delta.edits.push(Edit {
+            id: sha256_hex(identity.as_bytes())[..32].to_string(),
+            run_id: self.run_id.into(),
+            stage: STAGE.into(),
+            kind: "skill_failed".into(),
+            target: target.clone(),
+            before: None,
+            after: Some(after),
+            reason,
+            at: self.created_at,
+        });
+        self.report.failed += 1;
+        self.report.no_procedure += usize::from(no_procedure);
+        self.report.failures.push(FailedCluster {
+            tenant: plan.tenant.clone(),
+            target,
+            episodes: plan.episodes.clone(),
+            attempts,
+        });
+        ClusterReport {
+            tenant: plan.tenant.clone(),
+            episodes: plan.episodes.clone(),
+            status: if no_procedure {
+                "no_procedure"
+            } else {
+                "failed"
+            }
+            .into(),
+            skill: None,
         }
     }
-    Ok(cluster)
+
+    /// A matured skill: its node and records in the delta, its count; its line in the
+    /// report, less what the caller measured (rounds' convergence, usage, time).
+    fn kept(
+        &mut self,
+        graph: &Graph,
+        node: Node,
+        rounds: &[Round],
+        best: usize,
+        model: &str,
+    ) -> SkillReport {
+        let plan = self.plan;
+        record(
+            self.delta,
+            graph,
+            plan,
+            &node,
+            &rounds[best],
+            model,
+            self.run_id,
+        );
+        if plan.previous.is_some() {
+            self.report.skills_updated += 1;
+        } else {
+            self.report.skills_new += 1;
+        }
+        let skill = SkillReport {
+            id: node.id.clone(),
+            tenant: plan.tenant.clone(),
+            name: rounds[best].skill.name.clone(),
+            status: result_status(plan).into(),
+            version: skill_of(&node).version,
+            support: plan.episodes.len(),
+            rounds: rounds.iter().map(|r| r.score).collect(),
+            best_round: best + 1,
+            converged_round: None,
+            generator: TokenUsage::default(),
+            judge: TokenUsage::default(),
+            seconds: 0.0,
+        };
+        self.delta.upsert_node(node);
+        skill
+    }
 }
 
 /// What mining gave a matured cluster, for the skill node's metadata.

@@ -311,37 +311,115 @@ pub fn evaluate(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<LocomoReport> {
     let (conversations, questions) = read(path, options)?;
-    let total = questions.len();
-    let mut evidence = EvidenceCounts::default();
-    let mut results: BTreeMap<&str, Vec<(u64, QuestionResult)>> =
-        SYSTEMS.iter().map(|s| (*s, Vec::new())).collect();
-    let mut conversation_tokens = BTreeMap::new();
-    let (mut done, mut skipped) = (0, 0);
-    // `hybrid` is the configured fusion without the judge and without structure, over each
-    // turn's own text: plain hybrid retrieval, what a store of items without a graph gives.
-    let hybrid_config = RetrievalConfig {
-        judge_top: 0,
-        adjacency: 0.0,
-        entity: 0.0,
-        ..options.retrieval.clone()
+    let mut evaluation = Evaluation::new(options, questions.len(), generator.as_deref());
+    let mut models = Models {
+        embedder,
+        judge: &mut judge,
+        generator: &mut generator,
+        device,
     };
-    let mut refine = RefineSummary {
-        rounds: options.refine.rounds,
-        budget: options.refine.budget,
-        generator: generator.as_ref().map(|g| g.model_id().to_string()),
-        ..Default::default()
-    };
-    let mut fingerprint = Sha256::new();
-    let mut verifier_usage = fluxmem_models::Usage::default();
     for conversation in &conversations {
+        evaluation.conversation(conversation, &questions, &mut models, progress)?;
+    }
+    let judge_usage = judge.as_ref().map(|j| j.usage()).unwrap_or_default();
+    Ok(evaluation.report(judge_usage, generator.as_deref()))
+}
+
+/// The models an evaluation runs with.
+struct Models<'m, 'j, 'g> {
+    embedder: &'m dyn Embedder,
+    judge: &'m mut Option<&'j mut dyn Judge>,
+    generator: &'m mut Option<&'g mut dyn Generator>,
+    device: &'m Device,
+}
+
+/// An evaluation in progress: what is counted and scored, conversation after conversation.
+struct Evaluation<'o> {
+    options: &'o LocomoOptions,
+    total: usize,
+    done: usize,
+    skipped: usize,
+    evidence: EvidenceCounts,
+    results: BTreeMap<&'static str, Vec<(u64, QuestionResult)>>,
+    conversation_tokens: BTreeMap<String, usize>,
+    /// `hybrid` is the configured fusion without the judge and without structure, over each
+    /// turn's own text: plain hybrid retrieval, what a store of items without a graph gives.
+    hybrid_config: RetrievalConfig,
+    refine: RefineSummary,
+    verifier_usage: fluxmem_models::Usage,
+    fingerprint: Sha256,
+}
+
+/// What one conversation's questions are answered from.
+struct Conversation<'c> {
+    id: &'c str,
+    graph: Graph,
+    dia_ids: BTreeMap<String, NodeId>,
+    index: SemanticIndex,
+    /// The `fluxmem` system's units: the same nodes and vectors, turns indexed with context.
+    units: SemanticIndex,
+    neighbours: Neighbours,
+}
+
+/// Each system's ranking of one question, in [`SYSTEMS`] order.
+type Rankings = [(&'static str, Vec<Entry>); 4];
+
+/// Each round of the loop: its edit (if any), its context and the verifier's sufficiency.
+type LoopRounds = Vec<(Option<String>, Vec<NodeId>, f32)>;
+
+/// Counts a text's tokens.
+type Count<'a> = dyn Fn(&str) -> fluxmem_connect::Result<usize> + 'a;
+
+impl<'o> Evaluation<'o> {
+    fn new(options: &'o LocomoOptions, total: usize, generator: Option<&dyn Generator>) -> Self {
+        Evaluation {
+            options,
+            total,
+            done: 0,
+            skipped: 0,
+            evidence: EvidenceCounts::default(),
+            results: SYSTEMS.iter().map(|s| (*s, Vec::new())).collect(),
+            conversation_tokens: BTreeMap::new(),
+            hybrid_config: RetrievalConfig {
+                judge_top: 0,
+                adjacency: 0.0,
+                entity: 0.0,
+                ..options.retrieval.clone()
+            },
+            refine: RefineSummary {
+                rounds: options.refine.rounds,
+                budget: options.refine.budget,
+                generator: generator.map(|g| g.model_id().to_string()),
+                ..Default::default()
+            },
+            verifier_usage: fluxmem_models::Usage::default(),
+            fingerprint: Sha256::new(),
+        }
+    }
+
+    /// One conversation: its own store (so one tenant; retrieval and the loop run in it), then
+    /// its questions in their order against one evolving graph: links that earlier questions'
+    /// loops persisted are there for later ones.
+    fn conversation(
+        &mut self,
+        conversation: &Value,
+        questions: &[(Question, Gold)],
+        models: &mut Models<'_, '_, '_>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<()> {
+        let embedder = models.embedder;
         let id = conversation["sample_id"].as_str().unwrap_or_default();
-        let (mut graph, dia_ids) = build_store(conversation, embedder)?;
-        // One store per conversation, so one tenant; retrieval and the loop run in it.
+        let (graph, dia_ids) = build_store(conversation, embedder)?;
         let tenant = fluxmem_connect::resolve_tenant(&graph, None)?;
-        let index = SemanticIndex::build(&graph, &tenant, embedder.model_id(), device)?;
-        // The `fluxmem` system's units: the same nodes and vectors, turns indexed with context.
-        let units = index.with_units(options.units);
-        let neighbours = Neighbours::build(&graph, &tenant);
+        let index = SemanticIndex::build(&graph, &tenant, embedder.model_id(), models.device)?;
+        let mut conversation = Conversation {
+            id,
+            units: index.with_units(self.options.units),
+            neighbours: Neighbours::build(&graph, &tenant),
+            index,
+            graph,
+            dia_ids,
+        };
         // Every ranking packs the same lines again and again: count each line's tokens once.
         let memo: std::cell::RefCell<std::collections::HashMap<String, usize>> = Default::default();
         let count = |text: &str| -> fluxmem_connect::Result<usize> {
@@ -352,148 +430,32 @@ pub fn evaluate(
             memo.borrow_mut().insert(text.to_string(), n);
             Ok(n)
         };
-        let all_lines: Vec<String> = (0..index.len())
-            .map(|i| fluxmem_connect::line(&graph, index.id(i)))
+        let all_lines: Vec<String> = (0..conversation.index.len())
+            .map(|i| fluxmem_connect::line(&conversation.graph, conversation.index.id(i)))
             .collect();
-        conversation_tokens.insert(
+        self.conversation_tokens.insert(
             id.to_string(),
             embedder.count_tokens(&all_lines.join("\n"))?,
         );
-        // Questions run in their order against one evolving graph: links that earlier questions'
-        // loops persisted are there for later ones.
         for (position, (question, gold)) in questions
             .iter()
             .filter(|(q, _)| q.conversation == id)
             .enumerate()
         {
-            // Retrieval: the question text only.
-            let query_vector = embedder.embed(&[question.text.as_str()])?.remove(0);
-            let all = index.len();
-            // With entities on, the `fluxmem` system's dense signal reads the question without
-            // the speakers it names.
-            let dense_vector = match units.dense_query(&question.text, &options.retrieval) {
-                Some(text) => embedder.embed(&[text.as_str()])?.remove(0),
-                None => query_vector.clone(),
-            };
-            let stage1 = units.hybrid(
-                &question.text,
-                &dense_vector,
-                &options.retrieval,
-                judge.as_deref_mut(),
+            let (rankings, loop_rounds) =
+                self.rank(&mut conversation, question, position, models, &count)?;
+            self.score_question(
+                &conversation,
+                question.category,
+                gold,
+                rankings,
+                &loop_rounds,
+                &count,
             )?;
-            // Each round's edit (if any) and context, to score what the edits did.
-            let mut loop_rounds: Vec<(Option<String>, Vec<NodeId>, f32)> = Vec::new();
-            let fluxmem: Vec<Entry> = if options.refine.rounds == 0 {
-                entries(&stage1)
-            } else {
-                let mut boxed = fluxmem_refine::verifier(
-                    judge.as_deref_mut().map(|j| j as &mut dyn Judge),
-                    &units,
-                );
-                let verifier: &mut dyn Verifier = &mut *boxed;
-                let before = verifier.usage();
-                refine.verifier = verifier.name();
-                let mut models = LoopModels {
-                    verifier,
-                    embedder,
-                    generator: generator.as_deref_mut().map(|g| g as &mut dyn Generator),
-                    count_tokens: &count,
-                };
-                let run_id = format!("eval-refine@{id}");
-                let outcome = refine_query(
-                    &graph,
-                    &units,
-                    &neighbours,
-                    &question.text,
-                    &stage1,
-                    &mut models,
-                    &options.refine,
-                    &run_id,
-                    position as i64,
-                )?;
-                let after = models.verifier.usage();
-                verifier_usage.calls += after.calls - before.calls;
-                verifier_usage.prompt_tokens += after.prompt_tokens - before.prompt_tokens;
-                refine.questions += 1;
-                refine.sufficient += usize::from(outcome.sufficient);
-                refine.mean_edit_rounds +=
-                    outcome.rounds.iter().filter(|r| r.edit.is_some()).count() as f64;
-                for round in &outcome.rounds {
-                    *refine
-                        .attributions
-                        .entry(round.attribution.clone())
-                        .or_default() += 1;
-                }
-                loop_rounds = outcome
-                    .rounds
-                    .iter()
-                    .map(|r| (r.edit.clone(), r.context.clone(), r.sufficiency))
-                    .collect();
-                for edit in &outcome.attempted {
-                    *refine.edits_attempted.entry(edit.kind.clone()).or_default() += 1;
-                }
-                refine.edits_persisted += outcome.delta.edits.len();
-                graph.apply(outcome.delta);
-                // Nodes of a dropped loop stay without edges: its last context may show them.
-                for node in outcome.new_nodes {
-                    graph.insert_node(node);
-                }
-                outcome.ranking
-            };
-            let rankings: [(&str, Vec<Entry>); 4] = [
-                ("bm25", entries(&index.bm25(&question.text, all))),
-                ("dense", entries(&index.dense(&query_vector, all)?)),
-                (
-                    "hybrid",
-                    entries(&index.hybrid(&question.text, &query_vector, &hybrid_config, None)?),
-                ),
-                ("fluxmem", fluxmem),
-            ];
-            for (system, ranking) in &rankings {
-                fingerprint.update(format!("{id}\0{position}\0{system}\0").as_bytes());
-                for (node, ..) in ranking.iter().take(50) {
-                    fingerprint.update(node.as_str().as_bytes());
-                    fingerprint.update(b"\0");
-                }
-            }
-            // Scoring: only now is the gold evidence read.
-            let Some(evidence_ids) = resolve(&gold.evidence, &dia_ids, &mut evidence) else {
-                evidence.questions_without_evidence += 1;
-                skipped += 1;
-                progress(done + skipped, total);
-                continue;
-            };
-            // Each round's context recall, once: for the edits and for the curve over rounds.
-            let round_recalls: Vec<f64> = loop_rounds
-                .iter()
-                .map(|(_, context, _)| recall(&turns(&graph, context), &evidence_ids))
-                .collect();
-            let edits: Vec<Option<&str>> = loop_rounds
-                .iter()
-                .map(|(edit, ..)| edit.as_deref())
-                .collect();
-            score_edits(&edits, &round_recalls, &mut refine.edit_effects);
-            if let (Some(first), Some(&last)) = (loop_rounds.first(), round_recalls.last()) {
-                refine.first_sufficiency.push(first.2);
-                refine
-                    .recall_by_round
-                    .resize(options.refine.rounds + 1, 0.0);
-                for (t, sum) in refine.recall_by_round.iter_mut().enumerate() {
-                    *sum += round_recalls.get(t).copied().unwrap_or(last);
-                }
-            }
-            for (system, ranking) in rankings {
-                let result = score(&graph, &ranking, &evidence_ids, &options.budgets, &count)?;
-                results
-                    .get_mut(system)
-                    .expect("every system has a slot")
-                    .push((question.category, result));
-            }
-            done += 1;
-            progress(done + skipped, total);
+            progress(self.done + self.skipped, self.total);
         }
-        for edit in &graph.edits {
-            fingerprint.update(
+        for edit in &conversation.graph.edits {
+            self.fingerprint.update(
                 format!(
                     "{}\0{}\0{}\0",
                     edit.kind,
@@ -503,64 +465,249 @@ pub fn evaluate(
                 .as_bytes(),
             );
         }
+        Ok(())
     }
-    if let Some(generator) = generator.as_ref() {
-        let usage = generator.usage();
-        refine.generator_calls = usage.calls;
-        refine.generator_tokens = usage.prompt_tokens + usage.generated_tokens;
-    }
-    let scored = refine.first_sufficiency.len().max(1) as f64;
-    refine
-        .recall_by_round
-        .iter_mut()
-        .for_each(|sum| *sum /= scored);
-    if refine.questions > 0 {
-        refine.mean_edit_rounds /= refine.questions as f64;
-        refine.verifier_calls = verifier_usage.calls;
-        refine.verifier_prompt_tokens = verifier_usage.prompt_tokens;
-        refine.verifier_calls_per_question = verifier_usage.calls as f64 / refine.questions as f64;
-        refine.verifier_tokens_per_question =
-            verifier_usage.prompt_tokens as f64 / refine.questions as f64;
-    }
-    let usage = judge.as_ref().map(|j| j.usage()).unwrap_or_default();
-    let systems = results
-        .into_iter()
-        .map(|(system, per_question)| {
-            let all: Vec<&QuestionResult> = per_question.iter().map(|(_, r)| r).collect();
-            let mut by_category = BTreeMap::new();
-            for category in 1..=5u64 {
-                let of: Vec<&QuestionResult> = per_question
-                    .iter()
-                    .filter(|(c, _)| *c == category)
-                    .map(|(_, r)| r)
-                    .collect();
-                if !of.is_empty() {
-                    by_category.insert(category.to_string(), Summary::of(&of));
-                }
-            }
+
+    /// Every system's ranking for one question, from the question text only, fingerprinted;
+    /// and the rounds of the loop when Stage II runs.
+    fn rank(
+        &mut self,
+        conversation: &mut Conversation<'_>,
+        question: &Question,
+        position: usize,
+        models: &mut Models<'_, '_, '_>,
+        count: &Count<'_>,
+    ) -> Result<(Rankings, LoopRounds)> {
+        let options = self.options;
+        let embedder = models.embedder;
+        let query_vector = embedder.embed(&[question.text.as_str()])?.remove(0);
+        let index = &conversation.index;
+        let all = index.len();
+        // With entities on, the `fluxmem` system's dense signal reads the question without
+        // the speakers it names.
+        let dense_vector = match conversation
+            .units
+            .dense_query(&question.text, &options.retrieval)
+        {
+            Some(text) => embedder.embed(&[text.as_str()])?.remove(0),
+            None => query_vector.clone(),
+        };
+        let stage1 = conversation.units.hybrid(
+            &question.text,
+            &dense_vector,
+            &options.retrieval,
+            models.judge.as_deref_mut(),
+        )?;
+        let (fluxmem, loop_rounds) = if options.refine.rounds == 0 {
+            (entries(&stage1), Vec::new())
+        } else {
+            self.refine_loop(conversation, question, position, &stage1, models, count)?
+        };
+        let index = &conversation.index;
+        let rankings: Rankings = [
+            ("bm25", entries(&index.bm25(&question.text, all))),
+            ("dense", entries(&index.dense(&query_vector, all)?)),
             (
-                system.to_string(),
-                SystemReport {
-                    overall: Summary::of(&all),
-                    by_category,
-                },
-            )
-        })
-        .collect();
-    Ok(LocomoReport {
-        questions: done,
-        systems,
-        conversation_tokens,
-        evidence,
-        judge_calls: usage.calls,
-        judge_prompt_tokens: usage.prompt_tokens,
-        refine,
-        fingerprint: fingerprint
-            .finalize()
+                "hybrid",
+                entries(&index.hybrid(&question.text, &query_vector, &self.hybrid_config, None)?),
+            ),
+            ("fluxmem", fluxmem),
+        ];
+        for (system, ranking) in &rankings {
+            self.fingerprint
+                .update(format!("{}\0{position}\0{system}\0", conversation.id).as_bytes());
+            for (node, ..) in ranking.iter().take(50) {
+                self.fingerprint.update(node.as_str().as_bytes());
+                self.fingerprint.update(b"\0");
+            }
+        }
+        Ok((rankings, loop_rounds))
+    }
+
+    /// Stage II on one question: the loop's final ranking and its rounds. Its edits persist in
+    /// the conversation's graph.
+    fn refine_loop(
+        &mut self,
+        conversation: &mut Conversation<'_>,
+        question: &Question,
+        position: usize,
+        stage1: &[Candidate],
+        models: &mut Models<'_, '_, '_>,
+        count: &Count<'_>,
+    ) -> Result<(Vec<Entry>, LoopRounds)> {
+        let refine = &mut self.refine;
+        let mut boxed = fluxmem_refine::verifier(
+            models.judge.as_deref_mut().map(|j| j as &mut dyn Judge),
+            &conversation.units,
+        );
+        let verifier: &mut dyn Verifier = &mut *boxed;
+        let before = verifier.usage();
+        refine.verifier = verifier.name();
+        let mut loop_models = LoopModels {
+            verifier,
+            embedder: models.embedder,
+            generator: models
+                .generator
+                .as_deref_mut()
+                .map(|g| g as &mut dyn Generator),
+            count_tokens: count,
+        };
+        let run_id = format!("eval-refine@{}", conversation.id);
+        let outcome = refine_query(
+            &conversation.graph,
+            &conversation.units,
+            &conversation.neighbours,
+            &question.text,
+            stage1,
+            &mut loop_models,
+            &self.options.refine,
+            &run_id,
+            position as i64,
+        )?;
+        let after = loop_models.verifier.usage();
+        self.verifier_usage.calls += after.calls - before.calls;
+        self.verifier_usage.prompt_tokens += after.prompt_tokens - before.prompt_tokens;
+        refine.questions += 1;
+        refine.sufficient += usize::from(outcome.sufficient);
+        refine.mean_edit_rounds +=
+            outcome.rounds.iter().filter(|r| r.edit.is_some()).count() as f64;
+        for round in &outcome.rounds {
+            *refine
+                .attributions
+                .entry(round.attribution.clone())
+                .or_default() += 1;
+        }
+        let loop_rounds = outcome
+            .rounds
             .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect(),
-    })
+            .map(|r| (r.edit.clone(), r.context.clone(), r.sufficiency))
+            .collect();
+        for edit in &outcome.attempted {
+            *refine.edits_attempted.entry(edit.kind.clone()).or_default() += 1;
+        }
+        refine.edits_persisted += outcome.delta.edits.len();
+        conversation.graph.apply(outcome.delta);
+        // Nodes of a dropped loop stay without edges: its last context may show them.
+        for node in outcome.new_nodes {
+            conversation.graph.insert_node(node);
+        }
+        Ok((outcome.ranking, loop_rounds))
+    }
+
+    /// Scores one question's rankings and loop rounds: only now is the gold evidence read.
+    fn score_question(
+        &mut self,
+        conversation: &Conversation<'_>,
+        category: u64,
+        gold: &Gold,
+        rankings: Rankings,
+        loop_rounds: &LoopRounds,
+        count: &Count<'_>,
+    ) -> Result<()> {
+        let graph = &conversation.graph;
+        let Some(evidence_ids) = resolve(&gold.evidence, &conversation.dia_ids, &mut self.evidence)
+        else {
+            self.evidence.questions_without_evidence += 1;
+            self.skipped += 1;
+            return Ok(());
+        };
+        // Each round's context recall, once: for the edits and for the curve over rounds.
+        let round_recalls: Vec<f64> = loop_rounds
+            .iter()
+            .map(|(_, context, _)| recall(&turns(graph, context), &evidence_ids))
+            .collect();
+        let edits: Vec<Option<&str>> = loop_rounds
+            .iter()
+            .map(|(edit, ..)| edit.as_deref())
+            .collect();
+        let refine = &mut self.refine;
+        score_edits(&edits, &round_recalls, &mut refine.edit_effects);
+        if let (Some(first), Some(&last)) = (loop_rounds.first(), round_recalls.last()) {
+            refine.first_sufficiency.push(first.2);
+            refine
+                .recall_by_round
+                .resize(self.options.refine.rounds + 1, 0.0);
+            for (t, sum) in refine.recall_by_round.iter_mut().enumerate() {
+                *sum += round_recalls.get(t).copied().unwrap_or(last);
+            }
+        }
+        for (system, ranking) in rankings {
+            let result = score(graph, &ranking, &evidence_ids, &self.options.budgets, count)?;
+            self.results
+                .get_mut(system)
+                .expect("every system has a slot")
+                .push((category, result));
+        }
+        self.done += 1;
+        Ok(())
+    }
+
+    /// The report: each system's summaries, overall and by category, and Stage II's means.
+    fn report(
+        mut self,
+        judge_usage: fluxmem_models::Usage,
+        generator: Option<&dyn Generator>,
+    ) -> LocomoReport {
+        let refine = &mut self.refine;
+        if let Some(generator) = generator {
+            let usage = generator.usage();
+            refine.generator_calls = usage.calls;
+            refine.generator_tokens = usage.prompt_tokens + usage.generated_tokens;
+        }
+        let scored = refine.first_sufficiency.len().max(1) as f64;
+        refine
+            .recall_by_round
+            .iter_mut()
+            .for_each(|sum| *sum /= scored);
+        if refine.questions > 0 {
+            let usage = &self.verifier_usage;
+            refine.mean_edit_rounds /= refine.questions as f64;
+            refine.verifier_calls = usage.calls;
+            refine.verifier_prompt_tokens = usage.prompt_tokens;
+            refine.verifier_calls_per_question = usage.calls as f64 / refine.questions as f64;
+            refine.verifier_tokens_per_question =
+                usage.prompt_tokens as f64 / refine.questions as f64;
+        }
+        LocomoReport {
+            questions: self.done,
+            systems: self
+                .results
+                .into_iter()
+                .map(|(system, per_question)| (system.to_string(), system_report(&per_question)))
+                .collect(),
+            conversation_tokens: self.conversation_tokens,
+            evidence: self.evidence,
+            judge_calls: judge_usage.calls,
+            judge_prompt_tokens: judge_usage.prompt_tokens,
+            refine: self.refine,
+            fingerprint: self
+                .fingerprint
+                .finalize()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect(),
+        }
+    }
+}
+
+/// A system's summaries over its questions: overall, and by category (those with questions).
+fn system_report(per_question: &[(u64, QuestionResult)]) -> SystemReport {
+    let all: Vec<&QuestionResult> = per_question.iter().map(|(_, r)| r).collect();
+    let mut by_category = BTreeMap::new();
+    for category in 1..=5u64 {
+        let of: Vec<&QuestionResult> = per_question
+            .iter()
+            .filter(|(c, _)| *c == category)
+            .map(|(_, r)| r)
+            .collect();
+        if !of.is_empty() {
+            by_category.insert(category.to_string(), Summary::of(&of));
+        }
+    }
+    SystemReport {
+        overall: Summary::of(&all),
+        by_category,
+    }
 }
 
 /// Node ids of `evidence`, or `None` when none resolves.

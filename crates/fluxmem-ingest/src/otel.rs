@@ -20,7 +20,7 @@
 //! - tenant: resource attribute `fluxmem.tenant`, else `service.name`, else the ingest
 //!   options'; agent: `gen_ai.agent.id`, else `gen_ai.agent.name`, else the options'.
 
-use fluxmem_graph::{Episode, NodeBody, Outcome, Step, ToolCall};
+use fluxmem_graph::{Episode, Node, NodeBody, Outcome, Step, ToolCall};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -460,162 +460,16 @@ fn understood(record: Record, group: &[&SpanRec]) -> Parsed {
 }
 
 fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
-    let agents: Vec<&&SpanRec> = spans
+    let agents: Vec<&SpanRec> = spans
         .iter()
+        .copied()
         .filter(|s| s.operation() == "invoke_agent")
         .collect();
-    let lead = agents.first().copied().copied().unwrap_or(spans[0]);
-    let mut steps: Vec<Step> = Vec::new();
-    // Call id -> (step, call) of calls a chat span requested.
-    let mut calls: BTreeMap<String, (usize, usize)> = BTreeMap::new();
-    let mut task: Option<String> = None;
-    let mut system: Vec<String> = Vec::new();
-    for span in spans {
-        if task.is_none() {
-            task = messages(span, "gen_ai.input.messages")
-                .iter()
-                .filter(|m| m.get("role").and_then(Value::as_str) == Some("user"))
-                .flat_map(|m| parts(m).iter().filter_map(part_text))
-                .next();
-        }
-        if let Some(instructions) = span.attributes.get("gen_ai.system_instructions") {
-            let parsed: Vec<Value> = match instructions {
-                Value::String(s) => serde_json::from_str(s)
-                    .unwrap_or_else(|_| vec![serde_json::json!({"type": "text", "content": s})]),
-                Value::Array(a) => a.clone(),
-                _ => Vec::new(),
-            };
-            let text: Vec<String> = parsed.iter().filter_map(part_text).collect();
-            if !text.is_empty() && !system.contains(&text.join("\n")) {
-                system.push(text.join("\n"));
-            }
-        }
-        let timestamp = (span.start_ns > 0)
-            .then_some((span.start_ns / 1_000_000) as i64)
-            .filter(|&ms| crate::source::in_calendar(ms));
-        match span.operation() {
-            "chat" | "text_completion" | "generate_content" => {
-                for message in messages(span, "gen_ai.output.messages") {
-                    let mut action = Vec::new();
-                    let mut tool_calls = Vec::new();
-                    for part in parts(&message) {
-                        match part.get("type").and_then(Value::as_str) {
-                            Some("text") => action.push(
-                                part.get("content")
-                                    .and_then(Value::as_str)
-                                    .unwrap_or("")
-                                    .to_string(),
-                            ),
-                            Some("tool_call") => {
-                                if let Some(id) = part.get("id").and_then(Value::as_str) {
-                                    calls.insert(id.to_string(), (steps.len(), tool_calls.len()));
-                                }
-                                tool_calls.push(ToolCall {
-                                    name: part
-                                        .get("name")
-                                        .and_then(Value::as_str)
-                                        .unwrap_or("")
-                                        .to_string(),
-                                    arguments: part
-                                        .get("arguments")
-                                        .map(text_of)
-                                        .unwrap_or_default(),
-                                    result: None,
-                                });
-                            }
-                            _ => {}
-                        }
-                    }
-                    steps.push(Step {
-                        observation: String::new(),
-                        action: action.join("\n"),
-                        tool_calls,
-                        feedback: None,
-                        timestamp,
-                    });
-                }
-            }
-            "execute_tool" => {
-                let result = span.attributes.get("gen_ai.tool.call.result").map(text_of);
-                // A failed tool's message: the status message, else the `exception` event's,
-                // else `error.type`, else the result it returned, else just "error".
-                let feedback = (span.status == 2 || span.attributes.contains_key("error.type"))
-                    .then(|| {
-                        [
-                            Some(span.status_message.clone()),
-                            span.exception.clone(),
-                            span.text("error.type").map(str::to_string),
-                            result.clone(),
-                        ]
-                        .into_iter()
-                        .flatten()
-                        .find(|m| !m.trim().is_empty())
-                        .unwrap_or_else(|| "error".to_string())
-                    });
-                let requested = span
-                    .text("gen_ai.tool.call.id")
-                    .and_then(|id| calls.get(id))
-                    .copied();
-                match requested {
-                    Some((s, c)) if steps[s].tool_calls[c].result.is_none() => {
-                        steps[s].tool_calls[c].result = result;
-                        if feedback.is_some() {
-                            steps[s].feedback = feedback;
-                        }
-                    }
-                    _ => steps.push(Step {
-                        observation: String::new(),
-                        action: String::new(),
-                        tool_calls: vec![ToolCall {
-                            name: span
-                                .text("gen_ai.tool.name")
-                                .unwrap_or(&span.locator)
-                                .to_string(),
-                            arguments: span
-                                .attributes
-                                .get("gen_ai.tool.call.arguments")
-                                .map(text_of)
-                                .unwrap_or_default(),
-                            result,
-                        }],
-                        feedback,
-                        timestamp,
-                    }),
-                }
-            }
-            _ => {}
-        }
-    }
-    let last_agent = agents.last().copied().copied();
-    // Whether the agent span's status (not an explicit attribute) gave the outcome.
-    let mut from_status = false;
-    let outcome = match last_agent {
-        Some(agent) => {
-            let logged = agent
-                .attributes
-                .get("fluxmem.outcome.success")
-                .and_then(Value::as_bool);
-            let status = match agent.status {
-                1 => Some(true),
-                2 => Some(false),
-                _ => None,
-            };
-            from_status = logged.is_none() && status.is_some();
-            let success = logged.or(status);
-            let reward = agent
-                .attributes
-                .get("fluxmem.outcome.reward")
-                .and_then(Value::as_f64);
-            let feedback = (agent.status == 2 && !agent.status_message.is_empty())
-                .then(|| agent.status_message.clone());
-            Outcome {
-                success,
-                reward,
-                feedback,
-            }
-        }
-        None => Outcome::default(),
-    };
+    let lead = agents.first().copied().unwrap_or(spans[0]);
+    let transcript = Transcript::of(spans);
+    let (outcome, from_status) = agents
+        .last()
+        .map_or((Outcome::default(), false), |a| outcome_of(a));
     // Every span of a group has this tenant (it is part of the group key).
     let tenant = lead.tenant(&options.tenant).to_string();
     let agent = lead
@@ -630,7 +484,7 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
         .min()
         .filter(|&ms| crate::source::in_calendar(ms))
         .or(lead.mtime);
-    let task = task.unwrap_or_else(|| {
+    let task = transcript.task.unwrap_or_else(|| {
         lead.text("gen_ai.agent.name")
             .map(|a| format!("{a} run"))
             .unwrap_or_default()
@@ -645,12 +499,212 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
     let mut node = source.node_of(
         Some(&tenant),
         agent.as_deref(),
-        NodeBody::Episodic(Episode { steps, outcome }),
+        NodeBody::Episodic(Episode {
+            steps: transcript.steps,
+            outcome,
+        }),
         &task,
         &["otel", key],
         lead.locator.clone(),
         None,
     );
+    describe(&mut node, key, spans, lead, from_status);
+    let mut nodes = vec![node];
+    for prompt in &transcript.system {
+        let locator = format!("{} gen_ai.system_instructions", lead.locator);
+        nodes.extend(crate::tau::policy_nodes(
+            &source,
+            &locator,
+            prompt,
+            Some(&tenant),
+            agent.as_deref(),
+        ));
+    }
+    Record { nodes }
+}
+
+/// What a group's spans say, in start order: the steps, the task (the first user message),
+/// and the distinct system instructions.
+struct Transcript {
+    steps: Vec<Step>,
+    task: Option<String>,
+    system: Vec<String>,
+    /// Call id -> (step, call) of the calls a chat span requested, for the tool spans that
+    /// answer them.
+    calls: BTreeMap<String, (usize, usize)>,
+}
+
+impl Transcript {
+    fn of(spans: &[&SpanRec]) -> Transcript {
+        let mut transcript = Transcript {
+            steps: Vec::new(),
+            task: None,
+            system: Vec::new(),
+            calls: BTreeMap::new(),
+        };
+        for span in spans {
+            if transcript.task.is_none() {
+                transcript.task = messages(span, "gen_ai.input.messages")
+                    .iter()
+                    .filter(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+                    .flat_map(|m| parts(m).iter().filter_map(part_text))
+                    .next();
+            }
+            if let Some(text) = system_instructions(span) {
+                if !transcript.system.contains(&text) {
+                    transcript.system.push(text);
+                }
+            }
+            let timestamp = (span.start_ns > 0)
+                .then_some((span.start_ns / 1_000_000) as i64)
+                .filter(|&ms| crate::source::in_calendar(ms));
+            match span.operation() {
+                "chat" | "text_completion" | "generate_content" => {
+                    transcript.model_call(span, timestamp)
+                }
+                "execute_tool" => transcript.tool_call(span, timestamp),
+                _ => {}
+            }
+        }
+        transcript
+    }
+
+    /// A model call: a step per output message, its text the action, its tool calls the
+    /// step's (their results come with the tool spans).
+    fn model_call(&mut self, span: &SpanRec, timestamp: Option<i64>) {
+        for message in messages(span, "gen_ai.output.messages") {
+            let mut action = Vec::new();
+            let mut tool_calls = Vec::new();
+            for part in parts(&message) {
+                match part.get("type").and_then(Value::as_str) {
+                    Some("text") => action.push(
+                        part.get("content")
+                            .and_then(Value::as_str)
+                            .unwrap_or("")
+                            .to_string(),
+                    ),
+                    Some("tool_call") => {
+                        if let Some(id) = part.get("id").and_then(Value::as_str) {
+                            self.calls
+                                .insert(id.to_string(), (self.steps.len(), tool_calls.len()));
+                        }
+                        tool_calls.push(ToolCall {
+                            name: part
+                                .get("name")
+                                .and_then(Value::as_str)
+                                .unwrap_or("")
+                                .to_string(),
+                            arguments: part.get("arguments").map(text_of).unwrap_or_default(),
+                            result: None,
+                        });
+                    }
+                    _ => {}
+                }
+            }
+            self.steps.push(Step {
+                observation: String::new(),
+                action: action.join("\n"),
+                tool_calls,
+                feedback: None,
+                timestamp,
+            });
+        }
+    }
+
+    /// A tool's execution: the result of the call a model requested (by call id), or a step
+    /// of its own when no model call requested it.
+    fn tool_call(&mut self, span: &SpanRec, timestamp: Option<i64>) {
+        let result = span.attributes.get("gen_ai.tool.call.result").map(text_of);
+        // A failed tool's message: the status message, else the `exception` event's, else
+        // `error.type`, else the result it returned, else just "error".
+        let feedback =
+            (span.status == 2 || span.attributes.contains_key("error.type")).then(|| {
+                [
+                    Some(span.status_message.clone()),
+                    span.exception.clone(),
+                    span.text("error.type").map(str::to_string),
+                    result.clone(),
+                ]
+                .into_iter()
+                .flatten()
+                .find(|m| !m.trim().is_empty())
+                .unwrap_or_else(|| "error".to_string())
+            });
+        let requested = span
+            .text("gen_ai.tool.call.id")
+            .and_then(|id| self.calls.get(id))
+            .copied();
+        match requested {
+            Some((s, c)) if self.steps[s].tool_calls[c].result.is_none() => {
+                self.steps[s].tool_calls[c].result = result;
+                if feedback.is_some() {
+                    self.steps[s].feedback = feedback;
+                }
+            }
+            _ => self.steps.push(Step {
+                observation: String::new(),
+                action: String::new(),
+                tool_calls: vec![ToolCall {
+                    name: span
+                        .text("gen_ai.tool.name")
+                        .unwrap_or(&span.locator)
+                        .to_string(),
+                    arguments: span
+                        .attributes
+                        .get("gen_ai.tool.call.arguments")
+                        .map(text_of)
+                        .unwrap_or_default(),
+                    result,
+                }],
+                feedback,
+                timestamp,
+            }),
+        }
+    }
+}
+
+/// A span's `gen_ai.system_instructions` as text (its text parts, one per line).
+fn system_instructions(span: &SpanRec) -> Option<String> {
+    let instructions = span.attributes.get("gen_ai.system_instructions")?;
+    let parsed: Vec<Value> = match instructions {
+        Value::String(s) => serde_json::from_str(s)
+            .unwrap_or_else(|_| vec![serde_json::json!({"type": "text", "content": s})]),
+        Value::Array(a) => a.clone(),
+        _ => Vec::new(),
+    };
+    let text: Vec<String> = parsed.iter().filter_map(part_text).collect();
+    (!text.is_empty()).then(|| text.join("\n"))
+}
+
+/// The outcome the last agent span gives, and whether its status (not an explicit
+/// attribute) gave it.
+fn outcome_of(agent: &SpanRec) -> (Outcome, bool) {
+    let logged = agent
+        .attributes
+        .get("fluxmem.outcome.success")
+        .and_then(Value::as_bool);
+    let status = match agent.status {
+        1 => Some(true),
+        2 => Some(false),
+        _ => None,
+    };
+    let reward = agent
+        .attributes
+        .get("fluxmem.outcome.reward")
+        .and_then(Value::as_f64);
+    let feedback = (agent.status == 2 && !agent.status_message.is_empty())
+        .then(|| agent.status_message.clone());
+    let outcome = Outcome {
+        success: logged.or(status),
+        reward,
+        feedback,
+    };
+    (outcome, logged.is_none() && status.is_some())
+}
+
+/// The episode node's metadata: the format, where its outcome came from, and the spans,
+/// traces and files it was read from.
+fn describe(node: &mut Node, key: &str, spans: &[&SpanRec], lead: &SpanRec, from_status: bool) {
     let files: BTreeSet<&str> = spans.iter().map(|s| s.file.as_str()).collect();
     node.metadata.insert("format".into(), Value::from("otel"));
     if from_status {
@@ -678,16 +732,4 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
         node.metadata
             .insert("conversation_id".into(), Value::from(id));
     }
-    let mut nodes = vec![node];
-    for prompt in &system {
-        let locator = format!("{} gen_ai.system_instructions", lead.locator);
-        nodes.extend(crate::tau::policy_nodes(
-            &source,
-            &locator,
-            prompt,
-            Some(&tenant),
-            agent.as_deref(),
-        ));
-    }
-    Record { nodes }
 }

@@ -1079,191 +1079,33 @@ fn assign_delta(
     progress: &mut dyn Progress,
 ) -> Result<Option<(Assigned, Touched)>> {
     let info = &nodes.info;
-    // The nodes new for certain: those ingest added since (ingest writes only ids the store
-    // does not hold). The rows of other stages' commits since, and of shards that may mix old
-    // and new rows (a compaction merged them), may be rewrites of old nodes: Link Expand reads
-    // their links from the store, and a fact among them without statistics is counted whole.
-    let ingests: BTreeSet<u64> = manifest
-        .commits
-        .iter()
-        .filter(|c| c.stage == "ingest")
-        .map(|c| c.version)
-        .collect();
-    let (mut ingested, mut other) = (since.added.clone(), since.mixed.clone());
-    ingested
-        .shards
-        .retain(|s| s.table == "nodes" && ingests.contains(&s.commit));
-    other.shards.retain(|s| s.table == "nodes");
-    other.shards.extend(
-        since
-            .added
-            .shards
-            .iter()
-            .filter(|s| s.table == "nodes" && !ingests.contains(&s.commit))
-            .cloned(),
-    );
-    let mut new_nodes: HashSet<NodeId, Fast> = HashSet::default();
-    store.live(&ingested, "nodes")?.ids(&mut |id| {
-        new_nodes.insert(NodeId(id.to_string()));
-    })?;
-    let mut uncertain: HashSet<NodeId, Fast> = HashSet::default();
-    store.live(&other, "nodes")?.ids(&mut |id| {
-        if !new_nodes.contains(id) {
-            uncertain.insert(NodeId(id.to_string()));
-        }
-    })?;
-    // The edges added since, and those of mixed shards (reading an old edge again changes
-    // nothing: a counted one has its node read whole, the others decide as before).
-    let mut read = since.added.clone();
-    read.shards.extend(
-        since
-            .mixed
-            .shards
-            .iter()
-            .filter(|s| s.table == "edges")
-            .cloned(),
-    );
-    let mut edges: BTreeMap<(NodeId, NodeId, EdgeKind), Edge> = BTreeMap::new();
-    store.live(&read, "edges")?.edges(&[], &mut |e| {
-        edges.insert((e.src.clone(), e.dst.clone(), e.kind), e);
-    })?;
-
-    // The night's contributions, its rewritten counted edges, and its failure links.
-    let mut behind: HashMap<NodeId, (u64, usize), Fast> = nodes
-        .stats
-        .iter()
-        .map(|(id, s)| (id.clone(), (s.sum, s.n as usize)))
-        .collect();
-    let mut added: BTreeSet<NodeId> = BTreeSet::new();
-    let mut whole: BTreeSet<NodeId> = BTreeSet::new();
-    let mut failure_links: HashSet<(NodeId, NodeId), Fast> = HashSet::default();
-    for e in edges.values() {
-        match e.kind {
-            EdgeKind::Ground if counts(e) => {
-                let (Some(d), s) = (info.get(&e.dst), info.get(&e.src)) else {
-                    continue;
-                };
-                let Some(units) = counted(s, d) else { continue };
-                // A source not in the store or not semantic (it holds no statistics): the full pass.
-                if !s.is_some_and(|s| s.semantic) {
-                    return Ok(None);
-                }
-                if e.metadata.contains_key("outcomes") {
-                    // Counted before and read again: its node is counted again, whole.
-                    whole.insert(e.src.clone());
-                } else {
-                    let entry = behind.entry(e.src.clone()).or_default();
-                    entry.0 += units;
-                    entry.1 += 1;
-                    added.insert(e.src.clone());
-                }
-            }
-            EdgeKind::Link
-                if options.link_failures
-                    && joins_failure_to_success(info, e.src.as_str(), e.dst.as_str()) =>
-            {
-                failure_links.insert((e.src.clone(), e.dst.clone()));
-            }
-            _ => {}
-        }
-    }
-    // A node without statistics that is not new may have counted edges: counted again, whole.
-    for src in &added {
-        if !nodes.stats.contains_key(src) && !new_nodes.contains(src) {
-            whole.insert(src.clone());
-        }
-    }
-    // The nodes whose old edges may change: credit out of the stored range, or across the line.
-    for src in &added {
-        let Some(old) = nodes.stats.get(src).filter(|s| s.n > 0) else {
-            continue;
-        };
-        let Some(p) = info.get(src).and_then(|i| base.get(&i.tenant)).copied() else {
-            continue;
-        };
-        let (sum, n) = behind[src];
-        let now = credit_of(sum, n, p, options.prior);
-        let was = credit_of(old.sum, old.n as usize, p, options.prior);
-        if prunes(now, n, options) != prunes(was, old.n as usize, options)
-            || (old.lo - now).abs() > options.tolerance
-            || (old.hi - now).abs() > options.tolerance
-        {
-            whole.insert(src.clone());
-        }
-    }
-    if !whole.is_empty() {
-        // Every ground edge of the whole nodes, and their outcomes counted from those edges (the
-        // rule of the full pass), not from the stored sums.
-        let scan = Scan {
-            edges: true,
-            edges_from: Some(whole.clone()),
-            edge_kinds: vec![EdgeKind::Ground],
-            ..Default::default()
-        };
-        for src in &whole {
-            behind.remove(src);
-        }
-        for (key, e) in store.scan_at(manifest, &scan)?.edges {
-            if let Some(units) = info
-                .get(&e.dst)
-                .filter(|_| counts(&e))
-                .and_then(|d| counted(info.get(&e.src), d))
-            {
-                let entry = behind.entry(e.src.clone()).or_default();
-                entry.0 += units;
-                entry.1 += 1;
-            }
-            edges.insert((key.src, key.dst, key.kind), e);
-        }
-    }
+    let night = night_nodes(store, manifest, since)?;
+    let mut edges = night_edges(store, since)?;
+    let Some(mut night_credit) = contributions(&edges, nodes, options) else {
+        return Ok(None);
+    };
+    night_credit.find_moved(nodes, &night.new, base, options);
+    night_credit.read_whole(store, manifest, info, &mut edges)?;
     progress.start(edges.len() as u64);
-
-    // Link Expand's failures: the night's, and those of tasks with too few successes before
-    // that gained one (their links read from the store).
-    let mut only: HashSet<&NodeId, Fast> = HashSet::default();
-    if options.link_failures {
-        let mut tasks: HashMap<u32, (usize, bool, Vec<&NodeId>), Fast> = HashMap::default();
-        let mut older: BTreeSet<NodeId> = BTreeSet::new();
-        for (id, r) in outcomes {
-            let new = new_nodes.contains(*id);
-            let maybe = uncertain.contains(*id);
-            let entry = tasks.entry(info[*id].task).or_default();
-            if *r >= 0.5 {
-                // A success that may be new counts as gained, not as one the task had.
-                if new || maybe {
-                    entry.1 = true;
-                } else {
-                    entry.0 += 1;
-                }
-            } else if new {
-                only.insert(id);
-            } else if maybe {
-                only.insert(id);
-                older.insert((*id).clone());
-            } else {
-                entry.2.push(id);
-            }
-        }
-        for (old_successes, gained, failures) in tasks.values() {
-            if *gained && *old_successes < options.max_failure_links {
-                older.extend(failures.iter().map(|id| (*id).clone()));
-                only.extend(failures.iter().copied());
-            }
-        }
-        if !older.is_empty() {
-            let scan = Scan {
-                edges: true,
-                edges_from: Some(older),
-                edge_kinds: vec![EdgeKind::Link],
-                ..Default::default()
-            };
-            for (key, _) in store.scan_at(manifest, &scan)?.edges {
-                if joins_failure_to_success(info, key.src.as_str(), key.dst.as_str()) {
-                    failure_links.insert((key.src, key.dst));
-                }
-            }
-        }
-    }
+    let only = if options.link_failures {
+        failures_to_expand(
+            store,
+            manifest,
+            outcomes,
+            &night,
+            info,
+            options,
+            &mut night_credit,
+        )?
+    } else {
+        HashSet::default()
+    };
+    let NightCredit {
+        behind,
+        added,
+        whole,
+        failure_links,
+    } = night_credit;
 
     // The night's edges and the whole nodes' edges, decided in key order.
     let mut changes = Vec::new();
@@ -1316,6 +1158,262 @@ fn assign_delta(
     )))
 }
 
+/// The nodes of the commits since the watermark.
+struct NightNodes {
+    /// New for certain: those ingest added since (ingest writes only ids the store does not
+    /// hold).
+    new: HashSet<NodeId, Fast>,
+    /// The rows of other stages' commits since, and of shards that may mix old and new rows
+    /// (a compaction merged them): they may be rewrites of old nodes. Link Expand reads their
+    /// links from the store, and a fact among them without statistics is counted whole.
+    uncertain: HashSet<NodeId, Fast>,
+}
+
+fn night_nodes(store: &Store, manifest: &Manifest, since: &Since) -> Result<NightNodes> {
+    let ingests: BTreeSet<u64> = manifest
+        .commits
+        .iter()
+        .filter(|c| c.stage == "ingest")
+        .map(|c| c.version)
+        .collect();
+    let (mut ingested, mut other) = (since.added.clone(), since.mixed.clone());
+    ingested
+        .shards
+        .retain(|s| s.table == "nodes" && ingests.contains(&s.commit));
+    other.shards.retain(|s| s.table == "nodes");
+    other.shards.extend(
+        since
+            .added
+            .shards
+            .iter()
+            .filter(|s| s.table == "nodes" && !ingests.contains(&s.commit))
+            .cloned(),
+    );
+    let mut new: HashSet<NodeId, Fast> = HashSet::default();
+    store.live(&ingested, "nodes")?.ids(&mut |id| {
+        new.insert(NodeId(id.to_string()));
+    })?;
+    let mut uncertain: HashSet<NodeId, Fast> = HashSet::default();
+    store.live(&other, "nodes")?.ids(&mut |id| {
+        if !new.contains(id) {
+            uncertain.insert(NodeId(id.to_string()));
+        }
+    })?;
+    Ok(NightNodes { new, uncertain })
+}
+
+/// The edges added since, and those of mixed shards (reading an old edge again changes
+/// nothing: a counted one has its node read whole, the others decide as before).
+type EdgeMap = BTreeMap<(NodeId, NodeId, EdgeKind), Edge>;
+
+fn night_edges(store: &Store, since: &Since) -> Result<EdgeMap> {
+    let mut read = since.added.clone();
+    read.shards.extend(
+        since
+            .mixed
+            .shards
+            .iter()
+            .filter(|s| s.table == "edges")
+            .cloned(),
+    );
+    let mut edges = EdgeMap::new();
+    store.live(&read, "edges")?.edges(&[], &mut |e| {
+        edges.insert((e.src.clone(), e.dst.clone(), e.kind), e);
+    })?;
+    Ok(edges)
+}
+
+/// What the night's edges add to the stored statistics.
+struct NightCredit {
+    /// Each source's outcome sum and count: the stored ones plus the night's contributions
+    /// (the whole nodes' counted again from all their edges).
+    behind: HashMap<NodeId, (u64, usize), Fast>,
+    /// The sources of the night's ground edges that add to their node's sum.
+    added: BTreeSet<NodeId>,
+    /// The sources whose every ground edge is read and decided on.
+    whole: BTreeSet<NodeId>,
+    /// The failure -> success links Link Expand considers.
+    failure_links: HashSet<(NodeId, NodeId), Fast>,
+}
+
+/// The night's contributions, its rewritten counted edges, and its failure links; `None` when
+/// a ground edge comes from a node not in the store or not semantic (it holds no statistics:
+/// the full pass).
+fn contributions(edges: &EdgeMap, nodes: &Nodes, options: &CreditOptions) -> Option<NightCredit> {
+    let info = &nodes.info;
+    let mut credit = NightCredit {
+        behind: nodes
+            .stats
+            .iter()
+            .map(|(id, s)| (id.clone(), (s.sum, s.n as usize)))
+            .collect(),
+        added: BTreeSet::new(),
+        whole: BTreeSet::new(),
+        failure_links: HashSet::default(),
+    };
+    for e in edges.values() {
+        match e.kind {
+            EdgeKind::Ground if counts(e) => {
+                let (Some(d), s) = (info.get(&e.dst), info.get(&e.src)) else {
+                    continue;
+                };
+                let Some(units) = counted(s, d) else { continue };
+                if !s.is_some_and(|s| s.semantic) {
+                    return None;
+                }
+                if e.metadata.contains_key("outcomes") {
+                    // Counted before and read again: its node is counted again, whole.
+                    credit.whole.insert(e.src.clone());
+                } else {
+                    let entry = credit.behind.entry(e.src.clone()).or_default();
+                    entry.0 += units;
+                    entry.1 += 1;
+                    credit.added.insert(e.src.clone());
+                }
+            }
+            EdgeKind::Link
+                if options.link_failures
+                    && joins_failure_to_success(info, e.src.as_str(), e.dst.as_str()) =>
+            {
+                credit.failure_links.insert((e.src.clone(), e.dst.clone()));
+            }
+            _ => {}
+        }
+    }
+    Some(credit)
+}
+
+impl NightCredit {
+    /// Marks whole the nodes whose old edges may change: a node without statistics that is not
+    /// new (it may have counted edges), and one whose credit leaves the stored range or
+    /// crosses the prune line.
+    fn find_moved(
+        &mut self,
+        nodes: &Nodes,
+        new: &HashSet<NodeId, Fast>,
+        base: &HashMap<u32, f64, Fast>,
+        options: &CreditOptions,
+    ) {
+        let info = &nodes.info;
+        for src in &self.added {
+            if !nodes.stats.contains_key(src) && !new.contains(src) {
+                self.whole.insert(src.clone());
+            }
+        }
+        for src in &self.added {
+            let Some(old) = nodes.stats.get(src).filter(|s| s.n > 0) else {
+                continue;
+            };
+            let Some(p) = info.get(src).and_then(|i| base.get(&i.tenant)).copied() else {
+                continue;
+            };
+            let (sum, n) = self.behind[src];
+            let now = credit_of(sum, n, p, options.prior);
+            let was = credit_of(old.sum, old.n as usize, p, options.prior);
+            if prunes(now, n, options) != prunes(was, old.n as usize, options)
+                || (old.lo - now).abs() > options.tolerance
+                || (old.hi - now).abs() > options.tolerance
+            {
+                self.whole.insert(src.clone());
+            }
+        }
+    }
+
+    /// Every ground edge of the whole nodes joins `edges`, and their outcomes are counted
+    /// from those edges (the rule of the full pass), not from the stored sums.
+    fn read_whole(
+        &mut self,
+        store: &Store,
+        manifest: &Manifest,
+        info: &HashMap<NodeId, Info, Fast>,
+        edges: &mut EdgeMap,
+    ) -> Result<()> {
+        if self.whole.is_empty() {
+            return Ok(());
+        }
+        let scan = Scan {
+            edges: true,
+            edges_from: Some(self.whole.clone()),
+            edge_kinds: vec![EdgeKind::Ground],
+            ..Default::default()
+        };
+        for src in &self.whole {
+            self.behind.remove(src);
+        }
+        for (key, e) in store.scan_at(manifest, &scan)?.edges {
+            if let Some(units) = info
+                .get(&e.dst)
+                .filter(|_| counts(&e))
+                .and_then(|d| counted(info.get(&e.src), d))
+            {
+                let entry = self.behind.entry(e.src.clone()).or_default();
+                entry.0 += units;
+                entry.1 += 1;
+            }
+            edges.insert((key.src, key.dst, key.kind), e);
+        }
+        Ok(())
+    }
+}
+
+/// Link Expand's failures: the night's, and those of tasks with fewer than
+/// `max_failure_links` successes before that gained one. The links of those older failures,
+/// and of failures not new for certain, are read by a filtered scan and join `failure_links`;
+/// a new failure's are among the night's edges.
+fn failures_to_expand<'s>(
+    store: &Store,
+    manifest: &Manifest,
+    outcomes: &'s [(&NodeId, f64)],
+    night: &NightNodes,
+    info: &HashMap<NodeId, Info, Fast>,
+    options: &CreditOptions,
+    credit: &mut NightCredit,
+) -> Result<HashSet<&'s NodeId, Fast>> {
+    let mut only: HashSet<&NodeId, Fast> = HashSet::default();
+    let mut tasks: HashMap<u32, (usize, bool, Vec<&NodeId>), Fast> = HashMap::default();
+    let mut older: BTreeSet<NodeId> = BTreeSet::new();
+    for (id, r) in outcomes {
+        let new = night.new.contains(*id);
+        let maybe = night.uncertain.contains(*id);
+        let entry = tasks.entry(info[*id].task).or_default();
+        if *r >= 0.5 {
+            // A success that may be new counts as gained, not as one the task had.
+            if new || maybe {
+                entry.1 = true;
+            } else {
+                entry.0 += 1;
+            }
+        } else if new {
+            only.insert(id);
+        } else if maybe {
+            only.insert(id);
+            older.insert((*id).clone());
+        } else {
+            entry.2.push(id);
+        }
+    }
+    for (old_successes, gained, failures) in tasks.values() {
+        if *gained && *old_successes < options.max_failure_links {
+            older.extend(failures.iter().map(|id| (*id).clone()));
+            only.extend(failures.iter().copied());
+        }
+    }
+    if !older.is_empty() {
+        let scan = Scan {
+            edges: true,
+            edges_from: Some(older),
+            edge_kinds: vec![EdgeKind::Link],
+            ..Default::default()
+        };
+        for (key, _) in store.scan_at(manifest, &scan)?.edges {
+            if joins_failure_to_success(info, key.src.as_str(), key.dst.as_str()) {
+                credit.failure_links.insert((key.src, key.dst));
+            }
+        }
+    }
+    Ok(only)
+}
+
 /// Runs credit assignment over the store and commits the changes (edges, their edit records,
 /// and the statistics of the semantic nodes whose outcomes moved).
 ///
@@ -1347,20 +1445,75 @@ pub fn refine_store(
         .get(WATERMARK_MARKER)
         .and_then(|v| serde_json::from_value(v.clone()).ok());
     let settings = settings(options);
-    let (assigned, touched, nodes, at) = {
-        let store = writer.store();
+    let night = Pass {
+        store: writer.store(),
+        manifest: &manifest,
+        options,
+        run_id,
+    };
+    let (nodes, at) = night.read_nodes()?;
+    let (assigned, touched) =
+        night.assign(&nodes, &priors, watermark.as_ref(), &settings, progress)?;
+    let Assigned {
+        changes,
+        mut report,
+        behind,
+        ranges,
+    } = assigned;
+    let stats = changed_stats(&nodes, touched.as_ref(), &behind, &ranges);
+    drop(nodes);
+    let rows = stats_rows(writer.store(), &manifest, &stats)?;
+    report.stats_written = rows.len();
+    report.whole_nodes = touched.as_ref().map_or(0, |t| t.whole.len());
+    if changes.is_empty() && rows.is_empty() {
+        return Ok(report);
+    }
+    let commits = Commits {
+        run_id,
+        settings: &settings,
+        at,
+        full: touched.is_none(),
+    };
+    commits.write(writer, changes, rows, options.commit_every, report)
+}
+
+/// One credit assignment pass over a store at one manifest.
+struct Pass<'a> {
+    store: &'a Store,
+    manifest: &'a Manifest,
+    options: &'a CreditOptions,
+    run_id: &'a str,
+}
+
+impl Pass<'_> {
+    /// One stream of the live node rows, and the edit time: the data's, the newest episode's,
+    /// so reruns write the same shards.
+    fn read_nodes(&self) -> Result<(Nodes, i64)> {
         let mut nodes = Nodes::default();
-        // The edit time is the data's: the newest episode, so reruns write the same shards.
         let mut at: Option<i64> = None;
-        store.live(&manifest, "nodes")?.nodes(&mut |n| {
+        self.store.live(self.manifest, "nodes")?.nodes(&mut |n| {
             if n.episode().is_some() {
                 at = at.max(n.created_at);
             }
             nodes.add(&n);
         })?;
-        let at = at.unwrap_or(0);
+        Ok((nodes, at.unwrap_or(0)))
+    }
+
+    /// The changes: from a delta pass over what came after the watermark where it holds for
+    /// these settings and the night is small enough, else from a full pass (which streams the
+    /// edges; `Touched` is then `None`).
+    fn assign(
+        &self,
+        nodes: &Nodes,
+        priors: &BTreeMap<String, f64>,
+        watermark: Option<&Watermark>,
+        settings: &str,
+        progress: &mut dyn Progress,
+    ) -> Result<(Assigned, Option<Touched>)> {
+        let (store, manifest, options) = (self.store, self.manifest, self.options);
         let mut report = CreditReport::default();
-        let (outcomes, base) = rates(&nodes, options, &priors, &mut report);
+        let (outcomes, base) = rates(nodes, options, priors, &mut report);
         // A night that added more than `max_delta_share` of the stored edge rows is read as a
         // full pass: it streams the edges, where a delta pass holds the night's edges decoded.
         let edge_rows = |m: &Manifest| {
@@ -1371,54 +1524,57 @@ pub fn refine_store(
                 .sum::<u64>() as f64
         };
         let since = watermark
-            .as_ref()
             .filter(|w| {
                 !options.full && w.settings == settings && report.base_rate_estimated.is_empty()
             })
             .map(|w| manifest.since(w.version, &["nodes", "edges"]))
             .filter(|since| {
                 edge_rows(&since.added) + edge_rows(&since.mixed)
-                    <= options.max_delta_share * edge_rows(&manifest)
+                    <= options.max_delta_share * edge_rows(manifest)
             });
-        let delta = match &since {
-            Some(since) => assign_delta(
+        if let Some(since) = &since {
+            let delta = assign_delta(
                 store,
-                &manifest,
+                manifest,
                 since,
-                &nodes,
+                nodes,
                 &outcomes,
                 &base,
                 options,
-                run_id,
+                self.run_id,
                 report.clone(),
                 progress,
-            )?,
-            None => None,
-        };
-        let (assigned, touched) = match delta {
-            Some((assigned, touched)) => (assigned, Some(touched)),
-            None => {
-                let edges = store.live(&manifest, "edges")?;
-                progress.start(edges.len());
-                report.edges_decided = edges.len() as usize;
-                let assigned =
-                    assign_over(&nodes, &outcomes, &base, &edges, options, run_id, report)?;
-                progress.advance(edges.len());
-                (assigned, None)
+            )?;
+            if let Some((assigned, touched)) = delta {
+                return Ok((assigned, Some(touched)));
             }
-        };
-        drop(outcomes);
-        (assigned, touched, nodes, at)
-    };
-    let Assigned {
-        changes,
-        mut report,
-        behind,
-        ranges,
-    } = assigned;
+        }
+        let edges = store.live(manifest, "edges")?;
+        progress.start(edges.len());
+        report.edges_decided = edges.len() as usize;
+        let assigned = assign_over(
+            nodes,
+            &outcomes,
+            &base,
+            &edges,
+            options,
+            self.run_id,
+            report,
+        )?;
+        progress.advance(edges.len());
+        Ok((assigned, None))
+    }
+}
 
-    // The statistics that change: every node's after a full pass, the touched ones' after a delta.
-    let candidates: Vec<&NodeId> = match &touched {
+/// The statistics that change: every node's after a full pass, the touched ones' after a
+/// delta.
+fn changed_stats(
+    nodes: &Nodes,
+    touched: Option<&Touched>,
+    behind: &HashMap<NodeId, (u64, usize), Fast>,
+    ranges: &HashMap<NodeId, (f64, f64), Fast>,
+) -> BTreeMap<NodeId, CreditStats> {
+    let candidates: Vec<&NodeId> = match touched {
         Some(t) => t.sources.iter().collect(),
         None => behind.keys().collect(),
     };
@@ -1440,101 +1596,134 @@ pub fn refine_store(
             stats.insert(src.clone(), next);
         }
     }
-    drop(nodes);
+    stats
+}
+
+/// The semantic nodes whose statistics change, read (a filtered scan) and given them.
+fn stats_rows(
+    store: &Store,
+    manifest: &Manifest,
+    stats: &BTreeMap<NodeId, CreditStats>,
+) -> Result<BTreeMap<NodeId, Node>> {
     let mut rows: BTreeMap<NodeId, Node> = BTreeMap::new();
-    if !stats.is_empty() {
-        let scan = Scan {
-            nodes: true,
-            nodes_of: Some(stats.keys().cloned().collect()),
-            node_kinds: vec![NodeKind::Semantic],
-            ..Default::default()
-        };
-        for (id, mut node) in writer.store().scan_at(&manifest, &scan)?.nodes {
-            if let Some(next) = stats.get(&id) {
-                node.metadata.insert(
-                    STATS_KEY.into(),
-                    serde_json::to_value(next).expect("statistics serialise"),
-                );
-                rows.insert(id, node);
-            }
+    if stats.is_empty() {
+        return Ok(rows);
+    }
+    let scan = Scan {
+        nodes: true,
+        nodes_of: Some(stats.keys().cloned().collect()),
+        node_kinds: vec![NodeKind::Semantic],
+        ..Default::default()
+    };
+    for (id, mut node) in store.scan_at(manifest, &scan)?.nodes {
+        if let Some(next) = stats.get(&id) {
+            node.metadata.insert(
+                STATS_KEY.into(),
+                serde_json::to_value(next).expect("statistics serialise"),
+            );
+            rows.insert(id, node);
         }
     }
-    report.stats_written = rows.len();
-    report.whole_nodes = touched.as_ref().map_or(0, |t| t.whole.len());
-    if changes.is_empty() && rows.is_empty() {
-        return Ok(report);
-    }
+    Ok(rows)
+}
 
-    // In key order, `commit_every` edges a commit or more: a commit ends only between two
-    // sources, and a node's statistics go with its edges. The base rates go with the first
-    // commit (a run interrupted after it resumes with the same priors and the same outcomes,
-    // so it finds the edges already written within tolerance and makes the changes that were
-    // left); the watermark with the last. A full pass clears the watermark first: until it
-    // completes, the statistics of the nodes it has not reached are not to be trusted.
-    // Where each commit starts: after `commit_every` edges, at the next change of source.
+/// How a pass's changes are committed.
+struct Commits<'a> {
+    run_id: &'a str,
+    settings: &'a str,
+    /// The edit time.
+    at: i64,
+    /// A full pass (it clears the watermark first).
+    full: bool,
+}
+
+impl Commits<'_> {
+    /// Commits the changes in key order, `commit_every` edges a commit or more: a commit ends
+    /// only between two sources, and a node's statistics go with its edges. The base rates go
+    /// with the first commit (a run interrupted after it resumes with the same priors and the
+    /// same outcomes, so it finds the edges already written within tolerance and makes the
+    /// changes that were left); the watermark with the last. A full pass clears the watermark
+    /// first: until it completes, the statistics of the nodes it has not reached are not to be
+    /// trusted.
+    fn write(
+        &self,
+        writer: &mut Writer,
+        changes: Vec<Change>,
+        mut rows: BTreeMap<NodeId, Node>,
+        commit_every: usize,
+        mut report: CreditReport,
+    ) -> Result<CreditReport> {
+        let starts = commit_starts(&changes, commit_every);
+        let count = starts.len();
+        let rates = serde_json::to_value(&report.base_rate).expect("rates serialise");
+        let mut changes = changes.into_iter();
+        for index in 0..count {
+            let len = starts.get(index + 1).copied().unwrap_or(usize::MAX) - starts[index];
+            let mut delta = Graph::default();
+            for change in changes.by_ref().take(len) {
+                if let Some(node) = rows.remove(&change.next.src) {
+                    delta.upsert_node(node);
+                }
+                delta.edits.push(Edit::new(
+                    STAGE,
+                    self.run_id,
+                    change.kind,
+                    Changed::Edge(change.before.as_ref(), Some(&change.next)),
+                    &change.reason,
+                    self.at,
+                ));
+                delta.upsert_edge(change.next);
+            }
+            let mut progress: BTreeMap<String, Value> = BTreeMap::new();
+            if index == 0 {
+                progress.insert(BASE_RATE_MARKER.to_string(), rates.clone());
+                if self.full && count > 1 {
+                    progress.insert(WATERMARK_MARKER.to_string(), Value::Null);
+                }
+            }
+            if index + 1 == count {
+                // Statistics of nodes with no changed edge (a full pass filling them in) go
+                // with the last.
+                for (_, node) in std::mem::take(&mut rows) {
+                    delta.upsert_node(node);
+                }
+                let mark = Watermark {
+                    version: writer.manifest().version + 1,
+                    settings: self.settings.to_string(),
+                };
+                progress.insert(
+                    WATERMARK_MARKER.to_string(),
+                    serde_json::to_value(mark).expect("the watermark serialises"),
+                );
+            }
+            report.edits += delta.edits.len();
+            report.commits += 1;
+            let summary = serde_json::to_value(&report).expect("the report serialises");
+            writer.commit(
+                &delta,
+                CommitInfo {
+                    stage: STAGE.into(),
+                    run_id: self.run_id.into(),
+                    summary,
+                    progress,
+                },
+            )?;
+        }
+        Ok(report)
+    }
+}
+
+/// Where each commit starts: after `commit_every` edges, at the next change of source.
+fn commit_starts(changes: &[Change], commit_every: usize) -> Vec<usize> {
     let mut starts: Vec<usize> = vec![0];
     for i in 1..changes.len() {
-        if i - starts[starts.len() - 1] >= options.commit_every.max(1)
+        if i - starts[starts.len() - 1] >= commit_every.max(1)
             && changes[i].next.src != changes[i - 1].next.src
         {
             starts.push(i);
         }
     }
-    let count = starts.len();
-    let rates = serde_json::to_value(&report.base_rate).expect("rates serialise");
-    let mut changes = changes.into_iter();
-    for index in 0..count {
-        let len = starts.get(index + 1).copied().unwrap_or(usize::MAX) - starts[index];
-        let mut delta = Graph::default();
-        for change in changes.by_ref().take(len) {
-            if let Some(node) = rows.remove(&change.next.src) {
-                delta.upsert_node(node);
-            }
-            delta.edits.push(Edit::new(
-                STAGE,
-                run_id,
-                change.kind,
-                Changed::Edge(change.before.as_ref(), Some(&change.next)),
-                &change.reason,
-                at,
-            ));
-            delta.upsert_edge(change.next);
-        }
-        let mut progress: BTreeMap<String, Value> = BTreeMap::new();
-        if index == 0 {
-            progress.insert(BASE_RATE_MARKER.to_string(), rates.clone());
-            if touched.is_none() && count > 1 {
-                progress.insert(WATERMARK_MARKER.to_string(), Value::Null);
-            }
-        }
-        if index + 1 == count {
-            // Statistics of nodes with no changed edge (a full pass filling them in) go with the last.
-            for (_, node) in std::mem::take(&mut rows) {
-                delta.upsert_node(node);
-            }
-            let mark = Watermark {
-                version: writer.manifest().version + 1,
-                settings: settings.clone(),
-            };
-            progress.insert(
-                WATERMARK_MARKER.to_string(),
-                serde_json::to_value(mark).expect("the watermark serialises"),
-            );
-        }
-        report.edits += delta.edits.len();
-        report.commits += 1;
-        let summary = serde_json::to_value(&report).expect("the report serialises");
-        writer.commit(
-            &delta,
-            CommitInfo {
-                stage: STAGE.into(),
-                run_id: run_id.into(),
-                summary,
-                progress,
-            },
-        )?;
-    }
-    Ok(report)
+    starts
 }
 
 /// Edges whose credit is computed: Stage I edges and those credit assignment manages, not the
