@@ -39,6 +39,7 @@ mod layouts;
 mod ledger;
 mod locomo;
 mod openai;
+mod openinference;
 mod otel;
 pub mod outcome;
 mod record;

@@ -10,9 +10,13 @@
 //!   trace's first agent span; spans of different tenants are never one episode (a trace
 //!   across two tenants' services gives each tenant its own);
 //! - `chat` spans give steps from `gen_ai.output.messages` (text and `tool_call` parts),
-//!   `execute_tool` spans give the calls' results (matched by `gen_ai.tool.call.id`, else a
-//!   step of their own with `gen_ai.tool.name` / `.call.arguments` / `.call.result`); a tool
-//!   span with status ERROR is its step's feedback;
+//!   `execute_tool` spans give the calls' results (matched by `gen_ai.tool.call.id`; a span
+//!   without one answers the first open call of its tool, equal arguments first; else a step
+//!   of their own with `gen_ai.tool.name` / `.call.arguments` / `.call.result`); a tool span
+//!   with status ERROR is its step's feedback; a `tool_call_response` part in a later chat
+//!   span's input answers the open call with its id (instrumentations without tool spans);
+//! - OpenInference spans (`openinference.span.kind`) are first rewritten onto these names
+//!   (`openinference.rs`);
 //! - the task is the first user text of `gen_ai.input.messages`; `gen_ai.system_instructions`
 //!   becomes shared semantic nodes, as tau-bench's policies do;
 //! - the outcome: the agent span's `fluxmem.outcome.success` / `fluxmem.outcome.reward`
@@ -258,7 +262,7 @@ fn collect_request(
                 // A field of the wrong type is an error naming its path, never read as absent.
                 let attributes = match span.get("attributes") {
                     None | Some(Value::Null) => BTreeMap::new(),
-                    Some(Value::Array(list)) => attributes(list),
+                    Some(Value::Array(list)) => crate::openinference::as_gen_ai(attributes(list)),
                     Some(_) => {
                         emit(reject("attributes", "not an array of key-value attributes"))?;
                         continue;
@@ -560,6 +564,7 @@ impl Transcript {
                 .filter(|&ms| crate::source::in_calendar(ms));
             match span.operation() {
                 "chat" | "text_completion" | "generate_content" => {
+                    transcript.answered_in_input(span);
                     transcript.model_call(span, timestamp)
                 }
                 "execute_tool" => transcript.tool_call(span, timestamp),
@@ -630,10 +635,10 @@ impl Transcript {
                 .find(|m| !m.trim().is_empty())
                 .unwrap_or_else(|| "error".to_string())
             });
-        let requested = span
-            .text("gen_ai.tool.call.id")
-            .and_then(|id| self.calls.get(id))
-            .copied();
+        let requested = match span.text("gen_ai.tool.call.id") {
+            Some(id) => self.calls.get(id).copied(),
+            None => self.unanswered(span),
+        };
         match requested {
             Some((s, c)) if self.steps[s].tool_calls[c].result.is_none() => {
                 self.steps[s].tool_calls[c].result = result;
@@ -659,6 +664,63 @@ impl Transcript {
                 feedback,
                 timestamp,
             }),
+        }
+    }
+}
+
+impl Transcript {
+    /// The call a tool span without a call id answers: the first requested call of its tool
+    /// with no result yet whose arguments are the span's (compared as JSON), else the first of
+    /// its tool with no result.
+    fn unanswered(&self, span: &SpanRec) -> Option<(usize, usize)> {
+        let name = span.text("gen_ai.tool.name")?;
+        let arguments = span
+            .attributes
+            .get("gen_ai.tool.call.arguments")
+            .map(text_of);
+        let json = |text: &str| serde_json::from_str::<Value>(text).ok();
+        let wanted = arguments.as_deref().and_then(json);
+        let open: Vec<(usize, usize)> = self
+            .steps
+            .iter()
+            .enumerate()
+            .flat_map(|(s, step)| {
+                step.tool_calls
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, call)| call.name == name && call.result.is_none())
+                    .map(move |(c, _)| (s, c))
+            })
+            .collect();
+        open.iter()
+            .copied()
+            .find(|&(s, c)| {
+                wanted.is_some() && json(&self.steps[s].tool_calls[c].arguments) == wanted
+            })
+            .or_else(|| open.first().copied())
+    }
+
+    /// The tool results a model call's input carries (`tool_call_response` parts, which an
+    /// instrumentation without tool spans logs only there): each answers the requested call
+    /// with its id that has no result yet.
+    fn answered_in_input(&mut self, span: &SpanRec) {
+        for message in messages(span, "gen_ai.input.messages") {
+            for part in parts(&message) {
+                if part.get("type").and_then(Value::as_str) != Some("tool_call_response") {
+                    continue;
+                }
+                let Some(&(s, c)) = part
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .and_then(|id| self.calls.get(id))
+                else {
+                    continue;
+                };
+                let call = &mut self.steps[s].tool_calls[c];
+                if call.result.is_none() {
+                    call.result = part.get("response").map(text_of);
+                }
+            }
         }
     }
 }

@@ -1682,6 +1682,81 @@ fn the_collectors_otlp_json_lines_are_read_line_by_line_with_errors_and_outcomes
 }
 
 #[test]
+fn openinference_spans_from_phoenix_instrumentation_are_episodes_with_their_calls() {
+    // Written by openinference-instrumentation-openai and openinference-instrumentation's
+    // decorators (scripts/fixtures/openinference_traces.py): AGENT, LLM and TOOL spans whose
+    // messages are flattened into `llm.*_messages.<i>.message.*` attributes, and TOOL spans
+    // with no call id.
+    let store = tempfile::tempdir().unwrap();
+    let file = fixture("openinference-phoenix.jsonl");
+    assert_eq!(
+        Format::detect(&file, &std::fs::read(&file).unwrap()),
+        Some(Format::Otel)
+    );
+    let report = run(store.path(), &[file], &IngestOptions::default());
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (3, 3, 0),
+        "{report:?}"
+    );
+    let episodes = seen_episodes(store.path());
+    let (seen, node) = &episodes["Please refund my order A-1001, it arrived broken."];
+    assert_eq!(
+        seen,
+        &(
+            vec![
+                call(
+                    "get_order",
+                    Some("{\"order_id\": \"A-1001\", \"status\": \"delivered\"}")
+                ),
+                call(
+                    "refund_order",
+                    Some("{\"order_id\": \"A-1001\", \"refunded\": true}")
+                ),
+            ],
+            "Your order A-1001 is refunded.".to_string(),
+            Some(true),
+            "status".to_string()
+        ),
+        "each tool span answers the call its LLM span requested, once"
+    );
+    assert_eq!(node.tenant, "acme-support");
+    assert_eq!(node.metadata["conversation_id"], "session-1");
+    let steps = &node.episode().unwrap().steps;
+    assert_eq!(
+        steps[0].tool_calls[0].arguments,
+        "{\"order_id\": \"A-1001\"}"
+    );
+    let (seen, node) = &episodes["Refund order A-1003 please, I changed my mind."];
+    assert_eq!(
+        (seen.0.len(), seen.2, seen.3.as_str()),
+        (2, Some(false), "status"),
+        "the agent span's ERROR status: {seen:?}"
+    );
+    let refund = node
+        .episode()
+        .unwrap()
+        .steps
+        .iter()
+        .find(|s| s.tool_calls.iter().any(|c| c.name == "refund_order"));
+    assert!(
+        refund
+            .and_then(|s| s.feedback.as_deref())
+            .is_some_and(|f| f.contains("not delivered yet")),
+        "the tool's exception is the step's feedback: {refund:?}"
+    );
+    // The system prompt of the LLM spans is the tenant's shared semantic node.
+    let graph = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .load()
+        .unwrap();
+    assert!(graph
+        .nodes
+        .values()
+        .any(|n| n.episode().is_none() && n.text.contains("Look an order up before changing it")));
+}
+
+#[test]
 fn a_proxys_per_call_log_is_one_episode_per_agent_run() {
     let store = tempfile::tempdir().unwrap();
     let file = fixture("proxy-calls.jsonl");
@@ -1859,20 +1934,20 @@ fn a_conversation_logged_again_longer_is_one_episode_with_the_new_turns() {
 fn spans_fluxmem_does_not_read_are_quarantined_with_what_they_were_never_an_empty_episode() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("phoenix.json");
-    // OpenInference attribute names (what Phoenix's instrumentations write), no gen_ai.* ones.
+    // OpenInference spans of kinds that carry no step (a retrieval inside a chain), with no
+    // gen_ai.* attribute.
     let span = |id: &str, kind: &str| {
         serde_json::json!({
             "traceId": "0af7651916cd43dd8448eb211c80319c", "spanId": id, "name": kind,
             "startTimeUnixNano": "1767225600000000000",
             "attributes": [
                 {"key": "openinference.span.kind", "value": {"stringValue": kind}},
-                {"key": "llm.input_messages.0.message.role", "value": {"stringValue": "user"}},
-                {"key": "llm.input_messages.0.message.content", "value": {"stringValue": "hi"}}
+                {"key": "input.value", "value": {"stringValue": "hi"}}
             ]
         })
     };
     let doc = serde_json::json!({"resourceSpans": [{"scopeSpans": [{"spans": [
-        span("b7ad6b7169203331", "LLM"), span("b7ad6b7169203332", "TOOL")
+        span("b7ad6b7169203331", "CHAIN"), span("b7ad6b7169203332", "RETRIEVER")
     ]}]}]});
     std::fs::write(&file, doc.to_string()).unwrap();
     let report = run(
@@ -1886,7 +1961,9 @@ fn spans_fluxmem_does_not_read_are_quarantined_with_what_they_were_never_an_empt
         .unwrap()
         .to_string();
     assert!(
-        reason.contains("no task and no step") && reason.contains("openinference.span.kind=LLM"),
+        reason.contains("no task and no step")
+            && reason.contains("openinference.span.kind=CHAIN")
+            && reason.contains("openinference.span.kind=RETRIEVER"),
         "{reason}"
     );
 }
