@@ -414,13 +414,113 @@ pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Pars
         let key = format!("{group}@{}", spans[i].tenant(&options.tenant));
         groups.entry(key).or_default().push(i);
     }
-    let mut out = Vec::new();
-    for (key, mut members) in groups {
+    for members in groups.values_mut() {
         members.sort_by(|&a, &b| {
             (spans[a].start_ns, &spans[a].id).cmp(&(spans[b].start_ns, &spans[b].id))
         });
+    }
+    let groups = stitch(groups, &spans);
+    let mut out = Vec::new();
+    for (key, members) in groups {
         let group: Vec<&SpanRec> = members.iter().map(|&i| &spans[i]).collect();
         out.push(understood(episode(&key, &group, options), &group));
+    }
+    out
+}
+
+/// Joins the runs that client-side instrumentation splits into one trace per model call: a
+/// group with no agent span (`trace:` key) whose first model call's input messages continue
+/// what an earlier such group of its tenant said so far (its last call's input and output
+/// messages, as a prefix; the tool results answered after it) joins that group, under its
+/// key. Of several earlier groups, the one with the longest such prefix; each `members` is in
+/// start order, and so is the joined one.
+fn stitch(groups: BTreeMap<String, Vec<usize>>, spans: &[SpanRec]) -> BTreeMap<String, Vec<usize>> {
+    let is_call = |i: &usize| {
+        matches!(
+            spans[*i].operation(),
+            "chat" | "text_completion" | "generate_content"
+        )
+    };
+    // The model calls of each group without an agent span, in the order of their first call.
+    let mut runs: Vec<(&String, usize, usize)> = groups
+        .iter()
+        .filter(|(key, _)| key.starts_with("trace:"))
+        .filter_map(|(key, members)| {
+            let first = *members.iter().find(|i| is_call(i))?;
+            let last = *members.iter().rev().find(|i| is_call(i))?;
+            Some((key, first, last))
+        })
+        .collect();
+    runs.sort_by(|a, b| {
+        (spans[a.1].start_ns, &spans[a.1].id).cmp(&(spans[b.1].start_ns, &spans[b.1].id))
+    });
+    // What each run said so far, by the hash of its tenant and messages -> its key.
+    let mut said: std::collections::HashMap<[u8; 32], String> = Default::default();
+    let mut joins: BTreeMap<String, String> = BTreeMap::new();
+    for &(key, first, last) in &runs {
+        let tenant = key.rsplit_once('@').map_or("", |(_, t)| t);
+        let input = prefix_hashes(tenant, &messages(&spans[first], "gen_ai.input.messages"));
+        if let Some(earlier) = input.iter().rev().find_map(|h| said.get(h)) {
+            joins.insert(key.clone(), earlier.clone());
+        }
+        let mut so_far = messages(&spans[last], "gen_ai.input.messages");
+        so_far.extend(messages(&spans[last], "gen_ai.output.messages"));
+        if let Some(&whole) = prefix_hashes(tenant, &so_far).last() {
+            said.insert(whole, key.clone());
+        }
+    }
+    if joins.is_empty() {
+        return groups;
+    }
+    // Each joined group's root: the first run of its chain (every join points earlier).
+    let root = |key: &String| {
+        let mut key = key.clone();
+        while let Some(earlier) = joins.get(&key) {
+            key = earlier.clone();
+        }
+        key
+    };
+    let mut out: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (key, members) in &groups {
+        out.entry(root(key)).or_default().extend(members);
+    }
+    for members in out.values_mut() {
+        members.sort_by(|&a, &b| {
+            (spans[a].start_ns, &spans[a].id).cmp(&(spans[b].start_ns, &spans[b].id))
+        });
+    }
+    out
+}
+
+/// For each k, the hash of the tenant and the first k messages, each message read as what it
+/// says (its role and its parts' types, texts, call ids, names, arguments and responses;
+/// arguments compared as JSON), so that a message logged again in a later call's input, without
+/// the fields only an output carries (`finish_reason`), hashes the same.
+fn prefix_hashes(tenant: &str, messages: &[Value]) -> Vec<[u8; 32]> {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    hasher.update(tenant.as_bytes());
+    let mut out = Vec::with_capacity(messages.len());
+    for message in messages {
+        let role = message.get("role").and_then(Value::as_str).unwrap_or("");
+        hasher.update([0]);
+        hasher.update(role.as_bytes());
+        for part in parts(message) {
+            let field = |key: &str| {
+                part.get(key).map_or(String::new(), |v| match v {
+                    Value::String(s) => serde_json::from_str::<Value>(s)
+                        .ok()
+                        .filter(|_| key == "arguments")
+                        .map_or_else(|| s.clone(), |parsed| parsed.to_string()),
+                    other => other.to_string(),
+                })
+            };
+            for key in ["type", "content", "id", "name", "arguments", "response"] {
+                hasher.update([1]);
+                hasher.update(field(key).as_bytes());
+            }
+        }
+        out.push(hasher.clone().finalize().into());
     }
     out
 }
@@ -471,9 +571,10 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
         .collect();
     let lead = agents.first().copied().unwrap_or(spans[0]);
     let transcript = Transcript::of(spans);
-    let (outcome, from_status) = agents
-        .last()
-        .map_or((Outcome::default(), false), |a| outcome_of(a));
+    let (outcome, from_status) = match agents.last() {
+        Some(agent) => outcome_of(agent),
+        None => last_call_outcome(spans),
+    };
     // Every span of a group has this tenant (it is part of the group key).
     let tenant = lead.tenant(&options.tenant).to_string();
     let agent = lead
@@ -554,8 +655,19 @@ impl Transcript {
                     .flat_map(|m| parts(m).iter().filter_map(part_text))
                     .next();
             }
-            if let Some(text) = system_instructions(span) {
-                if !transcript.system.contains(&text) {
+            let system_messages = messages(span, "gen_ai.input.messages")
+                .iter()
+                .filter(|m| m.get("role").and_then(Value::as_str) == Some("system"))
+                .map(|m| {
+                    parts(m)
+                        .iter()
+                        .filter_map(part_text)
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                })
+                .collect::<Vec<_>>();
+            for text in system_instructions(span).into_iter().chain(system_messages) {
+                if !text.is_empty() && !transcript.system.contains(&text) {
                     transcript.system.push(text);
                 }
             }
@@ -762,6 +874,37 @@ fn outcome_of(agent: &SpanRec) -> (Outcome, bool) {
         feedback,
     };
     (outcome, logged.is_none() && status.is_some())
+}
+
+/// The outcome of a run with no agent span (client-side instrumentation): a failure when its
+/// last model call failed (status ERROR: an HTTP error, a timeout), with that call's message;
+/// else none (ingest's rule decides).
+fn last_call_outcome(spans: &[&SpanRec]) -> (Outcome, bool) {
+    let last = spans.iter().rev().find(|s| {
+        matches!(
+            s.operation(),
+            "chat" | "text_completion" | "generate_content"
+        )
+    });
+    match last {
+        Some(call) if call.status == 2 => {
+            let feedback = [
+                Some(call.status_message.clone()),
+                call.exception.clone(),
+                call.text("error.type").map(str::to_string),
+            ]
+            .into_iter()
+            .flatten()
+            .find(|m| !m.trim().is_empty());
+            let outcome = Outcome {
+                success: Some(false),
+                reward: None,
+                feedback,
+            };
+            (outcome, true)
+        }
+        _ => (Outcome::default(), false),
+    }
 }
 
 /// The episode node's metadata: the format, where its outcome came from, and the spans,

@@ -1757,6 +1757,71 @@ fn openinference_spans_from_phoenix_instrumentation_are_episodes_with_their_call
 }
 
 #[test]
+fn client_only_model_calls_are_stitched_into_runs_by_their_messages() {
+    // Written by OpenLLMetry's openai instrumentation (scripts/fixtures/openllmetry_traces.py):
+    // every model call its own trace, no agent span, tool results only in the next call's
+    // input messages, the system prompt an input message; one run ends on an HTTP 500.
+    let store = tempfile::tempdir().unwrap();
+    let file = fixture("openllmetry-client.jsonl");
+    let report = run(store.path(), &[file], &IngestOptions::default());
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (3, 3, 0),
+        "7 calls of 3 runs: {report:?}"
+    );
+    let episodes = seen_episodes(store.path());
+    let order =
+        |id: &str, status: &str| format!("{{\"order_id\": \"{id}\", \"status\": \"{status}\"}}");
+    let (seen, node) = &episodes["Please refund my order B-2001, it arrived broken."];
+    assert_eq!(
+        seen,
+        &(
+            vec![
+                call("get_order", Some(&order("B-2001", "delivered"))),
+                call(
+                    "refund_order",
+                    Some("{\"order_id\": \"B-2001\", \"refunded\": true}")
+                ),
+            ],
+            "Your order B-2001 is refunded.".to_string(),
+            Some(true),
+            "inferred".to_string()
+        ),
+        "three calls, one run: each result from the next call's input"
+    );
+    assert_eq!(node.metadata["otel.traces"], 3);
+    let (seen, _) = &episodes["Where is my order B-2002?"];
+    assert_eq!(
+        seen.0,
+        vec![call("get_order", Some(&order("B-2002", "delivered")))]
+    );
+    let (seen, node) = &episodes["Refund B-2003 please."];
+    assert_eq!(
+        (seen.2, seen.3.as_str()),
+        (Some(false), "status"),
+        "the last call's HTTP 500 fails the run: {seen:?}"
+    );
+    assert!(node
+        .episode()
+        .unwrap()
+        .outcome
+        .feedback
+        .as_deref()
+        .is_some_and(|f| f.contains("500")));
+    // The system prompt, carried as an input message, is the tenant's shared semantic node.
+    let graph = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .load()
+        .unwrap();
+    let prompts = graph
+        .nodes
+        .values()
+        .filter(|n| n.episode().is_none() && n.text.contains("Look an order up before changing it"))
+        .count();
+    assert!(prompts >= 1, "the system prompt is a semantic node");
+}
+
+#[test]
 fn a_proxys_per_call_log_is_one_episode_per_agent_run() {
     let store = tempfile::tempdir().unwrap();
     let file = fixture("proxy-calls.jsonl");
