@@ -47,7 +47,7 @@ pub enum Command {
     /// A run killed at any point and started again resumes: stages already done for the same
     /// run id are skipped, the others redo only what is missing. A second night over new logs
     /// processes only the new records. For distributed runs, `--stage S --shard I/N` runs 1/N
-    /// of a map stage (ingest, embed, connect) into its own staging store and
+    /// of a map stage (ingest, embed, connect, consolidate) into its own staging store and
     /// `--stage S --merge N` merges the N shards; see ARCHITECTURE.md.
     Run(RunArgs),
     /// Ingest agent logs and knowledge files into the store.

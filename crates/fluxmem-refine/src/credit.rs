@@ -641,6 +641,25 @@ struct Decider<'a> {
     ranges: HashMap<NodeId, (f64, f64), Fast>,
 }
 
+impl<'a> Decider<'a> {
+    /// A decider over these outcomes and base rates, with no decision made yet.
+    fn new(
+        info: &'a HashMap<NodeId, Info, Fast>,
+        behind: &'a HashMap<NodeId, (u64, usize), Fast>,
+        base: &'a HashMap<u32, f64, Fast>,
+        options: &'a CreditOptions,
+    ) -> Self {
+        Decider {
+            info,
+            behind,
+            base,
+            options,
+            memo: SrcMemo::default(),
+            ranges: HashMap::default(),
+        }
+    }
+}
+
 impl Decider<'_> {
     /// What changes of an edge, decided on a light view of the row (the stored metadata's five
     /// credit keys, no map).
@@ -920,14 +939,7 @@ fn assign_over(
 
     // Pass 2: edge by edge, what changes; only the rows that change are decoded whole.
     let mut changes = Vec::new();
-    let mut decider = Decider {
-        info,
-        behind: &behind,
-        base,
-        options,
-        memo: SrcMemo::default(),
-        ranges: HashMap::default(),
-    };
+    let mut decider = Decider::new(info, &behind, base, options);
     edges.decide(
         &mut |view| decider.decide(view, &mut report),
         &mut |edge, verdict| changes.push(change(edge, verdict, run_id)),
@@ -1109,14 +1121,7 @@ fn assign_delta(
 
     // The night's edges and the whole nodes' edges, decided in key order.
     let mut changes = Vec::new();
-    let mut decider = Decider {
-        info,
-        behind: &behind,
-        base,
-        options,
-        memo: SrcMemo::default(),
-        ranges: HashMap::default(),
-    };
+    let mut decider = Decider::new(info, &behind, base, options);
     let decided = edges.len() as u64;
     for e in edges.into_values() {
         if let Some(verdict) = decider.decide(&view_of(&e), &mut report) {
