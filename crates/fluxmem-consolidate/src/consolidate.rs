@@ -851,11 +851,6 @@ pub fn assign<'g>(
     })
 }
 
-/// What consolidation reads of the store: node rows with the steps (mining needs the
-/// episodes' tool calls), the vectors of episodes and skills (not of facts), the distill edges
-/// (a new version retires its predecessor's) and the `skill_failed` records of the edit log;
-/// not the ground and link edges, the facts' vectors or the rest of the edit log, which are
-/// most of a store.
 /// Forgets the outcomes of episodes whose source `options.outcomes` does not name (they count
 /// as unknown), and counts the episodes (of the options' tenant) by source.
 fn believe_outcomes(graph: &mut Graph, options: &ConsolidateOptions) -> BTreeMap<String, usize> {
@@ -880,10 +875,16 @@ fn believe_outcomes(graph: &mut Graph, options: &ConsolidateOptions) -> BTreeMap
     counts
 }
 
+/// What consolidation reads of the store: the episodes and skills (not the facts: a filtered
+/// scan reads the kind column, then only their rows) with the episodes' steps (mining needs
+/// their tool calls), their vectors, the distill edges (a new version retires its
+/// predecessor's) and the `skill_failed` records of the edit log; not the facts, the ground
+/// and link edges or the rest of the edit log, which are most of a store.
 fn read(writer: &Writer) -> Result<Graph> {
     let store = writer.store();
     let scan = Scan {
         nodes: true,
+        node_kinds: vec![NodeKind::Episodic, NodeKind::Procedural],
         steps: Rows::All,
         edges: true,
         edge_kinds: vec![EdgeKind::Distill],
