@@ -21,7 +21,7 @@
 //! Exits non-zero when a vector is not finite, or the golden vectors or the CPU comparison are
 //! off by more than 1e-3 (cosine 0.999): the numbers are for the table, the exit for CI.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use fluxmem_models::{
     BertBackend, ChatMessage, DeviceChoice, Embedder, GenerateParams, Generator, SentenceEmbedder,
     WeightPath,
@@ -154,7 +154,7 @@ fn shaped_model(assets: &Path) -> anyhow::Result<tempfile::TempDir> {
             .collect();
         tensors.insert(
             name.clone(),
-            Tensor::from_vec(values, shape.as_slice(), &Device::Cpu)?.to_dtype(DType::F32)?,
+            Tensor::from_vec(values, shape.as_slice(), &Device::Cpu)?,
         );
     }
     candle_core::safetensors::save(&tensors, dir.path().join("model.safetensors"))?;

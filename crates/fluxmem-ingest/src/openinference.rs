@@ -38,79 +38,60 @@ pub(crate) fn as_gen_ai(mut attributes: BTreeMap<String, Value>) -> BTreeMap<Str
     else {
         return attributes;
     };
-    let text = |attributes: &BTreeMap<String, Value>, key: &str| {
-        attributes
-            .get(key)
-            .and_then(Value::as_str)
-            .map(str::to_string)
-    };
-    let add = |attributes: &mut BTreeMap<String, Value>, key: &str, value: Option<Value>| {
-        if let Some(value) = value {
-            attributes.entry(key.to_string()).or_insert(value);
-        }
-    };
-    let session = text(&attributes, "session.id").map(Value::from);
-    add(&mut attributes, "gen_ai.conversation.id", session);
-    let agent = text(&attributes, "agent.name").map(Value::from);
-    add(&mut attributes, "gen_ai.agent.name", agent);
+    let text = |key: &str| attributes.get(key).and_then(Value::as_str);
+    let value = |key: &str| attributes.get(key).cloned();
+    let string = |key: &str| text(key).map(Value::from);
+    // The GenAI attributes the span gets, computed from its own; one it already has is kept.
+    let mut mapped: Vec<(&str, Option<Value>)> = vec![
+        ("gen_ai.conversation.id", string("session.id")),
+        ("gen_ai.agent.name", string("agent.name")),
+    ];
     match kind.as_str() {
         "LLM" => {
             let (system, input) = messages(&attributes, "llm.input_messages.");
             let (_, output) = messages(&attributes, "llm.output_messages.");
-            let system = (!system.is_empty()).then_some(Value::Array(system));
-            add(
-                &mut attributes,
-                "gen_ai.operation.name",
-                Some(json!("chat")),
-            );
-            add(&mut attributes, "gen_ai.system_instructions", system);
-            add(
-                &mut attributes,
-                "gen_ai.input.messages",
-                Some(Value::Array(input)),
-            );
-            add(
-                &mut attributes,
-                "gen_ai.output.messages",
-                Some(Value::Array(output)),
-            );
+            mapped.extend([
+                ("gen_ai.operation.name", Some(json!("chat"))),
+                (
+                    "gen_ai.system_instructions",
+                    (!system.is_empty()).then_some(Value::Array(system)),
+                ),
+                ("gen_ai.input.messages", Some(Value::Array(input))),
+                ("gen_ai.output.messages", Some(Value::Array(output))),
+            ]);
         }
-        "TOOL" => {
-            let name = text(&attributes, "tool.name")
-                .or_else(|| text(&attributes, "tool_call.function.name"));
-            let arguments = attributes
-                .get("tool_call.function.arguments")
-                .or_else(|| attributes.get("input.value"))
-                .cloned();
-            let result = attributes.get("output.value").cloned();
-            let id = attributes.get("tool_call.id").cloned();
-            add(
-                &mut attributes,
-                "gen_ai.operation.name",
-                Some(json!("execute_tool")),
-            );
-            add(&mut attributes, "gen_ai.tool.name", name.map(Value::from));
-            add(&mut attributes, "gen_ai.tool.call.arguments", arguments);
-            add(&mut attributes, "gen_ai.tool.call.result", result);
-            add(&mut attributes, "gen_ai.tool.call.id", id);
-        }
+        "TOOL" => mapped.extend([
+            ("gen_ai.operation.name", Some(json!("execute_tool"))),
+            (
+                "gen_ai.tool.name",
+                string("tool.name").or_else(|| string("tool_call.function.name")),
+            ),
+            (
+                "gen_ai.tool.call.arguments",
+                value("tool_call.function.arguments").or_else(|| value("input.value")),
+            ),
+            ("gen_ai.tool.call.result", value("output.value")),
+            ("gen_ai.tool.call.id", value("tool_call.id")),
+        ]),
         "AGENT" => {
             // The agent's input, when it is text (not a JSON document), is what the user asked.
-            let plain =
-                text(&attributes, "input.mime_type").is_none_or(|mime| mime.starts_with("text/"));
-            let task = text(&attributes, "input.value")
+            let plain = text("input.mime_type").is_none_or(|mime| mime.starts_with("text/"));
+            let task = text("input.value")
                 .filter(|task| plain && !task.trim().is_empty())
                 .map(
                     |task| json!([{"role": "user", "parts": [{"type": "text", "content": task}]}]),
                 );
-            add(
-                &mut attributes,
-                "gen_ai.operation.name",
-                Some(json!("invoke_agent")),
-            );
-            add(&mut attributes, "gen_ai.input.messages", task);
+            mapped.extend([
+                ("gen_ai.operation.name", Some(json!("invoke_agent"))),
+                ("gen_ai.input.messages", task),
+            ]);
         }
         _ => {}
+    }
+    for (key, value) in mapped {
+        if let Some(value) = value {
+            attributes.entry(key.to_string()).or_insert(value);
+        }
     }
     attributes
 }

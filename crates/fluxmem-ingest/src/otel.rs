@@ -59,6 +59,29 @@ impl SpanRec {
     fn text(&self, key: &str) -> Option<&str> {
         self.attributes.get(key).and_then(Value::as_str)
     }
+    /// A model call: a `chat`, `text_completion` or `generate_content` span.
+    fn is_model_call(&self) -> bool {
+        matches!(
+            self.operation(),
+            "chat" | "text_completion" | "generate_content"
+        )
+    }
+    /// Where spans of a batch stand in time: start, then span id.
+    fn start_key(&self) -> (u64, &str) {
+        (self.start_ns, &self.id)
+    }
+    /// What a failed span says: the first non-empty of its status message, its `exception`
+    /// event's `exception.type: exception.message`, and `error.type`.
+    fn error_message(&self) -> Option<String> {
+        [
+            Some(self.status_message.clone()),
+            self.exception.clone(),
+            self.text("error.type").map(str::to_string),
+        ]
+        .into_iter()
+        .flatten()
+        .find(|m| !m.trim().is_empty())
+    }
     /// The tenant of the span's resource: `fluxmem.tenant`, else `service.name`, else `fallback`.
     fn tenant<'a>(&'a self, fallback: &'a str) -> &'a str {
         self.resource
@@ -372,7 +395,7 @@ pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Pars
     for (i, span) in spans.iter().enumerate() {
         if is_agent(i) {
             let entry = first_agent.entry(span.trace.as_str()).or_insert(i);
-            if (span.start_ns, &span.id) < (spans[*entry].start_ns, &spans[*entry].id) {
+            if span.start_key() < spans[*entry].start_key() {
                 *entry = i;
             }
         }
@@ -415,9 +438,7 @@ pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Pars
         groups.entry(key).or_default().push(i);
     }
     for members in groups.values_mut() {
-        members.sort_by(|&a, &b| {
-            (spans[a].start_ns, &spans[a].id).cmp(&(spans[b].start_ns, &spans[b].id))
-        });
+        members.sort_by(|&a, &b| spans[a].start_key().cmp(&spans[b].start_key()));
     }
     let groups = stitch(groups, &spans);
     let mut out = Vec::new();
@@ -435,12 +456,7 @@ pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Pars
 /// key. Of several earlier groups, the one with the longest such prefix; each `members` is in
 /// start order, and so is the joined one.
 fn stitch(groups: BTreeMap<String, Vec<usize>>, spans: &[SpanRec]) -> BTreeMap<String, Vec<usize>> {
-    let is_call = |i: &usize| {
-        matches!(
-            spans[*i].operation(),
-            "chat" | "text_completion" | "generate_content"
-        )
-    };
+    let is_call = |i: &usize| spans[*i].is_model_call();
     // The model calls of each group without an agent span, in the order of their first call.
     let mut runs: Vec<(&String, usize, usize)> = groups
         .iter()
@@ -451,9 +467,7 @@ fn stitch(groups: BTreeMap<String, Vec<usize>>, spans: &[SpanRec]) -> BTreeMap<S
             Some((key, first, last))
         })
         .collect();
-    runs.sort_by(|a, b| {
-        (spans[a.1].start_ns, &spans[a.1].id).cmp(&(spans[b.1].start_ns, &spans[b.1].id))
-    });
+    runs.sort_by(|a, b| spans[a.1].start_key().cmp(&spans[b.1].start_key()));
     // What each run said so far, by the hash of its tenant and messages -> its key.
     let mut said: std::collections::HashMap<[u8; 32], String> = Default::default();
     let mut joins: BTreeMap<String, String> = BTreeMap::new();
@@ -485,9 +499,7 @@ fn stitch(groups: BTreeMap<String, Vec<usize>>, spans: &[SpanRec]) -> BTreeMap<S
         out.entry(root(key)).or_default().extend(members);
     }
     for members in out.values_mut() {
-        members.sort_by(|&a, &b| {
-            (spans[a].start_ns, &spans[a].id).cmp(&(spans[b].start_ns, &spans[b].id))
-        });
+        members.sort_by(|&a, &b| spans[a].start_key().cmp(&spans[b].start_key()));
     }
     out
 }
@@ -648,14 +660,15 @@ impl Transcript {
             calls: BTreeMap::new(),
         };
         for span in spans {
+            let input = messages(span, "gen_ai.input.messages");
             if transcript.task.is_none() {
-                transcript.task = messages(span, "gen_ai.input.messages")
+                transcript.task = input
                     .iter()
                     .filter(|m| m.get("role").and_then(Value::as_str) == Some("user"))
                     .flat_map(|m| parts(m).iter().filter_map(part_text))
                     .next();
             }
-            let system_messages = messages(span, "gen_ai.input.messages")
+            let system_messages = input
                 .iter()
                 .filter(|m| m.get("role").and_then(Value::as_str) == Some("system"))
                 .map(|m| {
@@ -674,13 +687,11 @@ impl Transcript {
             let timestamp = (span.start_ns > 0)
                 .then_some((span.start_ns / 1_000_000) as i64)
                 .filter(|&ms| crate::source::in_calendar(ms));
-            match span.operation() {
-                "chat" | "text_completion" | "generate_content" => {
-                    transcript.answered_in_input(span);
-                    transcript.model_call(span, timestamp)
-                }
-                "execute_tool" => transcript.tool_call(span, timestamp),
-                _ => {}
+            if span.is_model_call() {
+                transcript.answered_in_input(&input);
+                transcript.model_call(span, timestamp);
+            } else if span.operation() == "execute_tool" {
+                transcript.tool_call(span, timestamp);
             }
         }
         transcript
@@ -736,16 +747,9 @@ impl Transcript {
         // `error.type`, else the result it returned, else just "error".
         let feedback =
             (span.status == 2 || span.attributes.contains_key("error.type")).then(|| {
-                [
-                    Some(span.status_message.clone()),
-                    span.exception.clone(),
-                    span.text("error.type").map(str::to_string),
-                    result.clone(),
-                ]
-                .into_iter()
-                .flatten()
-                .find(|m| !m.trim().is_empty())
-                .unwrap_or_else(|| "error".to_string())
+                span.error_message()
+                    .or_else(|| result.clone().filter(|m| !m.trim().is_empty()))
+                    .unwrap_or_else(|| "error".to_string())
             });
         let requested = match span.text("gen_ai.tool.call.id") {
             Some(id) => self.calls.get(id).copied(),
@@ -778,9 +782,7 @@ impl Transcript {
             }),
         }
     }
-}
 
-impl Transcript {
     /// The call a tool span without a call id answers: the first requested call of its tool
     /// with no result yet whose arguments are the span's (compared as JSON), else the first of
     /// its tool with no result.
@@ -815,9 +817,9 @@ impl Transcript {
     /// The tool results a model call's input carries (`tool_call_response` parts, which an
     /// instrumentation without tool spans logs only there): each answers the requested call
     /// with its id that has no result yet.
-    fn answered_in_input(&mut self, span: &SpanRec) {
-        for message in messages(span, "gen_ai.input.messages") {
-            for part in parts(&message) {
+    fn answered_in_input(&mut self, input: &[Value]) {
+        for message in input {
+            for part in parts(message) {
                 if part.get("type").and_then(Value::as_str) != Some("tool_call_response") {
                     continue;
                 }
@@ -880,26 +882,12 @@ fn outcome_of(agent: &SpanRec) -> (Outcome, bool) {
 /// last model call failed (status ERROR: an HTTP error, a timeout), with that call's message;
 /// else none (ingest's rule decides).
 fn last_call_outcome(spans: &[&SpanRec]) -> (Outcome, bool) {
-    let last = spans.iter().rev().find(|s| {
-        matches!(
-            s.operation(),
-            "chat" | "text_completion" | "generate_content"
-        )
-    });
-    match last {
+    match spans.iter().rev().find(|s| s.is_model_call()) {
         Some(call) if call.status == 2 => {
-            let feedback = [
-                Some(call.status_message.clone()),
-                call.exception.clone(),
-                call.text("error.type").map(str::to_string),
-            ]
-            .into_iter()
-            .flatten()
-            .find(|m| !m.trim().is_empty());
             let outcome = Outcome {
                 success: Some(false),
                 reward: None,
-                feedback,
+                feedback: call.error_message(),
             };
             (outcome, true)
         }
