@@ -1417,6 +1417,7 @@ fn skill_node(
         ),
         ("measured_on", json!(mined.measured_on)),
         ("pitfalls", json!(kept.skill.pitfalls)),
+        ("decisions", json!(kept.skill.decisions)),
         (
             "skeleton",
             serde_json::to_value(mined.skeleton).expect("skeletons serialise"),

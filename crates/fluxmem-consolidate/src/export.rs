@@ -95,6 +95,9 @@ pub struct SkillRecord {
     /// Preconditions and pitfalls mined from the logs.
     #[serde(default)]
     pub pitfalls: Vec<String>,
+    /// Where the successful runs part ways ([`crate::SkillText::decisions`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub decisions: Vec<String>,
     /// Version, from 1.
     pub version: i64,
     /// Current PEMS (the kept round's score).
@@ -197,6 +200,7 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
             };
             let steps = list("steps");
             let pitfalls = list("pitfalls");
+            let decisions = list("decisions");
             Some(SkillRecord {
                 id: node.id.to_string(),
                 lineage: Some(text(node, "lineage"))
@@ -209,6 +213,7 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
                 body: node.text.clone(),
                 steps,
                 pitfalls,
+                decisions,
                 version: skill.version,
                 pems,
                 eta,
@@ -477,6 +482,7 @@ fn redact_record(
     redact(&mut record.body);
     record.steps.iter_mut().for_each(&mut redact);
     record.pitfalls.iter_mut().for_each(&mut redact);
+    record.decisions.iter_mut().for_each(&mut redact);
     record.content_sha256 = String::new();
     record.content_sha256 = sha256_hex(
         serde_json::to_string(&record)
@@ -713,14 +719,9 @@ fn evals_json(record: &SkillRecord, graph: &Graph) -> Value {
                 .join(", ")
         ));
     }
-    // Checks and orders are assertions; the other paths some runs took are not.
-    assertions.extend(
-        record
-            .pitfalls
-            .iter()
-            .filter(|p| !p.starts_with(crate::mature::BRANCH_PREFIX))
-            .map(|p| format!("It heeds: {p}")),
-    );
+    // Checks and orders are assertions; the paths some runs took at a decision are not (a
+    // case takes one of them).
+    assertions.extend(record.pitfalls.iter().map(|p| format!("It heeds: {p}")));
     let cases: Vec<Value> = measured
         .iter()
         .filter_map(|id| graph.nodes.get(&fluxmem_graph::NodeId::from(id.as_str())))
@@ -1251,6 +1252,12 @@ fn skill_md(record: &SkillRecord) -> String {
     ));
     for (i, step) in record.steps.iter().enumerate() {
         text.push_str(&format!("{}. {}\n", i + 1, markdown_inline(step)));
+    }
+    if !record.decisions.is_empty() {
+        text.push_str("\n## Decision points\n\n");
+        for decision in &record.decisions {
+            text.push_str(&format!("- {}\n", markdown_inline(decision)));
+        }
     }
     if !record.pitfalls.is_empty() {
         text.push_str("\n## Pitfalls\n\n");

@@ -23,6 +23,7 @@
 //! ```
 
 mod consolidate;
+mod decide;
 mod export;
 pub mod flow;
 mod kmeans;

@@ -344,9 +344,6 @@ fn split<'g>(episodes: &[&'g Node]) -> Split<'g> {
     out
 }
 
-/// How a skill's line about another path some runs took starts.
-pub(crate) const BRANCH_PREFIX: &str = "Some runs also take another path:";
-
 /// The preconditions and pitfalls that speak only of kept steps (a rewrite that drops a step
 /// drops what was said about it).
 fn pitfalls_of(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> Vec<String> {
@@ -354,21 +351,28 @@ fn pitfalls_of(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> Vec<String> 
         .filter(|i| !kept.contains(i))
         .map(|i| skeleton.steps[i].short.trim_end_matches('.'))
         .collect();
-    // Where the successes part ways: the less supported steps, each with its share.
-    let branches = skeleton.branches.iter().map(|(step, share)| {
-        format!(
-            "{BRANCH_PREFIX} {} (in {:.0}% of the successful runs)",
-            step.trim_end_matches('.'),
-            share * 100.0
-        )
-    });
     skeleton
         .preconditions
         .iter()
         .chain(&skeleton.pitfalls)
         .filter(|p| !dropped.iter().any(|d| p.contains(d)))
         .cloned()
-        .chain(branches)
+        .collect()
+}
+
+/// The decision points as the skill with the `kept` steps says them: a decision after a
+/// dropped step is after the kept step before it.
+fn decisions_of(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> Vec<String> {
+    skeleton
+        .decisions
+        .iter()
+        .map(|decision| {
+            let number = decision
+                .after
+                .and_then(|after| kept.iter().rposition(|&k| k <= after))
+                .map(|position| position + 1);
+            crate::decide::render(decision, number)
+        })
         .collect()
 }
 
@@ -423,14 +427,20 @@ pub(crate) fn mature(
     let mut converged = None;
     let mut previous_vector = job.previous.as_ref().map(|(_, v)| v.clone());
     for round in 1..=options.max_rounds.max(1) {
+        // A template description says what the kept steps do, so it follows the rewrites.
+        let description = match wording.source.as_str() {
+            "template" => template_description(&skeleton, &kept),
+            _ => description.clone(),
+        };
         let current = SkillText {
             name: name.clone(),
-            description: description.clone(),
+            description,
             steps: kept
                 .iter()
                 .map(|&i| skeleton.steps[i].text.clone())
                 .collect(),
             pitfalls: pitfalls_of(&skeleton, &kept),
+            decisions: decisions_of(&skeleton, &kept),
         };
         let text = current.render();
         let vector = models.embedder.embed(&[text.as_str()])?.remove(0);
@@ -555,6 +565,7 @@ fn word(
                     description,
                     steps: Vec::new(),
                     pitfalls: Vec::new(),
+                    decisions: Vec::new(),
                 };
                 let instance = prompt::instance_word(
                     &format!("{} {}", skill.name, skill.description),
@@ -724,27 +735,93 @@ fn template_words(skeleton: &crate::mine::Skeleton) -> (String, String) {
         .next()
         .map(|c| c.to_uppercase().collect::<String>() + chars.as_str())
         .unwrap_or_default();
+    let all: Vec<usize> = (0..skeleton.steps.len()).collect();
+    (name, template_description(skeleton, &all))
+}
+
+/// The description written from the skeleton with its `kept` steps: what they do, the tasks'
+/// shared words worth quoting, and the runs the steps were mined from.
+fn template_description(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> String {
     let contrast = match skeleton.failures {
         0 => String::new(),
         n => format!(", contrasted with {n} failed one(s)"),
     };
-    let like = if pattern.is_empty() {
-        String::new()
-    } else {
-        format!(" like \"{pattern}\"")
+    let steps: Vec<&crate::mine::SkeletonStep> = kept.iter().map(|&i| &skeleton.steps[i]).collect();
+    let like = match quoted_pattern(skeleton.task_pattern.trim()) {
+        Some(quote) => format!(" Use for requests like \"{quote}\"."),
+        None => String::new(),
     };
-    let description = format!(
-        "Use for tasks{like}. Mined from {} successful episode(s){contrast}; each step is in at least {} of them.",
+    format!(
+        "{}{like} Mined from {} successful run(s){contrast}; each step is in {} of them.",
+        procedure_words(&steps),
         skeleton.successes,
-        min_share_words(skeleton)
-    );
-    (name, description)
+        min_share_words(&steps)
+    )
 }
 
-/// "half", or the share as a percentage, of the lowest step support.
-fn min_share_words(skeleton: &crate::mine::Skeleton) -> String {
-    let lowest = skeleton.steps.iter().map(|s| s.support).fold(1.0, f64::min);
-    format!("{:.0}%", (lowest * 100.0).floor())
+/// What the procedure does, in one sentence: the tools it calls, in order (``Calls `a`, then
+/// `b`.``), or the verbs of its text actions (`Goes through: go to, take, put.`).
+fn procedure_words(steps: &[&crate::mine::SkeletonStep]) -> String {
+    let mut tools: Vec<String> = Vec::new();
+    let mut verbs: Vec<String> = Vec::new();
+    for step in steps {
+        match &step.tool {
+            Some(tool) => {
+                let named = format!("`{tool}`");
+                if !tools.contains(&named) {
+                    tools.push(named);
+                }
+            }
+            None => {
+                let verb = step.key.split(" <").next().unwrap_or(&step.key).to_string();
+                if !verbs.contains(&verb) {
+                    verbs.push(verb);
+                }
+            }
+        }
+    }
+    if !tools.is_empty() {
+        format!("Calls {}.", tools.join(", then "))
+    } else {
+        format!("Goes through: {}.", verbs.join(", "))
+    }
+}
+
+/// The part of the tasks' shared words worth quoting: the runs of shared words (between `…`)
+/// that hold a content word ([`content_words`]), or `None` when none does (`… i … to …` says
+/// nothing about the request).
+fn quoted_pattern(pattern: &str) -> Option<String> {
+    let mut kept: Vec<String> = Vec::new();
+    let mut elided = false;
+    for run in pattern.split('…') {
+        let run = run.trim();
+        if !run.is_empty() && !content_words(run).is_empty() {
+            if elided || (!kept.is_empty()) {
+                kept.push("…".to_string());
+            }
+            kept.push(run.to_string());
+            elided = false;
+        } else {
+            elided = true;
+        }
+    }
+    if kept.is_empty() {
+        return None;
+    }
+    if elided {
+        kept.push("…".to_string());
+    }
+    Some(kept.join(" "))
+}
+
+/// The lowest step support in words: "all", or "at least N%".
+fn min_share_words(steps: &[&crate::mine::SkeletonStep]) -> String {
+    let lowest = steps.iter().map(|s| s.support).fold(1.0, f64::min);
+    if lowest >= 1.0 - 1e-12 {
+        "all".to_string()
+    } else {
+        format!("at least {:.0}%", (lowest * 100.0).floor())
+    }
 }
 
 /// A measuring episode as eta needs it: its outcome and its step signature keys, computed
@@ -788,8 +865,10 @@ fn coverage_eta(keys: &[&str], episodes: &[Measured]) -> f64 {
     total / episodes.len() as f64
 }
 
-/// The position in `kept` of the non-critical step whose removal raises eta the most (ties: the
-/// earliest), if any removal raises it and at least 2 steps remain.
+/// The position in `kept` of the step whose removal raises eta the most (ties: the earliest),
+/// if any removal raises it and at least 2 steps remain. A critical step is never dropped, nor
+/// one whose result a kept later step reads ([`crate::mine::SkeletonStep::feeds`]): the
+/// later step's arguments would come from a step the skill no longer names.
 fn best_drop(
     skeleton: &crate::mine::Skeleton,
     kept: &[usize],
@@ -808,7 +887,8 @@ fn best_drop(
     let base = coverage_eta(&keys(None), episodes);
     let mut best: Option<(usize, f64)> = None;
     for (position, &index) in kept.iter().enumerate() {
-        if skeleton.steps[index].critical {
+        let step = &skeleton.steps[index];
+        if step.critical || step.feeds.iter().any(|later| kept.contains(later)) {
             continue;
         }
         let eta = coverage_eta(&keys(Some(position)), episodes);
@@ -980,6 +1060,7 @@ mod tests {
             support: 1.0,
             failure_support: None,
             critical,
+            feeds: Vec::new(),
         }
     }
 
@@ -990,7 +1071,7 @@ mod tests {
                 step("open <1>", critical_middle),
                 step("take <1> from <2>", false),
             ],
-            branches: Vec::new(),
+            decisions: Vec::new(),
             preconditions: Vec::new(),
             pitfalls: Vec::new(),
             successes: 3,
@@ -1028,6 +1109,65 @@ mod tests {
             best_drop(&skeleton(false), &[0, 2], &held),
             None,
             "two steps stay"
+        );
+    }
+
+    #[test]
+    fn a_description_quotes_only_the_shared_words_that_say_something() {
+        assert_eq!(
+            quoted_pattern("… refund order … i …").as_deref(),
+            Some("… refund order …")
+        );
+        assert_eq!(
+            quoted_pattern("hi … i'd like to … my flight reservation").as_deref(),
+            Some("… i'd like to … my flight reservation")
+        );
+        assert_eq!(quoted_pattern("… i … to … of my …"), None);
+        assert_eq!(quoted_pattern(""), None);
+        let mut skeleton = skeleton(false);
+        fn refs(steps: &[SkeletonStep]) -> Vec<&SkeletonStep> {
+            steps.iter().collect()
+        }
+        let steps = |s: &Skeleton| -> Vec<SkeletonStep> { s.steps.clone() };
+        assert_eq!(
+            procedure_words(&refs(&steps(&skeleton))),
+            "Goes through: go to, open, take."
+        );
+        skeleton.steps[0].tool = Some("get_order".into());
+        skeleton.steps[2].tool = Some("refund_order".into());
+        skeleton.steps[1].tool = Some("get_order".into());
+        assert_eq!(
+            procedure_words(&refs(&steps(&skeleton))),
+            "Calls `get_order`, then `refund_order`."
+        );
+        assert_eq!(min_share_words(&refs(&steps(&skeleton))), "all");
+        skeleton.steps[1].support = 0.5;
+        assert_eq!(
+            template_description(&skeleton, &[0, 2]),
+            "Calls `get_order`, then `refund_order`. Mined from 3 successful run(s); each step is in all of them.",
+            "the description speaks of the kept steps"
+        );
+    }
+
+    #[test]
+    fn a_step_whose_result_a_kept_later_step_reads_is_never_dropped() {
+        let held = [
+            episode(&["go to fridge 1", "take apple 1 from fridge 1"], true),
+            episode(&["go to shelf 1", "take cup 1 from shelf 1"], true),
+        ];
+        let held = measure(&held.iter().collect::<Vec<&Node>>());
+        let mut fed = skeleton(false);
+        fed.steps[1].feeds = vec![2];
+        assert_eq!(
+            best_drop(&fed, &[0, 1, 2], &held),
+            None,
+            "the open feeds the take: it stays although the kept-back runs skip it"
+        );
+        fed.steps.push(step("put <1> in <2>", false));
+        assert_eq!(
+            best_drop(&fed, &[0, 1, 3], &held),
+            Some(1),
+            "once the step it feeds is gone, it may go too"
         );
     }
 

@@ -15,8 +15,12 @@
 //!    successes aligned to it.
 //! 3. The **skeleton** is the profile's columns with support >= `min_support`, in profile order.
 //!    A skill never holds a step under that share: that rule is what keeps skills free of
-//!    invented steps. Columns between `branch_support` and `min_support` are **branches**
-//!    (reported, not steps).
+//!    invented steps. A column that some runs replace with another (every run lacking it took
+//!    a step the skill does not hold, at the same place, that no run holding it took) is one
+//!    side of an either-or, not a step. Where the runs part ways between two steps, the
+//!    columns at least `branch_support` of them hold are a **decision point**
+//!    ([`crate::decide`]): each path with its runs, and what tells it apart when something
+//!    does.
 //! 4. Against the cluster's **failures**: a step whose success support exceeds its failure
 //!    support by `critical_gap` is **critical**; a pair A -> B that every success holding both
 //!    runs in that order, while some failure runs B without A before it, is a **precondition**
@@ -49,7 +53,7 @@ pub struct MineOptions {
     /// ... and at least this many of them, when there are that many (default 2: with two
     /// successes a step must be in both, so a skill is never the union of two stories).
     pub min_count: usize,
-    /// Columns at least this share (and under `min_support`) are reported as branches.
+    /// Columns at least this share (and not steps) are the paths of decision points.
     pub branch_support: f64,
     /// A step is critical when its success support minus its failure support is at least this.
     pub critical_gap: f64,
@@ -97,6 +101,9 @@ pub struct Signed {
     pub varying: BTreeSet<String>,
     /// For a tool call, the user agreed right before it ([`crate::flow::CallFlow::agreed`]).
     pub agreed: bool,
+    /// For a tool call, where it is in the episode: (step index, call index), one per
+    /// collapsed repeat.
+    pub at: Vec<(usize, usize)>,
 }
 
 /// A step of a skeleton.
@@ -119,6 +126,9 @@ pub struct SkeletonStep {
     pub failure_support: Option<f64>,
     /// Successes have it and failures lack it.
     pub critical: bool,
+    /// The later steps (indices into the skeleton's steps) that take an argument from this
+    /// step's result in at least half of their runs: the step is where their values come from.
+    pub feeds: Vec<usize>,
 }
 
 /// The procedure a cluster's successes share.
@@ -126,8 +136,8 @@ pub struct SkeletonStep {
 pub struct Skeleton {
     /// The steps, in order.
     pub steps: Vec<SkeletonStep>,
-    /// Less supported columns: (step text, support).
-    pub branches: Vec<(String, f64)>,
+    /// Where the successes part ways between steps ([`crate::decide`]).
+    pub decisions: Vec<crate::decide::Decision>,
     /// "Run A before B" rules.
     pub preconditions: Vec<String>,
     /// What went wrong at the skeleton's steps.
@@ -147,11 +157,11 @@ const FRAME_WORDS: [&str; 11] = [
 ];
 
 /// A preposition, or prepositions joined by `/`.
-fn is_frame_word(word: &str) -> bool {
+pub(crate) fn is_frame_word(word: &str) -> bool {
     word.split('/').all(|part| FRAME_WORDS.contains(&part))
 }
 /// The signature of a free-text turn.
-const MESSAGE: &str = "message the user";
+pub(crate) const MESSAGE: &str = "message the user";
 /// Text actions longer than this are free text (a message), not a command.
 const MAX_COMMAND_WORDS: usize = 10;
 
@@ -176,7 +186,12 @@ pub fn signatures(node: &Node) -> Vec<Signed> {
         } else {
             step.tool_calls
                 .iter()
-                .map(|call| tool_signature(call, flows.next()))
+                .enumerate()
+                .map(|(at, call)| {
+                    let mut signed = tool_signature(call, flows.next());
+                    signed.at.push((index, at));
+                    signed
+                })
                 .collect()
         };
         if let (Some(feedback), Some(last)) = (&step.feedback, signed.last_mut()) {
@@ -215,6 +230,7 @@ fn absorb_repeat(previous: &mut Signed, repeat: Signed) {
     for (mine, theirs) in previous.sources.iter_mut().zip(repeat.sources) {
         mine.extend(theirs);
     }
+    previous.at.extend(repeat.at);
 }
 
 fn tool_signature(call: &fluxmem_graph::ToolCall, flow: Option<crate::flow::CallFlow>) -> Signed {
@@ -253,6 +269,7 @@ fn tool_signature(call: &fluxmem_graph::ToolCall, flow: Option<crate::flow::Call
         values,
         error,
         varying: BTreeSet::new(),
+        at: Vec::new(),
     }
 }
 
@@ -296,6 +313,7 @@ fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
             traced: Vec::new(),
             varying: BTreeSet::new(),
             agreed: false,
+            at: Vec::new(),
         });
     }
     let (verb, rest) = if words.len() > 1 && words[0] == "go" && words[1] == "to" {
@@ -352,15 +370,16 @@ fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
         traced: Vec::new(),
         varying: BTreeSet::new(),
         agreed: false,
+        at: Vec::new(),
     })
 }
 
 /// A column of the alignment profile.
 #[derive(Debug, Clone)]
-struct Column {
-    key: String,
+pub(crate) struct Column {
+    pub(crate) key: String,
     /// The occurrences aligned to it (successes only), with their episode index.
-    occurrences: Vec<(usize, Signed)>,
+    pub(crate) occurrences: Vec<(usize, Signed)>,
 }
 
 /// Longest common subsequence of two key sequences: the matched (i, j) pairs, in order.
@@ -474,6 +493,9 @@ pub fn mine(
         .map(|(i, c)| (i, support(c)))
         .filter(|(_, s)| *s + 1e-12 >= options.min_support)
         .collect();
+    // The other side of an either-or is itself a pattern: as many runs as a step needs.
+    let min_branch = ((options.branch_support * n as f64) - 1e-9).ceil() as usize;
+    kept = without_alternatives(&profile, kept, n, min_branch.max(min_count));
     // A column next to another of the same step is one step (the alignment split a repeat).
     kept.dedup_by(|later, earlier| {
         let same = profile[later.0].key == profile[earlier.0].key;
@@ -518,49 +540,112 @@ pub fn mine(
                 failure_support,
                 critical: failure_support
                     .is_some_and(|f| share - f >= options.critical_gap - 1e-12),
+                feeds: Vec::new(),
             }
         })
         .collect();
+    let columns: Vec<&Column> = kept.iter().map(|&(i, _)| &profile[i]).collect();
+    let steps = with_feeds(steps, &columns);
     if steps.len() < 2 {
         return None;
     }
-    // Branches: steps of other columns, each step once (its best share), never a step that
-    // is already in the skeleton.
-    let kept_keys: BTreeSet<&str> = steps.iter().map(|s| s.key.as_str()).collect();
-    let mut branches: Vec<(String, f64)> = Vec::new();
-    let mut branch_keys: Vec<&str> = Vec::new();
-    for column in &profile {
-        let share = support(column);
-        // Where the steps call tools, a path is another call: the agent's short replies to
-        // the user are not one (and hold instance data).
-        let other_kind =
-            steps.iter().any(|s| s.tool.is_some()) && column.occurrences[0].1.tool.is_none();
-        if kept_keys.contains(column.key.as_str())
-            || column.key == MESSAGE
-            || other_kind
-            || share + 1e-12 < options.branch_support
-        {
-            continue;
-        }
-        match branch_keys.iter().position(|k| *k == column.key) {
-            Some(at) => branches[at].1 = branches[at].1.max(share),
-            None => {
-                branch_keys.push(&column.key);
-                branches.push((render_short(column), share));
-            }
-        }
-    }
+    let kept_columns: Vec<usize> = kept.iter().map(|&(i, _)| i).collect();
+    let decisions =
+        crate::decide::decisions(&profile, &kept_columns, successes, options.branch_support);
     let preconditions = preconditions(&steps, &sequences, &failed);
     let pitfalls = pitfalls(&steps, &sequences, &failed);
     Some(Skeleton {
         steps,
-        branches,
+        decisions,
         preconditions,
         pitfalls,
         successes: n,
         failures: failures.len(),
         task_pattern: task_pattern(successes),
     })
+}
+
+/// `kept` (profile index, support) without the steps that are one side of an either-or: a
+/// column some runs lack is an alternative, not a step, when every run lacking it took,
+/// between its neighbouring kept columns, another step of the same kind that the skill does not
+/// hold, that at least `min_branch` runs hold and no run holding it does ([`crate::decide`]
+/// shows such paths as a decision point).
+fn without_alternatives(
+    profile: &[Column],
+    kept: Vec<(usize, f64)>,
+    runs: usize,
+    min_branch: usize,
+) -> Vec<(usize, f64)> {
+    let holders =
+        |c: &Column| -> BTreeSet<usize> { c.occurrences.iter().map(|(e, _)| *e).collect() };
+    let kept_keys: BTreeSet<&str> = kept.iter().map(|&(i, _)| profile[i].key.as_str()).collect();
+    let alternative = |position: usize| -> bool {
+        let index = kept[position].0;
+        let own = holders(&profile[index]);
+        if own.len() >= runs {
+            return false;
+        }
+        let start = position.checked_sub(1).map_or(0, |p| kept[p].0 + 1);
+        let end = kept.get(position + 1).map_or(profile.len(), |k| k.0);
+        let is_tool = profile[index].occurrences[0].1.tool.is_some();
+        let mut elsewhere: BTreeSet<usize> = BTreeSet::new();
+        for (i, column) in profile.iter().enumerate().take(end).skip(start) {
+            let other = holders(column);
+            if i == index
+                || column.key == MESSAGE
+                || kept_keys.contains(column.key.as_str())
+                || column.occurrences[0].1.tool.is_some() != is_tool
+                || other.len() < min_branch
+                || !other.is_disjoint(&own)
+            {
+                continue;
+            }
+            elsewhere.extend(other);
+        }
+        (0..runs).all(|run| own.contains(&run) || elsewhere.contains(&run))
+    };
+    let drop: Vec<bool> = (0..kept.len()).map(alternative).collect();
+    kept.into_iter()
+        .zip(drop)
+        .filter(|(_, d)| !d)
+        .map(|(k, _)| k)
+        .collect()
+}
+
+/// Each step with the later steps that read its result ([`SkeletonStep::feeds`]): a later
+/// step is fed by the nearest earlier step of the tool that most of its runs (at least half)
+/// took an argument value from.
+fn with_feeds(mut steps: Vec<SkeletonStep>, columns: &[&Column]) -> Vec<SkeletonStep> {
+    for (later, column) in columns.iter().enumerate().skip(1) {
+        let runs = column.occurrences.len();
+        let mut readers: BTreeMap<&str, usize> = BTreeMap::new();
+        for (_, signed) in &column.occurrences {
+            let tools: BTreeSet<&str> = signed
+                .sources
+                .iter()
+                .flatten()
+                .filter_map(|source| match source {
+                    Source::Result { tool, .. } => Some(tool.as_str()),
+                    Source::User => None,
+                })
+                .collect();
+            for tool in tools {
+                *readers.entry(tool).or_default() += 1;
+            }
+        }
+        for (tool, count) in readers {
+            if 2 * count < runs {
+                continue;
+            }
+            let feeder = (0..later)
+                .rev()
+                .find(|&i| steps[i].tool.as_deref() == Some(tool));
+            if let Some(feeder) = feeder {
+                steps[feeder].feeds.push(later);
+            }
+        }
+    }
+    steps
 }
 
 /// The tool a mined step calls and the text after its name: the backticked name after "call"
@@ -689,7 +774,7 @@ fn slot_origin(column: &Column, i: usize) -> Option<String> {
 }
 
 /// How a column reads in a skill, without data flow (rules and checks name steps this way).
-fn render_short(column: &Column) -> String {
+pub(crate) fn render_short(column: &Column) -> String {
     let first = &column.occurrences[0].1;
     // A value is shown only when at least two runs agree on it (one run's value is instance
     // data, not part of the procedure).
@@ -854,7 +939,7 @@ fn pitfalls(
 
 /// An error message without its instance data: a word holding a digit (an id, a date, an
 /// amount) becomes `…`.
-fn instance_free(text: &str) -> String {
+pub(crate) fn instance_free(text: &str) -> String {
     text.split(' ')
         .map(|word| {
             if word.chars().any(|c| c.is_ascii_digit()) {
@@ -1156,12 +1241,12 @@ mod tests {
         );
         assert!(skeleton.steps.iter().all(|s| s.support >= 0.5));
         assert!(
-            skeleton
-                .branches
+            skeleton.decisions.iter().any(|d| d
+                .paths
                 .iter()
-                .any(|(text, share)| text == "Open `object`." && (*share - 1.0 / 3.0).abs() < 1e-9),
-            "the open is a branch, its one run's value not shown: {:?}",
-            skeleton.branches
+                .any(|p| p.steps == ["Open `object`."] && p.runs == 1 && d.runs == 3)),
+            "the open is one run's path, its value not shown: {:#?}",
+            skeleton.decisions
         );
         assert_eq!(skeleton.task_pattern, "clean some … and put it in fridge");
         let take = texts.iter().position(|t| t.starts_with("Take")).unwrap();
@@ -1330,6 +1415,9 @@ mod tests {
             ],
             "{texts:#?}"
         );
+        // The user record feeds both later steps, the reservation the payment.
+        let feeds: Vec<&[usize]> = skeleton.steps.iter().map(|s| s.feeds.as_slice()).collect();
+        assert_eq!(feeds, [&[1, 2][..], &[2][..], &[][..]]);
         // The scratchpad tool (every result empty, never used later) is not a step; the tool
         // whose results feed nothing is the acting one and names the procedure.
         assert!(!texts.iter().any(|t| t.contains("think")));

@@ -18,6 +18,9 @@ pub struct SkillText {
     /// Preconditions and pitfalls, from the logs (empty for a generator's own skill).
     #[serde(default)]
     pub pitfalls: Vec<String>,
+    /// Where the successful runs part ways, from the logs ([`crate::decide`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub decisions: Vec<String>,
 }
 
 /// Characters kept of a name.
@@ -33,6 +36,12 @@ impl SkillText {
         );
         for (i, step) in self.steps.iter().enumerate() {
             text.push_str(&format!("{}. {}\n", i + 1, step));
+        }
+        if !self.decisions.is_empty() {
+            text.push_str("Decision points:\n");
+            for decision in &self.decisions {
+                text.push_str(&format!("- {decision}\n"));
+            }
         }
         if !self.pitfalls.is_empty() {
             text.push_str("Pitfalls:\n");
@@ -311,6 +320,7 @@ fn parse_json(text: &str) -> Option<SkillText> {
         description: as_text(field(&["description", "Description"])),
         steps,
         pitfalls: Vec::new(),
+        decisions: Vec::new(),
     })
 }
 
@@ -333,6 +343,7 @@ fn parse_keyed(text: &str) -> Result<SkillText, String> {
         description: String::new(),
         steps: Vec::new(),
         pitfalls: Vec::new(),
+        decisions: Vec::new(),
     };
     let mut section = Section::None;
     let mut first_plain: Option<String> = None;

@@ -318,6 +318,12 @@ pub fn skill_text(skill: &SkillRecord) -> String {
     for (i, step) in skill.steps.iter().enumerate() {
         text.push_str(&format!("{}. {step}\n", i + 1));
     }
+    if !skill.decisions.is_empty() {
+        text.push_str("\nDecision points:\n");
+        for decision in &skill.decisions {
+            text.push_str(&format!("- {decision}\n"));
+        }
+    }
     if !skill.pitfalls.is_empty() {
         text.push_str("\nChecks:\n");
         for pitfall in &skill.pitfalls {
