@@ -194,6 +194,8 @@ pub struct ClusterReport {
 pub struct ConsolidateReport {
     /// Episodes clustered.
     pub episodes: usize,
+    /// Episode and skill nodes read from the store: with a tenant, that tenant's only.
+    pub nodes_read: usize,
     /// Clusters formed.
     pub clusters: usize,
     /// Skills created.
@@ -263,7 +265,7 @@ pub fn consolidate_store(
     device: &Device,
     progress: &mut dyn Progress,
 ) -> Result<ConsolidateReport> {
-    let mut graph = read(writer)?;
+    let mut graph = read(writer, options.tenant.as_deref())?;
     let outcome_sources = believe_outcomes(&mut graph, options);
     let model = models.embedder.model_id().to_string();
     if let Some(stored) = &writer.manifest().embedding_model {
@@ -285,6 +287,7 @@ pub fn consolidate_store(
         judge_model,
         embedding_model: model.clone(),
         outcome_sources,
+        nodes_read: graph.nodes.len(),
         ..Default::default()
     };
     let generator_start = generator_usage(models);
@@ -880,14 +883,39 @@ fn believe_outcomes(graph: &mut Graph, options: &ConsolidateOptions) -> BTreeMap
 /// their tool calls), their vectors, the distill edges (a new version retires its
 /// predecessor's) and the `skill_failed` records of the edit log; not the facts, the ground
 /// and link edges or the rest of the edit log, which are most of a store.
-fn read(writer: &Writer) -> Result<Graph> {
+fn read(writer: &Writer, tenant: Option<&str>) -> Result<Graph> {
     let store = writer.store();
+    // One tenant's run reads that tenant's episodes and skills only: their ids come from the
+    // id, tenant and kind columns of the node shards, and every other read is filtered on
+    // them before a row is decoded.
+    let ids: Option<BTreeSet<NodeId>> = match tenant {
+        None => None,
+        Some(tenant) => {
+            let kinds = store.node_kinds(writer.manifest())?;
+            Some(
+                store
+                    .node_tenants(writer.manifest())?
+                    .into_iter()
+                    .filter(|(id, owner)| {
+                        owner == tenant
+                            && matches!(
+                                kinds.get(id),
+                                Some(NodeKind::Episodic | NodeKind::Procedural)
+                            )
+                    })
+                    .map(|(id, _)| id)
+                    .collect(),
+            )
+        }
+    };
     let scan = Scan {
         nodes: true,
+        nodes_of: ids.clone(),
         node_kinds: vec![NodeKind::Episodic, NodeKind::Procedural],
-        steps: Rows::All,
+        steps: ids.clone().map_or(Rows::All, Rows::Of),
         edges: true,
         edge_kinds: vec![EdgeKind::Distill],
+        edges_from: ids,
         edits: true,
         edit_kinds: vec!["skill_failed".into()],
         ..Default::default()

@@ -1880,3 +1880,60 @@ fn outcomes_of_sources_not_believed_count_as_unknown_and_are_reported() {
         ]
     );
 }
+
+#[test]
+fn a_tenants_consolidation_reads_that_tenants_episodes_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    // Tenant `a` has one family; `b`, beside it, has three times as many episodes, and a fact.
+    let mut episodes: Vec<Node> = (0..6).map(|i| episode("kitchen", i, i < 5)).collect();
+    for node in &mut episodes {
+        node.tenant = "a".into();
+        node.id = Node::new(node.body.clone(), "a", &node.text, &["a", &node.text]).id;
+    }
+    let mut others = three_families(6);
+    for node in &mut others {
+        node.tenant = "b".into();
+        node.id = Node::new(node.body.clone(), "b", &node.text, &["b", &node.text]).id;
+    }
+    others.push(Node::new(
+        NodeBody::Semantic(fluxmem_graph::Semantic {
+            source: "notes.md".into(),
+            position: 0,
+            time: None,
+            group: None,
+        }),
+        "b",
+        "a fact of b",
+        &["b", "fact"],
+    ));
+    let (a_episodes, b_episodes) = (episodes.len(), others.len() - 1);
+    episodes.extend(others);
+    add_episodes(&store, episodes);
+    let mut generator = Scripted::new(family_skill);
+    let report = run(
+        &store,
+        &mut generator,
+        None,
+        &ConsolidateOptions {
+            tenant: Some("a".into()),
+            ..options(1)
+        },
+    );
+    assert_eq!(report.episodes, a_episodes);
+    assert_eq!(
+        report.nodes_read, a_episodes,
+        "only a's episodes are read, not b's {b_episodes} nor its fact"
+    );
+    let graph = load(&store);
+    let skills: Vec<&Node> = graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == NodeKind::Procedural)
+        .collect();
+    assert!(!skills.is_empty());
+    assert!(skills.iter().all(|s| s.tenant == "a"));
+    // The whole store's run reads every tenant's episodes and a's skill, still no fact.
+    let all = run(&store, &mut generator, None, &options(1));
+    assert_eq!(all.nodes_read, a_episodes + b_episodes + skills.len());
+}
