@@ -2032,3 +2032,154 @@ fn spans_fluxmem_does_not_read_are_quarantined_with_what_they_were_never_an_empt
         "{reason}"
     );
 }
+
+#[test]
+fn pydantic_ai_runs_are_episodes_with_retries_errors_and_outcomes() {
+    // Written by pydantic-ai's own instrumentation, versions 5 and 6, with a scripted model
+    // (scripts/fixtures/pydantic_ai_traces.py): `invoke_agent`, `chat` and `execute_tool` spans;
+    // a tool that asks the model to retry, and a tool that raises and fails the run.
+    let store = tempfile::tempdir().unwrap();
+    let file = fixture("pydantic-ai.jsonl");
+    assert_eq!(
+        Format::detect(&file, &std::fs::read(&file).unwrap()),
+        Some(Format::Otel)
+    );
+    let report = run(store.path(), &[file], &IngestOptions::default());
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (6, 6, 0),
+        "one episode per run and instrumentation version: {report:?}"
+    );
+    let graph = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .load()
+        .unwrap();
+    let mut by_task: std::collections::BTreeMap<&str, Vec<&fluxmem_graph::Node>> =
+        Default::default();
+    for node in graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == NodeKind::Episodic)
+    {
+        by_task.entry(node.text.as_str()).or_default().push(node);
+    }
+    let seen = |node: &fluxmem_graph::Node| -> Seen {
+        let episode = node.episode().unwrap();
+        (
+            episode
+                .steps
+                .iter()
+                .flat_map(|s| {
+                    s.tool_calls
+                        .iter()
+                        .map(|c| (c.name.clone(), c.result.clone()))
+                })
+                .collect(),
+            episode
+                .steps
+                .iter()
+                .rev()
+                .find(|s| !s.action.is_empty())
+                .map(|s| s.action.clone())
+                .unwrap_or_default(),
+            episode.outcome.success,
+            node.outcome_source().to_string(),
+        )
+    };
+    let expected: [(&str, Seen); 3] = [
+        (
+            "Please refund my order C-3001, it arrived broken.",
+            (
+                vec![
+                    call(
+                        "get_order",
+                        Some("{\"order_id\": \"C-3001\", \"status\": \"delivered\"}"),
+                    ),
+                    call(
+                        "refund_order",
+                        Some("{\"order_id\": \"C-3001\", \"refunded\": true}"),
+                    ),
+                ],
+                "Your order C-3001 is refunded.".to_string(),
+                Some(true),
+                "inferred".to_string(),
+            ),
+        ),
+        (
+            "Where is my order? The number is C-3999, or maybe C-3002.",
+            (
+                vec![
+                    call(
+                        "get_order",
+                        Some("no order C-3999; ask the user for the right id"),
+                    ),
+                    call(
+                        "get_order",
+                        Some("{\"order_id\": \"C-3002\", \"status\": \"shipped\"}"),
+                    ),
+                ],
+                "Order C-3002 has shipped.".to_string(),
+                Some(true),
+                "inferred".to_string(),
+            ),
+        ),
+        (
+            "Refund C-3002 please.",
+            (
+                vec![
+                    call(
+                        "get_order",
+                        Some("{\"order_id\": \"C-3002\", \"status\": \"shipped\"}"),
+                    ),
+                    call("refund_order", None),
+                ],
+                String::new(),
+                Some(false),
+                "status".to_string(),
+            ),
+        ),
+    ];
+    for (task, want) in &expected {
+        let runs = &by_task[task];
+        assert_eq!(runs.len(), 2, "{task}: versions 5 and 6");
+        for node in runs {
+            assert_eq!(&seen(node), want, "{task}");
+            assert_eq!(node.tenant, "acme-support");
+            assert!(node.metadata["conversation_id"]
+                .as_str()
+                .is_some_and(|id| !id.is_empty()));
+        }
+    }
+    // The retried call says why, and the raising tool's step carries the exception.
+    for node in &by_task["Where is my order? The number is C-3999, or maybe C-3002."] {
+        let feedback = node.episode().unwrap().steps[0].feedback.as_deref();
+        assert!(
+            feedback.is_some_and(|f| f.contains("no order C-3999")),
+            "{feedback:?}"
+        );
+    }
+    for node in &by_task["Refund C-3002 please."] {
+        let steps = &node.episode().unwrap().steps;
+        assert!(steps[1]
+            .feedback
+            .as_deref()
+            .is_some_and(|f| f.contains("refund of C-3002 refused: not delivered")));
+        assert!(node
+            .episode()
+            .unwrap()
+            .outcome
+            .feedback
+            .as_deref()
+            .is_some_and(|f| f.contains("not delivered")));
+    }
+    // The system prompt is the tenant's one semantic node.
+    let facts: Vec<&fluxmem_graph::Node> = graph
+        .nodes
+        .values()
+        .filter(|n| n.episode().is_none())
+        .collect();
+    assert_eq!(facts.len(), 1);
+    assert!(facts[0]
+        .text
+        .contains("Look an order up before changing it"));
+}
