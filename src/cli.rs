@@ -296,7 +296,8 @@ pub struct RefineArgs {
 #[derive(Debug, Args)]
 pub struct LoopArgs {
     /// Self-verification rounds T of Stage II (0: Stage I only). Verifier: the judge when
-    /// --judge llm, else key-term coverage.
+    /// --judge llm, else key-term coverage. An edit after which the verifier scores the context
+    /// no higher is undone, and the loop ends there.
     #[arg(long, default_value_t = 0)]
     pub refine_rounds: usize,
     /// Node Reshape rewrites with this generator (a name from `fluxmem models list`); by

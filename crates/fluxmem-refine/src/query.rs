@@ -13,6 +13,12 @@
 //!
 //! (If the chosen edit finds nothing to do, the next one in the order prune, expand is tried.)
 //!
+//! **An edit stays only when it helps, by the verifier's own judgement**: the next round's
+//! context must score strictly higher than the one before the edit. If it does not, the edit is
+//! undone (the delta, this query's prunes, swaps and links return to what they were) and the
+//! loop ends on the context before it, with the attribution `no gain`: a verifier that cannot
+//! tell what would help leaves the Stage I context as it was.
+//!
 //! - **Link Expand** gathers inactive nodes: the query's next dense/hybrid candidates not in the
 //!   context, the BM25 matches of the feedback (the key terms the verifier found missing), and
 //!   graph neighbours of the best items (the turns before and after them in the same source
@@ -115,12 +121,15 @@ pub struct Round {
     pub sufficiency: f32,
     /// Items in the context.
     pub items: usize,
-    /// `sufficient`, `over-connection`, `redundancy`, `granularity`, `under-connection` or `stuck`
-    /// (no edit found).
+    /// `sufficient`, `over-connection`, `redundancy`, `granularity`, `under-connection`, `stuck`
+    /// (no edit found) or `no gain` (the last edit was undone: the loop ended on the context
+    /// before it).
     pub attribution: String,
     /// The edit applied after this round (`link_prune`, `node_merge`, `node_reshape`,
     /// `link_expand`), if any.
     pub edit: Option<String>,
+    /// The edit did not raise the verifier's score of the context, and was undone.
+    pub undone: bool,
     /// The nodes of this round's context, in order (what the edit after it changed).
     pub context: Vec<NodeId>,
 }
@@ -311,16 +320,52 @@ pub fn refine_query(
         tenant: index.tenant(),
     };
     let mut excluded: BTreeSet<NodeId> = BTreeSet::new();
-    let mut rounds = Vec::new();
+    let mut rounds: Vec<Round> = Vec::new();
     let mut attempted = Vec::new();
     let mut created_links: Vec<EdgeKey> = Vec::new();
     // This query's swaps: (item out, item in), each new item in the place of the context item
     // the verifier scored lowest.
     let mut swaps: Vec<(NodeId, NodeId)> = Vec::new();
+    // The loop's state before the last edit, with the verifier's score of its context.
+    let mut before_edit: Option<BeforeEdit> = None;
     loop {
         let ranking = swap(arrange(&view, stage1, &excluded, options.anchors), &swaps);
         let context = pack_view(&view, &ranking, options.budget, models.count_tokens)?;
         let sufficiency = models.verifier.sufficient(query, &context.text())?;
+        // An edit stays only when the verifier scores the context it made higher than the one
+        // before it; otherwise it is undone and the loop stops (it cannot tell what would help).
+        if let Some(kept) = before_edit.take() {
+            let before = kept.sufficiency;
+            if sufficiency <= before {
+                view.delta = kept.delta;
+                excluded = kept.excluded;
+                swaps = kept.swaps;
+                created_links.truncate(kept.links);
+                if let Some(last) = rounds.last_mut() {
+                    last.undone = true;
+                }
+                let ranking = swap(arrange(&view, stage1, &excluded, options.anchors), &swaps);
+                let context = pack_view(&view, &ranking, options.budget, models.count_tokens)?;
+                rounds.push(Round {
+                    sufficiency: before,
+                    items: context.items.len(),
+                    attribution: "no gain".into(),
+                    edit: None,
+                    undone: false,
+                    context: ids(&context),
+                });
+                let new_nodes = view.delta.nodes.values().cloned().collect();
+                return Ok(LoopOutcome {
+                    ranking,
+                    context,
+                    rounds,
+                    sufficient: false,
+                    delta: Graph::default(),
+                    attempted,
+                    new_nodes,
+                });
+            }
+        }
         let sufficient = sufficiency
             >= options
                 .sufficient_at
@@ -336,6 +381,7 @@ pub fn refine_query(
                 items: context.items.len(),
                 attribution: attribution.into(),
                 edit: None,
+                undone: false,
                 context: ids(&context),
             });
             let new_nodes = view.delta.nodes.values().cloned().collect();
@@ -362,6 +408,13 @@ pub fn refine_query(
                 new_nodes,
             });
         }
+        before_edit = Some(BeforeEdit {
+            delta: view.delta.clone(),
+            excluded: excluded.clone(),
+            swaps: swaps.clone(),
+            links: created_links.len(),
+            sufficiency,
+        });
         let lines: Vec<&str> = context.items.iter().map(|i| i.line.as_str()).collect();
         let scores = models.verifier.item_scores(query, &lines)?;
         let below = models.verifier.distractor_below();
@@ -483,6 +536,7 @@ pub fn refine_query(
                     items: context.items.len(),
                     attribution,
                     edit: Some(kind),
+                    undone: false,
                     context: ids(&context),
                 });
             }
@@ -492,6 +546,7 @@ pub fn refine_query(
                     items: context.items.len(),
                     attribution: "stuck".into(),
                     edit: None,
+                    undone: false,
                     context: ids(&context),
                 });
                 let new_nodes = view.delta.nodes.values().cloned().collect();
@@ -507,6 +562,17 @@ pub fn refine_query(
             }
         }
     }
+}
+
+/// The loop's state before an edit, to undo it when it brings no gain.
+struct BeforeEdit {
+    delta: Graph,
+    excluded: BTreeSet<NodeId>,
+    swaps: Vec<(NodeId, NodeId)>,
+    /// Links created before the edit.
+    links: usize,
+    /// The verifier's score of the context before the edit.
+    sufficiency: f32,
 }
 
 fn ids(context: &Context) -> Vec<NodeId> {

@@ -98,6 +98,36 @@ impl Verifier for Scripted {
     }
 }
 
+/// A verifier whose every context scores a little higher than the one before (0.1, 0.2, ...),
+/// never sufficient under 0.5: each edit counts as a gain.
+struct Rising {
+    inner: Scripted,
+    verified: usize,
+}
+
+impl Verifier for Rising {
+    fn sufficient(&mut self, query: &str, context: &str) -> fluxmem_refine::Result<f32> {
+        self.inner.sufficient(query, context)?;
+        self.verified += 1;
+        Ok(0.1 * self.verified as f32)
+    }
+    fn item_scores(&mut self, query: &str, items: &[&str]) -> fluxmem_refine::Result<Vec<f32>> {
+        self.inner.item_scores(query, items)
+    }
+    fn sufficient_at(&self) -> f32 {
+        self.inner.sufficient_at()
+    }
+    fn distractor_below(&self) -> f32 {
+        self.inner.distractor_below()
+    }
+    fn usage(&self) -> Usage {
+        self.inner.usage()
+    }
+    fn name(&self) -> String {
+        "rising".into()
+    }
+}
+
 fn words(text: &str) -> fluxmem_connect::Result<usize> {
     Ok(text.split_whitespace().count())
 }
@@ -106,6 +136,16 @@ fn run(
     graph: &Graph,
     stage1: &[Candidate],
     verifier: &mut Scripted,
+    options: &LoopOptions,
+    embedder: &HashEmbedder,
+) -> LoopOutcome {
+    run_with(graph, stage1, verifier, options, embedder)
+}
+
+fn run_with(
+    graph: &Graph,
+    stage1: &[Candidate],
+    verifier: &mut dyn Verifier,
     options: &LoopOptions,
     embedder: &HashEmbedder,
 ) -> LoopOutcome {
@@ -383,18 +423,36 @@ fn a_failed_loop_keeps_nothing_and_stops_after_t_rounds() {
         score: |_| 0.9,
         calls: 0,
     };
-    let outcome = run(&graph, &stage1, &mut verifier, &OPTIONS, &embedder);
+    let mut rising = Rising {
+        inner: Scripted {
+            enough: |_| false,
+            score: |_| 0.9,
+            calls: 0,
+        },
+        verified: 0,
+    };
+    let outcome = run_with(&graph, &stage1, &mut rising, &OPTIONS, &embedder);
     assert!(!outcome.sufficient);
     assert_eq!(
         outcome.rounds.len(),
         OPTIONS.rounds + 1,
-        "T edits, T + 1 verifications"
+        "T edits, each raising the score, T + 1 verifications"
     );
+    assert!(outcome.rounds.iter().all(|r| !r.undone));
     assert!(!outcome.attempted.is_empty());
     assert!(
         outcome.delta.is_empty(),
         "edits of a failed loop do not persist"
     );
+    // An edit after which the verifier scores the context no higher is undone, and the loop
+    // stops on the context before it.
+    let flat = run(&graph, &stage1, &mut verifier, &OPTIONS, &embedder);
+    assert_eq!(flat.rounds.len(), 2, "{:?}", flat.rounds);
+    assert!(flat.rounds[0].edit.is_some() && flat.rounds[0].undone);
+    assert_eq!(flat.rounds[1].attribution, "no gain");
+    assert_eq!(flat.rounds[1].context, flat.rounds[0].context);
+    assert_eq!(context_ids(&flat), flat.rounds[0].context);
+    assert!(flat.delta.is_empty());
     // T = 0 is Stage I: one verification, no edit.
     let zero = run(
         &graph,
