@@ -46,6 +46,12 @@ pub fn run(args: EmbedArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             seconds,
             embedder.model_id()
         );
+        if report.changed > 0 {
+            println!(
+                "{} of them grew since their vector was made (a conversation logged again, longer): their stale vectors were replaced",
+                report.changed
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -47,6 +47,12 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             "read {} records from {} files: {} ingested, {} duplicates, {} quarantined ({} nodes added, {} commits)",
             report.read, report.files, report.ingested, report.duplicates, report.quarantined, report.nodes_added, report.commits
         );
+        if report.grown + report.conflicting > 0 {
+            println!(
+                "{} of the ingested are longer versions of stored conversations (replaced them, `episode_grown` edits), {} contradict a stored version (kept apart, `conflicts_with`)",
+                report.grown, report.conflicting
+            );
+        }
         if report.unchanged_files > 0 {
             println!(
                 "{} files unchanged since they were ingested: not read again (--reread reads them)",

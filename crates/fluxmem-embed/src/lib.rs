@@ -105,6 +105,10 @@ pub struct EmbedReport {
     pub embedded: usize,
     /// Nodes whose vector came from the text-hash cache.
     pub cached: usize,
+    /// Of the nodes embedded (by the model or the cache): episodes that grew since their vector
+    /// was made (a conversation logged again, longer: ingest's `episode_grown` edits), whose
+    /// stale vector was replaced.
+    pub changed: usize,
     /// Commits made.
     pub commits: usize,
 }
@@ -145,9 +149,15 @@ pub fn embed_store(
     let stored = reader.live(&manifest, "embeddings")?;
     // The nodes with a vector of the model, as 16-byte digests of their ids (not the ids).
     let mut embedded: HashSet<[u8; 16], Fast> = HashSet::default();
-    stored.embedding_keys(&mut |node, m, _| {
+    // Episodes that grew after they were embedded may hold a stale vector: their stored hashes.
+    let grown = grown_episodes(writer)?;
+    let mut grown_hashes: BTreeMap<NodeId, String> = BTreeMap::new();
+    stored.embedding_keys(&mut |node, m, hash| {
         if m == model {
             embedded.insert(digest(node));
+            if let Some(id) = grown.get(&NodeId(node.to_string())) {
+                grown_hashes.insert(id.clone(), hash.to_string());
+            }
         }
     })?;
     let mut nodes = 0usize;
@@ -159,6 +169,8 @@ pub fn embed_store(
         }
     })?;
     drop(embedded);
+    let stale = stale_vectors(writer, grown_hashes, options)?;
+    lacking.extend(stale.iter().cloned());
     // In id order: windows and commit boundaries depend only on the data.
     lacking.sort_unstable();
     // The node holding each text's vector, for texts a node to embed repeats: of the stored
@@ -250,8 +262,15 @@ pub fn embed_store(
                 progress,
             )?;
             if !delta.is_empty() {
-                // Vectors only for nodes without one (of this model, the store's only one): new keys.
-                writer.commit_new(&delta, commit_info(run_id, &report, &model))?;
+                // Vectors only for nodes without one (of this model, the store's only one): new
+                // keys; a chunk with a grown episode's vector replaces its stale one.
+                let replaces = chunk.iter().filter(|(id, _)| stale.contains(id)).count();
+                report.changed += replaces;
+                if replaces > 0 {
+                    writer.commit(&delta, commit_info(run_id, &report, &model))?;
+                } else {
+                    writer.commit_new(&delta, commit_info(run_id, &report, &model))?;
+                }
                 report.commits += 1;
                 for embedding in delta.embeddings.into_values() {
                     ran.entry(embedding.text_sha256)
@@ -261,6 +280,61 @@ pub fn embed_store(
         }
     }
     Ok(report)
+}
+
+/// The episodes ingest replaced with a longer version (`episode_grown` edits), read off the
+/// edit log's kind column first.
+fn grown_episodes(writer: &Writer) -> Result<BTreeSet<NodeId>> {
+    let edits = writer
+        .store()
+        .scan_at(
+            writer.manifest(),
+            &Scan {
+                edits: true,
+                edit_kinds: vec!["episode_grown".into()],
+                ..Default::default()
+            },
+        )?
+        .edits;
+    Ok(edits
+        .iter()
+        .filter_map(|e| e.target.strip_prefix("node:"))
+        .map(|id| NodeId(id.to_string()))
+        .collect())
+}
+
+/// Of the grown episodes with a vector (`stored`: their vectors' text hashes), this shard's
+/// whose text now hashes otherwise: their vectors are stale.
+fn stale_vectors(
+    writer: &Writer,
+    stored: BTreeMap<NodeId, String>,
+    options: &EmbedOptions,
+) -> Result<BTreeSet<NodeId>> {
+    let ids: BTreeSet<NodeId> = stored
+        .keys()
+        .filter(|id| options.shard.owns(id.as_str()))
+        .cloned()
+        .collect();
+    if ids.is_empty() {
+        return Ok(BTreeSet::new());
+    }
+    let nodes = writer
+        .store()
+        .scan_at(
+            writer.manifest(),
+            &Scan {
+                nodes: true,
+                nodes_of: Some(ids.clone()),
+                steps: Rows::Of(ids),
+                ..Default::default()
+            },
+        )?
+        .nodes;
+    Ok(nodes
+        .values()
+        .filter(|n| stored.get(&n.id) != Some(&sha256_hex(n.embedding_text().as_bytes())))
+        .map(|n| n.id.clone())
+        .collect())
 }
 
 /// The digest set's hash (the keys are digests already): fast, seeded fixed.

@@ -307,3 +307,91 @@ fn a_later_night_reads_repeated_texts_back_from_the_history() {
         (0, 0, 12, 0)
     );
 }
+
+#[test]
+fn an_episode_that_grew_after_it_was_embedded_is_embedded_again() {
+    use fluxmem_graph::{Changed, Edit, Episode, Outcome, Step};
+    let episode = |actions: &[&str]| {
+        let steps = actions
+            .iter()
+            .map(|a| Step {
+                action: a.to_string(),
+                ..Step::default()
+            })
+            .collect();
+        Node::new(
+            NodeBody::Episodic(Episode {
+                steps,
+                outcome: Outcome::default(),
+            }),
+            "default",
+            "refund my order",
+            &["conversation-1"],
+        )
+    };
+    let dir = store_with(&["a fact"]);
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let short = episode(&["look the order up"]);
+    let mut night = Graph::default();
+    night.insert_node(short.clone());
+    writer
+        .commit(
+            &night,
+            CommitInfo {
+                stage: "ingest".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let embedder = Counting::new(usize::MAX);
+    let options = EmbedOptions::default();
+    let first = embed_store(&mut writer, &embedder, &options, "r1", &mut NoProgress).unwrap();
+    assert_eq!((first.embedded, first.changed), (2, 0));
+    // The conversation logged again, longer, on the next night.
+    let long = episode(&["look the order up", "refund it"]);
+    assert_eq!(long.id, short.id);
+    let mut night = Graph::default();
+    night.insert_node(long.clone());
+    night.edits.push(Edit::new(
+        "ingest",
+        "night-2",
+        "episode_grown",
+        Changed::Node(Some(&short), Some(&long)),
+        "a later version",
+        0,
+    ));
+    writer
+        .commit(
+            &night,
+            CommitInfo {
+                stage: "ingest".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let second = embed_store(&mut writer, &embedder, &options, "r2", &mut NoProgress).unwrap();
+    assert_eq!(
+        (
+            second.embedded + second.cached,
+            second.changed,
+            second.already
+        ),
+        (1, 1, 1),
+        "{second:?}"
+    );
+    let graph = writer.store().load().unwrap();
+    let stored = graph
+        .embeddings
+        .values()
+        .find(|e| e.node_id == long.id)
+        .unwrap();
+    assert_eq!(
+        stored.text_sha256,
+        fluxmem_graph::sha256_hex(long.embedding_text().as_bytes()),
+        "the vector is of the grown text"
+    );
+    assert_eq!(graph.embeddings.len(), 2, "replaced, not added");
+    // Embedded again, nothing is stale: the next run does nothing.
+    let third = embed_store(&mut writer, &embedder, &options, "r3", &mut NoProgress).unwrap();
+    assert_eq!((third.embedded, third.cached, third.changed), (0, 0, 0));
+}

@@ -10,7 +10,9 @@
 //!   (records by their node id, rejections by file and line), the rest counted as `other_shards`;
 //! - a bad record (bad JSON, wrong type, missing field, invalid UTF-8, oversize) goes to the
 //!   run's quarantine file with its file, line, field and reason, and the batch goes on;
-//! - node ids are content-addressed, so a record already stored is a duplicate and adds nothing;
+//! - node ids are content-addressed (a conversation's by its logged id), so a record already
+//!   stored is a duplicate and adds nothing, unless it is a later, longer version of a stored
+//!   conversation: then it replaces it under the same id, with an `episode_grown` edit (`grow`);
 //! - a line or file must hold exactly one JSON value (content after it quarantines the record);
 //!   lines end at `\n`, `\r\n` or a lone `\r`; timestamps must fall in the years 1970..=9999;
 //! - what fluxmem writes (the store being written, other stores, exports, run reports) is never
@@ -34,6 +36,7 @@ mod chat;
 mod compress;
 mod docs;
 mod error;
+mod grow;
 mod jsonl;
 mod layouts;
 mod ledger;
@@ -203,8 +206,14 @@ impl Default for IngestOptions {
 pub struct IngestReport {
     /// Records read.
     pub read: u64,
-    /// Records stored for the first time.
+    /// Records stored: new, or a longer version of a stored conversation (`grown`).
     pub ingested: u64,
+    /// Of `ingested`: later, longer versions of a stored conversation, which replaced it
+    /// (`episode_grown` edits; see `grow.rs`).
+    pub grown: u64,
+    /// Of `ingested`: versions of a stored conversation that contradict it (neither is a prefix
+    /// of the other), stored as episodes of their own, marked `conflicts_with`.
+    pub conflicting: u64,
     /// Records already stored (or seen earlier in this run).
     pub duplicates: u64,
     /// Records sent to the quarantine file.
@@ -274,6 +283,7 @@ pub fn ingest(
             .then(|| ledger::Ledger::open(&writer_dir, options)),
         awaiting: Vec::new(),
         group: (0, 0),
+        pending_replaces: false,
     };
     for skipped in &expanded.skipped {
         progress.notice(
@@ -364,6 +374,9 @@ struct Run<'a> {
     awaiting: Vec<(String, u64, i128, String)>,
     /// Files and bytes read since the last commit.
     group: (usize, u64),
+    /// The pending delta replaces stored episodes (grown conversations): it commits with
+    /// [`Writer::commit`], not `commit_new`.
+    pending_replaces: bool,
 }
 
 impl Run<'_> {
@@ -522,7 +535,7 @@ impl Run<'_> {
                 Ok(())
             }
             Parsed::Rejected(rejected) => self.quarantine(rejected, progress),
-            Parsed::Record(record) => {
+            Parsed::Record(mut record) => {
                 self.report.read += 1;
                 let Some(own) = record.nodes.first() else {
                     return Ok(());
@@ -531,13 +544,25 @@ impl Run<'_> {
                     self.report.other_shards += 1;
                     return Ok(());
                 }
+                // A grown episode replaces the stored one under its known id.
+                let mut replaces = false;
                 if self.known.contains(own.id.as_str()) {
-                    self.report.duplicates += 1;
-                    return Ok(());
+                    match self.known_again(&mut record)? {
+                        grow::Growth::Nothing => {
+                            self.report.duplicates += 1;
+                            return Ok(());
+                        }
+                        grow::Growth::Grows => {
+                            self.report.grown += 1;
+                            replaces = true;
+                        }
+                        grow::Growth::Contradicts => self.report.conflicting += 1,
+                    }
                 }
                 self.report.ingested += 1;
-                for mut node in record.nodes {
-                    if self.known.insert(node.id.as_str()) {
+                for (i, mut node) in record.nodes.into_iter().enumerate() {
+                    let added = self.known.insert(node.id.as_str());
+                    if added || (i == 0 && replaces) {
                         if node.episode().is_some() {
                             outcome::label(&mut node);
                             *self
@@ -546,7 +571,7 @@ impl Run<'_> {
                                 .entry(node.outcome_source().to_string())
                                 .or_default() += 1;
                         }
-                        self.report.nodes_added += 1;
+                        self.report.nodes_added += u64::from(added);
                         self.pending.insert_node(node);
                     }
                 }
@@ -557,6 +582,62 @@ impl Run<'_> {
                 Ok(())
             }
         }
+    }
+
+    /// A record whose episode id is known: compared with the stored version (this run's pending
+    /// one first), see [`grow`]. A growth replaces the episode in the record (its id is then
+    /// taken off `known` so the record's loop stores it, and an `episode_grown` edit holds the
+    /// version it replaces); a contradiction gives it an id of its own.
+    fn known_again(&mut self, record: &mut Record) -> Result<grow::Growth> {
+        let own = &record.nodes[0];
+        if own.episode().is_none() {
+            return Ok(grow::Growth::Nothing);
+        }
+        let stored = match self.pending.nodes.get(&own.id) {
+            Some(node) => Some(node.clone()),
+            None => self.stored(&own.id)?,
+        };
+        let Some(stored) = stored else {
+            return Ok(grow::Growth::Nothing);
+        };
+        let growth = grow::compare(&stored, own);
+        let new = record.nodes.remove(0);
+        match growth {
+            grow::Growth::Nothing => {}
+            grow::Growth::Grows => {
+                let node = grow::grown(&stored, new);
+                let reason = format!(
+                    "a later version of the conversation: {} steps, were {}",
+                    node.episode().map_or(0, |e| e.steps.len()),
+                    stored.episode().map_or(0, |e| e.steps.len())
+                );
+                self.pending.edits.push(fluxmem_graph::Edit::new(
+                    "ingest",
+                    self.run_id,
+                    "episode_grown",
+                    fluxmem_graph::Changed::Node(Some(&stored), Some(&node)),
+                    &reason,
+                    node.created_at.unwrap_or(0),
+                ));
+                self.pending_replaces |= !self.pending.nodes.contains_key(&node.id);
+                record.nodes.insert(0, node);
+            }
+            grow::Growth::Contradicts => record.nodes.insert(0, grow::apart(&stored, new)),
+        }
+        Ok(growth)
+    }
+
+    /// The stored node `id` with its steps, if the store holds it.
+    fn stored(&self, id: &fluxmem_graph::NodeId) -> Result<Option<fluxmem_graph::Node>> {
+        let of: std::collections::BTreeSet<fluxmem_graph::NodeId> = [id.clone()].into();
+        let scan = fluxmem_store::Scan {
+            nodes: true,
+            nodes_of: Some(of.clone()),
+            steps: fluxmem_store::Rows::Of(of),
+            ..Default::default()
+        };
+        let mut graph = self.writer.store().scan_at(self.writer.manifest(), &scan)?;
+        Ok(graph.nodes.remove(id))
     }
 
     fn quarantine(&mut self, rejected: Rejected, progress: &mut dyn Progress) -> Result<()> {
@@ -618,8 +699,12 @@ impl Run<'_> {
             progress: Default::default(),
         };
         // Only nodes whose ids the store does not hold (`known` says so, see `accept`): the
-        // manifest's live counts carry forward.
-        self.writer.commit_new(&self.pending, info)?;
+        // manifest's live counts carry forward; a delta replacing grown episodes commits whole.
+        if std::mem::take(&mut self.pending_replaces) {
+            self.writer.commit(&self.pending, info)?;
+        } else {
+            self.writer.commit_new(&self.pending, info)?;
+        }
         self.pending = Graph::default();
         self.pending_records = 0;
         self.report.commits += 1;

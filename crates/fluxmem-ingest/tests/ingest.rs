@@ -2183,3 +2183,82 @@ fn pydantic_ai_runs_are_episodes_with_retries_errors_and_outcomes() {
         .text
         .contains("Look an order up before changing it"));
 }
+
+#[test]
+fn a_conversation_that_grows_in_a_later_batch_replaces_its_stored_version() {
+    // The fixture's two versions of one conversation, logged on two nights.
+    let dir = tempfile::tempdir().unwrap();
+    let lines: Vec<String> = std::fs::read_to_string(fixture("openai-grown.jsonl"))
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let (first, second) = (
+        dir.path().join("night-1.jsonl"),
+        dir.path().join("night-2.jsonl"),
+    );
+    std::fs::write(&first, format!("{}\n", lines[0])).unwrap();
+    std::fs::write(&second, format!("{}\n", lines[1])).unwrap();
+    let store = dir.path().join("store");
+    let night1 = run(&store, &[first.clone()], &IngestOptions::default());
+    assert_eq!((night1.ingested, night1.grown), (1, 0), "{night1:?}");
+    let before = seen_episodes(&store);
+    let (short, node) = &before["Please refund order A-100."];
+    let id = node.id.clone();
+    let night2 = run(&store, &[second], &IngestOptions::default());
+    assert_eq!(
+        (
+            night2.read,
+            night2.ingested,
+            night2.grown,
+            night2.duplicates,
+            night2.nodes_added
+        ),
+        (1, 1, 1, 0, 0),
+        "the longer version is not a duplicate: {night2:?}"
+    );
+    let after = seen_episodes(&store);
+    assert_eq!(after.len(), before.len(), "one episode, not two");
+    let (long, grown) = &after["Please refund order A-100."];
+    assert_eq!(grown.id, id, "the same identity");
+    assert_eq!(
+        long.1, "Order A-101 has not shipped yet.",
+        "the new turns are stored"
+    );
+    let steps = |n: &fluxmem_graph::Node| n.episode().unwrap().steps.len();
+    assert!(steps(grown) > steps(node), "{short:?} -> {long:?}");
+    assert_eq!(grown.metadata["versions"], 2);
+    // The edit log says what changed, with the version it replaced.
+    let graph = fluxmem_store::Store::open(&store).unwrap().load().unwrap();
+    let edits: Vec<&fluxmem_graph::Edit> = graph
+        .edits
+        .iter()
+        .filter(|e| e.kind == "episode_grown")
+        .collect();
+    assert_eq!(edits.len(), 1);
+    assert_eq!(edits[0].target, format!("node:{id}"));
+    assert!(edits[0]
+        .before
+        .as_deref()
+        .is_some_and(|b| b.contains("A-100")));
+    // The shorter version again, a night later: nothing new.
+    let late = dir.path().join("late.jsonl");
+    std::fs::write(&late, format!("{}\n", lines[0])).unwrap();
+    let night3 = run(&store, &[late], &IngestOptions::default());
+    assert_eq!((night3.ingested, night3.duplicates), (0, 1), "{night3:?}");
+    // A version with the same id that is not a prefix: an episode of its own, marked.
+    let mut other: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+    other["messages"][1]["content"] = "Please refund order Z-999.".into();
+    let conflict = dir.path().join("conflict.jsonl");
+    std::fs::write(&conflict, format!("{other}\n")).unwrap();
+    let night4 = run(&store, &[conflict], &IngestOptions::default());
+    assert_eq!((night4.ingested, night4.conflicting), (1, 1), "{night4:?}");
+    let episodes = seen_episodes(&store);
+    let (_, apart) = &episodes["Please refund order Z-999."];
+    assert_ne!(apart.id, id);
+    assert_eq!(apart.metadata["conflicts_with"], id.to_string());
+    assert_eq!(
+        episodes["Please refund order A-100."].1.metadata["versions"],
+        2
+    );
+}

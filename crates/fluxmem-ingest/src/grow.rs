@@ -1,0 +1,219 @@
+//! A conversation logged again, longer, in a later batch or night.
+//!
+//! A record whose episode id the store (or this run) already holds is the same conversation
+//! (ids come from the conversation's identity: its logged id, or its content). It is compared
+//! with the stored version, step by step:
+//! - **adds nothing**: the same steps (or fewer: an older version arriving late), and no result,
+//!   feedback or outcome the stored one lacks. A duplicate.
+//! - **grows it**: the stored steps are the first steps of the new one (the same actions and
+//!   calls; a result or feedback the stored step lacked may be filled in) and the new one has
+//!   more steps, a result more, or an outcome the stored one lacked. The new version replaces the
+//!   stored episode under the same id, counts `versions`, and an edit (`episode_grown`, stage
+//!   `ingest`) holds the version it replaced, so the change is in the edit log and can be undone.
+//! - **contradicts it**: anything else (another task, a step that differs). The new version is an
+//!   episode of its own, with an id of its own content and `conflicts_with` naming the stored
+//!   one; nothing stored changes.
+
+use fluxmem_graph::{sha256_hex, Node, NodeId, Step};
+use serde_json::Value;
+
+/// What a record of a known episode does to the stored version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Growth {
+    /// Nothing new: a duplicate.
+    Nothing,
+    /// The stored version is a prefix of the new one, which adds to it.
+    Grows,
+    /// Neither is a prefix of the other.
+    Contradicts,
+}
+
+/// How `new` relates to `stored`, two versions of one episode id.
+pub(crate) fn compare(stored: &Node, new: &Node) -> Growth {
+    let (Some(old), Some(fresh)) = (stored.episode(), new.episode()) else {
+        return Growth::Nothing;
+    };
+    if stored.text != new.text {
+        return Growth::Contradicts;
+    }
+    match (
+        extends(&old.steps, &fresh.steps),
+        extends(&fresh.steps, &old.steps),
+    ) {
+        (Some(filled), _) => {
+            let gained = old.outcome.success.is_none() && fresh.outcome.success.is_some();
+            if fresh.steps.len() > old.steps.len() || filled || gained {
+                Growth::Grows
+            } else {
+                Growth::Nothing
+            }
+        }
+        // An older version arriving late: it adds nothing the stored one lacks.
+        (None, Some(_)) => Growth::Nothing,
+        (None, None) => Growth::Contradicts,
+    }
+}
+
+/// `Some(filled)` when `longer` starts with the steps of `shorter` (each the same step, or
+/// with something filled in that it lacked; `filled` says whether anything was).
+fn extends(shorter: &[Step], longer: &[Step]) -> Option<bool> {
+    if longer.len() < shorter.len() {
+        return None;
+    }
+    let mut filled = false;
+    for (before, after) in shorter.iter().zip(longer) {
+        filled |= step_change(before, after)?;
+    }
+    Some(filled)
+}
+
+/// `Some(filled)` when `after` is `before` with, at most, a result, feedback or observation
+/// filled in that `before` lacked (`filled` says whether one was); `None` when they differ.
+fn step_change(before: &Step, after: &Step) -> Option<bool> {
+    if before.action != after.action || before.tool_calls.len() != after.tool_calls.len() {
+        return None;
+    }
+    let mut filled = false;
+    let mut field = |old: Option<&str>, new: Option<&str>| -> bool {
+        match (old, new) {
+            (None, Some(_)) => {
+                filled = true;
+                true
+            }
+            (old, new) => old == new,
+        }
+    };
+    for (old, new) in before.tool_calls.iter().zip(&after.tool_calls) {
+        if old.name != new.name
+            || !same_arguments(&old.arguments, &new.arguments)
+            || !field(old.result.as_deref(), new.result.as_deref())
+        {
+            return None;
+        }
+    }
+    let observation = |s: &str| (!s.is_empty()).then_some(s.to_string());
+    let observed = field(
+        observation(&before.observation).as_deref(),
+        observation(&after.observation).as_deref(),
+    );
+    (observed && field(before.feedback.as_deref(), after.feedback.as_deref())).then_some(filled)
+}
+
+/// Arguments as the same JSON (key order and spacing aside), else as the same text.
+fn same_arguments(a: &str, b: &str) -> bool {
+    match (
+        serde_json::from_str::<Value>(a),
+        serde_json::from_str::<Value>(b),
+    ) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
+/// `new` as the version that grows `stored`: the same id, `versions` counting both, the first
+/// version's creation time kept.
+pub(crate) fn grown(stored: &Node, mut new: Node) -> Node {
+    let versions = |node: &Node| node.metadata.get("versions").and_then(Value::as_u64);
+    let total = versions(stored).unwrap_or(1) + versions(&new).unwrap_or(1);
+    new.metadata.insert("versions".into(), Value::from(total));
+    new.created_at = stored.created_at.or(new.created_at);
+    new
+}
+
+/// `new` as an episode of its own beside the `stored` version it contradicts: an id of its own
+/// content, `conflicts_with` naming the stored episode.
+pub(crate) fn apart(stored: &Node, mut new: Node) -> Node {
+    let content = serde_json::to_string(&new.body).unwrap_or_default();
+    let identity = format!("{}#{}", stored.id, sha256_hex(content.as_bytes()));
+    new.id = NodeId::content(new.kind(), &new.tenant, &[&identity]);
+    new.metadata
+        .insert("conflicts_with".into(), Value::from(stored.id.to_string()));
+    new
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fluxmem_graph::{Episode, NodeBody, Outcome, ToolCall};
+
+    fn node(task: &str, steps: Vec<Step>, success: Option<bool>) -> Node {
+        Node::new(
+            NodeBody::Episodic(Episode {
+                steps,
+                outcome: Outcome {
+                    success,
+                    reward: None,
+                    feedback: None,
+                },
+            }),
+            "t",
+            task,
+            &["conversation-1"],
+        )
+    }
+
+    fn call(name: &str, arguments: &str, result: Option<&str>) -> Step {
+        Step {
+            tool_calls: vec![ToolCall {
+                name: name.into(),
+                arguments: arguments.into(),
+                result: result.map(str::to_string),
+            }],
+            ..Step::default()
+        }
+    }
+
+    #[test]
+    fn a_longer_version_grows_a_shorter_one_and_anything_else_is_apart_or_nothing() {
+        let short = node(
+            "refund A-1",
+            vec![call("get_order", r#"{"id": "A-1"}"#, None)],
+            None,
+        );
+        let long = node(
+            "refund A-1",
+            vec![
+                call("get_order", r#"{ "id":"A-1" }"#, Some("delivered")),
+                call("refund_order", r#"{"id": "A-1"}"#, Some("done")),
+            ],
+            Some(true),
+        );
+        assert_eq!(compare(&short, &long), Growth::Grows);
+        assert_eq!(
+            compare(&long, &short),
+            Growth::Nothing,
+            "an older version late"
+        );
+        assert_eq!(compare(&long, &long), Growth::Nothing);
+        let filled = node(
+            "refund A-1",
+            vec![call("get_order", r#"{"id": "A-1"}"#, Some("delivered"))],
+            None,
+        );
+        assert_eq!(
+            compare(&short, &filled),
+            Growth::Grows,
+            "a result filled in"
+        );
+        let other = node(
+            "refund A-1",
+            vec![call("get_order", r#"{"id": "B-2"}"#, None)],
+            None,
+        );
+        assert_eq!(compare(&short, &other), Growth::Contradicts);
+        let changed = node(
+            "refund A-1",
+            vec![call("get_order", r#"{"id": "A-1"}"#, Some("lost"))],
+            None,
+        );
+        assert_eq!(compare(&filled, &changed), Growth::Contradicts);
+        let grown = grown(&short, long.clone());
+        assert_eq!(
+            (grown.id.clone(), grown.metadata["versions"].clone()),
+            (short.id.clone(), Value::from(2))
+        );
+        let apart = apart(&short, other);
+        assert_ne!(apart.id, short.id);
+        assert_eq!(apart.metadata["conflicts_with"], short.id.to_string());
+    }
+}
