@@ -10,11 +10,15 @@
 //!   more steps, a result more, or an outcome the stored one lacked. The new version replaces the
 //!   stored episode under the same id, counts `versions`, and an edit (`episode_grown`, stage
 //!   `ingest`) holds the version it replaced, so the change is in the edit log and can be undone.
+//! - **continues it**: the same task, and every step of the new one logged after the stored
+//!   one's last step (by their timestamps): the next turn of the conversation, as a tracer
+//!   exports it (a trace a turn, the earlier turns' spans not sent again). The new steps are
+//!   appended to the stored ones, and the rest is as for a growth.
 //! - **contradicts it**: anything else (another task, a step that differs). The new version is an
 //!   episode of its own, with an id of its own content and `conflicts_with` naming the stored
 //!   one; nothing stored changes.
 
-use fluxmem_graph::{sha256_hex, Node, NodeId, Step};
+use fluxmem_graph::{sha256_hex, Node, NodeBody, NodeId, Step};
 use serde_json::Value;
 
 /// What a record of a known episode does to the stored version.
@@ -24,6 +28,8 @@ pub(crate) enum Growth {
     Nothing,
     /// The stored version is a prefix of the new one, which adds to it.
     Grows,
+    /// The new one holds the steps that came after the stored ones.
+    Continues,
     /// Neither is a prefix of the other.
     Contradicts,
 }
@@ -50,8 +56,17 @@ pub(crate) fn compare(stored: &Node, new: &Node) -> Growth {
         }
         // An older version arriving late: it adds nothing the stored one lacks.
         (None, Some(_)) => Growth::Nothing,
+        (None, None) if continues(&old.steps, &fresh.steps) => Growth::Continues,
         (None, None) => Growth::Contradicts,
     }
+}
+
+/// Every step of `fresh` was logged after the last step of `stored` (both with timestamps).
+fn continues(stored: &[Step], fresh: &[Step]) -> bool {
+    let Some(last) = stored.iter().filter_map(|s| s.timestamp).max() else {
+        return false;
+    };
+    !fresh.is_empty() && fresh.iter().all(|s| s.timestamp.is_some_and(|t| t > last))
 }
 
 /// `Some(filled)` when `longer` starts with the steps of `shorter` (each the same step, or
@@ -110,9 +125,15 @@ fn same_arguments(a: &str, b: &str) -> bool {
     }
 }
 
-/// `new` as the version that grows `stored`: the same id, `versions` counting both, the first
-/// version's creation time kept.
-pub(crate) fn grown(stored: &Node, mut new: Node) -> Node {
+/// `new` as the version that grows `stored` (`continues`: after its steps, which come first):
+/// the same id, `versions` counting both, the first version's creation time kept.
+pub(crate) fn grown(stored: &Node, mut new: Node, continues: bool) -> Node {
+    if let (true, Some(old), NodeBody::Episodic(fresh)) =
+        (continues, stored.episode(), &mut new.body)
+    {
+        let later = std::mem::take(&mut fresh.steps);
+        fresh.steps = old.steps.iter().cloned().chain(later).collect();
+    }
     let versions = |node: &Node| node.metadata.get("versions").and_then(Value::as_u64);
     let total = versions(stored).unwrap_or(1) + versions(&new).unwrap_or(1);
     new.metadata.insert("versions".into(), Value::from(total));
@@ -207,11 +228,43 @@ mod tests {
             None,
         );
         assert_eq!(compare(&filled, &changed), Growth::Contradicts);
-        let grown = grown(&short, long.clone());
+        let grown = grown(&short, long.clone(), false);
         assert_eq!(
             (grown.id.clone(), grown.metadata["versions"].clone()),
             (short.id.clone(), Value::from(2))
         );
+        let at = |step: Step, t: i64| Step {
+            timestamp: Some(t),
+            ..step
+        };
+        let turn1 = node(
+            "refund A-1",
+            vec![at(call("get_order", r#"{"id": "A-1"}"#, Some("ok")), 10)],
+            None,
+        );
+        let turn2 = node(
+            "refund A-1",
+            vec![at(
+                call("refund_order", r#"{"id": "A-1"}"#, Some("done")),
+                20,
+            )],
+            Some(true),
+        );
+        assert_eq!(compare(&turn1, &turn2), Growth::Continues);
+        assert_eq!(
+            compare(&turn2, &turn1),
+            Growth::Contradicts,
+            "not before it"
+        );
+        let whole = super::grown(&turn1, turn2, true);
+        let names: Vec<&str> = whole
+            .episode()
+            .unwrap()
+            .steps
+            .iter()
+            .map(|s| s.tool_calls[0].name.as_str())
+            .collect();
+        assert_eq!(names, ["get_order", "refund_order"]);
         let apart = apart(&short, other);
         assert_ne!(apart.id, short.id);
         assert_eq!(apart.metadata["conflicts_with"], short.id.to_string());

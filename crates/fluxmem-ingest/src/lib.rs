@@ -552,7 +552,7 @@ impl Run<'_> {
                             self.report.duplicates += 1;
                             return Ok(());
                         }
-                        grow::Growth::Grows => {
+                        grow::Growth::Grows | grow::Growth::Continues => {
                             self.report.grown += 1;
                             replaces = true;
                         }
@@ -604,8 +604,8 @@ impl Run<'_> {
         let new = record.nodes.remove(0);
         match growth {
             grow::Growth::Nothing => {}
-            grow::Growth::Grows => {
-                let node = grow::grown(&stored, new);
+            grow::Growth::Grows | grow::Growth::Continues => {
+                let node = grow::grown(&stored, new, growth == grow::Growth::Continues);
                 let reason = format!(
                     "a later version of the conversation: {} steps, were {}",
                     node.episode().map_or(0, |e| e.steps.len()),

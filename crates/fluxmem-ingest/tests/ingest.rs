@@ -2262,3 +2262,53 @@ fn a_conversation_that_grows_in_a_later_batch_replaces_its_stored_version() {
         2
     );
 }
+
+#[test]
+fn a_conversations_next_turn_traced_on_another_night_continues_its_episode() {
+    // pydantic-ai (scripts/fixtures/pydantic_ai_traces.py): one conversation of two turns, the
+    // second run continuing the first's message history, a trace a turn, a turn a file.
+    let turns = [
+        fixture("pydantic-ai-turn-1.jsonl"),
+        fixture("pydantic-ai-turn-2.jsonl"),
+    ];
+    let steps_of = |store: &Path| -> Vec<(Option<String>, String)> {
+        let episodes = seen_episodes(store);
+        assert_eq!(episodes.len(), 1, "one conversation, one episode");
+        let (_, node) = episodes.values().next().unwrap();
+        node.episode()
+            .unwrap()
+            .steps
+            .iter()
+            .map(|s| (s.tool_calls.first().map(|c| c.name.clone()), s.action.clone()))
+            .collect()
+    };
+    // Both turns in one batch: one episode.
+    let together = tempfile::tempdir().unwrap();
+    let report = run(together.path(), &turns, &IngestOptions::default());
+    assert_eq!((report.ingested, report.grown), (1, 0), "{report:?}");
+    let whole = steps_of(together.path());
+    assert_eq!(
+        whole,
+        [
+            (Some("get_order".to_string()), String::new()),
+            (None, "Order C-3001 was delivered yesterday.".to_string()),
+            (Some("refund_order".to_string()), String::new()),
+            (None, "Your order C-3001 is refunded.".to_string()),
+        ]
+    );
+    // A turn a night: the second night's turn continues the stored episode.
+    let nights = tempfile::tempdir().unwrap();
+    run(nights.path(), &turns[..1], &IngestOptions::default());
+    assert_eq!(steps_of(nights.path()).len(), 2);
+    let night2 = run(nights.path(), &turns[1..], &IngestOptions::default());
+    assert_eq!(
+        (night2.ingested, night2.grown, night2.conflicting, night2.duplicates),
+        (1, 1, 0, 0),
+        "{night2:?}"
+    );
+    assert_eq!(steps_of(nights.path()), whole, "the same episode as in one batch");
+    let episodes = seen_episodes(nights.path());
+    let (seen, node) = episodes.values().next().unwrap();
+    assert_eq!(node.metadata["versions"], 2);
+    assert_eq!((seen.2, seen.3.as_str()), (Some(true), "inferred"));
+}
