@@ -50,6 +50,12 @@ pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             report.commits,
             fits(&report)
         );
+        if report.regrounded > 0 {
+            println!(
+                "{} of them were connected before and grew since (a conversation logged again, longer): connected again",
+                report.regrounded
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -87,6 +87,9 @@ pub struct ConnectReport {
     pub link_edges: usize,
     /// Commits made.
     pub commits: usize,
+    /// Of `connected`: episodes connected before that grew since (a conversation logged again,
+    /// longer: ingest's `episode_grown` edits), grounded again with their new steps.
+    pub regrounded: usize,
     /// Groups of the night's episodes held whole one after the other (see
     /// [`ConnectOptions::memory`]).
     pub groups: usize,
@@ -138,10 +141,24 @@ pub fn connect_store(
     crate::facts::sweep(&store.dir().join(fluxmem_store::SCRATCH).join(FOLDER))?;
     // Which episodes are connected, from a stream of the live edges' ends.
     let connected = connected_episodes(store, &manifest)?;
-    let mut nodes = read_nodes(store, &manifest, &connected, options, embedder.dim())?;
+    // Connected episodes that grew since this stage last looked are connected again.
+    let grown = grown_since(store, &manifest)?;
+    let mut nodes = read_nodes(
+        store,
+        &manifest,
+        &connected,
+        &grown.episodes,
+        options,
+        embedder.dim(),
+    )?;
     let mut report = ConnectReport {
         episodes: nodes.episodes.len(),
         already: nodes.episodes.len() - nodes.todo.len(),
+        regrounded: grown
+            .episodes
+            .iter()
+            .filter(|id| nodes.todo.contains(*id) && connected.contains(id.as_str()))
+            .count(),
         ..Default::default()
     };
     if nodes.todo.is_empty() {
@@ -191,16 +208,58 @@ pub fn connect_store(
         sizing.measured(group_graph.nodes.values());
         let neighbours = links.neighbours(&group_ids)?;
         report.groups += 1;
-        for chunk in group.chunks(commit_every) {
+        let chunks = group.chunks(commit_every).count();
+        for (i, chunk) in group.chunks(commit_every).enumerate() {
             let delta = night.chunk_edges(chunk, &group_graph, &neighbours, &mut report)?;
+            // The last commit of an unsharded run records the grown episodes as handled (a run
+            // killed before it connects them again: the same edges).
+            let last = start >= todo.len() && i + 1 == chunks && options.shard.count <= 1;
+            let marker = last.then_some(grown.seen);
             if !delta.is_empty() {
-                commit(writer, &delta, run_id, &report)?;
+                commit(writer, &delta, run_id, &report, marker)?;
                 report.commits += 1;
             }
             progress.advance(chunk.len() as u64);
         }
     }
     Ok(report)
+}
+
+/// The progress key under which connect records how many `episode_grown` edits it has handled.
+const GROWN_SEEN: &str = "connect.grown_edits";
+
+/// The episodes ingest grew (`episode_grown` edits, in log order) after the ones this stage
+/// handled, and how many such edits the log holds.
+struct Grown {
+    episodes: BTreeSet<NodeId>,
+    seen: usize,
+}
+
+fn grown_since(store: &fluxmem_store::Store, manifest: &fluxmem_store::Manifest) -> Result<Grown> {
+    let handled = manifest
+        .progress
+        .get(GROWN_SEEN)
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(0) as usize;
+    let edits = store
+        .scan_at(
+            manifest,
+            &fluxmem_store::Scan {
+                edits: true,
+                edit_kinds: vec!["episode_grown".into()],
+                ..Default::default()
+            },
+        )?
+        .edits;
+    Ok(Grown {
+        episodes: edits
+            .iter()
+            .skip(handled)
+            .filter_map(|e| e.target.strip_prefix("node:"))
+            .map(|id| NodeId(id.to_string()))
+            .collect(),
+        seen: edits.len(),
+    })
 }
 
 /// What connect keeps of one stream of the live node rows: every stored episode's tenant and
@@ -249,6 +308,7 @@ fn read_nodes(
     store: &fluxmem_store::Store,
     manifest: &fluxmem_store::Manifest,
     connected: &IdSet,
+    grown: &BTreeSet<NodeId>,
     options: &ConnectOptions,
     dim: usize,
 ) -> Result<Nodes> {
@@ -303,7 +363,8 @@ fn read_nodes(
                         t
                     }
                 };
-                if !connected.contains(node.id.as_str()) && options.shard.owns(node.id.as_str()) {
+                let fresh = !connected.contains(node.id.as_str()) || grown.contains(&node.id);
+                if fresh && options.shard.owns(node.id.as_str()) {
                     nodes.todo.insert(node.id.clone());
                 }
                 nodes.episodes.insert(
@@ -525,7 +586,14 @@ impl Night<'_> {
 }
 
 /// Commits one chunk's edges, with the run's counts so far.
-fn commit(writer: &mut Writer, delta: &Graph, run_id: &str, report: &ConnectReport) -> Result<()> {
+/// Commits `delta`; `grown_seen`: the `episode_grown` edits handled, to record.
+fn commit(
+    writer: &mut Writer,
+    delta: &Graph,
+    run_id: &str,
+    report: &ConnectReport,
+    grown_seen: Option<usize>,
+) -> Result<()> {
     let summary = serde_json::json!({ "connected": report.connected, "ground_edges": report.ground_edges, "link_edges": report.link_edges });
     writer.commit(
         delta,
@@ -533,7 +601,10 @@ fn commit(writer: &mut Writer, delta: &Graph, run_id: &str, report: &ConnectRepo
             stage: STAGE.into(),
             run_id: run_id.into(),
             summary,
-            progress: Default::default(),
+            progress: grown_seen
+                .map(|n| (GROWN_SEEN.to_string(), serde_json::Value::from(n)))
+                .into_iter()
+                .collect(),
         },
     )?;
     Ok(())

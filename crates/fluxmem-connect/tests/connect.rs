@@ -854,3 +854,60 @@ fn a_spilled_fact_without_a_vector_is_named() {
         );
     }
 }
+
+#[test]
+fn an_episode_that_grew_after_it_was_connected_is_connected_again_once() {
+    let formats = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/formats");
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let mut night = |file: Option<&str>, writer: &mut Writer| {
+        if let Some(file) = file {
+            fluxmem_ingest::ingest(
+                writer,
+                &[formats.join(file)],
+                &Default::default(),
+                "t",
+                &mut fluxmem_ingest::NoProgress,
+            )
+            .unwrap();
+        }
+        fluxmem_embed::embed_store(
+            writer,
+            &HashEmbedder::new(64),
+            &Default::default(),
+            "t",
+            &mut fluxmem_embed::NoProgress,
+        )
+        .unwrap();
+        connect_store(
+            writer,
+            &HashEmbedder::new(64),
+            &ConnectOptions::default(),
+            "connect@test",
+            &Device::Cpu,
+            &mut NoProgress,
+        )
+        .unwrap()
+    };
+    // One conversation: its first turn on night 1, its second on night 2 (the episode grows).
+    let first = night(Some("pydantic-ai-turn-1.jsonl"), &mut writer);
+    assert_eq!((first.connected, first.regrounded), (1, 0), "{first:?}");
+    let second = night(Some("pydantic-ai-turn-2.jsonl"), &mut writer);
+    assert_eq!(
+        (second.connected, second.regrounded, second.already),
+        (1, 1, 0),
+        "{second:?}"
+    );
+    assert!(second.ground_edges > 0, "{second:?}");
+    let third = night(None, &mut writer);
+    assert_eq!(
+        (
+            third.connected,
+            third.regrounded,
+            third.already,
+            third.commits
+        ),
+        (0, 0, 1, 0),
+        "handled once: {third:?}"
+    );
+}

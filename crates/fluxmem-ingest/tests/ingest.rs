@@ -2279,7 +2279,12 @@ fn a_conversations_next_turn_traced_on_another_night_continues_its_episode() {
             .unwrap()
             .steps
             .iter()
-            .map(|s| (s.tool_calls.first().map(|c| c.name.clone()), s.action.clone()))
+            .map(|s| {
+                (
+                    s.tool_calls.first().map(|c| c.name.clone()),
+                    s.action.clone(),
+                )
+            })
             .collect()
     };
     // Both turns in one batch: one episode.
@@ -2302,11 +2307,20 @@ fn a_conversations_next_turn_traced_on_another_night_continues_its_episode() {
     assert_eq!(steps_of(nights.path()).len(), 2);
     let night2 = run(nights.path(), &turns[1..], &IngestOptions::default());
     assert_eq!(
-        (night2.ingested, night2.grown, night2.conflicting, night2.duplicates),
+        (
+            night2.ingested,
+            night2.grown,
+            night2.conflicting,
+            night2.duplicates
+        ),
         (1, 1, 0, 0),
         "{night2:?}"
     );
-    assert_eq!(steps_of(nights.path()), whole, "the same episode as in one batch");
+    assert_eq!(
+        steps_of(nights.path()),
+        whole,
+        "the same episode as in one batch"
+    );
     let episodes = seen_episodes(nights.path());
     let (seen, node) = episodes.values().next().unwrap();
     assert_eq!(node.metadata["versions"], 2);
