@@ -47,6 +47,8 @@ pub(crate) struct SpanRec {
     status_message: String,
     /// The first `exception` event's `exception.type: exception.message`.
     exception: Option<String>,
+    /// Its `gen_ai.evaluation.result` events: (verdict, what they say).
+    evaluations: Vec<(Option<bool>, String)>,
 }
 
 impl SpanRec {
@@ -312,6 +314,15 @@ fn collect_request(
                             (t, m) => format!("{t}: {m}"),
                         }
                     });
+                let evaluations = span
+                    .get("events")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter(|e| e.get("name").and_then(Value::as_str) == Some(EVALUATION_EVENT))
+                    .filter_map(|e| e.get("attributes").and_then(Value::as_array))
+                    .map(|list| evaluation(&self::attributes(list)))
+                    .collect();
                 spans.push(SpanRec {
                     file: source.path.clone(),
                     locator: format!("{locator} (span {id})"),
@@ -332,6 +343,7 @@ fn collect_request(
                         .unwrap_or("")
                         .to_string(),
                     exception,
+                    evaluations,
                 });
             }
         }
@@ -583,10 +595,13 @@ fn episode(key: &str, spans: &[&SpanRec], options: &IngestOptions) -> Record {
         .collect();
     let lead = agents.first().copied().unwrap_or(spans[0]);
     let transcript = Transcript::of(spans);
-    let (outcome, from_status) = match agents.last() {
-        Some(agent) => outcome_of(agent),
-        None => last_call_outcome(spans),
-    };
+    let (outcome, from_status) = with_evaluation(
+        match agents.last() {
+            Some(agent) => outcome_of(agent),
+            None => last_call_outcome(spans),
+        },
+        spans,
+    );
     // Every span of a group has this tenant (it is part of the group key).
     let tenant = lead.tenant(&options.tenant).to_string();
     let agent = lead
@@ -852,6 +867,72 @@ fn system_instructions(span: &SpanRec) -> Option<String> {
     (!text.is_empty()).then(|| text.join("\n"))
 }
 
+/// The GenAI conventions' event with the result of evaluating an operation.
+const EVALUATION_EVENT: &str = "gen_ai.evaluation.result";
+
+/// Score labels that say an evaluated answer is right, and wrong (the conventions' examples and
+/// their plain variants). Other labels, and a score value without a label (its scale is the
+/// evaluator's), give no verdict.
+const PASSING: [&str; 6] = ["pass", "passed", "correct", "relevant", "success", "true"];
+const FAILING: [&str; 7] = [
+    "fail",
+    "failed",
+    "incorrect",
+    "not_relevant",
+    "irrelevant",
+    "failure",
+    "false",
+];
+
+/// One evaluation event's verdict (from its score label) and its words: `name: label
+/// (explanation)`.
+fn evaluation(attributes: &BTreeMap<String, Value>) -> (Option<bool>, String) {
+    let field = |k: &str| attributes.get(k).map(text_of).unwrap_or_default();
+    let label = field("gen_ai.evaluation.score.label").to_lowercase();
+    let verdict = if PASSING.contains(&label.as_str()) {
+        Some(true)
+    } else if FAILING.contains(&label.as_str()) {
+        Some(false)
+    } else {
+        None
+    };
+    let mut said = format!("{}: {}", field("gen_ai.evaluation.name"), label);
+    let explanation = field("gen_ai.evaluation.explanation");
+    if !explanation.is_empty() {
+        said.push_str(&format!(" ({explanation})"));
+    }
+    (verdict, said)
+}
+
+/// The verdict of a run's evaluation events: a failure when one says the answer is wrong, else
+/// a success when one says it is right; with the first deciding event's words.
+fn evaluated(spans: &[&SpanRec]) -> Option<(bool, String)> {
+    let all: Vec<&(Option<bool>, String)> = spans.iter().flat_map(|s| &s.evaluations).collect();
+    all.iter()
+        .find(|(v, _)| *v == Some(false))
+        .or_else(|| all.iter().find(|(v, _)| *v == Some(true)))
+        .map(|(v, said)| (v == &Some(true), said.clone()))
+}
+
+/// The run's outcome with its evaluation events: an explicit outcome attribute and an ERROR
+/// status stand; otherwise an evaluation's verdict is the outcome (logged, with its words as
+/// feedback), before an OK status.
+fn with_evaluation((outcome, from_status): (Outcome, bool), spans: &[&SpanRec]) -> (Outcome, bool) {
+    let explicit = outcome.success.is_some() && !from_status;
+    let errored = from_status && outcome.success == Some(false);
+    match evaluated(spans) {
+        Some((passed, said)) if !explicit && !errored => (
+            Outcome {
+                success: Some(passed),
+                reward: outcome.reward,
+                feedback: Some(format!("evaluation {said}")),
+            },
+            false,
+        ),
+        _ => (outcome, from_status),
+    }
+}
+
 /// The outcome the last agent span gives, and whether its status (not an explicit
 /// attribute) gave it.
 fn outcome_of(agent: &SpanRec) -> (Outcome, bool) {
@@ -924,5 +1005,65 @@ fn describe(node: &mut Node, key: &str, spans: &[&SpanRec], lead: &SpanRec, from
     if let Some(id) = lead.text("gen_ai.conversation.id") {
         node.metadata
             .insert("conversation_id".into(), Value::from(id));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(status: i64, evaluations: &[(Option<bool>, &str)]) -> SpanRec {
+        SpanRec {
+            file: String::new(),
+            locator: String::new(),
+            mtime: None,
+            trace: "t".into(),
+            id: "s".into(),
+            parent: None,
+            start_ns: 0,
+            attributes: BTreeMap::new(),
+            resource: BTreeMap::new(),
+            status,
+            status_message: String::new(),
+            exception: None,
+            evaluations: evaluations
+                .iter()
+                .map(|(v, s)| (*v, s.to_string()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn an_evaluation_decides_the_outcome_unless_the_log_or_an_error_already_does() {
+        let label = |l: &str| {
+            let attributes: BTreeMap<String, Value> =
+                [("gen_ai.evaluation.score.label".to_string(), Value::from(l))].into();
+            evaluation(&attributes).0
+        };
+        assert_eq!(
+            (label("PASS"), label("incorrect"), label("4")),
+            (Some(true), Some(false), None)
+        );
+        let judged = |status: i64, evaluations: &[(Option<bool>, &str)]| {
+            let agent = span(status, evaluations);
+            with_evaluation(outcome_of(&agent), &[&agent])
+        };
+        // A failing verdict wins over a passing one, and over an OK status.
+        let (outcome, from_status) =
+            judged(1, &[(Some(true), "a: pass"), (Some(false), "b: fail")]);
+        assert_eq!((outcome.success, from_status), (Some(false), false));
+        assert_eq!(outcome.feedback.as_deref(), Some("evaluation b: fail"));
+        // An ERROR status stands.
+        let (outcome, from_status) = judged(2, &[(Some(true), "a: pass")]);
+        assert_eq!((outcome.success, from_status), (Some(false), true));
+        // No verdict: the status, or nothing.
+        assert_eq!(judged(0, &[(None, "a: 4")]).0.success, None);
+        // An explicit outcome attribute stands.
+        let mut agent = span(0, &[(Some(false), "a: fail")]);
+        agent
+            .attributes
+            .insert("fluxmem.outcome.success".into(), Value::from(true));
+        let (outcome, _) = with_evaluation(outcome_of(&agent), &[&agent]);
+        assert_eq!(outcome.success, Some(true));
     }
 }

@@ -2326,3 +2326,48 @@ fn a_conversations_next_turn_traced_on_another_night_continues_its_episode() {
     assert_eq!(node.metadata["versions"], 2);
     assert_eq!((seen.2, seen.3.as_str()), (Some(true), "inferred"));
 }
+
+#[test]
+fn an_evaluation_event_on_a_run_is_its_logged_outcome() {
+    // pydantic-ai runs an application evaluates online (scripts/fixtures/pydantic_ai_traces.py):
+    // the GenAI conventions' `gen_ai.evaluation.result` event on the agent span; one answer
+    // judged correct, one incorrect, one not evaluated.
+    let store = tempfile::tempdir().unwrap();
+    let report = run(
+        store.path(),
+        &[fixture("pydantic-ai-evaluated.jsonl")],
+        &IngestOptions::default(),
+    );
+    assert_eq!((report.ingested, report.quarantined), (3, 0), "{report:?}");
+    let episodes = seen_episodes(store.path());
+    let outcome = |task: &str| {
+        let (seen, node) = &episodes[task];
+        (
+            seen.2,
+            seen.3.clone(),
+            node.episode().unwrap().outcome.feedback.clone(),
+        )
+    };
+    assert_eq!(
+        outcome("What is the status of order C-3001?"),
+        (
+            Some(true),
+            "logged".to_string(),
+            Some("evaluation Correctness: pass (the status matches the order record)".to_string())
+        )
+    );
+    assert_eq!(
+        outcome("What is the status of order C-3002?"),
+        (
+            Some(false),
+            "logged".to_string(),
+            Some(
+                "evaluation Correctness: fail (the order record says shipped, not delivered)"
+                    .to_string()
+            )
+        ),
+        "the agent answered, and the rule would call it a success: the evaluation decides"
+    );
+    let (success, source, _) = outcome("Is order C-3001 delivered?");
+    assert_eq!((success, source.as_str()), (Some(true), "inferred"));
+}
