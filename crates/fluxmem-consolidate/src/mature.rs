@@ -427,13 +427,16 @@ pub(crate) fn mature(
     let mut converged = None;
     let mut previous_vector = job.previous.as_ref().map(|(_, v)| v.clone());
     for round in 1..=options.max_rounds.max(1) {
-        // A template description says what the kept steps do, so it follows the rewrites.
-        let description = match wording.source.as_str() {
-            "template" => template_description(&skeleton, &kept),
-            _ => description.clone(),
+        // Template words say what the kept steps do, so they follow the rewrites.
+        let (name, description) = match wording.source.as_str() {
+            "template" => (
+                template_words(&kept_only(&skeleton, &kept)).0,
+                template_description(&skeleton, &kept),
+            ),
+            _ => (name.clone(), description.clone()),
         };
         let current = SkillText {
-            name: name.clone(),
+            name,
             description,
             steps: kept
                 .iter()
@@ -710,7 +713,9 @@ fn template_words(skeleton: &crate::mine::Skeleton) -> (String, String) {
         }
         words.into_iter().take(2).collect::<Vec<_>>().join(" and ")
     };
-    let readable_pattern = pattern.split_whitespace().filter(|w| *w != "…").count() >= 2;
+    // A name from the tasks' shared words starts with a shared word (the request's verb) and
+    // holds a content word.
+    let readable_pattern = !pattern.starts_with('…') && quoted_pattern(pattern).is_some();
     // Named by its acting tools; without one, by the tools its steps call: the tasks' words are
     // never a tool procedure's name (they are a user's message).
     let acting = tools_named(&|s| s.acting);
@@ -721,6 +726,8 @@ fn template_words(skeleton: &crate::mine::Skeleton) -> (String, String) {
         called
     } else if readable_pattern {
         pattern.to_string()
+    } else if let Some(verbs) = distinct_verbs(skeleton) {
+        verbs
     } else {
         skeleton
             .steps
@@ -737,6 +744,17 @@ fn template_words(skeleton: &crate::mine::Skeleton) -> (String, String) {
         .unwrap_or_default();
     let all: Vec<usize> = (0..skeleton.steps.len()).collect();
     (name, template_description(skeleton, &all))
+}
+
+/// The skeleton with only its `kept` steps.
+fn kept_only(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> crate::mine::Skeleton {
+    crate::mine::Skeleton {
+        steps: kept.iter().map(|&i| skeleton.steps[i].clone()).collect(),
+        decisions: Vec::new(),
+        preconditions: Vec::new(),
+        pitfalls: Vec::new(),
+        ..skeleton.clone()
+    }
 }
 
 /// The description written from the skeleton with its `kept` steps: what they do, the tasks'
@@ -757,6 +775,26 @@ fn template_description(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> Str
         skeleton.successes,
         min_share_words(&steps)
     )
+}
+
+/// A text procedure's name from its steps: the verbs that occur once among them (the others
+/// repeat: moving about, looking), the last two, joined (`Take and put`); `None` when every
+/// verb repeats.
+fn distinct_verbs(skeleton: &crate::mine::Skeleton) -> Option<String> {
+    let verbs: Vec<&str> = skeleton
+        .steps
+        .iter()
+        .filter(|s| s.tool.is_none())
+        .map(|s| s.key.split(" <").next().unwrap_or(&s.key))
+        .map(|k| k.split(' ').next().unwrap_or(k))
+        .collect();
+    let once: Vec<&str> = verbs
+        .iter()
+        .copied()
+        .filter(|v| verbs.iter().filter(|w| *w == v).count() == 1)
+        .collect();
+    let last: Vec<&str> = once[once.len().saturating_sub(2)..].to_vec();
+    (!last.is_empty()).then(|| last.join(" and "))
 }
 
 /// What the procedure does, in one sentence: the tools it calls, in order (``Calls `a`, then
@@ -1123,6 +1161,14 @@ mod tests {
             Some("… i'd like to … my flight reservation")
         );
         assert_eq!(quoted_pattern("… i … to … of my …"), None);
+        let mut moves = skeleton(false);
+        moves.steps.push(step("go to <1>", false));
+        moves.steps.push(step("put <1> in/on <2>", false));
+        assert_eq!(
+            distinct_verbs(&moves).as_deref(),
+            Some("take and put"),
+            "the moving about repeats; the last two verbs said once"
+        );
         assert_eq!(quoted_pattern(""), None);
         let mut skeleton = skeleton(false);
         fn refs(steps: &[SkeletonStep]) -> Vec<&SkeletonStep> {

@@ -975,12 +975,21 @@ fn task_pattern(successes: &[&Node]) -> String {
             .filter(|w| !w.is_empty())
             .collect()
     };
-    let all: Vec<Vec<String>> = successes.iter().map(|n| words(n)).collect();
+    // Distinct tasks: the same request run twice is still one user's message.
+    let mut all: Vec<Vec<String>> = Vec::new();
+    for task in successes.iter().map(|n| words(n)) {
+        if !all.contains(&task) {
+            all.push(task);
+        }
+    }
     let Some(first) = all.first() else {
         return String::new();
     };
-    // Shared: in at least half of the tasks and in at least two, so a pattern is never one
-    // user's message.
+    if all.len() < 2 {
+        return String::new();
+    }
+    // Shared: in at least half of the distinct tasks and in at least two, so a pattern is never
+    // one user's message.
     let needed = all.len().div_ceil(2).max(2);
     let shared = |word: &str| all.iter().filter(|w| w.iter().any(|x| x == word)).count() >= needed;
     let mut pattern: Vec<&str> = Vec::new();
@@ -1249,6 +1258,8 @@ mod tests {
             skeleton.decisions
         );
         assert_eq!(skeleton.task_pattern, "clean some … and put it in fridge");
+        // One request run twice is one user's message: no pattern.
+        assert_eq!(task_pattern(&[&a, &a]), "");
         let take = texts.iter().position(|t| t.starts_with("Take")).unwrap();
         let clean = texts.iter().position(|t| t.starts_with("Clean")).unwrap();
         assert!(take < clean, "order kept");
