@@ -11,7 +11,13 @@
 //! only makes the next run read the file again. The ledger is a cache of work done, never the
 //! data: deleting it costs one full re-read, and `--reread` ignores it. OpenTelemetry files
 //! are not recorded (their spans are grouped into episodes across the batch they arrive in),
-//! nor is standard input; sharded runs neither read nor write it.
+//! nor is standard input.
+//!
+//! A shard of a sharded run (`--shard I/N`, into a staging store) reads the main store's ledger
+//! and its own, and appends to its own; its settings name the shard, since a shard reads every
+//! file but keeps only the records it owns. The merge appends the shards' lines to the main
+//! store's ledger once their records are committed there (`fluxmem_store::CARRIED_LOGS`), so
+//! the next night's shard I of N skips the files it read before.
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -70,19 +76,27 @@ pub(crate) fn key_path(path: &Path) -> String {
 }
 
 impl Ledger {
-    /// The ledger of the store at `store_dir`; an unreadable line is ignored (its file is read
-    /// again), a missing file is an empty ledger.
-    pub(crate) fn open(store_dir: &Path, options: &IngestOptions) -> Ledger {
+    /// The ledger of the store at `store_dir` (with `main`, a staging store's main store: its
+    /// ledger is read too); an unreadable line is ignored (its file is read again), a missing
+    /// file is an empty ledger.
+    pub(crate) fn open(store_dir: &Path, main: Option<&Path>, options: &IngestOptions) -> Ledger {
         let path = store_dir.join(LEDGER);
         let mut entries = HashMap::new();
-        if let Ok(text) = std::fs::read_to_string(&path) {
+        let read = main
+            .map(|m| m.join(LEDGER))
+            .into_iter()
+            .chain([path.clone()]);
+        for ledger in read {
+            let Ok(text) = std::fs::read_to_string(&ledger) else {
+                continue;
+            };
             for line in text.lines() {
                 if let Ok(entry) = serde_json::from_str::<Entry>(line) {
                     entries.insert((entry.path.clone(), entry.settings.clone()), entry);
                 }
             }
         }
-        let settings = format!(
+        let mut settings = format!(
             "fluxmem {}; format {:?}; tenant {}; agent {:?}; max_record_bytes {}; chunk_words {}",
             env!("CARGO_PKG_VERSION"),
             options.format,
@@ -91,6 +105,9 @@ impl Ledger {
             options.max_record_bytes,
             options.chunk_words
         );
+        if options.shard.count > 1 {
+            settings.push_str(&format!("; shard {}", options.shard));
+        }
         Ledger {
             path,
             entries,

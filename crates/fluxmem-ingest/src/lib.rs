@@ -266,6 +266,7 @@ pub fn ingest(
         .join(format!("{run_id}.jsonl"));
     let expanded = walk::expand(inputs, options, writer.store().dir());
     let writer_dir = writer.store().dir().to_path_buf();
+    let main_dir = writer.staging_main();
     let mut run = Run {
         writer,
         options,
@@ -277,10 +278,9 @@ pub fn ingest(
         quarantine_path,
         quarantine: None,
         otel_spans: Vec::new(),
-        // The ledger of files already ingested (unsharded runs only: shards split the
-        // records, not the files).
-        ledger: (!options.reread && options.shard.count <= 1)
-            .then(|| ledger::Ledger::open(&writer_dir, options)),
+        // The ledger of files already ingested (a shard's own, over its main store's).
+        ledger: (!options.reread)
+            .then(|| ledger::Ledger::open(&writer_dir, main_dir.as_deref(), options)),
         awaiting: Vec::new(),
         group: (0, 0),
         pending_replaces: false,

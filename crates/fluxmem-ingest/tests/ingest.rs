@@ -2371,3 +2371,68 @@ fn an_evaluation_event_on_a_run_is_its_logged_outcome() {
     let (success, source, _) = outcome("Is order C-3001 delivered?");
     assert_eq!((success, source.as_str()), (Some(true), "inferred"));
 }
+
+#[test]
+fn a_sharded_night_reads_only_the_files_its_shards_have_not_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let main = dir.path().join("store");
+    let logs = dir.path().join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let write_log = |name: &str, first: usize| {
+        let lines: String = (first..first + 6)
+            .map(|i| {
+                format!(
+                    "{{\"episode_id\":\"e{i}\",\"task\":\"refund order {i}\",\"steps\":[{{\"observation\":\"please refund {i}\",\"action\":\"refund\"}}],\"outcome\":{{\"success\":true}}}}\n"
+                )
+            })
+            .collect();
+        std::fs::write(logs.join(name), lines).unwrap();
+    };
+    // One night, two shards into staging stores, then the merge.
+    let night = |run: &str| -> Vec<IngestReport> {
+        let reports = (0..2)
+            .map(|index| {
+                let shard = fluxmem_store::Shard { index, count: 2 };
+                let mut writer = Writer::open_staging(&main, "ingest", shard).unwrap();
+                let options = IngestOptions {
+                    shard,
+                    ..IngestOptions::default()
+                };
+                let report =
+                    ingest(&mut writer, &[logs.clone()], &options, run, &mut NoProgress).unwrap();
+                writer.finish_staging(run).unwrap();
+                report
+            })
+            .collect();
+        Writer::open(&main)
+            .unwrap()
+            .merge_staging("ingest", 2, fluxmem_store::CommitInfo::default())
+            .unwrap();
+        reports
+    };
+    write_log("monday.jsonl", 0);
+    let first = night("night-1");
+    assert_eq!(
+        first
+            .iter()
+            .map(|r| (r.files, r.unchanged_files))
+            .collect::<Vec<_>>(),
+        [(1, 0), (1, 0)]
+    );
+    assert_eq!(first.iter().map(|r| r.ingested).sum::<u64>(), 6);
+    // The next night: one new file; each shard reads it alone.
+    write_log("tuesday.jsonl", 6);
+    let second = night("night-2");
+    assert_eq!(
+        second
+            .iter()
+            .map(|r| (r.files, r.unchanged_files))
+            .collect::<Vec<_>>(),
+        [(1, 1), (1, 1)],
+        "{second:?}"
+    );
+    assert_eq!(second.iter().map(|r| r.ingested).sum::<u64>(), 6);
+    assert_eq!(seen_episodes(&main).len(), 12);
+    // The ledger's name is one the merge carries to the main store.
+    assert!(fluxmem_store::CARRIED_LOGS.contains(&fluxmem_ingest::LEDGER));
+}

@@ -95,6 +95,12 @@ pub struct MergeReport {
 /// Staging stores of a stage read the main store's shards through this prefix.
 const TO_MAIN: &str = "../../";
 
+/// Append-only logs a stage keeps beside its store that belong to the main store once a shard
+/// is merged: ingest's ledger of the files read (a staging store's lines are appended to the
+/// main store's file of the same name after the merge commits, so a file is recorded only once
+/// its records are in the main store).
+pub const CARRIED_LOGS: [&str; 1] = ["ingest-ledger.jsonl"];
+
 fn staging_marker(manifest: &Manifest) -> Option<&Value> {
     manifest.progress.get("staging")
 }
@@ -150,6 +156,11 @@ impl Writer {
         );
         write_manifest(&dir, &manifest, None)?;
         Writer::open(&dir)
+    }
+
+    /// The main store of this staging store, or `None` for a main store.
+    pub fn staging_main(&self) -> Option<PathBuf> {
+        staging_marker(self.manifest()).map(|_| self.store().dir().join(TO_MAIN))
     }
 
     /// Marks this staging store's shard as finished (merge refuses unfinished shards).
@@ -271,6 +282,23 @@ impl Writer {
             );
             self.commit(&delta, info)?;
             report.committed = true;
+        }
+        // The shards' logs join the main store's once their data has (a crash before this only
+        // makes the next run redo the work the lines record; a line appended twice is one).
+        for dir in &dirs {
+            for name in CARRIED_LOGS {
+                let from = dir.join(name);
+                let Ok(lines) = std::fs::read(&from) else {
+                    continue;
+                };
+                let to = main.join(name);
+                let mut file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&to)
+                    .at(&to)?;
+                std::io::Write::write_all(&mut file, &lines).at(&to)?;
+            }
         }
         for dir in dirs {
             std::fs::remove_dir_all(&dir).at(&dir)?;
