@@ -710,7 +710,7 @@ pub struct ConsolidateArgs {
     /// Episodes the judge replays per skill version.
     #[arg(long, default_value_t = 8)]
     pub judge_episodes: usize,
-    /// Only this tenant: reads that tenant's episodes and skills, nothing of the others.
+    /// Only this tenant: reads that tenant's episodes and skills (not the others').
     #[arg(long)]
     pub tenant: Option<String>,
     /// Try again clusters that failed in an earlier run with the same episodes.

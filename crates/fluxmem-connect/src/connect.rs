@@ -11,7 +11,9 @@
 //! edge joins two tenants.
 
 use candle_core::Device;
-use fluxmem_graph::{Edge, EdgeKind, Graph, IdMap, IdSet, Node, NodeBody, NodeId, NodeKind, Step};
+use fluxmem_graph::{
+    Edge, EdgeKey, EdgeKind, Graph, IdMap, IdSet, Node, NodeBody, NodeId, NodeKind, Step,
+};
 use fluxmem_models::Embedder;
 
 use fluxmem_store::{CommitInfo, Live, Rows, Scan, Shard, Writer};
@@ -140,9 +142,11 @@ pub fn connect_store(
     // makes this the store's only connect).
     crate::facts::sweep(&store.dir().join(fluxmem_store::SCRATCH).join(FOLDER))?;
     // Which episodes are connected, from a stream of the live edges' ends.
-    let connected = connected_episodes(store, &manifest)?;
-    // Connected episodes that grew since this stage last looked are connected again.
+    // Connected episodes that grew since this stage last looked are connected again; their
+    // edges that exist keep what later stages made of them (credit, prunes), only new ones
+    // are added.
     let grown = grown_since(store, &manifest)?;
+    let (connected, existing) = connected_episodes(store, &manifest, &grown.episodes)?;
     let mut nodes = read_nodes(
         store,
         &manifest,
@@ -199,6 +203,7 @@ pub fn connect_store(
     let mut sizing = GroupSize::new(memory / 4, &manifest, commit_every, nodes.episodes.len());
     progress.start(todo.len() as u64);
     let mut start = 0;
+    let mut marked = false;
     while start < todo.len() {
         // A group of whole commits, so that where a commit ends does not depend on the budget.
         let group = &todo[start..(start + sizing.episodes()).min(todo.len())];
@@ -210,7 +215,8 @@ pub fn connect_store(
         report.groups += 1;
         let chunks = group.chunks(commit_every).count();
         for (i, chunk) in group.chunks(commit_every).enumerate() {
-            let delta = night.chunk_edges(chunk, &group_graph, &neighbours, &mut report)?;
+            let mut delta = night.chunk_edges(chunk, &group_graph, &neighbours, &mut report)?;
+            keep_existing(&mut delta, &existing, &mut report);
             // The last commit of an unsharded run records the grown episodes as handled (a run
             // killed before it connects them again: the same edges).
             let last = start >= todo.len() && i + 1 == chunks && options.shard.count <= 1;
@@ -218,11 +224,35 @@ pub fn connect_store(
             if !delta.is_empty() {
                 commit(writer, &delta, run_id, &report, marker)?;
                 report.commits += 1;
+                marked |= marker.is_some();
             }
             progress.advance(chunk.len() as u64);
         }
     }
+    if !marked && grown.seen > grown.handled && options.shard.count <= 1 {
+        commit(writer, &Graph::default(), run_id, &report, Some(grown.seen))?;
+        report.commits += 1;
+    }
     Ok(report)
+}
+
+/// Takes out of `delta` the edges the store holds already (a grown episode's: connected again,
+/// its existing edges keep their state), and out of the report's counts.
+fn keep_existing(delta: &mut Graph, existing: &BTreeSet<EdgeKey>, report: &mut ConnectReport) {
+    if existing.is_empty() {
+        return;
+    }
+    delta.edges.retain(|key, edge| {
+        let new = !existing.contains(key);
+        if !new {
+            match edge.kind {
+                EdgeKind::Ground => report.ground_edges -= 1,
+                EdgeKind::Link => report.link_edges -= 1,
+                EdgeKind::Distill => {}
+            }
+        }
+        new
+    });
 }
 
 /// The progress key under which connect records how many `episode_grown` edits it has handled.
@@ -232,6 +262,8 @@ const GROWN_SEEN: &str = "connect.grown_edits";
 /// handled, and how many such edits the log holds.
 struct Grown {
     episodes: BTreeSet<NodeId>,
+    /// The edits the marker said were handled.
+    handled: usize,
     seen: usize,
 }
 
@@ -258,6 +290,7 @@ fn grown_since(store: &fluxmem_store::Store, manifest: &fluxmem_store::Manifest)
             .filter_map(|e| e.target.strip_prefix("node:"))
             .map(|id| NodeId(id.to_string()))
             .collect(),
+        handled,
         seen: edits.len(),
     })
 }
@@ -939,15 +972,28 @@ impl LinkSearch<'_> {
 /// Episodes this stage connected before: a `ground` edge into them or a Stage I `link` out
 /// (Stage I edges, whoever updated them last: credit assignment re-weights them; links with a
 /// `relation` come from Stage II and do not make an episode connected). Streamed over the live
-/// edges' ends: what stays in memory is the episodes, not the edges.
+/// edges' ends: what stays in memory is the episodes, not the edges, and the keys of the
+/// edges of the `grown` episodes.
 fn connected_episodes(
     store: &fluxmem_store::Store,
     manifest: &fluxmem_store::Manifest,
-) -> Result<IdSet> {
+    grown: &BTreeSet<NodeId>,
+) -> Result<(IdSet, BTreeSet<EdgeKey>)> {
     let mut connected = IdSet::default();
+    let mut existing = BTreeSet::new();
     store.live(manifest, "edges")?.edge_ends(
         &[EdgeKind::Ground, EdgeKind::Link],
         &mut |src, dst, kind, relation| {
+            if !grown.is_empty()
+                && (grown.contains(&NodeId(src.to_string()))
+                    || grown.contains(&NodeId(dst.to_string())))
+            {
+                existing.insert(EdgeKey {
+                    src: NodeId(src.to_string()),
+                    dst: NodeId(dst.to_string()),
+                    kind,
+                });
+            }
             let episode = match kind {
                 _ if relation => return,
                 EdgeKind::Ground => dst,
@@ -957,7 +1003,7 @@ fn connected_episodes(
             connected.insert(episode);
         },
     )?;
-    Ok(connected)
+    Ok((connected, existing))
 }
 
 /// The retrieval queries of an episode: its step observations, or its task.

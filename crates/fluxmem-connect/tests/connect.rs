@@ -892,13 +892,33 @@ fn an_episode_that_grew_after_it_was_connected_is_connected_again_once() {
     // One conversation: its first turn on night 1, its second on night 2 (the episode grows).
     let first = night(Some("pydantic-ai-turn-1.jsonl"), &mut writer);
     assert_eq!((first.connected, first.regrounded), (1, 0), "{first:?}");
+    // A later stage turns one of its ground edges off (credit assignment's prune).
+    let graph = writer.store().load().unwrap();
+    let mut pruned = graph
+        .edges
+        .values()
+        .find(|e| e.kind == EdgeKind::Ground)
+        .expect("a ground edge")
+        .clone();
+    pruned.active = false;
+    pruned.metadata.insert("pruned_by".into(), "credit".into());
+    let mut delta = Graph::default();
+    delta.upsert_edge(pruned.clone());
+    writer
+        .commit(&delta, fluxmem_store::CommitInfo::default())
+        .unwrap();
     let second = night(Some("pydantic-ai-turn-2.jsonl"), &mut writer);
     assert_eq!(
         (second.connected, second.regrounded, second.already),
         (1, 1, 0),
         "{second:?}"
     );
-    assert!(second.ground_edges > 0, "{second:?}");
+    let graph = writer.store().load().unwrap();
+    let kept = &graph.edges[&pruned.key()];
+    assert!(
+        !kept.active && kept.metadata.contains_key("pruned_by"),
+        "connecting again keeps what later stages made of an edge: {kept:?}"
+    );
     let third = night(None, &mut writer);
     assert_eq!(
         (

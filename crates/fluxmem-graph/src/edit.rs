@@ -131,7 +131,9 @@ impl Edit {
 
     /// The delta that undoes this edit: the target as it was before. An edge that did not exist
     /// before comes back inactive (edges are never deleted); a node that did not exist is kept
-    /// (nodes are immutable; undoing its creation means undoing the edges that use it).
+    /// (undoing its creation means undoing the edges that use it). A node is replaced only by
+    /// a later version of its conversation (ingest's `episode_grown`): the undo puts the
+    /// earlier version back, but the rows of the steps it did not have stay in the store.
     pub fn undo(&self) -> Result<Graph> {
         let mut delta = Graph::default();
         let parse_error = |e: serde_json::Error| crate::Error::Value {

@@ -15,7 +15,8 @@
 //!   exports it (a trace a turn, the earlier turns' spans not sent again). The new steps are
 //!   appended to the stored ones, and the rest is as for a growth.
 //! - **contradicts it**: anything else (another task, a step that differs). The new version is an
-//!   episode of its own, with an id of its own content and `conflicts_with` naming the stored
+//!   episode of its own, with an id of where it parts from the stored one (its task and steps
+//!   up to the first that differs) and `conflicts_with` naming the stored
 //!   one; nothing stored changes.
 
 use fluxmem_graph::{sha256_hex, Node, NodeBody, NodeId, Step};
@@ -47,8 +48,7 @@ pub(crate) fn compare(stored: &Node, new: &Node) -> Growth {
         extends(&fresh.steps, &old.steps),
     ) {
         (Some(filled), _) => {
-            let gained = old.outcome.success.is_none() && fresh.outcome.success.is_some();
-            if fresh.steps.len() > old.steps.len() || filled || gained {
+            if fresh.steps.len() > old.steps.len() || filled || outcome_gained(stored, new) {
                 Growth::Grows
             } else {
                 Growth::Nothing
@@ -59,6 +59,20 @@ pub(crate) fn compare(stored: &Node, new: &Node) -> Growth {
         (None, None) if continues(&old.steps, &fresh.steps) => Growth::Continues,
         (None, None) => Growth::Contradicts,
     }
+}
+
+/// The new version's log says an outcome (the parser's: a field, a status, an evaluation)
+/// that the stored version's does not: the stored one had none from the log (inferred by
+/// ingest's rule, or none), or another one.
+fn outcome_gained(stored: &Node, new: &Node) -> bool {
+    let (Some(old), Some(fresh)) = (stored.episode(), new.episode()) else {
+        return false;
+    };
+    let said = fresh.outcome.success.is_some() || fresh.outcome.reward.is_some();
+    let unlogged = matches!(stored.outcome_source(), "inferred" | "none");
+    said && (unlogged
+        || fresh.outcome.success != old.outcome.success
+        || fresh.outcome.reward != old.outcome.reward)
 }
 
 /// Every step of `fresh` was logged after the last step of `stored` (both with timestamps).
@@ -141,11 +155,47 @@ pub(crate) fn grown(stored: &Node, mut new: Node, continues: bool) -> Node {
     new
 }
 
-/// `new` as an episode of its own beside the `stored` version it contradicts: an id of its own
-/// content, `conflicts_with` naming the stored episode.
+/// `new` as an episode of its own beside the `stored` version it contradicts, `conflicts_with`
+/// naming the stored episode. Its id comes from where it parts from the stored one (its task
+/// and its steps up to the first that differs), so a later, longer version of the same
+/// divergent conversation has the same id and grows it, and the same version again is a
+/// duplicate.
 pub(crate) fn apart(stored: &Node, mut new: Node) -> Node {
-    let content = serde_json::to_string(&new.body).unwrap_or_default();
+    let (old, fresh) = match (stored.episode(), new.episode()) {
+        (Some(old), Some(fresh)) => (old.steps.as_slice(), fresh.steps.as_slice()),
+        _ => (&[][..], &[][..]),
+    };
+    let parts = old
+        .iter()
+        .zip(fresh)
+        .take_while(|(a, b)| step_change(a, b).is_some())
+        .count();
+    let head = &fresh[..(parts + 1).min(fresh.len())];
+    let signature: Vec<(&str, Vec<(&str, &str)>)> = head
+        .iter()
+        .map(|s| {
+            (
+                s.action.as_str(),
+                s.tool_calls
+                    .iter()
+                    .map(|c| (c.name.as_str(), c.arguments.as_str()))
+                    .collect(),
+            )
+        })
+        .collect();
+    let content = serde_json::to_string(&(&new.text, signature)).unwrap_or_default();
     let identity = format!("{}#{}", stored.id, sha256_hex(content.as_bytes()));
+    new.id = NodeId::content(new.kind(), &new.tenant, &[&identity]);
+    new.metadata
+        .insert("conflicts_with".into(), Value::from(stored.id.to_string()));
+    new
+}
+
+/// `new` apart from `stored` under an id of its whole content (a version that parts from the
+/// stored one and from the divergent version [`apart`] names too).
+pub(crate) fn whole(stored: &Node, mut new: Node) -> Node {
+    let content = serde_json::to_string(&new.body).unwrap_or_default();
+    let identity = format!("{}#whole#{}", stored.id, sha256_hex(content.as_bytes()));
     new.id = NodeId::content(new.kind(), &new.tenant, &[&identity]);
     new.metadata
         .insert("conflicts_with".into(), Value::from(stored.id.to_string()));
@@ -265,6 +315,25 @@ mod tests {
             .map(|s| s.tool_calls[0].name.as_str())
             .collect();
         assert_eq!(names, ["get_order", "refund_order"]);
+        // The same steps with an outcome the log says, over one ingest's rule inferred.
+        let mut inferred = long.clone();
+        inferred
+            .metadata
+            .insert("outcome_source".into(), Value::from("inferred"));
+        let mut judged = long.clone();
+        if let NodeBody::Episodic(e) = &mut judged.body {
+            e.outcome.success = Some(false);
+        }
+        assert_eq!(
+            compare(&inferred, &judged),
+            Growth::Grows,
+            "a logged verdict"
+        );
+        let mut logged = long.clone();
+        logged
+            .metadata
+            .insert("outcome_source".into(), Value::from("logged"));
+        assert_eq!(compare(&logged, &long), Growth::Nothing, "the same verdict");
         let apart = apart(&short, other);
         assert_ne!(apart.id, short.id);
         assert_eq!(apart.metadata["conflicts_with"], short.id.to_string());

@@ -563,7 +563,7 @@ impl Run<'_> {
                 for (i, mut node) in record.nodes.into_iter().enumerate() {
                     let added = self.known.insert(node.id.as_str());
                     if added || (i == 0 && replaces) {
-                        if node.episode().is_some() {
+                        if node.episode().is_some() && added {
                             outcome::label(&mut node);
                             *self
                                 .report
@@ -585,27 +585,68 @@ impl Run<'_> {
     }
 
     /// A record whose episode id is known: compared with the stored version (this run's pending
-    /// one first), see [`grow`]. A growth replaces the episode in the record (its id is then
-    /// taken off `known` so the record's loop stores it, and an `episode_grown` edit holds the
-    /// version it replaces); a contradiction gives it an id of its own.
+    /// one first), see [`grow`]. A growth replaces the episode in the record (the record's loop
+    /// stores it although its id is known, and an `episode_grown` edit holds the version it
+    /// replaces); a contradiction gives it the id of where it parts from the stored one, which
+    /// may itself be known: then it is compared with that version in turn.
     fn known_again(&mut self, record: &mut Record) -> Result<grow::Growth> {
-        let own = &record.nodes[0];
-        if own.episode().is_none() {
+        if record.nodes[0].episode().is_none() {
             return Ok(grow::Growth::Nothing);
         }
-        let stored = match self.pending.nodes.get(&own.id) {
-            Some(node) => Some(node.clone()),
-            None => self.stored(&own.id)?,
-        };
-        let Some(stored) = stored else {
-            return Ok(grow::Growth::Nothing);
-        };
-        let growth = grow::compare(&stored, own);
+        let mut contradicted = false;
+        // A contradiction's own id, when known, is compared once more (then it is a growth, a
+        // duplicate, or a contradiction of that version too, kept as it is).
+        for _ in 0..2 {
+            let own = &record.nodes[0];
+            let stored = match self.pending.nodes.get(&own.id) {
+                Some(node) => Some(node.clone()),
+                None => self.stored(&own.id)?,
+            };
+            let Some(stored) = stored else {
+                return Ok(grow::Growth::Nothing);
+            };
+            let growth = grow::compare(&stored, own);
+            if growth == grow::Growth::Contradicts && contradicted {
+                // It parts from that version too: an id of its whole content.
+                let new = record.nodes.remove(0);
+                let whole = grow::whole(&stored, new);
+                let known = self.known.contains(whole.id.as_str());
+                record.nodes.insert(0, whole);
+                return Ok(if known {
+                    grow::Growth::Nothing
+                } else {
+                    grow::Growth::Contradicts
+                });
+            }
+            if growth != grow::Growth::Contradicts {
+                return self.apply(record, &stored, growth);
+            }
+            contradicted = true;
+            let new = record.nodes.remove(0);
+            let apart = grow::apart(&stored, new);
+            let known = self.known.contains(apart.id.as_str());
+            record.nodes.insert(0, apart);
+            if !known {
+                return Ok(grow::Growth::Contradicts);
+            }
+        }
+        Ok(grow::Growth::Contradicts)
+    }
+
+    /// Applies what [`grow::compare`] said of the record's episode against `stored`.
+    fn apply(
+        &mut self,
+        record: &mut Record,
+        stored: &fluxmem_graph::Node,
+        growth: grow::Growth,
+    ) -> Result<grow::Growth> {
         let new = record.nodes.remove(0);
         match growth {
             grow::Growth::Nothing => {}
             grow::Growth::Grows | grow::Growth::Continues => {
-                let node = grow::grown(&stored, new, growth == grow::Growth::Continues);
+                let at = new.created_at.unwrap_or(0);
+                let mut node = grow::grown(stored, new, growth == grow::Growth::Continues);
+                outcome::label(&mut node);
                 let reason = format!(
                     "a later version of the conversation: {} steps, were {}",
                     node.episode().map_or(0, |e| e.steps.len()),
@@ -615,14 +656,14 @@ impl Run<'_> {
                     "ingest",
                     self.run_id,
                     "episode_grown",
-                    fluxmem_graph::Changed::Node(Some(&stored), Some(&node)),
+                    fluxmem_graph::Changed::Node(Some(stored), Some(&node)),
                     &reason,
-                    node.created_at.unwrap_or(0),
+                    at,
                 ));
                 self.pending_replaces |= !self.pending.nodes.contains_key(&node.id);
                 record.nodes.insert(0, node);
             }
-            grow::Growth::Contradicts => record.nodes.insert(0, grow::apart(&stored, new)),
+            grow::Growth::Contradicts => record.nodes.insert(0, new),
         }
         Ok(growth)
     }

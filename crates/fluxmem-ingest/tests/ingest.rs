@@ -2261,6 +2261,40 @@ fn a_conversation_that_grows_in_a_later_batch_replaces_its_stored_version() {
         episodes["Please refund order A-100."].1.metadata["versions"],
         2
     );
+    // The same contradicting version again (another file): a duplicate, not a second episode.
+    let again = dir.path().join("conflict-again.jsonl");
+    std::fs::write(&again, format!("{other}\n")).unwrap();
+    let night5 = run(&store, &[again], &IngestOptions::default());
+    assert_eq!(
+        (night5.ingested, night5.conflicting, night5.duplicates),
+        (0, 0, 1),
+        "{night5:?}"
+    );
+    // That divergent conversation logged again, longer: it grows its own episode.
+    let mut longer = other.clone();
+    for message in [
+        serde_json::json!({"role": "user", "content": "and B-200 too"}),
+        serde_json::json!({"role": "assistant", "content": "Looking B-200 up."}),
+    ] {
+        longer["messages"].as_array_mut().unwrap().push(message);
+    }
+    let grown_apart = dir.path().join("conflict-longer.jsonl");
+    std::fs::write(&grown_apart, format!("{longer}\n")).unwrap();
+    let night6 = run(&store, &[grown_apart], &IngestOptions::default());
+    assert_eq!(
+        (night6.ingested, night6.grown, night6.conflicting),
+        (1, 1, 0),
+        "{night6:?}"
+    );
+    let episodes = seen_episodes(&store);
+    assert_eq!(
+        episodes.len(),
+        2,
+        "the conversation and its divergent version"
+    );
+    let (_, apart_now) = &episodes["Please refund order Z-999."];
+    assert_eq!(apart_now.id, apart.id);
+    assert_eq!(apart_now.metadata["versions"], 2);
 }
 
 #[test]
