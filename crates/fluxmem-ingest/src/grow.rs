@@ -35,6 +35,16 @@ pub(crate) enum Growth {
     Contradicts,
 }
 
+/// Whether an episode's id can be shared by a later version with other content: its identity
+/// is a logged conversation id (chat logs with an `id`) or a trace's grouping (OTel spans,
+/// which may arrive over several batches). Other formats' ids hold the content: a known id is
+/// the same record, and nothing is read back to compare.
+pub(crate) fn versioned(node: &Node) -> bool {
+    node.episode().is_some()
+        && (node.metadata.contains_key("conversation_id")
+            || node.metadata.get("format").and_then(Value::as_str) == Some("otel"))
+}
+
 /// How `new` relates to `stored`, two versions of one episode id.
 pub(crate) fn compare(stored: &Node, new: &Node) -> Growth {
     let (Some(old), Some(fresh)) = (stored.episode(), new.episode()) else {

@@ -63,6 +63,7 @@ pub use walk::Skipped;
 use fluxmem_graph::Graph;
 use fluxmem_store::{CommitInfo, Shard, Writer};
 use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -284,6 +285,7 @@ pub fn ingest(
         awaiting: Vec::new(),
         group: (0, 0),
         pending_replaces: false,
+        deferred: Vec::new(),
     };
     for skipped in &expanded.skipped {
         progress.notice(
@@ -377,6 +379,9 @@ struct Run<'a> {
     /// The pending delta replaces stored episodes (grown conversations): it commits with
     /// [`Writer::commit`], not `commit_new`.
     pending_replaces: bool,
+    /// Records of the batch that are versions of stored conversations, compared with the
+    /// stored versions when the batch commits ([`Run::resolve_deferred`]).
+    deferred: Vec<Record>,
 }
 
 impl Run<'_> {
@@ -535,7 +540,7 @@ impl Run<'_> {
                 Ok(())
             }
             Parsed::Rejected(rejected) => self.quarantine(rejected, progress),
-            Parsed::Record(mut record) => {
+            Parsed::Record(record) => {
                 self.report.read += 1;
                 let Some(own) = record.nodes.first() else {
                     return Ok(());
@@ -544,44 +549,95 @@ impl Run<'_> {
                     self.report.other_shards += 1;
                     return Ok(());
                 }
-                // A grown episode replaces the stored one under its known id.
-                let mut replaces = false;
                 if self.known.contains(own.id.as_str()) {
-                    match self.known_again(&mut record)? {
-                        grow::Growth::Nothing => {
-                            self.report.duplicates += 1;
-                            return Ok(());
-                        }
-                        grow::Growth::Grows | grow::Growth::Continues => {
-                            self.report.grown += 1;
-                            replaces = true;
-                        }
-                        grow::Growth::Contradicts => self.report.conflicting += 1,
+                    if !grow::versioned(own) {
+                        self.report.duplicates += 1;
+                        return Ok(());
                     }
-                }
-                self.report.ingested += 1;
-                for (i, mut node) in record.nodes.into_iter().enumerate() {
-                    let added = self.known.insert(node.id.as_str());
-                    if added || (i == 0 && replaces) {
-                        if node.episode().is_some() && added {
-                            outcome::label(&mut node);
-                            *self
-                                .report
-                                .outcomes
-                                .entry(node.outcome_source().to_string())
-                                .or_default() += 1;
-                        }
-                        self.report.nodes_added += u64::from(added);
-                        self.pending.insert_node(node);
+                    // A version of a stored conversation: compared with the stored one at the
+                    // next commit, all of the batch's in one read of the store.
+                    if !self.pending.nodes.contains_key(&own.id) {
+                        self.deferred.push(record);
+                        return self.counted();
                     }
+                    self.again(record, &BTreeMap::new())?;
+                    return self.counted();
                 }
-                self.pending_records += 1;
-                if self.pending_records >= self.options.batch_records {
-                    self.commit()?;
-                }
-                Ok(())
+                self.store_record(record, false);
+                self.counted()
             }
         }
+    }
+
+    /// One more record in the batch: commits when the batch is full.
+    fn counted(&mut self) -> Result<()> {
+        self.pending_records += 1;
+        if self.pending_records >= self.options.batch_records {
+            self.commit()?;
+        }
+        Ok(())
+    }
+
+    /// A record whose episode id is known (`stored`: the stored versions read for the batch),
+    /// through [`Run::known_again`], then stored unless it adds nothing.
+    fn again(
+        &mut self,
+        mut record: Record,
+        stored: &BTreeMap<fluxmem_graph::NodeId, fluxmem_graph::Node>,
+    ) -> Result<()> {
+        let replaces = match self.known_again(&mut record, stored)? {
+            grow::Growth::Nothing => {
+                self.report.duplicates += 1;
+                return Ok(());
+            }
+            grow::Growth::Grows | grow::Growth::Continues => {
+                self.report.grown += 1;
+                true
+            }
+            grow::Growth::Contradicts => {
+                self.report.conflicting += 1;
+                false
+            }
+        };
+        self.store_record(record, replaces);
+        Ok(())
+    }
+
+    /// Puts a record's new nodes (and, when it `replaces` a stored episode, its first node)
+    /// into the batch.
+    fn store_record(&mut self, record: Record, replaces: bool) {
+        self.report.ingested += 1;
+        for (i, mut node) in record.nodes.into_iter().enumerate() {
+            let added = self.known.insert(node.id.as_str());
+            if added || (i == 0 && replaces) {
+                if node.episode().is_some() && added {
+                    outcome::label(&mut node);
+                    *self
+                        .report
+                        .outcomes
+                        .entry(node.outcome_source().to_string())
+                        .or_default() += 1;
+                }
+                self.report.nodes_added += u64::from(added);
+                self.pending.insert_node(node);
+            }
+        }
+    }
+
+    /// The batch's deferred records (versions of stored conversations), in their order: the
+    /// stored versions read in one scan, then each compared and stored.
+    fn resolve_deferred(&mut self) -> Result<()> {
+        if self.deferred.is_empty() {
+            return Ok(());
+        }
+        let records = std::mem::take(&mut self.deferred);
+        let ids: BTreeSet<fluxmem_graph::NodeId> =
+            records.iter().map(|r| r.nodes[0].id.clone()).collect();
+        let stored = self.stored_nodes(ids)?;
+        for record in records {
+            self.again(record, &stored)?;
+        }
+        Ok(())
     }
 
     /// A record whose episode id is known: compared with the stored version (this run's pending
@@ -589,18 +645,24 @@ impl Run<'_> {
     /// stores it although its id is known, and an `episode_grown` edit holds the version it
     /// replaces); a contradiction gives it the id of where it parts from the stored one, which
     /// may itself be known: then it is compared with that version in turn.
-    fn known_again(&mut self, record: &mut Record) -> Result<grow::Growth> {
-        if record.nodes[0].episode().is_none() {
-            return Ok(grow::Growth::Nothing);
-        }
+    fn known_again(
+        &mut self,
+        record: &mut Record,
+        read: &BTreeMap<fluxmem_graph::NodeId, fluxmem_graph::Node>,
+    ) -> Result<grow::Growth> {
         let mut contradicted = false;
         // A contradiction's own id, when known, is compared once more (then it is a growth, a
         // duplicate, or a contradiction of that version too, kept as it is).
         for _ in 0..2 {
             let own = &record.nodes[0];
-            let stored = match self.pending.nodes.get(&own.id) {
+            let stored = match self
+                .pending
+                .nodes
+                .get(&own.id)
+                .or_else(|| read.get(&own.id))
+            {
                 Some(node) => Some(node.clone()),
-                None => self.stored(&own.id)?,
+                None => self.stored_nodes([own.id.clone()].into())?.remove(&own.id),
             };
             let Some(stored) = stored else {
                 return Ok(grow::Growth::Nothing);
@@ -668,17 +730,22 @@ impl Run<'_> {
         Ok(growth)
     }
 
-    /// The stored node `id` with its steps, if the store holds it.
-    fn stored(&self, id: &fluxmem_graph::NodeId) -> Result<Option<fluxmem_graph::Node>> {
-        let of: std::collections::BTreeSet<fluxmem_graph::NodeId> = [id.clone()].into();
+    /// The stored nodes `ids` with their steps (those the store holds), in one scan.
+    fn stored_nodes(
+        &self,
+        ids: BTreeSet<fluxmem_graph::NodeId>,
+    ) -> Result<BTreeMap<fluxmem_graph::NodeId, fluxmem_graph::Node>> {
         let scan = fluxmem_store::Scan {
             nodes: true,
-            nodes_of: Some(of.clone()),
-            steps: fluxmem_store::Rows::Of(of),
+            nodes_of: Some(ids.clone()),
+            steps: fluxmem_store::Rows::Of(ids),
             ..Default::default()
         };
-        let mut graph = self.writer.store().scan_at(self.writer.manifest(), &scan)?;
-        Ok(graph.nodes.remove(id))
+        Ok(self
+            .writer
+            .store()
+            .scan_at(self.writer.manifest(), &scan)?
+            .nodes)
     }
 
     fn quarantine(&mut self, rejected: Rejected, progress: &mut dyn Progress) -> Result<()> {
@@ -722,6 +789,7 @@ impl Run<'_> {
     }
 
     fn commit_pending(&mut self) -> Result<()> {
+        self.resolve_deferred()?;
         if self.pending.is_empty() {
             return Ok(());
         }
