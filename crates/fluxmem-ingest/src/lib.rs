@@ -555,13 +555,15 @@ impl Run<'_> {
                         return Ok(());
                     }
                     // A version of a stored conversation: compared with the stored one at the
-                    // next commit, all of the batch's in one read of the store.
+                    // next commit, all of the batch's in one read of the store. It does not
+                    // count toward the batch (a duplicate never does), so a run resumed after
+                    // a kill, which finds its committed records known, commits where the
+                    // uninterrupted run did.
                     if !self.pending.nodes.contains_key(&own.id) {
                         self.deferred.push(record);
-                        return self.counted();
+                        return Ok(());
                     }
-                    self.again(record, &BTreeMap::new())?;
-                    return self.counted();
+                    return self.again(record, &BTreeMap::new());
                 }
                 self.store_record(record, false);
                 self.counted()
