@@ -346,24 +346,9 @@ pub fn refine_query(
                 }
                 let ranking = swap(arrange(&view, stage1, &excluded, options.anchors), &swaps);
                 let context = pack_view(&view, &ranking, options.budget, models.count_tokens)?;
-                rounds.push(Round {
-                    sufficiency: before,
-                    items: context.items.len(),
-                    attribution: "no gain".into(),
-                    edit: None,
-                    undone: false,
-                    context: ids(&context),
-                });
-                let new_nodes = view.delta.nodes.values().cloned().collect();
-                return Ok(LoopOutcome {
-                    ranking,
-                    context,
-                    rounds,
-                    sufficient: false,
-                    delta: Graph::default(),
-                    attempted,
-                    new_nodes,
-                });
+                return Ok(unfinished(
+                    &view, ranking, context, rounds, before, "no gain", attempted,
+                ));
             }
         }
         let sufficient = sufficiency
@@ -541,26 +526,47 @@ pub fn refine_query(
                 });
             }
             None => {
-                rounds.push(Round {
-                    sufficiency,
-                    items: context.items.len(),
-                    attribution: "stuck".into(),
-                    edit: None,
-                    undone: false,
-                    context: ids(&context),
-                });
-                let new_nodes = view.delta.nodes.values().cloned().collect();
-                return Ok(LoopOutcome {
+                return Ok(unfinished(
+                    &view,
                     ranking,
                     context,
                     rounds,
-                    sufficient: false,
-                    delta: Graph::default(),
+                    sufficiency,
+                    "stuck",
                     attempted,
-                    new_nodes,
-                });
+                ));
             }
         }
+    }
+}
+
+/// The outcome of a loop that ends without a sufficient context (`attribution`: why), on
+/// `context`: nothing persists.
+fn unfinished(
+    view: &View<'_>,
+    ranking: Vec<Entry>,
+    context: Context,
+    mut rounds: Vec<Round>,
+    sufficiency: f32,
+    attribution: &str,
+    attempted: Vec<Edit>,
+) -> LoopOutcome {
+    rounds.push(Round {
+        sufficiency,
+        items: context.items.len(),
+        attribution: attribution.into(),
+        edit: None,
+        undone: false,
+        context: ids(&context),
+    });
+    LoopOutcome {
+        ranking,
+        context,
+        rounds,
+        sufficient: false,
+        delta: Graph::default(),
+        attempted,
+        new_nodes: view.delta.nodes.values().cloned().collect(),
     }
 }
 
