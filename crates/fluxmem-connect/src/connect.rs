@@ -273,25 +273,11 @@ fn grown_since(store: &fluxmem_store::Store, manifest: &fluxmem_store::Manifest)
         .get(GROWN_SEEN)
         .and_then(serde_json::Value::as_u64)
         .unwrap_or(0) as usize;
-    let edits = store
-        .scan_at(
-            manifest,
-            &fluxmem_store::Scan {
-                edits: true,
-                edit_kinds: vec!["episode_grown".into()],
-                ..Default::default()
-            },
-        )?
-        .edits;
+    let grown = store.edited_nodes(manifest, fluxmem_graph::EPISODE_GROWN)?;
     Ok(Grown {
-        episodes: edits
-            .iter()
-            .skip(handled)
-            .filter_map(|e| e.target.strip_prefix("node:"))
-            .map(|id| NodeId(id.to_string()))
-            .collect(),
+        seen: grown.len(),
+        episodes: grown.into_iter().skip(handled).collect(),
         handled,
-        seen: edits.len(),
     })
 }
 
@@ -984,10 +970,7 @@ fn connected_episodes(
     store.live(manifest, "edges")?.edge_ends(
         &[EdgeKind::Ground, EdgeKind::Link],
         &mut |src, dst, kind, relation| {
-            if !grown.is_empty()
-                && (grown.contains(&NodeId(src.to_string()))
-                    || grown.contains(&NodeId(dst.to_string())))
-            {
+            if grown.contains(src) || grown.contains(dst) {
                 existing.insert(EdgeKey {
                     src: NodeId(src.to_string()),
                     dst: NodeId(dst.to_string()),

@@ -860,7 +860,7 @@ fn an_episode_that_grew_after_it_was_connected_is_connected_again_once() {
     let formats = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/formats");
     let dir = tempfile::tempdir().unwrap();
     let mut writer = Writer::open(dir.path()).unwrap();
-    let mut night = |file: Option<&str>, writer: &mut Writer| {
+    let night = |file: Option<&str>, writer: &mut Writer| {
         if let Some(file) = file {
             fluxmem_ingest::ingest(
                 writer,

@@ -72,7 +72,7 @@ pub(crate) fn decisions(
     let tool_steps = kept
         .iter()
         .any(|&i| profile[i].occurrences[0].1.tool.is_some());
-    let min_holders = ((branch_support * runs as f64) - 1e-9).ceil().max(1.0) as usize;
+    let min_holders = crate::mine::runs_needed(branch_support, runs).max(1);
     let mut out = Vec::new();
     for gap in 0..=kept.len() {
         let start = if gap == 0 { 0 } else { kept[gap - 1] + 1 };
@@ -84,7 +84,7 @@ pub(crate) fn decisions(
                 c.key != crate::mine::MESSAGE
                     && !kept_keys.contains(c.key.as_str())
                     && (!tool_steps || first.tool.is_some())
-                    && holders(c).len() >= min_holders
+                    && c.holders().len() >= min_holders
             })
             .collect();
         if branch_columns.is_empty() {
@@ -99,11 +99,6 @@ pub(crate) fn decisions(
     out
 }
 
-/// The episodes (indices) holding a column.
-fn holders(column: &Column) -> BTreeSet<usize> {
-    column.occurrences.iter().map(|(e, _)| *e).collect()
-}
-
 /// The decision at one gap, or `None` when every run went the same way.
 fn decide(
     branch_columns: &[&Column],
@@ -113,11 +108,12 @@ fn decide(
 ) -> Option<Decision> {
     let runs = successes.len();
     // Each run's path: the branch columns it holds, in order, a repeated step once.
+    let holders: Vec<BTreeSet<usize>> = branch_columns.iter().map(|c| c.holders()).collect();
     let mut groups: BTreeMap<Vec<&str>, Vec<usize>> = BTreeMap::new();
     for run in 0..runs {
         let mut keys: Vec<&str> = Vec::new();
-        for column in branch_columns {
-            if holders(column).contains(&run) && !keys.contains(&column.key.as_str()) {
+        for (column, held) in branch_columns.iter().zip(&holders) {
+            if held.contains(&run) && !keys.contains(&column.key.as_str()) {
                 keys.push(column.key.as_str());
             }
         }

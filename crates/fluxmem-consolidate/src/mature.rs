@@ -429,10 +429,7 @@ pub(crate) fn mature(
     for round in 1..=options.max_rounds.max(1) {
         // Template words say what the kept steps do, so they follow the rewrites.
         let (name, description) = match wording.source.as_str() {
-            "template" => (
-                template_words(&kept_only(&skeleton, &kept)).0,
-                template_description(&skeleton, &kept),
-            ),
+            "template" => template_words(&kept_only(&skeleton, &kept)),
             _ => (name.clone(), description.clone()),
         };
         let current = SkillText {
@@ -742,8 +739,7 @@ fn template_words(skeleton: &crate::mine::Skeleton) -> (String, String) {
         .next()
         .map(|c| c.to_uppercase().collect::<String>() + chars.as_str())
         .unwrap_or_default();
-    let all: Vec<usize> = (0..skeleton.steps.len()).collect();
-    (name, template_description(skeleton, &all))
+    (name, template_description(skeleton))
 }
 
 /// The skeleton with only its `kept` steps.
@@ -757,14 +753,14 @@ fn kept_only(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> crate::mine::S
     }
 }
 
-/// The description written from the skeleton with its `kept` steps: what they do, the tasks'
-/// shared words worth quoting, and the runs the steps were mined from.
-fn template_description(skeleton: &crate::mine::Skeleton, kept: &[usize]) -> String {
+/// The description written from the skeleton: what its steps do, the tasks' shared words worth
+/// quoting, and the runs the steps were mined from.
+fn template_description(skeleton: &crate::mine::Skeleton) -> String {
     let contrast = match skeleton.failures {
         0 => String::new(),
         n => format!(", contrasted with {n} failed one(s)"),
     };
-    let steps: Vec<&crate::mine::SkeletonStep> = kept.iter().map(|&i| &skeleton.steps[i]).collect();
+    let steps: Vec<&crate::mine::SkeletonStep> = skeleton.steps.iter().collect();
     let like = match quoted_pattern(skeleton.task_pattern.trim()) {
         Some(quote) => format!(" Use for requests like \"{quote}\"."),
         None => String::new(),
@@ -785,7 +781,7 @@ fn distinct_verbs(skeleton: &crate::mine::Skeleton) -> Option<String> {
         .steps
         .iter()
         .filter(|s| s.tool.is_none())
-        .map(|s| s.key.split(" <").next().unwrap_or(&s.key))
+        .map(text_verb)
         .map(|k| k.split(' ').next().unwrap_or(k))
         .collect();
     let once: Vec<&str> = verbs
@@ -795,6 +791,11 @@ fn distinct_verbs(skeleton: &crate::mine::Skeleton) -> Option<String> {
         .collect();
     let last: Vec<&str> = once[once.len().saturating_sub(2)..].to_vec();
     (!last.is_empty()).then(|| last.join(" and "))
+}
+
+/// A text action step's verb: its signature before the first slot (`go to` of `go to <1>`).
+fn text_verb(step: &crate::mine::SkeletonStep) -> &str {
+    step.key.split(" <").next().unwrap_or(&step.key)
 }
 
 /// What the procedure does, in one sentence: the tools it calls, in order (``Calls `a`, then
@@ -811,7 +812,7 @@ fn procedure_words(steps: &[&crate::mine::SkeletonStep]) -> String {
                 }
             }
             None => {
-                let verb = step.key.split(" <").next().unwrap_or(&step.key).to_string();
+                let verb = text_verb(step).to_string();
                 if !verbs.contains(&verb) {
                     verbs.push(verb);
                 }
@@ -1189,7 +1190,7 @@ mod tests {
         assert_eq!(min_share_words(&refs(&steps(&skeleton))), "all");
         skeleton.steps[1].support = 0.5;
         assert_eq!(
-            template_description(&skeleton, &[0, 2]),
+            template_words(&kept_only(&skeleton, &[0, 2])).1,
             "Calls `get_order`, then `refund_order`. Mined from 3 successful run(s); each step is in all of them.",
             "the description speaks of the kept steps"
         );

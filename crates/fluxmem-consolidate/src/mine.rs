@@ -382,6 +382,19 @@ pub(crate) struct Column {
     pub(crate) occurrences: Vec<(usize, Signed)>,
 }
 
+impl Column {
+    /// The runs (episode indices) aligned to it.
+    pub(crate) fn holders(&self) -> BTreeSet<usize> {
+        self.occurrences.iter().map(|(e, _)| *e).collect()
+    }
+}
+
+/// The fewest of `runs` runs that make up `share` of them (a share just over a whole number
+/// of runs is that number).
+pub(crate) fn runs_needed(share: f64, runs: usize) -> usize {
+    ((share * runs as f64) - 1e-9).ceil() as usize
+}
+
 /// Longest common subsequence of two key sequences: the matched (i, j) pairs, in order.
 pub(crate) fn lcs_pairs(a: &[&str], b: &[&str]) -> Vec<(usize, usize)> {
     let (n, m) = (a.len(), b.len());
@@ -474,14 +487,7 @@ pub fn mine(
     let sequences: Vec<Vec<Signed>> = successes.iter().map(steps_of).collect();
     let failed: Vec<Vec<Signed>> = failures.iter().map(steps_of).collect();
     let profile = align(&sequences);
-    let holders = |column: &Column| {
-        column
-            .occurrences
-            .iter()
-            .map(|(e, _)| *e)
-            .collect::<BTreeSet<_>>()
-            .len()
-    };
+    let holders = |column: &Column| column.holders().len();
     let support = |column: &Column| holders(column) as f64 / n as f64;
     let min_count = options.min_count.min(n);
     // A free-text turn to the user aligns (it keeps the order of what is around it) but is not
@@ -494,7 +500,7 @@ pub fn mine(
         .filter(|(_, s)| *s + 1e-12 >= options.min_support)
         .collect();
     // The other side of an either-or is itself a pattern: as many runs as a step needs.
-    let min_branch = ((options.branch_support * n as f64) - 1e-9).ceil() as usize;
+    let min_branch = runs_needed(options.branch_support, n);
     kept = without_alternatives(&profile, kept, n, min_branch.max(min_count));
     // A column next to another of the same step is one step (the alignment split a repeat).
     kept.dedup_by(|later, earlier| {
@@ -576,12 +582,10 @@ fn without_alternatives(
     runs: usize,
     min_branch: usize,
 ) -> Vec<(usize, f64)> {
-    let holders =
-        |c: &Column| -> BTreeSet<usize> { c.occurrences.iter().map(|(e, _)| *e).collect() };
     let kept_keys: BTreeSet<&str> = kept.iter().map(|&(i, _)| profile[i].key.as_str()).collect();
     let alternative = |position: usize| -> bool {
         let index = kept[position].0;
-        let own = holders(&profile[index]);
+        let own = profile[index].holders();
         if own.len() >= runs {
             return false;
         }
@@ -590,7 +594,7 @@ fn without_alternatives(
         let is_tool = profile[index].occurrences[0].1.tool.is_some();
         let mut elsewhere: BTreeSet<usize> = BTreeSet::new();
         for (i, column) in profile.iter().enumerate().take(end).skip(start) {
-            let other = holders(column);
+            let other = column.holders();
             if i == index
                 || column.key == MESSAGE
                 || kept_keys.contains(column.key.as_str())

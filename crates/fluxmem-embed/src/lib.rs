@@ -150,12 +150,16 @@ pub fn embed_store(
     // The nodes with a vector of the model, as 16-byte digests of their ids (not the ids).
     let mut embedded: HashSet<[u8; 16], Fast> = HashSet::default();
     // Episodes that grew after they were embedded may hold a stale vector: their stored hashes.
-    let grown = grown_episodes(writer)?;
+    let grown: BTreeSet<NodeId> = writer
+        .store()
+        .edited_nodes(writer.manifest(), fluxmem_graph::EPISODE_GROWN)?
+        .into_iter()
+        .collect();
     let mut grown_hashes: BTreeMap<NodeId, String> = BTreeMap::new();
     stored.embedding_keys(&mut |node, m, hash| {
         if m == model {
             embedded.insert(digest(node));
-            if let Some(id) = grown.get(&NodeId(node.to_string())) {
+            if let Some(id) = grown.get(node) {
                 grown_hashes.insert(id.clone(), hash.to_string());
             }
         }
@@ -280,27 +284,6 @@ pub fn embed_store(
         }
     }
     Ok(report)
-}
-
-/// The episodes ingest replaced with a longer version (`episode_grown` edits), read off the
-/// edit log's kind column first.
-fn grown_episodes(writer: &Writer) -> Result<BTreeSet<NodeId>> {
-    let edits = writer
-        .store()
-        .scan_at(
-            writer.manifest(),
-            &Scan {
-                edits: true,
-                edit_kinds: vec!["episode_grown".into()],
-                ..Default::default()
-            },
-        )?
-        .edits;
-    Ok(edits
-        .iter()
-        .filter_map(|e| e.target.strip_prefix("node:"))
-        .map(|id| NodeId(id.to_string()))
-        .collect())
 }
 
 /// Of the grown episodes with a vector (`stored`: their vectors' text hashes), this shard's

@@ -49,6 +49,10 @@ pub enum Changed<'a> {
     Node(Option<&'a Node>, Option<&'a Node>),
 }
 
+/// The kind of ingest's edit that replaces an episode with a later, longer version of its
+/// conversation (the later stages look for it to redo their work on that episode).
+pub const EPISODE_GROWN: &str = "episode_grown";
+
 impl Edit {
     /// An edit record of `changed`.
     pub fn new(

@@ -37,7 +37,7 @@ mod progress;
 pub mod schema;
 
 pub use edge::{Edge, EdgeKey, EdgeKind};
-pub use edit::{Changed, Edit};
+pub use edit::{Changed, Edit, EPISODE_GROWN};
 pub use error::{Error, Result};
 pub use graph::{Embedding, Graph, GraphStats};
 pub use id::{hex, sha256_hex, IdMap, IdSet, NodeId};

@@ -170,7 +170,7 @@ pub(crate) fn grown(stored: &Node, mut new: Node, continues: bool) -> Node {
 /// and its steps up to the first that differs), so a later, longer version of the same
 /// divergent conversation has the same id and grows it, and the same version again is a
 /// duplicate.
-pub(crate) fn apart(stored: &Node, mut new: Node) -> Node {
+pub(crate) fn apart(stored: &Node, new: Node) -> Node {
     let (old, fresh) = match (stored.episode(), new.episode()) {
         (Some(old), Some(fresh)) => (old.steps.as_slice(), fresh.steps.as_slice()),
         _ => (&[][..], &[][..]),
@@ -194,19 +194,24 @@ pub(crate) fn apart(stored: &Node, mut new: Node) -> Node {
         })
         .collect();
     let content = serde_json::to_string(&(&new.text, signature)).unwrap_or_default();
-    let identity = format!("{}#{}", stored.id, sha256_hex(content.as_bytes()));
-    new.id = NodeId::content(new.kind(), &new.tenant, &[&identity]);
-    new.metadata
-        .insert("conflicts_with".into(), Value::from(stored.id.to_string()));
-    new
+    beside(
+        stored,
+        new,
+        &format!("{}#{}", stored.id, sha256_hex(content.as_bytes())),
+    )
 }
 
 /// `new` apart from `stored` under an id of its whole content (a version that parts from the
 /// stored one and from the divergent version [`apart`] names too).
-pub(crate) fn whole(stored: &Node, mut new: Node) -> Node {
+pub(crate) fn whole(stored: &Node, new: Node) -> Node {
     let content = serde_json::to_string(&new.body).unwrap_or_default();
     let identity = format!("{}#whole#{}", stored.id, sha256_hex(content.as_bytes()));
-    new.id = NodeId::content(new.kind(), &new.tenant, &[&identity]);
+    beside(stored, new, &identity)
+}
+
+/// `new` under the id of `identity`, marked as contradicting `stored`.
+fn beside(stored: &Node, mut new: Node, identity: &str) -> Node {
+    new.id = NodeId::content(new.kind(), &new.tenant, &[identity]);
     new.metadata
         .insert("conflicts_with".into(), Value::from(stored.id.to_string()));
     new

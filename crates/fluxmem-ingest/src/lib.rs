@@ -652,49 +652,56 @@ impl Run<'_> {
         record: &mut Record,
         read: &BTreeMap<fluxmem_graph::NodeId, fluxmem_graph::Node>,
     ) -> Result<grow::Growth> {
-        let mut contradicted = false;
-        // A contradiction's own id, when known, is compared once more (then it is a growth, a
-        // duplicate, or a contradiction of that version too, kept as it is).
-        for _ in 0..2 {
-            let own = &record.nodes[0];
-            let stored = match self
-                .pending
-                .nodes
-                .get(&own.id)
-                .or_else(|| read.get(&own.id))
-            {
-                Some(node) => Some(node.clone()),
-                None => self.stored_nodes([own.id.clone()].into())?.remove(&own.id),
-            };
-            let Some(stored) = stored else {
-                return Ok(grow::Growth::Nothing);
-            };
-            let growth = grow::compare(&stored, own);
-            if growth == grow::Growth::Contradicts && contradicted {
-                // It parts from that version too: an id of its whole content.
-                let new = record.nodes.remove(0);
-                let whole = grow::whole(&stored, new);
-                let known = self.known.contains(whole.id.as_str());
-                record.nodes.insert(0, whole);
-                return Ok(if known {
-                    grow::Growth::Nothing
-                } else {
-                    grow::Growth::Contradicts
-                });
-            }
-            if growth != grow::Growth::Contradicts {
-                return self.apply(record, &stored, growth);
-            }
-            contradicted = true;
-            let new = record.nodes.remove(0);
-            let apart = grow::apart(&stored, new);
-            let known = self.known.contains(apart.id.as_str());
-            record.nodes.insert(0, apart);
-            if !known {
-                return Ok(grow::Growth::Contradicts);
-            }
+        let Some(stored) = self.version(&record.nodes[0].id, read)? else {
+            return Ok(grow::Growth::Nothing);
+        };
+        let growth = grow::compare(&stored, &record.nodes[0]);
+        if growth != grow::Growth::Contradicts {
+            return self.apply(record, &stored, growth);
         }
-        Ok(grow::Growth::Contradicts)
+        // It parts from the stored version: the id of where it parts, which may be known.
+        if !self.set_apart(record, |new| grow::apart(&stored, new)) {
+            return Ok(grow::Growth::Contradicts);
+        }
+        let Some(divergent) = self.version(&record.nodes[0].id, read)? else {
+            return Ok(grow::Growth::Nothing);
+        };
+        match grow::compare(&divergent, &record.nodes[0]) {
+            // It parts from that version too: an id of its whole content.
+            grow::Growth::Contradicts => {
+                if self.set_apart(record, |new| grow::whole(&divergent, new)) {
+                    Ok(grow::Growth::Nothing)
+                } else {
+                    Ok(grow::Growth::Contradicts)
+                }
+            }
+            growth => self.apply(record, &divergent, growth),
+        }
+    }
+
+    /// Gives the record's episode the id `apart` makes; whether that id is known.
+    fn set_apart(
+        &self,
+        record: &mut Record,
+        apart: impl FnOnce(fluxmem_graph::Node) -> fluxmem_graph::Node,
+    ) -> bool {
+        let node = apart(record.nodes.remove(0));
+        let known = self.known.contains(node.id.as_str());
+        record.nodes.insert(0, node);
+        known
+    }
+
+    /// The version of episode `id` to compare with: this run's pending one, else the one read
+    /// for the batch, else the store's.
+    fn version(
+        &self,
+        id: &fluxmem_graph::NodeId,
+        read: &BTreeMap<fluxmem_graph::NodeId, fluxmem_graph::Node>,
+    ) -> Result<Option<fluxmem_graph::Node>> {
+        match self.pending.nodes.get(id).or_else(|| read.get(id)) {
+            Some(node) => Ok(Some(node.clone())),
+            None => Ok(self.stored_nodes([id.clone()].into())?.remove(id)),
+        }
     }
 
     /// Applies what [`grow::compare`] said of the record's episode against `stored`.
@@ -719,7 +726,7 @@ impl Run<'_> {
                 self.pending.edits.push(fluxmem_graph::Edit::new(
                     "ingest",
                     self.run_id,
-                    "episode_grown",
+                    fluxmem_graph::EPISODE_GROWN,
                     fluxmem_graph::Changed::Node(Some(stored), Some(&node)),
                     &reason,
                     at,

@@ -298,12 +298,8 @@ fn collect_request(
                     emit(reject("status", "not an object with `code` and `message`"))?;
                     continue;
                 }
-                let exception = span
-                    .get("events")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                    .find(|e| e.get("name").and_then(Value::as_str) == Some("exception"))
+                let exception = events(span, "exception")
+                    .next()
                     .and_then(|e| e.get("attributes").and_then(Value::as_array))
                     .map(|list| {
                         let a = self::attributes(list);
@@ -314,12 +310,7 @@ fn collect_request(
                             (t, m) => format!("{t}: {m}"),
                         }
                     });
-                let evaluations = span
-                    .get("events")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                    .filter(|e| e.get("name").and_then(Value::as_str) == Some(EVALUATION_EVENT))
+                let evaluations = events(span, EVALUATION_EVENT)
                     .filter_map(|e| e.get("attributes").and_then(Value::as_array))
                     .map(|list| evaluation(&self::attributes(list)))
                     .collect();
@@ -349,6 +340,15 @@ fn collect_request(
         }
     }
     Ok(())
+}
+
+/// A span's events named `name`, in order.
+fn events<'a>(span: &'a Value, name: &'a str) -> impl Iterator<Item = &'a Value> + 'a {
+    span.get("events")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter(move |e| e.get("name").and_then(Value::as_str) == Some(name))
 }
 
 /// The messages of a `gen_ai.*.messages` attribute (a JSON string or an array).

@@ -2200,7 +2200,11 @@ fn a_conversation_that_grows_in_a_later_batch_replaces_its_stored_version() {
     std::fs::write(&first, format!("{}\n", lines[0])).unwrap();
     std::fs::write(&second, format!("{}\n", lines[1])).unwrap();
     let store = dir.path().join("store");
-    let night1 = run(&store, &[first.clone()], &IngestOptions::default());
+    let night1 = run(
+        &store,
+        std::slice::from_ref(&first),
+        &IngestOptions::default(),
+    );
     assert_eq!((night1.ingested, night1.grown), (1, 0), "{night1:?}");
     let before = seen_episodes(&store);
     let (short, node) = &before["Please refund order A-100."];
@@ -2432,8 +2436,14 @@ fn a_sharded_night_reads_only_the_files_its_shards_have_not_read() {
                     shard,
                     ..IngestOptions::default()
                 };
-                let report =
-                    ingest(&mut writer, &[logs.clone()], &options, run, &mut NoProgress).unwrap();
+                let report = ingest(
+                    &mut writer,
+                    std::slice::from_ref(&logs),
+                    &options,
+                    run,
+                    &mut NoProgress,
+                )
+                .unwrap();
                 writer.finish_staging(run).unwrap();
                 report
             })

@@ -360,6 +360,23 @@ impl Store {
         Ok(heads)
     }
 
+    /// The nodes the edit records of `kind` target, in log order (one per record; the edit
+    /// log's kind column first, then only those records).
+    pub fn edited_nodes(&self, manifest: &Manifest, kind: &str) -> Result<Vec<NodeId>> {
+        let scan = Scan {
+            edits: true,
+            edit_kinds: vec![kind.to_string()],
+            ..Default::default()
+        };
+        Ok(self
+            .scan_at(manifest, &scan)?
+            .edits
+            .iter()
+            .filter_map(|e| e.target.strip_prefix("node:"))
+            .map(NodeId::from)
+            .collect())
+    }
+
     /// Live node ids with their tenant (two columns of `nodes`): what a reader of one tenant
     /// needs to know which rows to read.
     pub fn node_tenants(&self, manifest: &Manifest) -> Result<BTreeMap<NodeId, String>> {
