@@ -347,6 +347,19 @@ pub struct EvalOutcomesArgs {
     /// Files with logged outcomes (any format ingest reads).
     #[arg(long = "data", required = true)]
     pub data: Vec<PathBuf>,
+    /// Also ask this judge (as `ingest --label-outcomes` would: `llm` or a generator's name)
+    /// on a seeded sample of the same episodes, and tally its answers beside the rule's.
+    #[arg(long, value_name = "MODEL", default_value = "none")]
+    pub judge: String,
+    /// Episodes per file the judge reads (a seeded sample; 0: all).
+    #[arg(long, default_value_t = 0)]
+    pub sample: usize,
+    /// Seed of the judge's sample.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Device of the judge: cpu, cuda[:N] or metal[:N].
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -636,6 +649,17 @@ pub struct IngestArgs {
     /// (`<store>/ingest-ledger.jsonl`) knows unchanged since they were ingested.
     #[arg(long)]
     pub reread: bool,
+
+    /// Give each new run whose log says no outcome (ingest's rule presumes one, or cannot) the
+    /// outcome a local model reads in it: a generator's name (`fluxmem models list`) or `llm`
+    /// (the default judge model). Stored as `outcome_source = "judged"` with its probability;
+    /// about one model call a run, slow on a CPU (docs/formats/outcomes.md).
+    #[arg(long, value_name = "MODEL")]
+    pub label_outcomes: Option<String>,
+
+    /// Device of the --label-outcomes model: cpu, cuda[:N] or metal[:N].
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 
     /// Print one JSON object with the counts instead of the human summary.
     #[arg(long)]

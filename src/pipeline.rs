@@ -137,6 +137,9 @@ pub struct Ingest {
     pub batch_files: usize,
     /// Read every input again, ignoring the ledger of files already ingested.
     pub reread: bool,
+    /// Outcomes of runs whose log says none, read by a local model: `none` (ingest's rule
+    /// only), `llm` (the default judge model) or a generator's name (`ingest --label-outcomes`).
+    pub label_outcomes: String,
 }
 
 impl Default for Ingest {
@@ -148,6 +151,7 @@ impl Default for Ingest {
             batch_records: defaults.batch_records,
             batch_files: defaults.batch_files,
             reread: defaults.reread,
+            label_outcomes: "none".into(),
         }
     }
 }

@@ -49,12 +49,16 @@ impl fluxmem_graph::Progress for IngestBar {
             .set_message(format!("{name} ({} quarantined)", self.quarantined));
     }
 
-    /// Quarantined records are printed as they happen; skipped inputs are listed by the
-    /// command from the report.
+    /// Quarantined records and the judge's failures are printed as they happen; skipped
+    /// inputs are listed by the command from the report.
     fn notice(&mut self, kind: &str, message: &str) {
-        if kind == "quarantined" {
-            self.quarantined += 1;
-            self.bar.suspend(|| eprintln!("quarantined: {message}"));
+        match kind {
+            "quarantined" => {
+                self.quarantined += 1;
+                self.bar.suspend(|| eprintln!("quarantined: {message}"));
+            }
+            "judge" => self.bar.suspend(|| eprintln!("judge: {message}")),
+            _ => {}
         }
     }
 }

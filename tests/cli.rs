@@ -1470,3 +1470,78 @@ fn killed_consolidate_resumes_to_exactly_the_uninterrupted_store() {
         &consolidate,
     );
 }
+
+/// `ingest --label-outcomes` with a real local model: the runs whose log says no outcome get
+/// the model's (`judged`, with its probability and the model's name), a logged one keeps its
+/// own, and the same log into another store gives the same probabilities.
+#[test]
+fn a_local_model_labels_the_outcomes_the_log_does_not_say() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("chats.jsonl");
+    let lines = [
+        r#"{"id": "logged", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "outcome": {"success": false}}"#,
+        r#"{"id": "answered", "messages": [{"role": "user", "content": "Where is order 7?"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{\"id\": 7}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "{\"state\": \"sent\"}"}, {"role": "assistant", "content": "Order 7 was sent yesterday."}, {"role": "user", "content": "great, thanks"}]}"#,
+        r#"{"id": "handed", "messages": [{"role": "user", "content": "a human please"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c3", "type": "function", "function": {"name": "escalate", "arguments": "{}"}}]}]}"#,
+    ];
+    std::fs::write(&log, lines.join("\n")).unwrap();
+    let model = "smollm2-135m-instruct-q4_1";
+    let label = |store: &Path| {
+        let output = run(fluxmem(store)
+            .args(["ingest", "--json", "--label-outcomes", model])
+            .arg(&log));
+        assert_succeeded(&output);
+        let report = stdout_json(&output);
+        assert_eq!(report["outcomes"]["judged"], 2, "{report}");
+        assert_eq!(report["outcomes"]["logged"], 1, "{report}");
+        assert_eq!(report["judge_errors"], 0, "{report}");
+        assert_eq!(report["judge"]["calls"], 2, "{report}");
+        let graph = fluxmem_store::Store::open(store).unwrap().load().unwrap();
+        let mut seen = std::collections::BTreeMap::new();
+        for node in graph
+            .nodes
+            .values()
+            .filter(|n| n.kind() == NodeKind::Episodic)
+        {
+            let id = node.metadata["conversation_id"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            let p = node
+                .metadata
+                .get("outcome_probability")
+                .and_then(Value::as_f64);
+            if let Some(p) = p {
+                assert!((0.0..=1.0).contains(&p), "{id}: {p}");
+                assert_eq!(node.metadata["outcome_judge"], model);
+                assert_eq!(
+                    node.episode().unwrap().outcome.success,
+                    Some(p >= 0.5),
+                    "{id}: the outcome is the judge's answer"
+                );
+            }
+            seen.insert(id, (node.outcome_source().to_string(), p));
+        }
+        assert_eq!(seen["logged"], ("logged".to_string(), None));
+        assert_eq!(seen["answered"].0, "judged");
+        assert_eq!(seen["handed"].0, "judged");
+        seen
+    };
+    let first = label(&dir.path().join("a"));
+    assert_eq!(
+        first,
+        label(&dir.path().join("b")),
+        "the same log, the same labels"
+    );
+    // Query likelihood cannot answer yes or no: refused before the store is touched.
+    let store = dir.path().join("c");
+    let output = run(fluxmem(&store)
+        .args(["ingest", "--label-outcomes", "ql"])
+        .arg(&log));
+    assert_eq!(output.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("a run is judged by yes or no"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!store.exists());
+}

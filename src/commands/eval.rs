@@ -425,9 +425,16 @@ fn print_skills_table(
 
 /// `fluxmem eval outcomes`: the outcome rule against logged outcomes, one table per file.
 pub fn outcomes(args: crate::cli::EvalOutcomesArgs) -> anyhow::Result<ExitCode> {
+    let device: fluxmem_models::DeviceChoice = args.device.parse()?;
+    let mut judge = super::ModelOutcomeJudge::from_flag(&args.judge, &device)?;
     let mut results = Vec::new();
     for data in &args.data {
-        results.push(fluxmem_eval::outcomes::outcome_rule(data)?);
+        let judging = judge.as_mut().map(|judge| fluxmem_eval::outcomes::Judging {
+            judge,
+            sample: args.sample,
+            seed: args.seed,
+        });
+        results.push(fluxmem_eval::outcomes::outcome_rule(data, judging)?);
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&results)?);
@@ -449,6 +456,18 @@ pub fn outcomes(args: crate::cli::EvalOutcomesArgs) -> anyhow::Result<ExitCode> 
         println!("  by the part of the rule that decided:");
         for (rule, [s, f]) in &result.by_rule {
             println!("    {rule:<48} {s:>4} success  {f:>4} failure");
+        }
+        if let Some(judged) = &result.judge {
+            println!(
+                "  the judge {} on {} of them (seeded sample), {:.0} s, {} characters a run on average:",
+                judged.model, judged.episodes, judged.seconds, judged.mean_chars
+            );
+            println!("  answer       judge: logged success  logged failure | rule: logged success  logged failure");
+            for answer in ["success", "failure", "unknown", "error"] {
+                let [js, jf] = judged.table.get(answer).copied().unwrap_or_default();
+                let [rs, rf] = judged.rule.get(answer).copied().unwrap_or_default();
+                println!("  {answer:<12} {js:>21}  {jf:>14} | {rs:>20}  {rf:>14}");
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

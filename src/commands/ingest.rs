@@ -20,11 +20,25 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         follow_symlinks: args.follow_symlinks,
         reread: args.reread,
     };
+    let device: fluxmem_models::DeviceChoice = args.device.parse()?;
+    let mut judge = match &args.label_outcomes {
+        Some(name) => super::ModelOutcomeJudge::from_flag(name, &device)?,
+        None => None,
+    };
     let mut writer = open_writer(settings)?;
     let mut bar = IngestBar::new(settings.progress);
     let run = run_id("ingest");
-    let report = fluxmem_ingest::ingest(&mut writer, &args.paths, &options, &run, &mut bar)
-        .with_context(|| format!("ingesting into {}", settings.store.display()))?;
+    let report = fluxmem_ingest::ingest_judged(
+        &mut writer,
+        &args.paths,
+        &options,
+        judge
+            .as_mut()
+            .map(|j| j as &mut dyn fluxmem_ingest::outcome::OutcomeJudge),
+        &run,
+        &mut bar,
+    )
+    .with_context(|| format!("ingesting into {}", settings.store.display()))?;
     bar.finish();
     // Left out on purpose (fluxmem's own output, links not followed): said, never silent.
     for skipped in &report.skipped {
@@ -40,6 +54,12 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             "nodes_added": report.nodes_added,
             "unchanged_files": report.unchanged_files,
             "outcomes": report.outcomes,
+            "judge_errors": report.judge_errors,
+            "judge": judge.as_ref().map(|j| serde_json::json!({
+                "model": fluxmem_ingest::outcome::OutcomeJudge::model(j),
+                "calls": j.usage().calls,
+                "prompt_tokens": j.usage().prompt_tokens,
+            })),
         });
         println!("{json}");
     } else {
@@ -59,6 +79,12 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
                 report.unchanged_files
             );
         }
+        if report.judge_errors > 0 {
+            println!(
+                "the judge failed on {} runs: they keep the rule's outcome (each is on stderr)",
+                report.judge_errors
+            );
+        }
         if let Some(path) = &report.quarantine_file {
             println!("quarantine file: {}", path.display());
         }
@@ -69,7 +95,7 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
                 .map(|(source, n)| format!("{n} {source}"))
                 .collect();
             println!(
-                "outcomes of the new episodes: {} (inferred: ingest's rule, see docs/formats/outcomes.md)",
+                "outcomes of the new episodes: {} (inferred: ingest's rule, judged: --label-outcomes, see docs/formats/outcomes.md)",
                 parts.join(", ")
             );
         }

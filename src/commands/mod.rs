@@ -176,6 +176,51 @@ pub fn judge_from_flag(
     }))
 }
 
+/// `--label-outcomes MODEL` (`ingest.label_outcomes`): a yes/no judge on a generator that
+/// reads each run with no logged outcome ([`fluxmem_models::LlmJudge::run_succeeded`]).
+pub struct ModelOutcomeJudge {
+    judge: fluxmem_models::LlmJudge<fluxmem_models::GgufGenerator>,
+    model: String,
+}
+
+impl ModelOutcomeJudge {
+    /// The judge a `--label-outcomes` setting names: `llm` (the default judge model) or a
+    /// generator's name, with the weights that prefill fastest; `None` for `none`.
+    pub fn from_flag(
+        name: &str,
+        device: &fluxmem_models::DeviceChoice,
+    ) -> anyhow::Result<Option<Self>> {
+        if fluxmem_models::judge_is_ql(name) {
+            anyhow::bail!("--label-outcomes `{name}`: a run is judged by yes or no; name `llm` or a generator");
+        }
+        let Some(model) = fluxmem_models::judge_model(name)? else {
+            return Ok(None);
+        };
+        let generator =
+            fluxmem_models::load_generator(&model, device, fluxmem_models::WeightPath::Prompts)?;
+        Ok(Some(ModelOutcomeJudge {
+            judge: fluxmem_models::LlmJudge::new(generator),
+            model,
+        }))
+    }
+
+    /// Calls and tokens so far.
+    pub fn usage(&self) -> fluxmem_models::Usage {
+        fluxmem_models::Judge::usage(&self.judge)
+    }
+}
+
+impl fluxmem_ingest::outcome::OutcomeJudge for ModelOutcomeJudge {
+    fn model(&self) -> &str {
+        &self.model
+    }
+    fn judge(&mut self, transcripts: &[String]) -> Result<Vec<f32>, String> {
+        self.judge
+            .run_succeeded(transcripts)
+            .map_err(|e| e.to_string())
+    }
+}
+
 /// The replay model an eta setting names (`coverage`: none), with the weights that prefill
 /// fastest (replay is mostly prompt processing); an error when a judge is also named.
 pub fn replayer_from_flag(

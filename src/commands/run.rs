@@ -501,6 +501,9 @@ impl Ctx<'_> {
                 ..Default::default()
             });
         }
+        let mut judge =
+            super::ModelOutcomeJudge::from_flag(&p.ingest.label_outcomes, &self.device_choice)
+                .context("key `ingest.label_outcomes`")?;
         let mut total = fluxmem_ingest::IngestReport::default();
         let mut reports = Vec::new();
         for (i, (input, files)) in groups.iter().enumerate() {
@@ -522,13 +525,17 @@ impl Ctx<'_> {
             };
             let mut bar = IngestBar::new(self.settings.progress);
             let run = format!("{}-inputs{i}", quarantine_name(&self.run_id));
-            let report = fluxmem_ingest::ingest(writer, files, &options, &run, &mut bar)
-                .with_context(|| {
-                    format!(
-                        "ingesting inputs[{i}] into {}",
-                        writer.store().dir().display()
-                    )
-                })?;
+            let judge = judge
+                .as_mut()
+                .map(|j| j as &mut dyn fluxmem_ingest::outcome::OutcomeJudge);
+            let report =
+                fluxmem_ingest::ingest_judged(writer, files, &options, judge, &run, &mut bar)
+                    .with_context(|| {
+                        format!(
+                            "ingesting inputs[{i}] into {}",
+                            writer.store().dir().display()
+                        )
+                    })?;
             bar.finish();
             total.read += report.read;
             total.ingested += report.ingested;
@@ -539,12 +546,19 @@ impl Ctx<'_> {
             total.files += report.files;
             total.unchanged_files += report.unchanged_files;
             total.commits += report.commits;
+            total.judge_errors += report.judge_errors;
             if let Some(file) = &report.quarantine_file {
                 self.quarantine_files.push(file.clone());
             }
             reports.push(json!({ "input": i, "files": files.len(), "report": report }));
         }
         self.quarantined += total.quarantined;
+        if total.judge_errors > 0 {
+            eprintln!(
+                "  the outcome judge failed on {} runs: they keep the rule's outcome",
+                total.judge_errors
+            );
+        }
         eprintln!(
             "  read {} records from {} files ({} unchanged files not read again): {} ingested, {} duplicates, {} quarantined{}",
             total.read,

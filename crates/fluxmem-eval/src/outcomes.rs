@@ -5,6 +5,11 @@
 //! outcome is then given to the rule without it (the rule reads only the steps), and the
 //! rule's answer (success, failure or unknown) is tallied against the logged one. The logged
 //! outcome is read only to score.
+//!
+//! With a judge ([`Judging`], `eval outcomes --judge MODEL`), a seeded sample of the same
+//! episodes is also read by the judge as ingest's `--label-outcomes` would read it (the
+//! redacted [`fluxmem_ingest::outcome::transcript`], which never shows the outcome) and its
+//! answers are tallied the same way, beside the rule's on the same sample.
 
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -24,6 +29,38 @@ pub struct OutcomeConfusion {
     pub table: BTreeMap<String, [usize; 2]>,
     /// The same, by the part of the rule that decided.
     pub by_rule: BTreeMap<String, [usize; 2]>,
+    /// The judge's answers on a sample, when one was asked.
+    pub judge: Option<JudgeConfusion>,
+}
+
+/// A judge's answers (`success`, `failure`, `error`) against the logged outcomes of a sample,
+/// with the rule's (`success`, `failure`, `unknown`) on the same episodes.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct JudgeConfusion {
+    /// The judge's model.
+    pub model: String,
+    /// Episodes judged (the sample).
+    pub episodes: usize,
+    /// `[logged success, logged failure]` counts of each of the judge's answers.
+    pub table: BTreeMap<String, [usize; 2]>,
+    /// The rule's answers on the same episodes.
+    pub rule: BTreeMap<String, [usize; 2]>,
+    /// Mean characters of a transcript the judge read.
+    pub mean_chars: usize,
+    /// Seconds the judge took.
+    pub seconds: f64,
+    /// Each judged episode: its id, the logged outcome and the judge's probability of success.
+    pub answers: Vec<(String, bool, Option<f32>)>,
+}
+
+/// A judge for [`outcome_rule`] and which episodes it reads.
+pub struct Judging<'a> {
+    /// The judge.
+    pub judge: &'a mut dyn fluxmem_ingest::outcome::OutcomeJudge,
+    /// Episodes judged at most (a seeded sample; 0: all).
+    pub sample: usize,
+    /// The sample's seed.
+    pub seed: u64,
 }
 
 impl OutcomeConfusion {
@@ -54,8 +91,9 @@ impl OutcomeConfusion {
     }
 }
 
-/// Ingests `data` into a temporary store and scores the rule on its logged outcomes.
-pub fn outcome_rule(data: &Path) -> Result<OutcomeConfusion> {
+/// Ingests `data` into a temporary store and scores the rule on its logged outcomes, and, with
+/// `judging`, the judge on a sample of them.
+pub fn outcome_rule(data: &Path, judging: Option<Judging<'_>>) -> Result<OutcomeConfusion> {
     let dir = tempfile::tempdir().map_err(|source| crate::Error::Io {
         path: std::env::temp_dir(),
         source,
@@ -83,6 +121,7 @@ pub fn outcome_rule(data: &Path) -> Result<OutcomeConfusion> {
         file: data.display().to_string(),
         ..Default::default()
     };
+    let mut scored = Vec::new();
     for node in graph.nodes.values() {
         let Some(episode) = node.episode() else {
             continue;
@@ -93,18 +132,72 @@ pub fn outcome_rule(data: &Path) -> Result<OutcomeConfusion> {
         if node.outcome_source() != "logged" && node.outcome_source() != "status" {
             continue;
         }
-        let mut hidden = episode.clone();
-        hidden.outcome = fluxmem_graph::Outcome::default();
-        let inferred = fluxmem_ingest::outcome::infer(&hidden);
-        let answer = match inferred.success {
-            Some(true) => "success",
-            Some(false) => "failure",
-            None => "unknown",
-        };
+        let inferred = rule_on(episode);
         let column = usize::from(!logged);
         out.episodes += 1;
-        out.table.entry(answer.to_string()).or_default()[column] += 1;
+        out.table.entry(answer(inferred.success)).or_default()[column] += 1;
         out.by_rule.entry(inferred.rule.to_string()).or_default()[column] += 1;
+        scored.push((node, logged));
+    }
+    if let Some(judging) = judging {
+        out.judge = Some(judge(scored, judging));
     }
     Ok(out)
+}
+
+/// The rule on an episode with its outcome hidden.
+fn rule_on(episode: &fluxmem_graph::Episode) -> fluxmem_ingest::outcome::Inferred {
+    let mut hidden = episode.clone();
+    hidden.outcome = fluxmem_graph::Outcome::default();
+    fluxmem_ingest::outcome::infer(&hidden)
+}
+
+fn answer(success: Option<bool>) -> String {
+    match success {
+        Some(true) => "success",
+        Some(false) => "failure",
+        None => "unknown",
+    }
+    .to_string()
+}
+
+/// The judge on a seeded sample of the scored episodes (in id order before sampling).
+fn judge(scored: Vec<(&fluxmem_graph::Node, bool)>, judging: Judging<'_>) -> JudgeConfusion {
+    let sample = match judging.sample {
+        0 => scored,
+        n => crate::locomo::seeded_sample(scored, n, judging.seed),
+    };
+    let redactor = fluxmem_redact::Redactor::default();
+    let started = std::time::Instant::now();
+    let mut out = JudgeConfusion {
+        model: judging.judge.model().to_string(),
+        ..Default::default()
+    };
+    let mut chars = 0;
+    for (node, logged) in sample {
+        let column = usize::from(!logged);
+        let shown = redactor
+            .redact(&fluxmem_ingest::outcome::transcript(
+                node,
+                fluxmem_ingest::outcome::TRANSCRIPT_CHARS,
+            ))
+            .text;
+        chars += shown.chars().count();
+        let p = match judging.judge.judge(&[shown]) {
+            Ok(p) if p.len() == 1 => Some(p[0]),
+            _ => None,
+        };
+        let said = match p {
+            Some(p) => answer(Some(p >= fluxmem_ingest::outcome::JUDGED_SUCCESS_AT)),
+            None => "error".to_string(),
+        };
+        out.table.entry(said).or_default()[column] += 1;
+        let rule = rule_on(node.episode().expect("scored episodes are episodes"));
+        out.rule.entry(answer(rule.success)).or_default()[column] += 1;
+        out.answers.push((node.id.to_string(), logged, p));
+        out.episodes += 1;
+    }
+    out.mean_chars = chars / out.episodes.max(1);
+    out.seconds = started.elapsed().as_secs_f64();
+    out
 }

@@ -73,13 +73,13 @@ pub(crate) fn compare(stored: &Node, new: &Node) -> Growth {
 
 /// The new version's log says an outcome (the parser's: a field, a status, an evaluation)
 /// that the stored version's does not: the stored one had none from the log (inferred by
-/// ingest's rule, or none), or another one.
+/// ingest's rule, a judge's, or none), or another one.
 fn outcome_gained(stored: &Node, new: &Node) -> bool {
     let (Some(old), Some(fresh)) = (stored.episode(), new.episode()) else {
         return false;
     };
     let said = fresh.outcome.success.is_some() || fresh.outcome.reward.is_some();
-    let unlogged = matches!(stored.outcome_source(), "inferred" | "none");
+    let unlogged = matches!(stored.outcome_source(), "inferred" | "judged" | "none");
     said && (unlogged
         || fresh.outcome.success != old.outcome.success
         || fresh.outcome.reward != old.outcome.reward)

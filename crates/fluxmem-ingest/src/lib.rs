@@ -232,9 +232,11 @@ pub struct IngestReport {
     pub unchanged_files: u64,
     /// Commits made.
     pub commits: u64,
-    /// Episodes stored, by where their outcome came from (`logged`, `status`, `inferred`,
-    /// `none`; see [`outcome`]).
+    /// Episodes stored (new or grown), by where their outcome came from (`logged`, `status`,
+    /// `inferred`, `judged`, `none`; see [`outcome`]).
     pub outcomes: std::collections::BTreeMap<String, u64>,
+    /// Runs the judge was asked about and failed on (they keep the rule's outcome).
+    pub judge_errors: u64,
     /// Directories and links the input walk left out on purpose (fluxmem stores, exports and
     /// run reports; file links without `follow_symlinks`), with why. Not records: not in `read`.
     pub skipped: Vec<Skipped>,
@@ -256,6 +258,22 @@ pub fn ingest(
     inputs: &[PathBuf],
     options: &IngestOptions,
     run_id: &str,
+    progress: &mut dyn Progress,
+) -> Result<IngestReport> {
+    ingest_judged(writer, inputs, options, None, run_id, progress)
+}
+
+/// [`ingest`], with a `judge` that gives an outcome to each new run whose log says none
+/// ([`outcome::OutcomeJudge`]), read before the batch that holds the run commits. The judge
+/// reads each run as a redacted [`outcome::transcript`]; a run it fails on keeps the rule's
+/// outcome and the failure is a notice (kind `judge`) and a count
+/// ([`IngestReport::judge_errors`]).
+pub fn ingest_judged<'a>(
+    writer: &'a mut Writer,
+    inputs: &[PathBuf],
+    options: &'a IngestOptions,
+    judge: Option<&'a mut (dyn outcome::OutcomeJudge + 'a)>,
+    run_id: &'a str,
     progress: &mut dyn Progress,
 ) -> Result<IngestReport> {
     let manifest = writer.manifest().clone();
@@ -286,6 +304,7 @@ pub fn ingest(
         group: (0, 0),
         pending_replaces: false,
         deferred: Vec::new(),
+        judge,
     };
     for skipped in &expanded.skipped {
         progress.notice(
@@ -305,7 +324,7 @@ pub fn ingest(
     progress.start(total);
     if inputs.iter().any(|p| p.as_os_str() == "-") {
         run.stdin(progress)?;
-        run.commit()?;
+        run.commit(progress)?;
     }
     for file in &files {
         let key = ledger::key_path(file);
@@ -341,13 +360,13 @@ pub fn ingest(
         run.group.0 += 1;
         run.group.1 += stat.map_or(0, |(size, _)| size);
         if run.group.0 >= options.batch_files.max(1) || run.group.1 >= options.batch_bytes {
-            run.commit()?;
+            run.commit(progress)?;
         }
     }
     for parsed in otel::episodes(std::mem::take(&mut run.otel_spans), options) {
         run.accept(parsed, progress)?;
     }
-    run.commit()?;
+    run.commit(progress)?;
     run.flush_quarantine()?;
     Ok(run.report)
 }
@@ -382,6 +401,8 @@ struct Run<'a> {
     /// Records of the batch that are versions of stored conversations, compared with the
     /// stored versions when the batch commits ([`Run::resolve_deferred`]).
     deferred: Vec<Record>,
+    /// Gives outcomes to the batch's runs whose log says none, before it commits.
+    judge: Option<&'a mut dyn outcome::OutcomeJudge>,
 }
 
 impl Run<'_> {
@@ -566,16 +587,16 @@ impl Run<'_> {
                     return self.again(record, &BTreeMap::new());
                 }
                 self.store_record(record, false);
-                self.counted()
+                self.counted(progress)
             }
         }
     }
 
     /// One more record in the batch: commits when the batch is full.
-    fn counted(&mut self) -> Result<()> {
+    fn counted(&mut self, progress: &mut dyn Progress) -> Result<()> {
         self.pending_records += 1;
         if self.pending_records >= self.options.batch_records {
-            self.commit()?;
+            self.commit(progress)?;
         }
         Ok(())
     }
@@ -614,11 +635,6 @@ impl Run<'_> {
             if added || (i == 0 && replaces) {
                 if node.episode().is_some() && added {
                     outcome::label(&mut node);
-                    *self
-                        .report
-                        .outcomes
-                        .entry(node.outcome_source().to_string())
-                        .or_default() += 1;
                 }
                 self.report.nodes_added += u64::from(added);
                 self.pending.insert_node(node);
@@ -782,8 +798,53 @@ impl Run<'_> {
 
     /// Commits the pending records (if any), then records in the ledger the files read whole
     /// before it, and starts a new group.
-    fn commit(&mut self) -> Result<()> {
-        self.commit_pending()?;
+    /// The judge's outcome for each run of the batch whose log says none, one run at a time
+    /// (the bar names each), in id order.
+    fn judge_outcomes(&mut self, progress: &mut dyn Progress) {
+        let Some(judge) = self.judge.as_deref_mut() else {
+            return;
+        };
+        let ids: Vec<fluxmem_graph::NodeId> = self
+            .pending
+            .nodes
+            .values()
+            .filter(|n| outcome::needs_judging(n))
+            .map(|n| n.id.clone())
+            .collect();
+        let redactor = fluxmem_redact::Redactor::default();
+        for (i, id) in ids.iter().enumerate() {
+            progress.working_on(&format!(
+                "judging outcomes with {}: run {} of {} in this batch",
+                judge.model(),
+                i + 1,
+                ids.len()
+            ));
+            let node = self.pending.nodes.get_mut(id).expect("listed above");
+            let shown = redactor
+                .redact(&outcome::transcript(node, outcome::TRANSCRIPT_CHARS))
+                .text;
+            match judge.judge(&[shown]) {
+                Ok(p) if p.len() == 1 => {
+                    let model = judge.model().to_string();
+                    outcome::judged(node, p[0], &model);
+                }
+                answer => {
+                    let why = match answer {
+                        Err(e) => e,
+                        Ok(p) => format!("{} answers for 1 run", p.len()),
+                    };
+                    self.report.judge_errors += 1;
+                    progress.notice(
+                        "judge",
+                        &format!("{id}: the judge failed ({why}); the rule's outcome stays"),
+                    );
+                }
+            }
+        }
+    }
+
+    fn commit(&mut self, progress: &mut dyn Progress) -> Result<()> {
+        self.commit_pending(progress)?;
         self.group = (0, 0);
         if !self.awaiting.is_empty() {
             // The files' quarantined records too must be on disk before the ledger skips them.
@@ -797,10 +858,20 @@ impl Run<'_> {
         Ok(())
     }
 
-    fn commit_pending(&mut self) -> Result<()> {
+    fn commit_pending(&mut self, progress: &mut dyn Progress) -> Result<()> {
         self.resolve_deferred()?;
         if self.pending.is_empty() {
             return Ok(());
+        }
+        self.judge_outcomes(progress);
+        for node in self.pending.nodes.values() {
+            if node.episode().is_some() {
+                *self
+                    .report
+                    .outcomes
+                    .entry(node.outcome_source().to_string())
+                    .or_default() += 1;
+            }
         }
         // Quarantined records must be on disk before the commit that counts past them.
         if let Some(file) = self.quarantine.as_mut() {

@@ -5,7 +5,10 @@
 //! - `logged`: the log says it (an explicit success flag or reward, a demonstration);
 //! - `status`: a span status said it (OTel ERROR: failure, OK: success);
 //! - `inferred`: [`infer`]'s rule, with `metadata.outcome_rule` saying which part decided;
-//! - `judged`: a local model read the run (set by the command that ran it);
+//! - `judged`: a local model read the run ([`OutcomeJudge`], `ingest --label-outcomes MODEL`)
+//!   where the log says nothing (the rule's runs, `inferred` or `none`): success when its
+//!   probability of success is at least [`JUDGED_SUCCESS_AT`], with `metadata.outcome_probability`
+//!   and `metadata.outcome_judge` (the model) beside it;
 //! - `none`: nothing says, and the rule abstains (the outcome stays unknown).
 //!
 //! The rule, stated before it was measured (docs/formats/outcomes.md has its confusion table on
@@ -24,6 +27,127 @@
 
 use fluxmem_graph::{Episode, Node, NodeBody};
 use serde_json::Value;
+
+/// A local model that reads runs and says whether each did what its user asked
+/// (`fluxmem ingest --label-outcomes MODEL`). Ingest gives it the runs whose log says no
+/// outcome, each as a redacted [`transcript`].
+pub trait OutcomeJudge {
+    /// The model's name, stored with each outcome it gives.
+    fn model(&self) -> &str;
+    /// For each transcript, the probability that the run succeeded; an error leaves those runs
+    /// with the rule's outcome, and says so.
+    fn judge(&mut self, transcripts: &[String]) -> std::result::Result<Vec<f32>, String>;
+}
+
+/// A judged run succeeded when the judge's probability is at least this: the middle, stated
+/// before measuring (docs/formats/outcomes.md has the judge's confusion table).
+pub const JUDGED_SUCCESS_AT: f32 = 0.5;
+
+/// Characters of a run a judge reads (about 900 tokens): the first line (the request) and as
+/// many of the last lines as fit, where a run's outcome shows.
+pub const TRANSCRIPT_CHARS: usize = 3_000;
+
+/// Characters of one line of a transcript (a message, a call, a result).
+const LINE_CHARS: usize = 400;
+
+/// Whether a judge is asked about this episode: its log says no outcome (the rule's, or none).
+pub fn needs_judging(node: &Node) -> bool {
+    node.episode().is_some() && matches!(node.outcome_source(), "inferred" | "none")
+}
+
+/// A run as a judge reads it, at most `max_chars` characters: what the agent observed (the
+/// user's messages and tool results, as the parser tagged them), said (`[agent]`) and called
+/// (`[agent calls]`), with errors (`[error]`); a result is shown after its call only when the
+/// next observation does not carry it. A longer run keeps its first line and its last lines
+/// (with the count of those left out). The outcome is never shown; nothing is redacted here.
+pub fn transcript(node: &Node, max_chars: usize) -> String {
+    let Some(episode) = node.episode() else {
+        return String::new();
+    };
+    let mut lines: Vec<String> = Vec::new();
+    if episode
+        .steps
+        .first()
+        .is_none_or(|s| s.observation.trim().is_empty())
+    {
+        lines.push(format!("[task] {}", node.text.trim()));
+    }
+    for (i, step) in episode.steps.iter().enumerate() {
+        let next = episode
+            .steps
+            .get(i + 1)
+            .map_or("", |s| s.observation.as_str());
+        if !step.observation.trim().is_empty() {
+            lines.push(step.observation.trim().to_string());
+        }
+        if !step.action.trim().is_empty() {
+            lines.push(format!("[agent] {}", step.action.trim()));
+        }
+        for call in &step.tool_calls {
+            lines.push(format!("[agent calls] {}({})", call.name, call.arguments));
+            if let Some(result) = call.result.as_deref().map(str::trim) {
+                let head: String = result.chars().take(40).collect();
+                if !result.is_empty() && !next.contains(&head) {
+                    lines.push(format!("[{} returns] {result}", call.name));
+                }
+            }
+        }
+        if let Some(error) = step.feedback.as_deref().filter(|f| !f.trim().is_empty()) {
+            lines.push(format!("[error] {}", error.trim()));
+        }
+    }
+    let lines: Vec<String> = lines.iter().map(|l| clip_line(l, LINE_CHARS)).collect();
+    fit(&lines, max_chars)
+}
+
+fn clip_line(line: &str, chars: usize) -> String {
+    let flat = line.split_whitespace().collect::<Vec<_>>().join(" ");
+    match flat.char_indices().nth(chars) {
+        Some((at, _)) => format!("{}...", &flat[..at]),
+        None => flat,
+    }
+}
+
+/// The first line and as many last lines as fit in `max_chars`.
+fn fit(lines: &[String], max_chars: usize) -> String {
+    let size = |l: &String| l.chars().count() + 1;
+    if lines.iter().map(size).sum::<usize>() <= max_chars || lines.len() < 2 {
+        return lines.join("\n");
+    }
+    let mut room = max_chars.saturating_sub(size(&lines[0]) + 40);
+    let mut tail = Vec::new();
+    for line in lines[1..].iter().rev() {
+        if size(line) > room {
+            break;
+        }
+        room -= size(line);
+        tail.push(line.as_str());
+    }
+    tail.reverse();
+    let left_out = lines.len() - 1 - tail.len();
+    let mut out = vec![
+        lines[0].clone(),
+        format!("[... {left_out} lines left out ...]"),
+    ];
+    out.extend(tail.into_iter().map(str::to_string));
+    out.join("\n")
+}
+
+/// Gives a run the judge's outcome: success when `probability` is at least
+/// [`JUDGED_SUCCESS_AT`]. The rule's `outcome_rule`, if any, stays as what the rule said.
+pub fn judged(node: &mut Node, probability: f32, model: &str) {
+    let NodeBody::Episodic(episode) = &mut node.body else {
+        return;
+    };
+    episode.outcome.success = Some(probability >= JUDGED_SUCCESS_AT);
+    let rounded = (f64::from(probability) * 1000.0).round() / 1000.0;
+    node.metadata
+        .insert("outcome_source".into(), Value::from("judged"));
+    node.metadata
+        .insert("outcome_probability".into(), Value::from(rounded));
+    node.metadata
+        .insert("outcome_judge".into(), Value::from(model));
+}
 
 /// The `metadata.outcome_source` values.
 pub const SOURCES: [&str; 5] = ["logged", "status", "inferred", "judged", "none"];
@@ -239,5 +363,63 @@ mod tests {
             .insert("outcome_source".into(), Value::from("status"));
         label(&mut status);
         assert_eq!(status.outcome_source(), "status");
+    }
+
+    #[test]
+    fn a_transcript_shows_the_run_without_its_outcome_and_keeps_the_end_of_a_long_one() {
+        let mut steps = vec![
+            step("[user] refund order 7", "", Some("refund"), None),
+            step("[refund] {}", "Refunded order 7.", None, None),
+        ];
+        steps[0].tool_calls[0].result = Some("{}".into());
+        let mut body = episode(steps);
+        body.outcome.success = Some(true);
+        let node = Node::new(NodeBody::Episodic(body), "t", "refund order 7", &["r"]);
+        assert_eq!(
+            transcript(&node, TRANSCRIPT_CHARS),
+            "[user] refund order 7\n[agent calls] refund({})\n[refund] {}\n[agent] Refunded order 7."
+        );
+        // A result no later observation carries is shown after its call; errors are said.
+        let mut steps = vec![step("", "", Some("lookup"), Some("Error: timeout"))];
+        steps[0].tool_calls[0].result = Some("Error: timeout".into());
+        let node = Node::new(NodeBody::Episodic(episode(steps)), "t", "find it", &["s"]);
+        assert_eq!(
+            transcript(&node, TRANSCRIPT_CHARS),
+            "[task] find it\n[agent calls] lookup({})\n[lookup returns] Error: timeout\n[error] Error: timeout"
+        );
+        // A long run: the first line, a count of what was left out, and the last lines.
+        let steps = (0..50)
+            .map(|i| step(&format!("[user] message number {i}"), "ok", None, None))
+            .collect();
+        let node = Node::new(NodeBody::Episodic(episode(steps)), "t", "long", &["l"]);
+        let text = transcript(&node, 300);
+        assert!(text.chars().count() <= 300, "{text}");
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "[user] message number 0");
+        assert!(lines[1].starts_with("[... ") && lines[1].ends_with(" lines left out ...]"));
+        assert_eq!(*lines.last().unwrap(), "[agent] ok");
+        assert!(lines[lines.len() - 2] == "[user] message number 49");
+    }
+
+    #[test]
+    fn a_judged_run_keeps_its_identity_and_says_who_judged_it() {
+        let mut node = Node::new(
+            NodeBody::Episodic(episode(vec![step("[user] hi", "Hello!", None, None)])),
+            "t",
+            "hi",
+            &["j"],
+        );
+        label(&mut node);
+        assert!(needs_judging(&node));
+        let id = node.id.clone();
+        judged(&mut node, 0.2345, "judge-model");
+        assert_eq!(node.id, id);
+        assert_eq!(node.outcome_source(), "judged");
+        assert_eq!(node.episode().unwrap().outcome.success, Some(false));
+        assert_eq!(node.metadata["outcome_probability"], Value::from(0.235));
+        assert_eq!(node.metadata["outcome_judge"], Value::from("judge-model"));
+        assert!(!needs_judging(&node), "a judged run is not judged again");
+        judged(&mut node, JUDGED_SUCCESS_AT, "judge-model");
+        assert_eq!(node.episode().unwrap().outcome.success, Some(true));
     }
 }

@@ -1554,6 +1554,105 @@ fn every_episode_says_where_its_outcome_came_from_and_the_rule_fills_unlogged_on
     );
 }
 
+/// A judge that reads the transcripts it is given: success when the run's last line is the
+/// agent's and says "sent", an error for a run that mentions "escalate"; it keeps what it saw.
+struct ScriptedJudge {
+    seen: Vec<String>,
+}
+
+impl fluxmem_ingest::outcome::OutcomeJudge for ScriptedJudge {
+    fn model(&self) -> &str {
+        "scripted-judge"
+    }
+    fn judge(&mut self, transcripts: &[String]) -> Result<Vec<f32>, String> {
+        self.seen.extend(transcripts.iter().cloned());
+        if transcripts.iter().any(|t| t.contains("escalate")) {
+            return Err("the model ran out of memory".into());
+        }
+        Ok(transcripts
+            .iter()
+            .map(|t| {
+                let last = t.lines().last().unwrap_or("");
+                if last.starts_with("[agent]") && last.contains("sent") {
+                    0.8
+                } else {
+                    0.1
+                }
+            })
+            .collect())
+    }
+}
+
+#[test]
+fn a_judge_gives_outcomes_only_where_the_log_says_none_and_sees_runs_redacted() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("chats.jsonl");
+    let lines = [
+        // Logged: never shown to the judge.
+        r#"{"id": "logged", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "outcome": {"success": false}}"#,
+        // The rule presumes a success; the judge agrees. The user's key never reaches it.
+        r#"{"id": "answered", "messages": [{"role": "user", "content": "order 7? my key is sk-proj-4f9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c"}, {"role": "assistant", "content": "It was sent."}]}"#,
+        // The rule presumes a success; the judge disagrees.
+        r#"{"id": "vague", "messages": [{"role": "user", "content": "order 8?"}, {"role": "assistant", "content": "Let me think about that."}]}"#,
+        // The rule abstains (ended on a call); the judge fails on it: it stays unknown.
+        r#"{"id": "handed", "messages": [{"role": "user", "content": "a human please"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c3", "type": "function", "function": {"name": "escalate", "arguments": "{}"}}]}]}"#,
+    ];
+    std::fs::write(&log, lines.join("\n")).unwrap();
+    let store = dir.path().join("store");
+    let mut judge = ScriptedJudge { seen: Vec::new() };
+    let mut writer = Writer::open(&store).unwrap();
+    let report = fluxmem_ingest::ingest_judged(
+        &mut writer,
+        &[log],
+        &IngestOptions::default(),
+        Some(&mut judge),
+        "judged-run",
+        &mut NoProgress,
+    )
+    .unwrap();
+    drop(writer);
+    let counts: Vec<(&str, u64)> = report
+        .outcomes
+        .iter()
+        .map(|(k, v)| (k.as_str(), *v))
+        .collect();
+    assert_eq!(counts, [("judged", 2), ("logged", 1), ("none", 1)]);
+    assert_eq!(report.judge_errors, 1);
+    assert_eq!(judge.seen.len(), 3, "the logged run is never judged");
+    assert!(
+        judge.seen.iter().all(|t| !t.contains("sk-proj")),
+        "the judge reads redacted runs: {:?}",
+        judge.seen
+    );
+    let episodes = episodes_by_conversation(&store);
+    let seen = |id: &str| {
+        let node = &episodes[id];
+        (
+            node.outcome_source().to_string(),
+            node.episode().unwrap().outcome.success,
+            node.metadata.get("outcome_probability").cloned(),
+        )
+    };
+    assert_eq!(seen("logged"), ("logged".into(), Some(false), None));
+    assert_eq!(
+        seen("answered"),
+        ("judged".into(), Some(true), Some(Value::from(0.8)))
+    );
+    assert_eq!(
+        seen("vague"),
+        ("judged".into(), Some(false), Some(Value::from(0.1)))
+    );
+    assert_eq!(seen("handed"), ("none".into(), None, None));
+    assert_eq!(
+        episodes["answered"].metadata["outcome_judge"],
+        "scripted-judge"
+    );
+    assert_eq!(
+        episodes["vague"].metadata["outcome_rule"], "ended with an answer, no error, no complaint",
+        "what the rule said stays beside the judge's answer"
+    );
+}
+
 /// The fixtures the real emitters wrote (scripts/fixtures/generate.sh; versions in
 /// tests/data/formats/VERSIONS.txt).
 fn fixture(name: &str) -> PathBuf {

@@ -42,6 +42,11 @@ impl<J: Judge + ?Sized> Judge for Box<J> {
 
 const SYSTEM: &str =
     "You judge whether a piece of memory is useful. Answer with one word: yes or no.";
+/// The system prompt of [`LlmJudge::run_succeeded`].
+const RUN_SYSTEM: &str =
+    "You review the log of an AI agent's run. Answer with one word: yes or no.";
+/// The question after a run's log.
+const RUN_QUESTION: &str = "\nDid the agent do what the user asked, with no error left unresolved and no complaint from the user? Answer yes or no.";
 const YES: [&str; 4] = ["yes", "Yes", " yes", " Yes"];
 const NO: [&str; 4] = ["no", "No", " no", " No"];
 
@@ -83,11 +88,34 @@ impl<G: Generator> LlmJudge<G> {
             .collect())
     }
 
+    /// For each run's log (the caller renders and clips it): the probability that the run did
+    /// what its user asked, P(yes) as for [`Judge::score`]. The instruction is the shared
+    /// prefix; each log is a suffix. Used to label the outcome of runs whose log says none
+    /// (`fluxmem ingest --label-outcomes`).
+    pub fn run_succeeded(&mut self, runs: &[String]) -> Result<Vec<f32>> {
+        if runs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (prefix, suffixes) =
+            self.split_prompt_with(RUN_SYSTEM, "Log of the run:\n", runs, RUN_QUESTION);
+        self.yes_probability(&prefix, &suffixes)
+    }
+
     /// The prompt split where the per-item text starts: (shared prefix, per-item suffixes).
     fn split_prompt(&self, head: &str, items: &[String], tail: &str) -> (String, Vec<String>) {
+        self.split_prompt_with(SYSTEM, head, items, tail)
+    }
+
+    fn split_prompt_with(
+        &self,
+        system: &str,
+        head: &str,
+        items: &[String],
+        tail: &str,
+    ) -> (String, Vec<String>) {
         let marker = "\u{1}ITEM\u{1}";
         let prompt = self.generator.chat_prompt(&[
-            ChatMessage::new("system", SYSTEM),
+            ChatMessage::new("system", system),
             ChatMessage::new("user", format!("{head}{marker}{tail}")),
         ]);
         let (prefix, rest) = prompt
@@ -326,6 +354,68 @@ mod tests {
         assert!(scores[0] > 0.9 && scores[1] < 0.1, "{scores:?}");
         assert_eq!(judge.usage().calls, 2);
         assert!(judge.score("q", &[]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn run_success_is_asked_once_per_log_after_a_shared_instruction() {
+        struct Runs(Usage);
+        impl Generator for Runs {
+            fn model_id(&self) -> &str {
+                "runs"
+            }
+            fn chat_prompt(&self, messages: &[ChatMessage]) -> String {
+                messages
+                    .iter()
+                    .map(|m| format!("[{}] {}\n", m.role, m.content))
+                    .collect()
+            }
+            fn generate(&mut self, _: &[ChatMessage], _: &GenerateParams) -> Result<Generation> {
+                unreachable!("the judge only scores")
+            }
+            fn next_token_logprobs(
+                &mut self,
+                prefix: &str,
+                suffixes: &[String],
+                options: &[&str],
+            ) -> Result<Vec<Vec<f32>>> {
+                assert!(prefix.contains("[system] You review the log"), "{prefix}");
+                assert!(prefix.ends_with("Log of the run:\n"), "{prefix}");
+                self.0.calls += suffixes.len();
+                Ok(suffixes
+                    .iter()
+                    .map(|s| {
+                        assert!(s.contains("Did the agent do what the user asked"), "{s}");
+                        let done = s.contains("refunded");
+                        options
+                            .iter()
+                            .map(|o| {
+                                if o.to_lowercase().contains("yes") == done {
+                                    -0.1
+                                } else {
+                                    -4.0
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect())
+            }
+            fn count_tokens(&self, text: &str) -> Result<usize> {
+                Ok(text.split_whitespace().count())
+            }
+            fn usage(&self) -> Usage {
+                self.0
+            }
+        }
+        let mut judge = LlmJudge::new(Runs(Usage::default()));
+        let p = judge
+            .run_succeeded(&[
+                "user: refund me\nagent: refunded".into(),
+                "user: refund me\nagent: error".into(),
+            ])
+            .unwrap();
+        assert!(p[0] > 0.9 && p[1] < 0.1, "{p:?}");
+        assert_eq!(judge.usage().calls, 2);
+        assert!(judge.run_succeeded(&[]).unwrap().is_empty());
     }
 
     #[test]
