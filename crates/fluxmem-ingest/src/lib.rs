@@ -36,6 +36,7 @@ mod chat;
 mod compress;
 mod docs;
 mod error;
+mod events;
 mod grow;
 mod jsonl;
 mod layouts;
@@ -296,7 +297,7 @@ pub fn ingest_judged<'a>(
         report: IngestReport::default(),
         quarantine_path,
         quarantine: None,
-        otel_spans: Vec::new(),
+        otel_spans: otel::Collected::default(),
         // The ledger of files already ingested (a shard's own, over its main store's).
         ledger: (!options.reread)
             .then(|| ledger::Ledger::open(&writer_dir, main_dir.as_deref(), options)),
@@ -387,8 +388,9 @@ struct Run<'a> {
     report: IngestReport,
     quarantine_path: PathBuf,
     quarantine: Option<std::io::BufWriter<std::fs::File>>,
-    /// OpenTelemetry spans of the batch, grouped into episodes after the last file.
-    otel_spans: Vec<otel::SpanRec>,
+    /// OpenTelemetry spans (and GenAI events logged as log records) of the batch, grouped into
+    /// episodes after the last file.
+    otel_spans: otel::Collected,
     ledger: Option<ledger::Ledger>,
     /// Files read whole whose records wait for the next commit before the ledger records
     /// them: (key, size, mtime, SHA-256).

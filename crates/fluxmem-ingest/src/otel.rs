@@ -1,4 +1,5 @@
-//! OpenTelemetry GenAI traces as OTLP/JSON files (`resourceSpans` -> `scopeSpans` -> `spans`),
+//! OpenTelemetry GenAI traces as OTLP/JSON files (`resourceSpans` -> `scopeSpans` -> `spans`,
+//! and the GenAI events of `resourceLogs`),
 //! following the GenAI semantic conventions of semantic-conventions v1.41.0 (Development
 //! status); docs/formats/otel.md has the field mapping.
 //!
@@ -17,6 +18,8 @@
 //!   span's input answers the open call with its id (instrumentations without tool spans);
 //! - OpenInference spans (`openinference.span.kind`) are first rewritten onto these names
 //!   (`openinference.rs`);
+//! - GenAI events logged as log records (`resourceLogs`: the openai-v2 instrumentation's
+//!   messages, evaluation events) are first put on the spans they name (`events.rs`);
 //! - the task is the first user text of `gen_ai.input.messages`; `gen_ai.system_instructions`
 //!   becomes shared semantic nodes, as tau-bench's policies do;
 //! - the outcome: the agent span's `fluxmem.outcome.success` / `fluxmem.outcome.reward`
@@ -37,18 +40,26 @@ pub(crate) struct SpanRec {
     file: String,
     locator: String,
     mtime: Option<i64>,
-    trace: String,
-    id: String,
+    pub(crate) trace: String,
+    pub(crate) id: String,
     parent: Option<String>,
     start_ns: u64,
-    attributes: BTreeMap<String, Value>,
+    pub(crate) attributes: BTreeMap<String, Value>,
     resource: BTreeMap<String, Value>,
     status: i64,
     status_message: String,
     /// The first `exception` event's `exception.type: exception.message`.
     exception: Option<String>,
     /// Its `gen_ai.evaluation.result` events: (verdict, what they say).
-    evaluations: Vec<(Option<bool>, String)>,
+    pub(crate) evaluations: Vec<(Option<bool>, String)>,
+}
+
+/// What the OTel files of a batch hold: spans, and GenAI events logged as log records
+/// (`events.rs`), put on their spans once every file is read.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Collected {
+    pub(crate) spans: Vec<SpanRec>,
+    pub(crate) events: Vec<crate::events::EventRec>,
 }
 
 impl SpanRec {
@@ -95,14 +106,15 @@ impl SpanRec {
 }
 
 /// True when the head of a `.json` file, or the first line of a `.jsonl` one, is an OTLP/JSON
-/// trace export.
+/// trace or log export.
 pub(crate) fn looks_like(head: &str) -> bool {
-    head.trim_start().starts_with('{') && head.contains("\"resourceSpans\"")
+    head.trim_start().starts_with('{')
+        && (head.contains("\"resourceSpans\"") || head.contains("\"resourceLogs\""))
 }
 
 /// An OTLP attribute value as JSON (`{"stringValue": "x"}` -> `"x"`, `intValue` strings to
 /// numbers, arrays and key-value lists recursively).
-fn any_value(value: &Value) -> Value {
+pub(crate) fn any_value(value: &Value) -> Value {
     let Some(object) = value.as_object() else {
         return Value::Null;
     };
@@ -141,7 +153,7 @@ fn any_value(value: &Value) -> Value {
     Value::Null
 }
 
-fn attributes(list: &[Value]) -> BTreeMap<String, Value> {
+pub(crate) fn attributes(list: &[Value]) -> BTreeMap<String, Value> {
     list.iter()
         .filter_map(|kv| {
             Some((
@@ -159,7 +171,7 @@ fn attributes(list: &[Value]) -> BTreeMap<String, Value> {
 pub(crate) fn collect(
     source: &Source,
     text: &str,
-    spans: &mut Vec<SpanRec>,
+    spans: &mut Collected,
     emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
 ) -> crate::Result<()> {
     let first = text.lines().enumerate().find(|(_, l)| !l.trim().is_empty());
@@ -202,25 +214,30 @@ pub(crate) fn collect(
     Ok(())
 }
 
-/// Reads the spans of one export request (`line`: its line in a JSON Lines file).
+/// Reads the spans, or the log records, of one export request (`line`: its line in a JSON
+/// Lines file).
 fn collect_request(
     source: &Source,
     root: &Value,
     line: Option<usize>,
-    spans: &mut Vec<SpanRec>,
+    collected: &mut Collected,
     emit: &mut dyn FnMut(Parsed) -> crate::Result<()>,
 ) -> crate::Result<()> {
     let at = |path: String| match line {
         Some(n) => format!("line {n}: {path}"),
         None => path,
     };
+    if root.get("resourceLogs").is_some_and(Value::is_array) {
+        return crate::events::collect_logs(source, root, line, &mut collected.events, emit);
+    }
+    let spans = &mut collected.spans;
     let Some(resource_spans) = root.get("resourceSpans").and_then(Value::as_array) else {
         return emit(Parsed::Rejected(
             source
                 .reject(
                     line.unwrap_or(1),
                     at("file".into()),
-                    "not OTLP/JSON: no `resourceSpans` array",
+                    "not OTLP/JSON: no `resourceSpans` or `resourceLogs` array",
                     b"",
                 )
                 .field("resourceSpans"),
@@ -387,15 +404,17 @@ fn text_of(value: &Value) -> String {
 }
 
 /// Groups the collected spans into episodes (one record each).
-pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Parsed> {
+pub(crate) fn episodes(collected: Collected, options: &IngestOptions) -> Vec<Parsed> {
     // The same span twice (a file ingested twice in one batch) counts once.
     let mut by_id: BTreeMap<(String, String), SpanRec> = BTreeMap::new();
-    for span in spans {
+    for span in collected.spans {
         by_id
             .entry((span.trace.clone(), span.id.clone()))
             .or_insert(span);
     }
-    let spans: Vec<SpanRec> = by_id.into_values().collect();
+    let mut spans: Vec<SpanRec> = by_id.into_values().collect();
+    // GenAI events logged as log records go on their spans; those of no span read are rejected.
+    let mut out = crate::events::attach(&mut spans, collected.events);
     let index: BTreeMap<(&str, &str), usize> = spans
         .iter()
         .enumerate()
@@ -453,7 +472,6 @@ pub(crate) fn episodes(spans: Vec<SpanRec>, options: &IngestOptions) -> Vec<Pars
         members.sort_by(|&a, &b| spans[a].start_key().cmp(&spans[b].start_key()));
     }
     let groups = stitch(groups, &spans);
-    let mut out = Vec::new();
     for (key, members) in groups {
         let group: Vec<&SpanRec> = members.iter().map(|&i| &spans[i]).collect();
         out.push(understood(episode(&key, &group, options), &group));
@@ -868,7 +886,7 @@ fn system_instructions(span: &SpanRec) -> Option<String> {
 }
 
 /// The GenAI conventions' event with the result of evaluating an operation.
-const EVALUATION_EVENT: &str = "gen_ai.evaluation.result";
+pub(crate) const EVALUATION_EVENT: &str = "gen_ai.evaluation.result";
 
 /// Score labels that say an evaluated answer is right, and wrong (the conventions' examples and
 /// their plain variants). Other labels, and a score value without a label (its scale is the
@@ -886,7 +904,7 @@ const FAILING: [&str; 7] = [
 
 /// One evaluation event's verdict (from its score label) and its words: `name: label
 /// (explanation)`.
-fn evaluation(attributes: &BTreeMap<String, Value>) -> (Option<bool>, String) {
+pub(crate) fn evaluation(attributes: &BTreeMap<String, Value>) -> (Option<bool>, String) {
     let field = |k: &str| attributes.get(k).map(text_of).unwrap_or_default();
     let label = field("gen_ai.evaluation.score.label").to_lowercase();
     let verdict = if PASSING.contains(&label.as_str()) {

@@ -1921,6 +1921,167 @@ fn client_only_model_calls_are_stitched_into_runs_by_their_messages() {
 }
 
 #[test]
+fn openai_v2_client_calls_with_messages_as_log_events_are_stitched_into_runs() {
+    // Written by the OpenTelemetry project's openai-v2 instrumentation with content capture
+    // (scripts/fixtures/openai_v2_traces.py): spans without content, one per model call, each
+    // its own trace; the messages are GenAI events logged as log records in the span's context,
+    // exported as `resourceLogs` lines beside the `resourceSpans` lines.
+    let file = fixture("openai-v2-client.jsonl");
+    assert_eq!(
+        Format::detect(&file, &std::fs::read(&file).unwrap()),
+        Some(Format::Otel),
+        "a logs export request first is OTLP too"
+    );
+    let store = tempfile::tempdir().unwrap();
+    let report = run(store.path(), &[file.clone()], &IngestOptions::default());
+    assert_eq!(
+        (report.read, report.ingested, report.quarantined),
+        (3, 3, 0),
+        "7 calls of 3 runs, their 30 events on their spans: {report:?}"
+    );
+    let episodes = seen_episodes(store.path());
+    let order =
+        |id: &str, status: &str| format!("{{\"order_id\": \"{id}\", \"status\": \"{status}\"}}");
+    let (seen, node) = &episodes["Please refund my order C-3001, it arrived broken."];
+    assert_eq!(
+        seen,
+        &(
+            vec![
+                call("get_order", Some(&order("C-3001", "delivered"))),
+                call(
+                    "refund_order",
+                    Some("{\"order_id\": \"C-3001\", \"refunded\": true}")
+                ),
+            ],
+            "Your order C-3001 is refunded.".to_string(),
+            Some(true),
+            "inferred".to_string()
+        ),
+        "three calls, one run: each result from the next call's tool message event"
+    );
+    assert_eq!(node.metadata["otel.traces"], 3);
+    let calls = &node.episode().unwrap().steps;
+    assert!(
+        calls
+            .iter()
+            .flat_map(|s| &s.tool_calls)
+            .all(|c| c.arguments.contains("C-3001")),
+        "the calls' arguments come from the choice events: {calls:?}"
+    );
+    let (seen, _) = &episodes["Where is my order C-3002?"];
+    assert_eq!(
+        seen.0,
+        vec![call("get_order", Some(&order("C-3002", "in transit")))]
+    );
+    assert_eq!(seen.1, "Order C-3002 is in transit.");
+    let (seen, node) = &episodes["Refund C-3003 please."];
+    assert_eq!(
+        (seen.2, seen.3.as_str()),
+        (Some(false), "status"),
+        "the last call's HTTP 500 fails the run: {seen:?}"
+    );
+    assert!(node
+        .episode()
+        .unwrap()
+        .outcome
+        .feedback
+        .as_deref()
+        .is_some_and(|f| f.contains("500")));
+    // The system prompt, a system message event, is the tenant's shared semantic node.
+    let graph = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .load()
+        .unwrap();
+    assert!(graph
+        .nodes
+        .values()
+        .any(|n| n.episode().is_none() && n.text.contains("Look an order up before changing it")));
+
+    // The log lines without their spans: each event is quarantined with why, none dropped; a
+    // log record that is no GenAI event is said too.
+    let text = std::fs::read_to_string(&file).unwrap();
+    let logs: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("\"resourceLogs\""))
+        .collect();
+    assert_eq!(logs.len(), 7);
+    let dir = tempfile::tempdir().unwrap();
+    let only_logs = dir.path().join("logs.jsonl");
+    let mut lines: Vec<String> = logs.iter().map(|l| l.to_string()).collect();
+    lines[0] = lines[0].replacen(
+        "\"eventName\":\"gen_ai.system.message\"",
+        "\"eventName\":\"app.started\"",
+        1,
+    );
+    std::fs::write(&only_logs, lines.join("\n")).unwrap();
+    let report = run(
+        &dir.path().join("store"),
+        &[only_logs],
+        &IngestOptions::default(),
+    );
+    assert_eq!((report.ingested, report.quarantined), (0, 30), "{report:?}");
+    let reasons: Vec<String> = quarantined(&report)
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        reasons
+            .iter()
+            .filter(|r| r.contains("not among the spans read with it"))
+            .count(),
+        29
+    );
+    assert!(reasons
+        .iter()
+        .any(|r| r.contains("no GenAI event fluxmem reads (event name `app.started`)")));
+}
+
+#[test]
+fn an_evaluation_logged_as_a_log_record_is_the_runs_logged_outcome() {
+    // The openai-v2 fixture, and one more log line as an application that evaluates answers
+    // online would emit it through the Logs API (`gen_ai.evaluation.result` in the context of
+    // the model call it judged): here the answer to "Where is my order C-3002?", failed.
+    let text = std::fs::read_to_string(fixture("openai-v2-client.jsonl")).unwrap();
+    let spans: Vec<Value> = text
+        .lines()
+        .filter(|l| l.contains("\"resourceSpans\""))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let answered = &spans[4]["resourceSpans"][0]["scopeSpans"][0]["spans"][0];
+    let evaluation = serde_json::json!({"resourceLogs": [{
+        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "acme-support"}}]},
+        "scopeLogs": [{"scope": {"name": "acme.evals"}, "logRecords": [{
+            "eventName": "gen_ai.evaluation.result",
+            "traceId": answered["traceId"],
+            "spanId": answered["spanId"],
+            "attributes": [
+                {"key": "gen_ai.evaluation.name", "value": {"stringValue": "answered"}},
+                {"key": "gen_ai.evaluation.score.label", "value": {"stringValue": "fail"}},
+                {"key": "gen_ai.evaluation.explanation", "value": {"stringValue": "the parcel was lost"}}
+            ]
+        }]}]
+    }]});
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("with-evaluation.jsonl");
+    std::fs::write(&file, format!("{text}{evaluation}\n")).unwrap();
+    let report = run(
+        &dir.path().join("store"),
+        &[file],
+        &IngestOptions::default(),
+    );
+    assert_eq!((report.ingested, report.quarantined), (3, 0), "{report:?}");
+    let episodes = seen_episodes(&dir.path().join("store"));
+    let (seen, node) = &episodes["Where is my order C-3002?"];
+    assert_eq!((seen.2, seen.3.as_str()), (Some(false), "logged"));
+    assert_eq!(
+        node.episode().unwrap().outcome.feedback.as_deref(),
+        Some("evaluation answered: fail (the parcel was lost)")
+    );
+    let (seen, _) = &episodes["Please refund my order C-3001, it arrived broken."];
+    assert_eq!(seen.3, "inferred", "the other runs are not evaluated");
+}
+
+#[test]
 fn a_proxys_per_call_log_is_one_episode_per_agent_run() {
     let store = tempfile::tempdir().unwrap();
     let file = fixture("proxy-calls.jsonl");
