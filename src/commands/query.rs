@@ -180,13 +180,22 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
 }
 
 /// The query's tenant and its part of the store, read at one manifest version (returned):
-/// which tenant owns each node (two columns), then that tenant's nodes, steps, edges and
-/// vectors through row filters on their id columns. Other tenants' rows are never decoded.
+/// the tenant's node ids (one pass over the id, tenant and kind columns when the tenant is
+/// named and holds nodes; else which tenant owns each node, to resolve it), then that tenant's
+/// nodes, steps, edges and vectors through row filters on their id columns. Other tenants'
+/// rows are never decoded.
 fn read_tenant(
     store: &fluxmem_store::Store,
     requested: Option<&str>,
 ) -> anyhow::Result<(fluxmem_graph::Graph, String, u64)> {
     let (read, manifest) = store.read_current(|manifest| {
+        if let Some(tenant) = requested {
+            let ids = store.tenant_node_ids(manifest, tenant, &[])?;
+            if !ids.is_empty() {
+                let graph = store.scan_at(manifest, &fluxmem_store::Scan::of_tenant(&ids))?;
+                return Ok(Ok((graph, tenant.to_string())));
+            }
+        }
         let owners = store.node_tenants(manifest)?;
         let known: std::collections::BTreeSet<&String> = owners.values().collect();
         let tenant = match resolve_tenant_among(known.into_iter().cloned().collect(), requested) {

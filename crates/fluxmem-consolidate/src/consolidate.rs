@@ -885,28 +885,16 @@ fn believe_outcomes(graph: &mut Graph, options: &ConsolidateOptions) -> BTreeMap
 /// and link edges or the rest of the edit log, which are most of a store.
 fn read(writer: &Writer, tenant: Option<&str>) -> Result<Graph> {
     let store = writer.store();
-    // One tenant's run reads that tenant's episodes and skills only: their ids come from the
-    // id, tenant and kind columns of the node shards, and every other read is filtered on
-    // them before a row is decoded.
+    // One tenant's run reads that tenant's episodes and skills only: their ids come from one
+    // pass over the id, tenant and kind columns of the node shards, and every other read is
+    // filtered on them before a row is decoded.
     let ids: Option<BTreeSet<NodeId>> = match tenant {
         None => None,
-        Some(tenant) => {
-            let kinds = store.node_kinds(writer.manifest())?;
-            Some(
-                store
-                    .node_tenants(writer.manifest())?
-                    .into_iter()
-                    .filter(|(id, owner)| {
-                        owner == tenant
-                            && matches!(
-                                kinds.get(id),
-                                Some(NodeKind::Episodic | NodeKind::Procedural)
-                            )
-                    })
-                    .map(|(id, _)| id)
-                    .collect(),
-            )
-        }
+        Some(tenant) => Some(store.tenant_node_ids(
+            writer.manifest(),
+            tenant,
+            &[NodeKind::Episodic, NodeKind::Procedural],
+        )?),
     };
     let scan = Scan {
         nodes: true,

@@ -399,6 +399,43 @@ impl Store {
         Ok(tenants)
     }
 
+    /// Ids of the live nodes of `tenant` whose kind is one of `kinds` (every kind when empty),
+    /// in one pass over three columns of `nodes` (id, tenant, kind): other tenants' ids are
+    /// never kept.
+    pub fn tenant_node_ids(
+        &self,
+        manifest: &Manifest,
+        tenant: &str,
+        kinds: &[NodeKind],
+    ) -> Result<BTreeSet<NodeId>> {
+        let mut ids = BTreeSet::new();
+        for entry in sorted(manifest, "nodes") {
+            for batch in shard::batches(&self.dir, &entry, Some(&["id", "tenant", "kind"]))? {
+                let batch = batch?;
+                let (id, owner, kind) = (
+                    text_column(self, &entry, &batch, "id")?,
+                    text_column(self, &entry, &batch, "tenant")?,
+                    text_column(self, &entry, &batch, "kind")?,
+                );
+                for row in 0..batch.num_rows() {
+                    if owner.value(row) != tenant {
+                        continue;
+                    }
+                    let parsed = NodeKind::parse(kind.value(row)).ok_or_else(|| {
+                        self.corrupt(
+                            &entry,
+                            format!("row {row}: unknown node kind `{}`", kind.value(row)),
+                        )
+                    })?;
+                    if kinds.is_empty() || kinds.contains(&parsed) {
+                        ids.insert(NodeId(id.value(row).to_string()));
+                    }
+                }
+            }
+        }
+        Ok(ids)
+    }
+
     /// Live node ids with their kind (two columns of `nodes`).
     pub fn node_kinds(&self, manifest: &Manifest) -> Result<BTreeMap<NodeId, NodeKind>> {
         let mut kinds = BTreeMap::new();

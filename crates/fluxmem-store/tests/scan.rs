@@ -581,5 +581,23 @@ fn a_tenants_scan_reads_its_nodes_steps_edges_and_vectors_and_nothing_of_another
         assert_eq!(read.edges, expected.edges, "{tenant}");
         assert_eq!(read.embeddings, expected.embeddings, "{tenant}");
         assert!(read.nodes.values().all(|n| n.tenant == tenant));
+        // One pass over id, tenant and kind gives the same ids, by kind too.
+        assert_eq!(store.tenant_node_ids(&manifest, tenant, &[]).unwrap(), ids);
+        for kind in [NodeKind::Episodic, NodeKind::Semantic] {
+            let of_kind: BTreeSet<NodeId> = ids
+                .iter()
+                .filter(|id| whole.nodes[*id].kind() == kind)
+                .cloned()
+                .collect();
+            assert_eq!(
+                store.tenant_node_ids(&manifest, tenant, &[kind]).unwrap(),
+                of_kind,
+                "{tenant} {kind:?}"
+            );
+        }
     }
+    assert!(store
+        .tenant_node_ids(&manifest, "nobody", &[])
+        .unwrap()
+        .is_empty());
 }
