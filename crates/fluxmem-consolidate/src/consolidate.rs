@@ -658,6 +658,7 @@ fn plan_clusters<'g>(
             plans.push(Plan {
                 tenant: tenant.clone(),
                 index,
+                grown: grown_members(graph, &episodes),
                 episodes,
                 weights,
                 previous: matches[index],
@@ -708,6 +709,7 @@ fn open_plan<'g>(
         plans.push(Plan {
             tenant: cluster.tenant,
             index: cluster.index,
+            grown: grown_members(graph, &cluster.episodes),
             episodes: cluster.episodes,
             weights: cluster.weights,
             previous,
@@ -949,6 +951,55 @@ fn cluster_target(episodes: &[NodeId]) -> String {
     format!("cluster:{}", &sha256_hex(key.join("\n").as_bytes())[..32])
 }
 
+/// The members of a cluster that grew since they were first stored (a conversation logged
+/// again, longer: ingest's `metadata.versions`, more than 1), with their version counts. A
+/// skill records them (`metadata.source_versions`) beside its source ids, and a cluster's
+/// outcome record is keyed by them too ([`state_target`]): a member that grows changes what
+/// the cluster was mined from although its id stays.
+fn grown_members(graph: &Graph, episodes: &[NodeId]) -> BTreeMap<String, u64> {
+    episodes
+        .iter()
+        .filter_map(|id| {
+            let versions = graph.nodes.get(id)?.metadata.get("versions")?.as_u64()?;
+            (versions > 1).then(|| (id.to_string(), versions))
+        })
+        .collect()
+}
+
+/// The edit target of a cluster's outcome record: [`cluster_target`] of its members, and of
+/// the versions of those that grew when any did (so a record of a cluster none of whose
+/// members grew keeps its target).
+fn state_target(plan: &Plan<'_>) -> String {
+    if plan.grown.is_empty() {
+        return cluster_target(&plan.episodes);
+    }
+    let versioned: Vec<NodeId> = plan
+        .episodes
+        .iter()
+        .map(|id| match plan.grown.get(id.as_str()) {
+            Some(versions) => NodeId(format!("{id}#{versions}")),
+            None => id.clone(),
+        })
+        .collect();
+    cluster_target(&versioned)
+}
+
+/// The members whose version differs from the one `previous` (a skill) was mined from; a
+/// skill without `source_versions` was mined from first versions.
+fn regrown(plan: &Plan<'_>, previous: &Node) -> usize {
+    let before = previous.metadata.get("source_versions");
+    plan.grown
+        .iter()
+        .filter(|(id, versions)| {
+            before
+                .and_then(|b| b.get(id.as_str()))
+                .and_then(Value::as_u64)
+                .unwrap_or(1)
+                != **versions
+        })
+        .count()
+}
+
 /// One cluster to handle.
 struct Plan<'g> {
     tenant: String,
@@ -957,6 +1008,9 @@ struct Plan<'g> {
     weights: Vec<f32>,
     previous: Option<&'g Node>,
     skills: usize,
+    /// The members that grew (conversations logged again, longer), with their version counts
+    /// ([`grown_members`]).
+    grown: BTreeMap<String, u64>,
 }
 
 type TenantEpisodes = BTreeMap<String, (Vec<NodeId>, Vec<Vec<f32>>)>;
@@ -1066,8 +1120,9 @@ fn match_skills<'g>(
 }
 
 /// The status of a cluster that needs no work, or `None` when it does: `unchanged` (the
-/// skill's sources are the cluster), `kept` (changed by less than `reinduce_share`),
-/// `no_procedure` (the same members shared no procedure before) or `failed_earlier`.
+/// skill's sources are the cluster, none grown since), `kept` (changed by less than
+/// `reinduce_share`), `no_procedure` (the same members, at the same versions, shared no
+/// procedure before) or `failed_earlier`.
 fn settled(
     plan: &Plan<'_>,
     options: &ConsolidateOptions,
@@ -1076,12 +1131,14 @@ fn settled(
     let sorted: BTreeSet<&NodeId> = plan.episodes.iter().collect();
     if let Some(previous) = plan.previous {
         let sources: BTreeSet<&NodeId> = skill_of(previous).source_episodes.iter().collect();
-        if sources == sorted {
+        // A member that grew since the skill was mined counts as one gained.
+        let regrown = regrown(plan, previous);
+        if sources == sorted && regrown == 0 {
             return Some("unchanged");
         }
         if options.reinduce_share > 0.0 {
             let base = sources.len().max(1) as f64;
-            let gained = sorted.difference(&sources).count() as f64 / base;
+            let gained = (sorted.difference(&sources).count() + regrown) as f64 / base;
             let lost = sources.difference(&sorted).count() as f64 / base;
             if gained < options.reinduce_share && lost < options.reinduce_share {
                 return Some("kept");
@@ -1089,7 +1146,7 @@ fn settled(
         }
         return None;
     }
-    match failed_before.get(cluster_target(&plan.episodes).as_str()) {
+    match failed_before.get(state_target(plan).as_str()) {
         // Mining is deterministic: the same members still share no procedure.
         Some(true) => Some("no_procedure"),
         Some(false) if !options.retry_failed => Some("failed_earlier"),
@@ -1256,7 +1313,7 @@ impl Outcome<'_, '_> {
     /// A cluster that gave no skill: a `skill_failed` edit with its attempts, and the counts.
     fn failed(self, attempts: Vec<Attempt>, no_procedure: bool) -> ClusterReport {
         let plan = self.plan;
-        let target = cluster_target(&plan.episodes);
+        let target = state_target(plan);
         let after =
             json!({ "tenant": plan.tenant, "episodes": plan.episodes, "attempts": attempts });
         let reason = match attempts.first() {
@@ -1455,6 +1512,11 @@ fn skill_node(
     ];
     node.metadata
         .extend(metadata.into_iter().map(|(k, v)| (k.to_string(), v)));
+    // The versions of the sources that grew (none: the field is left out).
+    if !plan.grown.is_empty() {
+        node.metadata
+            .insert("source_versions".into(), json!(plan.grown));
+    }
     node
 }
 

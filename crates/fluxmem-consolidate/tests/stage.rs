@@ -742,6 +742,60 @@ fn a_cluster_whose_successes_share_no_procedure_gets_no_skill_and_says_why() {
         "{}",
         edit.reason
     );
+    let consolidate = || {
+        let mut writer = Writer::open(&store).unwrap();
+        let mut models = Models {
+            embedder: &embedder,
+            generator: None,
+            judge: None,
+            replayer: None,
+        };
+        consolidate_store(
+            &mut writer,
+            &mut models,
+            &options(1),
+            "consolidate@t",
+            &Device::Cpu,
+            &mut NoProgress,
+        )
+        .unwrap()
+    };
+    // The same members again: the record settles the cluster, nothing is mined.
+    let again = consolidate();
+    assert_eq!(again.cluster_list[0].status, "no_procedure");
+    assert!(again.failures.is_empty(), "{:?}", again.failures);
+    // A member grows (its conversation logged again, longer, under the same id): what the
+    // cluster holds changed, so it is mined again, and its record is of the new versions.
+    let mut grown = odd(0, "inventory");
+    if let NodeBody::Episodic(episode) = &mut grown.body {
+        episode.steps.push(Step {
+            action: "look".into(),
+            ..Default::default()
+        });
+    }
+    grown.metadata.insert("versions".into(), 2.into());
+    let mut delta = Graph::default();
+    delta.upsert_node(grown);
+    Writer::open(&store)
+        .unwrap()
+        .commit(&delta, CommitInfo::default())
+        .unwrap();
+    let after = consolidate();
+    assert_eq!(
+        after.failures.len(),
+        1,
+        "mined again: {:?}",
+        after.cluster_list
+    );
+    let targets: std::collections::BTreeSet<String> = load(&store)
+        .edits
+        .iter()
+        .filter(|e| e.kind == "skill_failed")
+        .map(|e| e.target.clone())
+        .collect();
+    assert_eq!(targets.len(), 2, "a record of each state: {targets:?}");
+    let settled = consolidate();
+    assert!(settled.failures.is_empty(), "the grown state settles too");
 }
 
 /// The rule that keeps skills free of invented steps: every exported step is in at least the
@@ -1936,4 +1990,60 @@ fn a_tenants_consolidation_reads_that_tenants_episodes_only() {
     // The whole store's run reads every tenant's episodes and a's skill, still no fact.
     let all = run(&store, &mut generator, None, &options(1));
     assert_eq!(all.nodes_read, a_episodes + b_episodes + skills.len());
+}
+
+/// A source episode that grows (its conversation logged again, longer, under the same id) makes
+/// its skill's cluster changed although its member ids are the same: the skill is mined again
+/// (version 2, recording the versions it was mined from), then settles.
+#[test]
+fn a_skill_whose_source_grew_is_mined_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    add_episodes(&store, three_families(4));
+    let mut generator = Scripted::new(family_skill);
+    run(&store, &mut generator, None, &options(3));
+    let before = load(&store);
+    let source = before
+        .nodes
+        .values()
+        .find(|n| n.kind() == NodeKind::Episodic && n.text.contains("lettuce"))
+        .unwrap()
+        .clone();
+    let mut grown = source.clone();
+    if let NodeBody::Episodic(episode) = &mut grown.body {
+        let last = episode.steps.last().unwrap().clone();
+        episode.steps.push(last);
+    }
+    grown.metadata.insert("versions".into(), 2.into());
+    let mut delta = Graph::default();
+    delta.upsert_node(grown);
+    Writer::open(&store)
+        .unwrap()
+        .commit(&delta, CommitInfo::default())
+        .unwrap();
+    let again = run(&store, &mut generator, None, &options(3));
+    assert_eq!(
+        (
+            again.skills_updated,
+            again.skills_unchanged,
+            again.skills_new
+        ),
+        (1, 2, 0),
+        "{:?}",
+        again.cluster_list
+    );
+    let after = load(&store);
+    let updated = &after.nodes[&again.skills[0].id];
+    assert_eq!(
+        updated.metadata["source_versions"][source.id.as_str()],
+        2,
+        "{:?}",
+        updated.metadata.get("source_versions")
+    );
+    let settled = run(&store, &mut generator, None, &options(3));
+    assert_eq!(
+        (settled.skills_unchanged, settled.commits),
+        (3, 0),
+        "mined from the grown version, it settles"
+    );
 }
