@@ -1120,3 +1120,59 @@ dir = "runs"
     }
     assert!(skills.join("CHANGES.md").is_file());
 }
+
+/// A sharded night with a conversation that grew: the connect merge records the grown episodes
+/// as handled (each shard connected again those it owns), so the next connect does not connect
+/// them again.
+#[test]
+fn a_sharded_connect_merge_records_the_grown_episodes_handled() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = pipeline(dir.path(), false);
+    add_log(dir.path(), "trajectories.jsonl");
+    // The fixture's two versions of one conversation, logged on two nights.
+    let versions: Vec<String> =
+        std::fs::read_to_string(repo().join("tests/data/formats/openai-grown.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| format!("{l}\n"))
+            .collect();
+    std::fs::write(dir.path().join("logs/chat-1.jsonl"), &versions[0]).unwrap();
+    ok(run(fluxmem()
+        .arg("run")
+        .arg(&file)
+        .args(["--run-id", "night-1"])));
+    std::fs::write(dir.path().join("logs/chat-2.jsonl"), &versions[1]).unwrap();
+    for stage in ["ingest", "embed", "connect"] {
+        for i in 0..2 {
+            let shard = format!("{i}/2");
+            ok(run(fluxmem().arg("run").arg(&file).args([
+                "--run-id", "night-2", "--stage", stage, "--shard", &shard,
+            ])));
+        }
+        ok(run(fluxmem().arg("run").arg(&file).args([
+            "--run-id", "night-2", "--stage", stage, "--merge", "2",
+        ])));
+    }
+    let store = fluxmem_store::Store::open(dir.path().join("store")).unwrap();
+    let manifest = store.manifest().unwrap();
+    let grown = store
+        .edited_nodes(&manifest, fluxmem_graph::EPISODE_GROWN)
+        .unwrap();
+    assert!(!grown.is_empty(), "the fixture's conversation grew");
+    assert_eq!(
+        manifest.progress.get("connect.grown_edits"),
+        Some(&Value::from(grown.len())),
+        "{:?}",
+        manifest.progress
+    );
+    // Connect again, unsharded: nothing to connect again.
+    let record = finished(&run(fluxmem()
+        .arg("run")
+        .arg(&file)
+        .args(["--run-id", "again", "--stage", "connect", "--json"])));
+    assert_eq!(
+        stage(&record, "connect")["status"],
+        "nothing new",
+        "{record}"
+    );
+}

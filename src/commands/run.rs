@@ -160,11 +160,18 @@ fn merge_shards(
     let stage = args.stage.as_deref().expect("checked above");
     let mut writer = open_main(store_dir, settings)?;
     let started = Instant::now();
-    let info = CommitInfo {
+    let mut info = CommitInfo {
         stage: format!("merge-{stage}"),
         run_id: format!("{stage}@{run_id}"),
         ..Default::default()
     };
+    // What a stage records once all its shards are in (connect: the grown episodes handled),
+    // from the version the shards started from (the merge checks it is still the store's).
+    if stage == fluxmem_connect::STAGE {
+        let (key, value) =
+            fluxmem_connect::merged_progress(writer.store(), &writer.manifest().clone())?;
+        info.progress.insert(key, value);
+    }
     let report = writer
         .merge_staging(stage, count, info)
         .with_context(|| format!("merging the {count} shards of `{stage}`"))?;

@@ -218,7 +218,8 @@ pub fn connect_store(
             let mut delta = night.chunk_edges(chunk, &group_graph, &neighbours, &mut report)?;
             keep_existing(&mut delta, &existing, &mut report);
             // The last commit of an unsharded run records the grown episodes as handled (a run
-            // killed before it connects them again: the same edges).
+            // killed before it connects them again: the same edges); a sharded run's merge
+            // does ([`merged_progress`]).
             let last = start >= todo.len() && i + 1 == chunks && options.shard.count <= 1;
             let marker = last.then_some(grown.seen);
             if !delta.is_empty() {
@@ -257,6 +258,20 @@ fn keep_existing(delta: &mut Graph, existing: &BTreeSet<EdgeKey>, report: &mut C
 
 /// The progress key under which connect records how many `episode_grown` edits it has handled.
 const GROWN_SEEN: &str = "connect.grown_edits";
+
+/// The progress a sharded connect's merge records (`fluxmem run --stage connect --merge N`):
+/// every `episode_grown` edit of `manifest` (the version every shard started from) handled,
+/// since each shard connected again the grown episodes it owns. A shard records nothing of
+/// it: shards may see different parts, and only the merge sees them all done.
+pub fn merged_progress(
+    store: &fluxmem_store::Store,
+    manifest: &fluxmem_store::Manifest,
+) -> Result<(String, serde_json::Value)> {
+    let seen = store
+        .edited_nodes(manifest, fluxmem_graph::EPISODE_GROWN)?
+        .len();
+    Ok((GROWN_SEEN.to_string(), serde_json::Value::from(seen)))
+}
 
 /// The episodes ingest grew (`episode_grown` edits, in log order) after the ones this stage
 /// handled, and how many such edits the log holds.

@@ -31,7 +31,8 @@ mod tenant;
 
 pub use bm25::{stem, terms, terms_with, Bm25, Bm25Params};
 pub use connect::{
-    connect_store, ConnectOptions, ConnectReport, NoProgress, Progress, DEFAULT_MEMORY, STAGE,
+    connect_store, merged_progress, ConnectOptions, ConnectReport, NoProgress, Progress,
+    DEFAULT_MEMORY, STAGE,
 };
 pub use context::{line, pack, Context, ContextItem};
 pub use dense::{embedded, embedded_in, top_k, DenseIndex, Embedded, Unembedded, BLOCK_ROWS};
