@@ -1494,7 +1494,10 @@ fn a_local_model_labels_the_outcomes_the_log_does_not_say() {
         assert_eq!(report["outcomes"]["judged"], 2, "{report}");
         assert_eq!(report["outcomes"]["logged"], 1, "{report}");
         assert_eq!(report["judge_errors"], 0, "{report}");
-        assert_eq!(report["judge"]["calls"], 2, "{report}");
+        assert_eq!(
+            report["judge"]["calls"], 3,
+            "the content-free log, then each run: {report}"
+        );
         let graph = fluxmem_store::Store::open(store).unwrap().load().unwrap();
         let mut seen = std::collections::BTreeMap::new();
         for node in graph

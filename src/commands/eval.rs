@@ -468,6 +468,12 @@ pub fn outcomes(args: crate::cli::EvalOutcomesArgs) -> anyhow::Result<ExitCode> 
                 let [rs, rf] = judged.rule.get(answer).copied().unwrap_or_default();
                 println!("  {answer:<12} {js:>21}  {jf:>14} | {rs:>20}  {rf:>14}");
             }
+            match judged.auc() {
+                Some(auc) => println!(
+                    "  the judge's probabilities order success above failure with AUC {auc:.3}"
+                ),
+                None => println!("  AUC: the sample holds only one logged outcome"),
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

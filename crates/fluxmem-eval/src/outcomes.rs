@@ -53,6 +53,38 @@ pub struct JudgeConfusion {
     pub answers: Vec<(String, bool, Option<f32>)>,
 }
 
+impl JudgeConfusion {
+    /// How well the judge's probabilities order the sample: the chance that a logged success
+    /// scores above a logged failure (ties count half), whatever the threshold; `None` without
+    /// both.
+    pub fn auc(&self) -> Option<f64> {
+        let scores = |logged: bool| -> Vec<f32> {
+            self.answers
+                .iter()
+                .filter(|(_, l, _)| *l == logged)
+                .filter_map(|(_, _, p)| *p)
+                .collect()
+        };
+        let (wins, losses) = (scores(true), scores(false));
+        if wins.is_empty() || losses.is_empty() {
+            return None;
+        }
+        let mut above = 0.0;
+        for w in &wins {
+            for l in &losses {
+                above += if w > l {
+                    1.0
+                } else if w == l {
+                    0.5
+                } else {
+                    0.0
+                };
+            }
+        }
+        Some(above / (wins.len() * losses.len()) as f64)
+    }
+}
+
 /// A judge for [`outcome_rule`] and which episodes it reads.
 pub struct Judging<'a> {
     /// The judge.
@@ -200,4 +232,28 @@ fn judge(scored: Vec<(&fluxmem_graph::Node, bool)>, judging: Judging<'_>) -> Jud
     out.mean_chars = chars / out.episodes.max(1);
     out.seconds = started.elapsed().as_secs_f64();
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auc_counts_the_pairs_a_judge_orders_right_and_ties_as_half() {
+        let answer = |logged: bool, p: Option<f32>| ("e".to_string(), logged, p);
+        let mut judged = JudgeConfusion {
+            answers: vec![
+                answer(true, Some(0.9)),
+                answer(true, Some(0.4)),
+                answer(false, Some(0.4)),
+                answer(false, Some(0.1)),
+                answer(false, None),
+            ],
+            ..Default::default()
+        };
+        // Pairs: (0.9, 0.4) (0.9, 0.1) (0.4, 0.1) right, (0.4, 0.4) a tie: 3.5 of 4.
+        assert_eq!(judged.auc(), Some(0.875));
+        judged.answers.retain(|(_, logged, _)| *logged);
+        assert_eq!(judged.auc(), None);
+    }
 }

@@ -57,7 +57,13 @@ pub struct LlmJudge<G: Generator> {
     generator: G,
     /// Characters of a passage shown to the model (long passages are cut).
     pub max_passage_chars: usize,
+    /// The yes-probability of a content-free log ([`CONTENT_FREE`]), asked once.
+    run_prior: Option<f32>,
 }
+
+/// The log a run's probability is calibrated against: one with no content, as in contextual
+/// calibration (Zhao et al. 2021, "Calibrate Before Use").
+const CONTENT_FREE: &str = "N/A";
 
 impl<G: Generator> LlmJudge<G> {
     /// A judge on `generator`.
@@ -65,6 +71,7 @@ impl<G: Generator> LlmJudge<G> {
         LlmJudge {
             generator,
             max_passage_chars: 1200,
+            run_prior: None,
         }
     }
 
@@ -89,13 +96,32 @@ impl<G: Generator> LlmJudge<G> {
     }
 
     /// For each run's log (the caller renders and clips it): the probability that the run did
-    /// what its user asked, P(yes) as for [`Judge::score`]. The instruction is the shared
-    /// prefix; each log is a suffix. Used to label the outcome of runs whose log says none
-    /// (`fluxmem ingest --label-outcomes`).
+    /// what its user asked. It is P(yes) as for [`Judge::score`], calibrated against the
+    /// model's answer to a content-free log ([`CONTENT_FREE`], asked once): with `b` that
+    /// answer's P(yes), `p (1 - b) / (p (1 - b) + (1 - p) b)`, so a run the model reads as no
+    /// likelier done than nothing scores 0.5, whatever the model's lean to yes or no. The
+    /// instruction is the shared prefix; each log is a suffix. Used to label the outcome of
+    /// runs whose log says none (`fluxmem ingest --label-outcomes`).
     pub fn run_succeeded(&mut self, runs: &[String]) -> Result<Vec<f32>> {
         if runs.is_empty() {
             return Ok(Vec::new());
         }
+        let prior = match self.run_prior {
+            Some(prior) => prior,
+            None => {
+                let prior = self.raw_run_succeeded(&[CONTENT_FREE.to_string()])?[0];
+                self.run_prior = Some(prior);
+                prior
+            }
+        };
+        Ok(self
+            .raw_run_succeeded(runs)?
+            .into_iter()
+            .map(|p| calibrated(p, prior))
+            .collect())
+    }
+
+    fn raw_run_succeeded(&mut self, runs: &[String]) -> Result<Vec<f32>> {
         let (prefix, suffixes) =
             self.split_prompt_with(RUN_SYSTEM, "Log of the run:\n", runs, RUN_QUESTION);
         self.yes_probability(&prefix, &suffixes)
@@ -223,6 +249,18 @@ impl<G: Generator> Judge for QlJudge<G> {
 
     fn model_id(&self) -> &str {
         self.generator.model_id()
+    }
+}
+
+/// `p` divided by the prior `b` (and `1 - p` by `1 - b`), renormalised.
+fn calibrated(p: f32, prior: f32) -> f32 {
+    let b = prior.clamp(1e-6, 1.0 - 1e-6);
+    let yes = p * (1.0 - b);
+    let no = (1.0 - p) * b;
+    if yes + no <= 0.0 {
+        0.5
+    } else {
+        yes / (yes + no)
     }
 }
 
@@ -385,14 +423,22 @@ mod tests {
                     .iter()
                     .map(|s| {
                         assert!(s.contains("Did the agent do what the user asked"), "{s}");
-                        let done = s.contains("refunded");
+                        // The content-free log: a lean to no (P(yes) = 0.2); a run that
+                        // says it refunded: 0.5; another: 0.1.
+                        let p: f32 = if s.starts_with("N/A") {
+                            0.2
+                        } else if s.contains("refunded") {
+                            0.5
+                        } else {
+                            0.1
+                        };
                         options
                             .iter()
                             .map(|o| {
-                                if o.to_lowercase().contains("yes") == done {
-                                    -0.1
+                                if o.to_lowercase().contains("yes") {
+                                    p.ln()
                                 } else {
-                                    -4.0
+                                    (1.0 - p).ln()
                                 }
                             })
                             .collect()
@@ -413,8 +459,19 @@ mod tests {
                 "user: refund me\nagent: error".into(),
             ])
             .unwrap();
-        assert!(p[0] > 0.9 && p[1] < 0.1, "{p:?}");
-        assert_eq!(judge.usage().calls, 2);
+        // Calibrated against the content-free log's 0.2: 0.5 -> 0.8, and 0.1 -> 0.31.
+        assert!((p[0] - 0.8).abs() < 1e-4, "{p:?}");
+        assert!(
+            (p[1] - 0.1 * 0.8 / (0.1 * 0.8 + 0.9 * 0.2)).abs() < 1e-4,
+            "{p:?}"
+        );
+        assert_eq!(
+            judge.usage().calls,
+            3,
+            "the content-free log once, then each run"
+        );
+        judge.run_succeeded(&["agent: refunded".into()]).unwrap();
+        assert_eq!(judge.usage().calls, 4, "the prior is asked once");
         assert!(judge.run_succeeded(&[]).unwrap().is_empty());
     }
 
