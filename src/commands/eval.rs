@@ -472,7 +472,9 @@ pub fn outcomes(args: crate::cli::EvalOutcomesArgs) -> anyhow::Result<ExitCode> 
                 Some(auc) => println!(
                     "  the judge's probabilities order success above failure with AUC {auc:.3}"
                 ),
-                None => println!("  AUC: the sample holds only one logged outcome"),
+                None => {
+                    println!("  AUC: none (the judge answered for runs of only one logged outcome)")
+                }
             }
         }
     }

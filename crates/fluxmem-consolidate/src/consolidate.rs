@@ -984,12 +984,19 @@ fn state_target(plan: &Plan<'_>) -> String {
     cluster_target(&versioned)
 }
 
-/// The members whose version differs from the one `previous` (a skill) was mined from; a
-/// skill without `source_versions` was mined from first versions.
+/// The sources of `previous` (a skill) still in the cluster whose version differs from the one
+/// the skill was mined from (a skill without `source_versions` was mined from first versions).
+/// A member that is not a source counts as gained already.
 fn regrown(plan: &Plan<'_>, previous: &Node) -> usize {
     let before = previous.metadata.get("source_versions");
+    let sources: BTreeSet<&str> = skill_of(previous)
+        .source_episodes
+        .iter()
+        .map(|id| id.as_str())
+        .collect();
     plan.grown
         .iter()
+        .filter(|(id, _)| sources.contains(id.as_str()))
         .filter(|(id, versions)| {
             before
                 .and_then(|b| b.get(id.as_str()))

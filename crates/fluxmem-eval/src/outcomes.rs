@@ -208,12 +208,11 @@ fn judge(scored: Vec<(&fluxmem_graph::Node, bool)>, judging: Judging<'_>) -> Jud
     let mut chars = 0;
     for (node, logged) in sample {
         let column = usize::from(!logged);
-        let shown = redactor
-            .redact(&fluxmem_ingest::outcome::transcript(
-                node,
-                fluxmem_ingest::outcome::TRANSCRIPT_CHARS,
-            ))
-            .text;
+        let shown = fluxmem_ingest::outcome::transcript(
+            node,
+            fluxmem_ingest::outcome::TRANSCRIPT_CHARS,
+            &redactor,
+        );
         chars += shown.chars().count();
         let p = match judging.judge.judge(&[shown]) {
             Ok(p) if p.len() == 1 => Some(p[0]),

@@ -6,7 +6,8 @@
 //! in the same file as the spans or another one of the batch.
 //!
 //! Each record names its event by `eventName` (or, from older SDKs, the `event.name`
-//! attribute) and its span by `traceId` and `spanId`. Once every file of a batch is read, the
+//! attribute) and its span by `traceId` and `spanId`; a span's events are taken in time order
+//! (`timeUnixNano`, else `observedTimeUnixNano`), and the same event read twice counts once. Once every file of a batch is read, the
 //! events are put on their spans as the latest conventions carry them ([`attach`]), so the rest
 //! of the reader sees one shape:
 //!
@@ -48,8 +49,41 @@ pub(crate) struct EventRec {
     trace: String,
     span: String,
     name: String,
+    /// `timeUnixNano`, else `observedTimeUnixNano` (0 when neither).
+    time: u64,
     body: Value,
     attributes: BTreeMap<String, Value>,
+    /// The record as read (its quarantine excerpt, if its span is missing).
+    raw: String,
+}
+
+impl EventRec {
+    /// What makes two records the same event: the same record in a second file, or an export
+    /// retried, is read once.
+    fn identity(&self) -> (String, String, String, u64, String, String) {
+        (
+            self.trace.clone(),
+            self.span.clone(),
+            self.name.clone(),
+            self.time,
+            self.body.to_string(),
+            serde_json::to_string(&self.attributes).expect("JSON values serialise"),
+        )
+    }
+}
+
+/// A log record's time in nanoseconds: `timeUnixNano`, else `observedTimeUnixNano` (OTLP/JSON
+/// writes them as decimal strings); 0 when neither is a number.
+fn time_of(record: &Value) -> u64 {
+    ["timeUnixNano", "observedTimeUnixNano"]
+        .iter()
+        .filter_map(|key| match record.get(*key)? {
+            Value::String(s) => s.parse::<u64>().ok(),
+            Value::Number(n) => n.as_u64(),
+            _ => None,
+        })
+        .find(|&t| t > 0)
+        .unwrap_or(0)
 }
 
 /// Reads the log records of one export request (`resourceLogs`); `line`: its line in a JSON
@@ -89,12 +123,15 @@ pub(crate) fn collect_logs(
                     .and_then(Value::as_array)
                     .map(|a| attributes(a))
                     .unwrap_or_default();
-                let name = record
-                    .get("eventName")
-                    .and_then(Value::as_str)
-                    .or_else(|| attributes.get("event.name").and_then(Value::as_str))
-                    .unwrap_or("")
-                    .to_string();
+                let name = [
+                    record.get("eventName").and_then(Value::as_str),
+                    attributes.get("event.name").and_then(Value::as_str),
+                ]
+                .into_iter()
+                .flatten()
+                .find(|n| !n.is_empty())
+                .unwrap_or("")
+                .to_string();
                 if !is_read(&name) {
                     let reason = format!(
                         "a log record that is no GenAI event fluxmem reads (event name `{name}`); see docs/formats/otel.md"
@@ -123,8 +160,10 @@ pub(crate) fn collect_logs(
                     trace,
                     span,
                     name,
+                    time: time_of(record),
                     body: record.get("body").map(any_value).unwrap_or(Value::Null),
                     attributes,
+                    raw,
                 });
             }
         }
@@ -139,8 +178,9 @@ fn is_read(name: &str) -> bool {
         || name == crate::otel::EVALUATION_EVENT
 }
 
-/// Puts each event on its span (see the module docs), once however often its file was read;
-/// the events whose span is not among `spans` come back rejected.
+/// Puts each event on its span (see the module docs), in time order (read order where times
+/// tie), once however often it was read (the same trace, span, name, time, body and
+/// attributes); the events whose span is not among `spans` come back rejected.
 pub(crate) fn attach(spans: &mut [SpanRec], events: Vec<EventRec>) -> Vec<Parsed> {
     let index: BTreeMap<(String, String), usize> = spans
         .iter()
@@ -149,10 +189,11 @@ pub(crate) fn attach(spans: &mut [SpanRec], events: Vec<EventRec>) -> Vec<Parsed
         .collect();
     let mut by_span: BTreeMap<usize, Vec<EventRec>> = BTreeMap::new();
     let mut rejected = Vec::new();
-    // The same record twice (a file ingested twice in one batch) counts once.
+    // The same event twice (a file ingested twice in one batch, a copy, a retried export)
+    // counts once.
     let mut seen = std::collections::BTreeSet::new();
     for event in events {
-        if !seen.insert((event.file.clone(), event.locator.clone())) {
+        if !seen.insert(event.identity()) {
             continue;
         }
         match index.get(&(event.trace.clone(), event.span.clone())) {
@@ -162,18 +203,23 @@ pub(crate) fn attach(spans: &mut [SpanRec], events: Vec<EventRec>) -> Vec<Parsed
                     "the GenAI event `{}` is of span {} of trace {}, which is not among the spans read with it; ingest its traces in the same run",
                     event.name, event.span, event.trace
                 );
-                rejected.push(Parsed::Rejected(crate::Rejected::new(
-                    &event.file,
-                    event.line,
-                    event.locator,
-                    reason,
-                    b"",
-                    usize::MAX,
-                )));
+                rejected.push(Parsed::Rejected(
+                    crate::Rejected::new(
+                        &event.file,
+                        event.line,
+                        event.locator,
+                        reason,
+                        event.raw.as_bytes(),
+                        usize::MAX,
+                    )
+                    .field("spanId"),
+                ));
             }
         }
     }
-    for (i, events) in by_span {
+    for (i, mut events) in by_span {
+        // In time order; the order read where times tie (a stable sort).
+        events.sort_by_key(|e| e.time);
         on_span(&mut spans[i], events);
     }
     rejected

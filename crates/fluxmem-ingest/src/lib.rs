@@ -233,8 +233,8 @@ pub struct IngestReport {
     pub unchanged_files: u64,
     /// Commits made.
     pub commits: u64,
-    /// Episodes stored (new or grown), by where their outcome came from (`logged`, `status`,
-    /// `inferred`, `judged`, `none`; see [`outcome`]).
+    /// New episodes stored, by where their outcome came from (`logged`, `status`, `inferred`,
+    /// `judged`, `none`; see [`outcome`]).
     pub outcomes: std::collections::BTreeMap<String, u64>,
     /// Runs the judge was asked about and failed on (they keep the rule's outcome).
     pub judge_errors: u64,
@@ -264,8 +264,9 @@ pub fn ingest(
     ingest_judged(writer, inputs, options, None, run_id, progress)
 }
 
-/// [`ingest`], with a `judge` that gives an outcome to each new run whose log says none
-/// ([`outcome::OutcomeJudge`]), read before the batch that holds the run commits. The judge
+/// [`ingest`], with a `judge` that gives an outcome to each run whose log says none
+/// ([`outcome::OutcomeJudge`]): a new one, or a stored conversation's later version (judged
+/// again, as it now reads), as it is put in the batch, so before the batch commits. The judge
 /// reads each run as a redacted [`outcome::transcript`]; a run it fails on keeps the rule's
 /// outcome and the failure is a notice (kind `judge`) and a count
 /// ([`IngestReport::judge_errors`]).
@@ -306,6 +307,8 @@ pub fn ingest_judged<'a>(
         pending_replaces: false,
         deferred: Vec::new(),
         judge,
+        redactor: fluxmem_redact::Redactor::default(),
+        judged: 0,
     };
     for skipped in &expanded.skipped {
         progress.notice(
@@ -403,8 +406,12 @@ struct Run<'a> {
     /// Records of the batch that are versions of stored conversations, compared with the
     /// stored versions when the batch commits ([`Run::resolve_deferred`]).
     deferred: Vec<Record>,
-    /// Gives outcomes to the batch's runs whose log says none, before it commits.
+    /// Gives outcomes to the runs whose log says none, as each is put in the batch.
     judge: Option<&'a mut dyn outcome::OutcomeJudge>,
+    /// What the judge's transcripts pass before it reads them.
+    redactor: fluxmem_redact::Redactor,
+    /// Runs the judge was asked about so far.
+    judged: usize,
 }
 
 impl Run<'_> {
@@ -586,9 +593,9 @@ impl Run<'_> {
                         self.deferred.push(record);
                         return Ok(());
                     }
-                    return self.again(record, &BTreeMap::new());
+                    return self.again(record, &BTreeMap::new(), progress);
                 }
-                self.store_record(record, false);
+                self.store_record(record, false, progress);
                 self.counted(progress)
             }
         }
@@ -609,8 +616,9 @@ impl Run<'_> {
         &mut self,
         mut record: Record,
         stored: &BTreeMap<fluxmem_graph::NodeId, fluxmem_graph::Node>,
+        progress: &mut dyn Progress,
     ) -> Result<()> {
-        let replaces = match self.known_again(&mut record, stored)? {
+        let replaces = match self.known_again(&mut record, stored, progress)? {
             grow::Growth::Nothing => {
                 self.report.duplicates += 1;
                 return Ok(());
@@ -624,19 +632,24 @@ impl Run<'_> {
                 false
             }
         };
-        self.store_record(record, replaces);
+        self.store_record(record, replaces, progress);
         Ok(())
     }
 
     /// Puts a record's new nodes (and, when it `replaces` a stored episode, its first node)
     /// into the batch.
-    fn store_record(&mut self, record: Record, replaces: bool) {
+    fn store_record(&mut self, record: Record, replaces: bool, progress: &mut dyn Progress) {
         self.report.ingested += 1;
         for (i, mut node) in record.nodes.into_iter().enumerate() {
             let added = self.known.insert(node.id.as_str());
             if added || (i == 0 && replaces) {
                 if node.episode().is_some() && added {
-                    outcome::label(&mut node);
+                    self.label(&mut node, progress);
+                    *self
+                        .report
+                        .outcomes
+                        .entry(node.outcome_source().to_string())
+                        .or_default() += 1;
                 }
                 self.report.nodes_added += u64::from(added);
                 self.pending.insert_node(node);
@@ -646,7 +659,7 @@ impl Run<'_> {
 
     /// The batch's deferred records (versions of stored conversations), in their order: the
     /// stored versions read in one scan, then each compared and stored.
-    fn resolve_deferred(&mut self) -> Result<()> {
+    fn resolve_deferred(&mut self, progress: &mut dyn Progress) -> Result<()> {
         if self.deferred.is_empty() {
             return Ok(());
         }
@@ -655,7 +668,7 @@ impl Run<'_> {
             records.iter().map(|r| r.nodes[0].id.clone()).collect();
         let stored = self.stored_nodes(ids)?;
         for record in records {
-            self.again(record, &stored)?;
+            self.again(record, &stored, progress)?;
         }
         Ok(())
     }
@@ -669,13 +682,14 @@ impl Run<'_> {
         &mut self,
         record: &mut Record,
         read: &BTreeMap<fluxmem_graph::NodeId, fluxmem_graph::Node>,
+        progress: &mut dyn Progress,
     ) -> Result<grow::Growth> {
         let Some(stored) = self.version(&record.nodes[0].id, read)? else {
             return Ok(grow::Growth::Nothing);
         };
         let growth = grow::compare(&stored, &record.nodes[0]);
         if growth != grow::Growth::Contradicts {
-            return self.apply(record, &stored, growth);
+            return self.apply(record, &stored, growth, progress);
         }
         // It parts from the stored version: the id of where it parts, which may be known.
         if !self.set_apart(record, |new| grow::apart(&stored, new)) {
@@ -693,7 +707,7 @@ impl Run<'_> {
                     Ok(grow::Growth::Contradicts)
                 }
             }
-            growth => self.apply(record, &divergent, growth),
+            growth => self.apply(record, &divergent, growth, progress),
         }
     }
 
@@ -728,6 +742,7 @@ impl Run<'_> {
         record: &mut Record,
         stored: &fluxmem_graph::Node,
         growth: grow::Growth,
+        progress: &mut dyn Progress,
     ) -> Result<grow::Growth> {
         let new = record.nodes.remove(0);
         match growth {
@@ -735,7 +750,7 @@ impl Run<'_> {
             grow::Growth::Grows | grow::Growth::Continues => {
                 let at = new.created_at.unwrap_or(0);
                 let mut node = grow::grown(stored, new, growth == grow::Growth::Continues);
-                outcome::label(&mut node);
+                self.label(&mut node, progress);
                 let reason = format!(
                     "a later version of the conversation: {} steps, were {}",
                     node.episode().map_or(0, |e| e.steps.len()),
@@ -798,53 +813,47 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Commits the pending records (if any), then records in the ledger the files read whole
-    /// before it, and starts a new group.
-    /// The judge's outcome for each run of the batch whose log says none, one run at a time
-    /// (the bar names each), in id order.
-    fn judge_outcomes(&mut self, progress: &mut dyn Progress) {
+    /// Where an episode's outcome comes from ([`outcome::label`]), and with a judge, the
+    /// judge's outcome when the log says none (the bar names each run judged).
+    fn label(&mut self, node: &mut fluxmem_graph::Node, progress: &mut dyn Progress) {
+        outcome::label(node);
         let Some(judge) = self.judge.as_deref_mut() else {
             return;
         };
-        let ids: Vec<fluxmem_graph::NodeId> = self
-            .pending
-            .nodes
-            .values()
-            .filter(|n| outcome::needs_judging(n))
-            .map(|n| n.id.clone())
-            .collect();
-        let redactor = fluxmem_redact::Redactor::default();
-        for (i, id) in ids.iter().enumerate() {
-            progress.working_on(&format!(
-                "judging outcomes with {}: run {} of {} in this batch",
-                judge.model(),
-                i + 1,
-                ids.len()
-            ));
-            let node = self.pending.nodes.get_mut(id).expect("listed above");
-            let shown = redactor
-                .redact(&outcome::transcript(node, outcome::TRANSCRIPT_CHARS))
-                .text;
-            match judge.judge(&[shown]) {
-                Ok(p) if p.len() == 1 => {
-                    let model = judge.model().to_string();
-                    outcome::judged(node, p[0], &model);
-                }
-                answer => {
-                    let why = match answer {
-                        Err(e) => e,
-                        Ok(p) => format!("{} answers for 1 run", p.len()),
-                    };
-                    self.report.judge_errors += 1;
-                    progress.notice(
-                        "judge",
-                        &format!("{id}: the judge failed ({why}); the rule's outcome stays"),
-                    );
-                }
+        if !outcome::needs_judging(node) {
+            return;
+        }
+        self.judged += 1;
+        progress.working_on(&format!(
+            "judging outcomes with {}: run {}",
+            judge.model(),
+            self.judged
+        ));
+        let shown = outcome::transcript(node, outcome::TRANSCRIPT_CHARS, &self.redactor);
+        match judge.judge(&[shown]) {
+            Ok(p) if p.len() == 1 => {
+                let model = judge.model().to_string();
+                outcome::judged(node, p[0], &model);
+            }
+            answer => {
+                let why = match answer {
+                    Err(e) => e,
+                    Ok(p) => format!("{} answers for 1 run", p.len()),
+                };
+                self.report.judge_errors += 1;
+                progress.notice(
+                    "judge",
+                    &format!(
+                        "{}: the judge failed ({why}); the rule's outcome stays",
+                        node.id
+                    ),
+                );
             }
         }
     }
 
+    /// Commits the pending records (if any), then records in the ledger the files read whole
+    /// before it, and starts a new group.
     fn commit(&mut self, progress: &mut dyn Progress) -> Result<()> {
         self.commit_pending(progress)?;
         self.group = (0, 0);
@@ -861,19 +870,9 @@ impl Run<'_> {
     }
 
     fn commit_pending(&mut self, progress: &mut dyn Progress) -> Result<()> {
-        self.resolve_deferred()?;
+        self.resolve_deferred(progress)?;
         if self.pending.is_empty() {
             return Ok(());
-        }
-        self.judge_outcomes(progress);
-        for node in self.pending.nodes.values() {
-            if node.episode().is_some() {
-                *self
-                    .report
-                    .outcomes
-                    .entry(node.outcome_source().to_string())
-                    .or_default() += 1;
-            }
         }
         // Quarantined records must be on disk before the commit that counts past them.
         if let Some(file) = self.quarantine.as_mut() {

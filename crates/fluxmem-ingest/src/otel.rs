@@ -227,8 +227,12 @@ fn collect_request(
         Some(n) => format!("line {n}: {path}"),
         None => path,
     };
-    if root.get("resourceLogs").is_some_and(Value::is_array) {
-        return crate::events::collect_logs(source, root, line, &mut collected.events, emit);
+    let logs = root.get("resourceLogs").is_some_and(Value::is_array);
+    if logs {
+        crate::events::collect_logs(source, root, line, &mut collected.events, emit)?;
+        if root.get("resourceSpans").is_none() {
+            return Ok(());
+        }
     }
     let spans = &mut collected.spans;
     let Some(resource_spans) = root.get("resourceSpans").and_then(Value::as_array) else {

@@ -58,9 +58,10 @@ pub fn needs_judging(node: &Node) -> bool {
 /// A run as a judge reads it, at most `max_chars` characters: what the agent observed (the
 /// user's messages and tool results, as the parser tagged them), said (`[agent]`) and called
 /// (`[agent calls]`), with errors (`[error]`); a result is shown after its call only when the
-/// next observation does not carry it. A longer run keeps its first line and its last lines
-/// (with the count of those left out). The outcome is never shown; nothing is redacted here.
-pub fn transcript(node: &Node, max_chars: usize) -> String {
+/// next observation does not carry it. Each line passes `redactor` whole, before any line is
+/// cut, so no secret is left in part at a cut. A longer run keeps its first line and its last
+/// lines (with the count of those left out). The outcome is never shown.
+pub fn transcript(node: &Node, max_chars: usize, redactor: &fluxmem_redact::Redactor) -> String {
     let Some(episode) = node.episode() else {
         return String::new();
     };
@@ -96,7 +97,10 @@ pub fn transcript(node: &Node, max_chars: usize) -> String {
             lines.push(format!("[error] {}", error.trim()));
         }
     }
-    let lines: Vec<String> = lines.iter().map(|l| clip_line(l, LINE_CHARS)).collect();
+    let lines: Vec<String> = lines
+        .iter()
+        .map(|l| clip_line(&redactor.redact(l).text, LINE_CHARS))
+        .collect();
     fit(&lines, max_chars)
 }
 
@@ -133,14 +137,16 @@ fn fit(lines: &[String], max_chars: usize) -> String {
     out.join("\n")
 }
 
-/// Gives a run the judge's outcome: success when `probability` is at least
-/// [`JUDGED_SUCCESS_AT`]. The rule's `outcome_rule`, if any, stays as what the rule said.
+/// Gives a run the judge's outcome: success when `probability`, rounded to the 3 decimals
+/// stored, is at least [`JUDGED_SUCCESS_AT`]. The rule's `outcome_rule`, if any, stays as what
+/// the rule said.
 pub fn judged(node: &mut Node, probability: f32, model: &str) {
     let NodeBody::Episodic(episode) = &mut node.body else {
         return;
     };
-    episode.outcome.success = Some(probability >= JUDGED_SUCCESS_AT);
+    // The stored probability decides: what the node says is what it holds.
     let rounded = (f64::from(probability) * 1000.0).round() / 1000.0;
+    episode.outcome.success = Some(rounded >= f64::from(JUDGED_SUCCESS_AT));
     node.metadata
         .insert("outcome_source".into(), Value::from("judged"));
     node.metadata
@@ -376,7 +382,7 @@ mod tests {
         body.outcome.success = Some(true);
         let node = Node::new(NodeBody::Episodic(body), "t", "refund order 7", &["r"]);
         assert_eq!(
-            transcript(&node, TRANSCRIPT_CHARS),
+            transcript(&node, TRANSCRIPT_CHARS, &fluxmem_redact::Redactor::default()),
             "[user] refund order 7\n[agent calls] refund({})\n[refund] {}\n[agent] Refunded order 7."
         );
         // A result no later observation carries is shown after its call; errors are said.
@@ -384,7 +390,7 @@ mod tests {
         steps[0].tool_calls[0].result = Some("Error: timeout".into());
         let node = Node::new(NodeBody::Episodic(episode(steps)), "t", "find it", &["s"]);
         assert_eq!(
-            transcript(&node, TRANSCRIPT_CHARS),
+            transcript(&node, TRANSCRIPT_CHARS, &fluxmem_redact::Redactor::default()),
             "[task] find it\n[agent calls] lookup({})\n[lookup returns] Error: timeout\n[error] Error: timeout"
         );
         // A long run: the first line, a count of what was left out, and the last lines.
@@ -392,7 +398,7 @@ mod tests {
             .map(|i| step(&format!("[user] message number {i}"), "ok", None, None))
             .collect();
         let node = Node::new(NodeBody::Episodic(episode(steps)), "t", "long", &["l"]);
-        let text = transcript(&node, 300);
+        let text = transcript(&node, 300, &fluxmem_redact::Redactor::default());
         assert!(text.chars().count() <= 300, "{text}");
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0], "[user] message number 0");
@@ -420,6 +426,10 @@ mod tests {
         assert_eq!(node.metadata["outcome_judge"], Value::from("judge-model"));
         assert!(!needs_judging(&node), "a judged run is not judged again");
         judged(&mut node, JUDGED_SUCCESS_AT, "judge-model");
+        assert_eq!(node.episode().unwrap().outcome.success, Some(true));
+        // Just under the threshold, stored as 0.5: a success, as the stored value says.
+        judged(&mut node, 0.4996, "judge-model");
+        assert_eq!(node.metadata["outcome_probability"], Value::from(0.5));
         assert_eq!(node.episode().unwrap().outcome.success, Some(true));
     }
 }

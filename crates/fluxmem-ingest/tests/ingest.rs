@@ -1590,8 +1590,12 @@ fn a_judge_gives_outcomes_only_where_the_log_says_none_and_sees_runs_redacted() 
     let lines = [
         // Logged: never shown to the judge.
         r#"{"id": "logged", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "outcome": {"success": false}}"#,
-        // The rule presumes a success; the judge agrees. The user's key never reaches it.
-        r#"{"id": "answered", "messages": [{"role": "user", "content": "order 7? my key is sk-proj-4f9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c"}, {"role": "assistant", "content": "It was sent."}]}"#,
+        // The rule presumes a success; the judge agrees. The user's key never reaches it, not
+        // even in part where a long line is cut (at 400 characters, inside the key).
+        &format!(
+            r#"{{"id": "answered", "messages": [{{"role": "user", "content": "order 7? {} my key is sk-proj-4f9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c"}}, {{"role": "assistant", "content": "It was sent."}}]}}"#,
+            "x".repeat(365)
+        ),
         // The rule presumes a success; the judge disagrees.
         r#"{"id": "vague", "messages": [{"role": "user", "content": "order 8?"}, {"role": "assistant", "content": "Let me think about that."}]}"#,
         // The rule abstains (ended on a call); the judge fails on it: it stays unknown.
@@ -1620,8 +1624,16 @@ fn a_judge_gives_outcomes_only_where_the_log_says_none_and_sees_runs_redacted() 
     assert_eq!(report.judge_errors, 1);
     assert_eq!(judge.seen.len(), 3, "the logged run is never judged");
     assert!(
-        judge.seen.iter().all(|t| !t.contains("sk-proj")),
+        judge
+            .seen
+            .iter()
+            .all(|t| !t.contains("sk-") && !t.contains("4f9a8b")),
         "the judge reads redacted runs: {:?}",
+        judge.seen
+    );
+    assert!(
+        judge.seen.iter().any(|t| t.contains("my key is")),
+        "the long line is there, cut after the key's place: {:?}",
         judge.seen
     );
     let episodes = episodes_by_conversation(&store);
@@ -1996,6 +2008,29 @@ fn openai_v2_client_calls_with_messages_as_log_events_are_stitched_into_runs() {
         .nodes
         .values()
         .any(|n| n.episode().is_none() && n.text.contains("Look an order up before changing it")));
+
+    // The same log records again in a second file (a retried export, a copy): read once.
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("logs-again.jsonl");
+    let text = std::fs::read_to_string(&file).unwrap();
+    let logs_only: String = text
+        .lines()
+        .filter(|l| l.contains("\"resourceLogs\""))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&copy, logs_only).unwrap();
+    let again = dir.path().join("store");
+    let report = run(&again, &[file.clone(), copy], &IngestOptions::default());
+    assert_eq!((report.ingested, report.quarantined), (3, 0), "{report:?}");
+    let twice = seen_episodes(&again);
+    assert_eq!(
+        twice.keys().collect::<Vec<_>>(),
+        episodes.keys().collect::<Vec<_>>()
+    );
+    for (task, (seen, node)) in &twice {
+        assert_eq!(seen, &episodes[task].0, "{task}");
+        assert_eq!(node.id, episodes[task].1.id, "{task}: the same episode");
+    }
 
     // The log lines without their spans: each event is quarantined with why, none dropped; a
     // log record that is no GenAI event is said too.
