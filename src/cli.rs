@@ -650,10 +650,11 @@ pub struct IngestArgs {
     #[arg(long)]
     pub reread: bool,
 
-    /// Give each new run whose log says no outcome (ingest's rule presumes one, or cannot) the
-    /// outcome a local model reads in it: a generator's name (`fluxmem models list`) or `llm`
-    /// (the default judge model). Stored as `outcome_source = "judged"` with its probability;
-    /// about one model call a run, slow on a CPU (docs/formats/outcomes.md).
+    /// Give each run whose log says no outcome (ingest's rule presumes one, or cannot; a new
+    /// run, or a stored conversation's later version) the outcome a local model reads in it: a
+    /// generator's name (`fluxmem models list`) or `llm` (the default judge model). Stored as
+    /// `outcome_source = "judged"` with its calibrated probability; one model call a run, slow
+    /// on a CPU (docs/formats/outcomes.md).
     #[arg(long, value_name = "MODEL")]
     pub label_outcomes: Option<String>,
 

@@ -1945,7 +1945,11 @@ fn openai_v2_client_calls_with_messages_as_log_events_are_stitched_into_runs() {
         "a logs export request first is OTLP too"
     );
     let store = tempfile::tempdir().unwrap();
-    let report = run(store.path(), &[file.clone()], &IngestOptions::default());
+    let report = run(
+        store.path(),
+        std::slice::from_ref(&file),
+        &IngestOptions::default(),
+    );
     assert_eq!(
         (report.read, report.ingested, report.quarantined),
         (3, 3, 0),
