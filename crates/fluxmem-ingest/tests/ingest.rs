@@ -1881,32 +1881,64 @@ fn client_only_model_calls_are_stitched_into_runs_by_their_messages() {
         "7 calls of 3 runs: {report:?}"
     );
     let episodes = seen_episodes(store.path());
+    assert_client_only_runs(
+        store.path(),
+        &episodes,
+        ["B-2001", "B-2002", "B-2003"],
+        "delivered",
+        "Order B-2002 was delivered.",
+    );
+}
+
+/// The three runs of the client-only fixtures (`scripted.py` `client_only_runs`), as read from
+/// `store`: a refund of `ids[0]` in three calls (each result from the next call's input), a
+/// lookup of `ids[1]` (status `second_status`, answered `second_answer`), a refund of `ids[2]`
+/// failed by the HTTP 500 of its last call; the system prompt a shared semantic node.
+fn assert_client_only_runs(
+    store: &Path,
+    episodes: &std::collections::BTreeMap<String, (Seen, fluxmem_graph::Node)>,
+    ids: [&str; 3],
+    second_status: &str,
+    second_answer: &str,
+) {
     let order =
         |id: &str, status: &str| format!("{{\"order_id\": \"{id}\", \"status\": \"{status}\"}}");
-    let (seen, node) = &episodes["Please refund my order B-2001, it arrived broken."];
+    let (seen, node) = &episodes[&format!("Please refund my order {}, it arrived broken.", ids[0])];
     assert_eq!(
         seen,
         &(
             vec![
-                call("get_order", Some(&order("B-2001", "delivered"))),
+                call("get_order", Some(&order(ids[0], "delivered"))),
                 call(
                     "refund_order",
-                    Some("{\"order_id\": \"B-2001\", \"refunded\": true}")
+                    Some(&format!(
+                        "{{\"order_id\": \"{}\", \"refunded\": true}}",
+                        ids[0]
+                    ))
                 ),
             ],
-            "Your order B-2001 is refunded.".to_string(),
+            format!("Your order {} is refunded.", ids[0]),
             Some(true),
             "inferred".to_string()
         ),
         "three calls, one run: each result from the next call's input"
     );
     assert_eq!(node.metadata["otel.traces"], 3);
-    let (seen, _) = &episodes["Where is my order B-2002?"];
+    let calls = &node.episode().unwrap().steps;
+    assert!(
+        calls
+            .iter()
+            .flat_map(|s| &s.tool_calls)
+            .all(|c| c.arguments.contains(ids[0])),
+        "each call's arguments: {calls:?}"
+    );
+    let (seen, _) = &episodes[&format!("Where is my order {}?", ids[1])];
     assert_eq!(
         seen.0,
-        vec![call("get_order", Some(&order("B-2002", "delivered")))]
+        vec![call("get_order", Some(&order(ids[1], second_status)))]
     );
-    let (seen, node) = &episodes["Refund B-2003 please."];
+    assert_eq!(seen.1, second_answer);
+    let (seen, node) = &episodes[&format!("Refund {} please.", ids[2])];
     assert_eq!(
         (seen.2, seen.3.as_str()),
         (Some(false), "status"),
@@ -1920,16 +1952,13 @@ fn client_only_model_calls_are_stitched_into_runs_by_their_messages() {
         .as_deref()
         .is_some_and(|f| f.contains("500")));
     // The system prompt, carried as an input message, is the tenant's shared semantic node.
-    let graph = fluxmem_store::Store::open(store.path())
-        .unwrap()
-        .load()
-        .unwrap();
-    let prompts = graph
-        .nodes
-        .values()
-        .filter(|n| n.episode().is_none() && n.text.contains("Look an order up before changing it"))
-        .count();
-    assert!(prompts >= 1, "the system prompt is a semantic node");
+    let graph = fluxmem_store::Store::open(store).unwrap().load().unwrap();
+    assert!(
+        graph.nodes.values().any(
+            |n| n.episode().is_none() && n.text.contains("Look an order up before changing it")
+        ),
+        "the system prompt is a semantic node"
+    );
 }
 
 #[test]
@@ -1956,62 +1985,13 @@ fn openai_v2_client_calls_with_messages_as_log_events_are_stitched_into_runs() {
         "7 calls of 3 runs, their 30 events on their spans: {report:?}"
     );
     let episodes = seen_episodes(store.path());
-    let order =
-        |id: &str, status: &str| format!("{{\"order_id\": \"{id}\", \"status\": \"{status}\"}}");
-    let (seen, node) = &episodes["Please refund my order C-3001, it arrived broken."];
-    assert_eq!(
-        seen,
-        &(
-            vec![
-                call("get_order", Some(&order("C-3001", "delivered"))),
-                call(
-                    "refund_order",
-                    Some("{\"order_id\": \"C-3001\", \"refunded\": true}")
-                ),
-            ],
-            "Your order C-3001 is refunded.".to_string(),
-            Some(true),
-            "inferred".to_string()
-        ),
-        "three calls, one run: each result from the next call's tool message event"
+    assert_client_only_runs(
+        store.path(),
+        &episodes,
+        ["C-3001", "C-3002", "C-3003"],
+        "in transit",
+        "Order C-3002 is in transit.",
     );
-    assert_eq!(node.metadata["otel.traces"], 3);
-    let calls = &node.episode().unwrap().steps;
-    assert!(
-        calls
-            .iter()
-            .flat_map(|s| &s.tool_calls)
-            .all(|c| c.arguments.contains("C-3001")),
-        "the calls' arguments come from the choice events: {calls:?}"
-    );
-    let (seen, _) = &episodes["Where is my order C-3002?"];
-    assert_eq!(
-        seen.0,
-        vec![call("get_order", Some(&order("C-3002", "in transit")))]
-    );
-    assert_eq!(seen.1, "Order C-3002 is in transit.");
-    let (seen, node) = &episodes["Refund C-3003 please."];
-    assert_eq!(
-        (seen.2, seen.3.as_str()),
-        (Some(false), "status"),
-        "the last call's HTTP 500 fails the run: {seen:?}"
-    );
-    assert!(node
-        .episode()
-        .unwrap()
-        .outcome
-        .feedback
-        .as_deref()
-        .is_some_and(|f| f.contains("500")));
-    // The system prompt, a system message event, is the tenant's shared semantic node.
-    let graph = fluxmem_store::Store::open(store.path())
-        .unwrap()
-        .load()
-        .unwrap();
-    assert!(graph
-        .nodes
-        .values()
-        .any(|n| n.episode().is_none() && n.text.contains("Look an order up before changing it")));
 
     // The same log records again in a second file (a retried export, a copy): read once.
     let dir = tempfile::tempdir().unwrap();
