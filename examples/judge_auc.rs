@@ -200,7 +200,7 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// ROC AUC by the rank-sum formula, ties counted half.
+/// ROC AUC of `scores` against `labels` ([`fluxmem_eval::metrics::auc`]; NaN without both).
 fn auc(scores: &[f32], labels: &[bool]) -> f64 {
     let positives: Vec<f32> = scores
         .iter()
@@ -214,20 +214,5 @@ fn auc(scores: &[f32], labels: &[bool]) -> f64 {
         .filter(|(_, l)| !**l)
         .map(|(s, _)| *s)
         .collect();
-    if positives.is_empty() || negatives.is_empty() {
-        return f64::NAN;
-    }
-    let mut wins = 0.0;
-    for p in &positives {
-        for n in &negatives {
-            wins += if p > n {
-                1.0
-            } else if p == n {
-                0.5
-            } else {
-                0.0
-            };
-        }
-    }
-    wins / (positives.len() * negatives.len()) as f64
+    fluxmem_eval::metrics::auc(&positives, &negatives).unwrap_or(f64::NAN)
 }

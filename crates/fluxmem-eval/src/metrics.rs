@@ -6,6 +6,27 @@ use std::collections::BTreeMap;
 /// The cut-offs of `recall@k`.
 pub const KS: [usize; 4] = [5, 10, 20, 50];
 
+/// ROC AUC by the rank-sum formula: the share of (positive, negative) pairs whose positive
+/// scores higher, ties counted half; `None` without both.
+pub fn auc(positives: &[f32], negatives: &[f32]) -> Option<f64> {
+    if positives.is_empty() || negatives.is_empty() {
+        return None;
+    }
+    let mut wins = 0.0;
+    for p in positives {
+        for n in negatives {
+            wins += if p > n {
+                1.0
+            } else if p == n {
+                0.5
+            } else {
+                0.0
+            };
+        }
+    }
+    Some(wins / (positives.len() * negatives.len()) as f64)
+}
+
 /// Share of `evidence` found in `retrieved` (1.0 when all of it is there).
 pub fn recall<T: PartialEq>(retrieved: &[T], evidence: &[T]) -> f64 {
     if evidence.is_empty() {

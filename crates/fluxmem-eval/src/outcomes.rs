@@ -65,23 +65,7 @@ impl JudgeConfusion {
                 .filter_map(|(_, _, p)| *p)
                 .collect()
         };
-        let (wins, losses) = (scores(true), scores(false));
-        if wins.is_empty() || losses.is_empty() {
-            return None;
-        }
-        let mut above = 0.0;
-        for w in &wins {
-            for l in &losses {
-                above += if w > l {
-                    1.0
-                } else if w == l {
-                    0.5
-                } else {
-                    0.0
-                };
-            }
-        }
-        Some(above / (wins.len() * losses.len()) as f64)
+        crate::metrics::auc(&scores(true), &scores(false))
     }
 }
 
