@@ -151,6 +151,10 @@ pub struct ConnectArgs {
     /// Weights of the dense, BM25 and judge signals in weighted fusion.
     #[arg(long, value_delimiter = ',', default_value = "1.0,0.5,0.3")]
     pub weights: Vec<f32>,
+    /// How facts are indexed and how much structure counts: the defaults are `query`'s, so
+    /// the ground edges the night stores come from the ranking that is served.
+    #[command(flatten)]
+    pub structure: StructureArgs,
     /// Commit after this many episodes.
     #[arg(long, default_value_t = 500)]
     pub commit_every: usize,
@@ -412,7 +416,8 @@ pub struct EvalSkillsArgs {
     pub json: Option<PathBuf>,
 }
 
-/// How facts are indexed and how much structure counts (`query`, `eval locomo`).
+/// How facts are indexed and how much structure counts (`connect`, `query`, `eval locomo`);
+/// the defaults are [`fluxmem_connect::RetrievalConfig::serving`]'s.
 #[derive(Debug, Args)]
 pub struct StructureArgs {
     /// How facts are indexed for BM25: context (each with the unit before it in its source

@@ -691,6 +691,128 @@ const TWO_TENANTS: &str = r#"{"type":"fact","tenant":"acme","text":"Refunds of d
 {"tenant":"globex","episode_id":"b2","task":"Refund damaged order 78 to the card","steps":[{"observation":"User: refund my damaged order to my card","action":"Issuing the refund."}],"outcome":{"success":false}}
 "#;
 
+/// Facts in sections, said by two speakers, and episodes whose steps ask about them (one names
+/// a speaker).
+const SERVED: &str = r#"{"type":"fact","tenant":"acme","source":"handbook","section":"refunds","position":0,"speaker":"Dana","text":"Refunds go back to the card the order was paid with."}
+{"type":"fact","tenant":"acme","source":"handbook","section":"refunds","position":1,"speaker":"Lee","text":"Only within thirty days of delivery."}
+{"type":"fact","tenant":"acme","source":"handbook","section":"refunds","position":2,"speaker":"Dana","text":"A damaged parcel needs a photo first."}
+{"type":"fact","tenant":"acme","source":"handbook","section":"shipping","position":0,"speaker":"Lee","text":"Parcels leave the warehouse within two days."}
+{"type":"fact","tenant":"acme","source":"handbook","section":"shipping","position":1,"speaker":"Dana","text":"Express delivery costs twelve dollars."}
+{"type":"fact","tenant":"acme","source":"handbook","section":"shipping","position":2,"speaker":"Lee","text":"Addresses can change until the parcel leaves."}
+{"type":"fact","tenant":"acme","source":"faq","position":0,"text":"Gift cards are never refunded to a card."}
+{"type":"fact","tenant":"acme","source":"faq","position":1,"text":"A refund takes five business days to appear."}
+{"tenant":"acme","episode_id":"e1","task":"Refund a damaged parcel","steps":[{"observation":"User: my parcel arrived damaged, can I get a refund to my card?","action":"ask for a photo"},{"observation":"User: here is the photo of the damaged parcel","action":"refund"}],"outcome":{"success":true}}
+{"tenant":"acme","episode_id":"e2","task":"Change an address","steps":[{"observation":"User: what did Dana say about express delivery?","action":"answer"},{"observation":"User: can I still change the address of my parcel?","action":"update_address"}],"outcome":{"success":true}}
+{"tenant":"acme","episode_id":"e3","task":"Refund timing","steps":[{"observation":"User: how many days until my refund shows up?","action":"answer"}],"outcome":{"success":false}}
+"#;
+
+/// The memory the night builds is the memory that is served: connect's ground edges for an
+/// episode are `query`'s top facts (its `--ground-k` best) for the texts of the episode's
+/// steps, with the same defaults on both sides (context units, neighbours in a section, a
+/// speaker a step names), and each edge's weight is the best score query gives the fact. On
+/// this data plain retrieval ranks differently, so the equality does not hold by accident.
+#[test]
+fn connect_grounds_each_step_with_the_facts_query_serves_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let input = dir.path().join("served.jsonl");
+    std::fs::write(&input, SERVED).unwrap();
+    for args in [
+        vec!["ingest", input.to_str().unwrap()],
+        vec!["embed", "--model", "hash-48"],
+        vec!["connect", "--model", "hash-48", "--link-k", "0"],
+    ] {
+        assert_succeeded(&run(fluxmem(&store).args(&args)));
+    }
+    let graph = fluxmem_store::Store::open(&store).unwrap().load().unwrap();
+    // query's semantic items for `text`, best first: (node, score).
+    let served = |text: &str, extra: &[&str]| -> Vec<(NodeId, f32)> {
+        let mut args = vec![
+            "query",
+            "--model",
+            "hash-48",
+            "--episodes",
+            "0",
+            "--budget",
+            "100000",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        args.push(text);
+        let output = run(fluxmem(&store).args(&args));
+        assert_succeeded(&output);
+        let context = stdout_json(&output);
+        let mut items: Vec<&Value> = context["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|item| item["kind"] == "semantic")
+            .collect();
+        items.sort_by_key(|item| item["rank"].as_u64().unwrap());
+        items
+            .iter()
+            .map(|item| {
+                (
+                    NodeId(item["node_id"].as_str().unwrap().to_string()),
+                    item["score"].as_f64().unwrap() as f32,
+                )
+            })
+            .collect()
+    };
+    let mut plain_differs = false;
+    let mut episodes = 0;
+    for episode in graph
+        .nodes
+        .values()
+        .filter(|n| n.kind() == NodeKind::Episodic)
+    {
+        episodes += 1;
+        let mut expected: std::collections::BTreeMap<NodeId, f32> = Default::default();
+        for step in &episode.episode().unwrap().steps {
+            let top: Vec<(NodeId, f32)> =
+                served(&step.observation, &[]).into_iter().take(2).collect();
+            assert_eq!(top.len(), 2, "{}", step.observation);
+            let plain: Vec<NodeId> = served(
+                &step.observation,
+                &["--units", "plain", "--adjacency", "0", "--entity", "0"],
+            )
+            .into_iter()
+            .take(2)
+            .map(|(id, _)| id)
+            .collect();
+            plain_differs |= plain != top.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>();
+            for (id, score) in top {
+                let best = expected.entry(id).or_insert(score);
+                *best = best.max(score);
+            }
+        }
+        let grounded: std::collections::BTreeMap<NodeId, f32> = graph
+            .edges
+            .values()
+            .filter(|e| e.kind == fluxmem_graph::EdgeKind::Ground && e.dst == episode.id)
+            .map(|e| (e.src.clone(), e.weight))
+            .collect();
+        assert_eq!(
+            grounded.keys().collect::<Vec<_>>(),
+            expected.keys().collect::<Vec<_>>(),
+            "episode {}: connect's ground edges are query's top facts",
+            episode.id
+        );
+        for (id, weight) in &grounded {
+            assert!(
+                (weight - expected[id]).abs() < 1e-5,
+                "{id}: edge weight {weight}, query's score {}",
+                expected[id]
+            );
+        }
+    }
+    assert_eq!(episodes, 3);
+    assert!(
+        plain_differs,
+        "plain retrieval ranks these steps the same: the test shows nothing"
+    );
+}
+
 /// Tenants never mix: connect and refine write no cross-tenant edge, `query` needs `--tenant`
 /// on a store with two tenants (naming both), answers only from that tenant, and answers from
 /// what is embedded when some node is not, saying how many it left out.

@@ -9,7 +9,8 @@ use crate::progress::CountBar;
 pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
-    let (units, adjacency, entity) = super::structure_flags(&args.structure)?;
+    let retrieval =
+        super::retrieval_config(&args.fusion, &args.weights, args.judge_top, &args.structure)?;
     super::check_loop_flags(&args.refine)?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
@@ -21,15 +22,13 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         sample: args.sample,
         seed: args.seed,
         retrieval: fluxmem_connect::RetrievalConfig {
-            adjacency,
-            entity,
-            ..super::retrieval_config(
-                &args.fusion,
-                &args.weights,
-                if judge.is_some() { args.judge_top } else { 0 },
-            )?
+            judge_top: if judge.is_some() {
+                retrieval.judge_top
+            } else {
+                0
+            },
+            ..retrieval
         },
-        units,
         refine: super::loop_options(&args.refine, args.refine_budget),
     };
     let mut generator = super::reshape_generator(&args.refine, &device_choice)?;

@@ -116,11 +116,14 @@ pub fn open_writer_at(
     Ok(writer)
 }
 
-/// Stage I settings from the `--fusion`, `--weights` and judge flags.
+/// Stage I settings from the `--fusion`, `--weights` and judge flags, and the `--units`,
+/// `--adjacency` and `--entity` flags (whose defaults are the serving retrieval's,
+/// [`fluxmem_connect::RetrievalConfig::serving`]: connect grounds with what query serves).
 pub fn retrieval_config(
     fusion: &str,
     weights: &[f32],
     judge_top: usize,
+    structure: &crate::cli::StructureArgs,
 ) -> anyhow::Result<fluxmem_connect::RetrievalConfig> {
     let fusion: fluxmem_connect::FusionMode = fusion.parse().map_err(anyhow::Error::msg)?;
     crate::cli::check_weights(weights)?;
@@ -135,24 +138,22 @@ pub fn retrieval_config(
         bm25: *bm25,
         judge: *judge,
     };
+    let units: fluxmem_connect::Units = structure.units.parse().map_err(anyhow::Error::msg)?;
+    for (flag, value) in [
+        ("--adjacency", structure.adjacency),
+        ("--entity", structure.entity),
+    ] {
+        crate::cli::check_f32_flag(flag, value, crate::cli::Bound::NonNegative)?;
+    }
     Ok(fluxmem_connect::RetrievalConfig {
         fusion,
         weights,
         judge_top,
-        ..Default::default()
+        units,
+        adjacency: structure.adjacency,
+        entity: structure.entity,
+        ..fluxmem_connect::RetrievalConfig::serving()
     })
-}
-
-/// The `--units`, `--adjacency` and `--entity` flags: how facts are indexed, and the weights of
-/// structure.
-pub fn structure_flags(
-    args: &crate::cli::StructureArgs,
-) -> anyhow::Result<(fluxmem_connect::Units, f32, f32)> {
-    let units: fluxmem_connect::Units = args.units.parse().map_err(anyhow::Error::msg)?;
-    for (flag, value) in [("--adjacency", args.adjacency), ("--entity", args.entity)] {
-        crate::cli::check_f32_flag(flag, value, crate::cli::Bound::NonNegative)?;
-    }
-    Ok((units, args.adjacency, args.entity))
 }
 
 /// The judge named by `--judge`: `none`, `llm` (the default judge model) or a generator's name

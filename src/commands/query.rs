@@ -10,13 +10,9 @@ use crate::cli::{QueryArgs, Settings};
 pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
-    let (units, adjacency, entity) = super::structure_flags(&args.structure)?;
     super::check_loop_flags(&args.refine)?;
-    let mut config = fluxmem_connect::RetrievalConfig {
-        adjacency,
-        entity,
-        ..super::retrieval_config(&args.fusion, &args.weights, args.judge_top)?
-    };
+    let mut config =
+        super::retrieval_config(&args.fusion, &args.weights, args.judge_top, &args.structure)?;
     let store = fluxmem_store::Store::open(&settings.store)?;
     let (mut graph, tenant, read_version) = read_tenant(&store, args.tenant.as_deref())?;
     let embedder = super::embedder(&args.model, &device_choice, None)?;
@@ -27,7 +23,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         embedder.model_id(),
         &device,
         Unembedded::Skip,
-        units,
+        config.units,
     )?;
     let not_embedded = retriever.not_embedded();
     if not_embedded > 0 {

@@ -2,8 +2,9 @@
 //!
 //! For every episode not yet connected (no `ground` edge into it and no Stage I `link` edge out
 //! of it, i.e. one without a Stage II `relation`), each step's observation (or, with `per_step = false`, the task) is a
-//! query to the semantic retrieval; the `ground_k` best semantic nodes per query get a `ground`
-//! edge to the episode (evidence = how many queries retrieved it, weight = the best fused
+//! query to the semantic retrieval (the ranking `query` serves, [`RetrievalConfig::serving`]
+//! by default: the same units and structure lifts); the `ground_k` best semantic nodes per
+//! query get a `ground` edge to the episode (evidence = how many queries retrieved it, weight = the best fused
 //! score). Each episode also gets `link` edges to its `link_k` nearest episodes by cosine
 //! (exact kNN, streamed over the stored vectors in blocks). Edges are committed every
 //! `commit_every` episodes. Both searches run inside the episode's tenant (a per-tenant
@@ -19,9 +20,10 @@ use fluxmem_models::Embedder;
 use fluxmem_store::{CommitInfo, Live, Rows, Scan, Shard, Writer};
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::dense::Unembedded;
 use crate::dense::{DenseIndex, BLOCK_ROWS, MIN_ROWS};
 use crate::facts::{fact_bytes, Query, Spill, SpilledFacts, FOLDER};
-use crate::retrieve::{RetrievalConfig, SemanticIndex};
+use crate::retrieve::{RetrievalConfig, SemanticIndex, Units};
 use crate::{Error, Result};
 
 /// The stage name written on connect's commits (and in its run ids).
@@ -38,7 +40,7 @@ pub struct ConnectOptions {
     pub link_k: usize,
     /// Commit after this many episodes.
     pub commit_every: usize,
-    /// Stage I settings.
+    /// Stage I settings: [`RetrievalConfig::serving`] by default, the ranking `query` serves.
     pub retrieval: RetrievalConfig,
     /// The episodes this run connects (sharded runs, by episode id); all by default.
     pub shard: Shard,
@@ -67,7 +69,7 @@ impl Default for ConnectOptions {
             ground_k: 2,
             link_k: 5,
             commit_every: 500,
-            retrieval: RetrievalConfig::default(),
+            retrieval: RetrievalConfig::serving(),
             shard: Shard::ALL,
             memory: DEFAULT_MEMORY,
         }
@@ -98,6 +100,8 @@ pub struct ConnectReport {
     /// Partitions the facts were spilled to, when they did not fit their share of
     /// [`ConnectOptions::memory`]; 0 when they were held whole.
     pub fact_partitions: usize,
+    /// The retrieval the ground edges come from ([`ConnectOptions::retrieval`]).
+    pub retrieval: RetrievalConfig,
 }
 
 /// Progress callbacks of a stage that works through countable items (episodes to connect;
@@ -163,6 +167,7 @@ pub fn connect_store(
             .iter()
             .filter(|id| nodes.todo.contains(*id) && connected.contains(id.as_str()))
             .count(),
+        retrieval: options.retrieval.clone(),
         ..Default::default()
     };
     if nodes.todo.is_empty() {
@@ -174,7 +179,14 @@ pub fn connect_store(
         .memory
         .saturating_sub(connected.held_bytes() + nodes.episodes.held_bytes());
     drop(connected);
-    let search = fact_search(store, &manifest, &mut nodes, &model, memory / 4, device)?;
+    let search = fact_search(
+        store,
+        &manifest,
+        &mut nodes,
+        (&model, options.retrieval.units),
+        memory / 4,
+        device,
+    )?;
     let todo = nodes.todo_in_order();
     report.fact_partitions = search.partitions();
     // Half of the budget is the link search's; a quarter holds a group of the night's episodes
@@ -354,9 +366,8 @@ fn read_nodes(
         todo: BTreeSet::new(),
     };
     let mut tenant_ids: BTreeMap<String, u32> = BTreeMap::new();
-    // Connect's ranking has no adjacency term, which the spilled search does not compute:
-    // with one, the facts stay whole.
-    let spillable = options.retrieval.adjacency == 0.0 && options.retrieval.judge_top == 0;
+    // The spilled search has no judge: with one, the facts stay whole.
+    let spillable = options.retrieval.judge_top == 0;
     let mut held = 0usize;
     let mut failure: Option<Error> = None;
     store
@@ -375,8 +386,8 @@ fn read_nodes(
                     .saturating_sub(connected.held_bytes() + nodes.episodes.held_bytes())
                     / 4;
                 if spillable && held > facts_share && failure.is_none() {
-                    match Spill::create(&store.dir().join(fluxmem_store::SCRATCH).join(FOLDER), dim)
-                    {
+                    let dir = store.dir().join(fluxmem_store::SCRATCH).join(FOLDER);
+                    match Spill::create(&dir, dim, options.retrieval.units) {
                         Ok(mut started) => {
                             std::mem::take(&mut nodes.facts.nodes)
                                 .into_values()
@@ -421,11 +432,12 @@ fn read_nodes(
 /// index (its BM25 statistics are the tenant's own) over the facts held whole, with their
 /// vectors; or, when the facts were spilled, their vectors in the scratch files too, in
 /// partitions that fit half of `facts_share` (the query batches' pools get the other half).
+/// Facts are indexed for BM25 as `units` say.
 fn fact_search(
     store: &fluxmem_store::Store,
     manifest: &fluxmem_store::Manifest,
     nodes: &mut Nodes,
-    model: &str,
+    (model, units): (&str, Units),
     facts_share: usize,
     device: &Device,
 ) -> Result<FactSearch> {
@@ -463,7 +475,14 @@ fn fact_search(
     for &tenant in &todo_tenants {
         semantic.insert(
             tenant.to_string(),
-            SemanticIndex::build(&nodes.facts, tenant, model, device)?,
+            SemanticIndex::build_units(
+                &nodes.facts,
+                tenant,
+                model,
+                device,
+                Unembedded::Fail,
+                units,
+            )?,
         );
     }
     Ok(FactSearch::Whole(semantic))
@@ -553,15 +572,28 @@ impl Night<'_> {
 
     /// Each query's ranking of its tenant's facts, in query order: the best `ground_k` (node,
     /// fused score, node time). All the chunk's queries are embedded in one call (sorted by
-    /// length inside).
+    /// length inside), each as the dense signal reads it (without the speakers it names, when
+    /// entities are on, as `query` embeds it).
     fn rankings(
         &self,
         chunk: &[Todo<'_>],
         queries: &[Vec<&str>],
     ) -> Result<Vec<Vec<(NodeId, f32, i64)>>> {
-        let flat: Vec<&str> = queries.iter().flatten().copied().collect();
-        let flat_vectors = self.embedder.embed(&flat)?;
         let options = self.options;
+        let dense_texts: Vec<String> = chunk
+            .iter()
+            .zip(queries)
+            .flat_map(|(&(_, tenant), episode_queries)| {
+                episode_queries.iter().map(move |&text| {
+                    self.search
+                        .dense_query(tenant, text, &options.retrieval)
+                        .unwrap_or_else(|| text.to_string())
+                })
+            })
+            .collect();
+        let dense_refs: Vec<&str> = dense_texts.iter().map(String::as_str).collect();
+        let flat_vectors = self.embedder.embed(&dense_refs)?;
+        let flat: Vec<&str> = queries.iter().flatten().copied().collect();
         match self.search {
             FactSearch::Whole(semantic) => {
                 let mut out = Vec::with_capacity(flat.len());
@@ -1047,6 +1079,14 @@ enum FactSearch {
 }
 
 impl FactSearch {
+    /// What the dense signal reads of a query of `tenant` ([`SemanticIndex::dense_query`]).
+    fn dense_query(&self, tenant: &str, query: &str, config: &RetrievalConfig) -> Option<String> {
+        match self {
+            FactSearch::Whole(semantic) => semantic.get(tenant)?.dense_query(query, config),
+            FactSearch::Spilled(spilled) => spilled.dense_query(tenant, query, config),
+        }
+    }
+
     /// The partitions the facts were spilled to; 0 when they are held whole.
     fn partitions(&self) -> usize {
         match self {

@@ -9,8 +9,13 @@
 //! and the `bm25_pool` best by BM25, each with both signals. The pool they form is fused as in
 //! [`crate::SemanticIndex::hybrid`].
 //!
+//! Structure is computed once, after the split, from every fact's place (source, group,
+//! position) and speaker: each fact's neighbours in its group and its speaker, by ordinal (16
+//! bytes a fact, held for the search), and, with context units, each fact's BM25 text with the
+//! previous unit of its group joined (written into its partition in place of its text).
+//!
 //! The ranking is the one a [`crate::SemanticIndex`] over all of a tenant's facts gives, bit
-//! for bit: a cosine depends on its query and row alone ([`DenseIndex::scores`]), a BM25 score
+//! for bit, units and structure lifts included: a cosine depends on its query and row alone ([`DenseIndex::scores`]), a BM25 score
 //! on the tenant's statistics and the fact's own terms ([`Bm25::scores_in`]), the pool is the
 //! same set (ties by id, as the index orders its nodes by id), and min-max fusion does not
 //! depend on the pool's order. The scratch files are this run's own: the folder is emptied
@@ -28,7 +33,9 @@ use fluxmem_graph::{Node, NodeId};
 use crate::bm25::{average_length, query_terms, terms_with, Bm25, Bm25Params};
 use crate::dense::DenseIndex;
 use crate::fusion::{fuse, Signals};
-use crate::retrieve::RetrievalConfig;
+use crate::retrieve::{
+    dense_query_among, lifts, named_speakers, speaker_key, unit_text, RetrievalConfig, Units,
+};
 use crate::{Error, Result};
 
 /// The folder of connect's scratch files, inside the store's [`fluxmem_store::SCRATCH`].
@@ -63,6 +70,7 @@ pub(crate) struct Spill {
     stats: Vec<Stats>,
     bytes: usize,
     dim: usize,
+    units: Units,
     failure: Option<Error>,
 }
 
@@ -73,12 +81,36 @@ struct Stats {
     terms: u64,
 }
 
-/// One fact of a partition: id, tenant, text and time (`created_at`, 0 when unknown).
+/// One fact of a partition: id, tenant, text and time (`created_at`, 0 when unknown), its
+/// place in its source, and its speaker as queries name it.
 struct Fact {
     id: String,
     tenant: u32,
     text: String,
     time: i64,
+    place: Option<Place>,
+    speaker: Option<String>,
+}
+
+/// Where a fact sits: its source, its group in the source, its position.
+struct Place {
+    source: String,
+    group: Option<String>,
+    position: i64,
+}
+
+/// No neighbour, no speaker.
+const NONE: u32 = u32::MAX;
+
+/// The structure of the spilled facts, by ordinal.
+#[derive(Default)]
+struct Structure {
+    /// The facts before and after each in its group ([`NONE`]: none).
+    neighbours: Vec<[u32; 2]>,
+    /// Each fact's speaker, an index into its tenant's `speakers` ([`NONE`]: none).
+    speaker_of: Vec<u32>,
+    /// Per tenant number, its speakers as queries name them, sorted.
+    speakers: Vec<Vec<String>>,
 }
 
 /// A fact of a loaded partition: its ordinal (its place in the id order of all the facts),
@@ -93,6 +125,8 @@ pub(crate) struct SpilledFacts {
     stats: Vec<Stats>,
     dim: usize,
     model: String,
+    units: Units,
+    structure: Structure,
 }
 
 /// The best candidates of a query so far: (cosine, BM25, ordinal), best first, ties by
@@ -134,7 +168,7 @@ pub(crate) fn sweep(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// `all.facts`, `all.vectors`, and `p<N>.` `facts`, `vectors`, `ords` or `tmp`.
+/// `all.facts`, `all.vectors`, and `p<N>.` `facts`, `vectors`, `ords`, `prev` or `tmp`.
 fn ours(name: &str) -> bool {
     let Some((stem, ext)) = name.rsplit_once('.') else {
         return false;
@@ -143,7 +177,7 @@ fn ours(name: &str) -> bool {
         || stem
             .strip_prefix('p')
             .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-    stem_ok && matches!(ext, "facts" | "vectors" | "ords" | "tmp")
+    stem_ok && matches!(ext, "facts" | "vectors" | "ords" | "prev" | "tmp")
 }
 
 /// A stable partition of a node id (FNV-1a: the same on every machine).
@@ -165,17 +199,40 @@ fn put_u32(out: &mut impl Write, v: u32) -> std::io::Result<()> {
     out.write_all(&v.to_le_bytes())
 }
 
-fn put_fact(
-    out: &mut impl Write,
-    tenant: u32,
-    id: &str,
-    text: &str,
-    time: i64,
-) -> std::io::Result<()> {
-    put_u32(out, tenant)?;
-    put_str(out, id)?;
-    put_str(out, text)?;
-    out.write_all(&time.to_le_bytes())
+/// A fact record: tenant, id, text, time, then a byte of flags (1: a place follows, 2: a
+/// group in it, 4: a speaker), the place (source, group, position) and the speaker.
+fn put_fact(out: &mut impl Write, fact: &Fact) -> std::io::Result<()> {
+    put_u32(out, fact.tenant)?;
+    put_str(out, &fact.id)?;
+    put_str(out, &fact.text)?;
+    out.write_all(&fact.time.to_le_bytes())?;
+    let group = fact.place.as_ref().and_then(|p| p.group.as_deref());
+    let flags = u8::from(fact.place.is_some())
+        | (u8::from(group.is_some()) << 1)
+        | (u8::from(fact.speaker.is_some()) << 2);
+    out.write_all(&[flags])?;
+    if let Some(place) = &fact.place {
+        put_str(out, &place.source)?;
+        if let Some(group) = group {
+            put_str(out, group)?;
+        }
+        out.write_all(&place.position.to_le_bytes())?;
+    }
+    if let Some(speaker) = &fact.speaker {
+        put_str(out, speaker)?;
+    }
+    Ok(())
+}
+
+fn get_i64(input: &mut impl Read) -> std::io::Result<i64> {
+    let mut bytes = [0u8; 8];
+    input.read_exact(&mut bytes)?;
+    Ok(i64::from_le_bytes(bytes))
+}
+
+fn need_string(input: &mut impl Read) -> std::io::Result<String> {
+    let len = need_u32(input)?;
+    get_string(input, len)
 }
 
 /// The next u32, or `None` at the end of the file.
@@ -216,31 +273,52 @@ impl FactReader {
         })
     }
 
-    /// The next (tenant, id, text, time) record, or `None` at the end.
+    /// The next record, or `None` at the end.
     fn next(&mut self) -> Result<Option<Fact>> {
         let input = &mut self.input;
         let record = (|| -> std::io::Result<Option<Fact>> {
             let Some(tenant) = get_u32(input)? else {
                 return Ok(None);
             };
-            let len = need_u32(input)?;
-            let id = get_string(input, len)?;
-            let len = need_u32(input)?;
-            let text = get_string(input, len)?;
-            let mut time = [0u8; 8];
-            input.read_exact(&mut time)?;
+            let id = need_string(input)?;
+            let text = need_string(input)?;
+            let time = get_i64(input)?;
+            let mut flags = [0u8; 1];
+            input.read_exact(&mut flags)?;
+            let place = if flags[0] & 1 != 0 {
+                let source = need_string(input)?;
+                let group = if flags[0] & 2 != 0 {
+                    Some(need_string(input)?)
+                } else {
+                    None
+                };
+                Some(Place {
+                    source,
+                    group,
+                    position: get_i64(input)?,
+                })
+            } else {
+                None
+            };
+            let speaker = if flags[0] & 4 != 0 {
+                Some(need_string(input)?)
+            } else {
+                None
+            };
             Ok(Some(Fact {
                 id,
                 tenant,
                 text,
-                time: i64::from_le_bytes(time),
+                time,
+                place,
+                speaker,
             }))
         })();
         io(&self.path, record)
     }
 }
 
-/// Reads a facts file: (tenant, id, text, time) records.
+/// Reads a facts file's records.
 fn read_facts(path: &Path, f: &mut dyn FnMut(Fact)) -> Result<()> {
     let mut reader = FactReader::open(path)?;
     while let Some(fact) = reader.next()? {
@@ -285,8 +363,8 @@ fn write_vector(out: &mut impl Write, id: &str, vector: &[f32]) -> std::io::Resu
 
 impl Spill {
     /// Starts the scratch files in `dir` (which connect swept of a dead run's files when it
-    /// started), for vectors of `dim` dimensions.
-    pub(crate) fn create(dir: &Path, dim: usize) -> Result<Spill> {
+    /// started), for vectors of `dim` dimensions and facts indexed as `units` says.
+    pub(crate) fn create(dir: &Path, dim: usize, units: Units) -> Result<Spill> {
         if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
             return Err(Error::Scratch {
                 path: dir.to_path_buf(),
@@ -303,6 +381,7 @@ impl Spill {
             stats: Vec::new(),
             bytes: 0,
             dim,
+            units,
             failure: None,
         })
     }
@@ -321,17 +400,25 @@ impl Spill {
                 t
             }
         };
-        let stats = &mut self.stats[tenant as usize];
-        stats.facts += 1;
-        stats.terms += terms_with(&node.text, Bm25Params::default().stem).len() as u64;
+        self.stats[tenant as usize].facts += 1;
         self.bytes += fact_bytes(node.id.as_str(), &node.text, self.dim);
-        if let Err(source) = put_fact(
-            &mut self.facts,
+        let place = match &node.body {
+            fluxmem_graph::NodeBody::Semantic(s) => Some(Place {
+                source: s.source.clone(),
+                group: s.group.clone(),
+                position: s.position,
+            }),
+            _ => None,
+        };
+        let fact = Fact {
+            id: node.id.to_string(),
             tenant,
-            node.id.as_str(),
-            &node.text,
-            node.created_at.unwrap_or(0),
-        ) {
+            text: node.text.clone(),
+            time: node.created_at.unwrap_or(0),
+            place,
+            speaker: speaker_key(node),
+        };
+        if let Err(source) = put_fact(&mut self.facts, &fact) {
             self.failure = Some(Error::Scratch {
                 path: self.dir.join("all.facts"),
                 source,
@@ -378,15 +465,18 @@ impl Spill {
         io(&vectors_path, out.flush())?;
         drop(out);
         let partitions = self.bytes.div_ceil(share.max(1)).clamp(2, MAX_PARTITIONS);
-        let spilled = SpilledFacts {
+        let mut spilled = SpilledFacts {
             dir: self.dir,
             partitions,
             numbers: self.numbers,
             stats: self.stats,
             dim: self.dim,
             model: model.to_string(),
+            units: self.units,
+            structure: Structure::default(),
         };
         spilled.split(&facts_path, &vectors_path)?;
+        spilled.structure()?;
         Ok(spilled)
     }
 }
@@ -406,17 +496,12 @@ impl SpilledFacts {
     /// all of them (`p<N>.ords`, one u32 per fact of `p<N>.facts`), so that a candidate is
     /// kept as 12 bytes and ties still break by id.
     fn split(&self, facts: &Path, vectors: &Path) -> Result<()> {
-        let open = |ext: &str| -> Result<Vec<BufWriter<File>>> {
-            (0..self.partitions)
-                .map(|p| self.path(p, ext))
-                .map(|path| Ok(BufWriter::new(io(&path, File::create(&path))?)))
-                .collect()
-        };
+        let open = |ext: &str| self.create_all(ext);
         let mut outs = open("facts")?;
         let mut failure: Option<(usize, std::io::Error)> = None;
         read_facts(facts, &mut |fact| {
             let p = partition_of(&fact.id, self.partitions);
-            if let Err(e) = put_fact(&mut outs[p], fact.tenant, &fact.id, &fact.text, fact.time) {
+            if let Err(e) = put_fact(&mut outs[p], &fact) {
                 failure.get_or_insert((p, e));
             }
         })?;
@@ -439,10 +524,7 @@ impl SpilledFacts {
             let tmp = self.path(p, "tmp");
             let mut out = BufWriter::new(io(&tmp, File::create(&tmp))?);
             for fact in &facts {
-                io(
-                    &tmp,
-                    put_fact(&mut out, fact.tenant, &fact.id, &fact.text, fact.time),
-                )?;
+                io(&tmp, put_fact(&mut out, fact))?;
             }
             io(&tmp, out.flush())?;
             drop(out);
@@ -469,6 +551,151 @@ impl SpilledFacts {
             }
         }
         self.finish_split(ords, None, "ords")
+    }
+
+    /// A new file `p<N>.<ext>` for every partition.
+    fn create_all(&self, ext: &str) -> Result<Vec<BufWriter<File>>> {
+        (0..self.partitions)
+            .map(|p| self.path(p, ext))
+            .map(|path| Ok(BufWriter::new(io(&path, File::create(&path))?)))
+            .collect()
+    }
+
+    /// Every fact's neighbours in its group and its speaker, by ordinal, and the tenants'
+    /// BM25 statistics of the facts as the units index them; with context units, each fact's
+    /// text in its partition is replaced by its BM25 text (the previous unit of its group
+    /// joined, [`unit_text`]). Groups are a tenant's facts of one source and group, ordered by
+    /// position, then id (ordinal), as [`crate::SemanticIndex`] orders them.
+    fn structure(&mut self) -> Result<()> {
+        let total: usize = self.stats.iter().map(|s| s.facts).sum();
+        let stem = self.units.stem;
+        let all: HashSet<u32> = (0..self.stats.len() as u32).collect();
+        let mut groups: HashMap<(u32, String, Option<String>), u32> = HashMap::new();
+        // (group, position, ordinal) of every fact with a place.
+        let mut members: Vec<(u32, i64, u32)> = Vec::new();
+        let mut tenant_of = vec![0u32; total];
+        let mut own_terms = vec![0u32; total];
+        let mut partition_of_fact = vec![0u16; total];
+        let mut speaker_names: HashMap<String, u32> = HashMap::new();
+        let mut speaker_name_of = vec![NONE; total];
+        for p in 0..self.partitions {
+            self.numbered(p, &all, &mut |ordinal, fact| {
+                let o = ordinal as usize;
+                tenant_of[o] = fact.tenant;
+                own_terms[o] = terms_with(&fact.text, stem).len() as u32;
+                partition_of_fact[o] = p as u16;
+                if let Some(place) = fact.place {
+                    let next = groups.len() as u32;
+                    let group = *groups
+                        .entry((fact.tenant, place.source, place.group))
+                        .or_insert(next);
+                    members.push((group, place.position, ordinal));
+                }
+                if let Some(speaker) = fact.speaker {
+                    let next = speaker_names.len() as u32;
+                    speaker_name_of[o] = *speaker_names.entry(speaker).or_insert(next);
+                }
+            })?;
+        }
+        drop(groups);
+        members.sort_unstable();
+        let mut neighbours = vec![[NONE, NONE]; total];
+        for pair in members.windows(2) {
+            if pair[0].0 == pair[1].0 {
+                let (a, b) = (pair[0].2, pair[1].2);
+                neighbours[a as usize][1] = b;
+                neighbours[b as usize][0] = a;
+            }
+        }
+        drop(members);
+        let (speakers, speaker_of) = tenant_speakers(
+            &speaker_names,
+            &speaker_name_of,
+            &tenant_of,
+            self.stats.len(),
+        );
+        for stats in &mut self.stats {
+            stats.terms = 0;
+        }
+        for (o, &tenant) in tenant_of.iter().enumerate() {
+            let before = neighbours[o][0];
+            let joined = if self.units.previous && before != NONE {
+                own_terms[before as usize]
+            } else {
+                0
+            };
+            self.stats[tenant as usize].terms += u64::from(own_terms[o]) + u64::from(joined);
+        }
+        if self.units.previous {
+            self.join_previous(&neighbours, &partition_of_fact)?;
+        }
+        self.structure = Structure {
+            neighbours,
+            speaker_of,
+            speakers,
+        };
+        Ok(())
+    }
+
+    /// Replaces each fact's text in its partition with its text and the previous unit's of its
+    /// group: the previous texts are first routed to the partitions of the facts they precede
+    /// (`p<N>.prev`), then each partition is written again with them.
+    fn join_previous(&self, neighbours: &[[u32; 2]], partition_of_fact: &[u16]) -> Result<()> {
+        let all: HashSet<u32> = (0..self.stats.len() as u32).collect();
+        let mut outs = self.create_all("prev")?;
+        let mut failure: Option<(usize, std::io::Error)> = None;
+        for p in 0..self.partitions {
+            self.numbered(p, &all, &mut |ordinal, fact| {
+                let next = neighbours[ordinal as usize][1];
+                if next == NONE {
+                    return;
+                }
+                let q = partition_of_fact[next as usize] as usize;
+                let written =
+                    put_u32(&mut outs[q], next).and_then(|()| put_str(&mut outs[q], &fact.text));
+                if let Err(e) = written {
+                    failure.get_or_insert((q, e));
+                }
+            })?;
+        }
+        self.finish_split(outs, failure.take(), "prev")?;
+        for p in 0..self.partitions {
+            let prev_path = self.path(p, "prev");
+            let mut before: HashMap<u32, String> = HashMap::new();
+            {
+                let mut input = BufReader::new(io(&prev_path, File::open(&prev_path))?);
+                while let Some(ordinal) = io(&prev_path, get_u32(&mut input))? {
+                    before.insert(ordinal, io(&prev_path, need_string(&mut input))?);
+                }
+            }
+            let tmp = self.path(p, "tmp");
+            let mut out = BufWriter::new(io(&tmp, File::create(&tmp))?);
+            self.numbered(p, &all, &mut |ordinal, mut fact| {
+                fact.text = unit_text(&fact.text, before.get(&ordinal).map(String::as_str));
+                if let Err(e) = put_fact(&mut out, &fact) {
+                    failure.get_or_insert((p, e));
+                }
+            })?;
+            if let Some((_, source)) = failure.take() {
+                return Err(Error::Scratch { path: tmp, source });
+            }
+            io(&tmp, out.flush())?;
+            drop(out);
+            io(&tmp, std::fs::rename(&tmp, self.path(p, "facts")))?;
+            io(&prev_path, std::fs::remove_file(&prev_path))?;
+        }
+        Ok(())
+    }
+
+    /// What the dense signal reads of `query` from `tenant` ([`crate::SemanticIndex::dense_query`]).
+    pub(crate) fn dense_query(
+        &self,
+        tenant: &str,
+        query: &str,
+        config: &RetrievalConfig,
+    ) -> Option<String> {
+        let t = self.tenant_number(tenant)?;
+        dense_query_among(&self.structure.speakers[t as usize], query, config)
     }
 
     fn finish_split(
@@ -644,7 +871,10 @@ impl SpilledFacts {
         take: usize,
         device: &Device,
     ) -> Result<Vec<Vec<(NodeId, f32, i64)>>> {
-        let params = Bm25Params::default();
+        let params = Bm25Params {
+            stem: self.units.stem,
+            ..Bm25Params::default()
+        };
         // Each query's tenant (None: a tenant without facts) and terms.
         let tenant_of: Vec<Option<u32>> = queries
             .iter()
@@ -728,10 +958,21 @@ impl SpilledFacts {
                 }
             }
         }
+        let named: Vec<Vec<u32>> = queries
+            .iter()
+            .zip(&tenant_of)
+            .map(|(q, tenant)| match tenant {
+                Some(t) if config.entity > 0.0 => {
+                    named_speakers(&self.structure.speakers[*t as usize], q.text)
+                }
+                _ => Vec::new(),
+            })
+            .collect();
         let ranked: Vec<Vec<(u32, f32)>> = dense_kept
             .into_iter()
             .zip(bm25_kept)
-            .map(|(dense, bm25)| fused(dense, bm25, config, take))
+            .zip(&named)
+            .map(|((dense, bm25), named)| fused(dense, bm25, config, take, &self.structure, named))
             .collect();
         // The ids and times of the facts ranked.
         let mut named: HashMap<u32, (NodeId, i64)> = ranked
@@ -810,9 +1051,53 @@ fn keep(
     kept.truncate(k);
 }
 
-/// The pool of a query (its dense and BM25 candidates), fused and ranked: the best `take`
-/// (ordinal, score).
-fn fused(dense: Kept, bm25: Kept, config: &RetrievalConfig, take: usize) -> Vec<(u32, f32)> {
+/// Per tenant number, its speakers (sorted names), and each fact's speaker as an index into
+/// its tenant's list, from the facts' speaker names (`names`, interned; `name_of` by ordinal).
+fn tenant_speakers(
+    names: &HashMap<String, u32>,
+    name_of: &[u32],
+    tenant_of: &[u32],
+    tenants: usize,
+) -> (Vec<Vec<String>>, Vec<u32>) {
+    let mut by_number: Vec<&str> = vec![""; names.len()];
+    for (name, &n) in names {
+        by_number[n as usize] = name;
+    }
+    let mut speakers: Vec<Vec<String>> = vec![Vec::new(); tenants];
+    for (&name, &tenant) in name_of.iter().zip(tenant_of) {
+        if name != NONE {
+            speakers[tenant as usize].push(by_number[name as usize].to_string());
+        }
+    }
+    for list in &mut speakers {
+        list.sort_unstable();
+        list.dedup();
+    }
+    let speaker_of = name_of
+        .iter()
+        .zip(tenant_of)
+        .map(|(&name, &tenant)| {
+            if name == NONE {
+                return NONE;
+            }
+            let list = &speakers[tenant as usize];
+            list.binary_search_by(|s| s.as_str().cmp(by_number[name as usize]))
+                .expect("listed") as u32
+        })
+        .collect();
+    (speakers, speaker_of)
+}
+
+/// The pool of a query (its dense and BM25 candidates), fused, lifted by structure (the
+/// query's `named` speakers) and ranked: the best `take` (ordinal, score).
+fn fused(
+    dense: Kept,
+    bm25: Kept,
+    config: &RetrievalConfig,
+    take: usize,
+    structure: &Structure,
+    named: &[u32],
+) -> Vec<(u32, f32)> {
     // In ordinal order, that is in id order, as the index holds its pool.
     let mut pool: BTreeMap<u32, (f32, f32)> = BTreeMap::new();
     for (d, b, ordinal) in dense.into_iter().chain(bm25) {
@@ -827,7 +1112,28 @@ fn fused(dense: Kept, bm25: Kept, config: &RetrievalConfig, take: usize) -> Vec<
         })
         .collect();
     let scores = fuse(config.fusion, &config.weights, &signals);
-    let mut ranked: Vec<(u32, f32)> = pool.into_keys().zip(scores).collect();
+    let ordinals: Vec<u32> = pool.into_keys().collect();
+    let slot = |o: u32| {
+        (o != NONE)
+            .then(|| ordinals.binary_search(&o).ok())
+            .flatten()
+    };
+    let structure = lifts(
+        &scores,
+        |k| structure.neighbours[ordinals[k] as usize].map(slot),
+        |k| {
+            let s = structure.speaker_of[ordinals[k] as usize];
+            s != NONE && named.binary_search(&s).is_ok()
+        },
+        config,
+        !named.is_empty(),
+    );
+    let mut ranked: Vec<(u32, f32)> = ordinals
+        .iter()
+        .zip(scores)
+        .zip(structure)
+        .map(|((&o, fused), lift)| (o, fused + lift.total()))
+        .collect();
     ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     ranked.truncate(take);
     ranked

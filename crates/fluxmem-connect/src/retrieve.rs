@@ -19,8 +19,10 @@ pub const DEFAULT_ADJACENCY: f32 = 0.3;
 /// [`DEFAULT_ADJACENCY`].
 pub const DEFAULT_ENTITY: f32 = 0.3;
 
-/// Stage I settings.
-#[derive(Debug, Clone, Serialize)]
+/// Stage I settings. [`RetrievalConfig::serving`] is the retrieval the night grounds its
+/// episodes with (`connect`) and the one `query` answers with: the graph stores the ranking
+/// that is served. [`RetrievalConfig::default`] is plain hybrid retrieval (the baselines).
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RetrievalConfig {
     /// Fusion mode.
     pub fusion: FusionMode,
@@ -46,6 +48,8 @@ pub struct RetrievalConfig {
     /// `entity`, after adjacency. A question about someone is mostly answered by what they
     /// said. A query that names no speaker ranks as without it. 0: off.
     pub entity: f32,
+    /// How facts are indexed for BM25 (the index is built with them).
+    pub units: Units,
     /// BM25 parameters.
     #[serde(skip)]
     pub bm25: Bm25Params,
@@ -109,7 +113,22 @@ impl Default for RetrievalConfig {
             ground_support: 0.3,
             adjacency: 0.0,
             entity: 0.0,
+            units: Units::PLAIN,
             bm25: Bm25Params::default(),
+        }
+    }
+}
+
+impl RetrievalConfig {
+    /// The retrieval that builds the graph and serves it: context units and both structure
+    /// lifts at their defaults ([`DEFAULT_ADJACENCY`], [`DEFAULT_ENTITY`]), measured in
+    /// docs/locomo.md. `connect`'s ground edges and `query`'s facts both come from it.
+    pub fn serving() -> RetrievalConfig {
+        RetrievalConfig {
+            adjacency: DEFAULT_ADJACENCY,
+            entity: DEFAULT_ENTITY,
+            units: Units::CONTEXT,
+            ..RetrievalConfig::default()
         }
     }
 }
@@ -247,28 +266,7 @@ impl SemanticIndex {
 
     /// The speakers `query` names (indexes into the index's speakers; empty when it names none).
     fn named_speakers(&self, query: &str) -> Vec<u32> {
-        let mut named: Vec<u32> = query
-            .split_whitespace()
-            .flat_map(|token| self.speakers_in(token))
-            .collect();
-        named.sort_unstable();
-        named.dedup();
-        named
-    }
-
-    /// The speakers a whitespace-separated token of a query names: its words, lowercased, with a
-    /// possessive dropped ("Caroline's" names `caroline`).
-    fn speakers_in<'a>(&'a self, token: &'a str) -> impl Iterator<Item = u32> + 'a {
-        token
-            .split(|c: char| !c.is_alphanumeric() && c != '\'' && c != '\u{2019}')
-            .map(|word| word.to_lowercase().replace('\u{2019}', "'"))
-            .map(|word| {
-                word.strip_suffix("'s")
-                    .unwrap_or(&word)
-                    .trim_matches('\'')
-                    .to_string()
-            })
-            .filter_map(|word| self.speakers.binary_search(&word).ok().map(|i| i as u32))
+        named_speakers(&self.speakers, query)
     }
 
     /// What the dense signal should read of `query` under `config`: with entities on
@@ -278,16 +276,7 @@ impl SemanticIndex {
     /// their own. `None`: embed the query as it is (entities off, no speaker named, or nothing
     /// left without the names).
     pub fn dense_query(&self, query: &str, config: &RetrievalConfig) -> Option<String> {
-        if config.entity <= 0.0 || self.speakers.is_empty() {
-            return None;
-        }
-        let tokens: Vec<&str> = query.split_whitespace().collect();
-        let kept: Vec<&str> = tokens
-            .iter()
-            .copied()
-            .filter(|token| self.speakers_in(token).next().is_none())
-            .collect();
-        (kept.len() < tokens.len() && !kept.is_empty()).then(|| kept.join(" "))
+        dense_query_among(&self.speakers, query, config)
     }
 
     /// The tenant this index serves.
@@ -464,30 +453,14 @@ impl SemanticIndex {
         named: &[u32],
     ) -> Vec<Candidate> {
         let fused = fuse(config.fusion, &config.weights, signals);
-        let mut structure = vec![Lift::default(); pool.len()];
-        if config.adjacency > 0.0 {
-            // From the fused scores as they were, so the order of the pool does not matter.
-            let before = fused.clone();
-            let slot = |index: u32| pool.binary_search(&(index as usize)).ok();
-            for (k, &i) in pool.iter().enumerate() {
-                let best = self.neighbours[i]
-                    .iter()
-                    .flatten()
-                    .filter_map(|&n| slot(n))
-                    .map(|s| before[s])
-                    .fold(f32::NEG_INFINITY, f32::max);
-                if best.is_finite() {
-                    structure[k].neighbours = config.adjacency * best;
-                }
-            }
-        }
-        if config.entity > 0.0 && !named.is_empty() {
-            for (k, &i) in pool.iter().enumerate() {
-                if self.speaker_of[i].is_some_and(|s| named.binary_search(&s).is_ok()) {
-                    structure[k].speaker = config.entity;
-                }
-            }
-        }
+        let slot = |index: u32| pool.binary_search(&(index as usize)).ok();
+        let structure = lifts(
+            &fused,
+            |k| self.neighbours[pool[k]].map(|n| n.and_then(slot)),
+            |k| self.speaker_of[pool[k]].is_some_and(|s| named.binary_search(&s).is_ok()),
+            config,
+            !named.is_empty(),
+        );
         let mut ranked: Vec<Candidate> = pool
             .iter()
             .zip(signals)
@@ -513,6 +486,103 @@ impl SemanticIndex {
     }
 }
 
+/// A node's BM25 text with the previous unit of its group joined ([`Units::previous`]).
+pub(crate) fn unit_text(text: &str, previous: Option<&str>) -> String {
+    match previous {
+        Some(before) => format!("{text}\n{before}"),
+        None => text.to_string(),
+    }
+}
+
+/// The structure lifts of a pool's candidates, from their `fused` scores as they were (so the
+/// order of the pool does not matter): `neighbour_slots(k)`, the pool slots of candidate `k`'s
+/// neighbours in its source group, and `said_by_named(k)`, whether a speaker the query names
+/// said it (`any_named`: the query names one).
+pub(crate) fn lifts(
+    fused: &[f32],
+    neighbour_slots: impl Fn(usize) -> [Option<usize>; 2],
+    said_by_named: impl Fn(usize) -> bool,
+    config: &RetrievalConfig,
+    any_named: bool,
+) -> Vec<Lift> {
+    let mut structure = vec![Lift::default(); fused.len()];
+    if config.adjacency > 0.0 {
+        for (k, lift) in structure.iter_mut().enumerate() {
+            let best = neighbour_slots(k)
+                .iter()
+                .flatten()
+                .map(|&s| fused[s])
+                .fold(f32::NEG_INFINITY, f32::max);
+            if best.is_finite() {
+                lift.neighbours = config.adjacency * best;
+            }
+        }
+    }
+    if config.entity > 0.0 && any_named {
+        for (k, lift) in structure.iter_mut().enumerate() {
+            if said_by_named(k) {
+                lift.speaker = config.entity;
+            }
+        }
+    }
+    structure
+}
+
+/// A node's speaker as queries name it: the first word of its metadata `speaker` (else
+/// `author`), lowercased ("Caroline", "caroline smith" -> `caroline`).
+pub(crate) fn speaker_key(node: &fluxmem_graph::Node) -> Option<String> {
+    let name = ["speaker", "author"]
+        .iter()
+        .find_map(|k| node.metadata.get(*k).and_then(|v| v.as_str()))?;
+    let first = name.split_whitespace().next()?.to_lowercase();
+    (!first.is_empty()).then_some(first)
+}
+
+/// The speakers of `speakers` (sorted) that `query` names, as indexes (empty when it names
+/// none).
+pub(crate) fn named_speakers(speakers: &[String], query: &str) -> Vec<u32> {
+    let mut named: Vec<u32> = query
+        .split_whitespace()
+        .flat_map(|token| speakers_in(speakers, token))
+        .collect();
+    named.sort_unstable();
+    named.dedup();
+    named
+}
+
+/// The speakers a whitespace-separated token of a query names: its words, lowercased, with a
+/// possessive dropped ("Caroline's" names `caroline`).
+fn speakers_in<'a>(speakers: &'a [String], token: &'a str) -> impl Iterator<Item = u32> + 'a {
+    token
+        .split(|c: char| !c.is_alphanumeric() && c != '\'' && c != '\u{2019}')
+        .map(|word| word.to_lowercase().replace('\u{2019}', "'"))
+        .map(|word| {
+            word.strip_suffix("'s")
+                .unwrap_or(&word)
+                .trim_matches('\'')
+                .to_string()
+        })
+        .filter_map(|word| speakers.binary_search(&word).ok().map(|i| i as u32))
+}
+
+/// [`SemanticIndex::dense_query`] for a tenant whose speakers are `speakers` (sorted).
+pub(crate) fn dense_query_among(
+    speakers: &[String],
+    query: &str,
+    config: &RetrievalConfig,
+) -> Option<String> {
+    if config.entity <= 0.0 || speakers.is_empty() {
+        return None;
+    }
+    let tokens: Vec<&str> = query.split_whitespace().collect();
+    let kept: Vec<&str> = tokens
+        .iter()
+        .copied()
+        .filter(|token| speakers_in(speakers, token).next().is_none())
+        .collect();
+    (kept.len() < tokens.len() && !kept.is_empty()).then(|| kept.join(" "))
+}
+
 /// BM25 over `texts` as `units` says: each text alone or with its previous neighbour's.
 fn units_bm25(texts: &[String], neighbours: &[[Option<u32>; 2]], units: Units) -> Bm25 {
     let params = Bm25Params {
@@ -525,10 +595,7 @@ fn units_bm25(texts: &[String], neighbours: &[[Option<u32>; 2]], units: Units) -
     let joined: Vec<String> = texts
         .iter()
         .zip(neighbours)
-        .map(|(text, [before, _])| match before {
-            Some(b) => format!("{text}\n{}", texts[*b as usize]),
-            None => text.clone(),
-        })
+        .map(|(text, [before, _])| unit_text(text, before.map(|b| texts[b as usize].as_str())))
         .collect();
     Bm25::new(&joined, params)
 }
@@ -537,14 +604,7 @@ fn units_bm25(texts: &[String], neighbours: &[[Option<u32>; 2]], units: Units) -
 /// sorted, deduplicated list of speakers returned with it. A speaker is matched in queries by
 /// the first word of its name, lowercased ("Caroline", "caroline smith" -> `caroline`).
 fn speakers(graph: &Graph, ids: &[NodeId]) -> (Vec<Option<u32>>, Vec<String>) {
-    let key = |id: &NodeId| -> Option<String> {
-        let metadata = &graph.nodes.get(id)?.metadata;
-        let name = ["speaker", "author"]
-            .iter()
-            .find_map(|k| metadata.get(*k).and_then(|v| v.as_str()))?;
-        let first = name.split_whitespace().next()?.to_lowercase();
-        (!first.is_empty()).then_some(first)
-    };
+    let key = |id: &NodeId| graph.nodes.get(id).and_then(speaker_key);
     let keys: Vec<Option<String>> = ids.iter().map(key).collect();
     let mut names: Vec<String> = keys.iter().flatten().cloned().collect();
     names.sort_unstable();

@@ -644,8 +644,9 @@ fn an_old_episode_without_a_vector_is_named() {
 
 /// Facts that do not fit their quarter of the budget are spilled to scratch partitions and
 /// searched one partition at a time: the same ground edges, bit for bit (weight, evidence and
-/// time), as one index per tenant held whole, with pools cut where they tie or not; the
-/// scratch files are gone after the run.
+/// time), as one index per tenant held whole, with pools cut where they tie or not, over plain
+/// units and over the serving retrieval's (context units, neighbours in a section, a speaker
+/// a step names); the scratch files are gone after the run.
 #[test]
 fn facts_spilled_to_partitions_give_the_same_ground_edges() {
     let dir = tempfile::tempdir().unwrap();
@@ -661,9 +662,12 @@ fn facts_spilled_to_partitions_give_the_same_ground_edges() {
             // Facts of acme's questions said ten times each (ties at every cut of the pools and
             // of the ranking).
             let repeated = path.join("repeated.jsonl");
-            let lines: String = (0..30)
-                .map(|i| format!("{{\"type\":\"fact\",\"tenant\":\"acme\",\"source\":\"faq\",\"position\":{i},\"text\":\"Refunds for {} orders go to the original card.\"}}\n", ["cancelled", "damaged", "late"][i % 3]))
+            // In four sections, said by two speakers; an episode's step names one of them.
+            let mut lines: String = (0..30)
+                .map(|i| format!("{{\"type\":\"fact\",\"tenant\":\"acme\",\"source\":\"faq\",\"position\":{i},\"section\":\"s{}\",\"speaker\":\"{}\",\"text\":\"Refunds for {} orders go to the original card.\"}}\n", i % 4, ["Dana Scully", "Lee"][i % 2], ["cancelled", "damaged", "late"][i % 3]))
                 .collect();
+            lines.push_str(r#"{"tenant":"acme","episode_id":"a3","task":"Refund a late order","steps":[{"observation":"User: what did Dana's team say about refunds for late orders?","action":"refund"}],"outcome":{"success":true}}"#);
+            lines.push('\n');
             std::fs::write(&repeated, lines).unwrap();
             fluxmem_ingest::ingest(
                 &mut writer,
@@ -726,13 +730,16 @@ fn facts_spilled_to_partitions_give_the_same_ground_edges() {
             .collect();
         (report, edges)
     };
+    let small = |config: RetrievalConfig| RetrievalConfig {
+        dense_pool: 4,
+        bm25_pool: 2,
+        ..config
+    };
     let pools = [
         RetrievalConfig::default(),
-        RetrievalConfig {
-            dense_pool: 4,
-            bm25_pool: 2,
-            ..RetrievalConfig::default()
-        },
+        small(RetrievalConfig::default()),
+        RetrievalConfig::serving(),
+        small(RetrievalConfig::serving()),
     ];
     for (p, retrieval) in pools.iter().enumerate() {
         for two_tenants in [false, true] {

@@ -6,7 +6,7 @@
 //! ([`Gold`]) and used only to score the ranking afterwards.
 
 use candle_core::Device;
-use fluxmem_connect::{pack, Candidate, Entry, RetrievalConfig, SemanticIndex, Units};
+use fluxmem_connect::{pack, Candidate, Entry, RetrievalConfig, SemanticIndex};
 use fluxmem_graph::{Graph, NodeId};
 use fluxmem_models::{Embedder, Generator, Judge};
 use fluxmem_refine::{refine_query, LoopModels, LoopOptions, Neighbours, Verifier};
@@ -37,11 +37,10 @@ pub struct LocomoOptions {
     pub sample: Option<usize>,
     /// Seed of the sample.
     pub seed: u64,
-    /// Stage I settings of the `fluxmem` system (`hybrid` is the same fusion without the judge
-    /// and without structure, `adjacency` 0, over plain units).
+    /// Stage I settings of the `fluxmem` system, [`RetrievalConfig::serving`] by default, its
+    /// units included (`hybrid` is the same fusion without the judge and without structure,
+    /// `adjacency` 0, over plain units).
     pub retrieval: RetrievalConfig,
-    /// How the `fluxmem` system indexes turns for BM25 (the baselines index each turn alone).
-    pub units: Units,
     /// Stage II of the `fluxmem` system: the self-verification loop (`rounds` 0: Stage I only).
     /// The loop packs under `refine.budget`; the other budgets pack its final ranking.
     pub refine: LoopOptions,
@@ -56,12 +55,7 @@ impl Default for LocomoOptions {
             budgets: vec![256, 512, 1024, 2048],
             sample: None,
             seed: 0,
-            retrieval: RetrievalConfig {
-                adjacency: fluxmem_connect::DEFAULT_ADJACENCY,
-                entity: fluxmem_connect::DEFAULT_ENTITY,
-                ..RetrievalConfig::default()
-            },
-            units: Units::CONTEXT,
+            retrieval: RetrievalConfig::serving(),
             refine: LoopOptions {
                 rounds: 0,
                 ..LoopOptions::default()
@@ -414,7 +408,7 @@ impl<'o> Evaluation<'o> {
         let index = SemanticIndex::build(&graph, &tenant, embedder.model_id(), models.device)?;
         let mut conversation = Conversation {
             id,
-            units: index.with_units(self.options.units),
+            units: index.with_units(self.options.retrieval.units),
             neighbours: Neighbours::build(&graph, &tenant),
             index,
             graph,

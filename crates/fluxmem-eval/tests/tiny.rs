@@ -172,11 +172,7 @@ fn evaluation_is_deterministic() {
 fn the_fluxmem_system_is_hybrid_with_units_and_structure() {
     let plain = || LocomoOptions {
         budgets: vec![8, 1000],
-        units: fluxmem_connect::Units::PLAIN,
-        retrieval: fluxmem_connect::RetrievalConfig {
-            adjacency: 0.0,
-            ..Default::default()
-        },
+        retrieval: fluxmem_connect::RetrievalConfig::default(),
         ..LocomoOptions::default()
     };
     let report = run_on(DATA, plain());
@@ -206,10 +202,8 @@ fn the_fluxmem_system_is_hybrid_with_units_and_structure() {
     let mut adjacency_only = plain();
     adjacency_only.retrieval.adjacency = fluxmem_connect::DEFAULT_ADJACENCY;
     assert_ne!(run_on(DATA, adjacency_only).fingerprint, report.fingerprint);
-    let units_only = LocomoOptions {
-        units: fluxmem_connect::Units::CONTEXT,
-        ..plain()
-    };
+    let mut units_only = plain();
+    units_only.retrieval.units = fluxmem_connect::Units::CONTEXT;
     assert_ne!(run_on(DATA, units_only).fingerprint, report.fingerprint);
     // Entities: the questions name Alice and Bob, speakers of the turns.
     let mut entity_only = plain();
