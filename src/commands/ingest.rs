@@ -19,6 +19,7 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         shard: fluxmem_store::Shard::ALL,
         follow_symlinks: args.follow_symlinks,
         reread: args.reread,
+        ..IngestOptions::default()
     };
     let device: fluxmem_models::DeviceChoice = args.device.parse()?;
     let mut judge = match &args.label_outcomes {

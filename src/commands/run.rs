@@ -529,6 +529,7 @@ impl Ctx<'_> {
                 shard,
                 follow_symlinks: false,
                 reread: p.ingest.reread,
+                redact: p.redact.clone(),
             };
             let mut bar = IngestBar::new(self.settings.progress);
             let run = format!("{}-inputs{i}", quarantine_name(&self.run_id));

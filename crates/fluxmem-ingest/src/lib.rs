@@ -183,6 +183,9 @@ pub struct IngestOptions {
     /// Read every input again, ignoring the store's ledger of files already ingested
     /// (`--reread`); see [`LEDGER`].
     pub reread: bool,
+    /// The redaction of what an outcome judge reads ([`outcome::transcript`]): a pipeline's
+    /// `[redact]`, else every kind.
+    pub redact: fluxmem_redact::RedactConfig,
 }
 
 impl Default for IngestOptions {
@@ -199,6 +202,7 @@ impl Default for IngestOptions {
             shard: Shard::ALL,
             follow_symlinks: false,
             reread: false,
+            redact: fluxmem_redact::RedactConfig::default(),
         }
     }
 }
@@ -307,7 +311,7 @@ pub fn ingest_judged<'a>(
         pending_replaces: false,
         deferred: Vec::new(),
         judge,
-        redactor: fluxmem_redact::Redactor::default(),
+        redactor: fluxmem_redact::Redactor::new(options.redact.clone()),
         judged: 0,
     };
     for skipped in &expanded.skipped {

@@ -1665,6 +1665,53 @@ fn a_judge_gives_outcomes_only_where_the_log_says_none_and_sees_runs_redacted() 
     );
 }
 
+/// The judge reads runs redacted as the pipeline's `[redact]` says (`IngestOptions::redact`):
+/// an address the settings allow stays, the others go; the default redacts both.
+#[test]
+fn a_judge_reads_runs_redacted_by_the_pipelines_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("chats.jsonl");
+    std::fs::write(
+        &log,
+        r#"{"id": "mail", "messages": [{"role": "user", "content": "write to support@acme.example, not to jo@home.example"}, {"role": "assistant", "content": "It was sent."}]}"#,
+    )
+    .unwrap();
+    let seen = |redact: fluxmem_redact::RedactConfig, store: &str| -> String {
+        let mut judge = ScriptedJudge { seen: Vec::new() };
+        let mut writer = Writer::open(dir.path().join(store)).unwrap();
+        fluxmem_ingest::ingest_judged(
+            &mut writer,
+            &[log.clone()],
+            &IngestOptions {
+                redact,
+                ..IngestOptions::default()
+            },
+            Some(&mut judge),
+            "judged-run",
+            &mut NoProgress,
+        )
+        .unwrap();
+        assert_eq!(judge.seen.len(), 1);
+        judge.seen.remove(0)
+    };
+    let allowed = seen(
+        fluxmem_redact::RedactConfig {
+            allow: vec!["support@acme.example".into()],
+            ..Default::default()
+        },
+        "allowed",
+    );
+    assert!(
+        allowed.contains("support@acme.example") && !allowed.contains("jo@home.example"),
+        "{allowed}"
+    );
+    let default = seen(Default::default(), "default");
+    assert!(
+        !default.contains("support@acme.example") && !default.contains("jo@home.example"),
+        "{default}"
+    );
+}
+
 /// The fixtures the real emitters wrote (scripts/fixtures/generate.sh; versions in
 /// tests/data/formats/VERSIONS.txt).
 fn fixture(name: &str) -> PathBuf {
