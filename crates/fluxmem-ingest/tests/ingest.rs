@@ -1681,7 +1681,7 @@ fn a_judge_reads_runs_redacted_by_the_pipelines_settings() {
         let mut writer = Writer::open(dir.path().join(store)).unwrap();
         fluxmem_ingest::ingest_judged(
             &mut writer,
-            &[log.clone()],
+            std::slice::from_ref(&log),
             &IngestOptions {
                 redact,
                 ..IngestOptions::default()
