@@ -26,13 +26,41 @@ impl Rows {
     fn wants(&self) -> bool {
         !matches!(self, Rows::None)
     }
+}
+
+/// A scan's filter on ids, as the row filters ask it (once per row of every shard read):
+/// the ids' strings in a hash set, so a row costs a hash and a comparison, not a walk down a
+/// tree of string comparisons.
+enum Wanted<'a> {
+    All,
+    Of(std::collections::HashSet<&'a str>),
+    None,
+}
+
+impl<'a> Wanted<'a> {
+    fn rows(rows: &'a Rows) -> Wanted<'a> {
+        match rows {
+            Rows::All => Wanted::All,
+            Rows::Of(ids) => Wanted::set(ids),
+            Rows::None => Wanted::None,
+        }
+    }
+
+    /// The ids of `only`; every id when there is no filter.
+    fn only(only: Option<&'a BTreeSet<NodeId>>) -> Wanted<'a> {
+        only.map_or(Wanted::All, Wanted::set)
+    }
+
+    fn set(ids: &'a BTreeSet<NodeId>) -> Wanted<'a> {
+        Wanted::Of(ids.iter().map(NodeId::as_str).collect())
+    }
 
     /// True when the rows of `id` are read.
     fn contains(&self, id: &str) -> bool {
         match self {
-            Rows::All => true,
-            Rows::Of(ids) => ids.contains(id),
-            Rows::None => false,
+            Wanted::All => true,
+            Wanted::Of(ids) => ids.contains(id),
+            Wanted::None => false,
         }
     }
 }
@@ -221,6 +249,10 @@ impl Store {
         let edge_kinds: Vec<&str> = scan.edge_kinds.iter().map(|k| k.as_str()).collect();
         let node_kinds: Vec<&str> = scan.node_kinds.iter().map(|k| k.as_str()).collect();
         let edit_kinds: Vec<&str> = scan.edit_kinds.iter().map(String::as_str).collect();
+        let steps_of = Wanted::rows(&scan.steps);
+        let nodes_of = Wanted::only(scan.nodes_of.as_ref());
+        let edges_from = Wanted::only(scan.edges_from.as_ref());
+        let vectors_of = Wanted::rows(&scan.vectors);
         for commit in commits {
             let shards: Vec<&ShardEntry> = manifest
                 .shards
@@ -230,7 +262,7 @@ impl Store {
             let mut steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
             if scan.nodes && scan.steps.wants() {
                 for entry in shards.iter().filter(|s| s.table == "steps") {
-                    let of = |v: &str| scan.steps.contains(v);
+                    let of = |v: &str| steps_of.contains(v);
                     let only = matches!(scan.steps, Rows::Of(_))
                         .then_some(("episode_id", &of as &dyn Fn(&str) -> bool));
                     for batch in self.rows_where(entry, only)? {
@@ -244,9 +276,8 @@ impl Store {
                 match entry.table.as_str() {
                     "steps" => {}
                     "nodes" if scan.nodes => {
-                        let steps_read = |id: &NodeId| scan.steps.contains(id.as_str());
-                        let of_ids =
-                            |v: &str| scan.nodes_of.as_ref().is_none_or(|ids| ids.contains(v));
+                        let steps_read = |id: &NodeId| steps_of.contains(id.as_str());
+                        let of_ids = |v: &str| nodes_of.contains(v);
                         let of_kinds = |v: &str| node_kinds.contains(&v);
                         let only = match (&scan.nodes_of, node_kinds.is_empty()) {
                             (Some(_), _) => Some(("id", &of_ids as &dyn Fn(&str) -> bool)),
@@ -267,8 +298,7 @@ impl Store {
                     }
                     "edges" if scan.edges => {
                         let of_kinds = |v: &str| edge_kinds.contains(&v);
-                        let from =
-                            |v: &str| scan.edges_from.as_ref().is_none_or(|ids| ids.contains(v));
+                        let from = |v: &str| edges_from.contains(v);
                         let only = match (&scan.edges_from, edge_kinds.is_empty()) {
                             (Some(_), _) => Some(("src", &from as &dyn Fn(&str) -> bool)),
                             (None, false) => Some(("kind", &of_kinds as &dyn Fn(&str) -> bool)),
@@ -301,7 +331,7 @@ impl Store {
                         }
                     }
                     "embeddings" if scan.vectors.wants() || scan.embedding_keys => {
-                        self.scan_embeddings(entry, scan, &mut graph)?
+                        self.scan_embeddings(entry, scan, &vectors_of, &mut graph)?
                     }
                     "nodes" | "edges" | "edits" | "embeddings" => {}
                     other => {
@@ -481,10 +511,16 @@ impl Store {
         Ok(keys)
     }
 
-    fn scan_embeddings(&self, entry: &ShardEntry, scan: &Scan, graph: &mut Graph) -> Result<()> {
+    fn scan_embeddings(
+        &self,
+        entry: &ShardEntry,
+        scan: &Scan,
+        vectors_of: &Wanted<'_>,
+        graph: &mut Graph,
+    ) -> Result<()> {
         if scan.vectors == Rows::All || !scan.embedding_keys {
             // Whole rows only (all of them, or the filtered ones).
-            let of = |v: &str| scan.vectors.contains(v);
+            let of = |v: &str| vectors_of.contains(v);
             let only = matches!(scan.vectors, Rows::Of(_))
                 .then_some(("node_id", &of as &dyn Fn(&str) -> bool));
             for batch in self.rows_where(entry, only)? {
@@ -508,7 +544,7 @@ impl Store {
                 .collect::<Result<_>>()?;
             for row in 0..batch.num_rows() {
                 let node_id = strings[0].value(row);
-                if scan.vectors.contains(node_id) {
+                if vectors_of.contains(node_id) {
                     wanted.insert(NodeId(node_id.to_string()));
                 }
                 graph.upsert_embedding(Embedding {
