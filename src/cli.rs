@@ -243,6 +243,11 @@ pub struct RunArgs {
     /// With --stage of a map stage: merge its N finished shards into the store.
     #[arg(long, value_name = "N")]
     pub merge: Option<usize>,
+    /// With --stage consolidate: plan the run's clusters once for all its shards, before
+    /// they run (each shard then handles the planned clusters it owns; the merge checks that
+    /// every shard followed the plan).
+    #[arg(long)]
+    pub plan: bool,
     /// The run id (default: the pipeline name and a hash of the pipeline file and the inputs'
     /// paths, sizes and times; the same id resumes a killed run). It names the report directory
     /// `<report.dir>/<run id>`: 1 to 128 ASCII letters, digits, `.`, `_` or `-`, not starting

@@ -416,8 +416,8 @@ pub const STAGES: [&str; 6] = [
     "consolidate",
     "export",
 ];
-/// The stages that can run as `--shard I/N` and be merged (consolidate: every shard clusters
-/// the same store and induces the skills of the clusters it owns).
+/// The stages that can run as `--shard I/N` and be merged (consolidate: its clusters planned
+/// once with `--plan`, every shard induces the skills of the planned clusters it owns).
 pub const MAP_STAGES: [&str; 4] = ["ingest", "embed", "connect", "consolidate"];
 
 /// A pipeline read from a file, with its paths resolved.

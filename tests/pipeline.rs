@@ -574,6 +574,143 @@ fn sharded_map_stages_merge_to_the_unsharded_store() {
     assert!(!whole.edges.is_empty() && !whole.edits.is_empty());
 }
 
+/// A sharded consolidate plans its clusters once (`--stage consolidate --plan`): every shard
+/// handles the planned clusters it owns, even where its own k-means would cluster differently
+/// (here its pipeline asks for other clusters, a stand-in for a shard on another CPU or a GPU
+/// that rounds differently), and the merge gives the skills of the run in one process. A shard that
+/// clustered on its own is refused at the merge, by name.
+#[test]
+fn a_sharded_consolidate_follows_one_cluster_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    pipeline(dir.path(), true);
+    add_log(dir.path(), "trajectories.jsonl");
+    add_log(dir.path(), "alfworld/react_sample.json");
+    let write = |name: &str, store: &str, seed: u64, clusters: u64| -> PathBuf {
+        let text = std::fs::read_to_string(pipeline(dir.path(), true))
+            .unwrap()
+            .replace("store = \"store\"", &format!("store = \"{store}\""))
+            .replace(
+                "seed = 7",
+                &format!("seed = {seed}\n\n[models]\ngenerator = \"none\""),
+            )
+            .replace("clusters = 1", &format!("clusters = {clusters}"))
+            .replace("[export]\nenabled = true", "[export]\nenabled = false")
+            .replace("dir = \"runs\"", &format!("dir = \"{store}-runs\""));
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let whole_file = write("whole.toml", "whole", 7, 3);
+    let other_seed = write("other.toml", "other", 8, 2);
+    let sharded_file = write("sharded.toml", "sharded", 7, 3);
+    // The shards' pipeline: the sharded store, clustered otherwise (another seed and another
+    // number of clusters: a stand-in for a shard whose k-means would round differently).
+    let shard_file = write("shard.toml", "sharded", 8, 2);
+    let skills = |store: &str| -> Vec<(String, String)> {
+        let graph = graph(&dir.path().join(store));
+        graph
+            .nodes
+            .values()
+            .filter(|n| n.kind() == fluxmem_graph::NodeKind::Procedural)
+            .map(|n| (n.id.to_string(), n.text.clone()))
+            .collect()
+    };
+    for file in [&whole_file, &other_seed] {
+        ok(run(fluxmem()
+            .arg("run")
+            .arg(file)
+            .args(["--run-id", "night"])));
+    }
+    let whole = skills("whole");
+    assert!(whole.len() >= 2, "{whole:?}");
+    assert_ne!(
+        whole,
+        skills("other"),
+        "the shards' settings cluster differently, so a shard that clustered on its own would differ"
+    );
+
+    for stage in ["ingest", "embed", "connect", "refine"] {
+        ok(run(fluxmem()
+            .arg("run")
+            .arg(&sharded_file)
+            .args(["--run-id", "night", "--stage", stage])));
+    }
+    let consolidate = |file: &Path, run_id: &str, extra: &[&str]| {
+        run(fluxmem()
+            .arg("run")
+            .arg(file)
+            .args(["--run-id", run_id, "--stage", "consolidate"])
+            .args(extra))
+    };
+    let planned = json_line(&ok(consolidate(&sharded_file, "night", &["--plan"])));
+    assert_eq!(planned["status"], "planned", "{planned}");
+    let clusters = planned["details"]["clusters"].as_u64().unwrap();
+    // A shard whose clusters give no skill is degraded (exit 4), not failed.
+    let shard_ok = |output: Output| {
+        assert!(
+            matches!(output.status.code(), Some(0 | 4)),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        output
+    };
+    let mut handled = 0;
+    for i in 0..3 {
+        let record = json_line(&shard_ok(consolidate(
+            &shard_file,
+            "night",
+            &["--shard", &format!("{i}/3")],
+        )));
+        let details = &record["details"];
+        assert_eq!(
+            details["shared_plan"], planned["details"]["sha256"],
+            "{record}"
+        );
+        handled +=
+            details["clusters"].as_u64().unwrap() - details["other_shards"].as_u64().unwrap();
+    }
+    assert_eq!(
+        handled, clusters,
+        "every planned cluster is handled by one shard"
+    );
+    let merged = json_line(&ok(consolidate(&sharded_file, "night", &["--merge", "3"])));
+    assert_eq!(merged["status"], "merged", "{merged}");
+    assert_eq!(
+        skills("sharded"),
+        whole,
+        "the skills of the run in one process"
+    );
+    let store = dir.path().join("sharded");
+    let manifest = fluxmem_store::Store::open(&store)
+        .unwrap()
+        .manifest()
+        .unwrap();
+    assert!(
+        manifest
+            .progress
+            .get(fluxmem_consolidate::SHARED_PLAN_MARKER)
+            .is_none_or(Value::is_null),
+        "the merge closes the plan"
+    );
+    let left: Vec<_> = std::fs::read_dir(store.join("scratch/consolidate"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "the plan's file is gone: {left:?}");
+
+    // A shard run under another run id finds no plan for it and clusters on its own.
+    ok(consolidate(&sharded_file, "again", &["--plan"]));
+    shard_ok(consolidate(&shard_file, "again", &["--shard", "0/2"]));
+    shard_ok(consolidate(&shard_file, "other", &["--shard", "1/2"]));
+    let refused = consolidate(&sharded_file, "again", &["--merge", "2"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success()
+            && stderr.contains("shard 1/2")
+            && stderr.contains("shared cluster plan"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn bad_pipelines_and_flags_are_clear_errors_before_any_work() {
     let dir = tempfile::tempdir().unwrap();

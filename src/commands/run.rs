@@ -48,6 +48,9 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     if let Some(count) = args.merge {
         return merge_shards(&loaded, &args, settings, &store_dir, &run_id, count);
     }
+    if args.plan {
+        return plan_shards(&ctx, &store_dir);
+    }
     if let Some(shard) = shard {
         return run_shard(&mut ctx, &args, &store_dir, &groups, shard);
     }
@@ -99,6 +102,16 @@ fn check_stage_flags(args: &RunArgs) -> anyhow::Result<Option<Shard>> {
         }
         if shard.is_some() && args.merge.is_some() {
             bail!("--shard and --merge are separate steps: run every shard, then merge once");
+        }
+    }
+    if args.plan {
+        if args.stage.as_deref() != Some(fluxmem_consolidate::STAGE) {
+            bail!(
+                "--plan plans the clusters of a sharded consolidate: it needs --stage consolidate"
+            );
+        }
+        if shard.is_some() || args.merge.is_some() {
+            bail!("--plan is the step before the shards: run it once, then every --shard, then --merge");
         }
     }
     // Run ids name a directory under `report.dir` and quarantine files: never a path.
@@ -172,9 +185,18 @@ fn merge_shards(
             fluxmem_connect::merged_progress(writer.store(), &writer.manifest().clone())?;
         info.progress.insert(key, value);
     }
+    // Consolidate's shards that planned once: each must have followed the plan.
+    if stage == fluxmem_consolidate::STAGE {
+        let planned =
+            fluxmem_consolidate::shared_plan_merge(&writer, &format!("{stage}@{run_id}"), count)?;
+        info.progress.extend(planned);
+    }
     let report = writer
         .merge_staging(stage, count, info)
         .with_context(|| format!("merging the {count} shards of `{stage}`"))?;
+    if stage == fluxmem_consolidate::STAGE {
+        fluxmem_consolidate::sweep_shared_plans(&writer)?;
+    }
     mark_done(&mut writer, stage, run_id, &json!({ "shards": count }))?;
     let record = StageRecord {
         name: stage.into(),
@@ -214,7 +236,12 @@ fn run_shard(
         writer.store().dir().display()
     );
     let record = ctx.stage(stage, &mut writer, groups, shard)?;
-    writer.finish_staging(&format!("{stage}@{}", ctx.run_id))?;
+    // A consolidate shard that followed the run's shared plan says so; the merge checks.
+    let note = match record.details.get("shared_plan") {
+        Some(Value::String(sha256)) => json!({ "shared_plan": sha256 }),
+        _ => Value::Null,
+    };
+    writer.finish_staging_with(&format!("{stage}@{}", ctx.run_id), note)?;
     println!("{}", serde_json::to_string(&record)?);
     Ok(if record.status.starts_with(DEGRADED) {
         ExitCode::from(crate::EXIT_DEGRADED)
@@ -223,6 +250,44 @@ fn run_shard(
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// `--stage consolidate --plan`: plans the clusters of the run's consolidate shards once, in
+/// the main store ([`fluxmem_consolidate::plan_shared`]).
+fn plan_shards(ctx: &Ctx<'_>, store_dir: &Path) -> anyhow::Result<ExitCode> {
+    let started = Instant::now();
+    let options = ctx.consolidate_options(Shard::ALL)?;
+    let model = model_id(&ctx.loaded.pipeline.models.embedder);
+    let device = ctx.device_choice.device()?;
+    let mut writer = open_main(store_dir, ctx.settings)?;
+    let report = fluxmem_consolidate::plan_shared(
+        &mut writer,
+        &model,
+        &options,
+        &format!("{}@{}", fluxmem_consolidate::STAGE, ctx.run_id),
+        &device,
+    )
+    .with_context(|| format!("planning the clusters of `{}`", fluxmem_consolidate::STAGE))?;
+    eprintln!(
+        "  {} episodes in {} clusters planned for the shards{}",
+        report.episodes,
+        report.clusters,
+        if report.reused {
+            " (planned earlier)"
+        } else {
+            ""
+        }
+    );
+    let record = StageRecord {
+        name: fluxmem_consolidate::STAGE.into(),
+        status: "planned".into(),
+        seconds: started.elapsed().as_secs_f64(),
+        counts_out: counts(&[("clusters", report.clusters), ("episodes", report.episodes)]),
+        details: serde_json::to_value(&report)?,
+        ..Default::default()
+    };
+    println!("{}", serde_json::to_string(&record)?);
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The run's record before its stages: where, when, and the models the stages will use.
@@ -764,30 +829,7 @@ impl Ctx<'_> {
         }
         let mut replayer = super::replayer_from_flag(&c.eta, &models.judge, &self.device_choice)?;
         let mut judge = super::judge_from_flag(&models.judge, &self.device_choice)?;
-        let options = fluxmem_consolidate::ConsolidateOptions {
-            kmeans: fluxmem_consolidate::KMeansOptions {
-                clusters: pipeline::clusters(&c.clusters)?,
-                seed: self.loaded.pipeline.seed,
-                ..Default::default()
-            },
-            successful_only: c.successful_only,
-            pems: fluxmem_consolidate::PemsOptions {
-                length: c.length.parse().map_err(anyhow::Error::msg)?,
-                divide_by_skills: c.divide_by_skills,
-            },
-            max_rounds: c.max_rounds,
-            epsilon: c.epsilon,
-            prompt_budget: c.prompt_budget,
-            max_tokens: c.max_tokens,
-            judge_episodes: c.judge_episodes,
-            replay_steps: c.replay_steps,
-            outcomes: super::outcomes_flag("key `consolidate.outcomes`", &c.outcomes)?,
-            reinduce_share: c.reinduce_share,
-            assign: c.assign,
-            recluster_share: c.recluster_share,
-            shard,
-            ..Default::default()
-        };
+        let options = self.consolidate_options(shard)?;
         let run_id = format!("consolidate@{}", self.run_id);
         let progress = self.settings.progress;
         let embedder = self.embedder()?;
@@ -853,6 +895,38 @@ impl Ctx<'_> {
                 ("commits", report.commits),
             ]),
             details: serde_json::to_value(&report)?,
+            ..Default::default()
+        })
+    }
+
+    /// The consolidate stage's settings from the pipeline, for `shard` of the run.
+    fn consolidate_options(
+        &self,
+        shard: Shard,
+    ) -> anyhow::Result<fluxmem_consolidate::ConsolidateOptions> {
+        let c = &self.loaded.pipeline.consolidate;
+        Ok(fluxmem_consolidate::ConsolidateOptions {
+            kmeans: fluxmem_consolidate::KMeansOptions {
+                clusters: pipeline::clusters(&c.clusters)?,
+                seed: self.loaded.pipeline.seed,
+                ..Default::default()
+            },
+            successful_only: c.successful_only,
+            pems: fluxmem_consolidate::PemsOptions {
+                length: c.length.parse().map_err(anyhow::Error::msg)?,
+                divide_by_skills: c.divide_by_skills,
+            },
+            max_rounds: c.max_rounds,
+            epsilon: c.epsilon,
+            prompt_budget: c.prompt_budget,
+            max_tokens: c.max_tokens,
+            judge_episodes: c.judge_episodes,
+            replay_steps: c.replay_steps,
+            outcomes: super::outcomes_flag("key `consolidate.outcomes`", &c.outcomes)?,
+            reinduce_share: c.reinduce_share,
+            assign: c.assign,
+            recluster_share: c.recluster_share,
+            shard,
             ..Default::default()
         })
     }

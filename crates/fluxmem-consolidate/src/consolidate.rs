@@ -77,8 +77,9 @@ pub struct ConsolidateOptions {
     /// With `assign`: the share of a tenant's episodes that may fit no existing cluster before
     /// the tenant is clustered again (they wait for that night, unclustered).
     pub recluster_share: f64,
-    /// The clusters this run handles (sharded runs: every shard clusters the same store the
-    /// same way and handles the clusters it owns, by their member set); all by default.
+    /// The clusters this run handles (sharded runs: every shard takes the clusters it owns, by
+    /// their member set, from the run's shared plan, [`plan_shared`], or without one clusters
+    /// the store itself); all by default.
     pub shard: fluxmem_store::Shard,
 }
 
@@ -242,6 +243,9 @@ pub struct ConsolidateReport {
     /// True when this run finished the cluster plan of a run that was killed (its clusters, in
     /// its order, under its run id), rather than clustering anew.
     pub resumed: bool,
+    /// The hash of the shared cluster plan this shard of a sharded run followed
+    /// ([`plan_shared`]); `None` when the run clustered on its own.
+    pub shared_plan: Option<String>,
     /// Matured skills.
     pub skills: Vec<SkillReport>,
     /// Failed clusters.
@@ -265,17 +269,13 @@ pub fn consolidate_store(
     device: &Device,
     progress: &mut dyn Progress,
 ) -> Result<ConsolidateReport> {
-    let mut graph = read(writer, options.tenant.as_deref())?;
-    let outcome_sources = believe_outcomes(&mut graph, options);
     let model = models.embedder.model_id().to_string();
-    if let Some(stored) = &writer.manifest().embedding_model {
-        if stored.id != model {
-            return Err(Error::ModelMismatch {
-                store_model: stored.id.clone(),
-                model,
-            });
-        }
-    }
+    let Snapshot {
+        graph,
+        outcome_sources,
+        tenants,
+        roles,
+    } = snapshot(writer, options, &model)?;
     let judge_model = models
         .replayer
         .as_ref()
@@ -292,18 +292,6 @@ pub fn consolidate_store(
     };
     let generator_start = generator_usage(models);
     let judge_start = eta_model_usage(models);
-    let tenants = episodes_by_tenant(&graph, options, &model)?;
-    // What each tool does, learned from all of a tenant's episodes (the same on a resumed or
-    // sharded run: it depends on the snapshot only).
-    let roles: BTreeMap<String, ToolRoles> = tenants
-        .iter()
-        .map(|(tenant, (ids, _))| {
-            (
-                tenant.clone(),
-                ToolRoles::learn(ids.iter().map(|id| &graph.nodes[id])),
-            )
-        })
-        .collect();
     let latest = latest_skills(&graph);
     // Clusters that failed before, and whether they failed for sharing no procedure (a finding
     // that holds as long as the cluster's members do, so it is reported again, not re-mined).
@@ -313,18 +301,28 @@ pub fn consolidate_store(
         .filter(|e| e.stage == STAGE && e.kind == "skill_failed")
         .map(|e| (e.target.as_str(), e.reason.starts_with(NO_PROCEDURE_REASON)))
         .collect();
+    // A killed run's plan first (this shard's), then a sharded run's shared plan, else
+    // clusters of its own.
     let (plans, run_id) = match open_plan(writer, &graph, options)? {
-        Some((plans, stored_run_id, tally)) => {
+        Some((plans, stored, tally)) => {
             report.resumed = true;
+            report.shared_plan = stored.shared;
             tally.apply(&mut report);
-            (plans, stored_run_id)
+            (plans, stored.run_id)
         }
-        None => {
-            let (plans, tally) =
-                plan_clusters(&graph, &tenants, &roles, &latest, &model, options, device)?;
-            tally.apply(&mut report);
-            (plans, run_id.to_string())
-        }
+        None => match shared_plan(writer, &graph, options, run_id)? {
+            Some((plans, tally, sha256)) => {
+                report.shared_plan = Some(sha256);
+                tally.apply(&mut report);
+                (plans, run_id.to_string())
+            }
+            None => {
+                let (plans, tally) =
+                    plan_clusters(&graph, &tenants, &roles, &latest, &model, options, device)?;
+                tally.apply(&mut report);
+                (plans, run_id.to_string())
+            }
+        },
     };
     let run_id = run_id.as_str();
     progress.start(plans.len() as u64);
@@ -377,8 +375,14 @@ pub fn consolidate_store(
                 marker.insert(DONE_MARKER.to_string(), Value::Null);
             } else {
                 if !plan_saved {
-                    let plan = StoredPlan::of(run_id, shard_key(options), &plans, &report);
-                    let saved = save_plan(writer.store().dir(), &plan)?;
+                    let plan = StoredPlan::of(
+                        run_id,
+                        shard_key(options),
+                        &plans,
+                        Tally::of(&report),
+                        report.shared_plan.clone(),
+                    );
+                    let saved = save_plan(writer.store().dir(), &plan, PLAN_PREFIX)?;
                     marker.insert(PLAN_MARKER.to_string(), saved);
                     plan_saved = true;
                 }
@@ -423,7 +427,7 @@ pub const DONE_MARKER: &str = "consolidate.done";
 
 /// Counts of the planning step, kept with the plan so a resumed run reports what the run it
 /// finishes planned.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 struct Tally {
     episodes: usize,
     clusters: usize,
@@ -465,6 +469,9 @@ struct StoredPlan {
     shard: (usize, usize),
     tally: Tally,
     clusters: Vec<StoredCluster>,
+    /// The hash of the shared plan these clusters come from, if any ([`plan_shared`]).
+    #[serde(default)]
+    shared: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -482,12 +489,14 @@ impl StoredPlan {
         run_id: &str,
         shard: (usize, usize),
         plans: &[Plan<'_>],
-        report: &ConsolidateReport,
+        tally: Tally,
+        shared: Option<String>,
     ) -> StoredPlan {
         StoredPlan {
             run_id: run_id.to_string(),
             shard,
-            tally: Tally::of(report),
+            tally,
+            shared,
             clusters: plans
                 .iter()
                 .map(|plan| StoredCluster {
@@ -507,11 +516,16 @@ impl StoredPlan {
 /// consolidate writes there, under the writer lock.
 const PLAN_FOLDER: &str = "consolidate";
 
-/// Writes `plan` to `scratch/consolidate/plan-<sha256 prefix>.json` (a temporary file, synced,
-/// renamed) and returns the manifest marker that names it: the plan of a fleet's night holds
-/// every episode id, so it lives in a file of its own and the manifest, rewritten at every
-/// commit, holds only its name and hash.
-fn save_plan(dir: &Path, plan: &StoredPlan) -> Result<Value> {
+/// The file names of a run's own plan (`plan-<hash>.json`) and of a sharded run's shared one
+/// (`shared-<hash>.json`), in `scratch/consolidate/`.
+const PLAN_PREFIX: &str = "plan-";
+const SHARED_PREFIX: &str = "shared-";
+
+/// Writes `plan` to `scratch/consolidate/<prefix><sha256 prefix>.json` (a temporary file,
+/// synced, renamed) and returns the manifest marker that names it: the plan of a fleet's night
+/// holds every episode id, so it lives in a file of its own and the manifest, rewritten at
+/// every commit, holds only its name and hash.
+fn save_plan(dir: &Path, plan: &StoredPlan, prefix: &str) -> Result<Value> {
     let bytes = serde_json::to_vec(plan).expect("plans serialise");
     let sha256 = sha256_hex(&bytes);
     let folder = dir.join(fluxmem_store::SCRATCH).join(PLAN_FOLDER);
@@ -520,7 +534,7 @@ fn save_plan(dir: &Path, plan: &StoredPlan) -> Result<Value> {
         move |source| Error::Io { path, source }
     };
     std::fs::create_dir_all(&folder).map_err(io(&folder))?;
-    let name = format!("plan-{}.json", &sha256[..16]);
+    let name = format!("{prefix}{}.json", &sha256[..16]);
     let temporary = folder.join(format!(".{name}.tmp"));
     let mut file = std::fs::File::create(&temporary).map_err(io(&temporary))?;
     std::io::Write::write_all(&mut file, &bytes).map_err(io(&temporary))?;
@@ -564,6 +578,12 @@ fn load_plan(dir: &Path, marker: &Value) -> Result<StoredPlan> {
 
 /// Removes the plan files (and their temporaries) that `keep` (an open marker) does not name.
 fn sweep_plans(dir: &Path, keep: Option<&Value>) -> Result<()> {
+    sweep_prefixed(dir, PLAN_PREFIX, keep)
+}
+
+/// Removes the files of `prefix` (and their temporaries) in `scratch/consolidate/` that `keep`
+/// does not name.
+fn sweep_prefixed(dir: &Path, prefix: &str, keep: Option<&Value>) -> Result<()> {
     let folder = dir.join(fluxmem_store::SCRATCH).join(PLAN_FOLDER);
     let Ok(entries) = std::fs::read_dir(&folder) else {
         return Ok(());
@@ -572,7 +592,7 @@ fn sweep_plans(dir: &Path, keep: Option<&Value>) -> Result<()> {
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let relative = format!("{}/{PLAN_FOLDER}/{name}", fluxmem_store::SCRATCH);
-        let ours = name.starts_with("plan-") || name.starts_with(".plan-");
+        let ours = name.starts_with(prefix) || name.starts_with(&format!(".{prefix}"));
         if ours && Some(relative.as_str()) != kept {
             std::fs::remove_file(entry.path()).map_err(|source| Error::Io {
                 path: entry.path(),
@@ -581,6 +601,206 @@ fn sweep_plans(dir: &Path, keep: Option<&Value>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// What a run reads before it plans: the graph (episodes, skills, distill edges, failures)
+/// with the outcomes it believes (counted by source), each tenant's episodes with their
+/// vectors, and what each tenant's tools do.
+struct Snapshot {
+    graph: Graph,
+    outcome_sources: BTreeMap<String, usize>,
+    tenants: TenantEpisodes,
+    roles: BTreeMap<String, ToolRoles>,
+}
+
+/// Reads the store as a run does (one tenant's rows only with `options.tenant`); vectors of
+/// another model than the store's are an error.
+fn snapshot(writer: &Writer, options: &ConsolidateOptions, model: &str) -> Result<Snapshot> {
+    let mut graph = read(writer, options.tenant.as_deref())?;
+    let outcome_sources = believe_outcomes(&mut graph, options);
+    if let Some(stored) = &writer.manifest().embedding_model {
+        if stored.id != model {
+            return Err(Error::ModelMismatch {
+                store_model: stored.id.clone(),
+                model: model.to_string(),
+            });
+        }
+    }
+    let tenants = episodes_by_tenant(&graph, options, model)?;
+    // What each tool does, learned from all of a tenant's episodes (the same on a resumed or
+    // sharded run: it depends on the snapshot only).
+    let roles: BTreeMap<String, ToolRoles> = tenants
+        .iter()
+        .map(|(tenant, (ids, _))| {
+            (
+                tenant.clone(),
+                ToolRoles::learn(ids.iter().map(|id| &graph.nodes[id])),
+            )
+        })
+        .collect();
+    Ok(Snapshot {
+        graph,
+        outcome_sources,
+        tenants,
+        roles,
+    })
+}
+
+/// The manifest progress key of a sharded run's shared cluster plan ([`plan_shared`]): the
+/// file that holds it, its hash, and the run it is for.
+pub const SHARED_PLAN_MARKER: &str = "consolidate.shared_plan";
+
+/// What [`plan_shared`] did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct SharedPlanReport {
+    /// Clusters planned, over every shard.
+    pub clusters: usize,
+    /// Episodes clustered.
+    pub episodes: usize,
+    /// The plan's hash (each shard's finish note names it; the merge checks).
+    pub sha256: String,
+    /// True when the store already held this run's plan (planning again changes nothing).
+    pub reused: bool,
+}
+
+/// Plans a sharded run's clusters once, for all its shards. It reads the store as a run would,
+/// clusters each tenant (or assigns its new episodes to its skills' clusters), and records the
+/// plan in the store: a file `scratch/consolidate/shared-<hash>.json` and the marker
+/// [`SHARED_PLAN_MARKER`] naming it, its hash and `run_id`, committed. Every shard of the run
+/// then handles the clusters of the plan it owns instead of clustering on its own, so no shard
+/// depends on another's floating point (k-means on another CPU or a GPU), and each cluster is
+/// handled by exactly one shard ([`shared_plan_merge`] checks that each followed it). Planning
+/// again for the same run reuses the recorded plan.
+pub fn plan_shared(
+    writer: &mut Writer,
+    model: &str,
+    options: &ConsolidateOptions,
+    run_id: &str,
+    device: &Device,
+) -> Result<SharedPlanReport> {
+    if let Some(marker) = shared_marker(writer, run_id) {
+        let stored = load_plan(writer.store().dir(), marker)?;
+        return Ok(SharedPlanReport {
+            clusters: stored.clusters.len(),
+            episodes: stored.tally.episodes,
+            sha256: marker["sha256"].as_str().unwrap_or_default().to_string(),
+            reused: true,
+        });
+    }
+    let options = ConsolidateOptions {
+        shard: fluxmem_store::Shard::ALL,
+        ..options.clone()
+    };
+    let Snapshot {
+        graph,
+        tenants,
+        roles,
+        ..
+    } = snapshot(writer, &options, model)?;
+    let latest = latest_skills(&graph);
+    let (plans, tally) = plan_clusters(&graph, &tenants, &roles, &latest, model, &options, device)?;
+    let report = SharedPlanReport {
+        clusters: plans.len(),
+        episodes: tally.episodes,
+        ..Default::default()
+    };
+    let stored = StoredPlan::of(run_id, (0, 1), &plans, tally, None);
+    let mut marker = save_plan(writer.store().dir(), &stored, SHARED_PREFIX)?;
+    sweep_prefixed(writer.store().dir(), SHARED_PREFIX, Some(&marker))?;
+    marker["run_id"] = json!(run_id);
+    let sha256 = marker["sha256"].as_str().unwrap_or_default().to_string();
+    writer.commit(
+        &Graph::default(),
+        CommitInfo {
+            stage: STAGE.into(),
+            run_id: run_id.into(),
+            summary: json!({ "plan": "shared", "clusters": report.clusters }),
+            progress: [(SHARED_PLAN_MARKER.to_string(), marker)]
+                .into_iter()
+                .collect(),
+        },
+    )?;
+    Ok(SharedPlanReport { sha256, ..report })
+}
+
+/// The store's shared plan marker for `run_id`, if any (a staging store sees its main
+/// store's).
+fn shared_marker<'w>(writer: &'w Writer, run_id: &str) -> Option<&'w Value> {
+    writer
+        .manifest()
+        .progress
+        .get(SHARED_PLAN_MARKER)
+        .filter(|marker| marker["run_id"] == run_id)
+}
+
+/// The shared plan of a sharded run ([`plan_shared`]), if the store holds one for `run_id`:
+/// the clusters this shard owns, the plan's counts (the clusters of the other shards in
+/// `other_shards`), and the plan's hash.
+#[allow(clippy::type_complexity)] // the three parts of the plan, named in the doc
+fn shared_plan<'g>(
+    writer: &Writer,
+    graph: &'g Graph,
+    options: &ConsolidateOptions,
+    run_id: &str,
+) -> Result<Option<(Vec<Plan<'g>>, Tally, String)>> {
+    if options.shard.count <= 1 {
+        return Ok(None);
+    }
+    let Some(marker) = shared_marker(writer, run_id) else {
+        return Ok(None);
+    };
+    let main = writer
+        .staging_main()
+        .unwrap_or_else(|| writer.store().dir().to_path_buf());
+    let stored = load_plan(&main, marker)?;
+    let mut tally = stored.tally;
+    let (owned, others): (Vec<StoredCluster>, Vec<StoredCluster>) = stored
+        .clusters
+        .into_iter()
+        .partition(|c| options.shard.owns(&cluster_target(&c.episodes)));
+    tally.other_shards = others.len();
+    let sha256 = marker["sha256"].as_str().unwrap_or_default().to_string();
+    Ok(Some((stored_plans(graph, owned)?, tally, sha256)))
+}
+
+/// Before the merge of a sharded run's `count` consolidate shards: when the store holds a
+/// shared plan for `run_id`, checks that every shard followed it (its finish note names the
+/// plan's hash; a shard that clustered on its own is an error naming it) and returns the
+/// progress that clears the marker with the merge's commit. `None`: the run has no shared
+/// plan. [`sweep_shared_plans`] then deletes the file.
+pub fn shared_plan_merge(
+    writer: &Writer,
+    run_id: &str,
+    count: usize,
+) -> Result<Option<(String, Value)>> {
+    let Some(marker) = shared_marker(writer, run_id) else {
+        return Ok(None);
+    };
+    let main = writer.store().dir();
+    for index in 0..count {
+        let shard = fluxmem_store::Shard { index, count };
+        let note = fluxmem_store::staging_note(main, STAGE, shard)?;
+        if note["shared_plan"] != marker["sha256"] {
+            return Err(Error::Plan {
+                reason: format!(
+                    "shard {shard} of `{STAGE}` did not follow the run's shared cluster plan ({}): it clustered on its own, so its clusters may overlap another shard's; run it again with --shard {shard}",
+                    marker["file"].as_str().unwrap_or("?")
+                ),
+            });
+        }
+    }
+    Ok(Some((SHARED_PLAN_MARKER.to_string(), Value::Null)))
+}
+
+/// Deletes the shared plan files (`scratch/consolidate/shared-*.json`) that the store's
+/// marker no longer names: after a merge cleared it, all of them.
+pub fn sweep_shared_plans(writer: &Writer) -> Result<()> {
+    let keep = writer
+        .manifest()
+        .progress
+        .get(SHARED_PLAN_MARKER)
+        .filter(|m| !m.is_null());
+    sweep_prefixed(writer.store().dir(), SHARED_PREFIX, keep)
 }
 
 /// The store's open plan marker, if any.
@@ -669,14 +889,21 @@ fn plan_clusters<'g>(
     Ok((plans, tally))
 }
 
+/// What a killed run's stored plan says besides its clusters: its run id and the shared plan
+/// it came from.
+struct Resumed {
+    run_id: String,
+    shared: Option<String>,
+}
+
 /// The plan of a killed run of this shard, if the store holds one: its clusters (each skill it
-/// updates looked up in `graph`), its run id and its planning counts.
+/// updates looked up in `graph`), its run id and shared plan, and its planning counts.
 #[allow(clippy::type_complexity)] // the three parts of the plan, named in the doc
 fn open_plan<'g>(
     writer: &Writer,
     graph: &'g Graph,
     options: &ConsolidateOptions,
-) -> Result<Option<(Vec<Plan<'g>>, String, Tally)>> {
+) -> Result<Option<(Vec<Plan<'g>>, Resumed, Tally)>> {
     let Some(marker) = open_marker(writer) else {
         return Ok(None);
     };
@@ -689,11 +916,22 @@ fn open_plan<'g>(
     if stored.shard != shard {
         return Ok(None);
     }
-    let mut plans = Vec::with_capacity(stored.clusters.len());
-    for cluster in stored.clusters {
+    let plans = stored_plans(graph, stored.clusters)?;
+    let resumed = Resumed {
+        run_id: stored.run_id,
+        shared: stored.shared,
+    };
+    Ok(Some((plans, resumed, stored.tally)))
+}
+
+/// The clusters of a stored plan, each skill it updates looked up in `graph`; a skill or an
+/// episode the store lacks is an error.
+fn stored_plans(graph: &Graph, clusters: Vec<StoredCluster>) -> Result<Vec<Plan<'_>>> {
+    let mut plans = Vec::with_capacity(clusters.len());
+    for cluster in clusters {
         let previous = match &cluster.previous {
             Some(id) => Some(graph.nodes.get(id).ok_or_else(|| Error::Plan {
-                reason: format!("the unfinished plan updates skill {id}, which the store lacks"),
+                reason: format!("the stored plan updates skill {id}, which the store lacks"),
             })?),
             None => None,
         };
@@ -703,7 +941,7 @@ fn open_plan<'g>(
             .find(|id| !graph.nodes.contains_key(*id))
         {
             return Err(Error::Plan {
-                reason: format!("the unfinished plan's episode {missing} is not in the store"),
+                reason: format!("the stored plan's episode {missing} is not in the store"),
             });
         }
         plans.push(Plan {
@@ -716,7 +954,7 @@ fn open_plan<'g>(
             skills: cluster.skills,
         });
     }
-    Ok(Some((plans, stored.run_id, stored.tally)))
+    Ok(plans)
 }
 
 /// The shard a plan is for, as stored.

@@ -73,6 +73,20 @@ pub fn staging_dir(main: &Path, stage: &str, shard: Shard) -> PathBuf {
     main.join(STAGING).join(format!("{stage}-{}", shard.name()))
 }
 
+/// The note the shard `shard` of `stage` left when it finished
+/// ([`Writer::finish_staging_with`]); `Null` when it left none or has not finished.
+pub fn staging_note(main: &Path, stage: &str, shard: Shard) -> Result<Value> {
+    let dir = staging_dir(main, stage, shard);
+    if !dir.join(MANIFEST).is_file() {
+        return Ok(Value::Null);
+    }
+    let manifest = Manifest::read(&dir.join(MANIFEST))?;
+    Ok(staging_marker(&manifest)
+        .and_then(|m| m.get("note"))
+        .cloned()
+        .unwrap_or(Value::Null))
+}
+
 /// What a merge did.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct MergeReport {
@@ -165,6 +179,12 @@ impl Writer {
 
     /// Marks this staging store's shard as finished (merge refuses unfinished shards).
     pub fn finish_staging(&mut self, run_id: &str) -> Result<()> {
+        self.finish_staging_with(run_id, Value::Null)
+    }
+
+    /// [`Writer::finish_staging`], with a note of what the shard did that the merge checks
+    /// (the staging marker's `note`; see [`staging_note`]).
+    pub fn finish_staging_with(&mut self, run_id: &str, note: Value) -> Result<()> {
         let mut marker =
             staging_marker(self.manifest())
                 .cloned()
@@ -173,6 +193,9 @@ impl Writer {
                     reason: "not a staging store".into(),
                 })?;
         marker["done"] = Value::Bool(true);
+        if !note.is_null() {
+            marker["note"] = note;
+        }
         let info = CommitInfo {
             stage: "shard-done".into(),
             run_id: run_id.into(),

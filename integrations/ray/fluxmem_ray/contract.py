@@ -100,6 +100,19 @@ def run_shard(invocation: Invocation, stage: str, index: int, count: int) -> dic
     raise AssertionError("unreachable")
 
 
+# The map stages that plan once, before their shards (``--plan``): each shard then follows
+# the plan, and the merge checks that every shard did.
+PLANNED_STAGES = ("consolidate",)
+
+
+def run_plan(invocation: Invocation, stage: str) -> dict:
+    """Plans the work of a map stage's shards once (consolidate: its clusters), in the main store."""
+    if stage not in PLANNED_STAGES:
+        raise ValueError(f"stage {stage!r} does not plan its shards ({', '.join(PLANNED_STAGES)} do)")
+    record, seconds, code = _call(invocation, invocation.command(stage, "--plan"))
+    return {"seconds": seconds, "exit_code": code, "record": record}
+
+
 def run_merge(invocation: Invocation, stage: str, count: int) -> dict:
     """Merges the ``count`` finished shards of a map stage into the main store."""
     record, seconds, code = _call(invocation, invocation.command(stage, "--merge", str(count)))

@@ -15,9 +15,11 @@ Known limits, stated plainly:
   node (the driver included) must see the store directory, the pipeline file, its inputs and
   the binary at the same paths (a shared filesystem). An Arrow-IPC streaming worker that keeps
   the models loaded across batches is not built.
-- Consolidate is a map stage: every shard clusters the same store and induces the skills of the
-  clusters it owns (by a hash of the cluster's episodes); see docs/scale-out.md for the
-  clustering-at-scale choice.
+- Consolidate is a map stage planned once: one Ray task clusters the store
+  (``--stage consolidate --plan``, recorded in the store), then every shard induces the skills
+  of the planned clusters it owns (by a hash of the cluster's episodes), so no shard depends on
+  another's floating point; the merge refuses a shard that did not follow the plan. See
+  docs/scale-out.md for the clustering-at-scale choice.
 - Stages already marked done in the store for the run id are skipped, so a re-run of a killed
   driver resumes; a re-run shard resumes its staging store.
 """
@@ -180,8 +182,17 @@ def _actors_that_fit(options: Options, gpus: float) -> int:
     return max(1, fit)
 
 
+def _run_plan_task(invocation: Invocation, stage: str) -> dict:
+    return contract.run_plan(invocation, stage)
+
+
 def _map_stage(invocation: Invocation, stage: str, options: Options, gpus: float) -> dict:
     count = options.shards
+    plan = None
+    if stage in contract.PLANNED_STAGES:
+        # One task plans for every shard (consolidate clusters once), on a worker's resources.
+        task = ray.remote(num_gpus=gpus, num_cpus=options.cpus_per_worker, max_retries=0)(_run_plan_task)
+        plan = ray.get(task.remote(invocation, stage))
     workers = max(1, min(options.workers or count, count, _actors_that_fit(options, gpus)))
     # from_items puts the N rows in the object store from the driver: no read task competes
     # with the actors for CPUs (on a small cluster a read task and a full pool can deadlock).
@@ -213,4 +224,7 @@ def _map_stage(invocation: Invocation, stage: str, options: Options, gpus: float
     if [s["shard"] for s in shards] != list(range(count)):
         raise contract.FluxmemError(f"stage {stage}: shards {[s['shard'] for s in shards]} came back, expected 0..{count - 1}")
     merge = contract.run_merge(invocation, stage, count)
-    return {"name": stage, "mode": "map", "fanout_seconds": fanout_seconds, "shards": shards, "merge": merge}
+    entry = {"name": stage, "mode": "map", "fanout_seconds": fanout_seconds, "shards": shards, "merge": merge}
+    if plan is not None:
+        entry["plan"] = plan
+    return entry

@@ -188,6 +188,10 @@ def test_map_stages_fanned_out_on_gpu_actors(stores):
     consolidate = next(s for s in summary.stages if s["name"] == "consolidate")["shards"]
     single = next(s for s in stores["single_record"]["stages"] if s["name"] == "consolidate")
     handled = [s["record"]["details"]["clusters"] - s["record"]["details"]["other_shards"] for s in consolidate]
+    # They clustered once: one plan, which every shard followed.
+    plan = next(s for s in summary.stages if s["name"] == "consolidate")["plan"]["record"]
+    assert plan["status"] == "planned" and plan["details"]["clusters"] == single["details"]["clusters"], plan
+    assert all(s["record"]["details"]["shared_plan"] == plan["details"]["sha256"] for s in consolidate), consolidate
     assert all(h > 0 for h in handled), handled
     assert sum(handled) == single["details"]["clusters"], (handled, single["details"]["clusters"])
     assert single["counts_out"]["skills_new"] > 0, single
