@@ -654,7 +654,7 @@ fn a_sharded_consolidate_follows_one_cluster_plan() {
         );
         output
     };
-    let mut handled = 0;
+    let (mut handled, mut induced) = (0, 0);
     for i in 0..3 {
         let record = json_line(&shard_ok(consolidate(
             &shard_file,
@@ -668,11 +668,28 @@ fn a_sharded_consolidate_follows_one_cluster_plan() {
         );
         handled +=
             details["clusters"].as_u64().unwrap() - details["other_shards"].as_u64().unwrap();
+        induced += details["skills_new"].as_u64().unwrap();
     }
     assert_eq!(
         handled, clusters,
         "every planned cluster is handled by one shard"
     );
+    assert!(induced >= 2, "the shards induced the skills");
+    // A finished shard run again has nothing left to do (it does not induce its skills again).
+    for i in 0..3 {
+        let again = json_line(&shard_ok(consolidate(
+            &shard_file,
+            "night",
+            &["--shard", &format!("{i}/3")],
+        )));
+        let details = &again["details"];
+        assert_eq!(
+            (&details["commits"], &details["skills_new"]),
+            (&Value::from(0), &Value::from(0)),
+            "{again}"
+        );
+        assert_eq!(details["shared_plan"], planned["details"]["sha256"]);
+    }
     let merged = json_line(&ok(consolidate(&sharded_file, "night", &["--merge", "3"])));
     assert_eq!(merged["status"], "merged", "{merged}");
     assert_eq!(
@@ -697,8 +714,29 @@ fn a_sharded_consolidate_follows_one_cluster_plan() {
         .unwrap_or_default();
     assert!(left.is_empty(), "the plan's file is gone: {left:?}");
 
-    // A shard run under another run id finds no plan for it and clusters on its own.
+    // A plan file changed after planning is refused by the shard that reads it.
     ok(consolidate(&sharded_file, "again", &["--plan"]));
+    let plan_file = std::fs::read_dir(store.join("scratch/consolidate"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("shared-")
+        })
+        .expect("the plan is a file in scratch/consolidate");
+    let original = std::fs::read(&plan_file).unwrap();
+    std::fs::write(&plan_file, [&original[..], b" "].concat()).unwrap();
+    let tampered = consolidate(&shard_file, "again", &["--shard", "0/2"]);
+    let stderr = String::from_utf8_lossy(&tampered.stderr);
+    assert!(
+        !tampered.status.success() && stderr.contains("does not match the hash"),
+        "{stderr}"
+    );
+    std::fs::write(&plan_file, &original).unwrap();
+    // A shard run under another run id finds no plan for it and clusters on its own.
     shard_ok(consolidate(&shard_file, "again", &["--shard", "0/2"]));
     shard_ok(consolidate(&shard_file, "other", &["--shard", "1/2"]));
     let refused = consolidate(&sharded_file, "again", &["--merge", "2"]);

@@ -256,6 +256,15 @@ fn run_shard(
 /// the main store ([`fluxmem_consolidate::plan_shared`]).
 fn plan_shards(ctx: &Ctx<'_>, store_dir: &Path) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
+    if !ctx.loaded.pipeline.consolidate.enabled {
+        // The shards will skip the stage too: nothing to plan, and nothing for the merge to check.
+        let record = StageRecord {
+            name: fluxmem_consolidate::STAGE.into(),
+            ..disabled()
+        };
+        println!("{}", serde_json::to_string(&record)?);
+        return Ok(ExitCode::SUCCESS);
+    }
     let options = ctx.consolidate_options(Shard::ALL)?;
     let model = model_id(&ctx.loaded.pipeline.models.embedder);
     let device = ctx.device_choice.device()?;

@@ -10,9 +10,11 @@
 //! [`crate::SemanticIndex::hybrid`].
 //!
 //! Structure is computed once, after the split, from every fact's place (source, group,
-//! position) and speaker: each fact's neighbours in its group and its speaker, by ordinal (16
-//! bytes a fact, held for the search), and, with context units, each fact's BM25 text with the
-//! previous unit of its group joined (written into its partition in place of its text).
+//! position) and speaker: each fact's neighbours in its group and its speaker, by ordinal (12
+//! bytes a fact, held for the search; about 30 more a fact and each group's key while they are
+//! computed), and, with context units, each fact's BM25 text with the previous unit of its
+//! group joined (written into its partition in place of its text; a fact's share of the budget
+//! counts it).
 //!
 //! The ranking is the one a [`crate::SemanticIndex`] over all of a tenant's facts gives, bit
 //! for bit, units and structure lifts included: a cosine depends on its query and row alone ([`DenseIndex::scores`]), a BM25 score
@@ -402,6 +404,11 @@ impl Spill {
         };
         self.stats[tenant as usize].facts += 1;
         self.bytes += fact_bytes(node.id.as_str(), &node.text, self.dim);
+        if self.units.previous {
+            // Its context text holds the previous unit's too (held, and as postings): about as
+            // much again.
+            self.bytes += 3 * node.text.len();
+        }
         let place = match &node.body {
             fluxmem_graph::NodeBody::Semantic(s) => Some(Place {
                 source: s.source.clone(),

@@ -68,8 +68,8 @@ pub struct Units {
 }
 
 impl Units {
-    /// Each node's own text, unstemmed (Stage I's grounding in `connect`, the `bm25` and
-    /// `hybrid` baselines).
+    /// Each node's own text, unstemmed (the `bm25` and `hybrid` baselines, and
+    /// [`RetrievalConfig::default`]).
     pub const PLAIN: Units = Units {
         previous: false,
         stem: false,

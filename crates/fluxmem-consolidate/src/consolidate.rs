@@ -326,7 +326,13 @@ pub fn consolidate_store(
     };
     let run_id = run_id.as_str();
     progress.start(plans.len() as u64);
-    let done = done_count(writer);
+    // The count of clusters handled belongs to the plan it was saved with: a run that did not
+    // resume one (a staging store inherits its main store's markers) starts at 0.
+    let done = if report.resumed {
+        done_count(writer)
+    } else {
+        0
+    };
     // The last cluster with work: its commit closes the plan.
     let last = plans
         .iter()
@@ -373,6 +379,9 @@ pub fn consolidate_store(
             if Some(position) == last {
                 marker.insert(PLAN_MARKER.to_string(), Value::Null);
                 marker.insert(DONE_MARKER.to_string(), Value::Null);
+                if let Some(sha256) = &report.shared_plan {
+                    marker.insert(SHARED_DONE_MARKER.to_string(), json!(sha256));
+                }
             } else {
                 if !plan_saved {
                     let plan = StoredPlan::of(
@@ -576,6 +585,18 @@ fn load_plan(dir: &Path, marker: &Value) -> Result<StoredPlan> {
     })
 }
 
+/// True for the names [`save_plan`] writes with `prefix`: `<prefix><16 hex>.json` and its
+/// temporary `.<prefix><16 hex>.json.tmp`.
+fn plan_file_name(name: &str, prefix: &str) -> bool {
+    let name = name
+        .strip_prefix('.')
+        .and_then(|n| n.strip_suffix(".tmp"))
+        .unwrap_or(name);
+    name.strip_prefix(prefix)
+        .and_then(|n| n.strip_suffix(".json"))
+        .is_some_and(|hex| hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// Removes the plan files (and their temporaries) that `keep` (an open marker) does not name.
 fn sweep_plans(dir: &Path, keep: Option<&Value>) -> Result<()> {
     sweep_prefixed(dir, PLAN_PREFIX, keep)
@@ -592,7 +613,7 @@ fn sweep_prefixed(dir: &Path, prefix: &str, keep: Option<&Value>) -> Result<()> 
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let relative = format!("{}/{PLAN_FOLDER}/{name}", fluxmem_store::SCRATCH);
-        let ours = name.starts_with(prefix) || name.starts_with(&format!(".{prefix}"));
+        let ours = plan_file_name(&name, prefix);
         if ours && Some(relative.as_str()) != kept {
             std::fs::remove_file(entry.path()).map_err(|source| Error::Io {
                 path: entry.path(),
@@ -647,8 +668,12 @@ fn snapshot(writer: &Writer, options: &ConsolidateOptions, model: &str) -> Resul
 }
 
 /// The manifest progress key of a sharded run's shared cluster plan ([`plan_shared`]): the
-/// file that holds it, its hash, and the run it is for.
+/// file that holds it, its hash, the run it is for and the store version it was made at.
 pub const SHARED_PLAN_MARKER: &str = "consolidate.shared_plan";
+
+/// The progress key, in a shard's staging store, of the shared plan whose clusters the shard
+/// has all handled (its hash): a shard run again after that has nothing left to do.
+const SHARED_DONE_MARKER: &str = "consolidate.shared_done";
 
 /// What [`plan_shared`] did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -678,7 +703,11 @@ pub fn plan_shared(
     run_id: &str,
     device: &Device,
 ) -> Result<SharedPlanReport> {
-    if let Some(marker) = shared_marker(writer, run_id) {
+    // The recorded plan holds while its commit is the store's last (a night's new data makes a
+    // new plan).
+    if let Some(marker) = shared_marker(writer, run_id)
+        .filter(|m| m["version"].as_u64() == Some(writer.manifest().version))
+    {
         let stored = load_plan(writer.store().dir(), marker)?;
         return Ok(SharedPlanReport {
             clusters: stored.clusters.len(),
@@ -706,8 +735,9 @@ pub fn plan_shared(
     };
     let stored = StoredPlan::of(run_id, (0, 1), &plans, tally, None);
     let mut marker = save_plan(writer.store().dir(), &stored, SHARED_PREFIX)?;
-    sweep_prefixed(writer.store().dir(), SHARED_PREFIX, Some(&marker))?;
     marker["run_id"] = json!(run_id);
+    // The version of the commit that records it: shards check they start from it.
+    marker["version"] = json!(writer.manifest().version + 1);
     let sha256 = marker["sha256"].as_str().unwrap_or_default().to_string();
     writer.commit(
         &Graph::default(),
@@ -715,11 +745,13 @@ pub fn plan_shared(
             stage: STAGE.into(),
             run_id: run_id.into(),
             summary: json!({ "plan": "shared", "clusters": report.clusters }),
-            progress: [(SHARED_PLAN_MARKER.to_string(), marker)]
+            progress: [(SHARED_PLAN_MARKER.to_string(), marker.clone())]
                 .into_iter()
                 .collect(),
         },
     )?;
+    // Older plans' files, once the marker no longer names them.
+    sweep_prefixed(writer.store().dir(), SHARED_PREFIX, Some(&marker))?;
     Ok(SharedPlanReport { sha256, ..report })
 }
 
@@ -743,15 +775,26 @@ fn shared_plan<'g>(
     options: &ConsolidateOptions,
     run_id: &str,
 ) -> Result<Option<(Vec<Plan<'g>>, Tally, String)>> {
-    if options.shard.count <= 1 {
+    // Only a shard of a sharded run (a staging store) follows a shared plan.
+    let Some(main) = writer.staging_main() else {
         return Ok(None);
-    }
+    };
     let Some(marker) = shared_marker(writer, run_id) else {
         return Ok(None);
     };
-    let main = writer
-        .staging_main()
-        .unwrap_or_else(|| writer.store().dir().to_path_buf());
+    let base = writer
+        .manifest()
+        .progress
+        .get("staging")
+        .and_then(|s| s["base_version"].as_u64());
+    if base != marker["version"].as_u64() {
+        return Err(Error::Plan {
+            reason: format!(
+                "the run's shared cluster plan was made at store version {}, this shard started from version {}; plan again (--plan), then run the shards",
+                marker["version"], base.map_or("?".into(), |b| b.to_string())
+            ),
+        });
+    }
     let stored = load_plan(&main, marker)?;
     let mut tally = stored.tally;
     let (owned, others): (Vec<StoredCluster>, Vec<StoredCluster>) = stored
@@ -760,6 +803,10 @@ fn shared_plan<'g>(
         .partition(|c| options.shard.owns(&cluster_target(&c.episodes)));
     tally.other_shards = others.len();
     let sha256 = marker["sha256"].as_str().unwrap_or_default().to_string();
+    // Run again after it handled all its clusters: nothing is left to do.
+    if writer.manifest().progress.get(SHARED_DONE_MARKER) == Some(&json!(sha256)) {
+        return Ok(Some((Vec::new(), tally, sha256)));
+    }
     Ok(Some((stored_plans(graph, owned)?, tally, sha256)))
 }
 
@@ -779,7 +826,10 @@ pub fn shared_plan_merge(
     let main = writer.store().dir();
     for index in 0..count {
         let shard = fluxmem_store::Shard { index, count };
-        let note = fluxmem_store::staging_note(main, STAGE, shard)?;
+        // A shard that never ran or never finished is the merge's to name.
+        let Some(note) = fluxmem_store::staging_note(main, STAGE, shard)? else {
+            continue;
+        };
         if note["shared_plan"] != marker["sha256"] {
             return Err(Error::Plan {
                 reason: format!(

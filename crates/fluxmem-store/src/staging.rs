@@ -74,17 +74,21 @@ pub fn staging_dir(main: &Path, stage: &str, shard: Shard) -> PathBuf {
 }
 
 /// The note the shard `shard` of `stage` left when it finished
-/// ([`Writer::finish_staging_with`]); `Null` when it left none or has not finished.
-pub fn staging_note(main: &Path, stage: &str, shard: Shard) -> Result<Value> {
+/// ([`Writer::finish_staging_with`]; `Null` when it left none); `None` when the shard has no
+/// staging store or has not finished.
+pub fn staging_note(main: &Path, stage: &str, shard: Shard) -> Result<Option<Value>> {
     let dir = staging_dir(main, stage, shard);
     if !dir.join(MANIFEST).is_file() {
-        return Ok(Value::Null);
+        return Ok(None);
     }
     let manifest = Manifest::read(&dir.join(MANIFEST))?;
-    Ok(staging_marker(&manifest)
-        .and_then(|m| m.get("note"))
-        .cloned()
-        .unwrap_or(Value::Null))
+    let Some(marker) = staging_marker(&manifest) else {
+        return Ok(None);
+    };
+    if marker.get("done").and_then(Value::as_bool) != Some(true) {
+        return Ok(None);
+    }
+    Ok(Some(marker.get("note").cloned().unwrap_or(Value::Null)))
 }
 
 /// What a merge did.
