@@ -192,12 +192,14 @@ pub struct QueryArgs {
     /// Print the items as JSON with their scores and why each was included.
     #[arg(long)]
     pub json: bool,
-    /// Fusion of the hybrid score: weighted (reference code) or sum (paper).
-    #[arg(long, default_value = "weighted")]
-    pub fusion: String,
-    /// Weights of the dense, BM25 and judge signals in weighted fusion.
-    #[arg(long, value_delimiter = ',', default_value = "1.0,0.5,0.3")]
-    pub weights: Vec<f32>,
+    /// Fusion of the hybrid score: weighted (reference code) or sum (paper) [default: as the
+    /// store's connect ranked, else weighted].
+    #[arg(long)]
+    pub fusion: Option<String>,
+    /// Weights of the dense, BM25 and judge signals in weighted fusion [default: as the
+    /// store's connect ranked, else 1.0,0.5,0.3].
+    #[arg(long, value_delimiter = ',')]
+    pub weights: Option<Vec<f32>>,
     /// Judge: none, llm (the default judge model) or a generator's name (`fluxmem models list`),
     /// scoring by yes/no; ql or ql:MODEL, scoring by query likelihood. It scores the top
     /// candidates.
@@ -421,22 +423,26 @@ pub struct EvalSkillsArgs {
     pub json: Option<PathBuf>,
 }
 
-/// How facts are indexed and how much structure counts (`connect`, `query`, `eval locomo`);
-/// the defaults are [`fluxmem_connect::RetrievalConfig::serving`]'s.
+/// How facts are indexed and how much structure counts (`connect`, `query`, `eval locomo`).
+/// Unset, each is [`fluxmem_connect::RetrievalConfig::serving`]'s (context, 0.3, 0.3), and in
+/// `query` the one the store's connect recorded, so the store serves the ranking its ground
+/// edges were made with.
 #[derive(Debug, Args)]
 pub struct StructureArgs {
     /// How facts are indexed for BM25: context (each with the unit before it in its source
-    /// group, terms stemmed), plain (its own text), or a comma list of previous and stem.
-    #[arg(long, default_value = "context")]
-    pub units: String,
+    /// group, terms stemmed), plain (its own text), or a comma list of previous and stem
+    /// [default: context].
+    #[arg(long)]
+    pub units: Option<String>,
     /// Structure: a fact's score gains this times the best score of its neighbours in its
-    /// source group (the turns before and after it). 0: off.
-    #[arg(long, default_value_t = fluxmem_connect::DEFAULT_ADJACENCY)]
-    pub adjacency: f32,
+    /// source group (the turns before and after it). 0: off [default: 0.3].
+    #[arg(long)]
+    pub adjacency: Option<f32>,
     /// Structure: a fact said by someone the query names (its `speaker`, by first name) gains
-    /// this much, and the dense signal reads the query without the names. 0: off.
-    #[arg(long, default_value_t = fluxmem_connect::DEFAULT_ENTITY)]
-    pub entity: f32,
+    /// this much, and the dense signal reads the query without the names. 0: off
+    /// [default: 0.3].
+    #[arg(long)]
+    pub entity: Option<f32>,
 }
 
 /// `fluxmem eval locomo`.

@@ -709,108 +709,124 @@ const SERVED: &str = r#"{"type":"fact","tenant":"acme","source":"handbook","sect
 /// The memory the night builds is the memory that is served: connect's ground edges for an
 /// episode are `query`'s top facts (its `--ground-k` best) for the texts of the episode's
 /// steps, with the same defaults on both sides (context units, neighbours in a section, a
-/// speaker a step names), and each edge's weight is the best score query gives the fact. On
-/// this data plain retrieval ranks differently, so the equality does not hold by accident.
+/// speaker a step names), and each edge's weight is the best score query gives the fact. A
+/// store connected with other settings (plain retrieval) is served with them: query follows
+/// the retrieval connect recorded. On this data the two settings rank differently, so the
+/// equality does not hold by accident.
 #[test]
 fn connect_grounds_each_step_with_the_facts_query_serves_for_it() {
     let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
     let input = dir.path().join("served.jsonl");
     std::fs::write(&input, SERVED).unwrap();
-    for args in [
-        vec!["ingest", input.to_str().unwrap()],
-        vec!["embed", "--model", "hash-48"],
-        vec!["connect", "--model", "hash-48", "--link-k", "0"],
-    ] {
-        assert_succeeded(&run(fluxmem(&store).args(&args)));
-    }
-    let graph = fluxmem_store::Store::open(&store).unwrap().load().unwrap();
-    // query's semantic items for `text`, best first: (node, score).
-    let served = |text: &str, extra: &[&str]| -> Vec<(NodeId, f32)> {
-        let mut args = vec![
-            "query",
-            "--model",
-            "hash-48",
-            "--episodes",
-            "0",
-            "--budget",
-            "100000",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        args.push(text);
-        let output = run(fluxmem(&store).args(&args));
-        assert_succeeded(&output);
-        let context = stdout_json(&output);
-        let mut items: Vec<&Value> = context["items"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|item| item["kind"] == "semantic")
-            .collect();
-        items.sort_by_key(|item| item["rank"].as_u64().unwrap());
-        items
-            .iter()
-            .map(|item| {
-                (
-                    NodeId(item["node_id"].as_str().unwrap().to_string()),
-                    item["score"].as_f64().unwrap() as f32,
-                )
-            })
-            .collect()
-    };
-    let mut plain_differs = false;
-    let mut episodes = 0;
-    for episode in graph
-        .nodes
-        .values()
-        .filter(|n| n.kind() == NodeKind::Episodic)
+    let plain = ["--units", "plain", "--adjacency", "0", "--entity", "0"];
+    let serving = [
+        "--units",
+        "context",
+        "--adjacency",
+        "0.3",
+        "--entity",
+        "0.3",
+    ];
+    // Connect with the defaults, then with plain retrieval: query, given no flag, ranks as
+    // the store's connect did (it records its retrieval); the other setting ranks otherwise.
+    for (name, connect_flags, other) in [("store", &[][..], plain), ("plain", &plain[..], serving)]
     {
-        episodes += 1;
-        let mut expected: std::collections::BTreeMap<NodeId, f32> = Default::default();
-        for step in &episode.episode().unwrap().steps {
-            let top: Vec<(NodeId, f32)> =
-                served(&step.observation, &[]).into_iter().take(2).collect();
-            assert_eq!(top.len(), 2, "{}", step.observation);
-            let plain: Vec<NodeId> = served(
-                &step.observation,
-                &["--units", "plain", "--adjacency", "0", "--entity", "0"],
-            )
-            .into_iter()
-            .take(2)
-            .map(|(id, _)| id)
-            .collect();
-            plain_differs |= plain != top.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>();
-            for (id, score) in top {
-                let best = expected.entry(id).or_insert(score);
-                *best = best.max(score);
+        let store = dir.path().join(name);
+        let mut connect = vec!["connect", "--model", "hash-48", "--link-k", "0"];
+        connect.extend_from_slice(connect_flags);
+        for args in [
+            vec!["ingest", input.to_str().unwrap()],
+            vec!["embed", "--model", "hash-48"],
+            connect,
+        ] {
+            assert_succeeded(&run(fluxmem(&store).args(&args)));
+        }
+        let graph = fluxmem_store::Store::open(&store).unwrap().load().unwrap();
+        // query's semantic items for `text`, best first: (node, score).
+        let served = |text: &str, extra: &[&str]| -> Vec<(NodeId, f32)> {
+            let mut args = vec![
+                "query",
+                "--model",
+                "hash-48",
+                "--episodes",
+                "0",
+                "--budget",
+                "100000",
+                "--json",
+            ];
+            args.extend_from_slice(extra);
+            args.push(text);
+            let output = run(fluxmem(&store).args(&args));
+            assert_succeeded(&output);
+            let context = stdout_json(&output);
+            let mut items: Vec<&Value> = context["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|item| item["kind"] == "semantic")
+                .collect();
+            items.sort_by_key(|item| item["rank"].as_u64().unwrap());
+            items
+                .iter()
+                .map(|item| {
+                    (
+                        NodeId(item["node_id"].as_str().unwrap().to_string()),
+                        item["score"].as_f64().unwrap() as f32,
+                    )
+                })
+                .collect()
+        };
+        let mut other_differs = false;
+        let mut episodes = 0;
+        for episode in graph
+            .nodes
+            .values()
+            .filter(|n| n.kind() == NodeKind::Episodic)
+        {
+            episodes += 1;
+            let mut expected: std::collections::BTreeMap<NodeId, f32> = Default::default();
+            for step in &episode.episode().unwrap().steps {
+                let top: Vec<(NodeId, f32)> =
+                    served(&step.observation, &[]).into_iter().take(2).collect();
+                assert_eq!(top.len(), 2, "{}", step.observation);
+                let otherwise: Vec<NodeId> = served(&step.observation, &other)
+                    .into_iter()
+                    .take(2)
+                    .map(|(id, _)| id)
+                    .collect();
+                other_differs |=
+                    otherwise != top.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>();
+                for (id, score) in top {
+                    let best = expected.entry(id).or_insert(score);
+                    *best = best.max(score);
+                }
+            }
+            let grounded: std::collections::BTreeMap<NodeId, f32> = graph
+                .edges
+                .values()
+                .filter(|e| e.kind == fluxmem_graph::EdgeKind::Ground && e.dst == episode.id)
+                .map(|e| (e.src.clone(), e.weight))
+                .collect();
+            assert_eq!(
+                grounded.keys().collect::<Vec<_>>(),
+                expected.keys().collect::<Vec<_>>(),
+                "episode {}: connect's ground edges are query's top facts",
+                episode.id
+            );
+            for (id, weight) in &grounded {
+                assert!(
+                    (weight - expected[id]).abs() < 1e-5,
+                    "{id}: edge weight {weight}, query's score {}",
+                    expected[id]
+                );
             }
         }
-        let grounded: std::collections::BTreeMap<NodeId, f32> = graph
-            .edges
-            .values()
-            .filter(|e| e.kind == fluxmem_graph::EdgeKind::Ground && e.dst == episode.id)
-            .map(|e| (e.src.clone(), e.weight))
-            .collect();
-        assert_eq!(
-            grounded.keys().collect::<Vec<_>>(),
-            expected.keys().collect::<Vec<_>>(),
-            "episode {}: connect's ground edges are query's top facts",
-            episode.id
+        assert_eq!(episodes, 3);
+        assert!(
+            other_differs,
+            "{name}: the other retrieval ranks these steps the same: the test shows nothing"
         );
-        for (id, weight) in &grounded {
-            assert!(
-                (weight - expected[id]).abs() < 1e-5,
-                "{id}: edge weight {weight}, query's score {}",
-                expected[id]
-            );
-        }
     }
-    assert_eq!(episodes, 3);
-    assert!(
-        plain_differs,
-        "plain retrieval ranks these steps the same: the test shows nothing"
-    );
 }
 
 /// Tenants never mix: connect and refine write no cross-tenant edge, `query` needs `--tenant`

@@ -9,7 +9,13 @@ use crate::progress::CountBar;
 
 pub fn run(args: ConnectArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     // Flag values first, before a model is loaded or the store opened.
-    let retrieval = super::retrieval_config(&args.fusion, &args.weights, 0, &args.structure)?;
+    let retrieval = super::retrieval_config(
+        Some(&args.fusion),
+        Some(&args.weights),
+        0,
+        &args.structure,
+        fluxmem_connect::RetrievalConfig::serving(),
+    )?;
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
     let embedder = super::embedder(&args.model, &device_choice, None)?;

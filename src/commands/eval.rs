@@ -9,8 +9,13 @@ use crate::progress::CountBar;
 pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
-    let retrieval =
-        super::retrieval_config(&args.fusion, &args.weights, args.judge_top, &args.structure)?;
+    let retrieval = super::retrieval_config(
+        Some(&args.fusion),
+        Some(&args.weights),
+        args.judge_top,
+        &args.structure,
+        fluxmem_connect::RetrievalConfig::serving(),
+    )?;
     super::check_loop_flags(&args.refine)?;
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;
     let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;

@@ -116,44 +116,47 @@ pub fn open_writer_at(
     Ok(writer)
 }
 
-/// Stage I settings from the `--fusion`, `--weights` and judge flags, and the `--units`,
-/// `--adjacency` and `--entity` flags (whose defaults are the serving retrieval's,
-/// [`fluxmem_connect::RetrievalConfig::serving`]: connect grounds with what query serves).
+/// Stage I settings: `base` (the serving retrieval, [`fluxmem_connect::RetrievalConfig::serving`],
+/// or in `query` the one the store's connect recorded) with what the `--fusion`, `--weights`,
+/// `--units`, `--adjacency` and `--entity` flags set, and the judge's share.
 pub fn retrieval_config(
-    fusion: &str,
-    weights: &[f32],
+    fusion: Option<&str>,
+    weights: Option<&[f32]>,
     judge_top: usize,
     structure: &crate::cli::StructureArgs,
+    base: fluxmem_connect::RetrievalConfig,
 ) -> anyhow::Result<fluxmem_connect::RetrievalConfig> {
-    let fusion: fluxmem_connect::FusionMode = fusion.parse().map_err(anyhow::Error::msg)?;
-    crate::cli::check_weights(weights)?;
-    let [dense, bm25, judge] = weights else {
-        anyhow::bail!(
-            "--weights takes three numbers (dense, BM25, judge), got {}",
-            weights.len()
-        );
-    };
-    let weights = fluxmem_connect::FusionWeights {
-        dense: *dense,
-        bm25: *bm25,
-        judge: *judge,
-    };
-    let units: fluxmem_connect::Units = structure.units.parse().map_err(anyhow::Error::msg)?;
-    for (flag, value) in [
-        ("--adjacency", structure.adjacency),
-        ("--entity", structure.entity),
-    ] {
-        crate::cli::check_f32_flag(flag, value, crate::cli::Bound::NonNegative)?;
+    let mut config = fluxmem_connect::RetrievalConfig { judge_top, ..base };
+    if let Some(fusion) = fusion {
+        config.fusion = fusion.parse().map_err(anyhow::Error::msg)?;
     }
-    Ok(fluxmem_connect::RetrievalConfig {
-        fusion,
-        weights,
-        judge_top,
-        units,
-        adjacency: structure.adjacency,
-        entity: structure.entity,
-        ..fluxmem_connect::RetrievalConfig::serving()
-    })
+    if let Some(weights) = weights {
+        crate::cli::check_weights(weights)?;
+        let [dense, bm25, judge] = weights else {
+            anyhow::bail!(
+                "--weights takes three numbers (dense, BM25, judge), got {}",
+                weights.len()
+            );
+        };
+        config.weights = fluxmem_connect::FusionWeights {
+            dense: *dense,
+            bm25: *bm25,
+            judge: *judge,
+        };
+    }
+    if let Some(units) = &structure.units {
+        config.units = units.parse().map_err(anyhow::Error::msg)?;
+    }
+    for (flag, value, slot) in [
+        ("--adjacency", structure.adjacency, &mut config.adjacency),
+        ("--entity", structure.entity, &mut config.entity),
+    ] {
+        if let Some(value) = value {
+            crate::cli::check_f32_flag(flag, value, crate::cli::Bound::NonNegative)?;
+            *slot = value;
+        }
+    }
+    Ok(config)
 }
 
 /// The judge named by `--judge`: `none`, `llm` (the default judge model) or a generator's name

@@ -11,9 +11,22 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let device_choice: DeviceChoice = args.device.parse()?;
     let device = device_choice.device()?;
     super::check_loop_flags(&args.refine)?;
-    let mut config =
-        super::retrieval_config(&args.fusion, &args.weights, args.judge_top, &args.structure)?;
+    let config_over = |base| {
+        super::retrieval_config(
+            args.fusion.as_deref(),
+            args.weights.as_deref(),
+            args.judge_top,
+            &args.structure,
+            base,
+        )
+    };
+    // The flags are checked before the store is read.
+    config_over(fluxmem_connect::RetrievalConfig::serving())?;
     let store = fluxmem_store::Store::open(&settings.store)?;
+    // The ranking the store's ground edges were made with, unless a flag says otherwise.
+    let recorded = fluxmem_connect::recorded_retrieval(&store.manifest()?);
+    let mut config =
+        config_over(recorded.unwrap_or_else(fluxmem_connect::RetrievalConfig::serving))?;
     let (mut graph, tenant, read_version) = read_tenant(&store, args.tenant.as_deref())?;
     let embedder = super::embedder(&args.model, &device_choice, None)?;
     // Only the tenant's nodes; those not embedded yet are left out and counted.

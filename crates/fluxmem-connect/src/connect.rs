@@ -651,6 +651,26 @@ impl Night<'_> {
     }
 }
 
+/// The manifest progress key of the retrieval connect's ground edges came from (a
+/// [`RetrievalConfig`] as JSON), written with each of its commits: `query` ranks with it by
+/// default, so the store serves the ranking its edges were made with.
+pub const RETRIEVAL_MARKER: &str = "connect.retrieval";
+
+/// The retrieval the store's ground edges were made with ([`RETRIEVAL_MARKER`]), if connect
+/// recorded one.
+pub fn recorded_retrieval(manifest: &fluxmem_store::Manifest) -> Option<RetrievalConfig> {
+    let value = manifest.progress.get(RETRIEVAL_MARKER)?;
+    serde_json::from_value(value.clone()).ok()
+}
+
+/// The progress that records `config` as the store's retrieval ([`RETRIEVAL_MARKER`]).
+pub fn retrieval_progress(config: &RetrievalConfig) -> (String, serde_json::Value) {
+    (
+        RETRIEVAL_MARKER.to_string(),
+        serde_json::to_value(config).expect("a retrieval config serialises"),
+    )
+}
+
 /// Commits one chunk's edges, with the run's counts so far.
 /// Commits `delta`; `grown_seen`: the `episode_grown` edits handled, to record.
 fn commit(
@@ -670,6 +690,7 @@ fn commit(
             progress: grown_seen
                 .map(|n| (GROWN_SEEN.to_string(), serde_json::Value::from(n)))
                 .into_iter()
+                .chain([retrieval_progress(&report.retrieval)])
                 .collect(),
         },
     )?;

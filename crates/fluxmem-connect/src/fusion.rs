@@ -1,10 +1,10 @@
 //! Hybrid scores: the paper's plain sum, or the reference code's weighted sum of min-max
 //! normalised signals.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// How signals combine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FusionMode {
     /// cosine + BM25 + judge, raw (the paper's formula).
@@ -26,7 +26,7 @@ impl std::str::FromStr for FusionMode {
 }
 
 /// Signal weights of the weighted mode.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct FusionWeights {
     /// Dense cosine weight.
     pub dense: f32,

@@ -31,8 +31,8 @@ mod tenant;
 
 pub use bm25::{stem, terms, terms_with, Bm25, Bm25Params};
 pub use connect::{
-    connect_store, merged_progress, ConnectOptions, ConnectReport, NoProgress, Progress,
-    DEFAULT_MEMORY, STAGE,
+    connect_store, merged_progress, recorded_retrieval, retrieval_progress, ConnectOptions,
+    ConnectReport, NoProgress, Progress, DEFAULT_MEMORY, RETRIEVAL_MARKER, STAGE,
 };
 pub use context::{line, pack, Context, ContextItem};
 pub use dense::{embedded, embedded_in, top_k, DenseIndex, Embedded, Unembedded, BLOCK_ROWS};

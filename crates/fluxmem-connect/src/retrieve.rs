@@ -4,7 +4,7 @@
 use candle_core::Device;
 use fluxmem_graph::{Graph, NodeBody, NodeId, NodeKind};
 use fluxmem_models::Judge;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::bm25::{Bm25, Bm25Params};
 use crate::dense::{embedded_in, top_k, DenseIndex, Unembedded};
@@ -22,7 +22,7 @@ pub const DEFAULT_ENTITY: f32 = 0.3;
 /// Stage I settings. [`RetrievalConfig::serving`] is the retrieval the night grounds its
 /// episodes with (`connect`) and the one `query` answers with: the graph stores the ranking
 /// that is served. [`RetrievalConfig::default`] is plain hybrid retrieval (the baselines).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RetrievalConfig {
     /// Fusion mode.
     pub fusion: FusionMode,
@@ -58,7 +58,7 @@ pub struct RetrievalConfig {
 /// How a semantic node is indexed for BM25: its text alone ([`Units::PLAIN`]) or as a unit with
 /// its context ([`Units::CONTEXT`], the default of `query` and of the `fluxmem` system of `eval
 /// locomo`). The stored node, its line in a context and its vector do not change.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Units {
     /// A node's BM25 text carries the text of the node before it in its source group (the
     /// question a turn answers, the sentence a chunk continues).
