@@ -10,12 +10,12 @@ Ray's scheduling. The ratio is the Ray path's rows/s over the in-process run's, 
 machine with the same threads (1.00: the plumbing costs nothing; on one machine the shards
 compete for the same cores, so a ratio below 1 is the plumbing's cost, not a speed-up lost).
 
-The embedder is the pipeline's (`all-minilm-l6-v2` by default): a pipeline cannot name the
-weight-free hashing embedder, so the "model that does nothing" row of issue 44 is not measured.
+Each embedder of `--embedders` gets its table: `hash-384` is the weight-free hashing embedder
+(a model that does next to nothing: the plumbing's cost alone), `all-minilm-l6-v2` the default.
 
 Usage (from the repository root, with the Ray venv that scripts/test.sh installs):
   .venv/bin/python benches/ray_plumbing.py --bin target/debug/fluxmem [--episodes 2000]
-      [--shards 2] [--work DIR]
+      [--shards 2] [--embedders hash-384,all-minilm-l6-v2] [--work DIR]
 """
 import argparse
 import json
@@ -38,6 +38,7 @@ seed = 7
 
 [models]
 device = "cpu"
+embedder = "{embedder}"
 generator = "none"
 judge = "none"
 
@@ -60,10 +61,10 @@ def synth(kind, out, args, extra):
     subprocess.run(command + extra, check=True)
 
 
-def pipeline(work, name, episodes, facts):
+def pipeline(work, name, episodes, facts, embedder):
     path = os.path.join(work, f"{name}.toml")
     with open(path, "w") as out:
-        out.write(PIPELINE.format(store=name, episodes=episodes, facts=facts))
+        out.write(PIPELINE.format(store=name, episodes=episodes, facts=facts, embedder=embedder))
     return path
 
 
@@ -92,12 +93,8 @@ def through_ray(binary, path, shards):
     import ray
     import fluxmem_ray
 
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-    try:
-        options = fluxmem_ray.Options(shards=shards, stages=STAGES, gpus_per_worker=0.0)
-        summary = fluxmem_ray.run_pipeline(path, "bench", options, binary=binary)
-    finally:
-        ray.shutdown()
+    options = fluxmem_ray.Options(shards=shards, stages=STAGES, gpus_per_worker=0.0)
+    summary = fluxmem_ray.run_pipeline(path, "bench", options, binary=binary)
     out = {}
     for stage in summary.stages:
         rows = sum(rows_of(s["record"], stage["name"]) for s in stage["shards"])
@@ -110,6 +107,7 @@ def main():
     parser.add_argument("--bin", required=True)
     parser.add_argument("--episodes", type=int, default=2000)
     parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--embedders", default="hash-384,all-minilm-l6-v2")
     parser.add_argument("--work")
     args = parser.parse_args()
     binary = os.path.abspath(args.bin)
@@ -119,19 +117,29 @@ def main():
     facts = os.path.join(work, "facts.jsonl")
     synth("episodes", episodes, args, ["--from", "0", "--to", str(args.episodes), "--tenants", "4"])
     synth("facts", facts, args, ["--tenants", "4"])
-    for name in ("local", "ray"):
-        shutil.rmtree(os.path.join(work, name), ignore_errors=True)
-        shutil.rmtree(os.path.join(work, f"{name}-runs"), ignore_errors=True)
-    local = in_process(binary, pipeline(work, "local", episodes, facts))
-    ray_path = through_ray(binary, pipeline(work, "ray", episodes, facts), args.shards)
+    import ray
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    tables = []
+    try:
+        for embedder in args.embedders.split(","):
+            for name in ("local", "ray"):
+                shutil.rmtree(os.path.join(work, name), ignore_errors=True)
+                shutil.rmtree(os.path.join(work, f"{name}-runs"), ignore_errors=True)
+            local = in_process(binary, pipeline(work, "local", episodes, facts, embedder))
+            ray_path = through_ray(binary, pipeline(work, "ray", episodes, facts, embedder), args.shards)
+            tables.append((embedder, local, ray_path))
+    finally:
+        ray.shutdown()
     print(f"ray plumbing: {args.episodes} episodes of 4 tenants, {args.shards} shards, {os.cpu_count()} CPUs, bin {args.bin}")
-    print(f"{'stage':<10}{'rows':>8}{'local s':>10}{'local rows/s':>14}{'ray s':>9}{'ray rows/s':>12}{'ratio':>8}")
-    for stage in STAGES:
-        (ls, lr), (rs, rr) = local[stage], ray_path[stage]
-        if lr != rr:
-            raise SystemExit(f"{stage}: the Ray path worked on {rr} rows, the local run on {lr}")
-        lrate, rrate = lr / ls, rr / rs
-        print(f"{stage:<10}{lr:>8}{ls:>10.1f}{lrate:>14.0f}{rs:>9.1f}{rrate:>12.0f}{rrate / lrate:>8.2f}")
+    print(f"{'embedder':<18}{'stage':<10}{'rows':>8}{'local s':>10}{'local rows/s':>14}{'ray s':>9}{'ray rows/s':>12}{'ratio':>8}")
+    for embedder, local, ray_path in tables:
+        for stage in STAGES:
+            (ls, lr), (rs, rr) = local[stage], ray_path[stage]
+            if lr != rr:
+                raise SystemExit(f"{stage}: the Ray path worked on {rr} rows, the local run on {lr}")
+            lrate, rrate = lr / ls, rr / rs
+            print(f"{embedder:<18}{stage:<10}{lr:>8}{ls:>10.1f}{lrate:>14.0f}{rs:>9.1f}{rrate:>12.0f}{rrate / lrate:>8.2f}")
 
 
 main()

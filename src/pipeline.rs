@@ -70,7 +70,8 @@ fn yes() -> bool {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Models {
-    /// Embedding model name.
+    /// Embedding model name, or `hash-<dim>` for the weight-free hashing embedder (tests and
+    /// plumbing benches: it embeds no meaning).
     pub embedder: String,
     /// Generator (skill induction and rewriting).
     pub generator: String,
@@ -535,6 +536,11 @@ fn check(p: &Pipeline) -> anyhow::Result<()> {
         ("models.generator", &p.models.generator),
     ] {
         if key == "models.generator" && name == "none" {
+            continue;
+        }
+        // The weight-free hashing embedder (tests, plumbing benches) is no model file.
+        if let (true, Some(dim)) = (key == "models.embedder", crate::commands::hash_dim(name)) {
+            dim.map_err(|e| anyhow::anyhow!("key `{key}`: {e}"))?;
             continue;
         }
         if let Err(e) = manifest.get(name) {

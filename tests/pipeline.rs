@@ -791,6 +791,44 @@ fn bad_pipelines_and_flags_are_clear_errors_before_any_work() {
         !output.status.success() && stderr.contains("--shard 0/2"),
         "{stderr}"
     );
+    // The hashing embedder's name needs a dimension.
+    std::fs::write(&bad, format!("{text}\n[models]\nembedder = \"hash-0\"\n")).unwrap();
+    let output = run(fluxmem().arg("run").arg(&bad));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.code() == Some(1)
+            && stderr.contains("models.embedder")
+            && stderr.contains("hash-<dim>"),
+        "{stderr}"
+    );
+}
+
+/// A pipeline may name the weight-free hashing embedder (`hash-<dim>`: tests and plumbing
+/// benches): its stages run with it and the store holds its vectors.
+#[test]
+fn a_pipeline_runs_with_the_hashing_embedder() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = pipeline(dir.path(), false);
+    let text = std::fs::read_to_string(&file).unwrap();
+    std::fs::write(&file, format!("{text}\n[models]\nembedder = \"hash-64\"\n")).unwrap();
+    add_log(dir.path(), "trajectories.jsonl");
+    ok(run(fluxmem()
+        .arg("run")
+        .arg(&file)
+        .args(["--run-id", "night"])));
+    let graph = graph(&dir.path().join("store"));
+    assert!(!graph.embeddings.is_empty());
+    assert!(
+        graph
+            .embeddings
+            .values()
+            .all(|e| e.model_id == "hash-64" && e.vector.len() == 64),
+        "every vector is the hashing embedder's"
+    );
+    assert!(graph
+        .edges
+        .values()
+        .any(|e| e.kind == fluxmem_graph::EdgeKind::Ground));
 }
 
 #[test]

@@ -48,19 +48,30 @@ pub fn embedder(
     device: &fluxmem_models::DeviceChoice,
     batch_size: Option<usize>,
 ) -> anyhow::Result<Box<dyn fluxmem_models::Embedder>> {
-    if let Some(dim) = name.strip_prefix("hash-") {
-        let dim: usize = dim
-            .parse()
-            .ok()
-            .filter(|d| (1..=65536).contains(d))
-            .ok_or_else(|| anyhow::anyhow!("--model {name}: a hash embedder is hash-<dim>, dim a whole number from 1 to 65536"))?;
-        return Ok(Box::new(fluxmem_models::HashEmbedder::new(dim)));
+    if let Some(dim) = hash_dim(name) {
+        return Ok(Box::new(fluxmem_models::HashEmbedder::new(dim?)));
     }
     let embedder = fluxmem_models::load_embedder(name, device)?;
     Ok(Box::new(match batch_size {
         Some(size) => embedder.with_batch_size(size),
         None => embedder,
     }))
+}
+
+/// The dimension of a weight-free hashing embedder's name (`hash-<dim>`); `None` for any other
+/// name, an error for a `hash-` name without a dimension from 1 to 65536.
+pub fn hash_dim(name: &str) -> Option<anyhow::Result<usize>> {
+    let dim = name.strip_prefix("hash-")?;
+    Some(
+        dim.parse()
+            .ok()
+            .filter(|d| (1..=65536).contains(d))
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{name}: a hash embedder is hash-<dim>, dim a whole number from 1 to 65536"
+                )
+            }),
+    )
 }
 
 /// A run id: the stage, the UTC time and the process id.

@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context};
 use fluxmem_graph::Graph;
-use fluxmem_models::{DeviceChoice, Generator, Judge, SentenceEmbedder};
+use fluxmem_models::{DeviceChoice, Embedder, Generator, Judge};
 use fluxmem_report::{
     PemsSummary, QuarantineSample, QuarantineSummary, RunRecord, SkillSummary, StageRecord,
     UsageRecord,
@@ -531,7 +531,7 @@ struct Ctx<'a> {
     settings: &'a Settings,
     run_id: String,
     device_choice: DeviceChoice,
-    embedder: Option<SentenceEmbedder>,
+    embedder: Option<Box<dyn Embedder>>,
     usage: BTreeMap<String, UsageRecord>,
     pems: Option<PemsSummary>,
     quarantine_files: Vec<PathBuf>,
@@ -540,15 +540,19 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn embedder(&mut self) -> anyhow::Result<&SentenceEmbedder> {
+    fn embedder(&mut self) -> anyhow::Result<&dyn Embedder> {
         if self.embedder.is_none() {
             let p = &self.loaded.pipeline;
-            ensure_model(&p.models.embedder)?;
-            let embedder = fluxmem_models::load_embedder(&p.models.embedder, &self.device_choice)?
-                .with_batch_size(p.embed.batch_size);
-            self.embedder = Some(embedder);
+            if super::hash_dim(&p.models.embedder).is_none() {
+                ensure_model(&p.models.embedder)?;
+            }
+            self.embedder = Some(super::embedder(
+                &p.models.embedder,
+                &self.device_choice,
+                Some(p.embed.batch_size),
+            )?);
         }
-        Ok(self.embedder.as_ref().expect("just loaded"))
+        Ok(self.embedder.as_deref().expect("just loaded"))
     }
 
     fn stage(
