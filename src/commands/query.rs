@@ -23,11 +23,19 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     // The flags are checked before the store is read.
     config_over(fluxmem_connect::RetrievalConfig::serving())?;
     let store = fluxmem_store::Store::open(&settings.store)?;
-    // The ranking the store's ground edges were made with, unless a flag says otherwise.
-    let recorded = fluxmem_connect::recorded_retrieval(&store.manifest()?);
+    let (mut graph, tenant, manifest) = read_tenant(&store, args.tenant.as_deref())?;
+    let read_version = manifest.version;
+    // The ranking the store's ground edges were made with (at the version read), unless a flag
+    // says otherwise.
+    let recorded = fluxmem_connect::recorded_retrieval(&manifest).unwrap_or_else(|e| {
+        eprintln!(
+            "warning: the store's `{}` is not a retrieval setting ({e}); ranking with the defaults",
+            fluxmem_connect::RETRIEVAL_MARKER
+        );
+        None
+    });
     let mut config =
         config_over(recorded.unwrap_or_else(fluxmem_connect::RetrievalConfig::serving))?;
-    let (mut graph, tenant, read_version) = read_tenant(&store, args.tenant.as_deref())?;
     let embedder = super::embedder(&args.model, &device_choice, None)?;
     // Only the tenant's nodes; those not embedded yet are left out and counted.
     let retriever = Retriever::build_units(
@@ -196,7 +204,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
 fn read_tenant(
     store: &fluxmem_store::Store,
     requested: Option<&str>,
-) -> anyhow::Result<(fluxmem_graph::Graph, String, u64)> {
+) -> anyhow::Result<(fluxmem_graph::Graph, String, fluxmem_store::Manifest)> {
     let (read, manifest) = store.read_current(|manifest| {
         if let Some(tenant) = requested {
             let ids = store.tenant_node_ids(manifest, tenant, &[])?;
@@ -220,7 +228,7 @@ fn read_tenant(
         Ok(Ok((graph, tenant)))
     })?;
     let (graph, tenant) = read?;
-    Ok((graph, tenant, manifest.version))
+    Ok((graph, tenant, manifest))
 }
 
 /// Commits `delta` only when the store is still at `read_version`, the version it was computed

@@ -4,7 +4,8 @@
 //! of it, i.e. one without a Stage II `relation`), each step's observation (or, with `per_step = false`, the task) is a
 //! query to the semantic retrieval (the ranking `query` serves, [`RetrievalConfig::serving`]
 //! by default: the same units and structure lifts); the `ground_k` best semantic nodes per
-//! query get a `ground` edge to the episode (evidence = how many queries retrieved it, weight = the best fused
+//! query get a `ground` edge to the episode (evidence = how many queries retrieved it,
+//! weight = the best fused
 //! score). Each episode also gets `link` edges to its `link_k` nearest episodes by cosine
 //! (exact kNN, streamed over the stored vectors in blocks). Edges are committed every
 //! `commit_every` episodes. Both searches run inside the episode's tenant (a per-tenant
@@ -657,10 +658,15 @@ impl Night<'_> {
 pub const RETRIEVAL_MARKER: &str = "connect.retrieval";
 
 /// The retrieval the store's ground edges were made with ([`RETRIEVAL_MARKER`]), if connect
-/// recorded one.
-pub fn recorded_retrieval(manifest: &fluxmem_store::Manifest) -> Option<RetrievalConfig> {
-    let value = manifest.progress.get(RETRIEVAL_MARKER)?;
-    serde_json::from_value(value.clone()).ok()
+/// recorded one; an error when the recorded value is not a retrieval setting.
+pub fn recorded_retrieval(
+    manifest: &fluxmem_store::Manifest,
+) -> std::result::Result<Option<RetrievalConfig>, serde_json::Error> {
+    manifest
+        .progress
+        .get(RETRIEVAL_MARKER)
+        .map(|value| serde_json::from_value(value.clone()))
+        .transpose()
 }
 
 /// The progress that records `config` as the store's retrieval ([`RETRIEVAL_MARKER`]).

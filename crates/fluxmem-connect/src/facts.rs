@@ -17,8 +17,9 @@
 //! counts it).
 //!
 //! The ranking is the one a [`crate::SemanticIndex`] over all of a tenant's facts gives, bit
-//! for bit, units and structure lifts included: a cosine depends on its query and row alone ([`DenseIndex::scores`]), a BM25 score
-//! on the tenant's statistics and the fact's own terms ([`Bm25::scores_in`]), the pool is the
+//! for bit, units and structure lifts included: a cosine depends on its query and row alone
+//! ([`DenseIndex::scores`]), a BM25 score on the tenant's statistics and the fact's own terms
+//! (the context text with context units; [`Bm25::scores_in`]), the pool is the
 //! same set (ties by id, as the index orders its nodes by id), and min-max fusion does not
 //! depend on the pool's order. The scratch files are this run's own: the folder is emptied
 //! of them when the search is dropped, and when a later run finds them left by a run that
@@ -1125,7 +1126,7 @@ fn fused(
             .then(|| ordinals.binary_search(&o).ok())
             .flatten()
     };
-    let structure = lifts(
+    let lift = lifts(
         &scores,
         |k| structure.neighbours[ordinals[k] as usize].map(slot),
         |k| {
@@ -1138,7 +1139,7 @@ fn fused(
     let mut ranked: Vec<(u32, f32)> = ordinals
         .iter()
         .zip(scores)
-        .zip(structure)
+        .zip(lift)
         .map(|((&o, fused), lift)| (o, fused + lift.total()))
         .collect();
     ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));

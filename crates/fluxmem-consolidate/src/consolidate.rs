@@ -436,7 +436,7 @@ pub const DONE_MARKER: &str = "consolidate.done";
 
 /// Counts of the planning step, kept with the plan so a resumed run reports what the run it
 /// finishes planned.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct Tally {
     episodes: usize,
     clusters: usize,
