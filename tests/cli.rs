@@ -123,6 +123,46 @@ fn quarantine_sets_exit_status_3_and_the_json_contract() {
     assert!(String::from_utf8_lossy(&bad_format.stderr).contains("unknown format `csv`"));
 }
 
+/// `ingest --json` prints every count of the run: a conversation logged again, longer, on the
+/// next night is counted as grown, and every record read is counted once.
+#[test]
+fn ingest_json_prints_every_count_grown_versions_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let log =
+        std::fs::read_to_string(repo().join("tests/data/formats/openai-grown.jsonl")).unwrap();
+    let lines: Vec<&str> = log.lines().collect();
+    assert_eq!(lines.len(), 2, "the conversation, then its longer version");
+    let mut reports = Vec::new();
+    for (night, line) in lines.iter().enumerate() {
+        let file = dir.path().join(format!("night-{night}.jsonl"));
+        std::fs::write(&file, format!("{line}\n")).unwrap();
+        reports.push(stdout_json(&run(fluxmem(&store)
+            .args(["ingest", "--json"])
+            .arg(&file))));
+    }
+    for report in &reports {
+        let count = |key: &str| {
+            report[key]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{key}: {report}"))
+        };
+        assert_eq!(
+            count("read"),
+            count("ingested") + count("duplicates") + count("quarantined") + count("other_shards"),
+            "{report}"
+        );
+        assert_eq!((count("files"), count("conflicting")), (1, 0), "{report}");
+    }
+    assert_eq!(reports[0]["grown"], 0, "{}", reports[0]);
+    assert_eq!(
+        (&reports[1]["ingested"], &reports[1]["grown"]),
+        (&Value::from(1), &Value::from(1)),
+        "{}",
+        reports[1]
+    );
+}
+
 #[test]
 fn stats_on_a_missing_store_says_how_to_create_one() {
     let dir = tempfile::tempdir().unwrap();

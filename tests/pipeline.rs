@@ -5,6 +5,7 @@
 
 use fluxmem_graph::Graph;
 use serde_json::Value;
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -572,6 +573,48 @@ fn sharded_map_stages_merge_to_the_unsharded_store() {
     };
     assert_eq!(edits(&whole), edits(&sharded), "same edit log");
     assert!(!whole.edges.is_empty() && !whole.edits.is_empty());
+    // Every shard but the edit log's names the tenants of its rows, the merges' too.
+    shards_name_their_tenants(&dir.path().join("store"), &whole);
+    shards_name_their_tenants(&dir.path().join("sharded"), &sharded);
+}
+
+/// Every shard of the store at `dir` (whose whole graph is `whole`) but the edit log's and the
+/// steps' (named as their nodes') names its tenants, and they are the tenants of its rows: a
+/// node's, an edge's source's, a vector's node's.
+fn shards_name_their_tenants(dir: &Path, whole: &Graph) {
+    let store = fluxmem_store::Store::open(dir).unwrap();
+    let manifest = store.manifest().unwrap();
+    let tenant = |id: &fluxmem_graph::NodeId| whole.nodes[id].tenant.clone();
+    for shard in manifest
+        .shards
+        .iter()
+        .filter(|s| !matches!(s.table.as_str(), "edits" | "steps"))
+    {
+        let named = shard
+            .tenants
+            .clone()
+            .unwrap_or_else(|| panic!("{} names no tenant", shard.file));
+        // The shard, with the steps of its commit (a node row needs its steps).
+        let alone = fluxmem_store::Manifest {
+            shards: (manifest.shards.iter())
+                .filter(|s| s == &shard || (s.table == "steps" && s.commit == shard.commit))
+                .cloned()
+                .collect(),
+            ..manifest.clone()
+        };
+        let rows = store.scan_at(&alone, &fluxmem_store::Scan::all()).unwrap();
+        let held: BTreeSet<String> = (rows.nodes.values().map(|n| n.tenant.clone()))
+            .chain(rows.edges.values().map(|e| tenant(&e.src)))
+            .chain(rows.embeddings.keys().map(|(id, _)| tenant(id)))
+            .collect();
+        assert!(!held.is_empty(), "{}", shard.file);
+        assert_eq!(
+            held.into_iter().collect::<Vec<_>>(),
+            named,
+            "{}",
+            shard.file
+        );
+    }
 }
 
 /// A sharded consolidate plans its clusters once (`--stage consolidate --plan`): every shard

@@ -46,22 +46,14 @@ pub fn run(args: IngestArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         eprintln!("skipped: {}: {}", skipped.path.display(), skipped.reason);
     }
     if args.json {
-        let json = serde_json::json!({
-            "read": report.read,
-            "ingested": report.ingested,
-            "duplicates": report.duplicates,
-            "quarantined": report.quarantined,
-            "quarantine_file": report.quarantine_file,
-            "nodes_added": report.nodes_added,
-            "unchanged_files": report.unchanged_files,
-            "outcomes": report.outcomes,
-            "judge_errors": report.judge_errors,
-            "judge": judge.as_ref().map(|j| serde_json::json!({
-                "model": fluxmem_ingest::outcome::OutcomeJudge::model(j),
-                "calls": j.usage().calls,
-                "prompt_tokens": j.usage().prompt_tokens,
-            })),
-        });
+        // The whole report (`IngestReport`: every count, `grown` and `conflicting` too), and
+        // the judge's use.
+        let mut json = serde_json::to_value(&report)?;
+        json["judge"] = serde_json::json!(judge.as_ref().map(|j| serde_json::json!({
+            "model": fluxmem_ingest::outcome::OutcomeJudge::model(j),
+            "calls": j.usage().calls,
+            "prompt_tokens": j.usage().prompt_tokens,
+        })));
         println!("{json}");
     } else {
         println!(

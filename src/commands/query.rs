@@ -1,8 +1,10 @@
 use anyhow::Context as _;
 use fluxmem_connect::{pack, resolve_tenant_among, semantic_entry, Entry, Retriever, Unembedded};
+use fluxmem_graph::{EdgeKind, NodeId};
 use fluxmem_models::{DeviceChoice, Generator, Judge};
 use fluxmem_refine::{refine_query, LoopModels, Neighbours};
-use fluxmem_store::CommitInfo;
+use fluxmem_store::{CommitInfo, Rows, Scan};
+use std::collections::BTreeSet;
 use std::process::ExitCode;
 
 use crate::cli::{QueryArgs, Settings};
@@ -23,7 +25,10 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     // The flags are checked before the store is read.
     config_over(fluxmem_connect::RetrievalConfig::serving())?;
     let store = fluxmem_store::Store::open(&settings.store)?;
-    let (mut graph, tenant, manifest) = read_tenant(&store, args.tenant.as_deref())?;
+    // Stage II's loop walks the tenant's edges; without it, the ranking reads only those of
+    // the episodes it retrieves (read below, once they are known).
+    let all_edges = args.refine.refine_rounds > 0;
+    let (mut graph, tenant, manifest) = read_tenant(&store, args.tenant.as_deref(), all_edges)?;
     let read_version = manifest.version;
     // The ranking the store's ground edges were made with (at the version read), unless a flag
     // says otherwise.
@@ -60,6 +65,11 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         Some(text) => embedder.embed(&[text.as_str()])?.remove(0),
         None => query_vector.clone(),
     };
+    if !all_edges {
+        let retrieved = retriever.episodes(&query_vector, args.episodes)?;
+        let retrieved = retrieved.into_iter().map(|(id, _)| id).collect();
+        graph.edges = edges_of(&store, &manifest, &tenant, retrieved)?.edges;
+    }
     let (head, semantic) = retriever.retrieve_split_dense(
         &graph,
         &args.text,
@@ -130,6 +140,7 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         );
         if !outcome.delta.is_empty() {
             let mut writer = super::open_writer(settings)?;
+            writer.know_tenants(graph.nodes.values().map(|n| (&n.id, n.tenant.as_str())));
             let summary =
                 serde_json::json!({ "query": args.text, "edits": outcome.delta.edits.len() });
             let info = CommitInfo {
@@ -199,17 +210,19 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
 /// The query's tenant and its part of the store, read at one manifest version (returned):
 /// the tenant's node ids (one pass over the id, tenant and kind columns when the tenant is
 /// named and holds nodes; else which tenant owns each node, to resolve it), then that tenant's
-/// nodes, steps, edges and vectors through row filters on their id columns. Other tenants'
-/// rows are never decoded.
+/// nodes, edges and vectors through row filters on their id columns ([`served`]). Other
+/// tenants' rows are never decoded.
 fn read_tenant(
     store: &fluxmem_store::Store,
     requested: Option<&str>,
+    edges: bool,
 ) -> anyhow::Result<(fluxmem_graph::Graph, String, fluxmem_store::Manifest)> {
+    let served = |tenant: &str, ids: &BTreeSet<NodeId>| served(tenant, ids, edges);
     let (read, manifest) = store.read_current(|manifest| {
         if let Some(tenant) = requested {
             let ids = store.tenant_node_ids(manifest, tenant, &[])?;
             if !ids.is_empty() {
-                let graph = store.scan_at(manifest, &fluxmem_store::Scan::of_tenant(&ids))?;
+                let graph = store.scan_at(manifest, &served(tenant, &ids))?;
                 return Ok(Ok((graph, tenant.to_string())));
             }
         }
@@ -219,16 +232,52 @@ fn read_tenant(
             Ok(tenant) => tenant,
             Err(error) => return Ok(Err(error)),
         };
-        let ids: std::collections::BTreeSet<fluxmem_graph::NodeId> = owners
+        let ids: BTreeSet<NodeId> = owners
             .into_iter()
             .filter(|(_, t)| *t == tenant)
             .map(|(id, _)| id)
             .collect();
-        let graph = store.scan_at(manifest, &fluxmem_store::Scan::of_tenant(&ids))?;
+        let graph = store.scan_at(manifest, &served(&tenant, &ids))?;
         Ok(Ok((graph, tenant)))
     })?;
     let (graph, tenant) = read?;
     Ok((graph, tenant, manifest))
+}
+
+/// What a query reads of its tenant: its nodes and their vectors, the edges from them when
+/// `edges`, and not the episodes' steps (neither the ranking, nor the context's lines, nor
+/// Stage II reads them; they are most of an episode's bytes).
+fn served(tenant: &str, ids: &BTreeSet<NodeId>, edges: bool) -> Scan {
+    Scan {
+        steps: Rows::None,
+        edges,
+        ..Scan::of_tenant(tenant, ids)
+    }
+}
+
+/// The edges the ranking reads of the `retrieved` episodes of `tenant`, at `manifest`: the
+/// distill edges from them (their skills) and the ground edges to them (their facts' support).
+fn edges_of(
+    store: &fluxmem_store::Store,
+    manifest: &fluxmem_store::Manifest,
+    tenant: &str,
+    retrieved: BTreeSet<NodeId>,
+) -> fluxmem_store::Result<fluxmem_graph::Graph> {
+    let edges = |kind, from: Option<BTreeSet<NodeId>>, to: Option<BTreeSet<NodeId>>| Scan {
+        edges: true,
+        edge_kinds: vec![kind],
+        edges_from: from,
+        edges_to: to,
+        tenant: Some(tenant.to_string()),
+        ..Default::default()
+    };
+    let mut graph = store.scan_at(
+        manifest,
+        &edges(EdgeKind::Distill, Some(retrieved.clone()), None),
+    )?;
+    let ground = store.scan_at(manifest, &edges(EdgeKind::Ground, None, Some(retrieved)))?;
+    graph.edges.extend(ground.edges);
+    Ok(graph)
 }
 
 /// Commits `delta` only when the store is still at `read_version`, the version it was computed
@@ -252,6 +301,137 @@ fn commit_at(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use fluxmem_graph::{Edge, Embedding, Graph, Node, NodeBody};
+    use fluxmem_models::{Embedder, HashEmbedder};
+
+    /// Two tenants' episodes, facts and skills, embedded, with ground edges from every fact to
+    /// most episodes, distill edges from episodes to skills, and links between episodes.
+    fn tenants_store(dir: &std::path::Path, embedder: &HashEmbedder) {
+        let mut graph = Graph::default();
+        let add = |graph: &mut Graph, node: Node| {
+            let text = node.embedding_text();
+            graph.upsert_embedding(Embedding {
+                node_id: node.id.clone(),
+                model_id: embedder.model_id().to_string(),
+                text_sha256: fluxmem_graph::sha256_hex(text.as_bytes()),
+                vector: embedder.embed(&[text.as_str()]).unwrap().remove(0),
+            });
+            let id = node.id.clone();
+            graph.upsert_node(node);
+            id
+        };
+        let edge = |src: &NodeId, dst: &NodeId, kind, weight: f32| Edge {
+            src: src.clone(),
+            dst: dst.clone(),
+            kind,
+            weight,
+            evidence: 1,
+            stage: "test".into(),
+            run_id: "r".into(),
+            created_at: 0,
+            active: true,
+            metadata: Default::default(),
+        };
+        for tenant in ["t", "u"] {
+            let episodes: Vec<NodeId> = (0..8)
+                .map(|i| {
+                    let body = NodeBody::Episodic(fluxmem_graph::Episode::default());
+                    let text = format!("refund order {i} for a customer of {tenant}");
+                    add(&mut graph, Node::new(body, tenant, &text, &[&text]))
+                })
+                .collect();
+            let facts: Vec<NodeId> = (0..5)
+                .map(|i| {
+                    let body = NodeBody::Semantic(fluxmem_graph::Semantic {
+                        source: "policy".into(),
+                        position: i,
+                        time: None,
+                        group: None,
+                    });
+                    let text = format!("policy {i}: refunds of order {i} need a receipt");
+                    add(&mut graph, Node::new(body, tenant, &text, &[&text]))
+                })
+                .collect();
+            let skills: Vec<NodeId> = (0..2)
+                .map(|i| {
+                    let body = NodeBody::Procedural(fluxmem_graph::Skill::default());
+                    let text = format!("Refund skill {i}");
+                    add(&mut graph, Node::new(body, tenant, &text, &[&text]))
+                })
+                .collect();
+            for (e, episode) in episodes.iter().enumerate() {
+                for (f, fact) in facts.iter().enumerate().filter(|(f, _)| (e + f) % 3 != 0) {
+                    let weight = 0.1 + ((e * 5 + f) % 7) as f32 / 10.0;
+                    graph.upsert_edge(edge(fact, episode, EdgeKind::Ground, weight));
+                }
+                graph.upsert_edge(edge(episode, &skills[e % 2], EdgeKind::Distill, 1.0));
+                let next = &episodes[(e + 1) % episodes.len()];
+                graph.upsert_edge(edge(episode, next, EdgeKind::Link, 0.5));
+            }
+        }
+        let mut writer = fluxmem_store::Writer::open(dir).unwrap();
+        writer.commit(&graph, CommitInfo::default()).unwrap();
+    }
+
+    /// A query without Stage II reads only the edges of the episodes it retrieves, and ranks
+    /// exactly as with every edge of its tenant read.
+    #[test]
+    fn a_query_reads_the_edges_of_its_episodes_and_ranks_as_with_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let embedder = HashEmbedder::new(64);
+        tenants_store(dir.path(), &embedder);
+        let store = fluxmem_store::Store::open(dir.path()).unwrap();
+        let config = fluxmem_connect::RetrievalConfig::serving();
+        assert!(config.ground_support > 0.0);
+        let device = candle_core::Device::Cpu;
+        let rank = |graph: &Graph, text: &str, k: usize| {
+            let retriever = Retriever::build_units(
+                graph,
+                "t",
+                embedder.model_id(),
+                &device,
+                Unembedded::Fail,
+                config.units,
+            )
+            .unwrap();
+            let vector = embedder.embed(&[text]).unwrap().remove(0);
+            let ranked = retriever
+                .retrieve_split_dense(graph, text, &vector, &vector, &config, None, k)
+                .unwrap();
+            let episodes: BTreeSet<NodeId> = retriever
+                .episodes(&vector, k)
+                .unwrap()
+                .into_iter()
+                .map(|(id, _)| id)
+                .collect();
+            (ranked, episodes)
+        };
+        let (whole, _, manifest) = read_tenant(&store, Some("t"), true).unwrap();
+        assert!(whole.edges.values().any(|e| e.kind == EdgeKind::Link));
+        for (text, k) in [("refund order 3", 2), ("a receipt for order 1", 3)] {
+            let (expected, retrieved) = rank(&whole, text, k);
+            let skills = expected
+                .0
+                .iter()
+                .filter(|(id, ..)| id.as_str().starts_with("pro"));
+            assert!(skills.count() > 0, "the ranking inherits skills");
+            let (mut few, _, _) = read_tenant(&store, Some("t"), false).unwrap();
+            assert!(few.edges.is_empty());
+            few.edges = edges_of(&store, &manifest, "t", retrieved.clone())
+                .unwrap()
+                .edges;
+            // Exactly the distill edges from the retrieved episodes and the ground edges to them.
+            let mut wanted = whole.edges.clone();
+            wanted.retain(|_, e| match e.kind {
+                EdgeKind::Distill => retrieved.contains(&e.src),
+                EdgeKind::Ground => retrieved.contains(&e.dst),
+                EdgeKind::Link => false,
+            });
+            assert!(!wanted.is_empty());
+            assert_eq!(few.edges, wanted, "{text}");
+            assert_eq!(rank(&few, text, k).0, expected, "{text}");
+        }
+    }
 
     #[test]
     fn a_refinement_commits_only_over_the_version_it_read() {

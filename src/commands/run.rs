@@ -184,10 +184,12 @@ fn merge_shards(
         let (key, value) =
             fluxmem_connect::merged_progress(writer.store(), &writer.manifest().clone())?;
         info.progress.insert(key, value);
-        // The retrieval the shards grounded with (the pipeline's connect: the serving one).
-        let (key, value) =
-            fluxmem_connect::retrieval_progress(&fluxmem_connect::RetrievalConfig::serving());
-        info.progress.insert(key, value);
+        // The retrieval the shards grounded with, as they recorded it (none when no shard
+        // committed: the store's record stands).
+        if let Some(config) = fluxmem_connect::staged_retrieval(writer.store(), count)? {
+            let (key, value) = fluxmem_connect::retrieval_progress(&config);
+            info.progress.insert(key, value);
+        }
     }
     // Consolidate's shards that planned once: each must have followed the plan.
     if stage == fluxmem_consolidate::STAGE {

@@ -223,6 +223,13 @@ pub fn connect_store(
         start += group.len();
         let group_ids: BTreeSet<NodeId> = group.iter().map(|(id, _)| (*id).clone()).collect();
         let group_graph = read_group(store, &manifest, &group_ids, options.per_step)?;
+        // Every edge has one of the group's episodes at an end: its shards name their tenants.
+        writer.know_tenants(
+            group_graph
+                .nodes
+                .values()
+                .map(|n| (&n.id, n.tenant.as_str())),
+        );
         sizing.measured(group_graph.nodes.values());
         let neighbours = links.neighbours(&group_ids)?;
         report.groups += 1;
@@ -667,6 +674,47 @@ pub fn recorded_retrieval(
         .get(RETRIEVAL_MARKER)
         .map(|value| serde_json::from_value(value.clone()))
         .transpose()
+}
+
+/// The retrieval the `count` shards of a sharded connect on `store` grounded with: the one
+/// their staging stores recorded with their commits ([`RETRIEVAL_MARKER`]; a shard that
+/// committed nothing recorded none), `None` when no shard did. Shards that recorded different settings are an
+/// error: the merged edges would mix rankings, and `query` could serve only one of them.
+pub fn staged_retrieval(
+    store: &fluxmem_store::Store,
+    count: usize,
+) -> Result<Option<RetrievalConfig>> {
+    let mut agreed: Option<RetrievalConfig> = None;
+    for index in 0..count {
+        let shard = fluxmem_store::Shard { index, count };
+        // A shard without a staging store: the merge says which.
+        let Some(manifest) = fluxmem_store::staging_manifest(store.dir(), STAGE, shard)? else {
+            continue;
+        };
+        // The record a shard inherited from the main store is not its own.
+        if !fluxmem_store::staged_by(&manifest, STAGE) {
+            continue;
+        }
+        let differs = |expected: String| Error::StagedRetrieval {
+            path: fluxmem_store::staging_dir(store.dir(), STAGE, shard),
+            found: manifest.progress[RETRIEVAL_MARKER].to_string(),
+            expected,
+        };
+        let found = match recorded_retrieval(&manifest) {
+            Ok(Some(found)) => found,
+            Ok(None) => continue,
+            Err(_) => return Err(differs("a retrieval setting".into())),
+        };
+        match &agreed {
+            Some(expected) if expected != &found => {
+                return Err(differs(
+                    serde_json::to_string(expected).expect("a retrieval config serialises"),
+                ))
+            }
+            _ => agreed = Some(found),
+        }
+    }
+    Ok(agreed)
 }
 
 /// The progress that records `config` as the store's retrieval ([`RETRIEVAL_MARKER`]).

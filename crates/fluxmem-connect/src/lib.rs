@@ -31,8 +31,8 @@ mod tenant;
 
 pub use bm25::{stem, terms, terms_with, Bm25, Bm25Params};
 pub use connect::{
-    connect_store, merged_progress, recorded_retrieval, retrieval_progress, ConnectOptions,
-    ConnectReport, NoProgress, Progress, DEFAULT_MEMORY, RETRIEVAL_MARKER, STAGE,
+    connect_store, merged_progress, recorded_retrieval, retrieval_progress, staged_retrieval,
+    ConnectOptions, ConnectReport, NoProgress, Progress, DEFAULT_MEMORY, RETRIEVAL_MARKER, STAGE,
 };
 pub use context::{line, pack, Context, ContextItem};
 pub use dense::{embedded, embedded_in, top_k, DenseIndex, Embedded, Unembedded, BLOCK_ROWS};
@@ -90,6 +90,17 @@ pub enum Error {
     TenantRequired {
         /// The store's tenants, sorted.
         tenants: Vec<String>,
+    },
+    /// Two shards of a sharded connect recorded different retrieval settings (or one that is
+    /// not a setting): their edges would mix rankings, so the merge stops.
+    #[error("the shards of connect grounded with different retrieval: {} recorded {found}, where {expected} was expected; run every shard with one setting", .path.display())]
+    StagedRetrieval {
+        /// The staging store.
+        path: std::path::PathBuf,
+        /// What it recorded (JSON).
+        found: String,
+        /// What an earlier shard recorded (JSON).
+        expected: String,
     },
     /// The named tenant has no node in the store.
     #[error("tenant `{tenant}` has no nodes in the store (its tenants: {})", .tenants.join(", "))]

@@ -938,3 +938,50 @@ fn an_episode_that_grew_after_it_was_connected_is_connected_again_once() {
         "handled once: {third:?}"
     );
 }
+
+/// A sharded connect's merge records the retrieval its shards grounded with: the one every
+/// shard that committed recorded, not one a shard inherited from the main store; shards that
+/// recorded different settings are refused, by name.
+#[test]
+fn the_shards_recorded_retrieval_is_the_merges_and_two_settings_are_refused() {
+    use fluxmem_connect::{retrieval_progress, staged_retrieval, RetrievalConfig, STAGE};
+    use fluxmem_store::{CommitInfo, Shard, Store};
+    let dir = tempfile::tempdir().unwrap();
+    let main = dir.path().join("store");
+    let record = |writer: &mut Writer, config: &RetrievalConfig, stage: &str| {
+        writer
+            .commit(
+                &Graph::default(),
+                CommitInfo {
+                    stage: stage.into(),
+                    progress: [retrieval_progress(config)].into_iter().collect(),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+    };
+    let plain = RetrievalConfig::default();
+    let serving = RetrievalConfig::serving();
+    assert_ne!(plain, serving);
+    // The main store was connected with plain retrieval on an earlier night.
+    record(&mut Writer::open(&main).unwrap(), &plain, STAGE);
+    let store = Store::open(&main).unwrap();
+    let shard = |index| Shard { index, count: 3 };
+    let mut first = Writer::open_staging(&main, STAGE, shard(0)).unwrap();
+    let mut second = Writer::open_staging(&main, STAGE, shard(1)).unwrap();
+    // The third shard commits nothing of connect's: the plain record it inherited is not its own.
+    let mut third = Writer::open_staging(&main, STAGE, shard(2)).unwrap();
+    third.finish_staging("r").unwrap();
+    assert_eq!(
+        staged_retrieval(&store, 3).unwrap(),
+        None,
+        "no shard committed"
+    );
+    record(&mut first, &serving, STAGE);
+    record(&mut second, &serving, STAGE);
+    assert_eq!(staged_retrieval(&store, 3).unwrap(), Some(serving.clone()));
+    record(&mut second, &plain, STAGE);
+    let error = staged_retrieval(&store, 3).unwrap_err().to_string();
+    assert!(error.contains("connect-1-of-3"), "{error}");
+    assert!(error.contains("different retrieval"), "{error}");
+}

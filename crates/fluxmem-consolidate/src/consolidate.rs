@@ -636,8 +636,10 @@ struct Snapshot {
 
 /// Reads the store as a run does (one tenant's rows only with `options.tenant`); vectors of
 /// another model than the store's are an error.
-fn snapshot(writer: &Writer, options: &ConsolidateOptions, model: &str) -> Result<Snapshot> {
+fn snapshot(writer: &mut Writer, options: &ConsolidateOptions, model: &str) -> Result<Snapshot> {
     let mut graph = read(writer, options.tenant.as_deref())?;
+    // The skills' edges and vectors name the episodes read: their shards name their tenants.
+    writer.know_tenants(graph.nodes.values().map(|n| (&n.id, n.tenant.as_str())));
     let outcome_sources = believe_outcomes(&mut graph, options);
     if let Some(stored) = &writer.manifest().embedding_model {
         if stored.id != model {
@@ -1196,6 +1198,7 @@ fn read(writer: &Writer, tenant: Option<&str>) -> Result<Graph> {
         edges_from: ids,
         edits: true,
         edit_kinds: vec!["skill_failed".into()],
+        tenant: tenant.map(str::to_string),
         ..Default::default()
     };
     let mut graph = store.scan_at(writer.manifest(), &scan)?;
@@ -1209,6 +1212,7 @@ fn read(writer: &Writer, tenant: Option<&str>) -> Result<Graph> {
         writer.manifest(),
         &Scan {
             vectors: Rows::Of(wanted),
+            tenant: tenant.map(str::to_string),
             ..Default::default()
         },
     )?;

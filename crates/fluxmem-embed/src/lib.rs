@@ -203,6 +203,8 @@ pub fn embed_store(
             ..Default::default()
         };
         let rows = writer.store().scan_at(writer.manifest(), &scan)?.nodes;
+        // The vectors' shards then name their tenants.
+        writer.know_tenants(rows.values().map(|n| (&n.id, n.tenant.as_str())));
         let todo: Vec<(NodeId, String)> = nodes
             .iter()
             .map(|id| (id.clone(), rows[id].embedding_text()))

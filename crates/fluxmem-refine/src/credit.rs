@@ -1466,6 +1466,18 @@ pub fn refine_store(
         ranges,
     } = assigned;
     let stats = changed_stats(&nodes, touched.as_ref(), &behind, &ranges);
+    // The changed edges' shards name their tenants.
+    let ends: Vec<(&NodeId, &str)> = changes
+        .iter()
+        .flat_map(|c| [&c.next.src, &c.next.dst])
+        .filter_map(|id| {
+            Some((
+                id,
+                nodes.tenants[nodes.info.get(id)?.tenant as usize].as_str(),
+            ))
+        })
+        .collect();
+    writer.know_tenants(ends);
     drop(nodes);
     let rows = stats_rows(writer.store(), &manifest, &stats)?;
     report.stats_written = rows.len();

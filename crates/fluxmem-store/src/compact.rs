@@ -768,7 +768,8 @@ impl Writer {
         version: u64,
         part: &mut usize,
     ) -> Result<Vec<ShardEntry>> {
-        write_shards(&self.store.dir, graph, version, &mut |_| {
+        // The tenants are the members' ([`spanning`]).
+        write_shards(&self.store.dir, graph, version, &|_| None, &mut |_| {
             *part += 1;
             *part - 1
         })
@@ -777,17 +778,27 @@ impl Writer {
 
 /// A compaction's output shards, each marked with the commits whose rows its `members` held
 /// ([`ShardEntry::rows_span`]): their rows keep their age for readers that follow a store
-/// from a version on ([`Manifest::since`]).
+/// from a version on ([`Manifest::since`]). Each also names the tenants its members named
+/// (their union; none when a member names none): it holds some of their rows and no others.
 fn spanning<'a>(
     mut written: Vec<ShardEntry>,
-    members: impl Iterator<Item = &'a ShardEntry>,
+    members: impl Iterator<Item = &'a ShardEntry> + Clone,
 ) -> Vec<ShardEntry> {
     let (from, through) = members
+        .clone()
         .map(ShardEntry::rows_span)
         .fold((u64::MAX, 0), |(a, b), (c, d)| (a.min(c), b.max(d)));
+    let tenants: Option<Vec<&str>> = members
+        .map(|m| m.tenants.as_ref().map(|t| t.iter().map(String::as_str)))
+        .try_fold(Vec::new(), |mut all, named| {
+            all.extend(named?);
+            Some(all)
+        });
+    let tenants = ShardEntry::tenant_list(tenants);
     for entry in &mut written {
         entry.rows_from = Some(from);
         entry.rows_through = Some(through);
+        entry.tenants = tenants.clone();
     }
     written
 }

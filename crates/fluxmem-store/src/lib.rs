@@ -100,7 +100,9 @@ pub use manifest::{
 };
 pub use recover::{recover, recover_with, LostShard, RecoverOptions, RecoverReport};
 pub use scan::{EdgeHead, Rows, Scan};
-pub use staging::{staging_dir, staging_note, MergeReport, Shard, CARRIED_LOGS};
+pub use staging::{
+    staged_by, staging_dir, staging_manifest, staging_note, MergeReport, Shard, CARRIED_LOGS,
+};
 pub use store::{
     CommitInfo, Store, Writer, DEFAULT_RETIRED_GRACE, HISTORY, KEEP_RETIRED_COMMITS,
     MANIFEST_COMMIT_LOG,

@@ -100,9 +100,38 @@ pub struct ShardEntry {
     /// commit's own shard.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rows_through: Option<u64>,
+    /// The tenants whose rows the shard holds, sorted, when the writer knew them all and they
+    /// are at most [`ShardEntry::MAX_TENANTS`]; absent otherwise (a shard written before this
+    /// was recorded, rows whose nodes the writer could not place, more tenants than that).
+    /// A reader of one tenant skips a shard whose list does not name it, unopened.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenants: Option<Vec<String>>,
 }
 
 impl ShardEntry {
+    /// The most tenants a shard's entry names: every command reads the manifest, so a shard of
+    /// many tenants' rows records none (it is read as holding any) rather than make the
+    /// manifest grow with the fleet. 64 short names stay within a few times an entry's other
+    /// fields.
+    pub const MAX_TENANTS: usize = 64;
+
+    /// Whether the shard may hold rows of `tenant`: unless its entry names its tenants and
+    /// not this one.
+    pub fn may_hold(&self, tenant: &str) -> bool {
+        self.tenants
+            .as_ref()
+            .is_none_or(|tenants| tenants.binary_search_by(|t| t.as_str().cmp(tenant)).is_ok())
+    }
+
+    /// The list to record for a shard whose rows' tenants are `tenants` (`None`: some row's
+    /// tenant is unknown): sorted and without repeats, or `None` past [`Self::MAX_TENANTS`].
+    pub fn tenant_list<'a>(
+        tenants: Option<impl IntoIterator<Item = &'a str>>,
+    ) -> Option<Vec<String>> {
+        let set: std::collections::BTreeSet<&str> = tenants?.into_iter().collect();
+        (set.len() <= Self::MAX_TENANTS).then(|| set.into_iter().map(str::to_string).collect())
+    }
+
     /// The commits whose rows the shard holds, oldest and newest: its own commit for a
     /// commit's shard; for a compaction's output, the span of the shards it merged.
     pub fn rows_span(&self) -> (u64, u64) {

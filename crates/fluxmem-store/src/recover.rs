@@ -398,6 +398,7 @@ fn verify_one(path: &Path, name: &str) -> std::result::Result<(ShardEntry, Vec<S
             commit: parsed.commit,
             rows_from: None,
             rows_through: None,
+            tenants: None,
         },
         merged_from,
     ))
@@ -429,6 +430,7 @@ fn adopt_temporary(
                             == ShardEntry {
                                 rows_from: None,
                                 rows_through: None,
+                                tenants: None,
                                 ..listed.clone()
                             }
                     })

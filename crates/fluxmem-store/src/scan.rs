@@ -3,7 +3,7 @@
 
 use arrow_array::cast::AsArray;
 use arrow_array::{Array, RecordBatch};
-use fluxmem_graph::{schema, EdgeKind, Embedding, Graph, GraphStats, NodeId, NodeKind, Step};
+use fluxmem_graph::{schema, Edge, EdgeKind, Embedding, Graph, GraphStats, NodeId, NodeKind, Step};
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::layout::MANIFEST;
@@ -88,6 +88,10 @@ pub struct Scan {
     /// filtered on the `src` column before any is decoded; the kinds are then checked on the
     /// rows that pass.
     pub edges_from: Option<BTreeSet<NodeId>>,
+    /// With `edges`: only the edges to these node ids (`None`: every edge). Without
+    /// `edges_from`, rows are filtered on the `dst` column before any is decoded; with it, the
+    /// ends are checked on the rows that pass.
+    pub edges_to: Option<BTreeSet<NodeId>>,
     /// Embedding rows with their vectors.
     pub vectors: Rows,
     /// Every embedding's key and text hash, without its vector (an empty `vector`), where
@@ -97,6 +101,9 @@ pub struct Scan {
     pub edits: bool,
     /// With `edits`: only the records of these kinds (empty: every kind), in log order.
     pub edit_kinds: Vec<String>,
+    /// Only rows of this tenant are wanted (the id filters above say which): a shard whose
+    /// entry names its tenants and not this one is skipped unopened ([`ShardEntry::may_hold`]).
+    pub tenant: Option<String>,
 }
 
 impl Scan {
@@ -114,8 +121,9 @@ impl Scan {
 
     /// What one tenant's reader reads: its nodes with their steps, the edges from them and
     /// their vectors, filtered on the id columns before any row is decoded (`ids`: the
-    /// tenant's node ids, from [`Store::node_tenants`]).
-    pub fn of_tenant(ids: &BTreeSet<NodeId>) -> Scan {
+    /// tenant's node ids, from [`Store::tenant_node_ids`]), in the shards that may hold the
+    /// tenant's rows.
+    pub fn of_tenant(tenant: &str, ids: &BTreeSet<NodeId>) -> Scan {
         Scan {
             nodes: true,
             nodes_of: Some(ids.clone()),
@@ -123,6 +131,7 @@ impl Scan {
             edges: true,
             edges_from: Some(ids.clone()),
             vectors: Rows::Of(ids.clone()),
+            tenant: Some(tenant.to_string()),
             ..Default::default()
         }
     }
@@ -252,12 +261,14 @@ impl Store {
         let steps_of = Wanted::rows(&scan.steps);
         let nodes_of = Wanted::only(scan.nodes_of.as_ref());
         let edges_from = Wanted::only(scan.edges_from.as_ref());
+        let edges_to = Wanted::only(scan.edges_to.as_ref());
         let vectors_of = Wanted::rows(&scan.vectors);
+        let wanted = |s: &ShardEntry| scan.tenant.as_deref().is_none_or(|t| s.may_hold(t));
         for commit in commits {
             let shards: Vec<&ShardEntry> = manifest
                 .shards
                 .iter()
-                .filter(|s| s.commit == commit)
+                .filter(|s| s.commit == commit && wanted(s))
                 .collect();
             let mut steps: BTreeMap<NodeId, Vec<Step>> = BTreeMap::new();
             if scan.nodes && scan.steps.wants() {
@@ -299,20 +310,28 @@ impl Store {
                     "edges" if scan.edges => {
                         let of_kinds = |v: &str| edge_kinds.contains(&v);
                         let from = |v: &str| edges_from.contains(v);
-                        let only = match (&scan.edges_from, edge_kinds.is_empty()) {
+                        let to = |v: &str| edges_to.contains(v);
+                        let only = match (&scan.edges_from, &scan.edges_to) {
                             (Some(_), _) => Some(("src", &from as &dyn Fn(&str) -> bool)),
-                            (None, false) => Some(("kind", &of_kinds as &dyn Fn(&str) -> bool)),
-                            (None, true) => None,
+                            (None, Some(_)) => Some(("dst", &to as &dyn Fn(&str) -> bool)),
+                            (None, None) if !edge_kinds.is_empty() => {
+                                Some(("kind", &of_kinds as &dyn Fn(&str) -> bool))
+                            }
+                            (None, None) => None,
                         };
-                        // Filtered on `src`, the kinds are left to check.
-                        let kinds_left = scan.edges_from.is_some() && !scan.edge_kinds.is_empty();
+                        // What the row filter did not check is checked on the decoded rows.
+                        let wanted = |e: &Edge| {
+                            edges_from.contains(e.src.as_str())
+                                && edges_to.contains(e.dst.as_str())
+                                && (edge_kinds.is_empty() || scan.edge_kinds.contains(&e.kind))
+                        };
                         for batch in self.rows_where(entry, only)? {
                             let batch = batch?;
                             let edges = schema::edges_from_batch(&batch)
                                 .map_err(|e| self.corrupt(entry, e.to_string()))?;
                             edges
                                 .into_iter()
-                                .filter(|e| !kinds_left || scan.edge_kinds.contains(&e.kind))
+                                .filter(wanted)
                                 .for_each(|e| graph.upsert_edge(e));
                         }
                     }
@@ -430,8 +449,8 @@ impl Store {
     }
 
     /// Ids of the live nodes of `tenant` whose kind is one of `kinds` (every kind when empty),
-    /// in one pass over three columns of `nodes` (id, tenant, kind): other tenants' ids are
-    /// never kept.
+    /// in one pass over three columns of `nodes` (id, tenant, kind), in the shards that may
+    /// hold the tenant's rows ([`ShardEntry::may_hold`]): other tenants' ids are never kept.
     pub fn tenant_node_ids(
         &self,
         manifest: &Manifest,
@@ -439,7 +458,10 @@ impl Store {
         kinds: &[NodeKind],
     ) -> Result<BTreeSet<NodeId>> {
         let mut ids = BTreeSet::new();
-        for entry in sorted(manifest, "nodes") {
+        for entry in sorted(manifest, "nodes")
+            .into_iter()
+            .filter(|s| s.may_hold(tenant))
+        {
             for batch in shard::batches(&self.dir, &entry, Some(&["id", "tenant", "kind"]))? {
                 let batch = batch?;
                 let (id, owner, kind) = (

@@ -204,6 +204,7 @@ impl ShardWriter {
             commit: self.commit,
             rows_from: None,
             rows_through: None,
+            tenants: None,
         };
         if let Some(index) = self.index.take() {
             keys::keep(&self.dir, &entry, &index.finish());
@@ -251,6 +252,7 @@ pub(crate) fn write(
         commit,
         rows_from: None,
         rows_through: None,
+        tenants: None,
     };
     if let Some(mut index) = IndexBuilder::new(table) {
         index.push(batch).map_err(|reason| Error::Corrupt {

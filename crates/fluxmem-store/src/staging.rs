@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
 use crate::layout::{write_manifest, MANIFEST, SHARDS, STAGING};
-use crate::manifest::Manifest;
+use crate::manifest::{Manifest, ShardEntry};
 use crate::{CommitInfo, Error, Result, Store, Writer};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Shard `index` of `count`: a deterministic 1/count of a stage's work, chosen by hashing each
 /// work item's key (a node id, an input record's position), so every item belongs to exactly
@@ -71,6 +72,27 @@ impl std::str::FromStr for Shard {
 /// The staging store of `shard` of `stage` under the store at `main`.
 pub fn staging_dir(main: &Path, stage: &str, shard: Shard) -> PathBuf {
     main.join(STAGING).join(format!("{stage}-{}", shard.name()))
+}
+
+/// The manifest of the staging store of shard `shard` of `stage`, if it has one. It starts as
+/// a copy of the main store's (progress markers included): [`staged_by`] tells whether the
+/// shard itself committed.
+pub fn staging_manifest(main: &Path, stage: &str, shard: Shard) -> Result<Option<Manifest>> {
+    let path = staging_dir(main, stage, shard).join(MANIFEST);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    Manifest::read(&path).map(Some)
+}
+
+/// Whether the staging store of `manifest` made a commit of stage `stage` itself (one of its
+/// last commit records, after the main store's version it started from).
+pub fn staged_by(manifest: &Manifest, stage: &str) -> bool {
+    let base = base_version(manifest).unwrap_or(u64::MAX);
+    manifest
+        .commits
+        .iter()
+        .any(|c| c.stage == stage && c.version > base)
 }
 
 /// The note the shard `shard` of `stage` left when it finished
@@ -226,6 +248,8 @@ impl Writer {
             ..Default::default()
         };
         let mut delta = fluxmem_graph::Graph::default();
+        // Each table's tenants: the union of the staged shards' (none when one names none).
+        let mut tenants: BTreeMap<String, Option<BTreeSet<String>>> = BTreeMap::new();
         let mut dirs = Vec::new();
         let mut already = false;
         for index in 0..count {
@@ -270,6 +294,15 @@ impl Writer {
                 .filter(|s| !s.file.starts_with(TO_MAIN))
                 .cloned()
                 .collect();
+            for entry in &own {
+                let union = tenants
+                    .entry(entry.table.clone())
+                    .or_insert_with(|| Some(BTreeSet::new()));
+                match (union.as_mut(), &entry.tenants) {
+                    (Some(union), Some(named)) => union.extend(named.iter().cloned()),
+                    _ => *union = None,
+                }
+            }
             let graph = Store { dir: dir.clone() }.load_at(&Manifest {
                 shards: own,
                 ..manifest.clone()
@@ -307,7 +340,18 @@ impl Writer {
                 merged_key,
                 serde_json::json!({ "shards": count, "base_version": self.manifest().version }),
             );
-            self.commit(&delta, info)?;
+            self.given_tenants = Some(
+                tenants
+                    .iter()
+                    .map(|(table, union)| {
+                        let named = union.as_ref().map(|u| u.iter().map(String::as_str));
+                        (table.clone(), ShardEntry::tenant_list(named))
+                    })
+                    .collect(),
+            );
+            let committed = self.commit(&delta, info).map(|_| ());
+            self.given_tenants = None;
+            committed?;
             report.committed = true;
         }
         // The shards' logs join the main store's once their data has (a crash before this only

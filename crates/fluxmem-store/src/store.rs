@@ -1,7 +1,7 @@
 use fluxmem_graph::schema;
-use fluxmem_graph::{Embedding, Graph};
+use fluxmem_graph::{Embedding, Graph, NodeId};
 use serde_json::Value;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
@@ -65,6 +65,11 @@ pub struct Writer {
     pub(crate) manifest_sha256: String,
     /// How long retired shard files stay for readers ([`crate::DEFAULT_RETIRED_GRACE`]).
     pub(crate) retired_grace: std::time::Duration,
+    /// Tenants of nodes a commit's rows may name without holding them ([`Writer::know_tenants`]).
+    known_tenants: HashMap<NodeId, String>,
+    /// For the next commit only: each table's tenants, given by whoever gathered its rows from
+    /// shards that named theirs (a staging merge), in place of placing the rows one by one.
+    pub(crate) given_tenants: Option<BTreeMap<String, Option<Vec<String>>>>,
 }
 
 impl Writer {
@@ -115,6 +120,8 @@ impl Writer {
             manifest,
             manifest_sha256,
             retired_grace: DEFAULT_RETIRED_GRACE,
+            known_tenants: HashMap::new(),
+            given_tenants: None,
         };
         writer.remove_interrupted()?;
         Ok(writer)
@@ -156,6 +163,19 @@ impl Writer {
     /// A read handle on the same store.
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Tells the writer the tenants of nodes that later commits' edges and embeddings may name
+    /// without holding the nodes (a stage passes the nodes it read), in place of what an
+    /// earlier call told. With them, each shard's entry names the tenants of its rows
+    /// ([`ShardEntry::tenants`]), and a reader of another tenant skips the shard unopened; a
+    /// shard with a row the writer cannot place names none. A node's tenant is part of its
+    /// id, so what is told here never goes stale.
+    pub fn know_tenants<'a>(&mut self, nodes: impl IntoIterator<Item = (&'a NodeId, &'a str)>) {
+        self.known_tenants = nodes
+            .into_iter()
+            .map(|(id, tenant)| (id.clone(), tenant.to_string()))
+            .collect();
     }
 
     /// Keeps the shard files a compaction retires for `grace` (and
@@ -268,11 +288,21 @@ impl Writer {
         let by_model = check_embeddings(manifest, delta)?;
         // Part 0 of each table, and one embeddings part per model.
         let mut parts: BTreeMap<String, usize> = BTreeMap::new();
-        let new_shards = write_shards(&dir, delta, version, &mut |table| {
+        let known = &self.known_tenants;
+        let tenant_of = |id: &NodeId| -> Option<&str> {
+            (delta.nodes.get(id).map(|n| n.tenant.as_str()))
+                .or_else(|| known.get(id).map(String::as_str))
+        };
+        let mut new_shards = write_shards(&dir, delta, version, &tenant_of, &mut |table| {
             let part = parts.entry(table.to_string()).or_default();
             *part += 1;
             *part - 1
         })?;
+        if let Some(given) = self.given_tenants.take() {
+            for entry in &mut new_shards {
+                entry.tenants = given.get(&entry.table).cloned().flatten();
+            }
+        }
         for (model, embeddings) in &by_model {
             manifest.embedding_model = Some(EmbeddingModel {
                 id: model.clone(),
@@ -512,26 +542,45 @@ fn check_embeddings<'a>(
 /// Writes `delta`'s tables as shards of commit `version`: nodes (their steps under the nodes
 /// shard's part number), edges, edits, and one embeddings shard per model, in model order.
 /// `part(table)` numbers each shard. The caller checks the embeddings' models and dimensions.
-pub(crate) fn write_shards(
+/// Each entry names its rows' tenants where `tenant_of` places every node its rows name (an
+/// edge by either end: tenants never mix); the edit log's entries name none.
+pub(crate) fn write_shards<'a>(
     dir: &Path,
     delta: &Graph,
     version: u64,
+    tenant_of: &dyn Fn(&NodeId) -> Option<&'a str>,
     part: &mut dyn FnMut(&str) -> usize,
 ) -> Result<Vec<ShardEntry>> {
     let mut written = Vec::new();
+    let named = |tenants: Option<Vec<&str>>| ShardEntry::tenant_list(tenants);
     if !delta.nodes.is_empty() {
         let (nodes, steps) =
             schema::nodes_to_batches(delta.nodes.values()).map_err(|e| graph_error(dir, e))?;
         let index = part("nodes");
-        written.push(shard::write(dir, "nodes", version, index, &nodes)?);
+        let tenants = named(Some(
+            delta.nodes.values().map(|n| n.tenant.as_str()).collect(),
+        ));
+        let mut entry = shard::write(dir, "nodes", version, index, &nodes)?;
+        entry.tenants = tenants.clone();
+        written.push(entry);
         if steps.num_rows() > 0 {
-            written.push(shard::write(dir, "steps", version, index, &steps)?);
+            let mut entry = shard::write(dir, "steps", version, index, &steps)?;
+            entry.tenants = tenants;
+            written.push(entry);
         }
     }
     if !delta.edges.is_empty() {
         let edges =
             schema::edges_to_batch(delta.edges.values()).map_err(|e| graph_error(dir, e))?;
-        written.push(shard::write(dir, "edges", version, part("edges"), &edges)?);
+        let mut entry = shard::write(dir, "edges", version, part("edges"), &edges)?;
+        entry.tenants = named(
+            delta
+                .edges
+                .values()
+                .map(|e| tenant_of(&e.src).or_else(|| tenant_of(&e.dst)))
+                .collect(),
+        );
+        written.push(entry);
     }
     if !delta.edits.is_empty() {
         let edits = schema::edits_to_batch(&delta.edits).map_err(|e| graph_error(dir, e))?;
@@ -548,13 +597,9 @@ pub(crate) fn write_shards(
         let dim = embeddings[0].vector.len();
         let batch = schema::embeddings_to_batch(dim, embeddings.iter().copied())
             .map_err(|e| graph_error(dir, e))?;
-        written.push(shard::write(
-            dir,
-            "embeddings",
-            version,
-            part("embeddings"),
-            &batch,
-        )?);
+        let mut entry = shard::write(dir, "embeddings", version, part("embeddings"), &batch)?;
+        entry.tenants = named(embeddings.iter().map(|e| tenant_of(&e.node_id)).collect());
+        written.push(entry);
     }
     Ok(written)
 }

@@ -571,7 +571,9 @@ fn a_tenants_scan_reads_its_nodes_steps_edges_and_vectors_and_nothing_of_another
             .filter(|(_, t)| *t == tenant)
             .map(|(id, _)| id.clone())
             .collect();
-        let read = store.scan_at(&manifest, &Scan::of_tenant(&ids)).unwrap();
+        let read = store
+            .scan_at(&manifest, &Scan::of_tenant(tenant, &ids))
+            .unwrap();
         let mut expected = whole.clone();
         expected.nodes.retain(|id, _| ids.contains(id));
         expected.edges.retain(|_, e| ids.contains(&e.src));
@@ -600,4 +602,144 @@ fn a_tenants_scan_reads_its_nodes_steps_edges_and_vectors_and_nothing_of_another
         .tenant_node_ids(&manifest, "nobody", &[])
         .unwrap()
         .is_empty());
+}
+
+/// One tenant's graph in two commits, as ingest and then embed or connect write it: the nodes
+/// (with their steps), then edges and vectors that name the nodes without holding them.
+fn tenant_nights(writer: &mut Writer, tenant: &str, tell: bool) -> Vec<NodeId> {
+    let task = |i: usize| {
+        Node::new(
+            NodeBody::Episodic(Episode {
+                steps: vec![Step {
+                    observation: format!("{tenant} obs {i}"),
+                    action: "a".into(),
+                    tool_calls: vec![],
+                    feedback: None,
+                    timestamp: None,
+                }],
+                outcome: Outcome::default(),
+            }),
+            tenant,
+            &format!("{tenant} task {i}"),
+            &[&i.to_string()],
+        )
+    };
+    let mut nodes = Graph::default();
+    (0..3).for_each(|i| nodes.upsert_node(task(i)));
+    writer.commit(&nodes, info()).unwrap();
+    let ids: Vec<NodeId> = nodes.nodes.keys().cloned().collect();
+    if tell {
+        writer.know_tenants(nodes.nodes.values().map(|n| (&n.id, n.tenant.as_str())));
+    } else {
+        writer.know_tenants([]);
+    }
+    let mut later = Graph::default();
+    for (i, id) in ids.iter().enumerate() {
+        later.upsert_embedding(Embedding {
+            node_id: id.clone(),
+            model_id: "m".into(),
+            text_sha256: format!("{tenant}{i}"),
+            vector: vec![i as f32, 1.0],
+        });
+        later.upsert_edge(edge(id, &ids[0], EdgeKind::Link, 0.5, "connect", true));
+    }
+    writer.commit(&later, info()).unwrap();
+    ids
+}
+
+/// Each shard's entry names the tenants of its rows where the writer could place them all,
+/// and a reader of one tenant never opens a shard that names only others: with every such
+/// shard of another tenant damaged, it reads exactly what it read before (and a reader of
+/// that tenant fails, so the damage would have been seen). A shard whose rows the writer
+/// could not place names no tenant and is read by everyone. Compaction's merged shards name
+/// the union of their members'.
+#[test]
+fn a_tenants_reader_skips_the_shards_that_name_only_other_tenants() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    let ours = tenant_nights(&mut writer, "t", true);
+    tenant_nights(&mut writer, "u", true);
+    // Edges and vectors committed without their tenants told: their shards name none.
+    tenant_nights(&mut writer, "v", false);
+    let named = |writer: &Writer, table: &str| -> Vec<Option<Vec<String>>> {
+        writer
+            .manifest()
+            .shards
+            .iter()
+            .filter(|s| s.table == table)
+            .map(|s| s.tenants.clone())
+            .collect()
+    };
+    let list = |names: &[&str]| Some(names.iter().map(|n| n.to_string()).collect::<Vec<_>>());
+    for table in ["nodes", "steps"] {
+        assert_eq!(
+            named(&writer, table),
+            [list(&["t"]), list(&["u"]), list(&["v"])],
+            "{table}"
+        );
+    }
+    for table in ["edges", "embeddings"] {
+        assert_eq!(
+            named(&writer, table),
+            [list(&["t"]), list(&["u"]), None],
+            "{table}"
+        );
+    }
+    let store = fluxmem_store::Store::open(dir.path()).unwrap();
+    let manifest = store.manifest().unwrap();
+    let read = |tenant: &str| {
+        let ids = store.tenant_node_ids(&manifest, tenant, &[])?;
+        store.scan_at(&manifest, &Scan::of_tenant(tenant, &ids))
+    };
+    let before = read("t").unwrap();
+    assert_eq!(
+        before.nodes.keys().cloned().collect::<Vec<_>>(),
+        ours,
+        "the tenant's nodes"
+    );
+    assert_eq!((before.edges.len(), before.embeddings.len()), (3, 3));
+    assert!(read("u").is_ok() && read("v").is_ok());
+    // Damage every shard that names only `u`, and one that names no tenant.
+    let damaged: Vec<&fluxmem_store::ShardEntry> = manifest
+        .shards
+        .iter()
+        .filter(|s| s.tenants == list(&["u"]))
+        .collect();
+    assert_eq!(damaged.len(), 4);
+    for entry in &damaged {
+        std::fs::write(dir.path().join(&entry.file), b"not a shard").unwrap();
+    }
+    assert_eq!(read("t").unwrap(), before, "nothing of u was opened");
+    assert!(read("u").is_err(), "u's damaged shards are read by u");
+    let unnamed = manifest
+        .shards
+        .iter()
+        .find(|s| s.table == "edges" && s.tenants.is_none())
+        .unwrap();
+    let bytes = std::fs::read(dir.path().join(&unnamed.file)).unwrap();
+    std::fs::write(dir.path().join(&unnamed.file), b"not a shard").unwrap();
+    assert!(read("t").is_err(), "a shard that names no tenant is read");
+    std::fs::write(dir.path().join(&unnamed.file), bytes).unwrap();
+
+    // A fresh store, compacted: merged shards name the union of their members' tenants.
+    let dir = tempfile::tempdir().unwrap();
+    let mut writer = Writer::open(dir.path()).unwrap();
+    tenant_nights(&mut writer, "t", true);
+    tenant_nights(&mut writer, "u", true);
+    let report = writer
+        .compact(
+            &fluxmem_store::CompactPolicy {
+                max_dead_fraction: 0.0,
+                merge_factor: 2,
+                min_level_rows: 1,
+                ..Default::default()
+            },
+            "c",
+        )
+        .unwrap();
+    assert!(report.committed);
+    for table in ["nodes", "edges", "embeddings"] {
+        let after = named(&writer, table);
+        assert_eq!(after, [list(&["t", "u"])], "{table}");
+    }
 }
