@@ -25,51 +25,59 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     // The flags are checked before the store is read.
     config_over(fluxmem_connect::RetrievalConfig::serving())?;
     let store = fluxmem_store::Store::open(&settings.store)?;
-    // Stage II's loop walks the tenant's edges; without it, the ranking reads only those of
-    // the episodes it retrieves (read below, once they are known).
-    let all_edges = args.refine.refine_rounds > 0;
-    let (mut graph, tenant, manifest) = read_tenant(&store, args.tenant.as_deref(), all_edges)?;
-    let read_version = manifest.version;
-    // The ranking the store's ground edges were made with (at the version read), unless a flag
-    // says otherwise.
-    let recorded = fluxmem_connect::recorded_retrieval(&manifest).unwrap_or_else(|e| {
-        eprintln!(
-            "warning: the store's `{}` is not a retrieval setting ({e}); ranking with the defaults",
-            fluxmem_connect::RETRIEVAL_MARKER
-        );
-        None
-    });
-    let mut config =
-        config_over(recorded.unwrap_or_else(fluxmem_connect::RetrievalConfig::serving))?;
     let embedder = super::embedder(&args.model, &device_choice, None)?;
-    // Only the tenant's nodes; those not embedded yet are left out and counted.
-    let retriever = Retriever::build_units(
-        &graph,
-        &tenant,
-        embedder.model_id(),
-        &device,
-        Unembedded::Skip,
-        config.units,
-    )?;
+    let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
+    let query_vector = embedder.embed(&[args.text.as_str()])?.remove(0);
+    // Stage II's loop walks the tenant's edges and may merge episodes; without it, the ranking
+    // reads no steps, and only the edges of the episodes it retrieves, at the same version as
+    // the nodes (read again from the new version when a compaction deleted a shard between).
+    let all_edges = args.refine.refine_rounds > 0;
+    let (mut graph, tenant, manifest, mut config, retriever) = loop {
+        let (mut graph, tenant, manifest) = read_tenant(&store, args.tenant.as_deref(), all_edges)?;
+        // The ranking the store's ground edges were made with (at the version read), unless a
+        // flag says otherwise.
+        let recorded = fluxmem_connect::recorded_retrieval(&manifest).unwrap_or_else(|e| {
+            eprintln!(
+                "warning: the store's `{}` is not a retrieval setting ({e}); ranking with the defaults",
+                fluxmem_connect::RETRIEVAL_MARKER
+            );
+            None
+        });
+        let config =
+            config_over(recorded.unwrap_or_else(fluxmem_connect::RetrievalConfig::serving))?;
+        // Only the tenant's nodes; those not embedded yet are left out and counted.
+        let retriever = Retriever::build_units(
+            &graph,
+            &tenant,
+            embedder.model_id(),
+            &device,
+            Unembedded::Skip,
+            config.units,
+        )?;
+        if !all_edges {
+            let retrieved = retriever.episodes(&query_vector, args.episodes)?;
+            let retrieved: BTreeSet<NodeId> = retrieved.into_iter().map(|(id, _)| id).collect();
+            match edges_of(&store, &manifest, &tenant, retrieved) {
+                Ok(edges) => graph.edges = edges.edges,
+                Err(_) if store.manifest()?.version != manifest.version => continue,
+                Err(error) => return Err(error.into()),
+            }
+        }
+        break (graph, tenant, manifest, config, retriever);
+    };
+    let read_version = manifest.version;
     let not_embedded = retriever.not_embedded();
     if not_embedded > 0 {
         eprintln!("warning: {not_embedded} nodes of tenant `{tenant}` have no `{}` embedding and were left out; run `fluxmem embed`", embedder.model_id());
     }
-    let mut judge = super::judge_from_flag(&args.judge, &device_choice)?;
     if judge.is_none() {
         config.judge_top = 0;
     }
-    let query_vector = embedder.embed(&[args.text.as_str()])?.remove(0);
     // With entities on, the dense signal reads the query without the speakers it names.
     let dense_vector = match retriever.semantic().dense_query(&args.text, &config) {
         Some(text) => embedder.embed(&[text.as_str()])?.remove(0),
         None => query_vector.clone(),
     };
-    if !all_edges {
-        let retrieved = retriever.episodes(&query_vector, args.episodes)?;
-        let retrieved = retrieved.into_iter().map(|(id, _)| id).collect();
-        graph.edges = edges_of(&store, &manifest, &tenant, retrieved)?.edges;
-    }
     let (head, semantic) = retriever.retrieve_split_dense(
         &graph,
         &args.text,
@@ -215,9 +223,9 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
 fn read_tenant(
     store: &fluxmem_store::Store,
     requested: Option<&str>,
-    edges: bool,
+    all: bool,
 ) -> anyhow::Result<(fluxmem_graph::Graph, String, fluxmem_store::Manifest)> {
-    let served = |tenant: &str, ids: &BTreeSet<NodeId>| served(tenant, ids, edges);
+    let served = |tenant: &str, ids: &BTreeSet<NodeId>| served(tenant, ids, all);
     let (read, manifest) = store.read_current(|manifest| {
         if let Some(tenant) = requested {
             let ids = store.tenant_node_ids(manifest, tenant, &[])?;
@@ -244,13 +252,18 @@ fn read_tenant(
     Ok((graph, tenant, manifest))
 }
 
-/// What a query reads of its tenant: its nodes and their vectors, the edges from them when
-/// `edges`, and not the episodes' steps (neither the ranking, nor the context's lines, nor
-/// Stage II reads them; they are most of an episode's bytes).
-fn served(tenant: &str, ids: &BTreeSet<NodeId>, edges: bool) -> Scan {
+/// What a query reads of its tenant: with Stage II (`all`), its nodes with their steps, the
+/// edges from them and their vectors (the loop walks the edges, and a node it merges keeps the
+/// first one's body); without, its nodes and vectors only (the ranking's edges are read once
+/// it knows its episodes, [`edges_of`]), not the episodes' steps, which neither the ranking
+/// nor the context's lines read and which are most of an episode's bytes.
+fn served(tenant: &str, ids: &BTreeSet<NodeId>, all: bool) -> Scan {
+    if all {
+        return Scan::of_tenant(tenant, ids);
+    }
     Scan {
         steps: Rows::None,
-        edges,
+        edges: false,
         ..Scan::of_tenant(tenant, ids)
     }
 }
@@ -263,6 +276,9 @@ fn edges_of(
     tenant: &str,
     retrieved: BTreeSet<NodeId>,
 ) -> fluxmem_store::Result<fluxmem_graph::Graph> {
+    if retrieved.is_empty() {
+        return Ok(Default::default());
+    }
     let edges = |kind, from: Option<BTreeSet<NodeId>>, to: Option<BTreeSet<NodeId>>| Scan {
         edges: true,
         edge_kinds: vec![kind],

@@ -684,37 +684,46 @@ pub fn staged_retrieval(
     store: &fluxmem_store::Store,
     count: usize,
 ) -> Result<Option<RetrievalConfig>> {
-    let mut agreed: Option<RetrievalConfig> = None;
+    let base = store.manifest()?.version;
+    let mut agreed: Option<(RetrievalConfig, fluxmem_store::Shard)> = None;
     for index in 0..count {
         let shard = fluxmem_store::Shard { index, count };
-        // A shard without a staging store: the merge says which.
+        // A shard without a staging store, unfinished or stale: the merge says which.
         let Some(manifest) = fluxmem_store::staging_manifest(store.dir(), STAGE, shard)? else {
             continue;
         };
         // The record a shard inherited from the main store is not its own.
-        if !fluxmem_store::staged_by(&manifest, STAGE) {
+        if !fluxmem_store::staged_by(&manifest, STAGE, base) {
             continue;
         }
-        let differs = |expected: String| Error::StagedRetrieval {
+        let refused = |reason: String| Error::StagedRetrieval {
             path: fluxmem_store::staging_dir(store.dir(), STAGE, shard),
-            found: manifest.progress[RETRIEVAL_MARKER].to_string(),
-            expected,
+            reason,
         };
         let found = match recorded_retrieval(&manifest) {
             Ok(Some(found)) => found,
             Ok(None) => continue,
-            Err(_) => return Err(differs("a retrieval setting".into())),
+            Err(error) => {
+                let record = &manifest.progress[RETRIEVAL_MARKER];
+                return Err(refused(format!(
+                    "its `{RETRIEVAL_MARKER}` record {record} is not a retrieval setting ({error})"
+                )));
+            }
         };
         match &agreed {
-            Some(expected) if expected != &found => {
-                return Err(differs(
-                    serde_json::to_string(expected).expect("a retrieval config serialises"),
-                ))
+            Some((expected, by)) if expected != &found => {
+                let json = |c: &RetrievalConfig| serde_json::to_string(c).expect("serialises");
+                return Err(refused(format!(
+                    "it grounded with retrieval {}, shard {by} with {}: the merged edges would mix rankings; run every shard with one setting",
+                    json(&found),
+                    json(expected)
+                )));
             }
-            _ => agreed = Some(found),
+            Some(_) => {}
+            None => agreed = Some((found, shard)),
         }
     }
-    Ok(agreed)
+    Ok(agreed.map(|(config, _)| config))
 }
 
 /// The progress that records `config` as the store's retrieval ([`RETRIEVAL_MARKER`]).

@@ -91,16 +91,14 @@ pub enum Error {
         /// The store's tenants, sorted.
         tenants: Vec<String>,
     },
-    /// Two shards of a sharded connect recorded different retrieval settings (or one that is
-    /// not a setting): their edges would mix rankings, so the merge stops.
-    #[error("the shards of connect grounded with different retrieval: {} recorded {found}, where {expected} was expected; run every shard with one setting", .path.display())]
+    /// A shard of a sharded connect recorded a retrieval setting that another shard did not
+    /// (their edges would mix rankings), or a record that is not a setting: the merge stops.
+    #[error("shard {}: {reason}", .path.display())]
     StagedRetrieval {
-        /// The staging store.
+        /// The shard's staging store.
         path: std::path::PathBuf,
-        /// What it recorded (JSON).
-        found: String,
-        /// What an earlier shard recorded (JSON).
-        expected: String,
+        /// What it recorded, and what was expected.
+        reason: String,
     },
     /// The named tenant has no node in the store.
     #[error("tenant `{tenant}` has no nodes in the store (its tenants: {})", .tenants.join(", "))]

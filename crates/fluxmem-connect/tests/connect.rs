@@ -979,9 +979,14 @@ fn the_shards_recorded_retrieval_is_the_merges_and_two_settings_are_refused() {
     );
     record(&mut first, &serving, STAGE);
     record(&mut second, &serving, STAGE);
+    // Unfinished shards are the merge's to refuse: not counted yet.
+    assert_eq!(staged_retrieval(&store, 3).unwrap(), None);
+    first.finish_staging("r").unwrap();
+    second.finish_staging("r").unwrap();
     assert_eq!(staged_retrieval(&store, 3).unwrap(), Some(serving.clone()));
     record(&mut second, &plain, STAGE);
     let error = staged_retrieval(&store, 3).unwrap_err().to_string();
     assert!(error.contains("connect-1-of-3"), "{error}");
-    assert!(error.contains("different retrieval"), "{error}");
+    assert!(error.contains("shard 0/3"), "{error}");
+    assert!(error.contains("one setting"), "{error}");
 }

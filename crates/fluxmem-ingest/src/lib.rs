@@ -226,7 +226,8 @@ pub struct IngestReport {
     pub quarantined: u64,
     /// Records (and rejections) left to other shards of a sharded run.
     pub other_shards: u64,
-    /// The quarantine file, if anything was quarantined.
+    /// The quarantine file, if anything was quarantined (as text, lossily where not UTF-8).
+    #[serde(serialize_with = "record::lossy_optional_path")]
     pub quarantine_file: Option<PathBuf>,
     /// Nodes added (a record can add several, e.g. a tau-bench run and its policy chunks).
     pub nodes_added: u64,

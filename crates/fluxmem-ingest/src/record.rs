@@ -123,3 +123,51 @@ impl Rejected {
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// Serialises a path as text, lossily where it is not UTF-8 (serde's own refuses such a path,
+/// and a report must not fail after its data was committed).
+pub(crate) fn lossy_path<S: serde::Serializer>(
+    path: &std::path::Path,
+    serializer: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    serializer.serialize_str(&path.to_string_lossy())
+}
+
+/// [`lossy_path`] of an optional path (`null` when absent).
+pub(crate) fn lossy_optional_path<S: serde::Serializer>(
+    path: &Option<std::path::PathBuf>,
+    serializer: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    match path {
+        Some(path) => lossy_path(path, serializer),
+        None => serializer.serialize_none(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A report names a file whose name is not UTF-8 instead of failing to print.
+    #[cfg(unix)]
+    #[test]
+    fn a_report_prints_a_path_that_is_not_utf8() {
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::path::PathBuf::from(std::ffi::OsStr::from_bytes(b"logs/a\xffb.jsonl"));
+        assert!(
+            serde_json::to_value(&path).is_err(),
+            "serde's own refuses it"
+        );
+        let report = crate::IngestReport {
+            quarantine_file: Some(path.clone()),
+            skipped: vec![crate::Skipped {
+                path,
+                reason: "a link".into(),
+            }],
+            ..Default::default()
+        };
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["quarantine_file"], "logs/a\u{fffd}b.jsonl");
+        assert_eq!(json["skipped"][0]["path"], "logs/a\u{fffd}b.jsonl");
+        let empty = serde_json::to_value(crate::IngestReport::default()).unwrap();
+        assert_eq!(empty["quarantine_file"], serde_json::Value::Null);
+    }
+}

@@ -17,7 +17,9 @@ use crate::{IngestOptions, Rejected};
 /// A directory or link that an input walk left out on purpose, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Skipped {
-    /// The path as walked (under the input that led to it).
+    /// The path as walked (under the input that led to it); written as text, lossily where
+    /// it is not UTF-8 (a report must not fail on a file name).
+    #[serde(serialize_with = "crate::record::lossy_path")]
     pub path: PathBuf,
     /// Why it was not read.
     pub reason: String,

@@ -2229,6 +2229,41 @@ fn the_openai_sdks_dumps_legacy_function_calls_and_langchain_dumps_keep_their_ca
         (5, 5, 0),
         "{report:?}"
     );
+    // Each file's episodes: two dumps, one legacy conversation, two LangChain conversations.
+    let graph = fluxmem_store::Store::open(store.path())
+        .unwrap()
+        .load()
+        .unwrap();
+    let of_file = |file: &str| -> Vec<&fluxmem_graph::Node> {
+        (graph.nodes.values())
+            .filter(|n| n.kind() == NodeKind::Episodic && n.source_file.ends_with(file))
+            .collect()
+    };
+    let counts: Vec<usize> = ["openai-model-dump.jsonl", "openai-function-call.jsonl"]
+        .iter()
+        .chain(["langchain-messages.jsonl"].iter())
+        .map(|file| of_file(file).len())
+        .collect();
+    assert_eq!(counts, [2, 1, 2]);
+    // The LangChain file's two conversations share their first message; the second (a bare
+    // list, no system prompt) is a greeting, not a refund.
+    let mut langchain: Vec<(usize, String)> = of_file("langchain-messages.jsonl")
+        .iter()
+        .map(|n| {
+            let steps = &n.episode().unwrap().steps;
+            let calls = steps.iter().map(|s| s.tool_calls.len()).sum();
+            let last = steps.iter().rev().find(|s| !s.action.is_empty()).unwrap();
+            (calls, last.action.clone())
+        })
+        .collect();
+    langchain.sort();
+    assert_eq!(
+        langchain,
+        [
+            (0, "Hello! How can I help?".to_string()),
+            (2, "Done: order D-400 is refunded.".to_string())
+        ]
+    );
     let episodes = seen_episodes(store.path());
     let by_id = |id: &str| {
         episodes
@@ -2253,6 +2288,8 @@ fn the_openai_sdks_dumps_legacy_function_calls_and_langchain_dumps_keep_their_ca
     let arguments = &node.episode().unwrap().steps[0].tool_calls[0].arguments;
     assert_eq!(arguments, "{\"order_id\": \"C-300\"}");
     // LangChain: types mapped, tool calls with their ids and results, the system prompt shared.
+    // (Keyed by task, `episodes` keeps one of the two conversations that share this one: the
+    // refund, which sorts last.)
     let (seen, node) = &episodes["Please refund order D-400."];
     assert_eq!(
         seen.0,

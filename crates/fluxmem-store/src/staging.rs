@@ -85,14 +85,18 @@ pub fn staging_manifest(main: &Path, stage: &str, shard: Shard) -> Result<Option
     Manifest::read(&path).map(Some)
 }
 
-/// Whether the staging store of `manifest` made a commit of stage `stage` itself (one of its
-/// last commit records, after the main store's version it started from).
-pub fn staged_by(manifest: &Manifest, stage: &str) -> bool {
-    let base = base_version(manifest).unwrap_or(u64::MAX);
-    manifest
-        .commits
-        .iter()
-        .any(|c| c.stage == stage && c.version > base)
+/// Whether the staging store of `manifest`, started from the main store's version `base` and
+/// finished, made a commit of stage `stage` itself (one of its last commit records, after
+/// `base`). A shard that is unfinished or started from another version is the merge's to
+/// refuse.
+pub fn staged_by(manifest: &Manifest, stage: &str, base: u64) -> bool {
+    let finished = staging_marker(manifest)
+        .and_then(|marker| marker.get("done"))
+        .and_then(Value::as_bool)
+        == Some(true);
+    finished
+        && base_version(manifest) == Some(base)
+        && (manifest.commits.iter()).any(|c| c.stage == stage && c.version > base)
 }
 
 /// The note the shard `shard` of `stage` left when it finished

@@ -543,7 +543,8 @@ fn check_embeddings<'a>(
 /// shard's part number), edges, edits, and one embeddings shard per model, in model order.
 /// `part(table)` numbers each shard. The caller checks the embeddings' models and dimensions.
 /// Each entry names its rows' tenants where `tenant_of` places every node its rows name (an
-/// edge by either end: tenants never mix); the edit log's entries name none.
+/// edge by the ends it places, one at least: what fluxmem writes never joins two tenants);
+/// the edit log's entries name none.
 pub(crate) fn write_shards<'a>(
     dir: &Path,
     delta: &Graph,
@@ -573,12 +574,17 @@ pub(crate) fn write_shards<'a>(
         let edges =
             schema::edges_to_batch(delta.edges.values()).map_err(|e| graph_error(dir, e))?;
         let mut entry = shard::write(dir, "edges", version, part("edges"), &edges)?;
+        // An edge is placed by its ends, both where both are known (an older store's edge
+        // joining two tenants, which refine deactivates, is then seen by both).
+        let ends = |e: &fluxmem_graph::Edge| match (tenant_of(&e.src), tenant_of(&e.dst)) {
+            (None, None) => None,
+            (src, dst) => Some(src.into_iter().chain(dst)),
+        };
         entry.tenants = named(
-            delta
-                .edges
-                .values()
-                .map(|e| tenant_of(&e.src).or_else(|| tenant_of(&e.dst)))
-                .collect(),
+            (delta.edges.values())
+                .map(ends)
+                .collect::<Option<Vec<_>>>()
+                .map(|all| all.into_iter().flatten().collect()),
         );
         written.push(entry);
     }
