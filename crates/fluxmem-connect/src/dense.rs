@@ -24,10 +24,16 @@ pub struct DenseIndex {
     device: Device,
 }
 
-fn normalized(vector: &[f32]) -> Vec<f32> {
-    let mut v = vector.to_vec();
-    fluxmem_models::normalize(&mut v);
-    v
+/// The vectors, each normalised, in one row-major block (one allocation; each row copied
+/// whole, then normalised in place).
+fn normalized_rows(vectors: &[Vec<f32>], dim: usize) -> Vec<f32> {
+    let mut flat = Vec::with_capacity(vectors.len() * dim);
+    for vector in vectors {
+        let start = flat.len();
+        flat.extend_from_slice(vector);
+        fluxmem_models::normalize(&mut flat[start..]);
+    }
+    flat
 }
 
 impl DenseIndex {
@@ -37,7 +43,7 @@ impl DenseIndex {
         let matrix = if rows == 0 {
             None
         } else {
-            let flat: Vec<f32> = vectors.iter().flat_map(|v| normalized(v)).collect();
+            let flat = normalized_rows(vectors, dim);
             Some(Tensor::from_vec(flat, (rows, dim), device)?)
         };
         Ok(DenseIndex {
@@ -81,7 +87,7 @@ impl DenseIndex {
         if queries.is_empty() {
             return Ok(Vec::new());
         }
-        let mut flat: Vec<f32> = queries.iter().flat_map(|q| normalized(q)).collect();
+        let mut flat = normalized_rows(queries, self.dim);
         let query_rows = queries.len().max(MIN_ROWS);
         let last = flat.len() - self.dim;
         for _ in queries.len()..query_rows {
