@@ -7,6 +7,21 @@ use fluxmem_graph::{
 use fluxmem_store::{CommitInfo, Rows, Scan, Writer};
 use std::collections::BTreeSet;
 
+/// Compacts `writer`'s store as far as it goes: every level merged, every dead row dropped.
+fn compact_all(writer: &mut Writer) -> fluxmem_store::CompactReport {
+    writer
+        .compact(
+            &fluxmem_store::CompactPolicy {
+                max_dead_fraction: 0.0,
+                merge_factor: 2,
+                min_level_rows: 1,
+                ..Default::default()
+            },
+            "c",
+        )
+        .unwrap()
+}
+
 fn info() -> CommitInfo {
     CommitInfo {
         stage: "test".into(),
@@ -466,17 +481,7 @@ fn live_streams_each_live_row_once_and_skips_superseded_ones() {
         before.iter().any(|e| e.weight == 3.0) && before.iter().any(|e| e.weight == 0.0),
         "rows of the first and the last commit are live"
     );
-    let report = writer
-        .compact(
-            &fluxmem_store::CompactPolicy {
-                max_dead_fraction: 0.0,
-                merge_factor: 2,
-                min_level_rows: 1,
-                ..Default::default()
-            },
-            "c",
-        )
-        .unwrap();
+    let report = compact_all(&mut writer);
     assert!(report.committed);
     let mut after = check(&writer);
     let mut before = before;
@@ -726,17 +731,7 @@ fn a_tenants_reader_skips_the_shards_that_name_only_other_tenants() {
     let mut writer = Writer::open(dir.path()).unwrap();
     tenant_nights(&mut writer, "t", true);
     tenant_nights(&mut writer, "u", true);
-    let report = writer
-        .compact(
-            &fluxmem_store::CompactPolicy {
-                max_dead_fraction: 0.0,
-                merge_factor: 2,
-                min_level_rows: 1,
-                ..Default::default()
-            },
-            "c",
-        )
-        .unwrap();
+    let report = compact_all(&mut writer);
     assert!(report.committed);
     for table in ["nodes", "edges", "embeddings"] {
         let after = named(&writer, table);
