@@ -788,13 +788,7 @@ fn spanning<'a>(
         .clone()
         .map(ShardEntry::rows_span)
         .fold((u64::MAX, 0), |(a, b), (c, d)| (a.min(c), b.max(d)));
-    let tenants: Option<Vec<&str>> = members
-        .map(|m| m.tenants.as_ref().map(|t| t.iter().map(String::as_str)))
-        .try_fold(Vec::new(), |mut all, named| {
-            all.extend(named?);
-            Some(all)
-        });
-    let tenants = ShardEntry::tenant_list(tenants);
+    let tenants = ShardEntry::union_of_tenants(members);
     for entry in &mut written {
         entry.rows_from = Some(from);
         entry.rows_through = Some(through);

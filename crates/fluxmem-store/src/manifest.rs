@@ -132,6 +132,18 @@ impl ShardEntry {
         (set.len() <= Self::MAX_TENANTS).then(|| set.into_iter().map(str::to_string).collect())
     }
 
+    /// The list to record for a shard whose rows come from `members`: the union of their
+    /// lists ([`Self::tenant_list`]), `None` when one of them names none.
+    pub fn union_of_tenants<'a>(
+        members: impl IntoIterator<Item = &'a ShardEntry>,
+    ) -> Option<Vec<String>> {
+        let named: Option<Vec<&str>> = members.into_iter().try_fold(Vec::new(), |mut all, m| {
+            all.extend(m.tenants.as_ref()?.iter().map(String::as_str));
+            Some(all)
+        });
+        Self::tenant_list(named)
+    }
+
     /// The commits whose rows the shard holds, oldest and newest: its own commit for a
     /// commit's shard; for a compaction's output, the span of the shards it merged.
     pub fn rows_span(&self) -> (u64, u64) {

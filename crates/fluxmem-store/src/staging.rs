@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 use crate::error::IoContext;
 use crate::layout::{write_manifest, MANIFEST, SHARDS, STAGING};
 use crate::manifest::{Manifest, ShardEntry};
+use crate::store::TableTenants;
 use crate::{CommitInfo, Error, Result, Store, Writer};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 /// Shard `index` of `count`: a deterministic 1/count of a stage's work, chosen by hashing each
 /// work item's key (a node id, an input record's position), so every item belongs to exactly
@@ -252,8 +253,8 @@ impl Writer {
             ..Default::default()
         };
         let mut delta = fluxmem_graph::Graph::default();
-        // Each table's tenants: the union of the staged shards' (none when one names none).
-        let mut tenants: BTreeMap<String, Option<BTreeSet<String>>> = BTreeMap::new();
+        // Each table's staged shards: the merged shard names the union of their tenants.
+        let mut staged: BTreeMap<String, Vec<ShardEntry>> = BTreeMap::new();
         let mut dirs = Vec::new();
         let mut already = false;
         for index in 0..count {
@@ -299,13 +300,10 @@ impl Writer {
                 .cloned()
                 .collect();
             for entry in &own {
-                let union = tenants
+                staged
                     .entry(entry.table.clone())
-                    .or_insert_with(|| Some(BTreeSet::new()));
-                match (union.as_mut(), &entry.tenants) {
-                    (Some(union), Some(named)) => union.extend(named.iter().cloned()),
-                    _ => *union = None,
-                }
+                    .or_default()
+                    .push(entry.clone());
             }
             let graph = Store { dir: dir.clone() }.load_at(&Manifest {
                 shards: own,
@@ -344,18 +342,12 @@ impl Writer {
                 merged_key,
                 serde_json::json!({ "shards": count, "base_version": self.manifest().version }),
             );
-            self.given_tenants = Some(
-                tenants
-                    .iter()
-                    .map(|(table, union)| {
-                        let named = union.as_ref().map(|u| u.iter().map(String::as_str));
-                        (table.clone(), ShardEntry::tenant_list(named))
-                    })
-                    .collect(),
-            );
-            let committed = self.commit(&delta, info).map(|_| ());
-            self.given_tenants = None;
-            committed?;
+            let tenants: TableTenants = staged
+                .iter()
+                .map(|(table, entries)| (table.clone(), ShardEntry::union_of_tenants(entries)))
+                .collect();
+            let mut manifest = self.manifest().clone();
+            self.write_commit(&mut manifest, &delta, info, Some(&tenants))?;
             report.committed = true;
         }
         // The shards' logs join the main store's once their data has (a crash before this only

@@ -67,10 +67,11 @@ pub struct Writer {
     pub(crate) retired_grace: std::time::Duration,
     /// Tenants of nodes a commit's rows may name without holding them ([`Writer::know_tenants`]).
     known_tenants: HashMap<NodeId, String>,
-    /// For the next commit only: each table's tenants, given by whoever gathered its rows from
-    /// shards that named theirs (a staging merge), in place of placing the rows one by one.
-    pub(crate) given_tenants: Option<BTreeMap<String, Option<Vec<String>>>>,
 }
+
+/// Each table's tenant list for a commit whose rows were gathered from shards that named
+/// theirs (a staging merge), in place of placing the rows one by one.
+pub(crate) type TableTenants = BTreeMap<String, Option<Vec<String>>>;
 
 impl Writer {
     /// Opens (creating if needed) the store at `dir` for writing, taking the writer lock and
@@ -121,7 +122,6 @@ impl Writer {
             manifest_sha256,
             retired_grace: DEFAULT_RETIRED_GRACE,
             known_tenants: HashMap::new(),
-            given_tenants: None,
         };
         writer.remove_interrupted()?;
         Ok(writer)
@@ -195,7 +195,7 @@ impl Writer {
     /// last by atomic rename.
     pub fn commit(&mut self, delta: &Graph, info: CommitInfo) -> Result<&Manifest> {
         let mut manifest = self.manifest.clone();
-        self.write_commit(&mut manifest, delta, info)?;
+        self.write_commit(&mut manifest, delta, info, None)?;
         Ok(&self.manifest)
     }
 
@@ -214,7 +214,7 @@ impl Writer {
             version: manifest.version + 1,
             stats,
         });
-        self.write_commit(&mut manifest, delta, info)?;
+        self.write_commit(&mut manifest, delta, info, None)?;
         Ok(&self.manifest)
     }
 
@@ -230,7 +230,7 @@ impl Writer {
             version: manifest.version + 1,
             stats: graph.stats(),
         });
-        self.write_commit(&mut manifest, graph, info)?;
+        self.write_commit(&mut manifest, graph, info, None)?;
         let live: BTreeSet<&str> = self
             .manifest
             .shards
@@ -277,11 +277,14 @@ impl Writer {
         Ok(unlisted)
     }
 
-    fn write_commit(
+    /// Writes `delta`'s shards and lands `manifest` with them. Each shard names the tenants of
+    /// its rows as the writer places them, or as `given` says for its table.
+    pub(crate) fn write_commit(
         &mut self,
         manifest: &mut Manifest,
         delta: &Graph,
         info: CommitInfo,
+        given: Option<&TableTenants>,
     ) -> Result<()> {
         let dir = self.store.dir.clone();
         let version = manifest.version + 1;
@@ -298,7 +301,7 @@ impl Writer {
             *part += 1;
             *part - 1
         })?;
-        if let Some(given) = self.given_tenants.take() {
+        if let Some(given) = given {
             for entry in &mut new_shards {
                 entry.tenants = given.get(&entry.table).cloned().flatten();
             }
