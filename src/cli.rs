@@ -102,6 +102,27 @@ pub enum StoreCommand {
     /// them. Live rows never change. `fluxmem run` does this after every full run
     /// (`[compact]` in the pipeline file). Takes the writer lock.
     Compact(CompactArgs),
+    /// Bring the tenant vector indexes up to date: per tenant, one file of its episodes' and
+    /// facts' ids and vectors (of the store's embedding model), which `query --tenant` reads
+    /// instead of every row of the tenant while no commit has added to the tenant since. A
+    /// current index is not read; a stale one is made again from the rows added after it.
+    /// `fluxmem run` does this after every full run. Takes the writer lock.
+    Index(IndexArgs),
+}
+
+/// `fluxmem store index`.
+#[derive(Debug, Args)]
+pub struct IndexArgs {
+    /// Only these tenants (repeat or comma-separate); default: every tenant of the store.
+    #[arg(long, value_delimiter = ',')]
+    pub tenant: Vec<String>,
+    /// Make each index again from all of its tenant's shards, even a current one (whose file
+    /// a query reported damaged).
+    #[arg(long)]
+    pub rebuild: bool,
+    /// Print one JSON line per tenant.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `fluxmem store compact`.

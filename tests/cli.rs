@@ -1726,3 +1726,127 @@ fn a_local_model_labels_the_outcomes_the_log_does_not_say() {
     );
     assert!(!store.exists());
 }
+
+/// `query --tenant` reads its tenant's vector index (`store index`) while it is current and
+/// answers byte for byte as from the shards; it does not use a stale index, and a damaged one
+/// gets a warning naming the fix, and the same answer from the shards.
+#[test]
+fn a_query_answers_the_same_from_its_tenants_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let input = dir.path().join("two.jsonl");
+    std::fs::write(&input, TWO_TENANTS).unwrap();
+    let stderr = |output: &Output| String::from_utf8_lossy(&output.stderr).to_string();
+    let night = |file: &Path| {
+        for args in [
+            vec!["ingest", file.to_str().unwrap()],
+            vec!["embed", "--model", "hash-64"],
+            vec!["connect", "--model", "hash-64"],
+        ] {
+            let output = run(fluxmem(&store).args(&args));
+            assert!(output.status.success(), "{args:?}: {}", stderr(&output));
+        }
+    };
+    night(&input);
+    let question = "refund my damaged order to my card";
+    let ask = || {
+        let output = run(fluxmem(&store).args([
+            "query", "--tenant", "acme", "--model", "hash-64", "--json", question,
+        ]));
+        assert!(output.status.success(), "{}", stderr(&output));
+        output
+    };
+    let index = |extra: &[&str]| {
+        let output = run(fluxmem(&store)
+            .args(["store", "index", "--json"])
+            .args(extra));
+        assert!(output.status.success(), "{}", stderr(&output));
+        let lines = String::from_utf8_lossy(&output.stdout).to_string();
+        let hows: Vec<(String, String)> = (lines.lines())
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .map(|u| {
+                (
+                    u["tenant"].as_str().unwrap().into(),
+                    u["how"].as_str().unwrap().into(),
+                )
+            })
+            .collect();
+        hows
+    };
+    let model_of = || {
+        let manifest = fluxmem_store::Store::open(&store)
+            .unwrap()
+            .manifest()
+            .unwrap();
+        manifest.embedding_model.unwrap().id
+    };
+    let current = || {
+        let manifest = fluxmem_store::Store::open(&store)
+            .unwrap()
+            .manifest()
+            .unwrap();
+        manifest.current_index("acme", &model_of()).cloned()
+    };
+
+    let from_shards = ask();
+    let pair = |a: &str, b: &str| (a.to_string(), b.to_string());
+    assert_eq!(
+        index(&[]),
+        vec![pair("acme", "full"), pair("globex", "full")]
+    );
+    let entry = current().expect("acme's index is current");
+    let from_index = ask();
+    assert_eq!(from_index.stdout, from_shards.stdout);
+    assert!(
+        !stderr(&from_index).contains("warning"),
+        "{}",
+        stderr(&from_index)
+    );
+
+    // Damaged: a warning naming the file and the fix, and the same answer from the shards.
+    let file = store.join(&entry.file);
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[20] ^= 1;
+    std::fs::write(&file, &bytes).unwrap();
+    let damaged = ask();
+    assert_eq!(damaged.stdout, from_shards.stdout);
+    let warning = stderr(&damaged);
+    assert!(
+        warning.contains("warning")
+            && warning.contains(&entry.file)
+            && warning.contains("--rebuild"),
+        "{warning}"
+    );
+    assert_eq!(
+        index(&[]),
+        vec![pair("acme", "current"), pair("globex", "current")]
+    );
+    assert_eq!(
+        index(&["--rebuild", "--tenant", "acme"]),
+        vec![pair("acme", "full")]
+    );
+    assert!(!stderr(&ask()).contains("warning"));
+
+    // A night of acme's makes its index stale: the query reads the shards, and answers as it
+    // does from the index made again from the rows the night added.
+    let more = dir.path().join("more.jsonl");
+    std::fs::write(
+        &more,
+        r#"{"tenant":"acme","episode_id":"a3","task":"Refund damaged order 2001 to the card","steps":[{"observation":"User: my damaged order needs a refund to my card","action":"Issuing the refund."}],"outcome":{"success":true}}
+"#,
+    )
+    .unwrap();
+    night(&more);
+    assert!(current().is_none(), "acme's index is stale after its night");
+    let stale = ask();
+    assert_ne!(
+        stale.stdout, from_shards.stdout,
+        "the new episode is in the answer"
+    );
+    assert_eq!(
+        index(&[]),
+        vec![pair("acme", "added"), pair("globex", "current")]
+    );
+    assert!(current().is_some());
+    assert_eq!(ask().stdout, stale.stdout);
+}

@@ -2,7 +2,8 @@
 """`query` latency and peak RSS for one tenant, alone in its store and beside other tenants'
 data (OTHERS times as many episodes, in TENANTS other tenants), with the hashing embedder.
 
-The tenant's store is ingested, embedded and connected once; a copy gets the other tenants'
+The tenant's store is ingested, embedded, connected and indexed (`store index`; not with
+--no-index) once; a copy gets the other tenants'
 episodes and facts, embedded and connected too. QUERIES questions (the tenant's task families,
 seeded) are asked of each store, one `fluxmem query` process each, as a service would; wall time
 and peak RSS per query come from /usr/bin/time. The table gives p50 and p95 of each and the
@@ -10,7 +11,7 @@ ratio of the crowded store to the lone one (1.00: the other tenants cost nothing
 
 Usage:
   query_tenants.py --episodes 1000 [--others 10] [--tenants 10] [--queries 50]
-                   [--embedder hash-384] [--bin target/release/fluxmem] [--work DIR]
+                   [--embedder hash-384] [--bin target/release/fluxmem] [--work DIR] [--no-index]
 """
 import argparse
 import json
@@ -51,6 +52,9 @@ def night(store, files, args, log):
     subprocess.run(fluxmem + ["ingest"] + files, check=True, stdout=log, stderr=log)
     for stage in (["embed"], ["connect"]):
         subprocess.run(fluxmem + stage + ["--model", args.embedder], check=True, stdout=log, stderr=log)
+    if not args.no_index:
+        # What `fluxmem run` does after its stages: the tenants' vector indexes.
+        subprocess.run(fluxmem + ["store", "index"], check=True, stdout=log, stderr=log)
 
 
 def queries(store, texts, args, log):
@@ -78,6 +82,7 @@ def main():
     parser.add_argument("--bin", default=os.path.join(REPO, "target", "release", "fluxmem"))
     parser.add_argument("--work", default=None)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--no-index", action="store_true", help="no `store index` after the nights (queries read the shards)")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="fluxmem-query-tenants-")
     os.makedirs(work, exist_ok=True)
@@ -106,7 +111,7 @@ def main():
     rows = {}
     for name, store in (("alone", lone), ("beside others", crowded)):
         rows[name] = queries(store, texts, args, log)
-    print(f"query of tenant {TENANT} ({args.episodes} episodes), {args.queries} queries, embedder {args.embedder}, bin {args.bin}")
+    print(f"query of tenant {TENANT} ({args.episodes} episodes), {args.queries} queries, embedder {args.embedder}, bin {args.bin}, {'no index' if args.no_index else 'indexed'}")
     print(f"other tenants: {args.tenants} tenants, {n} episodes, {400 * args.others} facts")
     print(f"{'store':<16}{'p50 ms':>10}{'p95 ms':>10}{'p50 RSS MB':>12}{'p95 RSS MB':>12}")
     for name, (walls, rss) in rows.items():

@@ -36,6 +36,7 @@ pub fn run(command: Command, settings: &Settings) -> anyhow::Result<ExitCode> {
         Command::Export(crate::cli::ExportCommand::Skills(args)) => export::skills(args, settings),
         Command::Store(crate::cli::StoreCommand::Recover(args)) => store::recover(args, settings),
         Command::Store(crate::cli::StoreCommand::Compact(args)) => store::compact(args, settings),
+        Command::Store(crate::cli::StoreCommand::Index(args)) => store::index(args, settings),
     }
 }
 

@@ -1,6 +1,6 @@
 use anyhow::Context as _;
 use fluxmem_connect::{pack, resolve_tenant_among, semantic_entry, Entry, Retriever, Unembedded};
-use fluxmem_graph::{EdgeKind, NodeId};
+use fluxmem_graph::{EdgeKind, Embedding, Graph, NodeId, NodeKind};
 use fluxmem_models::{DeviceChoice, Generator, Judge};
 use fluxmem_refine::{refine_query, LoopModels, Neighbours};
 use fluxmem_store::{CommitInfo, Rows, Scan};
@@ -32,8 +32,22 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     // reads no steps, and only the edges of the episodes it retrieves, at the same version as
     // the nodes (read again from the new version when a compaction deleted a shard between).
     let all_edges = args.refine.refine_rounds > 0;
+    let model = embedder.model_id();
     let (mut graph, tenant, manifest, mut config, retriever) = loop {
-        let (mut graph, tenant, manifest) = read_tenant(&store, args.tenant.as_deref(), all_edges)?;
+        // Without Stage II, a named tenant with a current index is read from it: its semantic
+        // nodes, then only what the ranking picks of its episodes.
+        let indexed = match (all_edges, args.tenant.as_deref()) {
+            (false, Some(tenant)) => read_indexed(&store, tenant, model)?,
+            _ => None,
+        };
+        let (mut graph, tenant, manifest, index) = match indexed {
+            Some((graph, manifest, index)) => (graph, index.tenant.clone(), manifest, Some(index)),
+            None => {
+                let (graph, tenant, manifest) =
+                    read_tenant(&store, args.tenant.as_deref(), all_edges)?;
+                (graph, tenant, manifest, None)
+            }
+        };
         // The ranking the store's ground edges were made with (at the version read), unless a
         // flag says otherwise.
         let recorded = fluxmem_connect::recorded_retrieval(&manifest).unwrap_or_else(|e| {
@@ -45,20 +59,38 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         });
         let config =
             config_over(recorded.unwrap_or_else(fluxmem_connect::RetrievalConfig::serving))?;
+        let indexed = index.is_some();
         // Only the tenant's nodes; those not embedded yet are left out and counted.
-        let retriever = Retriever::build_units(
-            &graph,
-            &tenant,
-            embedder.model_id(),
-            &device,
-            Unembedded::Skip,
-            config.units,
-        )?;
+        let retriever = match index {
+            Some(mut index) => {
+                let episodes = index.blocks.remove(&NodeKind::Episodic).unwrap_or_default();
+                Retriever::build_indexed(
+                    &graph,
+                    &tenant,
+                    model,
+                    &device,
+                    config.units,
+                    episodes,
+                    index.dim,
+                )?
+            }
+            None => Retriever::build_units(
+                &graph,
+                &tenant,
+                model,
+                &device,
+                Unembedded::Skip,
+                config.units,
+            )?,
+        };
         if !all_edges {
             let retrieved = retriever.episodes(&query_vector, args.episodes)?;
             let retrieved: BTreeSet<NodeId> = retrieved.into_iter().map(|(id, _)| id).collect();
-            match edges_of(&store, &manifest, &tenant, retrieved) {
-                Ok(edges) => graph.edges = edges.edges,
+            match ranked_part(&store, &manifest, &tenant, retrieved, indexed) {
+                Ok(part) => {
+                    graph.edges = part.edges;
+                    graph.nodes.extend(part.nodes);
+                }
                 Err(_) if store.manifest()?.version != manifest.version => continue,
                 Err(error) => return Err(error.into()),
             }
@@ -268,6 +300,81 @@ fn served(tenant: &str, ids: &BTreeSet<NodeId>, all: bool) -> Scan {
     }
 }
 
+/// The tenant's current index for `model` ([`fluxmem_store::Store::read_index`]) with the
+/// tenant's semantic nodes (rows from the shards, vectors from the index) and the manifest it
+/// was read at; `None` when the tenant has no current index, or (with a warning) when the index
+/// cannot be read.
+fn read_indexed(
+    store: &fluxmem_store::Store,
+    tenant: &str,
+    model: &str,
+) -> anyhow::Result<Option<(Graph, fluxmem_store::Manifest, fluxmem_store::TenantIndex)>> {
+    loop {
+        let manifest = store.manifest()?;
+        let index = match store.read_index(&manifest, tenant, model) {
+            Ok(Some(index)) => index,
+            Ok(None) => return Ok(None),
+            Err(_) if store.manifest()?.version != manifest.version => continue,
+            Err(error) => {
+                eprintln!("warning: {error}; reading tenant `{tenant}` from its shards instead");
+                return Ok(None);
+            }
+        };
+        let semantic = index.block(NodeKind::Semantic);
+        let ids: BTreeSet<NodeId> = (semantic.ids.iter().chain(&semantic.unembedded))
+            .cloned()
+            .collect();
+        let scan = Scan {
+            nodes: true,
+            nodes_of: Some(ids),
+            tenant: Some(tenant.to_string()),
+            ..Default::default()
+        };
+        let mut graph = match store.scan_at(&manifest, &scan) {
+            Ok(graph) => graph,
+            Err(_) if store.manifest()?.version != manifest.version => continue,
+            Err(error) => return Err(error.into()),
+        };
+        let rows = semantic.vectors.chunks_exact(index.dim.max(1));
+        for (id, vector) in semantic.ids.iter().zip(rows) {
+            graph.upsert_embedding(Embedding {
+                node_id: id.clone(),
+                model_id: model.to_string(),
+                text_sha256: String::new(),
+                vector: vector.to_vec(),
+            });
+        }
+        return Ok(Some((graph, manifest, index)));
+    }
+}
+
+/// What the ranking reads of the `retrieved` episodes of `tenant`, at `manifest`: the distill
+/// edges from them (their skills) and the ground edges to them (their facts' support); with
+/// `nodes` (a query read from the tenant's index), the episodes' rows and their skills' too.
+fn ranked_part(
+    store: &fluxmem_store::Store,
+    manifest: &fluxmem_store::Manifest,
+    tenant: &str,
+    retrieved: BTreeSet<NodeId>,
+    nodes: bool,
+) -> fluxmem_store::Result<Graph> {
+    let mut part = edges_of(store, manifest, tenant, retrieved.clone())?;
+    if nodes && !retrieved.is_empty() {
+        let skills = (part.edges.values())
+            .filter(|e| e.kind == EdgeKind::Distill)
+            .map(|e| e.dst.clone());
+        let ids: BTreeSet<NodeId> = retrieved.into_iter().chain(skills).collect();
+        let scan = Scan {
+            nodes: true,
+            nodes_of: Some(ids),
+            tenant: Some(tenant.to_string()),
+            ..Default::default()
+        };
+        part.nodes = store.scan_at(manifest, &scan)?.nodes;
+    }
+    Ok(part)
+}
+
 /// The edges the ranking reads of the `retrieved` episodes of `tenant`, at `manifest`: the
 /// distill edges from them (their skills) and the ground edges to them (their facts' support).
 fn edges_of(
@@ -275,7 +382,7 @@ fn edges_of(
     manifest: &fluxmem_store::Manifest,
     tenant: &str,
     retrieved: BTreeSet<NodeId>,
-) -> fluxmem_store::Result<fluxmem_graph::Graph> {
+) -> fluxmem_store::Result<Graph> {
     if retrieved.is_empty() {
         return Ok(Default::default());
     }

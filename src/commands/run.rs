@@ -65,6 +65,9 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     if failure.is_none() && args.stage.is_none() && loaded.pipeline.compact.enabled {
         record.compaction = Some(compact(&mut writer, &loaded, &run_id)?);
     }
+    if failure.is_none() && args.stage.is_none() {
+        record.indexes = index(&mut writer, &run_id)?;
+    }
     record.manifest_version_after = writer.manifest().version;
     drop(writer);
     let record = finish_record(&mut ctx, record, &args, failure.as_ref())?;
@@ -399,6 +402,20 @@ fn compact(writer: &mut Writer, loaded: &Loaded, run_id: &str) -> anyhow::Result
         started.elapsed().as_secs_f64()
     );
     Ok(serde_json::to_value(&report)?)
+}
+
+/// Brings every tenant's vector index up to date after the night's stages (and its
+/// compaction, which keeps an index current); what was done per tenant, `None` when the store
+/// has no embedding yet.
+fn index(writer: &mut Writer, run_id: &str) -> anyhow::Result<Option<Value>> {
+    eprintln!("fluxmem run: indexing the tenants");
+    let started = std::time::Instant::now();
+    let updates = super::store::index_tenants(writer, None, false, run_id, &mut |update| {
+        eprintln!("  {}", super::store::index_line(update));
+    })
+    .context("indexing the tenants after the stages")?;
+    eprintln!("  ({:.1}s)", started.elapsed().as_secs_f64());
+    Ok(updates.map(serde_json::to_value).transpose()?)
 }
 
 /// Completes the run's record (usage, PEMS, quarantine, outputs; the earlier stage records
@@ -1085,6 +1102,9 @@ fn accumulate(record: &mut RunRecord, path: &Path, stage_only: bool) {
         && earlier.compaction.is_some()
     {
         record.compaction = earlier.compaction.clone();
+    }
+    if record.indexes.is_none() {
+        record.indexes = earlier.indexes.clone();
     }
     record.started_at = earlier.started_at.clone();
     record.manifest_version_before = record

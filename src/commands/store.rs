@@ -1,8 +1,8 @@
-//! `fluxmem store recover` and `fluxmem store compact`.
+//! `fluxmem store recover`, `fluxmem store compact` and `fluxmem store index`.
 
 use std::process::ExitCode;
 
-use crate::cli::{CompactArgs, RecoverArgs, Settings};
+use crate::cli::{CompactArgs, IndexArgs, RecoverArgs, Settings};
 
 pub fn recover(args: RecoverArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let options = fluxmem_store::RecoverOptions {
@@ -74,4 +74,72 @@ pub fn compact(args: CompactArgs, settings: &Settings) -> anyhow::Result<ExitCod
         println!("{}", super::run::compaction_line(&report));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+pub fn index(args: IndexArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    // An existing store only: indexing must not create one.
+    fluxmem_store::Store::open(&settings.store)?;
+    let mut writer = super::open_writer(settings)?;
+    let tenants = (!args.tenant.is_empty()).then_some(args.tenant.as_slice());
+    let run_id = super::run_id("index");
+    let json = args.json;
+    let updates = index_tenants(&mut writer, tenants, args.rebuild, &run_id, &mut |update| {
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string(update).expect("an update serialises")
+            );
+        } else {
+            println!("{}", index_line(update));
+        }
+    })?;
+    if updates.is_none() {
+        eprintln!("nothing to index: the store holds no embedding yet (run `fluxmem embed`)");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Brings the indexes of `tenants` (every tenant when `None`) up to date for the store's
+/// embedding model; `None` when the store has no embedding model yet.
+pub(crate) fn index_tenants(
+    writer: &mut fluxmem_store::Writer,
+    tenants: Option<&[String]>,
+    rebuild: bool,
+    run_id: &str,
+    progress: &mut dyn FnMut(&fluxmem_store::IndexUpdate),
+) -> anyhow::Result<Option<Vec<fluxmem_store::IndexUpdate>>> {
+    let Some(model) = writer.manifest().embedding_model.clone() else {
+        return Ok(None);
+    };
+    if let Some(named) = tenants {
+        let known = writer.store().tenants(writer.manifest())?;
+        if let Some(unknown) = named.iter().find(|t| !known.contains(*t)) {
+            anyhow::bail!(
+                "--tenant `{unknown}`: the store has no node of that tenant (tenants: {})",
+                known.into_iter().collect::<Vec<_>>().join(", ")
+            );
+        }
+    }
+    Ok(Some(writer.update_indexes(
+        &model.id, tenants, rebuild, run_id, progress,
+    )?))
+}
+
+/// One line of `store index` (and of `run`'s log) for one tenant.
+pub(crate) fn index_line(update: &fluxmem_store::IndexUpdate) -> String {
+    match update.how {
+        "current" => format!("index {}: current, not read", update.tenant),
+        how => format!(
+            "index {}: {} nodes ({} without a vector), {:.1} MB, {}",
+            update.tenant,
+            update.rows,
+            update.unembedded,
+            update.bytes as f64 / 1e6,
+            if how == "added" {
+                "from the previous index and the rows added since"
+            } else {
+                "from all of the tenant's shards"
+            }
+        ),
+    }
 }

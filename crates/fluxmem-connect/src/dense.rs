@@ -27,28 +27,37 @@ pub struct DenseIndex {
 /// The vectors, each normalised, in one row-major block (one allocation; each row copied
 /// whole, then normalised in place).
 fn normalized_rows(vectors: &[Vec<f32>], dim: usize) -> Vec<f32> {
-    let mut flat = Vec::with_capacity(vectors.len() * dim);
-    for vector in vectors {
-        let start = flat.len();
-        flat.extend_from_slice(vector);
-        fluxmem_models::normalize(&mut flat[start..]);
-    }
+    let mut flat = vectors.concat();
+    normalize_rows(&mut flat, dim);
     flat
+}
+
+/// Normalises each `dim`-long row of `flat` in place.
+fn normalize_rows(flat: &mut [f32], dim: usize) {
+    for row in flat.chunks_exact_mut(dim.max(1)) {
+        fluxmem_models::normalize(row);
+    }
 }
 
 impl DenseIndex {
     /// Indexes `vectors` (all of dimension `dim`) on `device`.
     pub fn new(vectors: &[Vec<f32>], dim: usize, device: &Device) -> Result<DenseIndex> {
-        let rows = vectors.len();
-        let matrix = if rows == 0 {
+        DenseIndex::from_rows(vectors.concat(), dim, device)
+    }
+
+    /// Indexes the vectors laid out row after row in `rows` (a multiple of `dim` long), as
+    /// [`DenseIndex::new`] indexes the same vectors (each normalised the same way, bit for bit).
+    pub fn from_rows(mut rows: Vec<f32>, dim: usize, device: &Device) -> Result<DenseIndex> {
+        let count = rows.len().checked_div(dim).unwrap_or(0);
+        let matrix = if count == 0 {
             None
         } else {
-            let flat = normalized_rows(vectors, dim);
-            Some(Tensor::from_vec(flat, (rows, dim), device)?)
+            normalize_rows(&mut rows, dim);
+            Some(Tensor::from_vec(rows, (count, dim), device)?)
         };
         Ok(DenseIndex {
             matrix,
-            rows,
+            rows: count,
             dim,
             device: device.clone(),
         })
@@ -136,6 +145,33 @@ impl DenseIndex {
         Ok(total.expect("an index has a dimension of at least 1"))
     }
 
+    /// The `k` best (index, cosine) for one query, best first, ties by index. On the CPU each
+    /// score is a dot product with the normalised query in a fixed order of its own ([`dot`]):
+    /// the same on any machine, and cheaper than [`DenseIndex::top_k`], which pads one query
+    /// to [`MIN_ROWS`] rows of a matrix product (its batched scores may differ from these in
+    /// the last bits). On other devices, [`DenseIndex::top_k`].
+    pub fn top_k_one(&self, query: &[f32], k: usize) -> Result<Vec<(usize, f32)>> {
+        let Some(matrix) = &self.matrix else {
+            return Ok(Vec::new());
+        };
+        if !self.device.is_cpu() || query.len() != self.dim {
+            return Ok(self.top_k(&[query.to_vec()], k)?.remove(0));
+        }
+        let mut query = query.to_vec();
+        fluxmem_models::normalize(&mut query);
+        let (storage, layout) = matrix.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            unreachable!("a CPU device's tensor is in CPU storage")
+        };
+        let start = layout.start_offset();
+        let rows = &cpu.as_slice::<f32>()?[start..start + self.rows * self.dim];
+        let scores: Vec<f32> = rows
+            .chunks_exact(self.dim)
+            .map(|row| dot(&query, row))
+            .collect();
+        Ok(top_k(&scores, k))
+    }
+
     /// The `k` best (index, cosine) per query, best first, ties by index.
     pub fn top_k(&self, queries: &[Vec<f32>], k: usize) -> Result<Vec<Vec<(usize, f32)>>> {
         Ok(self
@@ -144,6 +180,24 @@ impl DenseIndex {
             .map(|scores| top_k(&scores, k))
             .collect())
     }
+}
+
+/// `a . b` in a fixed order: eight running sums over the lanes of each group of eight values
+/// (which the compiler keeps in one vector register), added pairwise, then the rest in order.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let whole = a.len().min(b.len()) / 8 * 8;
+    let mut sums = [0f32; 8];
+    for (x, y) in a[..whole].chunks_exact(8).zip(b[..whole].chunks_exact(8)) {
+        for lane in 0..8 {
+            sums[lane] += x[lane] * y[lane];
+        }
+    }
+    let mut total =
+        ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+    for (x, y) in a[whole..].iter().zip(&b[whole..]) {
+        total += x * y;
+    }
+    total
 }
 
 /// What building an index does with a node that has no embedding of the model.
@@ -241,6 +295,7 @@ pub fn top_k(scores: &[f32], k: usize) -> Vec<(usize, f32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     #[test]
     fn a_query_scores_the_same_alone_and_in_a_batch() {
@@ -262,6 +317,34 @@ mod tests {
                 &alone, batched,
                 "bit for bit: batching the step queries changes no edge"
             );
+        }
+    }
+
+    /// One query's scores in their own order: each the cosine (to rounding), the same however
+    /// many rows there are, and ranked as brute force ranks them.
+    #[test]
+    fn one_query_scores_each_row_alone_and_ranks_by_cosine() {
+        let vectors: Vec<Vec<f32>> = (0..300)
+            .map(|i| (0..21).map(|j| ((i * 21 + j) as f32 * 0.37).sin()).collect())
+            .collect();
+        let query: Vec<f32> = (0..21).map(|j| (j as f32 * 0.91).cos()).collect();
+        let index = DenseIndex::new(&vectors, 21, &Device::Cpu).unwrap();
+        let all = index.top_k_one(&query, 300).unwrap();
+        let mut expected: Vec<(usize, f32)> = (vectors.iter().enumerate())
+            .map(|(i, v)| (i, fluxmem_models::cosine(v, &query)))
+            .collect();
+        expected.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        for ((i, got), (j, cosine)) in all.iter().zip(&expected) {
+            assert!((got - cosine).abs() < 1e-5, "row {i}: {got} vs {cosine}");
+            if (got - cosine).abs() > 1e-6 {
+                continue;
+            }
+            assert_eq!(i, j);
+        }
+        let fewer = DenseIndex::new(&vectors[..17], 21, &Device::Cpu).unwrap();
+        let scores: BTreeMap<usize, f32> = all.iter().copied().collect();
+        for (i, score) in fewer.top_k_one(&query, 17).unwrap() {
+            assert_eq!(score.to_bits(), scores[&i].to_bits(), "row {i}");
         }
     }
 

@@ -60,6 +60,29 @@ impl Retriever {
         })
     }
 
+    /// [`Retriever::build_units`] with the episodes taken from `episodes` (the tenant's
+    /// [`fluxmem_store::TenantIndex`] block of its episodes, embedded with `model`) instead of
+    /// `graph`, which then needs only the tenant's semantic nodes and their vectors. The
+    /// ranking is the same as from a graph holding those episodes and vectors.
+    pub fn build_indexed(
+        graph: &Graph,
+        tenant: &str,
+        model: &str,
+        device: &Device,
+        units: Units,
+        episodes: fluxmem_store::VectorBlock,
+        dim: usize,
+    ) -> Result<Retriever> {
+        let semantic =
+            SemanticIndex::build_units(graph, tenant, model, device, Unembedded::Skip, units)?;
+        Ok(Retriever {
+            not_embedded: semantic.not_embedded() + episodes.unembedded.len(),
+            semantic,
+            episode_index: DenseIndex::from_rows(episodes.vectors, dim, device)?,
+            episodes: episodes.ids,
+        })
+    }
+
     /// The tenant this retriever serves.
     pub fn tenant(&self) -> &str {
         self.semantic.tenant()
@@ -77,10 +100,7 @@ impl Retriever {
 
     /// The `k` episodes closest to the query vector (cosine, best first).
     pub fn episodes(&self, query_vector: &[f32], k: usize) -> Result<Vec<(NodeId, f32)>> {
-        let ranked = self
-            .episode_index
-            .top_k(&[query_vector.to_vec()], k)?
-            .remove(0);
+        let ranked = self.episode_index.top_k_one(query_vector, k)?;
         Ok(ranked
             .into_iter()
             .map(|(i, cos)| (self.episodes[i].clone(), cos))

@@ -132,6 +132,7 @@ fn sample() -> RunRecord {
         .map(|(role, model)| (role.to_string(), model.to_string()))
         .collect(),
         compaction: None,
+        indexes: None,
         stages: vec![
             stage(
                 "ingest",

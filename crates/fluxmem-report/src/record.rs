@@ -39,6 +39,11 @@ pub struct RunRecord {
     /// JSON); `None` when it did not run. Absent in older records.
     #[serde(default)]
     pub compaction: Option<serde_json::Value>,
+    /// The tenant vector indexes brought up to date after the compaction (one
+    /// `fluxmem_store::IndexUpdate` per tenant, as JSON); `None` when that did not run. Absent
+    /// in older records.
+    #[serde(default)]
+    pub indexes: Option<serde_json::Value>,
     /// Records rejected by ingest.
     pub quarantine: QuarantineSummary,
     /// Calls and tokens per model role (`generator`, `judge`, `verifier`).

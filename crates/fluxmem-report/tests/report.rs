@@ -54,6 +54,7 @@ fn realistic() -> RunRecord {
         .map(|(role, model)| (role.to_string(), model.to_string()))
         .collect(),
         compaction: None,
+        indexes: None,
         stages: vec![
             stage("ingest", 2.5, &[("records", 4321)], &[("nodes", 4300)]),
             stage("embed", 40.25, &[("nodes", 4300)], &[("embeddings", 4299)]),

@@ -15,7 +15,7 @@ const ORDER: &[&str] = &[
     // read
     "scan", "merge", "live", //
     // rewrite
-    "compact", "staging",
+    "compact", "staging", "index",
 ];
 
 /// Items re-exported by `lib.rs`, by the module that defines them.

@@ -10,6 +10,8 @@ use crate::{Error, Result};
 
 pub(crate) const MANIFEST: &str = "manifest.json";
 pub(crate) const SHARDS: &str = "shards";
+/// The folder of the tenant vector indexes (derived data; see the `index` module).
+pub(crate) const INDEXES: &str = "indexes";
 
 /// The directory under a store that holds the staging stores of sharded runs.
 pub const STAGING: &str = "staging";

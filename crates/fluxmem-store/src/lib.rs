@@ -81,6 +81,7 @@ mod live;
 mod scan;
 
 mod compact;
+mod index;
 mod merge;
 mod staging;
 
@@ -91,12 +92,13 @@ mod testing;
 
 pub use compact::{CompactPolicy, CompactReport, TableCompaction};
 pub use error::{Error, Result};
+pub use index::{IndexUpdate, TenantIndex, VectorBlock, INDEXED_KINDS};
 pub use layout::{SCRATCH, STAGING};
 pub use live::{EdgeRow, Live};
 pub use lock::WriterLock;
 pub use manifest::{
-    CommitRecord, EmbeddingModel, LiveCounts, Manifest, RetiredShard, ShardEntry, Since, FORMAT,
-    SCHEMA_VERSION,
+    CommitRecord, EmbeddingModel, IndexEntry, LiveCounts, Manifest, RetiredShard, ShardEntry,
+    Since, FORMAT, INDEXED_TABLES, SCHEMA_VERSION,
 };
 pub use recover::{recover, recover_with, LostShard, RecoverOptions, RecoverReport};
 pub use scan::{EdgeHead, Rows, Scan};

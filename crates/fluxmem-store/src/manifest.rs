@@ -6,6 +6,9 @@ use std::path::Path;
 use crate::error::IoContext;
 use crate::{Error, Result};
 
+/// The tables a tenant's vector index is made from.
+pub const INDEXED_TABLES: [&str; 2] = ["nodes", "embeddings"];
+
 /// The store format name written in every manifest.
 pub const FORMAT: &str = "fluxmem-store";
 /// The schema version this build writes and reads.
@@ -39,6 +42,29 @@ pub struct Manifest {
     /// The live row counts, exact as of commit `version` (see [`LiveCounts`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub live_counts: Option<LiveCounts>,
+    /// Tenant vector indexes (`indexes/`, derived data: see the `index` module), at most one
+    /// per tenant and model. One is used only while it is current ([`Manifest::current_index`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub indexes: Vec<IndexEntry>,
+}
+
+/// One tenant's vector index file: the ids and vectors of its episodic and semantic nodes for
+/// one embedding model, as of commit `version`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexEntry {
+    /// The tenant.
+    pub tenant: String,
+    /// The embedding model of its vectors.
+    pub model: String,
+    /// Path relative to the store directory (`indexes/...`).
+    pub file: String,
+    /// Bytes in the file.
+    pub bytes: u64,
+    /// CRC-32 of the file's bytes (the file is read whole on every query that uses it; a
+    /// SHA-256 would cost half of such a query).
+    pub crc32: u32,
+    /// The manifest version whose rows it holds.
+    pub version: u64,
 }
 
 /// Live node, active edge and embedded node counts that hold for one commit, so `stats` reads
@@ -195,7 +221,22 @@ impl Manifest {
                 version: 0,
                 stats: fluxmem_graph::GraphStats::default(),
             }),
+            indexes: Vec::new(),
         }
+    }
+
+    /// The index of `tenant` for `model` if it is current: no shard of `nodes` or
+    /// `embeddings` committed after the version it holds may hold the tenant's rows. (A
+    /// compaction of older rows keeps it current; any new row of the tenant, or a shard that
+    /// does not name its tenants, makes it stale.)
+    pub fn current_index(&self, tenant: &str, model: &str) -> Option<&IndexEntry> {
+        let entry = self
+            .indexes
+            .iter()
+            .find(|e| e.tenant == tenant && e.model == model)?;
+        let since = self.since(entry.version, &INDEXED_TABLES);
+        let mut newer = since.added.shards.iter().chain(&since.mixed.shards);
+        newer.all(|s| !s.may_hold(tenant)).then_some(entry)
     }
 
     /// The live counts, if they hold for this manifest's commit.
@@ -225,6 +266,7 @@ impl Manifest {
             progress: BTreeMap::new(),
             retired: Vec::new(),
             live_counts: None,
+            indexes: Vec::new(),
             ..self.clone()
         };
         let (mut added, mut mixed) = (Vec::new(), Vec::new());

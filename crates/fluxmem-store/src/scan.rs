@@ -29,11 +29,11 @@ impl Rows {
 }
 
 /// A scan's filter on ids, as the row filters ask it (once per row of every shard read):
-/// the ids' strings in a hash set, so a row costs a hash and a comparison, not a walk down a
-/// tree of string comparisons.
+/// the ids' strings in a hash set (foldhash: a fast hash of short strings), so a row costs a
+/// hash and a comparison, not a walk down a tree of string comparisons.
 enum Wanted<'a> {
     All,
-    Of(std::collections::HashSet<&'a str>),
+    Of(std::collections::HashSet<&'a str, foldhash::fast::FixedState>),
     None,
 }
 
@@ -457,7 +457,21 @@ impl Store {
         tenant: &str,
         kinds: &[NodeKind],
     ) -> Result<BTreeSet<NodeId>> {
-        let mut ids = BTreeSet::new();
+        Ok(self
+            .tenant_nodes(manifest, tenant)?
+            .into_iter()
+            .filter(|(_, kind)| kinds.is_empty() || kinds.contains(kind))
+            .map(|(id, _)| id)
+            .collect())
+    }
+
+    /// The live nodes of `tenant` with their kind, as [`Store::tenant_node_ids`] reads them.
+    pub(crate) fn tenant_nodes(
+        &self,
+        manifest: &Manifest,
+        tenant: &str,
+    ) -> Result<BTreeMap<NodeId, NodeKind>> {
+        let mut nodes = BTreeMap::new();
         for entry in sorted(manifest, "nodes")
             .into_iter()
             .filter(|s| s.may_hold(tenant))
@@ -479,13 +493,11 @@ impl Store {
                             format!("row {row}: unknown node kind `{}`", kind.value(row)),
                         )
                     })?;
-                    if kinds.is_empty() || kinds.contains(&parsed) {
-                        ids.insert(NodeId(id.value(row).to_string()));
-                    }
+                    nodes.insert(NodeId(id.value(row).to_string()), parsed);
                 }
             }
         }
-        Ok(ids)
+        Ok(nodes)
     }
 
     /// Live node ids with their kind (two columns of `nodes`).

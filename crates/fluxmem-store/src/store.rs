@@ -6,10 +6,13 @@ use std::path::{Path, PathBuf};
 
 use crate::error::IoContext;
 use crate::layout::{
-    fault_point, staging_in_progress, sync_dir, write_manifest, MANIFEST, SCRATCH, SHARDS, STAGING,
+    fault_point, staging_in_progress, sync_dir, write_manifest, INDEXES, MANIFEST, SCRATCH, SHARDS,
+    STAGING,
 };
 use crate::lock::WriterLock;
-use crate::manifest::{CommitRecord, EmbeddingModel, LiveCounts, Manifest, ShardEntry};
+use crate::manifest::{
+    CommitRecord, EmbeddingModel, LiveCounts, Manifest, RetiredShard, ShardEntry,
+};
 use crate::{keys, shard, Error, Result};
 
 /// A read handle on a store directory. Readers take no lock: they read one manifest and the
@@ -225,6 +228,15 @@ impl Writer {
         let old = self.manifest.shards.clone();
         let mut manifest = self.manifest.clone();
         manifest.shards.clear();
+        // The tenant indexes hold rows of the replaced shards: retired, like compacted shards.
+        let at_ms = Some(chrono::Utc::now().timestamp_millis());
+        for index in std::mem::take(&mut manifest.indexes) {
+            manifest.retired.push(RetiredShard {
+                file: index.file,
+                version: manifest.version + 1,
+                at_ms,
+            });
+        }
         manifest.embedding_model = None;
         manifest.live_counts = Some(LiveCounts {
             version: manifest.version + 1,
@@ -455,7 +467,8 @@ fn delete_retired(
             .at_ms
             .is_none_or(|at| now.saturating_sub(at) >= grace);
         let due = retired.version + KEEP_RETIRED_COMMITS <= manifest.version && aged;
-        if due && retired.file.starts_with(SHARDS) && !live.contains(retired.file.as_str()) {
+        let ours = retired.file.starts_with(SHARDS) || retired.file.starts_with(INDEXES);
+        if due && ours && !live.contains(retired.file.as_str()) {
             let path = dir.join(&retired.file);
             match std::fs::remove_file(&path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
