@@ -1,5 +1,7 @@
 use anyhow::Context as _;
-use fluxmem_connect::{pack, resolve_tenant_among, semantic_entry, Entry, Retriever, Unembedded};
+use fluxmem_connect::{
+    pack, resolve_tenant_among, semantic_entry, DenseIndex, Entry, Retriever, Unembedded,
+};
 use fluxmem_graph::{EdgeKind, Embedding, Graph, NodeId, NodeKind};
 use fluxmem_models::{DeviceChoice, Generator, Judge};
 use fluxmem_refine::{refine_query, LoopModels, Neighbours};
@@ -34,14 +36,16 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let all_edges = args.refine.refine_rounds > 0;
     let model = embedder.model_id();
     let (mut graph, tenant, manifest, mut config, retriever) = loop {
-        // Without Stage II, a named tenant with a current index is read from it: its semantic
-        // nodes, then only what the ranking picks of its episodes.
+        // Without Stage II, a named tenant with a current index is read from it: its episodes
+        // ranked from the index, then one read of its semantic nodes and the ranked episodes.
         let indexed = match (all_edges, args.tenant.as_deref()) {
-            (false, Some(tenant)) => read_indexed(&store, tenant, model)?,
+            (false, Some(tenant)) => {
+                read_indexed(&store, tenant, model, &device, &query_vector, args.episodes)?
+            }
             _ => None,
         };
-        let (mut graph, tenant, manifest, index) = match indexed {
-            Some((graph, manifest, index)) => (graph, index.tenant.clone(), manifest, Some(index)),
+        let (mut graph, tenant, manifest, episodes) = match indexed {
+            Some(read) => (read.graph, read.tenant, read.manifest, Some(read.episodes)),
             None => {
                 let (graph, tenant, manifest) =
                     read_tenant(&store, args.tenant.as_deref(), all_edges)?;
@@ -59,42 +63,29 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         });
         let config =
             config_over(recorded.unwrap_or_else(fluxmem_connect::RetrievalConfig::serving))?;
-        let indexed = index.is_some();
         // Only the tenant's nodes; those not embedded yet are left out and counted.
-        let retriever = match index {
-            Some(mut index) => {
-                let episodes = index.blocks.remove(&NodeKind::Episodic).unwrap_or_default();
-                Retriever::build_indexed(
-                    &graph,
-                    &tenant,
-                    model,
-                    &device,
-                    config.units,
-                    episodes,
-                    index.dim,
-                )?
-            }
-            None => Retriever::build_units(
+        let Some(episodes) = episodes else {
+            let retriever = Retriever::build_units(
                 &graph,
                 &tenant,
                 model,
                 &device,
                 Unembedded::Skip,
                 config.units,
-            )?,
-        };
-        if !all_edges {
-            let retrieved = retriever.episodes(&query_vector, args.episodes)?;
-            let retrieved: BTreeSet<NodeId> = retrieved.into_iter().map(|(id, _)| id).collect();
-            match ranked_part(&store, &manifest, &tenant, retrieved, indexed) {
-                Ok(part) => {
-                    graph.edges = part.edges;
-                    graph.nodes.extend(part.nodes);
+            )?;
+            if !all_edges {
+                let retrieved = retriever.episodes(&query_vector, args.episodes)?;
+                let retrieved = retrieved.into_iter().map(|(id, _)| id).collect();
+                match edges_of(&store, &manifest, &tenant, retrieved) {
+                    Ok(edges) => graph.edges = edges.edges,
+                    Err(_) if store.manifest()?.version != manifest.version => continue,
+                    Err(error) => return Err(error.into()),
                 }
-                Err(_) if store.manifest()?.version != manifest.version => continue,
-                Err(error) => return Err(error.into()),
             }
-        }
+            break (graph, tenant, manifest, config, retriever);
+        };
+        let retriever =
+            Retriever::build_indexed(&graph, &tenant, model, &device, config.units, episodes)?;
         break (graph, tenant, manifest, config, retriever);
     };
     let read_version = manifest.version;
@@ -300,18 +291,33 @@ fn served(tenant: &str, ids: &BTreeSet<NodeId>, all: bool) -> Scan {
     }
 }
 
-/// The tenant's current index for `model` ([`fluxmem_store::Store::read_index`]) with the
-/// tenant's semantic nodes (rows from the shards, vectors from the index) and the manifest it
-/// was read at; `None` when the tenant has no current index, or (with a warning) when the index
-/// cannot be read.
+/// What a query read through its tenant's index.
+struct Indexed {
+    /// The tenant's semantic nodes with their vectors, the ranked episodes, the edges the
+    /// ranking reads of them ([`edges_of`]) and the skills those lead to.
+    graph: Graph,
+    tenant: String,
+    manifest: fluxmem_store::Manifest,
+    /// The tenant's episodes for [`Retriever::build_indexed`].
+    episodes: (DenseIndex, Vec<NodeId>, usize),
+}
+
+/// The query's part of `tenant` read through the tenant's current index for `model`
+/// ([`fluxmem_store::Store::read_index`]): the `k` episodes closest to `query_vector`, ranked
+/// from the index, then in one read their rows and the tenant's semantic nodes (vectors from
+/// the index), and what [`edges_of`] reads of them. `None` when the tenant has no current index,
+/// or (with a warning) when its file cannot be read.
 fn read_indexed(
     store: &fluxmem_store::Store,
     tenant: &str,
     model: &str,
-) -> anyhow::Result<Option<(Graph, fluxmem_store::Manifest, fluxmem_store::TenantIndex)>> {
+    device: &candle_core::Device,
+    query_vector: &[f32],
+    k: usize,
+) -> anyhow::Result<Option<Indexed>> {
     loop {
         let manifest = store.manifest()?;
-        let index = match store.read_index(&manifest, tenant, model) {
+        let mut index = match store.read_index(&manifest, tenant, model) {
             Ok(Some(index)) => index,
             Ok(None) => return Ok(None),
             Err(_) if store.manifest()?.version != manifest.version => continue,
@@ -320,17 +326,21 @@ fn read_indexed(
                 return Ok(None);
             }
         };
+        let block = (index.blocks.remove(&NodeKind::Episodic)).unwrap_or_default();
+        let dense = DenseIndex::from_rows(block.vectors, index.dim, device)?;
+        let ranked = dense.top_k_one(query_vector, k)?;
+        let retrieved: BTreeSet<NodeId> =
+            ranked.iter().map(|&(i, _)| block.ids[i].clone()).collect();
         let semantic = index.block(NodeKind::Semantic);
-        let ids: BTreeSet<NodeId> = (semantic.ids.iter().chain(&semantic.unembedded))
-            .cloned()
-            .collect();
-        let scan = Scan {
-            nodes: true,
-            nodes_of: Some(ids),
-            tenant: Some(tenant.to_string()),
-            ..Default::default()
-        };
-        let mut graph = match store.scan_at(&manifest, &scan) {
+        let wanted = (semantic.ids.iter().chain(&semantic.unembedded)).chain(&retrieved);
+        let read = ranked_part(
+            store,
+            &manifest,
+            tenant,
+            wanted.cloned().collect(),
+            &retrieved,
+        );
+        let mut graph = match read {
             Ok(graph) => graph,
             Err(_) if store.manifest()?.version != manifest.version => continue,
             Err(error) => return Err(error.into()),
@@ -344,35 +354,42 @@ fn read_indexed(
                 vector: vector.to_vec(),
             });
         }
-        return Ok(Some((graph, manifest, index)));
+        return Ok(Some(Indexed {
+            graph,
+            tenant: index.tenant,
+            manifest,
+            episodes: (dense, block.ids, block.unembedded.len()),
+        }));
     }
 }
 
-/// What the ranking reads of the `retrieved` episodes of `tenant`, at `manifest`: the distill
-/// edges from them (their skills) and the ground edges to them (their facts' support); with
-/// `nodes` (a query read from the tenant's index), the episodes' rows and their skills' too.
+/// The rows of `nodes`, the edges [`edges_of`] reads of the `retrieved` episodes, and the
+/// skills their distill edges lead to, of `tenant` at `manifest`.
 fn ranked_part(
     store: &fluxmem_store::Store,
     manifest: &fluxmem_store::Manifest,
     tenant: &str,
-    retrieved: BTreeSet<NodeId>,
-    nodes: bool,
+    nodes: BTreeSet<NodeId>,
+    retrieved: &BTreeSet<NodeId>,
 ) -> fluxmem_store::Result<Graph> {
-    let mut part = edges_of(store, manifest, tenant, retrieved.clone())?;
-    if nodes && !retrieved.is_empty() {
-        let skills = (part.edges.values())
-            .filter(|e| e.kind == EdgeKind::Distill)
-            .map(|e| e.dst.clone());
-        let ids: BTreeSet<NodeId> = retrieved.into_iter().chain(skills).collect();
-        let scan = Scan {
-            nodes: true,
-            nodes_of: Some(ids),
-            tenant: Some(tenant.to_string()),
-            ..Default::default()
-        };
-        part.nodes = store.scan_at(manifest, &scan)?.nodes;
+    let of = |ids: BTreeSet<NodeId>| Scan {
+        nodes: true,
+        nodes_of: Some(ids),
+        tenant: Some(tenant.to_string()),
+        ..Default::default()
+    };
+    let mut graph = store.scan_at(manifest, &of(nodes))?;
+    graph.edges = edges_of(store, manifest, tenant, retrieved.clone())?.edges;
+    let skills: BTreeSet<NodeId> = (graph.edges.values())
+        .filter(|e| e.kind == EdgeKind::Distill)
+        .map(|e| e.dst.clone())
+        .collect();
+    if !skills.is_empty() {
+        graph
+            .nodes
+            .extend(store.scan_at(manifest, &of(skills))?.nodes);
     }
-    Ok(part)
+    Ok(graph)
 }
 
 /// The edges the ranking reads of the `retrieved` episodes of `tenant`, at `manifest`: the

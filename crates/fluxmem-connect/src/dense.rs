@@ -325,7 +325,11 @@ mod tests {
     #[test]
     fn one_query_scores_each_row_alone_and_ranks_by_cosine() {
         let vectors: Vec<Vec<f32>> = (0..300)
-            .map(|i| (0..21).map(|j| ((i * 21 + j) as f32 * 0.37).sin()).collect())
+            .map(|i| {
+                (0..21)
+                    .map(|j| ((i * 21 + j) as f32 * 0.37).sin())
+                    .collect()
+            })
             .collect();
         let query: Vec<f32> = (0..21).map(|j| (j as f32 * 0.91).cos()).collect();
         let index = DenseIndex::new(&vectors, 21, &Device::Cpu).unwrap();

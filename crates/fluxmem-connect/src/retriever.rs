@@ -60,9 +60,10 @@ impl Retriever {
         })
     }
 
-    /// [`Retriever::build_units`] with the episodes taken from `episodes` (the tenant's
-    /// [`fluxmem_store::TenantIndex`] block of its episodes, embedded with `model`) instead of
-    /// `graph`, which then needs only the tenant's semantic nodes and their vectors. The
+    /// [`Retriever::build_units`] with the tenant's episodes given (`episodes`, indexed in
+    /// that order by `episode_index`, and the count of those left out for lack of a vector)
+    /// instead of read from `graph`, which then needs only the tenant's semantic nodes and
+    /// their vectors: a query served from the tenant's `fluxmem_store::TenantIndex`. The
     /// ranking is the same as from a graph holding those episodes and vectors.
     pub fn build_indexed(
         graph: &Graph,
@@ -70,16 +71,15 @@ impl Retriever {
         model: &str,
         device: &Device,
         units: Units,
-        episodes: fluxmem_store::VectorBlock,
-        dim: usize,
+        (episode_index, episodes, unembedded): (DenseIndex, Vec<NodeId>, usize),
     ) -> Result<Retriever> {
         let semantic =
             SemanticIndex::build_units(graph, tenant, model, device, Unembedded::Skip, units)?;
         Ok(Retriever {
-            not_embedded: semantic.not_embedded() + episodes.unembedded.len(),
+            not_embedded: semantic.not_embedded() + unembedded,
             semantic,
-            episode_index: DenseIndex::from_rows(episodes.vectors, dim, device)?,
-            episodes: episodes.ids,
+            episode_index,
+            episodes,
         })
     }
 
