@@ -5,6 +5,7 @@
 //! <store>/manifest.json          the commit: schema version, shard list with rows + sha256
 //! <store>/shards/<table>-<commit>-<part>-<sha>.parquet
 //! <store>/keys/<shard file name>.keys   a keyed shard's row keys, hashed (derived; see keys.rs)
+//! <store>/indexes/<name>.fxvi    a tenant's episode and fact vectors (derived; see index.rs)
 //! <store>/LOCK                   the writer lock (OS advisory lock + holder description)
 //! <store>/staging/<stage>-<I>-of-<N>/   a shard's staging store (sharded runs, see below)
 //! ```
@@ -47,7 +48,8 @@
 //!    `recover` (a manifest rebuilt from the shards);
 //! 4. **read**: `scan` (filtered, projected reads into a graph); `merge` (streamed k-way merges
 //!    of shards by key); `live` (streamed live rows of one table);
-//! 5. **rewrite**: `compact` ([`Writer::compact`]); `staging` (sharded runs' staging stores).
+//! 5. **rewrite**: `compact` ([`Writer::compact`]); `staging` (sharded runs' staging stores);
+//!    `index` (tenant vector indexes, [`Writer::update_indexes`], [`Store::read_index`]).
 //!
 //! ```
 //! use fluxmem_graph::{Graph, Node, NodeBody, Semantic};

@@ -190,8 +190,10 @@ impl Writer {
         }
         std::fs::create_dir_all(dir.join(SHARDS)).at(&dir.join(SHARDS))?;
         let mut manifest = main_manifest.clone();
-        // The main store's retired files are the main store's to delete.
+        // The main store's retired files are the main store's to delete, and its tenant
+        // indexes its to read.
         manifest.retired.clear();
+        manifest.indexes.clear();
         for entry in &mut manifest.shards {
             entry.file = format!("{TO_MAIN}{}", entry.file);
         }
