@@ -350,13 +350,16 @@ fn pipeline_runs_end_to_end_and_the_second_night_is_incremental() {
         .count();
     assert_eq!(skipped, 6, "{}", String::from_utf8_lossy(&output.stderr));
     assert_eq!(again["stages"], night2["stages"], "{again}");
+    let after = fluxmem_store::Store::open(dir.path().join("store"))
+        .unwrap()
+        .manifest()
+        .unwrap();
     assert_eq!(
-        fluxmem_store::Store::open(dir.path().join("store"))
-            .unwrap()
-            .manifest()
-            .unwrap()
-            .version,
-        version
+        after.version,
+        version,
+        "nothing committed; the last commit: {:?}\n{}",
+        after.commits.last(),
+        String::from_utf8_lossy(&output.stderr)
     );
 }
 

@@ -66,7 +66,15 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
         record.compaction = Some(compact(&mut writer, &loaded, &run_id)?);
     }
     if failure.is_none() && args.stage.is_none() {
-        record.indexes = index(&mut writer, &run_id)?;
+        // Derived data: an index that cannot be made leaves queries on the shards, not the
+        // night undone.
+        record.indexes = match index(&mut writer, &run_id) {
+            Ok(updates) => updates,
+            Err(error) => {
+                eprintln!("warning: {error:#}; queries read the shards until `fluxmem store index` succeeds");
+                Some(json!({ "error": format!("{error:#}") }))
+            }
+        };
     }
     record.manifest_version_after = writer.manifest().version;
     drop(writer);

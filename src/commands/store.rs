@@ -130,7 +130,7 @@ pub(crate) fn index_line(update: &fluxmem_store::IndexUpdate) -> String {
     match update.how {
         "current" => format!("index {}: current, not read", update.tenant),
         how => format!(
-            "index {}: {} nodes ({} without a vector), {:.1} MB, {}",
+            "index {}: {} nodes with a vector ({} more without), {:.1} MB, {}",
             update.tenant,
             update.rows,
             update.unembedded,

@@ -222,7 +222,7 @@ impl Writer {
 
     fn compact_pass(&mut self, policy: &CompactPolicy, run_id: &str) -> Result<CompactReport> {
         let dir = self.store.dir.clone();
-        self.check_not_staging()?;
+        self.check_not_staging("compacting")?;
         let policy = CompactPolicy {
             merge_factor: policy.merge_factor.max(2),
             ..policy.clone()
@@ -253,18 +253,21 @@ impl Writer {
 
     /// Refuses to compact while a sharded run's staging store exists (its merge needs the
     /// store version it started from), and to compact a staging store.
-    fn check_not_staging(&self) -> Result<()> {
+    /// Refuses `what` (a commit that moves the main store's version without a stage's data:
+    /// compacting, indexing) while a sharded run is in progress, whose merge needs the version
+    /// its shards started from, and in a staging store.
+    pub(crate) fn check_not_staging(&self, what: &str) -> Result<()> {
         let dir = &self.store.dir;
         if staging_in_progress(dir) {
             return Err(Error::Staging {
                 path: dir.join(STAGING),
-                reason: "a sharded run is in progress (staging stores exist); merge or remove it before compacting".into(),
+                reason: format!("a sharded run is in progress (staging stores exist); merge or remove it before {what}"),
             });
         }
         if self.manifest.progress.contains_key("staging") {
             return Err(Error::Staging {
                 path: dir.clone(),
-                reason: "this is a sharded run's staging store (it reads the main store's shards); compact the main store after the merge".into(),
+                reason: format!("this is a sharded run's staging store (it reads the main store's shards); run {what} on the main store after the merge"),
             });
         }
         Ok(())

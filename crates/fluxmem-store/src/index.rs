@@ -33,7 +33,7 @@ use std::path::Path;
 
 use crate::error::IoContext;
 use crate::layout::{sync_dir, INDEXES};
-use crate::manifest::{IndexEntry, Manifest, RetiredShard, INDEXED_TABLES};
+use crate::manifest::{IndexEntry, LiveCounts, Manifest, RetiredShard, INDEXED_TABLES};
 use crate::scan::{Rows, Scan};
 use crate::store::{CommitInfo, Store, Writer};
 use crate::{Error, Result};
@@ -87,9 +87,9 @@ pub struct IndexUpdate {
     /// `current` (nothing read), `added` (the previous index plus the rows committed after
     /// it) or `full` (every shard of the tenant).
     pub how: &'static str,
-    /// Indexed nodes, all kinds.
+    /// Nodes with a vector of the model, all kinds (0 for a current index, which is not read).
     pub rows: usize,
-    /// Nodes without a vector of the model.
+    /// Nodes of the indexed kinds without a vector of the model, besides `rows`.
     pub unembedded: usize,
     /// The file's size.
     pub bytes: u64,
@@ -121,7 +121,7 @@ impl Store {
                 entry.tenant
             ),
         };
-        let file = std::fs::File::open(&path).at(&path)?;
+        let file = std::fs::File::open(&path).map_err(|e| corrupt(format!("cannot open: {e}")))?;
         let size = file.metadata().at(&path)?.len();
         if size != entry.bytes {
             return Err(corrupt(format!(
@@ -291,19 +291,24 @@ impl Writer {
         run_id: &str,
         progress: &mut dyn FnMut(&IndexUpdate),
     ) -> Result<Vec<IndexUpdate>> {
+        self.check_not_staging("indexing")?;
         self.sweep_indexes()?;
         let manifest = self.manifest().clone();
         let store = self.store().clone();
-        let tenants: Vec<String> = match tenants {
-            Some(named) => named.to_vec(),
-            None => store.tenants(&manifest)?.into_iter().collect(),
+        let tenants: BTreeSet<String> = match tenants {
+            Some(named) => named.iter().cloned().collect(),
+            None => store.tenants(&manifest)?,
         };
         let version = manifest.version;
         let mut updates = Vec::new();
         let mut written: Vec<IndexEntry> = Vec::new();
         for tenant in &tenants {
-            let current = (!rebuild).then(|| manifest.current_index(tenant, model));
-            let update = match current.flatten() {
+            // A current index whose file is gone or of another size is made again.
+            let current = (!rebuild)
+                .then(|| manifest.current_index(tenant, model))
+                .flatten()
+                .filter(|e| file_size(store.dir(), e) == Some(e.bytes));
+            let update = match current {
                 Some(entry) => IndexUpdate {
                     tenant: tenant.clone(),
                     how: "current",
@@ -363,6 +368,13 @@ impl Writer {
         manifest
             .indexes
             .sort_by(|a, b| (&a.tenant, &a.model).cmp(&(&b.tenant, &b.model)));
+        // No row changes: the live counts that held still hold.
+        if let Some(stats) = manifest.current_counts() {
+            manifest.live_counts = Some(LiveCounts {
+                version: manifest.version + 1,
+                stats,
+            });
+        }
         manifest.version += 1;
         let summary = serde_json::json!({
             "model": model,
@@ -384,6 +396,13 @@ impl Writer {
     fn sweep_indexes(&self) -> Result<()> {
         sweep(self.store().dir(), self.manifest())
     }
+}
+
+/// The size of `entry`'s file, if it is there.
+fn file_size(dir: &Path, entry: &IndexEntry) -> Option<u64> {
+    std::fs::metadata(dir.join(&entry.file))
+        .ok()
+        .map(|m| m.len())
 }
 
 /// The index a stale one is made again from, when it can be: the listed index of `tenant`

@@ -82,7 +82,7 @@ pub struct LiveCounts {
     pub stats: fluxmem_graph::GraphStats,
 }
 
-/// A shard file that left the manifest and waits for deletion.
+/// A shard or index file that left the manifest and waits for deletion.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RetiredShard {
     /// Path relative to the store directory.

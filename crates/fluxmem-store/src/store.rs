@@ -94,7 +94,13 @@ impl Writer {
                         let name = e.file_name().to_string_lossy().into_owned();
                         !matches!(
                             name.as_str(),
-                            "LOCK" | SHARDS | keys::KEYS | "quarantine" | STAGING | SCRATCH
+                            "LOCK"
+                                | SHARDS
+                                | keys::KEYS
+                                | INDEXES
+                                | "quarantine"
+                                | STAGING
+                                | SCRATCH
                         ) && !name.starts_with("manifest.json.tmp")
                             && !name.starts_with("LOCK.tmp-")
                     })
@@ -458,7 +464,9 @@ fn delete_retired(
     if manifest.retired.is_empty() || staging_in_progress(dir) {
         return Ok(());
     }
-    let live: BTreeSet<&str> = manifest.shards.iter().map(|s| s.file.as_str()).collect();
+    let live: BTreeSet<&str> = (manifest.shards.iter().map(|s| s.file.as_str()))
+        .chain(manifest.indexes.iter().map(|i| i.file.as_str()))
+        .collect();
     let mut kept = Vec::new();
     let now = chrono::Utc::now().timestamp_millis();
     let grace = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
@@ -467,7 +475,9 @@ fn delete_retired(
             .at_ms
             .is_none_or(|at| now.saturating_sub(at) >= grace);
         let due = retired.version + KEEP_RETIRED_COMMITS <= manifest.version && aged;
-        let ours = retired.file.starts_with(SHARDS) || retired.file.starts_with(INDEXES);
+        let ours = [SHARDS, INDEXES]
+            .iter()
+            .any(|folder| retired.file.starts_with(&format!("{folder}/")));
         if due && ours && !live.contains(retired.file.as_str()) {
             let path = dir.join(&retired.file);
             match std::fs::remove_file(&path) {

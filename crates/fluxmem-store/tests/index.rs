@@ -145,6 +145,11 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
     assert!(read(&store, "t").is_none(), "t's index is stale");
     assert!(read(&store, "u").is_some(), "u's index is still current");
 
+    let first_file = (store.manifest().unwrap().indexes.iter())
+        .find(|e| e.tenant == "t")
+        .unwrap()
+        .file
+        .clone();
     let second = hows(&mut writer);
     assert_eq!(
         second,
@@ -169,6 +174,25 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
     std::fs::write(&stray, b"x").unwrap();
     assert_eq!(hows(&mut writer)["t"], "current");
     assert!(!stray.exists(), "an unnamed file of indexes/ is swept");
+    let manifest = store.manifest().unwrap();
+    assert!(manifest.retired.iter().any(|r| r.file == first_file));
+    assert!(dir.path().join(&first_file).exists(), "kept for readers");
+
+    // An index commit keeps the live counts the compaction left; two commits later, with no
+    // grace left, the replaced file is gone.
+    let mut delta = Graph::default();
+    add(&mut delta, "u", NodeKind::Episodic, "u episode 9", true);
+    writer.know_tenants(delta.nodes.values().map(|n| (&n.id, n.tenant.as_str())));
+    writer.commit(&delta, info("embed")).unwrap();
+    writer.compact(&policy, "c").unwrap();
+    assert!(store.manifest().unwrap().current_counts().is_some());
+    writer.keep_retired_for(std::time::Duration::ZERO);
+    assert_eq!(hows(&mut writer)["u"], "added");
+    assert!(store.manifest().unwrap().current_counts().is_some());
+    assert!(
+        !dir.path().join(&first_file).exists(),
+        "a retired index file is deleted"
+    );
 }
 
 #[test]
@@ -205,6 +229,20 @@ fn a_damaged_index_is_an_error_naming_the_file_and_the_fix() {
             && error.contains("fluxmem store index --rebuild --tenant t"),
         "{error}"
     );
+    // Indexing moves the store's version, so it waits for a sharded run's merge.
+    std::fs::create_dir_all(dir.path().join("staging/embed-0-of-2")).unwrap();
+    let refused = writer.update_indexes(MODEL, None, true, "r", &mut |_| {});
+    assert!(matches!(refused, Err(fluxmem_store::Error::Staging { .. })));
+    std::fs::remove_dir_all(dir.path().join("staging")).unwrap();
+    // A current index whose file is gone is made again.
+    let gone = dir.path().join(&store.manifest().unwrap().indexes[0].file);
+    std::fs::remove_file(&gone).unwrap();
+    assert_eq!(hows(&mut writer)["t"], "full");
+    let manifest = store.manifest().unwrap();
+    let file = dir.path().join(&manifest.indexes[0].file);
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[last] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
     // A stale index is made again from the shards when its file cannot be read.
     let mut delta = Graph::default();
     add(&mut delta, "t", NodeKind::Episodic, "episode 3", true);
