@@ -127,19 +127,17 @@ pub(crate) fn index_tenants(
 
 /// One line of `store index` (and of `run`'s log) for one tenant.
 pub(crate) fn index_line(update: &fluxmem_store::IndexUpdate) -> String {
-    match update.how {
-        "current" => format!("index {}: current, not read", update.tenant),
-        how => format!(
-            "index {}: {} nodes with a vector ({} more without), {:.1} MB, {}",
-            update.tenant,
-            update.rows,
-            update.unembedded,
-            update.bytes as f64 / 1e6,
-            if how == "added" {
-                "from the previous index and the rows added since"
-            } else {
-                "from all of the tenant's shards"
-            }
-        ),
-    }
+    use fluxmem_store::IndexHow;
+    let from = match update.how {
+        IndexHow::Current => return format!("index {}: current, not read", update.tenant),
+        IndexHow::Added => "from the previous index and the rows added since",
+        IndexHow::Full => "from all of the tenant's shards",
+    };
+    format!(
+        "index {}: {} nodes with a vector ({} more without), {:.1} MB, {from}",
+        update.tenant,
+        update.rows,
+        update.unembedded,
+        update.bytes as f64 / 1e6,
+    )
 }

@@ -33,7 +33,7 @@ use std::path::Path;
 
 use crate::error::IoContext;
 use crate::layout::{sync_dir, INDEXES};
-use crate::manifest::{IndexEntry, LiveCounts, Manifest, RetiredShard, INDEXED_TABLES};
+use crate::manifest::{IndexEntry, LiveCounts, Manifest, INDEXED_TABLES};
 use crate::scan::{Rows, Scan};
 use crate::store::{CommitInfo, Store, Writer};
 use crate::{Error, Result};
@@ -79,14 +79,25 @@ impl TenantIndex {
     }
 }
 
+/// How [`Writer::update_indexes`] brought one tenant's index up to date.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IndexHow {
+    /// It was current: nothing read.
+    Current,
+    /// From the previous index and the rows committed after it.
+    Added,
+    /// From every shard of the tenant.
+    Full,
+}
+
 /// What [`Writer::update_indexes`] did for one tenant.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct IndexUpdate {
     /// The tenant.
     pub tenant: String,
-    /// `current` (nothing read), `added` (the previous index plus the rows committed after
-    /// it) or `full` (every shard of the tenant).
-    pub how: &'static str,
+    /// How.
+    pub how: IndexHow,
     /// Nodes with a vector of the model, all kinds (0 for a current index, which is not read).
     pub rows: usize,
     /// Nodes of the indexed kinds without a vector of the model, besides `rows`.
@@ -227,8 +238,8 @@ type Working = BTreeMap<NodeId, (NodeKind, Option<Vec<f32>>)>;
 
 fn working(index: TenantIndex) -> Working {
     let mut nodes = Working::new();
+    let dim = index.dim.max(1);
     for (kind, block) in index.blocks {
-        let dim = index.dim.max(1);
         for (id, vector) in block.ids.into_iter().zip(block.vectors.chunks_exact(dim)) {
             nodes.insert(id, (kind, Some(vector.to_vec())));
         }
@@ -311,7 +322,7 @@ impl Writer {
             let update = match current {
                 Some(entry) => IndexUpdate {
                     tenant: tenant.clone(),
-                    how: "current",
+                    how: IndexHow::Current,
                     rows: 0,
                     unembedded: 0,
                     bytes: entry.bytes,
@@ -320,7 +331,10 @@ impl Writer {
                     let previous = (!rebuild)
                         .then(|| previous_index(&store, &manifest, tenant, model))
                         .flatten();
-                    let how = if previous.is_some() { "added" } else { "full" };
+                    let how = match previous {
+                        Some(_) => IndexHow::Added,
+                        None => IndexHow::Full,
+                    };
                     let index = store.build_index(&manifest, tenant, model, previous)?;
                     let entry = write_index(store.dir(), &index, version)?;
                     let update = IndexUpdate {
@@ -353,17 +367,8 @@ impl Writer {
         updates: &[IndexUpdate],
     ) -> Result<()> {
         let mut manifest = self.manifest().clone();
-        let at_ms = chrono::Utc::now().timestamp_millis();
-        let replaced =
-            |e: &IndexEntry| e.model == model && written.iter().any(|w| w.tenant == e.tenant);
-        for old in manifest.indexes.iter().filter(|e| replaced(e)) {
-            manifest.retired.push(RetiredShard {
-                file: old.file.clone(),
-                version: manifest.version + 1,
-                at_ms: Some(at_ms),
-            });
-        }
-        manifest.indexes.retain(|e| !replaced(e));
+        manifest
+            .retire_indexes(|e| e.model == model && written.iter().any(|w| w.tenant == e.tenant));
         manifest.indexes.extend(written);
         manifest
             .indexes
@@ -378,8 +383,8 @@ impl Writer {
         manifest.version += 1;
         let summary = serde_json::json!({
             "model": model,
-            "written": updates.iter().filter(|u| u.how != "current").count(),
-            "current": updates.iter().filter(|u| u.how == "current").count(),
+            "written": updates.iter().filter(|u| u.how != IndexHow::Current).count(),
+            "current": updates.iter().filter(|u| u.how == IndexHow::Current).count(),
         });
         let info = CommitInfo {
             stage: "index".into(),

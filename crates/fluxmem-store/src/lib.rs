@@ -94,7 +94,7 @@ mod testing;
 
 pub use compact::{CompactPolicy, CompactReport, TableCompaction};
 pub use error::{Error, Result};
-pub use index::{IndexUpdate, TenantIndex, VectorBlock, INDEXED_KINDS};
+pub use index::{IndexHow, IndexUpdate, TenantIndex, VectorBlock, INDEXED_KINDS};
 pub use layout::{SCRATCH, STAGING};
 pub use live::{EdgeRow, Live};
 pub use lock::WriterLock;

@@ -225,6 +225,25 @@ impl Manifest {
         }
     }
 
+    /// Takes the index entries `which` selects out of the manifest and retires their files as
+    /// of the next commit (deleted like compacted shards, two commits and a grace period
+    /// later): `replace` and a lossy `recover` retire them all, a newer index the one it
+    /// replaces.
+    pub(crate) fn retire_indexes(&mut self, which: impl Fn(&IndexEntry) -> bool) {
+        let at_ms = Some(chrono::Utc::now().timestamp_millis());
+        let version = self.version + 1;
+        let (retired, kept): (Vec<IndexEntry>, Vec<IndexEntry>) = std::mem::take(&mut self.indexes)
+            .into_iter()
+            .partition(|e| which(e));
+        self.indexes = kept;
+        self.retired
+            .extend(retired.into_iter().map(|e| RetiredShard {
+                file: e.file,
+                version,
+                at_ms,
+            }));
+    }
+
     /// The index of `tenant` for `model` if it is current: no shard of `nodes` or
     /// `embeddings` committed after the version it holds may hold the tenant's rows. (A
     /// compaction of older rows keeps it current; any new row of the tenant, or a shard that

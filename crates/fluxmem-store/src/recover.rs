@@ -264,16 +264,9 @@ fn drop_lost(
     let mut next = manifest.clone();
     next.shards.retain(|s| !gone.contains(s.file.as_str()));
     next.retired.retain(|r| dir.join(&r.file).is_file());
-    // The tenant indexes may hold rows of the lost shards: retired (`store index` makes them
-    // again from what is left).
-    let at_ms = Some(chrono::Utc::now().timestamp_millis());
-    for index in std::mem::take(&mut next.indexes) {
-        next.retired.push(crate::manifest::RetiredShard {
-            file: index.file,
-            version: next.version + 1,
-            at_ms,
-        });
-    }
+    // The tenant indexes may hold rows of the lost shards (`store index` makes them again
+    // from what is left).
+    next.retire_indexes(|_| true);
     next.version += 1;
     next.live_counts = None;
     next.commits.push(CommitRecord {

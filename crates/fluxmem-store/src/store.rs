@@ -10,9 +10,7 @@ use crate::layout::{
     STAGING,
 };
 use crate::lock::WriterLock;
-use crate::manifest::{
-    CommitRecord, EmbeddingModel, LiveCounts, Manifest, RetiredShard, ShardEntry,
-};
+use crate::manifest::{CommitRecord, EmbeddingModel, LiveCounts, Manifest, ShardEntry};
 use crate::{keys, shard, Error, Result};
 
 /// A read handle on a store directory. Readers take no lock: they read one manifest and the
@@ -234,15 +232,8 @@ impl Writer {
         let old = self.manifest.shards.clone();
         let mut manifest = self.manifest.clone();
         manifest.shards.clear();
-        // The tenant indexes hold rows of the replaced shards: retired, like compacted shards.
-        let at_ms = Some(chrono::Utc::now().timestamp_millis());
-        for index in std::mem::take(&mut manifest.indexes) {
-            manifest.retired.push(RetiredShard {
-                file: index.file,
-                version: manifest.version + 1,
-                at_ms,
-            });
-        }
+        // The tenant indexes hold rows of the replaced shards.
+        manifest.retire_indexes(|_| true);
         manifest.embedding_model = None;
         manifest.live_counts = Some(LiveCounts {
             version: manifest.version + 1,

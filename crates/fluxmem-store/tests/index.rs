@@ -2,7 +2,7 @@
 //! up to date from what the commits after them added.
 
 use fluxmem_graph::{Embedding, Episode, Graph, Node, NodeBody, NodeId, NodeKind, Semantic};
-use fluxmem_store::{CommitInfo, Store, TenantIndex, VectorBlock, Writer, INDEXED_KINDS};
+use fluxmem_store::{CommitInfo, IndexHow, Store, TenantIndex, VectorBlock, Writer, INDEXED_KINDS};
 use std::collections::BTreeMap;
 
 const MODEL: &str = "test-model";
@@ -68,7 +68,7 @@ fn read(store: &Store, tenant: &str) -> Option<TenantIndex> {
         .unwrap()
 }
 
-fn hows(writer: &mut Writer) -> BTreeMap<String, &'static str> {
+fn hows(writer: &mut Writer) -> BTreeMap<String, IndexHow> {
     let updates = writer
         .update_indexes(MODEL, None, false, "r", &mut |_| {})
         .unwrap();
@@ -105,7 +105,6 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
         );
     }
     let mut writer = Writer::open(dir.path()).unwrap();
-    writer.know_tenants(graph.nodes.values().map(|n| (&n.id, n.tenant.as_str())));
     writer.commit(&graph, info("ingest")).unwrap();
     let store = Store::open(dir.path()).unwrap();
     assert!(read(&store, "t").is_none(), "no index yet");
@@ -113,7 +112,7 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
     let first = hows(&mut writer);
     assert_eq!(
         first,
-        BTreeMap::from([("t".into(), "full"), ("u".into(), "full")])
+        BTreeMap::from([("t".into(), IndexHow::Full), ("u".into(), IndexHow::Full)])
     );
     for tenant in ["t", "u"] {
         let index = read(&store, tenant).expect("current after update");
@@ -123,7 +122,7 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
     }
     assert_eq!(
         hows(&mut writer)["t"],
-        "current",
+        IndexHow::Current,
         "an up-to-date index is not read again"
     );
 
@@ -139,7 +138,6 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
         text_sha256: String::new(),
         vector: vec![9.0, 8.0, 7.0, 6.0],
     });
-    writer.know_tenants(delta.nodes.values().map(|n| (&n.id, n.tenant.as_str())));
     writer.commit(&delta, info("embed")).unwrap();
     graph.apply(delta);
     assert!(read(&store, "t").is_none(), "t's index is stale");
@@ -153,7 +151,10 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
     let second = hows(&mut writer);
     assert_eq!(
         second,
-        BTreeMap::from([("t".into(), "added"), ("u".into(), "current")])
+        BTreeMap::from([
+            ("t".into(), IndexHow::Added),
+            ("u".into(), IndexHow::Current)
+        ])
     );
     let index = read(&store, "t").unwrap();
     assert_eq!(index.blocks, expected(&graph, "t"));
@@ -172,7 +173,7 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
     assert_eq!(read(&store, "t").unwrap().blocks, expected(&graph, "t"));
     let stray = dir.path().join("indexes/left-by-a-killed-run.fxvi");
     std::fs::write(&stray, b"x").unwrap();
-    assert_eq!(hows(&mut writer)["t"], "current");
+    assert_eq!(hows(&mut writer)["t"], IndexHow::Current);
     assert!(!stray.exists(), "an unnamed file of indexes/ is swept");
     let manifest = store.manifest().unwrap();
     assert!(manifest.retired.iter().any(|r| r.file == first_file));
@@ -182,12 +183,11 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
     // grace left, the replaced file is gone.
     let mut delta = Graph::default();
     add(&mut delta, "u", NodeKind::Episodic, "u episode 9", true);
-    writer.know_tenants(delta.nodes.values().map(|n| (&n.id, n.tenant.as_str())));
     writer.commit(&delta, info("embed")).unwrap();
     writer.compact(&policy, "c").unwrap();
     assert!(store.manifest().unwrap().current_counts().is_some());
     writer.keep_retired_for(std::time::Duration::ZERO);
-    assert_eq!(hows(&mut writer)["u"], "added");
+    assert_eq!(hows(&mut writer)["u"], IndexHow::Added);
     assert!(store.manifest().unwrap().current_counts().is_some());
     assert!(
         !dir.path().join(&first_file).exists(),
@@ -209,7 +209,6 @@ fn a_damaged_index_is_an_error_naming_the_file_and_the_fix() {
         );
     }
     let mut writer = Writer::open(dir.path()).unwrap();
-    writer.know_tenants(graph.nodes.values().map(|n| (&n.id, n.tenant.as_str())));
     writer.commit(&graph, info("ingest")).unwrap();
     hows(&mut writer);
     let store = Store::open(dir.path()).unwrap();
@@ -237,7 +236,7 @@ fn a_damaged_index_is_an_error_naming_the_file_and_the_fix() {
     // A current index whose file is gone is made again.
     let gone = dir.path().join(&store.manifest().unwrap().indexes[0].file);
     std::fs::remove_file(&gone).unwrap();
-    assert_eq!(hows(&mut writer)["t"], "full");
+    assert_eq!(hows(&mut writer)["t"], IndexHow::Full);
     let manifest = store.manifest().unwrap();
     let file = dir.path().join(&manifest.indexes[0].file);
     let mut bytes = std::fs::read(&file).unwrap();
@@ -246,9 +245,8 @@ fn a_damaged_index_is_an_error_naming_the_file_and_the_fix() {
     // A stale index is made again from the shards when its file cannot be read.
     let mut delta = Graph::default();
     add(&mut delta, "t", NodeKind::Episodic, "episode 3", true);
-    writer.know_tenants(delta.nodes.values().map(|n| (&n.id, n.tenant.as_str())));
     writer.commit(&delta, info("embed")).unwrap();
     graph.apply(delta);
-    assert_eq!(hows(&mut writer)["t"], "full");
+    assert_eq!(hows(&mut writer)["t"], IndexHow::Full);
     assert_eq!(read(&store, "t").unwrap().blocks, expected(&graph, "t"));
 }
