@@ -1,6 +1,6 @@
 use anyhow::Context as _;
 use fluxmem_connect::{
-    pack, resolve_tenant_among, semantic_entry, DenseIndex, Entry, Retriever, Unembedded,
+    pack, resolve_tenant_among, semantic_entry, DenseIndex, Entry, Episodes, Retriever, Unembedded,
 };
 use fluxmem_graph::{EdgeKind, Embedding, Graph, NodeId, NodeKind};
 use fluxmem_models::{DeviceChoice, Generator, Judge};
@@ -294,19 +294,21 @@ fn served(tenant: &str, ids: &BTreeSet<NodeId>, all: bool) -> Scan {
 /// What a query read through its tenant's index.
 struct Indexed {
     /// The tenant's semantic nodes with their vectors, the ranked episodes, the edges the
-    /// ranking reads of them ([`edges_of`]) and the skills those lead to.
+    /// ranking reads of them (kept with the index) and the skills those lead to.
     graph: Graph,
     tenant: String,
     manifest: fluxmem_store::Manifest,
-    /// The tenant's episodes for [`Retriever::build_indexed`].
-    episodes: (DenseIndex, Vec<NodeId>, usize),
+    /// The tenant's episodes for [`Retriever::build_indexed`]: ranked for the query, and the
+    /// count of those without a vector.
+    episodes: (Episodes, usize),
 }
 
 /// The query's part of `tenant` read through the tenant's current index for `model`
-/// ([`fluxmem_store::Store::read_index`]): the `k` episodes closest to `query_vector`, ranked
-/// from the index, then in one read their rows and the tenant's semantic nodes (vectors from
-/// the index), and what [`edges_of`] reads of them. `None` when the tenant has no current index,
-/// or (with a warning) when its file cannot be read.
+/// ([`fluxmem_store::Store::map_index`]): the `k` episodes closest to `query_vector`, ranked
+/// from the mapped file, and their edges, kept with it; then one read of the nodes: the
+/// ranked episodes, the skills their edges lead to and the tenant's semantic nodes (vectors
+/// from the index). No edge shard is opened. `None` when the tenant has no current index, or
+/// (with a warning) when its file cannot be read.
 fn read_indexed(
     store: &fluxmem_store::Store,
     tenant: &str,
@@ -315,108 +317,128 @@ fn read_indexed(
     query_vector: &[f32],
     k: usize,
 ) -> anyhow::Result<Option<Indexed>> {
+    let damaged = |reason: &dyn std::fmt::Display| {
+        eprintln!("warning: {reason}; reading tenant `{tenant}` from its shards instead");
+    };
     loop {
         let manifest = store.manifest()?;
-        let mut index = match store.read_index(&manifest, tenant, model) {
+        let index = match store.map_index(&manifest, tenant, model) {
             Ok(Some(index)) => index,
             Ok(None) => return Ok(None),
             Err(_) if store.manifest()?.version != manifest.version => continue,
             Err(error) => {
-                eprintln!("warning: {error}; reading tenant `{tenant}` from its shards instead");
+                damaged(&error);
                 return Ok(None);
             }
         };
-        let block = (index.blocks.remove(&NodeKind::Episodic)).unwrap_or_default();
-        let dense = DenseIndex::from_rows(block.vectors, index.dim, device)?;
-        let ranked = dense.top_k_one(query_vector, k)?;
-        let retrieved: BTreeSet<NodeId> =
-            ranked.iter().map(|&(i, _)| block.ids[i].clone()).collect();
-        let semantic = index.block(NodeKind::Semantic);
-        let wanted = (semantic.ids.iter().chain(&semantic.unembedded)).chain(&retrieved);
-        let read = ranked_part(
-            store,
-            &manifest,
-            tenant,
-            wanted.cloned().collect(),
-            &retrieved,
-        );
-        let mut graph = match read {
+        let episodes = rank_indexed(&index, device, query_vector, k)?;
+        let retrieved: BTreeSet<NodeId> = episodes.iter().map(|(id, _)| id.clone()).collect();
+        let edges = match index.edges_of(&retrieved) {
+            Ok(edges) => edges,
+            Err(reason) => {
+                damaged(&format!("the index of tenant `{tenant}` is damaged ({reason}); `fluxmem store index --rebuild --tenant {tenant}` writes it again"));
+                return Ok(None);
+            }
+        };
+        // The ranked episodes, the skills their distill edges lead to, and the semantic nodes.
+        let skills = (edges.iter())
+            .filter(|e| e.kind == EdgeKind::Distill)
+            .map(|e| e.dst.clone());
+        let semantic = (index.ids(NodeKind::Semantic))
+            .chain(index.unembedded(NodeKind::Semantic))
+            .map(|id| NodeId(id.to_string()));
+        let of = Scan {
+            nodes: true,
+            nodes_of: Some(semantic.chain(retrieved).chain(skills).collect()),
+            tenant: Some(tenant.to_string()),
+            ..Default::default()
+        };
+        let mut graph = match store.scan_at(&manifest, &of) {
             Ok(graph) => graph,
             Err(_) if store.manifest()?.version != manifest.version => continue,
             Err(error) => return Err(error.into()),
         };
-        let rows = semantic.vectors.chunks_exact(index.dim.max(1));
-        for (id, vector) in semantic.ids.iter().zip(rows) {
+        edges.into_iter().for_each(|e| graph.upsert_edge(e));
+        let rows = (index.vectors(NodeKind::Semantic)).chunks_exact(index.dim().max(1));
+        for (id, vector) in index.ids(NodeKind::Semantic).zip(rows) {
             graph.upsert_embedding(Embedding {
-                node_id: id.clone(),
+                node_id: NodeId(id.to_string()),
                 model_id: model.to_string(),
                 text_sha256: String::new(),
                 vector: vector.to_vec(),
             });
         }
+        let ranked = Episodes::Ranked {
+            query: query_vector.to_vec(),
+            best: episodes,
+            of: index.ids(NodeKind::Episodic).len(),
+        };
         return Ok(Some(Indexed {
             graph,
-            tenant: index.tenant,
+            tenant: index.tenant().to_string(),
             manifest,
-            episodes: (dense, block.ids, block.unembedded.len()),
+            episodes: (ranked, index.unembedded(NodeKind::Episodic).len()),
         }));
     }
 }
 
-/// The rows of `nodes`, the edges [`edges_of`] reads of the `retrieved` episodes, and the
-/// skills their distill edges lead to, of `tenant` at `manifest`.
-fn ranked_part(
-    store: &fluxmem_store::Store,
-    manifest: &fluxmem_store::Manifest,
-    tenant: &str,
-    nodes: BTreeSet<NodeId>,
-    retrieved: &BTreeSet<NodeId>,
-) -> fluxmem_store::Result<Graph> {
-    let of = |ids: BTreeSet<NodeId>| Scan {
-        nodes: true,
-        nodes_of: Some(ids),
-        tenant: Some(tenant.to_string()),
-        ..Default::default()
+/// The `k` episodes of a mapped index closest to `query_vector`, best first, with their
+/// cosines: ranked from the file's normalised vectors in place on the CPU, as
+/// [`DenseIndex::top_k_one`] ranks the same vectors read from the shards (elsewhere, through
+/// one).
+fn rank_indexed(
+    index: &fluxmem_store::MappedIndex,
+    device: &candle_core::Device,
+    query_vector: &[f32],
+    k: usize,
+) -> anyhow::Result<Vec<(NodeId, f32)>> {
+    let (rows, dim) = (index.vectors(NodeKind::Episodic), index.dim());
+    let ranked = if device.is_cpu() && query_vector.len() == dim {
+        fluxmem_connect::top_k_rows(rows, dim, query_vector, k)
+    } else {
+        DenseIndex::from_normalized_rows(rows.to_vec(), dim, device)?.top_k_one(query_vector, k)?
     };
-    let mut graph = store.scan_at(manifest, &of(nodes))?;
-    graph.edges = edges_of(store, manifest, tenant, retrieved.clone())?.edges;
-    let skills: BTreeSet<NodeId> = (graph.edges.values())
-        .filter(|e| e.kind == EdgeKind::Distill)
-        .map(|e| e.dst.clone())
-        .collect();
-    if !skills.is_empty() {
-        graph
-            .nodes
-            .extend(store.scan_at(manifest, &of(skills))?.nodes);
-    }
-    Ok(graph)
+    let id = |row: usize| {
+        index
+            .id(NodeKind::Episodic, row)
+            .map(|id| NodeId(id.to_string()))
+    };
+    Ok(ranked
+        .into_iter()
+        .filter_map(|(row, cos)| Some((id(row)?, cos)))
+        .collect())
 }
 
-/// The edges the ranking reads of the `retrieved` episodes of `tenant`, at `manifest`: the
-/// distill edges from them (their skills) and the ground edges to them (their facts' support).
+/// The edges the ranking reads of the `retrieved` episodes of `tenant`, at `manifest`
+/// ([`fluxmem_store::EPISODE_EDGES`]: the distill edges from them, their skills, and the ground
+/// edges to them, their facts' support), from the edge shards.
 fn edges_of(
     store: &fluxmem_store::Store,
     manifest: &fluxmem_store::Manifest,
     tenant: &str,
     retrieved: BTreeSet<NodeId>,
 ) -> fluxmem_store::Result<Graph> {
+    use fluxmem_store::EpisodeEnd;
+    let mut graph = Graph::default();
     if retrieved.is_empty() {
-        return Ok(Default::default());
+        return Ok(graph);
     }
-    let edges = |kind, from: Option<BTreeSet<NodeId>>, to: Option<BTreeSet<NodeId>>| Scan {
-        edges: true,
-        edge_kinds: vec![kind],
-        edges_from: from,
-        edges_to: to,
-        tenant: Some(tenant.to_string()),
-        ..Default::default()
-    };
-    let mut graph = store.scan_at(
-        manifest,
-        &edges(EdgeKind::Distill, Some(retrieved.clone()), None),
-    )?;
-    let ground = store.scan_at(manifest, &edges(EdgeKind::Ground, None, Some(retrieved)))?;
-    graph.edges.extend(ground.edges);
+    for (kind, end) in fluxmem_store::EPISODE_EDGES {
+        let ends = Some(retrieved.clone());
+        let (edges_from, edges_to) = match end {
+            EpisodeEnd::Src => (ends, None),
+            EpisodeEnd::Dst => (None, ends),
+        };
+        let scan = Scan {
+            edges: true,
+            edge_kinds: vec![kind],
+            edges_from,
+            edges_to,
+            tenant: Some(tenant.to_string()),
+            ..Default::default()
+        };
+        graph.edges.extend(store.scan_at(manifest, &scan)?.edges);
+    }
     Ok(graph)
 }
 
@@ -514,12 +536,18 @@ mod tests {
     }
 
     /// A query without Stage II reads only the edges of the episodes it retrieves, and ranks
-    /// exactly as with every edge of its tenant read.
+    /// exactly as with every edge of its tenant read; through the tenant's index, it reads the
+    /// same edges and ranks the same.
     #[test]
     fn a_query_reads_the_edges_of_its_episodes_and_ranks_as_with_all() {
         let dir = tempfile::tempdir().unwrap();
         let embedder = HashEmbedder::new(64);
         tenants_store(dir.path(), &embedder);
+        let mut writer = fluxmem_store::Writer::open(dir.path()).unwrap();
+        let model = embedder.model_id();
+        writer
+            .update_indexes(model, None, false, "r", &mut |_| {})
+            .unwrap();
         let store = fluxmem_store::Store::open(dir.path()).unwrap();
         let config = fluxmem_connect::RetrievalConfig::serving();
         assert!(config.ground_support > 0.0);
@@ -570,6 +598,28 @@ mod tests {
             assert!(!wanted.is_empty());
             assert_eq!(few.edges, wanted, "{text}");
             assert_eq!(rank(&few, text, k).0, expected, "{text}");
+
+            let vector = embedder.embed(&[text]).unwrap().remove(0);
+            let indexed = read_indexed(&store, "t", model, &device, &vector, k)
+                .unwrap()
+                .expect("the tenant's index is current");
+            assert_eq!(indexed.graph.edges, wanted, "{text}: the index keeps them");
+            let retriever = Retriever::build_indexed(
+                &indexed.graph,
+                "t",
+                model,
+                &device,
+                config.units,
+                indexed.episodes,
+            )
+            .unwrap();
+            let ranked = retriever
+                .retrieve_split_dense(&indexed.graph, text, &vector, &vector, &config, None, k)
+                .unwrap();
+            assert_eq!(
+                ranked, expected,
+                "{text}: the same ranking through the index"
+            );
         }
     }
 

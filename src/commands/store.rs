@@ -134,10 +134,11 @@ pub(crate) fn index_line(update: &fluxmem_store::IndexUpdate) -> String {
         IndexHow::Full => "from all of the tenant's shards",
     };
     format!(
-        "index {}: {} nodes with a vector ({} more without), {:.1} MB, {from}",
+        "index {}: {} nodes with a vector ({} more without), {} episode edges, {:.1} MB, {from}",
         update.tenant,
         update.rows,
         update.unembedded,
+        update.edges,
         update.bytes as f64 / 1e6,
     )
 }

@@ -48,11 +48,18 @@ impl DenseIndex {
     /// Indexes the vectors laid out row after row in `rows` (a multiple of `dim` long), as
     /// [`DenseIndex::new`] indexes the same vectors (each normalised the same way, bit for bit).
     pub fn from_rows(mut rows: Vec<f32>, dim: usize, device: &Device) -> Result<DenseIndex> {
+        normalize_rows(&mut rows, dim);
+        DenseIndex::from_normalized_rows(rows, dim, device)
+    }
+
+    /// Indexes rows normalised already (by [`fluxmem_models::normalize`], as a tenant index
+    /// stores its episodes'), as [`DenseIndex::from_rows`] indexes the rows before it
+    /// normalised them.
+    pub fn from_normalized_rows(rows: Vec<f32>, dim: usize, device: &Device) -> Result<DenseIndex> {
         let count = rows.len().checked_div(dim).unwrap_or(0);
         let matrix = if count == 0 {
             None
         } else {
-            normalize_rows(&mut rows, dim);
             Some(Tensor::from_vec(rows, (count, dim), device)?)
         };
         Ok(DenseIndex {
@@ -157,19 +164,13 @@ impl DenseIndex {
         if !self.device.is_cpu() || query.len() != self.dim {
             return Ok(self.top_k(&[query.to_vec()], k)?.remove(0));
         }
-        let mut query = query.to_vec();
-        fluxmem_models::normalize(&mut query);
         let (storage, layout) = matrix.storage_and_layout();
         let candle_core::Storage::Cpu(cpu) = &*storage else {
             unreachable!("a CPU device's tensor is in CPU storage")
         };
         let start = layout.start_offset();
         let rows = &cpu.as_slice::<f32>()?[start..start + self.rows * self.dim];
-        let scores: Vec<f32> = rows
-            .chunks_exact(self.dim)
-            .map(|row| dot(&query, row))
-            .collect();
-        Ok(top_k(&scores, k))
+        Ok(top_k_rows(rows, self.dim, query, k))
     }
 
     /// The `k` best (index, cosine) per query, best first, ties by index.
@@ -180,6 +181,18 @@ impl DenseIndex {
             .map(|scores| top_k(&scores, k))
             .collect())
     }
+}
+
+/// The `k` best (row, cosine) of `query` against `rows` (normalised vectors of `dim` values,
+/// row after row), best first, ties by row: what [`DenseIndex::top_k_one`] ranks on the CPU,
+/// for rows that are not in an index (a mapped tenant index's).
+pub fn top_k_rows(rows: &[f32], dim: usize, query: &[f32], k: usize) -> Vec<(usize, f32)> {
+    let mut query = query.to_vec();
+    fluxmem_models::normalize(&mut query);
+    let scores: Vec<f32> = (rows.chunks_exact(dim.max(1)))
+        .map(|row| dot(&query, row))
+        .collect();
+    top_k(&scores, k)
 }
 
 /// `a . b` in a fixed order: eight running sums over the lanes of each group of eight values

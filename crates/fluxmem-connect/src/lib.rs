@@ -35,12 +35,14 @@ pub use connect::{
     ConnectOptions, ConnectReport, NoProgress, Progress, DEFAULT_MEMORY, RETRIEVAL_MARKER, STAGE,
 };
 pub use context::{line, pack, Context, ContextItem};
-pub use dense::{embedded, embedded_in, top_k, DenseIndex, Embedded, Unembedded, BLOCK_ROWS};
+pub use dense::{
+    embedded, embedded_in, top_k, top_k_rows, DenseIndex, Embedded, Unembedded, BLOCK_ROWS,
+};
 pub use fusion::{fuse, min_max, FusionMode, FusionWeights, Signals};
 pub use retrieve::{
     Candidate, Lift, RetrievalConfig, SemanticIndex, Units, DEFAULT_ADJACENCY, DEFAULT_ENTITY,
 };
-pub use retriever::{semantic_entry, structure_note, Entry, Retriever};
+pub use retriever::{semantic_entry, structure_note, Entry, Episodes, Retriever};
 pub use tenant::{resolve_tenant, resolve_tenant_among, tenants, DEFAULT_TENANT};
 
 /// Errors of Stage I.
@@ -84,6 +86,15 @@ pub enum Error {
         path: std::path::PathBuf,
         /// What failed.
         source: std::io::Error,
+    },
+    /// A retriever built with its episodes ranked for one query ([`Episodes::Ranked`]) was
+    /// asked for another query, or for more episodes than were ranked.
+    #[error("the episodes were ranked once, for one query vector, and {ranked} kept; {asked} were asked for, or for another vector")]
+    Ranked {
+        /// Episodes asked for.
+        asked: usize,
+        /// Episodes ranked.
+        ranked: usize,
     },
     /// The store holds several tenants and the caller named none.
     #[error("the store holds {} tenants ({}); choose one with --tenant", .tenants.len(), .tenants.join(", "))]

@@ -17,9 +17,26 @@ pub type Entry = (NodeId, Signals, f32, String);
 /// Indexes of one tenant of a graph for Stage I: everything it returns is that tenant's.
 pub struct Retriever {
     semantic: SemanticIndex,
-    episodes: Vec<NodeId>,
-    episode_index: DenseIndex,
+    episodes: Episodes,
     not_embedded: usize,
+}
+
+/// Where a [`Retriever`] ranks its tenant's episodes from.
+#[derive(Debug)]
+pub enum Episodes {
+    /// Their vectors (`DenseIndex`), the episodes in the same order.
+    Index(DenseIndex, Vec<NodeId>),
+    /// Ranked already, for one query vector: a query served from its tenant's index ranks
+    /// the episodes from the file as it reads it ([`crate::top_k_rows`]), and asks for them
+    /// once. Asking for another vector, or for more than were ranked, is an error.
+    Ranked {
+        /// The query vector they were ranked for.
+        query: Vec<f32>,
+        /// The best first, with their cosines.
+        best: Vec<(NodeId, f32)>,
+        /// How many episodes were ranked (more than `best` holds when it was cut).
+        of: usize,
+    },
 }
 
 impl Retriever {
@@ -52,33 +69,32 @@ impl Retriever {
     ) -> Result<Retriever> {
         let semantic = SemanticIndex::build_units(graph, tenant, model, device, unembedded, units)?;
         let episodes = embedded_in(graph, NodeKind::Episodic, tenant, model, unembedded)?;
+        let index = DenseIndex::from_vectors(&episodes.vectors, device)?;
         Ok(Retriever {
             not_embedded: semantic.not_embedded() + episodes.skipped,
             semantic,
-            episode_index: DenseIndex::from_vectors(&episodes.vectors, device)?,
-            episodes: episodes.ids,
+            episodes: Episodes::Index(index, episodes.ids),
         })
     }
 
-    /// [`Retriever::build_units`] with the tenant's episodes given (`episodes`, indexed in
-    /// that order by `episode_index`, and the count of those left out for lack of a vector)
-    /// instead of read from `graph`, which then needs only the tenant's semantic nodes and
-    /// their vectors: a query served from the tenant's `fluxmem_store::TenantIndex`. The
-    /// ranking is the same as from a graph holding those episodes and vectors.
+    /// [`Retriever::build_units`] with the tenant's episodes given (`episodes`, and the count
+    /// of those left out for lack of a vector) instead of read from `graph`, which then needs
+    /// only the tenant's semantic nodes and their vectors: a query served from the tenant's
+    /// index (`fluxmem_store::MappedIndex`). The ranking is the same as from a graph holding
+    /// those episodes and vectors.
     pub fn build_indexed(
         graph: &Graph,
         tenant: &str,
         model: &str,
         device: &Device,
         units: Units,
-        (episode_index, episodes, unembedded): (DenseIndex, Vec<NodeId>, usize),
+        (episodes, unembedded): (Episodes, usize),
     ) -> Result<Retriever> {
         let semantic =
             SemanticIndex::build_units(graph, tenant, model, device, Unembedded::Skip, units)?;
         Ok(Retriever {
             not_embedded: semantic.not_embedded() + unembedded,
             semantic,
-            episode_index,
             episodes,
         })
     }
@@ -100,11 +116,24 @@ impl Retriever {
 
     /// The `k` episodes closest to the query vector (cosine, best first).
     pub fn episodes(&self, query_vector: &[f32], k: usize) -> Result<Vec<(NodeId, f32)>> {
-        let ranked = self.episode_index.top_k_one(query_vector, k)?;
-        Ok(ranked
-            .into_iter()
-            .map(|(i, cos)| (self.episodes[i].clone(), cos))
-            .collect())
+        match &self.episodes {
+            Episodes::Index(index, ids) => {
+                let ranked = index.top_k_one(query_vector, k)?;
+                Ok(ranked
+                    .into_iter()
+                    .map(|(i, cos)| (ids[i].clone(), cos))
+                    .collect())
+            }
+            Episodes::Ranked { query, best, of } => {
+                if query.as_slice() != query_vector || (k > best.len() && best.len() < *of) {
+                    return Err(crate::Error::Ranked {
+                        asked: k,
+                        ranked: best.len(),
+                    });
+                }
+                Ok(best.iter().take(k).cloned().collect())
+            }
+        }
     }
 
     /// Ranked entries for `query`, all of the retriever's tenant: skills inherited from the
@@ -262,4 +291,39 @@ pub fn semantic_entry(c: &Candidate) -> Entry {
         structure_note(c)
     );
     (c.node_id.clone(), c.signals, c.score, why)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Episodes ranked for one query answer that query, as far as they were ranked, and
+    /// nothing else.
+    #[test]
+    fn episodes_ranked_once_answer_only_their_query() {
+        let graph = Graph::default();
+        let query = vec![0.6, 0.8];
+        let best = vec![(NodeId("epi-a".into()), 0.9), (NodeId("epi-b".into()), 0.5)];
+        let build = |of: usize| {
+            let episodes = Episodes::Ranked {
+                query: query.clone(),
+                best: best.clone(),
+                of,
+            };
+            let units = Units::PLAIN;
+            Retriever::build_indexed(&graph, "t", "m", &Device::Cpu, units, (episodes, 0)).unwrap()
+        };
+        let cut = build(3);
+        assert_eq!(cut.episodes(&query, 1).unwrap(), best[..1]);
+        assert_eq!(cut.episodes(&query, 2).unwrap(), best);
+        assert!(matches!(
+            cut.episodes(&query, 3),
+            Err(crate::Error::Ranked {
+                asked: 3,
+                ranked: 2
+            })
+        ));
+        assert!(cut.episodes(&[0.8, 0.6], 1).is_err(), "another query");
+        assert_eq!(build(2).episodes(&query, 5).unwrap(), best, "all there are");
+    }
 }

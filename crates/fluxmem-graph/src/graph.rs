@@ -155,3 +155,11 @@ impl Graph {
         )
     }
 }
+
+/// Scales `vector` to unit length (a zero vector stays zero).
+pub fn normalize(vector: &mut [f32]) {
+    let norm = vector.iter().map(|v| v * v).sum::<f32>().sqrt();
+    if norm > 0.0 {
+        vector.iter_mut().for_each(|v| *v /= norm);
+    }
+}

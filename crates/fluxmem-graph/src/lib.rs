@@ -39,7 +39,7 @@ pub mod schema;
 pub use edge::{Edge, EdgeKey, EdgeKind};
 pub use edit::{Changed, Edit, EPISODE_GROWN};
 pub use error::{Error, Result};
-pub use graph::{Embedding, Graph, GraphStats};
+pub use graph::{normalize, Embedding, Graph, GraphStats};
 pub use id::{hex, sha256_hex, IdMap, IdSet, NodeId};
 pub use node::{Episode, Node, NodeBody, NodeKind, Outcome, Semantic, Skill, Step, ToolCall};
 pub use progress::{NoProgress, Progress};

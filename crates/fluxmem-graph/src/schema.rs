@@ -113,7 +113,8 @@ pub fn embeddings_schema(dim: i32) -> SchemaRef {
     ]))
 }
 
-fn metadata_json(metadata: &BTreeMap<String, Value>) -> String {
+/// A metadata map as the shards hold it: JSON text.
+pub fn metadata_json(metadata: &BTreeMap<String, Value>) -> String {
     serde_json::to_string(metadata).expect("a map of JSON values always serializes")
 }
 

@@ -75,13 +75,9 @@ fn words(text: &str) -> impl Iterator<Item = String> + '_ {
         .map(str::to_lowercase)
 }
 
-/// Scales `vector` to unit length (a zero vector stays zero).
-pub fn normalize(vector: &mut [f32]) {
-    let norm = vector.iter().map(|v| v * v).sum::<f32>().sqrt();
-    if norm > 0.0 {
-        vector.iter_mut().for_each(|v| *v /= norm);
-    }
-}
+/// Scales a vector to unit length (kept with the graph's types: a tenant index stores its
+/// episodes' vectors normalised by it, bit for bit as a ranking normalises them).
+pub use fluxmem_graph::normalize;
 
 /// Cosine similarity of two vectors (0 when either is zero).
 pub fn cosine(a: &[f32], b: &[f32]) -> f32 {

@@ -3,20 +3,18 @@
 //! A query ranks its tenant's episodes by the cosine of their vectors and its semantic nodes
 //! by BM25 and cosine. Read from the shards, that is every episode row and every vector of the
 //! tenant, decoded and inserted into a graph, on every query: at 100,000 episodes, seconds.
-//! The night writes instead, per tenant and embedding model, `indexes/<name>.fxvi`:
+//! The night writes instead, per tenant and embedding model, `indexes/<name>.fxvi` (format in
+//! [`file`]): one block per indexed kind ([`INDEXED_KINDS`]), each live node of the tenant of
+//! that kind in id order (the order a graph holds them) with its vector of the model (the
+//! episodes' stored normalised, as a query ranks them), or among the unembedded; then, for each
+//! episode, the edges a query reads of it ([`EPISODE_EDGES`]). The manifest lists the file
+//! ([`IndexEntry`]: its size, CRC-32, format and the version whose rows it holds); it is used
+//! only while current ([`Manifest::current_index`]), so a commit of the tenant's nodes, vectors
+//! or edges invalidates it and a reader falls back to the shards.
 //!
-//! ```text
-//! magic "FXVIDX01" | tenant, model (u32 LE length + UTF-8 each) | dim (u32 LE) | blocks (u32 LE)
-//! per block: kind (u32 length + name) | rows (u64) | unembedded (u64) |
-//!            row ids (u32 length + UTF-8 each, sorted) | unembedded ids (the same) |
-//!            vectors (rows x dim f32 LE, as stored)
-//! ```
-//!
-//! one block per indexed kind ([`INDEXED_KINDS`]): each live node of the tenant of that kind,
-//! in id order (the order a graph holds them), with its vector of the model, or among the
-//! unembedded. The manifest lists the file ([`IndexEntry`]: its size, CRC-32 and the version
-//! whose rows it holds); it is used only while current ([`Manifest::current_index`]), so a
-//! commit of the tenant's nodes or vectors invalidates it and a reader falls back to the shards.
+//! A query maps the file ([`Store::map_index`]): it ranks the episodes from the vectors in
+//! place, reads the edges of the ones it keeps, and opens no edge shard and no episode it
+//! does not return.
 //!
 //! [`Writer::update_indexes`] brings indexes up to date under the writer lock. A tenant whose
 //! index is current costs nothing; one whose index is stale is read again from the shards the
@@ -26,19 +24,23 @@
 //! file is derived data: one that no manifest lists, or a temporary one, is garbage of this
 //! module's own ([`sweep`]).
 
-use fluxmem_graph::{NodeId, NodeKind};
+mod edges;
+mod file;
+
+pub use edges::{EpisodeEdges, EpisodeEnd, EPISODE_EDGES};
+pub use file::MappedIndex;
+
+use fluxmem_graph::{Edge, NodeId, NodeKind};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::Path;
 
 use crate::error::IoContext;
 use crate::layout::{sync_dir, INDEXES};
-use crate::manifest::{IndexEntry, LiveCounts, Manifest, INDEXED_TABLES};
+use crate::manifest::{IndexEntry, LiveCounts, Manifest, INDEXED_TABLES, INDEX_FORMAT};
 use crate::scan::{Rows, Scan};
 use crate::store::{CommitInfo, Store, Writer};
 use crate::{Error, Result};
-
-const MAGIC: &[u8; 8] = b"FXVIDX01";
 
 /// The node kinds a tenant index holds: the ones a query ranks by vector.
 pub const INDEXED_KINDS: [NodeKind; 2] = [NodeKind::Episodic, NodeKind::Semantic];
@@ -48,7 +50,8 @@ pub const INDEXED_KINDS: [NodeKind; 2] = [NodeKind::Episodic, NodeKind::Semantic
 pub struct VectorBlock {
     /// The embedded nodes, in id order.
     pub ids: Vec<NodeId>,
-    /// Their vectors, row after row (`ids.len() x dim`), as stored.
+    /// Their vectors, row after row (`ids.len() x dim`): normalised for the episodes, as
+    /// embedded for the other kinds.
     pub vectors: Vec<f32>,
     /// The nodes without a vector of the model, in id order.
     pub unembedded: Vec<NodeId>,
@@ -65,6 +68,8 @@ pub struct TenantIndex {
     pub dim: usize,
     /// The blocks, by kind.
     pub blocks: BTreeMap<NodeKind, VectorBlock>,
+    /// The edges of the episodic block's nodes (its rows, then its unembedded).
+    pub edges: EpisodeEdges,
 }
 
 impl TenantIndex {
@@ -76,6 +81,31 @@ impl TenantIndex {
             unembedded: Vec::new(),
         };
         self.blocks.get(&kind).unwrap_or(&EMPTY)
+    }
+
+    /// The edges of `episodes` ([`EPISODE_EDGES`]) that the index holds; an id that is not one
+    /// of the tenant's episodes has none. An error says what in the file is wrong.
+    pub fn edges_of(&self, episodes: &BTreeSet<NodeId>) -> std::result::Result<Vec<Edge>, String> {
+        let block = self.block(NodeKind::Episodic);
+        let mut edges = Vec::new();
+        for episode in episodes {
+            let row = match block.ids.binary_search(episode) {
+                Ok(row) => row,
+                Err(_) => match block.unembedded.binary_search(episode) {
+                    Ok(row) => block.ids.len() + row,
+                    Err(_) => continue,
+                },
+            };
+            edges.extend(self.edges.view().of(row, episode)?);
+        }
+        Ok(edges)
+    }
+
+    /// The episodic block's nodes in the order the edges are kept: its rows, then its
+    /// unembedded.
+    fn episodes(&self) -> impl Iterator<Item = &NodeId> {
+        let block = self.block(NodeKind::Episodic);
+        block.ids.iter().chain(&block.unembedded)
     }
 }
 
@@ -102,6 +132,8 @@ pub struct IndexUpdate {
     pub rows: usize,
     /// Nodes of the indexed kinds without a vector of the model, besides `rows`.
     pub unembedded: usize,
+    /// Edges kept with the episodes (0 for a current index).
+    pub edges: usize,
     /// The file's size.
     pub bytes: u64,
 }
@@ -121,17 +153,47 @@ impl Store {
         }
     }
 
-    /// The index file of `entry`, checked against it: read once, straight into the vectors'
-    /// memory, its CRC-32 computed on the way.
-    fn read_index_file(&self, entry: &IndexEntry) -> Result<TenantIndex> {
+    /// The current index of `tenant` for `model`, mapped for one query ([`MappedIndex`]: its
+    /// head checked, each episode's edges checked when read); `None` when there is none. A
+    /// damaged file is [`Error::Corrupt`].
+    pub fn map_index(
+        &self,
+        manifest: &Manifest,
+        tenant: &str,
+        model: &str,
+    ) -> Result<Option<MappedIndex>> {
+        let Some(entry) = manifest.current_index(tenant, model) else {
+            return Ok(None);
+        };
+        let (file, corrupt) = self.open_index(entry)?;
+        let index = MappedIndex::map(&file).map_err(&corrupt)?;
+        if index.tenant() != entry.tenant || index.model() != entry.model {
+            return Err(corrupt(format!(
+                "holds tenant `{}` and model `{}`, the manifest says `{}` and `{}`",
+                index.tenant(),
+                index.model(),
+                entry.tenant,
+                entry.model
+            )));
+        }
+        Ok(Some(index))
+    }
+
+    /// The file of `entry`, open and of the size the manifest says, with what makes a reason
+    /// an error naming the file and the fix.
+    fn open_index(
+        &self,
+        entry: &IndexEntry,
+    ) -> Result<(std::fs::File, impl Fn(String) -> Error + use<'_>)> {
         let path = self.dir.join(&entry.file);
-        let corrupt = |reason: String| Error::Corrupt {
+        let tenant = entry.tenant.clone();
+        let corrupt = move |reason: String| Error::Corrupt {
             path: path.clone(),
             reason: format!(
-                "{reason}; `fluxmem store index --rebuild --tenant {}` writes it again",
-                entry.tenant
+                "{reason}; `fluxmem store index --rebuild --tenant {tenant}` writes it again"
             ),
         };
+        let path = self.dir.join(&entry.file);
         let file = std::fs::File::open(&path).map_err(|e| corrupt(format!("cannot open: {e}")))?;
         let size = file.metadata().at(&path)?.len();
         if size != entry.bytes {
@@ -140,33 +202,30 @@ impl Store {
                 entry.bytes
             )));
         }
-        let mut reader = Reader {
-            inner: std::io::BufReader::with_capacity(1 << 16, file),
-            crc: crc32fast::Hasher::new(),
-            at: 0,
-            size,
-        };
-        let index = decode(&mut reader).map_err(|e| match e {
-            Fault::Io(source) => Error::Io {
-                path: path.clone(),
-                source,
-            },
-            Fault::Bad(reason) => corrupt(reason),
-        })?;
-        let crc = reader.crc.finalize();
+        Ok((file, corrupt))
+    }
+
+    /// The index file of `entry`, read whole and checked against its CRC-32.
+    fn read_index_file(&self, entry: &IndexEntry) -> Result<TenantIndex> {
+        let (mut file, corrupt) = self.open_index(entry)?;
+        let path = self.dir.join(&entry.file);
+        let mut bytes = Vec::with_capacity(entry.bytes as usize);
+        std::io::Read::read_to_end(&mut file, &mut bytes).at(&path)?;
+        let crc = crc32fast::hash(&bytes);
         if crc != entry.crc32 {
             return Err(corrupt(format!(
                 "CRC-32 {crc:08x}, the manifest says {:08x}",
                 entry.crc32
             )));
         }
-        if index.tenant != entry.tenant || index.model != entry.model {
+        let layout = file::Layout::parse(&bytes).map_err(&corrupt)?;
+        if layout.tenant != entry.tenant || layout.model != entry.model {
             return Err(corrupt(format!(
                 "holds tenant `{}` and model `{}`, the manifest says `{}` and `{}`",
-                index.tenant, index.model, entry.tenant, entry.model
+                layout.tenant, layout.model, entry.tenant, entry.model
             )));
         }
-        Ok(index)
+        Ok(layout.owned(&bytes))
     }
 
     /// The tenants of the live nodes of `manifest`: those its `nodes` shards name, and those
@@ -199,12 +258,24 @@ impl Store {
         model: &str,
         previous: Option<(u64, TenantIndex)>,
     ) -> Result<TenantIndex> {
-        let (read, mut nodes) = match previous {
-            Some((version, index)) => (
-                manifest.since(version, &INDEXED_TABLES).added,
-                working(index),
-            ),
-            None => (manifest.clone(), BTreeMap::new()),
+        let corrupt = |reason: String| Error::Corrupt {
+            path: self.dir.join(crate::layout::SHARDS),
+            reason,
+        };
+        let (read, mut nodes, mut edges) = match previous {
+            Some((version, index)) => {
+                let episodes: Vec<NodeId> = index.episodes().cloned().collect();
+                let edges =
+                    edges::Gathered::from_file(&index.edges, &episodes).map_err(|reason| {
+                        Error::Corrupt {
+                            path: self.dir.join(INDEXES),
+                            reason: format!("the previous index of tenant `{tenant}`: {reason}"),
+                        }
+                    })?;
+                let read = manifest.since(version, &INDEXED_TABLES).added;
+                (read, working(index), edges)
+            }
+            None => (manifest.clone(), BTreeMap::new(), Default::default()),
         };
         // Nodes first: a node written again keeps the vector it had unless a newer one comes.
         for (id, kind) in self.tenant_nodes(&read, tenant)? {
@@ -219,17 +290,50 @@ impl Store {
             tenant: Some(tenant.to_string()),
             ..Default::default()
         };
-        for ((id, of), embedding) in self.scan_at(&read, &scan)?.embeddings {
+        for ((id, of), mut embedding) in self.scan_at(&read, &scan)?.embeddings {
             if of == model {
-                if let Some((_, vector)) = nodes.get_mut(&id) {
+                if let Some((kind, vector)) = nodes.get_mut(&id) {
+                    if file::normalised(*kind) {
+                        fluxmem_graph::normalize(&mut embedding.vector);
+                    }
                     *vector = Some(embedding.vector);
                 }
             }
         }
-        blocks_of(tenant, model, nodes).map_err(|reason| Error::Corrupt {
-            path: self.dir.join(crate::layout::SHARDS),
-            reason,
-        })
+        self.gather_edges(&read, tenant, &mut edges)?;
+        let mut index = blocks_of(tenant, model, nodes).map_err(corrupt)?;
+        index.edges = edges.finish(index.episodes());
+        Ok(index)
+    }
+
+    /// Adds to `gathered` the episode edges ([`EPISODE_EDGES`]) of `tenant`'s shards in
+    /// `manifest`, one shard at a time in commit order (later rows win), so that no more than
+    /// one shard's edges are decoded at once.
+    fn gather_edges(
+        &self,
+        manifest: &Manifest,
+        tenant: &str,
+        gathered: &mut edges::Gathered,
+    ) -> Result<()> {
+        let scan = Scan {
+            edges: true,
+            edge_kinds: EPISODE_EDGES.iter().map(|(kind, _)| *kind).collect(),
+            tenant: Some(tenant.to_string()),
+            ..Default::default()
+        };
+        let mut one = Manifest {
+            shards: Vec::new(),
+            ..manifest.clone()
+        };
+        for shard in crate::scan::sorted(manifest, "edges") {
+            if shard.may_hold(tenant) {
+                one.shards = vec![shard];
+                for edge in self.scan_at(&one, &scan)?.edges.values() {
+                    gathered.upsert(edge);
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -282,6 +386,7 @@ fn blocks_of(
         model: model.to_string(),
         dim,
         blocks,
+        edges: EpisodeEdges::default(),
     })
 }
 
@@ -325,6 +430,7 @@ impl Writer {
                     how: IndexHow::Current,
                     rows: 0,
                     unembedded: 0,
+                    edges: 0,
                     bytes: entry.bytes,
                 },
                 None => {
@@ -342,6 +448,7 @@ impl Writer {
                         how,
                         rows: index.blocks.values().map(|b| b.ids.len()).sum(),
                         unembedded: index.blocks.values().map(|b| b.unembedded.len()).sum(),
+                        edges: index.edges.len(),
                         bytes: entry.bytes,
                     };
                     written.push(entry);
@@ -419,7 +526,8 @@ fn previous_index(
     tenant: &str,
     model: &str,
 ) -> Option<(u64, TenantIndex)> {
-    let entry = (manifest.indexes.iter()).find(|e| e.tenant == tenant && e.model == model)?;
+    let entry = (manifest.indexes.iter())
+        .find(|e| e.tenant == tenant && e.model == model && e.format == INDEX_FORMAT)?;
     let since = manifest.since(entry.version, &INDEXED_TABLES);
     if since.mixed.shards.iter().any(|s| s.may_hold(tenant)) {
         return None;
@@ -431,7 +539,7 @@ fn previous_index(
 /// Writes `index` (holding the rows of `version`) as a new file of `indexes/`: temporary file,
 /// fsync, rename, fsync of the folder. Its entry for the manifest.
 fn write_index(dir: &Path, index: &TenantIndex, version: u64) -> Result<IndexEntry> {
-    let bytes = encode(index);
+    let bytes = file::encode(index);
     let crc32 = crc32fast::hash(&bytes);
     let folder = dir.join(INDEXES);
     std::fs::create_dir_all(&folder).at(&folder)?;
@@ -451,6 +559,7 @@ fn write_index(dir: &Path, index: &TenantIndex, version: u64) -> Result<IndexEnt
         bytes: bytes.len() as u64,
         crc32,
         version,
+        format: INDEX_FORMAT,
     })
 }
 
@@ -472,158 +581,4 @@ pub(crate) fn sweep(dir: &Path, manifest: &Manifest) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn put_text(out: &mut Vec<u8>, text: &str) {
-    out.extend_from_slice(&(text.len() as u32).to_le_bytes());
-    out.extend_from_slice(text.as_bytes());
-}
-
-/// The file's bytes ([the module docs](self)).
-fn encode(index: &TenantIndex) -> Vec<u8> {
-    let vectors: usize = index.blocks.values().map(|b| b.vectors.len()).sum();
-    let mut out = Vec::with_capacity(64 + vectors * 4);
-    out.extend_from_slice(MAGIC);
-    put_text(&mut out, &index.tenant);
-    put_text(&mut out, &index.model);
-    out.extend_from_slice(&(index.dim as u32).to_le_bytes());
-    out.extend_from_slice(&(index.blocks.len() as u32).to_le_bytes());
-    for (kind, block) in &index.blocks {
-        put_text(&mut out, kind.as_str());
-        out.extend_from_slice(&(block.ids.len() as u64).to_le_bytes());
-        out.extend_from_slice(&(block.unembedded.len() as u64).to_le_bytes());
-        for id in block.ids.iter().chain(&block.unembedded) {
-            put_text(&mut out, id.as_str());
-        }
-        for value in &block.vectors {
-            out.extend_from_slice(&value.to_le_bytes());
-        }
-    }
-    out
-}
-
-/// Why a file could not be decoded.
-enum Fault {
-    Io(std::io::Error),
-    Bad(String),
-}
-
-impl From<String> for Fault {
-    fn from(reason: String) -> Fault {
-        Fault::Bad(reason)
-    }
-}
-
-/// Reads [`encode`]'s bytes, to the end of the file.
-fn decode(reader: &mut Reader<impl std::io::Read>) -> std::result::Result<TenantIndex, Fault> {
-    let mut magic = [0u8; 8];
-    reader.fill(&mut magic)?;
-    if &magic != MAGIC {
-        return Err(Fault::Bad("not a fluxmem tenant index (bad magic)".into()));
-    }
-    let tenant = reader.text()?;
-    let model = reader.text()?;
-    let dim = reader.u32()? as usize;
-    let count = reader.u32()?;
-    let mut blocks = BTreeMap::new();
-    for _ in 0..count {
-        let name = reader.text()?;
-        let kind = NodeKind::parse(&name).ok_or_else(|| format!("unknown node kind `{name}`"))?;
-        let rows = reader.count()?;
-        let unembedded = reader.count()?;
-        let ids = (0..rows)
-            .map(|_| reader.text().map(NodeId))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let missing = (0..unembedded)
-            .map(|_| reader.text().map(NodeId))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let values = rows
-            .checked_mul(dim)
-            .filter(|v| (*v as u64) * 4 <= reader.left());
-        let values = values.ok_or_else(|| {
-            format!("{rows} vectors of {dim} values do not fit in what is left of the file")
-        })?;
-        let mut vectors = vec![0f32; values];
-        reader.fill(bytemuck::cast_slice_mut(&mut vectors))?;
-        if cfg!(target_endian = "big") {
-            for value in &mut vectors {
-                *value = f32::from_bits(value.to_bits().swap_bytes());
-            }
-        }
-        blocks.insert(
-            kind,
-            VectorBlock {
-                ids,
-                vectors,
-                unembedded: missing,
-            },
-        );
-    }
-    if reader.left() != 0 {
-        return Err(Fault::Bad(format!(
-            "{} bytes after the last block",
-            reader.left()
-        )));
-    }
-    Ok(TenantIndex {
-        tenant,
-        model,
-        dim,
-        blocks,
-    })
-}
-
-/// A file read in order, its CRC-32 computed on the way; reads past `size` fail.
-struct Reader<R> {
-    inner: R,
-    crc: crc32fast::Hasher,
-    at: u64,
-    size: u64,
-}
-
-impl<R: std::io::Read> Reader<R> {
-    fn left(&self) -> u64 {
-        self.size - self.at
-    }
-
-    fn fill(&mut self, buf: &mut [u8]) -> std::result::Result<(), Fault> {
-        if buf.len() as u64 > self.left() {
-            return Err(Fault::Bad(format!("truncated at byte {}", self.at)));
-        }
-        self.inner.read_exact(buf).map_err(Fault::Io)?;
-        self.crc.update(buf);
-        self.at += buf.len() as u64;
-        Ok(())
-    }
-
-    fn u32(&mut self) -> std::result::Result<u32, Fault> {
-        let mut b = [0u8; 4];
-        self.fill(&mut b)?;
-        Ok(u32::from_le_bytes(b))
-    }
-
-    /// A u64 count of items of at least 4 bytes each, checked against what is left.
-    fn count(&mut self) -> std::result::Result<usize, Fault> {
-        let mut b = [0u8; 8];
-        self.fill(&mut b)?;
-        let n = u64::from_le_bytes(b);
-        if n.saturating_mul(4) > self.left() {
-            return Err(Fault::Bad(format!(
-                "a count of {n} at byte {} is more than the file holds",
-                self.at - 8
-            )));
-        }
-        Ok(n as usize)
-    }
-
-    fn text(&mut self) -> std::result::Result<String, Fault> {
-        let n = self.u32()? as u64;
-        if n > self.left() {
-            return Err(Fault::Bad(format!("truncated at byte {}", self.at)));
-        }
-        let at = self.at;
-        let mut bytes = vec![0u8; n as usize];
-        self.fill(&mut bytes)?;
-        String::from_utf8(bytes).map_err(|_| Fault::Bad(format!("text at byte {at} is not UTF-8")))
-    }
 }

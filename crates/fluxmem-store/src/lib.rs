@@ -94,7 +94,10 @@ mod testing;
 
 pub use compact::{CompactPolicy, CompactReport, TableCompaction};
 pub use error::{Error, Result};
-pub use index::{IndexHow, IndexUpdate, TenantIndex, VectorBlock, INDEXED_KINDS};
+pub use index::{
+    EpisodeEdges, EpisodeEnd, IndexHow, IndexUpdate, MappedIndex, TenantIndex, VectorBlock,
+    EPISODE_EDGES, INDEXED_KINDS,
+};
 pub use layout::{SCRATCH, STAGING};
 pub use live::{EdgeRow, Live};
 pub use lock::WriterLock;

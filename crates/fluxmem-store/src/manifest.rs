@@ -7,7 +7,11 @@ use crate::error::IoContext;
 use crate::{Error, Result};
 
 /// The tables a tenant's vector index is made from.
-pub const INDEXED_TABLES: [&str; 2] = ["nodes", "embeddings"];
+pub const INDEXED_TABLES: [&str; 3] = ["nodes", "embeddings", "edges"];
+
+/// The format of the tenant index files this build writes and reads; an index of another
+/// format is not current, and is made again from the shards.
+pub const INDEX_FORMAT: u32 = 2;
 
 /// The store format name written in every manifest.
 pub const FORMAT: &str = "fluxmem-store";
@@ -60,11 +64,19 @@ pub struct IndexEntry {
     pub file: String,
     /// Bytes in the file.
     pub bytes: u64,
-    /// CRC-32 of the file's bytes (the file is read whole on every query that uses it; a
-    /// SHA-256 would cost half of such a query).
+    /// CRC-32 of the file's bytes, checked when a writer reads a previous index whole. (A
+    /// query maps the file and checks CRC-32s the file holds: of its head, and of each
+    /// episode's edges it reads; a SHA-256 of the head would cost as much as the query.)
     pub crc32: u32,
     /// The manifest version whose rows it holds.
     pub version: u64,
+    /// The file's format ([`INDEX_FORMAT`]; 1, the vectors alone, when absent).
+    #[serde(default = "first_index_format")]
+    pub format: u32,
+}
+
+fn first_index_format() -> u32 {
+    1
 }
 
 /// Live node, active edge and embedded node counts that hold for one commit, so `stats` reads
@@ -244,15 +256,13 @@ impl Manifest {
             }));
     }
 
-    /// The index of `tenant` for `model` if it is current: no shard of `nodes` or
-    /// `embeddings` committed after the version it holds may hold the tenant's rows. (A
-    /// compaction of older rows keeps it current; any new row of the tenant, or a shard that
-    /// does not name its tenants, makes it stale.)
+    /// The index of `tenant` for `model` if it is current: of this build's format, and no
+    /// shard of [`INDEXED_TABLES`] committed after the version it holds may hold the tenant's
+    /// rows. (A compaction of older rows keeps it current; any new row of the tenant, or a
+    /// shard that does not name its tenants, makes it stale.)
     pub fn current_index(&self, tenant: &str, model: &str) -> Option<&IndexEntry> {
-        let entry = self
-            .indexes
-            .iter()
-            .find(|e| e.tenant == tenant && e.model == model)?;
+        let entry = (self.indexes.iter())
+            .find(|e| e.tenant == tenant && e.model == model && e.format == INDEX_FORMAT)?;
         let since = self.since(entry.version, &INDEXED_TABLES);
         let mut newer = since.added.shards.iter().chain(&since.mixed.shards);
         newer.all(|s| !s.may_hold(tenant)).then_some(entry)

@@ -1,9 +1,11 @@
 //! Tenant vector indexes hold what the shards hold, are used only while current, and are kept
 //! up to date from what the commits after them added.
 
-use fluxmem_graph::{Embedding, Episode, Graph, Node, NodeBody, NodeId, NodeKind, Semantic};
+use fluxmem_graph::{
+    Edge, EdgeKind, Embedding, Episode, Graph, Node, NodeBody, NodeId, NodeKind, Semantic,
+};
 use fluxmem_store::{CommitInfo, IndexHow, Store, TenantIndex, VectorBlock, Writer, INDEXED_KINDS};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 const MODEL: &str = "test-model";
 
@@ -42,8 +44,76 @@ fn add(graph: &mut Graph, tenant: &str, kind: NodeKind, text: &str, embedded: bo
     id
 }
 
+/// An edge of `kind` from `src` to `dst`, of weight `weight`.
+fn edge(graph: &mut Graph, src: &NodeId, dst: &NodeId, kind: EdgeKind, weight: f32) {
+    graph.upsert_edge(Edge {
+        src: src.clone(),
+        dst: dst.clone(),
+        kind,
+        weight,
+        evidence: 2,
+        stage: "connect".into(),
+        run_id: format!("run {weight}"),
+        created_at: 7,
+        active: weight > 0.1,
+        metadata: BTreeMap::from([("w".to_string(), serde_json::json!(weight))]),
+    });
+}
+
+/// The edges of the tenant's episodes an index must keep: from the whole graph, the ground
+/// edges into them and the distill edges out of them, in key order.
+fn expected_edges(graph: &Graph, tenant: &str) -> Vec<Edge> {
+    let episodes = episodes_of(graph, tenant);
+    let kept = |e: &&Edge| match e.kind {
+        EdgeKind::Ground => episodes.contains(&e.dst),
+        EdgeKind::Distill => episodes.contains(&e.src),
+        EdgeKind::Link => false,
+    };
+    graph.edges.values().filter(kept).cloned().collect()
+}
+
+fn episodes_of(graph: &Graph, tenant: &str) -> BTreeSet<NodeId> {
+    (graph.nodes.values())
+        .filter(|n| n.tenant == tenant && n.kind() == NodeKind::Episodic)
+        .map(|n| n.id.clone())
+        .collect()
+}
+
+/// The edges `index` keeps of all of the tenant's episodes, in key order.
+fn kept_edges(index: &TenantIndex, graph: &Graph, tenant: &str) -> Vec<Edge> {
+    let mut edges = index.edges_of(&episodes_of(graph, tenant)).unwrap();
+    edges.sort_by_key(Edge::key);
+    edges
+}
+
+/// The tenant's index read whole equals what its shards hold, and the mapped file a query
+/// reads gives the same ids, vectors and edges.
+fn check(store: &Store, graph: &Graph, tenant: &str) {
+    let index = read(store, tenant).expect("current");
+    assert_eq!(index.blocks, expected(graph, tenant), "{tenant}");
+    assert_eq!(
+        kept_edges(&index, graph, tenant),
+        expected_edges(graph, tenant),
+        "{tenant}"
+    );
+    let manifest = store.manifest().unwrap();
+    let mapped = store.map_index(&manifest, tenant, MODEL).unwrap().unwrap();
+    for (kind, block) in &index.blocks {
+        let ids: Vec<&str> = mapped.ids(*kind).collect();
+        assert_eq!(
+            ids,
+            block.ids.iter().map(|i| i.as_str()).collect::<Vec<_>>()
+        );
+        assert_eq!(mapped.vectors(*kind), &block.vectors[..]);
+        assert_eq!(mapped.unembedded(*kind).len(), block.unembedded.len());
+    }
+    let mut edges = mapped.edges_of(&episodes_of(graph, tenant)).unwrap();
+    edges.sort_by_key(Edge::key);
+    assert_eq!(edges, expected_edges(graph, tenant), "{tenant}, mapped");
+}
+
 /// What a tenant's index must hold: from the whole graph, each indexed kind's nodes of the
-/// tenant in id order, with their vectors or among the unembedded.
+/// tenant in id order, with their vectors (the episodes' normalised) or among the unembedded.
 fn expected(graph: &Graph, tenant: &str) -> BTreeMap<NodeKind, VectorBlock> {
     let mut blocks: BTreeMap<NodeKind, VectorBlock> = BTreeMap::new();
     for node in graph.nodes.values().filter(|n| n.tenant == tenant) {
@@ -53,8 +123,12 @@ fn expected(graph: &Graph, tenant: &str) -> BTreeMap<NodeKind, VectorBlock> {
         let block = blocks.entry(node.kind()).or_default();
         match graph.embeddings.get(&(node.id.clone(), MODEL.to_string())) {
             Some(e) => {
+                let mut vector = e.vector.clone();
+                if node.kind() == NodeKind::Episodic {
+                    fluxmem_graph::normalize(&mut vector);
+                }
                 block.ids.push(node.id.clone());
-                block.vectors.extend_from_slice(&e.vector);
+                block.vectors.extend_from_slice(&vector);
             }
             None => block.unembedded.push(node.id.clone()),
         }
@@ -80,29 +154,39 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
     let dir = tempfile::tempdir().unwrap();
     let mut graph = Graph::default();
     for tenant in ["t", "u"] {
-        for i in 0..6 {
-            add(
-                &mut graph,
-                tenant,
-                NodeKind::Episodic,
-                &format!("{tenant} episode {i}"),
-                i != 4,
-            );
-            add(
-                &mut graph,
-                tenant,
-                NodeKind::Semantic,
-                &format!("{tenant} fact {i}"),
-                true,
-            );
-        }
-        add(
+        let skill = add(
             &mut graph,
             tenant,
             NodeKind::Procedural,
             &format!("{tenant} skill"),
             true,
         );
+        let mut previous = None;
+        for i in 0..6 {
+            let episode = add(
+                &mut graph,
+                tenant,
+                NodeKind::Episodic,
+                &format!("{tenant} episode {i}"),
+                i != 4,
+            );
+            let fact = add(
+                &mut graph,
+                tenant,
+                NodeKind::Semantic,
+                &format!("{tenant} fact {i}"),
+                true,
+            );
+            // Ground edges into the episode (the unembedded one's too), a distill edge out of
+            // every other one, and links, which an index does not keep.
+            edge(&mut graph, &fact, &episode, EdgeKind::Ground, 0.5);
+            if i % 2 == 0 {
+                edge(&mut graph, &episode, &skill, EdgeKind::Distill, 0.9);
+            }
+            if let Some(previous) = previous.replace(episode.clone()) {
+                edge(&mut graph, &episode, &previous, EdgeKind::Link, 0.7);
+            }
+        }
     }
     let mut writer = Writer::open(dir.path()).unwrap();
     writer.commit(&graph, info("ingest")).unwrap();
@@ -117,8 +201,9 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
     for tenant in ["t", "u"] {
         let index = read(&store, tenant).expect("current after update");
         assert_eq!(index.dim, 4);
-        assert_eq!(index.blocks, expected(&graph, tenant), "{tenant}");
         assert_eq!(index.block(NodeKind::Episodic).unembedded.len(), 1);
+        assert_eq!(index.edges.len(), 9, "6 ground and 3 distill edges");
+        check(&store, &graph, tenant);
     }
     assert_eq!(
         hows(&mut writer)["t"],
@@ -126,10 +211,11 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
         "an up-to-date index is not read again"
     );
 
-    // Tenant t gets a new episode, a vector for the one it lacked, and a new vector for an
-    // old fact; u gets nothing.
+    // Tenant t gets a new episode with a ground edge, a vector for the one it lacked, a new
+    // vector for an old fact, a ground edge from it into an old episode, and a new weight for
+    // an old distill edge; u gets nothing.
     let mut delta = Graph::default();
-    add(&mut delta, "t", NodeKind::Episodic, "t episode 6", true);
+    let new = add(&mut delta, "t", NodeKind::Episodic, "t episode 6", true);
     let lacking = add(&mut delta, "t", NodeKind::Episodic, "t episode 4", true);
     let fact = add(&mut delta, "t", NodeKind::Semantic, "t fact 2", false);
     delta.upsert_embedding(Embedding {
@@ -138,6 +224,18 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
         text_sha256: String::new(),
         vector: vec![9.0, 8.0, 7.0, 6.0],
     });
+    let old = (graph.nodes.values())
+        .find(|n| n.tenant == "t" && n.text == "t episode 0")
+        .map(|n| n.id.clone())
+        .unwrap();
+    let skill = (graph.nodes.values())
+        .find(|n| n.tenant == "t" && n.kind() == NodeKind::Procedural)
+        .map(|n| n.id.clone())
+        .unwrap();
+    edge(&mut delta, &fact, &new, EdgeKind::Ground, 0.25);
+    edge(&mut delta, &fact, &old, EdgeKind::Ground, 0.75);
+    edge(&mut delta, &old, &skill, EdgeKind::Distill, 0.05);
+    writer.know_tenants([(&old, "t"), (&skill, "t")]);
     writer.commit(&delta, info("embed")).unwrap();
     graph.apply(delta);
     assert!(read(&store, "t").is_none(), "t's index is stale");
@@ -157,7 +255,12 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
         ])
     );
     let index = read(&store, "t").unwrap();
-    assert_eq!(index.blocks, expected(&graph, "t"));
+    check(&store, &graph, "t");
+    assert_eq!(
+        index.edges.len(),
+        11,
+        "two more ground edges, one distill edge changed"
+    );
     assert!(index.block(NodeKind::Episodic).ids.contains(&lacking));
     assert!(index.block(NodeKind::Episodic).unembedded.is_empty());
 
@@ -170,7 +273,7 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
         ..Default::default()
     };
     writer.compact(&policy, "c").unwrap();
-    assert_eq!(read(&store, "t").unwrap().blocks, expected(&graph, "t"));
+    check(&store, &graph, "t");
     let stray = dir.path().join("indexes/left-by-a-killed-run.fxvi");
     std::fs::write(&stray, b"x").unwrap();
     assert_eq!(hows(&mut writer)["t"], IndexHow::Current);
@@ -248,5 +351,71 @@ fn a_damaged_index_is_an_error_naming_the_file_and_the_fix() {
     writer.commit(&delta, info("embed")).unwrap();
     graph.apply(delta);
     assert_eq!(hows(&mut writer)["t"], IndexHow::Full);
-    assert_eq!(read(&store, "t").unwrap().blocks, expected(&graph, "t"));
+    check(&store, &graph, "t");
+}
+
+#[test]
+fn a_mapped_index_checks_its_head_and_the_edges_it_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut graph = Graph::default();
+    let fact = add(&mut graph, "t", NodeKind::Semantic, "fact", true);
+    let episodes: Vec<NodeId> = (0..3)
+        .map(|i| {
+            add(
+                &mut graph,
+                "t",
+                NodeKind::Episodic,
+                &format!("episode {i}"),
+                true,
+            )
+        })
+        .collect();
+    for episode in &episodes {
+        edge(&mut graph, &fact, episode, EdgeKind::Ground, 0.5);
+    }
+    let mut writer = Writer::open(dir.path()).unwrap();
+    writer.commit(&graph, info("ingest")).unwrap();
+    hows(&mut writer);
+    let store = Store::open(dir.path()).unwrap();
+    let manifest = store.manifest().unwrap();
+    let file = dir.path().join(&manifest.indexes[0].file);
+    let clean = std::fs::read(&file).unwrap();
+
+    // A byte of the last episode's edges (the records end 16 bytes before the file does):
+    // its edges are an error naming the episode; the others' are read.
+    let mut bytes = clean.clone();
+    let at = bytes.len() - 16 - 10;
+    bytes[at] ^= 0x01;
+    std::fs::write(&file, &bytes).unwrap();
+    let mapped = store.map_index(&manifest, "t", MODEL).unwrap().unwrap();
+    let last = episodes.iter().max().unwrap().clone();
+    let error = mapped
+        .edges_of(&BTreeSet::from([last.clone()]))
+        .unwrap_err();
+    assert!(
+        error.contains(last.as_str()) && error.contains("CRC-32"),
+        "{error}"
+    );
+    let others: BTreeSet<NodeId> = episodes.iter().filter(|e| **e != last).cloned().collect();
+    assert_eq!(mapped.edges_of(&others).unwrap().len(), 2);
+    drop(mapped);
+
+    // A byte of the vectors: the file is not mapped, and the error names it and the fix.
+    let mut bytes = clean.clone();
+    let first = graph.embeddings[&(fact.clone(), MODEL.to_string())].vector[0];
+    let vector = (bytes.windows(4))
+        .position(|w| w == first.to_le_bytes())
+        .expect("the fact's vector is stored as embedded");
+    bytes[vector] ^= 0x01;
+    std::fs::write(&file, &bytes).unwrap();
+    let error = store
+        .map_index(&manifest, "t", MODEL)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains(&manifest.indexes[0].file)
+            && error.contains("CRC-32")
+            && error.contains("fluxmem store index --rebuild --tenant t"),
+        "{error}"
+    );
 }
