@@ -205,12 +205,11 @@ impl Store {
         Ok((file, corrupt))
     }
 
-    /// The index file of `entry`, read whole and checked against its CRC-32.
+    /// The index file of `entry`, read whole (mapped, then copied into the owned form) and
+    /// checked against its CRC-32.
     fn read_index_file(&self, entry: &IndexEntry) -> Result<TenantIndex> {
-        let (mut file, corrupt) = self.open_index(entry)?;
-        let path = self.dir.join(&entry.file);
-        let mut bytes = Vec::with_capacity(entry.bytes as usize);
-        std::io::Read::read_to_end(&mut file, &mut bytes).at(&path)?;
+        let (file, corrupt) = self.open_index(entry)?;
+        let bytes = file::map(&file).map_err(&corrupt)?;
         let crc = crc32fast::hash(&bytes);
         if crc != entry.crc32 {
             return Err(corrupt(format!(
@@ -300,19 +299,24 @@ impl Store {
                 }
             }
         }
-        self.gather_edges(&read, tenant, &mut edges)?;
+        // Edges after nodes: every stage commits an edge with or after its ends, so the rows
+        // added after the previous index hold every edge of an episode added after it.
+        let episode = |id: &NodeId| matches!(nodes.get(id), Some((NodeKind::Episodic, _)));
+        self.gather_edges(&read, tenant, &episode, &mut edges)?;
         let mut index = blocks_of(tenant, model, nodes).map_err(corrupt)?;
         index.edges = edges.finish(index.episodes());
         Ok(index)
     }
 
     /// Adds to `gathered` the episode edges ([`EPISODE_EDGES`]) of `tenant`'s shards in
-    /// `manifest`, one shard at a time in commit order (later rows win), so that no more than
-    /// one shard's edges are decoded at once.
+    /// `manifest` whose episode end passes `episode` (the tenant's: a shard may hold other
+    /// tenants' rows too), one shard at a time in commit order (later rows win), so that no
+    /// more than one shard's edges are decoded at once.
     fn gather_edges(
         &self,
         manifest: &Manifest,
         tenant: &str,
+        episode: &dyn Fn(&NodeId) -> bool,
         gathered: &mut edges::Gathered,
     ) -> Result<()> {
         let scan = Scan {
@@ -329,7 +333,7 @@ impl Store {
             if shard.may_hold(tenant) {
                 one.shards = vec![shard];
                 for edge in self.scan_at(&one, &scan)?.edges.values() {
-                    gathered.upsert(edge);
+                    gathered.upsert(edge, episode);
                 }
             }
         }

@@ -52,8 +52,8 @@ pub struct Manifest {
     pub indexes: Vec<IndexEntry>,
 }
 
-/// One tenant's vector index file: the ids and vectors of its episodic and semantic nodes for
-/// one embedding model, as of commit `version`.
+/// One tenant's index file: the ids and vectors of its episodic and semantic nodes for one
+/// embedding model, and the ground and distill edges of its episodes, as of commit `version`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IndexEntry {
     /// The tenant.

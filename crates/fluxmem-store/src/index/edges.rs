@@ -5,7 +5,9 @@
 //!
 //! ```text
 //! names (u64 count; u32 length + UTF-8 each) | episodes (u64: the episodic block's rows, then
-//! its unembedded nodes) | ends (u64 LE per episode: where its records end, counted in records) |
+//! its unembedded nodes) | zeros to a multiple of 8 bytes |
+//! ends (u64 LE per episode: where its records end, counted in records) |
+//! CRC-32s (u32 LE per episode: of its records) |
 //! records (44 bytes each, LE: other end, kind, stage, run, metadata (u32 numbers of names),
 //!          weight (f32), evidence, created_at (i64), active (u32))
 //! ```
@@ -78,7 +80,7 @@ impl EpisodeEdges {
 
     pub(super) fn view(&self) -> EdgesView<'_> {
         EdgesView {
-            names: &self.names,
+            names: NameTable::Owned(&self.names),
             ends: &self.ends,
             crcs: None,
             records: &self.records,
@@ -109,7 +111,8 @@ impl EpisodeEdges {
 /// Where the episodes' edges lie in a file.
 #[derive(Debug)]
 pub(super) struct EdgesLayout {
-    names: Vec<String>,
+    /// Where each name lies (decoded when an edge that uses it is read).
+    names: Vec<Range<usize>>,
     ends: Range<usize>,
     crcs: Range<usize>,
     records: Range<usize>,
@@ -120,7 +123,7 @@ impl EdgesLayout {
     pub(super) fn parse(cursor: &mut Cursor<'_>, episodes: usize) -> Result<EdgesLayout, String> {
         let count = cursor.count(4)?;
         let names = (0..count)
-            .map(|_| cursor.text())
+            .map(|_| cursor.text_range())
             .collect::<Result<Vec<_>, _>>()?;
         let listed = cursor.count(12)?;
         if listed != episodes {
@@ -166,7 +169,7 @@ impl EdgesLayout {
 
     pub(super) fn view<'a>(&'a self, bytes: &'a [u8]) -> EdgesView<'a> {
         EdgesView {
-            names: &self.names,
+            names: NameTable::Mapped(bytes, &self.names),
             ends: &bytes[self.ends.clone()],
             crcs: Some(&bytes[self.crcs.clone()]),
             records: &bytes[self.records.clone()],
@@ -174,10 +177,37 @@ impl EdgesLayout {
     }
 
     pub(super) fn owned(&self, bytes: &[u8]) -> EpisodeEdges {
+        let view = self.view(bytes);
+        let names = (0..self.names.len() as u32).map(|n| view.names.get(n));
         EpisodeEdges {
-            names: self.names.clone(),
+            names: names.map(|n| n.unwrap_or_default().to_string()).collect(),
             ends: bytes[self.ends.clone()].to_vec(),
             records: bytes[self.records.clone()].to_vec(),
+        }
+    }
+}
+
+/// The names of an owned index, or of a mapped file (where each lies in it).
+#[derive(Clone, Copy)]
+enum NameTable<'a> {
+    Owned(&'a [String]),
+    Mapped(&'a [u8], &'a [Range<usize>]),
+}
+
+impl<'a> NameTable<'a> {
+    fn get(&self, n: u32) -> Option<&'a str> {
+        match *self {
+            NameTable::Owned(names) => names.get(n as usize).map(String::as_str),
+            NameTable::Mapped(bytes, ranges) => ranges.get(n as usize).map(|range| {
+                std::str::from_utf8(&bytes[range.clone()]).expect("checked when parsed")
+            }),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match *self {
+            NameTable::Owned(names) => names.len(),
+            NameTable::Mapped(_, ranges) => ranges.len(),
         }
     }
 }
@@ -185,7 +215,7 @@ impl EdgesLayout {
 /// The episodes' edges of an owned index or of a mapped file.
 #[derive(Clone, Copy)]
 pub(super) struct EdgesView<'a> {
-    names: &'a [String],
+    names: NameTable<'a>,
     ends: &'a [u8],
     /// Each episode's CRC-32 of its records (a mapped file's, which is not checked whole).
     crcs: Option<&'a [u8]>,
@@ -201,13 +231,11 @@ impl<'a> EdgesView<'a> {
     /// The bytes of the records of the episode at `row` (of the episodic block's rows, then
     /// its unembedded).
     fn span(&self, row: usize) -> Range<usize> {
+        if (row + 1) * 8 > self.ends.len() {
+            return 0..0;
+        }
         let start = if row == 0 { 0 } else { self.end(row - 1) };
-        let end = if row * 8 < self.ends.len() {
-            self.end(row)
-        } else {
-            start
-        };
-        start as usize * RECORD..end as usize * RECORD
+        start as usize * RECORD..self.end(row) as usize * RECORD
     }
 
     fn records_of(&self, row: usize) -> impl Iterator<Item = Record> + 'a {
@@ -228,7 +256,7 @@ impl<'a> EdgesView<'a> {
         }
         let name = |n: u32| {
             self.names
-                .get(n as usize)
+                .get(n)
                 .ok_or_else(|| format!("name {n} of {} in the edges", self.names.len()))
         };
         self.records_of(row)
@@ -237,7 +265,7 @@ impl<'a> EdgesView<'a> {
                 let (kind, end) = (EPISODE_EDGES.iter())
                     .find(|(k, _)| k.as_str() == kind)
                     .ok_or_else(|| format!("`{kind}` is not an episode edge's kind"))?;
-                let other = NodeId(name(record.other)?.clone());
+                let other = NodeId(name(record.other)?.to_string());
                 let (src, dst) = match end {
                     EpisodeEnd::Src => (episode.clone(), other),
                     EpisodeEnd::Dst => (other, episode.clone()),
@@ -249,8 +277,8 @@ impl<'a> EdgesView<'a> {
                     kind: *kind,
                     weight: record.weight,
                     evidence: record.evidence,
-                    stage: name(record.stage)?.clone(),
-                    run_id: name(record.run)?.clone(),
+                    stage: name(record.stage)?.to_string(),
+                    run_id: name(record.run)?.to_string(),
                     created_at: record.created_at,
                     active: record.active,
                     metadata: serde_json::from_str(metadata)
@@ -361,10 +389,10 @@ impl Gathered {
         Ok(gathered)
     }
 
-    /// Adds `edge` when it is one of [`EPISODE_EDGES`], in place of the episode's edge with the
-    /// same other end and kind.
-    pub(crate) fn upsert(&mut self, edge: &Edge) {
-        let Some((episode, other)) = ends(edge) else {
+    /// Adds `edge` when it is one of [`EPISODE_EDGES`] and its episode end passes `episode`,
+    /// in place of the episode's edge with the same other end and kind.
+    pub(crate) fn upsert(&mut self, edge: &Edge, episode: &dyn Fn(&NodeId) -> bool) {
+        let Some((episode, other)) = ends(edge).filter(|(e, _)| episode(e)) else {
             return;
         };
         let record = Record {

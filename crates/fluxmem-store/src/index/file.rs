@@ -270,6 +270,13 @@ impl Layout {
     }
 }
 
+/// `file` mapped into memory.
+pub(super) fn map(file: &std::fs::File) -> Result<memmap2::Mmap, String> {
+    // SAFETY: an index file is written whole under a temporary name, then renamed into place,
+    // and never written again; deleting it (once retired) leaves a mapping whole.
+    unsafe { memmap2::Mmap::map(file) }.map_err(|e| format!("cannot map: {e}"))
+}
+
 /// A tenant's index mapped into memory, as one query reads it: the head (ids, vectors, and
 /// where each episode's edges lie) checked against its CRC-32 when mapped, and an episode's
 /// edges against their own when read ([`MappedIndex::edges_of`]).
@@ -285,9 +292,7 @@ impl MappedIndex {
         if cfg!(target_endian = "big") {
             return Err("a mapped index is read in place, as little-endian values".into());
         }
-        // SAFETY: an index file is written whole under a temporary name, then renamed into
-        // place, and never written again; deleting it (once retired) leaves a mapping whole.
-        let map = unsafe { memmap2::Mmap::map(file) }.map_err(|e| format!("cannot map: {e}"))?;
+        let map = map(file)?;
         let layout = Layout::parse(&map)?;
         let crc = crc32fast::hash(&map[..layout.head]);
         if crc != layout.head_crc {
