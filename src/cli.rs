@@ -105,7 +105,8 @@ pub enum StoreCommand {
     /// Bring the tenant vector indexes up to date: per tenant, one file of its episodes' and
     /// facts' ids and vectors (of the store's embedding model) and of the edges a query reads
     /// of each episode, which `query --tenant` (without `--refine-rounds`) reads instead of
-    /// the tenant's rows while no commit has added to the tenant since. A current index is not
+    /// every episode row, vector and edge shard of the tenant while no commit has added to the
+    /// tenant since. A current index is not
     /// read; a stale one is made again from the rows added after it.
     /// `fluxmem run` does this after every full run. Takes the writer lock.
     Index(IndexArgs),

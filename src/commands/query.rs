@@ -37,7 +37,8 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let model = embedder.model_id();
     let (mut graph, tenant, manifest, mut config, retriever) = loop {
         // Without Stage II, a named tenant with a current index is read from it: its episodes
-        // ranked from the index, then one read of its semantic nodes and the ranked episodes.
+        // ranked from the index and their edges taken from it, then one read of its semantic
+        // nodes, the ranked episodes and their skills.
         let indexed = match (all_edges, args.tenant.as_deref()) {
             (false, Some(tenant)) => {
                 read_indexed(&store, tenant, model, &device, &query_vector, args.episodes)?

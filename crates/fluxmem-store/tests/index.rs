@@ -419,3 +419,21 @@ fn a_mapped_index_checks_its_head_and_the_edges_it_reads() {
         "{error}"
     );
 }
+
+/// An index whose edges cover none of its episodes (one put together by hand: its fields are
+/// public) gives them no edges, and does not panic.
+#[test]
+fn an_index_without_edges_gives_its_episodes_none() {
+    let mut graph = Graph::default();
+    let ids: BTreeSet<NodeId> = (0..3)
+        .map(|i| add(&mut graph, "t", NodeKind::Episodic, &format!("e {i}"), true))
+        .collect();
+    let index = TenantIndex {
+        tenant: "t".into(),
+        model: MODEL.into(),
+        dim: 4,
+        blocks: expected(&graph, "t"),
+        edges: Default::default(),
+    };
+    assert_eq!(index.edges_of(&ids), Ok(Vec::new()));
+}

@@ -286,7 +286,7 @@ pub struct MappedIndex {
 }
 
 impl MappedIndex {
-    /// Maps `file` (of `entry`'s size, checked by the caller) and checks its head; the reason
+    /// Maps `file` (of its manifest entry's size, checked by the caller) and checks its head; the reason
     /// when it is not a readable index.
     pub(super) fn map(file: &std::fs::File) -> Result<MappedIndex, String> {
         if cfg!(target_endian = "big") {
