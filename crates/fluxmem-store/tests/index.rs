@@ -142,6 +142,17 @@ fn read(store: &Store, tenant: &str) -> Option<TenantIndex> {
         .unwrap()
 }
 
+/// `error` is a CRC-32 mismatch that names the index `file` of tenant t and the fix.
+fn names_the_file_and_the_fix(error: &fluxmem_store::Error, file: &str) {
+    let error = error.to_string();
+    assert!(
+        error.contains(file)
+            && error.contains("CRC-32")
+            && error.contains("fluxmem store index --rebuild --tenant t"),
+        "{error}"
+    );
+}
+
 fn hows(writer: &mut Writer) -> BTreeMap<String, IndexHow> {
     let updates = writer
         .update_indexes(MODEL, None, false, "r", &mut |_| {})
@@ -321,16 +332,8 @@ fn a_damaged_index_is_an_error_naming_the_file_and_the_fix() {
     let last = bytes.len() - 1;
     bytes[last] ^= 0x40;
     std::fs::write(&file, &bytes).unwrap();
-    let error = store
-        .read_index(&manifest, "t", MODEL)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        error.contains(&manifest.indexes[0].file)
-            && error.contains("CRC-32")
-            && error.contains("fluxmem store index --rebuild --tenant t"),
-        "{error}"
-    );
+    let error = store.read_index(&manifest, "t", MODEL).unwrap_err();
+    names_the_file_and_the_fix(&error, &manifest.indexes[0].file);
     // Indexing moves the store's version, so it waits for a sharded run's merge.
     std::fs::create_dir_all(dir.path().join("staging/embed-0-of-2")).unwrap();
     let refused = writer.update_indexes(MODEL, None, true, "r", &mut |_| {});
@@ -408,16 +411,8 @@ fn a_mapped_index_checks_its_head_and_the_edges_it_reads() {
         .expect("the fact's vector is stored as embedded");
     bytes[vector] ^= 0x01;
     std::fs::write(&file, &bytes).unwrap();
-    let error = store
-        .map_index(&manifest, "t", MODEL)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        error.contains(&manifest.indexes[0].file)
-            && error.contains("CRC-32")
-            && error.contains("fluxmem store index --rebuild --tenant t"),
-        "{error}"
-    );
+    let error = store.map_index(&manifest, "t", MODEL).unwrap_err();
+    names_the_file_and_the_fix(&error, &manifest.indexes[0].file);
 }
 
 /// An index whose edges cover none of its episodes (one put together by hand: its fields are
