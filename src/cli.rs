@@ -106,9 +106,8 @@ pub enum StoreCommand {
     /// facts' ids and vectors (of the store's embedding model) and of the edges a query reads
     /// of each episode, which `query --tenant` (without `--refine-rounds`) reads instead of
     /// every episode row, vector and edge shard of the tenant while no commit has added to the
-    /// tenant since. A current index is not
-    /// read; a stale one is made again from the rows added after it.
-    /// `fluxmem run` does this after every full run. Takes the writer lock.
+    /// tenant since. A current index is not read; a stale one is made again from the rows added
+    /// after it. `fluxmem run` does this after every full run. Takes the writer lock.
     Index(IndexArgs),
 }
 

@@ -87,18 +87,10 @@ impl TenantIndex {
     /// of the tenant's episodes has none. An error says what in the file is wrong.
     pub fn edges_of(&self, episodes: &BTreeSet<NodeId>) -> std::result::Result<Vec<Edge>, String> {
         let block = self.block(NodeKind::Episodic);
-        let mut edges = Vec::new();
-        for episode in episodes {
-            let row = match block.ids.binary_search(episode) {
-                Ok(row) => row,
-                Err(_) => match block.unembedded.binary_search(episode) {
-                    Ok(row) => block.ids.len() + row,
-                    Err(_) => continue,
-                },
-            };
-            edges.extend(self.edges.view().of(row, episode)?);
-        }
-        Ok(edges)
+        let rows = (&block.ids[..], &block.unembedded[..]);
+        self.edges
+            .view()
+            .of_episodes(episodes, rows, NodeId::as_str)
     }
 
     /// The episodic block's nodes in the order the edges are kept: its rows, then its
@@ -167,15 +159,7 @@ impl Store {
         };
         let (file, corrupt) = self.open_index(entry)?;
         let index = MappedIndex::map(&file).map_err(&corrupt)?;
-        if index.tenant() != entry.tenant || index.model() != entry.model {
-            return Err(corrupt(format!(
-                "holds tenant `{}` and model `{}`, the manifest says `{}` and `{}`",
-                index.tenant(),
-                index.model(),
-                entry.tenant,
-                entry.model
-            )));
-        }
+        holds(entry, (index.tenant(), index.model())).map_err(corrupt)?;
         Ok(Some(index))
     }
 
@@ -186,14 +170,13 @@ impl Store {
         entry: &IndexEntry,
     ) -> Result<(std::fs::File, impl Fn(String) -> Error + use<'_>)> {
         let path = self.dir.join(&entry.file);
-        let tenant = entry.tenant.clone();
+        let (shown, tenant) = (path.clone(), entry.tenant.clone());
         let corrupt = move |reason: String| Error::Corrupt {
-            path: path.clone(),
+            path: shown.clone(),
             reason: format!(
                 "{reason}; `fluxmem store index --rebuild --tenant {tenant}` writes it again"
             ),
         };
-        let path = self.dir.join(&entry.file);
         let file = std::fs::File::open(&path).map_err(|e| corrupt(format!("cannot open: {e}")))?;
         let size = file.metadata().at(&path)?.len();
         if size != entry.bytes {
@@ -218,12 +201,7 @@ impl Store {
             )));
         }
         let layout = file::Layout::parse(&bytes).map_err(&corrupt)?;
-        if layout.tenant != entry.tenant || layout.model != entry.model {
-            return Err(corrupt(format!(
-                "holds tenant `{}` and model `{}`, the manifest says `{}` and `{}`",
-                layout.tenant, layout.model, entry.tenant, entry.model
-            )));
-        }
+        holds(entry, (&layout.tenant, &layout.model)).map_err(corrupt)?;
         Ok(layout.owned(&bytes))
     }
 
@@ -514,6 +492,18 @@ impl Writer {
     }
 }
 
+/// Whether a file that holds the index of `(tenant, model)` is the one `entry` lists; the
+/// reason when it is not.
+fn holds(entry: &IndexEntry, (tenant, model): (&str, &str)) -> std::result::Result<(), String> {
+    if tenant == entry.tenant && model == entry.model {
+        return Ok(());
+    }
+    Err(format!(
+        "holds tenant `{tenant}` and model `{model}`, the manifest says `{}` and `{}`",
+        entry.tenant, entry.model
+    ))
+}
+
 /// The size of `entry`'s file, if it is there.
 fn file_size(dir: &Path, entry: &IndexEntry) -> Option<u64> {
     std::fs::metadata(dir.join(&entry.file))
@@ -530,8 +520,7 @@ fn previous_index(
     tenant: &str,
     model: &str,
 ) -> Option<(u64, TenantIndex)> {
-    let entry = (manifest.indexes.iter())
-        .find(|e| e.tenant == tenant && e.model == model && e.format == INDEX_FORMAT)?;
+    let entry = manifest.index_entry(tenant, model)?;
     let since = manifest.since(entry.version, &INDEXED_TABLES);
     if since.mixed.shards.iter().any(|s| s.may_hold(tenant)) {
         return None;

@@ -261,11 +261,17 @@ impl Manifest {
     /// rows. (A compaction of older rows keeps it current; any new row of the tenant, or a
     /// shard that does not name its tenants, makes it stale.)
     pub fn current_index(&self, tenant: &str, model: &str) -> Option<&IndexEntry> {
-        let entry = (self.indexes.iter())
-            .find(|e| e.tenant == tenant && e.model == model && e.format == INDEX_FORMAT)?;
+        let entry = self.index_entry(tenant, model)?;
         let since = self.since(entry.version, &INDEXED_TABLES);
         let mut newer = since.added.shards.iter().chain(&since.mixed.shards);
         newer.all(|s| !s.may_hold(tenant)).then_some(entry)
+    }
+
+    /// The listed index of `tenant` for `model` in this build's format ([`INDEX_FORMAT`]),
+    /// current or not.
+    pub fn index_entry(&self, tenant: &str, model: &str) -> Option<&IndexEntry> {
+        (self.indexes.iter())
+            .find(|e| e.tenant == tenant && e.model == model && e.format == INDEX_FORMAT)
     }
 
     /// The live counts, if they hold for this manifest's commit.

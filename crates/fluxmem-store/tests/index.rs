@@ -44,6 +44,29 @@ fn add(graph: &mut Graph, tenant: &str, kind: NodeKind, text: &str, embedded: bo
     id
 }
 
+/// A store of `graph` under `dir`, indexed: its writer, a reader, its manifest and the path of
+/// its (first) index file.
+fn indexed(
+    dir: &std::path::Path,
+    graph: &Graph,
+) -> (Writer, Store, fluxmem_store::Manifest, std::path::PathBuf) {
+    let mut writer = Writer::open(dir).unwrap();
+    writer.commit(graph, info("ingest")).unwrap();
+    hows(&mut writer);
+    let store = Store::open(dir).unwrap();
+    let manifest = store.manifest().unwrap();
+    let file = dir.join(&manifest.indexes[0].file);
+    (writer, store, manifest, file)
+}
+
+/// Three embedded episodes of tenant t.
+fn three_episodes(graph: &mut Graph) -> Vec<NodeId> {
+    let text = |i| format!("episode {i}");
+    (0..3)
+        .map(|i| add(graph, "t", NodeKind::Episodic, &text(i), true))
+        .collect()
+}
+
 /// An edge of `kind` from `src` to `dst`, of weight `weight`.
 fn edge(graph: &mut Graph, src: &NodeId, dst: &NodeId, kind: EdgeKind, weight: f32) {
     graph.upsert_edge(Edge {
@@ -313,21 +336,8 @@ fn an_index_holds_its_tenants_rows_and_is_kept_up_to_date_from_what_was_added() 
 fn a_damaged_index_is_an_error_naming_the_file_and_the_fix() {
     let dir = tempfile::tempdir().unwrap();
     let mut graph = Graph::default();
-    for i in 0..3 {
-        add(
-            &mut graph,
-            "t",
-            NodeKind::Episodic,
-            &format!("episode {i}"),
-            true,
-        );
-    }
-    let mut writer = Writer::open(dir.path()).unwrap();
-    writer.commit(&graph, info("ingest")).unwrap();
-    hows(&mut writer);
-    let store = Store::open(dir.path()).unwrap();
-    let manifest = store.manifest().unwrap();
-    let file = dir.path().join(&manifest.indexes[0].file);
+    three_episodes(&mut graph);
+    let (mut writer, store, manifest, file) = indexed(dir.path(), &graph);
     let mut bytes = std::fs::read(&file).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 0x40;
@@ -362,26 +372,11 @@ fn a_mapped_index_checks_its_head_and_the_edges_it_reads() {
     let dir = tempfile::tempdir().unwrap();
     let mut graph = Graph::default();
     let fact = add(&mut graph, "t", NodeKind::Semantic, "fact", true);
-    let episodes: Vec<NodeId> = (0..3)
-        .map(|i| {
-            add(
-                &mut graph,
-                "t",
-                NodeKind::Episodic,
-                &format!("episode {i}"),
-                true,
-            )
-        })
-        .collect();
+    let episodes = three_episodes(&mut graph);
     for episode in &episodes {
         edge(&mut graph, &fact, episode, EdgeKind::Ground, 0.5);
     }
-    let mut writer = Writer::open(dir.path()).unwrap();
-    writer.commit(&graph, info("ingest")).unwrap();
-    hows(&mut writer);
-    let store = Store::open(dir.path()).unwrap();
-    let manifest = store.manifest().unwrap();
-    let file = dir.path().join(&manifest.indexes[0].file);
+    let (_, store, manifest, file) = indexed(dir.path(), &graph);
     let clean = std::fs::read(&file).unwrap();
 
     // A byte of the last episode's edges (the records end 16 bytes before the file does):
@@ -420,9 +415,7 @@ fn a_mapped_index_checks_its_head_and_the_edges_it_reads() {
 #[test]
 fn an_index_without_edges_gives_its_episodes_none() {
     let mut graph = Graph::default();
-    let ids: BTreeSet<NodeId> = (0..3)
-        .map(|i| add(&mut graph, "t", NodeKind::Episodic, &format!("e {i}"), true))
-        .collect();
+    let ids: BTreeSet<NodeId> = three_episodes(&mut graph).into_iter().collect();
     let index = TenantIndex {
         tenant: "t".into(),
         model: MODEL.into(),

@@ -16,7 +16,7 @@
 //! repeat); an episode's records are in the order of their other end's id, then kind.
 
 use fluxmem_graph::{Edge, EdgeKind, NodeId};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Range;
 
 use super::file::{pad, put_text, Cursor};
@@ -243,8 +243,33 @@ impl<'a> EdgesView<'a> {
         records.chunks_exact(RECORD).map(Record::read)
     }
 
+    /// The edges of `episodes` that the index holds, an episode's row found by its id among
+    /// the episodic block's rows (`ids`), then its unembedded nodes (`unembedded`), both in
+    /// id order and named by `id`; an id found in neither has none. An error says what in the
+    /// file is wrong.
+    pub(super) fn of_episodes<'t, T>(
+        &self,
+        episodes: &BTreeSet<NodeId>,
+        (ids, unembedded): (&'t [T], &'t [T]),
+        id: impl Fn(&'t T) -> &'t str,
+    ) -> Result<Vec<Edge>, String> {
+        let find = |among: &'t [T], episode: &str| among.binary_search_by(|t| id(t).cmp(episode));
+        let mut edges = Vec::new();
+        for episode in episodes {
+            let row = match find(ids, episode.as_str()) {
+                Ok(row) => row,
+                Err(_) => match find(unembedded, episode.as_str()) {
+                    Ok(row) => ids.len() + row,
+                    Err(_) => continue,
+                },
+            };
+            edges.extend(self.of(row, episode)?);
+        }
+        Ok(edges)
+    }
+
     /// The edges of `episode`, the episode at `row`; an error says what in the file is wrong.
-    pub(super) fn of(&self, row: usize, episode: &NodeId) -> Result<Vec<Edge>, String> {
+    fn of(&self, row: usize, episode: &NodeId) -> Result<Vec<Edge>, String> {
         if let Some(crcs) = self.crcs {
             let want = u32::from_le_bytes(crcs[row * 4..row * 4 + 4].try_into().expect("4 bytes"));
             let crc = crc32fast::hash(&self.records[self.span(row)]);

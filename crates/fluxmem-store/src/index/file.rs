@@ -286,8 +286,8 @@ pub struct MappedIndex {
 }
 
 impl MappedIndex {
-    /// Maps `file` (of its manifest entry's size, checked by the caller) and checks its head; the reason
-    /// when it is not a readable index.
+    /// Maps `file` (of its manifest entry's size, checked by the caller) and checks its head;
+    /// the reason when it is not a readable index.
     pub(super) fn map(file: &std::fs::File) -> Result<MappedIndex, String> {
         if cfg!(target_endian = "big") {
             return Err("a mapped index is read in place, as little-endian values".into());
@@ -357,24 +357,9 @@ impl MappedIndex {
         let Some(block) = self.block(NodeKind::Episodic) else {
             return Ok(Vec::new());
         };
-        let find = |ranges: &[Range<usize>], id: &str| {
-            ranges
-                .binary_search_by(|r| text(&self.map, r.clone()).cmp(id))
-                .ok()
-        };
+        let rows = (&block.ids[..], &block.unembedded[..]);
         let view = self.layout.edges.view(&self.map);
-        let mut edges = Vec::new();
-        for episode in episodes {
-            let row = match find(&block.ids, episode.as_str()) {
-                Some(row) => row,
-                None => match find(&block.unembedded, episode.as_str()) {
-                    Some(row) => block.ids.len() + row,
-                    None => continue,
-                },
-            };
-            edges.extend(view.of(row, episode)?);
-        }
-        Ok(edges)
+        view.of_episodes(episodes, rows, |r| text(&self.map, r.clone()))
     }
 }
 
