@@ -17,6 +17,8 @@
 //! assert_eq!(report.embedded, 0);
 //! ```
 
+pub mod plan;
+
 use fluxmem_graph::{sha256_hex, Embedding, Graph, NodeId};
 use fluxmem_models::Embedder;
 use fluxmem_store::{CommitInfo, Rows, Scan, Shard, Writer};
@@ -46,6 +48,22 @@ pub enum Error {
         model: String,
         /// Its dimension.
         dim: usize,
+    },
+    /// A plan of the three-step embed (see [`plan`]) or one of its results is refused.
+    #[error("{path}: {reason}")]
+    Plan {
+        /// The plan's or the result's file.
+        path: std::path::PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// Reading or writing a plan's file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or folder.
+        path: std::path::PathBuf,
+        /// The error.
+        source: std::io::Error,
     },
     /// The embedder returned a vector of the wrong size or count (a bug in the embedder).
     #[error("embedder `{model}` returned {got}, expected {expected}")]
@@ -124,49 +142,63 @@ pub fn embed_store(
     run_id: &str,
     progress: &mut dyn Progress,
 ) -> Result<EmbedReport> {
-    let model = embedder.model_id().to_string();
-    let dim = embedder.dim();
-    if let Some(stored) = writer.manifest().embedding_model.clone() {
-        if (stored.id != model || stored.dim != dim) && !options.reembed {
-            return Err(Error::ModelMismatch {
-                store_model: stored.id,
-                store_dim: stored.dim,
-                model,
-                dim,
-            });
-        }
-    }
     if options.reembed {
         return reembed(writer, embedder, options, run_id, progress);
     }
-    // Only what the new vectors need is read: the live node ids and the embeddings' keys, then,
-    // a window of nodes at a time, the rows and steps of the nodes to embed (their text) and the
-    // stored vectors of texts already embedded under another node.
-    let manifest = writer.manifest().clone();
-    // A reader of the store as the run found it (this run's commits append shards; no listed
-    // shard is removed).
-    let reader = writer.store().clone();
-    let stored = reader.live(&manifest, "embeddings")?;
-    // The nodes with a vector of the model, as 16-byte digests of their ids (not the ids).
+    check_model(writer, embedder.model_id(), embedder.dim())?;
+    embed_selected(writer, embedder, options, run_id, None, progress)
+}
+
+/// Refuses `model` (`dim` floats) for a store that holds another model's vectors.
+fn check_model(writer: &Writer, model: &str, dim: usize) -> Result<()> {
+    match writer.manifest().embedding_model.clone() {
+        Some(stored) if stored.id != model || stored.dim != dim => Err(Error::ModelMismatch {
+            store_model: stored.id,
+            store_dim: stored.dim,
+            model: model.to_string(),
+            dim,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The nodes a run embeds: those of its shard without a vector of the model, and the grown
+/// episodes whose vector is stale, in id order.
+struct Selection {
+    /// Nodes in the store.
+    nodes: usize,
+    /// The nodes to embed, sorted by id (windows and commit boundaries depend only on the data).
+    lacking: Vec<NodeId>,
+    /// Of them, the grown episodes whose stored vector is of an older text.
+    stale: BTreeSet<NodeId>,
+}
+
+/// Finds the nodes to embed. Only what that needs is read: the live node ids and the
+/// embeddings' keys (the nodes with a vector of the model are kept as 16-byte digests of
+/// their ids, not the ids).
+fn select(writer: &Writer, model: &str, options: &EmbedOptions) -> Result<Selection> {
+    let manifest = writer.manifest();
+    let reader = writer.store();
     let mut embedded: HashSet<[u8; 16], Fast> = HashSet::default();
     // Episodes that grew after they were embedded may hold a stale vector: their stored hashes.
-    let grown: BTreeSet<NodeId> = writer
-        .store()
-        .edited_nodes(writer.manifest(), fluxmem_graph::EPISODE_GROWN)?
+    let grown: BTreeSet<NodeId> = reader
+        .edited_nodes(manifest, fluxmem_graph::EPISODE_GROWN)?
         .into_iter()
         .collect();
     let mut grown_hashes: BTreeMap<NodeId, String> = BTreeMap::new();
-    stored.embedding_keys(&mut |node, m, hash| {
-        if m == model {
-            embedded.insert(digest(node));
-            if let Some(id) = grown.get(node) {
-                grown_hashes.insert(id.clone(), hash.to_string());
+    reader
+        .live(manifest, "embeddings")?
+        .embedding_keys(&mut |node, m, hash| {
+            if m == model {
+                embedded.insert(digest(node));
+                if let Some(id) = grown.get(node) {
+                    grown_hashes.insert(id.clone(), hash.to_string());
+                }
             }
-        }
-    })?;
+        })?;
     let mut nodes = 0usize;
     let mut lacking: Vec<NodeId> = Vec::new();
-    reader.live(&manifest, "nodes")?.ids(&mut |id| {
+    reader.live(manifest, "nodes")?.ids(&mut |id| {
         nodes += 1;
         if !embedded.contains(&digest(id)) && options.shard.owns(id) {
             lacking.push(NodeId(id.to_string()));
@@ -175,8 +207,58 @@ pub fn embed_store(
     drop(embedded);
     let stale = stale_vectors(writer, grown_hashes, options)?;
     lacking.extend(stale.iter().cloned());
-    // In id order: windows and commit boundaries depend only on the data.
     lacking.sort_unstable();
+    Ok(Selection {
+        nodes,
+        lacking,
+        stale,
+    })
+}
+
+/// The windows of `lacking` a run reads and holds at once: `options.window` nodes rounded up
+/// to a multiple of `commit_every`.
+fn window_len(options: &EmbedOptions) -> usize {
+    options
+        .window
+        .max(1)
+        .checked_next_multiple_of(options.commit_every.max(1))
+        .unwrap_or(usize::MAX)
+}
+
+/// The rows of `nodes` (their steps included: an episode's text is its steps').
+fn node_rows(writer: &Writer, nodes: &[NodeId]) -> Result<BTreeMap<NodeId, fluxmem_graph::Node>> {
+    let of: BTreeSet<NodeId> = nodes.iter().cloned().collect();
+    let scan = Scan {
+        nodes: true,
+        nodes_of: Some(of.clone()),
+        steps: Rows::Of(of),
+        ..Default::default()
+    };
+    Ok(writer.store().scan_at(writer.manifest(), &scan)?.nodes)
+}
+
+/// Embeds the nodes [`select`] finds, a window at a time, committing every `commit_every`
+/// (each commit's summary names `plan`, when a plan's vectors are committed).
+fn embed_selected(
+    writer: &mut Writer,
+    embedder: &dyn Embedder,
+    options: &EmbedOptions,
+    run_id: &str,
+    plan: Option<&str>,
+    progress: &mut dyn Progress,
+) -> Result<EmbedReport> {
+    let model = embedder.model_id().to_string();
+    let dim = embedder.dim();
+    // A reader of the store as the run found it (this run's commits append shards; no listed
+    // shard is removed).
+    let manifest = writer.manifest().clone();
+    let stored = writer.store().clone();
+    let stored = stored.live(&manifest, "embeddings")?;
+    let Selection {
+        nodes,
+        lacking,
+        stale,
+    } = select(writer, &model, options)?;
     // The node holding each text's vector, for texts a node to embed repeats: of the stored
     // ones (at the run's start) the highest id, found window by window in the stored keys;
     // else the first node this run embedded it for (`ran`: what this run holds follows the
@@ -189,20 +271,8 @@ pub fn embed_store(
     };
     progress.start(lacking.len() as u64);
     let commit_every = options.commit_every.max(1);
-    let window = options
-        .window
-        .max(1)
-        .checked_next_multiple_of(commit_every)
-        .unwrap_or(usize::MAX);
-    for nodes in lacking.chunks(window) {
-        let of: BTreeSet<NodeId> = nodes.iter().cloned().collect();
-        let scan = Scan {
-            nodes: true,
-            nodes_of: Some(of.clone()),
-            steps: Rows::Of(of),
-            ..Default::default()
-        };
-        let rows = writer.store().scan_at(writer.manifest(), &scan)?.nodes;
+    for nodes in lacking.chunks(window_len(options)) {
+        let rows = node_rows(writer, nodes)?;
         // The vectors' shards then name their tenants.
         writer.know_tenants(rows.values().map(|n| (&n.id, n.tenant.as_str())));
         let todo: Vec<(NodeId, String)> = nodes
@@ -273,9 +343,9 @@ pub fn embed_store(
                 let replaces = chunk.iter().filter(|(id, _)| stale.contains(id)).count();
                 report.changed += replaces;
                 if replaces > 0 {
-                    writer.commit(&delta, commit_info(run_id, &report, &model))?;
+                    writer.commit(&delta, commit_info(run_id, &report, &model, plan))?;
                 } else {
-                    writer.commit_new(&delta, commit_info(run_id, &report, &model))?;
+                    writer.commit_new(&delta, commit_info(run_id, &report, &model, plan))?;
                 }
                 report.commits += 1;
                 for embedding in delta.embeddings.into_values() {
@@ -439,14 +509,17 @@ fn reembed(
         )?);
     }
     graph.apply(fresh);
-    writer.replace(&graph, commit_info(run_id, &report, &model))?;
+    writer.replace(&graph, commit_info(run_id, &report, &model, None))?;
     report.commits += 1;
     Ok(report)
 }
 
-fn commit_info(run_id: &str, report: &EmbedReport, model: &str) -> CommitInfo {
-    let summary =
+fn commit_info(run_id: &str, report: &EmbedReport, model: &str, plan: Option<&str>) -> CommitInfo {
+    let mut summary =
         serde_json::json!({ "model": model, "embedded": report.embedded, "cached": report.cached });
+    if let Some(plan) = plan {
+        summary["plan"] = plan.into();
+    }
     CommitInfo {
         stage: "embed".into(),
         run_id: run_id.into(),

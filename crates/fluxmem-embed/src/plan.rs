@@ -1,0 +1,707 @@
+//! Embedding in three steps, for runs spread over many workers: plan, execute, commit.
+//!
+//! - **Plan** ([`plan`], one process, under the writer lock, at manifest version V): the texts
+//!   the run must give the model (those of the nodes to embed whose text no stored vector of the
+//!   model holds), each once, keyed by its SHA-256 and put in one of [`BUCKETS`] fixed buckets
+//!   ([`bucket_of`]: the key's first four bytes modulo [`BUCKETS`], whatever the worker count).
+//!   Written to `scratch/embed/<run id>/` in the store: `items.parquet` (`bucket`, `key`,
+//!   `text`, sorted by bucket then key, one row group per bucket) and `plan.json` (V, the
+//!   model, the counts, the items file's SHA-256 and the plan's digest).
+//! - **Execute** ([`Plan::execute`] for any rows of the plan, [`Plan::execute_buckets`] for
+//!   whole buckets): any number of workers, in any order and batch size, retried at will. A
+//!   worker needs no store and no lock, only the plan's folder. It writes its vectors to
+//!   `results/` in the plan's folder (`plan`, `key`, `vector` rows; a file written to a temporary
+//!   name and renamed, so a killed worker leaves no half file under a result's name).
+//! - **Commit** ([`Plan::commit`], single writer): refuses a store that moved since V (other
+//!   than by this plan's own earlier commits, so a killed commit resumes), then reads every
+//!   result ([`Plan::results`]) and refuses a row of another plan, a key the plan does not
+//!   hold, a vector of the wrong length, two different vectors for one key (non-determinism),
+//!   and a planned key with no vector. It then runs the in-process embed stage with the
+//!   results standing in for the model, so it writes the shards an in-process run writes: in
+//!   node id order, `commit_every` nodes a commit. The embedder computes each text's vector
+//!   whatever the texts beside it (see fluxmem-models' native forward), so the shard files are
+//!   byte-identical to `fluxmem run`'s for any worker count, batch size and order.
+//!
+//! Limits: the plan holds the night's new texts in memory while it writes them, and the
+//! commit holds every result vector (the night's, not the history's) while it commits.
+
+use crate::{embed_selected, node_rows, select, window_len, EmbedOptions, EmbedReport, Error};
+use crate::{Progress, Result};
+use arrow_array::builder::{FixedSizeListBuilder, Float32Builder, StringBuilder};
+use arrow_array::{Array, FixedSizeListArray, Float32Array, RecordBatch, StringArray, UInt32Array};
+use arrow_schema::{DataType, Field, Schema};
+use fluxmem_graph::sha256_hex;
+use fluxmem_models::Embedder;
+use fluxmem_store::Writer;
+use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ParquetRecordBatchReaderBuilder};
+use parquet::arrow::ArrowWriter;
+use parquet::file::properties::WriterProperties;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The fixed number of buckets of a plan: enough for 64 workers to get one each, and
+/// independent of how many run.
+pub const BUCKETS: u32 = 64;
+
+/// The plan's format.
+const FORMAT: u32 = 1;
+/// The folder of the embed plans inside the store's scratch folder, one per run id.
+const FOLDER: &str = "embed";
+const PLAN_FILE: &str = "plan.json";
+const ITEMS_FILE: &str = "items.parquet";
+const RESULTS: &str = "results";
+
+/// The bucket of a text's key (its SHA-256, hex): its first four bytes modulo [`BUCKETS`].
+pub fn bucket_of(key: &str) -> u32 {
+    let head = key.get(..8).and_then(|h| u32::from_str_radix(h, 16).ok());
+    head.unwrap_or(0) % BUCKETS
+}
+
+/// A plan's record (`plan.json`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PlanHeader {
+    /// [`FORMAT`].
+    pub format: u32,
+    /// The run id the plan is for (`embed@<run id>` in the commits).
+    pub run_id: String,
+    /// The manifest version the plan read.
+    pub version: u64,
+    /// The embedding model.
+    pub model: String,
+    /// Its dimension.
+    pub dim: usize,
+    /// [`BUCKETS`] when planned.
+    pub buckets: u32,
+    /// Nodes in the store, and of them the ones the commit gives a vector.
+    pub nodes: usize,
+    /// Nodes to embed.
+    pub lacking: usize,
+    /// Texts to give the model (rows of `items.parquet`).
+    pub items: usize,
+    /// SHA-256 of `items.parquet`.
+    pub items_sha256: String,
+    /// The plan's digest: SHA-256 of the fields above, as JSON. Every result row carries it.
+    pub digest: String,
+}
+
+/// What executing a part of the plan did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct ExecuteReport {
+    /// Buckets executed.
+    pub buckets: usize,
+    /// Texts embedded.
+    pub items: usize,
+    /// Result files written.
+    pub files: usize,
+}
+
+/// A plan in its folder.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    dir: PathBuf,
+    header: PlanHeader,
+}
+
+/// The folder of `run_id`'s plan in the store at `store`.
+pub fn plan_dir(store: &Path, run_id: &str) -> PathBuf {
+    store.join(fluxmem_store::SCRATCH).join(FOLDER).join(run_id)
+}
+
+/// Plans the embedding of the nodes of `writer`'s store that lack a vector of `model`
+/// (`dim` floats), for `run_id`. A plan left by an earlier attempt of the run id is replaced
+/// (its folder, with its results, is removed: it holds only what this module wrote).
+pub fn plan(
+    writer: &Writer,
+    model: &str,
+    dim: usize,
+    options: &EmbedOptions,
+    run_id: &str,
+) -> Result<Plan> {
+    crate::check_model(writer, model, dim)?;
+    let selection = select(writer, model, options)?;
+    // Each text once, by key; then the texts a stored vector of the model already holds out.
+    let mut texts: BTreeMap<String, String> = BTreeMap::new();
+    for nodes in selection.lacking.chunks(window_len(options)) {
+        for node in node_rows(writer, nodes)?.into_values() {
+            let text = node.embedding_text();
+            texts.entry(sha256_hex(text.as_bytes())).or_insert(text);
+        }
+    }
+    writer
+        .store()
+        .live(writer.manifest(), "embeddings")?
+        .embedding_keys(&mut |_, m, hash| {
+            if m == model {
+                texts.remove(hash);
+            }
+        })?;
+    let dir = plan_dir(writer.store().dir(), run_id);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
+    }
+    std::fs::create_dir_all(dir.join(RESULTS)).map_err(io(&dir))?;
+    let items_sha256 = write_items(&dir.join(ITEMS_FILE), &texts)?;
+    let mut header = PlanHeader {
+        format: FORMAT,
+        run_id: run_id.to_string(),
+        version: writer.manifest().version,
+        model: model.to_string(),
+        dim,
+        buckets: BUCKETS,
+        nodes: selection.nodes,
+        lacking: selection.lacking.len(),
+        items: texts.len(),
+        items_sha256,
+        digest: String::new(),
+    };
+    header.digest = digest(&header);
+    let bytes = serde_json::to_vec_pretty(&header).expect("a plan header serialises");
+    write_atomic(&dir.join(PLAN_FILE), &bytes)?;
+    Ok(Plan { dir, header })
+}
+
+/// The digest of `header` with its `digest` field empty.
+fn digest(header: &PlanHeader) -> String {
+    let mut header = header.clone();
+    header.digest = String::new();
+    sha256_hex(&serde_json::to_vec(&header).expect("a plan header serialises"))
+}
+
+impl Plan {
+    /// The plan of `run_id` in the store at `store`, if there is one, checked: its digest,
+    /// format and the items file's SHA-256.
+    pub fn open(store: &Path, run_id: &str) -> Result<Option<Plan>> {
+        let dir = plan_dir(store, run_id);
+        let path = dir.join(PLAN_FILE);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        let bytes = std::fs::read(&path).map_err(io(&path))?;
+        let header: PlanHeader = serde_json::from_slice(&bytes).map_err(|e| Error::Plan {
+            path: path.clone(),
+            reason: format!("unreadable: {e}"),
+        })?;
+        if header.format != FORMAT || header.buckets != BUCKETS || digest(&header) != header.digest
+        {
+            return Err(Error::Plan {
+                path,
+                reason: "its digest, format or bucket count is not this version's; plan again \
+                         (`fluxmem run P --run-id R --stage embed --plan`)"
+                    .into(),
+            });
+        }
+        let items = dir.join(ITEMS_FILE);
+        let bytes = std::fs::read(&items).map_err(io(&items))?;
+        if sha256_hex(&bytes) != header.items_sha256 {
+            return Err(Error::Plan {
+                path: items,
+                reason: format!(
+                    "its SHA-256 is not the {} that {PLAN_FILE} records; plan again",
+                    header.items_sha256
+                ),
+            });
+        }
+        Ok(Some(Plan { dir, header }))
+    }
+
+    /// The plan's record.
+    pub fn header(&self) -> &PlanHeader {
+        &self.header
+    }
+
+    /// The plan's folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The plan's rows (`bucket`, `key`, `text`) of the buckets `owns` accepts, bucket by
+    /// bucket in order (each batch is one bucket's rows, sorted by key).
+    pub fn items(&self, owns: &dyn Fn(u32) -> bool) -> Result<Vec<RecordBatch>> {
+        let path = self.dir.join(ITEMS_FILE);
+        let file = std::fs::File::open(&path).map_err(io(&path))?;
+        let metadata =
+            ArrowReaderMetadata::load(&file, Default::default()).map_err(parquet(&path))?;
+        let mut batches = Vec::new();
+        // One row group per bucket, in order: its statistics say which.
+        for (i, group) in metadata.metadata().row_groups().iter().enumerate() {
+            let bucket = match group.column(0).statistics() {
+                Some(parquet::file::statistics::Statistics::Int32(s)) => s.min_opt().copied(),
+                _ => None,
+            };
+            let Some(bucket) = bucket else {
+                return Err(Error::Plan {
+                    path,
+                    reason: format!("row group {i} has no bucket statistics"),
+                });
+            };
+            if !owns(bucket as u32) {
+                continue;
+            }
+            let file = file.try_clone().map_err(io(&path))?;
+            let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(file, metadata.clone())
+                .with_row_groups(vec![i])
+                .with_batch_size(group.num_rows().max(1) as usize)
+                .build()
+                .map_err(parquet(&path))?;
+            for batch in reader {
+                batches.push(batch.map_err(|e| Error::Plan {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                })?);
+            }
+        }
+        Ok(batches)
+    }
+
+    /// Embeds `items` (rows of [`Plan::items`]: `key` and `text` columns, any subset, in any
+    /// order) with `embedder`, `batch_size` texts a call: `plan`, `key`, `vector` rows in the
+    /// order given. A text whose SHA-256 is not its key, or another model than the plan's, is
+    /// refused.
+    pub fn execute(
+        &self,
+        items: &RecordBatch,
+        embedder: &dyn Embedder,
+        batch_size: usize,
+    ) -> Result<RecordBatch> {
+        self.check_embedder(embedder)?;
+        let column = |name: &str| {
+            items
+                .column_by_name(name)
+                .and_then(|c| c.as_any().downcast_ref::<StringArray>())
+                .ok_or_else(|| Error::Plan {
+                    path: self.dir.join(ITEMS_FILE),
+                    reason: format!("a batch of items without a `{name}` string column"),
+                })
+        };
+        let (keys, texts) = (column("key")?, column("text")?);
+        let dim = self.header.dim;
+        let mut vectors = FixedSizeListBuilder::with_capacity(
+            Float32Builder::with_capacity(items.num_rows() * dim),
+            dim as i32,
+            items.num_rows(),
+        )
+        .with_field(vector_item());
+        let rows: Vec<(&str, &str)> = (0..items.num_rows())
+            .map(|i| (keys.value(i), texts.value(i)))
+            .collect();
+        for (key, text) in &rows {
+            if sha256_hex(text.as_bytes()) != *key {
+                return Err(Error::Plan {
+                    path: self.dir.join(ITEMS_FILE),
+                    reason: format!("item {key}: its text does not hash to its key"),
+                });
+            }
+        }
+        for batch in rows.chunks(batch_size.max(1)) {
+            let texts: Vec<&str> = batch.iter().map(|(_, text)| *text).collect();
+            let out = embedder.embed(&texts)?;
+            crate::check_output(&self.header.model, dim, texts.len(), &out)?;
+            for vector in out {
+                vectors.values().append_slice(&vector);
+                vectors.append(true);
+            }
+        }
+        let plan = StringArray::from(vec![self.header.digest.as_str(); rows.len()]);
+        let keys = StringArray::from(rows.iter().map(|(k, _)| *k).collect::<Vec<_>>());
+        RecordBatch::try_new(
+            results_schema(dim),
+            vec![Arc::new(plan), Arc::new(keys), Arc::new(vectors.finish())],
+        )
+        .map_err(|e| Error::Plan {
+            path: self.dir.join(RESULTS),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Writes `results` (of [`Plan::execute`]) to `results/<name>.parquet` in the plan's
+    /// folder, atomically (a retry under the same name replaces it).
+    pub fn write_results(&self, name: &str, results: &RecordBatch) -> Result<PathBuf> {
+        let path = self.dir.join(RESULTS).join(format!("{name}.parquet"));
+        write_atomic(&path, &parquet_bytes(results, &path)?)?;
+        Ok(path)
+    }
+
+    /// Executes the buckets `owns` accepts, one result file per bucket named
+    /// `b<bucket>-<worker>`, `batch_size` texts per model call.
+    pub fn execute_buckets(
+        &self,
+        embedder: &dyn Embedder,
+        owns: &dyn Fn(u32) -> bool,
+        batch_size: usize,
+        worker: &str,
+        progress: &mut dyn Progress,
+    ) -> Result<ExecuteReport> {
+        let batches = self.items(owns)?;
+        let mut report = ExecuteReport::default();
+        progress.start(batches.iter().map(|b| b.num_rows() as u64).sum());
+        for batch in batches {
+            let bucket = batch
+                .column(0)
+                .as_any()
+                .downcast_ref::<UInt32Array>()
+                .map(|b| b.value(0))
+                .unwrap_or(0);
+            let results = self.execute(&batch, embedder, batch_size)?;
+            self.write_results(&format!("b{bucket:02}-{worker}"), &results)?;
+            report.buckets += 1;
+            report.items += batch.num_rows();
+            report.files += 1;
+            progress.advance(batch.num_rows() as u64);
+        }
+        Ok(report)
+    }
+
+    /// Every result of the plan's folder, checked against the plan (see the module docs).
+    pub fn results(&self) -> Result<PlannedVectors> {
+        let mut planned: HashMap<String, Option<(usize, Vec<f32>)>> = HashMap::new();
+        for batch in self.items(&|_| true)? {
+            let keys = batch
+                .column(1)
+                .as_any()
+                .downcast_ref::<StringArray>()
+                .expect("items.parquet's second column is `key`");
+            planned.extend(keys.iter().flatten().map(|k| (k.to_string(), None)));
+        }
+        let folder = self.dir.join(RESULTS);
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&folder)
+            .map_err(io(&folder))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
+            .collect();
+        files.sort();
+        for index in 0..files.len() {
+            self.read_results(&files, index, &mut planned)?;
+        }
+        let mut missing: Vec<&String> = planned
+            .iter()
+            .filter(|(_, v)| v.is_none())
+            .map(|(k, _)| k)
+            .collect();
+        if !missing.is_empty() {
+            missing.sort();
+            let mut buckets: Vec<u32> = missing.iter().map(|k| bucket_of(k)).collect();
+            buckets.sort_unstable();
+            buckets.dedup();
+            return Err(Error::Plan {
+                path: folder,
+                reason: format!(
+                    "{} of the {} planned texts have no vector (first: {}; buckets {buckets:?}): \
+                     execute the shards that own them, then commit again",
+                    missing.len(),
+                    planned.len(),
+                    missing[0]
+                ),
+            });
+        }
+        Ok(PlannedVectors {
+            model: self.header.model.clone(),
+            dim: self.header.dim,
+            folder,
+            vectors: planned
+                .into_iter()
+                .map(|(k, v)| (k, v.expect("checked above").1))
+                .collect(),
+        })
+    }
+
+    /// Reads one result file into `planned` (key to the file and vector that gave it).
+    fn read_results(
+        &self,
+        files: &[PathBuf],
+        index: usize,
+        planned: &mut HashMap<String, Option<(usize, Vec<f32>)>>,
+    ) -> Result<()> {
+        let path = files[index].as_path();
+        let refuse = |reason: String| Error::Plan {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let file = std::fs::File::open(path).map_err(io(path))?;
+        let reader = ParquetRecordBatchReaderBuilder::try_new(file)
+            .and_then(|b| b.build())
+            .map_err(parquet(path))?;
+        for batch in reader {
+            let batch = batch.map_err(|e| refuse(e.to_string()))?;
+            let strings = |name: &str| {
+                batch
+                    .column_by_name(name)
+                    .and_then(|c| c.as_any().downcast_ref::<StringArray>().cloned())
+                    .ok_or_else(|| refuse(format!("no `{name}` string column")))
+            };
+            let (plans, keys) = (strings("plan")?, strings("key")?);
+            let vectors = batch
+                .column_by_name("vector")
+                .and_then(|c| c.as_any().downcast_ref::<FixedSizeListArray>().cloned())
+                .ok_or_else(|| refuse("no `vector` column of fixed-size lists".into()))?;
+            if vectors.value_length() as usize != self.header.dim {
+                return Err(refuse(format!(
+                    "vectors of {} floats, the plan's model `{}` has {}",
+                    vectors.value_length(),
+                    self.header.model,
+                    self.header.dim
+                )));
+            }
+            let values = vectors
+                .values()
+                .as_any()
+                .downcast_ref::<Float32Array>()
+                .ok_or_else(|| refuse("vectors that are not 32-bit floats".into()))?;
+            for row in 0..batch.num_rows() {
+                let key = keys.value(row);
+                if plans.is_null(row) || plans.value(row) != self.header.digest {
+                    return Err(refuse(format!(
+                        "row {row} (key {key}) is of plan `{}`, not this plan `{}`",
+                        if plans.is_null(row) {
+                            ""
+                        } else {
+                            plans.value(row)
+                        },
+                        self.header.digest
+                    )));
+                }
+                let vector =
+                    values.values()[row * self.header.dim..(row + 1) * self.header.dim].to_vec();
+                match planned.get_mut(key) {
+                    None => {
+                        return Err(refuse(format!(
+                            "row {row}: key {key} is not in the plan (a tampered or foreign result)"
+                        )))
+                    }
+                    Some(Some((first, seen))) => {
+                        if seen
+                            .iter()
+                            .map(|x| x.to_bits())
+                            .ne(vector.iter().map(|x| x.to_bits()))
+                        {
+                            return Err(refuse(format!(
+                                "row {row}: key {key} has another vector in {}: the model is \
+                                 not deterministic (or a result was altered)",
+                                files[*first].display()
+                            )));
+                        }
+                    }
+                    Some(slot) => *slot = Some((index, vector)),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Commits `vectors` (the plan's results, [`Plan::results`]) to `writer`'s store: the
+    /// nodes the plan selected get their vectors, in the commits an in-process run makes.
+    /// Refused when the store moved since the plan (but by this plan's own commits: a commit
+    /// that was killed resumes).
+    pub fn commit(
+        &self,
+        writer: &mut Writer,
+        vectors: &dyn Embedder,
+        options: &EmbedOptions,
+        progress: &mut dyn Progress,
+    ) -> Result<EmbedReport> {
+        let manifest = writer.manifest();
+        let foreign = manifest
+            .commits
+            .iter()
+            .filter(|c| c.version > self.header.version)
+            .find(|c| c.summary.get("plan").and_then(|p| p.as_str()) != Some(&self.header.digest));
+        if manifest.version < self.header.version || foreign.is_some() {
+            return Err(Error::Plan {
+                path: self.dir.join(PLAN_FILE),
+                reason: format!(
+                    "the plan read version {} of the store, which is now at version {}{}: plan \
+                     again",
+                    self.header.version,
+                    manifest.version,
+                    foreign
+                        .map(|c| format!(" (commit {} by `{}`)", c.version, c.stage))
+                        .unwrap_or_default()
+                ),
+            });
+        }
+        crate::check_model(writer, &self.header.model, self.header.dim)?;
+        let run_id = format!("{FOLDER}@{}", self.header.run_id);
+        embed_selected(
+            writer,
+            vectors,
+            options,
+            &run_id,
+            Some(&self.header.digest),
+            progress,
+        )
+    }
+
+    /// Removes the plan's folder (after its commit).
+    pub fn remove(self) -> Result<()> {
+        std::fs::remove_dir_all(&self.dir).map_err(io(&self.dir))
+    }
+
+    fn check_embedder(&self, embedder: &dyn Embedder) -> Result<()> {
+        if embedder.model_id() != self.header.model || embedder.dim() != self.header.dim {
+            return Err(Error::ModelMismatch {
+                store_model: self.header.model.clone(),
+                store_dim: self.header.dim,
+                model: embedder.model_id().to_string(),
+                dim: embedder.dim(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The vectors a plan's workers made, by text key: an [`Embedder`] that looks them up, which
+/// the commit runs the embed stage with.
+#[derive(Debug)]
+pub struct PlannedVectors {
+    model: String,
+    dim: usize,
+    folder: PathBuf,
+    vectors: HashMap<String, Vec<f32>>,
+}
+
+impl PlannedVectors {
+    /// Texts with a vector.
+    pub fn len(&self) -> usize {
+        self.vectors.len()
+    }
+
+    /// True when the plan had no text to embed.
+    pub fn is_empty(&self) -> bool {
+        self.vectors.is_empty()
+    }
+}
+
+impl Embedder for PlannedVectors {
+    fn model_id(&self) -> &str {
+        &self.model
+    }
+
+    fn dim(&self) -> usize {
+        self.dim
+    }
+
+    fn embed(&self, texts: &[&str]) -> fluxmem_models::Result<Vec<Vec<f32>>> {
+        texts
+            .iter()
+            .map(|text| {
+                let key = sha256_hex(text.as_bytes());
+                self.vectors
+                    .get(&key)
+                    .cloned()
+                    .ok_or_else(|| fluxmem_models::Error::Format {
+                        path: self.folder.clone(),
+                        reason: format!("no planned vector for the text of key {key}"),
+                    })
+            })
+            .collect()
+    }
+
+    fn count_tokens(&self, _: &str) -> fluxmem_models::Result<usize> {
+        Err(fluxmem_models::Error::Unsupported {
+            model: self.model.clone(),
+            reason: "a plan's vectors count no tokens (run the model)".into(),
+        })
+    }
+}
+
+fn vector_item() -> Arc<Field> {
+    Arc::new(Field::new("item", DataType::Float32, false))
+}
+
+fn results_schema(dim: usize) -> Arc<Schema> {
+    Arc::new(Schema::new(vec![
+        Field::new("plan", DataType::Utf8, false),
+        Field::new("key", DataType::Utf8, false),
+        Field::new(
+            "vector",
+            DataType::FixedSizeList(vector_item(), dim as i32),
+            false,
+        ),
+    ]))
+}
+
+/// Writes the items (`texts` by key) sorted by bucket then key, one row group per bucket;
+/// returns the file's SHA-256.
+fn write_items(path: &Path, texts: &BTreeMap<String, String>) -> Result<String> {
+    let mut by_bucket: BTreeMap<u32, Vec<(&str, &str)>> = BTreeMap::new();
+    for (key, text) in texts {
+        by_bucket
+            .entry(bucket_of(key))
+            .or_default()
+            .push((key, text));
+    }
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("bucket", DataType::UInt32, false),
+        Field::new("key", DataType::Utf8, false),
+        Field::new("text", DataType::Utf8, false),
+    ]));
+    let mut bytes = Vec::new();
+    let mut writer = ArrowWriter::try_new(&mut bytes, schema.clone(), Some(properties()))
+        .map_err(parquet(path))?;
+    for (bucket, rows) in by_bucket {
+        let mut keys = StringBuilder::new();
+        let mut texts = StringBuilder::new();
+        for (key, text) in &rows {
+            keys.append_value(key);
+            texts.append_value(text);
+        }
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![
+                Arc::new(UInt32Array::from(vec![bucket; rows.len()])),
+                Arc::new(keys.finish()),
+                Arc::new(texts.finish()),
+            ],
+        )
+        .expect("columns match the schema");
+        writer.write(&batch).map_err(parquet(path))?;
+        writer.flush().map_err(parquet(path))?;
+    }
+    writer.close().map_err(parquet(path))?;
+    write_atomic(path, &bytes)?;
+    Ok(sha256_hex(&bytes))
+}
+
+fn properties() -> WriterProperties {
+    WriterProperties::builder()
+        .set_compression(parquet::basic::Compression::SNAPPY)
+        .set_max_row_group_row_count(None)
+        .build()
+}
+
+fn parquet_bytes(batch: &RecordBatch, path: &Path) -> Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    let mut writer = ArrowWriter::try_new(&mut bytes, batch.schema(), Some(properties()))
+        .map_err(parquet(path))?;
+    writer.write(batch).map_err(parquet(path))?;
+    writer.close().map_err(parquet(path))?;
+    Ok(bytes)
+}
+
+/// Writes `bytes` to a temporary file beside `path`, syncs it and renames it to `path`.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let temporary = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let mut file = std::fs::File::create(&temporary).map_err(io(&temporary))?;
+    file.write_all(bytes).map_err(io(&temporary))?;
+    file.sync_all().map_err(io(&temporary))?;
+    std::fs::rename(&temporary, path).map_err(io(path))
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn parquet(path: &Path) -> impl Fn(parquet::errors::ParquetError) -> Error + '_ {
+    move |e| Error::Plan {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    }
+}

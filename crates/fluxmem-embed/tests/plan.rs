@@ -1,0 +1,392 @@
+//! The three-step embed (plan, execute, commit) against a real store: the shards it commits
+//! are the in-process run's, byte for byte, however the plan is executed; the commit refuses
+//! what does not match the plan.
+
+use arrow_array::RecordBatch;
+use fluxmem_embed::plan::{plan, Plan, BUCKETS};
+use fluxmem_embed::{embed_store, EmbedOptions, NoProgress};
+use fluxmem_graph::{Graph, Node, NodeBody, Semantic};
+use fluxmem_models::{Embedder, HashEmbedder};
+use fluxmem_store::{CommitInfo, Store, Writer};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The hashing embedder, failing its first `fail_first` calls (an actor that dies on its first
+/// batch) and counting the texts it embeds.
+struct Flaky {
+    inner: HashEmbedder,
+    calls: AtomicUsize,
+    texts: AtomicUsize,
+    fail_first: usize,
+}
+
+impl Flaky {
+    fn new(fail_first: usize) -> Flaky {
+        Flaky {
+            inner: HashEmbedder::new(16),
+            calls: AtomicUsize::new(0),
+            texts: AtomicUsize::new(0),
+            fail_first,
+        }
+    }
+}
+
+impl Embedder for Flaky {
+    fn model_id(&self) -> &str {
+        self.inner.model_id()
+    }
+    fn dim(&self) -> usize {
+        self.inner.dim()
+    }
+    fn embed(&self, texts: &[&str]) -> fluxmem_models::Result<Vec<Vec<f32>>> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) < self.fail_first {
+            return Err(fluxmem_models::Error::Tokenizer("simulated crash".into()));
+        }
+        self.texts.fetch_add(texts.len(), Ordering::SeqCst);
+        self.inner.embed(texts)
+    }
+    fn count_tokens(&self, text: &str) -> fluxmem_models::Result<usize> {
+        self.inner.count_tokens(text)
+    }
+}
+
+fn commit_texts(dir: &Path, source: &str, texts: &[String]) {
+    let mut graph = Graph::default();
+    for (i, text) in texts.iter().enumerate() {
+        let body = NodeBody::Semantic(Semantic {
+            source: source.into(),
+            position: i as i64,
+            time: None,
+            group: None,
+        });
+        let tenant = if i % 3 == 0 { "acme" } else { "default" };
+        graph.insert_node(Node::new(body, tenant, text, &[source, &i.to_string()]));
+    }
+    Writer::open(dir)
+        .unwrap()
+        .commit(
+            &graph,
+            CommitInfo {
+                stage: "ingest".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+}
+
+/// A store with an embedded history of 80 texts and a new night of 240 nodes (200 texts, some
+/// repeated within the night, 30 repeating the history's).
+fn night_store() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let history: Vec<String> = (0..80).map(|i| format!("history note {i}")).collect();
+    commit_texts(dir.path(), "history", &history);
+    let mut writer = Writer::open(dir.path()).unwrap();
+    embed_store(
+        &mut writer,
+        &HashEmbedder::new(16),
+        &options(),
+        "embed@history",
+        &mut NoProgress,
+    )
+    .unwrap();
+    drop(writer);
+    let night: Vec<String> = (0..240)
+        .map(|i| match i % 8 {
+            0 => format!("history note {}", i % 30),
+            _ => format!("night note {} about {}", i % 170, i % 5),
+        })
+        .collect();
+    commit_texts(dir.path(), "night", &night);
+    dir
+}
+
+fn options() -> EmbedOptions {
+    EmbedOptions {
+        batch_size: 32,
+        commit_every: 40,
+        window: 80,
+        ..Default::default()
+    }
+}
+
+/// The store's shards: table, rows and SHA-256, in commit order.
+fn shards(dir: &Path) -> Vec<(String, u64, String)> {
+    Store::open(dir)
+        .unwrap()
+        .manifest()
+        .unwrap()
+        .shards
+        .iter()
+        .map(|s| (s.table.clone(), s.rows, s.sha256.clone()))
+        .collect()
+}
+
+fn planned(dir: &Path) -> Plan {
+    let writer = Writer::open(dir).unwrap();
+    plan(&writer, "hash-16", 16, &options(), "night").unwrap()
+}
+
+fn commit(dir: &Path, plan: &Plan) -> fluxmem_embed::Result<fluxmem_embed::EmbedReport> {
+    let vectors = plan.results()?;
+    let mut writer = Writer::open(dir).unwrap();
+    plan.commit(&mut writer, &vectors, &options(), &mut NoProgress)
+}
+
+/// Every row of the plan, in one list of single-row batches.
+fn rows(plan: &Plan) -> Vec<RecordBatch> {
+    plan.items(&|_| true)
+        .unwrap()
+        .iter()
+        .flat_map(|b| (0..b.num_rows()).map(|i| b.slice(i, 1)).collect::<Vec<_>>())
+        .collect()
+}
+
+#[test]
+fn a_plan_executed_any_way_commits_the_shards_of_an_in_process_run() {
+    let reference = night_store();
+    let model = Flaky::new(0);
+    let mut writer = Writer::open(reference.path()).unwrap();
+    let report = embed_store(
+        &mut writer,
+        &model,
+        &options(),
+        "embed@night",
+        &mut NoProgress,
+    )
+    .unwrap();
+    drop(writer);
+    let expected = shards(reference.path());
+    assert!(
+        report.embedded > 100 && report.cached > 30 && report.commits > 3,
+        "{report:?}"
+    );
+
+    // One worker, every bucket, 256 texts a call.
+    let one = night_store();
+    let plan1 = planned(one.path());
+    assert_eq!(
+        plan1.header().items,
+        report.embedded,
+        "the plan holds the texts the model embeds"
+    );
+    let worker = Flaky::new(0);
+    plan1
+        .execute_buckets(&worker, &|_| true, 256, "w0", &mut NoProgress)
+        .unwrap();
+    let committed = commit(one.path(), &plan1).unwrap();
+    assert_eq!(committed, report);
+    assert_eq!(shards(one.path()), expected);
+
+    // Two workers of their buckets, 7 texts a call, the second worker first.
+    let two = night_store();
+    let plan2 = planned(two.path());
+    assert_eq!(
+        plan2.header().digest,
+        plan1.header().digest,
+        "the same store plans the same"
+    );
+    for w in [1u32, 0] {
+        plan2
+            .execute_buckets(
+                &Flaky::new(0),
+                &move |b| b % 2 == w,
+                7,
+                &format!("w{w}"),
+                &mut NoProgress,
+            )
+            .unwrap();
+    }
+    commit(two.path(), &plan2).unwrap();
+    assert_eq!(shards(two.path()), expected);
+
+    // The rows shuffled (a seeded permutation) into three workers' lists, 5 texts a call; the
+    // first worker dies on its first batch and is retried; a bucket also executed twice.
+    let three = night_store();
+    let plan3 = planned(three.path());
+    let mut all = rows(&plan3);
+    let mut state = 7u64;
+    for i in (1..all.len()).rev() {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        all.swap(i, (state >> 33) as usize % (i + 1));
+    }
+    let chunk = all.len().div_ceil(3);
+    for (w, part) in all.chunks(chunk).enumerate() {
+        let part = arrow_select::concat::concat_batches(&part[0].schema(), part).unwrap();
+        let worker = Flaky::new(usize::from(w == 0));
+        let results = match plan3.execute(&part, &worker, 5) {
+            Err(first) => {
+                assert!(first.to_string().contains("simulated crash"), "{first}");
+                plan3.execute(&part, &worker, 5).unwrap()
+            }
+            Ok(results) => results,
+        };
+        plan3.write_results(&format!("s{w}"), &results).unwrap();
+    }
+    plan3
+        .execute_buckets(&Flaky::new(0), &|b| b == 3, 11, "again", &mut NoProgress)
+        .unwrap();
+    commit(three.path(), &plan3).unwrap();
+    assert_eq!(shards(three.path()), expected);
+    plan3.remove().unwrap();
+    assert!(!three.path().join("scratch/embed/night").exists());
+}
+
+#[test]
+fn the_commit_refuses_what_does_not_match_the_plan() {
+    let dir = night_store();
+    let plan = planned(dir.path());
+    assert_eq!(plan.header().buckets, BUCKETS);
+    // Half the buckets executed: the others are named.
+    plan.execute_buckets(&Flaky::new(0), &|b| b % 2 == 0, 64, "even", &mut NoProgress)
+        .unwrap();
+    let missing = commit(dir.path(), &plan).unwrap_err().to_string();
+    assert!(
+        missing.contains("have no vector") && missing.contains("buckets [1,"),
+        "{missing}"
+    );
+    plan.execute_buckets(&Flaky::new(0), &|b| b % 2 == 1, 64, "odd", &mut NoProgress)
+        .unwrap();
+
+    let one = plan.items(&|_| true).unwrap()[0].slice(0, 1);
+    let good = plan.execute(&one, &Flaky::new(0), 1).unwrap();
+    // Another vector for a planned key: non-determinism (or an altered result).
+    let mut altered = HashEmbedder::new(16).embed(&["something else"]).unwrap();
+    let changed = results_with(&good, None, Some(altered.remove(0)));
+    plan.write_results("altered", &changed).unwrap();
+    let error = commit(dir.path(), &plan).unwrap_err().to_string();
+    assert!(
+        error.contains("not deterministic") && error.contains("altered.parquet"),
+        "{error}"
+    );
+    std::fs::remove_file(plan.dir().join("results/altered.parquet")).unwrap();
+    // A key the plan does not hold.
+    let foreign = results_with(&good, Some(("key", &"0".repeat(64))), None);
+    plan.write_results("foreign", &foreign).unwrap();
+    let error = commit(dir.path(), &plan).unwrap_err().to_string();
+    assert!(error.contains("is not in the plan"), "{error}");
+    std::fs::remove_file(plan.dir().join("results/foreign.parquet")).unwrap();
+    // A row of another plan.
+    let stale = results_with(&good, Some(("plan", "an earlier plan")), None);
+    plan.write_results("stale", &stale).unwrap();
+    let error = commit(dir.path(), &plan).unwrap_err().to_string();
+    assert!(error.contains("not this plan"), "{error}");
+    std::fs::remove_file(plan.dir().join("results/stale.parquet")).unwrap();
+
+    // The store moved since the plan: plan again.
+    commit_texts(dir.path(), "late", &["a late note".to_string()]);
+    let moved = commit(dir.path(), &plan).unwrap_err().to_string();
+    assert!(
+        moved.contains("plan again") && moved.contains("ingest"),
+        "{moved}"
+    );
+
+    // A tampered items file is refused when the plan is opened.
+    let items = plan.dir().join("items.parquet");
+    let mut bytes = std::fs::read(&items).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 1;
+    std::fs::write(&items, bytes).unwrap();
+    let error = Plan::open(dir.path(), "night").unwrap_err().to_string();
+    assert!(error.contains("SHA-256"), "{error}");
+}
+
+/// A commit killed after some of its commits resumes from them (its own commits do not make the
+/// plan stale) and ends with the vectors of an uninterrupted one.
+#[test]
+fn a_killed_commit_resumes() {
+    let reference = night_store();
+    let mut writer = Writer::open(reference.path()).unwrap();
+    embed_store(
+        &mut writer,
+        &Flaky::new(0),
+        &options(),
+        "embed@night",
+        &mut NoProgress,
+    )
+    .unwrap();
+    let expected = writer.store().load().unwrap().embeddings;
+    drop(writer);
+
+    let dir = night_store();
+    let plan = planned(dir.path());
+    plan.execute_buckets(&Flaky::new(0), &|_| true, 64, "w", &mut NoProgress)
+        .unwrap();
+    let vectors = plan.results().unwrap();
+    let before = Store::open(dir.path()).unwrap().manifest().unwrap().version;
+    {
+        // Killed in its third model call: two commits are in.
+        let dying = Dying {
+            inner: &vectors,
+            calls: AtomicUsize::new(0),
+        };
+        let mut writer = Writer::open(dir.path()).unwrap();
+        assert!(plan
+            .commit(&mut writer, &dying, &options(), &mut NoProgress)
+            .is_err());
+    }
+    let after = Store::open(dir.path()).unwrap().manifest().unwrap().version;
+    assert!(after > before, "some commits went in before the kill");
+    let reopened = Plan::open(dir.path(), "night").unwrap().unwrap();
+    commit(dir.path(), &reopened).unwrap();
+    assert_eq!(
+        Store::open(dir.path()).unwrap().load().unwrap().embeddings,
+        expected
+    );
+}
+
+/// The plan's vectors, failing from the third call on.
+struct Dying<'a> {
+    inner: &'a dyn Embedder,
+    calls: AtomicUsize,
+}
+
+impl Embedder for Dying<'_> {
+    fn model_id(&self) -> &str {
+        self.inner.model_id()
+    }
+    fn dim(&self) -> usize {
+        self.inner.dim()
+    }
+    fn embed(&self, texts: &[&str]) -> fluxmem_models::Result<Vec<Vec<f32>>> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) >= 2 {
+            return Err(fluxmem_models::Error::Tokenizer("killed".into()));
+        }
+        self.inner.embed(texts)
+    }
+    fn count_tokens(&self, text: &str) -> fluxmem_models::Result<usize> {
+        self.inner.count_tokens(text)
+    }
+}
+
+/// `results` with one string column replaced by a value, or its vectors by `vector`.
+fn results_with(
+    results: &RecordBatch,
+    column: Option<(&str, &str)>,
+    vector: Option<Vec<f32>>,
+) -> RecordBatch {
+    use arrow_array::builder::{FixedSizeListBuilder, Float32Builder};
+    use arrow_array::{ArrayRef, StringArray};
+    use std::sync::Arc;
+    let mut columns: Vec<ArrayRef> = results.columns().to_vec();
+    if let Some((name, value)) = column {
+        let i = results.schema().index_of(name).unwrap();
+        columns[i] = Arc::new(StringArray::from(vec![value; results.num_rows()]));
+    }
+    if let Some(vector) = vector {
+        let i = results.schema().index_of("vector").unwrap();
+        let field = match results.schema().field(i).data_type() {
+            arrow_schema::DataType::FixedSizeList(f, _) => f.clone(),
+            other => panic!("{other}"),
+        };
+        let mut list =
+            FixedSizeListBuilder::new(Float32Builder::new(), vector.len() as i32).with_field(field);
+        for _ in 0..results.num_rows() {
+            list.values().append_slice(&vector);
+            list.append(true);
+        }
+        columns[i] = Arc::new(list.finish());
+    }
+    RecordBatch::try_new(results.schema(), columns).unwrap()
+}
