@@ -267,9 +267,11 @@ pub struct RunArgs {
     /// With --stage of a map stage: merge its N finished shards into the store.
     #[arg(long, value_name = "N")]
     pub merge: Option<usize>,
-    /// With --stage consolidate: plan the run's clusters once for all its shards, before
-    /// they run (each shard then handles the planned clusters it owns; the merge checks that
-    /// every shard followed the plan).
+    /// With --stage embed or consolidate: plan the run's shards once, before they run.
+    /// Embed: the texts to embed, in 64 fixed buckets (each --shard I/N then embeds the buckets
+    /// b with b mod N = I, and --merge checks every result against the plan and commits the
+    /// shards an unsharded run writes). Consolidate: the clusters (each shard then handles the
+    /// planned clusters it owns; the merge checks that every shard followed the plan).
     #[arg(long)]
     pub plan: bool,
     /// The run id (default: the pipeline name and a hash of the pipeline file and the inputs'

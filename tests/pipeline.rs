@@ -1435,3 +1435,75 @@ fn a_sharded_connect_merge_records_the_grown_episodes_handled() {
         "{record}"
     );
 }
+
+/// A sharded embed that plans first: the shards (one retried, in any order) embed the plan's
+/// buckets, a merge before every bucket is in names the missing ones, and the merge commits the
+/// shards of an unsharded embed, byte for byte (MiniLM computes a text's vector whatever the
+/// batch it is in).
+#[test]
+fn a_planned_sharded_embed_commits_the_shards_of_an_unsharded_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = pipeline(dir.path(), false);
+    add_log(dir.path(), "trajectories.jsonl");
+    add_log(dir.path(), "alfworld/react_sample.json");
+    let planned_file = dir.path().join("planned.toml");
+    std::fs::write(
+        &planned_file,
+        std::fs::read_to_string(&file)
+            .unwrap()
+            .replace("store = \"store\"", "store = \"planned\"")
+            .replace("dir = \"runs\"", "dir = \"planned-runs\""),
+    )
+    .unwrap();
+    let step = |file: &Path, args: &[&str]| {
+        let mut command = fluxmem();
+        command
+            .arg("run")
+            .arg(file)
+            .args(["--run-id", "night", "--stage"])
+            .args(args);
+        run(&mut command)
+    };
+    for file in [&file, &planned_file] {
+        ok(step(file, &["ingest"]));
+    }
+    ok(step(&file, &["embed"]));
+
+    let plan = json_line(&ok(step(&planned_file, &["embed", "--plan"])));
+    assert_eq!(plan["status"], "planned", "{plan}");
+    assert!(plan["counts_out"]["items"].as_u64().unwrap() > 10, "{plan}");
+    for shard in ["1/3", "0/3"] {
+        let executed = json_line(&ok(step(&planned_file, &["embed", "--shard", shard])));
+        assert_eq!(executed["status"], "executed", "{executed}");
+        assert_eq!(executed["details"]["plan"], plan["details"]["digest"]);
+    }
+    let early = step(&planned_file, &["embed", "--merge", "3"]);
+    let stderr = String::from_utf8_lossy(&early.stderr);
+    assert!(
+        !early.status.success() && stderr.contains("have no vector"),
+        "{stderr}"
+    );
+    // The buckets named are shard 2's (b mod 3 = 2).
+    let named = stderr
+        .split("buckets [")
+        .nth(1)
+        .unwrap()
+        .split(']')
+        .next()
+        .unwrap();
+    let buckets: Vec<u32> = named.split(", ").map(|b| b.parse().unwrap()).collect();
+    assert!(
+        !buckets.is_empty() && buckets.iter().all(|b| b % 3 == 2),
+        "{stderr}"
+    );
+    for shard in ["2/3", "1/3"] {
+        ok(step(&planned_file, &["embed", "--shard", shard]));
+    }
+    let merged = json_line(&ok(step(&planned_file, &["embed", "--merge", "3"])));
+    assert_eq!(merged["status"], "merged", "{merged}");
+    assert_eq!(merged["details"]["plan"], plan["details"]["digest"]);
+    assert!(!dir.path().join("planned/scratch/embed/night").exists());
+    let whole = shard_list(&dir.path().join("store"));
+    assert!(whole.iter().any(|(file, _, _)| file.contains("embeddings")));
+    assert_eq!(shard_list(&dir.path().join("planned")), whole);
+}

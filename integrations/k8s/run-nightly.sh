@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a fluxmem night on Kubernetes: for each map stage an Indexed Job of N pods (shard
-# $JOB_COMPLETION_INDEX of N), then a Job for its merge; then one Job per global stage. Each
+# $JOB_COMPLETION_INDEX of N), then a Job for its merge (embed: after a Job that plans it); then one Job per global stage. Each
 # step starts when the one before completed (polled with kubectl get); a failed step stops the
 # night.
 #
@@ -42,6 +42,11 @@ step() { # TEMPLATE: render, apply (a Job already complete from an earlier try i
 }
 
 for STAGE in ingest embed connect; do
+  if [[ $STAGE == embed ]]; then
+    # Embed plans first: the texts to embed in fixed buckets; the shards embed their buckets.
+    export STAGE JOB_NAME="fluxmem-$slug-plan-$STAGE" STEP_ARGS="--plan"
+    step step-job.yaml
+  fi
   export STAGE JOB_NAME="fluxmem-$slug-$STAGE"
   step shard-job.yaml
   export JOB_NAME="fluxmem-$slug-merge-$STAGE" STEP_ARGS="--merge $SHARDS"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Submits a whole fluxmem night to Slurm as a chain of jobs, each waiting (afterok) for the one
-# before: for each map stage (ingest, embed, connect) an array of N shards, then its merge;
-# then refine, consolidate and export, once each.
+# before: for each map stage (ingest, embed, connect) an array of N shards, then its merge
+# (embed plans first: one step lists the texts to embed, the shards embed its buckets, the
+# merge checks and commits them); then refine, consolidate and export, once each.
 #
 #   integrations/slurm/submit-nightly.sh PIPELINE.toml N [RUN_ID]
 #
@@ -21,14 +22,18 @@ submit() { # prints the job id
   sbatch --parsable "${dependency[@]}" --export=ALL "$@" | cut -d';' -f1
 }
 for stage in ingest embed connect; do
-  job=$(FLUXMEM_STAGE=$stage submit --job-name="fluxmem-$stage" --array="0-$((shards - 1))" "$here/fluxmem-nightly.sbatch")
+  if [[ $stage == embed ]]; then
+    job=$(FLUXMEM_STAGE=$stage FLUXMEM_MERGE= FLUXMEM_PLAN=1 submit --job-name="fluxmem-plan-$stage" "$here/fluxmem-step.sbatch")
+    dependency=(--dependency="afterok:$job")
+  fi
+  job=$(FLUXMEM_STAGE=$stage FLUXMEM_PLAN= submit --job-name="fluxmem-$stage" --array="0-$((shards - 1))" "$here/fluxmem-nightly.sbatch")
   dependency=(--dependency="afterok:$job")
-  job=$(FLUXMEM_STAGE=$stage FLUXMEM_MERGE=$shards submit --job-name="fluxmem-merge-$stage" "$here/fluxmem-step.sbatch")
+  job=$(FLUXMEM_STAGE=$stage FLUXMEM_MERGE=$shards FLUXMEM_PLAN= submit --job-name="fluxmem-merge-$stage" "$here/fluxmem-step.sbatch")
   dependency=(--dependency="afterok:$job")
   echo "$stage: $shards shards, then merge (job $job)"
 done
 for stage in refine consolidate export; do
-  job=$(FLUXMEM_STAGE=$stage FLUXMEM_MERGE= submit --job-name="fluxmem-$stage" "$here/fluxmem-step.sbatch")
+  job=$(FLUXMEM_STAGE=$stage FLUXMEM_MERGE= FLUXMEM_PLAN= submit --job-name="fluxmem-$stage" "$here/fluxmem-step.sbatch")
   dependency=(--dependency="afterok:$job")
   echo "$stage: job $job"
 done

@@ -2,6 +2,7 @@
 //! engine drives.
 
 use anyhow::{bail, Context};
+use fluxmem_embed::plan::Plan;
 use fluxmem_graph::Graph;
 use fluxmem_models::{DeviceChoice, Embedder, Generator, Judge};
 use fluxmem_report::{
@@ -47,6 +48,9 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     };
     if let Some(count) = args.merge {
         return merge_shards(&loaded, &args, settings, &store_dir, &run_id, count);
+    }
+    if args.plan && args.stage.as_deref() == Some(fluxmem_embed::STAGE) {
+        return plan_embed(&mut ctx, &store_dir);
     }
     if args.plan {
         return plan_shards(&ctx, &store_dir);
@@ -116,9 +120,11 @@ fn check_stage_flags(args: &RunArgs) -> anyhow::Result<Option<Shard>> {
         }
     }
     if args.plan {
-        if args.stage.as_deref() != Some(fluxmem_consolidate::STAGE) {
+        let planned = [fluxmem_embed::STAGE, fluxmem_consolidate::STAGE];
+        if !args.stage.as_deref().is_some_and(|s| planned.contains(&s)) {
             bail!(
-                "--plan plans the clusters of a sharded consolidate: it needs --stage consolidate"
+                "--plan plans the shards of a sharded embed (the texts to embed) or consolidate \
+                 (the clusters): it needs --stage embed or --stage consolidate"
             );
         }
         if shard.is_some() || args.merge.is_some() {
@@ -182,6 +188,11 @@ fn merge_shards(
     count: usize,
 ) -> anyhow::Result<ExitCode> {
     let stage = args.stage.as_deref().expect("checked above");
+    if stage == fluxmem_embed::STAGE {
+        if let Some(plan) = Plan::open(store_dir, run_id)? {
+            return commit_embed(loaded, settings, store_dir, run_id, plan);
+        }
+    }
     let mut writer = open_main(store_dir, settings)?;
     let started = Instant::now();
     let mut info = CommitInfo {
@@ -247,6 +258,11 @@ fn run_shard(
     shard: Shard,
 ) -> anyhow::Result<ExitCode> {
     let stage = args.stage.as_deref().expect("checked above");
+    if stage == fluxmem_embed::STAGE {
+        if let Some(plan) = Plan::open(store_dir, &ctx.run_id)? {
+            return execute_embed(ctx, &plan, shard);
+        }
+    }
     let mut writer = Writer::open_staging(store_dir, stage, shard)?;
     eprintln!(
         "fluxmem run: {stage}, shard {shard}, staging store {}",
@@ -267,6 +283,139 @@ fn run_shard(
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// `--stage embed --plan`: plans the texts the run's embed shards give the model, in the
+/// store's `scratch/embed/<run id>/` ([`fluxmem_embed::plan`]). The shards then execute the
+/// plan's buckets they own and the merge commits their vectors.
+fn plan_embed(ctx: &mut Ctx<'_>, store_dir: &Path) -> anyhow::Result<ExitCode> {
+    let started = Instant::now();
+    let options = ctx.embed_options(Shard::ALL);
+    let run_id = ctx.run_id.clone();
+    let writer = open_main(store_dir, ctx.settings)?;
+    let embedder = ctx.embedder()?;
+    let plan = fluxmem_embed::plan::plan(
+        &writer,
+        embedder.model_id(),
+        embedder.dim(),
+        &options,
+        &run_id,
+    )
+    .context("planning the embed shards")?;
+    let header = plan.header();
+    eprintln!(
+        "  {} of {} nodes to embed, {} texts for the model in {} buckets: {}",
+        header.lacking,
+        header.nodes,
+        header.items,
+        header.buckets,
+        plan.dir().display()
+    );
+    let record = StageRecord {
+        name: fluxmem_embed::STAGE.into(),
+        status: "planned".into(),
+        seconds: started.elapsed().as_secs_f64(),
+        counts_in: counts(&[("nodes", header.nodes)]),
+        counts_out: counts(&[("lacking", header.lacking), ("items", header.items)]),
+        details: serde_json::to_value(header)?,
+        ..Default::default()
+    };
+    println!("{}", serde_json::to_string(&record)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--stage embed --shard I/N` when the run has a plan: embeds the texts of the plan's buckets
+/// `b` with `b mod N = I`, into result files of the plan (no staging store, no lock).
+fn execute_embed(ctx: &mut Ctx<'_>, plan: &Plan, shard: Shard) -> anyhow::Result<ExitCode> {
+    let started = Instant::now();
+    let batch_size = ctx.loaded.pipeline.embed.batch_size;
+    let mut bar = CountBar::new(ctx.settings.progress, "embed");
+    let embedder = ctx.embedder()?;
+    let owns = |bucket: u32| bucket as usize % shard.count == shard.index;
+    let worker = format!("shard-{}-of-{}", shard.index, shard.count);
+    let report = plan
+        .execute_buckets(embedder, &owns, batch_size, &worker, &mut bar)
+        .with_context(|| format!("executing shard {shard} of the embed plan"))?;
+    bar.finish();
+    eprintln!(
+        "fluxmem run: embed, shard {shard}: {} texts of {} buckets embedded for plan {}",
+        report.items,
+        report.buckets,
+        &plan.header().digest[..16]
+    );
+    let record = StageRecord {
+        name: fluxmem_embed::STAGE.into(),
+        status: "executed".into(),
+        seconds: started.elapsed().as_secs_f64(),
+        counts_out: counts(&[
+            ("items", report.items),
+            ("buckets", report.buckets),
+            ("files", report.files),
+        ]),
+        details: json!({ "plan": plan.header().digest, "report": report }),
+        ..Default::default()
+    };
+    println!("{}", serde_json::to_string(&record)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--stage embed --merge N` when the run has a plan: checks every result against the plan and
+/// commits the vectors (the shards an in-process embed writes), then removes the plan.
+fn commit_embed(
+    loaded: &Loaded,
+    settings: &Settings,
+    store_dir: &Path,
+    run_id: &str,
+    plan: Plan,
+) -> anyhow::Result<ExitCode> {
+    let started = Instant::now();
+    let stage = fluxmem_embed::STAGE;
+    let mut writer = open_main(store_dir, settings)?;
+    let vectors = plan.results().context("reading the embed plan's results")?;
+    let options = embed_options(loaded, Shard::ALL);
+    let mut bar = CountBar::new(settings.progress, "embed commit");
+    let report = plan
+        .commit(&mut writer, &vectors, &options, &mut bar)
+        .context("committing the embed plan")?;
+    bar.finish();
+    let digest = plan.header().digest.clone();
+    plan.remove()?;
+    mark_done(&mut writer, stage, run_id, &json!({ "plan": digest }))?;
+    eprintln!(
+        "  {} nodes: {} embedded, {} from the cache, {} already had a vector (plan {})",
+        report.nodes,
+        report.embedded,
+        report.cached,
+        report.already,
+        &digest[..16]
+    );
+    let record = StageRecord {
+        name: stage.into(),
+        status: "merged".into(),
+        seconds: started.elapsed().as_secs_f64(),
+        counts_in: counts(&[("nodes", report.nodes), ("already", report.already)]),
+        counts_out: counts(&[
+            ("embedded", report.embedded),
+            ("cached", report.cached),
+            ("commits", report.commits),
+        ]),
+        details: json!({ "plan": digest, "report": report }),
+        ..Default::default()
+    };
+    add_stage_to_report(loaded, run_id, store_dir, &record)?;
+    println!("{}", serde_json::to_string(&record)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// How the pipeline embeds (`shard`: the nodes a run owns).
+fn embed_options(loaded: &Loaded, shard: Shard) -> fluxmem_embed::EmbedOptions {
+    fluxmem_embed::EmbedOptions {
+        batch_size: 256,
+        commit_every: loaded.pipeline.embed.commit_every,
+        shard,
+        window: loaded.pipeline.embed.window,
+        ..Default::default()
+    }
 }
 
 /// `--stage consolidate --plan`: plans the clusters of the run's consolidate shards once, in
@@ -567,6 +716,10 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
+    fn embed_options(&self, shard: Shard) -> fluxmem_embed::EmbedOptions {
+        embed_options(self.loaded, shard)
+    }
+
     fn embedder(&mut self) -> anyhow::Result<&dyn Embedder> {
         if self.embedder.is_none() {
             let p = &self.loaded.pipeline;
@@ -719,18 +872,10 @@ impl Ctx<'_> {
     }
 
     fn embed(&mut self, writer: &mut Writer, shard: Shard) -> anyhow::Result<StageRecord> {
-        let commit_every = self.loaded.pipeline.embed.commit_every;
-        let window = self.loaded.pipeline.embed.window;
         let run_id = format!("embed@{}", self.run_id);
         let mut bar = CountBar::new(self.settings.progress, "embed");
+        let options = self.embed_options(shard);
         let embedder = self.embedder()?;
-        let options = fluxmem_embed::EmbedOptions {
-            batch_size: 256,
-            commit_every,
-            shard,
-            window,
-            ..Default::default()
-        };
         let report = fluxmem_embed::embed_store(writer, embedder, &options, &run_id, &mut bar)?;
         bar.finish();
         eprintln!(

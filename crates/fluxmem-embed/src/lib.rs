@@ -24,6 +24,9 @@ use fluxmem_models::Embedder;
 use fluxmem_store::{CommitInfo, Rows, Scan, Shard, Writer};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
+/// The stage's name (in commits, run records and `--stage`).
+pub const STAGE: &str = "embed";
+
 /// Errors of the embed stage.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -101,12 +101,14 @@ def run_shard(invocation: Invocation, stage: str, index: int, count: int) -> dic
 
 
 # The map stages that plan once, before their shards (``--plan``): each shard then follows
-# the plan, and the merge checks that every shard did.
-PLANNED_STAGES = ("consolidate",)
+# the plan, and the merge checks that every shard did (embed: the texts to embed in fixed
+# buckets, each shard embedding its buckets; consolidate: the clusters).
+PLANNED_STAGES = ("embed", "consolidate")
 
 
 def run_plan(invocation: Invocation, stage: str) -> dict:
-    """Plans the work of a map stage's shards once (consolidate: its clusters), in the main store."""
+    """Plans the work of a map stage's shards once (embed: the texts; consolidate: the
+    clusters), in the main store."""
     if stage not in PLANNED_STAGES:
         raise ValueError(f"stage {stage!r} does not plan its shards ({', '.join(PLANNED_STAGES)} do)")
     record, seconds, code = _call(invocation, invocation.command(stage, "--plan"))

@@ -196,6 +196,15 @@ def test_map_stages_fanned_out_on_gpu_actors(stores):
     assert sum(handled) == single["details"]["clusters"], (handled, single["details"]["clusters"])
     assert single["counts_out"]["skills_new"] > 0, single
     assert not (stores["ray"] / "staging").exists() or not any((stores["ray"] / "staging").iterdir())
+    # Embed planned once; its shards executed the plan's buckets (no staging store) and the
+    # merge committed them under the plan's digest, then removed the plan.
+    embed = next(s for s in summary.stages if s["name"] == "embed")
+    digest = embed["plan"]["record"]["details"]["digest"]
+    assert embed["plan"]["record"]["status"] == "planned", embed["plan"]
+    assert all(s["record"]["status"] == "executed" and s["record"]["details"]["plan"] == digest for s in embed["shards"])
+    assert sum(s["record"]["counts_out"]["items"] for s in embed["shards"]) == embed["plan"]["record"]["counts_out"]["items"]
+    assert embed["merge"]["record"]["details"]["plan"] == digest
+    assert not (stores["ray"] / "scratch" / "embed" / RUN_ID).exists()
 
 
 @pytest.mark.parametrize("table", ["nodes", "steps"])
@@ -227,6 +236,18 @@ def test_same_embeddings(stores):
     for key, row in single.items():
         assert sharded[key]["text_sha256"] == row["text_sha256"], key
         assert_same(row["vector"], sharded[key]["vector"], f"{key} vector")
+
+
+def test_embedding_shards_byte_identical(stores):
+    """The planned embed commits the embedding shards of the single run's embed stage: the same
+    files' bytes (later stages' vectors, of the skills, come from a sharded consolidate)."""
+    def files(store):
+        manifest = json.loads((store / "manifest.json").read_text())
+        embed = {c["version"] for c in manifest["commits"] if c["stage"] == "embed"}
+        return [(s["rows"], s["sha256"]) for s in manifest["shards"] if s["commit"] in embed]
+    single = files(stores["single"])
+    assert single
+    assert files(stores["ray"]) == single
 
 
 def test_same_refine_edits(stores):
