@@ -15,6 +15,10 @@ Known limits, stated plainly:
   node (the driver included) must see the store directory, the pipeline file, its inputs and
   the binary at the same paths (a shared filesystem). An Arrow-IPC streaming worker that keeps
   the models loaded across batches is not built.
+- Embed is a map stage planned once: one Ray task lists the texts to embed in 64 fixed
+  buckets (``--stage embed --plan``), each shard embeds the buckets it owns into the plan's
+  result files, and the merge checks every result against the plan and commits the shard
+  files of a single-machine run, byte for byte.
 - Consolidate is a map stage planned once: one Ray task clusters the store
   (``--stage consolidate --plan``, recorded in the store), then every shard induces the skills
   of the planned clusters it owns (by a hash of the cluster's episodes), so no shard depends on
