@@ -10,7 +10,10 @@ Ray's scheduling. The ratio is the Ray path's rows/s over the in-process run's, 
 machine with the same threads (1.00: the plumbing costs nothing; on one machine the shards
 compete for the same cores, so a ratio below 1 is the plumbing's cost, not a speed-up lost).
 
-Each embedder of `--embedders` gets its table: `hash-384` is the weight-free hashing embedder
+The Ray path runs twice: embed's execute step in Ray Data actors that keep the model loaded
+(`actors`: fluxmem_py, built by scripts/test.sh) and in one `fluxmem` process a shard
+(`processes`); both plan first and commit the same shards. Each embedder of `--embedders` gets
+its table: `hash-384` is the weight-free hashing embedder
 (a model that does next to nothing: the plumbing's cost alone), `all-minilm-l6-v2` the default.
 
 Usage (from the repository root, with the Ray venv that scripts/test.sh installs):
@@ -88,16 +91,20 @@ def in_process(binary, path):
     return out
 
 
-def through_ray(binary, path, shards):
-    """The same stages through fluxmem_ray: (wall seconds, rows) per stage."""
-    import ray
+def through_ray(binary, path, shards, embed_in_actors):
+    """The same stages through fluxmem_ray: (wall seconds, rows) per stage. Embed plans, then
+    executes in actors that keep the model (``embed_in_actors``) or in one process a shard, then
+    commits: its rows are the commit's."""
     import fluxmem_ray
 
-    options = fluxmem_ray.Options(shards=shards, stages=STAGES, gpus_per_worker=0.0)
+    options = fluxmem_ray.Options(shards=shards, stages=STAGES, gpus_per_worker=0.0, embed_in_actors=embed_in_actors)
     summary = fluxmem_ray.run_pipeline(path, "bench", options, binary=binary)
     out = {}
     for stage in summary.stages:
-        rows = sum(rows_of(s["record"], stage["name"]) for s in stage["shards"])
+        if stage["name"] == "embed":
+            rows = rows_of(stage["merge"]["record"], "embed")
+        else:
+            rows = sum(rows_of(s["record"], stage["name"]) for s in stage["shards"])
         out[stage["name"]] = (stage["seconds"], rows)
     return out
 
@@ -123,23 +130,24 @@ def main():
     tables = []
     try:
         for embedder in args.embedders.split(","):
-            for name in ("local", "ray"):
+            for name in ("local", "actors", "processes"):
                 shutil.rmtree(os.path.join(work, name), ignore_errors=True)
                 shutil.rmtree(os.path.join(work, f"{name}-runs"), ignore_errors=True)
             local = in_process(binary, pipeline(work, "local", episodes, facts, embedder))
-            ray_path = through_ray(binary, pipeline(work, "ray", episodes, facts, embedder), args.shards)
-            tables.append((embedder, local, ray_path))
+            for name, in_actors in (("actors", True), ("processes", False)):
+                ray_path = through_ray(binary, pipeline(work, name, episodes, facts, embedder), args.shards, in_actors)
+                tables.append((embedder, name, local, ray_path))
     finally:
         ray.shutdown()
     print(f"ray plumbing: {args.episodes} episodes of 4 tenants, {args.shards} shards, {os.cpu_count()} CPUs, bin {args.bin}")
-    print(f"{'embedder':<18}{'stage':<10}{'rows':>8}{'local s':>10}{'local rows/s':>14}{'ray s':>9}{'ray rows/s':>12}{'ratio':>8}")
-    for embedder, local, ray_path in tables:
+    print(f"{'embedder':<18}{'ray embed':<11}{'stage':<10}{'rows':>8}{'local s':>10}{'local rows/s':>14}{'ray s':>9}{'ray rows/s':>12}{'ratio':>8}")
+    for embedder, name, local, ray_path in tables:
         for stage in STAGES:
             (ls, lr), (rs, rr) = local[stage], ray_path[stage]
             if lr != rr:
                 raise SystemExit(f"{stage}: the Ray path worked on {rr} rows, the local run on {lr}")
             lrate, rrate = lr / ls, rr / rs
-            print(f"{embedder:<18}{stage:<10}{lr:>8}{ls:>10.1f}{lrate:>14.0f}{rs:>9.1f}{rrate:>12.0f}{rrate / lrate:>8.2f}")
+            print(f"{embedder:<18}{name:<11}{stage:<10}{lr:>8}{ls:>10.1f}{lrate:>14.0f}{rs:>9.1f}{rrate:>12.0f}{rrate / lrate:>8.2f}")
 
 
 main()

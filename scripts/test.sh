@@ -10,8 +10,8 @@ if ! .venv/bin/python -c "import pyarrow, duckdb, skills_ref" 2>/dev/null; then
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
 fi
-if ! .venv/bin/python -c "import ray.data, pytest" 2>/dev/null; then
-  echo "installing Ray into .venv for the Ray integration test (integrations/ray)" >&2
+if ! .venv/bin/python -c "import ray.data, pytest" 2>/dev/null || ! [ -x .venv/bin/maturin ]; then
+  echo "installing Ray and maturin into .venv for the Ray integration test (integrations/ray)" >&2
   .venv/bin/pip install --quiet --disable-pip-version-check -r integrations/ray/requirements.txt
 fi
 
@@ -36,5 +36,8 @@ else
 fi
 
 # The Ray integration: the pipeline through Ray (2 shards, a logical GPU) gives the same store
-# as the single-machine run. Uses the binary cargo test just built (in CARGO_TARGET_DIR when set).
+# as the single-machine run, and embed's execute step in actors that keep the model commits the
+# single run's shard files. Uses the binary cargo test just built (in CARGO_TARGET_DIR when set)
+# and the actors' extension module fluxmem_py (crates/fluxmem-py), built here into .venv.
+VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --quiet -m crates/fluxmem-py/Cargo.toml
 PYTHONDONTWRITEBYTECODE=1 FLUXMEM_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/fluxmem" .venv/bin/python -m pytest -q -rA -p no:cacheprovider integrations/ray/tests

@@ -50,13 +50,9 @@ pub fn embedder(
     batch_size: Option<usize>,
 ) -> anyhow::Result<Box<dyn fluxmem_models::Embedder>> {
     if let Some(dim) = hash_dim(name) {
-        return Ok(Box::new(fluxmem_models::HashEmbedder::new(dim?)));
+        dim?;
     }
-    let embedder = fluxmem_models::load_embedder(name, device)?;
-    Ok(Box::new(match batch_size {
-        Some(size) => embedder.with_batch_size(size),
-        None => embedder,
-    }))
+    Ok(fluxmem_models::open_embedder(name, device, batch_size)?)
 }
 
 /// The dimension of a weight-free hashing embedder's name (`hash-<dim>`); `None` for any other

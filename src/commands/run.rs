@@ -2,7 +2,7 @@
 //! engine drives.
 
 use anyhow::{bail, Context};
-use fluxmem_embed::plan::Plan;
+use fluxmem_embed::plan::{Plan, PlanModel};
 use fluxmem_graph::Graph;
 use fluxmem_models::{DeviceChoice, Embedder, Generator, Judge};
 use fluxmem_report::{
@@ -293,15 +293,11 @@ fn plan_embed(ctx: &mut Ctx<'_>, store_dir: &Path) -> anyhow::Result<ExitCode> {
     let options = ctx.embed_options(Shard::ALL);
     let run_id = ctx.run_id.clone();
     let writer = open_main(store_dir, ctx.settings)?;
-    let embedder = ctx.embedder()?;
-    let plan = fluxmem_embed::plan::plan(
-        &writer,
-        embedder.model_id(),
-        embedder.dim(),
-        &options,
-        &run_id,
-    )
-    .context("planning the embed shards")?;
+    let models = &ctx.loaded.pipeline.models;
+    let (name, device) = (models.embedder.clone(), models.device.clone());
+    let model = PlanModel::of(&name, &device, ctx.embedder()?);
+    let plan = fluxmem_embed::plan::plan(&writer, &model, &options, &run_id)
+        .context("planning the embed shards")?;
     let header = plan.header();
     eprintln!(
         "  {} of {} nodes to embed, {} texts for the model in {} buckets: {}",
@@ -311,14 +307,16 @@ fn plan_embed(ctx: &mut Ctx<'_>, store_dir: &Path) -> anyhow::Result<ExitCode> {
         header.buckets,
         plan.dir().display()
     );
+    // The plan's record, and where it is (the folder the workers read and write).
+    let mut details = serde_json::to_value(header)?;
+    details["dir"] = plan.dir().display().to_string().into();
     let record = StageRecord {
         name: fluxmem_embed::STAGE.into(),
         status: "planned".into(),
         seconds: started.elapsed().as_secs_f64(),
         counts_in: counts(&[("nodes", header.nodes)]),
         counts_out: counts(&[("lacking", header.lacking), ("items", header.items)]),
-        details: serde_json::to_value(header)?,
-        ..Default::default()
+        details,
     };
     println!("{}", serde_json::to_string(&record)?);
     Ok(ExitCode::SUCCESS)
@@ -400,7 +398,6 @@ fn commit_embed(
             ("commits", report.commits),
         ]),
         details: json!({ "plan": digest, "report": report }),
-        ..Default::default()
     };
     add_stage_to_report(loaded, run_id, store_dir, &record)?;
     println!("{}", serde_json::to_string(&record)?);

@@ -27,7 +27,7 @@
 
 use crate::{embed_selected, node_rows, select, window_len, EmbedOptions, EmbedReport, Error};
 use crate::{Progress, Result};
-use arrow_array::builder::{FixedSizeListBuilder, Float32Builder, StringBuilder};
+use arrow_array::builder::StringBuilder;
 use arrow_array::{Array, FixedSizeListArray, Float32Array, RecordBatch, StringArray, UInt32Array};
 use arrow_schema::{DataType, Field, Schema};
 use fluxmem_graph::sha256_hex;
@@ -67,7 +67,11 @@ pub struct PlanHeader {
     pub run_id: String,
     /// The manifest version the plan read.
     pub version: u64,
-    /// The embedding model.
+    /// The embedding model's name as the pipeline gives it (what a worker loads).
+    pub embedder: String,
+    /// The pipeline's device (a worker may run on another: the vectors must not change).
+    pub device: String,
+    /// The embedding model's id (stored with every vector).
     pub model: String,
     /// Its dimension.
     pub dim: usize,
@@ -108,18 +112,43 @@ pub fn plan_dir(store: &Path, run_id: &str) -> PathBuf {
     store.join(fluxmem_store::SCRATCH).join(FOLDER).join(run_id)
 }
 
-/// Plans the embedding of the nodes of `writer`'s store that lack a vector of `model`
-/// (`dim` floats), for `run_id`. A plan left by an earlier attempt of the run id is replaced
-/// (its folder, with its results, is removed: it holds only what this module wrote).
+/// The model a plan is for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanModel {
+    /// Its name as the pipeline gives it (`all-minilm-l6-v2`, `hash-384`).
+    pub name: String,
+    /// The pipeline's device.
+    pub device: String,
+    /// The model's id ([`Embedder::model_id`]).
+    pub id: String,
+    /// Its dimension.
+    pub dim: usize,
+}
+
+impl PlanModel {
+    /// The model `embedder` loaded from `name` for `device`.
+    pub fn of(name: &str, device: &str, embedder: &dyn Embedder) -> PlanModel {
+        PlanModel {
+            name: name.to_string(),
+            device: device.to_string(),
+            id: embedder.model_id().to_string(),
+            dim: embedder.dim(),
+        }
+    }
+}
+
+/// Plans the embedding of the nodes of `writer`'s store that lack a vector of `model`, for
+/// `run_id`. A plan left by an earlier attempt of the run id is replaced (its folder, with its
+/// results, is removed: it holds only what this module wrote).
 pub fn plan(
     writer: &Writer,
-    model: &str,
-    dim: usize,
+    model: &PlanModel,
     options: &EmbedOptions,
     run_id: &str,
 ) -> Result<Plan> {
-    crate::check_model(writer, model, dim)?;
-    let selection = select(writer, model, options)?;
+    let (dim, model_id) = (model.dim, model.id.as_str());
+    crate::check_model(writer, model_id, dim)?;
+    let selection = select(writer, model_id, options)?;
     // Each text once, by key; then the texts a stored vector of the model already holds out.
     let mut texts: BTreeMap<String, String> = BTreeMap::new();
     for nodes in selection.lacking.chunks(window_len(options)) {
@@ -132,7 +161,7 @@ pub fn plan(
         .store()
         .live(writer.manifest(), "embeddings")?
         .embedding_keys(&mut |_, m, hash| {
-            if m == model {
+            if m == model_id {
                 texts.remove(hash);
             }
         })?;
@@ -146,7 +175,9 @@ pub fn plan(
         format: FORMAT,
         run_id: run_id.to_string(),
         version: writer.manifest().version,
-        model: model.to_string(),
+        embedder: model.name.clone(),
+        device: model.device.clone(),
+        model: model.id.clone(),
         dim,
         buckets: BUCKETS,
         nodes: selection.nodes,
@@ -264,7 +295,6 @@ impl Plan {
         embedder: &dyn Embedder,
         batch_size: usize,
     ) -> Result<RecordBatch> {
-        self.check_embedder(embedder)?;
         let column = |name: &str| {
             items
                 .column_by_name(name)
@@ -276,16 +306,38 @@ impl Plan {
         };
         let (keys, texts) = (column("key")?, column("text")?);
         let dim = self.header.dim;
-        let mut vectors = FixedSizeListBuilder::with_capacity(
-            Float32Builder::with_capacity(items.num_rows() * dim),
-            dim as i32,
-            items.num_rows(),
-        )
-        .with_field(vector_item());
         let rows: Vec<(&str, &str)> = (0..items.num_rows())
             .map(|i| (keys.value(i), texts.value(i)))
             .collect();
-        for (key, text) in &rows {
+        let flat = self.embed_rows(&rows, embedder, batch_size)?;
+        let values = Float32Array::from(flat);
+        let vectors =
+            FixedSizeListArray::try_new(vector_item(), dim as i32, Arc::new(values), None)
+                .expect("dim floats a row");
+        let plan = StringArray::from(vec![self.header.digest.as_str(); rows.len()]);
+        let keys = StringArray::from(rows.iter().map(|(k, _)| *k).collect::<Vec<_>>());
+        RecordBatch::try_new(
+            results_schema(dim),
+            vec![Arc::new(plan), Arc::new(keys), Arc::new(vectors)],
+        )
+        .map_err(|e| Error::Plan {
+            path: self.dir.join(RESULTS),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Embeds `rows` (key and text pairs of the plan's items), `batch_size` texts a call: their
+    /// vectors, one after the other (`rows.len() * dim` floats). A text whose SHA-256 is not its
+    /// key, or another model than the plan's, is refused. What [`Plan::execute`] and the Python
+    /// workers (crates/fluxmem-py) run.
+    pub fn embed_rows(
+        &self,
+        rows: &[(&str, &str)],
+        embedder: &dyn Embedder,
+        batch_size: usize,
+    ) -> Result<Vec<f32>> {
+        self.check_embedder(embedder)?;
+        for (key, text) in rows {
             if sha256_hex(text.as_bytes()) != *key {
                 return Err(Error::Plan {
                     path: self.dir.join(ITEMS_FILE),
@@ -293,25 +345,17 @@ impl Plan {
                 });
             }
         }
+        let dim = self.header.dim;
+        let mut flat = Vec::with_capacity(rows.len() * dim);
         for batch in rows.chunks(batch_size.max(1)) {
             let texts: Vec<&str> = batch.iter().map(|(_, text)| *text).collect();
             let out = embedder.embed(&texts)?;
             crate::check_output(&self.header.model, dim, texts.len(), &out)?;
             for vector in out {
-                vectors.values().append_slice(&vector);
-                vectors.append(true);
+                flat.extend_from_slice(&vector);
             }
         }
-        let plan = StringArray::from(vec![self.header.digest.as_str(); rows.len()]);
-        let keys = StringArray::from(rows.iter().map(|(k, _)| *k).collect::<Vec<_>>());
-        RecordBatch::try_new(
-            results_schema(dim),
-            vec![Arc::new(plan), Arc::new(keys), Arc::new(vectors.finish())],
-        )
-        .map_err(|e| Error::Plan {
-            path: self.dir.join(RESULTS),
-            reason: e.to_string(),
-        })
+        Ok(flat)
     }
 
     /// Writes `results` (of [`Plan::execute`]) to `results/<name>.parquet` in the plan's

@@ -3,7 +3,7 @@
 //! what does not match the plan.
 
 use arrow_array::RecordBatch;
-use fluxmem_embed::plan::{plan, Plan, BUCKETS};
+use fluxmem_embed::plan::{plan, Plan, PlanModel, BUCKETS};
 use fluxmem_embed::{embed_store, EmbedOptions, NoProgress};
 use fluxmem_graph::{Graph, Node, NodeBody, Semantic};
 use fluxmem_models::{Embedder, HashEmbedder};
@@ -123,7 +123,8 @@ fn shards(dir: &Path) -> Vec<(String, u64, String)> {
 
 fn planned(dir: &Path) -> Plan {
     let writer = Writer::open(dir).unwrap();
-    plan(&writer, "hash-16", 16, &options(), "night").unwrap()
+    let model = PlanModel::of("hash-16", "cpu", &HashEmbedder::new(16));
+    plan(&writer, &model, &options(), "night").unwrap()
 }
 
 fn commit(dir: &Path, plan: &Plan) -> fluxmem_embed::Result<fluxmem_embed::EmbedReport> {

@@ -100,6 +100,30 @@ pub fn load_embedder(name: &str, device: &DeviceChoice) -> Result<SentenceEmbedd
     embedder_from_cache(name, &device, BertBackend::for_device(&device))
 }
 
+/// The embedder a pipeline or a flag names: `hash-<dim>` is the weight-free [`HashEmbedder`]
+/// (`dim` from 1 to 65536), any other name a model of the cache ([`load_embedder`]), batching
+/// `batch_size` texts per forward when given.
+pub fn open_embedder(
+    name: &str,
+    device: &DeviceChoice,
+    batch_size: Option<usize>,
+) -> Result<Box<dyn Embedder>> {
+    if let Some(dim) = name.strip_prefix("hash-") {
+        return match dim.parse::<usize>() {
+            Ok(dim) if (1..=65536).contains(&dim) => Ok(Box::new(HashEmbedder::new(dim))),
+            _ => Err(Error::Unsupported {
+                model: name.to_string(),
+                reason: "a hash embedder is hash-<dim>, dim a whole number from 1 to 65536".into(),
+            }),
+        };
+    }
+    let embedder = load_embedder(name, device)?;
+    Ok(Box::new(match batch_size {
+        Some(size) => embedder.with_batch_size(size),
+        None => embedder,
+    }))
+}
+
 /// [`load_embedder`] with the forward pass chosen (benchmarks compare them).
 pub fn load_embedder_with(
     name: &str,

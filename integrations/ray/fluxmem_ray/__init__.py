@@ -10,10 +10,12 @@ the driver, global stages as one Ray task). See docs/scale-out.md.
     print(summary.table())
 """
 
+from .actors import EmbedActor, execute_embed_plan
 from .contract import GLOBAL_STAGES, MAP_STAGES, STAGES, FluxmemError, Invocation, run_global, run_merge, run_shard
 from .pipeline import Options, Summary, run_pipeline
 
 __all__ = [
+    "EmbedActor",
     "FluxmemError",
     "GLOBAL_STAGES",
     "Invocation",
@@ -21,6 +23,7 @@ __all__ = [
     "Options",
     "STAGES",
     "Summary",
+    "execute_embed_plan",
     "run_global",
     "run_merge",
     "run_pipeline",

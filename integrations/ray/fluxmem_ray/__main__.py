@@ -29,6 +29,9 @@ def parse(argv):
     parser.add_argument("--gpus-per-worker", type=float, help="GPUs per actor/task (default: 1 when the cluster has GPUs)")
     parser.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs per actor/task (default: 1)")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subsequence of {','.join(STAGES)}")
+    parser.add_argument("--embed-in-processes", action="store_true",
+                        help="run embed's shards as fluxmem processes, not in actors that keep the model (fluxmem_py)")
+    parser.add_argument("--embed-batch", type=int, default=256, help="plan items per Ray batch of the embed actors")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser.parse_args(argv)
 
@@ -44,6 +47,8 @@ def main(argv=None):
         gpus_per_worker=args.gpus_per_worker,
         cpus_per_worker=args.cpus_per_worker,
         stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()),
+        embed_in_actors=not args.embed_in_processes,
+        embed_batch=args.embed_batch,
     )
     try:
         summary = run_pipeline(args.pipeline, args.run_id, options, binary=args.binary, store=args.store, env=env)

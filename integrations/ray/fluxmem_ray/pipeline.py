@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from . import contract
+from . import actors, contract
 from .contract import GLOBAL_STAGES, MAP_STAGES, STAGES, Invocation
 
 # The driver ships this package to the workers by value, so a cluster needs only Ray and the
@@ -64,6 +64,12 @@ class Options:
     """The stages to run, a subsequence of STAGES in that order."""
     progress_bars: bool = False
     """Show Ray Data's progress bars."""
+    embed_in_actors: bool = True
+    """Embed's execute step in-process in Ray Data actors that keep the model loaded
+    (``fluxmem_ray.actors``, needs the ``fluxmem_py`` module); False: one ``fluxmem`` process
+    a shard, as the other map stages."""
+    embed_batch: int = 256
+    """Plan items per Ray batch of the embed actors."""
 
 
 class ShardWorker:
@@ -131,6 +137,9 @@ class Summary:
             if stage["mode"] == "map":
                 shard_seconds = ", ".join(f"{s['seconds']:.1f}" for s in stage["shards"])
                 detail = f"shards [{shard_seconds}]s, merge {stage['merge']['seconds']:.1f}s"
+            elif stage["mode"] == "actors":
+                detail = (f"plan {stage['plan']['seconds']:.1f}s, {stage['execute']['workers']} actors "
+                          f"{stage['execute']['seconds']:.1f}s, commit {stage['merge']['seconds']:.1f}s")
             elif stage["mode"] == "global":
                 detail = f"one task, {stage['record'].get('status', '')}"
             else:
@@ -198,6 +207,8 @@ def _map_stage(invocation: Invocation, stage: str, options: Options, gpus: float
         task = ray.remote(num_gpus=gpus, num_cpus=options.cpus_per_worker, max_retries=0)(_run_plan_task)
         plan = ray.get(task.remote(invocation, stage))
     workers = max(1, min(options.workers or count, count, _actors_that_fit(options, gpus)))
+    if stage == "embed" and options.embed_in_actors:
+        return _embed_in_actors(invocation, options, gpus, plan, workers)
     # from_items puts the N rows in the object store from the driver: no read task competes
     # with the actors for CPUs (on a small cluster a read task and a full pool can deadlock).
     dataset = ray.data.from_items([{"id": i} for i in range(count)], override_num_blocks=count).map_batches(
@@ -232,3 +243,22 @@ def _map_stage(invocation: Invocation, stage: str, options: Options, gpus: float
     if plan is not None:
         entry["plan"] = plan
     return entry
+
+
+def _embed_in_actors(invocation: Invocation, options: Options, gpus: float, plan: dict, workers: int) -> dict:
+    """Embed's execute step in Ray Data actors that keep the model (``fluxmem_ray.actors``),
+    then the commit (``--merge``), which checks every result against the plan."""
+    started = time.monotonic()
+    store = contract.store_dir(invocation.pipeline, invocation.store)
+    execute = actors.execute_embed_plan(
+        store,
+        invocation.run_id,
+        workers=workers,
+        batch_size=options.embed_batch,
+        gpus_per_worker=gpus,
+        cpus_per_worker=options.cpus_per_worker,
+        env=invocation.env,
+    )
+    execute["seconds"] = time.monotonic() - started
+    merge = contract.run_merge(invocation, "embed", options.shards)
+    return {"name": "embed", "mode": "actors", "plan": plan, "execute": execute, "merge": merge}

@@ -1,0 +1,142 @@
+//! `fluxmem_py`: the execute step of a planned embed (`fluxmem_embed::plan`) as a Python class,
+//! for workers that keep their model loaded across batches (the Ray actors of
+//! `integrations/ray`, `fluxmem_ray.actors`).
+//!
+//! ```python
+//! import fluxmem_py
+//! executor = fluxmem_py.EmbedExecutor("/data/store", "nightly-2026-12-07")  # loads the model once
+//! floats = executor.embed(keys, texts)  # little-endian f32, len(texts) * executor.dim of them
+//! ```
+//!
+//! An executor opens the run's plan (checked: its digest and the items file's SHA-256) and
+//! loads the model the plan names, on the plan's device or the one given. `embed` checks that
+//! each text hashes to its key and runs the model with the GIL released; the caller writes the
+//! vectors as the plan's result rows (`plan`, `key`, `vector`), which the commit
+//! (`fluxmem run P --stage embed --merge N`) checks against the plan. Texts cross into Rust as
+//! Python strings (one copy, which the model's tokenizer would make anyway) and the vectors come
+//! back as one `bytes` object, which `numpy.frombuffer` and `pyarrow` wrap without copying.
+//!
+//! Build: `maturin develop -m crates/fluxmem-py/Cargo.toml` in a virtualenv (scripts/test.sh
+//! does it), or `maturin build --release` for a wheel to install on every node.
+
+use fluxmem_embed::plan::Plan;
+use fluxmem_models::{DeviceChoice, Embedder};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use std::path::PathBuf;
+
+/// The execute step of one run's embed plan, with its model loaded.
+#[pyclass(module = "fluxmem_py", frozen)]
+struct EmbedExecutor {
+    plan: Plan,
+    embedder: Box<dyn Embedder>,
+    batch_size: usize,
+}
+
+#[pymethods]
+impl EmbedExecutor {
+    /// Opens the plan of `run_id` in the store at `store` and loads its model on `device`
+    /// (default: the plan's, the pipeline's device), `batch_size` texts a forward.
+    #[new]
+    #[pyo3(signature = (store, run_id, device=None, batch_size=32))]
+    fn new(
+        py: Python<'_>,
+        store: PathBuf,
+        run_id: &str,
+        device: Option<&str>,
+        batch_size: usize,
+    ) -> PyResult<Self> {
+        let plan = Plan::open(&store, run_id)
+            .map_err(value_error)?
+            .ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "{}: no embed plan for run id `{run_id}`; plan first with \
+                 `fluxmem run P --run-id {run_id} --stage embed --plan`",
+                    store.display()
+                ))
+            })?;
+        let header = plan.header();
+        let device: DeviceChoice = device
+            .unwrap_or(&header.device)
+            .parse()
+            .map_err(value_error)?;
+        let name = header.embedder.clone();
+        let embedder = py
+            .detach(|| fluxmem_models::open_embedder(&name, &device, Some(batch_size)))
+            .map_err(runtime_error)?;
+        Ok(EmbedExecutor {
+            plan,
+            embedder,
+            batch_size,
+        })
+    }
+
+    /// The plan's digest, which every result row carries in its `plan` column.
+    #[getter]
+    fn digest(&self) -> &str {
+        &self.plan.header().digest
+    }
+
+    /// Floats per vector.
+    #[getter]
+    fn dim(&self) -> usize {
+        self.plan.header().dim
+    }
+
+    /// The model's id.
+    #[getter]
+    fn model(&self) -> &str {
+        &self.plan.header().model
+    }
+
+    /// The plan's folder (`items.parquet`, and `results/` where the vectors go).
+    #[getter]
+    fn plan_dir(&self) -> String {
+        self.plan.dir().display().to_string()
+    }
+
+    /// The vectors of `texts` (rows of the plan's items with their `keys`), as little-endian
+    /// 32-bit floats one vector after the other. The GIL is released while the model runs.
+    fn embed<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        texts: Vec<String>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        if keys.len() != texts.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} keys for {} texts",
+                keys.len(),
+                texts.len()
+            )));
+        }
+        let flat = py
+            .detach(|| {
+                let rows: Vec<(&str, &str)> = keys
+                    .iter()
+                    .zip(&texts)
+                    .map(|(k, t)| (k.as_str(), t.as_str()))
+                    .collect();
+                self.plan
+                    .embed_rows(&rows, self.embedder.as_ref(), self.batch_size)
+            })
+            .map_err(runtime_error)?;
+        let bytes: Vec<u8> = flat.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Ok(PyBytes::new(py, &bytes))
+    }
+}
+
+fn value_error(error: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(error.to_string())
+}
+
+fn runtime_error(error: impl std::fmt::Display) -> PyErr {
+    PyRuntimeError::new_err(error.to_string())
+}
+
+/// The Python module.
+#[pymodule]
+fn fluxmem_py(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<EmbedExecutor>()
+}

@@ -1,0 +1,108 @@
+"""Ray Data actors that run fluxmem's execute steps in-process, keeping their model loaded.
+
+Embed is planned first (``fluxmem run P --run-id R --stage embed --plan``: the texts to embed,
+each once, in fixed buckets, in ``<store>/scratch/embed/<R>/items.parquet``). Then
+:func:`execute_embed_plan` reads the plan's items with ``ray.data.read_parquet``, runs
+:class:`EmbedActor` over them with ``map_batches`` on a fixed actor pool (``num_gpus`` per
+actor; each actor loads the model once, through the ``fluxmem_py`` extension module built from
+crates/fluxmem-py, and the model runs with the GIL released) and writes the vectors with
+``write_parquet`` to the plan's ``results/``. The commit (``--stage embed --merge N``) checks
+every result against the plan and commits the shard files of a single-machine run, byte for
+byte: which actor embedded what, in which batches and order, and how often a batch was retried
+do not change them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+
+def plan_dir(store: str | os.PathLike, run_id: str) -> Path:
+    """The folder of the embed plan of ``run_id`` (``fluxmem_embed::plan::plan_dir``)."""
+    return Path(store) / "scratch" / "embed" / run_id
+
+
+class EmbedActor:
+    """A Ray Data actor: embeds batches of a plan's items (``key``, ``text`` columns) with the
+    plan's model, loaded once, into result rows (``plan``, ``key``, ``vector``)."""
+
+    def __init__(self, store: str, run_id: str, device: str | None = None, batch_size: int = 32,
+                 env: dict[str, str] | None = None):
+        # The fluxmem environment (FLUXMEM_MODELS: where the models are) a subprocess would get.
+        os.environ.update(env or {})
+        try:
+            import fluxmem_py
+        except ImportError as error:
+            raise RuntimeError(
+                "the fluxmem_py module is not installed on this node: build it with "
+                "`maturin develop -m crates/fluxmem-py/Cargo.toml` (or install its wheel)"
+            ) from error
+        self.executor = fluxmem_py.EmbedExecutor(store, run_id, device=device, batch_size=batch_size)
+        self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        keys = batch.column("key").to_pylist()
+        texts = batch.column("text").to_pylist()
+        floats = np.frombuffer(self.executor.embed(keys, texts), dtype="<f4")
+        vectors = pa.FixedSizeListArray.from_arrays(pa.array(floats, pa.float32()), self.executor.dim)
+        return pa.table(
+            {
+                "plan": pa.array([self.executor.digest] * len(keys), pa.string()),
+                "key": pa.array(keys, pa.string()),
+                "vector": vectors,
+            }
+        )
+
+
+def execute_embed_plan(
+    store: str | os.PathLike,
+    run_id: str,
+    workers: int,
+    batch_size: int = 256,
+    gpus_per_worker: float = 0.0,
+    cpus_per_worker: float = 1.0,
+    device: str | None = None,
+    model_batch: int = 32,
+    shuffle_seed: int | None = None,
+    env: dict[str, str] | None = None,
+    actor: type = EmbedActor,
+) -> dict:
+    """Executes the embed plan of ``run_id`` in the store at ``store`` on the connected Ray
+    cluster: ``workers`` actors, ``batch_size`` items a Ray batch (``model_batch`` texts a
+    forward), the items in plan order or shuffled with ``shuffle_seed``; ``env`` is set in each
+    actor's environment. Returns what ran."""
+    folder = plan_dir(store, run_id)
+    items = folder / "items.parquet"
+    if not items.is_file():
+        raise FileNotFoundError(f"{items}: no embed plan; run `fluxmem run P --run-id {run_id} --stage embed --plan` first")
+    # The read and write tasks take no CPU of their own, and the actors leave one CPU free for
+    # read_parquet's file listing (a task of one CPU that takes no resource arguments): on a
+    # cluster the actors fill, a read waiting for a CPU and a pool waiting for rows deadlock.
+    free = {"num_cpus": 0}
+    workers = max(1, workers)
+    spare = ray.cluster_resources().get("CPU", 1.0) - 1.0
+    if workers * cpus_per_worker > spare:
+        cpus_per_worker = max(0.01, spare / workers)
+    dataset = ray.data.read_parquet(str(items), columns=["key", "text"], ray_remote_args=free)
+    # The plan is one file: split it so that every actor gets rows.
+    dataset = dataset.repartition(workers * 4)
+    if shuffle_seed is not None:
+        dataset = dataset.random_shuffle(seed=shuffle_seed)
+    dataset = dataset.map_batches(
+        actor,
+        fn_constructor_kwargs={"store": str(store), "run_id": run_id, "device": device, "batch_size": model_batch,
+                               "env": env},
+        batch_format="pyarrow",
+        batch_size=batch_size,
+        compute=ray.data.ActorPoolStrategy(size=workers),
+        num_gpus=gpus_per_worker,
+        num_cpus=cpus_per_worker,
+    )
+    dataset.write_parquet(str(folder / "results"), ray_remote_args=free)
+    return {"workers": workers, "cpus_per_worker": cpus_per_worker, "batch_size": batch_size,
+            "shuffle_seed": shuffle_seed, "plan_dir": str(folder)}
