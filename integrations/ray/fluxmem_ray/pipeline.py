@@ -10,15 +10,17 @@ once, as one Ray task (with ``num_gpus`` when there are GPUs), in order.
 
 Known limits, stated plainly:
 
-- The worker is the Rust binary, one process per shard: its models load once per shard, not
-  once per actor, and no rows stream through Ray. The store itself is the data plane: every
+- Embed (``Options.embed_in_actors``, the default) runs its execute step in Ray Data actors
+  that keep the model loaded (``fluxmem_ray.actors``, through the ``fluxmem_py`` module). For
+  the other map stages the worker is the Rust binary, one process per shard: its models load
+  once per shard, not once per actor, and no rows stream through Ray. The store itself is the data plane: every
   node (the driver included) must see the store directory, the pipeline file, its inputs and
   the binary at the same paths (a shared filesystem). An Arrow-IPC streaming worker that keeps
   the models loaded across batches is not built.
 - Embed is a map stage planned once: one Ray task lists the texts to embed in 64 fixed
-  buckets (``--stage embed --plan``), each shard embeds the buckets it owns into the plan's
-  result files, and the merge checks every result against the plan and commits the shard
-  files of a single-machine run, byte for byte.
+  buckets (``--stage embed --plan``), the actors (or, without them, each shard process) embed
+  them into the plan's result files, and the merge checks every result against the plan and
+  commits the shard files of a single-machine run, byte for byte.
 - Consolidate is a map stage planned once: one Ray task clusters the store
   (``--stage consolidate --plan``, recorded in the store), then every shard induces the skills
   of the planned clusters it owns (by a hash of the cluster's episodes), so no shard depends on
