@@ -29,39 +29,24 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fluxmem_ray  # noqa: E402
 from fluxmem_ray.actors import EmbedActor, plan_dir  # noqa: E402
+from samples import binary, models_env, samples_pipeline  # noqa: E402
 
 # The dying actor below is pickled with this module's code (workers cannot import tests).
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-REPO = Path(__file__).resolve().parents[3]
 RUN_ID = "ray-actors-1"
 
-PIPELINE = """\
+PIPELINE = samples_pipeline(
+    """\
 name = "ray-actors"
 store = "store"
 seed = 7
-
-[models]
-device = "cpu"
-generator = "none"
-judge = "none"
-
-[[inputs]]
-paths = ["{data}/trajectories.jsonl", "{data}/knowledge/*.md"]
-
-[[inputs]]
-paths = ["{data}/tau-bench/*.json"]
-format = "tau-bench"
-tenant = "airline"
-
-[[inputs]]
-paths = ["{data}/alfworld/*.json"]
-format = "alfworld"
-tenant = "alfworld"
-
+""",
+    """\
 [report]
 dir = "runs"
-"""
+""",
+)
 
 
 class DyingOnce(EmbedActor):
@@ -78,21 +63,10 @@ class DyingOnce(EmbedActor):
         os._exit(1)
 
 
-def binary() -> str:
-    path = os.environ.get("FLUXMEM_BIN")
-    if not path or not os.access(path, os.X_OK):
-        raise RuntimeError(f"FLUXMEM_BIN must name the built fluxmem binary (got {path!r}); run scripts/test.sh")
-    return path
-
-
-def env() -> dict:
-    return {"FLUXMEM_MODELS": os.environ.get("FLUXMEM_MODELS", str(Path.home() / ".cache/fluxmem/models"))}
-
-
 def fluxmem(pipeline: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [binary(), "run", str(pipeline), "--run-id", RUN_ID, "--no-progress", *args],
-        capture_output=True, text=True, env={**os.environ, **env()},
+        capture_output=True, text=True, env={**os.environ, **models_env()},
     )
     if ok:
         assert done.returncode == 0, f"{args} failed ({done.returncode}):\n{done.stderr}"
@@ -103,7 +77,7 @@ def ingested(root: Path, name: str) -> Path:
     """A pipeline in root/name whose store holds the ingested samples."""
     (root / name).mkdir()
     pipeline = root / name / "pipeline.toml"
-    pipeline.write_text(PIPELINE.format(data=REPO / "data"))
+    pipeline.write_text(PIPELINE)
     fluxmem(pipeline, "--stage", "ingest")
     return pipeline
 
@@ -145,7 +119,7 @@ def test_a_plan_executed_in_actors_commits_the_single_runs_shards(reference, cas
     assert plan["status"] == "planned" and plan["counts_out"]["items"] > 0, plan
     ran = fluxmem_ray.execute_embed_plan(
         store, RUN_ID, workers=workers, batch_size=batch, gpus_per_worker=0.5, shuffle_seed=shuffle,
-        env=env(), actor=actor,
+        env=models_env(), actor=actor,
     )
     results = list((plan_dir(store, RUN_ID) / "results").glob("*.parquet"))
     rows = sum(pq.read_metadata(f).num_rows for f in results)
@@ -162,7 +136,7 @@ def test_the_commit_refuses_a_result_of_another_plan(reference):
     pipeline = ingested(root, "altered")
     store = pipeline.parent / "store"
     fluxmem(pipeline, "--stage", "embed", "--plan")
-    fluxmem_ray.execute_embed_plan(store, RUN_ID, workers=1, gpus_per_worker=0.5, env=env())
+    fluxmem_ray.execute_embed_plan(store, RUN_ID, workers=1, gpus_per_worker=0.5, env=models_env())
     first = sorted((plan_dir(store, RUN_ID) / "results").glob("*.parquet"))[0]
     table = pq.read_table(first)
     table = table.set_column(0, "plan", pa.array(["an earlier plan"] * table.num_rows, pa.string()))

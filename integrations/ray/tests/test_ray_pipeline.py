@@ -23,8 +23,8 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fluxmem_ray  # noqa: E402
+from samples import binary, models_env, samples_pipeline  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[3]
 RUN_ID = "ray-equivalence-1"
 SHARDS = 2
 # Everything is compared exactly, floats bit for bit. A text's embedding is a function of the
@@ -33,29 +33,13 @@ SHARDS = 2
 # which batch different subsets, produce the same vectors as the single run, and every weight,
 # score and edit derived from them is then the same computation on the same numbers.
 
-PIPELINE = """\
+PIPELINE = samples_pipeline(
+    """\
 name = "ray-test"
 store = "store"
 seed = 7
-
-[models]
-device = "cpu"
-generator = "none"
-judge = "none"
-
-[[inputs]]
-paths = ["{data}/trajectories.jsonl", "{data}/knowledge/*.md"]
-
-[[inputs]]
-paths = ["{data}/tau-bench/*.json"]
-format = "tau-bench"
-tenant = "airline"
-
-[[inputs]]
-paths = ["{data}/alfworld/*.json"]
-format = "alfworld"
-tenant = "alfworld"
-
+""",
+    """\
 # Consolidate is a map stage: each shard clusters the same store and induces the skills of the
 # clusters it owns. Skills are worded by template (`generator = "none"`: the real generator
 # costs minutes per cluster in a debug build); mining, PEMS and eta run as in production.
@@ -71,7 +55,8 @@ out = "out/skills"
 
 [report]
 dir = "out/runs"
-"""
+""",
+)
 
 KEYS = {
     "nodes": ("id",),
@@ -79,13 +64,6 @@ KEYS = {
     "edges": ("src", "dst", "kind"),
     "embeddings": ("node_id", "model_id"),
 }
-
-
-def binary() -> str:
-    path = os.environ.get("FLUXMEM_BIN")
-    if not path or not os.access(path, os.X_OK):
-        raise RuntimeError(f"FLUXMEM_BIN must name the built fluxmem binary (got {path!r}); run scripts/test.sh")
-    return path
 
 
 def live_rows(store: Path, table: str) -> dict:
@@ -135,13 +113,13 @@ def parsed(value):
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-equivalence")
-    text = PIPELINE.format(data=REPO / "data")
+    text = PIPELINE
     pipelines = {}
     for name in ("single", "ray"):
         (root / name).mkdir()
         pipelines[name] = root / name / "pipeline.toml"
         pipelines[name].write_text(text)
-    env = {"FLUXMEM_MODELS": os.environ.get("FLUXMEM_MODELS", str(Path.home() / ".cache/fluxmem/models"))}
+    env = models_env()
 
     single = subprocess.run(
         [binary(), "run", str(pipelines["single"]), "--run-id", RUN_ID, "--no-progress", "--json"],
