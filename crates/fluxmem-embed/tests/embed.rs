@@ -2,47 +2,12 @@
 
 use fluxmem_embed::{embed_store, EmbedOptions, Error, NoProgress};
 use fluxmem_graph::{Graph, Node, NodeBody, Semantic};
-use fluxmem_models::{Embedder, HashEmbedder};
+use fluxmem_models::HashEmbedder;
 use fluxmem_store::{CommitInfo, Store, Writer};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
-/// Counts texts embedded and fails once a budget of calls is spent (a simulated crash).
-struct Counting {
-    inner: HashEmbedder,
-    texts: AtomicUsize,
-    calls: AtomicUsize,
-    fail_after_calls: usize,
-}
-
-impl Counting {
-    fn new(fail_after_calls: usize) -> Counting {
-        Counting {
-            inner: HashEmbedder::new(16),
-            texts: AtomicUsize::new(0),
-            calls: AtomicUsize::new(0),
-            fail_after_calls,
-        }
-    }
-}
-
-impl Embedder for Counting {
-    fn model_id(&self) -> &str {
-        self.inner.model_id()
-    }
-    fn dim(&self) -> usize {
-        self.inner.dim()
-    }
-    fn embed(&self, texts: &[&str]) -> fluxmem_models::Result<Vec<Vec<f32>>> {
-        if self.calls.fetch_add(1, Ordering::SeqCst) >= self.fail_after_calls {
-            return Err(fluxmem_models::Error::Tokenizer("simulated crash".into()));
-        }
-        self.texts.fetch_add(texts.len(), Ordering::SeqCst);
-        self.inner.embed(texts)
-    }
-    fn count_tokens(&self, text: &str) -> fluxmem_models::Result<usize> {
-        self.inner.count_tokens(text)
-    }
-}
+mod common;
+use common::Scripted;
 
 fn store_with(texts: &[&str]) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -88,7 +53,7 @@ const TEXTS: [&str; 7] = [
 fn embeds_every_node_once_and_reuses_vectors_of_identical_text() {
     let dir = store_with(&TEXTS);
     let mut writer = Writer::open(dir.path()).unwrap();
-    let embedder = Counting::new(usize::MAX);
+    let embedder = Scripted::failing_after(usize::MAX);
     let options = EmbedOptions {
         batch_size: 2,
         commit_every: 100,
@@ -126,7 +91,7 @@ fn interrupted_run_keeps_its_commits_and_a_rerun_finishes_identically() {
     let mut reference = Writer::open(reference_dir.path()).unwrap();
     embed_store(
         &mut reference,
-        &Counting::new(usize::MAX),
+        &Scripted::failing_after(usize::MAX),
         &options,
         "r",
         &mut NoProgress,
@@ -136,14 +101,14 @@ fn interrupted_run_keeps_its_commits_and_a_rerun_finishes_identically() {
 
     let dir = store_with(&TEXTS);
     let mut writer = Writer::open(dir.path()).unwrap();
-    let crashing = Counting::new(3);
+    let crashing = Scripted::failing_after(3);
     assert!(embed_store(&mut writer, &crashing, &options, "r1", &mut NoProgress).is_err());
     let partial = writer.store().load().unwrap().stats().embedded;
     assert!(
         partial > 0 && partial < 7,
         "some chunks were committed before the crash ({partial})"
     );
-    let resumed = Counting::new(usize::MAX);
+    let resumed = Scripted::failing_after(usize::MAX);
     let report = embed_store(&mut writer, &resumed, &options, "r2", &mut NoProgress).unwrap();
     assert_eq!(report.already, partial);
     assert_eq!(
@@ -201,7 +166,7 @@ fn a_small_window_writes_the_same_shards_and_embeds_each_text_once() {
     let shards = |window: usize| {
         let dir = store_with(&TEXTS);
         let mut writer = Writer::open(dir.path()).unwrap();
-        let embedder = Counting::new(usize::MAX);
+        let embedder = Scripted::failing_after(usize::MAX);
         let options = EmbedOptions {
             batch_size: 1,
             commit_every: 2,
@@ -244,7 +209,7 @@ fn a_later_night_reads_repeated_texts_back_from_the_history() {
     };
     embed_store(
         &mut writer,
-        &Counting::new(usize::MAX),
+        &Scripted::failing_after(usize::MAX),
         &options,
         "r1",
         &mut NoProgress,
@@ -277,7 +242,7 @@ fn a_later_night_reads_repeated_texts_back_from_the_history() {
             },
         )
         .unwrap();
-    let embedder = Counting::new(usize::MAX);
+    let embedder = Scripted::failing_after(usize::MAX);
     let report = embed_store(&mut writer, &embedder, &options, "r2", &mut NoProgress).unwrap();
     assert_eq!(
         (report.nodes, report.already, report.embedded, report.cached),
@@ -343,7 +308,7 @@ fn an_episode_that_grew_after_it_was_embedded_is_embedded_again() {
             },
         )
         .unwrap();
-    let embedder = Counting::new(usize::MAX);
+    let embedder = Scripted::failing_after(usize::MAX);
     let options = EmbedOptions::default();
     let first = embed_store(&mut writer, &embedder, &options, "r1", &mut NoProgress).unwrap();
     assert_eq!((first.embedded, first.changed), (2, 0));

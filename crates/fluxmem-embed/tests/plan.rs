@@ -11,44 +11,8 @@ use fluxmem_store::{CommitInfo, Store, Writer};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The hashing embedder, failing its first `fail_first` calls (an actor that dies on its first
-/// batch) and counting the texts it embeds.
-struct Flaky {
-    inner: HashEmbedder,
-    calls: AtomicUsize,
-    texts: AtomicUsize,
-    fail_first: usize,
-}
-
-impl Flaky {
-    fn new(fail_first: usize) -> Flaky {
-        Flaky {
-            inner: HashEmbedder::new(16),
-            calls: AtomicUsize::new(0),
-            texts: AtomicUsize::new(0),
-            fail_first,
-        }
-    }
-}
-
-impl Embedder for Flaky {
-    fn model_id(&self) -> &str {
-        self.inner.model_id()
-    }
-    fn dim(&self) -> usize {
-        self.inner.dim()
-    }
-    fn embed(&self, texts: &[&str]) -> fluxmem_models::Result<Vec<Vec<f32>>> {
-        if self.calls.fetch_add(1, Ordering::SeqCst) < self.fail_first {
-            return Err(fluxmem_models::Error::Tokenizer("simulated crash".into()));
-        }
-        self.texts.fetch_add(texts.len(), Ordering::SeqCst);
-        self.inner.embed(texts)
-    }
-    fn count_tokens(&self, text: &str) -> fluxmem_models::Result<usize> {
-        self.inner.count_tokens(text)
-    }
-}
+mod common;
+use common::Scripted;
 
 fn commit_texts(dir: &Path, source: &str, texts: &[String]) {
     let mut graph = Graph::default();
@@ -145,7 +109,7 @@ fn rows(plan: &Plan) -> Vec<RecordBatch> {
 #[test]
 fn a_plan_executed_any_way_commits_the_shards_of_an_in_process_run() {
     let reference = night_store();
-    let model = Flaky::new(0);
+    let model = Scripted::failing_first(0);
     let mut writer = Writer::open(reference.path()).unwrap();
     let report = embed_store(
         &mut writer,
@@ -170,7 +134,7 @@ fn a_plan_executed_any_way_commits_the_shards_of_an_in_process_run() {
         report.embedded,
         "the plan holds the texts the model embeds"
     );
-    let worker = Flaky::new(0);
+    let worker = Scripted::failing_first(0);
     plan1
         .execute_buckets(&worker, &|_| true, 256, "w0", &mut NoProgress)
         .unwrap();
@@ -189,7 +153,7 @@ fn a_plan_executed_any_way_commits_the_shards_of_an_in_process_run() {
     for w in [1u32, 0] {
         plan2
             .execute_buckets(
-                &Flaky::new(0),
+                &Scripted::failing_first(0),
                 &move |b| b % 2 == w,
                 7,
                 &format!("w{w}"),
@@ -215,7 +179,7 @@ fn a_plan_executed_any_way_commits_the_shards_of_an_in_process_run() {
     let chunk = all.len().div_ceil(3);
     for (w, part) in all.chunks(chunk).enumerate() {
         let part = arrow_select::concat::concat_batches(&part[0].schema(), part).unwrap();
-        let worker = Flaky::new(usize::from(w == 0));
+        let worker = Scripted::failing_first(usize::from(w == 0));
         let results = match plan3.execute(&part, &worker, 5) {
             Err(first) => {
                 assert!(first.to_string().contains("simulated crash"), "{first}");
@@ -226,7 +190,13 @@ fn a_plan_executed_any_way_commits_the_shards_of_an_in_process_run() {
         plan3.write_results(&format!("s{w}"), &results).unwrap();
     }
     plan3
-        .execute_buckets(&Flaky::new(0), &|b| b == 3, 11, "again", &mut NoProgress)
+        .execute_buckets(
+            &Scripted::failing_first(0),
+            &|b| b == 3,
+            11,
+            "again",
+            &mut NoProgress,
+        )
         .unwrap();
     commit(three.path(), &plan3).unwrap();
     assert_eq!(shards(three.path()), expected);
@@ -240,18 +210,30 @@ fn the_commit_refuses_what_does_not_match_the_plan() {
     let plan = planned(dir.path());
     assert_eq!(plan.header().buckets, BUCKETS);
     // Half the buckets executed: the others are named.
-    plan.execute_buckets(&Flaky::new(0), &|b| b % 2 == 0, 64, "even", &mut NoProgress)
-        .unwrap();
+    plan.execute_buckets(
+        &Scripted::failing_first(0),
+        &|b| b % 2 == 0,
+        64,
+        "even",
+        &mut NoProgress,
+    )
+    .unwrap();
     let missing = commit(dir.path(), &plan).unwrap_err().to_string();
     assert!(
         missing.contains("have no vector") && missing.contains("buckets [1,"),
         "{missing}"
     );
-    plan.execute_buckets(&Flaky::new(0), &|b| b % 2 == 1, 64, "odd", &mut NoProgress)
-        .unwrap();
+    plan.execute_buckets(
+        &Scripted::failing_first(0),
+        &|b| b % 2 == 1,
+        64,
+        "odd",
+        &mut NoProgress,
+    )
+    .unwrap();
 
     let one = plan.items(&|_| true).unwrap()[0].slice(0, 1);
-    let good = plan.execute(&one, &Flaky::new(0), 1).unwrap();
+    let good = plan.execute(&one, &Scripted::failing_first(0), 1).unwrap();
     // Another vector for a planned key: non-determinism (or an altered result).
     let mut altered = HashEmbedder::new(16).embed(&["something else"]).unwrap();
     let changed = results_with(&good, None, Some(altered.remove(0)));
@@ -301,7 +283,7 @@ fn a_killed_commit_resumes() {
     let mut writer = Writer::open(reference.path()).unwrap();
     embed_store(
         &mut writer,
-        &Flaky::new(0),
+        &Scripted::failing_first(0),
         &options(),
         "embed@night",
         &mut NoProgress,
@@ -312,8 +294,14 @@ fn a_killed_commit_resumes() {
 
     let dir = night_store();
     let plan = planned(dir.path());
-    plan.execute_buckets(&Flaky::new(0), &|_| true, 64, "w", &mut NoProgress)
-        .unwrap();
+    plan.execute_buckets(
+        &Scripted::failing_first(0),
+        &|_| true,
+        64,
+        "w",
+        &mut NoProgress,
+    )
+    .unwrap();
     let vectors = plan.results().unwrap();
     let before = Store::open(dir.path()).unwrap().manifest().unwrap().version;
     {
