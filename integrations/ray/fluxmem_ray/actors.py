@@ -83,12 +83,11 @@ def execute_embed_plan(
     # The read and write tasks take no CPU of their own, and the actors leave one CPU free for
     # read_parquet's file listing (a task of one CPU that takes no resource arguments): on a
     # cluster the actors fill, a read waiting for a CPU and a pool waiting for rows deadlock.
-    free = {"num_cpus": 0}
     workers = max(1, workers)
     spare = ray.cluster_resources().get("CPU", 1.0) - 1.0
     if workers * cpus_per_worker > spare:
         cpus_per_worker = max(0.01, spare / workers)
-    dataset = ray.data.read_parquet(str(items), columns=["key", "text"], ray_remote_args=free)
+    dataset = ray.data.read_parquet(str(items), columns=["key", "text"], num_cpus=0)
     # The plan is one file: split it so that every actor gets rows.
     dataset = dataset.repartition(workers * 4)
     if shuffle_seed is not None:
@@ -103,6 +102,6 @@ def execute_embed_plan(
         num_gpus=gpus_per_worker,
         num_cpus=cpus_per_worker,
     )
-    dataset.write_parquet(str(folder / "results"), ray_remote_args=free)
+    dataset.write_parquet(str(folder / "results"), ray_remote_args={"num_cpus": 0})
     return {"workers": workers, "cpus_per_worker": cpus_per_worker, "batch_size": batch_size,
             "shuffle_seed": shuffle_seed, "plan_dir": str(folder)}
