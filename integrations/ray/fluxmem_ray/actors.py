@@ -87,7 +87,7 @@ def execute_embed_plan(
     spare = ray.cluster_resources().get("CPU", 1.0) - 1.0
     if workers * cpus_per_worker > spare:
         cpus_per_worker = max(0.01, spare / workers)
-    dataset = ray.data.read_parquet(str(items), columns=["key", "text"], num_cpus=0)
+    dataset = ray.data.read_parquet(str(items), num_cpus=0).select_columns(["key", "text"])
     # The plan is one file: split it so that every actor gets rows.
     dataset = dataset.repartition(workers * 4)
     if shuffle_seed is not None:
