@@ -377,8 +377,11 @@ fn commit_embed(
         .context("committing the embed plan")?;
     bar.finish();
     let digest = plan.header().digest.clone();
-    plan.remove()?;
     mark_done(&mut writer, stage, run_id, &json!({ "plan": digest }))?;
+    // Committed and marked done: the plan is garbage now (a failed removal leaves it behind).
+    if let Err(error) = plan.remove() {
+        eprintln!("warning: {error}; remove the embed plan's folder by hand");
+    }
     eprintln!(
         "  {} nodes: {} embedded, {} from the cache, {} already had a vector (plan {})",
         report.nodes,

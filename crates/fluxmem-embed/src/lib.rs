@@ -290,7 +290,9 @@ fn embed_selected(
             .collect();
         let mut holder: BTreeMap<&str, String> = BTreeMap::new();
         stored.embedding_keys(&mut |node, m, hash| {
-            if m != model {
+            // A stale vector (of a grown episode) is no holder: this run may replace it before
+            // the holder's vector is read back.
+            if m != model || stale.contains(node) {
                 return;
             }
             let Some(hash) = hashes.get(hash) else { return };

@@ -69,7 +69,8 @@ pub struct PlanHeader {
     pub version: u64,
     /// The embedding model's name as the pipeline gives it (what a worker loads).
     pub embedder: String,
-    /// The pipeline's device (a worker may run on another: the vectors must not change).
+    /// The pipeline's device, which workers load the model on unless told otherwise (the
+    /// vectors of a GPU and of the CPU differ in their last bits: keep one kind per plan).
     pub device: String,
     /// The embedding model's id (stored with every vector).
     pub model: String,
@@ -160,8 +161,9 @@ pub fn plan(
     writer
         .store()
         .live(writer.manifest(), "embeddings")?
-        .embedding_keys(&mut |_, m, hash| {
-            if m == model_id {
+        .embedding_keys(&mut |node, m, hash| {
+            // As the commit reads them back: of the model, and not a stale vector it replaces.
+            if m == model_id && !selection.stale.contains(node) {
                 texts.remove(hash);
             }
         })?;
@@ -465,6 +467,7 @@ impl Plan {
         let reader = ParquetRecordBatchReaderBuilder::try_new(file)
             .and_then(|b| b.build())
             .map_err(parquet(path))?;
+        let mut first_row = 0;
         for batch in reader {
             let batch = batch.map_err(|e| refuse(e.to_string()))?;
             let strings = |name: &str| {
@@ -491,21 +494,21 @@ impl Plan {
                 .as_any()
                 .downcast_ref::<Float32Array>()
                 .ok_or_else(|| refuse("vectors that are not 32-bit floats".into()))?;
-            for row in 0..batch.num_rows() {
-                let key = keys.value(row);
-                if plans.is_null(row) || plans.value(row) != self.header.digest {
+            for i in 0..batch.num_rows() {
+                let (row, key) = (first_row + i, keys.value(i));
+                if keys.is_null(i) || vectors.is_null(i) {
+                    return Err(refuse(format!("row {row}: a null key or vector")));
+                }
+                if plans.is_null(i) || plans.value(i) != self.header.digest {
                     return Err(refuse(format!(
-                        "row {row} (key {key}) is of plan `{}`, not this plan `{}`",
-                        if plans.is_null(row) {
-                            ""
-                        } else {
-                            plans.value(row)
-                        },
+                        "row {row} (key {key}) is of plan `{}`, not this plan `{}`: a result \
+                         of an earlier plan of the run id; delete the file or execute again",
+                        if plans.is_null(i) { "" } else { plans.value(i) },
                         self.header.digest
                     )));
                 }
-                let vector =
-                    values.values()[row * self.header.dim..(row + 1) * self.header.dim].to_vec();
+                let at = vectors.value_offset_at(i);
+                let vector = values.values()[at..at + self.header.dim].to_vec();
                 match planned.get_mut(key) {
                     None => {
                         return Err(refuse(format!(
@@ -528,6 +531,7 @@ impl Plan {
                     Some(slot) => *slot = Some((index, vector)),
                 }
             }
+            first_row += batch.num_rows();
         }
         Ok(())
     }
@@ -582,11 +586,16 @@ impl Plan {
 
     fn check_embedder(&self, embedder: &dyn Embedder) -> Result<()> {
         if embedder.model_id() != self.header.model || embedder.dim() != self.header.dim {
-            return Err(Error::ModelMismatch {
-                store_model: self.header.model.clone(),
-                store_dim: self.header.dim,
-                model: embedder.model_id().to_string(),
-                dim: embedder.dim(),
+            return Err(Error::Plan {
+                path: self.dir.join(PLAN_FILE),
+                reason: format!(
+                    "the plan is for `{}` ({} dims), this worker runs `{}` ({} dims): run the \
+                     plan's model, or plan again",
+                    self.header.model,
+                    self.header.dim,
+                    embedder.model_id(),
+                    embedder.dim()
+                ),
             });
         }
         Ok(())

@@ -379,3 +379,109 @@ fn results_with(
     }
     RecordBatch::try_new(results.schema(), columns).unwrap()
 }
+
+/// A grown episode's stale vector holds its old text, which a later node of the night repeats:
+/// the commit replaces the stale vector in an earlier window than the node's, so the plan must
+/// list the old text (a stale vector is no holder), and the commit ends with the vectors of an
+/// in-process run.
+#[test]
+fn a_text_only_a_stale_vector_held_is_planned() {
+    use fluxmem_graph::{Changed, Edit, Episode, Outcome, Step};
+    let episode = |actions: &[&str]| {
+        let steps = actions
+            .iter()
+            .map(|a| Step {
+                action: a.to_string(),
+                ..Step::default()
+            })
+            .collect();
+        let body = NodeBody::Episodic(Episode {
+            steps,
+            outcome: Outcome::default(),
+        });
+        Node::new(body, "default", "refund my order", &["conversation-1"])
+    };
+    let store = || {
+        let dir = tempfile::tempdir().unwrap();
+        let short = episode(&["look the order up"]);
+        let mut first = Graph::default();
+        first.insert_node(short.clone());
+        let ingest = || CommitInfo {
+            stage: "ingest".into(),
+            ..Default::default()
+        };
+        let mut writer = Writer::open(dir.path()).unwrap();
+        writer.commit(&first, ingest()).unwrap();
+        embed_store(
+            &mut writer,
+            &HashEmbedder::new(16),
+            &options(),
+            "r1",
+            &mut NoProgress,
+        )
+        .unwrap();
+        // The next night: the conversation grew, and a new node (its id after the episode's,
+        // in a later window) has the episode's old text.
+        let long = episode(&["look the order up", "refund it"]);
+        let mut night = Graph::default();
+        night.insert_node(long.clone());
+        night.edits.push(Edit::new(
+            "ingest",
+            "night-2",
+            "episode_grown",
+            Changed::Node(Some(&short), Some(&long)),
+            "a later version",
+            0,
+        ));
+        let old_text = short.embedding_text();
+        let mut fillers: Vec<String> = (0..120).map(|i| format!("filler {i}")).collect();
+        fillers.push(old_text);
+        for (i, text) in fillers.iter().enumerate() {
+            let body = NodeBody::Semantic(Semantic {
+                source: "doc".into(),
+                position: i as i64,
+                time: None,
+                group: None,
+            });
+            night.insert_node(Node::new(body, "default", text, &["doc", &i.to_string()]));
+        }
+        // The precondition: the repeating node comes after the episode, a window later.
+        let mut ids: Vec<_> = night.nodes.keys().cloned().collect();
+        ids.sort();
+        let text_of = |id: &fluxmem_graph::NodeId| night.nodes[id].embedding_text();
+        let at = ids
+            .iter()
+            .position(|id| text_of(id) == short.embedding_text())
+            .unwrap();
+        let grown_at = ids.iter().position(|id| *id == long.id).unwrap();
+        assert!(grown_at < 40 && at >= options().window, "{grown_at} {at}");
+        writer.commit(&night, ingest()).unwrap();
+        (dir, long.id.clone())
+    };
+    let (reference, _) = store();
+    let mut writer = Writer::open(reference.path()).unwrap();
+    embed_store(
+        &mut writer,
+        &HashEmbedder::new(16),
+        &options(),
+        "embed@night",
+        &mut NoProgress,
+    )
+    .unwrap();
+    let expected = writer.store().load().unwrap().embeddings;
+    drop(writer);
+
+    let (dir, grown) = store();
+    let plan = planned(dir.path());
+    let repeated = rows(&plan).len();
+    plan.execute_buckets(&HashEmbedder::new(16), &|_| true, 64, "w", &mut NoProgress)
+        .unwrap();
+    commit(dir.path(), &plan).unwrap();
+    let graph = Store::open(dir.path()).unwrap().load().unwrap();
+    assert_eq!(graph.embeddings, expected);
+    assert_eq!(
+        repeated, 122,
+        "120 fillers, the grown text and the old one, each once"
+    );
+    assert!(graph.embeddings.keys().any(|(id, _)| *id == grown));
+}

@@ -16,8 +16,9 @@ pub(crate) const INDEXES: &str = "indexes";
 /// The directory under a store that holds the staging stores of sharded runs.
 pub const STAGING: &str = "staging";
 
-/// The folder of a store where a stage running under the writer lock keeps scratch files
-/// for the length of a run (connect's spilled facts); each stage deletes its own.
+/// The folder of a store where a stage keeps scratch files for the length of a run (connect's
+/// spilled facts, written under the writer lock; a sharded embed's plan, written under it, and
+/// its workers' results, written beside it without it); each stage deletes its own.
 pub const SCRATCH: &str = "scratch";
 
 /// Writes `manifest` as `<dir>/manifest.json` atomically: temp file, fsync, rename, fsync dir.

@@ -44,8 +44,8 @@ import ray
 from . import actors, contract
 from .contract import GLOBAL_STAGES, MAP_STAGES, STAGES, Invocation
 
-# The driver ships this package to the workers by value, so a cluster needs only Ray and the
-# fluxmem binary, not this package.
+# The driver ships this package to the workers by value, so a cluster needs Ray, the fluxmem
+# binary and (for embed in actors) the fluxmem_py module, not this package.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__package__])
 
 
