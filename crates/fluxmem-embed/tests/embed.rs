@@ -275,25 +275,7 @@ fn a_later_night_reads_repeated_texts_back_from_the_history() {
 
 #[test]
 fn an_episode_that_grew_after_it_was_embedded_is_embedded_again() {
-    use fluxmem_graph::{Changed, Edit, Episode, Outcome, Step};
-    let episode = |actions: &[&str]| {
-        let steps = actions
-            .iter()
-            .map(|a| Step {
-                action: a.to_string(),
-                ..Step::default()
-            })
-            .collect();
-        Node::new(
-            NodeBody::Episodic(Episode {
-                steps,
-                outcome: Outcome::default(),
-            }),
-            "default",
-            "refund my order",
-            &["conversation-1"],
-        )
-    };
+    let episode = common::conversation;
     let dir = store_with(&["a fact"]);
     let mut writer = Writer::open(dir.path()).unwrap();
     let short = episode(&["look the order up"]);
@@ -317,14 +299,7 @@ fn an_episode_that_grew_after_it_was_embedded_is_embedded_again() {
     assert_eq!(long.id, short.id);
     let mut night = Graph::default();
     night.insert_node(long.clone());
-    night.edits.push(Edit::new(
-        "ingest",
-        "night-2",
-        "episode_grown",
-        Changed::Node(Some(&short), Some(&long)),
-        "a later version",
-        0,
-    ));
+    night.edits.push(common::grown(&short, &long));
     writer
         .commit(
             &night,

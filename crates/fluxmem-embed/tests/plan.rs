@@ -5,9 +5,10 @@
 use arrow_array::RecordBatch;
 use fluxmem_embed::plan::{plan, Plan, PlanModel, BUCKETS};
 use fluxmem_embed::{embed_store, EmbedOptions, NoProgress};
-use fluxmem_graph::{Graph, Node, NodeBody, Semantic};
+use fluxmem_graph::{Embedding, Graph, Node, NodeBody, NodeId, Semantic};
 use fluxmem_models::{Embedder, HashEmbedder};
 use fluxmem_store::{CommitInfo, Store, Writer};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -83,6 +84,21 @@ fn shards(dir: &Path) -> Vec<(String, u64, String)> {
         .iter()
         .map(|s| (s.table.clone(), s.rows, s.sha256.clone()))
         .collect()
+}
+
+/// The vectors an in-process embed gives the store at `dir`.
+fn in_process(dir: &Path) -> BTreeMap<(NodeId, String), Embedding> {
+    let mut writer = Writer::open(dir).unwrap();
+    let model = HashEmbedder::new(16);
+    embed_store(
+        &mut writer,
+        &model,
+        &options(),
+        "embed@night",
+        &mut NoProgress,
+    )
+    .unwrap();
+    writer.store().load().unwrap().embeddings
 }
 
 fn planned(dir: &Path) -> Plan {
@@ -279,18 +295,7 @@ fn the_commit_refuses_what_does_not_match_the_plan() {
 /// plan stale) and ends with the vectors of an uninterrupted one.
 #[test]
 fn a_killed_commit_resumes() {
-    let reference = night_store();
-    let mut writer = Writer::open(reference.path()).unwrap();
-    embed_store(
-        &mut writer,
-        &Scripted::failing_first(0),
-        &options(),
-        "embed@night",
-        &mut NoProgress,
-    )
-    .unwrap();
-    let expected = writer.store().load().unwrap().embeddings;
-    drop(writer);
+    let expected = in_process(night_store().path());
 
     let dir = night_store();
     let plan = planned(dir.path());
@@ -386,21 +391,7 @@ fn results_with(
 /// in-process run.
 #[test]
 fn a_text_only_a_stale_vector_held_is_planned() {
-    use fluxmem_graph::{Changed, Edit, Episode, Outcome, Step};
-    let episode = |actions: &[&str]| {
-        let steps = actions
-            .iter()
-            .map(|a| Step {
-                action: a.to_string(),
-                ..Step::default()
-            })
-            .collect();
-        let body = NodeBody::Episodic(Episode {
-            steps,
-            outcome: Outcome::default(),
-        });
-        Node::new(body, "default", "refund my order", &["conversation-1"])
-    };
+    let episode = common::conversation;
     let store = || {
         let dir = tempfile::tempdir().unwrap();
         let short = episode(&["look the order up"]);
@@ -425,14 +416,7 @@ fn a_text_only_a_stale_vector_held_is_planned() {
         let long = episode(&["look the order up", "refund it"]);
         let mut night = Graph::default();
         night.insert_node(long.clone());
-        night.edits.push(Edit::new(
-            "ingest",
-            "night-2",
-            "episode_grown",
-            Changed::Node(Some(&short), Some(&long)),
-            "a later version",
-            0,
-        ));
+        night.edits.push(common::grown(&short, &long));
         let old_text = short.embedding_text();
         let mut fillers: Vec<String> = (0..120).map(|i| format!("filler {i}")).collect();
         fillers.push(old_text);
@@ -458,19 +442,7 @@ fn a_text_only_a_stale_vector_held_is_planned() {
         writer.commit(&night, ingest()).unwrap();
         (dir, long.id.clone())
     };
-    let (reference, _) = store();
-    let mut writer = Writer::open(reference.path()).unwrap();
-    embed_store(
-        &mut writer,
-        &HashEmbedder::new(16),
-        &options(),
-        "embed@night",
-        &mut NoProgress,
-    )
-    .unwrap();
-    let expected = writer.store().load().unwrap().embeddings;
-    drop(writer);
-
+    let expected = in_process(store().0.path());
     let (dir, grown) = store();
     let plan = planned(dir.path());
     let repeated = rows(&plan).len();

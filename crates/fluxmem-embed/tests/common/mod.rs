@@ -1,6 +1,7 @@
 //! What the embed tests share: a weight-free embedder that counts the texts it embeds and fails
 //! the calls a rule picks (a simulated crash).
 
+use fluxmem_graph::{Changed, Edit, Episode, Node, NodeBody, Outcome, Step};
 use fluxmem_models::{Embedder, HashEmbedder};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -54,4 +55,34 @@ impl Embedder for Scripted {
     fn count_tokens(&self, text: &str) -> fluxmem_models::Result<usize> {
         self.inner.count_tokens(text)
     }
+}
+
+/// An episode of `conversation-1` with these actions: the same id whatever its steps.
+#[allow(dead_code)] // not every test file uses every helper
+pub fn conversation(actions: &[&str]) -> Node {
+    let steps = actions
+        .iter()
+        .map(|a| Step {
+            action: a.to_string(),
+            ..Step::default()
+        })
+        .collect();
+    let body = NodeBody::Episodic(Episode {
+        steps,
+        outcome: Outcome::default(),
+    });
+    Node::new(body, "default", "refund my order", &["conversation-1"])
+}
+
+/// The edit ingest records when `short` was logged again, longer, as `long`.
+#[allow(dead_code)] // not every test file uses every helper
+pub fn grown(short: &Node, long: &Node) -> Edit {
+    Edit::new(
+        "ingest",
+        "night-2",
+        "episode_grown",
+        Changed::Node(Some(short), Some(long)),
+        "a later version",
+        0,
+    )
 }
