@@ -49,9 +49,6 @@ pub fn embedder(
     device: &fluxmem_models::DeviceChoice,
     batch_size: Option<usize>,
 ) -> anyhow::Result<Box<dyn fluxmem_models::Embedder>> {
-    if let Some(dim) = hash_dim(name) {
-        dim?;
-    }
     Ok(fluxmem_models::open_embedder(name, device, batch_size)?)
 }
 

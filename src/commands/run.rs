@@ -290,7 +290,7 @@ fn run_shard(
 /// plan's buckets they own and the merge commits their vectors.
 fn plan_embed(ctx: &mut Ctx<'_>, store_dir: &Path) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
-    let options = ctx.embed_options(Shard::ALL);
+    let options = embed_options(ctx.loaded, Shard::ALL);
     let run_id = ctx.run_id.clone();
     let writer = open_main(store_dir, ctx.settings)?;
     let models = &ctx.loaded.pipeline.models;
@@ -716,10 +716,6 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn embed_options(&self, shard: Shard) -> fluxmem_embed::EmbedOptions {
-        embed_options(self.loaded, shard)
-    }
-
     fn embedder(&mut self) -> anyhow::Result<&dyn Embedder> {
         if self.embedder.is_none() {
             let p = &self.loaded.pipeline;
@@ -874,7 +870,7 @@ impl Ctx<'_> {
     fn embed(&mut self, writer: &mut Writer, shard: Shard) -> anyhow::Result<StageRecord> {
         let run_id = format!("embed@{}", self.run_id);
         let mut bar = CountBar::new(self.settings.progress, "embed");
-        let options = self.embed_options(shard);
+        let options = embed_options(self.loaded, shard);
         let embedder = self.embedder()?;
         let report = fluxmem_embed::embed_store(writer, embedder, &options, &run_id, &mut bar)?;
         bar.finish();

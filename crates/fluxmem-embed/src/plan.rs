@@ -249,8 +249,8 @@ impl Plan {
     }
 
     /// The plan's rows (`bucket`, `key`, `text`) of the buckets `owns` accepts, bucket by
-    /// bucket in order (each batch is one bucket's rows, sorted by key).
-    pub fn items(&self, owns: &dyn Fn(u32) -> bool) -> Result<Vec<RecordBatch>> {
+    /// bucket in order: each bucket with its rows, sorted by key.
+    pub fn items(&self, owns: &dyn Fn(u32) -> bool) -> Result<Vec<(u32, RecordBatch)>> {
         let path = self.dir.join(ITEMS_FILE);
         let file = std::fs::File::open(&path).map_err(io(&path))?;
         let metadata =
@@ -268,7 +268,8 @@ impl Plan {
                     reason: format!("row group {i} has no bucket statistics"),
                 });
             };
-            if !owns(bucket as u32) {
+            let bucket = bucket as u32;
+            if !owns(bucket) {
                 continue;
             }
             let file = file.try_clone().map_err(io(&path))?;
@@ -278,10 +279,11 @@ impl Plan {
                 .build()
                 .map_err(parquet(&path))?;
             for batch in reader {
-                batches.push(batch.map_err(|e| Error::Plan {
+                let batch = batch.map_err(|e| Error::Plan {
                     path: path.clone(),
                     reason: e.to_string(),
-                })?);
+                })?;
+                batches.push((bucket, batch));
             }
         }
         Ok(batches)
@@ -380,14 +382,8 @@ impl Plan {
     ) -> Result<ExecuteReport> {
         let batches = self.items(owns)?;
         let mut report = ExecuteReport::default();
-        progress.start(batches.iter().map(|b| b.num_rows() as u64).sum());
-        for batch in batches {
-            let bucket = batch
-                .column(0)
-                .as_any()
-                .downcast_ref::<UInt32Array>()
-                .map(|b| b.value(0))
-                .unwrap_or(0);
+        progress.start(batches.iter().map(|(_, b)| b.num_rows() as u64).sum());
+        for (bucket, batch) in batches {
             let results = self.execute(&batch, embedder, batch_size)?;
             self.write_results(&format!("b{bucket:02}-{worker}"), &results)?;
             report.buckets += 1;
@@ -401,7 +397,7 @@ impl Plan {
     /// Every result of the plan's folder, checked against the plan (see the module docs).
     pub fn results(&self) -> Result<PlannedVectors> {
         let mut planned: HashMap<String, Option<(usize, Vec<f32>)>> = HashMap::new();
-        for batch in self.items(&|_| true)? {
+        for (_, batch) in self.items(&|_| true)? {
             let keys = batch
                 .column(1)
                 .as_any()

@@ -118,7 +118,7 @@ fn rows(plan: &Plan) -> Vec<RecordBatch> {
     plan.items(&|_| true)
         .unwrap()
         .iter()
-        .flat_map(|b| (0..b.num_rows()).map(|i| b.slice(i, 1)).collect::<Vec<_>>())
+        .flat_map(|(_, b)| (0..b.num_rows()).map(|i| b.slice(i, 1)).collect::<Vec<_>>())
         .collect()
 }
 
@@ -248,7 +248,7 @@ fn the_commit_refuses_what_does_not_match_the_plan() {
     )
     .unwrap();
 
-    let one = plan.items(&|_| true).unwrap()[0].slice(0, 1);
+    let one = plan.items(&|_| true).unwrap()[0].1.slice(0, 1);
     let good = plan.execute(&one, &Scripted::failing_first(0), 1).unwrap();
     // Another vector for a planned key: non-determinism (or an altered result).
     let mut altered = HashEmbedder::new(16).embed(&["something else"]).unwrap();

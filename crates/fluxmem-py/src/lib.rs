@@ -111,18 +111,22 @@ impl EmbedExecutor {
                 texts.len()
             )));
         }
-        let flat = py
+        // The model and the conversion to bytes run with the GIL released.
+        let bytes = py
             .detach(|| {
                 let rows: Vec<(&str, &str)> = keys
                     .iter()
                     .zip(&texts)
                     .map(|(k, t)| (k.as_str(), t.as_str()))
                     .collect();
-                self.plan
-                    .embed_rows(&rows, self.embedder.as_ref(), self.batch_size)
+                let flat = self
+                    .plan
+                    .embed_rows(&rows, self.embedder.as_ref(), self.batch_size)?;
+                Ok::<Vec<u8>, fluxmem_embed::Error>(
+                    flat.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                )
             })
             .map_err(runtime_error)?;
-        let bytes: Vec<u8> = flat.iter().flat_map(|x| x.to_le_bytes()).collect();
         Ok(PyBytes::new(py, &bytes))
     }
 }
