@@ -233,7 +233,7 @@ pub struct QueryArgs {
     #[command(flatten)]
     pub structure: StructureArgs,
     /// Similar past episodes to include.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = fluxmem_connect::serve::DEFAULT_EPISODES)]
     pub episodes: usize,
     /// The tenant to answer from (only its nodes are retrieved); required when the store
     /// holds several tenants, the store's only tenant otherwise.
@@ -524,6 +524,12 @@ pub struct LocomoArgs {
     /// Budget the Stage II loop packs under (the other budgets pack its final ranking).
     #[arg(long, default_value_t = 1024)]
     pub refine_budget: usize,
+    /// Also answer through the store a night builds: each conversation's store goes through
+    /// connect, batch credit and the tenant index, and the `served` system answers every
+    /// question as `fluxmem query --tenant` does (Stage II edits committed to the store and
+    /// read back by later questions), scored beside the others.
+    #[arg(long)]
+    pub through_graph: bool,
     /// Also write the report as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,

@@ -1,5 +1,5 @@
 use anyhow::Context;
-use fluxmem_eval::locomo::{evaluate, LocomoOptions, LocomoReport, SYSTEMS};
+use fluxmem_eval::locomo::{evaluate, LocomoOptions, LocomoReport, SERVED, SYSTEMS};
 use fluxmem_models::DeviceChoice;
 use std::process::ExitCode;
 
@@ -35,6 +35,7 @@ pub fn locomo(args: LocomoArgs, settings: &Settings) -> anyhow::Result<ExitCode>
             ..retrieval
         },
         refine: super::loop_options(&args.refine, args.refine_budget),
+        through_graph: args.through_graph,
     };
     let mut generator = super::reshape_generator(&args.refine, &device_choice)?;
     let bar = CountBar::new(settings.progress, "eval");
@@ -82,7 +83,7 @@ fn print_table(report: &LocomoReport, budgets: &[usize]) {
     }
     header.push_str(&format!(" {:>7} {:>5}", "tokens", "n"));
     println!("{header}");
-    for system in SYSTEMS {
+    for system in SYSTEMS.into_iter().chain([SERVED]) {
         let Some(result) = report.systems.get(system) else {
             continue;
         };
@@ -105,6 +106,18 @@ fn print_table(report: &LocomoReport, budgets: &[usize]) {
             ));
             println!("{line}");
         }
+    }
+    if let Some(served) = &report.served {
+        println!(
+            "served (through the store a night built): connect connected {} episodes ({} edges), credit changed {} edges; {} questions answered, {} ranked otherwise than `fluxmem` (top 50); Stage II: {} edits committed, {} commits refused",
+            served.connected,
+            served.edges,
+            served.credited,
+            served.questions,
+            served.rankings_differ,
+            served.edits_committed,
+            served.commits_refused
+        );
     }
     let refine = &report.refine;
     if refine.rounds > 0 {

@@ -131,37 +131,60 @@ pub fn retrieval_config(
     structure: &crate::cli::StructureArgs,
     base: fluxmem_connect::RetrievalConfig,
 ) -> anyhow::Result<fluxmem_connect::RetrievalConfig> {
-    let mut config = fluxmem_connect::RetrievalConfig { judge_top, ..base };
-    if let Some(fusion) = fusion {
-        config.fusion = fusion.parse().map_err(anyhow::Error::msg)?;
-    }
-    if let Some(weights) = weights {
-        crate::cli::check_weights(weights)?;
-        let [dense, bm25, judge] = weights else {
-            anyhow::bail!(
-                "--weights takes three numbers (dense, BM25, judge), got {}",
-                weights.len()
-            );
-        };
-        config.weights = fluxmem_connect::FusionWeights {
-            dense: *dense,
-            bm25: *bm25,
-            judge: *judge,
-        };
-    }
-    if let Some(units) = &structure.units {
-        config.units = units.parse().map_err(anyhow::Error::msg)?;
-    }
-    for (flag, value, slot) in [
-        ("--adjacency", structure.adjacency, &mut config.adjacency),
-        ("--entity", structure.entity, &mut config.entity),
+    Ok(retrieval_overrides(fusion, weights, judge_top, structure)?(
+        base,
+    ))
+}
+
+/// The retrieval flags, checked: a function that sets what they name over any base settings
+/// (the defaults, or what the store recorded).
+pub fn retrieval_overrides(
+    fusion: Option<&str>,
+    weights: Option<&[f32]>,
+    judge_top: usize,
+    structure: &crate::cli::StructureArgs,
+) -> anyhow::Result<impl Fn(fluxmem_connect::RetrievalConfig) -> fluxmem_connect::RetrievalConfig> {
+    let fusion: Option<fluxmem_connect::FusionMode> = fusion
+        .map(|f| f.parse().map_err(anyhow::Error::msg))
+        .transpose()?;
+    let weights = match weights {
+        None => None,
+        Some(weights) => {
+            crate::cli::check_weights(weights)?;
+            let [dense, bm25, judge] = weights else {
+                anyhow::bail!(
+                    "--weights takes three numbers (dense, BM25, judge), got {}",
+                    weights.len()
+                );
+            };
+            Some(fluxmem_connect::FusionWeights {
+                dense: *dense,
+                bm25: *bm25,
+                judge: *judge,
+            })
+        }
+    };
+    let units: Option<fluxmem_connect::Units> = (structure.units.as_deref())
+        .map(|u| u.parse().map_err(anyhow::Error::msg))
+        .transpose()?;
+    for (flag, value) in [
+        ("--adjacency", structure.adjacency),
+        ("--entity", structure.entity),
     ] {
         if let Some(value) = value {
             crate::cli::check_f32_flag(flag, value, crate::cli::Bound::NonNegative)?;
-            *slot = value;
         }
     }
-    Ok(config)
+    let (adjacency, entity) = (structure.adjacency, structure.entity);
+    Ok(move |base| {
+        let mut config = fluxmem_connect::RetrievalConfig { judge_top, ..base };
+        config.fusion = fusion.unwrap_or(config.fusion);
+        config.weights = weights.unwrap_or(config.weights);
+        config.units = units.unwrap_or(config.units);
+        config.adjacency = adjacency.unwrap_or(config.adjacency);
+        config.entity = entity.unwrap_or(config.entity);
+        config
+    })
 }
 
 /// The judge named by `--judge`: `none`, `llm` (the default judge model) or a generator's name

@@ -9,6 +9,8 @@
 //!   the closest episodes, those episodes, then semantic nodes;
 //! - tenants ([`tenants`], [`resolve_tenant`]): every index serves one tenant; connect and
 //!   retrieval never see another tenant's nodes;
+//! - [`serve`]: one query's part of a store, read in proportion, and its retriever: what
+//!   `query` serves and `eval locomo --through-graph` measures;
 //! - [`pack`]: the retrieved items serialised into a context under a token budget, each item
 //!   carrying its id, source, time, signals and why it was included.
 //!
@@ -27,6 +29,7 @@ mod facts;
 mod fusion;
 mod retrieve;
 mod retriever;
+pub mod serve;
 mod tenant;
 
 pub use bm25::{stem, terms, terms_with, Bm25, Bm25Params};

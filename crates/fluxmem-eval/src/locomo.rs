@@ -4,6 +4,13 @@
 //! nodes) and embedded. Every question is then answered by each system from the question text
 //! alone: retrieval never sees the answer or the evidence ids, which are read separately
 //! ([`Gold`]) and used only to score the ranking afterwards.
+//!
+//! The [`SYSTEMS`] rank over the conversation's graph held in memory. With
+//! [`LocomoOptions::through_graph`], the store also goes through the rest of a night (connect
+//! with the evaluation's retrieval, batch credit assignment, the tenant's index) and a fifth
+//! system, [`SERVED`], answers each question as `fluxmem query --tenant` does, through
+//! [`fluxmem_connect::serve`]: read from the store in proportion, at one manifest version, its
+//! Stage II edits committed to the store at that version and read back by the next question.
 
 use candle_core::Device;
 use fluxmem_connect::{pack, Candidate, Entry, RetrievalConfig, SemanticIndex};
@@ -21,6 +28,9 @@ use crate::{Error, Result};
 
 /// The systems evaluated side by side.
 pub const SYSTEMS: [&str; 4] = ["bm25", "dense", "hybrid", "fluxmem"];
+
+/// The system that answers through the store a night built ([`LocomoOptions::through_graph`]).
+pub const SERVED: &str = "served";
 
 /// What to evaluate.
 #[derive(Debug, Clone)]
@@ -44,6 +54,9 @@ pub struct LocomoOptions {
     /// Stage II of the `fluxmem` system: the self-verification loop (`rounds` 0: Stage I only).
     /// The loop packs under `refine.budget`; the other budgets pack its final ranking.
     pub refine: LoopOptions,
+    /// Also answer through the store: run the night's other stages on each conversation's
+    /// store and score [`SERVED`] beside the others (see the module docs).
+    pub through_graph: bool,
 }
 
 impl Default for LocomoOptions {
@@ -60,6 +73,7 @@ impl Default for LocomoOptions {
                 rounds: 0,
                 ..LoopOptions::default()
             },
+            through_graph: false,
         }
     }
 }
@@ -117,6 +131,27 @@ pub struct LocomoReport {
     /// SHA-256 of every system's ranking (top 50 node ids) of every question and of the edit
     /// log: equal fingerprints mean equal retrieval. Scoring data does not enter it.
     pub fingerprint: String,
+    /// What the night and the serving path did, with [`LocomoOptions::through_graph`].
+    pub served: Option<ServedSummary>,
+}
+
+/// The [`SERVED`] system's night and queries, summed over the conversations.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ServedSummary {
+    /// Episodes connect connected (LoCoMo turns are facts: none unless the data holds runs).
+    pub connected: usize,
+    /// Ground and link edges connect wrote.
+    pub edges: usize,
+    /// Edges batch credit assignment reweighted, pruned, reactivated or added.
+    pub credited: usize,
+    /// Questions answered through the store.
+    pub questions: usize,
+    /// Questions whose ranking differs from the `fluxmem` system's (top 50 node ids).
+    pub rankings_differ: usize,
+    /// Stage II edits committed to the store by the served loops.
+    pub edits_committed: usize,
+    /// Commits refused because the store had moved (none in a run of its own).
+    pub commits_refused: usize,
 }
 
 /// Stage II in the evaluation: rounds, edits and what they cost.
@@ -342,6 +377,7 @@ struct Evaluation<'o> {
     refine: RefineSummary,
     verifier_usage: fluxmem_models::Usage,
     fingerprint: Sha256,
+    served: Option<ServedSummary>,
 }
 
 /// What one conversation's questions are answered from.
@@ -353,10 +389,22 @@ struct Conversation<'c> {
     /// The `fluxmem` system's units: the same nodes and vectors, turns indexed with context.
     units: SemanticIndex,
     neighbours: Neighbours,
+    /// The store a night built, with [`LocomoOptions::through_graph`].
+    night: Option<Night>,
 }
 
-/// Each system's ranking of one question, in [`SYSTEMS`] order.
-type Rankings = [(&'static str, Vec<Entry>); 4];
+/// A conversation's store after the night's stages, and what the last served query read.
+struct Night {
+    /// Holds the store's folder.
+    _dir: tempfile::TempDir,
+    writer: fluxmem_store::Writer,
+    tenant: String,
+    /// The part of the store the last question was answered from (its context packs from it).
+    graph: Graph,
+}
+
+/// Each system's ranking of one question, in [`SYSTEMS`] order, then [`SERVED`].
+type Rankings = Vec<(&'static str, Vec<Entry>)>;
 
 /// Each round of the loop: its edit (if any), its context and the verifier's sufficiency.
 type LoopRounds = Vec<(Option<String>, Vec<NodeId>, f32)>;
@@ -372,7 +420,10 @@ impl<'o> Evaluation<'o> {
             done: 0,
             skipped: 0,
             evidence: EvidenceCounts::default(),
-            results: SYSTEMS.iter().map(|s| (*s, Vec::new())).collect(),
+            results: (SYSTEMS.iter())
+                .chain(options.through_graph.then_some(&SERVED))
+                .map(|s| (*s, Vec::new()))
+                .collect(),
             conversation_tokens: BTreeMap::new(),
             hybrid_config: RetrievalConfig {
                 judge_top: 0,
@@ -388,6 +439,7 @@ impl<'o> Evaluation<'o> {
             },
             verifier_usage: fluxmem_models::Usage::default(),
             fingerprint: Sha256::new(),
+            served: None,
         }
     }
 
@@ -403,9 +455,22 @@ impl<'o> Evaluation<'o> {
     ) -> Result<()> {
         let embedder = models.embedder;
         let id = conversation["sample_id"].as_str().unwrap_or_default();
-        let (graph, dia_ids) = build_store(conversation, embedder)?;
+        let (dir, mut writer, graph, dia_ids) = build_store(conversation, embedder)?;
         let tenant = fluxmem_connect::resolve_tenant(&graph, None)?;
         let index = SemanticIndex::build(&graph, &tenant, embedder.model_id(), models.device)?;
+        let night = match self.options.through_graph {
+            true => {
+                let summary = self.served.get_or_insert_with(Default::default);
+                run_night(&mut writer, self.options, models, summary)?;
+                Some(Night {
+                    _dir: dir,
+                    writer,
+                    tenant: tenant.clone(),
+                    graph: Graph::default(),
+                })
+            }
+            false => None,
+        };
         let mut conversation = Conversation {
             id,
             units: index.with_units(self.options.retrieval.units),
@@ -413,6 +478,7 @@ impl<'o> Evaluation<'o> {
             index,
             graph,
             dia_ids,
+            night,
         };
         // Every ranking packs the same lines again and again: count each line's tokens once.
         let memo: std::cell::RefCell<std::collections::HashMap<String, usize>> = Default::default();
@@ -497,8 +563,14 @@ impl<'o> Evaluation<'o> {
         } else {
             self.refine_loop(conversation, question, position, &stage1, models, count)?
         };
+        let served = match conversation.night.as_mut() {
+            Some(night) => {
+                Some(self.served_answer(night, question, &query_vector, models, count)?)
+            }
+            None => None,
+        };
         let index = &conversation.index;
-        let rankings: Rankings = [
+        let mut rankings: Rankings = vec![
             ("bm25", entries(&index.bm25(&question.text, all))),
             ("dense", entries(&index.dense(&query_vector, all)?)),
             (
@@ -507,6 +579,15 @@ impl<'o> Evaluation<'o> {
             ),
             ("fluxmem", fluxmem),
         ];
+        if let Some(served) = served {
+            let top = |ranking: &[Entry]| -> Vec<NodeId> {
+                ranking.iter().take(50).map(|(id, ..)| id.clone()).collect()
+            };
+            let summary = self.served.get_or_insert_with(Default::default);
+            summary.questions += 1;
+            summary.rankings_differ += usize::from(top(&served) != top(&rankings[3].1));
+            rankings.push((SERVED, served));
+        }
         for (system, ranking) in &rankings {
             self.fingerprint
                 .update(format!("{}\0{position}\0{system}\0", conversation.id).as_bytes());
@@ -588,6 +669,113 @@ impl<'o> Evaluation<'o> {
         Ok((outcome.ranking, loop_rounds))
     }
 
+    /// One question answered as `fluxmem query --tenant` answers it from the night's store
+    /// ([`fluxmem_connect::serve`]), with the evaluation's retrieval settings (as `query`'s
+    /// flags set them over the recorded ones) and its default number of episodes. With Stage
+    /// II, the loop runs on what was read and its edits are committed at the version read; the
+    /// next question reads them from the store.
+    fn served_answer(
+        &mut self,
+        night: &mut Night,
+        question: &Question,
+        query_vector: &[f32],
+        models: &mut Models<'_, '_, '_>,
+        count: &Count<'_>,
+    ) -> Result<Vec<Entry>> {
+        let options = self.options;
+        let embedder = models.embedder;
+        let configure = |_recorded| options.retrieval.clone();
+        let request = fluxmem_connect::serve::Request {
+            tenant: Some(&night.tenant),
+            model: embedder.model_id(),
+            query_vector,
+            episodes: fluxmem_connect::serve::DEFAULT_EPISODES,
+            all_edges: options.refine.rounds > 0,
+            configure: &configure,
+        };
+        let served = fluxmem_connect::serve::read(night.writer.store(), &request, models.device)?;
+        let (mut graph, retriever, mut config) = (served.graph, served.retriever, served.config);
+        if models.judge.is_none() {
+            config.judge_top = 0;
+        }
+        let dense_vector = match retriever.semantic().dense_query(&question.text, &config) {
+            Some(text) => embedder.embed(&[text.as_str()])?.remove(0),
+            None => query_vector.to_vec(),
+        };
+        let (head, semantic) = retriever.retrieve_split_dense(
+            &graph,
+            &question.text,
+            query_vector,
+            &dense_vector,
+            &config,
+            models.judge.as_deref_mut(),
+            request.episodes,
+        )?;
+        if options.refine.rounds == 0 {
+            night.graph = graph;
+            return Ok((head.into_iter())
+                .chain(semantic.iter().map(fluxmem_connect::semantic_entry))
+                .collect());
+        }
+        let head_tokens = match head.is_empty() {
+            true => 0,
+            false => pack(&graph, &head, options.refine.budget, count)?.tokens + 1,
+        };
+        let loop_options = LoopOptions {
+            budget: options.refine.budget.saturating_sub(head_tokens),
+            ..options.refine.clone()
+        };
+        let mut verifier = fluxmem_refine::verifier(
+            models.judge.as_deref_mut().map(|j| j as &mut dyn Judge),
+            retriever.semantic(),
+        );
+        let mut loop_models = LoopModels {
+            verifier: &mut *verifier,
+            embedder,
+            generator: models
+                .generator
+                .as_deref_mut()
+                .map(|g| g as &mut dyn Generator),
+            count_tokens: count,
+        };
+        let read_version = served.manifest.version;
+        let run_id = format!("query@v{read_version}");
+        let outcome = refine_query(
+            &graph,
+            retriever.semantic(),
+            &Neighbours::build(&graph, &night.tenant),
+            &question.text,
+            &semantic,
+            &mut loop_models,
+            &loop_options,
+            &run_id,
+            read_version as i64,
+        )?;
+        let summary = self.served.get_or_insert_with(Default::default);
+        if !outcome.delta.is_empty() {
+            let info = fluxmem_store::CommitInfo {
+                stage: fluxmem_refine::STAGE.into(),
+                run_id,
+                summary: serde_json::json!({ "edits": outcome.delta.edits.len() }),
+                progress: Default::default(),
+            };
+            match fluxmem_connect::serve::commit_at(
+                &mut night.writer,
+                read_version,
+                &outcome.delta,
+                info,
+            )? {
+                Ok(()) => summary.edits_committed += outcome.delta.edits.len(),
+                Err(_) => summary.commits_refused += 1,
+            }
+        }
+        for node in outcome.new_nodes {
+            graph.insert_node(node);
+        }
+        night.graph = graph;
+        Ok(head.into_iter().chain(outcome.ranking).collect())
+    }
+
     /// Scores one question's rankings and loop rounds: only now is the gold evidence read.
     fn score_question(
         &mut self,
@@ -626,6 +814,11 @@ impl<'o> Evaluation<'o> {
             }
         }
         for (system, ranking) in rankings {
+            // A served context packs from what the store gave its query.
+            let graph = match (system, &conversation.night) {
+                (SERVED, Some(night)) => &night.graph,
+                _ => graph,
+            };
             let result = score(graph, &ranking, &evidence_ids, &self.options.budgets, count)?;
             self.results
                 .get_mut(system)
@@ -680,6 +873,7 @@ impl<'o> Evaluation<'o> {
                 .iter()
                 .map(|b| format!("{b:02x}"))
                 .collect(),
+            served: self.served,
         }
     }
 }
@@ -807,12 +1001,53 @@ fn score(
     Ok(result)
 }
 
-/// Ingests one conversation into a fresh temporary store and embeds it; returns the graph and
-/// the map from dialogue id to node id.
+/// The rest of a night on a conversation's embedded store, as `fluxmem run` runs it: connect
+/// (grounding with the evaluation's retrieval, which it records), batch credit assignment, and
+/// the tenant's index. Counts go to `summary`.
+fn run_night(
+    writer: &mut fluxmem_store::Writer,
+    options: &LocomoOptions,
+    models: &Models<'_, '_, '_>,
+    summary: &mut ServedSummary,
+) -> Result<()> {
+    let run_id = "eval-night";
+    let connect = fluxmem_connect::ConnectOptions {
+        retrieval: options.retrieval.clone(),
+        ..Default::default()
+    };
+    let connected = fluxmem_connect::connect_store(
+        writer,
+        models.embedder,
+        &connect,
+        run_id,
+        models.device,
+        &mut fluxmem_connect::NoProgress,
+    )?;
+    summary.connected += connected.connected;
+    summary.edges += connected.ground_edges + connected.link_edges;
+    let credit = fluxmem_refine::refine_store(
+        writer,
+        &fluxmem_refine::CreditOptions::default(),
+        run_id,
+        &mut fluxmem_connect::NoProgress,
+    )?;
+    summary.credited += credit.reweighted + credit.pruned + credit.reactivated + credit.expanded;
+    writer.update_indexes(models.embedder.model_id(), None, false, run_id, &mut |_| {})?;
+    Ok(())
+}
+
+/// Ingests one conversation into a fresh temporary store and embeds it; returns the store's
+/// folder (removed when dropped), its writer, the graph and the map from dialogue id to node id.
+#[allow(clippy::type_complexity)] // the four parts the doc names
 fn build_store(
     conversation: &Value,
     embedder: &dyn Embedder,
-) -> Result<(Graph, BTreeMap<String, NodeId>)> {
+) -> Result<(
+    tempfile::TempDir,
+    fluxmem_store::Writer,
+    Graph,
+    BTreeMap<String, NodeId>,
+)> {
     let dir = tempfile::tempdir().map_err(|source| Error::Io {
         path: std::env::temp_dir(),
         source,
@@ -867,7 +1102,7 @@ fn build_store(
                 .map(|d| (d.to_string(), n.id.clone()))
         })
         .collect();
-    Ok((graph, dia_ids))
+    Ok((dir, writer, graph, dia_ids))
 }
 
 #[cfg(test)]

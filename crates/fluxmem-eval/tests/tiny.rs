@@ -2,7 +2,7 @@
 //! weight-free hashing embedder.
 
 use candle_core::Device;
-use fluxmem_eval::locomo::{evaluate, LocomoOptions};
+use fluxmem_eval::locomo::{evaluate, LocomoOptions, SERVED};
 use fluxmem_models::HashEmbedder;
 
 const DATA: &str = r#"[{"sample_id": "tiny",
@@ -209,4 +209,54 @@ fn the_fluxmem_system_is_hybrid_with_units_and_structure() {
     let mut entity_only = plain();
     entity_only.retrieval.entity = fluxmem_connect::DEFAULT_ENTITY;
     assert_ne!(run_on(DATA, entity_only).fingerprint, report.fingerprint);
+}
+
+/// Answered through the store a night built (`--through-graph`), every question ranks as the
+/// `fluxmem` system ranks it in memory, score for score; the other systems do not change. With
+/// Stage II, the served loop runs on what each query read from the store.
+#[test]
+fn the_store_a_night_built_serves_the_rankings_the_evaluation_measures() {
+    let options = |through_graph, rounds, budget| LocomoOptions {
+        budgets: vec![16, 1000],
+        through_graph,
+        refine: fluxmem_refine::LoopOptions {
+            rounds,
+            budget,
+            ..Default::default()
+        },
+        ..LocomoOptions::default()
+    };
+    let json = |r: &fluxmem_eval::locomo::LocomoReport, system: &str| {
+        serde_json::to_string(&r.systems[system]).unwrap()
+    };
+    let memory = run_on(DATA, options(false, 0, 16));
+    let served = run_on(DATA, options(true, 0, 16));
+    assert!(!memory.systems.contains_key(SERVED));
+    assert_eq!(json(&served, SERVED), json(&served, "fluxmem"));
+    for system in ["bm25", "dense", "hybrid", "fluxmem"] {
+        assert_eq!(json(&served, system), json(&memory, system), "{system}");
+    }
+    let night = served.served.as_ref().expect("a served summary");
+    // Retrieval runs before the gold is read: the question without evidence is answered too.
+    assert_eq!(night.questions, 4);
+    assert_eq!(night.rankings_differ, 0);
+    assert_eq!(night.connected, 0, "LoCoMo turns are facts, not runs");
+
+    // Stage II through the store: each served loop reads the store at one version and runs on
+    // what it read; nothing else writes the store, so no commit is refused.
+    let refined = run_on(DATA, options(true, 3, 16));
+    let night = refined.served.as_ref().unwrap();
+    assert_eq!(night.questions, 4);
+    assert_eq!(night.commits_refused, 0);
+    assert_eq!(
+        night.edits_committed, refined.refine.edits_persisted,
+        "as many edits kept through the store as in memory"
+    );
+    assert_eq!(
+        json(&refined, SERVED),
+        json(&refined, "fluxmem"),
+        "the loops ran on the same graph"
+    );
+    let again = run_on(DATA, options(true, 3, 16));
+    assert_eq!(again.fingerprint, refined.fingerprint, "deterministic");
 }
