@@ -79,9 +79,9 @@ pub fn run(args: QueryArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
             .collect()
     } else {
         // Skills and episodes first; the loop refines the facts under what is left of the budget.
-        let head_tokens = pack(&graph, &head, args.budget, &count)?.tokens;
-        let options =
-            super::loop_options(&args.refine, args.budget.saturating_sub(head_tokens + 1));
+        let facts_budget =
+            fluxmem_connect::serve::facts_budget(&graph, &head, args.budget, &count)?;
+        let options = super::loop_options(&args.refine, facts_budget);
         let mut generator = super::reshape_generator(&args.refine, &device_choice)?;
         let neighbours = Neighbours::build(&graph, &tenant);
         let mut verifier = fluxmem_refine::verifier(

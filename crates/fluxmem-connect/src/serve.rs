@@ -131,6 +131,22 @@ pub fn read(store: &Store, request: &Request<'_>, device: &Device) -> Result<Ser
     }
 }
 
+/// What Stage II's loop may pack the facts under once the ranking's head (its skills and
+/// episodes, which come first) is packed: the budget less the head's tokens and the line break
+/// after them; the whole budget without a head.
+pub fn facts_budget(
+    graph: &Graph,
+    head: &[crate::Entry],
+    budget: usize,
+    count: &dyn Fn(&str) -> Result<usize>,
+) -> Result<usize> {
+    if head.is_empty() {
+        return Ok(budget);
+    }
+    let head_tokens = crate::pack(graph, head, budget, count)?.tokens;
+    Ok(budget.saturating_sub(head_tokens + 1))
+}
+
 /// Commits `delta` only when the store is still at `read_version`, the version it was computed
 /// from (compare and swap: the writer holds the lock, so nothing commits between the check and
 /// the commit); `Err(version now)` when another writer committed in between, and nothing is

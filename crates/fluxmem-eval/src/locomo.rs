@@ -717,12 +717,13 @@ impl<'o> Evaluation<'o> {
                 .chain(semantic.iter().map(fluxmem_connect::semantic_entry))
                 .collect());
         }
-        let head_tokens = match head.is_empty() {
-            true => 0,
-            false => pack(&graph, &head, options.refine.budget, count)?.tokens + 1,
-        };
         let loop_options = LoopOptions {
-            budget: options.refine.budget.saturating_sub(head_tokens),
+            budget: fluxmem_connect::serve::facts_budget(
+                &graph,
+                &head,
+                options.refine.budget,
+                count,
+            )?,
             ..options.refine.clone()
         };
         let mut verifier = fluxmem_refine::verifier(
