@@ -1439,9 +1439,9 @@ fn a_sharded_connect_merge_records_the_grown_episodes_handled() {
 /// A sharded embed that plans first: the shards (one retried, in any order) embed the plan's
 /// buckets, a merge before every bucket is in names the missing ones, and the merge commits the
 /// shards of an unsharded embed, byte for byte (MiniLM computes a text's vector whatever the
-/// batch it is in).
+/// batch it is in). Then connect, planned the same way, commits an unsharded connect's shards.
 #[test]
-fn a_planned_sharded_embed_commits_the_shards_of_an_unsharded_one() {
+fn a_planned_sharded_embed_and_connect_commit_the_shards_of_unsharded_ones() {
     let dir = tempfile::tempdir().unwrap();
     let file = pipeline(dir.path(), false);
     add_log(dir.path(), "trajectories.jsonl");
@@ -1505,5 +1505,36 @@ fn a_planned_sharded_embed_commits_the_shards_of_an_unsharded_one() {
     assert!(!dir.path().join("planned/scratch/embed/night").exists());
     let whole = shard_list(&dir.path().join("store"));
     assert!(whole.iter().any(|(file, _, _)| file.contains("embeddings")));
+    assert_eq!(shard_list(&dir.path().join("planned")), whole);
+
+    // Connect's model work too: the ground queries' texts planned, embedded by shards (one run
+    // twice), and the edges committed by one writer with their vectors: an in-process
+    // connect's shards, byte for byte.
+    ok(step(&file, &["connect"]));
+    let plan = json_line(&ok(step(&planned_file, &["connect", "--plan"])));
+    assert_eq!(plan["status"], "planned", "{plan}");
+    assert_eq!(plan["details"]["stage"], "connect", "{plan}");
+    assert!(plan["counts_out"]["items"].as_u64().unwrap() > 10, "{plan}");
+    assert!(dir
+        .path()
+        .join("planned/scratch/embed/connect@night")
+        .is_dir());
+    for shard in ["1/2", "0/2", "1/2"] {
+        let executed = json_line(&ok(step(&planned_file, &["connect", "--shard", shard])));
+        assert_eq!(executed["status"], "executed", "{executed}");
+        assert_eq!(executed["details"]["plan"], plan["details"]["digest"]);
+    }
+    let merged = json_line(&ok(step(&planned_file, &["connect", "--merge", "2"])));
+    assert_eq!(merged["status"], "merged", "{merged}");
+    assert!(
+        merged["counts_out"]["ground_edges"].as_u64().unwrap() > 0,
+        "{merged}"
+    );
+    assert!(!dir
+        .path()
+        .join("planned/scratch/embed/connect@night")
+        .exists());
+    let whole = shard_list(&dir.path().join("store"));
+    assert!(whole.iter().any(|(file, _, _)| file.contains("edges")));
     assert_eq!(shard_list(&dir.path().join("planned")), whole);
 }

@@ -52,6 +52,9 @@ pub fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     if args.plan && args.stage.as_deref() == Some(fluxmem_embed::STAGE) {
         return plan_embed(&mut ctx, &store_dir);
     }
+    if args.plan && args.stage.as_deref() == Some(fluxmem_connect::STAGE) {
+        return plan_connect(&mut ctx, &store_dir);
+    }
     if args.plan {
         return plan_shards(&ctx, &store_dir);
     }
@@ -120,11 +123,16 @@ fn check_stage_flags(args: &RunArgs) -> anyhow::Result<Option<Shard>> {
         }
     }
     if args.plan {
-        let planned = [fluxmem_embed::STAGE, fluxmem_consolidate::STAGE];
+        let planned = [
+            fluxmem_embed::STAGE,
+            fluxmem_connect::STAGE,
+            fluxmem_consolidate::STAGE,
+        ];
         if !args.stage.as_deref().is_some_and(|s| planned.contains(&s)) {
             bail!(
-                "--plan plans the shards of a sharded embed (the texts to embed) or consolidate \
-                 (the clusters): it needs --stage embed or --stage consolidate"
+                "--plan plans the shards of a sharded embed (the texts to embed), connect (its \
+                 ground queries to embed) or consolidate (the clusters): it needs --stage embed, \
+                 connect or consolidate"
             );
         }
         if shard.is_some() || args.merge.is_some() {
@@ -193,6 +201,11 @@ fn merge_shards(
             return commit_embed(loaded, settings, store_dir, run_id, plan);
         }
     }
+    if stage == fluxmem_connect::STAGE {
+        if let Some(plan) = Plan::open_for(store_dir, stage, run_id)? {
+            return commit_connect(loaded, settings, store_dir, run_id, plan);
+        }
+    }
     let mut writer = open_main(store_dir, settings)?;
     let started = Instant::now();
     let mut info = CommitInfo {
@@ -258,8 +271,8 @@ fn run_shard(
     shard: Shard,
 ) -> anyhow::Result<ExitCode> {
     let stage = args.stage.as_deref().expect("checked above");
-    if stage == fluxmem_embed::STAGE {
-        if let Some(plan) = Plan::open(store_dir, &ctx.run_id)? {
+    if [fluxmem_embed::STAGE, fluxmem_connect::STAGE].contains(&stage) {
+        if let Some(plan) = Plan::open_for(store_dir, stage, &ctx.run_id)? {
             return execute_embed(ctx, &plan, shard);
         }
     }
@@ -322,27 +335,29 @@ fn plan_embed(ctx: &mut Ctx<'_>, store_dir: &Path) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `--stage embed --shard I/N` when the run has a plan: embeds the texts of the plan's buckets
-/// `b` with `b mod N = I`, into result files of the plan (no staging store, no lock).
+/// `--stage embed|connect --shard I/N` when the run has a plan of the stage's texts: embeds the
+/// texts of the plan's buckets `b` with `b mod N = I`, into result files of the plan (no
+/// staging store, no lock).
 fn execute_embed(ctx: &mut Ctx<'_>, plan: &Plan, shard: Shard) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
+    let stage = plan.header().stage.clone();
     let batch_size = ctx.loaded.pipeline.embed.batch_size;
-    let mut bar = CountBar::new(ctx.settings.progress, "embed");
+    let mut bar = CountBar::new(ctx.settings.progress, &stage);
     let embedder = ctx.embedder()?;
     let owns = |bucket: u32| bucket as usize % shard.count == shard.index;
     let worker = format!("shard-{}-of-{}", shard.index, shard.count);
     let report = plan
         .execute_buckets(embedder, &owns, batch_size, &worker, &mut bar)
-        .with_context(|| format!("executing shard {shard} of the embed plan"))?;
+        .with_context(|| format!("executing shard {shard} of the {stage} plan"))?;
     bar.finish();
     eprintln!(
-        "fluxmem run: embed, shard {shard}: {} texts of {} buckets embedded for plan {}",
+        "fluxmem run: {stage}, shard {shard}: {} texts of {} buckets embedded for plan {}",
         report.items,
         report.buckets,
         &plan.header().digest[..16]
     );
     let record = StageRecord {
-        name: fluxmem_embed::STAGE.into(),
+        name: stage,
         status: "executed".into(),
         seconds: started.elapsed().as_secs_f64(),
         counts_out: counts(&[
@@ -405,6 +420,148 @@ fn commit_embed(
     add_stage_to_report(loaded, run_id, store_dir, &record)?;
     println!("{}", serde_json::to_string(&record)?);
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--stage connect --plan`: plans the texts connect gives the model (the dense form of the
+/// ground queries of the episodes it would connect), in the store's
+/// `scratch/embed/connect@<run id>/` ([`fluxmem_connect::planned_queries`],
+/// [`fluxmem_embed::plan::plan_texts`]). The shards then embed the plan's buckets they own and
+/// the merge connects with their vectors.
+fn plan_connect(ctx: &mut Ctx<'_>, store_dir: &Path) -> anyhow::Result<ExitCode> {
+    let started = Instant::now();
+    let stage = fluxmem_connect::STAGE;
+    let c = ctx.loaded.pipeline.connect.clone();
+    if !c.enabled {
+        // Nothing to plan: the shards find no plan and skip the stage as well.
+        let record = disabled();
+        println!("{}", serde_json::to_string(&record)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let options = connect_options(&c, Shard::ALL);
+    let run_id = ctx.run_id.clone();
+    let device = ctx.device_choice.device()?;
+    let writer = open_main(store_dir, ctx.settings)?;
+    let models = &ctx.loaded.pipeline.models;
+    let (name, device_name) = (models.embedder.clone(), models.device.clone());
+    let model = PlanModel::of(&name, &device_name, ctx.embedder()?);
+    let planned =
+        fluxmem_connect::planned_queries(&writer, (&model.id, model.dim), &options, &device)
+            .context("planning connect's ground queries")?;
+    let texts: BTreeMap<String, String> = (planned.texts.into_iter())
+        .map(|text| (fluxmem_graph::sha256_hex(text.as_bytes()), text))
+        .collect();
+    let what = fluxmem_embed::plan::Planned {
+        stage,
+        run_id: &run_id,
+        version: writer.manifest().version,
+        nodes: planned.episodes,
+        lacking: planned.todo,
+    };
+    let plan = fluxmem_embed::plan::plan_texts(store_dir, &what, &model, &texts)
+        .context("writing the connect plan")?;
+    let header = plan.header();
+    eprintln!(
+        "  {} of {} episodes to connect, {} query texts for the model in {} buckets: {}",
+        header.lacking,
+        header.nodes,
+        header.items,
+        header.buckets,
+        plan.dir().display()
+    );
+    let mut details = serde_json::to_value(header)?;
+    details["dir"] = plan.dir().display().to_string().into();
+    let record = StageRecord {
+        name: stage.into(),
+        status: "planned".into(),
+        seconds: started.elapsed().as_secs_f64(),
+        counts_in: counts(&[("episodes", header.nodes)]),
+        counts_out: counts(&[("todo", header.lacking), ("items", header.items)]),
+        details,
+    };
+    println!("{}", serde_json::to_string(&record)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--stage connect --merge N` when the run has a connect plan: checks every result against
+/// the plan, then runs connect with the results in the model's place (the edges and shards an
+/// in-process connect writes), then removes the plan.
+fn commit_connect(
+    loaded: &Loaded,
+    settings: &Settings,
+    store_dir: &Path,
+    run_id: &str,
+    plan: Plan,
+) -> anyhow::Result<ExitCode> {
+    let started = Instant::now();
+    let stage = fluxmem_connect::STAGE;
+    if !loaded.pipeline.connect.enabled {
+        bail!("--stage connect --merge: the pipeline's connect stage is disabled");
+    }
+    let mut writer = open_main(store_dir, settings)?;
+    plan.check_unmoved(writer.manifest())
+        .context("committing the connect plan")?;
+    let vectors = plan
+        .results()
+        .context("reading the connect plan's results")?;
+    let digest = plan.header().digest.clone();
+    let options = fluxmem_connect::ConnectOptions {
+        plan: Some(digest.clone()),
+        ..connect_options(&loaded.pipeline.connect, Shard::ALL)
+    };
+    let device: DeviceChoice = loaded.pipeline.models.device.parse()?;
+    let mut bar = CountBar::new(settings.progress, "connect commit");
+    let report = fluxmem_connect::connect_store(
+        &mut writer,
+        &vectors,
+        &options,
+        &format!("{stage}@{run_id}"),
+        &device.device()?,
+        &mut bar,
+    )
+    .context("committing the connect plan")?;
+    bar.finish();
+    mark_done(&mut writer, stage, run_id, &json!({ "plan": digest }))?;
+    // Committed and marked done: the plan is garbage now (a failed removal leaves it behind).
+    if let Err(error) = plan.remove() {
+        eprintln!("warning: {error}; remove the connect plan's folder by hand");
+    }
+    eprintln!(
+        "  {} episodes: {} connected now; {} ground and {} link edges (plan {})",
+        report.episodes,
+        report.connected,
+        report.ground_edges,
+        report.link_edges,
+        &digest[..16]
+    );
+    let record = StageRecord {
+        name: stage.into(),
+        status: "merged".into(),
+        seconds: started.elapsed().as_secs_f64(),
+        counts_in: counts(&[("episodes", report.episodes), ("already", report.already)]),
+        counts_out: counts(&[
+            ("connected", report.connected),
+            ("ground_edges", report.ground_edges),
+            ("link_edges", report.link_edges),
+            ("commits", report.commits),
+        ]),
+        details: json!({ "plan": digest, "report": report }),
+    };
+    add_stage_to_report(loaded, run_id, store_dir, &record)?;
+    println!("{}", serde_json::to_string(&record)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// How the pipeline connects (`shard`: the episodes a run owns).
+fn connect_options(c: &pipeline::Connect, shard: Shard) -> fluxmem_connect::ConnectOptions {
+    fluxmem_connect::ConnectOptions {
+        per_step: c.per_step,
+        ground_k: c.ground_k,
+        link_k: c.link_k,
+        commit_every: c.commit_every,
+        shard,
+        memory: c.memory_mb.saturating_mul(1 << 20),
+        ..Default::default()
+    }
 }
 
 /// How the pipeline embeds (`shard`: the nodes a run owns).
@@ -904,15 +1061,7 @@ impl Ctx<'_> {
         let run_id = format!("connect@{}", self.run_id);
         let progress = self.settings.progress;
         let embedder = self.embedder()?;
-        let options = fluxmem_connect::ConnectOptions {
-            per_step: c.per_step,
-            ground_k: c.ground_k,
-            link_k: c.link_k,
-            commit_every: c.commit_every,
-            shard,
-            memory: c.memory_mb.saturating_mul(1 << 20),
-            ..Default::default()
-        };
+        let options = connect_options(&c, shard);
         let mut bar = CountBar::new(progress, "connect");
         let report =
             fluxmem_connect::connect_store(writer, embedder, &options, &run_id, &device, &mut bar)?;

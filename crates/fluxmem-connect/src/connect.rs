@@ -58,6 +58,10 @@ pub struct ConnectOptions {
     /// fit the other eighth makes its passes over them (the same edges either way; a small
     /// budget costs many passes: `ConnectReport::fact_partitions` says how many partitions).
     pub memory: usize,
+    /// The digest of the plan whose vectors the embedder serves (a planned run's commit,
+    /// [`planned_queries`]), recorded as `plan` in each commit's summary so that a killed
+    /// commit of the plan can resume over its own commits. `None` for a run with the model.
+    pub plan: Option<String>,
 }
 
 /// [`ConnectOptions::memory`] by default: 512 MiB.
@@ -73,6 +77,7 @@ impl Default for ConnectOptions {
             retrieval: RetrievalConfig::serving(),
             shard: Shard::ALL,
             memory: DEFAULT_MEMORY,
+            plan: None,
         }
     }
 }
@@ -213,6 +218,7 @@ pub fn connect_store(
         facts_share: memory / 4,
     };
     let commit_every = options.commit_every.max(1);
+    let plan = options.plan.as_deref();
     let mut sizing = GroupSize::new(memory / 4, &manifest, commit_every, nodes.episodes.len());
     progress.start(todo.len() as u64);
     let mut start = 0;
@@ -243,7 +249,7 @@ pub fn connect_store(
             let last = start >= todo.len() && i + 1 == chunks && options.shard.count <= 1;
             let marker = last.then_some(grown.seen);
             if !delta.is_empty() {
-                commit(writer, &delta, run_id, &report, marker)?;
+                commit(writer, &delta, (run_id, plan), &report, marker)?;
                 report.commits += 1;
                 marked |= marker.is_some();
             }
@@ -251,10 +257,105 @@ pub fn connect_store(
         }
     }
     if !marked && grown.seen > grown.handled && options.shard.count <= 1 {
-        commit(writer, &Graph::default(), run_id, &report, Some(grown.seen))?;
+        commit(
+            writer,
+            &Graph::default(),
+            (run_id, plan),
+            &report,
+            Some(grown.seen),
+        )?;
         report.commits += 1;
     }
     Ok(report)
+}
+
+/// The texts a run of [`connect_store`] with `options` would give an embedder of `model`
+/// (`dim` dimensions) at the writer's version: the dense form of every ground query of the
+/// episodes it would connect, each once. Planned with `fluxmem_embed::plan::plan_texts` and
+/// embedded anywhere, they are all a connect run needs of the model: [`connect_store`] with
+/// an embedder that serves their vectors writes the edges a run with the model writes.
+pub fn planned_queries(
+    writer: &Writer,
+    (model, dim): (&str, usize),
+    options: &ConnectOptions,
+    device: &Device,
+) -> Result<PlannedQueries> {
+    let store = writer.store();
+    // Facts spilled to scratch files are connect's own (the writer lock makes this the store's
+    // only connect): a plan leaves none behind.
+    let scratch = store.dir().join(fluxmem_store::SCRATCH).join(FOLDER);
+    crate::facts::sweep(&scratch)?;
+    let planned = plan_queries(writer, (model, dim), options, device);
+    crate::facts::sweep(&scratch)?;
+    planned
+}
+
+fn plan_queries(
+    writer: &Writer,
+    (model, dim): (&str, usize),
+    options: &ConnectOptions,
+    device: &Device,
+) -> Result<PlannedQueries> {
+    let manifest = writer.manifest();
+    let store = writer.store();
+    let grown = grown_since(store, manifest)?;
+    let (connected, _) = connected_episodes(store, manifest, &grown.episodes)?;
+    let mut nodes = read_nodes(store, manifest, &connected, &grown.episodes, options, dim)?;
+    let mut planned = PlannedQueries {
+        episodes: nodes.episodes.len(),
+        todo: nodes.todo.len(),
+        texts: BTreeSet::new(),
+    };
+    if nodes.todo.is_empty() {
+        return Ok(planned);
+    }
+    let memory = options
+        .memory
+        .saturating_sub(connected.held_bytes() + nodes.episodes.held_bytes());
+    drop(connected);
+    let search = fact_search(
+        store,
+        manifest,
+        &mut nodes,
+        (model, options.retrieval.units),
+        memory / 4,
+        device,
+    )?;
+    let todo = nodes.todo_in_order();
+    let mut sizing = GroupSize::new(
+        memory / 4,
+        manifest,
+        options.commit_every.max(1),
+        nodes.episodes.len(),
+    );
+    let mut start = 0;
+    while start < todo.len() {
+        let group = &todo[start..(start + sizing.episodes()).min(todo.len())];
+        start += group.len();
+        let ids: BTreeSet<NodeId> = group.iter().map(|(id, _)| (*id).clone()).collect();
+        let graph = read_group(store, manifest, &ids, options.per_step)?;
+        sizing.measured(graph.nodes.values());
+        for &(episode, tenant) in group {
+            for text in ground_queries(&graph, episode, options.per_step) {
+                let dense = search.dense_query(tenant, text, &options.retrieval);
+                planned
+                    .texts
+                    .insert(dense.unwrap_or_else(|| text.to_string()));
+            }
+        }
+    }
+    Ok(planned)
+}
+
+/// What [`planned_queries`] found.
+#[derive(Debug, Clone, Default)]
+pub struct PlannedQueries {
+    /// Episodes in the store.
+    pub episodes: usize,
+    /// Episodes a run would connect.
+    pub todo: usize,
+    /// The texts it would embed, each once.
+    pub texts: BTreeSet<String>,
 }
 
 /// Takes out of `delta` the edges the store holds already (a grown episode's: connected again,
@@ -739,11 +840,14 @@ pub fn retrieval_progress(config: &RetrievalConfig) -> (String, serde_json::Valu
 fn commit(
     writer: &mut Writer,
     delta: &Graph,
-    run_id: &str,
+    (run_id, plan): (&str, Option<&str>),
     report: &ConnectReport,
     grown_seen: Option<usize>,
 ) -> Result<()> {
-    let summary = serde_json::json!({ "connected": report.connected, "ground_edges": report.ground_edges, "link_edges": report.link_edges });
+    let mut summary = serde_json::json!({ "connected": report.connected, "ground_edges": report.ground_edges, "link_edges": report.link_edges });
+    if let Some(plan) = plan {
+        summary["plan"] = plan.into();
+    }
     writer.commit(
         delta,
         CommitInfo {

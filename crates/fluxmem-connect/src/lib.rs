@@ -34,8 +34,9 @@ mod tenant;
 
 pub use bm25::{stem, terms, terms_with, Bm25, Bm25Params};
 pub use connect::{
-    connect_store, merged_progress, recorded_retrieval, retrieval_progress, staged_retrieval,
-    ConnectOptions, ConnectReport, NoProgress, Progress, DEFAULT_MEMORY, RETRIEVAL_MARKER, STAGE,
+    connect_store, merged_progress, planned_queries, recorded_retrieval, retrieval_progress,
+    staged_retrieval, ConnectOptions, ConnectReport, NoProgress, PlannedQueries, Progress,
+    DEFAULT_MEMORY, RETRIEVAL_MARKER, STAGE,
 };
 pub use context::{line, pack, Context, ContextItem};
 pub use dense::{

@@ -22,6 +22,11 @@
 //!   whatever the texts beside it (see fluxmem-models' native forward), so the shard files are
 //!   byte-identical to `fluxmem run`'s for any worker count, batch size and order.
 //!
+//! Another stage's texts for the model are planned, executed and checked the same way
+//! ([`plan_texts`], [`Plan::open_for`]): connect's ground queries (`fluxmem_connect::
+//! planned_queries`), whose plan lives in `scratch/embed/connect@<run id>/` and whose commit
+//! runs the connect stage with the results standing in for the model.
+//!
 //! Limits: the plan holds the night's new texts in memory while it writes them, and the
 //! commit holds every result vector (the night's, not the history's) while it commits.
 
@@ -63,6 +68,10 @@ pub fn bucket_of(key: &str) -> u32 {
 pub struct PlanHeader {
     /// [`FORMAT`].
     pub format: u32,
+    /// The stage whose texts the plan holds: `embed` (the nodes' texts) or `connect` (its
+    /// ground queries).
+    #[serde(default = "embed_stage")]
+    pub stage: String,
     /// The run id the plan is for (`embed@<run id>` in the commits).
     pub run_id: String,
     /// The manifest version the plan read.
@@ -108,9 +117,23 @@ pub struct Plan {
     header: PlanHeader,
 }
 
-/// The folder of `run_id`'s plan in the store at `store`.
+/// The folder of `run_id`'s embed plan in the store at `store`.
 pub fn plan_dir(store: &Path, run_id: &str) -> PathBuf {
-    store.join(fluxmem_store::SCRATCH).join(FOLDER).join(run_id)
+    stage_plan_dir(store, crate::STAGE, run_id)
+}
+
+/// The folder of the plan of `stage`'s texts for `run_id`: `scratch/embed/<run id>` for the
+/// embed stage, `scratch/embed/<stage>@<run id>` for another stage's.
+pub fn stage_plan_dir(store: &Path, stage: &str, run_id: &str) -> PathBuf {
+    let folder = store.join(fluxmem_store::SCRATCH).join(FOLDER);
+    match stage == crate::STAGE {
+        true => folder.join(run_id),
+        false => folder.join(format!("{stage}@{run_id}")),
+    }
+}
+
+fn embed_stage() -> String {
+    crate::STAGE.to_string()
 }
 
 /// The model a plan is for.
@@ -167,23 +190,58 @@ pub fn plan(
                 texts.remove(hash);
             }
         })?;
-    let dir = plan_dir(writer.store().dir(), run_id);
+    let planned = Planned {
+        stage: crate::STAGE,
+        run_id,
+        version: writer.manifest().version,
+        nodes: selection.nodes,
+        lacking: selection.lacking.len(),
+    };
+    plan_texts(writer.store().dir(), &planned, model, &texts)
+}
+
+/// What a plan of texts is for.
+#[derive(Debug, Clone, Copy)]
+pub struct Planned<'a> {
+    /// The stage that gives the texts to the model.
+    pub stage: &'a str,
+    /// The run id.
+    pub run_id: &'a str,
+    /// The manifest version the texts were read at.
+    pub version: u64,
+    /// The nodes the stage looked at ([`PlanHeader::nodes`]).
+    pub nodes: usize,
+    /// Those it works on ([`PlanHeader::lacking`]).
+    pub lacking: usize,
+}
+
+/// Writes the plan of `texts` (by key, their SHA-256) for `planned`'s stage and run id in the
+/// store at `store` ([`stage_plan_dir`]), replacing a plan an earlier attempt of the run id
+/// left (its folder, results included, holds only what this module wrote).
+pub fn plan_texts(
+    store: &Path,
+    planned: &Planned<'_>,
+    model: &PlanModel,
+    texts: &BTreeMap<String, String>,
+) -> Result<Plan> {
+    let dir = stage_plan_dir(store, planned.stage, planned.run_id);
     if dir.exists() {
         std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
     }
     std::fs::create_dir_all(dir.join(RESULTS)).map_err(io(&dir))?;
-    let items_sha256 = write_items(&dir.join(ITEMS_FILE), &texts)?;
+    let items_sha256 = write_items(&dir.join(ITEMS_FILE), texts)?;
     let mut header = PlanHeader {
         format: FORMAT,
-        run_id: run_id.to_string(),
-        version: writer.manifest().version,
+        stage: planned.stage.to_string(),
+        run_id: planned.run_id.to_string(),
+        version: planned.version,
         embedder: model.name.clone(),
         device: model.device.clone(),
         model: model.id.clone(),
-        dim,
+        dim: model.dim,
         buckets: BUCKETS,
-        nodes: selection.nodes,
-        lacking: selection.lacking.len(),
+        nodes: planned.nodes,
+        lacking: planned.lacking,
         items: texts.len(),
         items_sha256,
         digest: String::new(),
@@ -202,10 +260,16 @@ fn digest(header: &PlanHeader) -> String {
 }
 
 impl Plan {
-    /// The plan of `run_id` in the store at `store`, if there is one, checked: its digest,
-    /// format and the items file's SHA-256.
+    /// The embed plan of `run_id` in the store at `store`, if there is one, checked: its
+    /// digest, format and the items file's SHA-256.
     pub fn open(store: &Path, run_id: &str) -> Result<Option<Plan>> {
-        let dir = plan_dir(store, run_id);
+        Plan::open_for(store, crate::STAGE, run_id)
+    }
+
+    /// The plan of `stage`'s texts for `run_id` ([`stage_plan_dir`]), if there is one, checked
+    /// as [`Plan::open`] checks it.
+    pub fn open_for(store: &Path, stage: &str, run_id: &str) -> Result<Option<Plan>> {
+        let dir = stage_plan_dir(store, stage, run_id);
         let path = dir.join(PLAN_FILE);
         if !path.is_file() {
             return Ok(None);
@@ -215,13 +279,17 @@ impl Plan {
             path: path.clone(),
             reason: format!("unreadable: {e}"),
         })?;
-        if header.format != FORMAT || header.buckets != BUCKETS || digest(&header) != header.digest
+        if header.format != FORMAT
+            || header.buckets != BUCKETS
+            || header.stage != stage
+            || digest(&header) != header.digest
         {
             return Err(Error::Plan {
                 path,
-                reason: "its digest, format or bucket count is not this version's; plan again \
-                         (`fluxmem run P --run-id R --stage embed --plan`)"
-                    .into(),
+                reason: format!(
+                    "its digest, format, stage or bucket count is not this version's; plan \
+                     again (`fluxmem run P --run-id R --stage {stage} --plan`)"
+                ),
             });
         }
         let items = dir.join(ITEMS_FILE);
@@ -543,7 +611,22 @@ impl Plan {
         options: &EmbedOptions,
         progress: &mut dyn Progress,
     ) -> Result<EmbedReport> {
-        let manifest = writer.manifest();
+        self.check_unmoved(writer.manifest())?;
+        crate::check_model(writer, &self.header.model, self.header.dim)?;
+        let run_id = format!("{FOLDER}@{}", self.header.run_id);
+        embed_selected(
+            writer,
+            vectors,
+            options,
+            &run_id,
+            Some(&self.header.digest),
+            progress,
+        )
+    }
+
+    /// Refuses a store that moved since the plan read it, but by this plan's own commits
+    /// (their summaries carry its digest as `plan`: a commit that was killed resumes).
+    pub fn check_unmoved(&self, manifest: &fluxmem_store::Manifest) -> Result<()> {
         let foreign = manifest
             .commits
             .iter()
@@ -563,16 +646,7 @@ impl Plan {
                 ),
             });
         }
-        crate::check_model(writer, &self.header.model, self.header.dim)?;
-        let run_id = format!("{FOLDER}@{}", self.header.run_id);
-        embed_selected(
-            writer,
-            vectors,
-            options,
-            &run_id,
-            Some(&self.header.digest),
-            progress,
-        )
+        Ok(())
     }
 
     /// Removes the plan's folder (after its commit).

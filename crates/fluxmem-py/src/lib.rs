@@ -1,10 +1,12 @@
-//! `fluxmem_py`: the execute step of a planned embed (`fluxmem_embed::plan`) as a Python class,
+//! `fluxmem_py`: the execute step of a planned embed or connect (`fluxmem_embed::plan`: the
+//! texts a stage gives the model) as a Python class,
 //! for workers that keep their model loaded across batches (the Ray actors of
 //! `integrations/ray`, `fluxmem_ray.actors`).
 //!
 //! ```python
 //! import fluxmem_py
 //! executor = fluxmem_py.EmbedExecutor("/data/store", "nightly-2026-12-07")  # loads the model once
+//! # connect's ground queries: EmbedExecutor(store, run_id, stage="connect")
 //! floats = executor.embed(keys, texts)  # little-endian f32, len(texts) * executor.dim of them
 //! ```
 //!
@@ -12,7 +14,7 @@
 //! loads the model the plan names, on the plan's device or the one given. `embed` checks that
 //! each text hashes to its key and runs the model with the GIL released; the caller writes the
 //! vectors as the plan's result rows (`plan`, `key`, `vector`), which the commit
-//! (`fluxmem run P --stage embed --merge N`) checks against the plan. Texts cross into Rust as
+//! (`fluxmem run P --stage embed --merge N`, or `--stage connect`) checks against the plan. Texts cross into Rust as
 //! Python strings (one copy, which the model's tokenizer would make anyway) and the vectors come
 //! back as one `bytes` object, which `numpy.frombuffer` and `pyarrow` wrap without copying.
 //!
@@ -26,7 +28,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::path::PathBuf;
 
-/// The execute step of one run's embed plan, with its model loaded.
+/// The execute step of one run's plan of a stage's texts, with its model loaded.
 #[pyclass(module = "fluxmem_py", frozen)]
 struct EmbedExecutor {
     plan: Plan,
@@ -36,23 +38,25 @@ struct EmbedExecutor {
 
 #[pymethods]
 impl EmbedExecutor {
-    /// Opens the plan of `run_id` in the store at `store` and loads its model on `device`
-    /// (default: the plan's, the pipeline's device), `batch_size` texts a forward.
+    /// Opens the plan of `stage`'s texts (`embed` or `connect`) for `run_id` in the store at
+    /// `store` and loads its model on `device` (default: the plan's, the pipeline's device),
+    /// `batch_size` texts a forward.
     #[new]
-    #[pyo3(signature = (store, run_id, device=None, batch_size=32))]
+    #[pyo3(signature = (store, run_id, device=None, batch_size=32, stage="embed"))]
     fn new(
         py: Python<'_>,
         store: PathBuf,
         run_id: &str,
         device: Option<&str>,
         batch_size: usize,
+        stage: &str,
     ) -> PyResult<Self> {
-        let plan = Plan::open(&store, run_id)
+        let plan = Plan::open_for(&store, stage, run_id)
             .map_err(value_error)?
             .ok_or_else(|| {
                 PyValueError::new_err(format!(
-                    "{}: no embed plan for run id `{run_id}`; plan first with \
-                 `fluxmem run P --run-id {run_id} --stage embed --plan`",
+                    "{}: no {stage} plan for run id `{run_id}`; plan first with \
+                 `fluxmem run P --run-id {run_id} --stage {stage} --plan`",
                     store.display()
                 ))
             })?;
@@ -70,6 +74,12 @@ impl EmbedExecutor {
             embedder,
             batch_size,
         })
+    }
+
+    /// The stage whose texts the plan holds.
+    #[getter]
+    fn stage(&self) -> &str {
+        &self.plan.header().stage
     }
 
     /// The plan's digest, which every result row carries in its `plan` column.

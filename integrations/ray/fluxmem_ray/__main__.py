@@ -30,7 +30,7 @@ def parse(argv):
     parser.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs per actor/task (default: 1)")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subsequence of {','.join(STAGES)}")
     parser.add_argument("--embed-in-processes", action="store_true",
-                        help="run embed's shards as fluxmem processes, not in actors that keep the model (fluxmem_py)")
+                        help="run the shards of embed and of connect's model work as fluxmem processes, not in actors that keep the model (fluxmem_py)")
     parser.add_argument("--embed-batch", type=int, default=256, help="plan items per Ray batch of the embed actors")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser.parse_args(argv)

@@ -1,7 +1,9 @@
 """Ray Data actors that run fluxmem's execute steps in-process, keeping their model loaded.
 
 Embed is planned first (``fluxmem run P --run-id R --stage embed --plan``: the texts to embed,
-each once, in fixed buckets, in ``<store>/scratch/embed/<R>/items.parquet``). Then
+each once, in fixed buckets, in ``<store>/scratch/embed/<R>/items.parquet``), and so is connect's
+model work (``--stage connect --plan``: the texts of its ground queries, in
+``<store>/scratch/embed/connect@<R>/``). Then
 :func:`execute_embed_plan` reads the plan's items with ``ray.data.read_parquet``, runs
 :class:`EmbedActor` over them with ``map_batches`` on a fixed actor pool (``num_gpus`` per
 actor; each actor loads the model once, through the ``fluxmem_py`` extension module built from
@@ -9,7 +11,8 @@ crates/fluxmem-py, and the model runs with the GIL released) and writes the vect
 ``write_parquet`` to the plan's ``results/``. The commit (``--stage embed --merge N``) checks
 every result against the plan and commits the shard files of a single-machine run, byte for
 byte: which actor embedded what, in which batches and order, and how often a batch was retried
-do not change them.
+do not change them. Connect's commit (``--stage connect --merge N``) connects with the
+plan's vectors in the model's place and writes a single-machine connect's shard files.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import pyarrow as pa
 import ray
 
 
-def plan_dir(store: str | os.PathLike, run_id: str) -> Path:
-    """The folder of the embed plan of ``run_id`` (``fluxmem_embed::plan::plan_dir``)."""
-    return Path(store) / "scratch" / "embed" / run_id
+def plan_dir(store: str | os.PathLike, run_id: str, stage: str = "embed") -> Path:
+    """The folder of the plan of ``stage``'s texts for ``run_id``
+    (``fluxmem_embed::plan::stage_plan_dir``)."""
+    folder = Path(store) / "scratch" / "embed"
+    return folder / run_id if stage == "embed" else folder / f"{stage}@{run_id}"
 
 
 class EmbedActor:
@@ -32,7 +37,7 @@ class EmbedActor:
     plan's model, loaded once, into result rows (``plan``, ``key``, ``vector``)."""
 
     def __init__(self, store: str, run_id: str, device: str | None = None, batch_size: int = 32,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, stage: str = "embed"):
         # The fluxmem environment (FLUXMEM_MODELS: where the models are) a subprocess would get.
         os.environ.update(env or {})
         try:
@@ -42,7 +47,7 @@ class EmbedActor:
                 "the fluxmem_py module is not installed on this node: build it with "
                 "`maturin develop -m crates/fluxmem-py/Cargo.toml` (or install its wheel)"
             ) from error
-        self.executor = fluxmem_py.EmbedExecutor(store, run_id, device=device, batch_size=batch_size)
+        self.executor = fluxmem_py.EmbedExecutor(store, run_id, device=device, batch_size=batch_size, stage=stage)
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -71,15 +76,17 @@ def execute_embed_plan(
     shuffle_seed: int | None = None,
     env: dict[str, str] | None = None,
     actor: type = EmbedActor,
+    stage: str = "embed",
 ) -> dict:
-    """Executes the embed plan of ``run_id`` in the store at ``store`` on the connected Ray
-    cluster: ``workers`` actors, ``batch_size`` items a Ray batch (``model_batch`` texts a
-    forward), the items in plan order or shuffled with ``shuffle_seed``; ``env`` is set in each
-    actor's environment. Returns what ran."""
-    folder = plan_dir(store, run_id)
+    """Executes the plan of ``stage``'s texts (``embed``, or ``connect``'s ground queries) for
+    ``run_id`` in the store at ``store`` on the connected Ray cluster: ``workers`` actors,
+    ``batch_size`` items a Ray batch (``model_batch`` texts a forward), the items in plan order
+    or shuffled with ``shuffle_seed``; ``env`` is set in each actor's environment. Returns what
+    ran."""
+    folder = plan_dir(store, run_id, stage)
     items = folder / "items.parquet"
     if not items.is_file():
-        raise FileNotFoundError(f"{items}: no embed plan; run `fluxmem run P --run-id {run_id} --stage embed --plan` first")
+        raise FileNotFoundError(f"{items}: no {stage} plan; run `fluxmem run P --run-id {run_id} --stage {stage} --plan` first")
     # The read and write tasks take no CPU of their own, and the actors leave one CPU free for
     # read_parquet's file listing (a task of one CPU that takes no resource arguments): on a
     # cluster the actors fill, a read waiting for a CPU and a pool waiting for rows deadlock.
@@ -95,7 +102,7 @@ def execute_embed_plan(
     dataset = dataset.map_batches(
         actor,
         fn_constructor_kwargs={"store": str(store), "run_id": run_id, "device": device, "batch_size": model_batch,
-                               "env": env},
+                               "env": env, "stage": stage},
         batch_format="pyarrow",
         batch_size=batch_size,
         compute=ray.data.ActorPoolStrategy(size=workers),
@@ -104,4 +111,4 @@ def execute_embed_plan(
     )
     dataset.write_parquet(str(folder / "results"), ray_remote_args={"num_cpus": 0})
     return {"workers": workers, "cpus_per_worker": cpus_per_worker, "batch_size": batch_size,
-            "shuffle_seed": shuffle_seed, "plan_dir": str(folder)}
+            "shuffle_seed": shuffle_seed, "plan_dir": str(folder), "stage": stage}

@@ -103,7 +103,7 @@ def run_shard(invocation: Invocation, stage: str, index: int, count: int) -> dic
 # The map stages that plan once, before their shards (``--plan``): each shard then follows
 # the plan, and the merge checks that every shard did (embed: the texts to embed in fixed
 # buckets, each shard embedding its buckets; consolidate: the clusters).
-PLANNED_STAGES = ("embed", "consolidate")
+PLANNED_STAGES = ("embed", "connect", "consolidate")
 
 
 def run_plan(invocation: Invocation, stage: str) -> dict:

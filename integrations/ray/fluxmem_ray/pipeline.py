@@ -10,17 +10,21 @@ once, as one Ray task (with ``num_gpus`` when there are GPUs), in order.
 
 Known limits, stated plainly:
 
-- Embed (``Options.embed_in_actors``, the default) runs its execute step in Ray Data actors
-  that keep the model loaded (``fluxmem_ray.actors``, through the ``fluxmem_py`` module). For
-  the other map stages the worker is the Rust binary, one process per shard: its models load
-  once per shard, not once per actor, and no rows stream through Ray. The store itself is the data plane: every
+- Embed, and connect's model work (the vectors of its ground queries), run their execute
+  steps in Ray Data actors that keep the model loaded (``Options.embed_in_actors``, the
+  default; ``fluxmem_ray.actors``, through the ``fluxmem_py`` module). Connect's retrieval
+  then runs in its commit, one process. For ingest and consolidate the worker is the Rust
+  binary, one process per shard: its models load once per shard, not once per actor, and no
+  rows stream through Ray. The store itself is the data plane: every
   node (the driver included) must see the store directory, the pipeline file, its inputs and
   the binary at the same paths (a shared filesystem). An Arrow-IPC streaming worker that keeps
   the models loaded across batches is not built.
 - Embed is a map stage planned once: one Ray task lists the texts to embed in 64 fixed
   buckets (``--stage embed --plan``), the actors (or, without them, each shard process) embed
   them into the plan's result files, and the merge checks every result against the plan and
-  commits the shard files of a single-machine run, byte for byte.
+  commits the shard files of a single-machine run, byte for byte. Connect the same
+  (``--stage connect --plan``: its ground queries' texts); its merge connects with the
+  results in the model's place.
 - Consolidate is a map stage planned once: one Ray task clusters the store
   (``--stage consolidate --plan``, recorded in the store), then every shard induces the skills
   of the planned clusters it owns (by a hash of the cluster's episodes), so no shard depends on
@@ -67,9 +71,9 @@ class Options:
     progress_bars: bool = False
     """Show Ray Data's progress bars."""
     embed_in_actors: bool = True
-    """Embed's execute step in-process in Ray Data actors that keep the model loaded
-    (``fluxmem_ray.actors``, needs the ``fluxmem_py`` module); False: one ``fluxmem`` process
-    a shard, as the other map stages."""
+    """The execute steps of embed and of connect's model work in-process in Ray Data actors
+    that keep the model loaded (``fluxmem_ray.actors``, needs the ``fluxmem_py`` module);
+    False: one ``fluxmem`` process a shard, as the other map stages."""
     embed_batch: int = 256
     """Plan items per Ray batch of the embed actors."""
 
@@ -209,8 +213,10 @@ def _map_stage(invocation: Invocation, stage: str, options: Options, gpus: float
         task = ray.remote(num_gpus=gpus, num_cpus=options.cpus_per_worker, max_retries=0)(_run_plan_task)
         plan = ray.get(task.remote(invocation, stage))
     workers = max(1, min(options.workers or count, count, _actors_that_fit(options, gpus)))
-    if stage == "embed" and options.embed_in_actors:
-        return _embed_in_actors(invocation, options, gpus, plan, workers)
+    # A connect plan with nothing to connect (or a disabled stage) is no plan: shards skip it.
+    planned = plan is not None and plan["record"].get("status") == "planned"
+    if stage in ("embed", "connect") and options.embed_in_actors and planned:
+        return _embed_in_actors(invocation, stage, options, gpus, plan, workers)
     # from_items puts the N rows in the object store from the driver: no read task competes
     # with the actors for CPUs (on a small cluster a read task and a full pool can deadlock).
     dataset = ray.data.from_items([{"id": i} for i in range(count)], override_num_blocks=count).map_batches(
@@ -247,14 +253,17 @@ def _map_stage(invocation: Invocation, stage: str, options: Options, gpus: float
     return entry
 
 
-def _embed_in_actors(invocation: Invocation, options: Options, gpus: float, plan: dict, workers: int) -> dict:
-    """Embed's execute step in Ray Data actors that keep the model (``fluxmem_ray.actors``),
-    then the commit (``--merge``), which checks every result against the plan."""
+def _embed_in_actors(invocation: Invocation, stage: str, options: Options, gpus: float, plan: dict,
+                     workers: int) -> dict:
+    """The execute step of embed (or of connect's model work) in Ray Data actors that keep the
+    model (``fluxmem_ray.actors``), then the commit (``--merge``), which checks every result
+    against the plan."""
     started = time.monotonic()
     store = contract.store_dir(invocation.pipeline, invocation.store)
     execute = actors.execute_embed_plan(
         store,
         invocation.run_id,
+        stage=stage,
         workers=workers,
         batch_size=options.embed_batch,
         gpus_per_worker=gpus,
@@ -262,5 +271,5 @@ def _embed_in_actors(invocation: Invocation, options: Options, gpus: float, plan
         env=invocation.env,
     )
     execute["seconds"] = time.monotonic() - started
-    merge = contract.run_merge(invocation, "embed", options.shards)
-    return {"name": "embed", "mode": "actors", "plan": plan, "execute": execute, "merge": merge}
+    merge = contract.run_merge(invocation, stage, options.shards)
+    return {"name": stage, "mode": "actors", "plan": plan, "execute": execute, "merge": merge}

@@ -55,6 +55,11 @@ out = "out/skills"
 
 [report]
 dir = "out/runs"
+
+# The single run would compact after its stages, which the Ray driver does not: the stages'
+# own shard files are compared (compaction is tested on its own).
+[compact]
+enabled = false
 """,
 )
 
@@ -146,7 +151,7 @@ def test_map_stages_fanned_out_on_gpu_actors(stores):
     assert [s["name"] for s in summary.stages] == list(fluxmem_ray.STAGES)
     assert summary.gpus_per_worker == 0.5
     for stage in summary.stages:
-        if stage["name"] == "embed":
+        if stage["name"] in ("embed", "connect"):
             assert stage["mode"] == "actors", stage
         elif stage["name"] in fluxmem_ray.MAP_STAGES:
             assert stage["mode"] == "map"
@@ -185,6 +190,13 @@ def test_map_stages_fanned_out_on_gpu_actors(stores):
     assert embed["merge"]["record"]["status"] == "merged", embed["merge"]
     assert embed["merge"]["record"]["details"]["plan"] == digest
     assert not (stores["ray"] / "scratch" / "embed" / RUN_ID).exists()
+    # Connect's model work the same way: its ground queries' texts, planned and embedded.
+    connect = next(s for s in summary.stages if s["name"] == "connect")
+    assert connect["plan"]["record"]["status"] == "planned", connect["plan"]
+    assert connect["plan"]["record"]["counts_out"]["items"] > 0, connect["plan"]
+    assert connect["execute"]["stage"] == "connect", connect["execute"]
+    assert connect["merge"]["record"]["details"]["plan"] == connect["plan"]["record"]["details"]["digest"]
+    assert not (stores["ray"] / "scratch" / "embed" / f"connect@{RUN_ID}").exists()
 
 
 @pytest.mark.parametrize("table", ["nodes", "steps"])
@@ -218,13 +230,15 @@ def test_same_embeddings(stores):
         assert_same(row["vector"], sharded[key]["vector"], f"{key} vector")
 
 
-def test_embedding_shards_byte_identical(stores):
-    """The planned embed commits the embedding shards of the single run's embed stage: the same
-    files' bytes (later stages' vectors, of the skills, come from a sharded consolidate)."""
+@pytest.mark.parametrize("stage", ["embed", "connect"])
+def test_planned_shards_byte_identical(stores, stage):
+    """The planned embed commits the embedding shards of the single run's embed stage, and the
+    planned connect the edge shards of its connect stage: the same files' bytes (later stages'
+    vectors, of the skills, come from a sharded consolidate)."""
     def files(store):
         manifest = json.loads((store / "manifest.json").read_text())
-        embed = {c["version"] for c in manifest["commits"] if c["stage"] == "embed"}
-        return [(s["rows"], s["sha256"]) for s in manifest["shards"] if s["commit"] in embed]
+        commits = {c["version"] for c in manifest["commits"] if c["stage"] == stage}
+        return [(s["rows"], s["sha256"]) for s in manifest["shards"] if s["commit"] in commits]
     single = files(stores["single"])
     assert single
     assert files(stores["ray"]) == single
