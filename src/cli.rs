@@ -267,11 +267,13 @@ pub struct RunArgs {
     /// With --stage of a map stage: merge its N finished shards into the store.
     #[arg(long, value_name = "N")]
     pub merge: Option<usize>,
-    /// With --stage embed or consolidate: plan the run's shards once, before they run.
+    /// With --stage embed, connect or consolidate: plan the run's shards once, before they run.
     /// Embed: the texts to embed, in 64 fixed buckets (each --shard I/N then embeds the buckets
     /// b with b mod N = I, and --merge checks every result against the plan and commits the
-    /// shards an unsharded run writes). Consolidate: the clusters (each shard then handles the
-    /// planned clusters it owns; the merge checks that every shard followed the plan).
+    /// shards an unsharded run writes). Connect: the texts of its ground queries, the same way
+    /// (--merge then connects with their vectors in one process). Consolidate: the clusters
+    /// (each shard then handles the planned clusters it owns; the merge checks that every shard
+    /// followed the plan).
     #[arg(long)]
     pub plan: bool,
     /// The run id (default: the pipeline name and a hash of the pipeline file and the inputs'

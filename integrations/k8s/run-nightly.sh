@@ -42,8 +42,9 @@ step() { # TEMPLATE: render, apply (a Job already complete from an earlier try i
 }
 
 for STAGE in ingest embed connect; do
-  if [[ $STAGE == embed ]]; then
-    # Embed plans first: the texts to embed in fixed buckets; the shards embed their buckets.
+  if [[ $STAGE != ingest ]]; then
+    # Embed and connect plan first: the texts for the model in fixed buckets (connect's: its
+    # ground queries); the shards embed their buckets and the merge commits.
     export STAGE JOB_NAME="fluxmem-$slug-plan-$STAGE" STEP_ARGS="--plan"
     step step-job.yaml
   fi

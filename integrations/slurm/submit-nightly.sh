@@ -22,7 +22,9 @@ submit() { # prints the job id
   sbatch --parsable "${dependency[@]}" --export=ALL "$@" | cut -d';' -f1
 }
 for stage in ingest embed connect; do
-  if [[ $stage == embed ]]; then
+  if [[ $stage != ingest ]]; then
+    # Embed and connect plan first: the texts for the model in fixed buckets (connect's: its
+    # ground queries); the shards embed their buckets and the merge commits.
     job=$(FLUXMEM_STAGE=$stage FLUXMEM_MERGE= FLUXMEM_PLAN=1 submit --job-name="fluxmem-plan-$stage" "$here/fluxmem-step.sbatch")
     dependency=(--dependency="afterok:$job")
   fi

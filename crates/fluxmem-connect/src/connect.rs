@@ -11,6 +11,12 @@
 //! `commit_every` episodes. Both searches run inside the episode's tenant (a per-tenant
 //! semantic index, each query scored against its tenant's stored episode vectors only), so no
 //! edge joins two tenants.
+//!
+//! The stage's model work is embedding its ground queries. [`planned_queries`] lists their
+//! texts without running the retrieval, so a sharded run can plan them
+//! (`fluxmem_embed::plan::plan_texts`), embed them on any number of workers and run this stage
+//! in one process with an embedder that serves the results ([`ConnectOptions::plan`]): the
+//! edges of a run with the model.
 
 use candle_core::Device;
 use fluxmem_graph::{
