@@ -544,17 +544,7 @@ fn save_plan(dir: &Path, plan: &StoredPlan, prefix: &str) -> Result<Value> {
     };
     std::fs::create_dir_all(&folder).map_err(io(&folder))?;
     let name = format!("{prefix}{}.json", &sha256[..16]);
-    let temporary = folder.join(format!(".{name}.tmp"));
-    let mut file = std::fs::File::create(&temporary).map_err(io(&temporary))?;
-    std::io::Write::write_all(&mut file, &bytes).map_err(io(&temporary))?;
-    file.sync_all().map_err(io(&temporary))?;
-    let path = folder.join(&name);
-    std::fs::rename(&temporary, &path).map_err(io(&path))?;
-    if cfg!(unix) {
-        std::fs::File::open(&folder)
-            .and_then(|f| f.sync_all())
-            .map_err(io(&folder))?;
-    }
+    fluxmem_store::write_atomically(&folder.join(&name), &bytes)?;
     Ok(json!({
         "file": format!("{}/{PLAN_FOLDER}/{name}", fluxmem_store::SCRATCH),
         "sha256": sha256,
@@ -586,12 +576,13 @@ fn load_plan(dir: &Path, marker: &Value) -> Result<StoredPlan> {
 }
 
 /// True for the names [`save_plan`] writes with `prefix`: `<prefix><16 hex>.json` and its
-/// temporary `.<prefix><16 hex>.json.tmp`.
+/// temporary `.<prefix><16 hex>.json.tmp-<pid>` ([`fluxmem_store::write_atomically`]).
 fn plan_file_name(name: &str, prefix: &str) -> bool {
     let name = name
         .strip_prefix('.')
-        .and_then(|n| n.strip_suffix(".tmp"))
-        .unwrap_or(name);
+        .and_then(|n| n.rsplit_once(".tmp-"))
+        .filter(|(_, pid)| pid.bytes().all(|b| b.is_ascii_digit()))
+        .map_or(name, |(base, _)| base);
     name.strip_prefix(prefix)
         .and_then(|n| n.strip_suffix(".json"))
         .is_some_and(|hex| hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
@@ -1912,4 +1903,31 @@ fn record(
         text_sha256: sha256_hex(node.embedding_text().as_bytes()),
         vector: kept.vector.clone(),
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sweep removes exactly the names `save_plan` writes: its files and the temporaries
+    /// `fluxmem_store::write_atomically` leaves when killed, nothing else.
+    #[test]
+    fn plan_files_and_their_temporaries_are_recognised() {
+        let hex = "0123456789abcdef";
+        for ours in [
+            format!("plan-{hex}.json"),
+            format!(".plan-{hex}.json.tmp-4242"),
+        ] {
+            assert!(plan_file_name(&ours, "plan-"), "{ours}");
+        }
+        for other in [
+            format!("plan-{hex}.jsonl"),
+            format!(".plan-{hex}.json.tmp-x"),
+            format!("shared-{hex}.json"),
+            format!("plan-{}.json", &hex[..15]),
+            "notes.txt".to_string(),
+        ] {
+            assert!(!plan_file_name(&other, "plan-"), "{other}");
+        }
+    }
 }

@@ -248,7 +248,7 @@ pub fn plan_texts(
     };
     header.digest = digest(&header);
     let bytes = serde_json::to_vec_pretty(&header).expect("a plan header serialises");
-    write_atomic(&dir.join(PLAN_FILE), &bytes)?;
+    fluxmem_store::write_atomically(&dir.join(PLAN_FILE), &bytes)?;
     Ok(Plan { dir, header })
 }
 
@@ -434,7 +434,7 @@ impl Plan {
     /// folder, atomically (a retry under the same name replaces it).
     pub fn write_results(&self, name: &str, results: &RecordBatch) -> Result<PathBuf> {
         let path = self.dir.join(RESULTS).join(format!("{name}.parquet"));
-        write_atomic(&path, &parquet_bytes(results, &path)?)?;
+        fluxmem_store::write_atomically(&path, &parquet_bytes(results, &path)?)?;
         Ok(path)
     }
 
@@ -781,7 +781,7 @@ fn write_items(path: &Path, texts: &BTreeMap<String, String>) -> Result<String> 
         writer.flush().map_err(parquet(path))?;
     }
     writer.close().map_err(parquet(path))?;
-    write_atomic(path, &bytes)?;
+    fluxmem_store::write_atomically(path, &bytes)?;
     Ok(sha256_hex(&bytes))
 }
 
@@ -799,20 +799,6 @@ fn parquet_bytes(batch: &RecordBatch, path: &Path) -> Result<Vec<u8>> {
     writer.write(batch).map_err(parquet(path))?;
     writer.close().map_err(parquet(path))?;
     Ok(bytes)
-}
-
-/// Writes `bytes` to a temporary file beside `path`, syncs it and renames it to `path`.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let temporary = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    let mut file = std::fs::File::create(&temporary).map_err(io(&temporary))?;
-    file.write_all(bytes).map_err(io(&temporary))?;
-    file.sync_all().map_err(io(&temporary))?;
-    std::fs::rename(&temporary, path).map_err(io(path))
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {

@@ -70,6 +70,34 @@ pub(crate) fn write_manifest(
     Ok(fluxmem_graph::sha256_hex(&text))
 }
 
+/// Writes `bytes` to `path` atomically and durably: to `.<name>.tmp-<pid>` beside it, synced,
+/// renamed over `path`, and the folder synced, so a crash leaves the old file or the new one,
+/// never a part. A failed write removes its temporary file. Stages' scratch files (plans) are
+/// written with it; their sweeps know the temporary name.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let temporary = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let written = (|| {
+        let mut file = std::fs::File::create(&temporary).at(&temporary)?;
+        file.write_all(bytes).at(&temporary)?;
+        file.sync_all().at(&temporary)?;
+        std::fs::rename(&temporary, path).at(path)
+    })();
+    if written.is_err() {
+        // Best effort: the error that matters is the one being returned.
+        let _ = std::fs::remove_file(&temporary);
+    }
+    written?;
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => sync_dir(dir),
+        _ => Ok(()),
+    }
+}
+
 /// Fsyncs the directory `dir` itself, so the entries created or renamed in it survive a crash.
 pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir).and_then(|d| d.sync_all()).at(dir)

@@ -98,7 +98,7 @@ pub use index::{
     EpisodeEdges, EpisodeEnd, IndexHow, IndexUpdate, MappedIndex, TenantIndex, VectorBlock,
     EPISODE_EDGES, INDEXED_KINDS,
 };
-pub use layout::{SCRATCH, STAGING};
+pub use layout::{write_atomically, SCRATCH, STAGING};
 pub use live::{EdgeRow, Live};
 pub use lock::WriterLock;
 pub use manifest::{
