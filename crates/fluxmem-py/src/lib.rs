@@ -8,6 +8,7 @@
 //! executor = fluxmem_py.EmbedExecutor("/data/store", "nightly-2026-12-07")  # loads the model once
 //! # connect's ground queries: EmbedExecutor(store, run_id, stage="connect")
 //! floats = executor.embed(keys, texts)  # little-endian f32, len(texts) * executor.dim of them
+//! results = executor.embed_arrow(batch)  # pyarrow RecordBatch in (key, text), out (plan, key, vector)
 //! ```
 //!
 //! An executor opens the run's plan (checked: its digest and the items file's SHA-256) and
@@ -17,15 +18,20 @@
 //! (`fluxmem run P --stage embed --merge N`, or `--stage connect`) checks against the plan. Texts cross into Rust as
 //! Python strings (one copy, which the model's tokenizer would make anyway) and the vectors come
 //! back as one `bytes` object, which `numpy.frombuffer` and `pyarrow` wrap without copying.
+//! `embed_arrow` passes whole batches through the Arrow C data interface instead (the PyCapsule
+//! protocol, `__arrow_c_array__`): the items' columns are read in place and the result batch
+//! is handed to pyarrow without a copy; this is what the Ray actors call.
 //!
 //! Build: `maturin develop -m crates/fluxmem-py/Cargo.toml` in a virtualenv (scripts/test.sh
 //! does it), or `maturin build --release` for a wheel to install on every node.
 
+use arrow_array::ffi::{FFI_ArrowArray, FFI_ArrowSchema};
+use arrow_array::{Array, RecordBatch, StructArray};
 use fluxmem_embed::plan::Plan;
 use fluxmem_models::{DeviceChoice, Embedder};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyCapsule};
 use std::path::PathBuf;
 
 /// The execute step of one run's plan of a stage's texts, with its model loaded.
@@ -139,6 +145,70 @@ impl EmbedExecutor {
             .map_err(runtime_error)?;
         Ok(PyBytes::new(py, &bytes))
     }
+
+    /// The Arrow form of [`EmbedExecutor::embed`]: a batch of the plan's items (a
+    /// `pyarrow.RecordBatch`, or any object with `__arrow_c_array__`, with `key` and `text`
+    /// string columns) in, a `pyarrow.RecordBatch` of result rows (`plan`, `key`, `vector` as
+    /// fixed-size lists of float32) out, in the items' order. Both cross the Arrow C data
+    /// interface without a copy of their columns; the model runs with the GIL released.
+    fn embed_arrow<'py>(
+        &self,
+        py: Python<'py>,
+        batch: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let items = import_batch(batch)?;
+        let results = py
+            .detach(|| {
+                self.plan
+                    .execute(&items, self.embedder.as_ref(), self.batch_size)
+            })
+            .map_err(runtime_error)?;
+        export_batch(py, results)
+    }
+}
+
+/// A batch from Python, through the Arrow C data interface: `batch.__arrow_c_array__()` gives a
+/// schema and an array capsule; the array is moved out of its capsule (which then releases
+/// nothing) and its buffers are read in place.
+fn import_batch(batch: &Bound<'_, PyAny>) -> PyResult<RecordBatch> {
+    let capsules = batch.call_method0("__arrow_c_array__").map_err(|_| {
+        PyValueError::new_err("expected an Arrow record batch (an object with __arrow_c_array__)")
+    })?;
+    let (schema, array): (Bound<'_, PyCapsule>, Bound<'_, PyCapsule>) = capsules.extract()?;
+    let schema = schema
+        .pointer_checked(Some(c"arrow_schema"))?
+        .cast::<FFI_ArrowSchema>();
+    let array = array
+        .pointer_checked(Some(c"arrow_array"))?
+        .cast::<FFI_ArrowArray>();
+    // SAFETY: the capsules follow the PyCapsule interface: named `arrow_schema` and
+    // `arrow_array` (checked above), they hold a valid schema and array. `from_raw` moves the
+    // array out and leaves a released one in its place, which the capsule's destructor skips.
+    let data = unsafe {
+        let array = FFI_ArrowArray::from_raw(array.as_ptr());
+        arrow_array::ffi::from_ffi(array, schema.as_ref())
+    }
+    .map_err(value_error)?;
+    if !matches!(data.data_type(), arrow_schema::DataType::Struct(_)) {
+        return Err(PyValueError::new_err(format!(
+            "expected a record batch, got an array of {}",
+            data.data_type()
+        )));
+    }
+    Ok(RecordBatch::from(StructArray::from(data)))
+}
+
+/// A batch to Python, through the Arrow C data interface: its columns exported into capsules
+/// that `pyarrow.RecordBatch._import_from_c_capsule` takes over without a copy (a capsule
+/// never imported releases its batch when Python frees it).
+fn export_batch(py: Python<'_>, batch: RecordBatch) -> PyResult<Bound<'_, PyAny>> {
+    let data = StructArray::from(batch).into_data();
+    let (array, schema) = arrow_array::ffi::to_ffi(&data).map_err(runtime_error)?;
+    let schema = PyCapsule::new_with_value(py, schema, c"arrow_schema")?;
+    let array = PyCapsule::new_with_value(py, array, c"arrow_array")?;
+    py.import("pyarrow")?
+        .getattr("RecordBatch")?
+        .call_method1("_import_from_c_capsule", (schema, array))
 }
 
 fn value_error(error: impl std::fmt::Display) -> PyErr {

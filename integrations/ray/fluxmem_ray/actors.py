@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import ray
 
@@ -30,6 +29,10 @@ def plan_dir(store: str | os.PathLike, run_id: str, stage: str = "embed") -> Pat
     (``fluxmem_embed::plan::stage_plan_dir``)."""
     folder = Path(store) / "scratch" / "embed"
     return folder / run_id if stage == "embed" else folder / f"{stage}@{run_id}"
+
+
+# The columns of a plan's items that an actor reads.
+ITEMS = pa.schema([("key", pa.string()), ("text", pa.string())])
 
 
 class EmbedActor:
@@ -51,17 +54,12 @@ class EmbedActor:
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        keys = batch.column("key").to_pylist()
-        texts = batch.column("text").to_pylist()
-        floats = np.frombuffer(self.executor.embed(keys, texts), dtype="<f4")
-        vectors = pa.FixedSizeListArray.from_arrays(pa.array(floats, pa.float32()), self.executor.dim)
-        return pa.table(
-            {
-                "plan": pa.array([self.executor.digest] * len(keys), pa.string()),
-                "key": pa.array(keys, pa.string()),
-                "vector": vectors,
-            }
-        )
+        # One record batch of the two string columns, which crosses into Rust through the Arrow
+        # C data interface and comes back as result rows the same way, without a copy of the
+        # columns (``EmbedExecutor.embed_arrow``).
+        items = batch.select(["key", "text"]).cast(ITEMS).combine_chunks()
+        records = items.to_batches() or [pa.RecordBatch.from_pylist([], schema=ITEMS)]
+        return pa.Table.from_batches([self.executor.embed_arrow(records[0])])
 
 
 def execute_embed_plan(

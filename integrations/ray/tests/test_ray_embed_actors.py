@@ -143,3 +143,42 @@ def test_the_commit_refuses_a_result_of_another_plan(reference):
     pq.write_table(table, first)
     refused = fluxmem(pipeline, "--stage", "embed", "--merge", "1", ok=False)
     assert refused.returncode != 0 and "not this plan" in refused.stderr, refused.stderr
+
+
+def test_arrow_batches_cross_without_changing_a_vector(reference):
+    """`EmbedExecutor.embed_arrow` (the Arrow C data interface, which the actors call) gives the
+    vectors `embed` gives, for any slice of the items (none included); it refuses columns that
+    are not 32-bit-offset strings (the actors cast to them), a text that does not hash to its
+    key and an object that is not a record batch."""
+    import fluxmem_py
+    import numpy as np
+
+    root, _ = reference
+    pipeline = ingested(root, "arrow")
+    store = pipeline.parent / "store"
+    fluxmem(pipeline, "--stage", "embed", "--plan")
+    os.environ.update(models_env())
+    executor = fluxmem_py.EmbedExecutor(str(store), RUN_ID, batch_size=4)
+    items = pq.read_table(plan_dir(store, RUN_ID) / "items.parquet").select(["key", "text"])
+    assert items.num_rows > 8
+    for part in (items.slice(0, 1), items.slice(3, 7), items.slice(0, 0)):
+        batch = part.combine_chunks().to_batches()
+        batch = batch[0] if batch else pa.RecordBatch.from_pylist([], schema=part.schema)
+        results = executor.embed_arrow(batch)
+        assert results.schema.names == ["plan", "key", "vector"]
+        assert results.column("key").to_pylist() == part.column("key").to_pylist()
+        assert set(results.column("plan").to_pylist()) <= {executor.digest}
+        expected = np.frombuffer(
+            executor.embed(part.column("key").to_pylist(), part.column("text").to_pylist()), dtype="<f4"
+        )
+        flat = results.column("vector").flatten().to_numpy()
+        assert flat.dtype == np.float32 and flat.tobytes() == expected.tobytes()
+    wide = items.slice(0, 3).cast(pa.schema([("key", pa.large_string()), ("text", pa.large_string())]))
+    with pytest.raises(RuntimeError, match="string column"):
+        executor.embed_arrow(wide.combine_chunks().to_batches()[0])
+    texts = items.column("text").to_pylist()
+    swapped = pa.RecordBatch.from_pydict({"key": items.column("key").to_pylist()[:2], "text": texts[1::-1][:2]})
+    with pytest.raises(RuntimeError, match="does not hash to its key"):
+        executor.embed_arrow(swapped)
+    with pytest.raises(ValueError, match="Arrow record batch"):
+        executor.embed_arrow([1, 2, 3])
