@@ -39,7 +39,7 @@ use fluxmem_graph::sha256_hex;
 use fluxmem_models::Embedder;
 use fluxmem_store::Writer;
 use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ParquetRecordBatchReaderBuilder};
-use parquet::arrow::ArrowWriter;
+use parquet::arrow::{ArrowWriter, ProjectionMask};
 use parquet::file::properties::WriterProperties;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -319,6 +319,15 @@ impl Plan {
     /// The plan's rows (`bucket`, `key`, `text`) of the buckets `owns` accepts, bucket by
     /// bucket in order: each bucket with its rows, sorted by key.
     pub fn items(&self, owns: &dyn Fn(u32) -> bool) -> Result<Vec<(u32, RecordBatch)>> {
+        self.read_items(owns, None)
+    }
+
+    /// [`Plan::items`], of the columns `columns` names (all when `None`).
+    fn read_items(
+        &self,
+        owns: &dyn Fn(u32) -> bool,
+        columns: Option<&[usize]>,
+    ) -> Result<Vec<(u32, RecordBatch)>> {
         let path = self.dir.join(ITEMS_FILE);
         let file = std::fs::File::open(&path).map_err(io(&path))?;
         let metadata =
@@ -341,7 +350,13 @@ impl Plan {
                 continue;
             }
             let file = file.try_clone().map_err(io(&path))?;
-            let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(file, metadata.clone())
+            let mut builder =
+                ParquetRecordBatchReaderBuilder::new_with_metadata(file, metadata.clone());
+            if let Some(columns) = columns {
+                let mask = ProjectionMask::roots(builder.parquet_schema(), columns.iter().copied());
+                builder = builder.with_projection(mask);
+            }
+            let reader = builder
                 .with_row_groups(vec![i])
                 .with_batch_size(group.num_rows().max(1) as usize)
                 .build()
@@ -465,11 +480,11 @@ impl Plan {
     /// Every result of the plan's folder, checked against the plan (see the module docs).
     pub fn results(&self) -> Result<PlannedVectors> {
         let mut planned: HashMap<String, Option<(usize, Vec<f32>)>> = HashMap::new();
-        for (_, batch) in self.items(&|_| true)? {
+        // The keys only: the texts are most of the file.
+        for (_, batch) in self.read_items(&|_| true, Some(&[1]))? {
             let keys = batch
-                .column(1)
-                .as_any()
-                .downcast_ref::<StringArray>()
+                .column_by_name("key")
+                .and_then(|c| c.as_any().downcast_ref::<StringArray>())
                 .expect("items.parquet's second column is `key`");
             planned.extend(keys.iter().flatten().map(|k| (k.to_string(), None)));
         }
