@@ -311,26 +311,58 @@ fn plan_embed(ctx: &mut Ctx<'_>, store_dir: &Path) -> anyhow::Result<ExitCode> {
     let model = PlanModel::of(&name, &device, ctx.embedder()?);
     let plan = fluxmem_embed::plan::plan(&writer, &model, &options, &run_id)
         .context("planning the embed shards")?;
+    print_planned(&plan, started, ["nodes", "nodes to embed", "lacking"])
+}
+
+/// Prints the record of a plan of texts for the model: its header, where it is (the folder the
+/// workers read and write), and its counts named by `[what the stage looked at, the line's
+/// words for what it works on, the record's name for them]`.
+fn print_planned(
+    plan: &Plan,
+    started: Instant,
+    [seen, line, worked]: [&str; 3],
+) -> anyhow::Result<ExitCode> {
     let header = plan.header();
     eprintln!(
-        "  {} of {} nodes to embed, {} texts for the model in {} buckets: {}",
+        "  {} of {} {line}, {} texts for the model in {} buckets: {}",
         header.lacking,
         header.nodes,
         header.items,
         header.buckets,
         plan.dir().display()
     );
-    // The plan's record, and where it is (the folder the workers read and write).
     let mut details = serde_json::to_value(header)?;
     details["dir"] = plan.dir().display().to_string().into();
     let record = StageRecord {
-        name: fluxmem_embed::STAGE.into(),
+        name: header.stage.clone(),
         status: "planned".into(),
         seconds: started.elapsed().as_secs_f64(),
-        counts_in: counts(&[("nodes", header.nodes)]),
-        counts_out: counts(&[("lacking", header.lacking), ("items", header.items)]),
+        counts_in: counts(&[(seen, header.nodes)]),
+        counts_out: counts(&[(worked, header.lacking), ("items", header.items)]),
         details,
     };
+    println!("{}", serde_json::to_string(&record)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The end of a plan's commit: the stage marked done for the run, the plan removed (it is
+/// garbage once committed and marked; a failed removal is a warning), the record added to the
+/// run's report and printed.
+fn committed(
+    writer: &mut Writer,
+    (loaded, store_dir, run_id): (&Loaded, &Path, &str),
+    plan: Plan,
+    record: StageRecord,
+) -> anyhow::Result<ExitCode> {
+    let digest = plan.header().digest.clone();
+    mark_done(writer, &record.name, run_id, &json!({ "plan": digest }))?;
+    if let Err(error) = plan.remove() {
+        eprintln!(
+            "warning: {error}; remove the {} plan's folder by hand",
+            record.name
+        );
+    }
+    add_stage_to_report(loaded, run_id, store_dir, &record)?;
     println!("{}", serde_json::to_string(&record)?);
     Ok(ExitCode::SUCCESS)
 }
@@ -392,11 +424,6 @@ fn commit_embed(
         .context("committing the embed plan")?;
     bar.finish();
     let digest = plan.header().digest.clone();
-    mark_done(&mut writer, stage, run_id, &json!({ "plan": digest }))?;
-    // Committed and marked done: the plan is garbage now (a failed removal leaves it behind).
-    if let Err(error) = plan.remove() {
-        eprintln!("warning: {error}; remove the embed plan's folder by hand");
-    }
     eprintln!(
         "  {} nodes: {} embedded, {} from the cache, {} already had a vector (plan {})",
         report.nodes,
@@ -417,9 +444,7 @@ fn commit_embed(
         ]),
         details: json!({ "plan": digest, "report": report }),
     };
-    add_stage_to_report(loaded, run_id, store_dir, &record)?;
-    println!("{}", serde_json::to_string(&record)?);
-    Ok(ExitCode::SUCCESS)
+    committed(&mut writer, (loaded, store_dir, run_id), plan, record)
 }
 
 /// `--stage connect --plan`: plans the texts connect gives the model (the dense form of the
@@ -459,27 +484,7 @@ fn plan_connect(ctx: &mut Ctx<'_>, store_dir: &Path) -> anyhow::Result<ExitCode>
     };
     let plan = fluxmem_embed::plan::plan_texts(store_dir, &what, &model, &texts)
         .context("writing the connect plan")?;
-    let header = plan.header();
-    eprintln!(
-        "  {} of {} episodes to connect, {} query texts for the model in {} buckets: {}",
-        header.lacking,
-        header.nodes,
-        header.items,
-        header.buckets,
-        plan.dir().display()
-    );
-    let mut details = serde_json::to_value(header)?;
-    details["dir"] = plan.dir().display().to_string().into();
-    let record = StageRecord {
-        name: stage.into(),
-        status: "planned".into(),
-        seconds: started.elapsed().as_secs_f64(),
-        counts_in: counts(&[("episodes", header.nodes)]),
-        counts_out: counts(&[("todo", header.lacking), ("items", header.items)]),
-        details,
-    };
-    println!("{}", serde_json::to_string(&record)?);
-    Ok(ExitCode::SUCCESS)
+    print_planned(&plan, started, ["episodes", "episodes to connect", "todo"])
 }
 
 /// `--stage connect --merge N` when the run has a connect plan: checks every result against
@@ -520,11 +525,6 @@ fn commit_connect(
     )
     .context("committing the connect plan")?;
     bar.finish();
-    mark_done(&mut writer, stage, run_id, &json!({ "plan": digest }))?;
-    // Committed and marked done: the plan is garbage now (a failed removal leaves it behind).
-    if let Err(error) = plan.remove() {
-        eprintln!("warning: {error}; remove the connect plan's folder by hand");
-    }
     eprintln!(
         "  {} episodes: {} connected now; {} ground and {} link edges (plan {})",
         report.episodes,
@@ -546,9 +546,7 @@ fn commit_connect(
         ]),
         details: json!({ "plan": digest, "report": report }),
     };
-    add_stage_to_report(loaded, run_id, store_dir, &record)?;
-    println!("{}", serde_json::to_string(&record)?);
-    Ok(ExitCode::SUCCESS)
+    committed(&mut writer, (loaded, store_dir, run_id), plan, record)
 }
 
 /// How the pipeline connects (`shard`: the episodes a run owns).
