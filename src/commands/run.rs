@@ -354,8 +354,8 @@ fn committed(
     plan: Plan,
     record: StageRecord,
 ) -> anyhow::Result<ExitCode> {
-    let digest = plan.header().digest.clone();
-    mark_done(writer, &record.name, run_id, &json!({ "plan": digest }))?;
+    let digest = json!({ "plan": plan.header().digest });
+    mark_done_with(writer, (&record.name, run_id), &digest, digest.clone())?;
     if let Err(error) = plan.remove() {
         eprintln!(
             "warning: {error}; remove the {} plan's folder by hand",
@@ -481,6 +481,7 @@ fn plan_connect(ctx: &mut Ctx<'_>, store_dir: &Path) -> anyhow::Result<ExitCode>
         version: writer.manifest().version,
         nodes: planned.episodes,
         lacking: planned.todo,
+        settings: connect_settings(&options),
     };
     let plan = fluxmem_embed::plan::plan_texts(store_dir, &what, &model, &texts)
         .context("writing the connect plan")?;
@@ -505,14 +506,23 @@ fn commit_connect(
     let mut writer = open_main(store_dir, settings)?;
     plan.check_unmoved(writer.manifest())
         .context("committing the connect plan")?;
-    let vectors = plan
-        .results()
-        .context("reading the connect plan's results")?;
     let digest = plan.header().digest.clone();
     let options = fluxmem_connect::ConnectOptions {
         plan: Some(digest.clone()),
         ..connect_options(&loaded.pipeline.connect, Shard::ALL)
     };
+    if plan.header().settings != connect_settings(&options) {
+        bail!(
+            "{}: the plan was made with connect settings {} and the pipeline now has {}: its \
+             queries may not be the ones connect asks for; plan again",
+            plan.dir().display(),
+            plan.header().settings,
+            connect_settings(&options)
+        );
+    }
+    let vectors = plan
+        .results()
+        .context("reading the connect plan's results")?;
     let device: DeviceChoice = loaded.pipeline.models.device.parse()?;
     let mut bar = CountBar::new(settings.progress, "connect commit");
     let report = fluxmem_connect::connect_store(
@@ -547,6 +557,12 @@ fn commit_connect(
         details: json!({ "plan": digest, "report": report }),
     };
     committed(&mut writer, (loaded, store_dir, run_id), plan, record)
+}
+
+/// What connect's planned texts depend on: one query per step or per task, and the retrieval
+/// (its entity setting takes the speakers' names out of the dense queries).
+fn connect_settings(options: &fluxmem_connect::ConnectOptions) -> Value {
+    json!({ "per_step": options.per_step, "retrieval": options.retrieval })
 }
 
 /// How the pipeline connects (`shard`: the episodes a run owns).
@@ -1538,6 +1554,17 @@ fn open_main(dir: &Path, settings: &Settings) -> anyhow::Result<Writer> {
 
 /// Records in the manifest that `stage` finished for `run_id`, so a resumed run skips it.
 fn mark_done(writer: &mut Writer, stage: &str, run_id: &str, counts: &Value) -> anyhow::Result<()> {
+    mark_done_with(writer, (stage, run_id), counts, Value::Null)
+}
+
+/// [`mark_done`] with the commit's `summary` (a plan's commit marks its stage done under the
+/// plan's digest, so a merge killed before it removed the plan can run again).
+fn mark_done_with(
+    writer: &mut Writer,
+    (stage, run_id): (&str, &str),
+    counts: &Value,
+    summary: Value,
+) -> anyhow::Result<()> {
     let progress = [(
         format!("pipeline.{stage}"),
         json!({ "run_id": run_id, "counts": counts }),
@@ -1547,7 +1574,7 @@ fn mark_done(writer: &mut Writer, stage: &str, run_id: &str, counts: &Value) -> 
     let info = CommitInfo {
         stage: format!("{stage}-done"),
         run_id: run_id.into(),
-        summary: Value::Null,
+        summary,
         progress,
     };
     writer.commit(&Graph::default(), info)?;

@@ -576,13 +576,22 @@ fn load_plan(dir: &Path, marker: &Value) -> Result<StoredPlan> {
 }
 
 /// True for the names [`save_plan`] writes with `prefix`: `<prefix><16 hex>.json` and its
-/// temporary `.<prefix><16 hex>.json.tmp-<pid>` ([`fluxmem_store::write_atomically`]).
+/// temporary `.<prefix><16 hex>.json.tmp-<pid>` ([`fluxmem_store::write_atomically`]; before
+/// it, `.<prefix><16 hex>.json.tmp`).
 fn plan_file_name(name: &str, prefix: &str) -> bool {
-    let name = name
-        .strip_prefix('.')
-        .and_then(|n| n.rsplit_once(".tmp-"))
-        .filter(|(_, pid)| pid.bytes().all(|b| b.is_ascii_digit()))
-        .map_or(name, |(base, _)| base);
+    let temporary = |n: &'_ str| -> Option<usize> {
+        if let Some(base) = n.strip_suffix(".tmp") {
+            return Some(base.len());
+        }
+        let (base, pid) = n.rsplit_once(".tmp-")?;
+        pid.bytes()
+            .all(|b| b.is_ascii_digit())
+            .then_some(base.len())
+    };
+    let name = match name.strip_prefix('.') {
+        Some(hidden) => temporary(hidden).map_or(name, |end| &hidden[..end]),
+        None => name,
+    };
     name.strip_prefix(prefix)
         .and_then(|n| n.strip_suffix(".json"))
         .is_some_and(|hex| hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
@@ -1917,6 +1926,7 @@ mod tests {
         for ours in [
             format!("plan-{hex}.json"),
             format!(".plan-{hex}.json.tmp-4242"),
+            format!(".plan-{hex}.json.tmp"),
         ] {
             assert!(plan_file_name(&ours, "plan-"), "{ours}");
         }

@@ -70,8 +70,12 @@ pub struct PlanHeader {
     pub format: u32,
     /// The stage whose texts the plan holds: `embed` (the nodes' texts) or `connect` (its
     /// ground queries).
-    #[serde(default = "embed_stage")]
     pub stage: String,
+    /// The stage's settings the texts depend on (connect: one query per step or per task, and
+    /// the retrieval, whose entity setting shapes the dense queries); `null` for embed. A
+    /// commit under other settings is refused by the stage.
+    #[serde(default)]
+    pub settings: serde_json::Value,
     /// The run id the plan is for (`embed@<run id>` in the commits).
     pub run_id: String,
     /// The manifest version the plan read.
@@ -130,10 +134,6 @@ pub fn stage_plan_dir(store: &Path, stage: &str, run_id: &str) -> PathBuf {
         true => folder.join(run_id),
         false => folder.join(format!("{stage}@{run_id}")),
     }
-}
-
-fn embed_stage() -> String {
-    crate::STAGE.to_string()
 }
 
 /// The model a plan is for.
@@ -196,12 +196,13 @@ pub fn plan(
         version: writer.manifest().version,
         nodes: selection.nodes,
         lacking: selection.lacking.len(),
+        settings: serde_json::Value::Null,
     };
     plan_texts(writer.store().dir(), &planned, model, &texts)
 }
 
 /// What a plan of texts is for.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Planned<'a> {
     /// The stage that gives the texts to the model.
     pub stage: &'a str,
@@ -213,6 +214,8 @@ pub struct Planned<'a> {
     pub nodes: usize,
     /// Those it works on ([`PlanHeader::lacking`]).
     pub lacking: usize,
+    /// The stage's settings the texts depend on ([`PlanHeader::settings`]).
+    pub settings: serde_json::Value,
 }
 
 /// Writes the plan of `texts` (by key, their SHA-256) for `planned`'s stage and run id in the
@@ -233,6 +236,7 @@ pub fn plan_texts(
     let mut header = PlanHeader {
         format: FORMAT,
         stage: planned.stage.to_string(),
+        settings: planned.settings.clone(),
         run_id: planned.run_id.to_string(),
         version: planned.version,
         embedder: model.name.clone(),

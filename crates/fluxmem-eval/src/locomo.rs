@@ -395,12 +395,12 @@ struct Conversation<'c> {
 
 /// A conversation's store after the night's stages, and what the last served query read.
 struct Night {
-    /// Holds the store's folder.
-    _dir: tempfile::TempDir,
     writer: fluxmem_store::Writer,
     tenant: String,
     /// The part of the store the last question was answered from (its context packs from it).
     graph: Graph,
+    /// Holds the store's folder (dropped last: after the writer releases its lock).
+    _dir: tempfile::TempDir,
 }
 
 /// Each system's ranking of one question, in [`SYSTEMS`] order, then [`SERVED`].
@@ -463,10 +463,10 @@ impl<'o> Evaluation<'o> {
                 let summary = self.served.get_or_insert_with(Default::default);
                 run_night(&mut writer, self.options, models, summary)?;
                 Some(Night {
-                    _dir: dir,
                     writer,
                     tenant: tenant.clone(),
                     graph: Graph::default(),
+                    _dir: dir,
                 })
             }
             false => None,

@@ -243,7 +243,9 @@ fn the_store_a_night_built_serves_the_rankings_the_evaluation_measures() {
     assert_eq!(night.connected, 0, "LoCoMo turns are facts, not runs");
 
     // Stage II through the store: each served loop reads the store at one version and runs on
-    // what it read; nothing else writes the store, so no commit is refused.
+    // what it read; nothing else writes the store, so no commit is refused. (On this data the
+    // default verifier keeps no edit, so no commit is made here: `eval locomo --through-graph
+    // --refine-rounds 5` on dev commits 6, docs/locomo.md; `serve::commit_at` has its own test.)
     let refined = run_on(DATA, options(true, 3, 16));
     let night = refined.served.as_ref().unwrap();
     assert_eq!(night.questions, 4);

@@ -195,6 +195,11 @@ fn import_batch(batch: &Bound<'_, PyAny>) -> PyResult<RecordBatch> {
             data.data_type()
         )));
     }
+    if data.nulls().is_some_and(|nulls| nulls.null_count() > 0) {
+        return Err(PyValueError::new_err(
+            "expected a record batch, got a struct array with null rows",
+        ));
+    }
     Ok(RecordBatch::from(StructArray::from(data)))
 }
 

@@ -59,7 +59,7 @@ class EmbedActor:
         # columns (``EmbedExecutor.embed_arrow``).
         items = batch.select(["key", "text"]).cast(ITEMS).combine_chunks()
         records = items.to_batches() or [pa.RecordBatch.from_pylist([], schema=ITEMS)]
-        return pa.Table.from_batches([self.executor.embed_arrow(records[0])])
+        return pa.Table.from_batches([self.executor.embed_arrow(record) for record in records])
 
 
 def execute_embed_plan(

@@ -17,8 +17,8 @@ Known limits, stated plainly:
   binary, one process per shard: its models load once per shard, not once per actor, and no
   rows stream through Ray. The store itself is the data plane: every
   node (the driver included) must see the store directory, the pipeline file, its inputs and
-  the binary at the same paths (a shared filesystem). An Arrow-IPC streaming worker that keeps
-  the models loaded across batches is not built.
+  the binary at the same paths (a shared filesystem). Consolidate's workers that keep the
+  generator loaded across clusters are not built.
 - Embed is a map stage planned once: one Ray task lists the texts to embed in 64 fixed
   buckets (``--stage embed --plan``), the actors (or, without them, each shard process) embed
   them into the plan's result files, and the merge checks every result against the plan and
@@ -146,6 +146,8 @@ class Summary:
             elif stage["mode"] == "actors":
                 detail = (f"plan {stage['plan']['seconds']:.1f}s, {stage['execute']['workers']} actors "
                           f"{stage['execute']['seconds']:.1f}s, commit {stage['merge']['seconds']:.1f}s")
+            elif stage["mode"] == "commit":
+                detail = f"plan {stage['plan']['seconds']:.1f}s with nothing to execute, commit {stage['merge']['seconds']:.1f}s"
             elif stage["mode"] == "global":
                 detail = f"one task, {stage['record'].get('status', '')}"
             else:
@@ -213,8 +215,12 @@ def _map_stage(invocation: Invocation, stage: str, options: Options, gpus: float
         task = ray.remote(num_gpus=gpus, num_cpus=options.cpus_per_worker, max_retries=0)(_run_plan_task)
         plan = ray.get(task.remote(invocation, stage))
     workers = max(1, min(options.workers or count, count, _actors_that_fit(options, gpus)))
-    # A connect plan with nothing to connect (or a disabled stage) is no plan: shards skip it.
+    # A disabled stage plans nothing (its shards skip it); a plan with no text to embed needs
+    # no worker, only its commit.
     planned = plan is not None and plan["record"].get("status") == "planned"
+    if stage in ("embed", "connect") and planned and plan["record"]["counts_out"]["items"] == 0:
+        merge = contract.run_merge(invocation, stage, count)
+        return {"name": stage, "mode": "commit", "plan": plan, "merge": merge}
     if stage in ("embed", "connect") and options.embed_in_actors and planned:
         return _embed_in_actors(invocation, stage, options, gpus, plan, workers)
     # from_items puts the N rows in the object store from the driver: no read task competes
