@@ -1524,6 +1524,21 @@ fn a_planned_sharded_embed_and_connect_commit_the_shards_of_unsharded_ones() {
         assert_eq!(executed["status"], "executed", "{executed}");
         assert_eq!(executed["details"]["plan"], plan["details"]["digest"]);
     }
+    // Planned with one query per step: a merge under one query per task is refused.
+    let per_task = dir.path().join("per-task.toml");
+    std::fs::write(
+        &per_task,
+        std::fs::read_to_string(&planned_file)
+            .unwrap()
+            .replace("[connect]\n", "[connect]\nper_step = false\n"),
+    )
+    .unwrap();
+    let refused = step(&per_task, &["connect", "--merge", "2"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && stderr.contains("connect settings"),
+        "{stderr}"
+    );
     let merged = json_line(&ok(step(&planned_file, &["connect", "--merge", "2"])));
     assert_eq!(merged["status"], "merged", "{merged}");
     assert!(
