@@ -623,8 +623,9 @@ fn shards_name_their_tenants(dir: &Path, whole: &Graph) {
 /// A sharded consolidate plans its clusters once (`--stage consolidate --plan`): every shard
 /// handles the planned clusters it owns, even where its own k-means would cluster differently
 /// (here its pipeline asks for other clusters, a stand-in for a shard on another CPU or a GPU
-/// that rounds differently), and the merge gives the skills of the run in one process. A shard that
-/// clustered on its own is refused at the merge, by name.
+/// that rounds differently), and the merge gives the skills of the run in one process. A shard
+/// run with other settings than the plan's is refused; one that clustered on its own is refused
+/// at the merge, by name.
 #[test]
 fn a_sharded_consolidate_follows_one_cluster_plan() {
     let dir = tempfile::tempdir().unwrap();
@@ -691,6 +692,23 @@ fn a_sharded_consolidate_follows_one_cluster_plan() {
     let planned = json_line(&ok(consolidate(&sharded_file, "night", &["--plan"])));
     assert_eq!(planned["status"], "planned", "{planned}");
     let clusters = planned["details"]["clusters"].as_u64().unwrap();
+    // A shard run with other settings than the plan records (its clustering aside, which the
+    // plan settled) is refused by name: the plan is what a worker that keeps its models runs.
+    let other_rounds = dir.path().join("rounds.toml");
+    let text = std::fs::read_to_string(&shard_file).unwrap();
+    std::fs::write(
+        &other_rounds,
+        text.replace("max_rounds = 1", "max_rounds = 2"),
+    )
+    .unwrap();
+    let refused = consolidate(&other_rounds, "night", &["--shard", "0/3"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success()
+            && stderr.contains("max_rounds")
+            && stderr.contains("shared cluster plan"),
+        "{stderr}"
+    );
     // A shard whose clusters give no skill is degraded (exit 4), not failed.
     let shard_ok = |output: Output| {
         assert!(
@@ -793,6 +811,19 @@ fn a_sharded_consolidate_follows_one_cluster_plan() {
             && stderr.contains("shared cluster plan"),
         "{stderr}"
     );
+    // Planning again under the same settings reuses the plan; under others it plans anew.
+    let same = json_line(&ok(consolidate(&sharded_file, "again", &["--plan"])));
+    assert_eq!(same["details"]["reused"], true, "{same}");
+    let rounds_file = dir.path().join("sharded-rounds.toml");
+    let text = std::fs::read_to_string(&sharded_file).unwrap();
+    std::fs::write(
+        &rounds_file,
+        text.replace("max_rounds = 1", "max_rounds = 2"),
+    )
+    .unwrap();
+    let replanned = json_line(&ok(consolidate(&rounds_file, "again", &["--plan"])));
+    assert_eq!(replanned["details"]["reused"], false, "{replanned}");
+    assert_ne!(replanned["details"]["sha256"], same["details"]["sha256"]);
 }
 
 #[test]

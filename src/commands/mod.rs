@@ -196,16 +196,8 @@ pub fn judge_from_flag(
     name: &str,
     device: &fluxmem_models::DeviceChoice,
 ) -> anyhow::Result<Option<Box<dyn fluxmem_models::Judge>>> {
-    let Some(model) = fluxmem_models::judge_model(name)? else {
-        return Ok(None);
-    };
-    let generator =
-        fluxmem_models::load_generator(&model, device, fluxmem_models::WeightPath::Prompts)?;
-    Ok(Some(if fluxmem_models::judge_is_ql(name) {
-        Box::new(fluxmem_models::QlJudge::new(generator))
-    } else {
-        Box::new(fluxmem_models::LlmJudge::new(generator))
-    }))
+    Ok(fluxmem_models::open_judge(name, device)?
+        .map(|judge| judge as Box<dyn fluxmem_models::Judge>))
 }
 
 /// `--label-outcomes MODEL` (`ingest.label_outcomes`): a yes/no judge on a generator that
@@ -260,17 +252,7 @@ pub fn replayer_from_flag(
     judge: &str,
     device: &fluxmem_models::DeviceChoice,
 ) -> anyhow::Result<Option<fluxmem_models::GgufGenerator>> {
-    let Some(model) = fluxmem_models::eta_model(eta)? else {
-        return Ok(None);
-    };
-    if fluxmem_models::judge_model(judge)?.is_some() {
-        anyhow::bail!("eta `{eta}` and judge `{judge}`: eta is measured one way; name one");
-    }
-    Ok(Some(fluxmem_models::load_generator(
-        &model,
-        device,
-        fluxmem_models::WeightPath::Prompts,
-    )?))
+    Ok(fluxmem_models::open_replayer(eta, judge, device)?)
 }
 
 /// A list of outcome sources (`--outcomes`, `consolidate.outcomes`): comma-separated names

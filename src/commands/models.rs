@@ -115,11 +115,5 @@ pub fn run(command: ModelsCommand) -> anyhow::Result<ExitCode> {
 }
 
 pub(crate) fn weight_path(value: &str) -> anyhow::Result<WeightPath> {
-    match value {
-        "quantized" => Ok(WeightPath::Quantized),
-        "dequantized" => Ok(WeightPath::Dequantized),
-        "q8" => Ok(WeightPath::Q8),
-        "mixed" => Ok(WeightPath::Mixed),
-        other => anyhow::bail!("--weights `{other}`: expected quantized, dequantized, q8 or mixed"),
-    }
+    value.parse().map_err(|e| anyhow::anyhow!("--weights {e}"))
 }

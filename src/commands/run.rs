@@ -331,8 +331,19 @@ fn print_planned(
         header.buckets,
         plan.dir().display()
     );
+    for swept in plan.swept() {
+        eprintln!(
+            "  removed a plan no commit can take (its store moved since, by another commit): {}",
+            swept.display()
+        );
+    }
     let mut details = serde_json::to_value(header)?;
     details["dir"] = plan.dir().display().to_string().into();
+    details["swept"] = plan
+        .swept()
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
     let record = StageRecord {
         name: header.stage.clone(),
         status: "planned".into(),
@@ -1228,7 +1239,7 @@ impl Ctx<'_> {
                 .0,
         ));
         Ok(StageRecord {
-            status: consolidate_status(&report),
+            status: report.status(),
             counts_in: counts(&[
                 ("episodes", report.episodes),
                 ("clusters", report.clusters),
@@ -1252,7 +1263,10 @@ impl Ctx<'_> {
         &self,
         shard: Shard,
     ) -> anyhow::Result<fluxmem_consolidate::ConsolidateOptions> {
-        let c = &self.loaded.pipeline.consolidate;
+        let (c, m) = (
+            &self.loaded.pipeline.consolidate,
+            &self.loaded.pipeline.models,
+        );
         Ok(fluxmem_consolidate::ConsolidateOptions {
             kmeans: fluxmem_consolidate::KMeansOptions {
                 clusters: pipeline::clusters(&c.clusters)?,
@@ -1274,6 +1288,15 @@ impl Ctx<'_> {
             reinduce_share: c.reinduce_share,
             assign: c.assign,
             recluster_share: c.recluster_share,
+            models: fluxmem_consolidate::ModelNames {
+                embedder: m.embedder.clone(),
+                embed_batch: Some(self.loaded.pipeline.embed.batch_size),
+                generator: m.generator.clone(),
+                generator_weights: m.generator_weights.clone(),
+                judge: m.judge.clone(),
+                eta: c.eta.clone(),
+                device: m.device.clone(),
+            },
             shard,
             ..Default::default()
         })
@@ -1481,54 +1504,6 @@ fn add_stage_to_report(
     Ok(())
 }
 
-/// The consolidate stage's status from its counts. A cluster gave a skill when it got a new
-/// skill, a new version or kept an unchanged one; it gave none when induction failed this run
-/// or failed in an earlier run and was not retried (`failed_earlier`). A cluster whose
-/// successes share no procedure gives no skill by design (a skill holds only proven steps): that
-/// is a finding, said in the status, not a failure, unless no cluster gave a skill at all.
-/// - some clusters failed, none gave one: `degraded: 0 of N clusters gave a skill (...)`;
-/// - some failed, some gave one: `partial: K of N clusters gave a skill (...)`;
-/// - none failed: `done`, or `nothing new` when every skill was unchanged (or there were no
-///   clusters), followed by `(K of N clusters share no procedure, so no skill)` when some do.
-fn consolidate_status(report: &fluxmem_consolidate::ConsolidateReport) -> String {
-    let gave =
-        report.skills_new + report.skills_updated + report.skills_unchanged + report.skills_kept;
-    let no_procedure = report.no_procedure.min(report.failed);
-    let failed = report.failed - no_procedure;
-    let none = failed + report.failed_earlier;
-    let clusters = gave + none + no_procedure;
-    if none > 0 || (gave == 0 && no_procedure > 0) {
-        let mut why = Vec::new();
-        if failed > 0 {
-            why.push(format!("{failed} failed"));
-        }
-        if no_procedure > 0 {
-            why.push(format!("{no_procedure} sharing no procedure"));
-        }
-        if report.failed_earlier > 0 {
-            why.push(format!(
-                "{} failed in an earlier run, not retried",
-                report.failed_earlier
-            ));
-        }
-        let word = if gave == 0 { DEGRADED } else { PARTIAL };
-        return format!(
-            "{word}: {gave} of {clusters} clusters gave a skill ({})",
-            why.join(", ")
-        );
-    }
-    let status = if report.skills_new + report.skills_updated == 0 {
-        "nothing new"
-    } else {
-        "done"
-    };
-    if no_procedure > 0 {
-        format!("{status} ({no_procedure} of {clusters} clusters share no procedure, so no skill)")
-    } else {
-        status.into()
-    }
-}
-
 fn disabled() -> StageRecord {
     StageRecord {
         status: "skipped (disabled)".into(),
@@ -1659,17 +1634,9 @@ fn model_id(name: &str) -> String {
 
 /// Fetches a model into the cache on first use.
 fn ensure_model(name: &str) -> anyhow::Result<()> {
-    let manifest = fluxmem_models::ModelManifest::load()?;
-    let spec = manifest.get(name)?;
-    let cache = fluxmem_models::cache_dir();
-    if !spec.is_installed(&cache) {
-        eprintln!(
-            "fluxmem run: model `{name}` is not in {}; fetching it (first use)",
-            cache.display()
-        );
-        spec.fetch(&cache, &mut |line| eprintln!("  {line}"))?;
-    }
-    Ok(())
+    Ok(fluxmem_models::ensure_installed(name, &mut |line| {
+        eprintln!("fluxmem run: {line}")
+    })?)
 }
 
 fn now() -> String {
@@ -1815,75 +1782,6 @@ mod tests {
     #[test]
     fn quarantine_names_are_safe() {
         assert_eq!(quarantine_name("demo-ab12/x y"), "demo-ab12_x_y");
-    }
-
-    fn consolidate_report(
-        new: usize,
-        updated: usize,
-        unchanged: usize,
-        failed: usize,
-        failed_earlier: usize,
-    ) -> fluxmem_consolidate::ConsolidateReport {
-        fluxmem_consolidate::ConsolidateReport {
-            clusters: new + updated + unchanged + failed + failed_earlier,
-            skills_new: new,
-            skills_updated: updated,
-            skills_unchanged: unchanged,
-            failed,
-            failed_earlier,
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn consolidate_status_says_how_many_clusters_gave_a_skill() {
-        assert_eq!(
-            consolidate_status(&consolidate_report(0, 0, 0, 6, 0)),
-            "degraded: 0 of 6 clusters gave a skill (6 failed)"
-        );
-        assert_eq!(
-            consolidate_status(&consolidate_report(1, 0, 0, 5, 0)),
-            "partial: 1 of 6 clusters gave a skill (5 failed)"
-        );
-        assert_eq!(
-            consolidate_status(&consolidate_report(0, 0, 1, 1, 2)),
-            "partial: 1 of 4 clusters gave a skill (1 failed, 2 failed in an earlier run, not retried)"
-        );
-        assert_eq!(
-            consolidate_status(&consolidate_report(0, 0, 0, 0, 2)),
-            "degraded: 0 of 2 clusters gave a skill (2 failed in an earlier run, not retried)"
-        );
-        // Clusters whose successes share no procedure are a finding, not a failure.
-        let mut report = consolidate_report(5, 0, 0, 1, 0);
-        report.no_procedure = 1;
-        assert_eq!(
-            consolidate_status(&report),
-            "done (1 of 6 clusters share no procedure, so no skill)"
-        );
-        let mut report = consolidate_report(5, 0, 0, 2, 0);
-        report.no_procedure = 1;
-        assert_eq!(
-            consolidate_status(&report),
-            "partial: 5 of 7 clusters gave a skill (1 failed, 1 sharing no procedure)"
-        );
-        let mut report = consolidate_report(0, 0, 0, 2, 0);
-        report.no_procedure = 2;
-        assert_eq!(
-            consolidate_status(&report),
-            "degraded: 0 of 2 clusters gave a skill (2 sharing no procedure)"
-        );
-        assert_eq!(
-            consolidate_status(&consolidate_report(2, 1, 0, 0, 0)),
-            "done"
-        );
-        assert_eq!(
-            consolidate_status(&consolidate_report(0, 0, 3, 0, 0)),
-            "nothing new"
-        );
-        assert_eq!(
-            consolidate_status(&consolidate_report(0, 0, 0, 0, 0)),
-            "nothing new"
-        );
     }
 
     fn stage(name: &str, status: &str) -> StageRecord {

@@ -24,8 +24,9 @@ pub const STAGE: &str = "consolidate";
 /// The outcome sources an episode's `outcome_source` can name, besides `none`.
 pub const OUTCOME_SOURCES: [&str; 4] = ["logged", "status", "inferred", "judged"];
 
-/// How to consolidate.
-#[derive(Debug, Clone)]
+/// How to consolidate. A sharded run's shared plan records them ([`plan_shared`]): every shard
+/// runs with the plan's settings (see [`shared_settings`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ConsolidateOptions {
     /// Clustering (number of clusters, seed).
     pub kmeans: KMeansOptions,
@@ -77,10 +78,41 @@ pub struct ConsolidateOptions {
     /// With `assign`: the share of a tenant's episodes that may fit no existing cluster before
     /// the tenant is clustered again (they wait for that night, unclustered).
     pub recluster_share: f64,
+    /// The models the run loads, by the names the pipeline gives them (consolidation is given
+    /// the models, and reads none of these): a shared plan records them, so that a worker that
+    /// keeps its models loaded across shards loads the run's.
+    pub models: ModelNames,
     /// The clusters this run handles (sharded runs: every shard takes the clusters it owns, by
     /// their member set, from the run's shared plan, [`plan_shared`], or without one clusters
-    /// the store itself); all by default.
+    /// the store itself); all by default. Not a setting a plan records.
+    #[serde(skip, default = "all_shards")]
     pub shard: fluxmem_store::Shard,
+}
+
+fn all_shards() -> fluxmem_store::Shard {
+    fluxmem_store::Shard::ALL
+}
+
+/// The models of a consolidation, by the names a pipeline gives them (`[models]`,
+/// `consolidate.eta`, `embed.batch_size`); loaded by the caller (the binary, or fluxmem_py's
+/// `ConsolidateExecutor` from a shared plan).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelNames {
+    /// The embedder (`hash-<dim>` or a model of the manifest).
+    pub embedder: String,
+    /// Texts a forward of the embedder (`None`: the model's default).
+    pub embed_batch: Option<usize>,
+    /// The generator, or `none` (skills worded by template).
+    pub generator: String,
+    /// The generator's weights (`quantized`, `dequantized`, `q8`, `mixed`).
+    pub generator_weights: String,
+    /// The judge setting (`none`, `llm`, `ql`, `MODEL`, `ql:MODEL`).
+    pub judge: String,
+    /// The eta setting (`coverage`, `replay`, `replay:MODEL`).
+    pub eta: String,
+    /// The device the run was planned on (`auto`, `cpu`, `cuda:N`, `metal`): a worker's default,
+    /// which it may override (a GPU worker of a CPU plan); not compared between plan and shard.
+    pub device: String,
 }
 
 impl Default for ConsolidateOptions {
@@ -106,6 +138,7 @@ impl Default for ConsolidateOptions {
             reinduce_share: 0.2,
             assign: true,
             recluster_share: 0.05,
+            models: ModelNames::default(),
             shard: fluxmem_store::Shard::ALL,
         }
     }
@@ -252,6 +285,57 @@ pub struct ConsolidateReport {
     pub failures: Vec<FailedCluster>,
     /// Every cluster.
     pub cluster_list: Vec<ClusterReport>,
+}
+
+impl ConsolidateReport {
+    /// The run's status from its counts. A cluster gave a skill when it got a new skill, a new
+    /// version or kept an unchanged one; it gave none when induction failed this run or failed
+    /// in an earlier run and was not retried (`failed_earlier`). A cluster whose successes share
+    /// no procedure gives no skill by design (a skill holds only proven steps): that is a
+    /// finding, said in the status, not a failure, unless no cluster gave a skill at all.
+    /// - some clusters failed, none gave one: `degraded: 0 of N clusters gave a skill (...)`;
+    /// - some failed, some gave one: `partial: K of N clusters gave a skill (...)`;
+    /// - none failed: `done`, or `nothing new` when every skill was unchanged (or there were no
+    ///   clusters), followed by `(K of N clusters share no procedure, so no skill)` when some do.
+    pub fn status(&self) -> String {
+        let gave = self.skills_new + self.skills_updated + self.skills_unchanged + self.skills_kept;
+        let no_procedure = self.no_procedure.min(self.failed);
+        let failed = self.failed - no_procedure;
+        let none = failed + self.failed_earlier;
+        let clusters = gave + none + no_procedure;
+        if none > 0 || (gave == 0 && no_procedure > 0) {
+            let mut why = Vec::new();
+            if failed > 0 {
+                why.push(format!("{failed} failed"));
+            }
+            if no_procedure > 0 {
+                why.push(format!("{no_procedure} sharing no procedure"));
+            }
+            if self.failed_earlier > 0 {
+                why.push(format!(
+                    "{} failed in an earlier run, not retried",
+                    self.failed_earlier
+                ));
+            }
+            let word = if gave == 0 { "degraded" } else { "partial" };
+            return format!(
+                "{word}: {gave} of {clusters} clusters gave a skill ({})",
+                why.join(", ")
+            );
+        }
+        let status = if self.skills_new + self.skills_updated == 0 {
+            "nothing new"
+        } else {
+            "done"
+        };
+        if no_procedure > 0 {
+            format!(
+                "{status} ({no_procedure} of {clusters} clusters share no procedure, so no skill)"
+            )
+        } else {
+            status.into()
+        }
+    }
 }
 
 /// Progress callbacks.
@@ -481,6 +565,9 @@ struct StoredPlan {
     /// The hash of the shared plan these clusters come from, if any ([`plan_shared`]).
     #[serde(default)]
     shared: Option<String>,
+    /// A shared plan's settings: every shard runs with them ([`shared_settings`]).
+    #[serde(default)]
+    settings: Option<ConsolidateOptions>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -506,6 +593,7 @@ impl StoredPlan {
             shard,
             tally,
             shared,
+            settings: None,
             clusters: plans
                 .iter()
                 .map(|plan| StoredCluster {
@@ -706,22 +794,24 @@ pub fn plan_shared(
     device: &Device,
 ) -> Result<SharedPlanReport> {
     // The recorded plan holds while its commit is the store's last (a night's new data makes a
-    // new plan).
-    if let Some(marker) = shared_marker(writer, run_id)
-        .filter(|m| m["version"].as_u64() == Some(writer.manifest().version))
-    {
-        let stored = load_plan(writer.store().dir(), marker)?;
-        return Ok(SharedPlanReport {
-            clusters: stored.clusters.len(),
-            episodes: stored.tally.episodes,
-            sha256: marker["sha256"].as_str().unwrap_or_default().to_string(),
-            reused: true,
-        });
-    }
+    // new plan) and its settings are the run's (other settings make a new plan).
     let options = ConsolidateOptions {
         shard: fluxmem_store::Shard::ALL,
         ..options.clone()
     };
+    if let Some(marker) = shared_marker(writer, run_id)
+        .filter(|m| m["version"].as_u64() == Some(writer.manifest().version))
+    {
+        let stored = load_plan(writer.store().dir(), marker)?;
+        if settings_changed(stored.settings.as_ref(), &options).is_empty() {
+            return Ok(SharedPlanReport {
+                clusters: stored.clusters.len(),
+                episodes: stored.tally.episodes,
+                sha256: marker["sha256"].as_str().unwrap_or_default().to_string(),
+                reused: true,
+            });
+        }
+    }
     let Snapshot {
         graph,
         tenants,
@@ -735,7 +825,10 @@ pub fn plan_shared(
         episodes: tally.episodes,
         ..Default::default()
     };
-    let stored = StoredPlan::of(run_id, (0, 1), &plans, tally, None);
+    let stored = StoredPlan {
+        settings: Some(options.clone()),
+        ..StoredPlan::of(run_id, (0, 1), &plans, tally, None)
+    };
     let mut marker = save_plan(writer.store().dir(), &stored, SHARED_PREFIX)?;
     marker["run_id"] = json!(run_id);
     // The version of the commit that records it: shards check they start from it.
@@ -798,6 +891,16 @@ fn shared_plan<'g>(
         });
     }
     let stored = load_plan(&main, marker)?;
+    let changed = settings_changed(stored.settings.as_ref(), options);
+    if !changed.is_empty() {
+        return Err(Error::Plan {
+            reason: format!(
+                "shard {} runs with other consolidate settings than the run's shared cluster plan ({} differ): run the shard with the plan's settings, or plan again (--plan) with these",
+                options.shard,
+                changed.join(", ")
+            ),
+        });
+    }
     let mut tally = stored.tally;
     let (owned, others): (Vec<StoredCluster>, Vec<StoredCluster>) = stored
         .clusters
@@ -853,6 +956,79 @@ pub fn sweep_shared_plans(writer: &Writer) -> Result<()> {
         .get(SHARED_PLAN_MARKER)
         .filter(|m| !m.is_null());
     sweep_prefixed(writer.store().dir(), SHARED_PREFIX, keep)
+}
+
+/// The settings of `options` that differ from a shared plan's `recorded` ones, by name, sorted
+/// (`max_rounds`, `models.generator`, ...). Three are no shard's to agree on: the clustering
+/// (`kmeans`: the plan settled the clusters, and a shard follows them whatever its own), the
+/// device (a worker may run on another) and the shard itself. A plan that recorded no settings
+/// (made before plans recorded them) differs in `settings`.
+fn settings_changed(
+    recorded: Option<&ConsolidateOptions>,
+    options: &ConsolidateOptions,
+) -> Vec<String> {
+    let Some(recorded) = recorded else {
+        return vec!["settings".into()];
+    };
+    let compared = |o: &ConsolidateOptions| {
+        let mut value = serde_json::to_value(o).expect("options serialise");
+        value["models"]["device"] = Value::Null;
+        value["kmeans"] = Value::Null;
+        value
+    };
+    let (recorded, options) = (compared(recorded), compared(options));
+    let mut changed = Vec::new();
+    for (key, value) in options.as_object().expect("an object") {
+        match (value, &recorded[key]) {
+            (Value::Object(inner), Value::Object(was)) => changed.extend(
+                inner
+                    .iter()
+                    .filter(|(k, v)| was.get(*k) != Some(*v))
+                    .map(|(k, _)| format!("{key}.{k}")),
+            ),
+            (value, was) if value != was => changed.push(key.clone()),
+            _ => {}
+        }
+    }
+    changed.sort();
+    changed
+}
+
+/// A sharded run's shared cluster plan as a worker needs it: the settings every shard runs with
+/// (the models by name among them) and the plan's hash.
+#[derive(Debug, Clone)]
+pub struct SharedSettings {
+    /// The run's settings (shard: all).
+    pub options: ConsolidateOptions,
+    /// The plan's hash, which each shard's finish note names.
+    pub sha256: String,
+    /// The store version the plan was made at: its shards start from it.
+    pub version: u64,
+}
+
+/// The shared cluster plan that the store at `store` holds for `run_id` (the stage's run id,
+/// `consolidate@<run id>`, as [`plan_shared`] was given it), if any: its settings and hash, checked against the hash its marker records. A plan made before
+/// plans recorded their settings is an error that says to plan again.
+pub fn shared_settings(store: &Path, run_id: &str) -> Result<Option<SharedSettings>> {
+    let manifest = fluxmem_store::Store::open(store)?.manifest()?;
+    let Some(marker) = manifest
+        .progress
+        .get(SHARED_PLAN_MARKER)
+        .filter(|marker| marker["run_id"] == run_id)
+    else {
+        return Ok(None);
+    };
+    let stored = load_plan(store, marker)?;
+    let options = stored.settings.ok_or_else(|| Error::Plan {
+        reason: format!(
+            "the shared cluster plan of run `{run_id}` records no settings (made by an older fluxmem); plan again (--plan)"
+        ),
+    })?;
+    Ok(Some(SharedSettings {
+        options,
+        sha256: marker["sha256"].as_str().unwrap_or_default().to_string(),
+        version: marker["version"].as_u64().unwrap_or_default(),
+    }))
 }
 
 /// The store's open plan marker, if any.
@@ -1917,6 +2093,111 @@ fn record(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn consolidate_report(
+        new: usize,
+        updated: usize,
+        unchanged: usize,
+        failed: usize,
+        failed_earlier: usize,
+    ) -> ConsolidateReport {
+        ConsolidateReport {
+            clusters: new + updated + unchanged + failed + failed_earlier,
+            skills_new: new,
+            skills_updated: updated,
+            skills_unchanged: unchanged,
+            failed,
+            failed_earlier,
+            ..Default::default()
+        }
+    }
+
+    /// A shard runs with its plan's settings, but for the clustering (the plan's), the device
+    /// and the shard; the ones that differ are named.
+    #[test]
+    fn a_shard_differs_from_its_plan_in_the_settings_it_runs_with() {
+        let plan = ConsolidateOptions {
+            models: ModelNames {
+                generator: "gen".into(),
+                device: "cpu".into(),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let same = ConsolidateOptions {
+            kmeans: KMeansOptions {
+                seed: 8,
+                clusters: Some(2),
+                ..Default::default()
+            },
+            models: ModelNames {
+                device: "cuda:0".into(),
+                ..plan.models.clone()
+            },
+            shard: fluxmem_store::Shard { index: 1, count: 2 },
+            ..plan.clone()
+        };
+        assert_eq!(settings_changed(Some(&plan), &same), Vec::<String>::new());
+        let other = ConsolidateOptions {
+            max_rounds: plan.max_rounds + 1,
+            models: ModelNames {
+                generator: "other".into(),
+                ..plan.models.clone()
+            },
+            ..plan.clone()
+        };
+        assert_eq!(
+            settings_changed(Some(&plan), &other),
+            ["max_rounds", "models.generator"]
+        );
+        assert_eq!(settings_changed(None, &plan), ["settings"]);
+        // What a plan file holds reads back as the same settings.
+        let text = serde_json::to_string(&plan).unwrap();
+        let read: ConsolidateOptions = serde_json::from_str(&text).unwrap();
+        assert_eq!(read, plan);
+    }
+
+    #[test]
+    fn consolidate_status_says_how_many_clusters_gave_a_skill() {
+        assert_eq!(
+            consolidate_report(0, 0, 0, 6, 0).status(),
+            "degraded: 0 of 6 clusters gave a skill (6 failed)"
+        );
+        assert_eq!(
+            consolidate_report(1, 0, 0, 5, 0).status(),
+            "partial: 1 of 6 clusters gave a skill (5 failed)"
+        );
+        assert_eq!(
+            consolidate_report(0, 0, 1, 1, 2).status(),
+            "partial: 1 of 4 clusters gave a skill (1 failed, 2 failed in an earlier run, not retried)"
+        );
+        assert_eq!(
+            consolidate_report(0, 0, 0, 0, 2).status(),
+            "degraded: 0 of 2 clusters gave a skill (2 failed in an earlier run, not retried)"
+        );
+        // Clusters whose successes share no procedure are a finding, not a failure.
+        let mut report = consolidate_report(5, 0, 0, 1, 0);
+        report.no_procedure = 1;
+        assert_eq!(
+            report.status(),
+            "done (1 of 6 clusters share no procedure, so no skill)"
+        );
+        let mut report = consolidate_report(5, 0, 0, 2, 0);
+        report.no_procedure = 1;
+        assert_eq!(
+            report.status(),
+            "partial: 5 of 7 clusters gave a skill (1 failed, 1 sharing no procedure)"
+        );
+        let mut report = consolidate_report(0, 0, 0, 2, 0);
+        report.no_procedure = 2;
+        assert_eq!(
+            report.status(),
+            "degraded: 0 of 2 clusters gave a skill (2 sharing no procedure)"
+        );
+        assert_eq!(consolidate_report(2, 1, 0, 0, 0).status(), "done");
+        assert_eq!(consolidate_report(0, 0, 3, 0, 0).status(), "nothing new");
+        assert_eq!(consolidate_report(0, 0, 0, 0, 0).status(), "nothing new");
+    }
 
     /// The sweep removes exactly the names `save_plan` writes: its files and the temporaries
     /// `fluxmem_store::write_atomically` leaves when killed, nothing else.

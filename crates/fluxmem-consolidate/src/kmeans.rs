@@ -3,13 +3,15 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use serde::{Deserialize, Serialize};
+
 use crate::Result;
 
 /// Rows scored per block.
 pub const KMEANS_BLOCK_ROWS: usize = 4096;
 
 /// How to cluster.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KMeansOptions {
     /// Number of clusters; `None` is the reference rule M = max(1, floor(sqrt(n / 2))).
     pub clusters: Option<usize>,

@@ -35,9 +35,10 @@ mod prompt;
 pub mod replay;
 
 pub use consolidate::{
-    consolidate_store, latest_skills, plan_shared, shared_plan_merge, sweep_shared_plans,
-    ClusterReport, ConsolidateOptions, ConsolidateReport, FailedCluster, NoProgress, Progress,
-    SharedPlanReport, SkillReport, TokenUsage, OUTCOME_SOURCES, SHARED_PLAN_MARKER, STAGE,
+    consolidate_store, latest_skills, plan_shared, shared_plan_merge, shared_settings,
+    sweep_shared_plans, ClusterReport, ConsolidateOptions, ConsolidateReport, FailedCluster,
+    ModelNames, NoProgress, Progress, SharedPlanReport, SharedSettings, SkillReport, TokenUsage,
+    OUTCOME_SOURCES, SHARED_PLAN_MARKER, STAGE,
 };
 pub use export::{
     check_export_target, export_skills, export_skills_with, skill_records, ExportFormat,

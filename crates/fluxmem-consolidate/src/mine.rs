@@ -42,11 +42,11 @@
 
 use crate::flow::{Source, ToolRoles};
 use fluxmem_graph::Node;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Thresholds of the miner.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct MineOptions {
     /// A step needs at least this share of the successes (default 0.5) ...
     pub min_support: f64,

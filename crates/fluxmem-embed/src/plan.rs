@@ -27,6 +27,9 @@
 //! planned_queries`), whose plan lives in `scratch/embed/connect@<run id>/` and whose commit
 //! runs the connect stage with the results standing in for the model.
 //!
+//! Planning removes the plans no commit can take any more ([`sweep_stale`]: their store moved
+//! since, by another commit), such as a run's plan abandoned when its driver died.
+//!
 //! Limits: the plan holds the night's new texts in memory while it writes them, and the
 //! commit holds every result vector (the night's, not the history's) while it commits.
 
@@ -119,6 +122,8 @@ pub struct ExecuteReport {
 pub struct Plan {
     dir: PathBuf,
     header: PlanHeader,
+    /// The folders of other plans that planning this one removed ([`sweep_stale`]).
+    swept: Vec<PathBuf>,
 }
 
 /// The folder of `run_id`'s embed plan in the store at `store`.
@@ -253,7 +258,51 @@ pub fn plan_texts(
     header.digest = digest(&header);
     let bytes = serde_json::to_vec_pretty(&header).expect("a plan header serialises");
     fluxmem_store::write_atomically(&dir.join(PLAN_FILE), &bytes)?;
-    Ok(Plan { dir, header })
+    let swept = sweep_stale(store, &dir)?;
+    Ok(Plan { dir, header, swept })
+}
+
+/// Removes the plans in the store at `store` (but `keep`) that no commit can take any more:
+/// those whose store moved since they were made by a commit that is not theirs (a commit
+/// refuses such a plan, [`Plan::check_unmoved`], and the store never moves back). Their folders
+/// hold only what this module and its workers wrote. A folder without a readable plan record
+/// is left alone (nothing proves it is a plan; planning its run id again replaces it). Run by
+/// the planner, under the writer lock; returns the folders removed.
+pub fn sweep_stale(store: &Path, keep: &Path) -> Result<Vec<PathBuf>> {
+    let folder = store.join(fluxmem_store::SCRATCH).join(FOLDER);
+    let Ok(entries) = std::fs::read_dir(&folder) else {
+        return Ok(Vec::new());
+    };
+    let manifest = fluxmem_store::Store::open(store)?.manifest()?;
+    let mut swept = Vec::new();
+    for dir in entries.flatten().map(|e| e.path()) {
+        let header = std::fs::read(dir.join(PLAN_FILE))
+            .ok()
+            .and_then(|bytes| serde_json::from_slice::<PlanHeader>(&bytes).ok());
+        let Some(header) = header.filter(|h| digest(h) == h.digest) else {
+            continue;
+        };
+        if dir == keep || foreign_commit(&manifest, &header).is_none() {
+            continue;
+        }
+        std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
+        swept.push(dir);
+    }
+    swept.sort();
+    Ok(swept)
+}
+
+/// The first commit after the plan's version that is not the plan's own (its summary does not
+/// carry the plan's digest as `plan`).
+fn foreign_commit<'m>(
+    manifest: &'m fluxmem_store::Manifest,
+    header: &PlanHeader,
+) -> Option<&'m fluxmem_store::CommitRecord> {
+    manifest
+        .commits
+        .iter()
+        .filter(|c| c.version > header.version)
+        .find(|c| c.summary.get("plan").and_then(|p| p.as_str()) != Some(&header.digest))
 }
 
 /// The digest of `header` with its `digest` field empty.
@@ -307,7 +356,11 @@ impl Plan {
                 ),
             });
         }
-        Ok(Some(Plan { dir, header }))
+        Ok(Some(Plan {
+            dir,
+            header,
+            swept: Vec::new(),
+        }))
     }
 
     /// The plan's record.
@@ -646,11 +699,7 @@ impl Plan {
     /// Refuses a store that moved since the plan read it, but by this plan's own commits
     /// (their summaries carry its digest as `plan`: a commit that was killed resumes).
     pub fn check_unmoved(&self, manifest: &fluxmem_store::Manifest) -> Result<()> {
-        let foreign = manifest
-            .commits
-            .iter()
-            .filter(|c| c.version > self.header.version)
-            .find(|c| c.summary.get("plan").and_then(|p| p.as_str()) != Some(&self.header.digest));
+        let foreign = foreign_commit(manifest, &self.header);
         if manifest.version < self.header.version || foreign.is_some() {
             return Err(Error::Plan {
                 path: self.dir.join(PLAN_FILE),
@@ -666,6 +715,11 @@ impl Plan {
             });
         }
         Ok(())
+    }
+
+    /// The folders of stale plans that planning this one removed ([`sweep_stale`]).
+    pub fn swept(&self) -> &[PathBuf] {
+        &self.swept
     }
 
     /// Removes the plan's folder (after its commit).

@@ -322,12 +322,50 @@ fn a_killed_commit_resumes() {
     }
     let after = Store::open(dir.path()).unwrap().manifest().unwrap().version;
     assert!(after > before, "some commits went in before the kill");
+    // Planning another run meanwhile keeps this plan: only its own commits moved the store.
+    let other = fluxmem_embed::plan::plan(
+        &Writer::open(dir.path()).unwrap(),
+        &PlanModel::of("hash-16", "cpu", &HashEmbedder::new(16)),
+        &options(),
+        "other",
+    )
+    .unwrap();
+    assert!(other.swept().is_empty(), "{:?}", other.swept());
     let reopened = Plan::open(dir.path(), "night").unwrap().unwrap();
     commit(dir.path(), &reopened).unwrap();
     assert_eq!(
         Store::open(dir.path()).unwrap().load().unwrap().embeddings,
         expected
     );
+}
+
+/// Planning removes the plans no commit can take any more (their store moved since, by a
+/// commit not theirs) and keeps the rest: a plan of another run at the same version, a folder
+/// that holds no plan record, the new plan itself.
+#[test]
+fn planning_removes_the_plans_no_commit_can_take() {
+    let dir = night_store();
+    let model = PlanModel::of("hash-16", "cpu", &HashEmbedder::new(16));
+    let plan_for = |run_id: &str| {
+        let writer = Writer::open(dir.path()).unwrap();
+        plan(&writer, &model, &options(), run_id).unwrap()
+    };
+    let abandoned = plan_for("abandoned");
+    let beside = plan_for("beside");
+    assert!(beside.swept().is_empty(), "{:?}", beside.swept());
+    let unknown = abandoned.dir().parent().unwrap().join("not-a-plan");
+    std::fs::create_dir_all(&unknown).unwrap();
+    std::fs::write(unknown.join("notes.txt"), "kept").unwrap();
+    // The store moves by a commit that is no plan's: both plans are stale.
+    commit_texts(dir.path(), "later", &["a later note".to_string()]);
+    let fresh = plan_for("fresh");
+    let mut expected = vec![abandoned.dir().to_path_buf(), beside.dir().to_path_buf()];
+    expected.sort();
+    assert_eq!(fresh.swept(), expected.as_slice());
+    assert!(!abandoned.dir().exists() && !beside.dir().exists());
+    assert!(fresh.dir().join("plan.json").is_file() && unknown.join("notes.txt").is_file());
+    // The stale plan's run would have been refused: it is gone, so planning it again is the way.
+    assert!(Plan::open(dir.path(), "abandoned").unwrap().is_none());
 }
 
 /// The plan's vectors, failing from the third call on.

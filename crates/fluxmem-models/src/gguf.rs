@@ -43,6 +43,23 @@ pub enum WeightPath {
     Prompts,
 }
 
+impl std::str::FromStr for WeightPath {
+    type Err = String;
+    /// The names of the weight paths a user picks (`models.generator_weights`, `--weights`):
+    /// `quantized`, `dequantized`, `q8` or `mixed`.
+    fn from_str(value: &str) -> std::result::Result<Self, String> {
+        match value {
+            "quantized" => Ok(WeightPath::Quantized),
+            "dequantized" => Ok(WeightPath::Dequantized),
+            "q8" => Ok(WeightPath::Q8),
+            "mixed" => Ok(WeightPath::Mixed),
+            other => Err(format!(
+                "`{other}`: expected quantized, dequantized, q8 or mixed"
+            )),
+        }
+    }
+}
+
 /// The largest GGUF file [`WeightPath::Prompts`] expands to f32 (Qwen2.5-Coder-0.5B Q4_K_M is
 /// 491 MB, the 1.5B 1,117 MB).
 pub const PROMPT_F32_MAX_BYTES: u64 = 700 << 20;

@@ -226,6 +226,60 @@ pub fn load_generator(
     GgufGenerator::load(&dir, &spec.model_id(), &device.device()?, path)
 }
 
+/// Fetches the model called `name` into the cache (see [`ModelSpec::fetch`]) unless it is
+/// installed, saying so through `log`; a `hash-<dim>` embedder has no files to fetch.
+pub fn ensure_installed(name: &str, log: &mut dyn FnMut(&str)) -> Result<()> {
+    if name.starts_with("hash-") {
+        return Ok(());
+    }
+    let manifest = ModelManifest::load()?;
+    let spec = manifest.get(name)?;
+    let cache = cache_dir();
+    if !spec.is_installed(&cache) {
+        log(&format!(
+            "model `{name}` is not in {}; fetching it (first use)",
+            cache.display()
+        ));
+        spec.fetch(&cache, log)?;
+    }
+    Ok(())
+}
+
+/// The judge a judge setting names ([`judge_model`]), loaded on `device` with the weights that
+/// prefill fastest ([`WeightPath::Prompts`]): a [`QlJudge`] for `ql` settings, an [`LlmJudge`]
+/// for the others; `None` for `none`.
+pub fn open_judge(setting: &str, device: &DeviceChoice) -> Result<Option<Box<dyn Judge + Send>>> {
+    let Some(model) = judge_model(setting)? else {
+        return Ok(None);
+    };
+    let generator = load_generator(&model, device, WeightPath::Prompts)?;
+    Ok(Some(if judge_is_ql(setting) {
+        Box::new(QlJudge::new(generator))
+    } else {
+        Box::new(LlmJudge::new(generator))
+    }))
+}
+
+/// The replay model an eta setting names ([`eta_model`]), loaded on `device` with the weights
+/// that prefill fastest; `None` for `coverage`. Eta is measured one way: a judge setting that
+/// names a judge as well is an error.
+pub fn open_replayer(
+    eta: &str,
+    judge: &str,
+    device: &DeviceChoice,
+) -> Result<Option<GgufGenerator>> {
+    let Some(model) = eta_model(eta)? else {
+        return Ok(None);
+    };
+    if judge_model(judge)?.is_some() {
+        return Err(Error::Unsupported {
+            model: format!("eta `{eta}` and judge `{judge}`"),
+            reason: "eta is measured one way; name one".into(),
+        });
+    }
+    Ok(Some(load_generator(&model, device, WeightPath::Prompts)?))
+}
+
 #[cfg(test)]
 mod judge_setting_tests {
     use super::*;

@@ -1,5 +1,5 @@
-//! `fluxmem_py`: the execute step of a planned embed or connect (`fluxmem_embed::plan`: the
-//! texts a stage gives the model) as a Python class,
+//! `fluxmem_py`: the execute steps of a planned embed or connect (`fluxmem_embed::plan`: the
+//! texts a stage gives the model) and of a planned consolidate as Python classes,
 //! for workers that keep their model loaded across batches (the Ray actors of
 //! `integrations/ray`, `fluxmem_ray.actors`).
 //!
@@ -22,17 +22,37 @@
 //! protocol, `__arrow_c_array__`): the items' columns are read in place and the result batch
 //! is handed to pyarrow without a copy; this is what the Ray actors call.
 //!
+//! The execute step of a sharded consolidate is a class too, for workers that keep the
+//! generator (and the embedder, judge or replay model) loaded across shards:
+//!
+//! ```python
+//! executor = fluxmem_py.ConsolidateExecutor("/data/store", "nightly-2026-12-07")  # loads the models once
+//! record = json.loads(executor.execute(3, 16))  # shard 3 of 16 into its staging store
+//! ```
+//!
+//! It reads the run's shared cluster plan (`fluxmem run P --stage consolidate --plan`,
+//! `fluxmem_consolidate::plan_shared`), which records the settings every shard runs with and
+//! the models by name; it loads those models, and `execute` does what `fluxmem run P --stage
+//! consolidate --shard I/N` does: the clusters of the plan that shard I owns, induced and matured
+//! into the shard's staging store, finished with the plan's hash (the GIL released throughout).
+//! The merge (`--stage consolidate --merge N`) checks that every shard followed the plan.
+//!
 //! Build: `maturin develop -m crates/fluxmem-py/Cargo.toml` in a virtualenv (scripts/test.sh
 //! does it), or `maturin build --release` for a wheel to install on every node.
 
 use arrow_array::ffi::{FFI_ArrowArray, FFI_ArrowSchema};
 use arrow_array::{Array, RecordBatch, StructArray};
+use fluxmem_consolidate::{ConsolidateOptions, ModelNames, SharedSettings};
 use fluxmem_embed::plan::Plan;
-use fluxmem_models::{DeviceChoice, Embedder};
+use fluxmem_models::{DeviceChoice, Embedder, Generator, GgufGenerator, Judge};
+use fluxmem_store::{Shard, Writer};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyCapsule};
+use serde_json::{json, Value};
 use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Instant;
 
 /// The execute step of one run's plan of a stage's texts, with its model loaded.
 #[pyclass(module = "fluxmem_py", frozen)]
@@ -167,6 +187,186 @@ impl EmbedExecutor {
     }
 }
 
+/// The execute step of one run's sharded consolidate: the shards of its shared cluster plan,
+/// with the plan's models loaded once.
+#[pyclass(module = "fluxmem_py", frozen)]
+struct ConsolidateExecutor {
+    store: PathBuf,
+    run_id: String,
+    plan: SharedSettings,
+    device: DeviceChoice,
+    /// One shard at a time: the models are generated with mutably.
+    models: Mutex<Loaded>,
+}
+
+/// The models of a consolidation, loaded.
+struct Loaded {
+    embedder: Box<dyn Embedder>,
+    generator: Option<GgufGenerator>,
+    judge: Option<Box<dyn Judge + Send>>,
+    replayer: Option<GgufGenerator>,
+}
+
+#[pymethods]
+impl ConsolidateExecutor {
+    /// Opens the shared cluster plan of `run_id` in the store at `store` and loads the models
+    /// it names (fetched first where missing, as `fluxmem run` does) on `device` (default: the
+    /// plan's, the pipeline's device).
+    #[new]
+    #[pyo3(signature = (store, run_id, device=None))]
+    fn new(py: Python<'_>, store: PathBuf, run_id: &str, device: Option<&str>) -> PyResult<Self> {
+        let stage_run = format!("{}@{run_id}", fluxmem_consolidate::STAGE);
+        let plan = fluxmem_consolidate::shared_settings(&store, &stage_run)
+            .map_err(value_error)?
+            .ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "{}: no shared consolidate plan for run id `{run_id}`; plan first with \
+                 `fluxmem run P --run-id {run_id} --stage consolidate --plan`",
+                    store.display()
+                ))
+            })?;
+        let names = &plan.options.models;
+        let device: DeviceChoice = device
+            .unwrap_or(&names.device)
+            .parse()
+            .map_err(value_error)?;
+        let models = py
+            .detach(|| load_models(names, &device))
+            .map_err(runtime_error)?;
+        Ok(ConsolidateExecutor {
+            store,
+            run_id: run_id.to_string(),
+            plan,
+            device,
+            models: Mutex::new(models),
+        })
+    }
+
+    /// The shared plan's hash, which each shard's finish note names.
+    #[getter]
+    fn plan(&self) -> &str {
+        &self.plan.sha256
+    }
+
+    /// The generator's name, as the plan records it (`none`: skills worded by template).
+    #[getter]
+    fn generator(&self) -> &str {
+        &self.plan.options.models.generator
+    }
+
+    /// Runs shard `index` of `count` as `fluxmem run P --stage consolidate --shard I/N` does:
+    /// the plan's clusters it owns into its staging store, which it then finishes. Returns the
+    /// stage record (JSON text: `name`, `status`, `seconds`, `counts_in`, `counts_out`,
+    /// `details`). The GIL is released throughout.
+    fn execute(&self, py: Python<'_>, index: usize, count: usize) -> PyResult<String> {
+        if count == 0 || index >= count {
+            return Err(PyValueError::new_err(format!(
+                "shard {index}/{count}: expected an index below a count of at least 1"
+            )));
+        }
+        let shard = Shard { index, count };
+        py.detach(|| self.execute_shard(shard))
+            .map_err(runtime_error)
+    }
+}
+
+impl ConsolidateExecutor {
+    fn execute_shard(&self, shard: Shard) -> Result<String, fluxmem_consolidate::Error> {
+        let started = Instant::now();
+        let mut loaded = self
+            .models
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Loaded {
+            embedder,
+            generator,
+            judge,
+            replayer,
+        } = &mut *loaded;
+        let mut models = fluxmem_consolidate::Models {
+            embedder: embedder.as_ref(),
+            generator: generator.as_mut().map(|g| g as &mut dyn Generator),
+            judge: judge.as_mut().map(|j| j.as_mut() as &mut dyn Judge),
+            replayer: replayer.as_mut().map(|r| r as &mut dyn Generator),
+        };
+        let options = ConsolidateOptions {
+            shard,
+            ..self.plan.options.clone()
+        };
+        let stage = fluxmem_consolidate::STAGE;
+        let mut writer = Writer::open_staging(&self.store, stage, shard)?;
+        let report = fluxmem_consolidate::consolidate_store(
+            &mut writer,
+            &mut models,
+            &options,
+            &format!("{stage}@{}", self.run_id),
+            &self.device.device()?,
+            &mut fluxmem_consolidate::NoProgress,
+        )?;
+        let note = match &report.shared_plan {
+            Some(sha256) => json!({ "shared_plan": sha256 }),
+            None => Value::Null,
+        };
+        writer.finish_staging_with(&format!("{stage}@{}", self.run_id), note)?;
+        let record = json!({
+            "name": stage,
+            "status": report.status(),
+            "seconds": started.elapsed().as_secs_f64(),
+            "counts_in": {
+                "episodes": report.episodes,
+                "clusters": report.clusters,
+                "unassigned": report.unassigned,
+            },
+            "counts_out": {
+                "skills_new": report.skills_new,
+                "skills_updated": report.skills_updated,
+                "skills_unchanged": report.skills_unchanged,
+                "skills_kept": report.skills_kept,
+                "failed": report.failed,
+                "commits": report.commits,
+            },
+            "details": report,
+        });
+        Ok(record.to_string())
+    }
+}
+
+/// Loads the models `names` gives, each fetched first where the cache lacks it.
+fn load_models(names: &ModelNames, device: &DeviceChoice) -> fluxmem_models::Result<Loaded> {
+    let mut log = |line: &str| eprintln!("fluxmem_py: {line}");
+    let needed = [
+        Some(names.embedder.clone()),
+        (names.generator != "none").then(|| names.generator.clone()),
+        fluxmem_models::judge_model(&names.judge)?,
+        fluxmem_models::eta_model(&names.eta)?,
+    ];
+    for name in needed.iter().flatten() {
+        fluxmem_models::ensure_installed(name, &mut log)?;
+    }
+    let embedder = fluxmem_models::open_embedder(&names.embedder, device, names.embed_batch)?;
+    let generator = if names.generator == "none" {
+        None
+    } else {
+        let weights = names.generator_weights.parse().map_err(|reason| {
+            fluxmem_models::Error::Unsupported {
+                model: names.generator.clone(),
+                reason: format!("weights {reason}"),
+            }
+        })?;
+        Some(fluxmem_models::load_generator(
+            &names.generator,
+            device,
+            weights,
+        )?)
+    };
+    Ok(Loaded {
+        embedder,
+        generator,
+        judge: fluxmem_models::open_judge(&names.judge, device)?,
+        replayer: fluxmem_models::open_replayer(&names.eta, &names.judge, device)?,
+    })
+}
+
 /// A batch from Python, through the Arrow C data interface: `batch.__arrow_c_array__()` gives a
 /// schema and an array capsule; the array is moved out of its capsule (which then releases
 /// nothing) and its buffers are read in place.
@@ -227,5 +427,6 @@ fn runtime_error(error: impl std::fmt::Display) -> PyErr {
 /// The Python module.
 #[pymodule]
 fn fluxmem_py(module: &Bound<'_, PyModule>) -> PyResult<()> {
-    module.add_class::<EmbedExecutor>()
+    module.add_class::<EmbedExecutor>()?;
+    module.add_class::<ConsolidateExecutor>()
 }

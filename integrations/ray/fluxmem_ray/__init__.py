@@ -10,11 +10,12 @@ the driver, global stages as one Ray task). See docs/scale-out.md.
     print(summary.table())
 """
 
-from .actors import EmbedActor, execute_embed_plan
+from .actors import ConsolidateActor, EmbedActor, execute_embed_plan
 from .contract import GLOBAL_STAGES, MAP_STAGES, STAGES, FluxmemError, Invocation, run_global, run_merge, run_shard
 from .pipeline import Options, Summary, run_pipeline
 
 __all__ = [
+    "ConsolidateActor",
     "EmbedActor",
     "FluxmemError",
     "GLOBAL_STAGES",

@@ -13,11 +13,20 @@ every result against the plan and commits the shard files of a single-machine ru
 byte: which actor embedded what, in which batches and order, and how often a batch was retried
 do not change them. Connect's commit (``--stage connect --merge N``) connects with the
 plan's vectors in the model's place and writes a single-machine connect's shard files.
+
+Consolidate is planned once too (``--stage consolidate --plan``: the clusters, with the settings
+and the models by name). :class:`ConsolidateActor` loads the plan's models once
+(``fluxmem_py.ConsolidateExecutor``: embedder, generator, judge or replay model) and runs the
+shards it is given in-process, each as ``--stage consolidate --shard I/N`` would, into its
+staging store; the merge (``--merge N``) checks that every shard followed the plan.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,22 +44,27 @@ def plan_dir(store: str | os.PathLike, run_id: str, stage: str = "embed") -> Pat
 ITEMS = pa.schema([("key", pa.string()), ("text", pa.string())])
 
 
+def _fluxmem_py(env: dict[str, str] | None):
+    """The ``fluxmem_py`` module, with the fluxmem environment (``FLUXMEM_MODELS``: where the
+    models are) a subprocess would get set in this process."""
+    os.environ.update(env or {})
+    try:
+        import fluxmem_py
+    except ImportError as error:
+        raise RuntimeError(
+            "the fluxmem_py module is not installed on this node: build it with "
+            "`maturin develop -m crates/fluxmem-py/Cargo.toml` (or install its wheel)"
+        ) from error
+    return fluxmem_py
+
+
 class EmbedActor:
     """A Ray Data actor: embeds batches of a plan's items (``key``, ``text`` columns) with the
     plan's model, loaded once, into result rows (``plan``, ``key``, ``vector``)."""
 
     def __init__(self, store: str, run_id: str, device: str | None = None, batch_size: int = 32,
                  env: dict[str, str] | None = None, stage: str = "embed"):
-        # The fluxmem environment (FLUXMEM_MODELS: where the models are) a subprocess would get.
-        os.environ.update(env or {})
-        try:
-            import fluxmem_py
-        except ImportError as error:
-            raise RuntimeError(
-                "the fluxmem_py module is not installed on this node: build it with "
-                "`maturin develop -m crates/fluxmem-py/Cargo.toml` (or install its wheel)"
-            ) from error
-        self.executor = fluxmem_py.EmbedExecutor(store, run_id, device=device, batch_size=batch_size, stage=stage)
+        self.executor = _fluxmem_py(env).EmbedExecutor(store, run_id, device=device, batch_size=batch_size, stage=stage)
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -110,3 +124,37 @@ def execute_embed_plan(
     dataset.write_parquet(str(folder / "results"), ray_remote_args={"num_cpus": 0})
     return {"workers": workers, "cpus_per_worker": cpus_per_worker, "batch_size": batch_size,
             "shuffle_seed": shuffle_seed, "plan_dir": str(folder), "stage": stage}
+
+
+# `fluxmem` exit status for "done, but degraded" (contract.EXIT_DEGRADED), which a shard run in
+# an actor reports as its subprocess would.
+_EXIT_DEGRADED = 4
+
+
+class ConsolidateActor:
+    """A Ray Data actor: runs consolidate shards (the ``id`` column of its batches: shard
+    indices of ``count``) of the run's shared cluster plan in-process, with the plan's models
+    loaded once across them. Its rows are those of a shard subprocess (``shard``, ``seconds``,
+    ``exit_code``, ``record``, ``gpu_ids``, ``node``, ``pid``)."""
+
+    def __init__(self, store: str, run_id: str, count: int, device: str | None = None,
+                 env: dict[str, str] | None = None):
+        self.executor = _fluxmem_py(env).ConsolidateExecutor(store, run_id, device=device)
+        self.count = count
+        self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        self.node = socket.gethostname()
+
+    def __call__(self, batch: dict) -> dict:
+        out = {"shard": [], "seconds": [], "exit_code": [], "record": [], "gpu_ids": [], "node": [], "pid": []}
+        for index in batch["id"]:
+            started = time.monotonic()
+            record = self.executor.execute(int(index), self.count)
+            degraded = json.loads(record)["status"].startswith("degraded")
+            out["shard"].append(int(index))
+            out["seconds"].append(time.monotonic() - started)
+            out["exit_code"].append(_EXIT_DEGRADED if degraded else 0)
+            out["record"].append(record)
+            out["gpu_ids"].append(",".join(self.gpu_ids))
+            out["node"].append(self.node)
+            out["pid"].append(os.getpid())
+        return out

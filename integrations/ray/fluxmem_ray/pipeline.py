@@ -13,12 +13,13 @@ Known limits, stated plainly:
 - Embed, and connect's model work (the vectors of its ground queries), run their execute
   steps in Ray Data actors that keep the model loaded (``Options.embed_in_actors``, the
   default; ``fluxmem_ray.actors``, through the ``fluxmem_py`` module). Connect's retrieval
-  then runs in its commit, one process. For ingest and consolidate the worker is the Rust
-  binary, one process per shard: its models load once per shard, not once per actor, and no
-  rows stream through Ray. The store itself is the data plane: every
-  node (the driver included) must see the store directory, the pipeline file, its inputs and
-  the binary at the same paths (a shared filesystem). Consolidate's workers that keep the
-  generator loaded across clusters are not built.
+  then runs in its commit, one process. Consolidate's shards run in-process in actors that
+  keep the plan's models (generator, embedder, judge or replay model) loaded across the shards
+  each runs (``Options.consolidate_in_actors``, the default); more shards than actors spread
+  the clusters in smaller parts over the same loaded models. For ingest the worker is the Rust
+  binary, one process per shard, and no rows stream through Ray. The store itself is the data
+  plane: every node (the driver included) must see the store directory, the pipeline file,
+  its inputs and the binary at the same paths (a shared filesystem).
 - Embed is a map stage planned once: one Ray task lists the texts to embed in 64 fixed
   buckets (``--stage embed --plan``), the actors (or, without them, each shard process) embed
   them into the plan's result files, and the merge checks every result against the plan and
@@ -26,9 +27,11 @@ Known limits, stated plainly:
   (``--stage connect --plan``: its ground queries' texts); its merge connects with the
   results in the model's place.
 - Consolidate is a map stage planned once: one Ray task clusters the store
-  (``--stage consolidate --plan``, recorded in the store), then every shard induces the skills
-  of the planned clusters it owns (by a hash of the cluster's episodes), so no shard depends on
-  another's floating point; the merge refuses a shard that did not follow the plan. See
+  (``--stage consolidate --plan``, recorded in the store with the settings and models every
+  shard runs with), then every shard induces the skills of the planned clusters it owns (by a
+  hash of the cluster's episodes), so no shard depends on another's floating point; a shard
+  run with other settings is refused, and the merge refuses a shard that did not follow the
+  plan. See
   docs/scale-out.md for the clustering-at-scale choice.
 - Stages already marked done in the store for the run id are skipped, so a re-run of a killed
   driver resumes; a re-run shard resumes its staging store.
@@ -76,6 +79,10 @@ class Options:
     False: one ``fluxmem`` process a shard, as the other map stages."""
     embed_batch: int = 256
     """Plan items per Ray batch of the embed actors."""
+    consolidate_in_actors: bool = True
+    """Consolidate's shards in-process in Ray Data actors that keep the plan's models loaded
+    across the shards each runs (``fluxmem_ray.actors.ConsolidateActor``, needs the
+    ``fluxmem_py`` module); False: one ``fluxmem`` process a shard."""
 
 
 class ShardWorker:
@@ -142,7 +149,8 @@ class Summary:
         for stage in self.stages:
             if stage["mode"] == "map":
                 shard_seconds = ", ".join(f"{s['seconds']:.1f}" for s in stage["shards"])
-                detail = f"shards [{shard_seconds}]s, merge {stage['merge']['seconds']:.1f}s"
+                where = "in actors" if stage.get("in_actors") else "processes"
+                detail = f"shards ({where}) [{shard_seconds}]s, merge {stage['merge']['seconds']:.1f}s"
             elif stage["mode"] == "actors":
                 detail = (f"plan {stage['plan']['seconds']:.1f}s, {stage['execute']['workers']} actors "
                           f"{stage['execute']['seconds']:.1f}s, commit {stage['merge']['seconds']:.1f}s")
@@ -223,11 +231,19 @@ def _map_stage(invocation: Invocation, stage: str, options: Options, gpus: float
         return {"name": stage, "mode": "commit", "plan": plan, "merge": merge}
     if stage in ("embed", "connect") and options.embed_in_actors and planned:
         return _embed_in_actors(invocation, stage, options, gpus, plan, workers)
+    # Consolidate's shards in actors that keep the plan's models, else a process a shard.
+    if stage == "consolidate" and options.consolidate_in_actors and planned:
+        worker, kwargs = actors.ConsolidateActor, {
+            "store": str(contract.store_dir(invocation.pipeline, invocation.store)),
+            "run_id": invocation.run_id, "count": count, "env": invocation.env,
+        }
+    else:
+        worker, kwargs = ShardWorker, {"invocation": invocation, "stage": stage, "count": count}
     # from_items puts the N rows in the object store from the driver: no read task competes
     # with the actors for CPUs (on a small cluster a read task and a full pool can deadlock).
     dataset = ray.data.from_items([{"id": i} for i in range(count)], override_num_blocks=count).map_batches(
-        ShardWorker,
-        fn_constructor_kwargs={"invocation": invocation, "stage": stage, "count": count},
+        worker,
+        fn_constructor_kwargs=kwargs,
         batch_size=1,
         # A fixed pool: an autoscaling one starts with one actor and may never grow for a
         # handful of long shards.
@@ -253,7 +269,8 @@ def _map_stage(invocation: Invocation, stage: str, options: Options, gpus: float
     if [s["shard"] for s in shards] != list(range(count)):
         raise contract.FluxmemError(f"stage {stage}: shards {[s['shard'] for s in shards]} came back, expected 0..{count - 1}")
     merge = contract.run_merge(invocation, stage, count)
-    entry = {"name": stage, "mode": "map", "fanout_seconds": fanout_seconds, "shards": shards, "merge": merge}
+    entry = {"name": stage, "mode": "map", "fanout_seconds": fanout_seconds, "shards": shards, "merge": merge,
+             "in_actors": worker is not ShardWorker}
     if plan is not None:
         entry["plan"] = plan
     return entry

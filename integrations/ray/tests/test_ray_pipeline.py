@@ -155,6 +155,8 @@ def test_map_stages_fanned_out_on_gpu_actors(stores):
             assert stage["mode"] == "actors", stage
         elif stage["name"] in fluxmem_ray.MAP_STAGES:
             assert stage["mode"] == "map"
+            # Consolidate's shards ran in actors that keep the plan's models; ingest's in processes.
+            assert stage["in_actors"] == (stage["name"] == "consolidate"), stage
             assert [s["shard"] for s in stage["shards"]] == list(range(SHARDS))
             for shard in stage["shards"]:
                 assert shard["gpu_ids"], f"{stage['name']} shard {shard['shard']} ran on an actor without a GPU"
