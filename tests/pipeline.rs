@@ -694,13 +694,13 @@ fn a_sharded_consolidate_follows_one_cluster_plan() {
     let clusters = planned["details"]["clusters"].as_u64().unwrap();
     // A shard run with other settings than the plan records (its clustering aside, which the
     // plan settled) is refused by name: the plan is what a worker that keeps its models runs.
-    let other_rounds = dir.path().join("rounds.toml");
-    let text = std::fs::read_to_string(&shard_file).unwrap();
-    std::fs::write(
-        &other_rounds,
-        text.replace("max_rounds = 1", "max_rounds = 2"),
-    )
-    .unwrap();
+    let two_rounds = |file: &Path, name: &str| -> PathBuf {
+        let text = std::fs::read_to_string(file).unwrap();
+        let path = dir.path().join(name);
+        std::fs::write(&path, text.replace("max_rounds = 1", "max_rounds = 2")).unwrap();
+        path
+    };
+    let other_rounds = two_rounds(&shard_file, "rounds.toml");
     let refused = consolidate(&other_rounds, "night", &["--shard", "0/3"]);
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(
@@ -814,13 +814,7 @@ fn a_sharded_consolidate_follows_one_cluster_plan() {
     // Planning again under the same settings reuses the plan; under others it plans anew.
     let same = json_line(&ok(consolidate(&sharded_file, "again", &["--plan"])));
     assert_eq!(same["details"]["reused"], true, "{same}");
-    let rounds_file = dir.path().join("sharded-rounds.toml");
-    let text = std::fs::read_to_string(&sharded_file).unwrap();
-    std::fs::write(
-        &rounds_file,
-        text.replace("max_rounds = 1", "max_rounds = 2"),
-    )
-    .unwrap();
+    let rounds_file = two_rounds(&sharded_file, "sharded-rounds.toml");
     let replanned = json_line(&ok(consolidate(&rounds_file, "again", &["--plan"])));
     assert_eq!(replanned["details"]["reused"], false, "{replanned}");
     assert_ne!(replanned["details"]["sha256"], same["details"]["sha256"]);

@@ -145,16 +145,25 @@ class ConsolidateActor:
         self.node = socket.gethostname()
 
     def __call__(self, batch: dict) -> dict:
-        out = {"shard": [], "seconds": [], "exit_code": [], "record": [], "gpu_ids": [], "node": [], "pid": []}
+        rows = ShardRows(self.gpu_ids, self.node)
         for index in batch["id"]:
             started = time.monotonic()
             record = self.executor.execute(int(index), self.count)
             degraded = json.loads(record)["status"].startswith("degraded")
-            out["shard"].append(int(index))
-            out["seconds"].append(time.monotonic() - started)
-            out["exit_code"].append(_EXIT_DEGRADED if degraded else 0)
-            out["record"].append(record)
-            out["gpu_ids"].append(",".join(self.gpu_ids))
-            out["node"].append(self.node)
-            out["pid"].append(os.getpid())
-        return out
+            rows.add(int(index), time.monotonic() - started, _EXIT_DEGRADED if degraded else 0, record)
+        return rows.columns
+
+
+class ShardRows:
+    """The rows a shard worker returns for its batch, one per shard it ran (``shard``,
+    ``seconds``, ``exit_code``, ``record`` as JSON text, and where it ran: ``gpu_ids``,
+    ``node``, ``pid``)."""
+
+    def __init__(self, gpu_ids: list[str], node: str):
+        self.where = (",".join(gpu_ids), node, os.getpid())
+        self.columns = {"shard": [], "seconds": [], "exit_code": [], "record": [], "gpu_ids": [], "node": [], "pid": []}
+
+    def add(self, shard: int, seconds: float, exit_code: int, record: str) -> None:
+        values = (shard, seconds, exit_code, record) + self.where
+        for column, value in zip(self.columns, values):
+            self.columns[column].append(value)

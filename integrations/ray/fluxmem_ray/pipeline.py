@@ -97,17 +97,11 @@ class ShardWorker:
         self.node = socket.gethostname()
 
     def __call__(self, batch: dict) -> dict:
-        out = {"shard": [], "seconds": [], "exit_code": [], "record": [], "gpu_ids": [], "node": [], "pid": []}
+        rows = actors.ShardRows(self.gpu_ids, self.node)
         for index in batch["id"]:
             result = contract.run_shard(self.invocation, self.stage, int(index), self.count)
-            out["shard"].append(result["shard"])
-            out["seconds"].append(result["seconds"])
-            out["exit_code"].append(result["exit_code"])
-            out["record"].append(_dumps(result["record"]))
-            out["gpu_ids"].append(",".join(self.gpu_ids))
-            out["node"].append(self.node)
-            out["pid"].append(os.getpid())
-        return out
+            rows.add(result["shard"], result["seconds"], result["exit_code"], _dumps(result["record"]))
+        return rows.columns
 
 
 def _dumps(value) -> str:
