@@ -45,4 +45,7 @@ if [ $# -gt 0 ]; then
   exec "$@"
 fi
 cargo check --features cuda
-echo "cuda-check: cargo check --features cuda passed (compute capability $CUDA_COMPUTE_CAP)"
+# The Python module the Ray actors load (crates/fluxmem-py) is no dependency of the binary:
+# its CUDA build is checked on its own.
+cargo check -p fluxmem-py --features cuda
+echo "cuda-check: cargo check --features cuda passed for the binary and fluxmem-py (compute capability $CUDA_COMPUTE_CAP)"
