@@ -1578,3 +1578,135 @@ fn a_planned_sharded_embed_and_connect_commit_the_shards_of_unsharded_ones() {
     assert!(whole.iter().any(|(file, _, _)| file.contains("edges")));
     assert_eq!(shard_list(&dir.path().join("planned")), whole);
 }
+
+/// Slurm's submit script as a night runs it: its chain of jobs, each run in order by a stand-in
+/// for `sbatch` (the job's script run at once; an array once per task, with
+/// `SLURM_ARRAY_TASK_ID` and `SLURM_ARRAY_TASK_COUNT` set), plans, shards and merges embed,
+/// connect and consolidate, runs refine and export once, and gives the store and skills of
+/// `fluxmem run`. The scheduler is the stand-in; the scripts and the binary are the real ones.
+#[test]
+fn the_slurm_chain_plans_shards_and_merges_to_the_store_of_one_run() {
+    let dir = tempfile::tempdir().unwrap();
+    pipeline(dir.path(), true);
+    add_log(dir.path(), "trajectories.jsonl");
+    add_log(dir.path(), "alfworld/react_sample.json");
+    let write = |name: &str, store: &str| -> PathBuf {
+        let text = std::fs::read_to_string(pipeline(dir.path(), true))
+            .unwrap()
+            .replace("store = \"store\"", &format!("store = \"{store}\""))
+            .replace("seed = 7", "seed = 7\n\n[models]\ngenerator = \"none\"")
+            .replace("clusters = 1", "clusters = 3")
+            .replace("out = \"skills\"", &format!("out = \"{store}-skills\""))
+            .replace("dir = \"runs\"", &format!("dir = \"{store}-runs\""));
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let whole_file = write("whole.toml", "whole");
+    let slurm_file = write("slurm.toml", "slurm");
+    ok(run(fluxmem()
+        .arg("run")
+        .arg(&whole_file)
+        .args(["--run-id", "night"])));
+
+    let bin = dir.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let sbatch = bin.join("sbatch");
+    std::fs::write(
+        &sbatch,
+        r#"#!/usr/bin/env bash
+# A stand-in for sbatch: runs the job's script now (an array: each task in order), logs the job's
+# name and prints its id. Its options before the script: --job-name=, --array=0-K, others.
+set -euo pipefail
+name="" array=""
+while [[ $# -gt 1 ]]; do
+  case $1 in
+    --job-name=*) name=${1#--job-name=} ;;
+    --array=*) array=${1#--array=0-} ;;
+  esac
+  shift
+done
+echo "$name" >> "$SBATCH_LOG"
+if [[ -n $array ]]; then
+  for ((i = 0; i <= array; i++)); do
+    SLURM_ARRAY_TASK_ID=$i SLURM_ARRAY_TASK_COUNT=$((array + 1)) bash "$1" >&2
+  done
+else
+  bash "$1" >&2
+fi
+wc -l < "$SBATCH_LOG"
+"#,
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&sbatch, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let log = dir.path().join("sbatch.log");
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let submitted = run(Command::new("bash")
+        .arg(repo().join("integrations/slurm/submit-nightly.sh"))
+        .arg(&slurm_file)
+        .args(["2", "night"])
+        .env("PATH", path)
+        .env("SBATCH_LOG", &log)
+        .env("FLUXMEM_BIN", env!("CARGO_BIN_EXE_fluxmem"))
+        .env_remove("FLUXMEM_FAULT"));
+    let stdout = String::from_utf8_lossy(&submitted.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&submitted.stderr);
+    assert!(submitted.status.success(), "{stdout}\n{stderr}");
+    let jobs = std::fs::read_to_string(&log).unwrap();
+    let mut expected = Vec::new();
+    for stage in [
+        "ingest",
+        "embed",
+        "connect",
+        "refine",
+        "consolidate",
+        "export",
+    ] {
+        match stage {
+            "refine" | "export" => expected.push(format!("fluxmem-{stage}")),
+            _ => {
+                if stage != "ingest" {
+                    expected.push(format!("fluxmem-plan-{stage}"));
+                }
+                expected.push(format!("fluxmem-{stage}"));
+                expected.push(format!("fluxmem-merge-{stage}"));
+            }
+        }
+    }
+    assert_eq!(jobs.lines().collect::<Vec<_>>(), expected, "{stdout}");
+    // Consolidate fanned out over the plan: both shards followed it.
+    assert!(
+        stderr.contains("clusters planned for the shards"),
+        "{stderr}"
+    );
+
+    let (whole, slurm) = (
+        graph(&dir.path().join("whole")),
+        graph(&dir.path().join("slurm")),
+    );
+    assert_eq!(whole.nodes, slurm.nodes, "the same nodes, skills included");
+    assert!(
+        whole
+            .nodes
+            .values()
+            .any(|n| n.kind() == fluxmem_graph::NodeKind::Procedural),
+        "the night made skills"
+    );
+    assert_eq!(
+        whole.edges.keys().collect::<Vec<_>>(),
+        slurm.edges.keys().collect::<Vec<_>>(),
+        "the same edges"
+    );
+    let skills =
+        |store: &str| std::fs::read(dir.path().join(format!("{store}-skills/skills.jsonl")));
+    assert_eq!(
+        skills("whole").unwrap(),
+        skills("slurm").unwrap(),
+        "the same export"
+    );
+}

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs a fluxmem night on Kubernetes: for each map stage an Indexed Job of N pods (shard
-# $JOB_COMPLETION_INDEX of N), then a Job for its merge (embed: after a Job that plans it); then one Job per global stage. Each
-# step starts when the one before completed (polled with kubectl get); a failed step stops the
-# night.
+# Runs a fluxmem night on Kubernetes, in the stages' order: for each map stage (ingest, embed,
+# connect, consolidate) an Indexed Job of N pods (shard $JOB_COMPLETION_INDEX of N), then a Job
+# for its merge (embed, connect and consolidate: after a Job that plans them); one Job for each
+# global stage (refine, export). Each step starts when the one before completed (polled with
+# kubectl get); a failed step stops the night.
 #
 #   IMAGE=registry.example/fluxmem:0.1 integrations/k8s/run-nightly.sh /data/pipelines/nightly.toml N [RUN_ID]
 #
@@ -41,20 +42,21 @@ step() { # TEMPLATE: render, apply (a Job already complete from an earlier try i
   wait_job "$JOB_NAME"
 }
 
-for STAGE in ingest embed connect; do
-  if [[ $STAGE != ingest ]]; then
-    # Embed and connect plan first: the texts for the model in fixed buckets (connect's: its
-    # ground queries); the shards embed their buckets and the merge commits.
-    export STAGE JOB_NAME="fluxmem-$slug-plan-$STAGE" STEP_ARGS="--plan"
-    step step-job.yaml
-  fi
+for STAGE in ingest embed connect refine consolidate export; do
+  case $STAGE in
+    refine|export)
+      export STAGE JOB_NAME="fluxmem-$slug-$STAGE" STEP_ARGS="--json"
+      step step-job.yaml
+      continue ;;
+    embed|connect|consolidate)
+      # Embed and connect list the texts for the model in fixed buckets (connect's: its ground
+      # queries); consolidate clusters once and records the clusters with its settings.
+      export STAGE JOB_NAME="fluxmem-$slug-plan-$STAGE" STEP_ARGS="--plan"
+      step step-job.yaml ;;
+  esac
   export STAGE JOB_NAME="fluxmem-$slug-$STAGE"
   step shard-job.yaml
   export JOB_NAME="fluxmem-$slug-merge-$STAGE" STEP_ARGS="--merge $SHARDS"
-  step step-job.yaml
-done
-for STAGE in refine consolidate export; do
-  export STAGE JOB_NAME="fluxmem-$slug-$STAGE" STEP_ARGS="--json"
   step step-job.yaml
 done
 echo "run $RUN_ID finished"

@@ -32,6 +32,8 @@ def parse(argv):
     parser.add_argument("--embed-in-processes", action="store_true",
                         help="run the shards of embed and of connect's model work as fluxmem processes, not in actors that keep the model (fluxmem_py)")
     parser.add_argument("--embed-batch", type=int, default=256, help="plan items per Ray batch of the embed actors")
+    parser.add_argument("--consolidate-in-processes", action="store_true",
+                        help="run consolidate's shards as fluxmem processes, not in actors that keep the plan's models (fluxmem_py)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser.parse_args(argv)
 
@@ -49,6 +51,7 @@ def main(argv=None):
         stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()),
         embed_in_actors=not args.embed_in_processes,
         embed_batch=args.embed_batch,
+        consolidate_in_actors=not args.consolidate_in_processes,
     )
     try:
         summary = run_pipeline(args.pipeline, args.run_id, options, binary=args.binary, store=args.store, env=env)
