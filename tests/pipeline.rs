@@ -648,21 +648,26 @@ fn a_sharded_consolidate_follows_one_cluster_plan() {
         path
     };
     let whole_file = write("whole.toml", "whole", 7, 3);
-    let other_seed = write("other.toml", "other", 8, 2);
+    let other_clusters = write("other.toml", "other", 7, 2);
     let sharded_file = write("sharded.toml", "sharded", 7, 3);
-    // The shards' pipeline: the sharded store, clustered otherwise (another seed and another
-    // number of clusters: a stand-in for a shard whose k-means would round differently).
-    let shard_file = write("shard.toml", "sharded", 8, 2);
-    let skills = |store: &str| -> Vec<(String, String)> {
+    // The shards' pipeline: the sharded store, clustered otherwise (another number of
+    // clusters: a stand-in for a shard whose k-means would round differently).
+    let shard_file = write("shard.toml", "sharded", 7, 2);
+    let skill_nodes = |store: &str| -> Vec<fluxmem_graph::Node> {
         let graph = graph(&dir.path().join(store));
         graph
             .nodes
-            .values()
+            .into_values()
             .filter(|n| n.kind() == fluxmem_graph::NodeKind::Procedural)
-            .map(|n| (n.id.to_string(), n.text.clone()))
             .collect()
     };
-    for file in [&whole_file, &other_seed] {
+    let skills = |store: &str| -> Vec<(String, String)> {
+        skill_nodes(store)
+            .into_iter()
+            .map(|n| (n.id.to_string(), n.text))
+            .collect()
+    };
+    for file in [&whole_file, &other_clusters] {
         ok(run(fluxmem()
             .arg("run")
             .arg(file)
@@ -757,9 +762,9 @@ fn a_sharded_consolidate_follows_one_cluster_plan() {
     let merged = json_line(&ok(consolidate(&sharded_file, "night", &["--merge", "3"])));
     assert_eq!(merged["status"], "merged", "{merged}");
     assert_eq!(
-        skills("sharded"),
-        whole,
-        "the skills of the run in one process"
+        skill_nodes("sharded"),
+        skill_nodes("whole"),
+        "the skills of the run in one process, metadata included"
     );
     let store = dir.path().join("sharded");
     let manifest = fluxmem_store::Store::open(&store)
@@ -818,6 +823,49 @@ fn a_sharded_consolidate_follows_one_cluster_plan() {
     let replanned = json_line(&ok(consolidate(&rounds_file, "again", &["--plan"])));
     assert_eq!(replanned["details"]["reused"], false, "{replanned}");
     assert_ne!(replanned["details"]["sha256"], same["details"]["sha256"]);
+    // A shard killed after its first cluster's commit (of a fresh store: every cluster has
+    // work) resumes only with the plan's settings.
+    let resume_file = write("resume.toml", "resume", 7, 3);
+    for stage in ["ingest", "embed", "connect", "refine"] {
+        ok(run(fluxmem()
+            .arg("run")
+            .arg(&resume_file)
+            .args(["--run-id", "night", "--stage", stage])));
+    }
+    ok(consolidate(&resume_file, "night", &["--plan"]));
+    let version = fluxmem_store::Store::open(dir.path().join("resume"))
+        .unwrap()
+        .manifest()
+        .unwrap()
+        .version;
+    let killed = run(fluxmem()
+        .arg("run")
+        .arg(&resume_file)
+        .args([
+            "--run-id",
+            "night",
+            "--stage",
+            "consolidate",
+            "--shard",
+            "0/1",
+        ])
+        .env("FLUXMEM_FAULT", format!("after-manifest:{}", version + 1)));
+    assert!(!killed.status.success(), "the fault stops the shard");
+    let other_rounds = two_rounds(&resume_file, "resume-rounds.toml");
+    let refused = consolidate(&other_rounds, "night", &["--shard", "0/1"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && stderr.contains("max_rounds: the plan's 1, this shard's 2"),
+        "{stderr}"
+    );
+    let resumed = json_line(&shard_ok(consolidate(
+        &resume_file,
+        "night",
+        &["--shard", "0/1"],
+    )));
+    assert_eq!(resumed["details"]["resumed"], true, "{resumed}");
+    ok(consolidate(&resume_file, "night", &["--merge", "1"]));
+    assert_eq!(skill_nodes("resume"), skill_nodes("whole"));
 }
 
 #[test]
@@ -1679,7 +1727,8 @@ wc -l < "$SBATCH_LOG"
         }
     }
     assert_eq!(jobs.lines().collect::<Vec<_>>(), expected, "{stdout}");
-    // Consolidate fanned out over the plan: both shards followed it.
+    // Consolidate planned once; the merge, which refuses a shard that did not follow the plan,
+    // committed (the chain went on to export).
     assert!(
         stderr.contains("clusters planned for the shards"),
         "{stderr}"

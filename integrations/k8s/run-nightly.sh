@@ -19,8 +19,9 @@ export IMAGE="${IMAGE:?set IMAGE to an image with the fluxmem binary on PATH}"
 export PARALLELISM="${PARALLELISM:-$SHARDS}"
 timeout_s="${TIMEOUT:-21600}"
 [[ "$SHARDS" =~ ^[1-9][0-9]*$ ]] || { echo "N must be a positive integer, not '$SHARDS'" >&2; exit 2; }
-# Job names: lowercase letters, digits and '-'.
-slug="$(echo "$RUN_ID" | tr 'A-Z_.' 'a-z--' | tr -cd 'a-z0-9-' | cut -c1-40)"
+# Job names: lowercase letters, digits and '-', at most 63 characters with their prefix and
+# suffix (fluxmem-<slug>-merge-consolidate: 26 + 32).
+slug="$(echo "$RUN_ID" | tr 'A-Z_.' 'a-z--' | tr -cd 'a-z0-9-' | cut -c1-32)"
 vars='${STAGE} ${SHARDS} ${PARALLELISM} ${RUN_ID} ${JOB_NAME} ${IMAGE} ${PIPELINE} ${STEP_ARGS}'
 
 wait_job() { # NAME: until its Complete condition (0) or Failed condition / timeout (1)

@@ -331,16 +331,23 @@ fn print_planned(
         header.buckets,
         plan.dir().display()
     );
-    for swept in plan.swept() {
+    let swept = plan.swept();
+    for removed in &swept.removed {
         eprintln!(
             "  removed a plan no commit can take (its store moved since, by another commit): {}",
-            swept.display()
+            removed.display()
+        );
+    }
+    for (dir, error) in &swept.failed {
+        eprintln!(
+            "warning: could not remove the stale plan {}: {error}; remove it by hand",
+            dir.display()
         );
     }
     let mut details = serde_json::to_value(header)?;
     details["dir"] = plan.dir().display().to_string().into();
-    details["swept"] = plan
-        .swept()
+    details["swept"] = swept
+        .removed
         .iter()
         .map(|p| p.display().to_string())
         .collect();
@@ -494,7 +501,7 @@ fn plan_connect(ctx: &mut Ctx<'_>, store_dir: &Path) -> anyhow::Result<ExitCode>
         lacking: planned.todo,
         settings: connect_settings(&options),
     };
-    let plan = fluxmem_embed::plan::plan_texts(store_dir, &what, &model, &texts)
+    let plan = fluxmem_embed::plan::plan_texts(&writer, &what, &model, &texts)
         .context("writing the connect plan")?;
     print_planned(&plan, started, ["episodes", "episodes to connect", "todo"])
 }
@@ -1208,10 +1215,7 @@ impl Ctx<'_> {
             &mut bar,
         )?;
         bar.finish();
-        eprintln!(
-            "  {} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} kept (moved less than the re-induce share), {} failed ({} sharing no procedure)",
-            report.episodes, report.clusters, report.skills_new, report.skills_updated, report.skills_unchanged, report.skills_kept, report.failed, report.no_procedure
-        );
+        eprintln!("  {}", report.summary_line());
         if let Some(line) = super::consolidate::assignment_line(&report) {
             eprintln!("  {line}");
         }
@@ -1240,19 +1244,8 @@ impl Ctx<'_> {
         ));
         Ok(StageRecord {
             status: report.status(),
-            counts_in: counts(&[
-                ("episodes", report.episodes),
-                ("clusters", report.clusters),
-                ("unassigned", report.unassigned),
-            ]),
-            counts_out: counts(&[
-                ("skills_new", report.skills_new),
-                ("skills_updated", report.skills_updated),
-                ("skills_unchanged", report.skills_unchanged),
-                ("skills_kept", report.skills_kept),
-                ("failed", report.failed),
-                ("commits", report.commits),
-            ]),
+            counts_in: counts(&report.counts_in()),
+            counts_out: counts(&report.counts_out()),
             details: serde_json::to_value(&report)?,
             ..Default::default()
         })

@@ -288,6 +288,42 @@ pub struct ConsolidateReport {
 }
 
 impl ConsolidateReport {
+    /// What the run read, by the names a stage record counts it with.
+    pub fn counts_in(&self) -> [(&'static str, usize); 3] {
+        [
+            ("episodes", self.episodes),
+            ("clusters", self.clusters),
+            ("unassigned", self.unassigned),
+        ]
+    }
+
+    /// What the run made, by the names a stage record counts it with.
+    pub fn counts_out(&self) -> [(&'static str, usize); 6] {
+        [
+            ("skills_new", self.skills_new),
+            ("skills_updated", self.skills_updated),
+            ("skills_unchanged", self.skills_unchanged),
+            ("skills_kept", self.skills_kept),
+            ("failed", self.failed),
+            ("commits", self.commits),
+        ]
+    }
+
+    /// One line for people on what became of the clusters.
+    pub fn summary_line(&self) -> String {
+        format!(
+            "{} episodes in {} clusters: {} new skills, {} updated, {} unchanged, {} kept (moved less than the re-induce share), {} failed ({} sharing no procedure)",
+            self.episodes,
+            self.clusters,
+            self.skills_new,
+            self.skills_updated,
+            self.skills_unchanged,
+            self.skills_kept,
+            self.failed,
+            self.no_procedure
+        )
+    }
+
     /// The run's status from its counts. A cluster gave a skill when it got a new skill, a new
     /// version or kept an unchanged one; it gave none when induction failed this run or failed
     /// in an earlier run and was not retried (`failed_earlier`). A cluster whose successes share
@@ -389,6 +425,10 @@ pub fn consolidate_store(
     // clusters of its own.
     let (plans, run_id) = match open_plan(writer, &graph, options)? {
         Some((plans, stored, tally)) => {
+            // A killed shard of a shared plan resumes only with the plan's settings.
+            if stored.shared.is_some() {
+                resumed_shard_settings(writer, &stored.run_id, options)?;
+            }
             report.resumed = true;
             report.shared_plan = stored.shared;
             tally.apply(&mut report);
@@ -803,7 +843,7 @@ pub fn plan_shared(
         .filter(|m| m["version"].as_u64() == Some(writer.manifest().version))
     {
         let stored = load_plan(writer.store().dir(), marker)?;
-        if settings_changed(stored.settings.as_ref(), &options).is_empty() {
+        if settings_changed(stored.settings.as_ref(), &options, Compared::Plan).is_empty() {
             return Ok(SharedPlanReport {
                 clusters: stored.clusters.len(),
                 episodes: stored.tally.episodes,
@@ -891,16 +931,7 @@ fn shared_plan<'g>(
         });
     }
     let stored = load_plan(&main, marker)?;
-    let changed = settings_changed(stored.settings.as_ref(), options);
-    if !changed.is_empty() {
-        return Err(Error::Plan {
-            reason: format!(
-                "shard {} runs with other consolidate settings than the run's shared cluster plan ({} differ): run the shard with the plan's settings, or plan again (--plan) with these",
-                options.shard,
-                changed.join(", ")
-            ),
-        });
-    }
+    check_shard_settings(&stored, marker, options)?;
     let mut tally = stored.tally;
     let (owned, others): (Vec<StoredCluster>, Vec<StoredCluster>) = stored
         .clusters
@@ -913,6 +944,19 @@ fn shared_plan<'g>(
         return Ok(Some((Vec::new(), tally, sha256)));
     }
     Ok(Some((stored_plans(graph, owned)?, tally, sha256)))
+}
+
+/// Refuses a killed shard of a shared plan (`run_id`'s) that resumes with other settings than
+/// the plan's; nothing to check once the plan's marker is gone (merged).
+fn resumed_shard_settings(
+    writer: &Writer,
+    run_id: &str,
+    options: &ConsolidateOptions,
+) -> Result<()> {
+    let (Some(main), Some(marker)) = (writer.staging_main(), shared_marker(writer, run_id)) else {
+        return Ok(());
+    };
+    check_shard_settings(&load_plan(&main, marker)?, marker, options)
 }
 
 /// Before the merge of a sharded run's `count` consolidate shards: when the store holds a
@@ -936,9 +980,15 @@ pub fn shared_plan_merge(
             continue;
         };
         if note["shared_plan"] != marker["sha256"] {
+            let how = match note["shared_plan"].as_str() {
+                Some(other) => {
+                    format!("it followed another plan ({other}), made before the run planned again")
+                }
+                None => "it clustered on its own".to_string(),
+            };
             return Err(Error::Plan {
                 reason: format!(
-                    "shard {shard} of `{STAGE}` did not follow the run's shared cluster plan ({}): it clustered on its own, so its clusters may overlap another shard's; run it again with --shard {shard}",
+                    "shard {shard} of `{STAGE}` did not follow the run's shared cluster plan ({}): {how}, so its clusters may overlap another shard's; run it again with --shard {shard}",
                     marker["file"].as_str().unwrap_or("?")
                 ),
             });
@@ -958,40 +1008,99 @@ pub fn sweep_shared_plans(writer: &Writer) -> Result<()> {
     sweep_prefixed(writer.store().dir(), SHARED_PREFIX, keep)
 }
 
-/// The settings of `options` that differ from a shared plan's `recorded` ones, by name, sorted
-/// (`max_rounds`, `models.generator`, ...). Three are no shard's to agree on: the clustering
-/// (`kmeans`: the plan settled the clusters, and a shard follows them whatever its own), the
-/// device (a worker may run on another) and the shard itself. A plan that recorded no settings
-/// (made before plans recorded them) differs in `settings`.
+/// What a shard's settings are compared with its plan's for: a shard that runs the plan
+/// ([`Compared::Shard`]: the clustering-only settings aside, which the plan settled, as the
+/// clusters are the plan's whatever a shard's own), or planning again ([`Compared::Plan`]:
+/// every setting, clustering included). The device is never compared (a worker may run on
+/// another) nor the shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Compared {
+    Shard,
+    Plan,
+}
+
+/// The k-means settings that only shape the clusters (the seed is not one of them: it also
+/// seeds the generator and is written on every skill).
+const CLUSTERING_ONLY: [&str; 6] = [
+    "clusters",
+    "max_iterations",
+    "restarts",
+    "mini_batch_above",
+    "batch_size",
+    "mini_batch_iterations",
+];
+
+/// The settings of `options` that differ from a shared plan's `recorded` ones, sorted by name
+/// (`max_rounds`, `models.generator`, ...), each with the plan's value and `options`' (JSON
+/// text), compared for `what`. A plan that recorded no settings (made before plans recorded
+/// them) differs in `settings`.
 fn settings_changed(
     recorded: Option<&ConsolidateOptions>,
     options: &ConsolidateOptions,
-) -> Vec<String> {
+    what: Compared,
+) -> Vec<(String, String, String)> {
     let Some(recorded) = recorded else {
-        return vec!["settings".into()];
+        return vec![("settings".into(), "none recorded".into(), String::new())];
     };
     let compared = |o: &ConsolidateOptions| {
         let mut value = serde_json::to_value(o).expect("options serialise");
         value["models"]["device"] = Value::Null;
-        value["kmeans"] = Value::Null;
+        if what == Compared::Shard {
+            for key in CLUSTERING_ONLY {
+                value["kmeans"][key] = Value::Null;
+            }
+        }
         value
     };
     let (recorded, options) = (compared(recorded), compared(options));
     let mut changed = Vec::new();
+    let mut differ = |name: String, was: &Value, now: &Value| {
+        if was != now {
+            changed.push((name, was.to_string(), now.to_string()));
+        }
+    };
     for (key, value) in options.as_object().expect("an object") {
         match (value, &recorded[key]) {
-            (Value::Object(inner), Value::Object(was)) => changed.extend(
-                inner
-                    .iter()
-                    .filter(|(k, v)| was.get(*k) != Some(*v))
-                    .map(|(k, _)| format!("{key}.{k}")),
-            ),
-            (value, was) if value != was => changed.push(key.clone()),
-            _ => {}
+            (Value::Object(inner), Value::Object(was)) => {
+                for (k, v) in inner {
+                    differ(format!("{key}.{k}"), was.get(k).unwrap_or(&Value::Null), v);
+                }
+            }
+            (value, was) => differ(key.clone(), was, value),
         }
     }
     changed.sort();
     changed
+}
+
+/// Refuses a shard whose settings are not its run's shared plan's (`stored`, named by
+/// `marker`), naming each setting that differs with both values.
+fn check_shard_settings(
+    stored: &StoredPlan,
+    marker: &Value,
+    options: &ConsolidateOptions,
+) -> Result<()> {
+    let changed = settings_changed(stored.settings.as_ref(), options, Compared::Shard);
+    if changed.is_empty() {
+        return Ok(());
+    }
+    let file = marker["file"].as_str().unwrap_or("?");
+    let reason = if stored.settings.is_none() {
+        format!(
+            "the run's shared cluster plan ({file}) records no settings (made by an older fluxmem): plan again (--plan)"
+        )
+    } else {
+        let listed: Vec<String> = changed
+            .iter()
+            .map(|(name, plan, shard)| format!("{name}: the plan's {plan}, this shard's {shard}"))
+            .collect();
+        format!(
+            "shard {} does not run with the settings of the run's shared cluster plan ({file}): {}; run the shard with the plan's settings, or plan again (--plan) with these",
+            options.shard,
+            listed.join("; ")
+        )
+    };
+    Err(Error::Plan { reason })
 }
 
 /// A sharded run's shared cluster plan as a worker needs it: the settings every shard runs with
@@ -1007,8 +1116,9 @@ pub struct SharedSettings {
 }
 
 /// The shared cluster plan that the store at `store` holds for `run_id` (the stage's run id,
-/// `consolidate@<run id>`, as [`plan_shared`] was given it), if any: its settings and hash, checked against the hash its marker records. A plan made before
-/// plans recorded their settings is an error that says to plan again.
+/// `consolidate@<run id>`, as [`plan_shared`] was given it), if any: its settings and hash,
+/// checked against the hash its marker records. A plan made before plans recorded their
+/// settings is an error that says to plan again.
 pub fn shared_settings(store: &Path, run_id: &str) -> Result<Option<SharedSettings>> {
     let manifest = fluxmem_store::Store::open(store)?.manifest()?;
     let Some(marker) = manifest
@@ -2112,8 +2222,9 @@ mod tests {
         }
     }
 
-    /// A shard runs with its plan's settings, but for the clustering (the plan's), the device
-    /// and the shard; the ones that differ are named.
+    /// A shard runs with its plan's settings, but for the clustering-only ones (the plan's), the
+    /// device and the shard; planning again compares the clustering too. What differs is named
+    /// with both values.
     #[test]
     fn a_shard_differs_from_its_plan_in_the_settings_it_runs_with() {
         let plan = ConsolidateOptions {
@@ -2124,11 +2235,14 @@ mod tests {
             },
             ..Default::default()
         };
-        let same = ConsolidateOptions {
+        let names = |changed: Vec<(String, String, String)>| -> Vec<String> {
+            changed.into_iter().map(|(name, _, _)| name).collect()
+        };
+        let clustered_otherwise = ConsolidateOptions {
             kmeans: KMeansOptions {
-                seed: 8,
                 clusters: Some(2),
-                ..Default::default()
+                restarts: plan.kmeans.restarts + 1,
+                ..plan.kmeans.clone()
             },
             models: ModelNames {
                 device: "cuda:0".into(),
@@ -2137,20 +2251,40 @@ mod tests {
             shard: fluxmem_store::Shard { index: 1, count: 2 },
             ..plan.clone()
         };
-        assert_eq!(settings_changed(Some(&plan), &same), Vec::<String>::new());
+        let same = settings_changed(Some(&plan), &clustered_otherwise, Compared::Shard);
+        assert_eq!(names(same), Vec::<String>::new());
+        let replanned = settings_changed(Some(&plan), &clustered_otherwise, Compared::Plan);
+        assert_eq!(names(replanned), ["kmeans.clusters", "kmeans.restarts"]);
+        // The seed also seeds the generator and is written on every skill: a shard's to share.
         let other = ConsolidateOptions {
             max_rounds: plan.max_rounds + 1,
+            kmeans: KMeansOptions {
+                seed: plan.kmeans.seed + 1,
+                ..plan.kmeans.clone()
+            },
             models: ModelNames {
                 generator: "other".into(),
                 ..plan.models.clone()
             },
             ..plan.clone()
         };
+        let changed = settings_changed(Some(&plan), &other, Compared::Shard);
         assert_eq!(
-            settings_changed(Some(&plan), &other),
-            ["max_rounds", "models.generator"]
+            changed[2],
+            (
+                "models.generator".into(),
+                "\"gen\"".into(),
+                "\"other\"".into()
+            )
         );
-        assert_eq!(settings_changed(None, &plan), ["settings"]);
+        assert_eq!(
+            names(changed),
+            ["kmeans.seed", "max_rounds", "models.generator"]
+        );
+        assert_eq!(
+            names(settings_changed(None, &plan, Compared::Shard)),
+            ["settings"]
+        );
         // What a plan file holds reads back as the same settings.
         let text = serde_json::to_string(&plan).unwrap();
         let read: ConsolidateOptions = serde_json::from_str(&text).unwrap();

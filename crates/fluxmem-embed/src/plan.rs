@@ -30,8 +30,9 @@
 //! Planning removes the plans no commit can take any more ([`sweep_stale`]: their store moved
 //! since, by another commit), such as a run's plan abandoned when its driver died.
 //!
-//! Limits: the plan holds the night's new texts in memory while it writes them, and the
-//! commit holds every result vector (the night's, not the history's) while it commits.
+//! Limits: the plan holds the night's new texts in memory while it writes them. The commit
+//! holds 36 bytes a planned text in memory; the checked vectors wait in a file beside the
+//! results.
 
 use crate::{embed_selected, node_rows, select, window_len, EmbedOptions, EmbedReport, Error};
 use crate::{Progress, Result};
@@ -44,7 +45,9 @@ use fluxmem_store::Writer;
 use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ParquetRecordBatchReaderBuilder};
 use parquet::arrow::{ArrowWriter, ProjectionMask};
 use parquet::file::properties::WriterProperties;
-use std::collections::{BTreeMap, HashMap};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -122,8 +125,18 @@ pub struct ExecuteReport {
 pub struct Plan {
     dir: PathBuf,
     header: PlanHeader,
-    /// The folders of other plans that planning this one removed ([`sweep_stale`]).
-    swept: Vec<PathBuf>,
+    /// What planning this one removed of the plans no commit can take ([`sweep_stale`]).
+    swept: Swept,
+}
+
+/// The plans a sweep ([`sweep_stale`]) removed, and those it could not remove (with why: the
+/// sweep is best-effort, and a plan it leaves is still refused by its commit).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Swept {
+    /// The folders removed, sorted.
+    pub removed: Vec<PathBuf>,
+    /// The folders that could not be removed, with the error.
+    pub failed: Vec<(PathBuf, String)>,
 }
 
 /// The folder of `run_id`'s embed plan in the store at `store`.
@@ -203,7 +216,7 @@ pub fn plan(
         lacking: selection.lacking.len(),
         settings: serde_json::Value::Null,
     };
-    plan_texts(writer.store().dir(), &planned, model, &texts)
+    plan_texts(writer, &planned, model, &texts)
 }
 
 /// What a plan of texts is for.
@@ -223,16 +236,17 @@ pub struct Planned<'a> {
     pub settings: serde_json::Value,
 }
 
-/// Writes the plan of `texts` (by key, their SHA-256) for `planned`'s stage and run id in the
-/// store at `store` ([`stage_plan_dir`]), replacing a plan an earlier attempt of the run id
-/// left (its folder, results included, holds only what this module wrote).
+/// Writes the plan of `texts` (by key, their SHA-256) for `planned`'s stage and run id in
+/// `writer`'s store ([`stage_plan_dir`]), replacing a plan an earlier attempt of the run id
+/// left (its folder, results included, holds only what this module wrote), then removes the
+/// plans no commit can take any more ([`sweep_stale`]).
 pub fn plan_texts(
-    store: &Path,
+    writer: &Writer,
     planned: &Planned<'_>,
     model: &PlanModel,
     texts: &BTreeMap<String, String>,
 ) -> Result<Plan> {
-    let dir = stage_plan_dir(store, planned.stage, planned.run_id);
+    let dir = stage_plan_dir(writer.store().dir(), planned.stage, planned.run_id);
     if dir.exists() {
         std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
     }
@@ -258,23 +272,27 @@ pub fn plan_texts(
     header.digest = digest(&header);
     let bytes = serde_json::to_vec_pretty(&header).expect("a plan header serialises");
     fluxmem_store::write_atomically(&dir.join(PLAN_FILE), &bytes)?;
-    let swept = sweep_stale(store, &dir)?;
+    let swept = sweep_stale(writer, &dir);
     Ok(Plan { dir, header, swept })
 }
 
-/// Removes the plans in the store at `store` (but `keep`) that no commit can take any more:
-/// those whose store moved since they were made by a commit that is not theirs (a commit
-/// refuses such a plan, [`Plan::check_unmoved`], and the store never moves back). Their folders
-/// hold only what this module and its workers wrote. A folder without a readable plan record
-/// is left alone (nothing proves it is a plan; planning its run id again replaces it). Run by
-/// the planner, under the writer lock; returns the folders removed.
-pub fn sweep_stale(store: &Path, keep: &Path) -> Result<Vec<PathBuf>> {
-    let folder = store.join(fluxmem_store::SCRATCH).join(FOLDER);
+/// Removes the plans in `writer`'s store (but `keep`) that no commit can take any more: those
+/// whose store moved since they were made by a commit that is not theirs (a commit refuses such
+/// a plan, [`Plan::check_unmoved`], and the store never moves back). Their folders hold only
+/// what this module and its workers wrote. A folder without a readable plan record is left
+/// alone (nothing proves it is a plan; planning its run id again replaces it). Best-effort: a
+/// folder that cannot be removed is listed in [`Swept::failed`]. The writer holds the lock, so
+/// no other plan is being written meanwhile.
+pub fn sweep_stale(writer: &Writer, keep: &Path) -> Swept {
+    let folder = writer
+        .store()
+        .dir()
+        .join(fluxmem_store::SCRATCH)
+        .join(FOLDER);
     let Ok(entries) = std::fs::read_dir(&folder) else {
-        return Ok(Vec::new());
+        return Swept::default();
     };
-    let manifest = fluxmem_store::Store::open(store)?.manifest()?;
-    let mut swept = Vec::new();
+    let mut swept = Swept::default();
     for dir in entries.flatten().map(|e| e.path()) {
         let header = std::fs::read(dir.join(PLAN_FILE))
             .ok()
@@ -282,14 +300,17 @@ pub fn sweep_stale(store: &Path, keep: &Path) -> Result<Vec<PathBuf>> {
         let Some(header) = header.filter(|h| digest(h) == h.digest) else {
             continue;
         };
-        if dir == keep || foreign_commit(&manifest, &header).is_none() {
+        if dir == keep || foreign_commit(writer.manifest(), &header).is_none() {
             continue;
         }
-        std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
-        swept.push(dir);
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => swept.removed.push(dir),
+            Err(error) => swept.failed.push((dir, error.to_string())),
+        }
     }
-    swept.sort();
-    Ok(swept)
+    swept.removed.sort();
+    swept.failed.sort();
+    swept
 }
 
 /// The first commit after the plan's version that is not the plan's own (its summary does not
@@ -359,7 +380,7 @@ impl Plan {
         Ok(Some(Plan {
             dir,
             header,
-            swept: Vec::new(),
+            swept: Swept::default(),
         }))
     }
 
@@ -534,18 +555,29 @@ impl Plan {
         Ok(report)
     }
 
-    /// Every result of the plan's folder, checked against the plan (see the module docs).
+    /// Every result of the plan's folder, checked against the plan (see the module docs). The
+    /// checked vectors go to a file beside the results as they are read (`.vectors-<pid>.f32`,
+    /// removed when the [`PlannedVectors`] is dropped), so the commit holds 36 bytes a text in
+    /// memory (its key and where its first vector came from), not the vectors.
     pub fn results(&self) -> Result<PlannedVectors> {
-        let mut planned: HashMap<String, Option<(usize, Vec<f32>)>> = HashMap::new();
+        let mut keys: Vec<[u8; 32]> = Vec::new();
         // The keys only: the texts are most of the file.
         for (_, batch) in self.read_items(&|_| true, Some(&[1]))? {
-            let keys = batch
+            let column = batch
                 .column_by_name("key")
                 .and_then(|c| c.as_any().downcast_ref::<StringArray>())
                 .expect("items.parquet's second column is `key`");
-            planned.extend(keys.iter().flatten().map(|k| (k.to_string(), None)));
+            for key in column.iter().flatten() {
+                keys.push(key_bytes(key).ok_or_else(|| Error::Plan {
+                    path: self.dir.join(ITEMS_FILE),
+                    reason: format!("key {key} is not a SHA-256"),
+                })?);
+            }
         }
+        keys.sort_unstable();
+        keys.dedup();
         let folder = self.dir.join(RESULTS);
+        let mut table = VectorTable::create(&folder, keys, self.header.dim)?;
         let mut files: Vec<PathBuf> = std::fs::read_dir(&folder)
             .map_err(io(&folder))?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -553,16 +585,11 @@ impl Plan {
             .collect();
         files.sort();
         for index in 0..files.len() {
-            self.read_results(&files, index, &mut planned)?;
+            self.read_results(&files, index, &mut table)?;
         }
-        let mut missing: Vec<&String> = planned
-            .iter()
-            .filter(|(_, v)| v.is_none())
-            .map(|(k, _)| k)
-            .collect();
-        if !missing.is_empty() {
-            missing.sort();
-            let mut buckets: Vec<u32> = missing.iter().map(|k| bucket_of(k)).collect();
+        let missing: Vec<&[u8; 32]> = table.missing().collect();
+        if let Some(first) = missing.first() {
+            let mut buckets: Vec<u32> = missing.iter().map(|k| bucket_of(&hex(&k[..4]))).collect();
             buckets.sort_unstable();
             buckets.dedup();
             return Err(Error::Plan {
@@ -571,29 +598,20 @@ impl Plan {
                     "{} of the {} planned texts have no vector (first: {}; buckets {buckets:?}): \
                      execute the shards that own them, then commit again",
                     missing.len(),
-                    planned.len(),
-                    missing[0]
+                    table.keys.len(),
+                    hex(*first)
                 ),
             });
         }
         Ok(PlannedVectors {
             model: self.header.model.clone(),
             dim: self.header.dim,
-            folder,
-            vectors: planned
-                .into_iter()
-                .map(|(k, v)| (k, v.expect("checked above").1))
-                .collect(),
+            table,
         })
     }
 
-    /// Reads one result file into `planned` (key to the file and vector that gave it).
-    fn read_results(
-        &self,
-        files: &[PathBuf],
-        index: usize,
-        planned: &mut HashMap<String, Option<(usize, Vec<f32>)>>,
-    ) -> Result<()> {
+    /// Reads one result file into `table` (each key's vector, and the file that gave it first).
+    fn read_results(&self, files: &[PathBuf], index: usize, table: &mut VectorTable) -> Result<()> {
         let path = files[index].as_path();
         let refuse = |reason: String| Error::Plan {
             path: path.to_path_buf(),
@@ -644,27 +662,18 @@ impl Plan {
                     )));
                 }
                 let at = vectors.value_offset_at(i);
-                let vector = values.values()[at..at + self.header.dim].to_vec();
-                match planned.get_mut(key) {
-                    None => {
-                        return Err(refuse(format!(
-                            "row {row}: key {key} is not in the plan (a tampered or foreign result)"
-                        )))
-                    }
-                    Some(Some((first, seen))) => {
-                        if seen
-                            .iter()
-                            .map(|x| x.to_bits())
-                            .ne(vector.iter().map(|x| x.to_bits()))
-                        {
-                            return Err(refuse(format!(
-                                "row {row}: key {key} has another vector in {}: the model is \
-                                 not deterministic (or a result was altered)",
-                                files[*first].display()
-                            )));
-                        }
-                    }
-                    Some(slot) => *slot = Some((index, vector)),
+                let vector = &values.values()[at..at + self.header.dim];
+                let Some(position) = key_bytes(key).and_then(|k| table.position(&k)) else {
+                    return Err(refuse(format!(
+                        "row {row}: key {key} is not in the plan (a tampered or foreign result)"
+                    )));
+                };
+                if let Some(first) = table.put(position, index, vector)? {
+                    return Err(refuse(format!(
+                        "row {row}: key {key} has another vector in {}: the model is not \
+                         deterministic (or a result was altered)",
+                        files[first].display()
+                    )));
                 }
             }
             first_row += batch.num_rows();
@@ -717,8 +726,8 @@ impl Plan {
         Ok(())
     }
 
-    /// The folders of stale plans that planning this one removed ([`sweep_stale`]).
-    pub fn swept(&self) -> &[PathBuf] {
+    /// What planning this one removed of the stale plans ([`sweep_stale`]).
+    pub fn swept(&self) -> &Swept {
         &self.swept
     }
 
@@ -746,24 +755,23 @@ impl Plan {
 }
 
 /// The vectors a plan's workers made, by text key: an [`Embedder`] that looks them up, which
-/// the commit runs the embed stage with.
+/// the commit runs the embed stage with. The vectors stay in a file ([`Plan::results`]).
 #[derive(Debug)]
 pub struct PlannedVectors {
     model: String,
     dim: usize,
-    folder: PathBuf,
-    vectors: HashMap<String, Vec<f32>>,
+    table: VectorTable,
 }
 
 impl PlannedVectors {
     /// Texts with a vector.
     pub fn len(&self) -> usize {
-        self.vectors.len()
+        self.table.keys.len()
     }
 
     /// True when the plan had no text to embed.
     pub fn is_empty(&self) -> bool {
-        self.vectors.is_empty()
+        self.table.keys.is_empty()
     }
 }
 
@@ -780,13 +788,17 @@ impl Embedder for PlannedVectors {
         texts
             .iter()
             .map(|text| {
-                let key = sha256_hex(text.as_bytes());
-                self.vectors
-                    .get(&key)
-                    .cloned()
-                    .ok_or_else(|| fluxmem_models::Error::Format {
-                        path: self.folder.clone(),
-                        reason: format!("no planned vector for the text of key {key}"),
+                let key: [u8; 32] = Sha256::digest(text.as_bytes()).into();
+                let unknown = || fluxmem_models::Error::Format {
+                    path: self.table.path.clone(),
+                    reason: format!("no planned vector for the text of key {}", hex(&key)),
+                };
+                let position = self.table.position(&key).ok_or_else(unknown)?;
+                self.table
+                    .get(position)
+                    .map_err(|source| fluxmem_models::Error::Io {
+                        path: self.table.path.clone(),
+                        source,
                     })
             })
             .collect()
@@ -798,6 +810,118 @@ impl Embedder for PlannedVectors {
             reason: "a plan's vectors count no tokens (run the model)".into(),
         })
     }
+}
+
+/// The checked vectors of a plan's commit, by key: the keys sorted in memory, the vectors in a
+/// file of `dim` little-endian floats a key, in key order, removed on drop.
+#[derive(Debug)]
+struct VectorTable {
+    keys: Vec<[u8; 32]>,
+    /// For each key, 1 + the index of the result file its first vector came from (0: none yet).
+    first: Vec<u32>,
+    dim: usize,
+    path: PathBuf,
+    file: std::sync::Mutex<std::fs::File>,
+}
+
+impl VectorTable {
+    /// A table of `keys` (sorted, distinct) in a new file in `folder`.
+    fn create(folder: &Path, keys: Vec<[u8; 32]>, dim: usize) -> Result<VectorTable> {
+        let path = folder.join(format!(".vectors-{}.f32", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(io(&path))?;
+        Ok(VectorTable {
+            first: vec![0; keys.len()],
+            keys,
+            dim,
+            file: std::sync::Mutex::new(file),
+            path,
+        })
+    }
+
+    /// The position of `key` in the table.
+    fn position(&self, key: &[u8; 32]) -> Option<usize> {
+        self.keys.binary_search(key).ok()
+    }
+
+    /// Stores the vector of result file `file` for the key at `position`: `Some(first file)`
+    /// when the key already has another vector (bit for bit), `None` when it is stored or the
+    /// same.
+    fn put(&mut self, position: usize, file: usize, vector: &[f32]) -> Result<Option<usize>> {
+        if self.first[position] > 0 {
+            let seen = self.get(position).map_err(io(&self.path))?;
+            let same = seen
+                .iter()
+                .map(|x| x.to_bits())
+                .eq(vector.iter().map(|x| x.to_bits()));
+            return Ok((!same).then_some(self.first[position] as usize - 1));
+        }
+        let bytes: Vec<u8> = vector.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mut handle = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        handle
+            .seek(SeekFrom::Start(self.offset(position)))
+            .and_then(|_| handle.write_all(&bytes))
+            .map_err(io(&self.path))?;
+        self.first[position] = file as u32 + 1;
+        Ok(None)
+    }
+
+    /// The vector stored at `position`.
+    fn get(&self, position: usize) -> std::io::Result<Vec<f32>> {
+        let mut bytes = vec![0u8; self.dim * 4];
+        let mut handle = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        handle.seek(SeekFrom::Start(self.offset(position)))?;
+        handle.read_exact(&mut bytes)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    /// The keys with no vector, in key order.
+    fn missing(&self) -> impl Iterator<Item = &[u8; 32]> {
+        self.keys
+            .iter()
+            .zip(&self.first)
+            .filter(|(_, first)| **first == 0)
+            .map(|(key, _)| key)
+    }
+
+    fn offset(&self, position: usize) -> u64 {
+        (position * self.dim * 4) as u64
+    }
+}
+
+impl Drop for VectorTable {
+    fn drop(&mut self) {
+        // Scratch of this process's commit; a failed removal leaves a file the plan's removal
+        // (or the next sweep) takes with its folder.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// A key's 32 bytes from its 64 lowercase hex digits, as [`sha256_hex`] writes it (`None` for
+/// anything else).
+fn key_bytes(key: &str) -> Option<[u8; 32]> {
+    let lower_hex = |b: u8| b.is_ascii_digit() || (b'a'..=b'f').contains(&b);
+    if key.len() != 64 || !key.bytes().all(lower_hex) {
+        return None;
+    }
+    let mut bytes = [0u8; 32];
+    for (i, byte) in bytes.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(key.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(bytes)
+}
+
+/// Lowercase hex, as [`sha256_hex`] writes keys.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn vector_item() -> Arc<Field> {

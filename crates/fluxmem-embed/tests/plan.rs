@@ -3,7 +3,7 @@
 //! what does not match the plan.
 
 use arrow_array::RecordBatch;
-use fluxmem_embed::plan::{plan, Plan, PlanModel, BUCKETS};
+use fluxmem_embed::plan::{plan, Plan, PlanModel, Swept, BUCKETS};
 use fluxmem_embed::{embed_store, EmbedOptions, NoProgress};
 use fluxmem_graph::{Embedding, Graph, Node, NodeBody, NodeId, Semantic};
 use fluxmem_models::{Embedder, HashEmbedder};
@@ -272,6 +272,20 @@ fn the_commit_refuses_what_does_not_match_the_plan() {
     let error = commit(dir.path(), &plan).unwrap_err().to_string();
     assert!(error.contains("not this plan"), "{error}");
     std::fs::remove_file(plan.dir().join("results/stale.parquet")).unwrap();
+    // A key that is no SHA-256 at all.
+    let malformed = results_with(&good, Some(("key", "not a key")), None);
+    plan.write_results("malformed", &malformed).unwrap();
+    let error = commit(dir.path(), &plan).unwrap_err().to_string();
+    assert!(error.contains("is not in the plan"), "{error}");
+    std::fs::remove_file(plan.dir().join("results/malformed.parquet")).unwrap();
+    // Each refused commit removed the file its checked vectors waited in.
+    let left: Vec<String> = std::fs::read_dir(plan.dir().join("results"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| !name.ends_with(".parquet"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 
     // The store moved since the plan: plan again.
     commit_texts(dir.path(), "late", &["a late note".to_string()]);
@@ -330,7 +344,7 @@ fn a_killed_commit_resumes() {
         "other",
     )
     .unwrap();
-    assert!(other.swept().is_empty(), "{:?}", other.swept());
+    assert_eq!(other.swept(), &Swept::default());
     let reopened = Plan::open(dir.path(), "night").unwrap().unwrap();
     commit(dir.path(), &reopened).unwrap();
     assert_eq!(
@@ -352,7 +366,7 @@ fn planning_removes_the_plans_no_commit_can_take() {
     };
     let abandoned = plan_for("abandoned");
     let beside = plan_for("beside");
-    assert!(beside.swept().is_empty(), "{:?}", beside.swept());
+    assert_eq!(beside.swept(), &Swept::default());
     let unknown = abandoned.dir().parent().unwrap().join("not-a-plan");
     std::fs::create_dir_all(&unknown).unwrap();
     std::fs::write(unknown.join("notes.txt"), "kept").unwrap();
@@ -361,7 +375,8 @@ fn planning_removes_the_plans_no_commit_can_take() {
     let fresh = plan_for("fresh");
     let mut expected = vec![abandoned.dir().to_path_buf(), beside.dir().to_path_buf()];
     expected.sort();
-    assert_eq!(fresh.swept(), expected.as_slice());
+    assert_eq!(fresh.swept().removed, expected);
+    assert!(fresh.swept().failed.is_empty());
     assert!(!abandoned.dir().exists() && !beside.dir().exists());
     assert!(fresh.dir().join("plan.json").is_file() && unknown.join("notes.txt").is_file());
     // The stale plan's run would have been refused: it is gone, so planning it again is the way.

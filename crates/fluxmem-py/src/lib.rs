@@ -42,7 +42,7 @@
 
 use arrow_array::ffi::{FFI_ArrowArray, FFI_ArrowSchema};
 use arrow_array::{Array, RecordBatch, StructArray};
-use fluxmem_consolidate::{ConsolidateOptions, ModelNames, SharedSettings};
+use fluxmem_consolidate::{ConsolidateOptions, ConsolidateReport, ModelNames, SharedSettings};
 use fluxmem_embed::plan::Plan;
 use fluxmem_models::{DeviceChoice, Embedder, Generator, GgufGenerator, Judge};
 use fluxmem_store::{Shard, Writer};
@@ -50,6 +50,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyCapsule};
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -225,6 +226,20 @@ impl ConsolidateExecutor {
                     store.display()
                 ))
             })?;
+        // A plan the store moved past is refused before any model loads (its shards would be).
+        let version = fluxmem_store::Store::open(&store)
+            .and_then(|s| s.manifest())
+            .map_err(value_error)?
+            .version;
+        if version != plan.version {
+            return Err(PyValueError::new_err(format!(
+                "{}: the shared consolidate plan of run id `{run_id}` was made at store version \
+                 {}, the store is at version {version}; plan again with \
+                 `fluxmem run P --run-id {run_id} --stage consolidate --plan`",
+                store.display(),
+                plan.version
+            )));
+        }
         let names = &plan.options.models;
         let device: DeviceChoice = device
             .unwrap_or(&names.device)
@@ -271,18 +286,44 @@ impl ConsolidateExecutor {
 }
 
 impl ConsolidateExecutor {
-    fn execute_shard(&self, shard: Shard) -> Result<String, fluxmem_consolidate::Error> {
+    /// Shard `shard` into its staging store, finished; its stage record as JSON text.
+    fn execute_shard(&self, shard: Shard) -> Result<String, String> {
         let started = Instant::now();
-        let mut loaded = self
-            .models
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // A shard that panicked left the models in an unknown state: this executor is done.
+        let mut loaded = self.models.lock().map_err(|_| {
+            "an earlier shard failed inside a model; start a new executor".to_string()
+        })?;
+        let report = self
+            .consolidate(&mut loaded, shard)
+            .map_err(|e| e.to_string())?;
+        eprintln!(
+            "fluxmem_py: consolidate shard {shard}: {}",
+            report.summary_line()
+        );
+        let record = json!({
+            "name": fluxmem_consolidate::STAGE,
+            "status": report.status(),
+            "seconds": started.elapsed().as_secs_f64(),
+            "counts_in": BTreeMap::from(report.counts_in()),
+            "counts_out": BTreeMap::from(report.counts_out()),
+            "details": report,
+        });
+        Ok(record.to_string())
+    }
+
+    /// Runs the plan's clusters `shard` owns into its staging store, and finishes it with the
+    /// plan's hash, as `fluxmem run P --stage consolidate --shard I/N` does.
+    fn consolidate(
+        &self,
+        loaded: &mut Loaded,
+        shard: Shard,
+    ) -> Result<ConsolidateReport, fluxmem_consolidate::Error> {
         let Loaded {
             embedder,
             generator,
             judge,
             replayer,
-        } = &mut *loaded;
+        } = loaded;
         let mut models = fluxmem_consolidate::Models {
             embedder: embedder.as_ref(),
             generator: generator.as_mut().map(|g| g as &mut dyn Generator),
@@ -293,13 +334,13 @@ impl ConsolidateExecutor {
             shard,
             ..self.plan.options.clone()
         };
-        let stage = fluxmem_consolidate::STAGE;
-        let mut writer = Writer::open_staging(&self.store, stage, shard)?;
+        let stage_run = format!("{}@{}", fluxmem_consolidate::STAGE, self.run_id);
+        let mut writer = Writer::open_staging(&self.store, fluxmem_consolidate::STAGE, shard)?;
         let report = fluxmem_consolidate::consolidate_store(
             &mut writer,
             &mut models,
             &options,
-            &format!("{stage}@{}", self.run_id),
+            &stage_run,
             &self.device.device()?,
             &mut fluxmem_consolidate::NoProgress,
         )?;
@@ -307,27 +348,8 @@ impl ConsolidateExecutor {
             Some(sha256) => json!({ "shared_plan": sha256 }),
             None => Value::Null,
         };
-        writer.finish_staging_with(&format!("{stage}@{}", self.run_id), note)?;
-        let record = json!({
-            "name": stage,
-            "status": report.status(),
-            "seconds": started.elapsed().as_secs_f64(),
-            "counts_in": {
-                "episodes": report.episodes,
-                "clusters": report.clusters,
-                "unassigned": report.unassigned,
-            },
-            "counts_out": {
-                "skills_new": report.skills_new,
-                "skills_updated": report.skills_updated,
-                "skills_unchanged": report.skills_unchanged,
-                "skills_kept": report.skills_kept,
-                "failed": report.failed,
-                "commits": report.commits,
-            },
-            "details": report,
-        });
-        Ok(record.to_string())
+        writer.finish_staging_with(&stage_run, note)?;
+        Ok(report)
     }
 }
 
@@ -350,7 +372,7 @@ fn load_models(names: &ModelNames, device: &DeviceChoice) -> fluxmem_models::Res
         let weights = names.generator_weights.parse().map_err(|reason| {
             fluxmem_models::Error::Unsupported {
                 model: names.generator.clone(),
-                reason: format!("weights {reason}"),
+                reason: format!("the plan's models.generator_weights {reason}"),
             }
         })?;
         Some(fluxmem_models::load_generator(

@@ -32,6 +32,8 @@ from pathlib import Path
 import pyarrow as pa
 import ray
 
+from .contract import EXIT_DEGRADED
+
 
 def plan_dir(store: str | os.PathLike, run_id: str, stage: str = "embed") -> Path:
     """The folder of the plan of ``stage``'s texts for ``run_id``
@@ -126,10 +128,6 @@ def execute_embed_plan(
             "shuffle_seed": shuffle_seed, "plan_dir": str(folder), "stage": stage}
 
 
-# `fluxmem` exit status for "done, but degraded" (contract.EXIT_DEGRADED), which a shard run in
-# an actor reports as its subprocess would.
-_EXIT_DEGRADED = 4
-
 
 class ConsolidateActor:
     """A Ray Data actor: runs consolidate shards (the ``id`` column of its batches: shard
@@ -150,7 +148,8 @@ class ConsolidateActor:
             started = time.monotonic()
             record = self.executor.execute(int(index), self.count)
             degraded = json.loads(record)["status"].startswith("degraded")
-            rows.add(int(index), time.monotonic() - started, _EXIT_DEGRADED if degraded else 0, record)
+            # The exit status a shard subprocess would give ("done, but degraded" is not a failure).
+            rows.add(int(index), time.monotonic() - started, EXIT_DEGRADED if degraded else 0, record)
         return rows.columns
 
 

@@ -52,7 +52,8 @@ from . import actors, contract
 from .contract import GLOBAL_STAGES, MAP_STAGES, STAGES, Invocation
 
 # The driver ships this package to the workers by value, so a cluster needs Ray, the fluxmem
-# binary and (for embed in actors) the fluxmem_py module, not this package.
+# binary and (for the stages run in actors: embed, connect's model work, consolidate) the
+# fluxmem_py module, not this package.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__package__])
 
 
