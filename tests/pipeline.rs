@@ -1706,26 +1706,21 @@ wc -l < "$SBATCH_LOG"
     let stderr = String::from_utf8_lossy(&submitted.stderr);
     assert!(submitted.status.success(), "{stdout}\n{stderr}");
     let jobs = std::fs::read_to_string(&log).unwrap();
-    let mut expected = Vec::new();
-    for stage in [
-        "ingest",
-        "embed",
-        "connect",
-        "refine",
-        "consolidate",
-        "export",
-    ] {
-        match stage {
-            "refine" | "export" => expected.push(format!("fluxmem-{stage}")),
-            _ => {
-                if stage != "ingest" {
-                    expected.push(format!("fluxmem-plan-{stage}"));
-                }
-                expected.push(format!("fluxmem-{stage}"));
-                expected.push(format!("fluxmem-merge-{stage}"));
-            }
-        }
-    }
+    let expected = [
+        "fluxmem-ingest",
+        "fluxmem-merge-ingest",
+        "fluxmem-plan-embed",
+        "fluxmem-embed",
+        "fluxmem-merge-embed",
+        "fluxmem-plan-connect",
+        "fluxmem-connect",
+        "fluxmem-merge-connect",
+        "fluxmem-refine",
+        "fluxmem-plan-consolidate",
+        "fluxmem-consolidate",
+        "fluxmem-merge-consolidate",
+        "fluxmem-export",
+    ];
     assert_eq!(jobs.lines().collect::<Vec<_>>(), expected, "{stdout}");
     // Consolidate planned once; the merge, which refuses a shard that did not follow the plan,
     // committed (the chain went on to export).
