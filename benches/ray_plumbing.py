@@ -92,17 +92,19 @@ def in_process(binary, path):
 
 
 def through_ray(binary, path, shards, embed_in_actors):
-    """The same stages through fluxmem_ray: (wall seconds, rows) per stage. Embed plans, then
-    executes in actors that keep the model (``embed_in_actors``) or in one process a shard, then
-    commits: its rows are the commit's."""
+    """The same stages through fluxmem_ray: (wall seconds, rows) per stage. Embed and connect
+    plan, then execute their model work in actors that keep the model (``embed_in_actors``) or
+    in one process a shard, then commit: their rows are the commit's."""
     import fluxmem_ray
 
     options = fluxmem_ray.Options(shards=shards, stages=STAGES, gpus_per_worker=0.0, embed_in_actors=embed_in_actors)
     summary = fluxmem_ray.run_pipeline(path, "bench", options, binary=binary)
     out = {}
     for stage in summary.stages:
-        if stage["name"] == "embed":
-            rows = rows_of(stage["merge"]["record"], "embed")
+        if "plan" in stage:
+            # A planned stage (embed, connect): its shards or actors embed texts, its commit
+            # does the stage's work.
+            rows = rows_of(stage["merge"]["record"], stage["name"])
         else:
             rows = sum(rows_of(s["record"], stage["name"]) for s in stage["shards"])
         out[stage["name"]] = (stage["seconds"], rows)
