@@ -157,40 +157,23 @@ pub fn connect_store(
     // Scratch files a run that died left (only the names connect writes; the writer lock
     // makes this the store's only connect).
     crate::facts::sweep(&store.dir().join(fluxmem_store::SCRATCH).join(FOLDER))?;
-    // Which episodes are connected, from a stream of the live edges' ends.
-    // Connected episodes that grew since this stage last looked are connected again; their
-    // edges that exist keep what later stages made of them (credit, prunes), only new ones
-    // are added.
-    let grown = grown_since(store, &manifest)?;
-    let (connected, existing) = connected_episodes(store, &manifest, &grown.episodes)?;
-    let mut nodes = read_nodes(
-        store,
-        &manifest,
-        &connected,
-        &grown.episodes,
-        options,
-        embedder.dim(),
-    )?;
+    let NightRead {
+        grown,
+        existing,
+        mut nodes,
+        regrounded,
+        memory,
+    } = read_night(store, &manifest, options, embedder.dim())?;
     let mut report = ConnectReport {
         episodes: nodes.episodes.len(),
         already: nodes.episodes.len() - nodes.todo.len(),
-        regrounded: grown
-            .episodes
-            .iter()
-            .filter(|id| nodes.todo.contains(*id) && connected.contains(id.as_str()))
-            .count(),
+        regrounded,
         retrieval: options.retrieval.clone(),
         ..Default::default()
     };
     if nodes.todo.is_empty() {
         return Ok(report);
     }
-    // What is kept of every stored episode (its id, tenant and time; the connected ones' ids)
-    // is counted first; the rest of the budget is shared out.
-    let memory = options
-        .memory
-        .saturating_sub(connected.held_bytes() + nodes.episodes.held_bytes());
-    drop(connected);
     let search = fact_search(
         store,
         &manifest,
@@ -304,9 +287,9 @@ fn plan_queries(
 ) -> Result<PlannedQueries> {
     let manifest = writer.manifest();
     let store = writer.store();
-    let grown = grown_since(store, manifest)?;
-    let (connected, _) = connected_episodes(store, manifest, &grown.episodes)?;
-    let mut nodes = read_nodes(store, manifest, &connected, &grown.episodes, options, dim)?;
+    let NightRead {
+        mut nodes, memory, ..
+    } = read_night(store, manifest, options, dim)?;
     let mut planned = PlannedQueries {
         episodes: nodes.episodes.len(),
         todo: nodes.todo.len(),
@@ -315,10 +298,6 @@ fn plan_queries(
     if nodes.todo.is_empty() {
         return Ok(planned);
     }
-    let memory = options
-        .memory
-        .saturating_sub(connected.held_bytes() + nodes.episodes.held_bytes());
-    drop(connected);
     let search = fact_search(
         store,
         manifest,
@@ -362,6 +341,52 @@ pub struct PlannedQueries {
     pub todo: usize,
     /// The texts it would embed, each once.
     pub texts: BTreeSet<String>,
+}
+
+/// What connect reads of the store before it grounds anything, the same for the stage and for
+/// its plan ([`planned_queries`], whose texts must be the stage's queries).
+struct NightRead {
+    /// The episodes ingest grew since this stage last looked.
+    grown: Grown,
+    /// The edges the store holds already of the grown episodes.
+    existing: BTreeSet<EdgeKey>,
+    /// The episodes, those to connect among them, and the facts with their vectors.
+    nodes: Nodes,
+    /// Grown episodes that were connected before and are connected again.
+    regrounded: usize,
+    /// The memory budget left once every stored episode's id, tenant and time (and the
+    /// connected ones' ids) are counted.
+    memory: usize,
+}
+
+/// Reads the night (see [`NightRead`]). Connected episodes that grew since this stage last
+/// looked are connected again; their edges that exist keep what later stages made of them
+/// (credit, prunes), only new ones are added.
+fn read_night(
+    store: &fluxmem_store::Store,
+    manifest: &fluxmem_store::Manifest,
+    options: &ConnectOptions,
+    dim: usize,
+) -> Result<NightRead> {
+    let grown = grown_since(store, manifest)?;
+    // Which episodes are connected, from a stream of the live edges' ends.
+    let (connected, existing) = connected_episodes(store, manifest, &grown.episodes)?;
+    let nodes = read_nodes(store, manifest, &connected, &grown.episodes, options, dim)?;
+    let regrounded = grown
+        .episodes
+        .iter()
+        .filter(|id| nodes.todo.contains(*id) && connected.contains(id.as_str()))
+        .count();
+    let memory = options
+        .memory
+        .saturating_sub(connected.held_bytes() + nodes.episodes.held_bytes());
+    Ok(NightRead {
+        grown,
+        existing,
+        nodes,
+        regrounded,
+        memory,
+    })
 }
 
 /// Takes out of `delta` the edges the store holds already (a grown episode's: connected again,
