@@ -1111,14 +1111,12 @@ pub struct SharedSettings {
     pub options: ConsolidateOptions,
     /// The plan's hash, which each shard's finish note names.
     pub sha256: String,
-    /// The store version the plan was made at: its shards start from it.
-    pub version: u64,
 }
 
 /// The shared cluster plan that the store at `store` holds for `run_id` (the stage's run id,
 /// `consolidate@<run id>`, as [`plan_shared`] was given it), if any: its settings and hash,
-/// checked against the hash its marker records. A plan made before plans recorded their
-/// settings is an error that says to plan again.
+/// checked against the hash its marker records. A plan the store has moved past, or made
+/// before plans recorded their settings, is an error that says to plan again.
 pub fn shared_settings(store: &Path, run_id: &str) -> Result<Option<SharedSettings>> {
     let manifest = fluxmem_store::Store::open(store)?.manifest()?;
     let Some(marker) = manifest
@@ -1128,6 +1126,15 @@ pub fn shared_settings(store: &Path, run_id: &str) -> Result<Option<SharedSettin
     else {
         return Ok(None);
     };
+    // A plan the store moved past is refused here, as each of its shards would refuse it.
+    if marker["version"].as_u64() != Some(manifest.version) {
+        return Err(Error::Plan {
+            reason: format!(
+                "the shared cluster plan of run `{run_id}` was made at store version {}, the store is at version {}; plan again (--plan)",
+                marker["version"], manifest.version
+            ),
+        });
+    }
     let stored = load_plan(store, marker)?;
     let options = stored.settings.ok_or_else(|| Error::Plan {
         reason: format!(
@@ -1137,7 +1144,6 @@ pub fn shared_settings(store: &Path, run_id: &str) -> Result<Option<SharedSettin
     Ok(Some(SharedSettings {
         options,
         sha256: marker["sha256"].as_str().unwrap_or_default().to_string(),
-        version: marker["version"].as_u64().unwrap_or_default(),
     }))
 }
 

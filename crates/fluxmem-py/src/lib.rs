@@ -210,9 +210,10 @@ struct Loaded {
 
 #[pymethods]
 impl ConsolidateExecutor {
-    /// Opens the shared cluster plan of `run_id` in the store at `store` and loads the models
-    /// it names (fetched first where missing, as `fluxmem run` does) on `device` (default: the
-    /// plan's, the pipeline's device).
+    /// Opens the shared cluster plan of `run_id` in the store at `store` (refused, before any
+    /// model loads, when the store has moved past it) and loads the models it names (fetched
+    /// first where missing, as `fluxmem run` does) on `device` (default: the plan's, the
+    /// pipeline's device).
     #[new]
     #[pyo3(signature = (store, run_id, device=None))]
     fn new(py: Python<'_>, store: PathBuf, run_id: &str, device: Option<&str>) -> PyResult<Self> {
@@ -226,20 +227,6 @@ impl ConsolidateExecutor {
                     store.display()
                 ))
             })?;
-        // A plan the store moved past is refused before any model loads (its shards would be).
-        let version = fluxmem_store::Store::open(&store)
-            .and_then(|s| s.manifest())
-            .map_err(value_error)?
-            .version;
-        if version != plan.version {
-            return Err(PyValueError::new_err(format!(
-                "{}: the shared consolidate plan of run id `{run_id}` was made at store version \
-                 {}, the store is at version {version}; plan again with \
-                 `fluxmem run P --run-id {run_id} --stage consolidate --plan`",
-                store.display(),
-                plan.version
-            )));
-        }
         let names = &plan.options.models;
         let device: DeviceChoice = device
             .unwrap_or(&names.device)
