@@ -423,12 +423,15 @@ pub struct EvalSkillsArgs {
     /// Keep each k-means cluster whole (no split by acting tools).
     #[arg(long)]
     pub no_procedure_split: bool,
+    /// Keep apart the clusters that follow one procedure (no merge by acting tools).
+    #[arg(long)]
+    pub no_procedure_merge: bool,
     /// Print one line per task (tau-bench) after the table.
     #[arg(long)]
     pub per_task: bool,
-    /// Replay unseen episodes with this local model, with and without the skills (tau-bench):
-    /// a share of the runs is kept from consolidation and each of their tool calls is asked of
-    /// the model (see `fluxmem_eval::replay`).
+    /// Replay unseen episodes with this local model, with and without the skills: a share of
+    /// the runs is kept from consolidation and each of their tool calls (tau-bench) or text
+    /// commands (ALFWorld) is asked of the model (see `fluxmem_eval::replay`).
     #[arg(long, value_name = "MODEL")]
     pub replay: Option<String>,
     /// With --replay: keep runs unseen by `episode` or by `task` (no task on both sides).
@@ -790,9 +793,13 @@ pub struct ConsolidateArgs {
     #[arg(long)]
     pub retry_failed: bool,
     /// Keep each k-means cluster whole instead of splitting one whose successes end in
-    /// different acting tools (`cancel_reservation` vs `update_reservation_flights`).
+    /// different acting tools (one cancels an order, another changes it).
     #[arg(long)]
     pub no_procedure_split: bool,
+    /// Keep apart the clusters whose successes mostly call the same acting tools, instead of
+    /// merging them into one skill.
+    #[arg(long)]
+    pub no_procedure_merge: bool,
     /// Re-induce a matched skill only when its cluster gained or lost at least this share of
     /// its source episodes; below, the skill is kept (0: re-induce on any change).
     #[arg(long, default_value_t = fluxmem_consolidate::ConsolidateOptions::default().reinduce_share)]

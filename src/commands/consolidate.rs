@@ -95,6 +95,7 @@ fn options(args: &ConsolidateArgs) -> anyhow::Result<ConsolidateOptions> {
         tenant: args.tenant.clone(),
         retry_failed: args.retry_failed,
         split_by_procedure: !args.no_procedure_split,
+        merge_by_procedure: !args.no_procedure_merge,
         reinduce_share: args.reinduce_share,
         assign: !args.recluster,
         recluster_share: args.recluster_share,

@@ -196,6 +196,7 @@ pub fn skills(args: EvalSkillsArgs, settings: &Settings) -> anyhow::Result<ExitC
             ..Default::default()
         },
         split_by_procedure: !args.no_procedure_split,
+        merge_by_procedure: !args.no_procedure_merge,
         ..Default::default()
     };
     let embedder = fluxmem_models::load_embedder(&args.model, &device_choice)?;

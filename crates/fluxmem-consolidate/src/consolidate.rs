@@ -67,6 +67,11 @@ pub struct ConsolidateOptions {
     /// Split a k-means cluster whose successes end in different acting tools (see
     /// [`crate::mine::split_by_procedure`]) before mining (default true).
     pub split_by_procedure: bool,
+    /// Merge the clusters of a tenant that follow one procedure (see
+    /// [`crate::mine::merge_by_procedure`]) before mining (default true): one skill per
+    /// procedure, with the support of every cluster that follows it.
+    #[serde(default = "yes")]
+    pub merge_by_procedure: bool,
     /// A cluster matched to an existing skill re-induces it only when it gained, or lost, at
     /// least this share of the skill's source episodes; below, the skill is kept as it is
     /// (status `kept`). 0: re-induce on any change.
@@ -87,6 +92,10 @@ pub struct ConsolidateOptions {
     /// the store itself); all by default. Not a setting a plan records.
     #[serde(skip, default = "all_shards")]
     pub shard: fluxmem_store::Shard,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn all_shards() -> fluxmem_store::Shard {
@@ -135,6 +144,7 @@ impl Default for ConsolidateOptions {
             retry_failed: false,
             mine: crate::mine::MineOptions::default(),
             split_by_procedure: true,
+            merge_by_procedure: true,
             reinduce_share: 0.2,
             assign: true,
             recluster_share: 0.05,
@@ -1202,6 +1212,19 @@ fn plan_clusters<'g>(
                     )
                 } else {
                     (clustering.members(), clustering.centroids.clone())
+                };
+                let (members, centroids) = if options.merge_by_procedure {
+                    crate::mine::merge_by_procedure(
+                        &members,
+                        &centroids,
+                        vectors,
+                        &clustering.similarity,
+                        |r| &graph.nodes[&ids[r]],
+                        &roles[tenant],
+                        options.mine.min_count,
+                    )
+                } else {
+                    (members, centroids)
                 };
                 let matches =
                     match_skills(&members, ids, &centroids, &existing, graph, model, options);

@@ -930,6 +930,13 @@ fn best_drop(
         if step.critical || step.feeds.iter().any(|later| kept.contains(later)) {
             continue;
         }
+        // Dropping a step between two of the same step would show that step twice in a row.
+        let around = (position.checked_sub(1), kept.get(position + 1));
+        if let (Some(before), Some(&after)) = around {
+            if skeleton.steps[kept[before]].key == skeleton.steps[after].key {
+                continue;
+            }
+        }
         let eta = coverage_eta(&keys(Some(position)), episodes);
         if eta > base + 1e-12 && best.is_none_or(|(_, b)| eta > b + 1e-12) {
             best = Some((position, eta));
@@ -1194,6 +1201,29 @@ mod tests {
             "Calls `get_order`, then `refund_order`. Mined from 3 successful run(s); each step is in all of them.",
             "the description speaks of the kept steps"
         );
+    }
+
+    #[test]
+    fn a_drop_never_leaves_one_step_twice_in_a_row() {
+        let held = [
+            episode(
+                &["go to fridge 1", "go to shelf 1", "take cup 1 from shelf 1"],
+                true,
+            ),
+            episode(&["go to desk 1", "take pen 1 from desk 1"], true),
+        ];
+        let held = measure(&held.iter().collect::<Vec<&Node>>());
+        let mut twice = skeleton(false);
+        twice.steps.insert(2, step("go to <1>", false));
+        // go to, open, go to, take: the kept-back runs never open (their moves collapse into
+        // one `go to`); dropping either `go to` raises eta as much, and the first goes.
+        assert_eq!(
+            best_drop(&twice, &[0, 1, 2, 3], &held),
+            Some(0),
+            "not the open: dropping it would show `go to` twice in a row"
+        );
+        twice.steps[2] = step("look", false);
+        assert_eq!(best_drop(&twice, &[0, 1, 2, 3], &held), Some(1));
     }
 
     #[test]

@@ -286,6 +286,12 @@ fn is_error(result: &str) -> bool {
         || head.starts_with("exception")
 }
 
+/// A text command's signature (its pattern and slot values); `None` for a thought, free text
+/// (a message) or nothing. What the replay reads a command as.
+pub(crate) fn command_signature(action: &str) -> Option<Signed> {
+    text_signature(action, "").filter(|s| s.key != MESSAGE)
+}
+
 fn text_signature(action: &str, next_observation: &str) -> Option<Signed> {
     let action = action.trim();
     let lower = action.to_lowercase();
@@ -503,13 +509,16 @@ pub fn mine(
     let min_branch = runs_needed(options.branch_support, n);
     kept = without_alternatives(&profile, kept, n, min_branch.max(min_count));
     // A column next to another of the same step is one step (the alignment split a repeat).
-    kept.dedup_by(|later, earlier| {
-        let same = profile[later.0].key == profile[earlier.0].key;
-        if same {
-            earlier.1 = earlier.1.max(later.1);
-        }
-        same
-    });
+    let one_step_each = |kept: &mut Vec<(usize, f64)>| {
+        kept.dedup_by(|later, earlier| {
+            let same = profile[later.0].key == profile[earlier.0].key;
+            if same {
+                earlier.1 = earlier.1.max(later.1);
+            }
+            same
+        })
+    };
+    one_step_each(&mut kept);
     if kept.len() > options.max_steps {
         let mut by_support = kept.clone();
         by_support.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -519,6 +528,8 @@ pub fn mine(
             .map(|(i, _)| i)
             .collect();
         kept.retain(|(i, _)| keep.contains(i));
+        // Cutting the steps between two of the same step leaves them next to each other.
+        one_step_each(&mut kept);
     }
     let failure_share = |key: &str| {
         (!failed.is_empty()).then(|| {
@@ -1109,6 +1120,73 @@ pub fn split_by_procedure<'g>(
     (out_members, out_centroids)
 }
 
+/// Merges the groups of one tenant that follow one procedure: a group's procedure is the
+/// non-empty set of acting tools that a strict majority of its successes call, when at least
+/// `min_count` (and 2) of them do; groups with the same procedure become one group (k-means
+/// parts episodes by what they asked, and one procedure serves many askings). Groups without
+/// a procedure (successes that only read, text actions, no majority) are left as they are.
+/// A merged group takes the place of its first part, its rows in descending `similarity`
+/// (ties by row), its centroid the normalised mean of its rows. The same input always gives
+/// the same groups.
+pub fn merge_by_procedure<'g>(
+    members: &[Vec<usize>],
+    centroids: &[Vec<f32>],
+    vectors: &[Vec<f32>],
+    similarity: &[f32],
+    node: impl Fn(usize) -> &'g Node,
+    roles: &ToolRoles,
+    min_count: usize,
+) -> (Vec<Vec<usize>>, Vec<Vec<f32>>) {
+    let procedure = |rows: &[usize]| -> Option<BTreeSet<String>> {
+        let successes: Vec<usize> = rows
+            .iter()
+            .copied()
+            .filter(|&r| {
+                node(r)
+                    .episode()
+                    .and_then(|e| e.outcome.success)
+                    .unwrap_or(true)
+            })
+            .collect();
+        let mut counts: BTreeMap<BTreeSet<String>, usize> = BTreeMap::new();
+        for &r in &successes {
+            *counts.entry(acting_tools(node(r), roles)).or_default() += 1;
+        }
+        counts
+            .into_iter()
+            .find(|(set, n)| !set.is_empty() && 2 * n > successes.len() && *n >= min_count.max(2))
+            .map(|(set, _)| set)
+    };
+    // Each output group: the input groups it holds, in order of the first.
+    let mut parts: Vec<Vec<usize>> = Vec::new();
+    let mut by_procedure: BTreeMap<BTreeSet<String>, usize> = BTreeMap::new();
+    for (g, rows) in members.iter().enumerate() {
+        match procedure(rows) {
+            Some(set) => match by_procedure.get(&set) {
+                Some(&out) => parts[out].push(g),
+                None => {
+                    by_procedure.insert(set, parts.len());
+                    parts.push(vec![g]);
+                }
+            },
+            None => parts.push(vec![g]),
+        }
+    }
+    let (mut out_members, mut out_centroids) = (Vec::new(), Vec::new());
+    for part in parts {
+        if let [g] = part[..] {
+            out_members.push(members[g].clone());
+            out_centroids.push(centroids[g].clone());
+            continue;
+        }
+        let mut rows: Vec<usize> = part.iter().flat_map(|&g| members[g].clone()).collect();
+        rows.sort_by(|&a, &b| similarity[b].total_cmp(&similarity[a]).then(a.cmp(&b)));
+        out_centroids.push(crate::kmeans::mean_direction(&rows, vectors));
+        out_members.push(rows);
+    }
+    (out_members, out_centroids)
+}
+
 /// How well an episode follows a skeleton's steps: the longest common subsequence of the
 /// steps and the episode's signatures, over the number of steps (1 = every step, in order).
 pub fn coverage(step_keys: &[&str], episode: &Node) -> f64 {
@@ -1610,6 +1688,86 @@ mod tests {
             2,
         );
         assert_eq!(one, vec![vec![0, 2], vec![5]]);
+    }
+
+    #[test]
+    fn merge_by_procedure_joins_the_groups_of_one_procedure() {
+        // Readers return what the next call takes (the id); acting tools return a receipt.
+        let call = |name: &str| {
+            let result = if name.starts_with("get_") {
+                r#"{"id": "b-7"}"#
+            } else {
+                "done"
+            };
+            format!(r#"tool:{name} {{"id":"b-7"}} => {result}"#)
+        };
+        let nodes = [
+            episode(
+                "cancel a",
+                &[&call("get_booking"), &call("cancel_booking")],
+                true,
+            ),
+            episode("cancel b", &[&call("cancel_booking")], true),
+            episode("read", &[&call("get_booking")], true),
+            episode(
+                "cancel c",
+                &[&call("get_booking"), &call("cancel_booking")],
+                true,
+            ),
+            episode("cancel d", &[&call("cancel_booking")], true),
+            episode("cancel e", &[&call("cancel_booking")], false),
+            episode("move", &[&call("move_booking")], true),
+            episode("move 2", &[&call("move_booking")], true),
+        ];
+        let vectors: Vec<Vec<f32>> = (0..nodes.len()).map(|i| vec![1.0, i as f32]).collect();
+        let similarity: Vec<f32> = (0..nodes.len()).map(|i| 1.0 - i as f32 / 10.0).collect();
+        let roles = ToolRoles::learn(nodes.iter());
+        let groups = [vec![0, 1], vec![2], vec![3, 4, 5], vec![6, 7]];
+        let centroids = vec![vec![1.0, 0.0]; groups.len()];
+        let (members, merged) = merge_by_procedure(
+            &groups,
+            &centroids,
+            &vectors,
+            &similarity,
+            |r| &nodes[r],
+            &roles,
+            2,
+        );
+        assert_eq!(
+            members,
+            vec![vec![0, 1, 3, 4, 5], vec![2], vec![6, 7]],
+            "the two cancel groups are one, in the first's place; the reader and move stay"
+        );
+        assert_eq!(merged.len(), 3);
+        assert_eq!(
+            merged[1], centroids[1],
+            "a group left alone keeps its centroid"
+        );
+        // Under two successes of a procedure, or no majority: no merge.
+        let (alone, _) = merge_by_procedure(
+            &[vec![0], vec![1]],
+            &centroids[..2],
+            &vectors,
+            &similarity,
+            |r| &nodes[r],
+            &roles,
+            2,
+        );
+        assert_eq!(alone, vec![vec![0], vec![1]]);
+        let (split_vote, _) = merge_by_procedure(
+            &[vec![0, 1], vec![3, 6, 7, 4]],
+            &centroids[..2],
+            &vectors,
+            &similarity,
+            |r| &nodes[r],
+            &roles,
+            2,
+        );
+        assert_eq!(
+            split_vote,
+            vec![vec![0, 1], vec![3, 6, 7, 4]],
+            "2 of 4 is no majority"
+        );
     }
 
     #[test]

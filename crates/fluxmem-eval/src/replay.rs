@@ -2,10 +2,11 @@
 //!
 //! The logged episodes are split, seeded, into the ones consolidation sees and the ones it does
 //! not ([`Split`]: by episode, or by task so that no task is on both sides). For every tool
-//! call of the unseen successful episodes (the **steps**), a local model gets the tool list
-//! (names and argument keys, from the logs), the task and the steps so far (messages and
-//! results clipped), and is asked for the next action as JSON. Three conditions, on the same
-//! steps:
+//! call of the unseen successful episodes (the **steps**; for episodes that act by text
+//! commands, every command, read as its pattern: `take <1> from <2>`), a local model gets the
+//! tool list (names and argument keys, or the command patterns, from the logs), the task and
+//! the steps so far (messages and results clipped), and is asked for the next action as JSON.
+//! Three conditions, on the same steps:
 //!
 //! - `without`: no skill;
 //! - `with`: the skill that retrieval picks for the task (the highest cosine between the
@@ -365,8 +366,21 @@ fn pick_skills(
 }
 
 /// The skill's steps as calls: the tool after "call" and the argument keys named after it
-/// (outside the parentheses that say where values come from).
+/// (outside the parentheses that say where values come from). A skill of text commands (no
+/// step calls a tool): each step read as a command (`Take `object` from `source`.` is `take <1>
+/// from <2>`), its slots' names standing for the values it leaves open.
 fn skill_calls(skill: &SkillRecord) -> Vec<Action> {
+    if skill
+        .steps
+        .iter()
+        .all(|s| fluxmem_consolidate::step_call(s).is_none())
+    {
+        return skill
+            .steps
+            .iter()
+            .filter_map(|s| skill_command(s))
+            .collect();
+    }
     let mut out = Vec::new();
     for step in &skill.steps {
         let Some((tool, after)) = fluxmem_consolidate::step_call(step) else {
@@ -394,6 +408,22 @@ fn skill_calls(skill: &SkillRecord) -> Vec<Action> {
         });
     }
     out
+}
+
+/// A text step of a skill as a command: backticks and the closing period dropped, and a loop's
+/// "For each `x`, " before it.
+fn skill_command(step: &str) -> Option<Action> {
+    let mut text = step.trim();
+    if text.starts_with("For each ") {
+        text = text.split_once(", ").map_or(text, |(_, rest)| rest);
+    }
+    let text = text.trim_end_matches('.').replace('`', "");
+    let (tool, arguments) = fluxmem_consolidate::replay::command(&text)?;
+    let arguments = arguments
+        .into_iter()
+        .map(|(k, _)| (k, Value::Null))
+        .collect();
+    Some(Action { tool, arguments })
 }
 
 /// The skill's first step not yet taken: its calls matched in order against the calls made.
@@ -497,6 +527,35 @@ mod tests {
                 "cancel_reservation"
             ]),
             None
+        );
+    }
+
+    #[test]
+    fn a_skill_of_commands_predicts_its_next_command_pattern() {
+        let s = skill(&[
+            "Go to `place`.",
+            "For each `object`, take `object` from `source`.",
+            "Clean `object` with sinkbasin.",
+        ]);
+        let next = |called: &[&str]| {
+            let called: Vec<String> = called.iter().map(|c| c.to_string()).collect();
+            next_skill_step(&s, &called)
+                .map(|a| (a.tool, a.arguments.keys().cloned().collect::<Vec<_>>()))
+        };
+        assert_eq!(next(&[]), Some(("go to <1>".into(), vec!["1".into()])));
+        assert_eq!(
+            next(&["go to <1>", "open <1>"]),
+            Some(("take <1> from <2>".into(), vec!["1".into(), "2".into()]))
+        );
+        assert_eq!(
+            next(&["go to <1>", "take <1> from <2>"]),
+            Some(("clean <1> with <2>".into(), vec!["1".into(), "2".into()]))
+        );
+        // The logged command the step is scored against reads the same way.
+        let logged = fluxmem_consolidate::replay::command("clean apple 1 with sinkbasin 1");
+        assert_eq!(
+            logged.map(|(pattern, _)| pattern).as_deref(),
+            Some("clean <1> with <2>")
         );
     }
 

@@ -65,8 +65,8 @@ impl Prepared {
 
 /// Ingests and embeds `data` (tau-bench or ALFWorld, detected from the file) into a temporary
 /// store, and reads its gold labels.
-/// With `holdout`, the tau-bench runs are split first ([`crate::replay::unseen`] by episode
-/// index or by task id): only the seen part is ingested into the store consolidation reads;
+/// With `holdout`, the runs are split first ([`crate::replay::unseen`]; tau-bench by episode
+/// index or by task id, ALFWorld by transcript name or by task line): only the seen part is ingested into the store consolidation reads;
 /// the unseen part is ingested into a store of its own and kept in [`Prepared::unseen`].
 pub fn prepare(
     data: &Path,
@@ -99,22 +99,20 @@ pub fn prepare(
     })?;
     let (inputs, unseen) = match holdout {
         None => (data.to_path_buf(), Vec::new()),
-        Some(_) if benchmark != Benchmark::TauBench => {
-            return Err(Error::Data {
-                path: data.into(),
-                reason: "--replay scores tool calls: it needs tau-bench runs (ALFWorld transcripts have no tool calls)".into(),
-            })
-        }
         Some((split, seed)) => {
-            let (seen, unseen) = split_runs(data, &bytes, split, seed)?;
+            let (seen, unseen) = match benchmark {
+                Benchmark::TauBench => split_runs(data, &bytes, split, seed)?,
+                Benchmark::Alfworld => split_transcripts(data, &bytes, split, seed)?,
+            };
             let seen_path = dir.path().join("seen.json");
             let unseen_path = dir.path().join("unseen.json");
             for (path, runs) in [(&seen_path, &seen), (&unseen_path, &unseen)] {
-                std::fs::write(path, serde_json::to_vec(runs).expect("runs serialise"))
-                    .map_err(|source| Error::Io {
+                std::fs::write(path, serde_json::to_vec(runs).expect("runs serialise")).map_err(
+                    |source| Error::Io {
                         path: path.clone(),
                         source,
-                    })?;
+                    },
+                )?;
             }
             let unseen_store = dir.path().join("unseen-store");
             let mut writer = fluxmem_store::Writer::open(&unseen_store)?;
@@ -122,7 +120,10 @@ pub fn prepare(
                 &mut writer,
                 &[unseen_path],
                 &fluxmem_ingest::IngestOptions {
-                    format: Some(fluxmem_ingest::Format::TauBench),
+                    format: Some(match benchmark {
+                        Benchmark::TauBench => fluxmem_ingest::Format::TauBench,
+                        Benchmark::Alfworld => fluxmem_ingest::Format::Alfworld,
+                    }),
                     ..Default::default()
                 },
                 "eval",
@@ -182,12 +183,48 @@ pub fn prepare(
 
 /// The runs of a tau-bench file split into (seen, unseen) by [`crate::replay::unseen`]: the
 /// key is the run's index (episode split) or its task id (task split).
+/// ALFWorld transcripts (an object of name to transcript) into the seen and unseen ones: by
+/// name, or by task (the transcript's `Your task is to:` line, so that the runs of one task
+/// stay on one side).
+fn split_transcripts(
+    path: &Path,
+    bytes: &[u8],
+    split: crate::replay::Split,
+    seed: u64,
+) -> Result<(Value, Value)> {
+    let transcripts: serde_json::Map<String, Value> =
+        serde_json::from_slice(bytes).map_err(|e| Error::Data {
+            path: path.into(),
+            reason: format!("not a JSON object of transcripts: {e}"),
+        })?;
+    let (mut seen, mut unseen) = (serde_json::Map::new(), serde_json::Map::new());
+    for (name, transcript) in transcripts {
+        let key = match split {
+            crate::replay::Split::Episode => format!("run {name}"),
+            crate::replay::Split::Task => {
+                let text = transcript.as_str().unwrap_or_default();
+                let task = text
+                    .lines()
+                    .find_map(|l| l.trim().strip_prefix("Your task is to:"))
+                    .unwrap_or(name.as_str());
+                format!("task {}", task.trim())
+            }
+        };
+        if crate::replay::unseen(&key, seed) {
+            unseen.insert(name, transcript);
+        } else {
+            seen.insert(name, transcript);
+        }
+    }
+    Ok((Value::Object(seen), Value::Object(unseen)))
+}
+
 fn split_runs(
     path: &Path,
     bytes: &[u8],
     split: crate::replay::Split,
     seed: u64,
-) -> Result<(Vec<Value>, Vec<Value>)> {
+) -> Result<(Value, Value)> {
     let runs: Vec<Value> = serde_json::from_slice(bytes).map_err(|e| Error::Data {
         path: path.into(),
         reason: format!("not a JSON array of runs: {e}"),
@@ -204,7 +241,7 @@ fn split_runs(
             seen.push(run);
         }
     }
-    Ok((seen, unseen))
+    Ok((Value::Array(seen), Value::Array(unseen)))
 }
 
 fn tau_gold(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, Vec<String>>> {
