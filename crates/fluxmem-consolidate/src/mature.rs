@@ -481,8 +481,10 @@ pub(crate) fn mature(
         // logs); whether it is kept is the next round's score on the same episodes.
         let choosing = choose_set.as_ref().unwrap_or(&report_set);
         match best_drop(&skeleton, &kept, &choosing.measured) {
-            Some(position) => {
-                kept.remove(position);
+            Some(positions) => {
+                for position in positions.into_iter().rev() {
+                    kept.remove(position);
+                }
             }
             None => break,
         }
@@ -904,45 +906,49 @@ fn coverage_eta(keys: &[&str], episodes: &[Measured]) -> f64 {
     total / episodes.len() as f64
 }
 
-/// The position in `kept` of the step whose removal raises eta the most (ties: the earliest),
-/// if any removal raises it and at least 2 steps remain. A critical step is never dropped, nor
-/// one whose result a kept later step reads ([`crate::mine::SkeletonStep::feeds`]): the
-/// later step's arguments would come from a step the skill no longer names.
+/// The positions in `kept` (ascending) of the step whose removal raises eta the most (ties:
+/// the earliest), if any removal raises it and at least 2 steps remain. A critical step is never
+/// dropped, nor one whose result a kept later step reads ([`crate::mine::SkeletonStep::feeds`]):
+/// the later step's arguments would come from a step the skill no longer names. A step between
+/// two of the same step goes with the second of them (the runs take that step once there), so a
+/// skill never shows one step twice in a row.
 fn best_drop(
     skeleton: &crate::mine::Skeleton,
     kept: &[usize],
     episodes: &[Measured],
-) -> Option<usize> {
-    if kept.len() <= 2 {
-        return None;
-    }
-    let keys = |skip: Option<usize>| -> Vec<&str> {
+) -> Option<Vec<usize>> {
+    let droppable = |position: usize| {
+        let step = &skeleton.steps[kept[position]];
+        !step.critical && !step.feeds.iter().any(|later| kept.contains(later))
+    };
+    let keys = |skip: &[usize]| -> Vec<&str> {
         kept.iter()
             .enumerate()
-            .filter(|(p, _)| Some(*p) != skip)
+            .filter(|(p, _)| !skip.contains(p))
             .map(|(_, &i)| skeleton.steps[i].key.as_str())
             .collect()
     };
-    let base = coverage_eta(&keys(None), episodes);
-    let mut best: Option<(usize, f64)> = None;
-    for (position, &index) in kept.iter().enumerate() {
-        let step = &skeleton.steps[index];
-        if step.critical || step.feeds.iter().any(|later| kept.contains(later)) {
-            continue;
-        }
-        // Dropping a step between two of the same step would show that step twice in a row.
-        let around = (position.checked_sub(1), kept.get(position + 1));
-        if let (Some(before), Some(&after)) = around {
+    let base = coverage_eta(&keys(&[]), episodes);
+    let mut best: Option<(Vec<usize>, f64)> = None;
+    for position in (0..kept.len()).filter(|&p| droppable(p)) {
+        let mut drop = vec![position];
+        if let (Some(before), Some(&after)) = (position.checked_sub(1), kept.get(position + 1)) {
             if skeleton.steps[kept[before]].key == skeleton.steps[after].key {
-                continue;
+                if !droppable(position + 1) {
+                    continue;
+                }
+                drop.push(position + 1);
             }
         }
-        let eta = coverage_eta(&keys(Some(position)), episodes);
-        if eta > base + 1e-12 && best.is_none_or(|(_, b)| eta > b + 1e-12) {
-            best = Some((position, eta));
+        if kept.len() - drop.len() < 2 {
+            continue;
+        }
+        let eta = coverage_eta(&keys(&drop), episodes);
+        if eta > base + 1e-12 && best.as_ref().is_none_or(|(_, b)| eta > b + 1e-12) {
+            best = Some((drop, eta));
         }
     }
-    best.map(|(position, _)| position)
+    best.map(|(drop, _)| drop)
 }
 
 /// The highest PEMS on the choosing episodes, the earliest on ties.
@@ -1138,7 +1144,7 @@ mod tests {
         assert!((before - 2.0 / 3.0).abs() < 1e-12);
         assert_eq!(
             best_drop(&skeleton(false), &all, &held),
-            Some(1),
+            Some(vec![1]),
             "the open goes"
         );
         assert_eq!(
@@ -1206,24 +1212,28 @@ mod tests {
     #[test]
     fn a_drop_never_leaves_one_step_twice_in_a_row() {
         let held = [
-            episode(
-                &["go to fridge 1", "go to shelf 1", "take cup 1 from shelf 1"],
-                true,
-            ),
+            episode(&["go to fridge 1", "take cup 1 from fridge 1"], true),
             episode(&["go to desk 1", "take pen 1 from desk 1"], true),
         ];
         let held = measure(&held.iter().collect::<Vec<&Node>>());
         let mut twice = skeleton(false);
         twice.steps.insert(2, step("go to <1>", false));
-        // go to, open, go to, take: the kept-back runs never open (their moves collapse into
-        // one `go to`); dropping either `go to` raises eta as much, and the first goes.
+        // go to, open, go to, take: the kept-back runs go once and never open.
         assert_eq!(
             best_drop(&twice, &[0, 1, 2, 3], &held),
-            Some(0),
-            "not the open: dropping it would show `go to` twice in a row"
+            Some(vec![1, 2]),
+            "the open goes with the second `go to`, not alone"
+        );
+        twice.steps[3].critical = true;
+        twice.steps[2].critical = true;
+        assert_eq!(
+            best_drop(&twice, &[0, 1, 2, 3], &held),
+            Some(vec![0]),
+            "the second `go to` must stay, so the open stays; the first `go to` may go"
         );
         twice.steps[2] = step("look", false);
-        assert_eq!(best_drop(&twice, &[0, 1, 2, 3], &held), Some(1));
+        twice.steps[3].critical = false;
+        assert_eq!(best_drop(&twice, &[0, 1, 2, 3], &held), Some(vec![1]));
     }
 
     #[test]
@@ -1243,7 +1253,7 @@ mod tests {
         fed.steps.push(step("put <1> in <2>", false));
         assert_eq!(
             best_drop(&fed, &[0, 1, 3], &held),
-            Some(1),
+            Some(vec![1]),
             "once the step it feeds is gone, it may go too"
         );
     }
