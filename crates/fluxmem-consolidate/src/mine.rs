@@ -1597,18 +1597,20 @@ mod tests {
         assert!(mine(&[], &[&a], &MineOptions::default(), &roles_of(&[], &[&a])).is_none());
     }
 
+    /// A call of `name` on one id: readers (`get_`) return what the next call takes (the id),
+    /// acting tools a receipt, so the roles learned from the calls are the names' (the roles
+    /// are learned from that, not from the names).
+    fn call(name: &str) -> String {
+        let result = if name.starts_with("get_") {
+            r#"{"id": "r-100"}"#
+        } else {
+            "done"
+        };
+        format!(r#"tool:{name} {{"id":"r-100"}} => {result}"#)
+    }
+
     #[test]
     fn clusters_split_by_the_acting_tools_of_their_successes() {
-        // Readers return what the next call takes (the id); acting tools return a receipt.
-        // The roles are learned from that, not from the names.
-        let call = |name: &str| {
-            let result = if name.starts_with("get_") {
-                r#"{"id": "r-100"}"#
-            } else {
-                "done"
-            };
-            format!(r#"tool:{name} {{"id":"r-100"}} => {result}"#)
-        };
         let nodes = [
             episode(
                 "cancel 1",
@@ -1692,15 +1694,6 @@ mod tests {
 
     #[test]
     fn merge_by_procedure_joins_the_groups_of_one_procedure() {
-        // Readers return what the next call takes (the id); acting tools return a receipt.
-        let call = |name: &str| {
-            let result = if name.starts_with("get_") {
-                r#"{"id": "b-7"}"#
-            } else {
-                "done"
-            };
-            format!(r#"tool:{name} {{"id":"b-7"}} => {result}"#)
-        };
         let nodes = [
             episode(
                 "cancel a",
