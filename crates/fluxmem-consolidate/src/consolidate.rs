@@ -65,10 +65,10 @@ pub struct ConsolidateOptions {
     /// Procedure mining thresholds (a step's minimum support, branches, critical steps).
     pub mine: crate::mine::MineOptions,
     /// Split a k-means cluster whose successes end in different acting tools (see
-    /// [`crate::mine::split_by_procedure`]) before mining (default true).
+    /// `mine::split_by_procedure`) before mining (default true).
     pub split_by_procedure: bool,
     /// Merge the clusters of a tenant that follow one procedure (see
-    /// [`crate::mine::merge_by_procedure`]) before mining (default true): one skill per
+    /// `mine::merge_by_procedure`) before mining (default true): one skill per
     /// procedure, with the support of every cluster that follows it.
     #[serde(default = "yes")]
     pub merge_by_procedure: bool,

@@ -3,7 +3,8 @@
 //!
 //! - [`kmeans`]: spherical k-means (k-means++ seeding, cosine on normalised vectors, seeded,
 //!   blocked matrix products on a candle device); M defaults to max(1, floor(sqrt(n / 2))).
-//! - [`consolidate_store`]: clusters each tenant's episodes, induces one skill per cluster with
+//! - [`consolidate_store`]: clusters each tenant's episodes (k-means, then split and merged by
+//!   procedure: `mine::split_by_procedure`, `mine::merge_by_procedure`), induces one skill per cluster with
 //!   a [`fluxmem_models::Generator`] (one-shot prompt, lenient parsing, one retry prompt, failed clusters kept
 //!   with the raw output), matures it with the PEMS loop ([`pems()`]: score, rewrite,
 //!   re-embed, re-score until |delta PEMS| < epsilon or the round limit), and commits procedural
