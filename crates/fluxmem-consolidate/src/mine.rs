@@ -1035,6 +1035,13 @@ fn acting_tools(node: &Node, roles: &ToolRoles) -> BTreeSet<String> {
         .collect()
 }
 
+/// A success for grouping by procedure: logged as one, or of unknown outcome.
+fn counts_as_success(node: &Node) -> bool {
+    node.episode()
+        .and_then(|e| e.outcome.success)
+        .unwrap_or(true)
+}
+
 /// Splits clusters whose successes follow different procedures: within a cluster, successes
 /// are grouped by the set of acting tools they call; each set held by at least `min_count`
 /// successes becomes its own cluster (when there are two such sets, or one and other successes
@@ -1052,12 +1059,7 @@ pub fn split_by_procedure<'g>(
     roles: &ToolRoles,
     min_count: usize,
 ) -> (Vec<Vec<usize>>, Vec<Vec<f32>>) {
-    let success = |r: usize| {
-        node(r)
-            .episode()
-            .and_then(|e| e.outcome.success)
-            .unwrap_or(true)
-    };
+    let success = |r: usize| counts_as_success(node(r));
     let (mut out_members, mut out_centroids) = (Vec::new(), Vec::new());
     for (rows, centroid) in members.iter().zip(centroids) {
         let acting: Vec<BTreeSet<String>> =
@@ -1141,12 +1143,7 @@ pub fn merge_by_procedure<'g>(
         let successes: Vec<usize> = rows
             .iter()
             .copied()
-            .filter(|&r| {
-                node(r)
-                    .episode()
-                    .and_then(|e| e.outcome.success)
-                    .unwrap_or(true)
-            })
+            .filter(|&r| counts_as_success(node(r)))
             .collect();
         let mut counts: BTreeMap<BTreeSet<String>, usize> = BTreeMap::new();
         for &r in &successes {
@@ -1598,8 +1595,7 @@ mod tests {
     }
 
     /// A call of `name` on one id: readers (`get_`) return what the next call takes (the id),
-    /// acting tools a receipt, so the roles learned from the calls are the names' (the roles
-    /// are learned from that, not from the names).
+    /// acting tools a receipt. The roles are learned from that, not from the names.
     fn call(name: &str) -> String {
         let result = if name.starts_with("get_") {
             r#"{"id": "r-100"}"#

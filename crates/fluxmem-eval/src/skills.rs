@@ -66,8 +66,9 @@ impl Prepared {
 /// Ingests and embeds `data` (tau-bench or ALFWorld, detected from the file) into a temporary
 /// store, and reads its gold labels.
 /// With `holdout`, the runs are split first ([`crate::replay::unseen`]; tau-bench by episode
-/// index or by task id, ALFWorld by transcript name or by task line): only the seen part is ingested into the store consolidation reads;
-/// the unseen part is ingested into a store of its own and kept in [`Prepared::unseen`].
+/// index or by task id, ALFWorld by transcript name or by task line): only the seen part is
+/// ingested into the store consolidation reads; the unseen part is ingested into a store of
+/// its own and kept in [`Prepared::unseen`].
 pub fn prepare(
     data: &Path,
     embedder: &dyn fluxmem_models::Embedder,
@@ -97,6 +98,10 @@ pub fn prepare(
         path: std::env::temp_dir(),
         source,
     })?;
+    let format = match benchmark {
+        Benchmark::TauBench => fluxmem_ingest::Format::TauBench,
+        Benchmark::Alfworld => fluxmem_ingest::Format::Alfworld,
+    };
     let (inputs, unseen) = match holdout {
         None => (data.to_path_buf(), Vec::new()),
         Some((split, seed)) => {
@@ -120,10 +125,7 @@ pub fn prepare(
                 &mut writer,
                 &[unseen_path],
                 &fluxmem_ingest::IngestOptions {
-                    format: Some(match benchmark {
-                        Benchmark::TauBench => fluxmem_ingest::Format::TauBench,
-                        Benchmark::Alfworld => fluxmem_ingest::Format::Alfworld,
-                    }),
+                    format: Some(format),
                     ..Default::default()
                 },
                 "eval",
@@ -139,11 +141,6 @@ pub fn prepare(
         }
     };
     let mut writer = fluxmem_store::Writer::open(dir.path().join("store"))?;
-    let format = if benchmark == Benchmark::TauBench {
-        fluxmem_ingest::Format::TauBench
-    } else {
-        fluxmem_ingest::Format::Alfworld
-    };
     let options = fluxmem_ingest::IngestOptions {
         format: Some(format),
         ..Default::default()
@@ -181,11 +178,9 @@ pub fn prepare(
     })
 }
 
-/// The runs of a tau-bench file split into (seen, unseen) by [`crate::replay::unseen`]: the
-/// key is the run's index (episode split) or its task id (task split).
-/// ALFWorld transcripts (an object of name to transcript) into the seen and unseen ones: by
-/// name, or by task (the transcript's `Your task is to:` line, so that the runs of one task
-/// stay on one side).
+/// ALFWorld transcripts (an object of name to transcript) split into (seen, unseen) by
+/// [`crate::replay::unseen`]: the key is the transcript's name (episode split) or its
+/// `Your task is to:` line (task split, so that the runs of one task stay on one side).
 fn split_transcripts(
     path: &Path,
     bytes: &[u8],
@@ -219,6 +214,8 @@ fn split_transcripts(
     Ok((Value::Object(seen), Value::Object(unseen)))
 }
 
+/// The runs of a tau-bench file split into (seen, unseen) by [`crate::replay::unseen`]: the
+/// key is the run's index (episode split) or its task id (task split).
 fn split_runs(
     path: &Path,
     bytes: &[u8],
