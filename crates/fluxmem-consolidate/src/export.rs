@@ -156,8 +156,12 @@ fn text(node: &Node, key: &str) -> String {
 
 /// The latest version of every skill in `graph`, as export records, ordered by (tenant, slug, id).
 pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
-    let mut records: Vec<SkillRecord> = latest_skills(graph)
+    let latest: Vec<&Node> = latest_skills(graph)
         .into_iter()
+        .filter(|node| matches!(node.body, NodeBody::Procedural(_)))
+        .collect();
+    let mut records: Vec<SkillRecord> = latest
+        .iter()
         .filter_map(|node| {
             let NodeBody::Procedural(skill) = &node.body else {
                 return None;
@@ -240,6 +244,12 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
             })
         })
         .collect();
+    let verbs: Vec<ProcedureVerbs> = latest
+        .iter()
+        .zip(&records)
+        .map(|(node, record)| procedure_verbs(node, &record.steps))
+        .collect();
+    name_apart(&mut records, &verbs);
     records.sort_by(|a, b| (&a.tenant, &a.slug, &a.id).cmp(&(&b.tenant, &b.slug, &b.id)));
     let bases: Vec<String> = records.iter().map(|r| r.slug.clone()).collect();
     for (record, slug) in records.iter_mut().zip(unique_slugs(&bases)) {
@@ -251,6 +261,137 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
         );
     }
     records
+}
+
+/// What a skill shows it goes through, from its stored skeleton: the verbs (a tool's name in
+/// words, a text action's words before its first slot) of the skeleton steps it kept (those
+/// whose text is one of `shown` steps; a rewrite drops some) and of the paths of its decision
+/// points, each once, in order.
+#[derive(Debug, Default)]
+struct ProcedureVerbs {
+    steps: Vec<String>,
+    branches: Vec<String>,
+}
+
+fn procedure_verbs(node: &Node, shown: &[String]) -> ProcedureVerbs {
+    let skeleton = node.metadata.get("skeleton");
+    let keys = |pointer: &str| -> Vec<String> {
+        let mut verbs: Vec<String> = Vec::new();
+        let found = skeleton
+            .and_then(|s| s.pointer(pointer))
+            .and_then(Value::as_array);
+        for key in found
+            .into_iter()
+            .flatten()
+            .filter_map(|k| match k.as_str() {
+                Some(key) => Some(key),
+                None => {
+                    let text = k.get("text").and_then(Value::as_str)?;
+                    shown.iter().any(|s| s == text).then_some(())?;
+                    k.get("key").and_then(Value::as_str)
+                }
+            })
+        {
+            let verb = key_verb(key);
+            if !verb.is_empty() && !verbs.contains(&verb) {
+                verbs.push(verb);
+            }
+        }
+        verbs
+    };
+    let mut branches: Vec<String> = Vec::new();
+    let decisions = skeleton
+        .and_then(|s| s.get("decisions"))
+        .and_then(Value::as_array);
+    for (d, decision) in decisions.into_iter().flatten().enumerate() {
+        let paths = decision.get("paths").and_then(Value::as_array);
+        for p in 0..paths.map_or(0, Vec::len) {
+            for verb in keys(&format!("/decisions/{d}/paths/{p}/keys")) {
+                if !branches.contains(&verb) {
+                    branches.push(verb);
+                }
+            }
+        }
+    }
+    ProcedureVerbs {
+        steps: keys("/steps"),
+        branches,
+    }
+}
+
+/// A step signature's verb: a tool call's tool in words (`call send_certificate(a)` ->
+/// `send certificate`), a text action's words before its first slot (`go to <1>` -> `go to`);
+/// empty for a message to the user.
+fn key_verb(key: &str) -> String {
+    if key == crate::mine::MESSAGE {
+        return String::new();
+    }
+    match key.strip_prefix("call ") {
+        Some(call) => call.split('(').next().unwrap_or(call).replace('_', " "),
+        None => key.split(" <").next().unwrap_or(key).to_string(),
+    }
+}
+
+/// Tells apart the skills of one tenant that share a name (case aside): each gains what its
+/// procedure has that none of the others has, its first two such step verbs (`Take and put,
+/// with open`), else its first two such branch verbs (`Take and put, sometimes use`); a skill
+/// with neither keeps its name (the same procedure twice, which its slug's suffix then tells
+/// apart). The body's `Name:` line follows the name.
+fn name_apart(records: &mut [SkillRecord], verbs: &[ProcedureVerbs]) {
+    let mut groups: BTreeMap<(String, String), Vec<usize>> = BTreeMap::new();
+    for (i, record) in records.iter().enumerate() {
+        groups
+            .entry((record.tenant.clone(), record.name.to_lowercase()))
+            .or_default()
+            .push(i);
+    }
+    for members in groups.values().filter(|m| m.len() > 1) {
+        for &i in members {
+            let others = members.iter().filter(|&&j| j != i).map(|&j| &verbs[j]);
+            let (mut steps, mut all): (BTreeSet<&str>, BTreeSet<&str>) = Default::default();
+            for other in others {
+                steps.extend(other.steps.iter().map(String::as_str));
+                all.extend(
+                    other
+                        .steps
+                        .iter()
+                        .chain(&other.branches)
+                        .map(String::as_str),
+                );
+            }
+            let own_steps: Vec<&str> = verbs[i]
+                .steps
+                .iter()
+                .map(String::as_str)
+                .filter(|v| !steps.contains(v))
+                .take(2)
+                .collect();
+            let own_branches: Vec<&str> = verbs[i]
+                .branches
+                .iter()
+                .map(String::as_str)
+                .filter(|v| !all.contains(v))
+                .take(2)
+                .collect();
+            let qualifier = if !own_steps.is_empty() {
+                format!("with {}", own_steps.join(" and "))
+            } else if !own_branches.is_empty() {
+                format!("sometimes {}", own_branches.join(" or "))
+            } else {
+                continue;
+            };
+            let record = &mut records[i];
+            let name = format!("{}, {qualifier}", record.name);
+            if let Some(rest) = record
+                .body
+                .strip_prefix(&format!("Name: {}\n", record.name))
+            {
+                record.body = format!("Name: {name}\n{rest}");
+            }
+            record.slug = slugify(&name);
+            record.name = name;
+        }
+    }
 }
 
 /// Unique slugs for `bases` (in release order), deterministically: the first record with a base
@@ -1569,6 +1710,117 @@ mod tests {
             records.iter().all(|r| r.slug.len() <= MAX_SLUG),
             "{records:#?}"
         );
+    }
+
+    /// `skill` with a stored skeleton: its step keys and one decision's paths' keys.
+    fn with_skeleton(mut node: Node, steps: &[&str], paths: &[&[&str]]) -> Node {
+        node.metadata.insert("steps".into(), json!(steps));
+        let steps: Vec<Value> = steps
+            .iter()
+            .map(|k| json!({ "key": k, "text": k }))
+            // A step of its own that a rewrite dropped: not what the skill shows.
+            .chain([json!({ "key": format!("drop {} <1>", node.id), "text": "dropped" })])
+            .collect();
+        let paths: Vec<Value> = paths.iter().map(|keys| json!({ "keys": keys })).collect();
+        node.metadata.insert(
+            "skeleton".into(),
+            json!({ "steps": steps, "decisions": [{ "paths": paths }] }),
+        );
+        node
+    }
+
+    #[test]
+    fn skills_of_one_tenant_that_share_a_name_are_told_apart_by_their_procedure() {
+        let walk = [
+            "go to <1>",
+            "take <1> from <2>",
+            "go to <1>",
+            "put <1> in/on <2>",
+        ];
+        let opened = [
+            "go to <1>",
+            "open <1>",
+            "take <1> from <2>",
+            "put <1> in/on <2>",
+        ];
+        let mut graph = Graph::default();
+        for node in [
+            with_skeleton(
+                skill("Take and put", "e1"),
+                &walk,
+                &[&["cool <1> with <2>"]],
+            ),
+            with_skeleton(
+                skill("Take and put", "e2"),
+                &walk,
+                &[&["cool <1> with <2>"], &["use <1>"], &[]],
+            ),
+            with_skeleton(
+                skill("take and put", "e3"),
+                &opened,
+                &[&["clean <1> with <2>"]],
+            ),
+            with_skeleton(
+                skill("Send certificate", "e4"),
+                &[
+                    "call get_user_details(user_id)",
+                    "call send_certificate(amount,user_id)",
+                ],
+                &[],
+            ),
+            with_skeleton(
+                skill("Send certificate", "e5"),
+                &[
+                    "call get_user_details(user_id)",
+                    "call send_certificate(amount,user_id)",
+                ],
+                &[],
+            ),
+        ] {
+            graph.upsert_node(node);
+        }
+        let mut other = with_skeleton(skill("Take and put", "e6"), &opened, &[]);
+        other.tenant = "other".into();
+        graph.upsert_node(other);
+        let records = skill_records(&graph);
+        let named = |episode: &str| {
+            records
+                .iter()
+                .find(|r| r.source_episodes == [episode])
+                .unwrap()
+        };
+        assert_eq!(named("e1").name, "Take and put", "nothing of its own");
+        assert_eq!(named("e2").name, "Take and put, sometimes use");
+        assert_eq!(named("e3").name, "take and put, with open");
+        assert_eq!(named("e3").slug, "take-and-put-with-open");
+        assert!(
+            named("e3")
+                .body
+                .starts_with("Name: take and put, with open\n"),
+            "{}",
+            named("e3").body
+        );
+        assert_eq!(
+            named("e6").name,
+            "Take and put",
+            "another tenant's is apart already"
+        );
+        // The same procedure twice keeps its name; the slug tells the two apart.
+        assert_eq!(named("e4").name, "Send certificate");
+        assert_eq!(named("e5").name, "Send certificate");
+        assert_eq!(
+            slugs(&records),
+            BTreeSet::from([
+                "send-certificate",
+                "send-certificate-2",
+                "take-and-put",
+                "take-and-put-2",
+                "take-and-put-sometimes-use",
+                "take-and-put-with-open",
+            ]),
+            "{records:#?}"
+        );
+        assert_eq!(skill_records(&graph), records, "deterministic");
     }
 
     /// Names in `dir`, sorted.

@@ -357,6 +357,8 @@ pub struct SkillLint {
     pub consecutive_duplicate_steps: usize,
     /// Pitfall lines said twice in one skill.
     pub duplicate_pitfalls: usize,
+    /// Skills whose name (case aside) an earlier skill of their tenant already has.
+    pub shared_names: usize,
 }
 
 fn lint(graph: &Graph, records: &[SkillRecord]) -> SkillLint {
@@ -367,7 +369,11 @@ fn lint(graph: &Graph, records: &[SkillRecord]) -> SkillLint {
         .map(|n| n.text.to_lowercase())
         .collect();
     let mut out = SkillLint::default();
+    let mut names: BTreeSet<(&str, String)> = BTreeSet::new();
     for record in records {
+        if !names.insert((record.tenant.as_str(), record.name.to_lowercase())) {
+            out.shared_names += 1;
+        }
         let name = record.name.to_lowercase().replace('…', " ");
         let words: Vec<&str> = name.split_whitespace().collect();
         if words.len() >= 3 && tasks.iter().any(|t| t.contains(&words.join(" "))) {
@@ -787,6 +793,34 @@ mod tests {
             named_tools(&r),
             vec!["get_reservation_details", "cancel_reservation"]
         );
+    }
+
+    #[test]
+    fn lint_counts_what_a_reader_objects_to() {
+        let named = |tenant: &str, name: &str, steps: &[&str], pitfalls: &[&str]| SkillRecord {
+            tenant: tenant.into(),
+            name: name.into(),
+            pitfalls: pitfalls.iter().map(|s| s.to_string()).collect(),
+            ..record(steps)
+        };
+        let mut graph = Graph::default();
+        graph.upsert_node(fluxmem_graph::Node::new(
+            NodeBody::Episodic(Default::default()),
+            "a",
+            "Hi I'd like to change my flight please",
+            &["episode"],
+        ));
+        let records = [
+            named("a", "Change my flight", &["x", "y"], &[]),
+            named("a", "change MY flight", &["x", "x", "y"], &["p", "p"]),
+            named("b", "Change my flight", &["x"], &["p", "q"]),
+            named("a", "Take and put", &["x"], &[]),
+        ];
+        let lint = lint(&graph, &records);
+        assert_eq!(lint.names_from_tasks, 3);
+        assert_eq!(lint.shared_names, 1, "another tenant's same name is apart");
+        assert_eq!(lint.consecutive_duplicate_steps, 1);
+        assert_eq!(lint.duplicate_pitfalls, 1);
     }
 
     #[test]
