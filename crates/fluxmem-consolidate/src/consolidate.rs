@@ -191,6 +191,10 @@ pub struct SkillReport {
     pub status: String,
     /// Version of the new node.
     pub version: i64,
+    /// Other skills of the tenant this version takes the place of: their clusters became its
+    /// cluster (one procedure), so they are among its previous versions ([`absorbed_skills`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub absorbed: Vec<NodeId>,
     /// Source episodes.
     pub support: usize,
     /// Every round's score, in order.
@@ -251,6 +255,9 @@ pub struct ConsolidateReport {
     /// Clusters whose membership moved by less than `reinduce_share` of their skill's source
     /// episodes: the skill is kept, not re-induced.
     pub skills_kept: usize,
+    /// Skills that a new version of another skill of their tenant took the place of (one
+    /// procedure: [`SkillReport::absorbed`]).
+    pub skills_absorbed: usize,
     /// Clusters left to other shards of a sharded run.
     pub other_shards: usize,
     /// Tenants whose new episodes were assigned to the clusters of their skills (no k-means).
@@ -627,6 +634,9 @@ struct StoredCluster {
     episodes: Vec<NodeId>,
     weights: Vec<f32>,
     previous: Option<NodeId>,
+    /// The other skills the cluster's new version takes the place of.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    absorbed: Vec<NodeId>,
     skills: usize,
 }
 
@@ -652,6 +662,7 @@ impl StoredPlan {
                     episodes: plan.episodes.clone(),
                     weights: plan.weights.clone(),
                     previous: plan.previous.map(|node| node.id.clone()),
+                    absorbed: plan.absorbed.iter().map(|node| node.id.clone()).collect(),
                     skills: plan.skills,
                 })
                 .collect(),
@@ -1192,11 +1203,38 @@ fn plan_clusters<'g>(
         } else {
             None
         };
-        let (members, similarity, matches) = match assigned {
+        let (members, similarity, matches, absorbed) = match assigned {
             Some(assigned) => {
                 tally.tenants_assigned += 1;
                 tally.unassigned += assigned.unassigned;
-                (assigned.members, assigned.similarity, assigned.skills)
+                // Skills whose clusters now follow one procedure become one.
+                let parts: Vec<Vec<usize>> = if options.merge_by_procedure {
+                    crate::mine::procedure_parts(
+                        &assigned.members,
+                        |r| &graph.nodes[&ids[r]],
+                        &roles[tenant],
+                        options.mine.min_count,
+                    )
+                } else {
+                    (0..assigned.members.len()).map(|g| vec![g]).collect()
+                };
+                let members = parts
+                    .iter()
+                    .map(|part| {
+                        crate::mine::merged_rows(part, &assigned.members, &assigned.similarity)
+                    })
+                    .collect();
+                let matches = parts.iter().map(|part| assigned.skills[part[0]]).collect();
+                let absorbed = parts
+                    .iter()
+                    .map(|part| {
+                        part[1..]
+                            .iter()
+                            .filter_map(|&g| assigned.skills[g])
+                            .collect()
+                    })
+                    .collect();
+                (members, assigned.similarity, matches, absorbed)
             }
             None => {
                 tally.tenants_clustered += 1;
@@ -1228,7 +1266,8 @@ fn plan_clusters<'g>(
                 };
                 let matches =
                     match_skills(&members, ids, &centroids, &existing, graph, model, options);
-                (members, clustering.similarity, matches)
+                let absorbed = absorbed_skills(&members, ids, &matches, &existing);
+                (members, clustering.similarity, matches, absorbed)
             }
         };
         tally.clusters += members.iter().filter(|rows| !rows.is_empty()).count();
@@ -1249,6 +1288,7 @@ fn plan_clusters<'g>(
                 episodes,
                 weights,
                 previous: matches[index],
+                absorbed: absorbed[index].clone(),
                 skills: members.len(),
             });
         }
@@ -1296,12 +1336,17 @@ fn open_plan<'g>(
 fn stored_plans(graph: &Graph, clusters: Vec<StoredCluster>) -> Result<Vec<Plan<'_>>> {
     let mut plans = Vec::with_capacity(clusters.len());
     for cluster in clusters {
-        let previous = match &cluster.previous {
-            Some(id) => Some(graph.nodes.get(id).ok_or_else(|| Error::Plan {
+        let skill = |id: &NodeId| {
+            graph.nodes.get(id).ok_or_else(|| Error::Plan {
                 reason: format!("the stored plan updates skill {id}, which the store lacks"),
-            })?),
-            None => None,
+            })
         };
+        let previous = cluster.previous.as_ref().map(skill).transpose()?;
+        let absorbed = cluster
+            .absorbed
+            .iter()
+            .map(skill)
+            .collect::<Result<Vec<_>>>()?;
         if let Some(missing) = cluster
             .episodes
             .iter()
@@ -1318,6 +1363,7 @@ fn stored_plans(graph: &Graph, clusters: Vec<StoredCluster>) -> Result<Vec<Plan<
             episodes: cluster.episodes,
             weights: cluster.weights,
             previous,
+            absorbed,
             skills: cluster.skills,
         });
     }
@@ -1621,6 +1667,9 @@ struct Plan<'g> {
     episodes: Vec<NodeId>,
     weights: Vec<f32>,
     previous: Option<&'g Node>,
+    /// Other skills of the tenant whose clusters became this one: its new version takes their
+    /// place too ([`absorbed_skills`]).
+    absorbed: Vec<&'g Node>,
     skills: usize,
     /// The members that grew (conversations logged again, longer), with their version counts
     /// ([`grown_members`]).
@@ -1686,6 +1735,44 @@ fn skill_of(node: &Node) -> &Skill {
     }
 }
 
+/// For each cluster, the existing skills of its tenant that no cluster updates and whose
+/// sources all lie in it, when it updates another skill: its new version takes their place
+/// (their procedure is its procedure now), so no skill outlives its cluster beside the one that
+/// holds its episodes. In id order; an unmatched skill whose sources are spread over clusters
+/// stays as it is.
+fn absorbed_skills<'g>(
+    members: &[Vec<usize>],
+    ids: &[NodeId],
+    matches: &[Option<&'g Node>],
+    existing: &[&'g Node],
+) -> Vec<Vec<&'g Node>> {
+    let mut cluster_of: BTreeMap<&NodeId, usize> = BTreeMap::new();
+    for (c, rows) in members.iter().enumerate() {
+        cluster_of.extend(rows.iter().map(|&r| (&ids[r], c)));
+    }
+    let matched: BTreeSet<&NodeId> = matches.iter().flatten().map(|n| &n.id).collect();
+    let mut absorbed: Vec<Vec<&'g Node>> = vec![Vec::new(); members.len()];
+    let mut unmatched: Vec<&'g Node> = existing
+        .iter()
+        .copied()
+        .filter(|n| !matched.contains(&n.id))
+        .collect();
+    unmatched.sort_by(|a, b| a.id.cmp(&b.id));
+    for skill in unmatched {
+        let clusters: BTreeSet<usize> = skill_of(skill)
+            .source_episodes
+            .iter()
+            .filter_map(|id| cluster_of.get(id).copied())
+            .collect();
+        if let [c] = clusters.into_iter().collect::<Vec<_>>()[..] {
+            if matches[c].is_some() {
+                absorbed[c].push(skill);
+            }
+        }
+    }
+    absorbed
+}
+
 /// For each cluster, the existing skill it updates: candidates pass the overlap or the
 /// similarity threshold; pairs are taken best first (overlap + cosine, ties by cluster, skill id),
 /// each skill and cluster at most once.
@@ -1743,6 +1830,10 @@ fn settled(
     failed_before: &BTreeMap<&str, bool>,
 ) -> Option<&'static str> {
     let sorted: BTreeSet<&NodeId> = plan.episodes.iter().collect();
+    // Skills to take the place of need a new version.
+    if !plan.absorbed.is_empty() {
+        return None;
+    }
     if let Some(previous) = plan.previous {
         let sources: BTreeSet<&NodeId> = skill_of(previous).source_episodes.iter().collect();
         // A member that grew since the skill was mined counts as one gained.
@@ -2000,12 +2091,14 @@ impl Outcome<'_, '_> {
         } else {
             self.report.skills_new += 1;
         }
+        self.report.skills_absorbed += plan.absorbed.len();
         let skill = SkillReport {
             id: node.id.clone(),
             tenant: plan.tenant.clone(),
             name: rounds[best].skill.name.clone(),
             status: result_status(plan).into(),
             version: skill_of(&node).version,
+            absorbed: plan.absorbed.iter().map(|n| n.id.clone()).collect(),
             support: plan.episodes.len(),
             rounds: rounds.iter().map(|r| r.score).collect(),
             best_round: best + 1,
@@ -2055,6 +2148,10 @@ fn skill_node(
                 .to_string();
             let mut versions = skill.previous_versions.clone();
             versions.push(previous.id.clone());
+            for absorbed in &plan.absorbed {
+                versions.extend(skill_of(absorbed).previous_versions.iter().cloned());
+                versions.push(absorbed.id.clone());
+            }
             (
                 skill.version + 1,
                 versions,
@@ -2126,6 +2223,10 @@ fn skill_node(
     ];
     node.metadata
         .extend(metadata.into_iter().map(|(k, v)| (k.to_string(), v)));
+    if !plan.absorbed.is_empty() {
+        let ids: Vec<&str> = plan.absorbed.iter().map(|n| n.id.as_str()).collect();
+        node.metadata.insert("absorbed".into(), json!(ids));
+    }
     // The versions of the sources that grew (none: the field is left out).
     if !plan.grown.is_empty() {
         node.metadata
@@ -2167,7 +2268,7 @@ fn record(
         &reason,
         at,
     ));
-    if let Some(previous) = plan.previous {
+    for previous in plan.previous.iter().chain(&plan.absorbed) {
         for edge in graph
             .edges
             .values()

@@ -1122,14 +1122,10 @@ pub fn split_by_procedure<'g>(
     (out_members, out_centroids)
 }
 
-/// Merges the groups of one tenant that follow one procedure: a group's procedure is the
-/// non-empty set of acting tools that a strict majority of its successes call, when at least
-/// `min_count` (and 2) of them do; groups with the same procedure become one group (k-means
-/// parts episodes by what they asked, and one procedure serves many askings). Groups without
-/// a procedure (successes that only read, text actions, no majority) are left as they are.
-/// A merged group takes the place of its first part, its rows in descending `similarity`
-/// (ties by row), its centroid the normalised mean of its rows. The same input always gives
-/// the same groups.
+/// Merges the groups of one tenant that follow one procedure ([`procedure_parts`]). A merged
+/// group takes the place of its first part, its rows in descending `similarity` (ties by
+/// row), its centroid the normalised mean of its rows. The same input always gives the same
+/// groups.
 pub fn merge_by_procedure<'g>(
     members: &[Vec<usize>],
     centroids: &[Vec<f32>],
@@ -1139,6 +1135,40 @@ pub fn merge_by_procedure<'g>(
     roles: &ToolRoles,
     min_count: usize,
 ) -> (Vec<Vec<usize>>, Vec<Vec<f32>>) {
+    let parts = procedure_parts(members, node, roles, min_count);
+    let (mut out_members, mut out_centroids) = (Vec::new(), Vec::new());
+    for part in parts {
+        if let [g] = part[..] {
+            out_members.push(members[g].clone());
+            out_centroids.push(centroids[g].clone());
+            continue;
+        }
+        let rows = merged_rows(&part, members, similarity);
+        out_centroids.push(crate::kmeans::mean_direction(&rows, vectors));
+        out_members.push(rows);
+    }
+    (out_members, out_centroids)
+}
+
+/// The rows of the groups `part` as one group, in descending `similarity` (ties by row).
+pub fn merged_rows(part: &[usize], members: &[Vec<usize>], similarity: &[f32]) -> Vec<usize> {
+    let mut rows: Vec<usize> = part.iter().flat_map(|&g| members[g].clone()).collect();
+    rows.sort_by(|&a, &b| similarity[b].total_cmp(&similarity[a]).then(a.cmp(&b)));
+    rows
+}
+
+/// Which groups of one tenant follow one procedure: a group's procedure is the non-empty set
+/// of acting tools that a strict majority of its successes call, when at least `min_count`
+/// (and 2) of them do; groups with the same procedure form one part (k-means parts episodes by
+/// what they asked, and one procedure serves many askings). Groups without a procedure
+/// (successes that only read, text actions, no majority) are parts alone. Parts list group
+/// indices, in order of their first group.
+pub fn procedure_parts<'g>(
+    members: &[Vec<usize>],
+    node: impl Fn(usize) -> &'g Node,
+    roles: &ToolRoles,
+    min_count: usize,
+) -> Vec<Vec<usize>> {
     let procedure = |rows: &[usize]| -> Option<BTreeSet<String>> {
         let successes: Vec<usize> = rows
             .iter()
@@ -1169,19 +1199,7 @@ pub fn merge_by_procedure<'g>(
             None => parts.push(vec![g]),
         }
     }
-    let (mut out_members, mut out_centroids) = (Vec::new(), Vec::new());
-    for part in parts {
-        if let [g] = part[..] {
-            out_members.push(members[g].clone());
-            out_centroids.push(centroids[g].clone());
-            continue;
-        }
-        let mut rows: Vec<usize> = part.iter().flat_map(|&g| members[g].clone()).collect();
-        rows.sort_by(|&a, &b| similarity[b].total_cmp(&similarity[a]).then(a.cmp(&b)));
-        out_centroids.push(crate::kmeans::mean_direction(&rows, vectors));
-        out_members.push(rows);
-    }
-    (out_members, out_centroids)
+    parts
 }
 
 /// How well an episode follows a skeleton's steps: the longest common subsequence of the

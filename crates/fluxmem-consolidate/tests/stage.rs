@@ -1889,6 +1889,123 @@ fn new_episodes_join_the_clusters_of_their_skills_until_too_many_fit_none() {
     assert_eq!(clustered.tenants_clustered, 1, "{clustered:?}");
 }
 
+/// Two clusters of one procedure, asked in other words: flight episodes whose tasks read like
+/// flights (`0..4`) or like something else (`4..8`), and invoices; the last of each fails.
+fn one_procedure_two_askings() -> Vec<Node> {
+    let mut nodes: Vec<Node> = (0..8)
+        .map(|i| {
+            let mut node = episode("flight", i, i != 3 && i != 7);
+            if i >= 4 {
+                node.text = format!("Task {i}: zebra quantum harbour violin glacier");
+            }
+            node
+        })
+        .collect();
+    nodes.extend((0..4).map(|i| episode("invoice", i, i != 3)));
+    nodes
+}
+
+#[test]
+fn skills_of_one_procedure_become_one_skill_that_takes_their_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    add_episodes(&store, one_procedure_two_askings());
+    let apart = ConsolidateOptions {
+        merge_by_procedure: false,
+        ..options(3)
+    };
+    let first = run(&store, &mut Scripted::new(family_skill), None, &apart);
+    assert_eq!(first.skills_new, 3, "{first:?}");
+    let old: Vec<Node> = latest_skills(&load(&store)).into_iter().cloned().collect();
+    let sources = |node: &Node| match &node.body {
+        NodeBody::Procedural(skill) => skill.source_episodes.clone(),
+        _ => unreachable!(),
+    };
+    let flights: Vec<&Node> = old
+        .iter()
+        .filter(|n| sources(n).len() == 4 && n.text.contains("flight"))
+        .collect();
+    assert_eq!(flights.len(), 2, "two skills of one procedure: {old:#?}");
+    let before = dir.path().join("before");
+    std::fs::create_dir_all(&before).unwrap();
+    copy_dir(&store, &before);
+
+    // The next night assigns a new episode to each cluster; the two flight clusters follow one
+    // procedure, so their skills become one new version that takes the place of both.
+    add_episodes(
+        &store,
+        vec![repeat("flight", 0, 20), repeat("invoice", 0, 20)],
+    );
+    let second = run(&store, &mut Scripted::new(family_skill), None, &options(3));
+    assert_eq!(second.tenants_assigned, 1, "{second:?}");
+    assert_eq!(
+        (second.clusters, second.skills_absorbed),
+        (2, 1),
+        "{second:?}"
+    );
+    let merged = second
+        .skills
+        .iter()
+        .find(|s| s.absorbed.len() == 1)
+        .expect("a skill that took another's place");
+    let graph = load(&store);
+    let latest = latest_skills(&graph);
+    assert_eq!(
+        latest.len(),
+        2,
+        "the absorbed skill is a previous version now"
+    );
+    let node = &graph.nodes[&merged.id];
+    let NodeBody::Procedural(skill) = &node.body else {
+        unreachable!()
+    };
+    for flight in &flights {
+        assert!(skill.previous_versions.contains(&flight.id), "{skill:?}");
+        assert!(sources(flight)
+            .iter()
+            .all(|id| skill.source_episodes.contains(id)));
+        assert!(
+            graph
+                .edges
+                .values()
+                .filter(|e| e.dst == flight.id)
+                .all(|e| !e.active),
+            "the old skills' distill edges are retired"
+        );
+    }
+    assert_eq!(skill.source_episodes.len(), 9);
+    assert_eq!(
+        skill_records(&graph).len(),
+        2,
+        "an export shows one skill per procedure"
+    );
+    // Nothing new: nothing changes.
+    let third = run(&store, &mut Scripted::new(family_skill), None, &options(3));
+    assert_eq!(
+        (third.skills_unchanged, third.skills_absorbed, third.commits),
+        (2, 0, 0),
+        "{third:?}"
+    );
+
+    // Clustered again instead of assigned: the merged cluster updates one of the two skills
+    // and takes the place of the other.
+    let reclustered = run(
+        &before,
+        &mut Scripted::new(family_skill),
+        None,
+        &ConsolidateOptions {
+            assign: false,
+            ..options(3)
+        },
+    );
+    assert_eq!(
+        (reclustered.tenants_clustered, reclustered.skills_absorbed),
+        (1, 1),
+        "{reclustered:?}"
+    );
+    assert_eq!(latest_skills(&load(&before)).len(), 2);
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     for entry in std::fs::read_dir(from).unwrap() {
         let entry = entry.unwrap();
