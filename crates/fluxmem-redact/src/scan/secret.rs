@@ -23,8 +23,9 @@
 //!
 //! High-entropy strings: a token is a longest run of `[A-Za-z0-9_+/-]` plus up to two `=` of
 //! padding (so `key=value` is two tokens). A token that looks like a path (a `/`-bounded
-//! segment of three or more lowercase letters, as in `/usr/` or `/services/`) is split at `/`
-//! and its segments are judged one by one. A token or segment is a secret when it
+//! segment of three or more lowercase letters, as in `/usr/` or `/services/`, or both a `/`
+//! and a `-`, which no base64 alphabet holds together, as in `send-certificate-2/SKILL`) is
+//! split at `/` and its segments are judged one by one. A token or segment is a secret when it
 //! - is at least [`ENTROPY_MIN_LEN`] (24) bytes long,
 //! - has a lowercase letter, an uppercase letter and a digit (so lowercase hex such as SHA-256
 //!   digests and fluxmem node ids, and UUIDs, are never secrets: their entropy can pass 4.0),
@@ -354,9 +355,14 @@ fn judge_token(bytes: &[u8], start: usize, end: usize, out: &mut Vec<Candidate>)
     }
 }
 
-/// A `/`-bounded segment of three or more lowercase letters (`/usr/`, `/services/`).
+/// A `/`-bounded segment of three or more lowercase letters (`/usr/`, `/services/`), or a
+/// `/` and a `-` in one token (`send-certificate-2/SKILL`): standard base64 has `/` and no
+/// `-`, URL-safe base64 `-` and no `/`, so such a token is names joined, not one key.
 fn looks_like_path(token: &[u8]) -> bool {
     let segments = token.iter().filter(|&&byte| byte == b'/').count() + 1;
+    if segments >= 2 && token.contains(&b'-') {
+        return true;
+    }
     segments >= 3
         && token
             .split(|&byte| byte == b'/')
@@ -515,8 +521,16 @@ mod tests {
             "node ep-3f2a9c0d4b5e6f708192a3b4c5d6e7f8 and sha ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad",
             "fluxmem_consolidate_export_skills_2024_Final",
             "the quick brown fox jumps over the lazy dog",
+            // An exported skill's file, its folder a slug with a number.
+            "\"get-user-details-and-get-reservation-details-2/SKILL.md\"",
+            "handle-flight-tasks-2/SKILL.md",
         ] {
             assert!(secrets(text).is_empty(), "{text}: {:?}", secrets(text));
         }
+        // Split at `/`, a key in a segment is still one.
+        assert_eq!(
+            secrets("skill-folder/wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"),
+            vec!["wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"]
+        );
     }
 }
