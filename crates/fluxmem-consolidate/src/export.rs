@@ -708,7 +708,7 @@ fn changes(
             out.push(json!({
                 "change": "retired", "lineage": lineage, "slug": before["slug"], "name": before["name"],
                 "before": { "id": before["id"], "version": before["version"], "pems": before["pems"], "eta": before["eta"] },
-                "reason": left_out.get(*lineage).cloned().unwrap_or_else(|| "its cluster is gone: no latest skill of the store has this lineage".into()),
+                "reason": left_out.get(*lineage).cloned().unwrap_or_else(|| retired_reason(before, records)),
             }));
         }
     }
@@ -716,6 +716,23 @@ fn changes(
 }
 
 /// `CHANGES.md`: the changes as a service operator reads them.
+/// Why a skill of the previous release has no latest version now: another skill's version
+/// took its place (it is among that version's previous versions: one procedure), or its
+/// cluster is gone.
+fn retired_reason(before: &Value, records: &[SkillRecord]) -> String {
+    let id = before["id"].as_str().unwrap_or_default();
+    match records
+        .iter()
+        .find(|r| r.previous_versions.iter().any(|p| p == id))
+    {
+        Some(record) => format!(
+            "one procedure with {} (`{}`), whose version {} takes its place",
+            record.name, record.slug, record.version
+        ),
+        None => "its cluster is gone: no latest skill of the store has this lineage".into(),
+    }
+}
+
 fn changes_md(changes: &[Value]) -> String {
     let mut text = String::from("# Changes in this release\n");
     for (kind, title) in [

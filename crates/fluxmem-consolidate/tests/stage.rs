@@ -1929,6 +1929,15 @@ fn skills_of_one_procedure_become_one_skill_that_takes_their_place() {
     let before = dir.path().join("before");
     std::fs::create_dir_all(&before).unwrap();
     copy_dir(&store, &before);
+    let out = dir.path().join("skills");
+    let md = ExportOptions {
+        format: ExportFormat::SkillMd,
+        tenant: None,
+        min_pems: None,
+        min_eta: None,
+        min_support: 0,
+    };
+    export_skills(&Store::open(&store).unwrap(), &out, &md).unwrap();
 
     // The next night assigns a new episode to each cluster; the two flight clusters follow one
     // procedure, so their skills become one new version that takes the place of both.
@@ -1974,10 +1983,24 @@ fn skills_of_one_procedure_become_one_skill_that_takes_their_place() {
         );
     }
     assert_eq!(skill.source_episodes.len(), 9);
+    let release = export_skills(&Store::open(&store).unwrap(), &out, &md).unwrap();
     assert_eq!(
-        skill_records(&graph).len(),
-        2,
-        "an export shows one skill per procedure"
+        (release.skills, release.updated, release.retired),
+        (2, 2, 1),
+        "a release shows one skill per procedure (both gained an episode)"
+    );
+    let changes_md = std::fs::read_to_string(out.join(CHANGES_FILE)).unwrap();
+    assert!(
+        changes_md.contains(&format!(
+            "one procedure with {} (`{}`), whose version 2 takes its place",
+            merged.name,
+            fluxmem_consolidate::skill_records(&graph)
+                .iter()
+                .find(|r| r.id == merged.id.as_str())
+                .unwrap()
+                .slug
+        )),
+        "{changes_md}"
     );
     // Nothing new: nothing changes.
     let third = run(&store, &mut Scripted::new(family_skill), None, &options(3));
