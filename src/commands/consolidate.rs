@@ -179,6 +179,14 @@ fn print_human(report: &ConsolidateReport, seconds: f64) {
             skill.best_round,
             skill.seconds
         );
+        if !skill.absorbed.is_empty() {
+            let ids: Vec<&str> = skill.absorbed.iter().map(|id| id.as_str()).collect();
+            println!(
+                "    takes the place of {} (one procedure): {}",
+                ids.len(),
+                ids.join(", ")
+            );
+        }
     }
     for failure in &report.failures {
         let problem = failure

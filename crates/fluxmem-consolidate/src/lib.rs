@@ -9,7 +9,11 @@
 //!   with the raw output), matures it with the PEMS loop ([`pems()`]: score, rewrite,
 //!   re-embed, re-score until |delta PEMS| < epsilon or the round limit), and commits procedural
 //!   nodes, `distill` edges, skill embeddings and edit records in one store commit. Re-running on
-//!   a grown store gives matched skills a new version instead of duplicating them.
+//!   a grown store gives matched skills a new version instead of duplicating them; when the
+//!   clusters of several skills turn out to follow one procedure, the new version takes the
+//!   place of all of them (they become its previous versions).
+//! - [`skill_records`]: the latest skills as a release lists them; skills of one tenant that
+//!   share a name gain what their procedure alone shows (`Take and put, with open`).
 //! - [`export_skills`]: the latest version of every skill as `SKILL.md` folders, JSONL or
 //!   Parquet, with a release manifest (`release.json`); byte-identical for the same store.
 //!
