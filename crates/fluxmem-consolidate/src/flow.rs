@@ -38,6 +38,13 @@ pub enum Source {
     Result { tool: String, path: String },
     /// The task or a message of the user before the call.
     User,
+    /// A text command's value that the task names.
+    Task,
+    /// A text command's value that an earlier command (its verb, `go to`) also had.
+    Command { verb: String },
+    /// A text command's value that an observation before it shows: the one after the command
+    /// with this verb (empty: the first observation, before any command).
+    Seen { verb: String },
 }
 
 impl Source {
@@ -49,6 +56,10 @@ impl Source {
                 format!("from the result of `{tool}`")
             }
             Source::Result { tool, path } => format!("from `{tool}` → `{path}`"),
+            Source::Task => "named in the task".to_string(),
+            Source::Command { verb } => format!("as in the last `{verb}`"),
+            Source::Seen { verb } if verb.is_empty() => "seen at the start".to_string(),
+            Source::Seen { verb } => format!("seen after `{verb}`"),
         }
     }
 }

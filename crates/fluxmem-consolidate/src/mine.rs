@@ -181,6 +181,10 @@ pub fn signatures(node: &Node) -> Vec<Signed> {
             .unwrap_or("");
         let mut signed: Vec<Signed> = if step.tool_calls.is_empty() {
             text_signature(&step.action, next_observation)
+                .map(|mut signed| {
+                    signed.sources = text_sources(&signed, &node.text, episode, index, &out);
+                    signed
+                })
                 .into_iter()
                 .collect()
         } else {
@@ -202,6 +206,59 @@ pub fn signatures(node: &Node) -> Vec<Signed> {
         }
     }
     out
+}
+
+/// Where each value of the text command `signed` (the episode's step `index`) came from, one
+/// source a value, the first that holds: an earlier command of the episode (`earlier`, the
+/// latest with the value), the task (`task`), an observation before the command (the latest
+/// that shows it); none of these is an empty set. A value is found as whole words, any case.
+fn text_sources(
+    signed: &Signed,
+    task: &str,
+    episode: &fluxmem_graph::Episode,
+    index: usize,
+    earlier: &[Signed],
+) -> Vec<BTreeSet<Source>> {
+    let holds = |text: &str, value: &str| {
+        let words: Vec<String> = text
+            .to_lowercase()
+            .split(|c: char| !c.is_alphanumeric())
+            .filter(|w| !w.is_empty())
+            .map(str::to_string)
+            .collect();
+        let wanted: Vec<&str> = value.split_whitespace().collect();
+        !wanted.is_empty() && words.windows(wanted.len()).any(|w| w == wanted.as_slice())
+    };
+    let verb_of = |step: &fluxmem_graph::Step| {
+        text_signature(&step.action, "")
+            .and_then(|s| s.frame.first().cloned())
+            .unwrap_or_default()
+    };
+    signed
+        .values
+        .iter()
+        .map(|value| {
+            let command = earlier
+                .iter()
+                .rev()
+                .find(|s| s.tool.is_none() && s.values.contains(value))
+                .and_then(|s| s.frame.first())
+                .map(|verb| Source::Command { verb: verb.clone() });
+            let source = command
+                .or_else(|| holds(task, value).then_some(Source::Task))
+                .or_else(|| {
+                    (0..=index)
+                        .rev()
+                        .find(|&j| holds(&episode.steps[j].observation, value))
+                        .map(|j| Source::Seen {
+                            verb: j
+                                .checked_sub(1)
+                                .map_or(String::new(), |a| verb_of(&episode.steps[a])),
+                        })
+                });
+            source.into_iter().collect()
+        })
+        .collect()
 }
 
 /// Appends `item` to `out`, or folds it into the last step when it repeats it.
@@ -641,7 +698,7 @@ fn with_feeds(mut steps: Vec<SkeletonStep>, columns: &[&Column]) -> Vec<Skeleton
                 .flatten()
                 .filter_map(|source| match source {
                     Source::Result { tool, .. } => Some(tool.as_str()),
-                    Source::User => None,
+                    _ => None,
                 })
                 .collect();
             for tool in tools {
@@ -703,7 +760,7 @@ fn without_noise(sequence: Vec<Signed>, roles: &ToolRoles) -> Vec<Signed> {
 fn render_step(column: &Column, acting: bool) -> String {
     let first = &column.occurrences[0].1;
     if first.tool.is_none() {
-        return render_short(column);
+        return render_text(column, true);
     }
     let runs = column.occurrences.len();
     let looping: BTreeMap<&String, usize> =
@@ -790,6 +847,12 @@ fn slot_origin(column: &Column, i: usize) -> Option<String> {
 
 /// How a column reads in a skill, without data flow (rules and checks name steps this way).
 pub(crate) fn render_short(column: &Column) -> String {
+    render_text(column, false)
+}
+
+/// A column as text; with `origins`, a text command's open slots say where their values came
+/// from (``Take `object` (named in the task in 3 of 3 runs) from ...``).
+fn render_text(column: &Column, origins: bool) -> String {
     let first = &column.occurrences[0].1;
     // A value is shown only when at least two runs agree on it (one run's value is instance
     // data, not part of the procedure).
@@ -823,7 +886,13 @@ pub(crate) fn render_short(column: &Column) -> String {
             words.push(match constant(slot) {
                 Some(value) => value.to_string(),
                 // A code span: no Markdown escape is needed, so the raw text reads clean.
-                None => format!("`{}`", slot_type(previous, position == 1)),
+                None => {
+                    let named = format!("`{}`", slot_type(previous, position == 1));
+                    match slot_origin(column, slot).filter(|_| origins) {
+                        Some(origin) => format!("{named} ({origin})"),
+                        None => named,
+                    }
+                }
             });
             slot += 1;
         } else {
@@ -1334,7 +1403,7 @@ mod tests {
             &roles_of(&[&a, &b, &c], &[]),
         )
         .unwrap();
-        let texts: Vec<&str> = skeleton.steps.iter().map(|s| s.text.as_str()).collect();
+        let texts: Vec<&str> = skeleton.steps.iter().map(|s| s.short.as_str()).collect();
         assert!(texts.contains(&"Take `object` from `source`."), "{texts:?}");
         assert!(
             texts.contains(&"Clean `object` with sinkbasin."),
@@ -1569,6 +1638,84 @@ mod tests {
             &roles_of(&refs[..1], &[])
         )
         .is_none());
+    }
+
+    /// A run of text commands with the observation before each (`(observation, action)`).
+    fn observed(task: &str, steps: &[(&str, &str)]) -> Node {
+        let steps = steps
+            .iter()
+            .map(|(observation, action)| Step {
+                observation: observation.to_string(),
+                action: action.to_string(),
+                ..Step::default()
+            })
+            .collect();
+        let body = NodeBody::Episodic(Episode {
+            steps,
+            outcome: Outcome {
+                success: Some(true),
+                reward: None,
+                feedback: None,
+            },
+        });
+        Node::new(body, "t", task, &[task])
+    }
+
+    #[test]
+    fn text_commands_say_where_their_values_come_from_with_the_support_the_runs_give() {
+        let run = |object: &str, place: &str| {
+            observed(
+                &format!("Your task is to: put some {object} on diningtable."),
+                &[
+                    (
+                        &format!("You are in a room. You see a {place} 1 and a sofa 1."),
+                        &format!("go to {place} 1"),
+                    ),
+                    (
+                        &format!("On the {place} 1, you see a {object} 1."),
+                        &format!("take {object} 1 from {place} 1"),
+                    ),
+                    (
+                        &format!("You pick up the {object} 1."),
+                        "go to diningtable 1",
+                    ),
+                    (
+                        "On the diningtable 1, you see nothing.",
+                        &format!("put {object} 1 in/on diningtable 1"),
+                    ),
+                ],
+            )
+        };
+        let runs = [
+            run("apple", "countertop"),
+            run("egg", "cabinet"),
+            run("mug", "shelf"),
+        ];
+        let refs: Vec<&Node> = runs.iter().collect();
+        let skeleton = mine(&refs, &[], &MineOptions::default(), &roles_of(&refs, &[])).unwrap();
+        let texts: Vec<&str> = skeleton.steps.iter().map(|s| s.text.as_str()).collect();
+        assert_eq!(
+            texts,
+            [
+                "Go to `place` (seen at the start in 3 of 3 runs).",
+                "Take `object` (named in the task in 3 of 3 runs) from `source` (as in the last `go to` in 3 of 3 runs).",
+                "Go to diningtable.",
+                "Put `object` (as in the last `take` in 3 of 3 runs) in/on diningtable.",
+            ],
+            "{texts:#?}"
+        );
+        // Every claim holds in every run, checked on the raw text.
+        for node in &runs {
+            let steps = &node.episode().unwrap().steps;
+            let word = |action: &str, at: usize| action.split(' ').nth(at).unwrap().to_string();
+            let (place, object) = (word(&steps[0].action, 2), word(&steps[1].action, 1));
+            assert!(steps[0].observation.contains(&place), "seen at the start");
+            assert!(node.text.contains(&object), "named in the task");
+            assert_eq!(word(&steps[1].action, 4), place, "as in the last go to");
+            assert_eq!(word(&steps[3].action, 1), object, "as in the last take");
+        }
+        // The skill's step without data flow, as rules and the replay read it.
+        assert_eq!(skeleton.steps[1].short, "Take `object` from `source`.");
     }
 
     #[test]

@@ -417,7 +417,23 @@ fn skill_command(step: &str) -> Option<Action> {
     if text.starts_with("For each ") {
         text = text.split_once(", ").map_or(text, |(_, rest)| rest);
     }
-    let text = text.trim_end_matches('.').replace('`', "");
+    // Where the values come from, in parentheses, is not part of the command.
+    let mut plain = String::new();
+    let mut depth = 0usize;
+    for c in text.chars() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            _ if depth == 0 => plain.push(c),
+            _ => {}
+        }
+    }
+    let text = plain
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .trim_end_matches('.')
+        .replace('`', "");
     let (tool, arguments) = fluxmem_consolidate::replay::command(&text)?;
     let arguments = arguments
         .into_iter()
@@ -534,8 +550,9 @@ mod tests {
     fn a_skill_of_commands_predicts_its_next_command_pattern() {
         let s = skill(&[
             "Go to `place`.",
-            "For each `object`, take `object` from `source`.",
-            "Clean `object` with sinkbasin.",
+            // Where values come from (in parentheses) is not part of the command.
+            "For each `object`, take `object` (named in the task in 2 of 2 runs) from `source` (as in the last `go to` in 2 of 2 runs).",
+            "Clean `object` (as in the last `take` in 2 of 2 runs) with sinkbasin.",
         ]);
         let next = |called: &[&str]| {
             let called: Vec<String> = called.iter().map(|c| c.to_string()).collect();
