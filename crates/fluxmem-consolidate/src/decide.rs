@@ -543,22 +543,8 @@ mod tests {
     }
 
     fn text_run(task: &str, actions: &[&str]) -> Node {
-        let steps = actions
-            .iter()
-            .map(|a| Step {
-                action: a.to_string(),
-                ..Step::default()
-            })
-            .collect();
-        let body = NodeBody::Episodic(Episode {
-            steps,
-            outcome: Outcome {
-                success: Some(true),
-                reward: None,
-                feedback: None,
-            },
-        });
-        Node::new(body, "t", task, &[task, &actions.join(";")])
+        let steps: Vec<(&str, &str)> = actions.iter().map(|action| ("", *action)).collect();
+        crate::mine::tests::observed(task, &steps)
     }
 
     #[test]

@@ -1288,7 +1288,7 @@ pub fn coverage_of_keys(step_keys: &[&str], episode_keys: &[&str]) -> f64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use fluxmem_graph::{Episode, NodeBody, Outcome, Step, ToolCall};
 
@@ -1640,8 +1640,10 @@ mod tests {
         .is_none());
     }
 
-    /// A run of text commands with the observation before each (`(observation, action)`).
-    fn observed(task: &str, steps: &[(&str, &str)]) -> Node {
+    /// A successful run of text commands with the observation before each (`(observation,
+    /// action)`).
+    pub(crate) fn observed(task: &str, steps: &[(&str, &str)]) -> Node {
+        let actions: Vec<&str> = steps.iter().map(|(_, action)| *action).collect();
         let steps = steps
             .iter()
             .map(|(observation, action)| Step {
@@ -1658,7 +1660,7 @@ mod tests {
                 feedback: None,
             },
         });
-        Node::new(body, "t", task, &[task])
+        Node::new(body, "t", task, &[task, &actions.join(";")])
     }
 
     #[test]

@@ -1543,13 +1543,7 @@ fn export_replaces_an_earlier_export_and_refuses_files_it_did_not_write() {
     let handle = skill_store(dir.path());
     let parent = dir.path().join("exports");
     let out = parent.join("skills");
-    let md = ExportOptions {
-        format: ExportFormat::SkillMd,
-        tenant: None,
-        min_pems: None,
-        min_eta: None,
-        min_support: 0,
-    };
+    let md = skill_md();
     let jsonl = ExportOptions {
         format: ExportFormat::Jsonl,
         ..md.clone()
@@ -1634,13 +1628,7 @@ fn a_release_states_what_changed_since_the_previous_one() {
     let mut generator = Scripted::new(family_skill);
     run(&store, &mut generator, None, &options(3));
     let out = dir.path().join("skills");
-    let md = ExportOptions {
-        format: ExportFormat::SkillMd,
-        tenant: None,
-        min_pems: None,
-        min_eta: None,
-        min_support: 0,
-    };
+    let md = skill_md();
     let first = export_skills(&Store::open(&store).unwrap(), &out, &md).unwrap();
     assert_eq!((first.added, first.updated, first.retired), (3, 0, 0));
     let changes_md = std::fs::read_to_string(out.join(CHANGES_FILE)).unwrap();
@@ -1930,13 +1918,7 @@ fn skills_of_one_procedure_become_one_skill_that_takes_their_place() {
     std::fs::create_dir_all(&before).unwrap();
     copy_dir(&store, &before);
     let out = dir.path().join("skills");
-    let md = ExportOptions {
-        format: ExportFormat::SkillMd,
-        tenant: None,
-        min_pems: None,
-        min_eta: None,
-        min_support: 0,
-    };
+    let md = skill_md();
     export_skills(&Store::open(&store).unwrap(), &out, &md).unwrap();
 
     // The next night assigns a new episode to each cluster; the two flight clusters follow one
@@ -2027,6 +2009,17 @@ fn skills_of_one_procedure_become_one_skill_that_takes_their_place() {
         "{reclustered:?}"
     );
     assert_eq!(latest_skills(&load(&before)).len(), 2);
+}
+
+/// `SKILL.md` folders, every skill.
+fn skill_md() -> ExportOptions {
+    ExportOptions {
+        format: ExportFormat::SkillMd,
+        tenant: None,
+        min_pems: None,
+        min_eta: None,
+        min_support: 0,
+    }
 }
 
 fn copy_dir(from: &Path, to: &Path) {
