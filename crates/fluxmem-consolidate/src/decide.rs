@@ -396,7 +396,7 @@ fn lower_first(text: &str) -> String {
 mod tests {
     use super::*;
     use crate::mine::{mine, MineOptions};
-    use fluxmem_graph::{Episode, NodeBody, Outcome, Step, ToolCall};
+    use fluxmem_graph::{Step, ToolCall};
 
     fn call(name: &str, arguments: &str, result: &str) -> Step {
         Step {
@@ -437,15 +437,7 @@ mod tests {
         steps.push(lookup);
         steps.extend(next);
         steps.push(call("send_note", r#"{"text":"bye now"}"#, "sent"));
-        let body = NodeBody::Episodic(Episode {
-            steps,
-            outcome: Outcome {
-                success: Some(true),
-                reward: None,
-                feedback: None,
-            },
-        });
-        Node::new(body, "t", &format!("help with {id}"), &[id])
+        crate::mine::tests::succeeded(&format!("help with {id}"), steps, &[id])
     }
 
     #[test]

@@ -359,20 +359,16 @@ fn name_apart(records: &mut [SkillRecord], verbs: &[ProcedureVerbs]) {
                         .map(String::as_str),
                 );
             }
-            let own_steps: Vec<&str> = verbs[i]
-                .steps
-                .iter()
-                .map(String::as_str)
-                .filter(|v| !steps.contains(v))
-                .take(2)
-                .collect();
-            let own_branches: Vec<&str> = verbs[i]
-                .branches
-                .iter()
-                .map(String::as_str)
-                .filter(|v| !all.contains(v))
-                .take(2)
-                .collect();
+            let own = |verbs: &[String], others: &BTreeSet<&str>| -> Vec<String> {
+                verbs
+                    .iter()
+                    .filter(|v| !others.contains(v.as_str()))
+                    .take(2)
+                    .cloned()
+                    .collect()
+            };
+            let own_steps = own(&verbs[i].steps, &steps);
+            let own_branches = own(&verbs[i].branches, &all);
             let qualifier = if !own_steps.is_empty() {
                 format!("with {}", own_steps.join(" and "))
             } else if !own_branches.is_empty() {

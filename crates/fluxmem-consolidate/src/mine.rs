@@ -1652,6 +1652,11 @@ pub(crate) mod tests {
                 ..Step::default()
             })
             .collect();
+        succeeded(task, steps, &[task, &actions.join(";")])
+    }
+
+    /// A successful run of tenant `t` with `steps`, its id from `identity`.
+    pub(crate) fn succeeded(task: &str, steps: Vec<Step>, identity: &[&str]) -> Node {
         let body = NodeBody::Episodic(Episode {
             steps,
             outcome: Outcome {
@@ -1660,7 +1665,7 @@ pub(crate) mod tests {
                 feedback: None,
             },
         });
-        Node::new(body, "t", task, &[task, &actions.join(";")])
+        Node::new(body, "t", task, identity)
     }
 
     #[test]
