@@ -2463,6 +2463,63 @@ mod tests {
         assert_eq!(consolidate_report(0, 0, 0, 0, 0).status(), "nothing new");
     }
 
+    /// A killed run resumes with the skills each cluster takes the place of; a plan without
+    /// any stores no field for them (plans written before keep their hash).
+    #[test]
+    fn a_stored_plan_keeps_the_skills_a_cluster_absorbs() {
+        let skill = |name: &str| {
+            let body = NodeBody::Procedural(Skill {
+                version: 1,
+                previous_versions: Vec::new(),
+                source_episodes: Vec::new(),
+                pems_history: Vec::new(),
+            });
+            Node::new(body, "t", name, &[name])
+        };
+        let (first, second) = (skill("first"), skill("second"));
+        let mut graph = Graph::default();
+        graph.upsert_node(first.clone());
+        graph.upsert_node(second.clone());
+        fn plan<'g>(previous: &'g Node, absorbed: Vec<&'g Node>) -> Plan<'g> {
+            Plan {
+                tenant: "t".into(),
+                index: 0,
+                episodes: Vec::new(),
+                weights: Vec::new(),
+                previous: Some(previous),
+                absorbed,
+                skills: 1,
+                grown: BTreeMap::new(),
+            }
+        }
+        let stored = StoredPlan::of(
+            "run",
+            (0, 1),
+            &[plan(&first, vec![&second])],
+            Tally::default(),
+            None,
+        );
+        let text = serde_json::to_string(&stored).unwrap();
+        let read: StoredPlan = serde_json::from_str(&text).unwrap();
+        let plans = stored_plans(&graph, read.clusters).unwrap();
+        assert_eq!(plans[0].previous.map(|n| &n.id), Some(&first.id));
+        let absorbed: Vec<&NodeId> = plans[0].absorbed.iter().map(|n| &n.id).collect();
+        assert_eq!(absorbed, [&second.id]);
+        let plain = StoredPlan::of(
+            "run",
+            (0, 1),
+            &[plan(&first, Vec::new())],
+            Tally::default(),
+            None,
+        );
+        let text = serde_json::to_string(&plain).unwrap();
+        assert!(!text.contains("absorbed"), "{text}");
+        // A plan naming a skill the store lacks is refused, not followed.
+        let mut missing = graph.clone();
+        missing.nodes.remove(&second.id);
+        assert!(stored_plans(&missing, stored.clusters).is_err());
+    }
+
     /// The sweep removes exactly the names `save_plan` writes: its files and the temporaries
     /// `fluxmem_store::write_atomically` leaves when killed, nothing else.
     #[test]
