@@ -362,10 +362,11 @@ fn print_skills_table(
     }
     for r in results {
         println!(
-            "generator {}: {} skill names taken from a task, {} names shared within a tenant, {} consecutive duplicate steps, {} duplicate pitfalls",
+            "generator {}: {} skill names taken from a task, {} names shared within a tenant, {} skills with another's steps, {} consecutive duplicate steps, {} duplicate pitfalls",
             r.generator,
             r.lint.names_from_tasks,
             r.lint.shared_names,
+            r.lint.shared_steps,
             r.lint.consecutive_duplicate_steps,
             r.lint.duplicate_pitfalls
         );

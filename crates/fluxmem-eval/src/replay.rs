@@ -417,10 +417,23 @@ fn skill_command(step: &str) -> Option<Action> {
     if text.starts_with("For each ") {
         text = text.split_once(", ").map_or(text, |(_, rest)| rest);
     }
-    // Where the values come from, in parentheses, is not part of the command.
+    // Where the values come from is not part of the command.
+    let text = without_origins(text).trim_end_matches('.').replace('`', "");
+    let (tool, arguments) = fluxmem_consolidate::replay::command(&text)?;
+    let arguments = arguments
+        .into_iter()
+        .map(|(k, _)| (k, Value::Null))
+        .collect();
+    Some(Action { tool, arguments })
+}
+
+/// A step without what it says in parentheses (where values come from, run counts), its
+/// spaces collapsed: `Take `object` (named in the task in 3 of 3 runs) from `source`.` is
+/// `Take `object` from `source`.`.
+pub(crate) fn without_origins(step: &str) -> String {
     let mut plain = String::new();
     let mut depth = 0usize;
-    for c in text.chars() {
+    for c in step.chars() {
         match c {
             '(' => depth += 1,
             ')' => depth = depth.saturating_sub(1),
@@ -428,18 +441,11 @@ fn skill_command(step: &str) -> Option<Action> {
             _ => {}
         }
     }
-    let text = plain
+    plain
         .split_whitespace()
         .collect::<Vec<_>>()
         .join(" ")
-        .trim_end_matches('.')
-        .replace('`', "");
-    let (tool, arguments) = fluxmem_consolidate::replay::command(&text)?;
-    let arguments = arguments
-        .into_iter()
-        .map(|(k, _)| (k, Value::Null))
-        .collect();
-    Some(Action { tool, arguments })
+        .replace(" .", ".")
 }
 
 /// The skill's first step not yet taken: its calls matched in order against the calls made.

@@ -359,6 +359,9 @@ pub struct SkillLint {
     pub duplicate_pitfalls: usize,
     /// Skills whose name (case aside) an earlier skill of their tenant already has.
     pub shared_names: usize,
+    /// Skills whose steps (where values come from aside) an earlier skill of their tenant
+    /// already has: one procedure shown twice.
+    pub shared_steps: usize,
 }
 
 fn lint(graph: &Graph, records: &[SkillRecord]) -> SkillLint {
@@ -370,9 +373,18 @@ fn lint(graph: &Graph, records: &[SkillRecord]) -> SkillLint {
         .collect();
     let mut out = SkillLint::default();
     let mut names: BTreeSet<(&str, String)> = BTreeSet::new();
+    let mut procedures: BTreeSet<(&str, Vec<String>)> = BTreeSet::new();
     for record in records {
         if !names.insert((record.tenant.as_str(), record.name.to_lowercase())) {
             out.shared_names += 1;
+        }
+        let steps: Vec<String> = record
+            .steps
+            .iter()
+            .map(|s| crate::replay::without_origins(s))
+            .collect();
+        if !steps.is_empty() && !procedures.insert((record.tenant.as_str(), steps)) {
+            out.shared_steps += 1;
         }
         let name = record.name.to_lowercase().replace('…', " ");
         let words: Vec<&str> = name.split_whitespace().collect();
@@ -815,10 +827,17 @@ mod tests {
             named("a", "change MY flight", &["x", "x", "y"], &["p", "p"]),
             named("b", "Change my flight", &["x"], &["p", "q"]),
             named("a", "Take and put", &["x"], &[]),
+            named(
+                "a",
+                "Take and put, with open",
+                &["x (from the user in 2 of 2 runs)"],
+                &[],
+            ),
         ];
         let lint = lint(&graph, &records);
         assert_eq!(lint.names_from_tasks, 3);
         assert_eq!(lint.shared_names, 1, "another tenant's same name is apart");
+        assert_eq!(lint.shared_steps, 1, "the same steps, data flow aside");
         assert_eq!(lint.consecutive_duplicate_steps, 1);
         assert_eq!(lint.duplicate_pitfalls, 1);
     }
