@@ -173,6 +173,8 @@ pub fn signatures(node: &Node) -> Vec<Signed> {
     };
     let mut flows = crate::flow::episode_flow(node).into_iter();
     let mut out: Vec<Signed> = Vec::new();
+    // The task's and observations' words, read once, when a command needs them.
+    let mut words: Option<EpisodeWords> = None;
     for (index, step) in episode.steps.iter().enumerate() {
         let next_observation = episode
             .steps
@@ -182,7 +184,10 @@ pub fn signatures(node: &Node) -> Vec<Signed> {
         let mut signed: Vec<Signed> = if step.tool_calls.is_empty() {
             text_signature(&step.action, next_observation)
                 .map(|mut signed| {
-                    signed.sources = text_sources(&signed, &node.text, episode, index, &out);
+                    if !signed.values.is_empty() {
+                        let words = words.get_or_insert_with(|| EpisodeWords::of(node, episode));
+                        signed.sources = text_sources(&signed, words, episode, index, &out);
+                    }
                     signed
                 })
                 .into_iter()
@@ -208,26 +213,47 @@ pub fn signatures(node: &Node) -> Vec<Signed> {
     out
 }
 
+/// An episode's task and observations as lower-case words (letters and digits).
+struct EpisodeWords {
+    task: Vec<String>,
+    observations: Vec<Vec<String>>,
+}
+
+impl EpisodeWords {
+    fn of(node: &Node, episode: &fluxmem_graph::Episode) -> EpisodeWords {
+        EpisodeWords {
+            task: lower_words(&node.text),
+            observations: episode
+                .steps
+                .iter()
+                .map(|s| lower_words(&s.observation))
+                .collect(),
+        }
+    }
+}
+
+fn lower_words(text: &str) -> Vec<String> {
+    text.to_lowercase()
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
 /// Where each value of the text command `signed` (the episode's step `index`) came from, one
 /// source a value, the first that holds: an earlier command of the episode (`earlier`, the
-/// latest with the value), the task (`task`), an observation before the command (the latest
-/// that shows it); none of these is an empty set. A value is found as whole words, any case.
+/// latest with the value), the task, an observation before the command (the latest that shows
+/// it); none of these is an empty set. A value is found as whole words (`words`), any case.
 fn text_sources(
     signed: &Signed,
-    task: &str,
+    words: &EpisodeWords,
     episode: &fluxmem_graph::Episode,
     index: usize,
     earlier: &[Signed],
 ) -> Vec<BTreeSet<Source>> {
-    let holds = |text: &str, value: &str| {
-        let words: Vec<String> = text
-            .to_lowercase()
-            .split(|c: char| !c.is_alphanumeric())
-            .filter(|w| !w.is_empty())
-            .map(str::to_string)
-            .collect();
+    let holds = |text: &[String], value: &str| {
         let wanted: Vec<&str> = value.split_whitespace().collect();
-        !wanted.is_empty() && words.windows(wanted.len()).any(|w| w == wanted.as_slice())
+        !wanted.is_empty() && text.windows(wanted.len()).any(|w| w == wanted.as_slice())
     };
     let verb_of = |step: &fluxmem_graph::Step| {
         text_signature(&step.action, "")
@@ -245,11 +271,11 @@ fn text_sources(
                 .and_then(|s| s.frame.first())
                 .map(|verb| Source::Command { verb: verb.clone() });
             let source = command
-                .or_else(|| holds(task, value).then_some(Source::Task))
+                .or_else(|| holds(&words.task, value).then_some(Source::Task))
                 .or_else(|| {
                     (0..=index)
                         .rev()
-                        .find(|&j| holds(&episode.steps[j].observation, value))
+                        .find(|&j| holds(&words.observations[j], value))
                         .map(|j| Source::Seen {
                             verb: j
                                 .checked_sub(1)
