@@ -304,9 +304,7 @@ fn asked(members: &[usize], tasks: &[BTreeSet<String>], keys: &[&str]) -> Option
         .iter()
         .flat_map(|k| {
             // A tool's name (not its argument keys), or a text action's words.
-            let named = k
-                .strip_prefix("call ")
-                .map_or(*k, |call| call.split('(').next().unwrap_or(call));
+            let named = crate::mine::key_tool(k).unwrap_or(k);
             named
                 .split(|c: char| !c.is_alphabetic())
                 .filter(|w| w.chars().count() >= 3 && !crate::mine::is_frame_word(w))

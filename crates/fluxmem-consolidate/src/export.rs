@@ -156,12 +156,8 @@ fn text(node: &Node, key: &str) -> String {
 
 /// The latest version of every skill in `graph`, as export records, ordered by (tenant, slug, id).
 pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
-    let latest: Vec<&Node> = latest_skills(graph)
+    let (mut records, verbs): (Vec<SkillRecord>, Vec<ProcedureVerbs>) = latest_skills(graph)
         .into_iter()
-        .filter(|node| matches!(node.body, NodeBody::Procedural(_)))
-        .collect();
-    let mut records: Vec<SkillRecord> = latest
-        .iter()
         .filter_map(|node| {
             let NodeBody::Procedural(skill) = &node.body else {
                 return None;
@@ -205,7 +201,8 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
             let steps = list("steps");
             let pitfalls = list("pitfalls");
             let decisions = list("decisions");
-            Some(SkillRecord {
+            let verbs = procedure_verbs(node, &steps);
+            let record = SkillRecord {
                 id: node.id.to_string(),
                 lineage: Some(text(node, "lineage"))
                     .filter(|l| !l.is_empty())
@@ -241,14 +238,10 @@ pub fn skill_records(graph: &Graph) -> Vec<SkillRecord> {
                     .and_then(Value::as_str)
                     .map(str::to_string),
                 content_sha256: String::new(),
-            })
+            };
+            Some((record, verbs))
         })
-        .collect();
-    let verbs: Vec<ProcedureVerbs> = latest
-        .iter()
-        .zip(&records)
-        .map(|(node, record)| procedure_verbs(node, &record.steps))
-        .collect();
+        .unzip();
     name_apart(&mut records, &verbs);
     records.sort_by(|a, b| (&a.tenant, &a.slug, &a.id).cmp(&(&b.tenant, &b.slug, &b.id)));
     let bases: Vec<String> = records.iter().map(|r| r.slug.clone()).collect();
@@ -326,9 +319,9 @@ fn key_verb(key: &str) -> String {
     if key == crate::mine::MESSAGE {
         return String::new();
     }
-    match key.strip_prefix("call ") {
-        Some(call) => call.split('(').next().unwrap_or(call).replace('_', " "),
-        None => key.split(" <").next().unwrap_or(key).to_string(),
+    match crate::mine::key_tool(key) {
+        Some(tool) => tool.replace('_', " "),
+        None => crate::mine::key_verb(key).to_string(),
     }
 }
 
@@ -711,7 +704,6 @@ fn changes(
     out
 }
 
-/// `CHANGES.md`: the changes as a service operator reads them.
 /// Why a skill of the previous release has no latest version now: another skill's version
 /// took its place (it is among that version's previous versions: one procedure), or its
 /// cluster is gone.
@@ -729,6 +721,7 @@ fn retired_reason(before: &Value, records: &[SkillRecord]) -> String {
     }
 }
 
+/// `CHANGES.md`: the changes as a service operator reads them.
 fn changes_md(changes: &[Value]) -> String {
     let mut text = String::from("# Changes in this release\n");
     for (kind, title) in [

@@ -797,7 +797,7 @@ fn distinct_verbs(skeleton: &crate::mine::Skeleton) -> Option<String> {
 
 /// A text action step's verb: its signature before the first slot (`go to` of `go to <1>`).
 fn text_verb(step: &crate::mine::SkeletonStep) -> &str {
-    step.key.split(" <").next().unwrap_or(&step.key)
+    crate::mine::key_verb(&step.key)
 }
 
 /// What the procedure does, in one sentence: the tools it calls, in order (``Calls `a`, then

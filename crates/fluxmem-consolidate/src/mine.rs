@@ -316,6 +316,18 @@ fn absorb_repeat(previous: &mut Signed, repeat: Signed) {
     previous.at.extend(repeat.at);
 }
 
+/// The tool a call's signature names (`call get_order(order_id)` is `get_order`); `None` for a
+/// text action's.
+pub(crate) fn key_tool(key: &str) -> Option<&str> {
+    key.strip_prefix("call ")
+        .map(|call| call.split('(').next().unwrap_or(call))
+}
+
+/// A text action's signature before its first slot (`go to <1>` is `go to`).
+pub(crate) fn key_verb(key: &str) -> &str {
+    key.split(" <").next().unwrap_or(key)
+}
+
 fn tool_signature(call: &fluxmem_graph::ToolCall, flow: Option<crate::flow::CallFlow>) -> Signed {
     let arguments: BTreeMap<String, serde_json::Value> =
         serde_json::from_str(&call.arguments).unwrap_or_default();

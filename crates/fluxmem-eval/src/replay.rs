@@ -386,22 +386,16 @@ fn skill_calls(skill: &SkillRecord) -> Vec<Action> {
         let Some((tool, after)) = fluxmem_consolidate::step_call(step) else {
             continue;
         };
-        let mut keys = Map::new();
-        let (mut depth, mut inside, mut current) = (0usize, false, String::new());
-        for c in after.chars() {
-            match c {
-                '(' if !inside => depth += 1,
-                ')' if !inside => depth = depth.saturating_sub(1),
-                '`' if depth == 0 => {
-                    if inside {
-                        keys.insert(std::mem::take(&mut current), Value::Null);
-                    }
-                    inside = !inside;
-                }
-                c if inside => current.push(c),
-                _ => {}
-            }
-        }
+        // The argument keys: the closed code spans outside the parentheses.
+        let plain = outside_parentheses(after);
+        let spans: Vec<&str> = plain.split('`').collect();
+        let keys: Map<String, Value> = spans
+            .iter()
+            .skip(1)
+            .step_by(2)
+            .take((spans.len() - 1) / 2)
+            .map(|key| (key.to_string(), Value::Null))
+            .collect();
         out.push(Action {
             tool: tool.to_string(),
             arguments: keys,
@@ -431,21 +425,31 @@ fn skill_command(step: &str) -> Option<Action> {
 /// spaces collapsed: `Take `object` (named in the task in 3 of 3 runs) from `source`.` is
 /// `Take `object` from `source`.`.
 pub(crate) fn without_origins(step: &str) -> String {
-    let mut plain = String::new();
-    let mut depth = 0usize;
-    for c in step.chars() {
-        match c {
-            '(' => depth += 1,
-            ')' => depth = depth.saturating_sub(1),
-            _ if depth == 0 => plain.push(c),
-            _ => {}
-        }
-    }
-    plain
+    outside_parentheses(step)
         .split_whitespace()
         .collect::<Vec<_>>()
         .join(" ")
         .replace(" .", ".")
+}
+
+/// A skill step's text outside parentheses (where values come from, run counts); a
+/// parenthesis inside a code span (`` `x` ``) is text, and a code span inside parentheses is
+/// left out with them.
+fn outside_parentheses(step: &str) -> String {
+    let (mut depth, mut inside, mut out) = (0usize, false, String::new());
+    for c in step.chars() {
+        match c {
+            '(' if !inside => depth += 1,
+            ')' if !inside => depth = depth.saturating_sub(1),
+            '`' if depth == 0 => {
+                inside = !inside;
+                out.push(c);
+            }
+            _ if depth == 0 => out.push(c),
+            _ => {}
+        }
+    }
+    out
 }
 
 /// The skill's first step not yet taken: its calls matched in order against the calls made.
