@@ -263,7 +263,7 @@ pub fn skills(args: EvalSkillsArgs, settings: &Settings) -> anyhow::Result<ExitC
             result.replay = Some(fluxmem_eval::replay::replay(
                 &prepared.unseen,
                 &result.records,
-                &embedder,
+                &result.served,
                 replayer,
                 &options,
                 &mut |condition, done, total| {
@@ -374,15 +374,17 @@ fn print_skills_table(
     for r in results {
         let Some(replay) = &r.replay else { continue };
         println!(
-            "replay with {} ({} split): {} unseen successful episodes, {} of {} steps; {} prompts, {} prompt + {} generated tokens, {:.0} s; {} unreadable replies; messages instead of a call: {:?}",
+            "replay with {} ({} split): {} unseen successful episodes ({} served a skill by query), {} of {} steps ({} served); {} prompts, {} prompt + {} generated tokens, {:.0} s; {} unreadable replies; messages instead of a call: {:?}",
             replay.model,
             match replay.split {
                 Some(fluxmem_eval::replay::Split::Task) => "task",
                 _ => "episode",
             },
             replay.episodes,
+            replay.served_episodes,
             replay.steps,
             replay.steps_available,
+            replay.served_steps,
             replay.prompts,
             replay.prompt_tokens,
             replay.generated_tokens,

@@ -9,8 +9,9 @@
 //! Three conditions, on the same steps:
 //!
 //! - `without`: no skill;
-//! - `with`: the skill that retrieval picks for the task (the highest cosine between the
-//!   task's and the skill's embeddings, same tenant), its text added to the system prompt;
+//! - `with`: the skill `fluxmem query` serves first for the task ([`served_skills`]: the
+//!   skills inherited through the distill edges of the seen episodes closest to it), its text
+//!   added to the system prompt; a task served no skill gets the `without` prompt and reply;
 //! - `skill_only`: no model: the skill's next step not yet taken (the skill's calls matched in
 //!   order against the calls made so far).
 //!
@@ -27,7 +28,7 @@ use fluxmem_consolidate::replay::{
     StepScore,
 };
 use fluxmem_consolidate::SkillRecord;
-use fluxmem_graph::Node;
+use fluxmem_graph::{Node, NodeId, NodeKind};
 use fluxmem_models::{ChatMessage, Embedder, GenerateParams, Generator};
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -140,10 +141,15 @@ pub struct ReplayReport {
     pub split: Option<Split>,
     /// Unseen successful episodes.
     pub episodes: usize,
+    /// Of them, those whose task `query` serves a skill.
+    pub served_episodes: usize,
     /// Steps scored (after sampling).
     pub steps: usize,
     /// Steps there were before sampling.
     pub steps_available: usize,
+    /// Steps whose task `query` serves a skill (the others have the same prompt, and reply, in
+    /// `with` as in `without`).
+    pub served_steps: usize,
     /// `without`, `with`, `skill_only`.
     pub conditions: BTreeMap<String, ConditionScores>,
     /// Per skill.
@@ -156,7 +162,8 @@ pub struct ReplayReport {
     pub generated_tokens: usize,
     /// Wall seconds of the generations.
     pub seconds: f64,
-    /// Replies that held no readable action (scored wrong).
+    /// Scored steps, both model conditions together, whose reply held no readable action
+    /// (scored wrong).
     pub unreadable: usize,
     /// Replies to messages instead of a tool call.
     pub messages: BTreeMap<String, usize>,
@@ -183,7 +190,7 @@ const EXAMPLES: usize = 3;
 pub fn replay(
     episodes: &[Node],
     skills: &[SkillRecord],
-    embedder: &dyn Embedder,
+    served: &BTreeMap<NodeId, NodeId>,
     generator: &mut dyn Generator,
     options: &ReplayOptions,
     progress: &mut dyn FnMut(&str, usize, usize),
@@ -213,7 +220,12 @@ pub fn replay(
         targets = keyed.into_iter().map(|(_, t)| t).collect();
         targets.sort_by_key(|t| t.episode);
     }
-    let picked = pick_skills(&successful, skills, embedder)?;
+    let picked: Vec<Option<usize>> = (successful.iter())
+        .map(|node| {
+            let skill = served.get(&node.id)?;
+            skills.iter().position(|s| s.id == skill.as_str())
+        })
+        .collect();
     let system = system_prompt(&tools);
     let mut report = ReplayReport {
         model: generator.model_id().to_string(),
@@ -221,16 +233,22 @@ pub fn replay(
         episodes: successful.len(),
         steps: targets.len(),
         steps_available: available,
+        served_episodes: picked.iter().flatten().count(),
         ..Default::default()
     };
     let conversation = |target: &ReplayStep, skill: Option<&SkillRecord>| -> Vec<ChatMessage> {
         conversation(&system, target, skill.map(skill_text).as_deref())
     };
+    // A step whose task is served no skill has the same prompt in both conditions: `with`
+    // takes `without`'s reply there, not a second generation.
     let without: Vec<Vec<ChatMessage>> = targets.iter().map(|t| conversation(t, None)).collect();
-    let with: Vec<Vec<ChatMessage>> = targets
-        .iter()
-        .map(|t| conversation(t, picked[t.episode].map(|i| &skills[i])))
+    let served_steps: Vec<usize> = (0..targets.len())
+        .filter(|&i| picked[targets[i].episode].is_some())
         .collect();
+    let with: Vec<Vec<ChatMessage>> = (served_steps.iter())
+        .map(|&i| conversation(&targets[i], picked[targets[i].episode].map(|s| &skills[s])))
+        .collect();
+    report.served_steps = served_steps.len();
     let params = GenerateParams {
         max_tokens: options.max_tokens,
         seed: options.seed,
@@ -238,7 +256,10 @@ pub fn replay(
     };
     let started = std::time::Instant::now();
     let mut predictions: BTreeMap<&str, Vec<Option<Action>>> = BTreeMap::new();
-    for (name, conversations) in [("without", &without), ("with", &with)] {
+    let all: Vec<usize> = (0..targets.len()).collect();
+    for (name, conversations, steps) in
+        [("without", &without, &all), ("with", &with, &served_steps)]
+    {
         let mut out = Vec::new();
         for chunk in conversations.chunks(options.batch.max(1)) {
             let generations = if chunk.len() == 1 {
@@ -251,22 +272,30 @@ pub fn replay(
                 report.prompts += 1;
                 report.prompt_tokens += generation.prompt_tokens;
                 report.generated_tokens += generation.generated_tokens;
-                let action = parse_action(&generation.text);
-                report.unreadable += usize::from(action.is_none());
-                if action.as_ref().is_some_and(|a| a.tool.is_empty()) {
-                    *report.messages.entry(name.to_string()).or_default() += 1;
-                }
                 if out.len() < EXAMPLES {
                     report.examples.push(ReplayExample {
                         condition: name.to_string(),
-                        expected_tool: targets[out.len()].tool.clone(),
+                        expected_tool: targets[steps[out.len()]].tool.clone(),
                         reply: generation.text.clone(),
                     });
                 }
-                out.push(action);
+                out.push(parse_action(&generation.text));
             }
         }
-        predictions.insert(name, out);
+        let mut actions = predictions
+            .get("without")
+            .cloned()
+            .unwrap_or_else(|| vec![None; targets.len()]);
+        for (&i, action) in steps.iter().zip(out) {
+            actions[i] = action;
+        }
+        for action in &actions {
+            report.unreadable += usize::from(action.is_none());
+            if action.as_ref().is_some_and(|a| a.tool.is_empty()) {
+                *report.messages.entry(name.to_string()).or_default() += 1;
+            }
+        }
+        predictions.insert(name, actions);
     }
     report.seconds = started.elapsed().as_secs_f64();
     let skill_only: Vec<Option<Action>> = targets
@@ -334,35 +363,50 @@ pub fn skill_text(skill: &SkillRecord) -> String {
     text
 }
 
-/// For each episode, the skill retrieval picks: the highest cosine of the task's embedding
-/// with the skill text's, among the skills of the episode's tenant.
-fn pick_skills(
-    episodes: &[&Node],
-    skills: &[SkillRecord],
+/// For each episode, the skill `fluxmem query --tenant T "<task>"` serves first, read from the
+/// store consolidation wrote: the query's ranking ([`fluxmem_connect::serve`], the retrieval
+/// the store records, [`fluxmem_connect::serve::DEFAULT_EPISODES`] episodes) inherits skills
+/// through the distill edges of the seen episodes closest to the task; the first of them is the
+/// skill an agent given query's answer would read. Episodes whose ranking holds no skill are
+/// left out of the map.
+pub fn served_skills(
+    store: &fluxmem_store::Store,
+    episodes: &[Node],
     embedder: &dyn Embedder,
-) -> Result<Vec<Option<usize>>> {
-    if skills.is_empty() {
-        return Ok(vec![None; episodes.len()]);
+    device: &candle_core::Device,
+) -> Result<BTreeMap<NodeId, NodeId>> {
+    let mut served = BTreeMap::new();
+    for node in episodes {
+        let query_vector = embedder.embed(&[node.text.as_str()])?.remove(0);
+        let request = fluxmem_connect::serve::Request {
+            tenant: Some(&node.tenant),
+            model: embedder.model_id(),
+            query_vector: &query_vector,
+            episodes: fluxmem_connect::serve::DEFAULT_EPISODES,
+            all_edges: false,
+            configure: &|recorded| recorded,
+        };
+        let answer = fluxmem_connect::serve::read(store, &request, device)?;
+        let (head, _) = answer.retriever.retrieve_split(
+            &answer.graph,
+            &node.text,
+            &query_vector,
+            &answer.config,
+            None,
+            request.episodes,
+        )?;
+        let skill = head.into_iter().map(|(id, ..)| id).find(|id| {
+            answer
+                .graph
+                .nodes
+                .get(id)
+                .is_some_and(|n| n.kind() == NodeKind::Procedural)
+        });
+        if let Some(skill) = skill {
+            served.insert(node.id.clone(), skill);
+        }
     }
-    let texts: Vec<String> = skills.iter().map(skill_text).collect();
-    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
-    let skill_vectors = embedder.embed(&refs)?;
-    let tasks: Vec<&str> = episodes.iter().map(|n| n.text.as_str()).collect();
-    let task_vectors = embedder.embed(&tasks)?;
-    Ok(episodes
-        .iter()
-        .zip(&task_vectors)
-        .map(|(node, task)| {
-            skills
-                .iter()
-                .zip(&skill_vectors)
-                .enumerate()
-                .filter(|(_, (s, _))| s.tenant == node.tenant)
-                .map(|(i, (_, v))| (i, fluxmem_models::cosine(task, v)))
-                .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
-                .map(|(i, _)| i)
-        })
-        .collect())
+    Ok(served)
 }
 
 /// The skill's steps as calls: the tool after "call" and the argument keys named after it
@@ -508,6 +552,81 @@ pub fn bootstrap(values: &[f64], seed: u64) -> [f64; 2] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `with` condition gets the skill `query` serves: the one distilled from the seen
+    /// episodes closest to the task, of the task's tenant only; none where query serves none.
+    #[test]
+    fn the_replay_reads_the_skill_query_serves_for_the_task() {
+        use fluxmem_graph::{Edge, EdgeKind, Embedding, Graph, NodeBody};
+        use fluxmem_models::HashEmbedder;
+        let embedder = HashEmbedder::new(64);
+        let mut graph = Graph::default();
+        let add = |graph: &mut Graph, body: NodeBody, tenant: &str, text: &str| {
+            let node = Node::new(body, tenant, text, &[text]);
+            let embedded = node.embedding_text();
+            graph.upsert_embedding(Embedding {
+                node_id: node.id.clone(),
+                model_id: embedder.model_id().to_string(),
+                text_sha256: fluxmem_graph::sha256_hex(embedded.as_bytes()),
+                vector: embedder.embed(&[embedded.as_str()]).unwrap().remove(0),
+            });
+            let id = node.id.clone();
+            graph.upsert_node(node);
+            id
+        };
+        let episode = || NodeBody::Episodic(fluxmem_graph::Episode::default());
+        let skill = || NodeBody::Procedural(fluxmem_graph::Skill::default());
+        let distill = |src: &NodeId, dst: &NodeId| Edge {
+            src: src.clone(),
+            dst: dst.clone(),
+            kind: EdgeKind::Distill,
+            weight: 1.0,
+            evidence: 1,
+            stage: "test".into(),
+            run_id: "r".into(),
+            created_at: 0,
+            active: true,
+            metadata: Default::default(),
+        };
+        let refund = add(&mut graph, skill(), "t", "Refund an order");
+        let address = add(&mut graph, skill(), "t", "Change an address");
+        for i in 0..3 {
+            let text = format!("please refund my order number {i}");
+            let e = add(&mut graph, episode(), "t", &text);
+            graph.upsert_edge(distill(&e, &refund));
+            let text = format!("change the delivery address of shipment {i}");
+            let e = add(&mut graph, episode(), "t", &text);
+            graph.upsert_edge(distill(&e, &address));
+        }
+        // Tenant `u` logged the same requests and has no skill.
+        for i in 0..3 {
+            add(
+                &mut graph,
+                episode(),
+                "u",
+                &format!("please refund my order number {i}"),
+            );
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mut writer = fluxmem_store::Writer::open(dir.path()).unwrap();
+        writer.commit(&graph, Default::default()).unwrap();
+        let unseen = |tenant: &str, text: &str| Node::new(episode(), tenant, text, &[text, "u"]);
+        let tasks = [
+            unseen("t", "refund my order number 7 please"),
+            unseen("t", "change the delivery address of shipment 9"),
+            unseen("u", "please refund my order number 7"),
+        ];
+        let served =
+            served_skills(writer.store(), &tasks, &embedder, &candle_core::Device::Cpu).unwrap();
+        assert_eq!(served.get(&tasks[0].id), Some(&refund));
+        assert_eq!(served.get(&tasks[1].id), Some(&address));
+        assert_eq!(
+            served.get(&tasks[2].id),
+            None,
+            "another tenant's skill is never served"
+        );
+        assert_eq!(served.len(), 2);
+    }
 
     fn skill(steps: &[&str]) -> SkillRecord {
         SkillRecord {

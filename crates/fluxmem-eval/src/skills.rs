@@ -198,10 +198,7 @@ fn split_transcripts(
             crate::replay::Split::Episode => format!("run {name}"),
             crate::replay::Split::Task => {
                 let text = transcript.as_str().unwrap_or_default();
-                let task = text
-                    .lines()
-                    .find_map(|l| l.trim().strip_prefix("Your task is to:"))
-                    .unwrap_or(name.as_str());
+                let task = fluxmem_ingest::alfworld_task_line(text).unwrap_or(name.as_str());
                 format!("task {}", task.trim())
             }
         };
@@ -301,6 +298,10 @@ pub struct GeneratorResult {
     pub lint: SkillLint,
     /// With `--replay`: the replay of the unseen episodes with and without these skills.
     pub replay: Option<crate::replay::ReplayReport>,
+    /// With a holdout: per unseen episode, the skill `fluxmem query` serves first for its task
+    /// from the store this consolidation wrote (none: left out).
+    #[serde(skip)]
+    pub served: BTreeMap<fluxmem_graph::NodeId, fluxmem_graph::NodeId>,
     /// The skills (as exported).
     pub records: Vec<SkillRecord>,
 }
@@ -481,6 +482,14 @@ pub fn evaluate(
         }
     }
     result.lint = lint(&graph, &records);
+    if !prepared.unseen.is_empty() {
+        result.served = crate::replay::served_skills(
+            writer.store(),
+            &prepared.unseen,
+            models.embedder,
+            device,
+        )?;
+    }
     result.records = records;
     Ok(result)
 }

@@ -74,16 +74,20 @@ pub(crate) fn parse(
     Ok(())
 }
 
+/// The words of a transcript's `Your task is to:` line after the marker, trimmed (its closing
+/// period kept); `None` without such a line.
+pub fn task_line(transcript: &str) -> Option<&str> {
+    let task_at = transcript.find(TASK_MARKER)?;
+    let line = transcript[task_at..].lines().next().unwrap_or_default();
+    Some(line[TASK_MARKER.len()..].trim())
+}
+
 /// Splits a transcript into the task and its steps.
 pub(crate) fn split_transcript(transcript: &str) -> Result<(String, Vec<Step>), String> {
-    let Some(task_at) = transcript.find(TASK_MARKER) else {
+    let Some(task_line) = task_line(transcript) else {
         return Err(format!("no `{TASK_MARKER}` line in the transcript"));
     };
-    let task_line = transcript[task_at..].lines().next().unwrap_or_default();
-    let task = task_line[TASK_MARKER.len()..]
-        .trim()
-        .trim_end_matches('.')
-        .to_string();
+    let task = task_line.trim_end_matches('.').to_string();
     let mut steps = Vec::new();
     let mut observation = String::new();
     for line in transcript.lines() {

@@ -55,6 +55,7 @@ pub use compress::{
     Compression, MAX_DECOMPRESSED_BYTES, MAX_DECOMPRESSION_RATIO, RATIO_FLOOR_BYTES,
 };
 
+pub use alfworld::task_line as alfworld_task_line;
 pub use docs::{chunk, Chunk};
 pub use error::{Error, Result};
 pub use ledger::LEDGER;
