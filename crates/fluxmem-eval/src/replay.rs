@@ -557,19 +557,12 @@ mod tests {
     /// episodes closest to the task, of the task's tenant only; none where query serves none.
     #[test]
     fn the_replay_reads_the_skill_query_serves_for_the_task() {
-        use fluxmem_graph::{Edge, EdgeKind, Embedding, Graph, NodeBody};
+        use fluxmem_graph::{Edge, EdgeKind, Graph, NodeBody};
         use fluxmem_models::HashEmbedder;
         let embedder = HashEmbedder::new(64);
         let mut graph = Graph::default();
         let add = |graph: &mut Graph, body: NodeBody, tenant: &str, text: &str| {
             let node = Node::new(body, tenant, text, &[text]);
-            let embedded = node.embedding_text();
-            graph.upsert_embedding(Embedding {
-                node_id: node.id.clone(),
-                model_id: embedder.model_id().to_string(),
-                text_sha256: fluxmem_graph::sha256_hex(embedded.as_bytes()),
-                vector: embedder.embed(&[embedded.as_str()]).unwrap().remove(0),
-            });
             let id = node.id.clone();
             graph.upsert_node(node);
             id
@@ -610,6 +603,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut writer = fluxmem_store::Writer::open(dir.path()).unwrap();
         writer.commit(&graph, Default::default()).unwrap();
+        let progress = &mut fluxmem_embed::NoProgress;
+        fluxmem_embed::embed_store(&mut writer, &embedder, &Default::default(), "r", progress)
+            .unwrap();
         let unseen = |tenant: &str, text: &str| Node::new(episode(), tenant, text, &[text, "u"]);
         let tasks = [
             unseen("t", "refund my order number 7 please"),
